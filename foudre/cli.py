@@ -1,0 +1,168 @@
+"""The ``foudre`` command line: generate, chat (and serve once the server lands).
+
+Engine flags map one to one onto ``EngineConfig`` fields (``--max-num-seqs`` -> max_num_seqs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from foudre.config import EngineConfig
+
+
+def _bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected a boolean, got {text!r}")
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per ``EngineConfig`` field, with its default."""
+    defaults = EngineConfig()
+    for f in dataclasses.fields(EngineConfig):
+        flag = "--" + f.name.replace("_", "-")
+        default = getattr(defaults, f.name)
+        kind: Any
+        if isinstance(default, bool):
+            kind = _bool
+        elif f.name == "kv_cache_memory":
+            kind = float
+        elif isinstance(default, int) or f.name in ("max_model_len", "num_kv_blocks"):
+            kind = int
+        else:
+            kind = str
+        parser.add_argument(flag, type=kind, default=default, help=f"(default: {default})")
+        if isinstance(default, bool):
+            parser.add_argument(
+                "--no-" + f.name.replace("_", "-"),
+                dest=f.name,
+                action="store_false",
+                help=argparse.SUPPRESS,
+            )
+
+
+def engine_config_from(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(**{name: getattr(args, name) for name in EngineConfig.field_names()})
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    parser.add_argument("--stop", action="append", default=[])
+    parser.add_argument("--ignore-eos", action="store_true")
+
+
+def _sampling_params(args: argparse.Namespace, seed: int | None) -> Any:
+    from foudre.sampling_params import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+        seed=seed,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from foudre.engine.llm import LLM
+
+    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    llm = LLM.from_config(engine_config_from(args))
+    params = _sampling_params(args, args.seed)
+    engine = llm.engine
+    engine.add_request(prompt, params, request_id="cli")
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            sys.stdout.write(out.outputs[0].delta_text)
+            sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from foudre.engine.llm import LLM
+
+    llm = LLM.from_config(engine_config_from(args))
+    tok = llm.get_tokenizer()
+    engine = llm.engine
+    messages: list[dict[str, str]] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    print("foudre chat: type a message, an empty line or Ctrl-D to quit.", file=sys.stderr)
+    turn = 0
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        messages.append({"role": "user", "content": line})
+        prompt_ids = tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
+        engine.add_request(prompt_ids, _sampling_params(args, args.seed), request_id=f"chat{turn}")
+        turn += 1
+        reply = ""
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                sys.stdout.write(out.outputs[0].delta_text)
+                sys.stdout.flush()
+                reply = out.outputs[0].text
+        sys.stdout.write("\n")
+        messages.append({"role": "assistant", "content": reply})
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="foudre", description="fast LLM inference")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="complete one prompt (stdin when --prompt is absent)")
+    add_engine_args(gen)
+    add_sampling_args(gen)
+    gen.add_argument("--prompt", default=None)
+    gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="interactive chat with the model's chat template")
+    add_engine_args(chat)
+    add_sampling_args(chat)
+    chat.add_argument("--system", default=None)
+    chat.set_defaults(func=cmd_chat)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        stream=sys.stderr,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return int(args.func(args))
+    except (ValueError, OSError) as e:
+        print(f"foudre: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

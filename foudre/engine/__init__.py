@@ -1,0 +1,1 @@
+"""Requests, the paged KV cache, the scheduler and the engine step."""

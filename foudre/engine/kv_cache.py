@@ -1,0 +1,278 @@
+"""Paged KV-cache bookkeeping: blocks, reference counts, the LRU free queue and prefix caching.
+
+This module only manages block *ids*; the tensors live in the runner. Invariants:
+
+- A block is in the free queue exactly when its reference count is zero.
+- A freed block keeps its hash (and so stays a prefix-cache hit) until it is handed out again;
+  the free queue is LRU, so the least recently freed block is reused first.
+- Only full blocks whose tokens are final are hashed. A block's hash chains its parent's hash and
+  its own token ids; a lookup is verified against the stored parent hash and token ids, so a hash
+  collision can never return the wrong K/V.
+- ``num_free_blocks + blocks held by requests == num_blocks`` (blocks shared by several requests
+  counted once).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from foudre.engine.request import Request
+
+BlockKey = tuple[int | None, tuple[int, ...]]  # (parent hash, token ids)
+
+
+@dataclass(slots=True, eq=False)
+class Block:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: int | None = None
+    key: BlockKey | None = None
+    prev_free: Block | None = None
+    next_free: Block | None = None
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks with O(1) append, pop from the front and removal.
+
+    The links live inside ``Block`` (an intrusive list) so that a prefix-cache hit on a free
+    block can take it out of the middle of the queue without a search.
+    """
+
+    def __init__(self, blocks: Sequence[Block]) -> None:
+        self._head = Block(-1)
+        self._tail = Block(-1)
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self.num_free = 0
+        for b in blocks:
+            self.append(b)
+
+    def append(self, block: Block) -> None:
+        last = self._tail.prev_free
+        assert last is not None and block.prev_free is None and block.next_free is None
+        last.next_free = block
+        block.prev_free = last
+        block.next_free = self._tail
+        self._tail.prev_free = block
+        self.num_free += 1
+
+    def popleft(self) -> Block:
+        block = self._head.next_free
+        if block is None or block is self._tail:
+            raise RuntimeError("no free block")
+        self.remove(block)
+        return block
+
+    def remove(self, block: Block) -> None:
+        prev, nxt = block.prev_free, block.next_free
+        assert prev is not None and nxt is not None, "block is not in the free queue"
+        prev.next_free = nxt
+        nxt.prev_free = prev
+        block.prev_free = block.next_free = None
+        self.num_free -= 1
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        b = self._head.next_free
+        while b is not None and b is not self._tail:
+            yield b
+            b = b.next_free
+
+
+class BlockPool:
+    """All blocks of the cache, the free queue and the hash -> block map of cached blocks."""
+
+    def __init__(self, num_blocks: int, enable_prefix_caching: bool) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.cached: dict[int, Block] = {}
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.free_queue.num_free
+
+    def allocate(self, n: int) -> list[Block]:
+        """Take ``n`` free blocks (evicting their cached hashes); caller checked availability."""
+        out = []
+        for _ in range(n):
+            block = self.free_queue.popleft()
+            if block.block_hash is not None:
+                if self.cached.get(block.block_hash) is block:
+                    del self.cached[block.block_hash]
+                block.block_hash = None
+                block.key = None
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def touch(self, block: Block) -> None:
+        """Take another reference to a (possibly free) cached block."""
+        if block.ref_cnt == 0:
+            self.free_queue.remove(block)
+        block.ref_cnt += 1
+
+    def release(self, blocks: Sequence[Block]) -> None:
+        """Drop one reference to each block; blocks reaching zero join the free queue in order."""
+        for block in blocks:
+            assert block.ref_cnt > 0, f"double free of block {block.block_id}"
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue.append(block)
+
+    def lookup(self, block_hash: int, key: BlockKey) -> Block | None:
+        block = self.cached.get(block_hash)
+        if block is None or block.key != key:
+            return None
+        return block
+
+    def cache(self, block: Block, block_hash: int, key: BlockKey) -> None:
+        if block.block_hash is not None:
+            return
+        block.block_hash = block_hash
+        block.key = key
+        self.cached.setdefault(block_hash, block)
+
+    def reset_prefix_cache(self) -> None:
+        for block in self.blocks:
+            block.block_hash = None
+            block.key = None
+        self.cached.clear()
+
+
+class KVCacheManager:
+    """Maps requests to blocks: allocation for new tokens, prefix hits and freeing."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if block_size < 1:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.req_blocks: dict[str, list[Block]] = {}
+        self.req_hashes: dict[str, list[int]] = {}  # hashes of the request's full final blocks
+        self.prefix_cache_queries = 0  # tokens looked up
+        self.prefix_cache_hits = 0  # tokens found
+
+    # -- queries -------------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+
+    # -- prefix cache --------------------------------------------------------------------------
+    def _hash_blocks(self, request: Request, num_tokens: int) -> list[int]:
+        """Chained hashes of the request's full blocks within its first ``num_tokens`` tokens."""
+        hashes = self.req_hashes.setdefault(request.request_id, [])
+        bs = self.block_size
+        parent = hashes[-1] if hashes else None
+        for i in range(len(hashes), num_tokens // bs):
+            key = (parent, tuple(request.token_ids_range(i * bs, (i + 1) * bs)))
+            parent = hash(key)
+            hashes.append(parent)
+        return hashes
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[Block], int]:
+        """The longest run of cached blocks matching the request's leading tokens.
+
+        At most ``num_tokens - 1`` tokens are returned as computed: the last token is always
+        recomputed so that there are logits to sample from.
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        limit = (request.num_tokens - 1) // self.block_size
+        hashes = self._hash_blocks(request, request.num_tokens)
+        hits: list[Block] = []
+        parent: int | None = None
+        bs = self.block_size
+        for i in range(limit):
+            key = (parent, tuple(request.token_ids_range(i * bs, (i + 1) * bs)))
+            block = self.pool.lookup(hashes[i], key)
+            if block is None:
+                break
+            hits.append(block)
+            parent = hashes[i]
+        self.prefix_cache_queries += request.num_tokens
+        self.prefix_cache_hits += len(hits) * bs
+        return hits, len(hits) * bs
+
+    # -- allocation ----------------------------------------------------------------------------
+    def num_blocks_needed(self, request: Request, num_new_tokens: int, num_hit_blocks: int) -> int:
+        held = len(self.req_blocks.get(request.request_id, ())) + num_hit_blocks
+        total = request.num_computed_tokens + num_new_tokens
+        if num_hit_blocks:
+            total = num_hit_blocks * self.block_size + num_new_tokens
+        return max(0, -(-total // self.block_size) - held)
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        computed_blocks: list[Block] | None = None,
+        num_final_tokens: int | None = None,
+    ) -> bool:
+        """Reserve blocks so that ``num_new_tokens`` more tokens of ``request`` have slots.
+
+        ``computed_blocks`` are prefix-cache hits taken at admission. Returns False, changing
+        nothing, when the pool cannot supply the blocks (free cached blocks count as free, but
+        hits that are themselves free are not double counted). Blocks that become full with
+        final tokens in this step are hashed now, so that requests admitted in the same step
+        already share them: their K/V is written before any attention reads it.
+        """
+        computed_blocks = computed_blocks or []
+        need = self.num_blocks_needed(request, num_new_tokens, len(computed_blocks))
+        free_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        if need + free_hits > self.pool.num_free_blocks:
+            return False
+        blocks = self.req_blocks.setdefault(request.request_id, [])
+        for b in computed_blocks:
+            self.pool.touch(b)
+        blocks.extend(computed_blocks)
+        blocks.extend(self.pool.allocate(need))
+        if self.enable_prefix_caching:
+            end = request.num_computed_tokens + num_new_tokens
+            if computed_blocks:
+                end = len(computed_blocks) * self.block_size + num_new_tokens
+            if num_final_tokens is not None:
+                end = min(end, num_final_tokens)
+            self._cache_full_blocks(request, min(end, request.num_tokens))
+        return True
+
+    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        hashes = self._hash_blocks(request, num_tokens)
+        blocks = self.req_blocks[request.request_id]
+        bs = self.block_size
+        for i in range(num_tokens // bs):
+            if blocks[i].block_hash is None:
+                parent = hashes[i - 1] if i else None
+                key = (parent, tuple(request.token_ids_range(i * bs, (i + 1) * bs)))
+                self.pool.cache(blocks[i], hashes[i], key)
+
+    def free(self, request: Request) -> None:
+        """Return all of the request's blocks; the tail is freed first so it is evicted first."""
+        blocks = self.req_blocks.pop(request.request_id, [])
+        self.pool.release(blocks[::-1])
+        self.req_hashes.pop(request.request_id, None)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash; only allowed when no request holds blocks."""
+        if self.pool.num_free_blocks != self.pool.num_blocks:
+            return False
+        self.pool.reset_prefix_cache()
+        return True

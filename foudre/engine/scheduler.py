@@ -1,0 +1,142 @@
+"""The token-budget scheduler: continuous batching with chunked prefill and preemption.
+
+Every step it decides how many new tokens each request computes::
+
+    budget = max_num_batched_tokens
+    1. running requests, oldest first: each gets min(tokens it lacks, budget);
+       if blocks run out, the newest running request is preempted (freed, recomputed later)
+    2. waiting requests, in arrival order, while budget, seats and blocks remain:
+       prefix-cache hits count as computed; the prompt is chunked to what the budget allows
+
+A request admitted in a step is never preempted in that same step (victims are taken from the
+tail, which holds only requests not yet scheduled), so blocks hashed at allocation always get
+their K/V written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+from dataclasses import dataclass, field
+
+from foudre.engine.kv_cache import KVCacheManager
+from foudre.engine.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """What one step computes: requests in batch order with their number of new tokens."""
+
+    requests: list[Request] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        enable_chunked_prefill: bool = True,
+    ) -> None:
+        self.kv = kv
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    # -- queue management ----------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """Retire a request (finished or aborted) and return its blocks, wherever it is."""
+        assert status.finished
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif not request.is_finished:
+            with contextlib.suppress(ValueError):  # already taken out of the queue
+                self.waiting.remove(request)
+        request.status = status
+        self.kv.free(request)
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # -- the step ------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if num_new <= 0:  # nothing to compute (cannot happen outside speculation)
+                i += 1
+                continue
+            while not self.kv.allocate_slots(req, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                out.requests.append(req)
+                out.num_new_tokens.append(num_new)
+                budget -= num_new
+                i += 1
+
+        if not out.preempted:
+            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+                req = self.waiting[0]
+                hits, num_cached = self.kv.get_computed_blocks(req)
+                num_new = req.num_tokens - num_cached
+                if num_new > budget:
+                    if not self.enable_chunked_prefill and out.requests:
+                        break
+                    num_new = budget
+                if not self.kv.allocate_slots(req, num_new, hits):
+                    break
+                self.waiting.popleft()
+                req.num_computed_tokens = num_cached
+                if req.num_cached_tokens < 0:
+                    req.num_cached_tokens = num_cached
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+                out.requests.append(req)
+                out.num_new_tokens.append(num_new)
+                budget -= num_new
+
+        assert out.total_tokens <= self.max_num_batched_tokens
+        assert len(self.running) <= self.max_num_seqs
+        return out
+
+    def check_invariants(self) -> None:
+        """Blocks held by live requests plus free blocks account for the whole pool."""
+        held = {b.block_id for blocks in self.kv.req_blocks.values() for b in blocks}
+        assert len(held) + self.kv.num_free_blocks == self.kv.num_blocks, (
+            len(held),
+            self.kv.num_free_blocks,
+            self.kv.num_blocks,
+        )

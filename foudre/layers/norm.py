@@ -1,0 +1,25 @@
+"""RMSNorm, computed in float32 as the reference implementations do."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """``weight * x / rms(x)`` over the last dimension.
+
+    The normalisation runs in float32 and the result is cast back to the input dtype before the
+    weight multiplies it, which is what Hugging Face's Llama does; matching it keeps logits equal.
+    """
+
+    def __init__(self, size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)

@@ -1,0 +1,76 @@
+"""Rotary position embeddings (the "rotate half" convention), with Llama-3 and linear scaling."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    """Inverse frequencies per rotated pair, after the configured scaling.
+
+    Supports no scaling, ``linear`` and ``llama3``; any other ``rope_type`` raises ``ValueError``
+    rather than silently producing a model with wrong positions.
+    """
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    if not scaling:
+        return inv_freq.float()
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        return inv_freq.float()
+    factor = float(scaling.get("factor", 1.0))
+    if rope_type == "linear":
+        return (inv_freq / factor).float()
+    if rope_type == "llama3":
+        low_freq_factor = float(scaling.get("low_freq_factor", 1.0))
+        high_freq_factor = float(scaling.get("high_freq_factor", 4.0))
+        old_len = float(scaling.get("original_max_position_embeddings", 8192))
+        low_freq_wavelen = old_len / low_freq_factor
+        high_freq_wavelen = old_len / high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+        return torch.where(is_medium, smoothed, scaled).float()
+    raise ValueError(f"unsupported rope_scaling type {rope_type!r} (supported: linear, llama3)")
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies RoPE to q and k laid out as ``[tokens, heads, head_dim]`` at given positions."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    def __init__(
+        self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None
+    ) -> None:
+        super().__init__()
+        self.head_dim, self.max_positions = head_dim, max_positions
+        self.theta, self.scaling = theta, scaling
+        self.register_buffer("cos", torch.empty(0), persistent=False)
+        self.register_buffer("sin", torch.empty(0), persistent=False)
+        self.init_tables(torch.empty(0).device)  # "meta" while the model is built there
+
+    def init_tables(self, device: torch.device) -> None:
+        """(Re)compute the float32 cos/sin tables, e.g. after building the model on ``meta``."""
+        inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling)
+        t = torch.arange(self.max_positions, dtype=torch.float32, device="cpu")
+        emb = torch.outer(t, inv_freq).repeat(1, 2)
+        self.cos, self.sin = emb.cos().to(device), emb.sin().to(device)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

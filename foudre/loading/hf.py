@@ -1,0 +1,327 @@
+"""Hugging Face checkpoints: where they are, their config, their safetensors weights.
+
+Only safetensors are read. Pickle checkpoints (``pytorch_model.bin``, ``*.pt``) can run code
+when loaded, so they are refused with a message that says how to convert them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from foudre.loading.errors import ModelLoadError
+from foudre.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+
+HUB_ALLOW_PATTERNS = ("*.json", "*.safetensors", "tokenizer.model", "*.txt", "*.jinja")
+
+# `architectures` entries we know, for configs whose `model_type` is missing or unfamiliar.
+_ARCHITECTURE_CLASSES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+# Hugging Face's defaults per model type for keys a config.json may leave out
+# (transformers 5.x, models/<type>/configuration_<type>.py).
+_HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {"max_position_embeddings": 2048},
+    "mistral": {"max_position_embeddings": 4096 * 32},
+    "qwen2": {"max_position_embeddings": 32768},
+    "qwen3": {"max_position_embeddings": 32768, "head_dim": 128},
+}
+
+_DTYPES = ("float32", "float16", "bfloat16")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+
+
+def resolve_model_path(
+    model: str,
+    revision: str | None = None,
+    *,
+    cache_dir: str | Path | None = None,
+    local_files_only: bool = False,
+) -> Path:
+    """Return the local path of ``model``: a directory or file as is, else a Hub snapshot.
+
+    A string that names an existing file or directory is returned unchanged (``~`` expanded).
+    A string shaped like a Hub id (``org/name``) is fetched with ``snapshot_download`` (configs,
+    safetensors and tokenizer files only; a cached snapshot is used without network when
+    offline). Anything else raises ``ModelLoadError``.
+    """
+    path = Path(model).expanduser()
+    if path.exists():
+        return path
+    if not _HUB_ID.match(model):
+        raise ModelLoadError(f"{model}: no such file or directory", path)
+    from huggingface_hub import snapshot_download
+
+    try:
+        snapshot = snapshot_download(
+            repo_id=model,
+            revision=revision,
+            allow_patterns=list(HUB_ALLOW_PATTERNS),
+            cache_dir=cache_dir,
+            local_files_only=local_files_only,
+        )
+    except Exception as exc:  # the hub raises many kinds (HTTP, offline, validation, OS)
+        raise ModelLoadError(
+            f"model {model!r} is not a local path and could not be downloaded from the "
+            f"Hugging Face Hub (offline?): {type(exc).__name__}: {exc}"
+        ) from exc
+    return Path(snapshot)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ModelLoadError(f"{path}: file not found", path) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(f"{path}: cannot read: {exc}", path) from exc
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"{path}: invalid JSON: {exc}", path) from exc
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path}: expected a JSON object, got {type(data).__name__}", path)
+    return data
+
+
+def load_generation_config(model_dir: Path) -> dict[str, Any]:
+    """Return ``generation_config.json`` of ``model_dir`` as a dict; ``{}`` when there is none.
+
+    A file that exists but is not a JSON object raises ``ModelLoadError`` naming it.
+    """
+    path = Path(model_dir) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    return _read_json(path)
+
+
+def _architecture(raw: dict[str, Any], path: Path) -> str:
+    model_type = raw.get("model_type")
+    if model_type in SUPPORTED_ARCHITECTURES:
+        return str(model_type)
+    architectures = raw.get("architectures") or []
+    if isinstance(architectures, str):
+        architectures = [architectures]
+    for name in architectures:
+        if name in _ARCHITECTURE_CLASSES:
+            return _ARCHITECTURE_CLASSES[name]
+    found = model_type if model_type is not None else "/".join(map(str, architectures)) or None
+    raise ModelLoadError(
+        f"{path}: unsupported architecture {found!r}; supported: "
+        f"{', '.join(SUPPORTED_ARCHITECTURES)} ({', '.join(_ARCHITECTURE_CLASSES)})",
+        path,
+    )
+
+
+def _token_ids(value: Any, key: str, path: Path) -> list[int]:
+    if value is None:
+        return []
+    values = value if isinstance(value, list) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise ModelLoadError(f"{path}: {key} must be an int or a list of ints, got {value!r}", path)
+    return list(values)
+
+
+def _rope(
+    raw: dict[str, Any], max_positions: int, path: Path
+) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling or None) from either the 4.x or the 5.x layout of config.json."""
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        raise ModelLoadError(f"{path}: rope_parameters must be an object, got {params!r}", path)
+    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+    if not isinstance(theta, int | float) or theta <= 0:
+        raise ModelLoadError(f"{path}: rope_theta must be a positive number, got {theta!r}", path)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return float(theta), None
+    scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "type")}
+    scaling["rope_type"] = rope_type
+    if rope_type in ("llama3", "yarn", "longrope"):  # as transformers' standardize_rope_params
+        scaling.setdefault(
+            "original_max_position_embeddings",
+            raw.get("original_max_position_embeddings", max_positions),
+        )
+    return float(theta), scaling
+
+
+def _dtype(raw: dict[str, Any], path: Path) -> str:
+    value = raw.get("dtype") or raw.get("torch_dtype") or "float32"
+    name = str(value).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise ModelLoadError(
+            f"{path}: unsupported dtype {value!r}; supported: {', '.join(_DTYPES)}", path
+        )
+    return name
+
+
+def load_hf_config(model_dir: Path) -> ModelConfig:
+    """Parse ``config.json`` (and ``generation_config.json``'s EOS ids) into a ``ModelConfig``.
+
+    Keys a config leaves out take Hugging Face's defaults for its model type. EOS ids are the
+    config's followed by any new ones from ``generation_config.json``, without duplicates.
+    Raises ``ModelLoadError`` naming the file for a missing or invalid file, an unsupported
+    architecture or feature, or inconsistent shapes.
+    """
+    model_dir = Path(model_dir)
+    path = model_dir / "config.json"
+    raw = _read_json(path)
+    arch = _architecture(raw, path)
+    defaults = _HF_DEFAULTS[arch]
+
+    def required_int(key: str) -> int:
+        value = raw.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ModelLoadError(f"{path}: {key} must be a positive int, got {value!r}", path)
+        return value
+
+    def optional_int(key: str, default: int) -> int:
+        if raw.get(key) is None:
+            return default
+        return required_int(key)
+
+    hidden = required_int("hidden_size")
+    heads = required_int("num_attention_heads")
+    if raw.get("hidden_act", "silu") not in ("silu", "swish"):
+        raise ModelLoadError(
+            f"{path}: unsupported hidden_act {raw['hidden_act']!r}; only silu", path
+        )
+    if raw.get("mlp_bias"):
+        raise ModelLoadError(f"{path}: mlp_bias=true is not supported", path)
+    head_dim = optional_int("head_dim", defaults.get("head_dim", hidden // heads))
+    if "head_dim" not in defaults and raw.get("head_dim") is None and hidden % heads != 0:
+        raise ModelLoadError(
+            f"{path}: hidden_size={hidden} is not a multiple of num_attention_heads={heads}", path
+        )
+    max_positions = optional_int("max_position_embeddings", defaults["max_position_embeddings"])
+    rope_theta, rope_scaling = _rope(raw, max_positions, path)
+    eps = raw.get("rms_norm_eps", 1e-6)
+    if not isinstance(eps, int | float) or eps <= 0:
+        raise ModelLoadError(f"{path}: rms_norm_eps must be a positive number, got {eps!r}", path)
+
+    generation = load_generation_config(model_dir)
+    eos = _token_ids(raw.get("eos_token_id"), "eos_token_id", path)
+    for token in _token_ids(generation.get("eos_token_id"), "eos_token_id", path.parent):
+        if token not in eos:
+            eos.append(token)
+    bos_ids = _token_ids(
+        raw.get("bos_token_id", generation.get("bos_token_id")), "bos_token_id", path
+    )
+
+    try:
+        return ModelConfig(
+            architecture=arch,
+            vocab_size=required_int("vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=required_int("intermediate_size"),
+            num_hidden_layers=required_int("num_hidden_layers"),
+            num_attention_heads=heads,
+            num_key_value_heads=optional_int("num_key_value_heads", heads),
+            head_dim=head_dim,
+            max_position_embeddings=max_positions,
+            rms_norm_eps=float(eps),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            # Qwen2's q/k/v always carry a bias; the others follow the config (HF modeling code).
+            attention_bias=arch == "qwen2" or bool(raw.get("attention_bias", False)),
+            qk_norm=arch == "qwen3",
+            torch_dtype=_dtype(raw, path),
+            bos_token_id=bos_ids[0] if bos_ids else None,
+            eos_token_ids=eos,
+        )
+    except ValueError as exc:
+        raise ModelLoadError(f"{path}: {exc}", path) from exc
+
+
+def _safetensors_files(model_dir: Path) -> list[tuple[Path, set[str] | None]]:
+    """The weight files to read, each with the tensor names an index promises it holds."""
+    if model_dir.is_file():
+        if model_dir.suffix == ".safetensors":
+            return [(model_dir, None)]
+        if model_dir.suffix in _PICKLE_SUFFIXES:
+            raise _pickle_error(model_dir)
+        raise ModelLoadError(f"{model_dir}: not a safetensors file", model_dir)
+    if not model_dir.is_dir():
+        raise ModelLoadError(f"{model_dir}: no such file or directory", model_dir)
+    index_path = model_dir / "model.safetensors.index.json"
+    if index_path.is_file():
+        weight_map = _read_json(index_path).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ModelLoadError(f"{index_path}: missing or empty weight_map", index_path)
+        shards: dict[str, set[str]] = {}
+        for name, shard in weight_map.items():
+            shards.setdefault(str(shard), set()).add(str(name))
+        files: list[tuple[Path, set[str] | None]] = []
+        for shard, names in shards.items():
+            shard_path = model_dir / shard
+            if not shard_path.is_file():
+                raise ModelLoadError(
+                    f"{shard_path}: shard named in {index_path.name} does not exist", shard_path
+                )
+            files.append((shard_path, names))
+        return files
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [(single, None)]
+    found = sorted(model_dir.glob("*.safetensors"))
+    if found:
+        return [(p, None) for p in found]
+    pickles = sorted(p for p in model_dir.iterdir() if p.suffix in _PICKLE_SUFFIXES)
+    if pickles:
+        raise _pickle_error(pickles[0])
+    raise ModelLoadError(f"{model_dir}: no *.safetensors weights found", model_dir)
+
+
+def _pickle_error(path: Path) -> ModelLoadError:
+    return ModelLoadError(
+        f"{path}: pickle checkpoints are not loaded (they can run arbitrary code); convert the "
+        "model to safetensors, e.g. with transformers: "
+        "AutoModelForCausalLM.from_pretrained(dir).save_pretrained(out, safe_serialization=True)",
+        path,
+    )
+
+
+def iter_safetensors_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield every ``(name, tensor)`` of the safetensors checkpoint in ``model_dir``, once each.
+
+    ``model_dir`` may also be a single ``.safetensors`` file. Reads, in order of preference, a
+    sharded checkpoint (``model.safetensors.index.json``: every shard it names must exist and
+    hold the tensors it lists), ``model.safetensors``, or every ``*.safetensors`` in the
+    directory. Tensors keep their stored names and dtypes and are read one at a time. Raises
+    ``ModelLoadError`` naming the file for a missing shard, a truncated or corrupt file, a
+    tensor name found twice, or a directory that holds only pickle checkpoints.
+    """
+    model_dir = Path(model_dir)
+    seen: set[str] = set()
+    for path, expected in _safetensors_files(model_dir):
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                names = list(f.keys())
+                if expected is not None and not expected <= set(names):
+                    missing = sorted(expected - set(names))
+                    raise ModelLoadError(
+                        f"{path}: lacks {len(missing)} tensor(s) the index assigns to it, "
+                        f"e.g. {missing[0]!r}",
+                        path,
+                    )
+                for name in names:
+                    if name in seen:
+                        raise ModelLoadError(f"{path}: tensor {name!r} appears twice", path)
+                    seen.add(name)
+                    yield name, f.get_tensor(name)
+        except (SafetensorError, OSError) as exc:
+            raise ModelLoadError(
+                f"{path}: corrupt or truncated safetensors file: {exc}", path
+            ) from exc

@@ -1,0 +1,119 @@
+"""From a model name to a ready ``LlamaForCausalLM`` and tokenizer, whatever the format."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from foudre.loading.errors import ModelLoadError
+from foudre.loading.hf import (
+    iter_safetensors_weights,
+    load_generation_config,
+    load_hf_config,
+    resolve_model_path,
+)
+from foudre.loading.llama2c import load_llama2c
+from foudre.loading.tokenizer import Tokenizer, load_tokenizer
+from foudre.models.config import ModelConfig
+from foudre.models.llama import LlamaForCausalLM
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {name!r}") from None
+
+
+def shared_dir() -> Path:
+    """The project's ``shared/`` data folder beside the repository (``FOUDRE_SHARED`` overrides)."""
+    env = os.environ.get("FOUDRE_SHARED")
+    if env:
+        return Path(env)
+    return Path(__file__).resolve().parents[3] / "shared"
+
+
+def default_model() -> tuple[str, str | None]:
+    """The model used when none is named: the embedded one, else stories260K from shared/."""
+    embedded = Path(__file__).resolve().parents[1] / "assets" / "models" / "target"
+    if (embedded / "config.json").exists():
+        return str(embedded), None
+    stories = shared_dir() / "models" / "stories260K"
+    if (stories / "stories260K.bin").exists():
+        return str(stories / "stories260K.bin"), str(stories / "tok512.bin")
+    raise ModelLoadError("no --model given and no default model is available")
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    model: LlamaForCausalLM
+    config: ModelConfig
+    tokenizer_path: str | None
+    generation_config: dict[str, Any]
+    name: str
+
+
+def _find_llama2c_tokenizer(path: Path) -> str | None:
+    for name in ("tokenizer.bin", "tok512.bin"):
+        if (path.parent / name).exists():
+            return str(path.parent / name)
+    candidates = sorted(path.parent.glob("tok*.bin"))
+    return str(candidates[0]) if candidates else None
+
+
+def load_model(
+    model: str,
+    tokenizer: str | None,
+    dtype: str,
+    device: torch.device,
+    max_positions: int | None,
+    revision: str | None = None,
+) -> LoadedModel:
+    """Load config and weights from a HF directory, a hub id or a llama2.c ``.bin``."""
+    path = resolve_model_path(model, revision)
+    weights: Iterable[tuple[str, torch.Tensor]]
+    if path.is_file():
+        cfg, state = load_llama2c(path)
+        weights = state.items()
+        tok = tokenizer or _find_llama2c_tokenizer(path)
+        gen: dict[str, Any] = {}
+    else:
+        cfg = load_hf_config(path)
+        weights = iter_safetensors_weights(path)
+        tok = tokenizer or str(path)
+        gen = load_generation_config(path)
+    torch_dtype = parse_dtype(cfg.torch_dtype if dtype == "auto" else dtype)
+    with torch.device("meta"):
+        net = LlamaForCausalLM(cfg, max_positions)
+    net = net.to_empty(device=device).to(torch_dtype)
+    net.model.rotary.init_tables(device)  # the tables built under "meta" hold no values
+    if cfg.tie_word_embeddings:
+        net.lm_head.weight = net.model.embed_tokens.weight
+    try:
+        net.load_weights(weights)
+    except ValueError as e:
+        raise ModelLoadError(f"{path}: {e}") from None
+    net.eval()
+    return LoadedModel(net, cfg, tok, gen, model)
+
+
+def load_tokenizer_for(loaded: LoadedModel) -> Tokenizer:
+    if loaded.tokenizer_path is None:
+        raise ModelLoadError(f"{loaded.name}: no tokenizer found; pass --tokenizer")
+    return load_tokenizer(loaded.tokenizer_path)

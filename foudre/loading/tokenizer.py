@@ -1,0 +1,419 @@
+"""Tokenizers behind one interface: Hugging Face ``tokenizer.json``, sentencepiece, llama2.c.
+
+Every tokenizer also renders chat prompts: with the model's Jinja chat template when it has
+one, else with the plain fallback format of ``Tokenizer.apply_chat_template``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from foudre.loading.errors import ModelLoadError
+
+_BYTE_PIECE = re.compile(rb"^<0x([0-9A-Fa-f]{2})>$")
+
+
+def _raise_template_exception(message: str) -> None:
+    from jinja2.exceptions import TemplateError
+
+    raise TemplateError(message)
+
+
+class Tokenizer(ABC):
+    """Text <-> token ids, special ids, and chat prompt rendering.
+
+    ``chat_template`` is a Jinja source in Hugging Face's convention, or None.
+    """
+
+    def __init__(self, chat_template: str | None = None) -> None:
+        self.chat_template = chat_template
+        self._compiled_template: Any = None
+
+    @abstractmethod
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; with ``add_special_tokens``, BOS first if the model wants it."""
+
+    @abstractmethod
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``ids``; invalid UTF-8 becomes U+FFFD. Special tokens are dropped if asked."""
+
+    @property
+    @abstractmethod
+    def vocab_size(self) -> int:
+        """Number of token ids, added tokens included."""
+
+    @property
+    @abstractmethod
+    def bos_token_id(self) -> int | None: ...
+
+    @property
+    @abstractmethod
+    def eos_token_id(self) -> int | None: ...
+
+    @property
+    @abstractmethod
+    def all_special_ids(self) -> set[int]:
+        """Ids that ``decode(..., skip_special_tokens=True)`` drops."""
+
+    @property
+    def bos_token(self) -> str | None:
+        """The text of the BOS token (for chat templates), or None."""
+        return None
+
+    @property
+    def eos_token(self) -> str | None:
+        """The text of the EOS token (for chat templates), or None."""
+        return None
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self.chat_template is not None
+
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> str:
+        """Render ``messages`` (dicts with ``role`` and ``content``) as one prompt string.
+
+        With a chat template: Hugging Face's rendering (sandboxed Jinja, ``trim_blocks`` and
+        ``lstrip_blocks``, variables ``messages``, ``bos_token``, ``eos_token``,
+        ``add_generation_prompt``, function ``raise_exception`` which raises
+        ``jinja2.TemplateError``). Without one, the fallback format is one line
+        ``"{role}: {content}\\n"`` per message, then ``"assistant:"`` when
+        ``add_generation_prompt``. The result carries no BOS of its own unless the template
+        writes one; encode it with ``add_special_tokens=False`` when it does.
+        """
+        if self.chat_template is None:
+            lines = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+            return lines + ("assistant:" if add_generation_prompt else "")
+        if self._compiled_template is None:
+            from jinja2.ext import loopcontrols
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            env = ImmutableSandboxedEnvironment(
+                trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+            )
+            env.filters["tojson"] = lambda x, indent=None: json.dumps(
+                x, ensure_ascii=False, indent=indent
+            )
+            env.globals["raise_exception"] = _raise_template_exception
+            self._compiled_template = env.from_string(self.chat_template)
+        return str(
+            self._compiled_template.render(
+                messages=messages,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+                add_generation_prompt=add_generation_prompt,
+            )
+        )
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token from tokenizer_config.json: a string or an AddedToken dict."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _chat_template(config: dict[str, Any], directory: Path | None) -> str | None:
+    """The template from ``chat_template.jinja`` (newer HF layout) or tokenizer_config.json."""
+    if directory is not None and (directory / "chat_template.jinja").is_file():
+        return (directory / "chat_template.jinja").read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default", next(iter(named.values()), None))
+    return template if isinstance(template, str) else None
+
+
+def _read_tokenizer_config(directory: Path) -> dict[str, Any]:
+    path = directory / "tokenizer_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"{path}: invalid tokenizer config: {exc}", path) from exc
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path}: expected a JSON object", path)
+    return data
+
+
+class HFTokenizer(Tokenizer):
+    """A Hugging Face ``tokenizers`` tokenizer (``tokenizer.json``) with its tokenizer_config.
+
+    BOS is added once when ``add_bos_token`` says so (or, absent that key, when the
+    tokenizer.json post-processor adds it); never twice.
+    """
+
+    def __init__(self, path: Path, config: dict[str, Any] | None = None) -> None:
+        from tokenizers import Tokenizer as RustTokenizer
+
+        config = config or {}
+        super().__init__(_chat_template(config, path.parent))
+        try:
+            self._tok = RustTokenizer.from_file(str(path))
+        except Exception as exc:  # tokenizers raises plain Exception for bad files
+            raise ModelLoadError(f"{path}: cannot load tokenizer: {exc}", path) from exc
+        self._bos_token = _token_text(config.get("bos_token"))
+        self._eos_token = _token_text(config.get("eos_token"))
+        self._bos_id = None if self._bos_token is None else self._tok.token_to_id(self._bos_token)
+        self._eos_id = None if self._eos_token is None else self._tok.token_to_id(self._eos_token)
+        with_special = self._tok.encode("a", add_special_tokens=True).ids
+        without = self._tok.encode("a", add_special_tokens=False).ids
+        self._post_adds_bos = (
+            self._bos_id is not None
+            and len(with_special) > len(without)
+            and with_special[0] == self._bos_id
+        )
+        add_bos = config.get("add_bos_token")
+        self._add_bos = self._post_adds_bos if add_bos is None else bool(add_bos)
+        if self._add_bos and self._bos_id is None:
+            self._add_bos = False
+        self._special_ids = {
+            i for i, t in self._tok.get_added_tokens_decoder().items() if t.special
+        } | {i for i in (self._bos_id, self._eos_id) if i is not None}
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids: list[int] = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self._bos_id is not None:
+            if self._add_bos and not self._post_adds_bos:
+                ids.insert(0, self._bos_id)
+            elif not self._add_bos and self._post_adds_bos and ids[:1] == [self._bos_id]:
+                del ids[0]
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._tok.get_vocab_size(with_added_tokens=True))
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._bos_id
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._eos_id
+
+    @property
+    def all_special_ids(self) -> set[int]:
+        return set(self._special_ids)
+
+    @property
+    def bos_token(self) -> str | None:
+        return self._bos_token
+
+    @property
+    def eos_token(self) -> str | None:
+        return self._eos_token
+
+
+class SentencePieceTokenizer(Tokenizer):
+    """A sentencepiece ``.model`` (Llama 2 style): BOS added on encode unless told otherwise.
+
+    ``skip_special_tokens=False`` renders control tokens as their piece (``<s>``, ``</s>``).
+    """
+
+    def __init__(self, path: Path, config: dict[str, Any] | None = None) -> None:
+        import sentencepiece
+
+        config = config or {}
+        super().__init__(_chat_template(config, path.parent))
+        self._sp = sentencepiece.SentencePieceProcessor()
+        try:
+            self._sp.Load(str(path))
+        except (OSError, RuntimeError) as exc:
+            raise ModelLoadError(f"{path}: cannot load sentencepiece model: {exc}", path) from exc
+        bos, eos = self._sp.bos_id(), self._sp.eos_id()
+        self._bos_id = bos if bos >= 0 else None
+        self._eos_id = eos if eos >= 0 else None
+        add_bos = config.get("add_bos_token")
+        self._add_bos = self._bos_id is not None and (add_bos is None or bool(add_bos))
+        n = self._sp.get_piece_size()
+        self._special_ids = {
+            i for i in range(n) if self._sp.is_control(i) or self._sp.is_unknown(i)
+        }
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids: list[int] = self._sp.encode(text)
+        if add_special_tokens and self._add_bos and self._bos_id is not None:
+            ids.insert(0, self._bos_id)
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        if skip_special_tokens:
+            return str(self._sp.decode([i for i in ids if i not in self._special_ids]))
+        parts: list[str] = []
+        run: list[int] = []
+        for i in ids:
+            if self._sp.is_control(i):
+                parts.append(self._sp.decode(run))
+                parts.append(self._sp.id_to_piece(i))
+                run = []
+            else:
+                run.append(i)
+        parts.append(self._sp.decode(run))
+        return "".join(parts)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._sp.get_piece_size())
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._bos_id
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._eos_id
+
+    @property
+    def all_special_ids(self) -> set[int]:
+        return set(self._special_ids)
+
+    @property
+    def bos_token(self) -> str | None:
+        return None if self._bos_id is None else str(self._sp.id_to_piece(self._bos_id))
+
+    @property
+    def eos_token(self) -> str | None:
+        return None if self._eos_id is None else str(self._sp.id_to_piece(self._eos_id))
+
+
+class Llama2cTokenizer(Tokenizer):
+    """llama2.c's ``tokenizer.bin``, encoding and decoding exactly as ``run.c`` does.
+
+    File: int32 max_token_length, then per token float32 score, int32 length, bytes. Ids 0, 1,
+    2 are ``<unk>``, BOS, EOS; ``<0xNN>`` pieces are byte fallback.
+    """
+
+    UNK_ID = 0
+    BOS_ID = 1
+    EOS_ID = 2
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(None)
+        try:
+            data = Path(path).read_bytes()
+        except OSError as exc:
+            raise ModelLoadError(f"{path}: cannot read tokenizer: {exc}", path) from exc
+        pieces: list[bytes] = []
+        scores: list[float] = []
+        offset = 4
+        try:
+            while offset < len(data):
+                score, length = struct.unpack_from("<fi", data, offset)
+                offset += 8
+                if length < 0 or offset + length > len(data):
+                    raise struct.error(f"token {len(pieces)} has length {length}")
+                pieces.append(data[offset : offset + length])
+                scores.append(score)
+                offset += length
+        except struct.error as exc:
+            raise ModelLoadError(
+                f"{path}: corrupt or truncated llama2.c tokenizer at byte {offset}: {exc}", path
+            ) from exc
+        if len(pieces) <= self.EOS_ID:
+            raise ModelLoadError(f"{path}: llama2.c tokenizer with {len(pieces)} tokens", path)
+        self._pieces = pieces
+        self._scores = scores
+        self._lookup: dict[bytes, int] = {}
+        for i, piece in enumerate(pieces):
+            self._lookup.setdefault(piece, i)
+        self._bytes: list[bytes] = []  # what each id decodes to, byte fallback resolved
+        for piece in pieces:
+            m = _BYTE_PIECE.match(piece)
+            self._bytes.append(bytes([int(m.group(1), 16)]) if m else piece)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        tokens: list[int] = []
+        if text:
+            tokens.append(self._lookup.get(b" ", 0x20 + 3))  # run.c's dummy prefix
+        for char in text:
+            utf8 = char.encode("utf-8", errors="surrogatepass")
+            found = self._lookup.get(utf8)
+            if found is not None:
+                tokens.append(found)
+            else:
+                tokens.extend(b + 3 for b in utf8)  # byte fallback: <0x00> is id 3
+        while True:  # merge the best-scoring adjacent pair, leftmost on ties, as run.c
+            best_score, best_id, best_at = -1e10, -1, -1
+            for at in range(len(tokens) - 1):
+                merged = self._lookup.get(self._pieces[tokens[at]] + self._pieces[tokens[at + 1]])
+                if merged is not None and self._scores[merged] > best_score:
+                    best_score, best_id, best_at = self._scores[merged], merged, at
+            if best_at < 0:
+                break
+            tokens[best_at : best_at + 2] = [best_id]
+        if add_special_tokens:
+            tokens.insert(0, self.BOS_ID)
+        return tokens
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        out = bytearray()
+        prev = -1
+        for i in ids:
+            if not 0 <= i < len(self._pieces):
+                raise ValueError(f"token id {i} out of range [0, {len(self._pieces)})")
+            if not (skip_special_tokens and i in (self.UNK_ID, self.BOS_ID, self.EOS_ID)):
+                if prev == self.BOS_ID and self._pieces[i].startswith(b" "):
+                    out += self._pieces[i][1:]  # run.c strips the space after BOS
+                else:
+                    out += self._bytes[i]
+            prev = i
+        return out.decode("utf-8", errors="replace")
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._pieces)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self.BOS_ID
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.EOS_ID
+
+    @property
+    def all_special_ids(self) -> set[int]:
+        return {self.UNK_ID, self.BOS_ID, self.EOS_ID}
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """Load the tokenizer at ``path``: a model directory or a tokenizer file.
+
+    A directory gives ``tokenizer.json`` (preferred), else ``tokenizer.model``, else
+    ``tokenizer.bin`` (llama2.c); its ``tokenizer_config.json``, when present, supplies special
+    tokens, ``add_bos_token`` and the chat template. A file is read by its suffix: ``.json``,
+    ``.model`` or llama2.c ``.bin``. Raises ``ModelLoadError`` naming the path otherwise.
+    """
+    path = Path(path).expanduser()
+    if path.is_dir():
+        for name in ("tokenizer.json", "tokenizer.model", "tokenizer.bin"):
+            if (path / name).is_file():
+                return load_tokenizer(path / name)
+        raise ModelLoadError(
+            f"{path}: no tokenizer.json, tokenizer.model or tokenizer.bin in directory", path
+        )
+    if not path.is_file():
+        raise ModelLoadError(f"{path}: no such tokenizer file or directory", path)
+    if path.suffix == ".json":
+        return HFTokenizer(path, _read_tokenizer_config(path.parent))
+    if path.suffix == ".model":
+        return SentencePieceTokenizer(path, _read_tokenizer_config(path.parent))
+    if path.suffix == ".bin":
+        return Llama2cTokenizer(path)
+    raise ModelLoadError(
+        f"{path}: unknown tokenizer format; expected tokenizer.json, a sentencepiece .model or "
+        "a llama2.c tokenizer .bin",
+        path,
+    )

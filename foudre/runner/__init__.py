@@ -1,0 +1,1 @@
+"""Turns a scheduled batch into one model forward and sampled tokens."""

@@ -1,0 +1,55 @@
+"""The attention backend interface and the batch layout every backend receives.
+
+The runner flattens the new tokens of all scheduled requests into one sequence of ``T`` tokens::
+
+    request 0            request 1   request 2
+    [ q q q q q q ]      [ q ]       [ q q q ]      <- new tokens, in schedule order
+    query_start_loc = [0, 6, 7, 10]
+    seq_lens        = [ctx0+6, ctx1+1, ctx2+3]      <- context (cached + new) per request
+
+Each request's new tokens are the *last* ``q_len`` positions of its context; their K/V are
+written to the paged cache at ``slot_mapping`` before attention reads the whole context back
+through the request's block table. A backend must therefore make every token attend causally to
+all earlier positions of its own request, and to nothing else.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(slots=True)
+class BatchLayout:
+    """What a step computes, in the backend-neutral form the runner builds."""
+
+    query_lens: list[int]  # new tokens per request
+    seq_lens: list[int]  # context length per request after this step's tokens
+    block_tables: list[list[int]]  # physical block ids per request
+    slot_mapping: torch.Tensor  # [T] int64: cache slot (block * block_size + offset) per token
+    block_size: int
+
+
+class AttentionBackend(ABC):
+    """Stores the new K/V into the paged cache and computes attention for the flat batch."""
+
+    name: str = "abstract"
+
+    @abstractmethod
+    def build_metadata(self, layout: BatchLayout, device: torch.device) -> Any:
+        """Precompute whatever the per-layer ``forward`` needs, once per step."""
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, num_heads, head_dim]
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: Any,
+        scale: float,
+    ) -> torch.Tensor:
+        """Return attention outputs ``[T, num_heads, head_dim]``."""

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Create .venv (Python 3.11) with foudre and its test tools. Idempotent and quick when done.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null || PY=python3
+stamp=.venv/.foudre-installed
+if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ]; then exit 0; fi
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+# The CPU build of torch 2.13.0 (served locally on our machines); a GPU user installs a CUDA build
+# of torch>=2.13 first and this step keeps it.
+.venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/pip install -q "torch==2.13.0"
+.venv/bin/pip install -q -e ".[test]"
+touch "$stamp"
