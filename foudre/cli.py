@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from foudre.config import EngineConfig
+from foudre.loading.errors import ModelLoadError
 
 
 def _bool(text: str) -> bool:
@@ -157,7 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         return int(args.func(args))
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, ModelLoadError) as e:
         print(f"foudre: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -74,6 +74,14 @@ class LLMEngine:
         self.model_config = mcfg
         self.model_name = model_name
         self.max_model_len = config.max_model_len or mcfg.max_position_embeddings
+        if mcfg.sliding_window is not None and self.max_model_len > mcfg.sliding_window:
+            # within the window, full causal attention is exactly the model's attention
+            logger.warning(
+                "capping max_model_len from %d to the model's sliding window of %d tokens",
+                self.max_model_len,
+                mcfg.sliding_window,
+            )
+            self.max_model_len = mcfg.sliding_window
         if self.max_model_len > mcfg.max_position_embeddings:
             raise ValueError(
                 f"max_model_len {self.max_model_len} exceeds the model's "

@@ -166,6 +166,16 @@ def _dtype(raw: dict[str, Any], path: Path) -> str:
     return name
 
 
+def _sliding_window(raw: dict[str, Any], arch: str) -> int | None:
+    """The attention window, when the model really uses one (Mistral v0.1, some Qwen)."""
+    window = raw.get("sliding_window")
+    if not isinstance(window, int) or window <= 0:
+        return None
+    if arch in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
+        return None
+    return window
+
+
 def load_hf_config(model_dir: Path) -> ModelConfig:
     """Parse ``config.json`` (and ``generation_config.json``'s EOS ids) into a ``ModelConfig``.
 
@@ -237,6 +247,7 @@ def load_hf_config(model_dir: Path) -> ModelConfig:
             # Qwen2's q/k/v always carry a bias; the others follow the config (HF modeling code).
             attention_bias=arch == "qwen2" or bool(raw.get("attention_bias", False)),
             qk_norm=arch == "qwen3",
+            sliding_window=_sliding_window(raw, arch),
             torch_dtype=_dtype(raw, path),
             bos_token_id=bos_ids[0] if bos_ids else None,
             eos_token_ids=eos,

@@ -31,6 +31,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v projections carry a bias (qwen2)
     qk_norm: bool = False  # RMSNorm over each head of q and k (qwen3)
+    sliding_window: int | None = None  # attention window; the engine caps its context to it
     torch_dtype: str = "float32"
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)

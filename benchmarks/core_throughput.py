@@ -1,0 +1,181 @@
+"""Offline throughput and batch-1 decode: foudre against Hugging Face ``generate``, same run.
+
+    .venv/bin/python benchmarks/core_throughput.py [--model medium|small] [--dtypes ...]
+
+Workloads (fixed seed):
+- batch 1: a 128-token prompt, 128 greedy tokens; decode tokens/s and the fraction of the
+  memory-bandwidth roofline (weight bytes per step / step time / bandwidth, where the bandwidth
+  is measured here by an fp32 matrix-vector product over 512 MiB, larger than the L3 cache);
+- throughput: 64 requests with 128-token prompts and output lengths uniform in 16..256; useful
+  output tokens/s. HF runs them as one padded static batch (its standard ``generate``), foudre
+  through ``LLM.generate`` (continuous batching).
+Figures go to stdout and, with ``--out FILE.md``, to a markdown file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from common import machine, measure_bandwidth, random_llama, weight_bytes
+
+from foudre import LLM, SamplingParams
+
+PROMPT_LEN = 128
+
+
+def workload(n: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, 32000) for _ in range(PROMPT_LEN)] for _ in range(n)]
+    return prompts, [rng.randint(16, 256) for _ in range(n)]
+
+
+def hf_batch1(model: Any, prompt: list[int], new: int) -> tuple[float, float]:
+    ids = torch.tensor([prompt])
+    model.generate(ids, max_new_tokens=2, do_sample=False)  # warm up
+    t = time.perf_counter()
+    model.generate(ids, max_new_tokens=1, min_new_tokens=1, do_sample=False)
+    ttft = time.perf_counter() - t
+    t = time.perf_counter()
+    model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+    total = time.perf_counter() - t
+    return ttft, (new - 1) / (total - ttft)
+
+
+def hf_static(model: Any, prompts: list[list[int]], lens: list[int]) -> float:
+    ids = torch.tensor(prompts)  # equal prompt lengths: no padding needed on the prompt side
+    t = time.perf_counter()
+    model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max(lens),
+        min_new_tokens=max(lens),
+        do_sample=False,
+    )
+    return sum(lens) / (time.perf_counter() - t)
+
+
+def foudre_batch1(llm: LLM, prompt: list[int], new: int) -> tuple[float, float, float]:
+    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    engine = llm.engine
+    engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True))
+    steps = []
+    while engine.has_unfinished_requests():
+        t = time.perf_counter()
+        engine.step()
+        steps.append(time.perf_counter() - t)
+    decode = steps[1:]
+    return steps[0], len(decode) / sum(decode), sorted(decode)[len(decode) // 2]
+
+
+def foudre_throughput(llm: LLM, prompts: list[list[int]], lens: list[int]) -> tuple[float, int]:
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lens]
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - t
+    produced = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert produced == sum(lens)
+    return produced / elapsed, llm.metrics()["num_preemptions"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="medium")
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    import transformers
+
+    path = random_llama(args.model, torch.float32)
+    bandwidth = measure_bandwidth()
+    prompts, lens = workload(args.num_requests)
+    rows: list[dict[str, Any]] = []
+    print(f"machine: {machine()}; fp32 matvec bandwidth {bandwidth / 1e9:.1f} GB/s")
+    for dtype_name in args.dtypes:
+        dtype = getattr(torch, dtype_name)
+        row: dict[str, Any] = {"dtype": dtype_name}
+        if not args.skip_hf:
+            hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+            hf.generation_config.eos_token_id = None
+            hf.generation_config.pad_token_id = 0
+            with torch.inference_mode():
+                row["hf_ttft_s"], row["hf_decode_tps"] = hf_batch1(hf, prompts[0], args.new_tokens)
+                print(f"[{dtype_name}] HF batch 1: {row['hf_decode_tps']:.1f} tok/s", flush=True)
+                row["hf_static_tps"] = hf_static(hf, prompts, lens)
+                print(
+                    f"[{dtype_name}] HF static batch: {row['hf_static_tps']:.1f} tok/s", flush=True
+                )
+            del hf
+            gc.collect()
+        llm = LLM(str(path), dtype=dtype_name, skip_tokenizer_init=True, max_model_len=1024)
+        wbytes = weight_bytes(llm.engine.model)
+        ttft, tps, median_step = foudre_batch1(llm, prompts[0], args.new_tokens)
+        row.update(foudre_ttft_s=ttft, foudre_decode_tps=tps, weight_gb=wbytes / 1e9)
+        row["roofline_tps"] = bandwidth / wbytes
+        row["roofline_frac"] = tps / row["roofline_tps"]
+        row["roofline_frac_median_step"] = (wbytes / median_step) / bandwidth
+        print(
+            f"[{dtype_name}] foudre batch 1: {tps:.1f} tok/s "
+            f"({row['roofline_frac']:.0%} of the {row['roofline_tps']:.1f} tok/s roofline)",
+            flush=True,
+        )
+        row["foudre_tps"], row["foudre_preemptions"] = foudre_throughput(llm, prompts, lens)
+        print(
+            f"[{dtype_name}] foudre continuous batching: {row['foudre_tps']:.1f} tok/s", flush=True
+        )
+        del llm
+        gc.collect()
+        rows.append(row)
+
+    lines = [
+        f"# Core throughput and batch-1 decode ({args.model} random Llama)",
+        "",
+        f"- date: {datetime.date.today()}",
+        f"- machine: {machine()}",
+        f"- command: `.venv/bin/python benchmarks/core_throughput.py --model {args.model} "
+        f"--dtypes {' '.join(args.dtypes)}`",
+        f"- measured fp32 matvec bandwidth: {bandwidth / 1e9:.1f} GB/s",
+        f"- workload: {args.num_requests} requests, {PROMPT_LEN}-token prompts, output lengths "
+        f"16..256 ({sum(lens)} useful tokens); batch 1: {PROMPT_LEN}-token prompt, "
+        f"{args.new_tokens} tokens",
+        "",
+        "| dtype | HF batch-1 tok/s | foudre batch-1 tok/s | vs HF | roofline tok/s | "
+        "fraction | HF static tok/s | foudre tok/s | vs HF | foudre TTFT s | HF TTFT s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        hf_b1, hf_tp = r.get("hf_decode_tps"), r.get("hf_static_tps")
+        lines.append(
+            f"| {r['dtype']} | {_f(hf_b1)} | {r['foudre_decode_tps']:.1f} | "
+            f"{_ratio(r['foudre_decode_tps'], hf_b1)} | {r['roofline_tps']:.1f} | "
+            f"{r['roofline_frac']:.0%} | {_f(hf_tp)} | {r['foudre_tps']:.1f} | "
+            f"{_ratio(r['foudre_tps'], hf_tp)} | {r['foudre_ttft_s']:.3f} | "
+            f"{_f(r.get('hf_ttft_s'), 3)} |"
+        )
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        args.out.write_text(text)
+        args.out.with_suffix(".json").write_text(json.dumps(rows, indent=2) + "\n")
+
+
+def _f(x: float | None, digits: int = 1) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def _ratio(a: float, b: float | None) -> str:
+    return "-" if not b else f"{a / b:.2f}x"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,7 @@
+"""``python -m foudre`` is the ``foudre`` command."""
+
+import sys
+
+from foudre.cli import main
+
+sys.exit(main())

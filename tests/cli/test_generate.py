@@ -1,0 +1,64 @@
+"""``foudre generate``: the completion alone on stdout, errors as one line on stderr."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from foudre import LLM, SamplingParams
+
+
+def _run(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "foudre", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_generate_prints_only_the_completion(stories_paths: tuple[str, str]) -> None:
+    model, tok = stories_paths
+    proc = _run(
+        "generate",
+        "--model",
+        model,
+        "--tokenizer",
+        tok,
+        "--prompt",
+        "Once upon a time",
+        "--max-tokens",
+        "30",
+        "--temperature",
+        "0",
+    )
+    assert proc.returncode == 0, proc.stderr
+    llm = LLM(model, tokenizer=tok)
+    expected = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=30))
+    assert proc.stdout == expected[0].outputs[0].text + "\n"
+
+
+def test_generate_reads_stdin_and_defaults_to_a_builtin_model(
+    stories_paths: tuple[str, str],
+) -> None:
+    proc = _run("generate", "--max-tokens", "12", stdin="Once upon a time")
+    assert proc.returncode == 0, proc.stderr
+    assert len(proc.stdout.strip()) > 0
+
+
+def test_generate_reports_bad_input_in_one_line(stories_paths: tuple[str, str], tmp_path) -> None:
+    model, tok = stories_paths
+    bad = _run(
+        "generate", "--model", model, "--tokenizer", tok, "--prompt", "x", "--temperature", "-1"
+    )
+    assert bad.returncode == 2
+    assert "temperature" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+    missing = _run("generate", "--model", str(tmp_path / "nope"), "--prompt", "x")
+    assert missing.returncode == 2
+    assert "nope" in missing.stderr and len(missing.stderr.strip().splitlines()) == 1
+    corrupt = tmp_path / "model.bin"
+    corrupt.write_bytes(b"\x00" * 100)
+    proc = _run("generate", "--model", str(corrupt), "--tokenizer", tok, "--prompt", "x")
+    assert proc.returncode == 2 and "model.bin" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
