@@ -208,9 +208,13 @@ class KVCacheManager:
                 break
             hits.append(block)
             parent = hashes[i]
-        self.prefix_cache_queries += request.num_tokens
-        self.prefix_cache_hits += len(hits) * bs
         return hits, len(hits) * bs
+
+    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count one admission's lookup (only admissions that succeed, so retries count once)."""
+        if self.enable_prefix_caching:
+            self.prefix_cache_queries += num_tokens
+            self.prefix_cache_hits += num_hit_tokens
 
     # -- allocation ----------------------------------------------------------------------------
     def num_blocks_needed(self, request: Request, num_new_tokens: int, num_hit_blocks: int) -> int:

@@ -119,6 +119,7 @@ class Scheduler:
                 if not self.kv.allocate_slots(req, num_new, hits):
                     break
                 self.waiting.popleft()
+                self.kv.record_prefix_lookup(req.num_tokens, num_cached)
                 req.num_computed_tokens = num_cached
                 if req.num_cached_tokens < 0:
                     req.num_cached_tokens = num_cached
