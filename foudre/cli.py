@@ -1,4 +1,4 @@
-"""The ``foudre`` command line: generate, chat (and serve once the server lands).
+"""The ``foudre`` command line: generate, chat, serve.
 
 Engine flags map one to one onto ``EngineConfig`` fields (``--max-num-seqs`` -> max_num_seqs).
 """
@@ -129,6 +129,25 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from foudre.loading.errors import ModelLoadError
+    from foudre.server.launch import run_server
+
+    try:
+        return run_server(
+            engine_config_from(args),
+            host=args.host,
+            port=args.port,
+            api_key=args.api_key,
+            served_model_name=args.served_model_name,
+            max_queue=args.max_queue,
+            log_level="info" if args.verbose else "warning",
+        )
+    except ModelLoadError as e:
+        print(f"foudre: error: {e}", file=sys.stderr)
+        return 2
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="foudre", description="fast LLM inference")
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -145,6 +164,24 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(chat)
     chat.add_argument("--system", default=None)
     chat.set_defaults(func=cmd_chat)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_engine_args(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="(default: 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="0 picks a free port (default: 8000)")
+    serve.add_argument(
+        "--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*"
+    )
+    serve.add_argument(
+        "--served-model-name", default=None, help="(default: the model path's basename)"
+    )
+    serve.add_argument(
+        "--max-queue",
+        type=int,
+        default=1024,
+        help="most unfinished requests before answering 503 (default: 1024)",
+    )
+    serve.set_defaults(func=cmd_serve)
     return parser
 
 

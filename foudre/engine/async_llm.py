@@ -1,0 +1,392 @@
+"""``AsyncLLM``: the engine behind an asyncio server.
+
+One dedicated thread owns the ``LLMEngine`` and runs its step loop; nothing else touches engine
+state. The event loop talks to it through a command queue drained at step boundaries, and the
+thread answers through per-request ``asyncio.Queue``s fed with ``loop.call_soon_threadsafe``::
+
+    event loop                         engine thread
+    ----------                         -------------
+    add_requests() --("add", ack)-->   engine.add_request()   (ValueError -> ack)
+    stream.abort() --("abort")----->   engine.abort_request() (blocks freed at once)
+    async for out in stream  <-------  engine.step() outputs, one per request per step
+
+Torch releases the GIL inside its kernels, so the event loop stays responsive while a step runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import threading
+from collections.abc import AsyncGenerator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from foudre.config import EngineConfig
+from foudre.engine.engine import LLMEngine
+from foudre.outputs import RequestOutput
+from foudre.sampling_params import SamplingParams
+
+logger = logging.getLogger("foudre")
+
+Prompt = str | list[int]
+OutputObserver = Callable[[RequestOutput], None]
+
+
+class QueueFullError(RuntimeError):
+    """More unfinished requests than ``max_queue`` allows; retry later."""
+
+
+class EngineStoppedError(RuntimeError):
+    """The engine thread has been shut down; no new request is accepted."""
+
+
+@dataclass(slots=True)
+class _Child:
+    request_id: str
+    prompt: Prompt
+    params: SamplingParams
+    index: int
+
+
+@dataclass(slots=True)
+class _Add:
+    children: list[_Child]
+    stream: RequestStream
+    ack: asyncio.Future[None]
+
+
+@dataclass(slots=True)
+class _Abort:
+    """Abort these ids and their children (``{id}-{i}``); ``None`` aborts everything."""
+
+    request_ids: list[str] | None
+
+
+def _resolve(fut: asyncio.Future[None], error: BaseException | None) -> None:
+    if fut.done():  # the caller was cancelled meanwhile
+        return
+    if error is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(error)
+
+
+def _put_all(items: list[tuple[RequestStream, RequestOutput]]) -> None:
+    for stream, out in items:
+        stream._queue.put_nowait(out)
+
+
+def _parent(child_id: str) -> str | None:
+    head, _, tail = child_id.rpartition("-")
+    return head if tail.isdigit() else None
+
+
+class RequestStream:
+    """The outputs of one submitted request (all its children when ``n > 1`` or several
+    prompts), in step order, ending once every child has finished.
+
+    Iterating raises the engine's error if a step failed. ``abort()`` is idempotent and safe to
+    call from the event loop at any time; the stream then ends with ``finish_reason="abort"``.
+    """
+
+    def __init__(
+        self,
+        owner: AsyncLLM,
+        request_id: str,
+        child_ids: list[str],
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        self.request_id = request_id
+        self.child_ids = child_ids
+        self._owner = owner
+        self._loop = loop
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._pending = set(child_ids)
+        self._abort_sent = False
+
+    @property
+    def finished(self) -> bool:
+        return not self._pending
+
+    def abort(self) -> None:
+        if self._pending and not self._abort_sent:
+            self._abort_sent = True
+            self._owner._submit(_Abort(sorted(self._pending)))
+
+    def _deliver(self, item: RequestOutput | BaseException) -> None:
+        """Called from the engine thread."""
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if not self._pending:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self._pending.clear()
+            raise item
+        if item.finished:
+            self._pending.discard(item.request_id)
+        return item
+
+
+class AsyncLLM:
+    """An ``LLMEngine`` stepped by one background thread, driven from asyncio.
+
+    Guarantees: the engine is only ever touched by its thread; the thread sleeps when there is
+    no work; a failing step fails the requests then in flight (their streams raise) and the
+    loop keeps serving; ``shutdown()`` aborts what is in flight and joins the thread.
+    ``max_queue`` bounds the number of unfinished requests (children counted one by one).
+    """
+
+    def __init__(self, engine: LLMEngine, max_queue: int | None = None) -> None:
+        if max_queue is not None and max_queue < 1:
+            raise ValueError(f"max_queue must be positive, got {max_queue}")
+        self.engine = engine
+        self.max_queue = max_queue
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self._cv = threading.Condition()
+        self._commands: list[_Add | _Abort] = []
+        self._stopping = False
+        self._stopped = False
+        self._lock = threading.Lock()  # guards _num_unfinished
+        self._num_unfinished = 0
+        self._observers: list[OutputObserver] = []
+        # engine-thread state
+        self._sinks: dict[str, RequestStream] = {}
+        self._busy = False
+        self._snapshot: dict[str, Any] = self._make_snapshot()
+        self._thread = threading.Thread(target=self._run, name="foudre-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, max_queue: int | None = None) -> AsyncLLM:
+        return cls(LLMEngine(config), max_queue)
+
+    # -- public API (event loop) ---------------------------------------------------------------
+    def add_observer(self, observer: OutputObserver) -> None:
+        """Call ``observer(output)`` from the engine thread for every output, aborts included.
+        Register before the first request; exceptions it raises are logged and ignored."""
+        self._observers.append(observer)
+
+    async def add_requests(
+        self, prompts: Sequence[Prompt], params: SamplingParams, request_id: str
+    ) -> RequestStream:
+        """Submit ``params.n`` samples of each prompt and return their stream once the engine
+        has accepted them all (or none).
+
+        Children are numbered ``i = prompt_index * n + sample``: id ``{request_id}-{i}`` (just
+        ``request_id`` when there is one child), output index ``i``, seed ``seed + sample``.
+        Raises ``ValueError`` (the engine's validation, e.g. a too-long prompt),
+        ``QueueFullError`` or ``EngineStoppedError``.
+        """
+        n = params.n
+        total = len(prompts) * n
+        if total == 0:
+            raise ValueError("prompt must not be empty")
+        children = []
+        for p, prompt in enumerate(prompts):
+            for j in range(n):
+                i = p * n + j
+                child = params
+                if n > 1 and params.seed is not None:
+                    child = dataclasses.replace(params, seed=params.seed + j)
+                rid = request_id if total == 1 else f"{request_id}-{i}"
+                children.append(_Child(rid, prompt, child, i))
+        with self._lock:
+            if self._stopping:
+                raise EngineStoppedError("the engine is shutting down")
+            if self.max_queue is not None and self._num_unfinished + total > self.max_queue:
+                raise QueueFullError(
+                    f"the server has {self._num_unfinished} unfinished requests and accepts at "
+                    f"most {self.max_queue}; retry later"
+                )
+            self._num_unfinished += total
+        loop = asyncio.get_running_loop()
+        stream = RequestStream(self, request_id, [c.request_id for c in children], loop)
+        ack: asyncio.Future[None] = loop.create_future()
+        self._submit(_Add(children, stream, ack))
+        try:
+            await ack
+        except asyncio.CancelledError:
+            stream.abort()  # queued after the add, so it lands on the added requests
+            raise
+        return stream
+
+    async def generate(
+        self, prompt: Prompt, params: SamplingParams, request_id: str
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Yield each step's output of ``prompt`` (every child's when ``n > 1``) until all are
+        finished. Validation errors raise before the first output. If the consumer stops early
+        (cancellation, ``aclose``), the request is aborted and its blocks freed within a step.
+        """
+        stream = await self.add_requests([prompt], params, request_id)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.abort()
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (and its children, if any) by id; unknown ids are ignored."""
+        self._submit(_Abort([request_id]))
+
+    def abort_all(self) -> None:
+        """Abort every request in flight (thread-safe; used on shutdown signals)."""
+        self._submit(_Abort(None))
+
+    def metrics(self) -> dict[str, Any]:
+        """A snapshot of ``engine.metrics()`` taken at the last step boundary, plus
+        ``num_unfinished_requests`` and ``max_queue``. Thread-safe."""
+        snap = dict(self._snapshot)
+        with self._lock:
+            snap["num_unfinished_requests"] = self._num_unfinished
+        snap["max_queue"] = self.max_queue
+        return snap
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and not self._stopping
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Abort in-flight requests and stop the engine thread. Idempotent."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    # -- engine thread -------------------------------------------------------------------------
+    def _submit(self, command: _Add | _Abort) -> None:
+        with self._cv:
+            if not self._stopped:
+                self._commands.append(command)
+                self._cv.notify()
+                return
+        if isinstance(command, _Add):  # the thread is gone: refuse the add
+            self._reject(command)
+
+    def _reject(self, command: _Add) -> None:
+        self._release(len(command.children))
+        with contextlib.suppress(RuntimeError):
+            command.stream._loop.call_soon_threadsafe(
+                _resolve, command.ack, EngineStoppedError("the engine is shutting down")
+            )
+
+    def _release(self, count: int) -> None:
+        with self._lock:
+            self._num_unfinished -= count
+
+    def _make_snapshot(self) -> dict[str, Any]:
+        return dict(self.engine.metrics())
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._commands and not self._stopping and not self._busy:
+                    self._cv.wait()
+                commands, self._commands = self._commands, []
+                stopping = self._stopping
+            try:
+                for command in commands:
+                    self._apply(command)
+                if stopping:
+                    self._abort_ids(list(self._sinks))
+                    self._snapshot = self._make_snapshot()
+                    break
+                if self.engine.has_unfinished_requests():
+                    self._step()
+                self._busy = self.engine.has_unfinished_requests()
+                self._snapshot = self._make_snapshot()
+            except Exception:  # never let the engine thread die
+                logger.exception("engine loop error")
+                self._busy = False
+        with self._cv:  # adds that raced with shutdown are refused, never left hanging
+            self._stopped = True
+            late, self._commands = self._commands, []
+        for command in late:
+            if isinstance(command, _Add):
+                self._reject(command)
+
+    def _apply(self, command: _Add | _Abort) -> None:
+        if isinstance(command, _Abort):
+            if command.request_ids is None:
+                self._abort_ids(list(self._sinks))
+            else:
+                keys = set(command.request_ids)
+                self._abort_ids([s for s in self._sinks if s in keys or _parent(s) in keys])
+            return
+        added: list[str] = []
+        error: BaseException | None = None
+        try:
+            for child in command.children:
+                self.engine.add_request(
+                    child.prompt, child.params, request_id=child.request_id, index=child.index
+                )
+                added.append(child.request_id)
+        except Exception as e:
+            error = e
+            for rid in added:
+                self.engine.abort_request(rid)
+            self._release(len(command.children))
+        else:
+            for rid in added:
+                self._sinks[rid] = command.stream
+        loop = command.stream._loop
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(_resolve, command.ack, error)
+
+    def _abort_ids(self, ids: list[str]) -> None:
+        for rid in ids:
+            sink = self._sinks.pop(rid, None)
+            if sink is None:
+                continue
+            self._release(1)
+            out = self.engine.abort_request(rid)
+            if out is not None:
+                self._observe(out)
+                sink._deliver(out)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            logger.exception("engine step failed; failing %d in-flight requests", len(self._sinks))
+            sinks = dict(self._sinks)
+            self._sinks.clear()
+            self._release(len(sinks))
+            for rid in sinks:
+                with contextlib.suppress(Exception):
+                    self.engine.abort_request(rid)
+            error = RuntimeError(f"engine step failed: {type(e).__name__}: {e}")
+            for stream in set(sinks.values()):
+                stream._deliver(error)
+            return
+        # one wake-up of each event loop per step, however many requests it serves
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
+        for out in outputs:
+            self._observe(out)
+            sink = self._sinks.get(out.request_id)
+            if sink is None:
+                continue
+            if out.finished:
+                del self._sinks[out.request_id]
+                self._release(1)
+            batches.setdefault(sink._loop, []).append((sink, out))
+        for loop, items in batches.items():
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening
+                loop.call_soon_threadsafe(_put_all, items)
+
+    def _observe(self, out: RequestOutput) -> None:
+        for observer in self._observers:
+            try:
+                observer(out)
+            except Exception:
+                logger.exception("output observer failed")

@@ -1,0 +1,1 @@
+"""Serving metrics: per-request latency statistics and their Prometheus export."""

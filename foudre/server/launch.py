@@ -1,0 +1,86 @@
+"""``foudre serve``: load the engine, run uvicorn, shut down cleanly on SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import uvicorn
+
+from foudre.config import EngineConfig
+from foudre.engine.async_llm import AsyncLLM
+from foudre.server.app import build_app
+
+
+def default_served_name(model: str) -> str:
+    """The basename of the model path (a hub id keeps its last component)."""
+    return Path(model.rstrip("/")).name or model
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, plus: abort in-flight requests at the first shutdown signal (so open streams
+    end at once instead of holding the graceful shutdown), exit with status 0 instead of
+    re-raising the signal, and one ready line on stdout with the bound address."""
+
+    def __init__(self, config: uvicorn.Config, llm: AsyncLLM, ready_line: str) -> None:
+        super().__init__(config)
+        self._llm = llm
+        self._ready_line = ready_line
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self._llm.abort_all()
+        super().handle_exit(sig, frame)
+        self._captured_signals.clear()
+
+    async def startup(self, sockets: Any = None) -> None:
+        await super().startup(sockets)
+        if self.started and not self.should_exit:
+            host, port = self.config.host, self.config.port
+            for server in self.servers:
+                for sock in server.sockets:
+                    host, port = sock.getsockname()[:2]
+                    break
+            print(self._ready_line.format(url=f"http://{host}:{port}"), flush=True)
+
+
+def run_server(
+    config: EngineConfig,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    served_model_name: str | None = None,
+    max_queue: int | None = None,
+    log_level: str = "warning",
+) -> int:
+    """Serve until SIGINT/SIGTERM; returns 0 after a clean shutdown."""
+    llm = AsyncLLM.from_config(config, max_queue=max_queue)
+    try:
+        engine = llm.engine
+        name = served_model_name or default_served_name(engine.model_name)
+        snap = llm.metrics()
+        capacity = snap["num_total_blocks"] * snap["block_size"]
+        ready = (
+            f"foudre: serving {name} at {{url}} (KV cache {capacity} tokens, max concurrency "
+            f"{capacity // engine.max_model_len} at full context {engine.max_model_len})"
+        )
+        app = build_app(llm, name, api_key=api_key)
+        uv_config = uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_level=log_level,
+            access_log=log_level in ("info", "debug", "trace"),
+            timeout_graceful_shutdown=10,
+            lifespan="on",
+        )
+        server = _Server(uv_config, llm, ready)
+        server.run()
+        if not server.started:
+            print(f"foudre: error: could not start the server on {host}:{port}", file=sys.stderr)
+            return 1
+        return 0
+    finally:
+        llm.shutdown()
+        sys.stdout.flush()
