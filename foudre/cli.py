@@ -33,7 +33,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         kind: Any
         if isinstance(default, bool):
             kind = _bool
-        elif f.name == "kv_cache_memory":
+        elif f.name in ("kv_cache_memory", "batch_wait_ms"):
             kind = float
         elif isinstance(default, int) or f.name in ("max_model_len", "num_kv_blocks"):
             kind = int
@@ -148,6 +148,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
 
 
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from foudre.bench.serve import run_bench_serve
+
+    return run_bench_serve(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="foudre", description="fast LLM inference")
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -182,6 +188,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="most unfinished requests before answering 503 (default: 1024)",
     )
     serve.set_defaults(func=cmd_serve)
+
+    bench = sub.add_parser("bench", help="benchmarks: serve (load generator), ...")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    from foudre.bench.serve import add_bench_serve_args
+
+    bench_serve = bench_sub.add_parser(
+        "serve", help="load-test an OpenAI-compatible server (TTFT, TPOT, ITL, E2EL, goodput)"
+    )
+    add_bench_serve_args(bench_serve)
+    bench_serve.set_defaults(func=cmd_bench_serve)
     return parser
 
 

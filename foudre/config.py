@@ -21,7 +21,9 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
-    attention_backend: str = "auto"
+    attention_backend: str = "auto"  # auto | torch | contiguous (non-paged baseline)
+    scheduling_policy: str = "continuous"  # continuous | static | dynamic
+    batch_wait_ms: float | None = None  # static/dynamic: how long a batch waits for arrivals
     seed: int = 0
     skip_tokenizer_init: bool = False
     revision: str | None = None
@@ -37,6 +39,13 @@ class EngineConfig:
                 raise ValueError(f"{name} must be positive, got {value}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+        if self.scheduling_policy not in ("continuous", "static", "dynamic"):
+            raise ValueError(
+                "scheduling_policy must be continuous, static or dynamic, "
+                f"got {self.scheduling_policy!r}"
+            )
+        if self.batch_wait_ms is not None and self.batch_wait_ms < 0:
+            raise ValueError(f"batch_wait_ms must be non-negative, got {self.batch_wait_ms}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"):
             raise ValueError(
                 f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"

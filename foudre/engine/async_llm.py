@@ -292,6 +292,9 @@ class AsyncLLM:
             with self._cv:
                 while not self._commands and not self._stopping and not self._busy:
                     self._cv.wait()
+                if self._busy and not self.engine.last_num_scheduled and not self._commands:
+                    # requests wait for a batch to form: poll the policy, don't spin
+                    self._cv.wait(timeout=0.002)
                 commands, self._commands = self._commands, []
                 stopping = self._stopping
             try:

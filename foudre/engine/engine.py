@@ -17,6 +17,7 @@ import torch
 
 from foudre.config import EngineConfig
 from foudre.engine.kv_cache import KVCacheManager
+from foudre.engine.policies import make_policy
 from foudre.engine.request import Request, RequestStatus
 from foudre.engine.scheduler import Scheduler
 from foudre.layers.sampler import SamplerOutput
@@ -112,13 +113,20 @@ class LLMEngine:
         max_batched = config.max_num_batched_tokens
         if not config.enable_chunked_prefill:
             max_batched = max(max_batched, self.max_model_len)
-        self.kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching)
+        contiguous = config.attention_backend == "contiguous"
+        self.kv = KVCacheManager(
+            num_blocks,
+            bs,
+            config.enable_prefix_caching,
+            reserve_tokens=self.max_model_len if contiguous else None,
+        )
         self.scheduler = Scheduler(
             self.kv,
             max_batched,
             config.max_num_seqs,
             self.max_model_len,
             config.enable_chunked_prefill,
+            make_policy(config.scheduling_policy, config.max_num_seqs, config.batch_wait_ms),
         )
         self.runner = ModelRunner(
             self.model,
@@ -134,6 +142,7 @@ class LLMEngine:
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.peak_kv_usage = 0.0
+        self.last_num_scheduled = 0  # 0 while requests wait on a batching policy or on blocks
 
     def _num_blocks(self, block_size: int) -> int:
         cfg = self.config
@@ -222,6 +231,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one engine step; return outputs of requests that produced tokens or finished."""
         sched = self.scheduler.schedule()
+        self.last_num_scheduled = len(sched.requests)
         if not sched.requests:
             return []
         now = time.monotonic()

@@ -149,9 +149,21 @@ class BlockPool:
 class KVCacheManager:
     """Maps requests to blocks: allocation for new tokens, prefix hits and freeing."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        reserve_tokens: int | None = None,
+    ):
+        """``reserve_tokens`` turns paging off: each request reserves room for that many tokens
+        (``max_model_len``) when first admitted, as a contiguous per-request buffer would. It is
+        the non-paged baseline that shows what paging buys; prefix caching is then off."""
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
+        self.reserve_tokens = reserve_tokens
+        if reserve_tokens is not None:
+            enable_prefix_caching = False
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.enable_prefix_caching = enable_prefix_caching
@@ -222,6 +234,8 @@ class KVCacheManager:
         total = request.num_computed_tokens + num_new_tokens
         if num_hit_blocks:
             total = num_hit_blocks * self.block_size + num_new_tokens
+        if self.reserve_tokens is not None:
+            total = max(total, self.reserve_tokens)
         return max(0, -(-total // self.block_size) - held)
 
     def allocate_slots(

@@ -98,6 +98,7 @@ class LLM:
                 )
         engine = self.engine
         groups: list[list[str]] = []
+        engine.scheduler.policy.flush = True  # every request is queued: batches need not wait
         try:
             for i, (prompt, params) in enumerate(zip(prompt_list, params_list, strict=True)):
                 ids = []
@@ -119,6 +120,8 @@ class LLM:
                 for rid in ids:
                     engine.abort_request(rid)
             raise
+        finally:
+            engine.scheduler.policy.flush = False
         results = []
         for ids in groups:
             first = final[ids[0]]

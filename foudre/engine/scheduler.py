@@ -5,7 +5,8 @@ Every step it decides how many new tokens each request computes::
     budget = max_num_batched_tokens
     1. running requests, oldest first: each gets min(tokens it lacks, budget);
        if blocks run out, the newest running request is preempted (freed, recomputed later)
-    2. waiting requests, in arrival order, while budget, seats and blocks remain:
+    2. waiting requests, in arrival order, while budget, seats and blocks remain and the batching
+       policy (``policies.py``) admits them:
        prefix-cache hits count as computed; the prompt is chunked to what the budget allows
 
 A request admitted in a step is never preempted in that same step (victims are taken from the
@@ -16,10 +17,12 @@ their K/V written.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from foudre.engine.kv_cache import KVCacheManager
+from foudre.engine.policies import ContinuousPolicy, SchedulingPolicy
 from foudre.engine.request import Request, RequestStatus
 
 
@@ -47,12 +50,14 @@ class Scheduler:
         max_num_seqs: int,
         max_model_len: int,
         enable_chunked_prefill: bool = True,
+        policy: SchedulingPolicy | None = None,
     ) -> None:
         self.kv = kv
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.policy = policy or ContinuousPolicy()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -74,6 +79,7 @@ class Scheduler:
                 self.waiting.remove(request)
         request.status = status
         self.kv.free(request)
+        self.policy.on_finish(request)
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
@@ -107,8 +113,9 @@ class Scheduler:
                 budget -= num_new
                 i += 1
 
-        if not out.preempted:
-            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        if not out.preempted and self.waiting:
+            allowed = self.policy.admissible(self.waiting, len(self.running), time.monotonic())
+            while allowed > 0 and budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self.waiting[0]
                 hits, num_cached = self.kv.get_computed_blocks(req)
                 num_new = req.num_tokens - num_cached
@@ -119,6 +126,7 @@ class Scheduler:
                 if not self.kv.allocate_slots(req, num_new, hits):
                     break
                 self.waiting.popleft()
+                allowed -= 1
                 self.kv.record_prefix_lookup(req.num_tokens, num_cached)
                 req.num_computed_tokens = num_cached
                 if req.num_cached_tokens < 0:

@@ -1,0 +1,1 @@
+"""Benchmarks: ``serve`` (online load generator against an OpenAI-compatible server)."""
