@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from foudre.bench.roofline import machine, measure_bandwidth, weight_bytes
+
+__all__ = ["CACHE", "MEDIUM", "SMALL", "machine", "measure_bandwidth", "random_llama", "weight_bytes"]
 
 # The "medium" model of ../shared/BASELINES.md: 494.7M parameters.
 MEDIUM: dict[str, Any] = dict(
@@ -41,45 +44,3 @@ def random_llama(name: str = "medium", dtype: torch.dtype = torch.float32) -> Pa
     return path
 
 
-def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of weights one decode step reads (the embedding table is gathered, not read)."""
-    total = 0
-    for name, p in model.named_parameters():
-        if "embed_tokens" in name and "lm_head" not in name:
-            continue
-        total += p.numel() * p.element_size()
-    tied_lm_head = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
-    if tied_lm_head:
-        emb = next(p for n, p in model.named_parameters() if "embed_tokens" in n)
-        total += emb.numel() * emb.element_size()
-    return total
-
-
-def measure_bandwidth(mib: int = 512, repeats: int = 8) -> float:
-    """Bytes/s of weight reads by an fp32 matrix-vector product over ``mib`` MiB (> L3 cache)."""
-    cols = 4096
-    rows = mib * (1 << 20) // (4 * cols)
-    w = torch.randn(rows, cols)
-    x = torch.randn(cols)
-    torch.mv(w, x)
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        torch.mv(w, x)
-        best = min(best, time.perf_counter() - t)
-    return w.numel() * 4 / best
-
-
-def machine() -> str:
-    import platform
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    threads = torch.get_num_threads()
-    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {threads} threads"

@@ -63,7 +63,8 @@ def hf_static(model: Any, prompts: list[list[int]], lens: list[int]) -> float:
 
 
 def foudre_batch1(llm: LLM, prompt: list[int], new: int) -> tuple[float, float, float]:
-    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    warm = [(t + 1) % 32000 for t in prompt]  # a different prompt: no prefix-cache hit below
+    llm.generate([warm], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
     engine = llm.engine
     engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True))
     steps = []
