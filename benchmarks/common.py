@@ -10,7 +10,15 @@ import torch
 
 from foudre.bench.roofline import machine, measure_bandwidth, weight_bytes
 
-__all__ = ["CACHE", "MEDIUM", "SMALL", "machine", "measure_bandwidth", "random_llama", "weight_bytes"]
+__all__ = [
+    "CACHE",
+    "MEDIUM",
+    "SMALL",
+    "machine",
+    "measure_bandwidth",
+    "random_llama",
+    "weight_bytes",
+]
 
 # The "medium" model of ../shared/BASELINES.md: 494.7M parameters.
 MEDIUM: dict[str, Any] = dict(
@@ -42,5 +50,3 @@ def random_llama(name: str = "medium", dtype: torch.dtype = torch.float32) -> Pa
     model = transformers.LlamaForCausalLM(cfg).to(dtype)
     model.save_pretrained(path, safe_serialization=True)
     return path
-
-

@@ -154,6 +154,163 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     return run_bench_serve(args)
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    from foudre.compress.train import iter_train_report, train
+
+    result = train(
+        args.config,
+        args.data,
+        args.output,
+        tokenizer=args.tokenizer,
+        train_tokenizer_vocab=args.train_tokenizer,
+        resume=args.resume,
+        steps=args.steps,
+        stop_at=args.stop_at,
+        progress=not args.no_progress,
+    )
+    for line in iter_train_report(result):
+        print(line)
+    print(f"wrote {args.output}")
+    return 0
+
+
+def cmd_distill(args: argparse.Namespace) -> int:
+    from foudre.compress.distill import distill
+
+    summary = distill(
+        args.teacher,
+        args.data,
+        args.output,
+        teacher_tokenizer=args.teacher_tokenizer,
+        student=args.student,
+        student_config=args.student_config,
+        config=args.config,
+        tokenizer=args.tokenizer,
+        train_tokenizer_vocab=args.train_tokenizer,
+        alpha=args.alpha,
+        temperature=args.temperature,
+        mode=args.mode,
+        num_samples=args.num_samples,
+        gen_max_tokens=args.gen_max_tokens,
+        gen_temperature=args.gen_temperature,
+        steps=args.steps,
+        resume=args.resume,
+        progress=not args.no_progress,
+    )
+    print(" ".join(f"{k}={v}" for k, v in summary.items()))
+    print(f"wrote {args.output}")
+    return 0
+
+
+def cmd_prune(args: argparse.Namespace) -> int:
+    from foudre.compress.prune import prune
+
+    summary = prune(
+        args.model,
+        args.output,
+        tokenizer=args.tokenizer,
+        heads=args.heads,
+        ffn=args.ffn,
+        layers=args.layers,
+        calibration=args.calibration,
+        calibration_tokens=args.calibration_tokens,
+        distill_steps=args.distill_steps,
+        config=args.config,
+        alpha=args.alpha,
+        temperature=args.temperature,
+        progress=not args.no_progress,
+    )
+    for key, value in summary.items():
+        print(f"{key}: {value}")
+    print(f"wrote {args.output}")
+    return 0
+
+
+def cmd_eval_perplexity(args: argparse.Namespace) -> int:
+    from foudre.compress.data import read_documents
+    from foudre.compress.eval import perplexity
+    from foudre.compress.model import load_for_eval
+
+    if args.quantization is not None:
+        raise ValueError(f"--quantization {args.quantization}: not supported yet")
+    model, tok = load_for_eval(args.model, args.tokenizer)
+    docs = read_documents(args.data, args.split)
+    if not docs:
+        raise ValueError(f"{args.data}: no documents in split {args.split!r}")
+    result = perplexity(model, tok, docs, args.max_length)
+    print(f"documents={len(docs)} nats_per_token={result.nats_per_token:.4f}")
+    print(result.line())
+    return 0
+
+
+def add_compress_parsers(sub: Any) -> None:
+    """The model-compression subcommands: train, distill, prune, eval."""
+    train = sub.add_parser("train", help="train a Llama from scratch into a HF directory")
+    train.add_argument("--config", required=True, help="JSON: {model: {...}, train: {...}}")
+    train.add_argument("--data", nargs="+", required=True, help="<|endoftext|>-separated text")
+    tok = train.add_mutually_exclusive_group(required=True)
+    tok.add_argument("--tokenizer", help="directory or file of an existing tokenizer")
+    tok.add_argument("--train-tokenizer", type=int, metavar="VOCAB_SIZE", help="train a BPE")
+    train.add_argument("--output", required=True)
+    train.add_argument("--resume", action="store_true", help="continue from OUTPUT/checkpoint")
+    train.add_argument("--steps", type=int, default=None, help="override train.steps")
+    train.add_argument(
+        "--stop-at", type=int, default=None, help="stop after this step (checkpointed); --resume"
+    )
+    train.add_argument("--no-progress", action="store_true")
+    train.set_defaults(func=cmd_train)
+
+    dist = sub.add_parser("distill", help="distil a teacher into a (new or existing) student")
+    dist.add_argument("--teacher", required=True, help="HF directory or llama2.c .bin")
+    dist.add_argument("--teacher-tokenizer", default=None)
+    student = dist.add_mutually_exclusive_group(required=True)
+    student.add_argument("--student-config", help="JSON config of a new student")
+    student.add_argument("--student", help="an existing student model")
+    dist.add_argument("--config", default=None, help="JSON whose 'train' section is used")
+    dist.add_argument("--data", nargs="*", default=[], help="text files")
+    stok = dist.add_mutually_exclusive_group()
+    stok.add_argument("--tokenizer", default=None, help="the new student's tokenizer")
+    stok.add_argument("--train-tokenizer", type=int, default=None, metavar="VOCAB_SIZE")
+    dist.add_argument("--output", required=True)
+    dist.add_argument("--alpha", type=float, default=0.5, help="weight of the KL term (0.5)")
+    dist.add_argument("--temperature", type=float, default=2.0, help="softmax temperature (2)")
+    dist.add_argument("--mode", choices=("auto", "logits", "sequence"), default="auto")
+    dist.add_argument("--num-samples", type=int, default=2000, help="sequence mode (2000)")
+    dist.add_argument("--gen-max-tokens", type=int, default=256)
+    dist.add_argument("--gen-temperature", type=float, default=1.0)
+    dist.add_argument("--steps", type=int, default=None)
+    dist.add_argument("--resume", action="store_true")
+    dist.add_argument("--no-progress", action="store_true")
+    dist.set_defaults(func=cmd_distill)
+
+    prune = sub.add_parser("prune", help="remove heads, FFN channels and layers")
+    prune.add_argument("--model", required=True)
+    prune.add_argument("--tokenizer", default=None)
+    prune.add_argument("--heads", type=float, default=0.0, help="fraction of KV groups to remove")
+    prune.add_argument("--ffn", type=float, default=0.0, help="fraction of FFN channels to remove")
+    prune.add_argument("--layers", type=int, default=0, help="number of layers to remove")
+    prune.add_argument("--calibration", default=None, help="text file for importance scores")
+    prune.add_argument("--calibration-tokens", type=int, default=16384)
+    prune.add_argument("--distill-steps", type=int, default=0)
+    prune.add_argument("--config", default=None, help="JSON whose 'train' section is used")
+    prune.add_argument("--alpha", type=float, default=0.5)
+    prune.add_argument("--temperature", type=float, default=2.0)
+    prune.add_argument("--output", required=True)
+    prune.add_argument("--no-progress", action="store_true")
+    prune.set_defaults(func=cmd_prune)
+
+    ev = sub.add_parser("eval", help="evaluations: perplexity")
+    ev_sub = ev.add_subparsers(dest="eval_command", required=True)
+    ppl = ev_sub.add_parser("perplexity", help="token perplexity and bits per byte")
+    ppl.add_argument("--model", required=True)
+    ppl.add_argument("--tokenizer", default=None)
+    ppl.add_argument("--data", required=True)
+    ppl.add_argument("--max-length", type=int, default=None)
+    ppl.add_argument("--split", choices=("all", "train", "heldout"), default="all")
+    ppl.add_argument("--quantization", default=None)
+    ppl.set_defaults(func=cmd_eval_perplexity)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="foudre", description="fast LLM inference")
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -189,7 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.set_defaults(func=cmd_serve)
 
-    bench = sub.add_parser("bench", help="benchmarks: serve (load generator), ...")
+    bench = sub.add_parser("bench", help="benchmarks: serve, throughput, latency, ablate, sweep")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     from foudre.bench.serve import add_bench_serve_args
 
@@ -198,12 +355,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_bench_serve_args(bench_serve)
     bench_serve.set_defaults(func=cmd_bench_serve)
+    from foudre.bench.commands import add_bench_commands
+
+    add_bench_commands(bench_sub, add_engine_args)  # throughput, latency, ablate, sweep
+    add_compress_parsers(sub)
+
+    from foudre.quant.cli import add_quantize_args, cmd_quantize
+
+    quant = sub.add_parser("quantize", help="quantize a model's weights and save the checkpoint")
+    add_quantize_args(quant)
+    quant.set_defaults(func=cmd_quantize)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(argv) if argv is not None else sys.argv[1:]
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         stream=sys.stderr,

@@ -24,6 +24,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | torch | contiguous (non-paged baseline)
     scheduling_policy: str = "continuous"  # continuous | static | dynamic
     batch_wait_ms: float | None = None  # static/dynamic: how long a batch waits for arrivals
+    quantization: str | None = None  # int8 | int4 | gptq | awq | mixed (weights, at load)
     seed: int = 0
     skip_tokenizer_init: bool = False
     revision: str | None = None
@@ -46,6 +47,11 @@ class EngineConfig:
             )
         if self.batch_wait_ms is not None and self.batch_wait_ms < 0:
             raise ValueError(f"batch_wait_ms must be non-negative, got {self.batch_wait_ms}")
+        quant_methods = ("int8", "int4", "gptq", "awq", "mixed")
+        if self.quantization is not None and self.quantization not in quant_methods:
+            raise ValueError(
+                f"quantization must be one of {', '.join(quant_methods)}, got {self.quantization!r}"
+            )
         if self.dtype not in ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"):
             raise ValueError(
                 f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"

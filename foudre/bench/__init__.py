@@ -1,1 +1,3 @@
-"""Benchmarks: ``serve`` (online load generator against an OpenAI-compatible server)."""
+"""Benchmarks: ``serve`` (HTTP load generator), ``offline`` (replay driver, throughput, latency),
+``ablate`` (one technique off at a time), ``sweep`` (request-rate curves), with ``metrics``,
+``datasets``, ``roofline`` and ``plots`` shared by all."""

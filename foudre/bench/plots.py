@@ -1,4 +1,5 @@
-"""One-figure picture of a serving benchmark run (matplotlib, Agg backend: no display needed)."""
+"""Pictures of benchmark runs (matplotlib, Agg backend: no display needed): one serving run, an
+ablation, a request-rate sweep."""
 
 from __future__ import annotations
 
@@ -165,3 +166,116 @@ def _key_figures(metrics: Mapping[str, Any]) -> str:
     if "goodput" in metrics:
         parts.append(f"goodput {metrics['goodput']:.2f} req/s")
     return "  ·  ".join(parts)
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_ablation(
+    rows: Sequence[Mapping[str, Any]],
+    path: str | Path,
+    *,
+    title: str,
+    metrics: Mapping[str, str],
+) -> Path:
+    """Write one horizontal bar panel per metric in ``metrics`` (key -> label) to ``path``:
+    one bar per row, labelled ``experiment: variant``, coloured by experiment, each annotated
+    with its value and, for non-reference rows, its ratio to the experiment's reference row
+    (``row["ratio"][key]``). Missing values are drawn as empty bars marked n/a."""
+    plt = _pyplot()
+    keys = list(metrics)
+    ncols = min(4, len(keys))
+    nrows = -(-len(keys) // ncols)
+    height = max(3.0, 0.32 * len(rows) + 1.2)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.6 * ncols, height * nrows), squeeze=False)
+    experiments = list(dict.fromkeys(str(r["experiment"]) for r in rows))
+    palette = plt.get_cmap("tab10")
+    colors = {e: palette(i % 10) for i, e in enumerate(experiments)}
+    labels = [f"{r['experiment']}: {r['variant']}" for r in rows]
+    ypos = np.arange(len(rows))[::-1]
+    try:
+        for k, (ax, key) in enumerate(zip(axes.flat, keys)):
+            values = [r.get(key) for r in rows]
+            finite = [float(v) for v in values if v is not None and np.isfinite(v)]
+            top = max(finite, default=1.0) or 1.0
+            for y, row, v in zip(ypos, rows, values):
+                color = colors[str(row["experiment"])]
+                if v is None or not np.isfinite(v):
+                    ax.text(0, y, " n/a", va="center", fontsize=7)
+                    continue
+                ax.barh(y, float(v), color=color, alpha=0.55 if row.get("reference") else 0.9)
+                text = f" {float(v):,.0f}" if abs(float(v)) >= 100 else f" {float(v):.3g}"
+                ratio = (row.get("ratio") or {}).get(key)
+                if not row.get("reference") and ratio is not None:
+                    text += f" (×{ratio:.2f})"
+                ax.text(float(v), y, text, va="center", fontsize=7)
+            ax.set_xlim(0, top * 1.45)
+            ax.set_yticks(ypos)
+            ax.set_yticklabels(labels if k % ncols == 0 else [], fontsize=8)
+            ax.set_title(metrics[key], fontsize=10)
+            ax.grid(axis="x", alpha=0.3)
+        for ax in list(axes.flat)[len(keys) :]:
+            ax.axis("off")
+        fig.suptitle(f"{title}\n(light bars: full configuration; ×ratio vs it)", fontsize=11)
+        fig.tight_layout()
+        out = Path(path)
+        fig.savefig(out, dpi=110)
+    finally:
+        plt.close(fig)
+    return out
+
+
+def plot_sweep(points: Sequence[Mapping[str, Any]], path: str | Path, *, title: str) -> Path:
+    """Latency-throughput curves of a request-rate sweep, written to ``path``: mean and p99 TTFT
+    and TPOT against achieved output tokens/s (one point per offered rate, annotated with it),
+    and achieved against offered request rate. ``points`` are ``compute_metrics`` dicts with a
+    ``request_rate`` key."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+    xs = [float(p["output_throughput"]) for p in points]
+    rates = [p["request_rate"] for p in points]
+    try:
+        for ax, metric, name in ((axes[0], "ttft", "TTFT"), (axes[1], "tpot", "TPOT")):
+            for stat, style in (("mean", "o-"), ("p99", "s--")):
+                ys = [p[f"{stat}_{metric}_ms"] for p in points]
+                ys_f = [np.nan if y is None else float(y) for y in ys]
+                ax.plot(xs, ys_f, style, label=f"{stat} {name}")
+            for x, y, r in zip(xs, [p[f"mean_{metric}_ms"] for p in points], rates):
+                if y is not None:
+                    ax.annotate(
+                        f"{r} req/s",
+                        (x, float(y)),
+                        xytext=(3, 3),
+                        textcoords="offset points",
+                        fontsize=7,
+                    )
+            ax.set_xlabel("achieved output tokens / s")
+            ax.set_ylabel(f"{name} (ms)")
+            ax.set_title(f"{name} vs throughput")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+        ax = axes[2]
+        offered = [float(r) for r in rates]
+        achieved = [float(p["request_throughput"]) for p in points]
+        ax.plot(offered, achieved, "o-", label="achieved")
+        finite = [r for r in offered if np.isfinite(r)]
+        if finite:
+            ax.plot([0, max(finite)], [0, max(finite)], ":", color="0.5", label="offered")
+        ax.set_xlabel("offered request rate (req/s)")
+        ax.set_ylabel("achieved request rate (req/s)")
+        ax.set_title("Throughput vs offered load")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.suptitle(title, fontsize=11)
+        fig.tight_layout()
+        out = Path(path)
+        fig.savefig(out, dpi=110)
+    finally:
+        plt.close(fig)
+    return out

@@ -70,6 +70,7 @@ class LLMEngine:
             self.device,
             None,
             config.revision,
+            config.quantization,
         )
         mcfg = loaded.config
         self.model_config = mcfg

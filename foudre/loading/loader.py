@@ -21,6 +21,9 @@ from foudre.loading.llama2c import load_llama2c
 from foudre.loading.tokenizer import Tokenizer, load_tokenizer
 from foudre.models.config import ModelConfig
 from foudre.models.llama import LlamaForCausalLM
+from foudre.quant import quantize_model, set_compute_dtype
+from foudre.quant.checkpoint import is_quantized_checkpoint, load_quantized
+from foudre.quant.qlinear import QuantLinear
 
 _DTYPES = {
     "float32": torch.float32,
@@ -84,6 +87,7 @@ def load_model(
     device: torch.device,
     max_positions: int | None,
     revision: str | None = None,
+    quantization: str | None = None,
 ) -> LoadedModel:
     """Load config and weights from a HF directory, a hub id or a llama2.c ``.bin``."""
     path = resolve_model_path(model, revision)
@@ -106,11 +110,23 @@ def load_model(
     if cfg.tie_word_embeddings:
         net.lm_head.weight = net.model.embed_tokens.weight
     try:
-        net.load_weights(weights)
+        if not path.is_file() and is_quantized_checkpoint(path):
+            load_quantized(net, path)  # foudre, GPTQ or AWQ checkpoint: no re-quantization
+        else:
+            net.load_weights(weights)
+            if quantization is not None:
+                quantize_model(net, quantization)
     except ValueError as e:
         raise ModelLoadError(f"{path}: {e}") from None
+    if device.type == "cpu" and torch_dtype == torch.float32 and _has_quantized(net):
+        # torch's packed int8/int4 CPU kernels are fast with bf16 activations only
+        set_compute_dtype(net, torch.bfloat16)
     net.eval()
     return LoadedModel(net, cfg, tok, gen, model)
+
+
+def _has_quantized(net: torch.nn.Module) -> bool:
+    return any(isinstance(m, QuantLinear) for m in net.modules())
 
 
 def load_tokenizer_for(loaded: LoadedModel) -> Tokenizer:

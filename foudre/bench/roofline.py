@@ -1,0 +1,73 @@
+"""The memory roofline of decoding: bytes of weights one step reads, and the machine's bandwidth.
+
+A decode step reads every weight once (the input embedding table is only gathered, a few rows),
+so a step cannot take less than ``weight_bytes(model) / measure_bandwidth()`` seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+_WEIGHT_BUFFER_MARKS = ("weight", "scale", "zero")
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weights one decode step reads.
+
+    Counts every parameter once (a tied ``lm_head`` shares the embedding tensor and is counted
+    once), except input embedding tables that no other module uses: a step gathers a few of their
+    rows rather than reading them. Buffers whose name marks them as weights or their scales (the
+    packed tensors of quantized layers) are counted too.
+    """
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    used_elsewhere = {
+        id(p)
+        for m in model.modules()
+        if not isinstance(m, torch.nn.Embedding)
+        for p in m.parameters(recurse=False)
+    }
+    total = 0
+    for p in model.parameters():  # deduplicated: a tied tensor appears once
+        if id(p) in embeddings and id(p) not in used_elsewhere:
+            continue
+        total += p.numel() * p.element_size()
+    for name, b in model.named_buffers():
+        leaf = name.rsplit(".", 1)[-1]
+        if any(mark in leaf for mark in _WEIGHT_BUFFER_MARKS):
+            total += b.numel() * b.element_size()
+    return total
+
+
+def measure_bandwidth(mib: int = 512, repeats: int = 8) -> float:
+    """Bytes/s of weight reads by an fp32 matrix-vector product over ``mib`` MiB (larger than the
+    last-level cache): the best of ``repeats`` timed runs after one warm-up."""
+    cols = 4096
+    rows = max(1, mib * (1 << 20) // (4 * cols))
+    w = torch.randn(rows, cols)
+    x = torch.randn(cols)
+    torch.mv(w, x)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        torch.mv(w, x)
+        best = min(best, time.perf_counter() - t)
+    return w.numel() * 4 / best
+
+
+def machine() -> str:
+    """One line naming the CPU, core count, torch version and torch's thread count."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    threads = torch.get_num_threads()
+    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {threads} threads"

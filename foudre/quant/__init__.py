@@ -1,0 +1,35 @@
+"""Weight-only quantization: int8 / int4 round-to-nearest, GPTQ, AWQ, mixed 4/8 bits.
+
+``quantize_(model, config)`` swaps linears for ``QuantLinear``; ``quantize_model`` is the
+engine's entry point by method name; ``save_quantized`` / ``load_quantized`` write and read
+quantized checkpoints (``quant_method: "foudre"``) and import GPTQ / AWQ ones.
+"""
+
+from foudre.quant.api import (
+    AWQ,
+    GPTQ,
+    METHODS,
+    Int4WeightOnly,
+    Int8WeightOnly,
+    MixedBits,
+    QuantConfig,
+    config_for_method,
+    quantize_,
+    quantize_model,
+)
+from foudre.quant.qlinear import QuantLinear, set_compute_dtype
+
+__all__ = [
+    "AWQ",
+    "GPTQ",
+    "METHODS",
+    "Int4WeightOnly",
+    "Int8WeightOnly",
+    "MixedBits",
+    "QuantConfig",
+    "QuantLinear",
+    "config_for_method",
+    "quantize_",
+    "quantize_model",
+    "set_compute_dtype",
+]

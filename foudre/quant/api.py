@@ -1,0 +1,316 @@
+"""``quantize_(model, config)``: replace the model's linears by weight-only ``QuantLinear``s.
+
+One config dataclass per scheme. ``config`` may also be a mapping ``pattern -> config | None``
+(first matching pattern wins; ``None`` keeps the module in float). Patterns are ``fnmatch`` globs
+matched against the module name (``model.layers.3.mlp.down_proj``) or any dotted suffix of it,
+so ``"lm_head"``, ``"down_proj"``, ``"model.layers.0.*"`` all work.
+
+``lm_head`` stays in float by default (``skip=None`` means ``("lm_head",)``): it is the most
+sensitive layer, and when it is tied to ``embed_tokens`` quantizing it adds a copy rather than
+saving memory. Pass ``skip=()`` to quantize it; a tied head then becomes its own ``QuantLinear``
+and the embedding keeps its float weight, so embedding lookups are unchanged.
+
+Calibration-based schemes (GPTQ, AWQ, MixedBits) take token id lists; the inputs of every
+target linear are captured in one pass of the float model (not layer by layer).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from foudre.models.llama import LlamaForCausalLM
+from foudre.quant import awq as awq_mod
+from foudre.quant.calib import capture_inputs, default_calibration
+from foudre.quant.gptq import gptq_quantize, hessian
+from foudre.quant.qlinear import INT4_GROUP_SIZES, QuantLinear
+
+Calibration = Sequence[Sequence[int]]
+
+
+def _check_group(bits: int, group_size: int) -> None:
+    if bits not in (4, 8):
+        raise ValueError(f"bits must be 4 or 8, got {bits}")
+    if bits == 4 and group_size not in INT4_GROUP_SIZES:
+        raise ValueError(f"group_size must be one of {INT4_GROUP_SIZES}, got {group_size}")
+
+
+@dataclass(frozen=True)
+class Int8WeightOnly:
+    """8-bit, one symmetric scale per output channel, round to nearest."""
+
+    bits: int = 8
+
+
+@dataclass(frozen=True)
+class Int4WeightOnly:
+    """4-bit, asymmetric scale and zero point per group of ``group_size`` input channels."""
+
+    group_size: int = 128
+    bits: int = 4
+
+    def __post_init__(self) -> None:
+        _check_group(4, self.group_size)
+
+
+@dataclass(frozen=True)
+class GPTQ:
+    """GPTQ error-corrected rounding. 4 bits: groups as ``Int4WeightOnly``; 8 bits: per channel
+    (``group_size`` ignored). ``damp`` is the fraction of ``mean(diag H)`` added to ``H``."""
+
+    bits: int = 4
+    group_size: int = 128
+    damp: float = 0.01
+    block_size: int = 128
+    calibration: Calibration | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        _check_group(self.bits, self.group_size)
+
+
+@dataclass(frozen=True)
+class AWQ:
+    """Activation-aware scaling searched on calibration inputs, then round to nearest."""
+
+    bits: int = 4
+    group_size: int = 128
+    grid: int = 20
+    calibration: Calibration | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        _check_group(self.bits, self.group_size)
+
+
+@dataclass(frozen=True)
+class MixedBits:
+    """4 or 8 bits per linear, allocated by measured sensitivity under a parameter-weighted
+    ``average_bits`` budget (4.0 to 8.0, nominal bits, group scales not counted).
+
+    Each linear's relative output error on calibration inputs is measured at 4 and 8 bits; 8 bits
+    go first to the layers that gain the most error reduction per parameter, while the budget
+    allows. ``algorithm`` is how each layer is then rounded: "rtn" or "gptq".
+    """
+
+    average_bits: float = 4.5
+    group_size: int = 128
+    algorithm: str = "rtn"
+    calibration: Calibration | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        _check_group(4, self.group_size)
+        if not 4.0 <= self.average_bits <= 8.0:
+            raise ValueError(f"average_bits must be within [4, 8], got {self.average_bits}")
+        if self.algorithm not in ("rtn", "gptq"):
+            raise ValueError(f"algorithm must be rtn or gptq, got {self.algorithm!r}")
+
+
+QuantConfig = Int8WeightOnly | Int4WeightOnly | GPTQ | AWQ | MixedBits
+METHODS = ("int8", "int4", "gptq", "awq", "mixed")
+
+
+def config_for_method(
+    method: str, calibration: Calibration | None = None, group_size: int = 128
+) -> QuantConfig:
+    """The config behind an engine / CLI method name (one of ``METHODS``)."""
+    if method == "int8":
+        return Int8WeightOnly()
+    if method == "int4":
+        return Int4WeightOnly(group_size=group_size)
+    if method == "gptq":
+        return GPTQ(group_size=group_size, calibration=calibration)
+    if method == "awq":
+        return AWQ(group_size=group_size, calibration=calibration)
+    if method == "mixed":
+        return MixedBits(group_size=group_size, calibration=calibration)
+    raise ValueError(f"unknown quantization method {method!r}; choose one of {', '.join(METHODS)}")
+
+
+def quantize_model(
+    model: LlamaForCausalLM, method: str, calibration: list[list[int]] | None = None
+) -> None:
+    """Quantize ``model`` in place with ``method`` (``int8``, ``int4`` (g128), ``gptq``, ``awq``,
+    ``mixed``; 4-bit group 128, ``lm_head`` kept in float). The calibration schemes use
+    ``calibration`` token ids, or deterministic random ids when it is None. Raises
+    ``ValueError`` naming the choices for an unknown method."""
+    quantize_(model, config_for_method(method, calibration))
+
+
+def matches(name: str, pattern: str) -> bool:
+    return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, "*." + pattern)
+
+
+def _plan(
+    model: nn.Module,
+    config: QuantConfig | Mapping[str, QuantConfig | None],
+    skip: Iterable[str] | None,
+) -> dict[str, QuantConfig]:
+    skip = ("lm_head",) if skip is None else tuple(skip)
+    plan: dict[str, QuantConfig] = {}
+    for name, mod in model.named_modules():
+        if not isinstance(mod, nn.Linear) or any(matches(name, p) for p in skip):
+            continue
+        if isinstance(config, Mapping):
+            chosen = next((c for p, c in config.items() if matches(name, p)), None)
+            if chosen is None:
+                continue
+            plan[name] = chosen
+        else:
+            plan[name] = config
+    return plan
+
+
+def _set_module(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, attr = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, attr, new)
+
+
+def _relative_error(x: torch.Tensor, w: torch.Tensor, wq: torch.Tensor) -> float:
+    ref = x @ w.t()
+    return ((x @ wq.t() - ref).pow(2).sum() / ref.pow(2).sum().clamp(min=1e-20)).item()
+
+
+@torch.no_grad()
+def quantize_(
+    model: LlamaForCausalLM,
+    config: QuantConfig | Mapping[str, QuantConfig | None],
+    skip: Iterable[str] | None = None,
+) -> dict[str, dict[str, int | None]]:
+    """Replace each target ``nn.Linear`` of ``model`` by a ``QuantLinear`` in place.
+
+    Returns the per-module scheme ``{name: {"bits", "group_size"}}`` that was applied (what
+    checkpoints record). The model's float weights other than the targets are kept, except the
+    RMSNorm / v / up weights AWQ folds its scales into (the float function is unchanged).
+    """
+    plan = _plan(model, config, skip)
+    needs_calib = [n for n, c in plan.items() if isinstance(c, GPTQ | AWQ | MixedBits)]
+    inputs: dict[str, torch.Tensor] = {}
+    if needs_calib:
+        calib: Calibration | None = next(
+            (c.calibration for c in plan.values() if getattr(c, "calibration", None) is not None),  # type: ignore[union-attr]
+            None,
+        )
+        if calib is None:
+            calib = default_calibration(model.config.vocab_size)
+        inputs = capture_inputs(model, needs_calib, calib, max_tokens=2048)
+
+    modules = dict(model.named_modules())
+    # AWQ: search and fold scales while every weight is still float. o_proj/down_proj first,
+    # since their scales fold into qkv_proj/gate_up_proj rows, which are searched afterwards.
+    input_scales: dict[str, torch.Tensor] = {}
+    awq_names = [n for n, c in plan.items() if isinstance(c, AWQ)]
+    order = {"o_proj": 0, "down_proj": 0, "qkv_proj": 1, "gate_up_proj": 1}
+    for name in sorted(awq_names, key=lambda n: order.get(n.rsplit(".", 1)[-1], 2)):
+        cfg = plan[name]
+        assert isinstance(cfg, AWQ)
+        _apply_awq(model, modules, name, cfg, inputs[name], input_scales)
+
+    mixed_bits = _allocate_bits(model, plan, inputs)
+    applied: dict[str, dict[str, int | None]] = {}
+    for name, cfg in plan.items():
+        lin = modules[name]
+        assert isinstance(lin, nn.Linear)
+        w = lin.weight.detach().float()
+        bias = lin.bias.detach() if lin.bias is not None else None
+        bits = (
+            mixed_bits.get(name, cfg.bits) if not isinstance(cfg, MixedBits) else mixed_bits[name]
+        )
+        group = getattr(cfg, "group_size", None) if bits == 4 else None
+        use_gptq = isinstance(cfg, GPTQ) or (isinstance(cfg, MixedBits) and cfg.algorithm == "gptq")
+        if use_gptq:
+            damp = cfg.damp if isinstance(cfg, GPTQ) else 0.01
+            block = cfg.block_size if isinstance(cfg, GPTQ) else 128
+            q, s, z = gptq_quantize(w, hessian(inputs[name]), bits, group, damp, block)
+            new = QuantLinear.from_codes(
+                q, s, z, bias, bits, group, lin.in_features, dtype=lin.weight.dtype
+            )
+        else:
+            iscale = input_scales.get(name)
+            new = QuantLinear.from_float(w, bias, bits, group, input_scale=iscale)
+            new = new.to(dtype=lin.weight.dtype) if lin.weight.dtype.is_floating_point else new
+        new = new.to(device=lin.weight.device)
+        _set_module(model, name, new)
+        applied[name] = {"bits": bits, "group_size": group}
+    return applied
+
+
+def _apply_awq(
+    model: LlamaForCausalLM,
+    modules: dict[str, nn.Module],
+    name: str,
+    cfg: AWQ,
+    x: torch.Tensor,
+    input_scales: dict[str, torch.Tensor],
+) -> None:
+    lin = modules[name]
+    assert isinstance(lin, nn.Linear)
+    group = cfg.group_size if cfg.bits == 4 else None
+    prefix, _, leaf = name.rpartition(".")
+    block = prefix.rpartition(".")[0]  # model.layers.i
+    mcfg = model.config
+    x_mean = None
+    if leaf == "o_proj" and isinstance(modules.get(prefix + ".qkv_proj"), nn.Linear):
+        x_mean = awq_mod.shared_kv_stat(
+            x.abs().mean(0), mcfg.num_attention_heads, mcfg.num_key_value_heads
+        )
+    s = awq_mod.search_scale(lin.weight, x, cfg.bits, group, x_mean, cfg.grid)
+    lin.weight.mul_(s.to(lin.weight.dtype)[None, :])
+    inv = (1.0 / s).to(lin.weight.dtype)
+    if leaf in ("qkv_proj", "gate_up_proj"):
+        norm = "input_layernorm" if leaf == "qkv_proj" else "post_attention_layernorm"
+        norm_weight = modules[f"{block}.{norm}"].weight
+        assert isinstance(norm_weight, torch.Tensor)
+        norm_weight.mul_(inv)
+    elif leaf == "o_proj" and x_mean is not None:
+        qkv = modules[prefix + ".qkv_proj"]
+        assert isinstance(qkv, nn.Linear)
+        group_heads = mcfg.num_attention_heads // mcfg.num_key_value_heads
+        s_kv = inv.view(mcfg.num_key_value_heads, group_heads, mcfg.head_dim)[:, 0].reshape(-1)
+        start = mcfg.q_size + mcfg.kv_size
+        qkv.weight[start:].mul_(s_kv[:, None])
+        if qkv.bias is not None:
+            qkv.bias[start:].mul_(s_kv)
+    elif leaf == "down_proj" and isinstance(modules.get(prefix + ".gate_up_proj"), nn.Linear):
+        gate_up = modules[prefix + ".gate_up_proj"]
+        assert isinstance(gate_up, nn.Linear)
+        gate_up.weight[mcfg.intermediate_size :].mul_(inv[:, None])
+    else:
+        # no foldable producer: the weight keeps W*s and the module multiplies its input by 1/s
+        input_scales[name] = (1.0 / s).float()
+
+
+def _allocate_bits(
+    model: LlamaForCausalLM, plan: dict[str, QuantConfig], inputs: dict[str, torch.Tensor]
+) -> dict[str, int]:
+    """Bits per MixedBits-planned module: 8 to the most sensitive (per parameter) first,
+    keeping the parameter-weighted average within the budget."""
+    names = [n for n, c in plan.items() if isinstance(c, MixedBits)]
+    if not names:
+        return {}
+    cfg = plan[names[0]]
+    assert isinstance(cfg, MixedBits)
+    modules = dict(model.named_modules())
+    gains: list[tuple[float, str]] = []
+    sizes: dict[str, int] = {}
+    for name in names:
+        lin = modules[name]
+        assert isinstance(lin, nn.Linear)
+        w, x = lin.weight.detach().float(), inputs[name][:512]
+        e4 = _relative_error(x, w, awq_mod.fake_quantize(w, 4, cfg.group_size))
+        e8 = _relative_error(x, w, awq_mod.fake_quantize(w, 8, None))
+        sizes[name] = w.numel()
+        gains.append(((e4 - e8) / w.numel(), name))
+    total = sum(sizes.values())
+    budget = cfg.average_bits * total
+    used = 4.0 * total
+    bits = dict.fromkeys(names, 4)
+    for _, name in sorted(gains, reverse=True):
+        extra = 4.0 * sizes[name]
+        if used + extra <= budget + 1e-6:
+            bits[name] = 8
+            used += extra
+    return bits

@@ -1,0 +1,182 @@
+"""Whole-model quantization on stories260K: accuracy, GPTQ / AWQ vs RTN, checkpoints."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from foudre.loading.loader import load_model
+from foudre.loading.tokenizer import load_tokenizer
+from foudre.models.llama import LlamaForCausalLM
+from foudre.quant import (
+    AWQ,
+    GPTQ,
+    Int4WeightOnly,
+    Int8WeightOnly,
+    MixedBits,
+    QuantLinear,
+    quantize_,
+    quantize_model,
+)
+from foudre.quant.awq import fake_quantize, search_scale
+from foudre.quant.calib import capture_inputs, run_sequence
+from foudre.quant.checkpoint import build_quantized_model, save_quantized
+from foudre.quant.gptq import gptq_quantize, hessian
+
+TEXT = (
+    Path(__file__).resolve().parents[3] / "shared" / "data" / "tinystories_v2_train_first2MiB.txt"
+)
+
+
+def _model(paths: tuple[str, str]) -> LlamaForCausalLM:
+    return load_model(paths[0], paths[1], "float32", torch.device("cpu"), None).model
+
+
+@pytest.fixture(scope="module")
+def texts(stories_paths: tuple[str, str]) -> tuple[list[list[int]], list[list[int]]]:
+    """(calibration, held-out) token sequences of real TinyStories text."""
+    if not TEXT.exists():
+        pytest.skip("shared TinyStories text is not present")
+    tok = load_tokenizer(stories_paths[1])
+    ids = tok.encode(TEXT.read_text()[:12000])
+    seqs = [ids[i : i + 96] for i in range(0, len(ids) - 96, 96)]
+    return seqs[:6], seqs[6:9]
+
+
+def _greedy(model: LlamaForCausalLM, prompt: list[int], n: int) -> list[int]:
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model.compute_logits(run_sequence(model, ids)[-1:])
+            ids.append(int(logits.argmax(-1)))
+    return ids[len(prompt) :]
+
+
+def _rel_err(x: torch.Tensor, w: torch.Tensor, wq: torch.Tensor) -> float:
+    ref = x @ w.t()
+    return ((x @ wq.t() - ref).pow(2).sum() / ref.pow(2).sum()).item()
+
+
+PROMPTS = [[1, 403, 407, 261, 378], [1, 365, 1247 % 512, 395]]
+
+
+def test_int8_keeps_greedy_output(stories_paths: tuple[str, str]) -> None:
+    ref_model, model = _model(stories_paths), _model(stories_paths)
+    quantize_(model, Int8WeightOnly())
+    assert isinstance(model.get_submodule("model.layers.0.mlp.down_proj"), QuantLinear)
+    assert isinstance(model.lm_head, nn.Linear)  # kept in float by default
+    same = total = 0
+    for prompt in PROMPTS:
+        a, b = _greedy(ref_model, prompt, 50), _greedy(model, prompt, 50)
+        same += sum(x == y for x, y in zip(a, b))
+        total += len(a)
+    assert same / total >= 0.9
+
+
+def test_int4_runs_and_tied_head_quantizes(stories_paths: tuple[str, str]) -> None:
+    model = _model(stories_paths)
+    emb = model.model.embed_tokens.weight.detach().clone()
+    quantize_(model, Int4WeightOnly(group_size=32), skip=())
+    assert isinstance(model.lm_head, QuantLinear)
+    assert torch.equal(model.model.embed_tokens.weight, emb)  # the tied embedding is untouched
+    out = _greedy(model, PROMPTS[0], 10)
+    assert len(out) == 10 and all(0 <= t < 512 for t in out)
+
+
+def test_overrides_and_unknown_method(stories_paths: tuple[str, str]) -> None:
+    model = _model(stories_paths)
+    applied = quantize_(model, {"down_proj": Int8WeightOnly(), "*": Int4WeightOnly(32)})
+    assert applied["model.layers.0.mlp.down_proj"]["bits"] == 8
+    assert applied["model.layers.0.self_attn.qkv_proj"]["bits"] == 4
+    assert "lm_head" not in applied
+    with pytest.raises(ValueError, match="int8, int4, gptq, awq, mixed"):
+        quantize_model(_model(stories_paths), "nf4")
+
+
+def test_gptq_and_awq_beat_rtn_on_real_layers(
+    stories_paths: tuple[str, str], texts: tuple[list[list[int]], list[list[int]]]
+) -> None:
+    model = _model(stories_paths)
+    calib, held = texts
+    names = ["model.layers.0.mlp.gate_up_proj", "model.layers.1.self_attn.qkv_proj"]
+    x_cal = capture_inputs(model, names, calib)
+    x_held = capture_inputs(model, names, held)
+    for name in names:
+        lin = model.get_submodule(name)
+        assert isinstance(lin, nn.Linear)
+        w = lin.weight.detach().float()
+        assert w.shape[1] == 64
+        rtn = fake_quantize(w, 4, 32)
+        q, s, z = gptq_quantize(w, hessian(x_cal[name]), 4, 32)
+        gptq = QuantLinear.from_codes(q, s, z, None, 4, 32, 64).dequantize()
+        sc = search_scale(w, x_cal[name], 4, 32)
+        awq = fake_quantize(w * sc, 4, 32) / sc
+        for x in (x_cal[name], x_held[name]):
+            assert _rel_err(x, w, gptq) < 0.9 * _rel_err(x, w, rtn)
+        assert _rel_err(x_cal[name], w, awq) <= _rel_err(x_cal[name], w, rtn)
+        assert _rel_err(x_held[name], w, awq) < 1.05 * _rel_err(x_held[name], w, rtn)
+
+
+def _nll(model: LlamaForCausalLM, seqs: list[list[int]]) -> float:
+    with torch.no_grad():
+        losses = [
+            torch.nn.functional.cross_entropy(
+                model.compute_logits(run_sequence(model, s))[:-1], torch.tensor(s[1:])
+            ).item()
+            for s in seqs
+        ]
+    return sum(losses) / len(losses)
+
+
+def test_calibrated_schemes_improve_model_loss(
+    stories_paths: tuple[str, str], texts: tuple[list[list[int]], list[list[int]]]
+) -> None:
+    calib, held = texts
+    rtn = _model(stories_paths)
+    quantize_(rtn, Int4WeightOnly(32))
+    base = _nll(rtn, held)
+    for cfg in (GPTQ(group_size=32, calibration=calib), AWQ(group_size=32, calibration=calib)):
+        model = _model(stories_paths)
+        quantize_(model, cfg)
+        assert _nll(model, held) < base, cfg
+
+
+def test_mixed_bits_budget(
+    stories_paths: tuple[str, str], texts: tuple[list[list[int]], list[list[int]]]
+) -> None:
+    model = _model(stories_paths)
+    applied = quantize_(model, MixedBits(average_bits=5.0, group_size=32, calibration=texts[0]))
+    sizes, weighted = 0, 0
+    for name, spec in applied.items():
+        mod = model.get_submodule(name)
+        assert isinstance(mod, QuantLinear)
+        sizes += mod.in_features * mod.out_features
+        weighted += int(spec["bits"] or 0) * mod.in_features * mod.out_features
+    avg = weighted / sizes
+    assert 4.0 < avg <= 5.0
+    assert {spec["bits"] for spec in applied.values()} == {4, 8}
+
+
+@pytest.mark.parametrize("method", ["int8", "gptq", "awq", "mixed"])
+def test_checkpoint_roundtrip(
+    method: str, stories_paths: tuple[str, str], tmp_path: Path,
+    texts: tuple[list[list[int]], list[list[int]]],
+) -> None:  # fmt: skip
+    model = _model(stories_paths)
+    quantize_model(model, method, texts[0][:2])
+    out = save_quantized(model, tmp_path / method, method, stories_paths[1])
+    loaded = build_quantized_model(out)
+    for name, mod in model.named_modules():
+        if isinstance(mod, QuantLinear):
+            other = loaded.get_submodule(name)
+            assert isinstance(other, QuantLinear) and other.bits == mod.bits
+    seq = texts[1][0]
+    with torch.no_grad():
+        a = model.compute_logits(run_sequence(model, seq))
+        b = loaded.compute_logits(run_sequence(loaded, seq))
+    assert torch.equal(a, b)
+    # and through the engine's loader, which reads the same config.json
+    assert (out / "tokenizer.bin").exists()
