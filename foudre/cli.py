@@ -231,9 +231,7 @@ def cmd_eval_perplexity(args: argparse.Namespace) -> int:
     from foudre.compress.eval import perplexity
     from foudre.compress.model import load_for_eval
 
-    if args.quantization is not None:
-        raise ValueError(f"--quantization {args.quantization}: not supported yet")
-    model, tok = load_for_eval(args.model, args.tokenizer)
+    model, tok = load_for_eval(args.model, args.tokenizer, args.quantization)
     docs = read_documents(args.data, args.split)
     if not docs:
         raise ValueError(f"{args.data}: no documents in split {args.split!r}")
@@ -307,7 +305,9 @@ def add_compress_parsers(sub: Any) -> None:
     ppl.add_argument("--data", required=True)
     ppl.add_argument("--max-length", type=int, default=None)
     ppl.add_argument("--split", choices=("all", "train", "heldout"), default="all")
-    ppl.add_argument("--quantization", default=None)
+    ppl.add_argument(
+        "--quantization", default=None, choices=["int8", "int4", "gptq", "awq", "mixed"]
+    )
     ppl.set_defaults(func=cmd_eval_perplexity)
 
 

@@ -119,6 +119,7 @@ def replay(
     triggered: dict[int, float] = {}  # after_tokens threshold -> time it was first reached
     produced = 0
     max_running = 0
+    peak_kv = 0.0  # after each step; the engine's own peak (mid-step) is used when it rose
     step_times: list[float] = []
     base = engine.metrics()
     policy = engine.scheduler.policy
@@ -159,8 +160,10 @@ def replay(
             outputs = engine.step()
             step_times.append(time.perf_counter() - t0)
             # the batch of this step (including requests it finished) and what still runs
-            running_now = max(engine.last_num_scheduled, int(engine.metrics()["num_running"]))
+            figs = engine.metrics()
+            running_now = max(engine.last_num_scheduled, int(figs["num_running"]))
             max_running = max(max_running, running_now)
+            peak_kv = max(peak_kv, float(figs["kv_cache_usage"]))
             for out in outputs:
                 i = index[out.request_id]
                 comp = out.outputs[0]
@@ -203,7 +206,11 @@ def replay(
         tags=[w.tag for w in workload],
         duration=max(end - start, 1e-9),
         num_steps=len(step_times),
-        peak_kv_usage=float(metrics["peak_kv_cache_usage"]),
+        peak_kv_usage=(
+            float(metrics["peak_kv_cache_usage"])
+            if metrics["peak_kv_cache_usage"] > base["peak_kv_cache_usage"]
+            else peak_kv
+        ),
         num_preemptions=int(metrics["num_preemptions"]) - int(base["num_preemptions"]),
         max_running=max_running,
         prefix_cache_hits=int(metrics["prefix_cache_hits"]) - int(base["prefix_cache_hits"]),

@@ -127,9 +127,12 @@ def load_trainable(path: str, tokenizer: str | None = None) -> tuple[LlamaForCau
     return loaded.model, loaded.tokenizer_path
 
 
-def load_for_eval(path: str, tokenizer: str | None = None) -> tuple[LlamaForCausalLM, Tokenizer]:
-    """A model foudre loads, as float32 on CPU in eval mode, with its tokenizer."""
-    loaded = load_model(path, tokenizer, "float32", torch.device("cpu"), None)
+def load_for_eval(
+    path: str, tokenizer: str | None = None, quantization: str | None = None
+) -> tuple[LlamaForCausalLM, Tokenizer]:
+    """A model foudre loads, as float32 on CPU in eval mode (weights quantized at load when
+    ``quantization`` names a method), with its tokenizer."""
+    loaded = load_model(path, tokenizer, "float32", torch.device("cpu"), None, None, quantization)
     loaded.model.requires_grad_(False)
     if loaded.tokenizer_path is None:
         raise ValueError(f"{path}: no tokenizer found; pass --tokenizer")
