@@ -115,6 +115,9 @@ DEFAULT_VARIANTS: tuple[Variant, ...] = (
         focus="short",
     ),
     Variant("chunked", "idle (no long prompt)", "interference-idle", focus="short"),
+    Variant("quantization", "model dtype weights (full)", "main", reference=True),
+    Variant("quantization", "int8 weights", "main", {"quantization": "int8"}),
+    Variant("quantization", "int4 weights (g128)", "main", {"quantization": "int4"}),
 )
 """The rows of ``foudre bench ablate``, in order. Add quantization or speculative decoding as
 e.g. ``Variant("quant", "int8", "main", {"quantization": "int8"})`` with a reference row."""
@@ -419,6 +422,14 @@ def headlines(rows: Sequence[dict[str, Any]]) -> list[str]:
                 text += f", long prompt TTFT {_f(r['mean_ttft_ms_by_tag']['long'])} ms"
             parts.append(text)
         out.append("**chunked prefill** (short requests): " + "; ".join(parts) + ".")
+    if "quantization" in ref:
+        parts = [
+            f"{r['variant']} {_f(r['output_throughput'])} tok/s, "
+            f"mean TPOT {_f(r['mean_tpot_ms'])} ms"
+            for r in rows
+            if r["experiment"] == "quantization"
+        ]
+        out.append("**quantization**: " + "; ".join(parts) + ".")
     return out
 
 
