@@ -342,7 +342,8 @@ def _md_escape(text: str) -> str:
 # CLI
 
 
-def _rate(text: str) -> float:
+def parse_rate(text: str) -> float:
+    """An argparse type for request rates: a positive number or ``inf``."""
     try:
         value = float(text)
     except ValueError:
@@ -387,7 +388,7 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument(
         "--request-rate",
-        type=_rate,
+        type=parse_rate,
         default=math.inf,
         help="requests per second, or inf to send all at once (default)",
     )

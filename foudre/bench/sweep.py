@@ -24,16 +24,7 @@ from typing import Any
 from foudre.bench.datasets import DEFAULT_RANDOM_VOCAB, arrival_times, sample_random
 from foudre.bench.metrics import compute_metrics
 from foudre.bench.offline import WorkItem, replay, replay_summary
-
-
-def _rate(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number or 'inf': {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-    return value
+from foudre.bench.serve import parse_rate
 
 
 def add_sweep_args(parser: argparse.ArgumentParser) -> None:
@@ -41,7 +32,7 @@ def add_sweep_args(parser: argparse.ArgumentParser) -> None:
     p = parser
     p.add_argument(
         "--rates",
-        type=_rate,
+        type=parse_rate,
         nargs="+",
         required=True,
         metavar="REQ/S",
