@@ -25,6 +25,13 @@ class EngineConfig:
     scheduling_policy: str = "continuous"  # continuous | static | dynamic
     batch_wait_ms: float | None = None  # static/dynamic: how long a batch waits for arrivals
     quantization: str | None = None  # int8 | int4 | gptq | awq | mixed (weights, at load)
+    # speculative decoding: a proposer guesses k tokens, the target verifies them in one step
+    speculative_method: str | None = None  # draft | ngram (draft when a model is given)
+    speculative_model: str | None = None  # the draft model (default: the embedded draft)
+    speculative_quantization: str | None = None  # quantize the draft at load (int8 | int4 ...)
+    num_speculative_tokens: int = 4
+    ngram_min: int = 1
+    ngram_max: int = 4
     seed: int = 0
     skip_tokenizer_init: bool = False
     revision: str | None = None
@@ -48,10 +55,24 @@ class EngineConfig:
         if self.batch_wait_ms is not None and self.batch_wait_ms < 0:
             raise ValueError(f"batch_wait_ms must be non-negative, got {self.batch_wait_ms}")
         quant_methods = ("int8", "int4", "gptq", "awq", "mixed")
-        if self.quantization is not None and self.quantization not in quant_methods:
+        if self.speculative_model is not None and self.speculative_method is None:
+            self.speculative_method = "draft"
+        if self.speculative_method not in (None, "draft", "ngram"):
             raise ValueError(
-                f"quantization must be one of {', '.join(quant_methods)}, got {self.quantization!r}"
+                f"speculative_method must be draft or ngram, got {self.speculative_method!r}"
             )
+        if self.num_speculative_tokens < 1:
+            raise ValueError(
+                f"num_speculative_tokens must be positive, got {self.num_speculative_tokens}"
+            )
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(
+                f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min} and {self.ngram_max}"
+            )
+        for name in ("quantization", "speculative_quantization"):
+            value = getattr(self, name)
+            if value is not None and value not in quant_methods:
+                raise ValueError(f"{name} must be one of {', '.join(quant_methods)}, got {value!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"):
             raise ValueError(
                 f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"

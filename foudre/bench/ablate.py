@@ -21,6 +21,10 @@ chunked    chunked prefill on vs off, and "idle"    ~4 short requests (32 in / 1
            (no long prompt)                         when a ~2,000-token prompt arrives (once the
                                                     shorts have ~16 tokens each); latencies are
                                                     those of the short requests
+quant...   model dtype vs int8 vs int4 weights      ``--workload`` as batching
+speculative off vs n-gram lookup vs draft model     ``--workload`` as batching; the draft row runs
+           (``--num-speculative-tokens``)          with ``--speculative-model`` (default: the
+                                                    embedded draft for the embedded target)
 =========  ======================================  ==============================================
 
 Token lengths are multiplied by ``--scale`` (1.0: the sizes above). A variant is a name, a
@@ -118,6 +122,9 @@ DEFAULT_VARIANTS: tuple[Variant, ...] = (
     Variant("quantization", "model dtype weights (full)", "main", reference=True),
     Variant("quantization", "int8 weights", "main", {"quantization": "int8"}),
     Variant("quantization", "int4 weights (g128)", "main", {"quantization": "int4"}),
+    Variant("speculative", "no speculation (full)", "main", reference=True),
+    Variant("speculative", "n-gram lookup", "main", {"speculative_method": "ngram"}),
+    Variant("speculative", "draft model", "main", {"speculative_method": "draft"}),
 )
 """The rows of ``foudre bench ablate``, in order. Add quantization or speculative decoding as
 e.g. ``Variant("quant", "int8", "main", {"quantization": "int8"})`` with a reference row."""
@@ -219,7 +226,8 @@ def build_workload(name: str, sizes: Sizes, vocab: int) -> list[WorkItem]:
 
 def full_config(base: EngineConfig) -> EngineConfig:
     """``base`` with every technique on: paged KV, continuous batching, prefix caching and chunked
-    prefill (other fields, such as dtype, block size and the KV pool, are kept)."""
+    prefill (other fields, such as dtype, block size and the KV pool, are kept). Speculative
+    decoding is off: it is its own experiment."""
     backend = "auto" if base.attention_backend == "contiguous" else base.attention_backend
     return dataclasses.replace(
         base,
@@ -227,7 +235,16 @@ def full_config(base: EngineConfig) -> EngineConfig:
         scheduling_policy="continuous",
         enable_prefix_caching=True,
         enable_chunked_prefill=True,
+        speculative_method=None,
+        speculative_model=None,
+        speculative_quantization=None,
     )
+
+
+def has_draft_model(base: EngineConfig) -> bool:
+    """Whether the draft-model row can run: a ``--speculative-model``, or the embedded target
+    (whose draft ships beside it)."""
+    return base.speculative_model is not None or base.model is None
 
 
 def _row(
@@ -282,6 +299,12 @@ def run_variant(
 
     overrides = variant.resolve(sizes)
     config = dataclasses.replace(full_config(base), **overrides)
+    if config.speculative_method == "draft":  # the draft the user named, if any
+        config = dataclasses.replace(
+            config,
+            speculative_model=base.speculative_model,
+            speculative_quantization=base.speculative_quantization,
+        )
     t0 = time.perf_counter()
     llm = LLM.from_config(config)
     engine = llm.engine
@@ -291,7 +314,13 @@ def run_variant(
         if warmup:  # first-call costs (allocations, kernel selection) are not the technique's
             rng = np.random.default_rng(sizes.seed + 99)
             llm.generate(_ids(rng, 8, vocab), SamplingParams(temperature=0, max_tokens=2))
+        before = engine.metrics()
         rep = replay(engine, items)
+        after = engine.metrics()
+        drafts, draft_tokens, accepted = (
+            after[k] - before[k]
+            for k in ("spec_num_drafts", "spec_draft_tokens", "spec_accepted_tokens")
+        )
         per_block = kv_bytes_per_block(engine.model, engine.kv.block_size, engine.dtype)
         figs = {
             "peak_kv_cache_usage": rep.peak_kv_usage,
@@ -302,6 +331,9 @@ def run_variant(
             "prefix_cache_queries": rep.prefix_cache_queries,
             "num_steps": rep.num_steps,
             "peak_rss_mib": rep.peak_rss_bytes / (1 << 20),
+            "spec_draft_tokens": draft_tokens,
+            "spec_acceptance_rate": accepted / draft_tokens if draft_tokens else None,
+            "spec_mean_acceptance_length": 1 + accepted / drafts if drafts else None,
         }
         resolved = dataclasses.replace(config, num_kv_blocks=engine.kv.num_blocks)
         row = _row(variant, resolved, rep.results, rep.tags, rep.duration, figs)
@@ -430,6 +462,19 @@ def headlines(rows: Sequence[dict[str, Any]]) -> list[str]:
             if r["experiment"] == "quantization"
         ]
         out.append("**quantization**: " + "; ".join(parts) + ".")
+    if "speculative" in ref:
+        parts = []
+        for r in rows:
+            if r["experiment"] != "speculative":
+                continue
+            text = f"{r['variant']} {_f(r['output_throughput'])} tok/s"
+            if r.get("spec_acceptance_rate") is not None:
+                text += (
+                    f" (acceptance {r['spec_acceptance_rate']:.2f}, "
+                    f"{r['spec_mean_acceptance_length']:.2f} tokens per target forward)"
+                )
+            parts.append(text)
+        out.append("**speculative decoding**: " + "; ".join(parts) + ".")
     return out
 
 
@@ -537,6 +582,9 @@ def run_ablate(args: argparse.Namespace, argv: Sequence[str] | None = None) -> l
         workload=args.workload,
     )
     variants = [v for v in DEFAULT_VARIANTS if v.experiment in wanted]
+    if not has_draft_model(base):
+        _log("speculative / draft model: skipped (give --speculative-model for this model)")
+        variants = [v for v in variants if v.overrides != {"speculative_method": "draft"}]
     rows = run_ablation(base, sizes, variants, log=_log)
     full = full_config(base)
     meta = {

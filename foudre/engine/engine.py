@@ -11,6 +11,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,14 +21,14 @@ from foudre.engine.kv_cache import KVCacheManager
 from foudre.engine.policies import make_policy
 from foudre.engine.request import Request, RequestStatus
 from foudre.engine.scheduler import Scheduler
-from foudre.layers.sampler import SamplerOutput
 from foudre.loading.detokenizer import IncrementalDetokenizer
 from foudre.loading.loader import default_model, load_model, load_tokenizer_for
 from foudre.loading.tokenizer import Tokenizer
 from foudre.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from foudre.runner.attention import get_backend
-from foudre.runner.model_runner import ModelRunner, kv_bytes_per_block
+from foudre.runner.model_runner import ModelRunner, StepOutput, kv_bytes_per_block
 from foudre.sampling_params import SamplingParams
+from foudre.spec.proposers import DraftModelProposer, NgramProposer, Proposer
 
 logger = logging.getLogger("foudre")
 
@@ -138,12 +139,65 @@ class LLMEngine:
             self.dtype,
             config.seed,
         )
+        self.proposer = self._make_proposer(num_blocks)
+        if self.proposer is not None:
+            self.scheduler.on_free = self.proposer.free
+        k = config.num_speculative_tokens
+        self.spec_num_drafts = 0  # verifications with at least one draft token
+        self.spec_draft_tokens = 0
+        self.spec_accepted_tokens = 0
+        self.spec_accepted_per_position = [0] * k  # drafts accepted at position 1..k
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.peak_kv_usage = 0.0
+        self.num_model_steps = 0  # target forwards run
         self.last_num_scheduled = 0  # 0 while requests wait on a batching policy or on blocks
+
+    def _make_proposer(self, num_blocks: int) -> Proposer | None:
+        cfg = self.config
+        if cfg.speculative_method is None:
+            return None
+        k = cfg.num_speculative_tokens
+        if cfg.speculative_method == "ngram":
+            return NgramProposer(k, cfg.ngram_min, cfg.ngram_max)
+        draft_name = cfg.speculative_model
+        if draft_name is None:
+            embedded = default_model()[0]
+            if cfg.model is not None or not embedded.endswith("target"):
+                raise ValueError(
+                    "speculative_method='draft' needs speculative_model (a draft model with the "
+                    "target's tokenizer); only the embedded target has a default draft"
+                )
+            draft_name = str(Path(embedded).parent / "draft")
+        draft = load_model(
+            draft_name,
+            None,
+            cfg.dtype if cfg.dtype != "auto" else str(self.dtype).removeprefix("torch."),
+            self.device,
+            None,
+            None,
+            cfg.speculative_quantization,
+        )
+        if draft.config.max_position_embeddings < self.max_model_len:
+            raise ValueError(
+                f"the draft model's max_position_embeddings {draft.config.max_position_embeddings}"
+                f" is below max_model_len {self.max_model_len}"
+            )
+        dtype = next(draft.model.parameters()).dtype
+        return DraftModelProposer(
+            draft.model,
+            get_backend(cfg.attention_backend if cfg.attention_backend != "contiguous" else "auto"),
+            k,
+            num_blocks,
+            cfg.block_size,
+            self.device,
+            dtype,
+            self.model_config.vocab_size,
+            cfg.enable_prefix_caching,
+            cfg.seed,
+        )
 
     def _num_blocks(self, block_size: int) -> int:
         cfg = self.config
@@ -231,48 +285,95 @@ class LLMEngine:
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one engine step; return outputs of requests that produced tokens or finished."""
+        if self.proposer is not None:
+            self._propose()
         sched = self.scheduler.schedule()
         self.last_num_scheduled = len(sched.requests)
         if not sched.requests:
             return []
+        self.num_model_steps += 1
         now = time.monotonic()
         for req in sched.requests:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
-        samplers, sampled = self.runner.execute(sched.requests, sched.num_new_tokens, self.kv)
+        result = self.runner.execute(sched.requests, sched.num_new_tokens, self.kv)
         for req, n in zip(sched.requests, sched.num_new_tokens, strict=True):
             req.num_computed_tokens += n
         self.peak_kv_usage = max(self.peak_kv_usage, self.kv.usage)
-        return self._update(samplers, sampled) if sampled is not None else []
+        return self._update(result)
 
-    def _update(self, samplers: list[Request], sampled: SamplerOutput) -> list[RequestOutput]:
+    def _propose(self) -> None:
+        """Drafts for every running request that has caught up, as many as it may still use."""
+        assert self.proposer is not None
+        k = self.proposer.num_speculative_tokens
+        reqs, limits = [], []
+        for req in self.scheduler.running:
+            req.clear_spec()
+            if req.num_tokens - req.num_computed_tokens != 1:
+                continue  # still prefilling
+            p = req.sampling_params
+            # a step emits up to drafts + 1 tokens: stay within max_tokens and max_model_len
+            room = self.max_model_len - req.num_tokens - 1
+            if p.max_tokens is not None:
+                room = min(room, p.max_tokens - len(req.output_token_ids) - 1)
+            if room >= 1:
+                reqs.append(req)
+                limits.append(min(k, room))
+        if reqs:
+            self.proposer.propose(reqs, limits)
+
+    def _update(self, result: StepOutput) -> list[RequestOutput]:
         now = time.monotonic()
         outputs = []
-        for req, token, lp in zip(samplers, sampled.token_ids, sampled.logprobs, strict=True):
+        for req, tokens, lps, n_draft, n_acc in zip(
+            result.requests,
+            result.token_ids,
+            result.logprobs,
+            result.num_draft_tokens,
+            result.num_accepted,
+            strict=True,
+        ):
+            if n_draft:
+                req.num_computed_tokens -= n_draft - n_acc  # roll back rejected positions
+                self._record_spec(n_draft, n_acc)
+            req.clear_spec()
             tracked = self._tracked[req.request_id]
-            req.output_token_ids.append(token)
-            self.num_generation_tokens += 1
             if req.first_token_time is None:
                 req.first_token_time = now
             req.last_token_time = now
-            if lp is not None:
-                req.logprobs.append(lp)
-                req.cumulative_logprob += lp[token]
-            status = self._check_stop(req, token)
             delta = ""
-            if tracked.detok is not None:
-                if status is None or req.stop_reason is None:  # stop tokens are not shown
-                    delta = tracked.detok.add_tokens([token])
-                if tracked.detok.stopped_by is not None:
-                    status = RequestStatus.FINISHED_STOPPED
-                    req.stop_reason = tracked.detok.stopped_by
-                elif status is not None:
-                    delta += tracked.detok.flush()
+            status = None
+            emitted: list[int] = []
+            for i, token in enumerate(tokens):
+                req.output_token_ids.append(token)
+                emitted.append(token)
+                self.num_generation_tokens += 1
+                if lps is not None:
+                    req.logprobs.append(lps[i])
+                    req.cumulative_logprob += lps[i][token]
+                status = self._check_stop(req, token)
+                if tracked.detok is not None:
+                    if status is None or req.stop_reason is None:  # stop tokens are not shown
+                        delta += tracked.detok.add_tokens([token])
+                    if tracked.detok.stopped_by is not None:
+                        status = RequestStatus.FINISHED_STOPPED
+                        req.stop_reason = tracked.detok.stopped_by
+                    elif status is not None:
+                        delta += tracked.detok.flush()
+                if status is not None:
+                    break  # tokens accepted after a stop are dropped
             if status is not None:
                 self.scheduler.finish(req, status)
                 del self._tracked[req.request_id]
-            outputs.append(self._output(tracked, [token], delta))
+            outputs.append(self._output(tracked, emitted, delta))
         return outputs
+
+    def _record_spec(self, num_draft: int, num_accepted: int) -> None:
+        self.spec_num_drafts += 1
+        self.spec_draft_tokens += num_draft
+        self.spec_accepted_tokens += num_accepted
+        for j in range(num_accepted):
+            self.spec_accepted_per_position[j] += 1
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         p = req.sampling_params
@@ -340,4 +441,15 @@ class LLMEngine:
             "prompt_tokens": self.num_prompt_tokens,
             "generation_tokens": self.num_generation_tokens,
             "peak_kv_cache_usage": self.peak_kv_usage,
+            "num_model_steps": self.num_model_steps,
+            "spec_num_drafts": self.spec_num_drafts,
+            "spec_draft_tokens": self.spec_draft_tokens,
+            "spec_accepted_tokens": self.spec_accepted_tokens,
+            "spec_accepted_per_position": list(self.spec_accepted_per_position),
+            # tokens per verification step: accepted drafts plus the target's own token
+            "spec_mean_acceptance_length": (
+                1.0 + self.spec_accepted_tokens / self.spec_num_drafts
+                if self.spec_num_drafts
+                else 0.0
+            ),
         }

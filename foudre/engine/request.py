@@ -38,11 +38,13 @@ class Request:
 
     Layout of its tokens (``num_computed_tokens`` have K/V in the cache)::
 
-        |<------- prompt ------->|<---- output ---->|
-        |<---- num_computed_tokens ---->|<- to compute ->|
+        |<------- prompt ------->|<---- output ---->|<- drafts ->|
+        |<---- num_computed_tokens ---->|<------ to compute ------->|
 
-    The scheduler only ever asks "compute the next n tokens"; prefill, decode, prefix hits and
-    recomputation after preemption are all that one operation.
+    The scheduler only ever asks "compute the next n tokens"; prefill, decode, prefix hits,
+    recomputation after preemption and verification of speculative drafts are all that one
+    operation. Drafts are never part of ``num_tokens`` (nor hashed into the prefix cache): after
+    verification, rejected positions are rolled back out of ``num_computed_tokens``.
     """
 
     request_id: str
@@ -63,6 +65,10 @@ class Request:
     num_preemptions: int = 0
     stop_reason: str | int | None = None
     user_data: Any = None
+    # speculative decoding: draft tokens to verify this step, and the proposer's distributions
+    # they were drawn from ([k, vocab]; None = one-hot at each draft, as for n-gram drafts)
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_probs: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.sampling_params.seed is not None:
@@ -88,6 +94,17 @@ class Request:
         if start >= p:
             return self.output_token_ids[start - p : end - p]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+
+    def input_token_ids(self, start: int, end: int) -> list[int]:
+        """Token ids in ``[start, end)`` of prompt + output + draft tokens."""
+        n = self.num_tokens
+        if end <= n:
+            return self.token_ids_range(start, end)
+        return self.token_ids_range(start, n) + self.spec_token_ids[max(start - n, 0) : end - n]
+
+    def clear_spec(self) -> None:
+        self.spec_token_ids = []
+        self.spec_probs = None
 
     @property
     def is_finished(self) -> bool:

@@ -3,7 +3,8 @@
 Every step it decides how many new tokens each request computes::
 
     budget = max_num_batched_tokens
-    1. running requests, oldest first: each gets min(tokens it lacks, budget);
+    1. running requests, oldest first: each gets min(tokens it lacks, budget), where a request
+       verifying speculative drafts also lacks its drafts (cut to what the budget allows);
        if blocks run out, the newest running request is preempted (freed, recomputed later)
     2. waiting requests, in arrival order, while budget, seats and blocks remain and the batching
        policy (``policies.py``) admits them:
@@ -19,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from foudre.engine.kv_cache import KVCacheManager
@@ -61,6 +63,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.on_free: Callable[[Request], None] | None = None  # e.g. the draft model's cache
 
     # -- queue management ----------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -78,11 +81,17 @@ class Scheduler:
             with contextlib.suppress(ValueError):  # already taken out of the queue
                 self.waiting.remove(request)
         request.status = status
-        self.kv.free(request)
+        self._free(request)
         self.policy.on_finish(request)
 
-    def _preempt(self, request: Request) -> None:
+    def _free(self, request: Request) -> None:
+        request.clear_spec()
         self.kv.free(request)
+        if self.on_free is not None:
+            self.on_free(request)
+
+    def _preempt(self, request: Request) -> None:
+        self._free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -97,11 +106,17 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if num_new <= 0:  # nothing to compute (cannot happen outside speculation)
+            lacking = req.num_tokens - req.num_computed_tokens
+            num_new = min(lacking + len(req.spec_token_ids), budget)
+            if num_new < lacking + len(req.spec_token_ids):  # keep the drafts that fit
+                keep = max(num_new - lacking, 0)
+                req.spec_token_ids = req.spec_token_ids[:keep]
+                if req.spec_probs is not None:
+                    req.spec_probs = req.spec_probs[:keep] if keep else None
+            if num_new <= 0:
                 i += 1
                 continue
-            while not self.kv.allocate_slots(req, num_new):
+            while not self.kv.allocate_slots(req, num_new, num_final_tokens=req.num_tokens):
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim)

@@ -4,16 +4,38 @@ Every request of the batch has its own parameters; they are gathered into tensor
 batch is warped in a handful of vectorised ops. Sampling uses the exponential race
 (``argmax(p / E)`` with ``E ~ Exp(1)``), which draws exactly from ``p`` and lets a seeded request
 take its noise from its own generator: the same seed gives the same tokens whatever the batch.
+
+The stages are separate so that speculative verification (``foudre/spec``) warps the target's
+logits exactly as plain sampling does: ``process_logits`` (min_tokens, penalties) ->
+``warp_probs`` (temperature, top-k, top-p, min-p) -> ``draw``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from foudre.engine.request import Request
+from foudre.sampling_params import SamplingParams
+
+
+class SamplingRow(Protocol):
+    """What sampling reads of a request (``Request`` is one; speculation adds draft views)."""
+
+    @property
+    def sampling_params(self) -> SamplingParams: ...
+    @property
+    def output_token_ids(self) -> list[int]: ...
+    @property
+    def eos_token_ids(self) -> frozenset[int]: ...
+    @property
+    def num_tokens(self) -> int: ...
+    @property
+    def all_token_ids(self) -> list[int]: ...
+    @property
+    def generator(self) -> torch.Generator | None: ...
 
 
 @dataclass(slots=True)
@@ -23,7 +45,7 @@ class SamplerOutput:
     logprobs: list[dict[int, float] | None]
 
 
-def apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+def apply_penalties(logits: torch.Tensor, requests: Sequence[SamplingRow]) -> torch.Tensor:
     """Repetition (prompt and output, multiplicative), presence and frequency (output only)."""
     n, vocab = logits.shape
     device = logits.device
@@ -64,69 +86,105 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def sample(
-    logits: torch.Tensor,
-    requests: Sequence[Request],
-    generator: torch.Generator | None = None,
-) -> SamplerOutput:
-    """Pick one token per row of ``logits`` (float32 ``[N, vocab]``) for ``requests``."""
-    params = [r.sampling_params for r in requests]
-    device = logits.device
-    want_logprobs = any(p.logprobs is not None for p in params)
-    raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
-
-    # min_tokens: end-of-sequence tokens are not allowed yet
+def process_logits(logits: torch.Tensor, requests: Sequence[SamplingRow]) -> torch.Tensor:
+    """min_tokens (end-of-sequence tokens banned until reached) and penalties, in place where
+    possible. The result's argmax is the greedy token."""
     for i, r in enumerate(requests):
         p = r.sampling_params
         if p.min_tokens and len(r.output_token_ids) < p.min_tokens:
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(r.eos_token_ids))
             if banned:
                 logits[i, banned] = float("-inf")
-    if any(p.has_penalties for p in params):
+    if any(r.sampling_params.has_penalties for r in requests):
         logits = apply_penalties(logits, requests)
+    return logits
 
+
+def warp_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """The distribution a sampled request draws from: temperature, top-k, top-p, min-p.
+    Greedy rows get temperature 1 (callers take their argmax instead)."""
+    device = logits.device
+    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params])
+    x = logits / temps.view(-1, 1).to(device)
+    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+        top_k = torch.tensor([p.top_k for p in params], device=device)
+        top_p = torch.tensor([p.top_p for p in params], device=device)
+        x = _top_k_top_p(x, top_k, top_p)
+    probs = x.softmax(dim=-1)
+    if any(p.min_p > 0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], device=device).view(-1, 1)
+        probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0)
+    return probs
+
+
+def exponential_noise(
+    shape: tuple[int, int],
+    generators: Sequence[torch.Generator | None],
+    device: torch.device,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """``Exp(1)`` noise ``[rows, vocab]``; a row with its own generator draws only from it."""
+    noise = torch.empty(shape, device=device).exponential_(generator=generator)
+    for i, g in enumerate(generators):
+        if g is not None:
+            # a request's generator lives on the CPU (Request does not know the device)
+            noise[i] = torch.empty(shape[1]).exponential_(generator=g).to(device)
+    return noise
+
+
+def draw(
+    probs: torch.Tensor,
+    rows: Sequence[SamplingRow],
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """One token per row of (possibly unnormalised) ``probs`` by the exponential race."""
+    noise = exponential_noise(
+        (probs.shape[0], probs.shape[1]), [r.generator for r in rows], probs.device, generator
+    )
+    return (probs / noise).argmax(dim=-1)
+
+
+def gather_logprobs(
+    raw_logprobs: torch.Tensor, tokens: list[int], params: Sequence[SamplingParams]
+) -> list[dict[int, float] | None]:
+    """Per row: the chosen token's logprob, then the top-n (None where logprobs were not asked)."""
+    rows: list[dict[int, float] | None] = [None] * len(tokens)
+    token_t = torch.tensor(tokens, device=raw_logprobs.device).view(-1, 1)
+    chosen = raw_logprobs.gather(1, token_t).view(-1).tolist()
+    max_n = max(p.logprobs or 0 for p in params)
+    top_vals, top_ids = raw_logprobs.topk(max_n, dim=-1) if max_n else (None, None)
+    for i, p in enumerate(params):
+        if p.logprobs is None:
+            continue
+        entry: dict[int, float] = {tokens[i]: chosen[i]}
+        if p.logprobs and top_vals is not None and top_ids is not None:
+            for tid, val in zip(
+                top_ids[i, : p.logprobs].tolist(), top_vals[i, : p.logprobs].tolist(), strict=True
+            ):
+                entry.setdefault(tid, val)
+        rows[i] = entry
+    return rows
+
+
+def sample(
+    logits: torch.Tensor,
+    requests: Sequence[SamplingRow],
+    generator: torch.Generator | None = None,
+) -> SamplerOutput:
+    """Pick one token per row of ``logits`` (float32 ``[N, vocab]``) for ``requests``."""
+    params = [r.sampling_params for r in requests]
+    want_logprobs = any(p.logprobs is not None for p in params)
+    raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
+    logits = process_logits(logits, requests)
     greedy_tokens = logits.argmax(dim=-1)
     if all(p.greedy for p in params):
         tokens = greedy_tokens
     else:
-        temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params])
-        x = logits / temps.view(-1, 1).to(device)
-        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-            top_k = torch.tensor([p.top_k for p in params], device=device)
-            top_p = torch.tensor([p.top_p for p in params], device=device)
-            x = _top_k_top_p(x, top_k, top_p)
-        probs = x.softmax(dim=-1)
-        if any(p.min_p > 0 for p in params):
-            min_p = torch.tensor([p.min_p for p in params], device=device).view(-1, 1)
-            probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0)
-        noise = torch.empty_like(probs).exponential_(generator=generator)
-        for i, r in enumerate(requests):
-            if r.generator is not None:  # a seeded request draws only from its own stream
-                # its generator lives on the CPU (Request does not know the device): draw there
-                row = torch.empty(noise.shape[1], dtype=noise.dtype).exponential_(
-                    generator=r.generator
-                )
-                noise[i] = row.to(device)
-        sampled = (probs / noise).argmax(dim=-1)
-        is_greedy = torch.tensor([p.greedy for p in params], device=device)
+        sampled = draw(warp_probs(logits, params), requests, generator)
+        is_greedy = torch.tensor([p.greedy for p in params], device=logits.device)
         tokens = torch.where(is_greedy, greedy_tokens, sampled)
-
     token_list = tokens.tolist()
     logprob_rows: list[dict[int, float] | None] = [None] * len(requests)
     if raw_logprobs is not None:
-        chosen = raw_logprobs.gather(1, tokens.view(-1, 1)).view(-1).tolist()
-        max_n = max(p.logprobs or 0 for p in params)
-        top_vals, top_ids = raw_logprobs.topk(max_n, dim=-1) if max_n else (None, None)
-        for i, p in enumerate(params):
-            if p.logprobs is None:
-                continue
-            entry: dict[int, float] = {token_list[i]: chosen[i]}
-            if p.logprobs and top_vals is not None and top_ids is not None:
-                for tid, val in zip(
-                    top_ids[i, : p.logprobs].tolist(),
-                    top_vals[i, : p.logprobs].tolist(),
-                    strict=True,
-                ):
-                    entry.setdefault(tid, val)
-            logprob_rows[i] = entry
+        logprob_rows = gather_logprobs(raw_logprobs, token_list, params)
     return SamplerOutput(token_ids=token_list, logprobs=logprob_rows)

@@ -40,12 +40,21 @@ class _EngineCollector(Collector):
          "prefix_cache_queries"),
         ("foudre:prefix_cache_hits", "Prompt blocks found in the prefix cache.",
          "prefix_cache_hits"),
+        ("foudre:spec_decode_num_drafts", "Speculative verifications (requests with drafts).",
+         "spec_num_drafts"),
+        ("foudre:spec_decode_num_draft_tokens", "Draft tokens proposed and verified.",
+         "spec_draft_tokens"),
+        ("foudre:spec_decode_num_accepted_tokens", "Draft tokens accepted by the target.",
+         "spec_accepted_tokens"),
     )  # fmt: skip
     _GAUGES = (
         ("foudre:num_requests_running", "Requests in the running batch.", "num_running"),
         ("foudre:num_requests_waiting", "Requests waiting to be scheduled.", "num_waiting"),
         ("foudre:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).",
          "kv_cache_usage"),
+        ("foudre:spec_decode_mean_acceptance_length",
+         "Tokens per speculative verification step (accepted drafts + 1).",
+         "spec_mean_acceptance_length"),
     )  # fmt: skip
 
     def __init__(self, snapshot: Callable[[], dict[str, Any]]) -> None:
@@ -57,6 +66,14 @@ class _EngineCollector(Collector):
             yield CounterMetricFamily(name, doc, value=float(snap.get(key, 0)))
         for name, doc, key in self._GAUGES:
             yield GaugeMetricFamily(name, doc, value=float(snap.get(key, 0)))
+        per_position = CounterMetricFamily(
+            "foudre:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position in the draft (1 = first).",
+            labels=["position"],
+        )
+        for i, count in enumerate(snap.get("spec_accepted_per_position", [])):
+            per_position.add_metric([str(i + 1)], float(count))
+        yield per_position
 
 
 class PrometheusMetrics:

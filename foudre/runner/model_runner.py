@@ -2,26 +2,40 @@
 
 One ``execute`` = one forward over the flattened new tokens of every scheduled request, then
 logits only at the positions that sample (the last token of each request that has caught up with
-its prompt and output), then one batched ``sample``.
+its prompt and output, plus every draft position when it verifies speculative tokens), then one
+batched ``sample`` (or ``verify`` when drafts are present).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from foudre.engine.kv_cache import KVCacheManager
 from foudre.engine.request import Request
-from foudre.layers.sampler import SamplerOutput, sample
+from foudre.layers.sampler import sample
 from foudre.models.llama import LlamaForCausalLM
 from foudre.runner.attention import AttentionBackend, BatchLayout
+from foudre.spec.rejection import verify
 
 
 def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
     cfg = model.config
     elem = torch.empty((), dtype=dtype).element_size()
     return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """Per request that sampled: its new tokens (one, or accepted drafts plus one)."""
+
+    requests: list[Request]
+    token_ids: list[list[int]]
+    logprobs: list[list[dict[int, float]] | None]
+    num_draft_tokens: list[int]  # drafts verified per request (0 without speculation)
+    num_accepted: list[int]
 
 
 class ModelRunner:
@@ -47,35 +61,36 @@ class ModelRunner:
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
     @torch.inference_mode()
-    def execute(
-        self, requests: Sequence[Request], num_new_tokens: Sequence[int], kv: KVCacheManager
-    ) -> tuple[list[Request], SamplerOutput | None]:
-        """Compute the scheduled tokens; return the requests that sampled and their samples."""
+    def forward(
+        self,
+        block_tables: Sequence[list[int]],
+        starts: Sequence[int],
+        token_ids: Sequence[list[int]],
+        num_logits: Sequence[int],
+    ) -> torch.Tensor | None:
+        """Compute ``token_ids[i]`` at positions ``starts[i]...`` of sequence ``i`` (writing
+        their K/V through ``block_tables[i]``); return float32 logits of the last
+        ``num_logits[i]`` tokens of each sequence, in order (None when none are asked)."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[torch.Tensor] = []
         slots: list[torch.Tensor] = []
         seq_lens: list[int] = []
-        tables: list[list[int]] = []
-        sample_rows: list[int] = []
-        samplers: list[Request] = []
-        for req, n in zip(requests, num_new_tokens, strict=True):
-            start = req.num_computed_tokens
-            end = start + n
-            input_ids.extend(req.token_ids_range(start, end))
+        rows: list[int] = []
+        for table, start, ids, n_logits in zip(
+            block_tables, starts, token_ids, num_logits, strict=True
+        ):
+            end = start + len(ids)
+            input_ids.extend(ids)
             pos = torch.arange(start, end)
-            table = kv.block_ids(req.request_id)
             slots.append(torch.tensor(table)[pos // bs] * bs + pos % bs)
             positions.append(pos)
             seq_lens.append(end)
-            tables.append(table)
-            if end == req.num_tokens:
-                sample_rows.append(len(input_ids) - 1)
-                samplers.append(req)
+            rows.extend(range(len(input_ids) - n_logits, len(input_ids)))
         layout = BatchLayout(
-            query_lens=list(num_new_tokens),
+            query_lens=[len(ids) for ids in token_ids],
             seq_lens=seq_lens,
-            block_tables=tables,
+            block_tables=list(block_tables),
             slot_mapping=torch.cat(slots),
             block_size=bs,
         )
@@ -87,7 +102,36 @@ class ModelRunner:
             self.backend,
             metadata,
         )
-        if not samplers:
-            return [], None
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
-        return samplers, sample(logits, samplers, self.generator)
+        if not rows:
+            return None
+        return self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+
+    @torch.inference_mode()
+    def execute(
+        self, requests: Sequence[Request], num_new_tokens: Sequence[int], kv: KVCacheManager
+    ) -> StepOutput:
+        """Compute the scheduled tokens; return the requests that sampled and their tokens."""
+        tables, starts, tokens, num_logits = [], [], [], []
+        samplers: list[Request] = []
+        for req, n in zip(requests, num_new_tokens, strict=True):
+            start = req.num_computed_tokens
+            end = start + n
+            tables.append(kv.block_ids(req.request_id))
+            starts.append(start)
+            tokens.append(req.input_token_ids(start, end))
+            # a request samples once it reaches its last token; every draft adds one position
+            n_logits = end - req.num_tokens + 1 if end >= req.num_tokens else 0
+            num_logits.append(n_logits)
+            if n_logits:
+                assert n_logits == len(req.spec_token_ids) + 1, "drafts scheduled partially"
+                samplers.append(req)
+        logits = self.forward(tables, starts, tokens, num_logits)
+        if logits is None:
+            return StepOutput([], [], [], [], [])
+        if not any(r.spec_token_ids for r in samplers):
+            out = sample(logits, samplers, self.generator)
+            lps = [None if lp is None else [lp] for lp in out.logprobs]
+            zeros = [0] * len(samplers)
+            return StepOutput(samplers, [[t] for t in out.token_ids], lps, zeros, zeros)
+        v = verify(logits, samplers, self.generator)
+        return StepOutput(samplers, v.token_ids, v.logprobs, v.num_draft_tokens, v.num_accepted)

@@ -36,8 +36,10 @@ def test_workloads_have_their_shapes() -> None:
 def test_ablate_tiny(stories_paths: tuple[str, str], tmp_path: Path) -> None:
     model, tok = stories_paths
     out = tmp_path / "ablate"
+    # the draft row speculates with stories260K itself (quantized to int8) as the draft
     rc = main(["bench", "ablate", "--model", model, "--tokenizer", tok, "--scale", "0.12",
-               "--num-prompts", "16", "--request-rate", "400", "--output", str(out)])  # fmt: skip
+               "--num-prompts", "16", "--request-rate", "400", "--output", str(out),
+               "--speculative-model", model, "--speculative-quantization", "int8"])  # fmt: skip
     assert rc == 0
     md = (out / "ablate.md").read_text()
     data = json.loads((out / "ablate.json").read_text())
@@ -64,6 +66,12 @@ def test_ablate_tiny(stories_paths: tuple[str, str], tmp_path: Path) -> None:
     chunked = rows[("chunked", "chunked prefill on (full)")]
     assert "long" in chunked["mean_ttft_ms_by_tag"]
     assert "long" not in rows[("chunked", "idle (no long prompt)")]["mean_ttft_ms_by_tag"]
+    draft, ngram = rows[("speculative", "draft model")], rows[("speculative", "n-gram lookup")]
+    assert rows[("speculative", "no speculation (full)")]["spec_draft_tokens"] == 0
+    assert draft["spec_draft_tokens"] > 0 and draft["spec_acceptance_rate"] > 0.5
+    assert draft["spec_mean_acceptance_length"] > 1.5
+    assert ngram["spec_acceptance_rate"] is None or 0 <= ngram["spec_acceptance_rate"] <= 1
+    assert "**speculative decoding**" in md
     static = rows[("batching", "static")]
     assert (
         static["total_output_tokens"]
