@@ -1,9 +1,10 @@
-"""Loading models and tokenizers: Hugging Face directories and Hub ids, llama2.c files."""
+"""Loading models and tokenizers: Hugging Face directories and Hub ids, GGUF, llama2.c."""
 
 from __future__ import annotations
 
 from foudre.loading.detokenizer import IncrementalDetokenizer
 from foudre.loading.errors import ModelLoadError
+from foudre.loading.gguf import load_gguf, load_gguf_tokenizer
 from foudre.loading.hf import (
     iter_safetensors_weights,
     load_generation_config,
@@ -28,6 +29,8 @@ __all__ = [
     "Tokenizer",
     "iter_safetensors_weights",
     "load_generation_config",
+    "load_gguf",
+    "load_gguf_tokenizer",
     "load_hf_config",
     "load_llama2c",
     "load_tokenizer",

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from foudre.loading.errors import ModelLoadError
+from foudre.loading.gguf import is_gguf_file, load_gguf
 from foudre.loading.hf import (
     iter_safetensors_weights,
     load_generation_config,
@@ -89,14 +90,25 @@ def load_model(
     revision: str | None = None,
     quantization: str | None = None,
 ) -> LoadedModel:
-    """Load config and weights from a HF directory, a hub id or a llama2.c ``.bin``."""
+    """Load config and weights from a HF directory, a hub id, a GGUF file or a llama2.c ``.bin``.
+
+    A GGUF file is its own tokenizer (unless ``tokenizer`` names another) and its tensors are
+    dequantized to the model dtype (``dtype="auto"``: the file's float type, bfloat16 when
+    quantized).
+    """
     path = resolve_model_path(model, revision)
     weights: Iterable[tuple[str, torch.Tensor]]
-    if path.is_file():
+    gen: dict[str, Any]
+    tok: str | None
+    if is_gguf_file(path):
+        cfg, weights = load_gguf(path)
+        tok = tokenizer or str(path)
+        gen = {}
+    elif path.is_file():
         cfg, state = load_llama2c(path)
         weights = state.items()
         tok = tokenizer or _find_llama2c_tokenizer(path)
-        gen: dict[str, Any] = {}
+        gen = {}
     else:
         cfg = load_hf_config(path)
         weights = iter_safetensors_weights(path)

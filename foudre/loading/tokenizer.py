@@ -147,19 +147,25 @@ def _read_tokenizer_config(directory: Path) -> dict[str, Any]:
 class HFTokenizer(Tokenizer):
     """A Hugging Face ``tokenizers`` tokenizer (``tokenizer.json``) with its tokenizer_config.
 
-    BOS is added once when ``add_bos_token`` says so (or, absent that key, when the
-    tokenizer.json post-processor adds it); never twice.
+    ``source`` is the ``tokenizer.json`` path, or a ``tokenizers.Tokenizer`` already built in
+    memory (from GGUF metadata). BOS is added once when ``add_bos_token`` says so (or, absent
+    that key, when the tokenizer.json post-processor adds it); never twice.
     """
 
-    def __init__(self, path: Path, config: dict[str, Any] | None = None) -> None:
+    def __init__(self, source: Path | Any, config: dict[str, Any] | None = None) -> None:
         from tokenizers import Tokenizer as RustTokenizer
 
         config = config or {}
-        super().__init__(_chat_template(config, path.parent))
-        try:
-            self._tok = RustTokenizer.from_file(str(path))
-        except Exception as exc:  # tokenizers raises plain Exception for bad files
-            raise ModelLoadError(f"{path}: cannot load tokenizer: {exc}", path) from exc
+        if isinstance(source, RustTokenizer):
+            super().__init__(_chat_template(config, None))
+            self._tok = source
+        else:
+            path = Path(source)
+            super().__init__(_chat_template(config, path.parent))
+            try:
+                self._tok = RustTokenizer.from_file(str(path))
+            except Exception as exc:  # tokenizers raises plain Exception for bad files
+                raise ModelLoadError(f"{path}: cannot load tokenizer: {exc}", path) from exc
         self._bos_token = _token_text(config.get("bos_token"))
         self._eos_token = _token_text(config.get("eos_token"))
         self._bos_id = None if self._bos_token is None else self._tok.token_to_id(self._bos_token)
@@ -219,22 +225,36 @@ class HFTokenizer(Tokenizer):
 class SentencePieceTokenizer(Tokenizer):
     """A sentencepiece ``.model`` (Llama 2 style): BOS added on encode unless told otherwise.
 
-    ``skip_special_tokens=False`` renders control tokens as their piece (``<s>``, ``</s>``).
+    ``source`` is the ``.model`` path, or the serialized model (``ModelProto`` bytes, as built
+    from GGUF metadata). ``config`` may also carry ``bos_token_id`` / ``eos_token_id``, which
+    then override the model's own. ``skip_special_tokens=False`` renders control tokens as their
+    piece (``<s>``, ``</s>``).
     """
 
-    def __init__(self, path: Path, config: dict[str, Any] | None = None) -> None:
+    def __init__(self, source: Path | bytes, config: dict[str, Any] | None = None) -> None:
         import sentencepiece
 
         config = config or {}
-        super().__init__(_chat_template(config, path.parent))
         self._sp = sentencepiece.SentencePieceProcessor()
-        try:
-            self._sp.Load(str(path))
-        except (OSError, RuntimeError) as exc:
-            raise ModelLoadError(f"{path}: cannot load sentencepiece model: {exc}", path) from exc
-        bos, eos = self._sp.bos_id(), self._sp.eos_id()
-        self._bos_id = bos if bos >= 0 else None
-        self._eos_id = eos if eos >= 0 else None
+        if isinstance(source, bytes):
+            super().__init__(_chat_template(config, None))
+            try:
+                self._sp.LoadFromSerializedProto(source)
+            except (OSError, RuntimeError) as exc:
+                raise ModelLoadError(f"cannot build sentencepiece model: {exc}") from exc
+        else:
+            path = Path(source)
+            super().__init__(_chat_template(config, path.parent))
+            try:
+                self._sp.Load(str(path))
+            except (OSError, RuntimeError) as exc:
+                raise ModelLoadError(
+                    f"{path}: cannot load sentencepiece model: {exc}", path
+                ) from exc
+        bos = config.get("bos_token_id", self._sp.bos_id())
+        eos = config.get("eos_token_id", self._sp.eos_id())
+        self._bos_id = bos if isinstance(bos, int) and bos >= 0 else None
+        self._eos_id = eos if isinstance(eos, int) and eos >= 0 else None
         add_bos = config.get("add_bos_token")
         self._add_bos = self._bos_id is not None and (add_bos is None or bool(add_bos))
         n = self._sp.get_piece_size()
@@ -393,10 +413,15 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
 
     A directory gives ``tokenizer.json`` (preferred), else ``tokenizer.model``, else
     ``tokenizer.bin`` (llama2.c); its ``tokenizer_config.json``, when present, supplies special
-    tokens, ``add_bos_token`` and the chat template. A file is read by its suffix: ``.json``,
+    tokens, ``add_bos_token`` and the chat template. A GGUF file (``.gguf`` or its magic bytes)
+    gives the tokenizer stored in its metadata. Another file is read by its suffix: ``.json``,
     ``.model`` or llama2.c ``.bin``. Raises ``ModelLoadError`` naming the path otherwise.
     """
+    from foudre.loading.gguf import is_gguf_file, load_gguf_tokenizer  # gguf imports this module
+
     path = Path(path).expanduser()
+    if is_gguf_file(path):
+        return load_gguf_tokenizer(path)
     if path.is_dir():
         for name in ("tokenizer.json", "tokenizer.model", "tokenizer.bin"):
             if (path / name).is_file():

@@ -1,0 +1,730 @@
+"""GGUF files (llama.cpp's format): model config, weights and tokenizer, all from one file.
+
+Layout (little-endian, versions 2 and 3)::
+
+    "GGUF"  u32 version  u64 n_tensors  u64 n_kv
+    n_kv x (string key, u32 value type, value)        metadata: config, tokenizer, chat template
+    n_tensors x (string name, u32 n_dims, u64 dims[n_dims], u32 ggml type, u64 offset)
+    padding to general.alignment (32), then the tensor data; dims are innermost first
+
+The header is parsed here (the ``gguf`` package's reader parses a 128k-token vocabulary element
+by element, which takes seconds); tensor bytes are memory-mapped and dequantized with
+``gguf.quants.dequantize``, so no block decoder is written by hand.
+
+Weights are renamed to the Hugging Face names ``LlamaForCausalLM.load_weights`` expects. For
+``llama`` files the rows of ``attn_q`` and ``attn_k`` are permuted back: llama.cpp's converter
+reorders them so that its RoPE can rotate adjacent pairs, where Hugging Face's rotates halves.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+from gguf.quants import dequantize
+
+from foudre.layers.rotary import rope_inv_freq
+from foudre.loading.errors import ModelLoadError
+from foudre.loading.tokenizer import HFTokenizer, SentencePieceTokenizer, Tokenizer
+from foudre.models.config import ModelConfig
+
+_QT = GGMLQuantizationType
+# The types foudre dequantizes; the K-quants cover llama.cpp's usual Q4_K_M / Q5_K_M / Q6_K files.
+SUPPORTED_TENSOR_TYPES = (
+    _QT.F32, _QT.F16, _QT.BF16, _QT.Q8_0, _QT.Q4_0, _QT.Q4_1, _QT.Q5_0, _QT.Q5_1,
+    _QT.Q4_K, _QT.Q5_K, _QT.Q6_K,
+)  # fmt: skip
+
+# general.architecture -> foudre architecture. Mistral models are written as "llama".
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+_MAGIC = b"GGUF"
+_U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
+_SCALARS = {
+    GGUFValueType.UINT8: "<u1", GGUFValueType.INT8: "<i1", GGUFValueType.UINT16: "<u2",
+    GGUFValueType.INT16: "<i2", GGUFValueType.UINT32: "<u4", GGUFValueType.INT32: "<i4",
+    GGUFValueType.FLOAT32: "<f4", GGUFValueType.BOOL: "?", GGUFValueType.UINT64: "<u8",
+    GGUFValueType.INT64: "<i8", GGUFValueType.FLOAT64: "<f8",
+}  # fmt: skip
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
+_ROPE_FREQS = "rope_freqs.weight"  # Llama 3 RoPE scaling, stored as per-frequency divisors
+
+# tokenizer.ggml.token_type values; sentencepiece's ModelProto.SentencePiece.Type uses the same.
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
+
+# tokenizer.ggml.pre -> (split regex, ignore_merges, NFC) of the Hugging Face tokenizer it
+# stands for (llama.cpp's llama-vocab.cpp lists the same regexes).
+_LLAMA3_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
+    r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_BPE_PRE_TOKENIZERS = {
+    "llama-bpe": (_LLAMA3_REGEX, True, False),
+    "qwen2": (_LLAMA3_REGEX.replace(r"\p{N}{1,3}", r"\p{N}"), False, True),
+    "gpt-2": (_GPT2_REGEX, False, False),
+}
+
+
+@dataclass(slots=True, frozen=True)
+class GGUFTensor:
+    """Where one tensor's bytes are. ``shape`` is in PyTorch order (outermost first)."""
+
+    name: str
+    type: int  # ggml type id; may be one the gguf package does not know
+    shape: tuple[int, ...]
+    offset: int  # absolute, in bytes
+    nbytes: int
+
+    @property
+    def type_name(self) -> str:
+        try:
+            return GGMLQuantizationType(self.type).name
+        except ValueError:
+            return f"{self.type} (unknown)"
+
+
+@dataclass(slots=True)
+class GGUFFile:
+    """A parsed GGUF header over the memory-mapped file.
+
+    ``metadata`` holds scalars as Python values (strings decoded as UTF-8), numeric arrays as
+    lists and string arrays as lists of ``bytes`` (tokens are not always valid UTF-8).
+    """
+
+    path: Path
+    metadata: dict[str, Any]
+    tensors: dict[str, GGUFTensor]
+    data: np.ndarray
+
+
+def is_gguf_file(path: str | Path) -> bool:
+    """Whether ``path`` is a file named ``*.gguf`` or starting with the GGUF magic bytes."""
+    path = Path(path)
+    if not path.is_file():
+        return False
+    if path.suffix.lower() == ".gguf":
+        return True
+    try:
+        with path.open("rb") as f:
+            return f.read(4) == _MAGIC
+    except OSError:
+        return False
+
+
+class _Cursor:
+    def __init__(self, buf: memoryview) -> None:
+        self.buf, self.pos = buf, 0
+
+    def u32(self) -> int:
+        value: int = _U32.unpack_from(self.buf, self.pos)[0]
+        self.pos += 4
+        return value
+
+    def u64(self) -> int:
+        value: int = _U64.unpack_from(self.buf, self.pos)[0]
+        self.pos += 8
+        return value
+
+    def raw(self, n: int) -> bytes:
+        end = self.pos + n
+        if end > len(self.buf):
+            raise struct.error(f"{n} bytes at offset {self.pos} run past the end of the file")
+        out = bytes(self.buf[self.pos : end])
+        self.pos = end
+        return out
+
+    def string(self) -> bytes:
+        return self.raw(self.u64())
+
+    def value(self, vtype: int) -> Any:
+        if vtype == GGUFValueType.STRING:
+            return self.string().decode("utf-8", errors="replace")
+        if vtype == GGUFValueType.ARRAY:
+            itype, n = self.u32(), self.u64()
+            if itype == GGUFValueType.STRING:
+                return [self.string() for _ in range(n)]
+            if itype == GGUFValueType.ARRAY:
+                return [self.value(itype) for _ in range(n)]
+            dtype = np.dtype(_scalar_dtype(itype))
+            data = self.raw(n * dtype.itemsize)
+            return np.frombuffer(data, dtype=dtype).tolist()
+        dtype = np.dtype(_scalar_dtype(vtype))
+        return np.frombuffer(self.raw(dtype.itemsize), dtype=dtype)[0].item()
+
+
+def _scalar_dtype(vtype: int) -> str:
+    try:
+        return _SCALARS[GGUFValueType(vtype)]
+    except (ValueError, KeyError):
+        raise ValueError(f"unknown metadata value type {vtype}") from None
+
+
+def read_gguf(path: str | Path) -> GGUFFile:
+    """Parse the header of the GGUF file at ``path``; tensor data stays memory-mapped.
+
+    Raises ``ModelLoadError`` naming the file when it is missing, not GGUF, of an unsupported
+    version or byte order, split in parts, corrupt, or truncated (any tensor's bytes past the
+    end of the file).
+    """
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+    except OSError as exc:
+        raise ModelLoadError(f"{path}: cannot read: {exc}", path) from exc
+    if size < 24:
+        raise ModelLoadError(f"{path}: truncated GGUF file ({size} bytes)", path)
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    cur = _Cursor(data.data)
+    try:
+        if cur.raw(4) != _MAGIC:
+            raise ModelLoadError(f"{path}: not a GGUF file (bad magic bytes)", path)
+        version = cur.u32()
+        if version & 0xFFFF == 0:
+            raise ModelLoadError(f"{path}: big-endian GGUF files are not supported", path)
+        if version not in (2, 3):
+            raise ModelLoadError(f"{path}: unsupported GGUF version {version} (2 and 3 are)", path)
+        n_tensors, n_kv = cur.u64(), cur.u64()
+        metadata: dict[str, Any] = {}
+        for _ in range(n_kv):
+            key = cur.string().decode("utf-8", errors="replace")
+            metadata[key] = cur.value(cur.u32())
+        infos: list[tuple[str, tuple[int, ...], int, int]] = []
+        for _ in range(n_tensors):
+            name = cur.string().decode("utf-8", errors="replace")
+            n_dims = cur.u32()
+            if n_dims > 4:
+                raise ValueError(f"tensor {name!r} has {n_dims} dimensions")
+            dims = tuple(cur.u64() for _ in range(n_dims))
+            infos.append((name, dims, cur.u32(), cur.u64()))
+    except (struct.error, ValueError, OverflowError) as exc:
+        raise ModelLoadError(
+            f"{path}: corrupt or truncated GGUF header at byte {cur.pos}: {exc}", path
+        ) from exc
+    if int(metadata.get("split.count", 1)) > 1:
+        raise ModelLoadError(
+            f"{path}: split GGUF files are not supported; merge the parts first "
+            "(llama-gguf-split --merge)",
+            path,
+        )
+    alignment = metadata.get("general.alignment", 32)
+    if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+        raise ModelLoadError(f"{path}: invalid general.alignment {alignment!r}", path)
+    start = -(-cur.pos // alignment) * alignment
+    tensors: dict[str, GGUFTensor] = {}
+    for name, dims, ggml_type, offset in infos:
+        if name in tensors:
+            raise ModelLoadError(f"{path}: tensor {name!r} appears twice", path)
+        shape = tuple(reversed(dims))
+        nbytes = 0
+        if ggml_type in GGML_QUANT_SIZES:
+            block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+            if dims and dims[0] % block:
+                raise ModelLoadError(
+                    f"{path}: tensor {name!r} has rows of {dims[0]} values, not a multiple of "
+                    f"its type's block of {block}",
+                    path,
+                )
+            nbytes = math.prod(dims) // block * type_size
+        tensor = GGUFTensor(name, ggml_type, shape, start + offset, nbytes)
+        if tensor.offset + nbytes > size:
+            raise ModelLoadError(
+                f"{path}: truncated GGUF file: tensor {name!r} ends at byte "
+                f"{tensor.offset + nbytes}, the file has {size} bytes",
+                path,
+            )
+        tensors[name] = tensor
+    return GGUFFile(path, metadata, tensors, data)
+
+
+# ----------------------------------------------------------------------------- weights
+
+
+def _check_type(f: GGUFFile, tensor: GGUFTensor) -> None:
+    if tensor.type not in SUPPORTED_TENSOR_TYPES:
+        names = ", ".join(t.name for t in SUPPORTED_TENSOR_TYPES)
+        raise ModelLoadError(
+            f"{f.path}: tensor {tensor.name!r} has type {tensor.type_name}, which foudre cannot "
+            f"load (supported: {names})",
+            f.path,
+        )
+
+
+def dequantize_tensor(f: GGUFFile, tensor: GGUFTensor) -> torch.Tensor:
+    """The values of ``tensor`` (float32, or the file's own float16 / bfloat16), in a new tensor.
+
+    Raises ``ModelLoadError`` naming the tensor and its type for a type not in
+    ``SUPPORTED_TENSOR_TYPES``.
+    """
+    _check_type(f, tensor)
+    raw = f.data[tensor.offset : tensor.offset + tensor.nbytes]
+    qtype = GGMLQuantizationType(tensor.type)
+    if qtype == _QT.F32:
+        return torch.from_numpy(np.array(raw.view(np.float32).reshape(tensor.shape)))
+    if qtype == _QT.F16:
+        return torch.from_numpy(np.array(raw.view(np.float16).reshape(tensor.shape)))
+    if qtype == _QT.BF16:
+        bits = np.array(raw.view(np.int16).reshape(tensor.shape))
+        return torch.from_numpy(bits).view(torch.bfloat16)
+    blocks = np.asarray(raw).reshape(*tensor.shape[:-1], -1)
+    return torch.from_numpy(np.ascontiguousarray(dequantize(blocks, qtype), dtype=np.float32))
+
+
+def _hf_name(name: str) -> str | None:
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    m = _BLOCK.match(name)
+    if m is not None and m.group(2) in _BLOCK_NAMES:
+        return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}"
+    return None
+
+
+def _unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's ``permute`` of q/k rows (pairs (2i, 2i+1) back to halves (i, i+d/2)).
+
+    The converter computes ``w.reshape(n_heads, 2, d/2, ...).swapaxes(1, 2)``; this is its
+    inverse. Works for weights ``[n_heads*d, in]`` and biases ``[n_heads*d]``.
+    """
+    head_dim = w.shape[0] // n_heads
+    return (
+        w.reshape(n_heads, head_dim // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+    ).contiguous()
+
+
+def iter_gguf_weights(f: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(Hugging Face name, tensor)`` for every weight of ``f``, one tensor at a time.
+
+    Quantized tensors come dequantized to float32; q/k of ``llama`` files come un-permuted.
+    ``rope_freqs.weight`` is not yielded (``load_gguf`` turned it into ``rope_scaling``).
+    """
+    for tensor in f.tensors.values():
+        if tensor.name == _ROPE_FREQS:
+            continue
+        hf = _hf_name(tensor.name)
+        if hf is None:
+            raise ModelLoadError(
+                f"{f.path}: tensor {tensor.name!r} has no counterpart in foudre's "
+                f"{config.architecture} model",
+                f.path,
+            )
+        w = dequantize_tensor(f, tensor)
+        if config.architecture == "llama":
+            if hf.endswith(("q_proj.weight", "q_proj.bias")):
+                w = _unpermute_rope(w, config.num_attention_heads)
+            elif hf.endswith(("k_proj.weight", "k_proj.bias")):
+                w = _unpermute_rope(w, config.num_key_value_heads)
+        yield hf, w
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def _meta_int(f: GGUFFile, key: str, default: int | None = None) -> int:
+    value = f.metadata.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ModelLoadError(
+            f"{f.path}: metadata {key} must be a non-negative int, got {value!r}", f.path
+        )
+    return value
+
+
+def _meta_float(f: GGUFFile, key: str, default: float | None = None) -> float:
+    value = f.metadata.get(key, default)
+    if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
+        raise ModelLoadError(
+            f"{f.path}: metadata {key} must be a positive number, got {value!r}", f.path
+        )
+    return float(value)
+
+
+def _llama3_rope_scaling(
+    factors: np.ndarray, head_dim: int, theta: float, path: Path
+) -> dict[str, Any] | None:
+    """Recover Llama 3 ``rope_scaling`` from llama.cpp's per-frequency divisors.
+
+    The converter stores ``inv_freq / scaled_inv_freq`` instead of the four parameters. Only
+    two combinations of them matter (the smooth ramp is linear in frequency), so the ramp is
+    fitted with ``low_freq_factor = 1`` and the result is checked against the divisors.
+    """
+    inv = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    f = factors.astype(np.float64).reshape(-1)
+    if f.shape != inv.shape or not np.all(np.isfinite(f)) or f.min() <= 0:
+        raise ModelLoadError(
+            f"{path}: {_ROPE_FREQS} has {f.size} values, expected {inv.size} positive ones", path
+        )
+    if np.allclose(f, 1.0):
+        return None
+    factor = float(f.max())
+    low, high, old = 1.0, 4.0, 8192.0  # Llama 3.1's values
+    ramp = (f > 1 + 1e-4) & (f < factor * (1 - 1e-4))
+    if ramp.sum() >= 2:
+        smooth = (1 / f[ramp] - 1 / factor) / (1 - 1 / factor)
+        slope, intercept = np.polyfit(inv[ramp], smooth, 1)
+        if slope > 0 and intercept < 0:
+            high = low - 1 / intercept
+            old = -2 * math.pi * slope / intercept
+            old = float(round(old)) if abs(old - round(old)) < 1e-3 * old else old
+            high = float(round(high, 4)) if abs(high - round(high, 4)) < 1e-6 * high else high
+    scaling = {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": low,
+        "high_freq_factor": float(high),
+        "original_max_position_embeddings": int(old) if float(old).is_integer() else old,
+    }
+    got = rope_inv_freq(head_dim, theta, scaling).double().numpy()
+    if not np.allclose(got, inv / f, rtol=1e-4, atol=0):
+        raise ModelLoadError(
+            f"{path}: {_ROPE_FREQS} does not follow Llama 3 RoPE scaling; unsupported", path
+        )
+    return scaling
+
+
+def _rope_scaling(f: GGUFFile, arch: str, head_dim: int, theta: float) -> dict[str, Any] | None:
+    kind = f.metadata.get(f"{arch}.rope.scaling.type", "none")
+    if _ROPE_FREQS in f.tensors:
+        if kind not in ("none", "linear") or f.metadata.get(f"{arch}.rope.scaling.factor", 1) != 1:
+            raise ModelLoadError(
+                f"{f.path}: {_ROPE_FREQS} together with rope scaling {kind!r} is not supported",
+                f.path,
+            )
+        factors = dequantize_tensor(f, f.tensors[_ROPE_FREQS]).float().numpy()
+        return _llama3_rope_scaling(factors, head_dim, theta, f.path)
+    if kind == "none":
+        return None
+    if kind == "linear":
+        factor = _meta_float(f, f"{arch}.rope.scaling.factor")
+        return None if factor == 1 else {"rope_type": "linear", "factor": factor}
+    raise ModelLoadError(
+        f"{f.path}: unsupported rope scaling type {kind!r} (supported: none, linear, llama3)",
+        f.path,
+    )
+
+
+def _default_dtype(f: GGUFFile) -> str:
+    """float32 / float16 for unquantized files, else bfloat16 (HF's usual dtype)."""
+    types = {t.type for t in f.tensors.values() if len(t.shape) == 2}
+    if types <= {_QT.F32}:
+        return "float32"
+    if types <= {_QT.F32, _QT.F16}:
+        return "float16"
+    return "bfloat16"
+
+
+def gguf_config(f: GGUFFile) -> ModelConfig:
+    """The ``ModelConfig`` described by the metadata (and tensor list) of ``f``.
+
+    Raises ``ModelLoadError`` naming the file for an unsupported architecture or feature
+    (mixture of experts, partial RoPE, RoPE scaling other than linear / Llama 3), a missing
+    or invalid key, and for any tensor of a type foudre cannot dequantize or with no place in
+    the model, so that nothing is built for a file that cannot load.
+    """
+    path = f.path
+    arch = f.metadata.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ModelLoadError(
+            f"{path}: unsupported GGUF architecture {arch!r}; "
+            f"supported: {', '.join(ARCHITECTURES)}",
+            path,
+        )
+    for tensor in f.tensors.values():
+        _check_type(f, tensor)
+        if tensor.name != _ROPE_FREQS and _hf_name(tensor.name) is None:
+            raise ModelLoadError(
+                f"{path}: tensor {tensor.name!r} has no counterpart in foudre's {arch} model",
+                path,
+            )
+    if f.metadata.get(f"{arch}.expert_count", 0):
+        raise ModelLoadError(f"{path}: mixture-of-experts GGUF models are not supported", path)
+    embed = f.tensors.get("token_embd.weight")
+    if embed is None or len(embed.shape) != 2:
+        raise ModelLoadError(f"{path}: no 2-D token_embd.weight tensor", path)
+    hidden = _meta_int(f, f"{arch}.embedding_length")
+    heads = _meta_int(f, f"{arch}.attention.head_count")
+    kv_heads = _meta_int(f, f"{arch}.attention.head_count_kv", heads)
+    if heads == 0 or kv_heads == 0:
+        raise ModelLoadError(f"{path}: attention head counts must be positive", path)
+    head_dim = _meta_int(f, f"{arch}.attention.key_length", hidden // heads)
+    value_dim = _meta_int(f, f"{arch}.attention.value_length", head_dim)
+    rope_dim = _meta_int(f, f"{arch}.rope.dimension_count", head_dim)
+    if value_dim != head_dim or rope_dim != head_dim:
+        raise ModelLoadError(
+            f"{path}: key_length={head_dim}, value_length={value_dim} and "
+            f"rope.dimension_count={rope_dim} must be equal (no partial RoPE)",
+            path,
+        )
+    theta = _meta_float(f, f"{arch}.rope.freq_base", 10000.0)
+    vocab = embed.shape[0]
+    eos: list[int] = []
+    for key in ("eos", "eot", "eom"):
+        token = f.metadata.get(f"tokenizer.ggml.{key}_token_id")
+        if isinstance(token, int) and 0 <= token < vocab and token not in eos:
+            eos.append(token)
+    bos = f.metadata.get("tokenizer.ggml.bos_token_id")
+    try:
+        return ModelConfig(
+            architecture=ARCHITECTURES[arch],
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=_meta_int(f, f"{arch}.feed_forward_length"),
+            num_hidden_layers=_meta_int(f, f"{arch}.block_count"),
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            max_position_embeddings=_meta_int(f, f"{arch}.context_length", 2048),
+            rms_norm_eps=_meta_float(f, f"{arch}.attention.layer_norm_rms_epsilon"),
+            rope_theta=theta,
+            rope_scaling=_rope_scaling(f, arch, head_dim, theta),
+            tie_word_embeddings="output.weight" not in f.tensors,
+            attention_bias=arch == "qwen2" or "blk.0.attn_q.bias" in f.tensors,
+            qk_norm=arch == "qwen3",
+            torch_dtype=_default_dtype(f),
+            bos_token_id=bos if isinstance(bos, int) and 0 <= bos < vocab else None,
+            eos_token_ids=eos,
+        )
+    except ValueError as exc:
+        raise ModelLoadError(f"{path}: {exc}", path) from exc
+
+
+def load_gguf(path: str | Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
+    """Read a GGUF model: its ``ModelConfig`` and a lazy iterator of HF-named weights.
+
+    Everything that can be checked without reading tensor data (header, architecture,
+    hyper-parameters, tensor types and names, file length) is checked before returning;
+    ``ModelLoadError`` names the file and, where there is one, the tensor at fault.
+    """
+    f = read_gguf(path)
+    config = gguf_config(f)
+    return config, iter_gguf_weights(f, config)
+
+
+# ----------------------------------------------------------------------------- tokenizer
+
+
+def _varint(n: int) -> bytes:
+    n &= (1 << 64) - 1  # negative int32 fields are written as 10-byte two's complement
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _pb_int(field: int, value: int) -> bytes:
+    return _varint(field << 3) + _varint(value)
+
+
+def _pb_bytes(field: int, value: bytes) -> bytes:
+    return _varint(field << 3 | 2) + _varint(len(value)) + value
+
+
+def _pb_float(field: int, value: float) -> bytes:
+    return _varint(field << 3 | 5) + struct.pack("<f", value)
+
+
+def sentencepiece_model_proto(
+    tokens: list[bytes],
+    scores: list[float],
+    types: list[int],
+    *,
+    unk_id: int,
+    bos_id: int | None,
+    eos_id: int | None,
+    add_space_prefix: bool = True,
+    remove_extra_whitespaces: bool = False,
+) -> bytes:
+    """A serialized sentencepiece ``ModelProto`` (BPE) with these pieces, scores and types.
+
+    This is what llama.cpp's ``llama`` tokenizer runs: sentencepiece BPE over the pieces'
+    scores, whitespace escaped to U+2581, an optional dummy prefix, byte fallback when the
+    vocabulary has byte pieces. Field numbers are those of sentencepiece_model.proto.
+    """
+
+    def piece_type(t: int) -> int:
+        return t if _NORMAL <= t <= _BYTE else _NORMAL
+
+    pieces = b"".join(
+        _pb_bytes(1, _pb_bytes(1, tok) + _pb_float(2, score) + _pb_int(3, piece_type(t)))
+        for tok, score, t in zip(tokens, scores, types, strict=True)
+    )
+
+    def piece(i: int | None) -> bytes:
+        return b"" if i is None else tokens[i]
+
+    trainer = (
+        _pb_int(3, 2)  # model_type: BPE
+        + _pb_int(4, len(tokens))  # vocab_size
+        + _pb_int(35, int(_BYTE in types))  # byte_fallback
+        + _pb_int(40, unk_id)
+        + _pb_int(41, -1 if bos_id is None else bos_id)
+        + _pb_int(42, -1 if eos_id is None else eos_id)
+        + _pb_int(43, -1)  # pad_id
+        + _pb_bytes(45, tokens[unk_id])  # unk_piece
+        + (b"" if bos_id is None else _pb_bytes(46, piece(bos_id)))
+        + (b"" if eos_id is None else _pb_bytes(47, piece(eos_id)))
+    )
+    normalizer = (
+        _pb_bytes(1, b"identity")
+        + _pb_int(3, int(add_space_prefix))
+        + _pb_int(4, int(remove_extra_whitespaces))
+        + _pb_int(5, 1)  # escape_whitespaces
+    )
+    return pieces + _pb_bytes(2, trainer) + _pb_bytes(3, normalizer)
+
+
+def _byte_level_bpe(
+    tokens: list[bytes], types: list[int], merges: list[bytes], pre: str, path: Path
+) -> Any:
+    """A ``tokenizers.Tokenizer`` equal to the Hugging Face one llama.cpp's converter read."""
+    from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+    from tokenizers import Tokenizer as RustTokenizer
+
+    if pre not in _BPE_PRE_TOKENIZERS:
+        raise ModelLoadError(
+            f"{path}: BPE pre-tokenizer {pre!r} is not supported (supported: "
+            f"{', '.join(_BPE_PRE_TOKENIZERS)}); pass --tokenizer with the model's Hugging "
+            "Face tokenizer",
+            path,
+        )
+    regex, ignore_merges, nfc = _BPE_PRE_TOKENIZERS[pre]
+    texts = [t.decode("utf-8", errors="replace") for t in tokens]
+    vocab: dict[str, int] = {}
+    for i, text in enumerate(texts):
+        vocab.setdefault(text, i)
+    pairs: list[tuple[str, str]] = []
+    for merge in merges:
+        left, sep, right = merge.decode("utf-8", errors="replace").partition(" ")
+        if not sep:
+            raise ModelLoadError(f"{path}: malformed BPE merge {merge!r}", path)
+        pairs.append((left, right))
+    tok = RustTokenizer(models.BPE(vocab, pairs, ignore_merges=ignore_merges))
+    if nfc:
+        tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(regex), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(
+        [AddedToken(texts[i], special=True, normalized=False) for i, t in enumerate(types)
+         if t == _CONTROL]
+    )  # fmt: skip
+    tok.add_tokens(
+        [AddedToken(texts[i], special=False, normalized=False) for i, t in enumerate(types)
+         if t == _USER_DEFINED]
+    )  # fmt: skip
+    return tok
+
+
+def load_gguf_tokenizer(path: str | Path) -> Tokenizer:
+    """The tokenizer stored in a GGUF file's ``tokenizer.*`` metadata.
+
+    ``llama`` (sentencepiece) vocabularies become a ``SentencePieceTokenizer`` over a model
+    built from the pieces, scores and types; ``gpt2`` (byte-level BPE) ones an
+    ``HFTokenizer`` over the vocabulary and merges, with the pre-tokenizer named by
+    ``tokenizer.ggml.pre`` (``llama-bpe``, ``qwen2``, ``gpt-2``); an embedded
+    ``tokenizer.huggingface.json`` is used as is. BOS / EOS ids, ``add_bos_token`` and the
+    chat template come from the metadata. Anything else raises ``ModelLoadError``.
+    """
+    f = read_gguf(path)
+    meta, path = f.metadata, f.path
+    model = meta.get("tokenizer.ggml.model")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if model is None or not isinstance(tokens, list) or not tokens:
+        raise ModelLoadError(f"{path}: no tokenizer in the GGUF metadata; pass --tokenizer", path)
+    n = len(tokens)
+    types = meta.get("tokenizer.ggml.token_type") or [_NORMAL] * n
+    if len(types) != n:
+        raise ModelLoadError(f"{path}: {len(types)} token types for {n} tokens", path)
+
+    def token_id(key: str) -> int | None:
+        value = meta.get(f"tokenizer.ggml.{key}_token_id")
+        return value if isinstance(value, int) and 0 <= value < n else None
+
+    bos, eos = token_id("bos"), token_id("eos")
+    config: dict[str, Any] = {
+        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", model == "llama")),
+        "chat_template": meta.get("tokenizer.chat_template"),
+    }
+    hf_json = meta.get("tokenizer.huggingface.json")
+    if isinstance(hf_json, str) or model == "gpt2":
+        from tokenizers import Tokenizer as RustTokenizer
+
+        if isinstance(hf_json, str):
+            try:
+                rust = RustTokenizer.from_str(hf_json)
+            except Exception as exc:  # tokenizers raises plain Exception for bad JSON
+                raise ModelLoadError(
+                    f"{path}: bad tokenizer.huggingface.json: {exc}", path
+                ) from exc
+        else:
+            merges = meta.get("tokenizer.ggml.merges") or []
+            pre = str(meta.get("tokenizer.ggml.pre", "gpt-2"))
+            rust = _byte_level_bpe(tokens, types, merges, pre, path)
+        for key, i in (("bos_token", bos), ("eos_token", eos)):
+            if i is not None:
+                config[key] = tokens[i].decode("utf-8", errors="replace")
+        return HFTokenizer(rust, config)
+    if model == "llama":
+        unk = token_id("unknown")
+        if unk is None:
+            unk = next((i for i, t in enumerate(types) if t == _UNKNOWN), None)
+        if unk is None:
+            raise ModelLoadError(f"{path}: sentencepiece vocabulary without an unknown token", path)
+        scores = meta.get("tokenizer.ggml.scores") or [0.0] * n
+        proto = sentencepiece_model_proto(
+            tokens,
+            [float(s) for s in scores],
+            [_UNKNOWN if i == unk else int(t) for i, t in enumerate(types)],
+            unk_id=unk,
+            bos_id=bos,
+            eos_id=eos,
+            add_space_prefix=bool(meta.get("tokenizer.ggml.add_space_prefix", True)),
+            remove_extra_whitespaces=bool(
+                meta.get("tokenizer.ggml.remove_extra_whitespaces", False)
+            ),
+        )
+        try:
+            return SentencePieceTokenizer(
+                proto, {**config, "bos_token_id": bos, "eos_token_id": eos}
+            )
+        except ModelLoadError as exc:
+            raise ModelLoadError(f"{path}: {exc}", path) from exc
+    raise ModelLoadError(
+        f"{path}: tokenizer model {model!r} is not supported (llama, gpt2); pass --tokenizer "
+        "with the model's Hugging Face tokenizer",
+        path,
+    )
