@@ -235,7 +235,7 @@ def cmd_eval_perplexity(args: argparse.Namespace) -> int:
     docs = read_documents(args.data, args.split)
     if not docs:
         raise ValueError(f"{args.data}: no documents in split {args.split!r}")
-    result = perplexity(model, tok, docs, args.max_length)
+    result = perplexity(model, tok, docs, args.max_length, args.kv_cache_dtype)
     print(f"documents={len(docs)} nats_per_token={result.nats_per_token:.4f}")
     print(result.line())
     return 0
@@ -307,6 +307,12 @@ def add_compress_parsers(sub: Any) -> None:
     ppl.add_argument("--split", choices=("all", "train", "heldout"), default="all")
     ppl.add_argument(
         "--quantization", default=None, choices=["int8", "int4", "gptq", "awq", "mixed"]
+    )
+    ppl.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "int8", "fp8"],
+        help="round K/V as the quantized KV cache stores them",
     )
     ppl.set_defaults(func=cmd_eval_perplexity)
 

@@ -17,6 +17,7 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory: float | None = None  # bytes (> 1) or a fraction of device memory (<= 1)
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | int8 | fp8 (per token and head)
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     max_num_batched_tokens: int = 2048
@@ -55,6 +56,10 @@ class EngineConfig:
         if self.batch_wait_ms is not None and self.batch_wait_ms < 0:
             raise ValueError(f"batch_wait_ms must be non-negative, got {self.batch_wait_ms}")
         quant_methods = ("int8", "int4", "gptq", "awq", "mixed")
+        if self.kv_cache_dtype not in ("auto", "int8", "fp8"):
+            raise ValueError(
+                f"kv_cache_dtype must be auto, int8 or fp8, got {self.kv_cache_dtype!r}"
+            )
         if self.speculative_model is not None and self.speculative_method is None:
             self.speculative_method = "draft"
         if self.speculative_method not in (None, "draft", "ngram"):

@@ -321,7 +321,9 @@ def run_variant(
             after[k] - before[k]
             for k in ("spec_num_drafts", "spec_draft_tokens", "spec_accepted_tokens")
         )
-        per_block = kv_bytes_per_block(engine.model, engine.kv.block_size, engine.dtype)
+        per_block = kv_bytes_per_block(
+            engine.model, engine.kv.block_size, engine.dtype, config.kv_cache_dtype
+        )
         figs = {
             "peak_kv_cache_usage": rep.peak_kv_usage,
             "peak_kv_mib": rep.peak_kv_usage * engine.kv.num_blocks * per_block / (1 << 20),

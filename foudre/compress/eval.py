@@ -48,7 +48,9 @@ class PerplexityResult:
 
 
 @torch.no_grad()
-def sequence_nats(model: LlamaForCausalLM, ids: Sequence[int], max_length: int) -> float:
+def sequence_nats(
+    model: LlamaForCausalLM, ids: Sequence[int], max_length: int, kv_cache_dtype: str = "auto"
+) -> float:
     """Summed negative log-likelihood (nats) of ``ids[1:]`` given their prefixes."""
     if max_length < 2:
         raise ValueError(f"max_length must be at least 2, got {max_length}")
@@ -60,7 +62,8 @@ def sequence_nats(model: LlamaForCausalLM, ids: Sequence[int], max_length: int) 
         end = min(n, max_length) if next_pred == 1 else min(n, next_pred + stride)
         start = max(0, end - max_length)
         window = torch.tensor(ids[start:end], dtype=torch.long)
-        logits = full_sequence_logits(model, window)  # logits[i] predicts window[i + 1]
+        # logits[i] predicts window[i + 1]
+        logits = full_sequence_logits(model, window, kv_cache_dtype)
         first = next_pred - start - 1
         pred_logits = logits[first : end - start - 1]
         targets = window[first + 1 :]
@@ -74,8 +77,11 @@ def perplexity(
     tokenizer: Tokenizer,
     docs: Sequence[str],
     max_length: int | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> PerplexityResult:
-    """Token perplexity and bits per byte of ``model`` over ``docs`` (see the module doc)."""
+    """Token perplexity and bits per byte of ``model`` over ``docs`` (see the module doc);
+    ``kv_cache_dtype`` int8 / fp8 evaluates with K and V rounded as the quantized cache stores
+    them."""
     bos = tokenizer.bos_token_id
     if bos is None:
         raise ValueError("the tokenizer has no BOS token; each document must start with one")
@@ -85,7 +91,7 @@ def perplexity(
     nats, tokens, n_bytes = 0.0, 0, 0
     for doc in docs:
         ids = [bos, *tokenizer.encode(doc, add_special_tokens=False)]
-        nats += sequence_nats(model, ids, limit)
+        nats += sequence_nats(model, ids, limit, kv_cache_dtype)
         tokens += len(ids) - 1
         n_bytes += len(doc.encode("utf-8"))
     return PerplexityResult(nats=nats, tokens=tokens, bytes=n_bytes)

@@ -22,6 +22,7 @@ from foudre.loading.tokenizer import Tokenizer, load_tokenizer
 from foudre.models.config import ModelConfig
 from foudre.models.llama import LlamaForCausalLM
 from foudre.runner.attention.base import AttentionBackend, BatchLayout
+from foudre.runner.attention.kv_quant import KV_CACHE_DTYPES, fake_quantize_kv
 
 _HF_CLASSES = {
     "llama": "LlamaForCausalLM",
@@ -44,9 +45,14 @@ class CausalBackend(AttentionBackend):
 
     Token ``t`` of a row attends to tokens ``0..t`` of the same row and nothing else. The KV
     cache argument is ignored. Differentiable, so it serves training as well as evaluation.
+    ``kv_cache_dtype`` int8 / fp8 rounds K and V exactly as the quantized paged cache stores
+    them, so evaluation measures the quality cost of KV-cache quantization.
     """
 
     name = "causal"
+
+    def __init__(self, kv_cache_dtype: str = "auto") -> None:
+        self.kv_cache_dtype = kv_cache_dtype
 
     def build_metadata(self, layout: BatchLayout, device: torch.device) -> Any:
         raise TypeError("CausalBackend takes (batch, seq_len) metadata, not a paged layout")
@@ -61,6 +67,9 @@ class CausalBackend(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         b, t = metadata
+        if self.kv_cache_dtype != "auto":
+            k = fake_quantize_kv(k, self.kv_cache_dtype)
+            v = fake_quantize_kv(v, self.kv_cache_dtype)
         heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]
         qh = q.view(b, t, heads, dim).transpose(1, 2)
         kh = k.view(b, t, kv_heads, dim).transpose(1, 2)
@@ -72,28 +81,34 @@ class CausalBackend(AttentionBackend):
         return o.transpose(1, 2).reshape(b * t, heads, dim)
 
 
-_BACKEND = CausalBackend()
+_BACKENDS = {kind: CausalBackend(kind) for kind in KV_CACHE_DTYPES}
 
 
-def causal_hidden(model: LlamaForCausalLM, ids: torch.Tensor) -> torch.Tensor:
+def causal_hidden(
+    model: LlamaForCausalLM, ids: torch.Tensor, kv_cache_dtype: str = "auto"
+) -> torch.Tensor:
     """Final hidden states ``[B, T, hidden]`` of ``ids`` ``[B, T]`` (each row from position 0)."""
     b, t = ids.shape
     positions = torch.arange(t, device=ids.device).repeat(b)
     caches = [torch.empty(0, device=ids.device)] * len(model.model.layers)
-    hidden = model(ids.reshape(-1), positions, caches, _BACKEND, (b, t))
+    hidden = model(ids.reshape(-1), positions, caches, _BACKENDS[kv_cache_dtype], (b, t))
     return hidden.view(b, t, -1)
 
 
-def causal_logits(model: LlamaForCausalLM, ids: torch.Tensor) -> torch.Tensor:
+def causal_logits(
+    model: LlamaForCausalLM, ids: torch.Tensor, kv_cache_dtype: str = "auto"
+) -> torch.Tensor:
     """Float32 logits ``[B, T, vocab]``: row ``i``'s token ``t`` sees tokens ``0..t`` of row i."""
-    hidden = causal_hidden(model, ids)
+    hidden = causal_hidden(model, ids, kv_cache_dtype)
     return model.compute_logits(hidden)
 
 
-def full_sequence_logits(model: LlamaForCausalLM, ids: list[int] | torch.Tensor) -> torch.Tensor:
+def full_sequence_logits(
+    model: LlamaForCausalLM, ids: list[int] | torch.Tensor, kv_cache_dtype: str = "auto"
+) -> torch.Tensor:
     """Float32 logits ``[T, vocab]`` of one sequence, computed in a single forward."""
     t = torch.as_tensor(ids, dtype=torch.long, device=model.lm_head.weight.device)
-    return causal_logits(model, t.view(1, -1))[0]
+    return causal_logits(model, t.view(1, -1), kv_cache_dtype)[0]
 
 
 def new_model(cfg: ModelConfig, seed: int = 0) -> LlamaForCausalLM:

@@ -138,6 +138,7 @@ class LLMEngine:
             self.device,
             self.dtype,
             config.seed,
+            config.kv_cache_dtype,
         )
         self.proposer = self._make_proposer(num_blocks)
         if self.proposer is not None:
@@ -203,7 +204,7 @@ class LLMEngine:
         cfg = self.config
         if cfg.num_kv_blocks is not None:
             return cfg.num_kv_blocks
-        per_block = kv_bytes_per_block(self.model, block_size, self.dtype)
+        per_block = kv_bytes_per_block(self.model, block_size, self.dtype, cfg.kv_cache_dtype)
         if cfg.kv_cache_memory is not None:
             budget = cfg.kv_cache_memory
             if budget <= 1.0:

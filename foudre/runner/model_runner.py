@@ -18,13 +18,16 @@ from foudre.engine.request import Request
 from foudre.layers.sampler import sample
 from foudre.models.llama import LlamaForCausalLM
 from foudre.runner.attention import AttentionBackend, BatchLayout
+from foudre.runner.attention.kv_quant import QuantizedKVCache, kv_bytes_per_token_head
 from foudre.spec.rejection import verify
 
 
-def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
+def kv_bytes_per_block(
+    model: LlamaForCausalLM, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto"
+) -> int:
     cfg = model.config
-    elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+    per = kv_bytes_per_token_head(cfg.head_dim, kv_cache_dtype, dtype)
+    return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * per
 
 
 @dataclass(slots=True)
@@ -48,16 +51,25 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         seed: int = 0,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         self.model = model
         self.backend = backend
         self.block_size = block_size
         self.device = device
         cfg = model.config
-        shape = (2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-        self.kv_caches = [
-            torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)
-        ]
+        heads, dim = cfg.num_key_value_heads, cfg.head_dim
+        self.kv_caches: list[torch.Tensor] | list[QuantizedKVCache]
+        if kv_cache_dtype == "auto":
+            shape = (2, num_blocks, block_size, heads, dim)
+            self.kv_caches = [
+                torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)
+            ]
+        else:
+            self.kv_caches = [
+                QuantizedKVCache(num_blocks, block_size, heads, dim, kv_cache_dtype, dtype, device)
+                for _ in range(cfg.num_hidden_layers)
+            ]
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
     @torch.inference_mode()

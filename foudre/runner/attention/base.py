@@ -48,7 +48,7 @@ class AttentionBackend(ABC):
         q: torch.Tensor,  # [T, num_heads, head_dim]
         k: torch.Tensor,  # [T, num_kv_heads, head_dim]
         v: torch.Tensor,  # [T, num_kv_heads, head_dim]
-        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        kv_cache: Any,  # [2, num_blocks, block_size, num_kv_heads, head_dim] or quantized
         metadata: Any,
         scale: float,
     ) -> torch.Tensor:

@@ -8,12 +8,14 @@ longest chunk. No Python loop runs over requests in ``forward``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from foudre.runner.attention.base import AttentionBackend, BatchLayout
+from foudre.runner.attention.kv_quant import QuantizedKVCache
 
 
 @dataclass(slots=True)
@@ -80,21 +82,29 @@ class TorchSDPABackend(AttentionBackend):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        kv_cache: torch.Tensor,
+        kv_cache: torch.Tensor | QuantizedKVCache,
         metadata: SDPAMetadata,
         scale: float,
     ) -> torch.Tensor:
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
-        k_cache, v_cache = kv_cache[0], kv_cache[1]
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, k)
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, v)
+        gather: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+        if isinstance(kv_cache, QuantizedKVCache):
+            kv_cache.write(metadata.slot_mapping, k, v)
+            gather = kv_cache.gather
+        else:
+            k_cache, v_cache = kv_cache[0], kv_cache[1]
+            k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, k)
+            v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, v)
+            gather = lambda tables: (k_cache[tables], v_cache[tables])  # noqa: E731
+
         out = torch.empty_like(q)
         num_heads = q.shape[1]
         groups = num_heads // num_kv_heads
         for g in metadata.groups:
             b, max_q = g.token_idx.shape
-            keys = k_cache[g.block_tables].view(b, -1, num_kv_heads, head_dim).transpose(1, 2)
-            values = v_cache[g.block_tables].view(b, -1, num_kv_heads, head_dim).transpose(1, 2)
+            k_blocks, v_blocks = gather(g.block_tables)
+            keys = k_blocks.view(b, -1, num_kv_heads, head_dim).transpose(1, 2)
+            values = v_blocks.view(b, -1, num_kv_heads, head_dim).transpose(1, 2)
             # Fold each KV head's query heads into the query axis ([B, KV, G*Q, D]): plain
             # attention per KV head, which CPU kernels run far faster than enable_gqa (8x in bf16).
             queries = q[g.token_idx].view(b, max_q, num_kv_heads, groups, head_dim)

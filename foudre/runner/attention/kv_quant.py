@@ -1,0 +1,85 @@
+"""KV-cache quantization: K and V stored in 8 bits with one scale per (token, KV head).
+
+``--kv-cache-dtype int8`` stores ``round(x / s)`` in int8 with ``s = max|x| / 127`` over the
+head's ``head_dim`` values; ``fp8`` stores ``x / s`` as float8 e4m3 with ``s = max|x| / 448``.
+A block then costs ``head_dim + 4`` bytes per token and head instead of ``2 * head_dim``
+(bf16) or ``4 * head_dim`` (fp32): 1.9x (bf16) to 3.8x (fp32) more tokens in the same memory.
+Attention reads the gathered blocks back in the model's dtype; new tokens are written first
+and read back like every other token, so a step sees exactly what later steps will see.
+"""
+
+from __future__ import annotations
+
+import torch
+
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+_QMAX = {"int8": 127.0, "fp8": 448.0}
+_STORAGE = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+
+
+def quantize_kv(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` ``[..., head_dim]`` to (codes in the storage dtype, float32 scales ``[...]``)."""
+    x = x.float()
+    scale = x.abs().amax(dim=-1).clamp(min=1e-8) / _QMAX[kind]
+    y = x / scale.unsqueeze(-1)
+    if kind == "int8":
+        return y.round_().clamp_(-127, 127).to(torch.int8), scale
+    return y.to(torch.float8_e4m3fn), scale
+
+
+def dequantize_kv(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (codes.float() * scale.unsqueeze(-1)).to(dtype)
+
+
+def fake_quantize_kv(x: torch.Tensor, kind: str) -> torch.Tensor:
+    """What ``x`` reads back as after a round trip through the quantized cache."""
+    codes, scale = quantize_kv(x, kind)
+    return dequantize_kv(codes, scale, x.dtype)
+
+
+def kv_bytes_per_token_head(head_dim: int, kind: str, dtype: torch.dtype) -> int:
+    """Bytes of K or V for one token and one KV head."""
+    if kind == "auto":
+        return head_dim * torch.empty((), dtype=dtype).element_size()
+    return head_dim + 4  # one byte per value and a float32 scale
+
+
+class QuantizedKVCache:
+    """One layer's paged K/V in 8 bits: ``codes`` ``[2, blocks, block_size, kv_heads, head_dim]``
+    and ``scales`` ``[2, blocks, block_size, kv_heads]`` (float32)."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        kind: str,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        if kind not in _QMAX:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kind!r}")
+        self.kind = kind
+        self.dtype = dtype  # what attention computes in
+        shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
+        # stored as raw bytes: index_copy_ has no float8 kernel on every device
+        self.codes = torch.zeros(shape, dtype=torch.uint8, device=device)
+        self.scales = torch.ones(shape[:-1], dtype=torch.float32, device=device)
+
+    def write(self, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store new K/V ``[T, kv_heads, head_dim]`` at their cache slots."""
+        heads, dim = k.shape[1], k.shape[2]
+        for i, x in enumerate((k, v)):
+            codes, scale = quantize_kv(x, self.kind)
+            self.codes[i].view(-1, heads, dim).index_copy_(0, slot_mapping, codes.view(torch.uint8))
+            self.scales[i].view(-1, heads).index_copy_(0, slot_mapping, scale)
+
+    def gather(self, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the blocks ``[B, n]``: ``[B, n, block_size, kv_heads, head_dim]``."""
+        storage = _STORAGE[self.kind]
+        out = []
+        for i in range(2):
+            codes = self.codes[i][block_tables].view(storage)
+            out.append(dequantize_kv(codes, self.scales[i][block_tables], self.dtype))
+        return out[0], out[1]
