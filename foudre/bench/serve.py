@@ -268,6 +268,46 @@ def _fmt(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.2f}"
 
 
+_SPEC_COUNTERS = {
+    "spec_num_drafts": "foudre:spec_decode_num_drafts_total",
+    "spec_draft_tokens": "foudre:spec_decode_num_draft_tokens_total",
+    "spec_accepted_tokens": "foudre:spec_decode_num_accepted_tokens_total",
+}
+
+
+def scrape_spec_counters(base_url: str) -> dict[str, float] | None:
+    """The server's speculative-decoding counters from its Prometheus ``/metrics`` (a foudre
+    server); None when the server does not expose them."""
+    root = base_url.rstrip("/").removesuffix("/v1")
+    try:
+        text = httpx.get(root + "/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return None
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        for key, metric in _SPEC_COUNTERS.items():
+            if name == metric:
+                values[key] = float(value)
+    return values if len(values) == len(_SPEC_COUNTERS) else None
+
+
+def spec_figures(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Draft tokens, accepted tokens, acceptance rate and mean acceptance length of a run."""
+    d = {k: after[k] - before[k] for k in _SPEC_COUNTERS}
+    drafts, proposed, accepted = (
+        d["spec_num_drafts"],
+        d["spec_draft_tokens"],
+        d["spec_accepted_tokens"],
+    )
+    return {
+        "spec_draft_tokens": proposed,
+        "spec_accepted_tokens": accepted,
+        "spec_acceptance_rate": accepted / proposed if proposed else 0.0,
+        "spec_mean_acceptance_length": 1 + accepted / drafts if drafts else 1.0,
+    }
+
+
 def _summary_rows(metrics: dict[str, Any]) -> list[tuple[str, str] | str]:
     """The summary as (label, value) rows, with section titles as plain strings."""
     rows: list[tuple[str, str] | str] = [
@@ -286,6 +326,12 @@ def _summary_rows(metrics: dict[str, Any]) -> list[tuple[str, str] | str]:
         rows.append(long)
         for stat, label in (("mean", "Mean"), ("median", "Median"), ("p90", "P90"), ("p99", "P99")):
             rows.append((f"{label} {short} (ms)", _fmt(metrics[f"{stat}_{key}_ms"])))
+    if metrics.get("spec_draft_tokens"):
+        rows.append("Speculative decoding (server counters)")
+        rows.append(("Draft tokens", f"{metrics['spec_draft_tokens']:.0f}"))
+        rows.append(("Accepted tokens", f"{metrics['spec_accepted_tokens']:.0f}"))
+        rows.append(("Acceptance rate", f"{metrics['spec_acceptance_rate']:.3f}"))
+        rows.append(("Mean acceptance length", f"{metrics['spec_mean_acceptance_length']:.2f}"))
     return rows
 
 
@@ -527,8 +573,12 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         f"max concurrency {config.max_concurrency or 'unlimited'}",
         file=sys.stderr,
     )
+    spec_before = scrape_spec_counters(args.base_url)
     results, duration = asyncio.run(run_benchmark(requests, config, tokenizer))
     metrics = compute_metrics(results, duration, slos)
+    spec_after = scrape_spec_counters(args.base_url) if spec_before is not None else None
+    if spec_before is not None and spec_after is not None:
+        metrics.update(spec_figures(spec_before, spec_after))
     arrays = request_arrays(results)
     print(format_summary(metrics, arrays["errors"]))
 

@@ -10,12 +10,16 @@ from pathlib import Path
 import pytest
 
 from foudre.cli import main
-from tests.server.conftest import ServerProcess, start_server
+from tests.server.conftest import MODEL, ServerProcess, start_server
 
 
 @pytest.fixture(scope="module")
 def live_server() -> Iterator[ServerProcess]:
-    srv = start_server("--max-num-seqs", "16")
+    # speculating with an int8 copy of itself, so that the run reports acceptance figures
+    srv = start_server(
+        "--max-num-seqs", "16", "--speculative-model", str(MODEL),
+        "--speculative-quantization", "int8",
+    )  # fmt: skip
     try:
         yield srv
     finally:
@@ -38,6 +42,9 @@ def test_bench_serve_against_live_server(live_server: ServerProcess, tmp_path: P
     assert data["total_output_tokens"] == 30 * 12  # ignore_eos: exactly the asked length
     assert data["mean_ttft_ms"] > 0 and data["mean_tpot_ms"] > 0
     assert plot.stat().st_size > 10_000 and result.with_suffix(".md").exists()
+    assert data["spec_draft_tokens"] > 0
+    assert 0 < data["spec_acceptance_rate"] <= 1 and data["spec_mean_acceptance_length"] > 1
+    assert "Mean acceptance length" in result.with_suffix(".md").read_text()
 
 
 def test_sweep_against_live_server(live_server: ServerProcess, tmp_path: Path) -> None:
