@@ -352,7 +352,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.set_defaults(func=cmd_serve)
 
-    bench = sub.add_parser("bench", help="benchmarks: serve, throughput, latency, ablate, sweep")
+    bench = sub.add_parser(
+        "bench", help="benchmarks: serve, throughput, latency, ablate, sweep, quant"
+    )
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     from foudre.bench.serve import add_bench_serve_args
 
@@ -363,7 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_serve.set_defaults(func=cmd_bench_serve)
     from foudre.bench.commands import add_bench_commands
 
-    add_bench_commands(bench_sub, add_engine_args)  # throughput, latency, ablate, sweep
+    add_bench_commands(bench_sub, add_engine_args)  # throughput, latency, ablate, sweep, quant
     add_compress_parsers(sub)
 
     from foudre.quant.cli import add_quantize_args, cmd_quantize

@@ -1,4 +1,4 @@
-"""The in-process ``foudre bench`` subcommands: throughput, latency, ablate, sweep."""
+"""The in-process ``foudre bench`` subcommands: throughput, latency, ablate, sweep, quant."""
 
 from __future__ import annotations
 
@@ -35,14 +35,23 @@ def _sweep(args: argparse.Namespace) -> int:
     return 0 if any(p["completed"] for p in points) else 1
 
 
+def _quant(args: argparse.Namespace) -> int:
+    from foudre.bench.quant import run_quant
+
+    run_quant(args, getattr(args, "argv", None))
+    return 0
+
+
 def add_bench_commands(
     bench_sub: Any, add_engine_args: Callable[[argparse.ArgumentParser], None]
 ) -> None:
-    """Register ``throughput``, ``latency``, ``ablate`` and ``sweep`` on the ``bench`` subparsers
-    (each with every engine flag); each sets ``func`` to its runner, which returns the exit code.
+    """Register ``throughput``, ``latency``, ``ablate``, ``sweep`` and ``quant`` on the ``bench``
+    subparsers (each with every engine flag); each sets ``func`` to its runner, which returns the
+    exit code.
     """
     from foudre.bench.ablate import add_ablate_args
     from foudre.bench.offline import add_latency_args, add_throughput_args
+    from foudre.bench.quant import add_quant_args
     from foudre.bench.sweep import add_sweep_args
 
     commands: list[tuple[str, str, Callable[[argparse.ArgumentParser], None], Any]] = [
@@ -54,6 +63,8 @@ def add_bench_commands(
          add_ablate_args, _ablate),
         ("sweep", "TTFT, TPOT and throughput over request rates (in process or --base-url)",
          add_sweep_args, _sweep),
+        ("quant", "size, speed and quality of each weight / KV-cache quantization scheme",
+         add_quant_args, _quant),
     ]  # fmt: skip
     for name, help_text, add_args, func in commands:
         p = bench_sub.add_parser(name, help=help_text)
