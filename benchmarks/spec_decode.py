@@ -40,7 +40,11 @@ PROPOSERS: dict[str, dict[str, Any]] = {
 }
 
 
-def workloads(llm: LLM, n: int) -> dict[str, list[list[int]]]:
+def workloads(llm: LLM, n: int, random_len: int = 0) -> dict[str, list[list[int]]]:
+    if random_len:  # a model without a tokenizer (random weights): random prompt ids
+        g = torch.Generator().manual_seed(0)
+        vocab = llm.engine.model_config.vocab_size
+        return {"random": torch.randint(10, vocab, (n, random_len), generator=g).tolist()}
     tok = llm.get_tokenizer()
     stories = read_documents(
         shared_dir() / "data" / "tinystories_v2_train_first2MiB.txt", "heldout"
@@ -94,6 +98,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument(
+        "--random-prompts", type=int, default=0, metavar="LEN", help="random ids (no tokenizer)"
+    )
     ap.add_argument("--out", default=None, help="write JSON and a markdown table (FILE.md)")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -107,8 +114,10 @@ def main() -> None:
             kw["speculative_model"] = args.draft
         if kw:
             kw["num_speculative_tokens"] = args.num_speculative_tokens
-        llm = LLM(model=args.model, dtype=args.dtype, **kw)
-        loads = workloads(llm, args.num_prompts)
+        llm = LLM(
+            model=args.model, dtype=args.dtype, skip_tokenizer_init=bool(args.random_prompts), **kw
+        )
+        loads = workloads(llm, args.num_prompts, args.random_prompts)
         for wl, prompts in loads.items():
             run(llm, prompts[:2], 2, 8)  # warm-up
             for batch in args.batch_sizes:
