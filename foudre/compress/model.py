@@ -245,6 +245,15 @@ def copy_tokenizer(source: str | Path, output: Path) -> None:
     """Copy the tokenizer at ``source`` (directory or file) into ``output`` (no-op if same)."""
     src = Path(source)
     if src.is_file():
+        from foudre.loading.gguf import is_gguf_file, load_gguf_tokenizer
+
+        if is_gguf_file(src):  # the vocabulary lives in the file's metadata: export it
+            tok = load_gguf_tokenizer(src)
+            save = getattr(tok, "save", None)
+            if save is None:
+                raise ValueError(f"{src}: cannot export this GGUF file's tokenizer")
+            save(output)
+            return
         name = src.name if src.suffix != ".bin" else "tokenizer.bin"
         files = [(src, name)]
         if src.suffix == ".json" and (src.parent / "tokenizer_config.json").is_file():

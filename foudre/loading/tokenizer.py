@@ -25,6 +25,13 @@ def _raise_template_exception(message: str) -> None:
     raise TemplateError(message)
 
 
+def _write_tokenizer_config(directory: Path, values: dict[str, Any]) -> None:
+    import json
+
+    config = {k: v for k, v in values.items() if v is not None}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
 class Tokenizer(ABC):
     """Text <-> token ids, special ids, and chat prompt rendering.
 
@@ -221,6 +228,19 @@ class HFTokenizer(Tokenizer):
     def eos_token(self) -> str | None:
         return self._eos_token
 
+    def save(self, directory: Path) -> None:
+        """Write ``tokenizer.json`` and ``tokenizer_config.json`` into ``directory``."""
+        self._tok.save(str(directory / "tokenizer.json"))
+        _write_tokenizer_config(
+            directory,
+            {
+                "bos_token": self._bos_token,
+                "eos_token": self._eos_token,
+                "add_bos_token": self._add_bos,
+                "chat_template": self.chat_template,
+            },
+        )
+
 
 class SentencePieceTokenizer(Tokenizer):
     """A sentencepiece ``.model`` (Llama 2 style): BOS added on encode unless told otherwise.
@@ -306,6 +326,19 @@ class SentencePieceTokenizer(Tokenizer):
     @property
     def eos_token(self) -> str | None:
         return None if self._eos_id is None else str(self._sp.id_to_piece(self._eos_id))
+
+    def save(self, directory: Path) -> None:
+        """Write ``tokenizer.model`` and ``tokenizer_config.json`` into ``directory``."""
+        (directory / "tokenizer.model").write_bytes(self._sp.serialized_model_proto())
+        _write_tokenizer_config(
+            directory,
+            {
+                "bos_token_id": self._bos_id,
+                "eos_token_id": self._eos_id,
+                "add_bos_token": self._add_bos,
+                "chat_template": self.chat_template,
+            },
+        )
 
 
 class Llama2cTokenizer(Tokenizer):

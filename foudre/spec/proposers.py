@@ -106,6 +106,8 @@ class DraftModelProposer(Proposer):
         super().__init__(num_speculative_tokens)
         self.model = model
         self.vocab_size = target_vocab_size
+        # a draft with a smaller (padded) vocabulary never sees ids it has no embedding for
+        self._max_input_id = model.config.vocab_size - 1
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
         self.runner = ModelRunner(model, backend, num_blocks, block_size, device, dtype, seed)
         self.generator = torch.Generator(device=device).manual_seed(seed + 1)
@@ -189,6 +191,8 @@ class DraftModelProposer(Proposer):
                 ]
             else:
                 inputs = [[drafts[r.request_id][-1]] for r, _, _ in step]
+            if self._max_input_id < self.vocab_size - 1:
+                inputs = [[min(t, self._max_input_id) for t in ids] for ids in inputs]
             logits = self.runner.forward(tables, starts, inputs, [1] * len(step))
             assert logits is not None
             tokens, rows = self._draw(logits, [r for r, _, _ in step])

@@ -23,6 +23,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from safetensors.torch import load_file
 
+from foudre.compress.model import copy_tokenizer
 from foudre.layers.rotary import rope_inv_freq
 from foudre.loading.errors import ModelLoadError
 from foudre.loading.gguf import _llama3_rope_scaling, load_gguf, read_gguf
@@ -639,6 +640,11 @@ def test_sentencepiece_tokenizer_from_metadata(spm_model: bytes, tmp_path: Path)
     _assert_same_tokenizer(ours, ref)
     assert ours.decode(ours.encode("Café 🦊 naïve")) == "Café 🦊 naïve"  # byte fallback
     assert ours.encode("a")[0] == 1 and ours.vocab_size == 384
+    # tools that write a model directory (quantize, distill) export the file's tokenizer
+    export = tmp_path / "export"
+    export.mkdir()
+    copy_tokenizer(out, export)
+    _assert_same_tokenizer(load_tokenizer(export), ref)
 
 
 def test_llama2_tokenizer_from_metadata(tmp_path: Path) -> None:
@@ -662,6 +668,12 @@ def test_bpe_tokenizer_from_metadata(pre: str, tmp_path: Path) -> None:
     assert (ours.encode("a")[0] == ours.bos_token_id == 0) == (pre == "llama-bpe")
     messages = [{"role": "user", "content": "hi"}]
     assert ours.apply_chat_template(messages) == "<user>hi"
+    export = tmp_path / "export"
+    export.mkdir()
+    copy_tokenizer(out, export)
+    exported = load_tokenizer(export)
+    _assert_same_tokenizer(exported, ref)
+    assert exported.apply_chat_template(messages) == "<user>hi"
 
 
 def test_unsupported_bpe_pre_tokenizer_is_a_clear_error(tmp_path: Path) -> None:

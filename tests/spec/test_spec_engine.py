@@ -91,9 +91,17 @@ def test_random_hf_models_greedy_identical(tmp_path: Path) -> None:
         num_attention_heads=2,
         num_key_value_heads=1,
     )
-    prompts: list[Any] = [[1, 5, 9, 200, 7, 5, 9], [1, *list(range(30, 90))], [3, 3, 3, 3]]
+    # a draft whose (padded) vocabulary differs from the target's: 240 and 300 ids vs 256
+    small = make_hf_model(tmp_path / "s", "llama", seed=2, vocab_size=240, num_hidden_layers=1)
+    large = make_hf_model(tmp_path / "l", "llama", seed=3, vocab_size=300, num_hidden_layers=1)
+    prompts: list[Any] = [[1, 5, 9, 250, 7, 5, 9], [1, *list(range(30, 90))], [3, 3, 3, 3]]
     ref = _greedy(LLM(model=str(target), skip_tokenizer_init=True), prompts, max_tokens=30)
-    for spec in (dict(speculative_model=str(draft)), dict(speculative_method="ngram")):
+    for spec in (
+        dict(speculative_model=str(draft)),
+        dict(speculative_model=str(small)),
+        dict(speculative_model=str(large)),
+        dict(speculative_method="ngram"),
+    ):
         llm = LLM(model=str(target), skip_tokenizer_init=True, **spec)
         assert _greedy(llm, prompts, max_tokens=30) == ref, spec
         _assert_all_freed(llm)
