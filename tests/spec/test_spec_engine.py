@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from foudre import LLM, SamplingParams
+from foudre.cli import main as cli_main
 from foudre.spec.proposers import NgramProposer
 from tests.conftest import make_hf_model
 from tests.spec.test_rejection import P_THRESHOLD, chi2_pvalue
@@ -64,7 +65,7 @@ def test_embedded_pair_greedy_identical(embedded_reference: list[list[int]], spe
     _assert_all_freed(llm)
 
 
-def test_stories260k_greedy_identical(stories_paths: tuple[str, str]) -> None:
+def test_stories260k_greedy_identical(stories_paths: tuple[str, str], tmp_path: Path) -> None:
     model, tok = stories_paths
     prompts = ["Once upon a time", "Lily and Tom went to the park. Lily and Tom", "The cat"]
     ref = _greedy(LLM(model=model, tokenizer=tok), prompts, max_tokens=60)
@@ -78,6 +79,20 @@ def test_stories260k_greedy_identical(stories_paths: tuple[str, str]) -> None:
     int8 = LLM(model=model, tokenizer=tok, speculative_model=model, speculative_quantization="int8")
     assert _greedy(int8, prompts, max_tokens=60) == ref
     _assert_all_freed(int8)
+    # a draft built for it with foudre's own tools: stories260K with its least important layer
+    # pruned away (ranked on a little story text)
+    calib = tmp_path / "calib.txt"
+    calib.write_text(STORY * 20)
+    pruned = tmp_path / "pruned"
+    rc = cli_main(["prune", "--model", model, "--tokenizer", tok, "--layers", "1",
+                   "--calibration", str(calib), "--calibration-tokens", "512",
+                   "--output", str(pruned), "--no-progress"])  # fmt: skip
+    assert rc == 0
+    draft = LLM(model=model, tokenizer=tok, speculative_model=str(pruned))
+    assert _greedy(draft, prompts, max_tokens=60) == ref
+    m = draft.metrics()
+    assert 0 < m["spec_accepted_tokens"] < m["spec_draft_tokens"]
+    _assert_all_freed(draft)
 
 
 def test_random_hf_models_greedy_identical(tmp_path: Path) -> None:
