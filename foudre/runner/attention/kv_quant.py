@@ -68,18 +68,15 @@ class QuantizedKVCache:
         self.scales = torch.ones(shape[:-1], dtype=torch.float32, device=device)
 
     def write(self, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store new K/V ``[T, kv_heads, head_dim]`` at their cache slots."""
+        """Store new K/V ``[T, kv_heads, head_dim]`` at their cache slots (K and V quantized in
+        one pass)."""
         heads, dim = k.shape[1], k.shape[2]
-        for i, x in enumerate((k, v)):
-            codes, scale = quantize_kv(x, self.kind)
-            self.codes[i].view(-1, heads, dim).index_copy_(0, slot_mapping, codes.view(torch.uint8))
-            self.scales[i].view(-1, heads).index_copy_(0, slot_mapping, scale)
+        codes, scale = quantize_kv(torch.stack([k, v]), self.kind)  # [2, T, H, D], [2, T, H]
+        self.codes.view(2, -1, heads, dim).index_copy_(1, slot_mapping, codes.view(torch.uint8))
+        self.scales.view(2, -1, heads).index_copy_(1, slot_mapping, scale)
 
     def gather(self, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of the blocks ``[B, n]``: ``[B, n, block_size, kv_heads, head_dim]``."""
-        storage = _STORAGE[self.kind]
-        out = []
-        for i in range(2):
-            codes = self.codes[i][block_tables].view(storage)
-            out.append(dequantize_kv(codes, self.scales[i][block_tables], self.dtype))
-        return out[0], out[1]
+        codes = self.codes[:, block_tables].view(_STORAGE[self.kind])
+        kv = dequantize_kv(codes, self.scales[:, block_tables], self.dtype)
+        return kv[0], kv[1]
