@@ -1,8 +1,9 @@
 """foudre's Llama as a plain full-sequence model: build, forward, export as a HF directory.
 
 The inference model runs over a paged KV cache; for training and evaluation the same modules
-run through ``CausalBackend``, which attends causally within each row of a ``[B, T]`` batch and
-keeps no cache. The forward therefore has exactly the weights and numerics of the served model.
+run through ``CausalBackend`` (``foudre/runner/attention/causal.py``), which attends causally
+within each row of a ``[B, T]`` batch and keeps no cache. The forward therefore has exactly the
+weights and numerics of the served model.
 """
 
 from __future__ import annotations
@@ -14,15 +15,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from foudre.loading.loader import load_model
 from foudre.loading.tokenizer import Tokenizer, load_tokenizer
 from foudre.models.config import ModelConfig
 from foudre.models.llama import LlamaForCausalLM
-from foudre.runner.attention.base import AttentionBackend, BatchLayout
-from foudre.runner.attention.kv_quant import KV_CACHE_DTYPES, fake_quantize_kv
+from foudre.runner.attention.causal import causal_hidden
 
 _HF_CLASSES = {
     "llama": "LlamaForCausalLM",
@@ -38,61 +37,6 @@ TOKENIZER_FILES = (
     "tokenizer.model",
     "tokenizer.bin",
 )
-
-
-class CausalBackend(AttentionBackend):
-    """Dense causal attention over rows of equal length; ``metadata`` is ``(batch, seq_len)``.
-
-    Token ``t`` of a row attends to tokens ``0..t`` of the same row and nothing else. The KV
-    cache argument is ignored. Differentiable, so it serves training as well as evaluation.
-    ``kv_cache_dtype`` int8 / fp8 rounds K and V exactly as the quantized paged cache stores
-    them, so evaluation measures the quality cost of KV-cache quantization.
-    """
-
-    name = "causal"
-
-    def __init__(self, kv_cache_dtype: str = "auto") -> None:
-        self.kv_cache_dtype = kv_cache_dtype
-
-    def build_metadata(self, layout: BatchLayout, device: torch.device) -> Any:
-        raise TypeError("CausalBackend takes (batch, seq_len) metadata, not a paged layout")
-
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: torch.Tensor,
-        metadata: tuple[int, int],
-        scale: float,
-    ) -> torch.Tensor:
-        b, t = metadata
-        if self.kv_cache_dtype != "auto":
-            k = fake_quantize_kv(k, self.kv_cache_dtype)
-            v = fake_quantize_kv(v, self.kv_cache_dtype)
-        heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]
-        qh = q.view(b, t, heads, dim).transpose(1, 2)
-        kh = k.view(b, t, kv_heads, dim).transpose(1, 2)
-        vh = v.view(b, t, kv_heads, dim).transpose(1, 2)
-        if heads != kv_heads:
-            kh = kh.repeat_interleave(heads // kv_heads, dim=1)
-            vh = vh.repeat_interleave(heads // kv_heads, dim=1)
-        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
-        return o.transpose(1, 2).reshape(b * t, heads, dim)
-
-
-_BACKENDS = {kind: CausalBackend(kind) for kind in KV_CACHE_DTYPES}
-
-
-def causal_hidden(
-    model: LlamaForCausalLM, ids: torch.Tensor, kv_cache_dtype: str = "auto"
-) -> torch.Tensor:
-    """Final hidden states ``[B, T, hidden]`` of ``ids`` ``[B, T]`` (each row from position 0)."""
-    b, t = ids.shape
-    positions = torch.arange(t, device=ids.device).repeat(b)
-    caches = [torch.empty(0, device=ids.device)] * len(model.model.layers)
-    hidden = model(ids.reshape(-1), positions, caches, _BACKENDS[kv_cache_dtype], (b, t))
-    return hidden.view(b, t, -1)
 
 
 def causal_logits(

@@ -1,55 +1,25 @@
 """Calibration: run the model on token sequences and collect each linear's inputs.
 
-The model runs without a KV cache through ``DenseCausalBackend`` (each sequence alone, causal),
+The model runs without a KV cache through ``CausalBackend`` (each sequence alone, causal),
 so the activations are exactly those the served model computes for the same prompt.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from foudre.models.llama import LlamaForCausalLM
-from foudre.runner.attention.base import AttentionBackend, BatchLayout
-
-
-class DenseCausalBackend(AttentionBackend):
-    """Causal attention over one whole sequence; the KV cache and metadata are ignored."""
-
-    name = "dense-causal"
-
-    def build_metadata(self, layout: BatchLayout, device: torch.device) -> Any:
-        return None
-
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: torch.Tensor,
-        metadata: Any,
-        scale: float,
-    ) -> torch.Tensor:
-        heads, kv_heads = q.shape[1], k.shape[1]
-        qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
-        if heads != kv_heads:
-            kh = kh.repeat_interleave(heads // kv_heads, dim=0)
-            vh = vh.repeat_interleave(heads // kv_heads, dim=0)
-        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
-        return o.transpose(0, 1)
+from foudre.runner.attention.causal import causal_hidden
 
 
 def run_sequence(model: LlamaForCausalLM, ids: Sequence[int]) -> torch.Tensor:
     """Final hidden states ``[T, hidden]`` of one sequence, computed from position 0."""
     device = model.model.embed_tokens.weight.device
     t = torch.as_tensor(list(ids), dtype=torch.long, device=device)
-    positions = torch.arange(len(t), device=device)
-    caches = [torch.empty(0, device=device)] * len(model.model.layers)
-    return model(t, positions, caches, DenseCausalBackend(), None)
+    return causal_hidden(model, t.view(1, -1))[0]
 
 
 def default_calibration(
