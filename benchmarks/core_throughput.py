@@ -27,6 +27,7 @@ import torch
 from common import machine, measure_bandwidth, random_llama, weight_bytes
 
 from foudre import LLM, SamplingParams
+from foudre.bench.offline import timed_batch
 
 PROMPT_LEN = 128
 
@@ -64,16 +65,9 @@ def hf_static(model: Any, prompts: list[list[int]], lens: list[int]) -> float:
 
 def foudre_batch1(llm: LLM, prompt: list[int], new: int) -> tuple[float, float, float]:
     warm = [(t + 1) % 32000 for t in prompt]  # a different prompt: no prefix-cache hit below
-    llm.generate([warm], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
-    engine = llm.engine
-    engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True))
-    steps = []
-    while engine.has_unfinished_requests():
-        t = time.perf_counter()
-        engine.step()
-        steps.append(time.perf_counter() - t)
-    decode = steps[1:]
-    return steps[0], len(decode) / sum(decode), sorted(decode)[len(decode) // 2]
+    timed_batch(llm.engine, [warm], 2)
+    ttfts, decode = timed_batch(llm.engine, [prompt], new)
+    return ttfts[0], len(decode) / sum(decode), sorted(decode)[len(decode) // 2]
 
 
 def foudre_throughput(llm: LLM, prompts: list[list[int]], lens: list[int]) -> tuple[float, int]:

@@ -412,7 +412,7 @@ def add_latency_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--save-result", default=None, metavar="FILE.json")
 
 
-def _timed_batch(
+def timed_batch(
     engine: LLMEngine, prompts: Sequence[list[int]], output_len: int
 ) -> tuple[list[float], list[float]]:
     """Submit ``prompts`` together and step until done. Returns each request's TTFT (seconds
@@ -458,14 +458,14 @@ def run_latency(args: argparse.Namespace) -> dict[str, Any]:
     vocab = engine.model_config.vocab_size
     for it in range(args.num_iters_warmup):
         prompts = random_prompts(args.batch_size, args.input_len, vocab, args.seed + 1000 + it)
-        _timed_batch(engine, prompts, min(8, args.output_len))
+        timed_batch(engine, prompts, min(8, args.output_len))
     ttfts: list[float] = []
     decode: list[float] = []
     e2e: list[float] = []
     for it in range(args.num_iters):
         prompts = random_prompts(args.batch_size, args.input_len, vocab, args.seed + it)
         t0 = time.perf_counter()
-        first, steps = _timed_batch(engine, prompts, args.output_len)
+        first, steps = timed_batch(engine, prompts, args.output_len)
         e2e.append(time.perf_counter() - t0)
         ttfts += first
         decode += steps

@@ -131,34 +131,18 @@ def num_weights(model: torch.nn.Module) -> int:
     return total
 
 
-def _random_ids(rng: np.random.Generator, n: int, vocab: int) -> list[int]:
-    low = 10 if vocab > 20 else 0
-    return rng.integers(low, vocab, size=n).tolist()
-
-
 def decode_speed(llm: Any, input_len: int, output_len: int, seed: int) -> dict[str, float]:
     """Batch-1 decode tokens/s: one prompt, ``output_len`` greedy tokens, each engine step
-    timed; the first step (the prefill) is the TTFT, the others are decode steps."""
-    from foudre.sampling_params import SamplingParams
+    timed (``offline.timed_batch``) after a warm-up request on another prompt."""
+    from foudre.bench.offline import random_prompts, timed_batch
 
     engine = llm.engine
-    vocab = engine.model_config.vocab_size
-    rng = np.random.default_rng(seed)
-    warm, prompt = _random_ids(rng, input_len, vocab), _random_ids(rng, input_len, vocab)
-    llm.generate([warm], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-    engine.add_request(
-        prompt, SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-    )
-    steps = []
-    while engine.has_unfinished_requests():
-        t = time.perf_counter()
-        engine.step()
-        steps.append(time.perf_counter() - t)
-    decode = steps[1:]
-    tps = len(decode) / sum(decode) if decode else float("nan")
+    warm, prompt = random_prompts(2, input_len, engine.model_config.vocab_size, seed)
+    timed_batch(engine, [warm], 4)
+    ttfts, decode = timed_batch(engine, [prompt], output_len)
     return {
-        "decode_tps": tps,
-        "ttft_ms": steps[0] * 1e3,
+        "decode_tps": len(decode) / sum(decode) if decode else float("nan"),
+        "ttft_ms": ttfts[0] * 1e3,
         "tpot_median_ms": float(np.median(decode)) * 1e3 if decode else float("nan"),
     }
 
@@ -167,11 +151,10 @@ def batch_throughput(
     llm: Any, batch: int, input_len: int, output_len: int, seed: int
 ) -> dict[str, float]:
     """Output tokens/s of ``batch`` concurrent random prompts (fixed lengths, ignore_eos)."""
+    from foudre.bench.offline import random_prompts
     from foudre.sampling_params import SamplingParams
 
-    vocab = llm.engine.model_config.vocab_size
-    rng = np.random.default_rng(seed + 1)
-    prompts = [_random_ids(rng, input_len, vocab) for _ in range(batch)]
+    prompts = random_prompts(batch, input_len, llm.engine.model_config.vocab_size, seed + 1)
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     t = time.perf_counter()
     outs = llm.generate(prompts, params)
