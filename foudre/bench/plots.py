@@ -66,11 +66,7 @@ def plot_benchmark(
     """Write a 2x2 PNG to ``path`` and return it: TTFT and E2E latency CDFs with p50/p99
     markers (and SLO lines), the ITL histogram, and output tokens/s over the run with requests
     in flight. ``title`` heads the figure above a line of key figures from ``metrics``."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     slos = slos or {}
     ok = [r for r in results if r.success]
     fig, axes = plt.subplots(2, 2, figsize=(13, 9))
@@ -142,10 +138,7 @@ def plot_benchmark(
         )
         ax.set_title("Throughput over the run")
 
-        fig.suptitle(f"{title}\n{_key_figures(metrics)}", fontsize=12)
-        fig.tight_layout()
-        out = Path(path)
-        fig.savefig(out, dpi=110)
+        out = save_figure(fig, path, f"{title}\n{_key_figures(metrics)}", fontsize=12)
     finally:
         plt.close(fig)
     return out
@@ -168,13 +161,23 @@ def _key_figures(metrics: Mapping[str, Any]) -> str:
     return "  ·  ".join(parts)
 
 
-def _pyplot() -> Any:
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` on the non-interactive Agg backend (no display needed)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def save_figure(fig: Any, path: str | Path, title: str, fontsize: int = 11) -> Path:
+    """Give ``fig`` its title and a tight layout, write it as a 110-dpi PNG to ``path``."""
+    fig.suptitle(title, fontsize=fontsize)
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=110)
+    return out
 
 
 def plot_ablation(
@@ -188,7 +191,7 @@ def plot_ablation(
     one bar per row, labelled ``experiment: variant``, coloured by experiment, each annotated
     with its value and, for non-reference rows, its ratio to the experiment's reference row
     (``row["ratio"][key]``). Missing values are drawn as empty bars marked n/a."""
-    plt = _pyplot()
+    plt = pyplot()
     keys = list(metrics)
     ncols = min(4, len(keys))
     nrows = -(-len(keys) // ncols)
@@ -222,10 +225,7 @@ def plot_ablation(
             ax.grid(axis="x", alpha=0.3)
         for ax in list(axes.flat)[len(keys) :]:
             ax.axis("off")
-        fig.suptitle(f"{title}\n(light bars: full configuration; ×ratio vs it)", fontsize=11)
-        fig.tight_layout()
-        out = Path(path)
-        fig.savefig(out, dpi=110)
+        out = save_figure(fig, path, f"{title}\n(light bars: full configuration; ×ratio vs it)")
     finally:
         plt.close(fig)
     return out
@@ -236,7 +236,7 @@ def plot_sweep(points: Sequence[Mapping[str, Any]], path: str | Path, *, title: 
     and TPOT against achieved output tokens/s (one point per offered rate, annotated with it),
     and achieved against offered request rate. ``points`` are ``compute_metrics`` dicts with a
     ``request_rate`` key."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
     xs = [float(p["output_throughput"]) for p in points]
     rates = [p["request_rate"] for p in points]
@@ -272,10 +272,7 @@ def plot_sweep(points: Sequence[Mapping[str, Any]], path: str | Path, *, title: 
         ax.set_title("Throughput vs offered load")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-        fig.suptitle(title, fontsize=11)
-        fig.tight_layout()
-        out = Path(path)
-        fig.savefig(out, dpi=110)
+        out = save_figure(fig, path, title)
     finally:
         plt.close(fig)
     return out

@@ -523,9 +523,9 @@ def format_markdown(
 def plot_quant(rows: Sequence[dict[str, Any]], path: str | Path, *, title: str) -> Path:
     """Bar panels (size, batch-1 decode, batch throughput, bits per byte, KL) and a scatter of
     quality against batch-1 decode speed with bubble area proportional to size."""
-    from foudre.bench.plots import _pyplot
+    from foudre.bench.plots import pyplot, save_figure
 
-    plt = _pyplot()
+    plt = pyplot()
     panels = [
         ("size_bytes", "weights (MB)", 1e-6),
         ("decode_tps", "batch-1 decode (tok/s)", 1.0),
@@ -592,10 +592,7 @@ def plot_quant(rows: Sequence[dict[str, Any]], path: str | Path, *, title: str) 
             ax.grid(alpha=0.3)
         for ax in flat[n:]:
             ax.axis("off")
-        fig.suptitle(title, fontsize=11)
-        fig.tight_layout()
-        out = Path(path)
-        fig.savefig(out, dpi=110)
+        out = save_figure(fig, path, title)
     finally:
         plt.close(fig)
     return out
