@@ -193,6 +193,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
         num_samples=args.num_samples,
         gen_max_tokens=args.gen_max_tokens,
         gen_temperature=args.gen_temperature,
+        gen_workers=args.gen_workers,
         steps=args.steps,
         resume=args.resume,
         progress=not args.no_progress,
@@ -276,6 +277,9 @@ def add_compress_parsers(sub: Any) -> None:
     dist.add_argument("--num-samples", type=int, default=2000, help="sequence mode (2000)")
     dist.add_argument("--gen-max-tokens", type=int, default=256)
     dist.add_argument("--gen-temperature", type=float, default=1.0)
+    dist.add_argument(
+        "--gen-workers", type=int, default=1, help="processes sampling the teacher (1)"
+    )
     dist.add_argument("--steps", type=int, default=None)
     dist.add_argument("--resume", action="store_true")
     dist.add_argument("--no-progress", action="store_true")

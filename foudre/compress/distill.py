@@ -110,19 +110,21 @@ def mean_kl(
     return evaluate_loss(student, batches, "fp32", kl_fn(teacher))
 
 
-def generate_documents(
+def _sample_shard(
     teacher: str,
     teacher_tokenizer: str | None,
-    num_samples: int,
+    indices: range,
     max_tokens: int,
     temperature: float,
     seed: int,
+    threads: int | None = None,
 ) -> list[str]:
-    """``num_samples`` texts sampled by the teacher from BOS with foudre's engine (each ends at
-    EOS, at a new BOS, or after ``max_tokens`` tokens)."""
+    """Teacher samples number ``indices`` (sample ``i`` uses seed ``seed + i``)."""
     from foudre.engine.llm import LLM
     from foudre.sampling_params import SamplingParams
 
+    if threads is not None:
+        torch.set_num_threads(threads)
     llm = LLM(model=teacher, tokenizer=teacher_tokenizer, dtype="float32", seed=seed)
     tok = llm.get_tokenizer()
     if tok.bos_token_id is None:
@@ -132,10 +134,54 @@ def generate_documents(
         SamplingParams(
             temperature=temperature, max_tokens=max_tokens, seed=seed + i, stop_token_ids=stops
         )
-        for i in range(num_samples)
+        for i in indices
     ]
-    outputs = llm.generate([[tok.bos_token_id]] * num_samples, params)
-    texts = [o.outputs[0].text.strip() for o in outputs]
+    outputs = llm.generate([[tok.bos_token_id]] * len(params), params)
+    return [o.outputs[0].text.strip() for o in outputs]
+
+
+def generate_documents(
+    teacher: str,
+    teacher_tokenizer: str | None,
+    num_samples: int,
+    max_tokens: int,
+    temperature: float,
+    seed: int,
+    workers: int = 1,
+) -> list[str]:
+    """``num_samples`` texts sampled by the teacher from BOS with foudre's engine (each ends at
+    EOS, at a new BOS, or after ``max_tokens`` tokens), empty ones dropped.
+
+    A small teacher is bound by the engine's Python step, not by its matrix products, so
+    ``workers`` > 1 splits the samples over that many processes with one share of the CPU
+    threads each; the samples are the same whatever the number of workers.
+    """
+    if workers <= 1:
+        texts = _sample_shard(
+            teacher, teacher_tokenizer, range(num_samples), max_tokens, temperature, seed
+        )
+    else:
+        import concurrent.futures
+        import multiprocessing
+
+        threads = max(1, torch.get_num_threads() // workers)
+        bounds = [num_samples * w // workers for w in range(workers + 1)]
+        ctx = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+            shards = [
+                pool.submit(
+                    _sample_shard,
+                    teacher,
+                    teacher_tokenizer,
+                    range(bounds[w], bounds[w + 1]),
+                    max_tokens,
+                    temperature,
+                    seed,
+                    threads,
+                )
+                for w in range(workers)
+            ]
+            texts = [text for shard in shards for text in shard.result()]
     return [t for t in texts if t]
 
 
@@ -156,6 +202,7 @@ def distill(
     num_samples: int = 2000,
     gen_max_tokens: int = 256,
     gen_temperature: float = 1.0,
+    gen_workers: int = 1,
     steps: int | None = None,
     resume: bool = False,
     progress: bool = True,
@@ -226,6 +273,7 @@ def distill(
                 gen_max_tokens,
                 gen_temperature,
                 train_cfg.seed,
+                gen_workers,
             )
             samples_path.write_text(
                 "".join(f"{s}\n{SEPARATOR}\n" for s in samples), encoding="utf-8"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from foudre.compress.distill import distill, kd_loss
+from foudre.compress.distill import distill, generate_documents, kd_loss
 from foudre.compress.model import load_for_eval
 
 from .conftest import write_config
@@ -69,3 +69,13 @@ def test_sequence_level_distillation_from_a_llama2c_teacher(
     assert len([s for s in samples if s.strip()]) == 6
     model, tok = load_for_eval(str(tmp_path / "out"))
     assert tok.vocab_size == 300 and model.config.vocab_size == 300
+
+
+def test_teacher_samples_do_not_depend_on_the_number_of_workers(
+    stories_paths: tuple[str, str],
+) -> None:
+    teacher, teacher_tok = stories_paths
+    one = generate_documents(teacher, teacher_tok, 5, 16, 1.0, seed=3, workers=1)
+    two = generate_documents(teacher, teacher_tok, 5, 16, 1.0, seed=3, workers=2)
+    assert len(one) == 5 and one == two
+    assert len(set(one)) > 1  # per-sample seeds: different stories
