@@ -317,9 +317,14 @@ def run_variant(
         before = engine.metrics()
         rep = replay(engine, items)
         after = engine.metrics()
-        drafts, draft_tokens, accepted = (
+        drafts, draft_tokens, accepted, padding = (
             after[k] - before[k]
-            for k in ("spec_num_drafts", "spec_draft_tokens", "spec_accepted_tokens")
+            for k in (
+                "spec_num_drafts",
+                "spec_draft_tokens",
+                "spec_accepted_tokens",
+                "num_padding_tokens",
+            )
         )
         per_block = kv_bytes_per_block(
             engine.model, engine.kv.block_size, engine.dtype, config.kv_cache_dtype
@@ -332,6 +337,7 @@ def run_variant(
             "prefix_cache_hits": rep.prefix_cache_hits,
             "prefix_cache_queries": rep.prefix_cache_queries,
             "num_steps": rep.num_steps,
+            "num_padding_tokens": padding,
             "peak_rss_mib": rep.peak_rss_bytes / (1 << 20),
             "spec_draft_tokens": draft_tokens,
             "spec_acceptance_rate": accepted / draft_tokens if draft_tokens else None,
@@ -431,6 +437,7 @@ def headlines(rows: Sequence[dict[str, Any]]) -> list[str]:
         parts = [
             f"{r['variant']} {_f(r['output_throughput'])} tok/s, "
             f"mean TTFT {_f(r['mean_ttft_ms'])} ms"
+            + (f", {r['num_padding_tokens']} padding tokens" if r.get("num_padding_tokens") else "")
             for r in rows
             if r["experiment"] == "batching"
         ]

@@ -154,6 +154,7 @@ class LLMEngine:
         self.num_generation_tokens = 0
         self.peak_kv_usage = 0.0
         self.num_model_steps = 0  # target forwards run
+        self.num_padding_tokens = 0  # throw-away tokens of rectangular batches (static/dynamic)
         self.last_num_scheduled = 0  # 0 while requests wait on a batching policy or on blocks
 
     def _make_proposer(self, num_blocks: int) -> Proposer | None:
@@ -297,7 +298,10 @@ class LLMEngine:
         for req in sched.requests:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
-        result = self.runner.execute(sched.requests, sched.num_new_tokens, self.kv)
+        result = self.runner.execute(
+            sched.requests, sched.num_new_tokens, self.kv, sched.num_padding_rows
+        )
+        self.num_padding_tokens += sched.num_padding_rows
         for req, n in zip(sched.requests, sched.num_new_tokens, strict=True):
             req.num_computed_tokens += n
         self.peak_kv_usage = max(self.peak_kv_usage, self.kv.usage)
@@ -443,6 +447,7 @@ class LLMEngine:
             "generation_tokens": self.num_generation_tokens,
             "peak_kv_cache_usage": self.peak_kv_usage,
             "num_model_steps": self.num_model_steps,
+            "num_padding_tokens": self.num_padding_tokens,
             "spec_num_drafts": self.spec_num_drafts,
             "spec_draft_tokens": self.spec_draft_tokens,
             "spec_accepted_tokens": self.spec_accepted_tokens,

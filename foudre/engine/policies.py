@@ -9,6 +9,12 @@ only gates admission, so comparing them measures batching alone:
   or the end of the offline input), then run that batch to completion before forming the next.
 - ``dynamic``: form a batch from what arrived within ``batch_wait_ms`` of the oldest waiting
   request (up to ``max_num_seqs``), then run it to completion.
+
+Static and dynamic batches are rectangular, as in engines without iteration-level scheduling
+(Hugging Face ``generate``, request-level servers): a member that finishes early keeps its row
+until the whole batch is done, and that row is still computed, as padding
+(``num_padding_rows``; the runner runs one throw-away token per padding row each step). That
+wasted work, and the seats it holds, are what continuous batching wins back.
 """
 
 from __future__ import annotations
@@ -27,6 +33,11 @@ class SchedulingPolicy(ABC):
     # set while the caller has submitted everything it will (offline ``LLM.generate``), so that
     # policies that wait for arrivals stop waiting
     flush: bool = False
+
+    @property
+    def num_padding_rows(self) -> int:
+        """Rows of finished requests that the current batch still computes (0 by default)."""
+        return 0
 
     @abstractmethod
     def admissible(self, waiting: Sequence[Request], num_running: int, now: float) -> int:
@@ -52,7 +63,12 @@ class BatchPolicy(SchedulingPolicy):
         self.max_batch = max_batch
         self.wait_s = wait_s
         self.members: set[str] = set()
+        self.batch_size = 0  # members when the current batch formed
         self.num_batches = 0
+
+    @property
+    def num_padding_rows(self) -> int:
+        return self.batch_size - len(self.members) if self.members else 0
 
     def admissible(self, waiting: Sequence[Request], num_running: int, now: float) -> int:
         if not self.members and waiting:
@@ -60,6 +76,7 @@ class BatchPolicy(SchedulingPolicy):
             waited = self.wait_s is not None and now - waiting[0].arrival_time >= self.wait_s
             if full or waited or self.flush:
                 self.members = {r.request_id for r in list(waiting)[: self.max_batch]}
+                self.batch_size = len(self.members)
                 self.num_batches += 1
         count = 0
         for req in waiting:

@@ -35,6 +35,7 @@ class SchedulerOutput:
     requests: list[Request] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    num_padding_rows: int = 0  # throw-away rows of a rectangular (static / dynamic) batch
 
     @property
     def total_tokens(self) -> int:
@@ -152,6 +153,8 @@ class Scheduler:
                 out.num_new_tokens.append(num_new)
                 budget -= num_new
 
+        if out.requests:
+            out.num_padding_rows = self.policy.num_padding_rows
         assert out.total_tokens <= self.max_num_batched_tokens
         assert len(self.running) <= self.max_num_seqs
         return out

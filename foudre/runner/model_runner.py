@@ -59,15 +59,19 @@ class ModelRunner:
         self.device = device
         cfg = model.config
         heads, dim = cfg.num_key_value_heads, cfg.head_dim
+        # one block past the pool, never handed out: the scratch K/V of padding rows
+        self.padding_block = num_blocks
         self.kv_caches: list[torch.Tensor] | list[QuantizedKVCache]
         if kv_cache_dtype == "auto":
-            shape = (2, num_blocks, block_size, heads, dim)
+            shape = (2, num_blocks + 1, block_size, heads, dim)
             self.kv_caches = [
                 torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)
             ]
         else:
             self.kv_caches = [
-                QuantizedKVCache(num_blocks, block_size, heads, dim, kv_cache_dtype, dtype, device)
+                QuantizedKVCache(
+                    num_blocks + 1, block_size, heads, dim, kv_cache_dtype, dtype, device
+                )
                 for _ in range(cfg.num_hidden_layers)
             ]
         self.generator = torch.Generator(device=device).manual_seed(seed)
@@ -120,9 +124,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(
-        self, requests: Sequence[Request], num_new_tokens: Sequence[int], kv: KVCacheManager
+        self,
+        requests: Sequence[Request],
+        num_new_tokens: Sequence[int],
+        kv: KVCacheManager,
+        num_padding_rows: int = 0,
     ) -> StepOutput:
-        """Compute the scheduled tokens; return the requests that sampled and their tokens."""
+        """Compute the scheduled tokens; return the requests that sampled and their tokens.
+
+        ``num_padding_rows`` throw-away rows (one token each, logits included, K/V written to
+        the scratch block) are added to the batch, as a rectangular batch computes the rows of
+        its finished members; their results are dropped.
+        """
         tables, starts, tokens, num_logits = [], [], [], []
         samplers: list[Request] = []
         for req, n in zip(requests, num_new_tokens, strict=True):
@@ -137,8 +150,15 @@ class ModelRunner:
             if n_logits:
                 assert n_logits == len(req.spec_token_ids) + 1, "drafts scheduled partially"
                 samplers.append(req)
+        for _ in range(num_padding_rows):
+            tables.append([self.padding_block])
+            starts.append(0)
+            tokens.append([0])
+            num_logits.append(1)
         logits = self.forward(tables, starts, tokens, num_logits)
-        if logits is None:
+        if logits is not None and num_padding_rows:
+            logits = logits[: logits.shape[0] - num_padding_rows]
+        if logits is None or logits.shape[0] == 0:
             return StepOutput([], [], [], [], [])
         if not any(r.spec_token_ids for r in samplers):
             out = sample(logits, samplers, self.generator)

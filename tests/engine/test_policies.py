@@ -35,6 +35,16 @@ def test_batch_policies_give_the_same_tokens(
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, _params())] == expected
     assert isinstance(llm.engine.scheduler.policy, BatchPolicy)
     assert llm.engine.scheduler.policy.num_batches == 3  # 5 requests in batches of 2, 2, 1
+    # rectangular batches: the member that finishes first keeps a computed row until its partner
+    # is done: (17 - 8) + (35 - 26) throw-away tokens for outputs of 8, 17 | 26, 35 | 44 tokens
+    assert llm.metrics()["num_padding_tokens"] == 18
+    assert llm.metrics()["num_free_blocks"] == llm.metrics()["num_total_blocks"]
+
+
+def test_continuous_batching_computes_no_padding(stories_paths: tuple[str, str]) -> None:
+    llm = _llm(stories_paths, max_num_seqs=2)
+    llm.generate(PROMPTS, _params())
+    assert llm.metrics()["num_padding_tokens"] == 0
 
 
 def test_static_batch_runs_to_completion_before_admitting(stories_paths: tuple[str, str]) -> None:
