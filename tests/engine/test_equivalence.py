@@ -127,3 +127,29 @@ def test_everything_at_once_on_random_hf_model(tmp_path: Path) -> None:
 def test_shared_data_present() -> None:
     # the suite relies on ../shared; make its absence loud rather than silently skipping
     assert (SHARED / "models" / "stories260K" / "stories260K.bin").exists()
+
+
+def test_decode_bands_of_context_lengths(stories: tuple[str, str]) -> None:
+    """Decode rows whose contexts span 2 to ~400 tokens run as several attention calls (bands
+    within a factor of two); each request gets the tokens it gets alone."""
+    from foudre.runner.attention.torch_sdpa import decode_groups
+
+    lens = [3, 400, 5, 9, 17, 33, 65, 129, 257, 4, 6, 8, 10, 12, 14, 16, 18, 20, 200, 300]
+    bands = decode_groups(list(range(len(lens))), lens, min_rows=4)
+    assert sorted(r for band in bands for r in band) == list(range(len(lens)))
+    assert len(bands) > 2
+    for band in bands:
+        ctx = [lens[r] for r in band]
+        assert ctx == sorted(ctx) and all(c <= 2 * ctx[0] for c in ctx[4:])
+    assert all(len(band) >= 4 for band in bands[:-1])
+    assert [lens[r] for r in bands[0]] == [3, 4, 5, 6]  # full: the next, 8, is over 2 x 3
+
+    llm = LLM(stories[0], tokenizer=stories[1], max_model_len=512)
+    words = (STORY_PREFIX + " " + " ".join(SUFFIXES)).split()
+    tok = llm.get_tokenizer()
+    prompts = [tok.encode(" ".join((words * 8)[: n // 2 + 1])) for n in lens]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    together = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    alone = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
+    assert together == alone
+    assert llm.metrics()["num_free_blocks"] == llm.metrics()["num_total_blocks"]

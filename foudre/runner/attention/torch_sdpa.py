@@ -1,9 +1,11 @@
 """The CPU reference backend: ``scaled_dot_product_attention`` over K/V gathered from blocks.
 
-Requests are split into two groups so that padding never multiplies work: decode requests (one
-new token each) run as one batched call whose keys are padded to the longest context; requests
-with several new tokens (prefill chunks, verification) run as a second batched call padded to the
-longest chunk. No Python loop runs over requests in ``forward``.
+Requests are split into groups so that padding never multiplies work: decode requests (one new
+token each) run as batched calls whose keys are padded to the longest context of their group, one
+group per band of context lengths within about a factor of two (``decode_groups``), so a request
+rarely pays for more than twice its own keys; requests with several new tokens (prefill chunks,
+verification) run as one more batched call padded to the longest chunk. No Python loop runs over
+requests in ``forward``.
 """
 
 from __future__ import annotations
@@ -65,6 +67,23 @@ def _build_group(
     )
 
 
+def decode_groups(rows: list[int], seq_lens: list[int], min_rows: int = 8) -> list[list[int]]:
+    """``rows`` sorted by context length and cut into bands: a band closes once it holds
+    ``min_rows`` rows (each band costs one more attention call) and the next context is over
+    twice its shortest, so past its first ``min_rows`` rows no row pays for more than twice its
+    own keys."""
+    groups: list[list[int]] = []
+    current: list[int] = []
+    for r in sorted(rows, key=lambda r: seq_lens[r]):
+        if len(current) >= min_rows and seq_lens[r] > 2 * seq_lens[current[0]]:
+            groups.append(current)
+            current = []
+        current.append(r)
+    if current:
+        groups.append(current)
+    return groups
+
+
 class TorchSDPABackend(AttentionBackend):
     name = "torch"
 
@@ -74,7 +93,8 @@ class TorchSDPABackend(AttentionBackend):
             starts.append(starts[-1] + q)
         decode = [i for i, q in enumerate(layout.query_lens) if q == 1]
         multi = [i for i, q in enumerate(layout.query_lens) if q > 1]
-        groups = [_build_group(rows, layout, starts, device) for rows in (decode, multi) if rows]
+        bands = [*decode_groups(decode, layout.seq_lens), multi] if decode else [multi]
+        groups = [_build_group(rows, layout, starts, device) for rows in bands if rows]
         return SDPAMetadata(slot_mapping=layout.slot_mapping.to(device), groups=groups)
 
     def forward(
