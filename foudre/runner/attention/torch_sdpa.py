@@ -93,7 +93,7 @@ class TorchSDPABackend(AttentionBackend):
             starts.append(starts[-1] + q)
         decode = [i for i, q in enumerate(layout.query_lens) if q == 1]
         multi = [i for i, q in enumerate(layout.query_lens) if q > 1]
-        bands = [*decode_groups(decode, layout.seq_lens), multi] if decode else [multi]
+        bands = [*decode_groups(decode, layout.seq_lens), multi]
         groups = [_build_group(rows, layout, starts, device) for rows in bands if rows]
         return SDPAMetadata(slot_mapping=layout.slot_mapping.to(device), groups=groups)
 
