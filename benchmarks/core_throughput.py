@@ -1,14 +1,16 @@
 """Offline throughput and batch-1 decode: foudre against Hugging Face ``generate``, same run.
 
     .venv/bin/python benchmarks/core_throughput.py [--model medium|small] [--dtypes ...]
+        [--device cpu|cuda]
 
 Workloads (fixed seed):
 - batch 1: a 128-token prompt, 128 greedy tokens; decode tokens/s and the fraction of the
   memory-bandwidth roofline (weight bytes per step / step time / bandwidth, where the bandwidth
-  is measured here by an fp32 matrix-vector product over 512 MiB, larger than the L3 cache);
+  is measured here by an fp32 matrix-vector product over 512 MiB, larger than the L3 cache or
+  the GPU's L2, on the device under test);
 - throughput: 64 requests with 128-token prompts and output lengths uniform in 16..256; useful
   output tokens/s. HF runs them as one padded static batch (its standard ``generate``), foudre
-  through ``LLM.generate`` (continuous batching).
+  through ``LLM.generate`` (continuous batching). Both run on ``--device``.
 Figures go to stdout and, with ``--out FILE.md``, to a markdown file.
 """
 
@@ -38,20 +40,30 @@ def workload(n: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
     return prompts, [rng.randint(16, 256) for _ in range(n)]
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def hf_batch1(model: Any, prompt: list[int], new: int) -> tuple[float, float]:
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=model.device)
     model.generate(ids, max_new_tokens=2, do_sample=False)  # warm up
+    _sync(model.device)
     t = time.perf_counter()
     model.generate(ids, max_new_tokens=1, min_new_tokens=1, do_sample=False)
+    _sync(model.device)
     ttft = time.perf_counter() - t
     t = time.perf_counter()
     model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+    _sync(model.device)
     total = time.perf_counter() - t
     return ttft, (new - 1) / (total - ttft)
 
 
 def hf_static(model: Any, prompts: list[list[int]], lens: list[int]) -> float:
-    ids = torch.tensor(prompts)  # equal prompt lengths: no padding needed on the prompt side
+    # equal prompt lengths: no padding needed on the prompt side
+    ids = torch.tensor(prompts, device=model.device)
+    _sync(model.device)
     t = time.perf_counter()
     model.generate(
         ids,
@@ -60,6 +72,7 @@ def hf_static(model: Any, prompts: list[list[int]], lens: list[int]) -> float:
         min_new_tokens=max(lens),
         do_sample=False,
     )
+    _sync(model.device)
     return sum(lens) / (time.perf_counter() - t)
 
 
@@ -87,20 +100,28 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (cpu)")
+    ap.add_argument(
+        "--compare-eager",
+        action="store_true",
+        help="also run foudre with attention_backend torch and enforce_eager (no CUDA graphs)",
+    )
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     import transformers
 
+    device = torch.device(args.device)
     path = random_llama(args.model, torch.float32)
-    bandwidth = measure_bandwidth()
+    bandwidth = measure_bandwidth(device=device)
     prompts, lens = workload(args.num_requests)
     rows: list[dict[str, Any]] = []
-    print(f"machine: {machine()}; fp32 matvec bandwidth {bandwidth / 1e9:.1f} GB/s")
+    print(f"machine: {machine(device)}; fp32 matvec bandwidth {bandwidth / 1e9:.1f} GB/s")
     for dtype_name in args.dtypes:
         dtype = getattr(torch, dtype_name)
         row: dict[str, Any] = {"dtype": dtype_name}
         if not args.skip_hf:
-            hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+            hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+            hf = hf.to(device).eval()
             hf.generation_config.eos_token_id = None
             hf.generation_config.pad_token_id = 0
             with torch.inference_mode():
@@ -112,7 +133,34 @@ def main() -> None:
                 )
             del hf
             gc.collect()
-        llm = LLM(str(path), dtype=dtype_name, skip_tokenizer_init=True, max_model_len=1024)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        if args.compare_eager:  # first: a figure even if the default path fails
+            llm = LLM(
+                str(path),
+                dtype=dtype_name,
+                skip_tokenizer_init=True,
+                max_model_len=1024,
+                device=args.device,
+                attention_backend="torch",
+                enforce_eager=True,
+            )
+            _, row["eager_decode_tps"], _ = foudre_batch1(llm, prompts[0], args.new_tokens)
+            row["eager_tps"], _ = foudre_throughput(llm, prompts, lens)
+            print(
+                f"[{dtype_name}] foudre eager (SDPA, no graphs): batch 1 "
+                f"{row['eager_decode_tps']:.1f} tok/s, throughput {row['eager_tps']:.1f} tok/s",
+                flush=True,
+            )
+            del llm
+            gc.collect()
+        llm = LLM(
+            str(path),
+            dtype=dtype_name,
+            skip_tokenizer_init=True,
+            max_model_len=1024,
+            device=args.device,
+        )
         wbytes = weight_bytes(llm.engine.model)
         ttft, tps, median_step = foudre_batch1(llm, prompts[0], args.new_tokens)
         row.update(foudre_ttft_s=ttft, foudre_decode_tps=tps, weight_gb=wbytes / 1e9)
@@ -130,16 +178,19 @@ def main() -> None:
         )
         del llm
         gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
         rows.append(row)
 
     lines = [
         f"# Core throughput and batch-1 decode ({args.model} random Llama)",
         "",
         f"- date: {datetime.date.today()}",
-        f"- machine: {machine()}",
+        f"- machine: {machine(device)}",
         f"- command: `.venv/bin/python benchmarks/core_throughput.py --model {args.model} "
-        f"--dtypes {' '.join(args.dtypes)}`",
-        f"- measured fp32 matvec bandwidth: {bandwidth / 1e9:.1f} GB/s",
+        f"--dtypes {' '.join(args.dtypes)} --device {args.device}"
+        f"{' --compare-eager' if args.compare_eager else ''}`",
+        f"- measured fp32 matvec bandwidth ({args.device}): {bandwidth / 1e9:.1f} GB/s",
         f"- workload: {args.num_requests} requests, {PROMPT_LEN}-token prompts, output lengths "
         f"16..256 ({sum(lens)} useful tokens); batch 1: {PROMPT_LEN}-token prompt, "
         f"{args.new_tokens} tokens",
@@ -157,6 +208,20 @@ def main() -> None:
             f"{_ratio(r['foudre_tps'], hf_tp)} | {r['foudre_ttft_s']:.3f} | "
             f"{_f(r.get('hf_ttft_s'), 3)} |"
         )
+    if any("eager_tps" in r for r in rows):
+        lines += [
+            "",
+            "foudre without CUDA graphs (attention_backend torch, enforce_eager):",
+            "",
+            "| dtype | batch-1 tok/s eager | with graphs | throughput eager | with graphs |",
+            "| --- | --- | --- | --- | --- |",
+        ]
+        for r in rows:
+            if "eager_tps" in r:
+                lines.append(
+                    f"| {r['dtype']} | {r['eager_decode_tps']:.1f} | {r['foudre_decode_tps']:.1f} "
+                    f"| {r['eager_tps']:.1f} | {r['foudre_tps']:.1f} |"
+                )
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

@@ -39,7 +39,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             kind = int
         else:
             kind = str
-        parser.add_argument(flag, type=kind, default=default, help=f"(default: {default})")
+        if isinstance(default, bool):  # "--flag" alone means true; "--flag false" works too
+            parser.add_argument(
+                flag,
+                type=kind,
+                nargs="?",
+                const=True,
+                default=default,
+                help=f"(default: {default})",
+            )
+        else:
+            parser.add_argument(flag, type=kind, default=default, help=f"(default: {default})")
         if isinstance(default, bool):
             parser.add_argument(
                 "--no-" + f.name.replace("_", "-"),

@@ -22,7 +22,9 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
-    attention_backend: str = "auto"  # auto | torch | contiguous (non-paged baseline)
+    # auto (triton on CUDA, else torch) | torch | triton | contiguous (non-paged baseline)
+    attention_backend: str = "auto"
+    enforce_eager: bool = False  # no CUDA graphs for decode steps (they need the triton backend)
     scheduling_policy: str = "continuous"  # continuous | static | dynamic
     batch_wait_ms: float | None = None  # static/dynamic: how long a batch waits for arrivals
     quantization: str | None = None  # int8 | int4 | gptq | awq | mixed (weights, at load)

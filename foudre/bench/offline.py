@@ -407,7 +407,7 @@ def add_latency_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="GB/S",
         help="memory bandwidth for the roofline (default: measured by an fp32 matrix-vector "
-        "product over 512 MiB)",
+        "product over 512 MiB on the engine's device)",
     )
     parser.add_argument("--save-result", default=None, metavar="FILE.json")
 
@@ -449,7 +449,7 @@ def run_latency(args: argparse.Namespace) -> dict[str, Any]:
     repetition, ``weight_bytes`` per step, the measured ``bandwidth_gb_s`` and
     ``roofline_fraction`` = weight bytes / median decode step / bandwidth.
     """
-    from foudre.bench.roofline import measure_bandwidth, weight_bytes
+    from foudre.bench.roofline import machine, measure_bandwidth, weight_bytes
 
     if args.batch_size < 1 or args.input_len < 1 or args.output_len < 2:
         raise ValueError("need --batch-size >= 1, --input-len >= 1 and --output-len >= 2")
@@ -469,11 +469,12 @@ def run_latency(args: argparse.Namespace) -> dict[str, Any]:
         e2e.append(time.perf_counter() - t0)
         ttfts += first
         decode += steps
-    bandwidth = args.bandwidth * 1e9 if args.bandwidth else measure_bandwidth()
+    bandwidth = args.bandwidth * 1e9 if args.bandwidth else measure_bandwidth(device=engine.device)
     wbytes = weight_bytes(engine.model)
     median_step = float(np.median(decode)) if decode else math.nan
     result = {
         **_meta(args, "latency"),
+        "machine": machine(engine.device),
         "batch_size": args.batch_size,
         "input_len": args.input_len,
         "output_len": args.output_len,

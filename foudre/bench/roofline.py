@@ -43,24 +43,36 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def measure_bandwidth(mib: int = 512, repeats: int = 8) -> float:
+def measure_bandwidth(
+    mib: int = 512, repeats: int = 8, device: torch.device | str | None = None
+) -> float:
     """Bytes/s of weight reads by an fp32 matrix-vector product over ``mib`` MiB (larger than the
-    last-level cache): the best of ``repeats`` timed runs after one warm-up."""
+    last-level cache: the CPU's L3 or the GPU's L2): the best of ``repeats`` timed runs after one
+    warm-up, on ``device`` (the CPU by default)."""
+    dev = torch.device(device or "cpu")
     cols = 4096
     rows = max(1, mib * (1 << 20) // (4 * cols))
-    w = torch.randn(rows, cols)
-    x = torch.randn(cols)
+    w = torch.randn(rows, cols, device=dev)
+    x = torch.randn(cols, device=dev)
     torch.mv(w, x)
+    _sync(dev)
     best = float("inf")
     for _ in range(repeats):
         t = time.perf_counter()
         torch.mv(w, x)
+        _sync(dev)
         best = min(best, time.perf_counter() - t)
     return w.numel() * 4 / best
 
 
-def machine() -> str:
-    """One line naming the CPU, core count, torch version and torch's thread count."""
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def machine(device: torch.device | str | None = None) -> str:
+    """One line naming the CPU, core count, torch version and torch's thread count, and the GPU
+    when ``device`` is a CUDA device."""
     cpu = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -70,4 +82,10 @@ def machine() -> str:
     except OSError:
         pass
     threads = torch.get_num_threads()
-    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {threads} threads"
+    line = f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {threads} threads"
+    dev = torch.device(device or "cpu")
+    if dev.type == "cuda":
+        props = torch.cuda.get_device_properties(dev)
+        gib = props.total_memory / 2**30
+        line = f"{props.name} ({gib:.0f} GiB), CUDA {torch.version.cuda}; {line}"
+    return line

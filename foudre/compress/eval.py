@@ -66,7 +66,7 @@ def sequence_nats(
         logits = full_sequence_logits(model, window, kv_cache_dtype)
         first = next_pred - start - 1
         pred_logits = logits[first : end - start - 1]
-        targets = window[first + 1 :]
+        targets = window[first + 1 :].to(pred_logits.device)
         total += float(F.cross_entropy(pred_logits, targets, reduction="sum"))
         next_pred = end
     return total

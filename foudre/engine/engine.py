@@ -132,13 +132,16 @@ class LLMEngine:
         )
         self.runner = ModelRunner(
             self.model,
-            get_backend(config.attention_backend),
+            get_backend(config.attention_backend, self.device, config.kv_cache_dtype),
             num_blocks,
             bs,
             self.device,
             self.dtype,
             config.seed,
             config.kv_cache_dtype,
+            cuda_graphs=not config.enforce_eager,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=self.max_model_len,
         )
         self.proposer = self._make_proposer(num_blocks)
         if self.proposer is not None:
@@ -188,9 +191,10 @@ class LLMEngine:
                 f" is below max_model_len {self.max_model_len}"
             )
         dtype = next(draft.model.parameters()).dtype
+        backend = cfg.attention_backend if cfg.attention_backend != "contiguous" else "auto"
         return DraftModelProposer(
             draft.model,
-            get_backend(cfg.attention_backend if cfg.attention_backend != "contiguous" else "auto"),
+            get_backend(backend, self.device),
             k,
             num_blocks,
             cfg.block_size,
@@ -199,6 +203,9 @@ class LLMEngine:
             self.model_config.vocab_size,
             cfg.enable_prefix_caching,
             cfg.seed,
+            cuda_graphs=not cfg.enforce_eager,
+            max_num_seqs=cfg.max_num_seqs,
+            max_model_len=self.max_model_len,
         )
 
     def _num_blocks(self, block_size: int) -> int:

@@ -170,6 +170,7 @@ def _set_module(model: nn.Module, name: str, new: nn.Module) -> None:
 
 
 def _relative_error(x: torch.Tensor, w: torch.Tensor, wq: torch.Tensor) -> float:
+    x = x.to(w.device)  # calibration inputs are kept on the CPU
     ref = x @ w.t()
     return ((x @ wq.t() - ref).pow(2).sum() / ref.pow(2).sum().clamp(min=1e-20)).item()
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,6 +21,9 @@ from foudre.models.llama import LlamaForCausalLM
 from foudre.runner.attention import AttentionBackend, BatchLayout
 from foudre.runner.attention.kv_quant import QuantizedKVCache, kv_bytes_per_token_head
 from foudre.spec.rejection import verify
+
+if TYPE_CHECKING:
+    from foudre.runner.cuda_graphs import DecodeGraphs
 
 
 def kv_bytes_per_block(
@@ -52,6 +56,9 @@ class ModelRunner:
         dtype: torch.dtype,
         seed: int = 0,
         kv_cache_dtype: str = "auto",
+        cuda_graphs: bool = False,
+        max_num_seqs: int = 256,
+        max_model_len: int | None = None,
     ) -> None:
         self.model = model
         self.backend = backend
@@ -75,6 +82,13 @@ class ModelRunner:
                 for _ in range(cfg.num_hidden_layers)
             ]
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        # decode steps replay CUDA graphs when the device and the attention backend allow it
+        self.graphs: DecodeGraphs | None = None
+        if cuda_graphs and device.type == "cuda" and backend.name == "triton":
+            from foudre.runner.cuda_graphs import DecodeGraphs
+
+            max_len = max_model_len or cfg.max_position_embeddings
+            self.graphs = DecodeGraphs(self, max_num_seqs, max_len)
 
     @torch.inference_mode()
     def forward(
@@ -86,7 +100,23 @@ class ModelRunner:
     ) -> torch.Tensor | None:
         """Compute ``token_ids[i]`` at positions ``starts[i]...`` of sequence ``i`` (writing
         their K/V through ``block_tables[i]``); return float32 logits of the last
-        ``num_logits[i]`` tokens of each sequence, in order (None when none are asked)."""
+        ``num_logits[i]`` tokens of each sequence, in order (None when none are asked).
+
+        A step of single tokens replays a captured CUDA graph when the runner has them."""
+        graphs = self.graphs
+        if (
+            graphs is not None
+            and 0 < len(token_ids) <= graphs.max_batch
+            and all(len(ids) == 1 for ids in token_ids)
+            and max(len(t) for t in block_tables) <= graphs.max_blocks
+        ):
+            wanted = [i for i, n in enumerate(num_logits) if n]
+            if not wanted:
+                return None
+            hidden = graphs.run(block_tables, starts, [ids[0] for ids in token_ids])
+            if len(wanted) < len(token_ids):
+                hidden = hidden[torch.tensor(wanted, device=self.device)]
+            return self.model.compute_logits(hidden)
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[torch.Tensor] = []

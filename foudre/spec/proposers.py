@@ -102,6 +102,9 @@ class DraftModelProposer(Proposer):
         target_vocab_size: int,
         enable_prefix_caching: bool = True,
         seed: int = 0,
+        cuda_graphs: bool = False,
+        max_num_seqs: int = 256,
+        max_model_len: int | None = None,
     ) -> None:
         super().__init__(num_speculative_tokens)
         self.model = model
@@ -109,7 +112,18 @@ class DraftModelProposer(Proposer):
         # a draft with a smaller (padded) vocabulary never sees ids it has no embedding for
         self._max_input_id = model.config.vocab_size - 1
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
-        self.runner = ModelRunner(model, backend, num_blocks, block_size, device, dtype, seed)
+        self.runner = ModelRunner(
+            model,
+            backend,
+            num_blocks,
+            block_size,
+            device,
+            dtype,
+            seed,
+            cuda_graphs=cuda_graphs,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+        )
         self.generator = torch.Generator(device=device).manual_seed(seed + 1)
         self._shadows: dict[str, Request] = {}
         self._last: dict[str, tuple[int, list[int]]] = {}  # request id -> (num_tokens, drafts)

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 
+import pytest
+
 from foudre import LLM, SamplingParams
+from foudre.cli import add_engine_args, engine_config_from
 
 
 def _run(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
@@ -62,3 +66,19 @@ def test_generate_reports_bad_input_in_one_line(stories_paths: tuple[str, str], 
     proc = _run("generate", "--model", str(corrupt), "--tokenizer", tok, "--prompt", "x")
     assert proc.returncode == 2 and "model.bin" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_boolean_engine_flags() -> None:
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+
+    def config(*argv: str) -> tuple[bool, bool]:
+        cfg = engine_config_from(parser.parse_args(list(argv)))
+        return cfg.enforce_eager, cfg.enable_prefix_caching
+
+    assert config() == (False, True)
+    assert config("--enforce-eager") == (True, True)
+    assert config("--enforce-eager", "false", "--no-enable-prefix-caching") == (False, False)
+    assert config("--enable-prefix-caching", "off") == (False, False)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--enforce-eager", "maybe"])

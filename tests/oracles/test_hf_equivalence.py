@@ -62,7 +62,7 @@ def test_logits_and_greedy_match_transformers(tmp_path: Path, case: str) -> None
     for prompt in PROMPTS:
         with torch.no_grad():
             ref = hf(torch.tensor([prompt])).logits[0, -1].float()
-        ours = _last_logits(llm, prompt)
+        ours = _last_logits(llm, prompt).cpu()
         torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
 
     # greedy continuations of a batch of prompts of different lengths, token for token

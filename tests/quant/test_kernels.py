@@ -47,19 +47,28 @@ def test_pack_roundtrip() -> None:
 
 
 SHAPES = [(1, 64, 128), (33, 176, 64), (5, 172, 96), (1, 64, 172)]
+# CPU: the native packed kernels; CUDA (when present): the Triton kernels, for real
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
+    ),
+]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bits,group", [(8, None), (4, 32), (4, 64), (4, 128)])
 @pytest.mark.parametrize("m,n,k", SHAPES)
 def test_packed_kernel_matches_reference(
-    dtype: torch.dtype, bits: int, group: int | None, m: int, n: int, k: int
+    dtype: torch.dtype, bits: int, group: int | None, m: int, n: int, k: int, device: str
 ) -> None:
     torch.manual_seed(m * 1000 + n + k)
     w = torch.randn(n, k) * 0.1
     bias = torch.randn(n) * 0.1
-    mod = QuantLinear.from_float(w, bias, bits, group).to(dtype)
-    x = torch.randn(m, k, dtype=dtype)
+    mod = QuantLinear.from_float(w, bias, bits, group).to(dtype).to(device)
+    x = torch.randn(m, k, dtype=dtype, device=device)
     y, ref = mod(x), mod.forward_reference(x)
     assert y.dtype == dtype and y.shape == (m, n)
     exact = x.float() @ mod.dequantize().t() + mod.bias.float()  # type: ignore[union-attr]
@@ -104,6 +113,9 @@ print("ok")
 """
 
 
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="the CUDA parameters run the kernels for real"
+)
 def test_triton_kernels_interpreted() -> None:
     pytest.importorskip("triton", reason="triton is not installed")
     env = dict(os.environ, TRITON_INTERPRET="1")

@@ -386,7 +386,10 @@ def test_disconnect_frees_blocks(http: httpx.Client) -> None:
                 if got == 3:
                     break
         text = http.get("/metrics").text
-        assert _metric(text, "foudre:kv_cache_usage_perc") > 0
+        if _metric(text, "foudre:kv_cache_usage_perc") == 0:
+            # a fast device (a GPU with CUDA graphs) can finish all 480 tokens before the client
+            # has read three: then there is nothing left to abort
+            pytest.skip("the request finished before the client disconnected")
     # the connection is closed: the request must be aborted and its blocks freed
     deadline = time.monotonic() + 10
     while True:

@@ -1,15 +1,55 @@
 """Attention backends behind one interface (see ``base.AttentionBackend``)."""
 
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
 from foudre.runner.attention.base import AttentionBackend, BatchLayout
 from foudre.runner.attention.torch_sdpa import TorchSDPABackend
 
-__all__ = ["AttentionBackend", "BatchLayout", "TorchSDPABackend", "get_backend"]
+__all__ = ["AttentionBackend", "BatchLayout", "TorchSDPABackend", "get_backend", "resolve_backend"]
+
+BACKENDS = ("auto", "torch", "triton", "contiguous")
 
 
-def get_backend(name: str) -> AttentionBackend:
-    """The backend registered under ``name``; ``ValueError`` for an unknown one."""
+def resolve_backend(name: str, device: torch.device, kv_cache_dtype: str = "auto") -> str:
+    """The concrete backend for ``name`` on ``device``: ``auto`` is ``triton`` on a CUDA device
+    where Triton imports and the KV cache is a float one, else ``torch``. ``ValueError`` for an
+    unknown name or a combination that cannot run."""
+    if name == "sdpa":
+        name = "torch"
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r} (available: {', '.join(BACKENDS)})")
+    triton_ok = importlib.util.find_spec("triton") is not None
+    if name == "auto":
+        on_gpu = device.type == "cuda" and triton_ok and kv_cache_dtype == "auto"
+        return "triton" if on_gpu else "torch"
+    if name == "triton":
+        if kv_cache_dtype != "auto":
+            raise ValueError(
+                f"attention_backend 'triton' reads a float KV cache; kv_cache_dtype "
+                f"{kv_cache_dtype!r} needs attention_backend 'torch'"
+            )
+        if not triton_ok:
+            raise ValueError("attention_backend 'triton' needs the triton package")
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("attention_backend 'triton' runs on CUDA devices only")
+    return name
+
+
+def get_backend(
+    name: str, device: torch.device | None = None, kv_cache_dtype: str = "auto"
+) -> AttentionBackend:
+    """The backend registered under ``name`` (resolved for ``device``, the CPU by default);
+    ``ValueError`` for an unknown one."""
     # "contiguous" is the non-paged baseline: the same kernels over per-request buffers reserved
     # at max_model_len (see KVCacheManager's reserve_tokens)
-    if name in ("torch", "sdpa", "auto", "contiguous"):
-        return TorchSDPABackend()
-    raise ValueError(f"unknown attention backend {name!r} (available: torch, contiguous)")
+    name = resolve_backend(name, device or torch.device("cpu"), kv_cache_dtype)
+    if name == "triton":
+        from foudre.runner.attention.triton_paged import TritonPagedBackend
+
+        return TritonPagedBackend()
+    return TorchSDPABackend()

@@ -106,35 +106,54 @@ class TorchSDPABackend(AttentionBackend):
         metadata: SDPAMetadata,
         scale: float,
     ) -> torch.Tensor:
-        num_kv_heads, head_dim = k.shape[1], k.shape[2]
-        gather: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-        if isinstance(kv_cache, QuantizedKVCache):
-            kv_cache.write(metadata.slot_mapping, k, v)
-            gather = kv_cache.gather
-        else:
-            k_cache, v_cache = kv_cache[0], kv_cache[1]
-            k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, k)
-            v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, v)
-            gather = lambda tables: (k_cache[tables], v_cache[tables])  # noqa: E731
-
+        gather = write_kv(kv_cache, metadata.slot_mapping, k, v)
         out = torch.empty_like(q)
-        num_heads = q.shape[1]
-        groups = num_heads // num_kv_heads
-        for g in metadata.groups:
-            b, max_q = g.token_idx.shape
-            k_blocks, v_blocks = gather(g.block_tables)
-            keys = k_blocks.view(b, -1, num_kv_heads, head_dim).transpose(1, 2)
-            values = v_blocks.view(b, -1, num_kv_heads, head_dim).transpose(1, 2)
-            # Fold each KV head's query heads into the query axis ([B, KV, G*Q, D]): plain
-            # attention per KV head, which CPU kernels run far faster than enable_gqa (8x in bf16).
-            queries = q[g.token_idx].view(b, max_q, num_kv_heads, groups, head_dim)
-            queries = queries.permute(0, 2, 3, 1, 4).reshape(b, num_kv_heads, groups * max_q, -1)
-            mask = g.mask if max_q == 1 else g.mask.repeat(1, 1, groups, 1)
-            o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale)
-            o = o.view(b, num_kv_heads, groups, max_q, head_dim).permute(0, 3, 1, 2, 4)
-            o = o.reshape(b, max_q, num_heads, head_dim)
-            if g.valid is None:
-                out[g.token_idx.view(-1)] = o.reshape(-1, num_heads, head_dim)
-            else:
-                out[g.token_idx[g.valid]] = o[g.valid]
+        attend_groups(q, gather, metadata.groups, out, scale)
         return out
+
+
+Gather = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def write_kv(
+    kv_cache: torch.Tensor | QuantizedKVCache,
+    slot_mapping: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> Gather:
+    """Store the step's K/V at ``slot_mapping``; return the function that reads blocks back
+    (``block_tables [B, nb] -> (K, V) [B, nb, block_size, kv_heads, head_dim]``)."""
+    if isinstance(kv_cache, QuantizedKVCache):
+        kv_cache.write(slot_mapping, k, v)
+        return kv_cache.gather
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    return lambda tables: (k_cache[tables], v_cache[tables])
+
+
+def attend_groups(
+    q: torch.Tensor, gather: Gather, groups: list[_Group], out: torch.Tensor, scale: float
+) -> None:
+    """Attention of each group's queries over its gathered blocks, written into ``out``."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    for g in groups:
+        b, max_q = g.token_idx.shape
+        k_blocks, v_blocks = gather(g.block_tables)
+        num_kv_heads = k_blocks.shape[-2]
+        per_kv = num_heads // num_kv_heads
+        keys = k_blocks.view(b, -1, num_kv_heads, head_dim).transpose(1, 2)
+        values = v_blocks.view(b, -1, num_kv_heads, head_dim).transpose(1, 2)
+        # Fold each KV head's query heads into the query axis ([B, KV, G*Q, D]): plain
+        # attention per KV head, which CPU kernels run far faster than enable_gqa (8x in bf16).
+        queries = q[g.token_idx].view(b, max_q, num_kv_heads, per_kv, head_dim)
+        queries = queries.permute(0, 2, 3, 1, 4).reshape(b, num_kv_heads, per_kv * max_q, -1)
+        mask = g.mask if max_q == 1 else g.mask.repeat(1, 1, per_kv, 1)
+        o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale)
+        o = o.view(b, num_kv_heads, per_kv, max_q, head_dim).permute(0, 3, 1, 2, 4)
+        o = o.reshape(b, max_q, num_heads, head_dim)
+        if g.valid is None:
+            out[g.token_idx.view(-1)] = o.reshape(-1, num_heads, head_dim)
+        else:
+            out[g.token_idx[g.valid]] = o[g.valid]
