@@ -76,6 +76,17 @@ def hf_static(model: Any, prompts: list[list[int]], lens: list[int]) -> float:
     return sum(lens) / (time.perf_counter() - t)
 
 
+def make_llm(path: Path, dtype: str, device: str, **options: Any) -> LLM:
+    return LLM(
+        str(path),
+        dtype=dtype,
+        skip_tokenizer_init=True,
+        max_model_len=1024,
+        device=device,
+        **options,
+    )
+
+
 def foudre_batch1(llm: LLM, prompt: list[int], new: int) -> tuple[float, float, float]:
     warm = [(t + 1) % 32000 for t in prompt]  # a different prompt: no prefix-cache hit below
     timed_batch(llm.engine, [warm], 2)
@@ -136,14 +147,8 @@ def main() -> None:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         if args.compare_eager:  # first: a figure even if the default path fails
-            llm = LLM(
-                str(path),
-                dtype=dtype_name,
-                skip_tokenizer_init=True,
-                max_model_len=1024,
-                device=args.device,
-                attention_backend="torch",
-                enforce_eager=True,
+            llm = make_llm(
+                path, dtype_name, args.device, attention_backend="torch", enforce_eager=True
             )
             _, row["eager_decode_tps"], _ = foudre_batch1(llm, prompts[0], args.new_tokens)
             row["eager_tps"], _ = foudre_throughput(llm, prompts, lens)
@@ -154,13 +159,7 @@ def main() -> None:
             )
             del llm
             gc.collect()
-        llm = LLM(
-            str(path),
-            dtype=dtype_name,
-            skip_tokenizer_init=True,
-            max_model_len=1024,
-            device=args.device,
-        )
+        llm = make_llm(path, dtype_name, args.device)
         wbytes = weight_bytes(llm.engine.model)
         ttft, tps, median_step = foudre_batch1(llm, prompts[0], args.new_tokens)
         row.update(foudre_ttft_s=ttft, foudre_decode_tps=tps, weight_gb=wbytes / 1e9)

@@ -67,6 +67,17 @@ def _build_group(
     )
 
 
+def split_rows(layout: BatchLayout) -> tuple[list[int], list[int], list[int]]:
+    """Each request's first flat token index, the decode rows (one new token) and the rows with
+    several new tokens."""
+    starts = [0]
+    for n in layout.query_lens:
+        starts.append(starts[-1] + n)
+    decode = [i for i, n in enumerate(layout.query_lens) if n == 1]
+    multi = [i for i, n in enumerate(layout.query_lens) if n > 1]
+    return starts, decode, multi
+
+
 def decode_groups(rows: list[int], seq_lens: list[int], min_rows: int = 8) -> list[list[int]]:
     """``rows`` sorted by context length and cut into bands: a band closes once it holds
     ``min_rows`` rows (each band costs one more attention call) and the next context is over
@@ -88,11 +99,7 @@ class TorchSDPABackend(AttentionBackend):
     name = "torch"
 
     def build_metadata(self, layout: BatchLayout, device: torch.device) -> SDPAMetadata:
-        starts = [0]
-        for q in layout.query_lens:
-            starts.append(starts[-1] + q)
-        decode = [i for i, q in enumerate(layout.query_lens) if q == 1]
-        multi = [i for i, q in enumerate(layout.query_lens) if q > 1]
+        starts, decode, multi = split_rows(layout)
         bands = [*decode_groups(decode, layout.seq_lens), multi]
         groups = [_build_group(rows, layout, starts, device) for rows in bands if rows]
         return SDPAMetadata(slot_mapping=layout.slot_mapping.to(device), groups=groups)

@@ -30,7 +30,13 @@ import triton.language as tl
 
 from foudre.runner.attention.base import AttentionBackend, BatchLayout
 from foudre.runner.attention.kv_quant import QuantizedKVCache
-from foudre.runner.attention.torch_sdpa import _build_group, _Group, attend_groups, write_kv
+from foudre.runner.attention.torch_sdpa import (
+    _build_group,
+    _Group,
+    attend_groups,
+    split_rows,
+    write_kv,
+)
 
 
 @triton.jit
@@ -120,11 +126,7 @@ class TritonPagedBackend(AttentionBackend):
     name = "triton"
 
     def build_metadata(self, layout: BatchLayout, device: torch.device) -> PagedMetadata:
-        starts = [0]
-        for n in layout.query_lens:
-            starts.append(starts[-1] + n)
-        decode = [i for i, n in enumerate(layout.query_lens) if n == 1]
-        multi = [i for i, n in enumerate(layout.query_lens) if n > 1]
+        starts, decode, multi = split_rows(layout)
         tok = tables = lens = None
         if decode:
             width = max(len(layout.block_tables[r]) for r in decode)
