@@ -26,6 +26,7 @@ from foudre.loading.loader import default_model, load_model, load_tokenizer_for
 from foudre.loading.tokenizer import Tokenizer
 from foudre.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from foudre.runner.attention import get_backend
+from foudre.runner.host_memory import keep_freed_host_memory
 from foudre.runner.model_runner import ModelRunner, StepOutput, kv_bytes_per_block
 from foudre.sampling_params import SamplingParams
 from foudre.spec.proposers import DraftModelProposer, NgramProposer, Proposer
@@ -63,6 +64,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = resolve_device(config.device)
+        if self.device.type == "cpu":
+            keep_freed_host_memory()
         model_name, default_tok = (config.model, None) if config.model else default_model()
         loaded = load_model(
             model_name,

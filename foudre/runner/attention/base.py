@@ -53,3 +53,14 @@ class AttentionBackend(ABC):
         scale: float,
     ) -> torch.Tensor:
         """Return attention outputs ``[T, num_heads, head_dim]``."""
+
+
+def gather_blocks(cache: torch.Tensor, tables: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """``cache`` indexed along ``dim`` (its block axis) by ``tables`` ``[B, n]``: the tables'
+    shape takes the place of that axis.
+
+    Same result as ``cache[tables]``, but ``index_select`` copies each block as one contiguous
+    run, which on the CPU is 2-4x faster than advanced indexing (that gather is most of the cost
+    of decode attention at long contexts)."""
+    flat = torch.index_select(cache.flatten(dim + 1), dim, tables.reshape(-1))
+    return flat.view(*cache.shape[:dim], *tables.shape, *cache.shape[dim + 1 :])

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from foudre.runner.attention.base import gather_blocks
+
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 _QMAX = {"int8": 127.0, "fp8": 448.0}
 _STORAGE = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
@@ -77,6 +79,6 @@ class QuantizedKVCache:
 
     def gather(self, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of the blocks ``[B, n]``: ``[B, n, block_size, kv_heads, head_dim]``."""
-        codes = self.codes[:, block_tables].view(_STORAGE[self.kind])
-        kv = dequantize_kv(codes, self.scales[:, block_tables], self.dtype)
+        codes = gather_blocks(self.codes, block_tables, dim=1).view(_STORAGE[self.kind])
+        kv = dequantize_kv(codes, gather_blocks(self.scales, block_tables, dim=1), self.dtype)
         return kv[0], kv[1]

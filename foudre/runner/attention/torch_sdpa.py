@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from foudre.runner.attention.base import AttentionBackend, BatchLayout
+from foudre.runner.attention.base import AttentionBackend, BatchLayout, gather_blocks
 from foudre.runner.attention.kv_quant import QuantizedKVCache
 
 
@@ -137,7 +137,7 @@ def write_kv(
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
-    return lambda tables: (k_cache[tables], v_cache[tables])
+    return lambda tables: (gather_blocks(k_cache, tables), gather_blocks(v_cache, tables))
 
 
 def attend_groups(
