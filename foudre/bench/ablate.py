@@ -56,6 +56,7 @@ from foudre.bench.offline import WorkItem, replay
 from foudre.config import EngineConfig
 
 WORKLOADS = ("chat", "rag", "mixed")
+OUTPUT_DISTS = ("uniform", "loguniform")
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +69,7 @@ class Sizes:
     max_model_len: int = 2048
     seed: int = 0
     workload: str = "chat"
+    output_dist: str = "uniform"  # chat output lengths: uniform | loguniform over 16-512
 
     def tokens(self, n: float) -> int:
         return max(1, round(n * self.scale))
@@ -142,14 +144,24 @@ def _ids(rng: np.random.Generator, n: int, vocab: int) -> list[int]:
 
 
 def chat_workload(sizes: Sizes, vocab: int, *, burst: bool = False) -> list[WorkItem]:
-    """``num_prompts`` short prompts (32-160 tokens) with outputs uniform in 16-512 tokens
-    (both scaled), Poisson arrivals at ``request_rate`` (all at t=0 when ``burst``)."""
+    """``num_prompts`` short prompts (32-160 tokens) with outputs of 16-512 tokens (both
+    scaled), Poisson arrivals at ``request_rate`` (all at t=0 when ``burst``).
+
+    Output lengths are uniform (``output_dist="uniform"``, mean 264) or log-uniform (every
+    doubling of the length equally likely, mean 143, median 91), the long-tailed shape of chat
+    answers: most are short, a few run long."""
     n = sizes.num_prompts
     rng = np.random.default_rng(sizes.seed)
     lo, hi = sizes.tokens(32), sizes.tokens(160)
     in_lens = rng.integers(lo, hi + 1, size=n).tolist()
     out_lo, out_hi = sizes.tokens(16), sizes.tokens(512)
-    out_lens = rng.integers(out_lo, out_hi + 1, size=n).tolist()
+    if sizes.output_dist == "loguniform":
+        logs = rng.uniform(math.log(out_lo), math.log(out_hi + 1), size=n)
+        out_lens = np.clip(np.floor(np.exp(logs)), out_lo, out_hi).astype(int).tolist()
+    elif sizes.output_dist == "uniform":
+        out_lens = rng.integers(out_lo, out_hi + 1, size=n).tolist()
+    else:
+        raise ValueError(f"output_dist must be one of {OUTPUT_DISTS}, got {sizes.output_dist!r}")
     times = [0.0] * n if burst else arrival_times(n, sizes.request_rate, 1.0, sizes.seed)
     items = []
     for a, i, o in zip(times, in_lens, out_lens, strict=True):
@@ -529,6 +541,13 @@ def add_ablate_args(parser: argparse.ArgumentParser) -> None:
         default="chat",
         help="workload of the paging and batching experiments (default: chat)",
     )
+    p.add_argument(
+        "--output-dist",
+        choices=OUTPUT_DISTS,
+        default="uniform",
+        help="chat output lengths over 16-512 tokens: uniform (mean 264) or loguniform "
+        "(long-tailed: mean 143, median 91) (default: uniform)",
+    )
     p.add_argument("--output", default="benchmarks/results/ablate", metavar="DIR")
     p.add_argument(
         "--num-prompts",
@@ -589,6 +608,7 @@ def run_ablate(args: argparse.Namespace, argv: Sequence[str] | None = None) -> l
         max_model_len=args.max_model_len,
         seed=args.seed,
         workload=args.workload,
+        output_dist=args.output_dist,
     )
     variants = [v for v in DEFAULT_VARIANTS if v.experiment in wanted]
     if not has_draft_model(base):
@@ -608,7 +628,8 @@ def run_ablate(args: argparse.Namespace, argv: Sequence[str] | None = None) -> l
             f"max_num_batched_tokens {full.max_num_batched_tokens}"
         ),
         "sizes": (
-            f"scale {scale}, {args.num_prompts} prompts, workload {args.workload}, "
+            f"scale {scale}, {args.num_prompts} prompts, workload {args.workload} "
+            f"({args.output_dist} output lengths), "
             f"request rate {args.request_rate} req/s, seed {args.seed}"
         ),
     }

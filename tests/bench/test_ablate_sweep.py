@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from foudre.bench.ablate import DEFAULT_VARIANTS, PLOT_METRICS, Sizes, build_workload
@@ -31,6 +32,24 @@ def test_workloads_have_their_shapes() -> None:
     assert {w.tag for w in mixed} == {"chat", "rag"}
     with pytest.raises(ValueError):
         build_workload("nope", sizes, 512)
+
+
+def test_chat_output_length_distributions() -> None:
+    def lens(dist: str) -> np.ndarray:
+        sizes = Sizes(num_prompts=4000, output_dist=dist, max_model_len=2048)
+        return np.array([w.output_len for w in build_workload("chat", sizes, 512)])
+
+    uniform, loguniform = lens("uniform"), lens("loguniform")
+    for x in (uniform, loguniform):
+        assert x.min() >= 16 and x.max() <= 512
+    # uniform over 16..512: mean 264; log-uniform: mean 497 / ln(513 / 16) = 143, median 91
+    assert abs(uniform.mean() - 264) < 8 and abs(loguniform.mean() - 143) < 6
+    assert abs(np.median(loguniform) - 91) < 8
+    # every doubling equally likely: 16-32, 32-64, ..., 256-512 hold ~1/5 each
+    counts = np.histogram(loguniform, bins=[16, 32, 64, 128, 256, 513])[0]
+    assert np.all(np.abs(counts / len(loguniform) - 0.2) < 0.03)
+    with pytest.raises(ValueError, match="output_dist"):
+        build_workload("chat", Sizes(output_dist="zipf"), 512)
 
 
 def test_ablate_tiny(stories_paths: tuple[str, str], tmp_path: Path) -> None:
