@@ -70,7 +70,9 @@ class TrainConfig:
     eval_every: int = 200
     eval_batches: int = 8
     checkpoint_every: int = 200
-    keep_best: bool = True  # the written model is the one with the lowest held-out loss
+    # the written model is the one with the lowest loss on validation windows carved from the
+    # training text (the held-out split only reports)
+    keep_best: bool = True
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -258,11 +260,14 @@ def run_training(
     With ``resume`` and a checkpoint in ``output/checkpoint``, weights, optimiser state, step
     count and loss history are restored from it first, and training continues from that step.
     A checkpoint is written every ``checkpoint_every`` steps and at the end. With
-    ``keep_best``, the weights of the lowest held-out loss seen are kept beside it and, once
-    all steps are done, loaded back into ``model`` (so the returned model is the best one).
+    ``keep_best``, validation windows are carved from the end of ``train_stream`` (not trained
+    on), the weights of the lowest validation loss seen are kept beside the checkpoint and, once
+    all steps are done, loaded back into ``model`` (so the returned model is the best one); the
+    held-out windows only report, so that a model is never selected on the split its results
+    are quoted on.
     ``stop_at`` ends this run early after that many steps in total (checkpointed; the schedule
-    is unchanged), so a long run can be done in slices. ``eval_fn`` runs on fixed held-out
-    windows every ``eval_every`` steps; the history records both losses.
+    is unchanged), so a long run can be done in slices. ``eval_fn`` runs on the fixed held-out
+    (and validation) windows every ``eval_every`` steps; the history records every loss.
     """
     ckpt = output / "checkpoint"
     optimizer = _optimizer(model, cfg)
@@ -278,6 +283,16 @@ def run_training(
         if heldout_stream is not None and len(heldout_stream) > cfg.seq_len
         else []
     )
+    # keep_best picks a checkpoint on validation windows carved from the end of the training
+    # stream (at most a tenth of it), never on the held-out split the results are reported on
+    val_batches: list[tuple[torch.Tensor, torch.Tensor]] = []
+    if cfg.keep_best:
+        n_val = min(cfg.eval_batches * cfg.batch_size * cfg.seq_len + 1, len(train_stream) // 10)
+        if n_val > cfg.seq_len:
+            val_batches = fixed_batches(
+                train_stream[-n_val:], cfg.batch_size, cfg.seq_len, cfg.eval_batches
+            )
+            train_stream = train_stream[:-n_val]
     model.train()
     tokens_per_step = cfg.batch_size * cfg.seq_len
     bar = tqdm(
@@ -285,7 +300,7 @@ def run_training(
     )
     smoothed_tps = 0.0
     heldout: float | None = None
-    best = min((r["heldout_loss"] for r in history if "heldout_loss" in r), default=float("inf"))
+    best = min((r["val_loss"] for r in history if "val_loss" in r), default=float("inf"))
     done = start
     last = cfg.steps if stop_at is None else min(stop_at, cfg.steps)
     for step in range(start, last):
@@ -311,11 +326,15 @@ def run_training(
             "tokens_per_s": tps,
         }
         done = step + 1
-        if eval_batches and (done % cfg.eval_every == 0 or done == cfg.steps):
-            heldout = evaluate_loss(model, eval_batches, cfg.autocast, eval_fn)
-            record["heldout_loss"] = heldout
-            if cfg.keep_best and heldout < best:
-                best = heldout
+        if done % cfg.eval_every == 0 or done == cfg.steps:
+            if eval_batches:
+                heldout = evaluate_loss(model, eval_batches, cfg.autocast, eval_fn)
+                record["heldout_loss"] = heldout
+            if val_batches:
+                val = evaluate_loss(model, val_batches, cfg.autocast, eval_fn)
+                record["val_loss"] = val
+                if val < best:
+                    best = val
                 ckpt.mkdir(parents=True, exist_ok=True)
                 save_file(_weights(model), str(ckpt / "best.safetensors.tmp"))
                 (ckpt / "best.safetensors.tmp").replace(ckpt / "best.safetensors")
@@ -331,10 +350,12 @@ def run_training(
     model.eval()
     best_path = ckpt / "best.safetensors"
     finished = done == cfg.steps and best_path.is_file()
-    if cfg.keep_best and finished and (heldout is None or best < heldout):
-        log.info("keeping the best held-out model (loss %.4f)", best)
+    last_val = next((r["val_loss"] for r in reversed(history) if "val_loss" in r), None)
+    if cfg.keep_best and finished and last_val is not None and best < last_val:
+        log.info("keeping the model of the best validation loss (%.4f)", best)
         model.load_state_dict(load_file(str(ckpt / "best.safetensors")), strict=False)
-        heldout = best
+        kept = min((r for r in history if "val_loss" in r), key=lambda r: r["val_loss"])
+        heldout = kept.get("heldout_loss")
     return TrainResult(step=done, history=history, final_heldout_loss=heldout)
 
 

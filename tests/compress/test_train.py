@@ -23,6 +23,13 @@ def test_training_lowers_the_loss(trained: Path) -> None:
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 1.0
     heldout = [r["heldout_loss"] for r in log["history"] if "heldout_loss" in r]
     assert len(heldout) == 2 and heldout[-1] < torch.log(torch.tensor(300.0)).item() - 1.0
+    # keep_best selects on validation windows carved from the training text; the held-out
+    # loss reported is that of the kept step
+    evals = [r for r in log["history"] if "val_loss" in r]
+    assert len(evals) == 2
+    kept = min(evals, key=lambda r: r["val_loss"])
+    assert log["final_heldout_loss"] == kept["heldout_loss"]
+    assert log["train_config"]["keep_best"] is True
     for name in (
         "config.json",
         "model.safetensors",
