@@ -240,6 +240,7 @@ class TrainResult:
     history: list[dict[str, float]]
     final_heldout_loss: float | None
     heldout_line: str | None = None  # eval.PerplexityResult.line() on the held-out stories
+    validation_tokens: int = 0  # carved from the end of the training stream for keep_best
 
 
 def run_training(
@@ -286,6 +287,7 @@ def run_training(
     # keep_best picks a checkpoint on validation windows carved from the end of the training
     # stream (at most a tenth of it), never on the held-out split the results are reported on
     val_batches: list[tuple[torch.Tensor, torch.Tensor]] = []
+    n_val = 0
     if cfg.keep_best:
         n_val = min(cfg.eval_batches * cfg.batch_size * cfg.seq_len + 1, len(train_stream) // 10)
         if n_val > cfg.seq_len:
@@ -335,9 +337,9 @@ def run_training(
                 record["val_loss"] = val
                 if val < best:
                     best = val
-                ckpt.mkdir(parents=True, exist_ok=True)
-                save_file(_weights(model), str(ckpt / "best.safetensors.tmp"))
-                (ckpt / "best.safetensors.tmp").replace(ckpt / "best.safetensors")
+                    ckpt.mkdir(parents=True, exist_ok=True)
+                    save_file(_weights(model), str(ckpt / "best.safetensors.tmp"))
+                    (ckpt / "best.safetensors.tmp").replace(ckpt / "best.safetensors")
         history.append(record)
         postfix = {"loss": f"{record['loss']:.3f}", "tok/s": f"{smoothed_tps:,.0f}"}
         if heldout is not None:
@@ -350,13 +352,18 @@ def run_training(
     model.eval()
     best_path = ckpt / "best.safetensors"
     finished = done == cfg.steps and best_path.is_file()
-    last_val = next((r["val_loss"] for r in reversed(history) if "val_loss" in r), None)
-    if cfg.keep_best and finished and last_val is not None and best < last_val:
-        log.info("keeping the model of the best validation loss (%.4f)", best)
+    evals = [r for r in history if "val_loss" in r]
+    kept = min(evals, key=lambda r: r["val_loss"]) if evals else None
+    if cfg.keep_best and finished and kept is not None and kept is not evals[-1]:
+        log.info("keeping the model of the best validation loss (%.4f)", kept["val_loss"])
         model.load_state_dict(load_file(str(ckpt / "best.safetensors")), strict=False)
-        kept = min((r for r in history if "val_loss" in r), key=lambda r: r["val_loss"])
         heldout = kept.get("heldout_loss")
-    return TrainResult(step=done, history=history, final_heldout_loss=heldout)
+    return TrainResult(
+        step=done,
+        history=history,
+        final_heldout_loss=heldout,
+        validation_tokens=0 if not val_batches else n_val,
+    )
 
 
 def iter_train_report(result: TrainResult) -> Iterator[str]:
@@ -428,7 +435,8 @@ def train(
         result.heldout_line = perplexity(model, tok, split.heldout).line()
     report = {
         "parameters": num_parameters(model),
-        "train_tokens": len(train_stream),
+        "train_tokens": len(train_stream) - result.validation_tokens,
+        "validation_tokens": result.validation_tokens,
         "heldout_tokens": 0 if heldout_stream is None else len(heldout_stream),
         "train_config": dataclasses.asdict(cfg),
         "final_heldout_loss": result.final_heldout_loss,

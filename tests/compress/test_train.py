@@ -83,3 +83,45 @@ def test_resume_continues_the_step_count_and_matches_an_uninterrupted_run(
     a, b = load_file(tmp_path / "a/model.safetensors"), load_file(tmp_path / "b/model.safetensors")
     for name in a:
         torch.testing.assert_close(a[name], b[name], atol=1e-5, rtol=1e-5)
+
+
+def test_keep_best_restores_the_weights_of_the_lowest_validation_loss(tmp_path: Path) -> None:
+    from foudre.compress.model import new_model
+    from foudre.compress.train import TrainConfig, run_training
+    from foudre.models.config import ModelConfig
+
+    shape = ModelConfig(
+        architecture="llama",
+        vocab_size=40,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        max_position_embeddings=32,
+    )
+    model = new_model(shape, seed=0)
+    stream = torch.randint(0, 40, (4000,))
+    cfg = TrainConfig(
+        steps=6,
+        batch_size=2,
+        seq_len=16,
+        warmup_steps=1,
+        autocast="fp32",
+        eval_every=2,
+        eval_batches=1,
+    )
+    # the validation loss is scripted: lowest at the second evaluation (step 4), not the last
+    scripted = iter([3.0, 1.0, 2.0])
+    snapshots: list[dict[str, torch.Tensor]] = []
+
+    def val_loss(m: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        snapshots.append({k: v.clone() for k, v in m.state_dict().items()})
+        return torch.tensor(next(scripted))
+
+    result = run_training(model, cfg, stream, None, tmp_path, eval_fn=val_loss, progress=False)
+    assert [r.get("val_loss") for r in result.history if "val_loss" in r] == [3.0, 1.0, 2.0]
+    assert result.validation_tokens == 1 * 2 * 16 + 1
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, snapshots[1][name]), name
