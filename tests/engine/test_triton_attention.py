@@ -141,7 +141,7 @@ def test_backend_choice_and_errors() -> None:
     from foudre.runner.attention import resolve_backend
 
     cpu = torch.device("cpu")
-    assert resolve_backend("auto", cpu) == "torch"
+    assert resolve_backend("auto", cpu) in ("cpu", "torch")  # cpu: where the kernel builds
     assert resolve_backend("sdpa", cpu) == "torch"
     with pytest.raises(ValueError, match="unknown attention backend"):
         resolve_backend("flash", cpu)

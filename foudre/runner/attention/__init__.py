@@ -7,26 +7,41 @@ import os
 
 import torch
 
+from foudre.runner.attention import cpu_paged
 from foudre.runner.attention.base import AttentionBackend, BatchLayout
 from foudre.runner.attention.torch_sdpa import TorchSDPABackend
 
 __all__ = ["AttentionBackend", "BatchLayout", "TorchSDPABackend", "get_backend", "resolve_backend"]
 
-BACKENDS = ("auto", "torch", "triton", "contiguous")
+BACKENDS = ("auto", "torch", "cpu", "triton", "contiguous")
 
 
 def resolve_backend(name: str, device: torch.device, kv_cache_dtype: str = "auto") -> str:
     """The concrete backend for ``name`` on ``device``: ``auto`` is ``triton`` on a CUDA device
-    where Triton imports and the KV cache is a float one, else ``torch``. ``ValueError`` for an
-    unknown name or a combination that cannot run."""
+    where Triton imports, ``cpu`` (the C++ paged decode kernel) on the CPU where it builds, both
+    for a float KV cache, else ``torch``. ``ValueError`` for an unknown name or a combination
+    that cannot run."""
     if name == "sdpa":
         name = "torch"
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r} (available: {', '.join(BACKENDS)})")
     triton_ok = importlib.util.find_spec("triton") is not None
     if name == "auto":
-        on_gpu = device.type == "cuda" and triton_ok and kv_cache_dtype == "auto"
-        return "triton" if on_gpu else "torch"
+        if kv_cache_dtype != "auto":
+            return "torch"
+        if device.type == "cuda":
+            return "triton" if triton_ok else "torch"
+        return "cpu" if device.type == "cpu" and cpu_paged.available() else "torch"
+    if name == "cpu":
+        if kv_cache_dtype != "auto":
+            raise ValueError(
+                f"attention_backend 'cpu' reads a float KV cache; kv_cache_dtype "
+                f"{kv_cache_dtype!r} needs attention_backend 'torch'"
+            )
+        if device.type != "cpu":
+            raise ValueError("attention_backend 'cpu' runs on the CPU only")
+        if not cpu_paged.available():
+            raise ValueError("attention_backend 'cpu' needs a C++ compiler to build its kernel")
     if name == "triton":
         if kv_cache_dtype != "auto":
             raise ValueError(
@@ -52,4 +67,6 @@ def get_backend(
         from foudre.runner.attention.triton_paged import TritonPagedBackend
 
         return TritonPagedBackend()
+    if name == "cpu":
+        return cpu_paged.CPUPagedBackend()
     return TorchSDPABackend()

@@ -1,0 +1,165 @@
+"""The CPU paged-attention kernel (``attention_backend="cpu"``) against the SDPA backend.
+
+The kernel's three paths (AVX512-BF16, AVX-512, portable) are each compiled and checked: the one
+this machine takes in-process, the others in subprocesses built with ``FOUDRE_KERNEL_MARCH``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from foudre import LLM, SamplingParams
+from foudre.runner.attention import BatchLayout, cpu_paged, resolve_backend
+from foudre.runner.attention.torch_sdpa import TorchSDPABackend
+from tests.conftest import make_hf_model
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.skipif(not cpu_paged.available(), reason="no C++ compiler")
+
+
+def attention_errors(
+    num_heads: int,
+    num_kv: int,
+    head_dim: int,
+    q_lens: list[int],
+    ctx_lens: list[int],
+    dtype: torch.dtype,
+    block_size: int,
+    seed: int = 0,
+) -> tuple[float, float]:
+    """Max errors against float32 SDPA over the same (rounded) values: of the CPU backend, and
+    of the SDPA backend run in ``dtype`` (the yardstick for what rounding alone costs)."""
+    g = torch.Generator().manual_seed(seed)
+    nb = sum(-(-c // block_size) for c in ctx_lens) + 3
+    perm = torch.randperm(nb, generator=g).tolist()  # blocks out of order, as a pool hands out
+    tables, slots, used = [], [], 0
+    for q, c in zip(q_lens, ctx_lens, strict=True):
+        n = -(-c // block_size)
+        table = perm[used : used + n]
+        used += n
+        tables.append(table)
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(c - q, c)]
+    layout = BatchLayout(list(q_lens), list(ctx_lens), tables, torch.tensor(slots), block_size)
+    cache = torch.randn(2, nb + 1, block_size, num_kv, head_dim, generator=g).to(dtype)
+    # the kernel sees NaN in every slot past each row's length (reading one poisons its output),
+    # the SDPA runs zeros there (their masked gather multiplies them by 0: NaN would stay NaN);
+    # beside multi-token rows, which go through SDPA in both backends, a huge value instead
+    poisoned = cache.clone()
+    poison = float("nan") if max(q_lens) == 1 else 1e4
+    poisoned[:, perm[used:]] = poison
+    poisoned[:, nb] = poison
+    for table, c in zip(tables, ctx_lens, strict=True):
+        poisoned[:, table[-1], (c - 1) % block_size + 1 :] = poison
+    cache = torch.where(poisoned.isnan(), 0.0, poisoned)
+    total = sum(q_lens)
+    q, k, v = (
+        torch.randn(total, h, head_dim, generator=g).to(dtype) for h in (num_heads, num_kv, num_kv)
+    )
+
+    def run(backend: object, dt: torch.dtype, pool: torch.Tensor) -> torch.Tensor:
+        c = pool.to(dt)
+        meta = backend.build_metadata(layout, torch.device("cpu"))  # type: ignore[attr-defined]
+        out = backend.forward(q.to(dt), k.to(dt), v.to(dt), c, meta, head_dim**-0.5)  # type: ignore[attr-defined]
+        return out.float()
+
+    ref = run(TorchSDPABackend(), torch.float32, cache)
+    kernel = run(cpu_paged.CPUPagedBackend(), dtype, poisoned)
+    sdpa = run(TorchSDPABackend(), dtype, cache)
+    assert not kernel.isnan().any()
+    return (kernel - ref).abs().max().item(), (sdpa - ref).abs().max().item()
+
+
+CASES = [
+    # (heads, kv heads, head_dim, tokens per row (1: decode), context per row)
+    (6, 2, 32, [1, 1, 5, 1], [1, 17, 40, 33]),  # GQA 3, a 5-token chunk through SDPA
+    (4, 4, 24, [1, 3, 1], [70, 3, 16]),  # MHA, head_dim not a multiple of 16
+    (8, 1, 64, [1, 1], [16, 129]),  # MQA
+    (16, 4, 96, [1] * 5, [1, 15, 16, 17, 600]),  # the benchmark model's shape
+    (28, 4, 128, [1] * 3, [31, 64, 333]),  # GQA 7: head groups of 4 and 3
+    (10, 2, 80, [1] * 3, [2, 50, 99]),  # GQA 5, head_dim 80 (a partial 32-lane chunk)
+    (12, 4, 256, [1] * 2, [7, 300]),  # head_dim 256: the runtime chunk count
+]
+
+
+def _check_all(dtypes: tuple[torch.dtype, ...]) -> None:
+    for dtype in dtypes:
+        for block_size in (16, 8, 32):
+            for case in CASES:
+                err, sdpa_err = attention_errors(*case, dtype, block_size)  # type: ignore[arg-type]
+                # float32 to rounding; 16-bit types no worse than SDPA's own rounding (+ slack
+                # for the bf16 softmax weights) and never wrong by more than a few output ulps
+                bound = 1e-5 if dtype == torch.float32 else max(2 * sdpa_err, 1e-2)
+                assert err < bound, (dtype, block_size, case, err, sdpa_err)
+
+
+def test_kernel_matches_sdpa_on_this_cpu() -> None:
+    _check_all((torch.float32, torch.bfloat16, torch.float16))
+
+
+@pytest.mark.parametrize("march", ["x86-64", "skylake-avx512"])
+def test_other_paths_match_sdpa(march: str, tmp_path: Path) -> None:
+    """The portable path and the AVX-512 one without AVX512-BF16, built for another -march."""
+    if "avx512" in march and "avx512bw" not in cpu_paged._cpu_flags():
+        pytest.skip("this CPU cannot run AVX-512 code")
+    if os.uname().machine != "x86_64":
+        pytest.skip("x86 -march values")
+    env = dict(os.environ, FOUDRE_KERNEL_MARCH=march, FOUDRE_CACHE=str(tmp_path))
+    script = (
+        "import torch\n"
+        "from tests.engine.test_cpu_attention import _check_all\n"
+        "_check_all((torch.float32, torch.bfloat16, torch.float16))\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True
+    )
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
+    assert any(p.name.startswith("cpu_paged_decode-") for p in (tmp_path / "kernels").iterdir())
+
+
+def test_auto_picks_the_kernel_on_cpu() -> None:
+    cpu = torch.device("cpu")
+    assert resolve_backend("auto", cpu) == "cpu"
+    assert resolve_backend("auto", cpu, "int8") == "torch"  # it reads float caches only
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        resolve_backend("cpu", cpu, "fp8")
+    with pytest.raises(ValueError, match="CPU only"):
+        resolve_backend("cpu", torch.device("cuda"))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_engine_outputs_match_the_sdpa_backend(tmp_path: Path, dtype: str) -> None:
+    """Greedy continuations of a mixed batch (chunked prefill beside decode rows, several blocks
+    per request) are the same with the kernel as with gather + SDPA."""
+    path = make_hf_model(tmp_path / "m", "llama")
+    prompts = [[1, 5, 9, 33, 7], list(range(1, 40)), [1, 42], [1, 100, 101, 102, 103] * 4]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (40, 7, 25, 12)
+    ]
+    outs = {}
+    for backend in ("torch", "cpu"):
+        llm = LLM(
+            str(path),
+            dtype=dtype,
+            skip_tokenizer_init=True,
+            num_kv_blocks=64,
+            block_size=8,
+            max_num_batched_tokens=16,
+            attention_backend=backend,
+        )
+        assert llm.engine.runner.backend.name == backend
+        outs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        m = llm.metrics()
+        assert m["num_free_blocks"] == m["num_total_blocks"]
+    if dtype == "float32":
+        assert outs["torch"] == outs["cpu"]
+    else:  # bf16 rounding differs between the two; most tokens must still agree
+        same = sum(a == b for x, y in zip(outs["torch"], outs["cpu"]) for a, b in zip(x, y))
+        assert same >= 0.8 * sum(len(x) for x in outs["torch"]), outs
