@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from foudre.layers import fused
+
 
 class RMSNorm(nn.Module):
     """``weight * x / rms(x)`` over the last dimension.
@@ -19,6 +21,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if fused.enabled(x, self.weight):
+            return fused.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from foudre.layers import fused
+
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     """Inverse frequencies per rotated pair, after the configured scaling.
@@ -52,6 +54,7 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim, self.max_positions = head_dim, max_positions
         self.theta, self.scaling = theta, scaling
+        self._checked: torch.Tensor | None = None  # positions already bounds-checked
         self.register_buffer("cos", torch.empty(0), persistent=False)
         self.register_buffer("sin", torch.empty(0), persistent=False)
         self.init_tables(torch.empty(0).device)  # "meta" while the model is built there
@@ -66,9 +69,35 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated q and k. On the CPU's fused path they are rotated in place (the attention
+        layer passes views of its fresh q|k|v projection); elsewhere new tensors."""
+        if fused.enabled(q, k) and _heads_contiguous(q) and _heads_contiguous(k):
+            if positions is not self._checked:  # the same tensor for every layer of a forward
+                if len(positions) and not 0 <= int(positions.min()) <= int(positions.max()) < len(
+                    self.cos
+                ):
+                    raise IndexError(f"RoPE position outside the table of {len(self.cos)}")
+                self._checked = positions
+            q_row = q.shape[1] * q.shape[2] * q.element_size()
+            if k.data_ptr() == q.data_ptr() + q_row and k.stride(0) == q.stride(0):
+                # k's heads follow q's in each row (views of q|k|v): one pass over both
+                both = q.as_strided(
+                    (q.shape[0], q.shape[1] + k.shape[1], q.shape[2]),
+                    q.stride(),
+                    q.storage_offset(),
+                )
+                fused.rope_(both, self.cos, self.sin, positions)
+            else:
+                fused.rope_(q, self.cos, self.sin, positions)
+                fused.rope_(k, self.cos, self.sin, positions)
+            return q, k
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _heads_contiguous(x: torch.Tensor) -> bool:
+    return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from foudre.layers import fused
 from foudre.layers.norm import RMSNorm
 from foudre.layers.rotary import RotaryEmbedding
 from foudre.models.config import ModelConfig
@@ -64,7 +65,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if fused.enabled(gate_up) and gate_up.dim() == 2:
+            return self.down_proj(fused.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 

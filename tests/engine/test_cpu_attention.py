@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from foudre import LLM, SamplingParams
+from foudre.runner import native
 from foudre.runner.attention import BatchLayout, cpu_paged, resolve_backend
 from foudre.runner.attention.torch_sdpa import TorchSDPABackend
 from tests.conftest import make_hf_model
@@ -106,7 +107,7 @@ def test_kernel_matches_sdpa_on_this_cpu() -> None:
 @pytest.mark.parametrize("march", ["x86-64", "skylake-avx512"])
 def test_other_paths_match_sdpa(march: str, tmp_path: Path) -> None:
     """The portable path and the AVX-512 one without AVX512-BF16, built for another -march."""
-    if "avx512" in march and "avx512bw" not in cpu_paged._cpu_flags():
+    if "avx512" in march and "avx512bw" not in native.cpu_flags():
         pytest.skip("this CPU cannot run AVX-512 code")
     if os.uname().machine != "x86_64":
         pytest.skip("x86 -march values")

@@ -1,0 +1,111 @@
+"""Fused CPU versions of the layers' elementwise chains (``cpu_ops.cpp``): RMSNorm, SiLU(gate) *
+up and RoPE, for float32 and bfloat16 tensors on an AVX-512 CPU.
+
+Each replaces several torch ops (RMSNorm alone is eight, each a pass over memory and a dispatch)
+and rounds where those ops round (RoPE bit for bit, the others within a few float32 ulps before
+the final rounding: a sum in another order, a reciprocal for a division). In a bf16 decode step
+of the 500M benchmark model at 64 rows, the torch chains took about 0.4 ms per layer and the
+fused ops 0.15; the 64-request throughput run gains about 3.5%. ``enabled(x)`` says whether a
+tensor takes the fused path: on the CPU, float32 or bfloat16, the library built, not switched
+off with ``FOUDRE_FUSED_CPU_OPS=0``, and no autograd recording. The torch code stays beside each
+call as the reference and the fallback.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from foudre.runner import native
+
+SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+_P, _I64 = ctypes.c_void_p, ctypes.c_int64
+_SIGNATURES = {
+    "foudre_rms_norm": [_P, _P, _P, _I64, _I64, _I64, ctypes.c_float],
+    "foudre_silu_mul": [_P, _P, _I64, _I64, _I64],
+    "foudre_rope": [_P, _P, _P, _P, _I64, _I64, _I64, _I64],
+}
+
+
+@lru_cache(maxsize=1)
+def _library() -> ctypes.CDLL | None:
+    if os.environ.get("FOUDRE_FUSED_CPU_OPS", "1") == "0":
+        return None
+    dll = native.load(SOURCE)
+    if dll is None or not dll.foudre_cpu_ops_available():
+        return None  # no compiler, or a CPU without AVX-512
+    for name, argtypes in _SIGNATURES.items():
+        for suffix in _SUFFIX.values():
+            fn = getattr(dll, f"{name}_{suffix}")
+            fn.argtypes = argtypes
+            fn.restype = None
+    return dll
+
+
+def enabled(x: torch.Tensor, *others: torch.Tensor) -> bool:
+    """Whether ``x`` (and the ``others`` it is combined with, of its dtype) take the fused path:
+    never where autograd records (training and distillation run the torch ops)."""
+    if x.device.type != "cpu" or x.dtype not in _SUFFIX or any(o.dtype != x.dtype for o in others):
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, *others)):
+        return False
+    return _library() is not None
+
+
+def _fn(name: str, dtype: torch.dtype) -> Any:
+    dll = _library()
+    assert dll is not None
+    return getattr(dll, f"{name}_{_SUFFIX[dtype]}")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)`` over the last dimension."""
+    n = x.shape[-1]
+    rows = x.reshape(-1, n)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    w = weight.contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype)
+    _fn("foudre_rms_norm", x.dtype)(
+        rows.data_ptr(), w.data_ptr(), out.data_ptr(), rows.shape[0], n, rows.stride(0), eps
+    )
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate_up = [gate | up]`` (a ``[T, 2n]`` matrix)."""
+    if gate_up.stride(-1) != 1:
+        gate_up = gate_up.contiguous()
+    rows, n = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(rows, n, dtype=gate_up.dtype)
+    _fn("foudre_silu_mul", gate_up.dtype)(
+        gate_up.data_ptr(), out.data_ptr(), rows, n, gate_up.stride(0)
+    )
+    return out
+
+
+def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> None:
+    """Rotates ``x [T, heads, head_dim]`` in place ("rotate half" convention) at ``positions``,
+    with float32 tables ``cos``/``sin`` of ``[max_positions, head_dim]``. The caller checks that
+    the positions lie in the tables (``RotaryEmbedding`` does, once per positions tensor)."""
+    t, heads, head_dim = x.shape
+    assert x.stride(2) == 1 and x.stride(1) == head_dim, "heads must be contiguous rows"
+    assert cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()
+    pos = positions if positions.dtype == torch.int64 else positions.to(torch.int64)
+    pos = pos.contiguous()
+    _fn("foudre_rope", x.dtype)(
+        x.data_ptr(),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        pos.data_ptr(),
+        t,
+        heads,
+        head_dim,
+        x.stride(0),
+    )
