@@ -76,6 +76,10 @@ def hf_static(model: Any, prompts: list[list[int]], lens: list[int]) -> float:
     return sum(lens) / (time.perf_counter() - t)
 
 
+def _median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
+
+
 def make_llm(path: Path, dtype: str, device: str, **options: Any) -> LLM:
     return LLM(
         str(path),
@@ -111,6 +115,8 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--rounds", type=int, default=3, help="batch-1 rounds, HF and foudre in turns")
+    ap.add_argument("--skip-throughput", action="store_true", help="batch-1 figures only")
     ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (cpu)")
     ap.add_argument(
         "--compare-eager",
@@ -130,22 +136,6 @@ def main() -> None:
     for dtype_name in args.dtypes:
         dtype = getattr(torch, dtype_name)
         row: dict[str, Any] = {"dtype": dtype_name}
-        if not args.skip_hf:
-            hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-            hf = hf.to(device).eval()
-            hf.generation_config.eos_token_id = None
-            hf.generation_config.pad_token_id = 0
-            with torch.inference_mode():
-                row["hf_ttft_s"], row["hf_decode_tps"] = hf_batch1(hf, prompts[0], args.new_tokens)
-                print(f"[{dtype_name}] HF batch 1: {row['hf_decode_tps']:.1f} tok/s", flush=True)
-                row["hf_static_tps"] = hf_static(hf, prompts, lens)
-                print(
-                    f"[{dtype_name}] HF static batch: {row['hf_static_tps']:.1f} tok/s", flush=True
-                )
-            del hf
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
         if args.compare_eager:  # first: a figure even if the default path fails
             llm = make_llm(
                 path, dtype_name, args.device, attention_backend="torch", enforce_eager=True
@@ -159,23 +149,71 @@ def main() -> None:
             )
             del llm
             gc.collect()
+        hf = None
+        if not args.skip_hf:
+            hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+            hf = hf.to(device).eval()
+            hf.generation_config.eos_token_id = None
+            hf.generation_config.pad_token_id = 0
         llm = make_llm(path, dtype_name, args.device)
         wbytes = weight_bytes(llm.engine.model)
-        ttft, tps, median_step = foudre_batch1(llm, prompts[0], args.new_tokens)
-        row.update(foudre_ttft_s=ttft, foudre_decode_tps=tps, weight_gb=wbytes / 1e9)
-        row["roofline_tps"] = bandwidth / wbytes
-        row["roofline_frac"] = tps / row["roofline_tps"]
-        row["roofline_frac_median_step"] = (wbytes / median_step) / bandwidth
+        # The machine's speed drifts by 10-20% over minutes (a shared host): HF and foudre are
+        # measured in turns. Batch 1: three rounds, medians. Throughput: foudre, HF, foudre, the
+        # two foudre runs averaged (each on a cold prefix cache), so a steady drift cancels.
+        b1: dict[str, list[float]] = {
+            k: [] for k in ("hf_ttft", "hf", "ttft", "tps", "step", "frac", "bw")
+        }
+        for _ in range(args.rounds):
+            if hf is not None:
+                with torch.inference_mode():
+                    ttft, tps = hf_batch1(hf, prompts[0], args.new_tokens)
+                b1["hf_ttft"].append(ttft)
+                b1["hf"].append(tps)
+            llm.engine.kv.reset_prefix_cache()
+            bw = measure_bandwidth(device=device)  # the roofline of this round, not of the start
+            ttft, tps, step = foudre_batch1(llm, prompts[0], args.new_tokens)
+            b1["ttft"].append(ttft)
+            b1["tps"].append(tps)
+            b1["step"].append(step)
+            b1["frac"].append(tps * wbytes / bw)
+            b1["bw"].append(bw)
+        if hf is not None:
+            row["hf_ttft_s"], row["hf_decode_tps"] = _median(b1["hf_ttft"]), _median(b1["hf"])
+            row["hf_decode_tps_runs"] = b1["hf"]
+            print(f"[{dtype_name}] HF batch 1: {row['hf_decode_tps']:.1f} tok/s", flush=True)
+        tps, median_step = _median(b1["tps"]), _median(b1["step"])
+        row.update(foudre_ttft_s=_median(b1["ttft"]), foudre_decode_tps=tps)
+        row.update(foudre_decode_tps_runs=b1["tps"], weight_gb=wbytes / 1e9)
+        row["roofline_tps"] = _median(b1["bw"]) / wbytes
+        row["roofline_frac"] = _median(b1["frac"])  # each round against its own bandwidth
+        row["roofline_frac_runs"] = b1["frac"]
+        row["roofline_frac_median_step"] = (wbytes / median_step) / _median(b1["bw"])
         print(
             f"[{dtype_name}] foudre batch 1: {tps:.1f} tok/s "
             f"({row['roofline_frac']:.0%} of the {row['roofline_tps']:.1f} tok/s roofline)",
             flush=True,
         )
-        row["foudre_tps"], row["foudre_preemptions"] = foudre_throughput(llm, prompts, lens)
-        print(
-            f"[{dtype_name}] foudre continuous batching: {row['foudre_tps']:.1f} tok/s", flush=True
-        )
-        del llm
+        runs: list[float] = []
+        turns = ("foudre", "hf", "foudre") if hf is not None else ("foudre",)
+        for turn in turns if not args.skip_throughput else ():
+            if turn == "hf":
+                with torch.inference_mode():
+                    row["hf_static_tps"] = hf_static(hf, prompts, lens)
+                print(
+                    f"[{dtype_name}] HF static batch: {row['hf_static_tps']:.1f} tok/s", flush=True
+                )
+                continue
+            llm.engine.kv.reset_prefix_cache()
+            tp, row["foudre_preemptions"] = foudre_throughput(llm, prompts, lens)
+            runs.append(tp)
+        if runs:
+            row["foudre_tps"], row["foudre_tps_runs"] = sum(runs) / len(runs), runs
+            print(
+                f"[{dtype_name}] foudre continuous batching: {row['foudre_tps']:.1f} tok/s "
+                f"(runs: {', '.join(f'{r:.1f}' for r in runs)})",
+                flush=True,
+            )
+        del llm, hf
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -189,10 +227,13 @@ def main() -> None:
         f"- command: `.venv/bin/python benchmarks/core_throughput.py --model {args.model} "
         f"--dtypes {' '.join(args.dtypes)} --device {args.device}"
         f"{' --compare-eager' if args.compare_eager else ''}`",
-        f"- measured fp32 matvec bandwidth ({args.device}): {bandwidth / 1e9:.1f} GB/s",
+        f"- measured fp32 matvec bandwidth ({args.device}): {bandwidth / 1e9:.1f} GB/s at the "
+        "start; the roofline fraction divides each batch-1 round by the bandwidth measured just "
+        "before it (medians shown)",
         f"- workload: {args.num_requests} requests, {PROMPT_LEN}-token prompts, output lengths "
         f"16..256 ({sum(lens)} useful tokens); batch 1: {PROMPT_LEN}-token prompt, "
-        f"{args.new_tokens} tokens",
+        f"{args.new_tokens} tokens, median of {args.rounds} rounds with HF and foudre in turns; "
+        "throughput: foudre, HF, foudre, the foudre runs averaged (cold prefix cache each)",
         "",
         "| dtype | HF batch-1 tok/s | foudre batch-1 tok/s | vs HF | roofline tok/s | "
         "fraction | HF static tok/s | foudre tok/s | vs HF | foudre TTFT s | HF TTFT s |",
@@ -203,8 +244,8 @@ def main() -> None:
         lines.append(
             f"| {r['dtype']} | {_f(hf_b1)} | {r['foudre_decode_tps']:.1f} | "
             f"{_ratio(r['foudre_decode_tps'], hf_b1)} | {r['roofline_tps']:.1f} | "
-            f"{r['roofline_frac']:.0%} | {_f(hf_tp)} | {r['foudre_tps']:.1f} | "
-            f"{_ratio(r['foudre_tps'], hf_tp)} | {r['foudre_ttft_s']:.3f} | "
+            f"{r['roofline_frac']:.0%} | {_f(hf_tp)} | {_f(r.get('foudre_tps'))} | "
+            f"{_ratio(r.get('foudre_tps'), hf_tp)} | {r['foudre_ttft_s']:.3f} | "
             f"{_f(r.get('hf_ttft_s'), 3)} |"
         )
     if any("eager_tps" in r for r in rows):
@@ -219,7 +260,7 @@ def main() -> None:
             if "eager_tps" in r:
                 lines.append(
                     f"| {r['dtype']} | {r['eager_decode_tps']:.1f} | {r['foudre_decode_tps']:.1f} "
-                    f"| {r['eager_tps']:.1f} | {r['foudre_tps']:.1f} |"
+                    f"| {r['eager_tps']:.1f} | {_f(r.get('foudre_tps'))} |"
                 )
     text = "\n".join(lines) + "\n"
     print(text)
@@ -232,8 +273,8 @@ def _f(x: float | None, digits: int = 1) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
 
-def _ratio(a: float, b: float | None) -> str:
-    return "-" if not b else f"{a / b:.2f}x"
+def _ratio(a: float | None, b: float | None) -> str:
+    return "-" if not a or not b else f"{a / b:.2f}x"
 
 
 if __name__ == "__main__":
