@@ -106,15 +106,4 @@ def cpu_paged_decode(
 class CPUPagedBackend(PagedDecodeBackend):
     name = "cpu"
 
-    def decode(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        out: torch.Tensor,
-        token_idx: torch.Tensor,
-        block_tables: torch.Tensor,
-        seq_lens: torch.Tensor,
-        scale: float,
-    ) -> None:
-        cpu_paged_decode(q, k_cache, v_cache, out, token_idx, block_tables, seq_lens, scale)
+    decode = staticmethod(cpu_paged_decode)

@@ -38,7 +38,8 @@ class PagedMetadata:
 
 
 class PagedDecodeBackend(AttentionBackend):
-    """Decode rows through ``decode`` (a paged kernel), the rest through SDPA groups."""
+    """Decode rows through ``decode`` (a paged kernel, set by each subclass to its module's
+    kernel function), the rest through SDPA groups."""
 
     def decode(
         self,

@@ -105,15 +105,4 @@ def paged_decode(
 class TritonPagedBackend(PagedDecodeBackend):
     name = "triton"
 
-    def decode(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        out: torch.Tensor,
-        token_idx: torch.Tensor,
-        block_tables: torch.Tensor,
-        seq_lens: torch.Tensor,
-        scale: float,
-    ) -> None:
-        paged_decode(q, k_cache, v_cache, out, token_idx, block_tables, seq_lens, scale)
+    decode = staticmethod(paged_decode)
