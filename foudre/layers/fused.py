@@ -30,6 +30,7 @@ _SIGNATURES = {
     "foudre_rms_norm": [_P, _P, _P, _I64, _I64, _I64, ctypes.c_float],
     "foudre_silu_mul": [_P, _P, _I64, _I64, _I64],
     "foudre_rope": [_P, _P, _P, _P, _I64, _I64, _I64, _I64],
+    "foudre_linear": [_P, _I64, _P, _P, _P, _I64, _I64, _I64],
 }
 
 
@@ -109,3 +110,27 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torc
         head_dim,
         x.stride(0),
     )
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for a 2-D ``x`` of a few rows (a decode step), reading each
+    weight row once for all of them; float32 sums, one rounding to the dtype at the end."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    weight = weight.contiguous()
+    rows, (n, k) = x.shape[0], weight.shape
+    if x.shape[1] != k:
+        raise ValueError(f"linear: x has {x.shape[1]} columns, the weight {k}")
+    y = torch.empty(rows, n, dtype=x.dtype)
+    if rows:
+        _fn("foudre_linear", x.dtype)(
+            x.data_ptr(),
+            x.stride(0),
+            weight.data_ptr(),
+            None if bias is None else bias.contiguous().data_ptr(),
+            y.data_ptr(),
+            rows,
+            n,
+            k,
+        )
+    return y

@@ -2,18 +2,27 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+from foudre.bench.roofline import measure_bandwidth
 from foudre.layers import fused
+from foudre.layers.linear import MAX_ROWS, Linear
 from foudre.layers.norm import RMSNorm
 from foudre.layers.rotary import RotaryEmbedding, _rotate_half
+from foudre.runner import native
 
 pytestmark = pytest.mark.skipif(
     fused._library() is None, reason="no C++ compiler or no AVX-512: the torch ops run instead"
 )
 DTYPES = [torch.float32, torch.bfloat16]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -94,3 +103,83 @@ def test_autograd_takes_the_torch_path() -> None:
         assert torch.allclose(norm(x.detach()), fused.rms_norm(x.detach(), norm.weight, norm.eps))
     assert not fused.enabled(x, norm.weight)
     assert not fused.enabled(torch.zeros(2, dtype=torch.float16))  # no half-precision kernels
+
+
+def check_linear() -> None:
+    """``fused.linear`` against float64 products: every row count the engine sends it (and more,
+    four rows at a time), output widths that leave a partial group of weight rows, inner sizes
+    with a masked tail, with and without bias, and x rows at a stride (a view of a wider tensor)."""
+    g = torch.Generator().manual_seed(1)
+    for dtype in DTYPES:
+        for rows in (1, 2, 3, 4, 5, 9, 16):
+            for n, k, bias in [(37, 1000, True), (64, 1536, False), (3, 40, True), (17, 7, False)]:
+                wide = torch.randn(rows, k + 5, generator=g).to(dtype)
+                x = wide[:, 2 : k + 2]  # row stride k + 5
+                w = torch.randn(n, k, generator=g).to(dtype)
+                b = torch.randn(n, generator=g).to(dtype) if bias else None
+                out = fused.linear(x, w, b)
+                assert out.shape == (rows, n) and out.dtype == dtype
+                ref = x.double() @ w.double().T + (0 if b is None else b.double())
+                # float32 sums in another order (bounded by k ulps of the sum of |products|),
+                # then one rounding to the dtype
+                scale = x.double().abs() @ w.double().abs().T
+                unit = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-24
+                bound = k * 2.0**-24 * scale + unit * ref.abs() + 1e-30
+                assert ((out.double() - ref).abs() <= bound).all(), (dtype, rows, n, k)
+                # each row's result does not depend on the rows beside it (batch invariance)
+                for i in (0, rows - 1):
+                    assert torch.equal(out[i], fused.linear(x[i : i + 1], w, b)[0])
+
+
+def test_linear_matches_float64() -> None:
+    check_linear()
+
+
+def test_linear_without_avx512_bf16(tmp_path: Path) -> None:
+    """The bfloat16 path that widens to float32 FMAs, built for a CPU without AVX512-BF16."""
+    if os.uname().machine != "x86_64" or "avx512bw" not in native.cpu_flags():
+        pytest.skip("this CPU cannot run AVX-512 code")
+    env = dict(os.environ, FOUDRE_KERNEL_MARCH="skylake-avx512", FOUDRE_CACHE=str(tmp_path))
+    script = "from tests.engine.test_cpu_ops import check_linear\ncheck_linear()\nprint('ok')\n"
+    out = subprocess.run(
+        [sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True
+    )
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
+    assert any(p.name.startswith("cpu_ops-") for p in (tmp_path / "kernels").iterdir())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_layer_routes_by_rows(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel takes up to ``MAX_ROWS`` rows, torch's GEMM the rest and anything that needs
+    gradients; both give the same layer."""
+    layer = Linear(48, 20, bias=True).to(dtype)
+    calls: list[int] = []
+    kernel = fused.linear
+    monkeypatch.setattr(fused, "linear", lambda x, *a: calls.append(x.shape[0]) or kernel(x, *a))
+    limit = MAX_ROWS[dtype]
+    with torch.inference_mode():
+        for rows in (1, limit, limit + 1):
+            x = torch.randn(rows, 48).to(dtype)
+            tol = 1e-5 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(
+                layer(x), F.linear(x, layer.weight, layer.bias), atol=tol, rtol=tol
+            )
+    assert calls == [1, limit]
+    x = torch.randn(2, 48, dtype=dtype, requires_grad=True)
+    layer(x).sum().backward()  # autograd: the torch path, gradients flow
+    assert x.grad is not None and layer.weight.grad is not None and calls == [1, limit]
+
+
+def test_roofline_counts_the_faster_matvec(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bandwidth is the faster of torch.mv and the kernel: slowing one leaves the other."""
+    fast = measure_bandwidth(mib=64, repeats=2)
+    assert fast > 0
+    real_mv = torch.mv
+
+    def slow_mv(*args: torch.Tensor) -> torch.Tensor:
+        for _ in range(20):
+            real_mv(*args)
+        return real_mv(*args)
+
+    monkeypatch.setattr(torch, "mv", slow_mv)
+    assert measure_bandwidth(mib=64, repeats=2) > fast / 5
