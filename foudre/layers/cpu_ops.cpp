@@ -4,11 +4,11 @@
 // torch path's bit for bit, RMSNorm's and SiLU's within a few float32 ulps before the last
 // rounding (a sum in another order, a reciprocal instead of a division).
 //
-// The linear layer at one to four rows (a decode step) is bound by reading the weight: the
-// kernel streams each weight row once for all the rows, on every core, and keeps the products
-// in float32 (vdpbf16ps pairs for bfloat16 where the CPU has it) until one rounding at the end.
-// oneDNN's and MKL's paths for these shapes read at 60-80% of that speed, and MKL's float32
-// path at two to four rows at a third of it.
+// The linear layer at decode-sized batches: at a few rows a matrix-vector product, bound by
+// reading the weight. The kernel reads each weight row once for all the rows, on every core,
+// and keeps the products in float32 (vdpbf16ps pairs for bfloat16 where the CPU has it) until
+// one rounding at the end. oneDNN's and MKL's paths for these shapes read at 60-80% of that
+// speed, and MKL's float32 path at two to 64 rows at a third of it.
 //
 // Built by foudre/runner/native.py with -march=native; the ops exist only where AVX-512 does
 // (foudre_cpu_ops_available() says which), and foudre/layers/fused.py falls back to torch
@@ -218,27 +218,36 @@ void linear_group(const T* x, int64_t x_stride, const T* w, const T* bias, T* y,
   }
 }
 
-template <typename T, int M>
-void linear_rows(const T* x, int64_t x_stride, const T* w, const T* bias, T* y, int64_t n,
-                 int64_t k) {
-  constexpr int R = M == 1 ? 16 : 24 / M;  // M * R accumulators and M x vectors in 32 registers
+// Each task takes R weight rows at a time and multiplies them with all the x rows, four at a
+// time: the weight rows come from memory once, then from L1 for the next x rows.
+template <typename T, int R>
+void linear_groups(const T* x, int64_t x_stride, const T* w, const T* bias, T* y, int64_t rows,
+                   int64_t n, int64_t k) {
 #pragma omp parallel for schedule(static)
-  for (int64_t n0 = 0; n0 < n; n0 += R) linear_group<T, M, R>(x, x_stride, w, bias, y, n, k, n0);
+  for (int64_t n0 = 0; n0 < n; n0 += R) {
+    for (int64_t m = 0; m < rows; m += 4) {
+      const T* xm = x + m * x_stride;
+      T* ym = y + m * n;
+      switch (std::min<int64_t>(rows - m, 4)) {
+        case 1: linear_group<T, 1, R>(xm, x_stride, w, bias, ym, n, k, n0); break;
+        case 2: linear_group<T, 2, R>(xm, x_stride, w, bias, ym, n, k, n0); break;
+        case 3: linear_group<T, 3, R>(xm, x_stride, w, bias, ym, n, k, n0); break;
+        default: linear_group<T, 4, R>(xm, x_stride, w, bias, ym, n, k, n0); break;
+      }
+    }
+  }
 }
 
-// y [rows, n] = x [rows, k] @ w [n, k]^T (+ bias [n]), four rows of x at a time
+// y [rows, n] = x [rows, k] @ w [n, k]^T (+ bias [n]). R weight rows at a time: as many as the
+// accumulators (rows * R, at most four rows at a time) and x vectors leave registers for.
 template <typename T>
 void linear(const T* x, int64_t x_stride, const T* w, const T* bias, T* y, int64_t rows,
             int64_t n, int64_t k) {
-  for (int64_t m = 0; m < rows; m += 4) {
-    const T* xm = x + m * x_stride;
-    T* ym = y + m * n;
-    switch (std::min<int64_t>(rows - m, 4)) {
-      case 1: linear_rows<T, 1>(xm, x_stride, w, bias, ym, n, k); break;
-      case 2: linear_rows<T, 2>(xm, x_stride, w, bias, ym, n, k); break;
-      case 3: linear_rows<T, 3>(xm, x_stride, w, bias, ym, n, k); break;
-      default: linear_rows<T, 4>(xm, x_stride, w, bias, ym, n, k); break;
-    }
+  switch (rows) {
+    case 1: linear_groups<T, 16>(x, x_stride, w, bias, y, rows, n, k); break;
+    case 2: linear_groups<T, 12>(x, x_stride, w, bias, y, rows, n, k); break;
+    case 3: linear_groups<T, 8>(x, x_stride, w, bias, y, rows, n, k); break;
+    default: linear_groups<T, 6>(x, x_stride, w, bias, y, rows, n, k); break;
   }
 }
 

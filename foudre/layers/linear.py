@@ -1,11 +1,13 @@
-"""The models' linear layer: ``nn.Linear`` with the CPU decode kernel for a few rows.
+"""The models' linear layer: ``nn.Linear`` with the CPU kernel for decode-sized batches.
 
-A decode step multiplies every weight matrix by one row per running request, so its time is the
-time to read the weights. At one to four rows, oneDNN's bfloat16 path reads them at 60-80% of
-the speed of ``fused.linear`` (``cpu_ops.cpp``), and MKL's float32 path at two to sixteen rows
-at a quarter to a third of it. Batch-1 decode of the 500M benchmark model went from 14 to 35
-tokens/s in bfloat16 and from 7.5 to 20 in float32 with it.
-More rows than ``MAX_ROWS`` go to torch, whose GEMMs are compute-efficient there.
+A decode step multiplies every weight matrix by one row per running request. At a few rows its
+time is the time to read the weights, and ``fused.linear`` (``cpu_ops.cpp``) reads them at the
+machine's matrix-vector speed, where oneDNN's bfloat16 path reads at 60-80% of it and MKL's
+float32 path at two to 64 rows at a quarter to a third. Batch-1 decode of the 500M benchmark
+model went from 14 to 35 tokens/s in bfloat16 and from 7.5 to 20 in float32 with it. At more
+rows the kernel is bound by its multiply-adds; it stays ahead of oneDNN's bfloat16 GEMM up to
+about 16 rows and of MKL's float32 GEMM to 64 (measured on this project's 2-core AVX-512 host,
+all 16 layers' weights streamed from DRAM). More rows than ``MAX_ROWS`` go to torch.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from torch import nn
 from foudre.layers import fused
 
 # the most rows that the kernel takes, by dtype: where it stays faster than torch's GEMM here
-MAX_ROWS = {torch.float32: 16, torch.bfloat16: 4}
+MAX_ROWS = {torch.float32: 64, torch.bfloat16: 16}
 
 
 class Linear(nn.Linear):
