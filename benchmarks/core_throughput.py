@@ -7,7 +7,7 @@ Workloads (fixed seed):
 - batch 1: a 128-token prompt, 128 greedy tokens; decode tokens/s and the fraction of the
   memory-bandwidth roofline (weight bytes per step / step time / bandwidth, where the bandwidth
   is measured here by an fp32 matrix-vector product over 512 MiB, larger than the L3 cache or
-  the GPU's L2, on the device under test);
+  the GPU's L2, on the device under test, before and after each round);
 - throughput: 64 requests with 128-token prompts and output lengths uniform in 16..256; useful
   output tokens/s. HF runs them as one padded static batch (its standard ``generate``), foudre
   through ``LLM.generate`` (continuous batching). Both run on ``--device``.
@@ -170,8 +170,12 @@ def main() -> None:
                 b1["hf_ttft"].append(ttft)
                 b1["hf"].append(tps)
             llm.engine.kv.reset_prefix_cache()
-            bw = measure_bandwidth(device=device)  # the roofline of this round, not of the start
+            before = measure_bandwidth(device=device)
             ttft, tps, step = foudre_batch1(llm, prompts[0], args.new_tokens)
+            # the round's roofline: the faster of the bandwidths measured just before and just
+            # after it (the host's bandwidth drifts, and a round must not be measured against a
+            # slow moment when the bus was faster while it ran)
+            bw = max(before, measure_bandwidth(device=device))
             b1["ttft"].append(ttft)
             b1["tps"].append(tps)
             b1["step"].append(step)
@@ -228,8 +232,9 @@ def main() -> None:
         f"--dtypes {' '.join(args.dtypes)} --device {args.device}"
         f"{' --compare-eager' if args.compare_eager else ''}`",
         f"- measured fp32 matvec bandwidth ({args.device}): {bandwidth / 1e9:.1f} GB/s at the "
-        "start; the roofline fraction divides each batch-1 round by the bandwidth measured just "
-        "before it (medians shown)",
+        "start; the roofline fraction divides each batch-1 round by the faster of the "
+        "bandwidths measured just before and just after it (medians shown, the rounds' range "
+        "in parentheses)",
         f"- workload: {args.num_requests} requests, {PROMPT_LEN}-token prompts, output lengths "
         f"16..256 ({sum(lens)} useful tokens); batch 1: {PROMPT_LEN}-token prompt, "
         f"{args.new_tokens} tokens, median of {args.rounds} rounds with HF and foudre in turns; "
@@ -244,7 +249,8 @@ def main() -> None:
         lines.append(
             f"| {r['dtype']} | {_f(hf_b1)} | {r['foudre_decode_tps']:.1f} | "
             f"{_ratio(r['foudre_decode_tps'], hf_b1)} | {r['roofline_tps']:.1f} | "
-            f"{r['roofline_frac']:.0%} | {_f(hf_tp)} | {_f(r.get('foudre_tps'))} | "
+            f"{r['roofline_frac']:.0%} ({min(r['roofline_frac_runs']):.0%}-"
+            f"{max(r['roofline_frac_runs']):.0%}) | {_f(hf_tp)} | {_f(r.get('foudre_tps'))} | "
             f"{_ratio(r.get('foudre_tps'), hf_tp)} | {r['foudre_ttft_s']:.3f} | "
             f"{_f(r.get('hf_ttft_s'), 3)} |"
         )

@@ -1,14 +1,16 @@
-// Fused elementwise CPU ops for the model's layers: RMSNorm, SiLU(gate) * up and RoPE, for
-// float32 and bfloat16 rows, and the decode-time linear layer (a matrix times a few vectors). Each replaces a chain of torch ops (RMSNorm alone is eight, each a
-// pass over memory and a dispatch) and rounds where that chain rounds: RoPE's results equal the
-// torch path's bit for bit, RMSNorm's and SiLU's within a few float32 ulps before the last
-// rounding (a sum in another order, a reciprocal instead of a division).
+// CPU ops for the model's layers, for float32 and bfloat16 rows.
+//
+// RMSNorm, SiLU(gate) * up and RoPE each replace a chain of torch ops (RMSNorm alone is eight,
+// each a pass over memory and a dispatch) and round where that chain rounds: RoPE's results
+// equal the torch path's bit for bit, RMSNorm's and SiLU's within a few float32 ulps before the
+// last rounding (a sum in another order, a reciprocal instead of a division).
 //
 // The linear layer at decode-sized batches: at a few rows a matrix-vector product, bound by
 // reading the weight. The kernel reads each weight row once for all the rows, on every core,
 // and keeps the products in float32 (vdpbf16ps pairs for bfloat16 where the CPU has it) until
-// one rounding at the end. oneDNN's and MKL's paths for these shapes read at 60-80% of that
-// speed, and MKL's float32 path at two to 64 rows at a third of it.
+// one rounding at the end; its sums run in another order than torch's GEMMs. oneDNN's bfloat16
+// path reads at 60-80% of its speed, MKL's float32 path at two to 64 rows at a quarter to a
+// third.
 //
 // Built by foudre/runner/native.py with -march=native; the ops exist only where AVX-512 does
 // (foudre_cpu_ops_available() says which), and foudre/layers/fused.py falls back to torch
@@ -182,8 +184,10 @@ struct Dot<uint16_t> {  // bf16 widened to float32
 #endif
 
 // y[m, n0 + r] = x[m] . w[n0 + r] (+ bias) for M rows of x and R weight rows from n0 (the last
-// group re-reads row n - 1 for the rows past the end and stores only the rows that exist)
-template <typename T, int M, int R>
+// group re-reads row n - 1 for the rows past the end and stores only the rows that exist).
+// Prefetch: fetch the next group's rows into L2 meanwhile. The hardware prefetcher alone streams
+// these short rows (3-16 KiB) 10-15% below the bandwidth; a prefetch past the end is harmless.
+template <typename T, int M, int R, bool Prefetch = false>
 void linear_group(const T* x, int64_t x_stride, const T* w, const T* bias, T* y, int64_t n,
                   int64_t k, int64_t n0) {
   using D = Dot<T>;
@@ -197,6 +201,10 @@ void linear_group(const T* x, int64_t x_stride, const T* w, const T* bias, T* y,
     typename D::V xv[M];
     for (int m = 0; m < M; ++m) xv[m] = D::load(x + m * x_stride + i);
     for (int r = 0; r < R; ++r) {
+      if constexpr (Prefetch) {  // the same line of the next group's row, into L2
+        const uintptr_t next = reinterpret_cast<uintptr_t>(wr[r] + i) + R * k * sizeof(T);
+        _mm_prefetch(reinterpret_cast<const char*>(next), _MM_HINT_T1);
+      }
       const typename D::V wv = D::load(wr[r] + i);
       for (int m = 0; m < M; ++m) acc[m][r] = D::fma(acc[m][r], xv[m], wv);
     }
@@ -218,36 +226,41 @@ void linear_group(const T* x, int64_t x_stride, const T* w, const T* bias, T* y,
   }
 }
 
-// Each task takes R weight rows at a time and multiplies them with all the x rows, four at a
-// time: the weight rows come from memory once, then from L1 for the next x rows.
-template <typename T, int R>
+// Each task takes R weight rows at a time and multiplies them with the x rows: one pass for one
+// to three rows (M = rows), else four x rows at a time (M = 4), the weight rows coming from
+// memory once and then from L1/L2 for the next four.
+template <typename T, int M, int R>
 void linear_groups(const T* x, int64_t x_stride, const T* w, const T* bias, T* y, int64_t rows,
                    int64_t n, int64_t k) {
 #pragma omp parallel for schedule(static)
   for (int64_t n0 = 0; n0 < n; n0 += R) {
-    for (int64_t m = 0; m < rows; m += 4) {
-      const T* xm = x + m * x_stride;
-      T* ym = y + m * n;
-      switch (std::min<int64_t>(rows - m, 4)) {
-        case 1: linear_group<T, 1, R>(xm, x_stride, w, bias, ym, n, k, n0); break;
-        case 2: linear_group<T, 2, R>(xm, x_stride, w, bias, ym, n, k, n0); break;
-        case 3: linear_group<T, 3, R>(xm, x_stride, w, bias, ym, n, k, n0); break;
-        default: linear_group<T, 4, R>(xm, x_stride, w, bias, ym, n, k, n0); break;
+    if constexpr (M < 4) {
+      linear_group<T, M, R, true>(x, x_stride, w, bias, y, n, k, n0);
+    } else {
+      for (int64_t m = 0; m < rows; m += 4) {
+        const T* xm = x + m * x_stride;
+        T* ym = y + m * n;
+        switch (std::min<int64_t>(rows - m, 4)) {
+          case 1: linear_group<T, 1, R>(xm, x_stride, w, bias, ym, n, k, n0); break;
+          case 2: linear_group<T, 2, R>(xm, x_stride, w, bias, ym, n, k, n0); break;
+          case 3: linear_group<T, 3, R>(xm, x_stride, w, bias, ym, n, k, n0); break;
+          default: linear_group<T, 4, R>(xm, x_stride, w, bias, ym, n, k, n0); break;
+        }
       }
     }
   }
 }
 
-// y [rows, n] = x [rows, k] @ w [n, k]^T (+ bias [n]). R weight rows at a time: as many as the
-// accumulators (rows * R, at most four rows at a time) and x vectors leave registers for.
+// y [rows, n] = x [rows, k] @ w [n, k]^T (+ bias [n]). R weight rows per task: as many as the
+// accumulators (M * R) and the M x vectors leave of the 32 registers.
 template <typename T>
 void linear(const T* x, int64_t x_stride, const T* w, const T* bias, T* y, int64_t rows,
             int64_t n, int64_t k) {
   switch (rows) {
-    case 1: linear_groups<T, 16>(x, x_stride, w, bias, y, rows, n, k); break;
-    case 2: linear_groups<T, 12>(x, x_stride, w, bias, y, rows, n, k); break;
-    case 3: linear_groups<T, 8>(x, x_stride, w, bias, y, rows, n, k); break;
-    default: linear_groups<T, 6>(x, x_stride, w, bias, y, rows, n, k); break;
+    case 1: linear_groups<T, 1, 16>(x, x_stride, w, bias, y, rows, n, k); break;
+    case 2: linear_groups<T, 2, 12>(x, x_stride, w, bias, y, rows, n, k); break;
+    case 3: linear_groups<T, 3, 8>(x, x_stride, w, bias, y, rows, n, k); break;
+    default: linear_groups<T, 4, 6>(x, x_stride, w, bias, y, rows, n, k); break;
   }
 }
 

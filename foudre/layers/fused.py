@@ -1,5 +1,6 @@
 """Fused CPU versions of the layers' elementwise chains (``cpu_ops.cpp``): RMSNorm, SiLU(gate) *
-up and RoPE, for float32 and bfloat16 tensors on an AVX-512 CPU.
+up and RoPE, for float32 and bfloat16 tensors on an AVX-512 CPU; and ``linear``, the
+decode-sized matrix product that ``layers/linear.py`` routes to.
 
 Each replaces several torch ops (RMSNorm alone is eight, each a pass over memory and a dispatch)
 and rounds where those ops round (RoPE bit for bit, the others within a few float32 ulps before
@@ -49,12 +50,16 @@ def _library() -> ctypes.CDLL | None:
     return dll
 
 
-def enabled(x: torch.Tensor, *others: torch.Tensor) -> bool:
-    """Whether ``x`` (and the ``others`` it is combined with, of its dtype) take the fused path:
-    never where autograd records (training and distillation run the torch ops)."""
-    if x.device.type != "cpu" or x.dtype not in _SUFFIX or any(o.dtype != x.dtype for o in others):
+def enabled(x: torch.Tensor, *others: torch.Tensor | None) -> bool:
+    """Whether ``x`` (and the ``others`` it is combined with, CPU tensors of its dtype; None
+    entries are skipped) take the fused path: never where autograd records (training and
+    distillation run the torch ops)."""
+    present = [o for o in others if o is not None]
+    if x.device.type != "cpu" or x.dtype not in _SUFFIX:
         return False
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, *others)):
+    if any(o.dtype != x.dtype or o.device.type != "cpu" for o in present):
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, *present)):
         return False
     return _library() is not None
 
@@ -113,21 +118,30 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torc
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for a 2-D ``x`` of a few rows (a decode step), reading each
-    weight row once for all of them; float32 sums, one rounding to the dtype at the end."""
+    """``F.linear(x, weight, bias)`` for a 2-D ``x`` (``[rows, k]``) of a decode-sized batch,
+    reading each weight row once for all the rows; float32 sums, one rounding to the dtype at the
+    end. ``x``, ``weight`` and ``bias`` must share a dtype and be CPU tensors (``enabled(x,
+    weight, bias)`` says so)."""
+    n, k = weight.shape
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"linear: x of shape {tuple(x.shape)} for a weight of [{n}, {k}]")
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"linear: bias of shape {tuple(bias.shape)} for {n} outputs")
+    tensors = (x, weight) if bias is None else (x, weight, bias)
+    if any(t.dtype != x.dtype or t.device.type != "cpu" for t in tensors):
+        raise ValueError("linear: x, weight and bias must be CPU tensors of one dtype")
     if x.stride(-1) != 1:
         x = x.contiguous()
     weight = weight.contiguous()
-    rows, (n, k) = x.shape[0], weight.shape
-    if x.shape[1] != k:
-        raise ValueError(f"linear: x has {x.shape[1]} columns, the weight {k}")
-    y = torch.empty(rows, n, dtype=x.dtype)
+    b = None if bias is None else bias.contiguous()  # kept alive across the call
+    rows = x.shape[0]
+    y = torch.empty(rows, n, dtype=x.dtype, device="cpu")
     if rows:
         _fn("foudre_linear", x.dtype)(
             x.data_ptr(),
             x.stride(0),
             weight.data_ptr(),
-            None if bias is None else bias.contiguous().data_ptr(),
+            None if b is None else b.data_ptr(),
             y.data_ptr(),
             rows,
             n,

@@ -106,17 +106,19 @@ def test_autograd_takes_the_torch_path() -> None:
 
 
 def check_linear() -> None:
-    """``fused.linear`` against float64 products: every row count the engine sends it (and more,
-    four rows at a time), output widths that leave a partial group of weight rows, inner sizes
-    with a masked tail, with and without bias, and x rows at a stride (a view of a wider tensor)."""
+    """``fused.linear`` against float64 products: the one-pass row counts (1-3), four at a time
+    up to both dtypes' ``MAX_ROWS`` (16, 64) and past it, output widths that leave a partial
+    group of weight rows, inner sizes with a masked tail (57: a bf16 tail past 16 lanes), with
+    and without bias (one at a stride), and x rows at a stride (a view of a wider tensor)."""
     g = torch.Generator().manual_seed(1)
+    shapes = [(37, 1000, True), (64, 1536, False), (3, 40, True), (17, 7, False), (13, 57, True)]
     for dtype in DTYPES:
-        for rows in (1, 2, 3, 4, 5, 9, 16):
-            for n, k, bias in [(37, 1000, True), (64, 1536, False), (3, 40, True), (17, 7, False)]:
+        for rows in (1, 2, 3, 4, 5, 9, 16, 17, 64):
+            for n, k, bias in shapes if rows <= 17 else shapes[:1]:
                 wide = torch.randn(rows, k + 5, generator=g).to(dtype)
                 x = wide[:, 2 : k + 2]  # row stride k + 5
                 w = torch.randn(n, k, generator=g).to(dtype)
-                b = torch.randn(n, generator=g).to(dtype) if bias else None
+                b = torch.randn(2 * n, generator=g).to(dtype)[::2] if bias else None
                 out = fused.linear(x, w, b)
                 assert out.shape == (rows, n) and out.dtype == dtype
                 ref = x.double() @ w.double().T + (0 if b is None else b.double())
@@ -133,6 +135,17 @@ def check_linear() -> None:
 
 def test_linear_matches_float64() -> None:
     check_linear()
+
+
+def test_linear_rejects_what_the_kernel_cannot_read() -> None:
+    x, w = torch.randn(2, 8), torch.randn(4, 8)
+    with pytest.raises(ValueError, match="one dtype"):
+        fused.linear(x, w.bfloat16())
+    with pytest.raises(ValueError, match="bias of shape"):
+        fused.linear(x, w, torch.randn(3))
+    with pytest.raises(ValueError, match="x of shape"):
+        fused.linear(torch.randn(2, 9), w)
+    assert not fused.enabled(x, w.bfloat16()) and fused.enabled(x, w, None)
 
 
 def test_linear_without_avx512_bf16(tmp_path: Path) -> None:
@@ -168,6 +181,9 @@ def test_linear_layer_routes_by_rows(dtype: torch.dtype, monkeypatch: pytest.Mon
     x = torch.randn(2, 48, dtype=dtype, requires_grad=True)
     layer(x).sum().backward()  # autograd: the torch path, gradients flow
     assert x.grad is not None and layer.weight.grad is not None and calls == [1, limit]
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer(torch.randn(2, 48, dtype=dtype))  # autocast's dtype rules: torch's path
+    assert out.dtype == torch.bfloat16 and calls == [1, limit]
 
 
 def test_roofline_counts_the_faster_matvec(monkeypatch: pytest.MonkeyPatch) -> None:
