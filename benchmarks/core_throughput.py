@@ -7,7 +7,8 @@ Workloads (fixed seed):
 - batch 1: a 128-token prompt, 128 greedy tokens; decode tokens/s and the fraction of the
   memory-bandwidth roofline (weight bytes per step / step time / bandwidth, where the bandwidth
   is measured here by an fp32 matrix-vector product over 512 MiB, larger than the L3 cache or
-  the GPU's L2, on the device under test, before and after each round);
+  the GPU's L2, on the device under test, before and after each round; and, on the CPU,
+  paired: each decode step against one matvec run right after it, the median ratio);
 - throughput: 64 requests with 128-token prompts and output lengths uniform in 16..256; useful
   output tokens/s. HF runs them as one padded static batch (its standard ``generate``), foudre
   through ``LLM.generate`` (continuous batching). Both run on ``--device``.
@@ -22,6 +23,7 @@ import gc
 import json
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,7 @@ from common import machine, measure_bandwidth, random_llama, weight_bytes
 
 from foudre import LLM, SamplingParams
 from foudre.bench.offline import timed_batch
+from foudre.bench.roofline import matvec_probe
 
 PROMPT_LEN = 128
 
@@ -91,11 +94,18 @@ def make_llm(path: Path, dtype: str, device: str, **options: Any) -> LLM:
     )
 
 
-def foudre_batch1(llm: LLM, prompt: list[int], new: int) -> tuple[float, float, float]:
+def foudre_batch1(
+    llm: LLM, prompt: list[int], new: int, probe: Callable[[], float] | None = None
+) -> tuple[float, float, float, list[tuple[float, float]]]:
+    """TTFT, decode tok/s, median step, and with ``probe`` (a bandwidth sample), each decode
+    step paired with the bandwidth sampled right after it."""
     warm = [(t + 1) % 32000 for t in prompt]  # a different prompt: no prefix-cache hit below
     timed_batch(llm.engine, [warm], 2)
-    ttfts, decode = timed_batch(llm.engine, [prompt], new)
-    return ttfts[0], len(decode) / sum(decode), sorted(decode)[len(decode) // 2]
+    samples: list[float] = []
+    after = None if probe is None else (lambda: samples.append(probe()))
+    ttfts, decode = timed_batch(llm.engine, [prompt], new, after)
+    pairs = list(zip(decode, samples, strict=False))
+    return ttfts[0], len(decode) / sum(decode), sorted(decode)[len(decode) // 2], pairs
 
 
 def foudre_throughput(llm: LLM, prompts: list[list[int]], lens: list[int]) -> tuple[float, int]:
@@ -160,8 +170,9 @@ def main() -> None:
         # The machine's speed drifts by 10-20% over minutes (a shared host): HF and foudre are
         # measured in turns. Batch 1: three rounds, medians. Throughput: foudre, HF, foudre, the
         # two foudre runs averaged (each on a cold prefix cache), so a steady drift cancels.
+        probe = matvec_probe() if device.type == "cpu" else None
         b1: dict[str, list[float]] = {
-            k: [] for k in ("hf_ttft", "hf", "ttft", "tps", "step", "frac", "bw")
+            k: [] for k in ("hf_ttft", "hf", "ttft", "tps", "step", "frac", "bw", "paired")
         }
         for _ in range(args.rounds):
             if hf is not None:
@@ -171,7 +182,9 @@ def main() -> None:
                 b1["hf"].append(tps)
             llm.engine.kv.reset_prefix_cache()
             before = measure_bandwidth(device=device)
-            ttft, tps, step = foudre_batch1(llm, prompts[0], args.new_tokens)
+            ttft, tps, step, pairs = foudre_batch1(llm, prompts[0], args.new_tokens, probe)
+            # each step against a matvec sampled right after it: the drift cancels pair by pair
+            b1["paired"].append(_median([wbytes / d / bw for d, bw in pairs]) if pairs else 0.0)
             # the round's roofline: the faster of the bandwidths measured just before and just
             # after it (the host's bandwidth drifts, and a round must not be measured against a
             # slow moment when the bus was faster while it ran)
@@ -192,9 +205,13 @@ def main() -> None:
         row["roofline_frac"] = _median(b1["frac"])  # each round against its own bandwidth
         row["roofline_frac_runs"] = b1["frac"]
         row["roofline_frac_median_step"] = (wbytes / median_step) / _median(b1["bw"])
+        if probe is not None:
+            row["roofline_frac_paired"] = _median(b1["paired"])
+            row["roofline_frac_paired_runs"] = b1["paired"]
         print(
             f"[{dtype_name}] foudre batch 1: {tps:.1f} tok/s "
-            f"({row['roofline_frac']:.0%} of the {row['roofline_tps']:.1f} tok/s roofline)",
+            f"({row['roofline_frac']:.0%} of the {row['roofline_tps']:.1f} tok/s roofline; "
+            f"paired {row.get('roofline_frac_paired', 0.0):.0%})",
             flush=True,
         )
         runs: list[float] = []
@@ -233,16 +250,18 @@ def main() -> None:
         f"{' --compare-eager' if args.compare_eager else ''}`",
         f"- measured fp32 matvec bandwidth ({args.device}): {bandwidth / 1e9:.1f} GB/s at the "
         "start; the roofline fraction divides each batch-1 round by the faster of the "
-        "bandwidths measured just before and just after it (medians shown, the rounds' range "
-        "in parentheses)",
+        "bandwidths measured just before and just after it (best of 8 each; medians shown, the "
+        "rounds' range in parentheses); the paired fraction divides each decode step by one "
+        "matvec run right after it, the median of those ratios per round",
         f"- workload: {args.num_requests} requests, {PROMPT_LEN}-token prompts, output lengths "
         f"16..256 ({sum(lens)} useful tokens); batch 1: {PROMPT_LEN}-token prompt, "
         f"{args.new_tokens} tokens, median of {args.rounds} rounds with HF and foudre in turns; "
         "throughput: foudre, HF, foudre, the foudre runs averaged (cold prefix cache each)",
         "",
         "| dtype | HF batch-1 tok/s | foudre batch-1 tok/s | vs HF | roofline tok/s | "
-        "fraction | HF static tok/s | foudre tok/s | vs HF | foudre TTFT s | HF TTFT s |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "fraction | paired fraction | HF static tok/s | foudre tok/s | vs HF | foudre TTFT s | "
+        "HF TTFT s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         hf_b1, hf_tp = r.get("hf_decode_tps"), r.get("hf_static_tps")
@@ -250,7 +269,8 @@ def main() -> None:
             f"| {r['dtype']} | {_f(hf_b1)} | {r['foudre_decode_tps']:.1f} | "
             f"{_ratio(r['foudre_decode_tps'], hf_b1)} | {r['roofline_tps']:.1f} | "
             f"{r['roofline_frac']:.0%} ({min(r['roofline_frac_runs']):.0%}-"
-            f"{max(r['roofline_frac_runs']):.0%}) | {_f(hf_tp)} | {_f(r.get('foudre_tps'))} | "
+            f"{max(r['roofline_frac_runs']):.0%}) | {_paired(r)} | {_f(hf_tp)} | "
+            f"{_f(r.get('foudre_tps'))} | "
             f"{_ratio(r.get('foudre_tps'), hf_tp)} | {r['foudre_ttft_s']:.3f} | "
             f"{_f(r.get('hf_ttft_s'), 3)} |"
         )
@@ -273,6 +293,13 @@ def main() -> None:
     if args.out:
         args.out.write_text(text)
         args.out.with_suffix(".json").write_text(json.dumps(rows, indent=2) + "\n")
+
+
+def _paired(row: dict[str, Any]) -> str:
+    runs = row.get("roofline_frac_paired_runs")
+    if not runs:
+        return "-"
+    return f"{row['roofline_frac_paired']:.0%} ({min(runs):.0%}-{max(runs):.0%})"
 
 
 def _f(x: float | None, digits: int = 1) -> str:

@@ -19,7 +19,7 @@ import math
 import resource
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -413,11 +413,14 @@ def add_latency_args(parser: argparse.ArgumentParser) -> None:
 
 
 def timed_batch(
-    engine: LLMEngine, prompts: Sequence[list[int]], output_len: int
+    engine: LLMEngine,
+    prompts: Sequence[list[int]],
+    output_len: int,
+    after_decode_step: Callable[[], object] | None = None,
 ) -> tuple[list[float], list[float]]:
     """Submit ``prompts`` together and step until done. Returns each request's TTFT (seconds
     from submission) and the durations of the pure decode steps (after every request has its
-    first token)."""
+    first token). ``after_decode_step``, if given, runs (untimed) after each of those steps."""
     from foudre.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
@@ -433,6 +436,8 @@ def timed_batch(
         dt = time.perf_counter() - s
         if all_started and outs:
             decode.append(dt)
+            if after_decode_step is not None:
+                after_decode_step()
         for out in outs:
             if out.request_id not in first and out.metrics and out.metrics.first_token_time:
                 first[out.request_id] = out.metrics.first_token_time - t0

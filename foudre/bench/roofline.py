@@ -76,6 +76,29 @@ def measure_bandwidth(
     return w.numel() * 4 / best
 
 
+def matvec_probe(mib: int = 512) -> Callable[[], float]:
+    """A function that runs one fp32 matrix-vector product over ``mib`` MiB on the CPU (foudre's
+    kernel where it builds, else ``torch.mv``) and returns its bytes/s: one sample of the
+    bandwidth, to pair with a decode step measured right beside it on a host whose bandwidth
+    drifts (``benchmarks/core_throughput.py``)."""
+    cols = 4096
+    rows = max(1, mib * (1 << 20) // (4 * cols))
+    w = torch.randn(rows, cols)
+    x = torch.randn(1, cols)
+
+    def product() -> object:
+        return fused.linear(x, w) if fused.enabled(w) else torch.mv(w, x[0])
+
+    product()
+
+    def sample() -> float:
+        t = time.perf_counter()
+        product()
+        return w.numel() * 4 / (time.perf_counter() - t)
+
+    return sample
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -149,3 +149,19 @@ def test_weight_bytes_counts_tied_head_once() -> None:
 
     assert weight_bytes(Toy(tied=False)) == (64 + 800) * 4
     assert weight_bytes(Toy(tied=True)) == (64 + 800) * 4
+
+
+def test_timed_batch_pairs_each_decode_step_with_a_probe(stories_paths: tuple[str, str]) -> None:
+    """The paired roofline: one probe call after each pure decode step, none after prefill."""
+    from foudre.bench.offline import timed_batch
+    from foudre.bench.roofline import matvec_probe
+
+    engine = _engine(stories_paths)
+    probe = matvec_probe(mib=4)
+    samples: list[float] = []
+    ttfts, decode = timed_batch(
+        engine, [_prompt(0), _prompt(1, 20)], 7, lambda: samples.append(probe())
+    )
+    assert len(ttfts) == 2 and len(decode) == 6  # 7 tokens: the first from prefill
+    assert len(samples) == len(decode) and all(s > 0 for s in samples)
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
