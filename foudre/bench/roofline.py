@@ -46,6 +46,31 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
+def _matvec_samplers(mib: int, dev: torch.device) -> list[Callable[[], float]]:
+    """One function per fp32 matrix-vector product available on ``dev``, over one ``mib`` MiB
+    matrix: each runs its product once and returns the bytes/s of weight reads. ``torch.mv``
+    first, then foudre's kernel (``fused.linear``) on a CPU where it builds."""
+    cols = 4096
+    rows = max(1, mib * (1 << 20) // (4 * cols))
+    w = torch.randn(rows, cols, device=dev)
+    x = torch.randn(cols, device=dev)
+    products: list[Callable[[], object]] = [lambda: torch.mv(w, x)]
+    if dev.type == "cpu" and fused.enabled(w):
+        x2 = x[None]
+        products.append(lambda: fused.linear(x2, w))
+
+    def sampler(product: Callable[[], object]) -> Callable[[], float]:
+        def sample() -> float:
+            t = time.perf_counter()
+            product()
+            _sync(dev)
+            return w.numel() * 4 / (time.perf_counter() - t)
+
+        return sample
+
+    return [sampler(p) for p in products]
+
+
 def measure_bandwidth(
     mib: int = 512, repeats: int = 8, device: torch.device | str | None = None
 ) -> float:
@@ -55,25 +80,11 @@ def measure_bandwidth(
     that kernel (``fused.linear``) is timed the same way beside ``torch.mv`` and the faster
     counts: it reads at up to twice ``torch.mv``'s speed here, and a roofline below what a
     matrix-vector product reaches would flatter every fraction measured against it."""
-    dev = torch.device(device or "cpu")
-    cols = 4096
-    rows = max(1, mib * (1 << 20) // (4 * cols))
-    w = torch.randn(rows, cols, device=dev)
-    x = torch.randn(cols, device=dev)
-    products: list[Callable[[], object]] = [lambda: torch.mv(w, x)]
-    if dev.type == "cpu" and fused.enabled(w):
-        x2 = x[None]
-        products.append(lambda: fused.linear(x2, w))
-    best = float("inf")
-    for product in products:
-        product()
-        _sync(dev)
-        for _ in range(repeats):
-            t = time.perf_counter()
-            product()
-            _sync(dev)
-            best = min(best, time.perf_counter() - t)
-    return w.numel() * 4 / best
+    best = 0.0
+    for sample in _matvec_samplers(mib, torch.device(device or "cpu")):
+        sample()  # warm-up
+        best = max([best, *(sample() for _ in range(repeats))])
+    return best
 
 
 def matvec_probe(mib: int = 512) -> Callable[[], float]:
@@ -81,21 +92,8 @@ def matvec_probe(mib: int = 512) -> Callable[[], float]:
     kernel where it builds, else ``torch.mv``) and returns its bytes/s: one sample of the
     bandwidth, to pair with a decode step measured right beside it on a host whose bandwidth
     drifts (``benchmarks/core_throughput.py``)."""
-    cols = 4096
-    rows = max(1, mib * (1 << 20) // (4 * cols))
-    w = torch.randn(rows, cols)
-    x = torch.randn(1, cols)
-
-    def product() -> object:
-        return fused.linear(x, w) if fused.enabled(w) else torch.mv(w, x[0])
-
-    product()
-
-    def sample() -> float:
-        t = time.perf_counter()
-        product()
-        return w.numel() * 4 / (time.perf_counter() - t)
-
+    sample = _matvec_samplers(mib, torch.device("cpu"))[-1]  # the kernel where it builds
+    sample()  # warm-up
     return sample
 
 

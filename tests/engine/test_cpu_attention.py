@@ -6,21 +6,16 @@ this machine takes in-process, the others in subprocesses built with ``FOUDRE_KE
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from foudre import LLM, SamplingParams
-from foudre.runner import native
 from foudre.runner.attention import BatchLayout, cpu_paged, resolve_backend
 from foudre.runner.attention.torch_sdpa import TorchSDPABackend
 from tests.conftest import make_hf_model
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.engine.march import run_built_for
 
 pytestmark = pytest.mark.skipif(not cpu_paged.available(), reason="no C++ compiler")
 
@@ -100,29 +95,20 @@ def _check_all(dtypes: tuple[torch.dtype, ...]) -> None:
                 assert err < bound, (dtype, block_size, case, err, sdpa_err)
 
 
-def test_kernel_matches_sdpa_on_this_cpu() -> None:
+def check_all_dtypes() -> None:
     _check_all((torch.float32, torch.bfloat16, torch.float16))
+
+
+def test_kernel_matches_sdpa_on_this_cpu() -> None:
+    check_all_dtypes()
 
 
 @pytest.mark.parametrize("march", ["x86-64", "skylake-avx512"])
 def test_other_paths_match_sdpa(march: str, tmp_path: Path) -> None:
     """The portable path and the AVX-512 one without AVX512-BF16, built for another -march."""
-    if "avx512" in march and "avx512bw" not in native.cpu_flags():
-        pytest.skip("this CPU cannot run AVX-512 code")
-    if os.uname().machine != "x86_64":
-        pytest.skip("x86 -march values")
-    env = dict(os.environ, FOUDRE_KERNEL_MARCH=march, FOUDRE_CACHE=str(tmp_path))
-    script = (
-        "import torch\n"
-        "from tests.engine.test_cpu_attention import _check_all\n"
-        "_check_all((torch.float32, torch.bfloat16, torch.float16))\n"
-        "print('ok')\n"
+    run_built_for(
+        march, "tests.engine.test_cpu_attention:check_all_dtypes", "cpu_paged_decode", tmp_path
     )
-    out = subprocess.run(
-        [sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True
-    )
-    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
-    assert any(p.name.startswith("cpu_paged_decode-") for p in (tmp_path / "kernels").iterdir())
 
 
 def test_auto_picks_the_kernel_on_cpu() -> None:

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,13 +13,12 @@ from foudre.layers import fused
 from foudre.layers.linear import MAX_ROWS, Linear
 from foudre.layers.norm import RMSNorm
 from foudre.layers.rotary import RotaryEmbedding, _rotate_half
-from foudre.runner import native
+from tests.engine.march import run_built_for
 
 pytestmark = pytest.mark.skipif(
     fused._library() is None, reason="no C++ compiler or no AVX-512: the torch ops run instead"
 )
 DTYPES = [torch.float32, torch.bfloat16]
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -150,15 +146,7 @@ def test_linear_rejects_what_the_kernel_cannot_read() -> None:
 
 def test_linear_without_avx512_bf16(tmp_path: Path) -> None:
     """The bfloat16 path that widens to float32 FMAs, built for a CPU without AVX512-BF16."""
-    if os.uname().machine != "x86_64" or "avx512bw" not in native.cpu_flags():
-        pytest.skip("this CPU cannot run AVX-512 code")
-    env = dict(os.environ, FOUDRE_KERNEL_MARCH="skylake-avx512", FOUDRE_CACHE=str(tmp_path))
-    script = "from tests.engine.test_cpu_ops import check_linear\ncheck_linear()\nprint('ok')\n"
-    out = subprocess.run(
-        [sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True
-    )
-    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
-    assert any(p.name.startswith("cpu_ops-") for p in (tmp_path / "kernels").iterdir())
+    run_built_for("skylake-avx512", "tests.engine.test_cpu_ops:check_linear", "cpu_ops", tmp_path)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

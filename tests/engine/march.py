@@ -1,0 +1,33 @@
+"""Checks of the native kernels' other code paths: a fresh interpreter whose kernels are built
+for another ``-march`` (``FOUDRE_KERNEL_MARCH``) into a private cache runs a check function."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from foudre.runner import native
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_built_for(march: str, check: str, library: str, tmp_path: Path) -> None:
+    """Call ``check`` (``"module:function"``) with the kernels built for ``march``; assert that
+    it passed and that the ``library`` (a source's stem) was built for it. Skips where this CPU
+    cannot run that code."""
+    if os.uname().machine != "x86_64":
+        pytest.skip("x86 -march values")
+    if "avx512" in march and "avx512bw" not in native.cpu_flags():
+        pytest.skip("this CPU cannot run AVX-512 code")
+    module, function = check.split(":")
+    env = dict(os.environ, FOUDRE_KERNEL_MARCH=march, FOUDRE_CACHE=str(tmp_path))
+    script = f"from {module} import {function}\n{function}()\nprint('ok')\n"
+    out = subprocess.run(
+        [sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True
+    )
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
+    assert any(p.name.startswith(f"{library}-") for p in (tmp_path / "kernels").iterdir())
