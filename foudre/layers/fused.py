@@ -43,31 +43,39 @@ def _library() -> ctypes.CDLL | None:
     if dll is None or not dll.foudre_cpu_ops_available():
         return None  # no compiler, or a CPU without AVX-512
     for name, argtypes in _SIGNATURES.items():
-        for suffix in _SUFFIX.values():
+        for dtype, suffix in _SUFFIX.items():
             fn = getattr(dll, f"{name}_{suffix}")
             fn.argtypes = argtypes
             fn.restype = None
+            _FNS[name, dtype] = fn
     return dll
+
+
+# (name, dtype) -> the library's function, filled when it loads: one dict lookup per call, as
+# these run between the weight reads of a decode step, when little of Python's state is cached
+_FNS: dict[tuple[str, torch.dtype], Any] = {}
 
 
 def enabled(x: torch.Tensor, *others: torch.Tensor | None) -> bool:
     """Whether ``x`` (and the ``others`` it is combined with, CPU tensors of its dtype; None
     entries are skipped) take the fused path: never where autograd records (training and
     distillation run the torch ops)."""
-    present = [o for o in others if o is not None]
-    if x.device.type != "cpu" or x.dtype not in _SUFFIX:
+    if not x.is_cpu or x.dtype not in _SUFFIX:
         return False
-    if any(o.dtype != x.dtype or o.device.type != "cpu" for o in present):
-        return False
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, *present)):
+    needs_grad = x.requires_grad
+    for o in others:
+        if o is not None:
+            if o.dtype != x.dtype or not o.is_cpu:
+                return False
+            needs_grad = needs_grad or o.requires_grad
+    if needs_grad and torch.is_grad_enabled():
         return False
     return _library() is not None
 
 
 def _fn(name: str, dtype: torch.dtype) -> Any:
-    dll = _library()
-    assert dll is not None
-    return getattr(dll, f"{name}_{_SUFFIX[dtype]}")
+    assert _library() is not None, "the fused CPU ops are not available"
+    return _FNS[name, dtype]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -130,21 +138,30 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     tensors = (x, weight) if bias is None else (x, weight, bias)
     if any(t.dtype != x.dtype or t.device.type != "cpu" for t in tensors):
         raise ValueError("linear: x, weight and bias must be CPU tensors of one dtype")
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    weight = weight.contiguous()
-    b = None if bias is None else bias.contiguous()  # kept alive across the call
-    rows = x.shape[0]
-    y = torch.empty(rows, n, dtype=x.dtype, device="cpu")
+    return linear_unchecked(
+        x if x.stride(-1) == 1 else x.contiguous(),
+        weight.contiguous(),
+        None if bias is None else bias.contiguous(),
+    )
+
+
+def linear_unchecked(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``linear`` without its checks, for callers that made them (``Linear.forward``): ``x``
+    ``[rows, k]`` with unit column stride, ``weight`` ``[n, k]`` and ``bias`` ``[n]`` contiguous,
+    all CPU tensors of one dtype that ``enabled`` accepts. Anything else reads out of bounds."""
+    rows, n = x.shape[0], weight.shape[0]
+    y = torch.empty(rows, n, dtype=x.dtype)
     if rows:
-        _fn("foudre_linear", x.dtype)(
+        _FNS["foudre_linear", x.dtype](
             x.data_ptr(),
             x.stride(0),
             weight.data_ptr(),
-            None if b is None else b.data_ptr(),
+            None if bias is None else bias.data_ptr(),
             y.data_ptr(),
             rows,
             n,
-            k,
+            weight.shape[1],
         )
     return y

@@ -30,9 +30,12 @@ class Linear(nn.Linear):
         if (
             x.dim() == 2
             and x.shape[0] <= MAX_ROWS.get(x.dtype, 0)
-            and w.is_contiguous()
-            and not torch.is_autocast_enabled(x.device.type)
             and fused.enabled(x, w, b)
+            and x.shape[1] == w.shape[1]
+            and x.stride(1) == 1
+            and w.is_contiguous()
+            and (b is None or b.is_contiguous())
+            and not torch.is_autocast_enabled("cpu")
         ):
-            return fused.linear(x, w, b)
+            return fused.linear_unchecked(x, w, b)
         return F.linear(x, w, b)

@@ -155,8 +155,10 @@ def test_linear_layer_routes_by_rows(dtype: torch.dtype, monkeypatch: pytest.Mon
     gradients; both give the same layer."""
     layer = Linear(48, 20, bias=True).to(dtype)
     calls: list[int] = []
-    kernel = fused.linear
-    monkeypatch.setattr(fused, "linear", lambda x, *a: calls.append(x.shape[0]) or kernel(x, *a))
+    kernel = fused.linear_unchecked
+    monkeypatch.setattr(
+        fused, "linear_unchecked", lambda x, *a: calls.append(x.shape[0]) or kernel(x, *a)
+    )
     limit = MAX_ROWS[dtype]
     with torch.inference_mode():
         for rows in (1, limit, limit + 1):
