@@ -24,7 +24,9 @@ class EngineConfig:
     max_num_seqs: int = 256
     # auto (triton on CUDA, else torch) | torch | triton | contiguous (non-paged baseline)
     attention_backend: str = "auto"
-    enforce_eager: bool = False  # no CUDA graphs for decode steps (they need the triton backend)
+    # decode steps op by op: no CUDA graphs (which need the triton backend), no native CPU
+    # decoder layers (runner/cpu_decode.py, which need the cpu backend)
+    enforce_eager: bool = False
     scheduling_policy: str = "continuous"  # continuous | static | dynamic
     batch_wait_ms: float | None = None  # static/dynamic: how long a batch waits for arrivals
     quantization: str | None = None  # int8 | int4 | gptq | awq | mixed (weights, at load)

@@ -142,7 +142,7 @@ class LLMEngine:
             self.dtype,
             config.seed,
             config.kv_cache_dtype,
-            cuda_graphs=not config.enforce_eager,
+            decode_graphs=not config.enforce_eager,
             max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len,
         )
@@ -206,7 +206,7 @@ class LLMEngine:
             self.model_config.vocab_size,
             cfg.enable_prefix_caching,
             cfg.seed,
-            cuda_graphs=not cfg.enforce_eager,
+            decode_graphs=not cfg.enforce_eager,
             max_num_seqs=cfg.max_num_seqs,
             max_model_len=self.max_model_len,
         )

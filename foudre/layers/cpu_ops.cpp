@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstdint>
 #include <initializer_list>
+#include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
@@ -264,6 +265,86 @@ void linear(const T* x, int64_t x_stride, const T* w, const T* bias, T* y, int64
   }
 }
 
+// x += y, rounded to T as torch's add of two T tensors rounds
+template <typename T>
+void add_(T* x, const T* y, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = lanes(n - i);
+    store(x + i, _mm512_add_ps(load(x + i, m), load(y + i, m)), m);
+  }
+}
+
+// The paged-attention decode kernel (runner/attention/cpu_paged_decode.cpp), passed by address
+using PagedDecode = void (*)(const void* q, const void* k, const void* v, void* out,
+                             const int32_t* tokens, const int32_t* tables, const int32_t* lens,
+                             int64_t rows, int64_t num_heads, int64_t num_kv_heads,
+                             int64_t head_dim, int64_t block_size, int64_t table_width,
+                             int64_t q_stride, int64_t o_stride, int64_t block_stride,
+                             int64_t token_stride, float scale);
+
+// Per layer, the addresses decode_layers reads (0 where a layer has none)
+enum LayerPointer {
+  kInputNorm, kQKV, kQKVBias, kO, kPostNorm, kGateUp, kDown, kQNorm, kKNorm, kKCache, kVCache,
+  kLayerPointers
+};
+
+// A decode step (one new token in each of `rows` rows) through every decoder layer, in place
+// on the residual stream x [rows, hidden]: the kernels above and the paged-attention kernel,
+// called in the order and with the roundings of models/llama.py's path through them, so both
+// give the same bits. Returns 1, before touching anything, for a position outside the RoPE
+// tables, else 0.
+template <typename T>
+int decode_layers(T* x, int64_t rows, const int64_t* layers, int64_t num_layers, int64_t hidden,
+                  int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate,
+                  float eps, const float* cos, const float* sin, int64_t max_positions,
+                  const int64_t* positions, const int64_t* slots, const void* attention,
+                  const int32_t* tokens, const int32_t* tables, const int32_t* lens,
+                  int64_t table_width, int64_t block_size, float scale) {
+  for (int64_t r = 0; r < rows; ++r)
+    if (positions[r] < 0 || positions[r] >= max_positions) return 1;
+  const int64_t D = head_dim, q_size = heads * D, kv_size = kv_heads * D;
+  const int64_t qkv_width = q_size + 2 * kv_size;
+  const int64_t token_stride = kv_size, block_stride = block_size * kv_size;
+  std::vector<T> h(rows * hidden), qkv(rows * qkv_width), att(rows * q_size), y(rows * hidden),
+      gate_up(rows * 2 * intermediate), act(rows * intermediate);
+  const auto attend = reinterpret_cast<PagedDecode>(const_cast<void*>(attention));
+  for (int64_t l = 0; l < num_layers; ++l) {
+    const int64_t* p = layers + l * kLayerPointers;
+    const auto w = [p](LayerPointer i) { return reinterpret_cast<const T*>(p[i]); };
+    T* k_cache = reinterpret_cast<T*>(p[kKCache]);
+    T* v_cache = reinterpret_cast<T*>(p[kVCache]);
+    rms_norm(x, w(kInputNorm), h.data(), rows, hidden, hidden, eps);
+    linear(h.data(), hidden, w(kQKV), w(kQKVBias), qkv.data(), rows, qkv_width, hidden);
+    if (p[kQNorm] != 0) {  // q/k norm over each head, before RoPE (qwen3)
+      for (int64_t r = 0; r < rows; ++r) {
+        T* row = qkv.data() + r * qkv_width;
+        rms_norm(row, w(kQNorm), row, heads, D, D, eps);
+        rms_norm(row + q_size, w(kKNorm), row + q_size, kv_heads, D, D, eps);
+      }
+    }
+    rope(qkv.data(), cos, sin, positions, rows, heads + kv_heads, D, qkv_width);
+    for (int64_t r = 0; r < rows; ++r) {  // the new token's K and V into its slot
+      const T* row = qkv.data() + r * qkv_width;
+      const int64_t at = slots[r] / block_size * block_stride + slots[r] % block_size * token_stride;
+      std::copy(row + q_size, row + q_size + kv_size, k_cache + at);
+      std::copy(row + q_size + kv_size, row + qkv_width, v_cache + at);
+    }
+    attend(qkv.data(), k_cache, v_cache, att.data(), tokens, tables, lens, rows, heads, kv_heads,
+           D, block_size, table_width, qkv_width, q_size, block_stride, token_stride, scale);
+    linear(att.data(), q_size, w(kO), static_cast<const T*>(nullptr), y.data(), rows, hidden,
+           q_size);
+    add_(x, y.data(), rows * hidden);
+    rms_norm(x, w(kPostNorm), h.data(), rows, hidden, hidden, eps);
+    linear(h.data(), hidden, w(kGateUp), static_cast<const T*>(nullptr), gate_up.data(), rows,
+           2 * intermediate, hidden);
+    silu_mul(gate_up.data(), act.data(), rows, intermediate, 2 * intermediate);
+    linear(act.data(), intermediate, w(kDown), static_cast<const T*>(nullptr), y.data(), rows,
+           hidden, intermediate);
+    add_(x, y.data(), rows * hidden);
+  }
+  return 0;
+}
+
 }  // namespace
 
 extern "C" {
@@ -288,6 +369,16 @@ int foudre_cpu_ops_available() { return 1; }
                               void* y, int64_t rows, int64_t n, int64_t k) {                       \
     linear(static_cast<const T*>(x), x_stride, static_cast<const T*>(w),                           \
            static_cast<const T*>(bias), static_cast<T*>(y), rows, n, k);                           \
+  }                                                                                                \
+  int foudre_decode_layers_##SUFFIX(                                                               \
+      void* x, int64_t rows, const int64_t* layers, int64_t num_layers, int64_t hidden,            \
+      int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate, float eps,          \
+      const float* cos, const float* sin, int64_t max_positions, const int64_t* positions,         \
+      const int64_t* slots, const void* attention, const int32_t* tokens, const int32_t* tables,   \
+      const int32_t* lens, int64_t table_width, int64_t block_size, float scale) {                 \
+    return decode_layers(static_cast<T*>(x), rows, layers, num_layers, hidden, heads, kv_heads,    \
+                         head_dim, intermediate, eps, cos, sin, max_positions, positions, slots,   \
+                         attention, tokens, tables, lens, table_width, block_size, scale);         \
   }
 
 FOUDRE_OPS(f32, float)

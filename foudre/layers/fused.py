@@ -26,12 +26,29 @@ from foudre.runner import native
 
 SOURCE = Path(__file__).with_name("cpu_ops.cpp")
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
-_P, _I64 = ctypes.c_void_p, ctypes.c_int64
+_P, _I64, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
-    "foudre_rms_norm": [_P, _P, _P, _I64, _I64, _I64, ctypes.c_float],
+    "foudre_rms_norm": [_P, _P, _P, _I64, _I64, _I64, _F],
     "foudre_silu_mul": [_P, _P, _I64, _I64, _I64],
     "foudre_rope": [_P, _P, _P, _P, _I64, _I64, _I64, _I64],
     "foudre_linear": [_P, _I64, _P, _P, _P, _I64, _I64, _I64],
+    # x, rows, layers, num_layers, hidden, heads, kv_heads, head_dim, intermediate, eps, cos,
+    # sin, max_positions, positions, slots, attention, tokens, tables, lens, table_width,
+    # block_size, scale
+    "foudre_decode_layers": [
+        _P,
+        _I64,
+        _P,
+        *[_I64] * 6,
+        _F,
+        _P,
+        _P,
+        _I64,
+        *[_P] * 6,
+        _I64,
+        _I64,
+        _F,
+    ],
 }
 
 
@@ -46,7 +63,7 @@ def _library() -> ctypes.CDLL | None:
         for dtype, suffix in _SUFFIX.items():
             fn = getattr(dll, f"{name}_{suffix}")
             fn.argtypes = argtypes
-            fn.restype = None
+            fn.restype = ctypes.c_int if name == "foudre_decode_layers" else None
             _FNS[name, dtype] = fn
     return dll
 
@@ -76,6 +93,11 @@ def enabled(x: torch.Tensor, *others: torch.Tensor | None) -> bool:
 def _fn(name: str, dtype: torch.dtype) -> Any:
     assert _library() is not None, "the fused CPU ops are not available"
     return _FNS[name, dtype]
+
+
+def decode_layers_fn(dtype: torch.dtype) -> Any:
+    """``foudre_decode_layers`` for ``dtype`` (``runner/cpu_decode.py`` calls it), or None."""
+    return None if _library() is None else _FNS.get(("foudre_decode_layers", dtype))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -20,6 +20,7 @@ from foudre.layers.sampler import sample
 from foudre.models.llama import LlamaForCausalLM
 from foudre.runner.attention import AttentionBackend, BatchLayout
 from foudre.runner.attention.kv_quant import QuantizedKVCache, kv_bytes_per_token_head
+from foudre.runner.cpu_decode import NativeDecode
 from foudre.spec.rejection import verify
 
 if TYPE_CHECKING:
@@ -56,7 +57,7 @@ class ModelRunner:
         dtype: torch.dtype,
         seed: int = 0,
         kv_cache_dtype: str = "auto",
-        cuda_graphs: bool = False,
+        decode_graphs: bool = False,
         max_num_seqs: int = 256,
         max_model_len: int | None = None,
     ) -> None:
@@ -82,13 +83,17 @@ class ModelRunner:
                 for _ in range(cfg.num_hidden_layers)
             ]
         self.generator = torch.Generator(device=device).manual_seed(seed)
-        # decode steps replay CUDA graphs when the device and the attention backend allow it
+        # decode steps skip the op-by-op forward where the device and the backend allow it:
+        # replayed CUDA graphs on a GPU, the decoder layers in one native call on the CPU
         self.graphs: DecodeGraphs | None = None
-        if cuda_graphs and device.type == "cuda" and backend.name == "triton":
+        self.native: NativeDecode | None = None
+        if decode_graphs and device.type == "cuda" and backend.name == "triton":
             from foudre.runner.cuda_graphs import DecodeGraphs
 
             max_len = max_model_len or cfg.max_position_embeddings
             self.graphs = DecodeGraphs(self, max_num_seqs, max_len)
+        if decode_graphs and device.type == "cpu":
+            self.native = NativeDecode.build(model, backend, self.kv_caches)
 
     @torch.inference_mode()
     def forward(
@@ -102,7 +107,8 @@ class ModelRunner:
         their K/V through ``block_tables[i]``); return float32 logits of the last
         ``num_logits[i]`` tokens of each sequence, in order (None when none are asked).
 
-        A step of single tokens replays a captured CUDA graph when the runner has them."""
+        A step of single tokens replays a captured CUDA graph when the runner has them, or runs
+        the native decoder layers on the CPU (``cpu_decode.py``)."""
         graphs = self.graphs
         if (
             graphs is not None
@@ -141,13 +147,12 @@ class ModelRunner:
             block_size=bs,
         )
         metadata = self.backend.build_metadata(layout, self.device)
-        hidden = self.model(
-            torch.tensor(input_ids, device=self.device),
-            torch.cat(positions).to(self.device),
-            self.kv_caches,
-            self.backend,
-            metadata,
-        )
+        id_tensor = torch.tensor(input_ids, device=self.device)
+        pos_tensor = torch.cat(positions).to(self.device)
+        if self.native is not None and self.native.takes(metadata, len(input_ids)):
+            hidden = self.native.run(id_tensor, pos_tensor, metadata)
+        else:
+            hidden = self.model(id_tensor, pos_tensor, self.kv_caches, self.backend, metadata)
         if not rows:
             return None
         return self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])

@@ -102,7 +102,7 @@ class DraftModelProposer(Proposer):
         target_vocab_size: int,
         enable_prefix_caching: bool = True,
         seed: int = 0,
-        cuda_graphs: bool = False,
+        decode_graphs: bool = False,
         max_num_seqs: int = 256,
         max_model_len: int | None = None,
     ) -> None:
@@ -120,7 +120,7 @@ class DraftModelProposer(Proposer):
             device,
             dtype,
             seed,
-            cuda_graphs=cuda_graphs,
+            decode_graphs=decode_graphs,
             max_num_seqs=max_num_seqs,
             max_model_len=max_model_len,
         )

@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -48,6 +49,14 @@ def load_library() -> ctypes.CDLL | None:
             fn.argtypes = _ARGTYPES
             fn.restype = None
     return dll
+
+
+def kernel(dtype: torch.dtype) -> Any:
+    """The decode kernel's function for ``dtype`` (``cpu_decode.py`` passes its address to the
+    fused layers), or None."""
+    dll = load_library()
+    symbol = _SYMBOLS.get(dtype)
+    return None if dll is None or symbol is None else getattr(dll, symbol)
 
 
 def available() -> bool:
