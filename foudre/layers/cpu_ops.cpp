@@ -291,17 +291,20 @@ enum LayerPointer {
 // A decode step (one new token in each of `rows` rows) through every decoder layer, in place
 // on the residual stream x [rows, hidden]: the kernels above and the paged-attention kernel,
 // called in the order and with the roundings of models/llama.py's path through them, so both
-// give the same bits. Returns 1, before touching anything, for a position outside the RoPE
-// tables, else 0.
+// give the same bits. Returns, before touching anything, 1 for a position outside the RoPE
+// tables, 2 for a slot outside the cache's num_slots; else 0.
 template <typename T>
 int decode_layers(T* x, int64_t rows, const int64_t* layers, int64_t num_layers, int64_t hidden,
                   int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate,
                   float eps, const float* cos, const float* sin, int64_t max_positions,
-                  const int64_t* positions, const int64_t* slots, const void* attention,
+                  const int64_t* positions, const int64_t* slots, int64_t num_slots,
+                  const void* attention,
                   const int32_t* tokens, const int32_t* tables, const int32_t* lens,
                   int64_t table_width, int64_t block_size, float scale) {
-  for (int64_t r = 0; r < rows; ++r)
+  for (int64_t r = 0; r < rows; ++r) {
     if (positions[r] < 0 || positions[r] >= max_positions) return 1;
+    if (slots[r] < 0 || slots[r] >= num_slots) return 2;
+  }
   const int64_t D = head_dim, q_size = heads * D, kv_size = kv_heads * D;
   const int64_t qkv_width = q_size + 2 * kv_size;
   const int64_t token_stride = kv_size, block_stride = block_size * kv_size;
@@ -374,11 +377,13 @@ int foudre_cpu_ops_available() { return 1; }
       void* x, int64_t rows, const int64_t* layers, int64_t num_layers, int64_t hidden,            \
       int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate, float eps,          \
       const float* cos, const float* sin, int64_t max_positions, const int64_t* positions,         \
-      const int64_t* slots, const void* attention, const int32_t* tokens, const int32_t* tables,   \
-      const int32_t* lens, int64_t table_width, int64_t block_size, float scale) {                 \
+      const int64_t* slots, int64_t num_slots, const void* attention, const int32_t* tokens,       \
+      const int32_t* tables, const int32_t* lens, int64_t table_width, int64_t block_size,         \
+      float scale) {                                                                               \
     return decode_layers(static_cast<T*>(x), rows, layers, num_layers, hidden, heads, kv_heads,    \
                          head_dim, intermediate, eps, cos, sin, max_positions, positions, slots,   \
-                         attention, tokens, tables, lens, table_width, block_size, scale);         \
+                         num_slots, attention, tokens, tables, lens, table_width, block_size,      \
+                         scale);                                                                   \
   }
 
 FOUDRE_OPS(f32, float)

@@ -32,22 +32,13 @@ _SIGNATURES = {
     "foudre_silu_mul": [_P, _P, _I64, _I64, _I64],
     "foudre_rope": [_P, _P, _P, _P, _I64, _I64, _I64, _I64],
     "foudre_linear": [_P, _I64, _P, _P, _P, _I64, _I64, _I64],
-    # x, rows, layers, num_layers, hidden, heads, kv_heads, head_dim, intermediate, eps, cos,
-    # sin, max_positions, positions, slots, attention, tokens, tables, lens, table_width,
-    # block_size, scale
+    # x, rows, layers, num_layers, hidden, heads, kv_heads, head_dim, intermediate, eps;
+    # cos, sin, max_positions, positions, slots, num_slots;
+    # attention, tokens, tables, lens, table_width, block_size, scale
     "foudre_decode_layers": [
-        _P,
-        _I64,
-        _P,
-        *[_I64] * 6,
-        _F,
-        _P,
-        _P,
-        _I64,
-        *[_P] * 6,
-        _I64,
-        _I64,
-        _F,
+        *[_P, _I64, _P, *[_I64] * 6, _F],
+        *[_P, _P, _I64, _P, _P, _I64],
+        *[*[_P] * 4, _I64, _I64, _F],
     ],
 }
 

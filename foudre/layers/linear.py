@@ -34,7 +34,7 @@ class Linear(nn.Linear):
             and x.shape[1] == w.shape[1]
             and x.stride(1) == 1
             and w.is_contiguous()
-            and (b is None or b.is_contiguous())
+            and (b is None or (b.shape == (w.shape[0],) and b.is_contiguous()))
             and not torch.is_autocast_enabled("cpu")
         ):
             return fused.linear_unchecked(x, w, b)

@@ -15,19 +15,20 @@ the roundings of ``models/llama.py``'s path through them, so the hidden states a
 in Python. It takes a step when every row is a decode row (one token each, no prefill chunk,
 no drafts), of at most ``Linear``'s ``MAX_ROWS``; other steps, and models it cannot run (another
 dtype, quantized layers, a quantized KV cache, another attention backend, hooks on a module),
-take the model's ``forward``. Like CUDA graphs, it holds addresses: the weights and caches it
-was built on are checked by identity at every step, and a replaced one sends the step back to
-Python.
+take the model's ``forward``. Like CUDA graphs, it holds addresses: every step checks that the
+weights, RoPE tables and KV caches it was built on are still the modules' and the runner's, at
+the same addresses, and that no hook or autocast asks for the Python path; otherwise the step
+goes back to Python.
 """
 
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
+from torch.nn.modules import module as nn_module
 
 from foudre.layers import fused
 from foudre.layers.linear import MAX_ROWS, Linear
@@ -42,15 +43,14 @@ if TYPE_CHECKING:
 
 
 class NativeDecode:
-    """The decoder layers of ``model`` for decode steps, over ``kv_caches``; ``build`` returns
-    None where they cannot run natively."""
+    """The decoder layers of ``model`` for decode steps, over ``kv_caches`` (the runner's list);
+    ``build`` returns None where they cannot run natively."""
 
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[torch.Tensor], fn: Any) -> None:
         cfg = model.config
         self.model = model
-        self.kv_caches = kv_caches
         self.fn = fn
-        self.dtype = model.lm_head.weight.dtype
+        self.dtype = model.model.embed_tokens.weight.dtype
         self.max_rows = MAX_ROWS[self.dtype]
         self.attention = ctypes.cast(cpu_paged.kernel(self.dtype), ctypes.c_void_p).value
         self.dims = (
@@ -63,38 +63,50 @@ class NativeDecode:
         self.eps = cfg.rms_norm_eps
         layers = cast("list[DecoderLayer]", list(model.model.layers))
         self.scale = layers[0].self_attn.scale
-        # (owner's parameter dict, name, tensor) for every tensor whose address is passed
-        self.held: list[tuple[dict[str, nn.Parameter | None], str, torch.Tensor | None]] = []
+        self.rotary = model.model.rotary
+        self.modules = list(model.model.layers.modules())
+        # (owner's dict, name, tensor, address) of everything whose address the call takes, and
+        # of the parameters it assumes absent (None): the biases the C++ does not add
+        self.held: list[tuple[dict[str, Any], str, torch.Tensor | None, int]] = []
         pointers: list[int] = []
+
+        def hold(module: nn.Module | None, name: str, passed: bool = True) -> None:
+            tensor = None if module is None else module._parameters.get(name)
+            if module is not None:
+                address = 0 if tensor is None else tensor.data_ptr()
+                self.held.append((module._parameters, name, tensor, address))
+            if passed:
+                pointers.append(0 if tensor is None else tensor.data_ptr())
+
         for layer, cache in zip(layers, kv_caches, strict=True):
             attn, mlp = layer.self_attn, layer.mlp
-            held: list[tuple[nn.Module | None, str]] = [
-                (layer.input_layernorm, "weight"),
-                (attn.qkv_proj, "weight"),
-                (attn.qkv_proj, "bias"),
-                (attn.o_proj, "weight"),
-                (layer.post_attention_layernorm, "weight"),
-                (mlp.gate_up_proj, "weight"),
-                (mlp.down_proj, "weight"),
-                (attn.q_norm, "weight"),
-                (attn.k_norm, "weight"),
-            ]
-            for module, name in held:
-                tensor = None if module is None else module._parameters[name]
-                if module is not None:
-                    self.held.append((module._parameters, name, tensor))
-                pointers.append(0 if tensor is None else tensor.data_ptr())
+            hold(layer.input_layernorm, "weight")
+            hold(attn.qkv_proj, "weight")
+            hold(attn.qkv_proj, "bias")
+            hold(attn.o_proj, "weight")
+            hold(layer.post_attention_layernorm, "weight")
+            hold(mlp.gate_up_proj, "weight")
+            hold(mlp.down_proj, "weight")
+            hold(attn.q_norm, "weight")
+            hold(attn.k_norm, "weight")
+            for module in (attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                hold(module, "bias", passed=False)
             pointers += [cache[0].data_ptr(), cache[1].data_ptr()]
+        for name in ("cos", "sin"):
+            table = self.rotary._buffers[name]
+            assert table is not None
+            self.held.append((self.rotary._buffers, name, table, table.data_ptr()))
+        self.cache_list = kv_caches
+        self.caches = [(c, c.data_ptr()) for c in kv_caches]
+        self.num_slots = kv_caches[0].shape[1] * kv_caches[0].shape[2]
         self.layers = torch.tensor(pointers, dtype=torch.int64)
-        self.rotary = model.model.rotary
-        self.tables = (self.rotary.cos, self.rotary.sin)
 
     @classmethod
     def build(
         cls,
         model: nn.Module,
         backend: AttentionBackend,
-        kv_caches: Sequence[object],
+        kv_caches: list[torch.Tensor] | list[Any],
     ) -> NativeDecode | None:
         """A ``NativeDecode`` for ``model``, or None where its layers cannot run natively."""
         from foudre.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM
@@ -103,13 +115,27 @@ class NativeDecode:
             backend, cpu_paged.CPUPagedBackend
         ):
             return None
-        dtype = model.lm_head.weight.dtype
+        dtype = model.model.embed_tokens.weight.dtype
         fn = fused.decode_layers_fn(dtype)
         if fn is None or dtype not in MAX_ROWS or cpu_paged.kernel(dtype) is None:
             return None
-        if not all(isinstance(c, torch.Tensor) and c.dtype == dtype for c in kv_caches):
-            return None  # a quantized KV cache
         cfg = model.config
+        hidden, heads, kv_heads, head_dim = (
+            cfg.hidden_size,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        )
+        cache_shape = (kv_heads, head_dim)
+        if not all(
+            isinstance(c, torch.Tensor)
+            and c.dtype == dtype
+            and c.is_contiguous()
+            and c.dim() == 5
+            and tuple(c.shape[-2:]) == cache_shape
+            for c in kv_caches
+        ):
+            return None  # a quantized KV cache, or a layout the kernel does not read
         allowed = (nn.ModuleList, DecoderLayer, Attention, MLP, Linear, RMSNorm, RotaryEmbedding)
         for module in model.model.layers.modules():
             if type(module) not in allowed:
@@ -121,25 +147,58 @@ class NativeDecode:
                     return None
             if isinstance(module, RMSNorm) and module.eps != cfg.rms_norm_eps:
                 return None
-        for cache in kv_caches:
-            assert isinstance(cache, torch.Tensor)
-            if not cache.is_contiguous() or cache.shape[-2:] != (
-                cfg.num_key_value_heads,
-                cfg.head_dim,
-            ):
+        qkv = (heads + 2 * kv_heads) * head_dim
+        expected = {
+            "input_layernorm.weight": (hidden,),
+            "post_attention_layernorm.weight": (hidden,),
+            "self_attn.qkv_proj.weight": (qkv, hidden),
+            "self_attn.qkv_proj.bias": (qkv,),
+            "self_attn.o_proj.weight": (hidden, heads * head_dim),
+            "self_attn.q_norm.weight": (head_dim,),
+            "self_attn.k_norm.weight": (head_dim,),
+            "mlp.gate_up_proj.weight": (2 * cfg.intermediate_size, hidden),
+            "mlp.down_proj.weight": (hidden, cfg.intermediate_size),
+        }
+        for layer in cast("list[DecoderLayer]", list(model.model.layers)):
+            for name, p in layer.named_parameters():
+                if tuple(p.shape) != expected.get(name):
+                    return None  # a bias the C++ does not add, or a shape it does not expect
+            if layer.self_attn.scale != head_dim**-0.5:
                 return None
-        return cls(model, cast("list[torch.Tensor]", list(kv_caches)), fn)
+        rotary = model.model.rotary
+        for table in (rotary.cos, rotary.sin):
+            if table.dtype != torch.float32 or not table.is_contiguous() or table.dim() != 2:
+                return None
+            if table.shape[1] != head_dim or not table.is_cpu:
+                return None
+        if len(kv_caches) != len(model.model.layers):
+            return None
+        return cls(model, kv_caches, fn)
 
     def takes(self, metadata: object, num_tokens: int) -> bool:
-        """Whether this step can run here: decode rows only, few enough, nothing replaced."""
+        """Whether this step can run here: decode rows only, few enough, nothing replaced or
+        moved since ``build``, no hook to call, no autocast."""
         return (
             isinstance(metadata, PagedMetadata)
             and not metadata.groups
             and metadata.decode_tokens is not None
             and 0 < num_tokens <= self.max_rows
-            and all(owner[name] is t for owner, name, t in self.held)
-            and self.rotary.cos is self.tables[0]
+            and not torch.is_autocast_enabled("cpu")
+            and not (nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks)
+            and self._unchanged()
         )
+
+    def _unchanged(self) -> bool:
+        for owner, name, tensor, address in self.held:
+            now = owner.get(name)
+            if now is not tensor or (now is not None and now.data_ptr() != address):
+                return False
+        if len(self.cache_list) != len(self.caches):
+            return False
+        for now, (cache, address) in zip(self.cache_list, self.caches, strict=True):
+            if now is not cache or now.data_ptr() != address:
+                return False
+        return not any(m._forward_hooks or m._forward_pre_hooks for m in self.modules)
 
     def run(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: PagedMetadata
@@ -149,16 +208,20 @@ class NativeDecode:
         x = model.embed_tokens(input_ids)
         rows = x.shape[0]
         tables, lens, tokens = metadata.block_tables, metadata.seq_lens, metadata.decode_tokens
-        assert tables is not None and lens is not None and tokens is not None
-        cos, sin = self.tables
-        hidden, heads, kv_heads, head_dim, intermediate = self.dims
         slots = metadata.slot_mapping
-        assert positions.dtype == slots.dtype == torch.int64 and positions.is_contiguous()
+        assert tables is not None and lens is not None and tokens is not None
+        assert x.dtype == self.dtype and x.is_contiguous() and x.dim() == 2
+        assert positions.dtype == slots.dtype == torch.int64
+        assert tokens.dtype == tables.dtype == lens.dtype == torch.int32
+        assert all(t.is_contiguous() for t in (positions, slots, tokens, tables, lens))
+        assert len(positions) == len(slots) == len(tokens) == len(tables) == len(lens) == rows
+        cos, sin = self.rotary.cos, self.rotary.sin
+        hidden, heads, kv_heads, head_dim, intermediate = self.dims
         failed = self.fn(
             x.data_ptr(),
             rows,
             self.layers.data_ptr(),
-            len(self.kv_caches),
+            len(self.caches),
             hidden,
             heads,
             kv_heads,
@@ -170,14 +233,17 @@ class NativeDecode:
             cos.shape[0],
             positions.data_ptr(),
             slots.data_ptr(),
+            self.num_slots,
             self.attention,
             tokens.data_ptr(),
             tables.data_ptr(),
             lens.data_ptr(),
             tables.shape[1],
-            self.kv_caches[0].shape[2],
+            self.caches[0][0].shape[2],
             self.scale,
         )
-        if failed:
+        if failed == 1:
             raise IndexError(f"RoPE position outside the table of {cos.shape[0]}")
+        if failed:
+            raise IndexError(f"KV slot outside the cache of {self.num_slots} slots")
         return model.norm(x)

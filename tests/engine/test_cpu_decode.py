@@ -13,7 +13,9 @@ import torch
 from foudre import LLM, SamplingParams
 from foudre.layers import fused
 from foudre.layers.linear import MAX_ROWS
+from foudre.quant.api import Int8WeightOnly, quantize_
 from foudre.runner.attention import cpu_paged
+from foudre.runner.cpu_decode import NativeDecode
 from foudre.runner.model_runner import ModelRunner
 from tests.conftest import make_hf_model
 
@@ -23,7 +25,8 @@ pytestmark = pytest.mark.skipif(
 )
 
 ARCHS: list[tuple[str, dict[str, Any]]] = [
-    ("llama", {}),  # GQA
+    ("llama", {}),  # GQA, 2 query heads per KV head
+    ("llama", {"num_attention_heads": 8, "num_key_value_heads": 2}),  # 4 per KV head
     ("llama", {"num_key_value_heads": 1, "tie_word_embeddings": True}),  # MQA, tied
     ("qwen2", {}),  # q/k/v bias
     ("qwen3", {"head_dim": 24}),  # q/k norm, head_dim from the config
@@ -32,16 +35,17 @@ ARCHS: list[tuple[str, dict[str, Any]]] = [
 
 def make_runner(tmp_path: Path, dtype: str, arch: str = "llama", **overrides: Any) -> ModelRunner:
     path = make_hf_model(tmp_path / arch, arch, **overrides)
-    llm = LLM(str(path), dtype=dtype, skip_tokenizer_init=True, num_kv_blocks=64)
+    llm = LLM(str(path), dtype=dtype, skip_tokenizer_init=True, num_kv_blocks=200)
     return llm.engine.runner
 
 
 def counted(runner: ModelRunner) -> list[int]:
-    """The row counts of the steps the native layers run from now on."""
-    assert runner.native is not None
+    """The row counts of the steps the native layers run (or try to) from now on."""
+    native = runner.native
+    assert native is not None
     calls: list[int] = []
-    run = runner.native.run
-    runner.native.run = lambda ids, *a: calls.append(len(ids)) or run(ids, *a)  # type: ignore[method-assign]
+    run = native.run
+    native.run = lambda ids, *a: calls.append(len(ids)) or run(ids, *a)  # type: ignore[method-assign]
     return calls
 
 
@@ -53,66 +57,111 @@ def python_step(runner: ModelRunner, *args: Any) -> torch.Tensor | None:
         runner.native = native
 
 
+def both_paths(runner: ModelRunner, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step's logits by each path from the same cache, and each path's whole cache after it
+    (a stray write anywhere in the pool shows)."""
+    before = [c.clone() for c in runner.kv_caches]
+    native = runner.forward(*args)
+    after_native = [c.clone() for c in runner.kv_caches]
+    for c, b in zip(runner.kv_caches, before, strict=True):
+        c.copy_(b)
+    ref = python_step(runner, *args)
+    assert native is not None and ref is not None
+    for a, b in zip(after_native, runner.kv_caches, strict=True):
+        assert torch.equal(a, b)
+    return native, ref
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize(("arch", "overrides"), ARCHS)
 def test_native_decode_equals_the_python_path(
     tmp_path: Path, dtype: str, arch: str, overrides: dict[str, Any]
 ) -> None:
-    """Prefill three prompts (blocks out of order, contexts crossing block boundaries), then
-    decode steps: each step's logits and the K/V it writes equal the Python path's, bit for
-    bit."""
+    """Prefill prompts (blocks out of order, contexts across block boundaries), then decode
+    steps of 1, 3 and ``MAX_ROWS`` rows: logits and the whole KV pool equal the Python path's,
+    bit for bit."""
     runner = make_runner(tmp_path, dtype, arch, **overrides)
-    assert runner.native is not None
     calls = counted(runner)
+    limit = MAX_ROWS[getattr(torch, dtype)]
     g = torch.Generator().manual_seed(0)
-    lens = [5, 16, 31]
-    tables = [[9, 2, 40], [7, 0, 3], [30, 12, 5]]
+    order = torch.randperm(200, generator=g).tolist()
+    lens = [5, 16, 31, *torch.randint(1, 40, (limit - 3,), generator=g).tolist()]
+    tables = [order[3 * i : 3 * i + 3] for i in range(limit)]
     prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in lens]
     with torch.inference_mode():
-        logits = runner.forward(tables, [0, 0, 0], prompts, [1, 1, 1])
+        logits = runner.forward(tables, [0] * limit, prompts, [1] * limit)
         assert logits is not None and calls == []  # a prefill step: Python
-        for step in range(3):
-            new = [[int(t)] for t in logits.argmax(-1)]
-            starts = [n + step for n in lens]
-            logits = runner.forward(tables, starts, new, [1, 1, 1])
-            caches = [c.clone() for c in runner.kv_caches]
-            ref = python_step(runner, tables, starts, new, [1, 1, 1])  # rewrites the same slots
-            assert logits is not None and ref is not None
-            assert torch.equal(logits, ref), (step, (logits - ref).abs().max())
-            assert all(torch.equal(a, b) for a, b in zip(caches, runner.kv_caches, strict=True))
-    assert calls == [3, 3, 3]
+        for rows in (1, 3, limit):
+            new = [[int(t)] for t in logits.argmax(-1)[:rows]]
+            native, ref = both_paths(runner, tables[:rows], lens[:rows], new, [1] * rows)
+            assert torch.equal(native, ref), (rows, (native - ref).abs().max())
+            lens[:rows] = [n + 1 for n in lens[:rows]]
+            logits = torch.cat([native, logits[rows:]])
+    assert calls == [1, 3, limit]
 
 
 def test_native_decode_takes_only_what_it_can_run(tmp_path: Path) -> None:
-    """Decode rows only and at most ``MAX_ROWS``; a weight replaced after the build sends steps
-    back to Python (which then computes with the new weight); a position past the RoPE tables
-    raises as the Python path does."""
+    """Decode rows only and at most ``MAX_ROWS``; weights replaced or moved after the build,
+    a hook, autocast or a replaced KV cache send steps back to Python; out-of-range positions
+    and slots raise before anything is written."""
     runner = make_runner(tmp_path, "bfloat16")
+    native = runner.native
+    assert native is not None
     calls = counted(runner)
     limit = MAX_ROWS[torch.bfloat16]
     tables = [[i] for i in range(limit + 1)]
+
+    def decode(n: int = 1, start: int = 4) -> None:
+        runner.forward(tables[:n], [start] * n, [[9]] * n, [1] * n)
+
     with torch.inference_mode():
-        runner.forward(tables, [0] * (limit + 1), [[5, 6]] * (limit + 1), [1] * (limit + 1))
-        runner.forward(tables, [2] * (limit + 1), [[7]] * (limit + 1), [1] * (limit + 1))
-        runner.forward(tables[:limit], [3] * limit, [[8]] * limit, [1] * limit)
+        runner.forward(tables, [0] * (limit + 1), [[5, 6, 7, 8]] * (limit + 1), [1] * (limit + 1))
+        decode(limit + 1)
+        decode(limit)
         runner.forward(tables[:2], [4, 4], [[9], [10, 11]], [1, 1])  # a decode row and a chunk
         assert calls == [limit]
-        down = runner.model.model.layers[1].mlp.down_proj
-        down.weight = torch.nn.Parameter(down.weight * 2, requires_grad=False)
-        assert runner.forward(tables[:1], [6], [[12]], [1]) is not None
-        assert calls == [limit]
+        layer = runner.model.model.layers[1]
+        down = layer.mlp.down_proj
+        old = down.weight.data
+        down.weight.data = old * 2  # same Parameter, new storage
+        decode()
+        down.weight.data = old
+        decode()
+        assert calls == [limit, 1]
+        down.weight = torch.nn.Parameter(old.clone(), requires_grad=False)
+        decode()
+        assert calls == [limit, 1]
+        runner.native = native = NativeDecode.build(runner.model, runner.backend, runner.kv_caches)
+        assert native is not None
+        calls = counted(runner)
+        handle = layer.self_attn.register_forward_pre_hook(lambda *a: None)
+        decode()
+        handle.remove()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            decode()
+        o_proj = layer.self_attn.o_proj
+        o_proj.bias = torch.nn.Parameter(torch.zeros(o_proj.out_features, dtype=torch.bfloat16))
+        decode()
+        o_proj.bias = None
+        cache = runner.kv_caches[0]
+        runner.kv_caches[0] = cache.clone()
+        decode()
+        runner.kv_caches[0] = cache
+        assert calls == []
+        decode()
+        assert calls == [1]
         rope_table = runner.model.model.rotary.cos.shape[0]
-        far = [list(range(rope_table // 16 + 1))]
-    fresh = make_runner(tmp_path / "fresh", "float32")
-    with torch.inference_mode(), pytest.raises(IndexError, match="RoPE position"):
-        fresh.forward(far, [rope_table], [[5]], [1])
-    assert fresh.native is not None
+        with pytest.raises(IndexError, match="RoPE position"):
+            runner.forward([list(range(rope_table // 16 + 1))], [rope_table], [[5]], [1])
+        with pytest.raises(IndexError, match="KV slot outside"):
+            runner.forward([[cache.shape[1]]], [4], [[5]], [1])
+        assert calls == [1, 1, 1]  # the native path raised both
 
 
 def test_native_decode_is_off_where_it_cannot_run(tmp_path: Path) -> None:
     path = make_hf_model(tmp_path / "m", "llama")
 
-    def native(**options: Any) -> object:
+    def native(**options: Any) -> NativeDecode | None:
         llm = LLM(str(path), skip_tokenizer_init=True, num_kv_blocks=40, **options)
         return llm.engine.runner.native
 
@@ -122,10 +171,30 @@ def test_native_decode_is_off_where_it_cannot_run(tmp_path: Path) -> None:
     assert native(dtype="float32", attention_backend="torch") is None
     assert native(dtype="float32", quantization="int8") is None  # quantized layers
     runner = make_runner(tmp_path, "float32")
-    runner.model.model.layers[0].mlp.register_forward_hook(lambda *a: None)
-    from foudre.runner.cpu_decode import NativeDecode
+    model, backend, caches = runner.model, runner.backend, runner.kv_caches
+    handle = model.model.layers[0].mlp.register_forward_hook(lambda *a: None)
+    assert NativeDecode.build(model, backend, caches) is None
+    handle.remove()
+    rotary = model.model.rotary
+    rotary.cos = rotary.cos.bfloat16()  # what a bare model.to(bfloat16) does to the tables
+    assert NativeDecode.build(model, backend, caches) is None
+    rotary.init_tables(torch.device("cpu"))
+    assert NativeDecode.build(model, backend, caches) is not None
 
-    assert NativeDecode.build(runner.model, runner.backend, runner.kv_caches) is None
+
+def test_native_decode_with_a_quantized_lm_head(tmp_path: Path) -> None:
+    """Only the layers run natively: a quantized ``lm_head`` stays in Python, and the step's
+    logits still equal the Python path's."""
+    runner = make_runner(tmp_path, "float32")
+    quantize_(runner.model, Int8WeightOnly(), skip=("model.layers.*",))
+    native = NativeDecode.build(runner.model, runner.backend, runner.kv_caches)
+    assert native is not None
+    runner.native = native
+    calls = counted(runner)
+    with torch.inference_mode():
+        runner.forward([[3], [8]], [0, 0], [[5, 6, 7], [9, 4]], [1, 1])
+        native_logits, ref = both_paths(runner, [[3], [8]], [3, 2], [[11], [12]], [1, 1])
+    assert torch.equal(native_logits, ref) and calls == [2]
 
 
 def test_generate_is_the_same_with_and_without_native_decode(tmp_path: Path) -> None:
