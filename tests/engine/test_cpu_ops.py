@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from foudre.bench.roofline import measure_bandwidth
 from foudre.layers import fused
-from foudre.layers.linear import MAX_ROWS, Linear
+from foudre.layers.linear import FP32_CHUNK, FP32_CHUNK_ROWS, MAX_ROWS, Linear
 from foudre.layers.norm import RMSNorm
 from foudre.layers.rotary import RotaryEmbedding, _rotate_half
 from tests.engine.march import run_built_for
@@ -174,6 +174,25 @@ def test_linear_layer_routes_by_rows(dtype: torch.dtype, monkeypatch: pytest.Mon
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         out = layer(torch.randn(2, 48, dtype=dtype))  # autocast's dtype rules: torch's path
     assert out.dtype == torch.bfloat16 and calls == [1, limit]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_layer_chunks_wide_float32_weights(bias: bool) -> None:
+    """Past ``MAX_ROWS`` and up to ``FP32_CHUNK_ROWS`` rows, a float32 weight wider than
+    ``FP32_CHUNK`` is multiplied a chunk of output features at a time, into one output: the
+    same layer as ``F.linear`` (a partial last chunk included); gradients take ``F.linear``."""
+    n = 2 * FP32_CHUNK + 37
+    layer = Linear(40, n, bias=bias)
+    x = torch.randn(MAX_ROWS[torch.float32] + 9, 40)
+    with torch.inference_mode():
+        out = layer(x)
+        assert out.shape == (x.shape[0], n) and out.is_contiguous()
+        torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias))
+        wide = torch.randn(FP32_CHUNK_ROWS + 1, 40)  # past the rows that chunk: F.linear
+        torch.testing.assert_close(layer(wide), F.linear(wide, layer.weight, layer.bias))
+    xg = x.clone().requires_grad_()
+    layer(xg).sum().backward()
+    assert xg.grad is not None and layer.weight.grad is not None
 
 
 def test_roofline_counts_the_faster_matvec(monkeypatch: pytest.MonkeyPatch) -> None:
