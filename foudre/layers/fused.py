@@ -70,15 +70,16 @@ def enabled(x: torch.Tensor, *others: torch.Tensor | None) -> bool:
     distillation run the torch ops)."""
     if not x.is_cpu or x.dtype not in _SUFFIX:
         return False
-    needs_grad = x.requires_grad
     for o in others:
-        if o is not None:
-            if o.dtype != x.dtype or not o.is_cpu:
-                return False
-            needs_grad = needs_grad or o.requires_grad
-    if needs_grad and torch.is_grad_enabled():
-        return False
-    return _library() is not None
+        if o is not None and (o.dtype != x.dtype or not o.is_cpu):
+            return False
+    return not records_grad(x, *others) and _library() is not None
+
+
+def records_grad(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd records an op on ``tensors`` (None entries skipped): then only torch's
+    ops, which it can differentiate, may run them."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def _fn(name: str, dtype: torch.dtype) -> Any:

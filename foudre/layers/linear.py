@@ -52,7 +52,7 @@ class Linear(nn.Linear):
             and x.shape[0] <= FP32_CHUNK_ROWS
             and w.shape[0] > FP32_CHUNK
             and x.is_cpu
-            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
+            and not fused.records_grad(x, w, b)
             and not torch.is_autocast_enabled("cpu")
         ):
             return _chunked(x, w, b)

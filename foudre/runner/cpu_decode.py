@@ -98,7 +98,8 @@ class NativeDecode:
             self.held.append((self.rotary._buffers, name, table, table.data_ptr()))
         self.cache_list = kv_caches
         self.caches = [(c, c.data_ptr()) for c in kv_caches]
-        self.num_slots = kv_caches[0].shape[1] * kv_caches[0].shape[2]
+        self.block_size = kv_caches[0].shape[2]  # [2, blocks, block_size, heads, head_dim]
+        self.num_slots = kv_caches[0].shape[1] * self.block_size
         self.layers = torch.tensor(pointers, dtype=torch.int64)
 
     @classmethod
@@ -239,7 +240,7 @@ class NativeDecode:
             tables.data_ptr(),
             lens.data_ptr(),
             tables.shape[1],
-            self.caches[0][0].shape[2],
+            self.block_size,
             self.scale,
         )
         if failed == 1:
