@@ -2,7 +2,7 @@
 
 This host's memory bandwidth drifts by up to 2x within minutes, so two runs taken one after the
 other can differ more than the change being measured. Here one decode run alternates the two
-paths every step (``runner.native`` on, then off, ...): each native step is compared with the
+paths every step (``runner.decode_path`` on, then off, ...): each native step is compared with the
 Python step beside it, and the median of those ratios is printed per round. Rows per step:
 ``--batch`` (1 by default). Both paths compute the same bits, so the tokens do not change.
 
@@ -33,21 +33,21 @@ def main() -> None:
     path = random_llama("medium", getattr(torch, args.dtype))
     llm = LLM(str(path), dtype=args.dtype, skip_tokenizer_init=True, max_model_len=1024)
     runner = llm.engine.runner
-    native = runner.native
+    native = runner.decode_path
     if native is None:
         raise SystemExit("no native decode step here (no C++ compiler or no AVX-512)")
     used: list[bool] = []
 
     def flip() -> None:  # after each decode step: record which path ran it, switch
-        used.append(runner.native is not None)
-        runner.native = None if runner.native is not None else native
+        used.append(runner.decode_path is not None)
+        runner.decode_path = None if runner.decode_path is not None else native
 
     prompts = [[(7 * t + r) % 32000 for t in range(1, 129)] for r in range(args.batch)]
     timed_batch(llm.engine, prompts, 4)  # warm-up
     ratios: list[float] = []
     for rnd in range(args.rounds):
         used.clear()
-        runner.native = native if rnd % 2 == 0 else None
+        runner.decode_path = native if rnd % 2 == 0 else None
         batch = [[(t + 11 * (rnd + 1)) % 32000 for t in p] for p in prompts]
         _, steps = timed_batch(llm.engine, batch, args.new_tokens, flip)
         pairs = [
@@ -59,7 +59,7 @@ def main() -> None:
         nat = statistics.median(n for n, _ in pairs) * 1e3
         py = statistics.median(p for _, p in pairs) * 1e3
         print(f"round {rnd}: native {nat:.2f} ms, Python {py:.2f} ms, native/Python {ratio:.4f}")
-    runner.native = native
+    runner.decode_path = native
     print(
         f"{args.dtype}, {args.batch} row(s): native step / Python step, median of "
         f"{args.rounds} rounds: {statistics.median(ratios):.4f}"

@@ -6,61 +6,13 @@ Engine flags map one to one onto ``EngineConfig`` fields (``--max-num-seqs`` -> 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import sys
 from collections.abc import Sequence
 from typing import Any
 
-from foudre.config import EngineConfig
+from foudre.engine.options import add_engine_args, engine_config_from
 from foudre.loading.errors import ModelLoadError
-
-
-def _bool(text: str) -> bool:
-    if text.lower() in ("1", "true", "yes", "on"):
-        return True
-    if text.lower() in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected a boolean, got {text!r}")
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """One flag per ``EngineConfig`` field, with its default."""
-    defaults = EngineConfig()
-    for f in dataclasses.fields(EngineConfig):
-        flag = "--" + f.name.replace("_", "-")
-        default = getattr(defaults, f.name)
-        kind: Any
-        if isinstance(default, bool):
-            kind = _bool
-        elif f.name in ("kv_cache_memory", "batch_wait_ms"):
-            kind = float
-        elif isinstance(default, int) or f.name in ("max_model_len", "num_kv_blocks"):
-            kind = int
-        else:
-            kind = str
-        if isinstance(default, bool):  # "--flag" alone means true; "--flag false" works too
-            parser.add_argument(
-                flag,
-                type=kind,
-                nargs="?",
-                const=True,
-                default=default,
-                help=f"(default: {default})",
-            )
-        else:
-            parser.add_argument(flag, type=kind, default=default, help=f"(default: {default})")
-        if isinstance(default, bool):
-            parser.add_argument(
-                "--no-" + f.name.replace("_", "-"),
-                dest=f.name,
-                action="store_false",
-                help=argparse.SUPPRESS,
-            )
-
-
-def engine_config_from(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(**{name: getattr(args, name) for name in EngineConfig.field_names()})
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -95,13 +47,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     llm = LLM.from_config(engine_config_from(args))
-    params = _sampling_params(args, args.seed)
-    engine = llm.engine
-    engine.add_request(prompt, params, request_id="cli")
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            sys.stdout.write(out.outputs[0].delta_text)
-            sys.stdout.flush()
+    for piece in llm.stream(prompt, _sampling_params(args, args.seed)):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
     sys.stdout.write("\n")
     return 0
 
@@ -111,12 +59,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
     llm = LLM.from_config(engine_config_from(args))
     tok = llm.get_tokenizer()
-    engine = llm.engine
     messages: list[dict[str, str]] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
     print("foudre chat: type a message, an empty line or Ctrl-D to quit.", file=sys.stderr)
-    turn = 0
     while True:
         try:
             line = input("> ")
@@ -126,14 +72,11 @@ def cmd_chat(args: argparse.Namespace) -> int:
             break
         messages.append({"role": "user", "content": line})
         prompt_ids = tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
-        engine.add_request(prompt_ids, _sampling_params(args, args.seed), request_id=f"chat{turn}")
-        turn += 1
         reply = ""
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                sys.stdout.write(out.outputs[0].delta_text)
-                sys.stdout.flush()
-                reply = out.outputs[0].text
+        for piece in llm.stream(prompt_ids, _sampling_params(args, args.seed)):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+            reply += piece
         sys.stdout.write("\n")
         messages.append({"role": "assistant", "content": reply})
     return 0
@@ -382,7 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_commands(bench_sub, add_engine_args)  # throughput, latency, ablate, sweep, quant
     add_compress_parsers(sub)
 
-    from foudre.quant.cli import add_quantize_args, cmd_quantize
+    from foudre.compress.quantize import add_quantize_args, cmd_quantize
 
     quant = sub.add_parser("quantize", help="quantize a model's weights and save the checkpoint")
     add_quantize_args(quant)

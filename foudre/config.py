@@ -1,4 +1,8 @@
-"""One ``EngineConfig`` for the whole engine; CLI flags map onto its fields one to one."""
+"""One ``EngineConfig`` for the whole engine; CLI flags map onto its fields one to one.
+
+Numbers are checked here, at construction. Names (a scheduling policy, a quantization method,
+an attention backend...) are checked by the module that owns each list of names, when the engine
+starts (``engine/options.check_config``), so that every list lives once."""
 
 from __future__ import annotations
 
@@ -22,14 +26,17 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
-    # auto (triton on CUDA, else torch) | torch | triton | contiguous (non-paged baseline)
+    # auto (triton on CUDA, the C++ kernel on the CPU, else torch) | torch | cpu | triton
     attention_backend: str = "auto"
+    # paged (blocks on demand) | contiguous (each request reserves max_model_len up front: the
+    # non-paged baseline that shows what paging buys; no prefix caching)
+    kv_allocation: str = "paged"
     # decode steps op by op: no CUDA graphs (which need the triton backend), no native CPU
     # decoder layers (runner/cpu_decode.py, which need the cpu backend)
     enforce_eager: bool = False
-    scheduling_policy: str = "continuous"  # continuous | static | dynamic
+    scheduling_policy: str = "continuous"  # engine/policies.py: continuous | static | dynamic
     batch_wait_ms: float | None = None  # static/dynamic: how long a batch waits for arrivals
-    quantization: str | None = None  # int8 | int4 | gptq | awq | mixed (weights, at load)
+    quantization: str | None = None  # quant/api.METHODS: int8 | int4 | ... (weights, at load)
     # speculative decoding: a proposer guesses k tokens, the target verifies them in one step
     speculative_method: str | None = None  # draft | ngram (draft when a model is given)
     speculative_model: str | None = None  # the draft model (default: the embedded draft)
@@ -52,24 +59,10 @@ class EngineConfig:
                 raise ValueError(f"{name} must be positive, got {value}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
-        if self.scheduling_policy not in ("continuous", "static", "dynamic"):
-            raise ValueError(
-                "scheduling_policy must be continuous, static or dynamic, "
-                f"got {self.scheduling_policy!r}"
-            )
         if self.batch_wait_ms is not None and self.batch_wait_ms < 0:
             raise ValueError(f"batch_wait_ms must be non-negative, got {self.batch_wait_ms}")
-        quant_methods = ("int8", "int4", "gptq", "awq", "mixed")
-        if self.kv_cache_dtype not in ("auto", "int8", "fp8"):
-            raise ValueError(
-                f"kv_cache_dtype must be auto, int8 or fp8, got {self.kv_cache_dtype!r}"
-            )
         if self.speculative_model is not None and self.speculative_method is None:
             self.speculative_method = "draft"
-        if self.speculative_method not in (None, "draft", "ngram"):
-            raise ValueError(
-                f"speculative_method must be draft or ngram, got {self.speculative_method!r}"
-            )
         if self.num_speculative_tokens < 1:
             raise ValueError(
                 f"num_speculative_tokens must be positive, got {self.num_speculative_tokens}"
@@ -78,13 +71,9 @@ class EngineConfig:
             raise ValueError(
                 f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min} and {self.ngram_max}"
             )
-        for name in ("quantization", "speculative_quantization"):
-            value = getattr(self, name)
-            if value is not None and value not in quant_methods:
-                raise ValueError(f"{name} must be one of {', '.join(quant_methods)}, got {value!r}")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"):
+        if self.kv_allocation not in ("paged", "contiguous"):
             raise ValueError(
-                f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"
+                f"kv_allocation must be paged or contiguous, got {self.kv_allocation!r}"
             )
 
     @classmethod

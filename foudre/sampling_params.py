@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from foudre.errors import InvalidParameterError
+
 
 @dataclass(slots=True)
 class SamplingParams:
     """Sampling and stopping parameters of one request.
 
-    ``temperature == 0`` means greedy. Invalid values raise ``ValueError`` naming the field, at
-    construction, so a bad request never reaches the engine.
+    ``temperature == 0`` means greedy. Invalid values raise ``InvalidParameterError`` (a
+    ``ValueError``) naming the field, at construction, so a bad request never reaches the
+    engine.
     """
 
     n: int = 1
@@ -52,13 +55,17 @@ class SamplingParams:
         ]
         for name, ok, why in checks:
             if not ok:
-                raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+                raise InvalidParameterError(name, f"{name} {why}, got {getattr(self, name)!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens must not exceed max_tokens, got {self.min_tokens} > {self.max_tokens}"
+            raise InvalidParameterError(
+                "min_tokens",
+                f"min_tokens must not exceed max_tokens, got {self.min_tokens} > {self.max_tokens}",
             )
         if any(t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative, got {self.stop_token_ids!r}")
+            raise InvalidParameterError(
+                "stop_token_ids",
+                f"stop_token_ids must be non-negative, got {self.stop_token_ids!r}",
+            )
 
     @property
     def greedy(self) -> bool:

@@ -101,7 +101,7 @@ def _all_seats(sizes: Sizes) -> dict[str, Any]:
 
 
 def _contiguous(sizes: Sizes) -> dict[str, Any]:
-    return {"max_num_seqs": sizes.num_prompts, "attention_backend": "contiguous"}
+    return {"max_num_seqs": sizes.num_prompts, "kv_allocation": "contiguous"}
 
 
 DEFAULT_VARIANTS: tuple[Variant, ...] = (
@@ -240,10 +240,9 @@ def full_config(base: EngineConfig) -> EngineConfig:
     """``base`` with every technique on: paged KV, continuous batching, prefix caching and chunked
     prefill (other fields, such as dtype, block size and the KV pool, are kept). Speculative
     decoding is off: it is its own experiment."""
-    backend = "auto" if base.attention_backend == "contiguous" else base.attention_backend
     return dataclasses.replace(
         base,
-        attention_backend=backend,
+        kv_allocation="paged",
         scheduling_policy="continuous",
         enable_prefix_caching=True,
         enable_chunked_prefill=True,
@@ -585,7 +584,7 @@ def run_ablate(args: argparse.Namespace, argv: Sequence[str] | None = None) -> l
     ``ablate.md``, ``ablate.json`` and ``ablate.png`` into ``--output``."""
     from foudre.bench.plots import plot_ablation
     from foudre.bench.roofline import machine
-    from foudre.cli import engine_config_from
+    from foudre.engine.options import engine_config_from
 
     wanted = [e.strip() for e in args.experiments.split(",") if e.strip()]
     unknown = set(wanted) - set(EXPERIMENTS)

@@ -122,7 +122,6 @@ def replay(
     peak_kv = 0.0  # after each step; the engine's own peak (mid-step) is used when it rose
     step_times: list[float] = []
     base = engine.metrics()
-    policy = engine.scheduler.policy
     added: list[str] = []
     start = time.monotonic()
     try:
@@ -152,7 +151,7 @@ def replay(
             pending = still
             if all(workload[i].after_tokens > 0 and i not in released for i in pending):
                 # only the run's own tokens can bring more requests: batches must not wait
-                policy.flush = True
+                engine.set_draining(True)
             if not engine.has_unfinished_requests():
                 released |= _wait_for_next(pending, workload, start, released)
                 continue
@@ -161,7 +160,7 @@ def replay(
             step_times.append(time.perf_counter() - t0)
             # the batch of this step (including requests it finished) and what still runs
             figs = engine.metrics()
-            running_now = max(engine.last_num_scheduled, int(figs["num_running"]))
+            running_now = max(int(figs["num_scheduled_last_step"]), int(figs["num_running"]))
             max_running = max(max_running, running_now)
             peak_kv = max(peak_kv, float(figs["kv_cache_usage"]))
             for out in outputs:
@@ -175,14 +174,14 @@ def replay(
                 input_lens[i] = len(out.prompt_token_ids)
                 if out.finished:
                     finished[i] = comp.finish_reason != "abort"
-            if engine.last_num_scheduled == 0 and not outputs:
+            if engine.stalled and not outputs:
                 time.sleep(IDLE_SLEEP_S)
     except BaseException:
         for rid in added:
             engine.abort_request(rid)
         raise
     finally:
-        policy.flush = False
+        engine.set_draining(False)
     end = max((t[-1] for t in chunk_times if t), default=time.monotonic())
     results = []
     for i in range(n):
@@ -270,8 +269,8 @@ def random_prompts(
 
 
 def _build_llm(args: argparse.Namespace, need_tokenizer: bool) -> LLM:
-    from foudre.cli import engine_config_from
     from foudre.engine.llm import LLM
+    from foudre.engine.options import engine_config_from
 
     config = engine_config_from(args)
     if not need_tokenizer:

@@ -647,8 +647,7 @@ def _log(line: str) -> None:
 
 def find_tokenizer(model: str | None, tokenizer: str | None) -> Any | None:
     """The model's tokenizer, or None when it has none (a random-weight model, say)."""
-    from foudre.loading.loader import _find_llama2c_tokenizer, default_model
-    from foudre.loading.tokenizer import load_tokenizer
+    from foudre.loading.loader import _find_llama2c_tokenizer, default_model, load_tokenizer
 
     name, default_tok = (model, None) if model else default_model()
     source = tokenizer or default_tok
@@ -667,8 +666,8 @@ def run_quant(args: argparse.Namespace, argv: Sequence[str] | None = None) -> li
     """``foudre bench quant``: measure the selected schemes, print the report and write
     ``quant.md``, ``quant.json`` and ``quant.png`` into ``--output``."""
     from foudre.bench.roofline import machine
-    from foudre.cli import engine_config_from
     from foudre.compress.data import document_ids, read_documents, read_split
+    from foudre.engine.options import engine_config_from
     from foudre.loading.loader import shared_dir
 
     start = time.perf_counter()

@@ -547,7 +547,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
             raise ValueError(f"--burstiness must be a positive number, got {args.burstiness}")
         tokenizer = None
         if args.tokenizer:
-            from foudre.loading.tokenizer import load_tokenizer
+            from foudre.loading.loader import load_tokenizer
 
             tokenizer = load_tokenizer(args.tokenizer)
         requests = _build_requests(args, tokenizer)

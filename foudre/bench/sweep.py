@@ -60,8 +60,8 @@ def _rate_json(rate: float) -> float | str:
 
 
 def _sweep_in_process(args: argparse.Namespace) -> list[dict[str, Any]]:
-    from foudre.cli import engine_config_from
     from foudre.engine.llm import LLM
+    from foudre.engine.options import engine_config_from
     from foudre.sampling_params import SamplingParams
 
     config = engine_config_from(args)

@@ -19,14 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from foudre.compress.data import SEPARATOR, Split, fixed_batches, read_split, token_stream
-from foudre.compress.model import (
-    causal_logits,
-    copy_tokenizer,
-    load_trainable,
-    new_model,
-    num_parameters,
-    save_hf,
-)
+from foudre.compress.model import causal_logits, load_trainable, new_model, num_parameters
 from foudre.compress.train import (
     LossFn,
     TrainConfig,
@@ -36,7 +29,9 @@ from foudre.compress.train import (
     model_config_from,
     run_training,
 )
-from foudre.loading.tokenizer import Tokenizer, load_tokenizer
+from foudre.loading.loader import load_tokenizer
+from foudre.loading.tokenizer import Tokenizer
+from foudre.loading.writer import copy_tokenizer, save_hf
 from foudre.models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)

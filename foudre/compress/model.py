@@ -1,42 +1,23 @@
-"""foudre's Llama as a plain full-sequence model: build, forward, export as a HF directory.
+"""foudre's Llama as a plain full-sequence model: build, load, forward. Export as a Hugging Face
+directory is ``foudre.loading.writer`` (``save_hf``).
 
 The inference model runs over a paged KV cache; for training and evaluation the same modules
-run through ``CausalBackend`` (``foudre/runner/attention/causal.py``), which attends causally
+run through ``CausalBackend`` (``foudre/layers/attention/causal.py``), which attends causally
 within each row of a ``[B, T]`` batch and keeps no cache. The forward therefore has exactly the
 weights and numerics of the served model.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import shutil
-from pathlib import Path
-from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
-from foudre.loading.loader import load_model
-from foudre.loading.tokenizer import Tokenizer, load_tokenizer
+from foudre.loading.loader import load_model, load_tokenizer
+from foudre.loading.tokenizer import Tokenizer
+from foudre.models.causal import causal_hidden
 from foudre.models.config import ModelConfig
 from foudre.models.llama import LlamaForCausalLM
-from foudre.runner.attention.causal import causal_hidden
-
-_HF_CLASSES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-    "tokenizer.model",
-    "tokenizer.bin",
-)
 
 
 def causal_logits(
@@ -96,118 +77,6 @@ def load_for_eval(
     if loaded.tokenizer_path is None:
         raise ValueError(f"{path}: no tokenizer found; pass --tokenizer")
     return loaded.model, load_tokenizer(loaded.tokenizer_path)
-
-
-def hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
-    """The weights under Hugging Face names: fused q|k|v and gate|up split back, no tied head."""
-    cfg = model.config
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in model.state_dict().items():
-        t = tensor.detach().float().contiguous()
-        if name == "lm_head.weight" and cfg.tie_word_embeddings:
-            continue
-        prefix, _, leaf = name.rpartition(".")
-        if prefix.endswith("qkv_proj"):
-            base = prefix.removesuffix("qkv_proj")
-            q, k, v = t.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=0)
-            for part, value in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
-                out[f"{base}{part}.{leaf}"] = value.contiguous()
-        elif prefix.endswith("gate_up_proj"):
-            base = prefix.removesuffix("gate_up_proj")
-            gate, up = t.split(cfg.intermediate_size, dim=0)
-            out[f"{base}gate_proj.{leaf}"] = gate.contiguous()
-            out[f"{base}up_proj.{leaf}"] = up.contiguous()
-        else:
-            out[name] = t
-    return out
-
-
-def hf_config_dict(cfg: ModelConfig) -> dict[str, Any]:
-    """``config.json`` content that transformers and foudre both read as ``cfg``."""
-    eos: int | list[int] | None = cfg.eos_token_ids
-    if isinstance(eos, list) and len(eos) == 1:
-        eos = eos[0]
-    elif not eos:
-        eos = None
-    raw: dict[str, Any] = {
-        "architectures": [_HF_CLASSES[cfg.architecture]],
-        "model_type": cfg.architecture,
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": cfg.num_hidden_layers,
-        "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_key_value_heads,
-        "head_dim": cfg.head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-        "tie_word_embeddings": cfg.tie_word_embeddings,
-        "attention_bias": cfg.attention_bias,
-        "mlp_bias": False,
-        "attention_dropout": 0.0,
-        "initializer_range": 0.02,
-        "use_cache": True,
-        "bos_token_id": cfg.bos_token_id,
-        "eos_token_id": eos,
-        "torch_dtype": "float32",
-    }
-    if cfg.rope_scaling:
-        raw["rope_parameters"] = {**cfg.rope_scaling, "rope_theta": cfg.rope_theta}
-        raw["rope_scaling"] = dict(cfg.rope_scaling)
-    if cfg.sliding_window is not None:
-        raw["sliding_window"] = cfg.sliding_window
-        raw["use_sliding_window"] = True
-    return raw
-
-
-def save_hf(
-    model: LlamaForCausalLM, output: str | Path, tokenizer_source: str | Path | None = None
-) -> Path:
-    """Write ``model`` as a Hugging Face directory: config.json, model.safetensors,
-    generation_config.json, and the tokenizer files found at ``tokenizer_source`` (a directory,
-    or a single tokenizer file copied under its standard name). Returns the directory."""
-    out = Path(output)
-    out.mkdir(parents=True, exist_ok=True)
-    cfg = model.config
-    (out / "config.json").write_text(json.dumps(hf_config_dict(cfg), indent=2) + "\n")
-    generation: dict[str, Any] = {"bos_token_id": cfg.bos_token_id}
-    if cfg.eos_token_ids:
-        generation["eos_token_id"] = (
-            cfg.eos_token_ids[0] if len(cfg.eos_token_ids) == 1 else list(cfg.eos_token_ids)
-        )
-    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    save_file(hf_state_dict(model), str(out / "model.safetensors"), metadata={"format": "pt"})
-    if tokenizer_source is not None:
-        copy_tokenizer(tokenizer_source, out)
-    return out
-
-
-def copy_tokenizer(source: str | Path, output: Path) -> None:
-    """Copy the tokenizer at ``source`` (directory or file) into ``output`` (no-op if same)."""
-    src = Path(source)
-    if src.is_file():
-        from foudre.loading.gguf import is_gguf_file, load_gguf_tokenizer
-
-        if is_gguf_file(src):  # the vocabulary lives in the file's metadata: export it
-            tok = load_gguf_tokenizer(src)
-            save = getattr(tok, "save", None)
-            if save is None:
-                raise ValueError(f"{src}: cannot export this GGUF file's tokenizer")
-            save(output)
-            return
-        name = src.name if src.suffix != ".bin" else "tokenizer.bin"
-        files = [(src, name)]
-        if src.suffix == ".json" and (src.parent / "tokenizer_config.json").is_file():
-            files.append((src.parent / "tokenizer_config.json", "tokenizer_config.json"))
-    else:
-        files = [(src / n, n) for n in TOKENIZER_FILES if (src / n).is_file()]
-    for path, name in files:
-        dest = output / name
-        if dest.resolve() != path.resolve():
-            shutil.copyfile(path, dest)
 
 
 def num_parameters(model: torch.nn.Module) -> int:

@@ -25,14 +25,10 @@ from typing import cast
 import torch
 
 from foudre.compress.data import fixed_batches, read_split, token_stream
-from foudre.compress.model import (
-    causal_hidden,
-    hf_state_dict,
-    load_trainable,
-    num_parameters,
-    save_hf,
-)
-from foudre.loading.tokenizer import load_tokenizer
+from foudre.compress.model import load_trainable, num_parameters
+from foudre.loading.loader import load_tokenizer
+from foudre.loading.writer import hf_state_dict, save_hf
+from foudre.models.causal import causal_hidden
 from foudre.models.llama import DecoderLayer, LlamaForCausalLM
 
 log = logging.getLogger(__name__)

@@ -29,8 +29,10 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from foudre.compress.data import fixed_batches, random_batch, read_split, token_stream
-from foudre.compress.model import causal_logits, new_model, num_parameters, save_hf
-from foudre.loading.tokenizer import Tokenizer, load_tokenizer
+from foudre.compress.model import causal_logits, new_model, num_parameters
+from foudre.loading.loader import load_tokenizer
+from foudre.loading.tokenizer import Tokenizer
+from foudre.loading.writer import save_hf
 from foudre.models.config import ModelConfig
 from foudre.models.llama import LlamaForCausalLM
 
@@ -395,8 +397,8 @@ def train(
     The tokenizer is copied from ``tokenizer`` or trained on the training documents (with
     ``train_tokenizer_vocab`` tokens; an existing one in ``output`` is reused on resume).
     """
-    from foudre.compress.model import copy_tokenizer
     from foudre.compress.tokenizer_train import train_tokenizer
+    from foudre.loading.writer import copy_tokenizer
 
     run = load_run_config(config_path)
     cfg = run.train if steps is None else dataclasses.replace(run.train, steps=steps)

@@ -6,8 +6,8 @@ thread answers through per-request ``asyncio.Queue``s fed with ``loop.call_soon_
 
     event loop                         engine thread
     ----------                         -------------
-    add_requests() --("add", ack)-->   engine.add_request()   (ValueError -> ack)
-    stream.abort() --("abort")----->   engine.abort_request() (blocks freed at once)
+    add_requests() --("add", ack)-->   engine.add_group()     (ValueError -> ack)
+    stream.abort() --("abort")----->   engine.abort_group()   (blocks freed at once)
     async for out in stream  <-------  engine.step() outputs, one per request per step
 
 Torch releases the GIL inside its kernels, so the event loop stays responsive while a step runs.
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import threading
 from collections.abc import AsyncGenerator, Callable, Sequence
@@ -26,6 +25,7 @@ from typing import Any
 
 from foudre.config import EngineConfig
 from foudre.engine.engine import LLMEngine
+from foudre.errors import InvalidParameterError
 from foudre.outputs import RequestOutput
 from foudre.sampling_params import SamplingParams
 
@@ -44,25 +44,22 @@ class EngineStoppedError(RuntimeError):
 
 
 @dataclass(slots=True)
-class _Child:
-    request_id: str
-    prompt: Prompt
-    params: SamplingParams
-    index: int
-
-
-@dataclass(slots=True)
 class _Add:
-    children: list[_Child]
+    """Queue a group: ``params.n`` samples of each prompt (``LLMEngine.add_group``)."""
+
+    group_id: str
+    prompts: list[Prompt]
+    params: SamplingParams
+    num_children: int
     stream: RequestStream
     ack: asyncio.Future[None]
 
 
 @dataclass(slots=True)
 class _Abort:
-    """Abort these ids and their children (``{id}-{i}``); ``None`` aborts everything."""
+    """Abort these groups (every unfinished child); ``None`` aborts everything."""
 
-    request_ids: list[str] | None
+    group_ids: list[str] | None
 
 
 def _resolve(fut: asyncio.Future[None], error: BaseException | None) -> None:
@@ -79,11 +76,6 @@ def _put_all(items: list[tuple[RequestStream, RequestOutput]]) -> None:
         stream._queue.put_nowait(out)
 
 
-def _parent(child_id: str) -> str | None:
-    head, _, tail = child_id.rpartition("-")
-    return head if tail.isdigit() else None
-
-
 class RequestStream:
     """The outputs of one submitted request (all its children when ``n > 1`` or several
     prompts), in step order, ending once every child has finished.
@@ -92,29 +84,25 @@ class RequestStream:
     call from the event loop at any time; the stream then ends with ``finish_reason="abort"``.
     """
 
-    def __init__(
-        self,
-        owner: AsyncLLM,
-        request_id: str,
-        child_ids: list[str],
-        loop: asyncio.AbstractEventLoop,
-    ) -> None:
+    def __init__(self, owner: AsyncLLM, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
         self.request_id = request_id
-        self.child_ids = child_ids
+        self.child_ids: list[str] = []  # set by the engine thread when the group is queued
         self._owner = owner
         self._loop = loop
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self._pending = set(child_ids)
+        self._pending: set[str] = set()
+        self._accepted = False
         self._abort_sent = False
+        self._live = 0  # engine thread: children not yet finished
 
     @property
     def finished(self) -> bool:
-        return not self._pending
+        return self._accepted and not self._pending
 
     def abort(self) -> None:
-        if self._pending and not self._abort_sent:
+        if not self.finished and not self._abort_sent:
             self._abort_sent = True
-            self._owner._submit(_Abort(sorted(self._pending)))
+            self._owner._submit(_Abort([self.request_id]))
 
     def _deliver(self, item: RequestOutput | BaseException) -> None:
         """Called from the engine thread."""
@@ -125,7 +113,7 @@ class RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
-        if not self._pending:
+        if self.finished:
             raise StopAsyncIteration
         item = await self._queue.get()
         if isinstance(item, BaseException):
@@ -159,8 +147,9 @@ class AsyncLLM:
         self._lock = threading.Lock()  # guards _num_unfinished
         self._num_unfinished = 0
         self._observers: list[OutputObserver] = []
-        # engine-thread state
+        # engine-thread state: each child's stream, and each group's
         self._sinks: dict[str, RequestStream] = {}
+        self._streams: dict[str, RequestStream] = {}
         self._busy = False
         self._snapshot: dict[str, Any] = self._make_snapshot()
         self._thread = threading.Thread(target=self._run, name="foudre-engine", daemon=True)
@@ -182,24 +171,13 @@ class AsyncLLM:
         """Submit ``params.n`` samples of each prompt and return their stream once the engine
         has accepted them all (or none).
 
-        Children are numbered ``i = prompt_index * n + sample``: id ``{request_id}-{i}`` (just
-        ``request_id`` when there is one child), output index ``i``, seed ``seed + sample``.
-        Raises ``ValueError`` (the engine's validation, e.g. a too-long prompt),
-        ``QueueFullError`` or ``EngineStoppedError``.
+        The submission is one request group (``LLMEngine.add_group``: child ids, output indices
+        and seeds are numbered there). Raises ``InvalidParameterError`` (the engine's
+        validation, e.g. ``PromptTooLongError``), ``QueueFullError`` or ``EngineStoppedError``.
         """
-        n = params.n
-        total = len(prompts) * n
+        total = len(prompts) * params.n
         if total == 0:
-            raise ValueError("prompt must not be empty")
-        children = []
-        for p, prompt in enumerate(prompts):
-            for j in range(n):
-                i = p * n + j
-                child = params
-                if n > 1 and params.seed is not None:
-                    child = dataclasses.replace(params, seed=params.seed + j)
-                rid = request_id if total == 1 else f"{request_id}-{i}"
-                children.append(_Child(rid, prompt, child, i))
+            raise InvalidParameterError("prompt", "prompt must not be empty")
         with self._lock:
             if self._stopping:
                 raise EngineStoppedError("the engine is shutting down")
@@ -210,9 +188,9 @@ class AsyncLLM:
                 )
             self._num_unfinished += total
         loop = asyncio.get_running_loop()
-        stream = RequestStream(self, request_id, [c.request_id for c in children], loop)
+        stream = RequestStream(self, request_id, loop)
         ack: asyncio.Future[None] = loop.create_future()
-        self._submit(_Add(children, stream, ack))
+        self._submit(_Add(request_id, list(prompts), params, total, stream, ack))
         try:
             await ack
         except asyncio.CancelledError:
@@ -235,7 +213,8 @@ class AsyncLLM:
             stream.abort()
 
     def abort(self, request_id: str) -> None:
-        """Abort a request (and its children, if any) by id; unknown ids are ignored."""
+        """Abort a submitted request (every child of its group) by id; unknown ids are
+        ignored."""
         self._submit(_Abort([request_id]))
 
     def abort_all(self) -> None:
@@ -274,7 +253,7 @@ class AsyncLLM:
             self._reject(command)
 
     def _reject(self, command: _Add) -> None:
-        self._release(len(command.children))
+        self._release(command.num_children)
         with contextlib.suppress(RuntimeError):
             command.stream._loop.call_soon_threadsafe(
                 _resolve, command.ack, EngineStoppedError("the engine is shutting down")
@@ -292,7 +271,7 @@ class AsyncLLM:
             with self._cv:
                 while not self._commands and not self._stopping and not self._busy:
                     self._cv.wait()
-                if self._busy and not self.engine.last_num_scheduled and not self._commands:
+                if self._busy and self.engine.stalled and not self._commands:
                     # requests wait for a batch to form: poll the policy, don't spin
                     self._cv.wait(timeout=0.002)
                 commands, self._commands = self._commands, []
@@ -301,7 +280,8 @@ class AsyncLLM:
                 for command in commands:
                     self._apply(command)
                 if stopping:
-                    self._abort_ids(list(self._sinks))
+                    for group_id in list(self._streams):
+                        self._abort_group(group_id)
                     self._snapshot = self._make_snapshot()
                     break
                 if self.engine.has_unfinished_requests():
@@ -320,56 +300,54 @@ class AsyncLLM:
 
     def _apply(self, command: _Add | _Abort) -> None:
         if isinstance(command, _Abort):
-            if command.request_ids is None:
-                self._abort_ids(list(self._sinks))
-            else:
-                keys = set(command.request_ids)
-                self._abort_ids([s for s in self._sinks if s in keys or _parent(s) in keys])
+            groups = list(self._streams) if command.group_ids is None else command.group_ids
+            for group_id in groups:
+                self._abort_group(group_id)
             return
-        added: list[str] = []
         error: BaseException | None = None
+        stream = command.stream
         try:
-            for child in command.children:
-                self.engine.add_request(
-                    child.prompt, child.params, request_id=child.request_id, index=child.index
-                )
-                added.append(child.request_id)
+            stream.child_ids = self.engine.add_group(
+                command.group_id, command.prompts, command.params
+            )
         except Exception as e:
             error = e
-            for rid in added:
-                self.engine.abort_request(rid)
-            self._release(len(command.children))
+            self._release(command.num_children)
         else:
-            for rid in added:
-                self._sinks[rid] = command.stream
-        loop = command.stream._loop
+            stream._pending = set(stream.child_ids)
+            stream._live = len(stream.child_ids)
+            stream._accepted = True
+            self._streams[command.group_id] = stream
+            for rid in stream.child_ids:
+                self._sinks[rid] = stream
         with contextlib.suppress(RuntimeError):
-            loop.call_soon_threadsafe(_resolve, command.ack, error)
+            stream._loop.call_soon_threadsafe(_resolve, command.ack, error)
 
-    def _abort_ids(self, ids: list[str]) -> None:
-        for rid in ids:
-            sink = self._sinks.pop(rid, None)
-            if sink is None:
-                continue
-            self._release(1)
-            out = self.engine.abort_request(rid)
-            if out is not None:
-                self._observe(out)
-                sink._deliver(out)
+    def _abort_group(self, group_id: str) -> None:
+        stream = self._streams.pop(group_id, None)
+        if stream is None:
+            return
+        for out in self.engine.abort_group(group_id):
+            self._observe(out)
+            stream._deliver(out)
+        for rid in stream.child_ids:
+            if self._sinks.pop(rid, None) is not None:
+                self._release(1)
 
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
         except Exception as e:
             logger.exception("engine step failed; failing %d in-flight requests", len(self._sinks))
-            sinks = dict(self._sinks)
+            streams = dict(self._streams)
+            self._streams.clear()
+            self._release(len(self._sinks))
             self._sinks.clear()
-            self._release(len(sinks))
-            for rid in sinks:
+            for group_id in streams:
                 with contextlib.suppress(Exception):
-                    self.engine.abort_request(rid)
+                    self.engine.abort_group(group_id)
             error = RuntimeError(f"engine step failed: {type(e).__name__}: {e}")
-            for stream in set(sinks.values()):
+            for stream in streams.values():
                 stream._deliver(error)
             return
         # one wake-up of each event loop per step, however many requests it serves
@@ -382,6 +360,9 @@ class AsyncLLM:
             if out.finished:
                 del self._sinks[out.request_id]
                 self._release(1)
+                sink._live -= 1
+                if not sink._live:
+                    self._streams.pop(sink.request_id, None)
             batches.setdefault(sink._loop, []).append((sink, out))
         for loop, items in batches.items():
             with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening

@@ -6,34 +6,39 @@ model forward.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
-import os
 import time
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from foudre.config import EngineConfig
 from foudre.engine.kv_cache import KVCacheManager
+from foudre.engine.options import check_config
 from foudre.engine.policies import make_policy
 from foudre.engine.request import Request, RequestStatus
 from foudre.engine.scheduler import Scheduler
+from foudre.errors import InvalidParameterError, PromptTooLongError
 from foudre.loading.detokenizer import IncrementalDetokenizer
-from foudre.loading.loader import default_model, load_model, load_tokenizer_for
+from foudre.loading.loader import LoadedModel, default_model, load_model, load_tokenizer_for
 from foudre.loading.tokenizer import Tokenizer
+from foudre.models.config import ModelConfig
 from foudre.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from foudre.runner.attention import get_backend
 from foudre.runner.host_memory import keep_freed_host_memory
-from foudre.runner.model_runner import ModelRunner, StepOutput, kv_bytes_per_block
+from foudre.runner.model_runner import ModelRunner, num_kv_blocks
+from foudre.runner.step import StepOutput
 from foudre.sampling_params import SamplingParams
-from foudre.spec.proposers import DraftModelProposer, NgramProposer, Proposer
+from foudre.spec.proposers import Proposer
+from foudre.spec.registry import ProposerContext, make_proposer
 
 logger = logging.getLogger("foudre")
 
-_CPU_DEFAULT_KV_BYTES = 2 << 30
+Prompt = str | list[int]
 
 
 def resolve_device(name: str) -> torch.device:
@@ -42,20 +47,65 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _device_memory(device: torch.device) -> int:
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[1])
-    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+def resolve_max_model_len(config: EngineConfig, mcfg: ModelConfig) -> int:
+    """``max_model_len`` as given or the model's; capped at a sliding window, within which full
+    causal attention is exactly the model's. ``ValueError`` above the model's positions."""
+    max_len = config.max_model_len or mcfg.max_position_embeddings
+    if mcfg.sliding_window is not None and max_len > mcfg.sliding_window:
+        logger.warning(
+            "capping max_model_len from %d to the model's sliding window of %d tokens",
+            max_len,
+            mcfg.sliding_window,
+        )
+        max_len = mcfg.sliding_window
+    if max_len > mcfg.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len {max_len} exceeds the model's "
+            f"max_position_embeddings {mcfg.max_position_embeddings}"
+        )
+    return max_len
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Counters since the engine started (reported by ``LLMEngine.metrics``)."""
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    peak_kv_cache_usage: float = 0.0
+    num_model_steps: int = 0  # target forwards run
+    num_padding_tokens: int = 0  # throw-away tokens of rectangular batches (static/dynamic)
+    num_scheduled_last_step: int = 0  # 0 while requests wait on a batching policy or blocks
+    spec_num_drafts: int = 0  # verifications with at least one draft token
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = field(default_factory=list)  # at position 1..k
+
+    def record_spec(self, num_draft: int, num_accepted: int) -> None:
+        self.spec_num_drafts += 1
+        self.spec_draft_tokens += num_draft
+        self.spec_accepted_tokens += num_accepted
+        for j in range(num_accepted):
+            self.spec_accepted_per_position[j] += 1
+
+    def as_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        # tokens per verification step: accepted drafts plus the target's own token
+        out["spec_mean_acceptance_length"] = (
+            1.0 + self.spec_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else 0.0
+        )
+        return out
 
 
 @dataclass(slots=True)
 class _Tracked:
-    """Engine-side companions of a request: its detokenizer and the prompt text."""
+    """Engine-side companions of a request: its detokenizer, the prompt text, its group."""
 
     request: Request
     prompt: str | None
     detok: IncrementalDetokenizer | None
     index: int = 0
+    group_id: str | None = None
 
 
 class LLMEngine:
@@ -64,11 +114,39 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = resolve_device(config.device)
+        check_config(config, self.device)
         if self.device.type == "cpu":
             keep_freed_host_memory()
-        model_name, default_tok = (config.model, None) if config.model else default_model()
-        loaded = load_model(
-            model_name,
+        loaded = self._load(config)
+        self.model_config = mcfg = loaded.config
+        self.max_model_len = resolve_max_model_len(config, mcfg)
+        self.model = loaded.model
+        self.dtype = next(self.model.parameters()).dtype
+        self.tokenizer: Tokenizer | None = (
+            None if config.skip_tokenizer_init else load_tokenizer_for(loaded)
+        )
+        self.eos_token_ids = loaded.eos_token_ids(self.tokenizer)
+        num_blocks = num_kv_blocks(self.model, config, self.device, self.max_model_len)
+        if num_blocks * config.block_size < self.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {num_blocks * config.block_size} tokens, fewer than "
+                f"max_model_len {self.max_model_len}; give more KV memory or a smaller "
+                "max_model_len"
+            )
+        self.kv = self._block_manager(num_blocks)
+        self.scheduler = self._scheduler()
+        self.runner = self._runner(num_blocks)
+        self.proposer = self._proposer(num_blocks)
+        self.stats = EngineStats(spec_accepted_per_position=[0] * config.num_speculative_tokens)
+        self._tracked: dict[str, _Tracked] = {}
+        self._groups: dict[str, list[str]] = {}  # group id -> its unfinished children
+        self._ids = itertools.count()
+
+    def _load(self, config: EngineConfig) -> LoadedModel:
+        model, default_tok = (config.model, None) if config.model else default_model()
+        self.model_name = model
+        return load_model(
+            model,
             config.tokenizer or default_tok,
             config.dtype,
             self.device,
@@ -76,191 +154,149 @@ class LLMEngine:
             config.revision,
             config.quantization,
         )
-        mcfg = loaded.config
-        self.model_config = mcfg
-        self.model_name = model_name
-        self.max_model_len = config.max_model_len or mcfg.max_position_embeddings
-        if mcfg.sliding_window is not None and self.max_model_len > mcfg.sliding_window:
-            # within the window, full causal attention is exactly the model's attention
-            logger.warning(
-                "capping max_model_len from %d to the model's sliding window of %d tokens",
-                self.max_model_len,
-                mcfg.sliding_window,
-            )
-            self.max_model_len = mcfg.sliding_window
-        if self.max_model_len > mcfg.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len {self.max_model_len} exceeds the model's "
-                f"max_position_embeddings {mcfg.max_position_embeddings}"
-            )
-        self.model = loaded.model
-        self.dtype = next(self.model.parameters()).dtype
-        self.tokenizer: Tokenizer | None = (
-            None if config.skip_tokenizer_init else load_tokenizer_for(loaded)
-        )
-        eos = set(mcfg.eos_token_ids)
-        gen_eos = loaded.generation_config.get("eos_token_id")
-        if isinstance(gen_eos, int):
-            eos.add(gen_eos)
-        elif isinstance(gen_eos, list):
-            eos.update(gen_eos)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
-        self.eos_token_ids = frozenset(eos)
 
-        bs = config.block_size
-        num_blocks = self._num_blocks(bs)
-        if num_blocks * bs < self.max_model_len:
-            raise ValueError(
-                f"the KV cache holds {num_blocks * bs} tokens, fewer than max_model_len "
-                f"{self.max_model_len}; give more KV memory or a smaller max_model_len"
-            )
-        max_batched = config.max_num_batched_tokens
-        if not config.enable_chunked_prefill:
-            max_batched = max(max_batched, self.max_model_len)
-        contiguous = config.attention_backend == "contiguous"
-        self.kv = KVCacheManager(
+    def _block_manager(self, num_blocks: int) -> KVCacheManager:
+        cfg = self.config
+        contiguous = cfg.kv_allocation == "contiguous"
+        return KVCacheManager(
             num_blocks,
-            bs,
-            config.enable_prefix_caching,
+            cfg.block_size,
+            cfg.enable_prefix_caching,
             reserve_tokens=self.max_model_len if contiguous else None,
         )
-        self.scheduler = Scheduler(
-            self.kv,
-            max_batched,
-            config.max_num_seqs,
-            self.max_model_len,
-            config.enable_chunked_prefill,
-            make_policy(config.scheduling_policy, config.max_num_seqs, config.batch_wait_ms),
-        )
-        self.runner = ModelRunner(
-            self.model,
-            get_backend(config.attention_backend, self.device, config.kv_cache_dtype),
-            num_blocks,
-            bs,
-            self.device,
-            self.dtype,
-            config.seed,
-            config.kv_cache_dtype,
-            decode_graphs=not config.enforce_eager,
-            max_num_seqs=config.max_num_seqs,
-            max_model_len=self.max_model_len,
-        )
-        self.proposer = self._make_proposer(num_blocks)
-        if self.proposer is not None:
-            self.scheduler.on_free = self.proposer.free
-        k = config.num_speculative_tokens
-        self.spec_num_drafts = 0  # verifications with at least one draft token
-        self.spec_draft_tokens = 0
-        self.spec_accepted_tokens = 0
-        self.spec_accepted_per_position = [0] * k  # drafts accepted at position 1..k
-        self._tracked: dict[str, _Tracked] = {}
-        self._ids = itertools.count()
-        self.num_prompt_tokens = 0
-        self.num_generation_tokens = 0
-        self.peak_kv_usage = 0.0
-        self.num_model_steps = 0  # target forwards run
-        self.num_padding_tokens = 0  # throw-away tokens of rectangular batches (static/dynamic)
-        self.last_num_scheduled = 0  # 0 while requests wait on a batching policy or on blocks
 
-    def _make_proposer(self, num_blocks: int) -> Proposer | None:
+    def _runner(self, num_blocks: int) -> ModelRunner:
         cfg = self.config
-        if cfg.speculative_method is None:
-            return None
-        k = cfg.num_speculative_tokens
-        if cfg.speculative_method == "ngram":
-            return NgramProposer(k, cfg.ngram_min, cfg.ngram_max)
-        draft_name = cfg.speculative_model
-        if draft_name is None:
-            embedded = default_model()[0]
-            if cfg.model is not None or not embedded.endswith("target"):
-                raise ValueError(
-                    "speculative_method='draft' needs speculative_model (a draft model with the "
-                    "target's tokenizer); only the embedded target has a default draft"
-                )
-            draft_name = str(Path(embedded).parent / "draft")
-        draft = load_model(
-            draft_name,
-            None,
-            cfg.dtype if cfg.dtype != "auto" else str(self.dtype).removeprefix("torch."),
-            self.device,
-            None,
-            None,
-            cfg.speculative_quantization,
-        )
-        if draft.config.max_position_embeddings < self.max_model_len:
-            raise ValueError(
-                f"the draft model's max_position_embeddings {draft.config.max_position_embeddings}"
-                f" is below max_model_len {self.max_model_len}"
-            )
-        dtype = next(draft.model.parameters()).dtype
-        backend = cfg.attention_backend if cfg.attention_backend != "contiguous" else "auto"
-        return DraftModelProposer(
-            draft.model,
-            get_backend(backend, self.device),
-            k,
+        return ModelRunner(
+            self.model,
+            get_backend(cfg.attention_backend, self.device, cfg.kv_cache_dtype),
             num_blocks,
             cfg.block_size,
             self.device,
-            dtype,
-            self.model_config.vocab_size,
-            cfg.enable_prefix_caching,
+            self.dtype,
             cfg.seed,
+            cfg.kv_cache_dtype,
             decode_graphs=not cfg.enforce_eager,
             max_num_seqs=cfg.max_num_seqs,
             max_model_len=self.max_model_len,
         )
 
-    def _num_blocks(self, block_size: int) -> int:
+    def _proposer(self, num_blocks: int) -> Proposer | None:
         cfg = self.config
-        if cfg.num_kv_blocks is not None:
-            return cfg.num_kv_blocks
-        per_block = kv_bytes_per_block(self.model, block_size, self.dtype, cfg.kv_cache_dtype)
-        if cfg.kv_cache_memory is not None:
-            budget = cfg.kv_cache_memory
-            if budget <= 1.0:
-                budget *= _device_memory(self.device)
-            return max(1, int(budget) // per_block)
-        wanted = cfg.max_num_seqs * -(-self.max_model_len // block_size)
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * 0.8)
-        else:
-            budget = min(_CPU_DEFAULT_KV_BYTES, _device_memory(self.device) // 4)
-        return max(1, min(wanted, budget // per_block))
+        proposer = make_proposer(
+            ProposerContext(
+                cfg,
+                self.device,
+                self.dtype,
+                self.model_config.vocab_size,
+                self.max_model_len,
+                num_blocks,
+                lambda: KVCacheManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching),
+            )
+        )
+        if proposer is not None:
+            free = proposer.free
+            self.scheduler.on_free = lambda request: free(request.request_id)
+        return proposer
+
+    def _scheduler(self) -> Scheduler:
+        cfg = self.config
+        max_batched = cfg.max_num_batched_tokens
+        if not cfg.enable_chunked_prefill:
+            max_batched = max(max_batched, self.max_model_len)
+        return Scheduler(
+            self.kv,
+            max_batched,
+            cfg.max_num_seqs,
+            self.max_model_len,
+            cfg.enable_chunked_prefill,
+            make_policy(cfg.scheduling_policy, cfg.max_num_seqs, cfg.batch_wait_ms),
+        )
 
     # -- requests ------------------------------------------------------------------------------
+    def _prompt_ids(self, prompt: Prompt) -> tuple[list[int], str | None]:
+        """Token ids of ``prompt`` (encoded when text), validated: not empty, in the vocabulary,
+        within ``max_model_len`` (``InvalidParameterError`` / ``PromptTooLongError``)."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidParameterError(
+                    "prompt", "text prompts need a tokenizer (skip_tokenizer_init=True)"
+                )
+            ids, text = self.tokenizer.encode(prompt), prompt
+        else:
+            ids, text = list(prompt), None
+        if not ids:
+            raise InvalidParameterError("prompt", "prompt must not be empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidParameterError(
+                "prompt", f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})"
+            )
+        if len(ids) > self.max_model_len:
+            raise PromptTooLongError(len(ids), self.max_model_len)
+        return ids, text
+
     def add_request(
         self,
-        prompt: str | list[int],
+        prompt: Prompt,
         params: SamplingParams,
         request_id: str | None = None,
         arrival_time: float | None = None,
         index: int = 0,
     ) -> Request:
-        """Validate and queue a request. ``ValueError`` for an empty, unknown-token or too-long
-        prompt, with both lengths in the message."""
+        """Validate and queue one sequence (``params.n`` is not fanned out here: see
+        ``add_group``). ``InvalidParameterError`` for an empty or unknown-token prompt,
+        ``PromptTooLongError`` for one over ``max_model_len``."""
+        ids, text = self._prompt_ids(prompt)
+        return self._add(ids, text, params, request_id, arrival_time, index, None)
+
+    def add_group(
+        self,
+        group_id: str,
+        prompts: Sequence[Prompt],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> list[str]:
+        """Queue ``params.n`` samples of each prompt as one group, all or none; return the
+        children's ids. Child ``i = prompt_index * n + sample`` has id ``{group_id}-{i}`` (just
+        ``group_id`` when there is one child), output index ``i`` and seed ``seed + sample``.
+        Each prompt is encoded and validated once, before any child is queued."""
+        if group_id in self._groups or group_id in self._tracked:
+            raise InvalidParameterError("request_id", f"request id {group_id!r} is already in use")
+        if not prompts:
+            raise InvalidParameterError("prompt", "prompt must not be empty")
+        encoded = [self._prompt_ids(p) for p in prompts]
+        n = params.n
+        total = len(encoded) * n
+        children = []
+        for p, (ids, text) in enumerate(encoded):
+            for j in range(n):
+                child = params
+                if n > 1 and params.seed is not None:
+                    child = dataclasses.replace(params, seed=params.seed + j)
+                i = p * n + j
+                rid = group_id if total == 1 else f"{group_id}-{i}"
+                self._add(ids, text, child, rid, arrival_time, i, group_id)
+                children.append(rid)
+        self._groups[group_id] = list(children)
+        return children
+
+    def _add(
+        self,
+        prompt_ids: list[int],
+        text: str | None,
+        params: SamplingParams,
+        request_id: str | None,
+        arrival_time: float | None,
+        index: int,
+        group_id: str | None,
+    ) -> Request:
         if request_id is None:
             request_id = str(next(self._ids))
         if request_id in self._tracked:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("text prompts need a tokenizer (skip_tokenizer_init=True)")
-            prompt_ids = self.tokenizer.encode(prompt)
-            text: str | None = prompt
-        else:
-            prompt_ids, text = list(prompt), None
-        if not prompt_ids:
-            raise ValueError("prompt must not be empty")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        if len(prompt_ids) > self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(prompt_ids)} tokens, more than the maximum context length "
-                f"(max_model_len) of {self.max_model_len} tokens"
+            raise InvalidParameterError(
+                "request_id", f"request id {request_id!r} is already in use"
             )
         req = Request(
             request_id,
@@ -278,8 +314,8 @@ class LLMEngine:
                 params.stop,
                 params.include_stop_str_in_output,
             )
-        self._tracked[request_id] = _Tracked(req, text, detok, index)
-        self.num_prompt_tokens += len(prompt_ids)
+        self._tracked[request_id] = _Tracked(req, text, detok, index, group_id)
+        self.stats.prompt_tokens += len(prompt_ids)
         self.scheduler.add_request(req)
         return req
 
@@ -288,11 +324,38 @@ class LLMEngine:
         tracked = self._tracked.pop(request_id, None)
         if tracked is None or tracked.request.is_finished:
             return None
+        self._forget(tracked)
         self.scheduler.finish(tracked.request, RequestStatus.FINISHED_ABORTED)
         return self._output(tracked, [], "")
 
+    def abort_group(self, group_id: str) -> list[RequestOutput]:
+        """Abort every unfinished child of a group (or the request of that id)."""
+        children = list(self._groups.get(group_id, [group_id]))
+        outputs = [self.abort_request(rid) for rid in children]
+        return [out for out in outputs if out is not None]
+
+    def _forget(self, tracked: _Tracked) -> None:
+        """Drop a finished or aborted child from its group."""
+        if tracked.group_id is None:
+            return
+        children = self._groups[tracked.group_id]
+        children.remove(tracked.request.request_id)
+        if not children:
+            del self._groups[tracked.group_id]
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    @property
+    def stalled(self) -> bool:
+        """Requests are waiting but the last step scheduled none: a batching policy is waiting
+        for arrivals, or blocks are short. A driving loop may sleep briefly instead of spinning."""
+        return self.has_unfinished_requests() and self.stats.num_scheduled_last_step == 0
+
+    def set_draining(self, draining: bool) -> None:
+        """``True`` once every request the caller will submit is queued (offline input), so
+        that batching policies stop waiting for arrivals; ``False`` when more may come."""
+        self.scheduler.set_draining(draining)
 
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -300,22 +363,15 @@ class LLMEngine:
         if self.proposer is not None:
             self._propose()
         sched = self.scheduler.schedule()
-        self.last_num_scheduled = len(sched.requests)
-        if not sched.requests:
+        self.stats.num_scheduled_last_step = len(sched.rows)
+        if not sched.rows:
             return []
-        self.num_model_steps += 1
-        now = time.monotonic()
-        for req in sched.requests:
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = now
-        result = self.runner.execute(
-            sched.requests, sched.num_new_tokens, self.kv, sched.num_padding_rows
-        )
-        self.num_padding_tokens += sched.num_padding_rows
-        for req, n in zip(sched.requests, sched.num_new_tokens, strict=True):
-            req.num_computed_tokens += n
-        self.peak_kv_usage = max(self.peak_kv_usage, self.kv.usage)
-        return self._update(result)
+        self.stats.num_model_steps += 1
+        result = self.runner.execute(sched)
+        self.stats.num_padding_tokens += sched.num_padding_rows
+        sampled = self.scheduler.update(sched, result)
+        self.stats.peak_kv_cache_usage = max(self.stats.peak_kv_cache_usage, self.kv.usage)
+        return self._update(sampled, result)
 
     def _propose(self) -> None:
         """Drafts for every running request that has caught up, as many as it may still use."""
@@ -335,13 +391,16 @@ class LLMEngine:
                 reqs.append(req)
                 limits.append(min(k, room))
         if reqs:
-            self.proposer.propose(reqs, limits)
+            for req, draft in zip(reqs, self.proposer.propose(reqs, limits), strict=True):
+                req.spec_token_ids = draft.token_ids
+                req.spec_probs = draft.probs
 
-    def _update(self, result: StepOutput) -> list[RequestOutput]:
+    def _update(self, sampled: list[Request], result: StepOutput) -> list[RequestOutput]:
+        """Append each sampled request's new tokens, detokenize, stop where it must."""
         now = time.monotonic()
         outputs = []
         for req, tokens, lps, n_draft, n_acc in zip(
-            result.requests,
+            sampled,
             result.token_ids,
             result.logprobs,
             result.num_draft_tokens,
@@ -349,9 +408,7 @@ class LLMEngine:
             strict=True,
         ):
             if n_draft:
-                req.num_computed_tokens -= n_draft - n_acc  # roll back rejected positions
-                self._record_spec(n_draft, n_acc)
-            req.clear_spec()
+                self.stats.record_spec(n_draft, n_acc)
             tracked = self._tracked[req.request_id]
             if req.first_token_time is None:
                 req.first_token_time = now
@@ -362,7 +419,7 @@ class LLMEngine:
             for i, token in enumerate(tokens):
                 req.output_token_ids.append(token)
                 emitted.append(token)
-                self.num_generation_tokens += 1
+                self.stats.generation_tokens += 1
                 if lps is not None:
                     req.logprobs.append(lps[i])
                     req.cumulative_logprob += lps[i][token]
@@ -380,15 +437,9 @@ class LLMEngine:
             if status is not None:
                 self.scheduler.finish(req, status)
                 del self._tracked[req.request_id]
+                self._forget(tracked)
             outputs.append(self._output(tracked, emitted, delta))
         return outputs
-
-    def _record_spec(self, num_draft: int, num_accepted: int) -> None:
-        self.spec_num_drafts += 1
-        self.spec_draft_tokens += num_draft
-        self.spec_accepted_tokens += num_accepted
-        for j in range(num_accepted):
-            self.spec_accepted_per_position[j] += 1
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         p = req.sampling_params
@@ -453,19 +504,5 @@ class LLMEngine:
             "prefix_cache_hits": kv.prefix_cache_hits,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
-            "prompt_tokens": self.num_prompt_tokens,
-            "generation_tokens": self.num_generation_tokens,
-            "peak_kv_cache_usage": self.peak_kv_usage,
-            "num_model_steps": self.num_model_steps,
-            "num_padding_tokens": self.num_padding_tokens,
-            "spec_num_drafts": self.spec_num_drafts,
-            "spec_draft_tokens": self.spec_draft_tokens,
-            "spec_accepted_tokens": self.spec_accepted_tokens,
-            "spec_accepted_per_position": list(self.spec_accepted_per_position),
-            # tokens per verification step: accepted drafts plus the target's own token
-            "spec_mean_acceptance_length": (
-                1.0 + self.spec_accepted_tokens / self.spec_num_drafts
-                if self.spec_num_drafts
-                else 0.0
-            ),
+            **self.stats.as_dict(),
         }

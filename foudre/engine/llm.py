@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import itertools
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from foudre.config import EngineConfig
 from foudre.engine.engine import LLMEngine
+from foudre.errors import InvalidParameterError
 from foudre.loading.tokenizer import Tokenizer
 from foudre.outputs import RequestOutput
 from foudre.sampling_params import SamplingParams
@@ -57,6 +59,7 @@ class LLM:
             **kwargs,
         )
         self.engine = LLMEngine(self.config)
+        self._ids = itertools.count()
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLM:
@@ -98,18 +101,10 @@ class LLM:
                 )
         engine = self.engine
         groups: list[list[str]] = []
-        engine.scheduler.policy.flush = True  # every request is queued: batches need not wait
+        engine.set_draining(True)  # every request is queued: batches need not wait
         try:
-            for i, (prompt, params) in enumerate(zip(prompt_list, params_list, strict=True)):
-                ids = []
-                for j in range(params.n):
-                    child = params
-                    if params.n > 1 and params.seed is not None:
-                        child = dataclasses.replace(params, seed=params.seed + j)
-                    rid = f"gen-{id(self)}-{i}-{j}"
-                    engine.add_request(prompt, child, request_id=rid, index=j)
-                    ids.append(rid)
-                groups.append(ids)
+            for prompt, params in zip(prompt_list, params_list, strict=True):
+                groups.append(engine.add_group(f"gen-{next(self._ids)}", [prompt], params))
             final: dict[str, RequestOutput] = {}
             while engine.has_unfinished_requests():
                 for out in engine.step():
@@ -121,10 +116,30 @@ class LLM:
                     engine.abort_request(rid)
             raise
         finally:
-            engine.scheduler.policy.flush = False
+            engine.set_draining(False)
         results = []
         for ids in groups:
             first = final[ids[0]]
             first.outputs = [final[rid].outputs[0] for rid in ids]
             results.append(first)
         return results
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
+        """Generate one completion of ``prompt``, yielding its text as it is produced (the
+        pieces join to the final text). Closing the iterator early aborts the request."""
+        params = params or SamplingParams()
+        if params.n != 1:
+            raise InvalidParameterError("n", f"stream() makes one completion; got n={params.n}")
+        engine = self.engine
+        [rid] = engine.add_group(f"stream-{next(self._ids)}", [prompt], params)
+        finished = False
+        try:
+            while not finished:
+                for out in engine.step():
+                    if out.request_id == rid:
+                        finished = out.finished
+                        if out.outputs[0].delta_text:
+                            yield out.outputs[0].delta_text
+        finally:
+            if not finished:
+                engine.abort_request(rid)

@@ -13,6 +13,10 @@ Every step it decides how many new tokens each request computes::
 A request admitted in a step is never preempted in that same step (victims are taken from the
 tail, which holds only requests not yet scheduled), so blocks hashed at allocation always get
 their K/V written.
+
+The scheduler owns ``num_computed_tokens``: admission sets it to the prefix-cache hit,
+preemption resets it, and ``update`` (after the runner's forward) advances it by the tokens the
+step computed and rolls back the drafts the target rejected. Nothing else writes it.
 """
 
 from __future__ import annotations
@@ -21,28 +25,11 @@ import contextlib
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from foudre.engine.kv_cache import KVCacheManager
 from foudre.engine.policies import ContinuousPolicy, SchedulingPolicy
 from foudre.engine.request import Request, RequestStatus
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    """What one step computes: requests in batch order with their number of new tokens."""
-
-    requests: list[Request] = field(default_factory=list)
-    num_new_tokens: list[int] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    num_padding_rows: int = 0  # throw-away rows of a rectangular (static / dynamic) batch
-
-    @property
-    def total_tokens(self) -> int:
-        return sum(self.num_new_tokens)
-
-    def __len__(self) -> int:
-        return len(self.requests)
+from foudre.runner.step import ScheduledRow, SchedulerOutput, StepOutput
 
 
 class Scheduler:
@@ -63,15 +50,24 @@ class Scheduler:
         self.policy = policy or ContinuousPolicy()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self.num_preemptions = 0
         self.on_free: Callable[[Request], None] | None = None  # e.g. the draft model's cache
 
     # -- queue management ----------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def set_draining(self, draining: bool) -> None:
+        """Tell the batching policy that no more requests will arrive (offline input fully
+        queued), so that batches stop waiting for arrivals; ``False`` when more may come."""
+        self.policy.flush = draining
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Retire a request (finished or aborted) and return its blocks, wherever it is."""
@@ -82,6 +78,7 @@ class Scheduler:
             with contextlib.suppress(ValueError):  # already taken out of the queue
                 self.waiting.remove(request)
         request.status = status
+        self.requests.pop(request.request_id, None)
         self._free(request)
         self.policy.on_finish(request)
 
@@ -101,7 +98,9 @@ class Scheduler:
 
     # -- the step ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        """The next step's rows (see the module docstring); preempts when blocks run out."""
+        scheduled: list[tuple[Request, int]] = []
+        preempted: list[Request] = []
         budget = self.max_num_batched_tokens
 
         i = 0
@@ -120,23 +119,23 @@ class Scheduler:
             while not self.kv.allocate_slots(req, num_new, num_final_tokens=req.num_tokens):
                 victim = self.running.pop()
                 self._preempt(victim)
-                out.preempted.append(victim)
+                preempted.append(victim)
                 if victim is req:
                     break
             else:
-                out.requests.append(req)
-                out.num_new_tokens.append(num_new)
+                scheduled.append((req, num_new))
                 budget -= num_new
                 i += 1
 
-        if not out.preempted and self.waiting:
-            allowed = self.policy.admissible(self.waiting, len(self.running), time.monotonic())
+        now = time.monotonic()
+        if not preempted and self.waiting:
+            allowed = self.policy.admissible(self.waiting, len(self.running), now)
             while allowed > 0 and budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self.waiting[0]
                 hits, num_cached = self.kv.get_computed_blocks(req)
                 num_new = req.num_tokens - num_cached
                 if num_new > budget:
-                    if not self.enable_chunked_prefill and out.requests:
+                    if not self.enable_chunked_prefill and scheduled:
                         break
                     num_new = budget
                 if not self.kv.allocate_slots(req, num_new, hits):
@@ -147,17 +146,53 @@ class Scheduler:
                 req.num_computed_tokens = num_cached
                 if req.num_cached_tokens < 0:
                     req.num_cached_tokens = num_cached
+                if req.first_scheduled_time is None:
+                    req.first_scheduled_time = now
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
-                out.requests.append(req)
-                out.num_new_tokens.append(num_new)
+                scheduled.append((req, num_new))
                 budget -= num_new
 
-        if out.requests:
-            out.num_padding_rows = self.policy.num_padding_rows
+        out = SchedulerOutput(
+            [self._row(req, n) for req, n in scheduled],
+            [r.request_id for r in preempted],
+            self.policy.num_padding_rows if scheduled else 0,
+        )
         assert out.total_tokens <= self.max_num_batched_tokens
         assert len(self.running) <= self.max_num_seqs
         return out
+
+    def _row(self, req: Request, num_new: int) -> ScheduledRow:
+        start = req.num_computed_tokens
+        end = start + num_new
+        # a request samples once it reaches its last token; every draft adds one position
+        num_logits = end - req.num_tokens + 1 if end >= req.num_tokens else 0
+        assert num_logits in (0, len(req.spec_token_ids) + 1), "drafts scheduled partially"
+        return ScheduledRow(
+            req.request_id,
+            start,
+            req.input_token_ids(start, end),
+            self.kv.block_ids(req.request_id),
+            num_logits,
+            req if num_logits else None,
+        )
+
+    def update(self, scheduled: SchedulerOutput, result: StepOutput) -> list[Request]:
+        """Account for a step the runner computed: every scheduled request advances by its new
+        tokens, and a request that verified drafts rolls back the ones the target rejected
+        (their K/V is overwritten later). Returns the requests that sampled, in ``result``'s
+        order; their tokens are the engine's to append."""
+        for row in scheduled.rows:
+            self.requests[row.request_id].num_computed_tokens += row.num_new_tokens
+        sampled = []
+        for rid, n_draft, n_accepted in zip(
+            result.request_ids, result.num_draft_tokens, result.num_accepted, strict=True
+        ):
+            req = self.requests[rid]
+            req.num_computed_tokens -= n_draft - n_accepted
+            req.clear_spec()
+            sampled.append(req)
+        return sampled
 
     def check_invariants(self) -> None:
         """Blocks held by live requests plus free blocks account for the whole pool."""

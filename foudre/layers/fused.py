@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from foudre.runner import native
+from foudre.layers import native
 
 SOURCE = Path(__file__).with_name("cpu_ops.cpp")
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}

@@ -12,12 +12,12 @@ from foudre.loading.hf import (
     resolve_model_path,
 )
 from foudre.loading.llama2c import load_llama2c
+from foudre.loading.loader import load_tokenizer
 from foudre.loading.tokenizer import (
     HFTokenizer,
     Llama2cTokenizer,
     SentencePieceTokenizer,
     Tokenizer,
-    load_tokenizer,
 )
 
 __all__ = [

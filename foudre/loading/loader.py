@@ -1,4 +1,5 @@
-"""From a model name to a ready ``LlamaForCausalLM`` and tokenizer, whatever the format."""
+"""From a model name to a ready ``LlamaForCausalLM`` and tokenizer, whatever the format
+(``load_tokenizer`` picks the tokenizer class for a file or directory)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 import torch
 
 from foudre.loading.errors import ModelLoadError
-from foudre.loading.gguf import is_gguf_file, load_gguf
+from foudre.loading.gguf import is_gguf_file, load_gguf, load_gguf_tokenizer
 from foudre.loading.hf import (
     iter_safetensors_weights,
     load_generation_config,
@@ -19,11 +20,17 @@ from foudre.loading.hf import (
     resolve_model_path,
 )
 from foudre.loading.llama2c import load_llama2c
-from foudre.loading.tokenizer import Tokenizer, load_tokenizer
+from foudre.loading.quantized import is_quantized_checkpoint, load_quantized
+from foudre.loading.tokenizer import (
+    HFTokenizer,
+    Llama2cTokenizer,
+    SentencePieceTokenizer,
+    Tokenizer,
+    _read_tokenizer_config,
+)
 from foudre.models.config import ModelConfig
 from foudre.models.llama import LlamaForCausalLM
 from foudre.quant import quantize_model, set_compute_dtype
-from foudre.quant.checkpoint import is_quantized_checkpoint, load_quantized
 from foudre.quant.qlinear import QuantLinear
 
 _DTYPES = {
@@ -71,6 +78,19 @@ class LoadedModel:
     tokenizer_path: str | None
     generation_config: dict[str, Any]
     name: str
+
+    def eos_token_ids(self, tokenizer: Tokenizer | None) -> frozenset[int]:
+        """Every id that ends generation: the config's, the generation config's and the
+        tokenizer's end-of-sequence tokens."""
+        eos = set(self.config.eos_token_ids)
+        gen_eos = self.generation_config.get("eos_token_id")
+        if isinstance(gen_eos, int):
+            eos.add(gen_eos)
+        elif isinstance(gen_eos, list):
+            eos.update(gen_eos)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos.add(tokenizer.eos_token_id)
+        return frozenset(eos)
 
 
 def _find_llama2c_tokenizer(path: Path) -> str | None:
@@ -139,6 +159,40 @@ def load_model(
 
 def _has_quantized(net: torch.nn.Module) -> bool:
     return any(isinstance(m, QuantLinear) for m in net.modules())
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """Load the tokenizer at ``path``: a model directory or a tokenizer file.
+
+    A directory gives ``tokenizer.json`` (preferred), else ``tokenizer.model``, else
+    ``tokenizer.bin`` (llama2.c); its ``tokenizer_config.json``, when present, supplies special
+    tokens, ``add_bos_token`` and the chat template. A GGUF file (``.gguf`` or its magic bytes)
+    gives the tokenizer stored in its metadata. Another file is read by its suffix: ``.json``,
+    ``.model`` or llama2.c ``.bin``. Raises ``ModelLoadError`` naming the path otherwise.
+    """
+    path = Path(path).expanduser()
+    if is_gguf_file(path):
+        return load_gguf_tokenizer(path)
+    if path.is_dir():
+        for name in ("tokenizer.json", "tokenizer.model", "tokenizer.bin"):
+            if (path / name).is_file():
+                return load_tokenizer(path / name)
+        raise ModelLoadError(
+            f"{path}: no tokenizer.json, tokenizer.model or tokenizer.bin in directory", path
+        )
+    if not path.is_file():
+        raise ModelLoadError(f"{path}: no such tokenizer file or directory", path)
+    if path.suffix == ".json":
+        return HFTokenizer(path, _read_tokenizer_config(path.parent))
+    if path.suffix == ".model":
+        return SentencePieceTokenizer(path, _read_tokenizer_config(path.parent))
+    if path.suffix == ".bin":
+        return Llama2cTokenizer(path)
+    raise ModelLoadError(
+        f"{path}: unknown tokenizer format; expected tokenizer.json, a sentencepiece .model or "
+        "a llama2.c tokenizer .bin",
+        path,
+    )
 
 
 def load_tokenizer_for(loaded: LoadedModel) -> Tokenizer:

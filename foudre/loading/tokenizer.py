@@ -439,39 +439,3 @@ class Llama2cTokenizer(Tokenizer):
     @property
     def all_special_ids(self) -> set[int]:
         return {self.UNK_ID, self.BOS_ID, self.EOS_ID}
-
-
-def load_tokenizer(path: str | Path) -> Tokenizer:
-    """Load the tokenizer at ``path``: a model directory or a tokenizer file.
-
-    A directory gives ``tokenizer.json`` (preferred), else ``tokenizer.model``, else
-    ``tokenizer.bin`` (llama2.c); its ``tokenizer_config.json``, when present, supplies special
-    tokens, ``add_bos_token`` and the chat template. A GGUF file (``.gguf`` or its magic bytes)
-    gives the tokenizer stored in its metadata. Another file is read by its suffix: ``.json``,
-    ``.model`` or llama2.c ``.bin``. Raises ``ModelLoadError`` naming the path otherwise.
-    """
-    from foudre.loading.gguf import is_gguf_file, load_gguf_tokenizer  # gguf imports this module
-
-    path = Path(path).expanduser()
-    if is_gguf_file(path):
-        return load_gguf_tokenizer(path)
-    if path.is_dir():
-        for name in ("tokenizer.json", "tokenizer.model", "tokenizer.bin"):
-            if (path / name).is_file():
-                return load_tokenizer(path / name)
-        raise ModelLoadError(
-            f"{path}: no tokenizer.json, tokenizer.model or tokenizer.bin in directory", path
-        )
-    if not path.is_file():
-        raise ModelLoadError(f"{path}: no such tokenizer file or directory", path)
-    if path.suffix == ".json":
-        return HFTokenizer(path, _read_tokenizer_config(path.parent))
-    if path.suffix == ".model":
-        return SentencePieceTokenizer(path, _read_tokenizer_config(path.parent))
-    if path.suffix == ".bin":
-        return Llama2cTokenizer(path)
-    raise ModelLoadError(
-        f"{path}: unknown tokenizer format; expected tokenizer.json, a sentencepiece .model or "
-        "a llama2.c tokenizer .bin",
-        path,
-    )

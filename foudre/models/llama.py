@@ -15,11 +15,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from foudre.layers import fused
+from foudre.layers.attention import AttentionBackend
 from foudre.layers.linear import Linear
 from foudre.layers.norm import RMSNorm
 from foudre.layers.rotary import RotaryEmbedding
 from foudre.models.config import ModelConfig
-from foudre.runner.attention.base import AttentionBackend
 
 
 class Attention(nn.Module):

@@ -1,8 +1,9 @@
 """Weight-only quantization: int8 / int4 round-to-nearest, GPTQ, AWQ, mixed 4/8 bits.
 
 ``quantize_(model, config)`` swaps linears for ``QuantLinear``; ``quantize_model`` is the
-engine's entry point by method name; ``save_quantized`` / ``load_quantized`` write and read
-quantized checkpoints (``quant_method: "foudre"``) and import GPTQ / AWQ ones.
+engine's entry point by method name. ``foudre.loading.quantized`` writes and reads quantized
+checkpoints (``quant_method: "foudre"``) and imports GPTQ / AWQ ones; ``foudre.compress.quantize``
+is the ``foudre quantize`` command.
 """
 
 from foudre.quant.api import (

@@ -27,7 +27,8 @@ from foudre.models.llama import LlamaForCausalLM
 from foudre.quant import awq as awq_mod
 from foudre.quant.calib import capture_inputs, default_calibration
 from foudre.quant.gptq import gptq_quantize, hessian
-from foudre.quant.qlinear import INT4_GROUP_SIZES, QuantLinear
+from foudre.quant.packing import INT4_GROUP_SIZES
+from foudre.quant.qlinear import QuantLinear
 
 Calibration = Sequence[Sequence[int]]
 

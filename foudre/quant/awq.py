@@ -14,11 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from foudre.quant.qlinear import (
-    dequantize_int4,
-    quantize_int4,
-    quantize_int8,
-)
+from foudre.quant.packing import dequantize_int4, quantize_int4, quantize_int8
 
 
 def fake_quantize(w: torch.Tensor, bits: int, group_size: int | None) -> torch.Tensor:

@@ -11,8 +11,8 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 
+from foudre.models.causal import causal_hidden
 from foudre.models.llama import LlamaForCausalLM
-from foudre.runner.attention.causal import causal_hidden
 
 
 def run_sequence(model: LlamaForCausalLM, ids: Sequence[int]) -> torch.Tensor:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from foudre.quant.qlinear import int4_params, pad_columns, padded_k
+from foudre.quant.packing import int4_params, pad_columns, padded_k
 
 
 def hessian(x: torch.Tensor) -> torch.Tensor:

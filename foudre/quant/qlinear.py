@@ -1,14 +1,6 @@
-"""Round-to-nearest quantizers, the canonical packed layouts, and ``QuantLinear``.
-
-Canonical layouts (what checkpoints store, whatever the device):
-
-- 8 bits, per output channel, symmetric: ``qweight`` int8 ``[N, K]``, ``scales`` ``[N]``;
-  ``w = q * scale``.
-- 4 bits, group-wise, asymmetric: ``qweight`` uint8 ``[N, Kp / 2]`` (column ``2j`` in the low
-  nibble, ``2j + 1`` in the high one), ``scales`` and ``zeros`` ``[N, Kp / G]`` (zeros are integer
-  zero points (any integer, held in a float tensor)); ``w = (q - zero) * scale``. ``Kp`` is
-  ``K`` rounded up to a multiple of the group size; the padded columns quantize zeros and meet
-  zero inputs.
+"""``QuantLinear``: a weight-only quantized linear over the canonical layouts of
+``foudre.quant.packing`` (8-bit per channel, 4-bit group-wise), run by the packed kernels
+(``kernels`` on the CPU, ``triton_kernels`` on CUDA).
 
 Optional per module: ``input_scale`` ``[K]`` (AWQ scaling that could not be folded into the
 previous op; the input is multiplied by it) and ``perm`` ``[K]`` (act-order column permutation of
@@ -21,82 +13,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-INT4_GROUP_SIZES = (32, 64, 128, 256)
-
-
-def padded_k(k: int, group_size: int) -> int:
-    return -(-k // group_size) * group_size
-
-
-def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row symmetric int8: ``(q int8 [N, K], scales float32 [N])`` with
-    ``|w - q * scale| <= scale / 2`` elementwise."""
-    w = w.float()
-    scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-10)
-    q = torch.round(w / scales[:, None]).clamp(-128, 127).to(torch.int8)
-    return q, scales
-
-
-def int4_params(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Asymmetric scale and integer zero point of each group of ``w`` ``[N, Kp]``
-    (``[N, Kp / G]`` each): ``scale = (max - min) / 15``, ``zero = round(-min / scale)``.
-
-    The zero point may fall outside 0..15 (a group of all-positive weights), so that the codes
-    ``round(w / scale) + zero`` always span exactly 0..15 and every error is within scale / 2.
-    """
-    n, k = w.shape
-    g = w.float().reshape(n, k // group_size, group_size)
-    lo, hi = g.amin(dim=2), g.amax(dim=2)
-    scales = ((hi - lo) / 15.0).clamp(min=1e-10)
-    zeros = torch.round(-lo / scales)  # not clamped to 0..15: all-positive groups stay exact
-    return scales, zeros
-
-
-def quantize_with(
-    w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
-) -> torch.Tensor:
-    """Integer codes 0..15 of ``w`` ``[N, Kp]`` for given group scales and zero points."""
-    n, k = w.shape
-    g = w.float().reshape(n, k // group_size, group_size)
-    q = torch.round(g / scales[..., None]) + zeros[..., None]
-    return q.clamp(0, 15).reshape(n, k).to(torch.uint8)
-
-
-def quantize_int4(
-    w: torch.Tensor, group_size: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Group-wise asymmetric 4-bit codes ``[N, Kp]`` (uint8, unpacked), scales, zeros.
-
-    ``w`` is zero-padded to ``Kp``. Each element's error is at most its group's ``scale / 2``.
-    """
-    w = pad_columns(w.float(), padded_k(w.shape[1], group_size))
-    scales, zeros = int4_params(w, group_size)
-    return quantize_with(w, scales, zeros, group_size), scales, zeros
-
-
-def pad_columns(w: torch.Tensor, k: int) -> torch.Tensor:
-    return w if w.shape[1] == k else F.pad(w, (0, k - w.shape[1]))
-
-
-def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """``[N, K]`` codes 0..15 (K even) to uint8 ``[N, K / 2]``, even columns in the low nibble."""
-    q = q.to(torch.uint8)
-    return q[:, 0::2] | (q[:, 1::2] << 4)
-
-
-def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """Inverse of ``pack_int4``: uint8 ``[N, K]`` codes."""
-    lo, hi = packed & 0xF, packed >> 4
-    return torch.stack([lo, hi], dim=-1).reshape(packed.shape[0], -1)
-
-
-def dequantize_int4(
-    q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
-) -> torch.Tensor:
-    """Float32 ``[N, Kp]`` weight of unpacked codes ``q``."""
-    n, k = q.shape
-    g = q.float().reshape(n, k // group_size, group_size)
-    return ((g - zeros[..., None]) * scales[..., None]).reshape(n, k)
+from foudre.quant import kernels
+from foudre.quant.packing import (
+    INT4_GROUP_SIZES,
+    dequantize_int4,
+    pack_int4,
+    padded_k,
+    quantize_int4,
+    quantize_int8,
+    unpack_int4,
+)
 
 
 class QuantLinear(nn.Module):
@@ -271,14 +197,48 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float16):
-            from foudre.quant.kernels import cpu_linear
-
-            return cpu_linear(self, x)
+            return self._forward_cpu(x)
         if x.device.type == "cuda":
-            from foudre.quant.kernels import cuda_linear
-
-            return cuda_linear(self, x)
+            return self._forward_cuda(x)
         return self.forward_reference(x)
+
+    def _flat(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+        lead = x.shape[:-1]
+        x = self._prepare_input(x).reshape(-1, x.shape[-1])
+        return x, tuple(lead)
+
+    def _cpu_layout(self, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        key = (self.qweight.device, dtype)
+        layout = self._packed.get(key)
+        if layout is None:
+            layout = kernels.cpu_layout(self.qweight, self.scales, self.zeros, dtype)
+            self._packed[key] = layout
+        return layout
+
+    def _forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
+        """Through the native CPU packed kernels (``kernels``)."""
+        out_dtype = x.dtype
+        x2, lead = self._flat(x)
+        if self.compute_dtype is not None:
+            x2 = x2.to(self.compute_dtype)
+        x2 = x2.contiguous()
+        layout = self._cpu_layout(x2.dtype)
+        y = kernels.cpu_matmul(x2, layout, self.group_size, self.out_features).to(out_dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.reshape(*lead, self.out_features)
+
+    def _forward_cuda(self, x: torch.Tensor) -> torch.Tensor:
+        """The Triton dequantize-matmul when Triton imports, else the dequantize reference."""
+        try:
+            from foudre.quant import triton_kernels
+        except ImportError:
+            return self.forward_reference(x)
+        x2, lead = self._flat(x)
+        y = triton_kernels.quant_matmul(x2, self.qweight, self.scales, self.zeros, self.group_size)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.reshape(*lead, self.out_features)
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
         self._packed = {}  # device or dtype moves invalidate the kernel layouts

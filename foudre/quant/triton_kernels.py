@@ -1,4 +1,5 @@
-"""Triton dequantize-matmul kernels for ``QuantLinear`` on CUDA (int8 per channel, int4 groups).
+"""Triton dequantize-matmul kernels for ``QuantLinear`` on CUDA (int8 per channel, int4 groups),
+over plain tensors.
 
 They read the canonical layouts directly (no repacking): int8 ``[N, K]`` with per-row scales;
 uint8 ``[N, Kp / 2]`` nibbles (even column low) with group scales and zero points ``[N, Kp / G]``.
@@ -10,14 +11,9 @@ tensors, which is how the tests check them without a GPU.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import triton
 import triton.language as tl
-
-if TYPE_CHECKING:
-    from foudre.quant.qlinear import QuantLinear
 
 
 @triton.jit
@@ -91,26 +87,33 @@ def _int4_kernel(
     )
 
 
-def quant_matmul(mod: QuantLinear, x: torch.Tensor) -> torch.Tensor:
-    """``x [M, K] @ W.T`` (no bias) for a ``QuantLinear``'s canonical buffers; x's dtype."""
+def quant_matmul(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    group_size: int | None,
+) -> torch.Tensor:
+    """``x [M, K] @ W.T`` (no bias) for the canonical buffers of an 8-bit (``zeros`` None) or
+    4-bit (``zeros`` and ``group_size`` given) weight ``[N, ...]``; x's dtype."""
     x = x.contiguous()
     m, k = x.shape
-    n = mod.out_features
+    n = qweight.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     block_m = 16 if m <= 16 else 32
     block_n, block_k = 64, 32
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     ieee = x.dtype == torch.float32
-    if mod.bits == 8:
+    if zeros is None:
         _int8_kernel[grid](
-            x, mod.qweight, mod.scales, y, m, n, k, x.stride(0), y.stride(0),
+            x, qweight, scales, y, m, n, k, x.stride(0), y.stride(0),
             IEEE=ieee, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         )  # fmt: skip
     else:
-        assert mod.zeros is not None and mod.group_size is not None
-        kp = mod.qweight.shape[1] * 2
+        assert group_size is not None
+        kp = qweight.shape[1] * 2
         _int4_kernel[grid](
-            x, mod.qweight, mod.scales, mod.zeros, y, m, n, k, kp, mod.group_size,
+            x, qweight, scales, zeros, y, m, n, k, kp, group_size,
             x.stride(0), y.stride(0),
             IEEE=ieee, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         )  # fmt: skip

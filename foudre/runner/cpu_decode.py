@@ -24,6 +24,7 @@ goes back to Python.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -36,6 +37,7 @@ from foudre.layers.norm import RMSNorm
 from foudre.layers.rotary import RotaryEmbedding
 from foudre.runner.attention import cpu_paged
 from foudre.runner.attention.paged import PagedMetadata
+from foudre.runner.step import ForwardStep
 
 if TYPE_CHECKING:
     from foudre.models.llama import DecoderLayer, LlamaForCausalLM
@@ -46,10 +48,17 @@ class NativeDecode:
     """The decoder layers of ``model`` for decode steps, over ``kv_caches`` (the runner's list);
     ``build`` returns None where they cannot run natively."""
 
-    def __init__(self, model: LlamaForCausalLM, kv_caches: list[torch.Tensor], fn: Any) -> None:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_caches: list[torch.Tensor],
+        fn: Any,
+        flatten: Callable[[ForwardStep], None],
+    ) -> None:
         cfg = model.config
         self.model = model
         self.fn = fn
+        self.flatten = flatten
         self.dtype = model.model.embed_tokens.weight.dtype
         self.max_rows = MAX_ROWS[self.dtype]
         self.attention = ctypes.cast(cpu_paged.kernel(self.dtype), ctypes.c_void_p).value
@@ -108,8 +117,10 @@ class NativeDecode:
         model: nn.Module,
         backend: AttentionBackend,
         kv_caches: list[torch.Tensor] | list[Any],
+        flatten: Callable[[ForwardStep], None],
     ) -> NativeDecode | None:
-        """A ``NativeDecode`` for ``model``, or None where its layers cannot run natively."""
+        """A ``NativeDecode`` for ``model``, or None where its layers cannot run natively.
+        ``flatten`` fills a step's token, position and metadata tensors (the runner's)."""
         from foudre.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM
 
         if type(model) is not LlamaForCausalLM or not isinstance(
@@ -174,16 +185,14 @@ class NativeDecode:
                 return None
         if len(kv_caches) != len(model.model.layers):
             return None
-        return cls(model, kv_caches, fn)
+        return cls(model, kv_caches, fn, flatten)
 
-    def takes(self, metadata: object, num_tokens: int) -> bool:
+    def can_run(self, step: ForwardStep) -> bool:
         """Whether this step can run here: decode rows only, few enough, nothing replaced or
         moved since ``build``, no hook to call, no autocast."""
         return (
-            isinstance(metadata, PagedMetadata)
-            and not metadata.groups
-            and metadata.decode_tokens is not None
-            and 0 < num_tokens <= self.max_rows
+            step.decode_only
+            and len(step.token_ids) <= self.max_rows
             and not torch.is_autocast_enabled("cpu")
             and not (nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks)
             and self._unchanged()
@@ -201,10 +210,12 @@ class NativeDecode:
                 return False
         return not any(m._forward_hooks or m._forward_pre_hooks for m in self.modules)
 
-    def run(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: PagedMetadata
-    ) -> torch.Tensor:
-        """Final hidden states (after the model's last norm) of a step that ``takes`` allows."""
+    def run(self, step: ForwardStep) -> torch.Tensor:
+        """Final hidden states (after the model's last norm) of a step that ``can_run`` allows."""
+        self.flatten(step)
+        input_ids, positions, metadata = step.input_ids, step.positions, step.metadata
+        assert input_ids is not None and positions is not None
+        assert isinstance(metadata, PagedMetadata) and not metadata.groups
         model = self.model.model
         x = model.embed_tokens(input_ids)
         rows = x.shape[0]

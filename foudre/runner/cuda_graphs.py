@@ -19,17 +19,17 @@ eagerly as before.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 
-from foudre.runner.attention.triton_paged import PagedMetadata
-
-if TYPE_CHECKING:
-    from foudre.runner.model_runner import ModelRunner
+from foudre.runner.attention.paged import PagedMetadata
+from foudre.runner.step import ForwardStep
 
 logger = logging.getLogger("foudre")
+
+# the model's forward over the runner's caches and backend: (input ids, positions, metadata)
+ForwardFn = Callable[[torch.Tensor, torch.Tensor, PagedMetadata], torch.Tensor]
 
 
 def bucket_sizes(max_batch: int) -> list[int]:
@@ -40,15 +40,27 @@ def bucket_sizes(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    """Captured decode forwards of ``runner.model`` for every bucket up to ``max_batch`` rows."""
+    """Captured decode forwards of ``forward`` for every bucket up to ``max_batch`` rows.
 
-    def __init__(self, runner: ModelRunner, max_batch: int, max_model_len: int) -> None:
-        self.runner = runner
+    ``scratch_block`` is a block of the cache that no request holds: padding rows write there.
+    """
+
+    def __init__(
+        self,
+        forward: ForwardFn,
+        device: torch.device,
+        block_size: int,
+        scratch_block: int,
+        max_batch: int,
+        max_model_len: int,
+    ) -> None:
+        self.forward = forward
+        self.device = dev = device
+        self.block_size = block_size
+        self.scratch_block = scratch_block
         self.sizes = bucket_sizes(max_batch)
         self.max_batch = max_batch
-        dev = runner.device
-        bs = runner.block_size
-        self.max_blocks = -(-max_model_len // bs)
+        self.max_blocks = -(-max_model_len // block_size)
         self.input_ids = torch.zeros(max_batch, dtype=torch.long, device=dev)
         self.positions = torch.zeros(max_batch, dtype=torch.long, device=dev)
         self.slot_mapping = torch.zeros(max_batch, dtype=torch.long, device=dev)
@@ -60,16 +72,23 @@ class DecodeGraphs:
     def bucket(self, n: int) -> int:
         return next(s for s in self.sizes if s >= n)
 
-    def run(
-        self, block_tables: Sequence[list[int]], starts: Sequence[int], tokens: list[int]
-    ) -> torch.Tensor:
-        """Hidden states ``[n, hidden]`` of one decode step: row ``i`` computes ``tokens[i]`` at
+    def can_run(self, step: ForwardStep) -> bool:
+        """Decode rows only, no more than the largest bucket, tables within the buffers."""
+        return (
+            step.decode_only
+            and len(step.token_ids) <= self.max_batch
+            and max(len(t) for t in step.block_tables) <= self.max_blocks
+        )
+
+    def run(self, step: ForwardStep) -> torch.Tensor:
+        """Hidden states ``[n, hidden]`` of one decode step: row ``i`` computes its one token at
         position ``starts[i]`` through ``block_tables[i]``."""
+        block_tables, starts = step.block_tables, step.starts
+        tokens = [ids[0] for ids in step.token_ids]
         n = len(tokens)
         size = self.bucket(n)
-        runner = self.runner
-        bs, pad = runner.block_size, size - n
-        scratch = runner.padding_block
+        bs, pad = self.block_size, size - n
+        scratch = self.scratch_block
         width = max(len(t) for t in block_tables)
         tables = [list(t) + [scratch] * (width - len(t)) for t in block_tables]
         tables += [[scratch] * width] * pad
@@ -96,7 +115,6 @@ class DecodeGraphs:
 
     def forward_fn(self, size: int) -> Callable[[], torch.Tensor]:
         """The forward of a ``size``-row decode step over the static buffers."""
-        runner = self.runner
         meta = PagedMetadata(
             slot_mapping=self.slot_mapping[:size],
             decode_tokens=self.token_idx[:size],
@@ -106,27 +124,20 @@ class DecodeGraphs:
         )
 
         def forward() -> torch.Tensor:
-            return runner.model(
-                self.input_ids[:size],
-                self.positions[:size],
-                runner.kv_caches,
-                runner.backend,
-                meta,
-            )
+            return self.forward(self.input_ids[:size], self.positions[:size], meta)
 
         return forward
 
     def _capture(self, size: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        runner = self.runner
         forward = self.forward_fn(size)
         # warm up on a side stream (compiles the Triton kernels, initialises cuBLAS workspaces),
         # as capture requires; the buffers hold this step's real inputs, so the K/V it writes
         # are the ones the step writes anyway
-        stream = torch.cuda.Stream(runner.device)
-        stream.wait_stream(torch.cuda.current_stream(runner.device))
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             forward()
-        torch.cuda.current_stream(runner.device).wait_stream(stream)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             hidden = forward()

@@ -8,23 +8,22 @@ batched ``sample`` (or ``verify`` when drafts are present).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+import os
+from collections.abc import Callable, Sequence
 
 import torch
 
-from foudre.engine.kv_cache import KVCacheManager
-from foudre.engine.request import Request
+from foudre.config import EngineConfig
+from foudre.layers.rejection import DraftRow, verify
 from foudre.layers.sampler import sample
 from foudre.models.llama import LlamaForCausalLM
 from foudre.runner.attention import AttentionBackend, BatchLayout
 from foudre.runner.attention.kv_quant import QuantizedKVCache, kv_bytes_per_token_head
 from foudre.runner.cpu_decode import NativeDecode
-from foudre.spec.rejection import verify
+from foudre.runner.cuda_graphs import DecodeGraphs
+from foudre.runner.step import DecodePath, ForwardStep, SchedulerOutput, StepOutput
 
-if TYPE_CHECKING:
-    from foudre.runner.cuda_graphs import DecodeGraphs
+_CPU_DEFAULT_KV_BYTES = 2 << 30
 
 
 def kv_bytes_per_block(
@@ -35,18 +34,41 @@ def kv_bytes_per_block(
     return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * per
 
 
-@dataclass(slots=True)
-class StepOutput:
-    """Per request that sampled: its new tokens (one, or accepted drafts plus one)."""
+def device_memory(device: torch.device) -> int:
+    """Total memory of ``device`` in bytes (the machine's RAM for the CPU)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[1])
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
-    requests: list[Request]
-    token_ids: list[list[int]]
-    logprobs: list[list[dict[int, float]] | None]
-    num_draft_tokens: list[int]  # drafts verified per request (0 without speculation)
-    num_accepted: list[int]
+
+def num_kv_blocks(
+    model: LlamaForCausalLM, config: EngineConfig, device: torch.device, max_model_len: int
+) -> int:
+    """How many KV blocks to allocate: ``num_kv_blocks`` if given, else ``kv_cache_memory``
+    (bytes, or a fraction of device memory), else enough for ``max_num_seqs`` full-length
+    sequences, capped at 2 GiB (and a quarter of RAM) on the CPU and 80% of free memory on CUDA.
+    """
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    dtype = next(model.parameters()).dtype
+    per_block = kv_bytes_per_block(model, config.block_size, dtype, config.kv_cache_dtype)
+    if config.kv_cache_memory is not None:
+        budget = config.kv_cache_memory
+        if budget <= 1.0:
+            budget *= device_memory(device)
+        return max(1, int(budget) // per_block)
+    wanted = config.max_num_seqs * -(-max_model_len // config.block_size)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        cap = int(free * 0.8)
+    else:
+        cap = min(_CPU_DEFAULT_KV_BYTES, device_memory(device) // 4)
+    return max(1, min(wanted, cap // per_block))
 
 
 class ModelRunner:
+    """The model, its KV-cache tensors and a decode path; ``execute`` runs one scheduled step."""
+
     def __init__(
         self,
         model: LlamaForCausalLM,
@@ -83,17 +105,44 @@ class ModelRunner:
                 for _ in range(cfg.num_hidden_layers)
             ]
         self.generator = torch.Generator(device=device).manual_seed(seed)
-        # decode steps skip the op-by-op forward where the device and the backend allow it:
-        # replayed CUDA graphs on a GPU, the decoder layers in one native call on the CPU
-        self.graphs: DecodeGraphs | None = None
-        self.native: NativeDecode | None = None
-        if decode_graphs and device.type == "cuda" and backend.name == "triton":
-            from foudre.runner.cuda_graphs import DecodeGraphs
-
+        self.decode_path: DecodePath | None = None
+        if decode_graphs:
+            make = DECODE_PATHS.get(backend.name)
             max_len = max_model_len or cfg.max_position_embeddings
-            self.graphs = DecodeGraphs(self, max_num_seqs, max_len)
-        if decode_graphs and device.type == "cpu":
-            self.native = NativeDecode.build(model, backend, self.kv_caches)
+            if make is not None:
+                self.decode_path = make(self, max_num_seqs, max_len)
+
+    def flatten(self, step: ForwardStep) -> None:
+        """Fill ``step``'s flattened tensors: token ids, positions, and the backend's metadata
+        (each token's cache slot ``block_id * block_size + offset``, lengths, block tables)."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[torch.Tensor] = []
+        slots: list[torch.Tensor] = []
+        seq_lens: list[int] = []
+        for table, start, ids in zip(step.block_tables, step.starts, step.token_ids, strict=True):
+            end = start + len(ids)
+            input_ids.extend(ids)
+            pos = torch.arange(start, end)
+            slots.append(torch.tensor(table)[pos // bs] * bs + pos % bs)
+            positions.append(pos)
+            seq_lens.append(end)
+        layout = BatchLayout(
+            query_lens=[len(ids) for ids in step.token_ids],
+            seq_lens=seq_lens,
+            block_tables=list(step.block_tables),
+            slot_mapping=torch.cat(slots),
+            block_size=bs,
+        )
+        step.metadata = self.backend.build_metadata(layout, self.device)
+        step.input_ids = torch.tensor(input_ids, device=self.device)
+        step.positions = torch.cat(positions).to(self.device)
+
+    def forward_hidden(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: object
+    ) -> torch.Tensor:
+        """The model's forward over this runner's caches and backend (what decode paths run)."""
+        return self.model(input_ids, positions, self.kv_caches, self.backend, metadata)
 
     @torch.inference_mode()
     def forward(
@@ -107,98 +156,84 @@ class ModelRunner:
         their K/V through ``block_tables[i]``); return float32 logits of the last
         ``num_logits[i]`` tokens of each sequence, in order (None when none are asked).
 
-        A step of single tokens replays a captured CUDA graph when the runner has them, or runs
-        the native decoder layers on the CPU (``cpu_decode.py``)."""
-        graphs = self.graphs
-        if (
-            graphs is not None
-            and 0 < len(token_ids) <= graphs.max_batch
-            and all(len(ids) == 1 for ids in token_ids)
-            and max(len(t) for t in block_tables) <= graphs.max_blocks
-        ):
-            wanted = [i for i, n in enumerate(num_logits) if n]
-            if not wanted:
-                return None
-            hidden = graphs.run(block_tables, starts, [ids[0] for ids in token_ids])
-            if len(wanted) < len(token_ids):
-                hidden = hidden[torch.tensor(wanted, device=self.device)]
-            return self.model.compute_logits(hidden)
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[torch.Tensor] = []
-        slots: list[torch.Tensor] = []
-        seq_lens: list[int] = []
-        rows: list[int] = []
-        for table, start, ids, n_logits in zip(
-            block_tables, starts, token_ids, num_logits, strict=True
-        ):
-            end = start + len(ids)
-            input_ids.extend(ids)
-            pos = torch.arange(start, end)
-            slots.append(torch.tensor(table)[pos // bs] * bs + pos % bs)
-            positions.append(pos)
-            seq_lens.append(end)
-            rows.extend(range(len(input_ids) - n_logits, len(input_ids)))
-        layout = BatchLayout(
-            query_lens=[len(ids) for ids in token_ids],
-            seq_lens=seq_lens,
-            block_tables=list(block_tables),
-            slot_mapping=torch.cat(slots),
-            block_size=bs,
-        )
-        metadata = self.backend.build_metadata(layout, self.device)
-        id_tensor = torch.tensor(input_ids, device=self.device)
-        pos_tensor = torch.cat(positions).to(self.device)
-        if self.native is not None and self.native.takes(metadata, len(input_ids)):
-            hidden = self.native.run(id_tensor, pos_tensor, metadata)
+        A step that the decode path can run (a replayed CUDA graph, the native CPU decoder
+        layers) runs there; the rest runs the model op by op."""
+        step = ForwardStep(block_tables, starts, token_ids, num_logits)
+        path = self.decode_path
+        if path is not None and path.can_run(step):
+            hidden = path.run(step)
         else:
-            hidden = self.model(id_tensor, pos_tensor, self.kv_caches, self.backend, metadata)
+            self.flatten(step)
+            assert step.input_ids is not None and step.positions is not None
+            hidden = self.forward_hidden(step.input_ids, step.positions, step.metadata)
+        rows: list[int] = []
+        end = 0
+        for ids, n_logits in zip(token_ids, num_logits, strict=True):
+            end += len(ids)
+            rows.extend(range(end - n_logits, end))
         if not rows:
             return None
-        return self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        if len(rows) < hidden.shape[0]:
+            hidden = hidden[torch.tensor(rows, device=self.device)]
+        return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
-    def execute(
-        self,
-        requests: Sequence[Request],
-        num_new_tokens: Sequence[int],
-        kv: KVCacheManager,
-        num_padding_rows: int = 0,
-    ) -> StepOutput:
-        """Compute the scheduled tokens; return the requests that sampled and their tokens.
+    def execute(self, scheduled: SchedulerOutput) -> StepOutput:
+        """Compute the scheduled tokens; return the rows that sampled and their tokens.
 
         ``num_padding_rows`` throw-away rows (one token each, logits included, K/V written to
         the scratch block) are added to the batch, as a rectangular batch computes the rows of
         its finished members; their results are dropped.
         """
-        tables, starts, tokens, num_logits = [], [], [], []
-        samplers: list[Request] = []
-        for req, n in zip(requests, num_new_tokens, strict=True):
-            start = req.num_computed_tokens
-            end = start + n
-            tables.append(kv.block_ids(req.request_id))
-            starts.append(start)
-            tokens.append(req.input_token_ids(start, end))
-            # a request samples once it reaches its last token; every draft adds one position
-            n_logits = end - req.num_tokens + 1 if end >= req.num_tokens else 0
-            num_logits.append(n_logits)
-            if n_logits:
-                assert n_logits == len(req.spec_token_ids) + 1, "drafts scheduled partially"
-                samplers.append(req)
-        for _ in range(num_padding_rows):
-            tables.append([self.padding_block])
-            starts.append(0)
-            tokens.append([0])
-            num_logits.append(1)
+        rows = scheduled.rows
+        pad = scheduled.num_padding_rows
+        tables = [r.block_ids for r in rows] + [[self.padding_block]] * pad
+        starts = [r.start for r in rows] + [0] * pad
+        tokens = [r.token_ids for r in rows] + [[0]] * pad
+        num_logits = [r.num_logits for r in rows] + [1] * pad
+        samplers: list[DraftRow] = []
+        ids: list[str] = []
+        for r in rows:
+            if r.num_logits:
+                assert r.sampler is not None
+                assert r.num_logits == len(r.sampler.spec_token_ids) + 1, "drafts cut"
+                samplers.append(r.sampler)
+                ids.append(r.request_id)
         logits = self.forward(tables, starts, tokens, num_logits)
-        if logits is not None and num_padding_rows:
-            logits = logits[: logits.shape[0] - num_padding_rows]
+        if logits is not None and pad:
+            logits = logits[: logits.shape[0] - pad]
         if logits is None or logits.shape[0] == 0:
-            return StepOutput([], [], [], [], [])
-        if not any(r.spec_token_ids for r in samplers):
+            return StepOutput()
+        if not any(s.spec_token_ids for s in samplers):
             out = sample(logits, samplers, self.generator)
             lps = [None if lp is None else [lp] for lp in out.logprobs]
             zeros = [0] * len(samplers)
-            return StepOutput(samplers, [[t] for t in out.token_ids], lps, zeros, zeros)
+            return StepOutput(ids, [[t] for t in out.token_ids], lps, zeros, zeros)
         v = verify(logits, samplers, self.generator)
-        return StepOutput(samplers, v.token_ids, v.logprobs, v.num_draft_tokens, v.num_accepted)
+        return StepOutput(ids, v.token_ids, v.logprobs, v.num_draft_tokens, v.num_accepted)
+
+
+def _graphs(runner: ModelRunner, max_num_seqs: int, max_model_len: int) -> DecodePath | None:
+    if runner.device.type != "cuda":
+        return None
+    return DecodeGraphs(
+        runner.forward_hidden,
+        runner.device,
+        runner.block_size,
+        runner.padding_block,
+        max_num_seqs,
+        max_model_len,
+    )
+
+
+def _native(runner: ModelRunner, max_num_seqs: int, max_model_len: int) -> DecodePath | None:
+    if runner.device.type != "cpu":
+        return None
+    return NativeDecode.build(runner.model, runner.backend, runner.kv_caches, runner.flatten)
+
+
+# the decode path each attention backend offers: the decode kernels they are built around
+DECODE_PATHS: dict[str, Callable[[ModelRunner, int, int], DecodePath | None]] = {
+    "triton": _graphs,
+    "cpu": _native,
+}

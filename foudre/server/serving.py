@@ -25,6 +25,7 @@ from foudre.engine.async_llm import (
     QueueFullError,
     RequestStream,
 )
+from foudre.errors import InvalidParameterError, PromptTooLongError
 from foudre.outputs import CompletionOutput
 from foudre.sampling_params import SamplingParams
 from foudre.server.protocol import (
@@ -138,20 +139,22 @@ class OpenAIServing:
                 logprobs=logprobs,
                 skip_special_tokens=req.skip_special_tokens,
             )
-        except ValueError as e:
-            message = str(e)
-            name = message.split(" ", 1)[0]
-            param = (rename or {}).get(name, name)
-            raise OpenAIError(400, message, param=param) from None
+        except InvalidParameterError as e:
+            param = (rename or {}).get(e.param, e.param)
+            raise OpenAIError(400, str(e), param=param) from None
 
     async def submit(
         self, prompts: list[Prompt], params: SamplingParams, request_id: str, param: str
     ) -> RequestStream:
         try:
             return await self.llm.add_requests(prompts, params, request_id)
-        except ValueError as e:
-            code = "context_length_exceeded" if "max_model_len" in str(e) else None
-            raise OpenAIError(400, str(e), param=param, code=code) from None
+        except PromptTooLongError as e:
+            raise OpenAIError(400, str(e), param=param, code="context_length_exceeded") from None
+        except InvalidParameterError as e:
+            name = param if e.param == "prompt" else e.param
+            raise OpenAIError(400, str(e), param=name) from None
+        except ValueError as e:  # text the tokenizer refuses
+            raise OpenAIError(400, str(e), param=param) from None
         except QueueFullError as e:
             raise OpenAIError(
                 503, str(e), type="server_overloaded", headers={"Retry-After": "1"}

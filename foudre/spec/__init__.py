@@ -2,6 +2,8 @@
 
 - ``proposers.py``: the ``Proposer`` interface, n-gram prompt lookup and a draft model with its
   own paged KV cache.
-- ``rejection.py``: the rejection sampler that keeps the target's output distribution exactly,
-  and ``verify``, which turns the target's logits at every draft position into accepted tokens.
+- ``registry.py``: ``PROPOSERS``, the proposer for each ``speculative_method``, built from the
+  engine's configuration.
+- The rejection sampler that keeps the target's output distribution exactly, and ``verify``,
+  are samplers: ``layers/rejection.py``.
 """

@@ -1,26 +1,87 @@
 """Proposers: cheap guesses of a request's next tokens, verified by the target afterwards.
 
 Every engine step, before scheduling, the engine asks the proposer for drafts for each running
-request that has caught up (only its last sampled token is left to compute). A proposer sets
-``request.spec_token_ids`` (at most the number asked, possibly none) and ``request.spec_probs``,
-the distributions it drew them from (None: deterministic, i.e. one-hot).
+request that has caught up (only its last sampled token is left to compute). A proposer returns
+one ``Draft`` per request: at most the number of tokens asked, possibly none, and the
+distributions it drew them from (None: deterministic, i.e. one-hot). Proposers read requests
+through ``SpecRequest`` and keep their own state by request id; they never write the engine's
+requests.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
-from foudre.engine.kv_cache import KVCacheManager
-from foudre.engine.request import Request
-from foudre.layers.sampler import draw, warp_probs
+from foudre.layers.sampler import SamplingRow, draw, warp_probs
 from foudre.models.llama import LlamaForCausalLM
 from foudre.runner.attention import AttentionBackend
 from foudre.runner.model_runner import ModelRunner
+
+
+class SpecRequest(SamplingRow, Protocol):
+    """What a proposer reads of a request (``engine.Request`` is one)."""
+
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def prompt_token_ids(self) -> list[int]: ...
+    def token_ids_range(self, start: int, end: int) -> list[int]: ...
+
+
+class BlockManager(Protocol):
+    """The paged-KV bookkeeping a draft model needs for its own cache (``KVCacheManager``)."""
+
+    block_size: int
+
+    def get_computed_blocks(self, request: Any) -> tuple[list[Any], int]: ...
+    def allocate_slots(
+        self,
+        request: Any,
+        num_new_tokens: int,
+        computed_blocks: list[Any] | None = None,
+        num_final_tokens: int | None = None,
+    ) -> bool: ...
+    def free(self, request: Any) -> None: ...
+    def block_ids(self, request_id: str) -> list[int]: ...
+
+
+@dataclass(slots=True)
+class Draft:
+    """Proposed tokens for one request and the distributions they were drawn from ([k, vocab];
+    None: one-hot at each token)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    probs: torch.Tensor | None = None
+
+
+@dataclass(slots=True, eq=False)
+class _Shadow:
+    """The draft model's view of a request in its own cache: the target's token lists, shared
+    (so the draft sees new tokens), and its own count of computed tokens."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    num_computed_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_ids_range(self, start: int, end: int) -> list[int]:
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p : end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
 
 
 class Proposer(ABC):
@@ -34,10 +95,10 @@ class Proposer(ABC):
         self.num_speculative_tokens = num_speculative_tokens
 
     @abstractmethod
-    def propose(self, requests: Sequence[Request], max_drafts: Sequence[int]) -> None:
-        """Set up to ``max_drafts[i]`` draft tokens on ``requests[i]`` (each ``>= 1``)."""
+    def propose(self, requests: Sequence[SpecRequest], max_drafts: Sequence[int]) -> list[Draft]:
+        """Up to ``max_drafts[i]`` draft tokens for ``requests[i]`` (each ``>= 1``)."""
 
-    def free(self, request: Request) -> None:  # noqa: B027 (optional hook)
+    def free(self, request_id: str) -> None:  # noqa: B027 (optional hook)
         """Forget the request (finished, aborted or preempted)."""
 
 
@@ -71,21 +132,23 @@ class NgramProposer(Proposer):
                 return arr[start : start + k].tolist()
         return []
 
-    def propose(self, requests: Sequence[Request], max_drafts: Sequence[int]) -> None:
-        for req, k in zip(requests, max_drafts, strict=True):
-            req.spec_token_ids = self.lookup(req.all_token_ids, k)
-            req.spec_probs = None
+    def propose(self, requests: Sequence[SpecRequest], max_drafts: Sequence[int]) -> list[Draft]:
+        return [
+            Draft(self.lookup(req.all_token_ids, k))
+            for req, k in zip(requests, max_drafts, strict=True)
+        ]
 
 
 class DraftModelProposer(Proposer):
     """A small model with the target's tokenizer, with its own paged KV cache.
 
-    Per request, the draft's cache holds a shadow ``Request`` that shares the target's token
-    lists. Each proposal first catches the draft up on the tokens it has not computed (the whole
-    prompt the first time, then the one or two tokens the last verification added), drawing
-    draft 1 from the last position, then runs ``k - 1`` single-token steps; all requests go in
-    one batch per step. Drafts that the target rejected are rolled back lazily at the next
-    proposal, by comparing them with the tokens the request actually got.
+    Per request, the draft's cache (``kv``, a block manager of its own) holds a shadow that
+    shares the target's token lists. Each proposal first catches the draft up on the tokens it
+    has not computed (the whole prompt the first time, then the one or two tokens the last
+    verification added), drawing draft 1 from the last position, then runs ``k - 1``
+    single-token steps; all requests go in one batch per step. Drafts that the target rejected
+    are rolled back lazily at the next proposal, by comparing them with the tokens the request
+    actually got.
     """
 
     name = "draft"
@@ -95,12 +158,11 @@ class DraftModelProposer(Proposer):
         model: LlamaForCausalLM,
         backend: AttentionBackend,
         num_speculative_tokens: int,
+        kv: BlockManager,
         num_blocks: int,
-        block_size: int,
         device: torch.device,
         dtype: torch.dtype,
         target_vocab_size: int,
-        enable_prefix_caching: bool = True,
         seed: int = 0,
         decode_graphs: bool = False,
         max_num_seqs: int = 256,
@@ -111,12 +173,12 @@ class DraftModelProposer(Proposer):
         self.vocab_size = target_vocab_size
         # a draft with a smaller (padded) vocabulary never sees ids it has no embedding for
         self._max_input_id = model.config.vocab_size - 1
-        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
+        self.kv = kv
         self.runner = ModelRunner(
             model,
             backend,
             num_blocks,
-            block_size,
+            kv.block_size,
             device,
             dtype,
             seed,
@@ -125,23 +187,22 @@ class DraftModelProposer(Proposer):
             max_model_len=max_model_len,
         )
         self.generator = torch.Generator(device=device).manual_seed(seed + 1)
-        self._shadows: dict[str, Request] = {}
+        self._shadows: dict[str, _Shadow] = {}
         self._last: dict[str, tuple[int, list[int]]] = {}  # request id -> (num_tokens, drafts)
 
-    def free(self, request: Request) -> None:
-        shadow = self._shadows.pop(request.request_id, None)
-        self._last.pop(request.request_id, None)
+    def free(self, request_id: str) -> None:
+        shadow = self._shadows.pop(request_id, None)
+        self._last.pop(request_id, None)
         if shadow is not None:
             self.kv.free(shadow)
 
-    def _prepare(self, req: Request, k: int) -> Request | None:
+    def _prepare(self, req: SpecRequest, k: int) -> _Shadow | None:
         """Roll the shadow back to what is still valid and reserve slots for this proposal."""
         n = req.num_tokens
         shadow = self._shadows.get(req.request_id)
         hits = None
         if shadow is None:
-            shadow = Request(req.request_id, req.prompt_token_ids, req.sampling_params)
-            shadow.output_token_ids = req.output_token_ids  # shared: the draft sees new tokens
+            shadow = _Shadow(req.request_id, req.prompt_token_ids, req.output_token_ids)
             hits, num_cached = self.kv.get_computed_blocks(shadow)
             shadow.num_computed_tokens = 0
             need = n - num_cached + k - 1
@@ -162,7 +223,9 @@ class DraftModelProposer(Proposer):
             self._shadows[req.request_id] = shadow
         return shadow
 
-    def _draw(self, logits: torch.Tensor, reqs: Sequence[Request]) -> tuple[list[int], list]:
+    def _draw(
+        self, logits: torch.Tensor, reqs: Sequence[SpecRequest]
+    ) -> tuple[list[int], list[torch.Tensor | None]]:
         """One draft token per row; its distribution (None for greedy requests)."""
         v = self.vocab_size
         if logits.shape[1] > v:
@@ -182,17 +245,16 @@ class DraftModelProposer(Proposer):
         return tokens.tolist(), rows
 
     @torch.inference_mode()
-    def propose(self, requests: Sequence[Request], max_drafts: Sequence[int]) -> None:
-        active: list[tuple[Request, Request, int]] = []
+    def propose(self, requests: Sequence[SpecRequest], max_drafts: Sequence[int]) -> list[Draft]:
+        active: list[tuple[SpecRequest, _Shadow, int]] = []
         for req, k in zip(requests, max_drafts, strict=True):
-            req.clear_spec()
             shadow = self._prepare(req, k)
             if shadow is not None:
                 active.append((req, shadow, k))
         if not active:
-            return
+            return [Draft() for _ in requests]
         drafts: dict[str, list[int]] = {r.request_id: [] for r, _, _ in active}
-        dists: dict[str, list] = {r.request_id: [] for r, _, _ in active}
+        dists: dict[str, list[torch.Tensor | None]] = {r.request_id: [] for r, _, _ in active}
         # step 0 catches up; step j feeds draft j back in
         step = active
         for j in range(max(k for _, _, k in active)):
@@ -214,9 +276,14 @@ class DraftModelProposer(Proposer):
                 s.num_computed_tokens += len(ids)
                 drafts[r.request_id].append(t)
                 dists[r.request_id].append(q)
-        for req, _, _ in active:
-            ids = drafts[req.request_id]
-            req.spec_token_ids = ids
-            q = dists[req.request_id]
-            req.spec_probs = None if q[0] is None else torch.stack(q)
-            self._last[req.request_id] = (req.num_tokens, ids)
+        out = []
+        for req in requests:
+            proposed = drafts.get(req.request_id)
+            if proposed is None:  # no room in the draft's cache: no drafts this step
+                out.append(Draft())
+                continue
+            dist = dists[req.request_id]
+            probs = None if dist[0] is None else torch.stack([d for d in dist if d is not None])
+            out.append(Draft(proposed, probs))
+            self._last[req.request_id] = (req.num_tokens, proposed)
+        return out

@@ -87,7 +87,7 @@ def test_random_prompts_with_tokenizer() -> None:
     path = STORIES / "tok512.bin"
     if not path.exists():
         pytest.skip("../shared/models/stories260K is not present")
-    from foudre.loading.tokenizer import load_tokenizer
+    from foudre.loading.loader import load_tokenizer
 
     tok = load_tokenizer(path)
     for as_text in (False, True):

@@ -81,7 +81,7 @@ def test_replay_after_tokens_and_static_flush(stories_paths: tuple[str, str]) ->
     long = rep.select("long")[0]
     shorts = rep.select("short")
     assert long.start > min(s.ttft for s in shorts)
-    assert engine.scheduler.policy.flush is False
+    assert engine.scheduler.policy.flush is False  # set_draining(False) after the replay
 
 
 def test_replay_rejects_busy_engine(stories_paths: tuple[str, str]) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from foudre.runner import native
+from foudre.layers import native
 
 ROOT = Path(__file__).resolve().parents[2]
 

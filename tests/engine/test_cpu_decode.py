@@ -41,20 +41,20 @@ def make_runner(tmp_path: Path, dtype: str, arch: str = "llama", **overrides: An
 
 def counted(runner: ModelRunner) -> list[int]:
     """The row counts of the steps the native layers run (or try to) from now on."""
-    native = runner.native
+    native = runner.decode_path
     assert native is not None
     calls: list[int] = []
     run = native.run
-    native.run = lambda ids, *a: calls.append(len(ids)) or run(ids, *a)  # type: ignore[method-assign]
+    native.run = lambda step: calls.append(len(step.token_ids)) or run(step)  # type: ignore[method-assign]
     return calls
 
 
 def python_step(runner: ModelRunner, *args: Any) -> torch.Tensor | None:
-    native, runner.native = runner.native, None
+    native, runner.decode_path = runner.decode_path, None
     try:
         return runner.forward(*args)
     finally:
-        runner.native = native
+        runner.decode_path = native
 
 
 def both_paths(runner: ModelRunner, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,7 +105,7 @@ def test_native_decode_takes_only_what_it_can_run(tmp_path: Path) -> None:
     a hook, autocast or a replaced KV cache send steps back to Python; out-of-range positions
     and slots raise before anything is written."""
     runner = make_runner(tmp_path, "bfloat16")
-    native = runner.native
+    native = runner.decode_path
     assert native is not None
     calls = counted(runner)
     limit = MAX_ROWS[torch.bfloat16]
@@ -131,7 +131,9 @@ def test_native_decode_takes_only_what_it_can_run(tmp_path: Path) -> None:
         down.weight = torch.nn.Parameter(old.clone(), requires_grad=False)
         decode()
         assert calls == [limit, 1]
-        runner.native = native = NativeDecode.build(runner.model, runner.backend, runner.kv_caches)
+        runner.decode_path = native = NativeDecode.build(
+            runner.model, runner.backend, runner.kv_caches, runner.flatten
+        )
         assert native is not None
         calls = counted(runner)
         handle = layer.self_attn.register_forward_pre_hook(lambda *a: None)
@@ -163,7 +165,7 @@ def test_native_decode_is_off_where_it_cannot_run(tmp_path: Path) -> None:
 
     def native(**options: Any) -> NativeDecode | None:
         llm = LLM(str(path), skip_tokenizer_init=True, num_kv_blocks=40, **options)
-        return llm.engine.runner.native
+        return llm.engine.runner.decode_path
 
     assert native(dtype="bfloat16") is not None
     assert native(dtype="bfloat16", enforce_eager=True) is None  # eager: op by op
@@ -173,13 +175,13 @@ def test_native_decode_is_off_where_it_cannot_run(tmp_path: Path) -> None:
     runner = make_runner(tmp_path, "float32")
     model, backend, caches = runner.model, runner.backend, runner.kv_caches
     handle = model.model.layers[0].mlp.register_forward_hook(lambda *a: None)
-    assert NativeDecode.build(model, backend, caches) is None
+    assert NativeDecode.build(model, backend, caches, runner.flatten) is None
     handle.remove()
     rotary = model.model.rotary
     rotary.cos = rotary.cos.bfloat16()  # what a bare model.to(bfloat16) does to the tables
-    assert NativeDecode.build(model, backend, caches) is None
+    assert NativeDecode.build(model, backend, caches, runner.flatten) is None
     rotary.init_tables(torch.device("cpu"))
-    assert NativeDecode.build(model, backend, caches) is not None
+    assert NativeDecode.build(model, backend, caches, runner.flatten) is not None
 
 
 def test_native_decode_with_a_quantized_lm_head(tmp_path: Path) -> None:
@@ -187,9 +189,9 @@ def test_native_decode_with_a_quantized_lm_head(tmp_path: Path) -> None:
     logits still equal the Python path's."""
     runner = make_runner(tmp_path, "float32")
     quantize_(runner.model, Int8WeightOnly(), skip=("model.layers.*",))
-    native = NativeDecode.build(runner.model, runner.backend, runner.kv_caches)
+    native = NativeDecode.build(runner.model, runner.backend, runner.kv_caches, runner.flatten)
     assert native is not None
-    runner.native = native
+    runner.decode_path = native
     calls = counted(runner)
     with torch.inference_mode():
         runner.forward([[3], [8]], [0, 0], [[5, 6, 7], [9, 4]], [1, 1])

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from foudre.engine.kv_cache import Block, BlockPool, FreeBlockQueue, KVCacheManager
 from foudre.engine.request import Request, RequestStatus
 from foudre.engine.scheduler import Scheduler
+from foudre.runner.step import StepOutput
 from foudre.sampling_params import SamplingParams
 
 BS = 4
@@ -148,29 +149,37 @@ class FakeRun:
         s.check_invariants()
         assert out.total_tokens <= s.max_num_batched_tokens
         assert len(out) <= s.max_num_seqs and len(s.running) <= s.max_num_seqs
-        assert len({id(r) for r in out.requests}) == len(out.requests)
-        for v in out.preempted:
-            assert v.status == RequestStatus.PREEMPTED and v not in out.requests
-            assert v.num_computed_tokens == 0 and v.request_id not in kv.req_blocks
+        ids = [row.request_id for row in out.rows]
+        assert len(set(ids)) == len(ids)
+        reqs = [s.requests[rid] for rid in ids]
+        for rid in out.preempted:
+            v = s.requests[rid]
+            assert v.status == RequestStatus.PREEMPTED and rid not in ids
+            assert v.num_computed_tokens == 0 and rid not in kv.req_blocks
         # fake execute: write every computed token into its slot
-        for req, n in zip(out.requests, out.num_new_tokens, strict=True):
+        for row, req in zip(out.rows, reqs, strict=True):
+            n = row.num_new_tokens
             assert n >= 1 and req.status == RequestStatus.RUNNING
             start = req.num_computed_tokens
-            assert start + n <= req.num_tokens
+            assert row.start == start and start + n <= req.num_tokens
+            assert row.token_ids == req.token_ids_range(start, start + n)
+            assert row.block_ids == kv.block_ids(req.request_id)
             assert len(kv.block_ids(req.request_id)) * BS >= start + n
+            assert row.num_logits == (1 if start + n == req.num_tokens else 0)
             if req.num_cached_tokens > 0 and start == req.num_cached_tokens:
                 assert start % BS == 0 and start < req.num_tokens
             for p, tok in enumerate(req.token_ids_range(start, start + n), start):
                 self.kv_content[self.slot(req, p)] = tok
-        for req, n in zip(out.requests, out.num_new_tokens, strict=True):
-            req.num_computed_tokens += n
-        for req in out.requests:
-            if req.num_computed_tokens == req.num_tokens:  # sample
-                req.output_token_ids.append(self.rnd.randint(0, 2))
-                if len(req.output_token_ids) == self.max_tokens[req.request_id]:
-                    s.finish(req, RequestStatus.FINISHED_LENGTH)
-                    self.live.remove(req)
-                    self.finished.append(req)
+        sampling = [row.request_id for row in out.rows if row.num_logits]
+        zeros = [0] * len(sampling)
+        result = StepOutput(sampling, [[0]] * len(sampling), [None] * len(sampling), zeros, zeros)
+        for req in s.update(out, result):  # advances num_computed_tokens
+            assert req.num_computed_tokens == req.num_tokens  # sample
+            req.output_token_ids.append(self.rnd.randint(0, 2))
+            if len(req.output_token_ids) == self.max_tokens[req.request_id]:
+                s.finish(req, RequestStatus.FINISHED_LENGTH)
+                self.live.remove(req)
+                self.finished.append(req)
         self.check_state()
 
     def check_state(self) -> None:

@@ -51,7 +51,7 @@ def test_static_batch_runs_to_completion_before_admitting(stories_paths: tuple[s
     llm = _llm(stories_paths, scheduling_policy="static", max_num_seqs=2)
     engine = llm.engine
     reqs = [engine.add_request(p, s) for p, s in zip(PROMPTS, _params(), strict=True)]
-    engine.scheduler.policy.flush = True  # the last batch of one must not wait for a partner
+    engine.set_draining(True)  # the last batch of one must not wait for a partner
     first_batch = {reqs[0].request_id, reqs[1].request_id}
     running_sets = []
     while engine.has_unfinished_requests():
@@ -69,11 +69,11 @@ def test_static_waits_for_a_full_batch_unless_flushed(stories_paths: tuple[str, 
     engine = llm.engine
     engine.add_request(PROMPTS[0], _params()[0])
     for _ in range(3):
-        assert engine.step() == [] and engine.last_num_scheduled == 0
+        assert engine.step() == [] and engine.stalled
     engine.add_request(PROMPTS[1], _params()[1])
     engine.add_request(PROMPTS[2], _params()[2])
     engine.step()
-    assert engine.last_num_scheduled == 3
+    assert engine.metrics()["num_scheduled_last_step"] == 3
     for _ in range(200):
         engine.step()
     assert not engine.has_unfinished_requests()
@@ -100,7 +100,7 @@ def test_non_paged_baseline_same_tokens_fewer_concurrent(
 ) -> None:
     # 40 blocks of 16 = 640 tokens: 5 requests of max_model_len 128 fit contiguously, so use 24
     paged = _llm(stories_paths, num_kv_blocks=24)
-    contiguous = _llm(stories_paths, num_kv_blocks=24, attention_backend="contiguous")
+    contiguous = _llm(stories_paths, num_kv_blocks=24, kv_allocation="contiguous")
     peak = {}
     for name, llm in (("paged", paged), ("contiguous", contiguous)):
         engine = llm.engine

@@ -100,12 +100,13 @@ for name in ("torch", "triton", "graphs"):
               device="cpu", attention_backend=backend)
     if name == "graphs":
         runner = llm.engine.runner
-        runner.graphs = Replayed(runner, 4, 512)  # buckets 1, 2, 4; five rows run eagerly
-        runner.graphs.replayed = set()
+        runner.decode_path = Replayed(runner.forward_hidden, runner.device, runner.block_size,
+                                      runner.padding_block, 4, 512)  # buckets 1, 2, 4
+        runner.decode_path.replayed = set()
     outs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     m = llm.metrics()
     assert m["num_free_blocks"] == m["num_total_blocks"]
-assert runner.graphs.replayed == {1, 2, 4}, runner.graphs.replayed
+assert runner.decode_path.replayed == {1, 2, 4}, runner.decode_path.replayed
 assert outs["torch"] == outs["triton"] == outs["graphs"], outs
 print("ok")
 """
@@ -190,15 +191,15 @@ def test_cuda_graphs_match_eager(tmp_path: Path, dtype: str) -> None:
     ):
         llm = LLM(str(path), dtype=dtype, skip_tokenizer_init=True, num_kv_blocks=256, **kwargs)
         runner = llm.engine.runner
-        assert (runner.graphs is not None) == (name == "graphs")
+        assert (runner.decode_path is not None) == (name == "graphs")
         outs = []
         for n in (1, 3, 21):
             outs.append([o.outputs[0].token_ids for o in llm.generate(prompts[:n], greedy[:n])])
         outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, seeded)])
         m = llm.metrics()
         assert m["num_free_blocks"] == m["num_total_blocks"]
-        if runner.graphs is not None:
-            assert {1, 2, 4, 8, 16} & set(runner.graphs.graphs), "no graph was replayed"
+        if runner.decode_path is not None:
+            assert {1, 2, 4, 8, 16} & set(runner.decode_path.graphs), "no graph was replayed"
         results[name] = outs
     if dtype == "float32":
         assert results["eager"] == results["graphs"]

@@ -80,6 +80,7 @@ def test_logits_and_greedy_match_transformers(tmp_path: Path, case: str) -> None
 def _last_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
     """Run one prompt through the engine's own model, KV cache and backend; last logits."""
     from foudre.engine.request import Request
+    from foudre.runner.step import ScheduledRow, SchedulerOutput
 
     engine = llm.engine
     req = Request("probe", list(prompt), SamplingParams(max_tokens=1))
@@ -95,7 +96,8 @@ def _last_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
 
     runner.model.compute_logits = spy  # type: ignore[method-assign]
     try:
-        runner.execute([req], [len(prompt)], engine.kv)
+        row = ScheduledRow("probe", 0, list(prompt), engine.kv.block_ids("probe"), 1, req)
+        runner.execute(SchedulerOutput([row]))
     finally:
         runner.model.compute_logits = original  # type: ignore[method-assign]
         engine.kv.free(req)

@@ -23,12 +23,12 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from safetensors.torch import load_file
 
-from foudre.compress.model import copy_tokenizer
 from foudre.layers.rotary import rope_inv_freq
 from foudre.loading.errors import ModelLoadError
 from foudre.loading.gguf import _llama3_rope_scaling, load_gguf, read_gguf
-from foudre.loading.loader import load_model
-from foudre.loading.tokenizer import HFTokenizer, SentencePieceTokenizer, load_tokenizer
+from foudre.loading.loader import load_model, load_tokenizer
+from foudre.loading.tokenizer import HFTokenizer, SentencePieceTokenizer
+from foudre.loading.writer import copy_tokenizer
 from foudre.models.llama import LlamaForCausalLM
 from foudre.quant.calib import run_sequence
 from tests.conftest import SHARED, make_hf_model

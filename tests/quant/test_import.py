@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from foudre.quant.checkpoint import build_quantized_model
+from foudre.loading.quantized import build_quantized_model
 from foudre.quant.hf_import import AWQ_ORDER, awq_codes, gptq_codes
 from foudre.quant.qlinear import QuantLinear
 

@@ -12,8 +12,9 @@ from foudre import LLM, SamplingParams
 from foudre.compress.data import read_documents
 from foudre.compress.eval import perplexity
 from foudre.compress.model import load_for_eval
+from foudre.layers.kv_quant import dequantize_kv, quantize_kv
 from foudre.loading.loader import default_model
-from foudre.runner.attention.kv_quant import QuantizedKVCache, dequantize_kv, quantize_kv
+from foudre.runner.attention.kv_quant import QuantizedKVCache
 from tests.conftest import SHARED
 
 PROMPTS = [

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from foudre.loading.loader import load_model
-from foudre.loading.tokenizer import load_tokenizer
+from foudre.loading.loader import load_model, load_tokenizer
+from foudre.loading.quantized import build_quantized_model, save_quantized
 from foudre.models.llama import LlamaForCausalLM
 from foudre.quant import (
     AWQ,
@@ -23,7 +23,6 @@ from foudre.quant import (
 )
 from foudre.quant.awq import fake_quantize, search_scale
 from foudre.quant.calib import capture_inputs, run_sequence
-from foudre.quant.checkpoint import build_quantized_model, save_quantized
 from foudre.quant.gptq import gptq_quantize, hessian
 
 TEXT = (

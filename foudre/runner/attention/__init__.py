@@ -1,4 +1,4 @@
-"""Attention backends behind one interface (see ``base.AttentionBackend``)."""
+"""Attention backends behind one interface (``foudre.layers.attention.AttentionBackend``)."""
 
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ import os
 
 import torch
 
+from foudre.layers.attention import AttentionBackend, BatchLayout
 from foudre.runner.attention import cpu_paged
-from foudre.runner.attention.base import AttentionBackend, BatchLayout
 from foudre.runner.attention.torch_sdpa import TorchSDPABackend
 
 __all__ = ["AttentionBackend", "BatchLayout", "TorchSDPABackend", "get_backend", "resolve_backend"]
 
-BACKENDS = ("auto", "torch", "cpu", "triton", "contiguous")
+BACKENDS = ("auto", "torch", "cpu", "triton")
 
 
 def resolve_backend(name: str, device: torch.device, kv_cache_dtype: str = "auto") -> str:
@@ -60,8 +60,6 @@ def get_backend(
 ) -> AttentionBackend:
     """The backend registered under ``name`` (resolved for ``device``, the CPU by default);
     ``ValueError`` for an unknown one."""
-    # "contiguous" is the non-paged baseline: the same kernels over per-request buffers reserved
-    # at max_model_len (see KVCacheManager's reserve_tokens)
     name = resolve_backend(name, device or torch.device("cpu"), kv_cache_dtype)
     if name == "triton":
         from foudre.runner.attention.triton_paged import TritonPagedBackend

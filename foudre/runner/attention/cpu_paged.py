@@ -13,7 +13,7 @@ decode step at 16 rows on the 2-core benchmark machine). Three paths, chosen at 
 - AVX-512 (float32, float16, and bfloat16 without AVX512-BF16): the same walk with float32 FMAs.
 - portable C++ for other CPUs (vectorized by the compiler).
 
-The source ships with the package and is compiled on first use (``foudre.runner.native``).
+The source ships with the package and is compiled on first use (``foudre.layers.native``).
 Where no compiler works, ``attention_backend="auto"`` keeps the SDPA backend.
 """
 
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from foudre.runner import native
+from foudre.layers import native
 from foudre.runner.attention.paged import PagedDecodeBackend
 
 SOURCE = Path(__file__).with_name("cpu_paged_decode.cpp")
@@ -41,7 +41,7 @@ _ARGTYPES = [ctypes.c_void_p] * 7 + [_I64] * 10 + [ctypes.c_float]
 
 @lru_cache(maxsize=1)
 def load_library() -> ctypes.CDLL | None:
-    """The compiled kernel library (see ``foudre.runner.native``), or None."""
+    """The compiled kernel library (see ``foudre.layers.native``), or None."""
     dll = native.load(SOURCE)
     if dll is not None:
         for symbol in _SYMBOLS.values():

@@ -1,42 +1,18 @@
-"""KV-cache quantization: K and V stored in 8 bits with one scale per (token, KV head).
+"""The paged KV cache in 8 bits: K and V stored with one scale per (token, KV head), rounded by
+``foudre.layers.kv_quant``.
 
-``--kv-cache-dtype int8`` stores ``round(x / s)`` in int8 with ``s = max|x| / 127`` over the
-head's ``head_dim`` values; ``fp8`` stores ``x / s`` as float8 e4m3 with ``s = max|x| / 448``.
-A block then costs ``head_dim + 4`` bytes per token and head instead of ``2 * head_dim``
-(bf16) or ``4 * head_dim`` (fp32): 1.9x (bf16) to 3.8x (fp32) more tokens in the same memory.
-Attention reads the gathered blocks back in the model's dtype; new tokens are written first
-and read back like every other token, so a step sees exactly what later steps will see.
+A block costs ``head_dim + 4`` bytes per token and head instead of ``2 * head_dim`` (bf16) or
+``4 * head_dim`` (fp32): 1.9x (bf16) to 3.8x (fp32) more tokens in the same memory. Attention
+reads the gathered blocks back in the model's dtype; new tokens are written first and read back
+like every other token, so a step sees exactly what later steps will see.
 """
 
 from __future__ import annotations
 
 import torch
 
-from foudre.runner.attention.base import gather_blocks
-
-KV_CACHE_DTYPES = ("auto", "int8", "fp8")
-_QMAX = {"int8": 127.0, "fp8": 448.0}
-_STORAGE = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
-
-
-def quantize_kv(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` ``[..., head_dim]`` to (codes in the storage dtype, float32 scales ``[...]``)."""
-    x = x.float()
-    scale = x.abs().amax(dim=-1).clamp(min=1e-8) / _QMAX[kind]
-    y = x / scale.unsqueeze(-1)
-    if kind == "int8":
-        return y.round_().clamp_(-127, 127).to(torch.int8), scale
-    return y.to(torch.float8_e4m3fn), scale
-
-
-def dequantize_kv(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return (codes.float() * scale.unsqueeze(-1)).to(dtype)
-
-
-def fake_quantize_kv(x: torch.Tensor, kind: str) -> torch.Tensor:
-    """What ``x`` reads back as after a round trip through the quantized cache."""
-    codes, scale = quantize_kv(x, kind)
-    return dequantize_kv(codes, scale, x.dtype)
+from foudre.layers.attention.base import gather_blocks
+from foudre.layers.kv_quant import KV_CACHE_DTYPES, STORAGE_DTYPES, dequantize_kv, quantize_kv
 
 
 def kv_bytes_per_token_head(head_dim: int, kind: str, dtype: torch.dtype) -> int:
@@ -60,7 +36,7 @@ class QuantizedKVCache:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        if kind not in _QMAX:
+        if kind not in STORAGE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kind!r}")
         self.kind = kind
         self.dtype = dtype  # what attention computes in
@@ -79,6 +55,6 @@ class QuantizedKVCache:
 
     def gather(self, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of the blocks ``[B, n]``: ``[B, n, block_size, kv_heads, head_dim]``."""
-        codes = gather_blocks(self.codes, block_tables, dim=1).view(_STORAGE[self.kind])
+        codes = gather_blocks(self.codes, block_tables, dim=1).view(STORAGE_DTYPES[self.kind])
         kv = dequantize_kv(codes, gather_blocks(self.scales, block_tables, dim=1), self.dtype)
         return kv[0], kv[1]

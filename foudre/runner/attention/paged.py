@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from foudre.runner.attention.base import AttentionBackend, BatchLayout
+from foudre.layers.attention import AttentionBackend, BatchLayout
 from foudre.runner.attention.kv_quant import QuantizedKVCache
 from foudre.runner.attention.torch_sdpa import (
     _build_group,

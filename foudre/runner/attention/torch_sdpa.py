@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from foudre.runner.attention.base import AttentionBackend, BatchLayout, gather_blocks
+from foudre.layers.attention.base import AttentionBackend, BatchLayout, gather_blocks
 from foudre.runner.attention.kv_quant import QuantizedKVCache
 
 

@@ -24,10 +24,12 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from foudre.loading.hf import iter_safetensors_weights
+from foudre.loading.hf import iter_safetensors_weights, load_hf_config
+from foudre.loading.writer import copy_tokenizer, hf_config_dict
 from foudre.models.llama import LlamaForCausalLM
 from foudre.quant.hf_import import Int4Codes, awq_codes, gptq_codes
-from foudre.quant.qlinear import INT4_GROUP_SIZES, QuantLinear
+from foudre.quant.packing import INT4_GROUP_SIZES
+from foudre.quant.qlinear import QuantLinear
 
 
 def read_quantization_config(model_dir: str | Path) -> dict[str, Any] | None:
@@ -98,8 +100,6 @@ def save_quantized(
 ) -> Path:
     """Write ``model`` (after ``quantize_``) as a directory ``load_quantized`` reads back into
     identical modules. Returns the directory."""
-    from foudre.compress.model import copy_tokenizer, hf_config_dict
-
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
     cfg = model.config
@@ -266,8 +266,6 @@ def build_quantized_model(
 ) -> LlamaForCausalLM:
     """A ready (eval) model from a quantized checkpoint directory, built the way
     ``foudre.loading.loader.load_model`` builds one, with ``load_quantized`` for the weights."""
-    from foudre.loading.hf import load_hf_config
-
     cfg = load_hf_config(Path(model_dir))
     device = torch.device(device)
     with torch.device("meta"):

@@ -17,16 +17,27 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from foudre.engine.request import Request
 from foudre.layers.sampler import (
+    SamplingRow,
     exponential_noise,
     gather_logprobs,
     process_logits,
     warp_probs,
 )
+from foudre.sampling_params import SamplingParams
+
+
+class DraftRow(SamplingRow, Protocol):
+    """A sampling row that may carry draft tokens to verify (``Request`` is one)."""
+
+    @property
+    def spec_token_ids(self) -> list[int]: ...
+    @property
+    def spec_probs(self) -> torch.Tensor | None: ...
 
 
 def rejection_sample(
@@ -73,11 +84,11 @@ class _DraftView:
     """A request as if its first ``j`` draft tokens were already output (for penalties and
     min_tokens at draft position ``j``)."""
 
-    request: Request
+    request: DraftRow
     extra: list[int]
 
     @property
-    def sampling_params(self):  # type: ignore[no-untyped-def]
+    def sampling_params(self) -> SamplingParams:
         return self.request.sampling_params
 
     @property
@@ -111,7 +122,7 @@ class VerifyOutput:
 
 def verify(
     logits: torch.Tensor,
-    requests: Sequence[Request],
+    requests: Sequence[DraftRow],
     generator: torch.Generator | None = None,
 ) -> VerifyOutput:
     """Accept or reject each request's ``spec_token_ids`` against the target's ``logits``.
@@ -122,7 +133,7 @@ def verify(
     device = logits.device
     counts = [len(r.spec_token_ids) for r in requests]
     k = max(counts)
-    views: list = []
+    views: list[SamplingRow] = []
     for r, n in zip(requests, counts, strict=True):
         views.extend(r if j == 0 else _DraftView(r, r.spec_token_ids[:j]) for j in range(n + 1))
     params = [v.sampling_params for v in views]

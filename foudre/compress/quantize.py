@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from foudre.loading.loader import load_model, load_tokenizer
+from foudre.loading.quantized import save_quantized
 from foudre.quant.api import (
     AWQ,
     GPTQ,
@@ -66,8 +68,6 @@ def load_calibration(
         return [[int(t) for t in seq] for seq in data][:samples]
     if tokenizer_path is None:
         raise ValueError("a text calibration file needs the model's tokenizer; pass --tokenizer")
-    from foudre.loading.tokenizer import load_tokenizer
-
     ids = load_tokenizer(tokenizer_path).encode(text)
     seqs = [ids[i : i + seq_len] for i in range(0, len(ids), seq_len)]
     seqs = [s for s in seqs if len(s) >= 2]
@@ -88,9 +88,6 @@ def build_config(args: argparse.Namespace, calibration: list[list[int]] | None) 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
     """Load ``--model``, quantize it with ``--method``, write ``--output``; returns 0."""
-    from foudre.loading.loader import load_model
-    from foudre.quant.checkpoint import save_quantized
-
     loaded = load_model(args.model, args.tokenizer, args.dtype, torch.device("cpu"), None)
     calibration = None
     if args.calibration:

@@ -2,21 +2,19 @@
 quantization calibration).
 
 The same model modules run through ``CausalBackend`` as through the paged backends, so the model
-that is trained, evaluated or calibrated is exactly the one that is served.
+that is trained, evaluated or calibrated is exactly the one that is served
+(``foudre.models.causal.causal_hidden`` runs a model through it).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from foudre.runner.attention.base import AttentionBackend, BatchLayout
-from foudre.runner.attention.kv_quant import KV_CACHE_DTYPES, fake_quantize_kv
-
-if TYPE_CHECKING:
-    from foudre.models.llama import LlamaForCausalLM
+from foudre.layers.attention.base import AttentionBackend, BatchLayout
+from foudre.layers.kv_quant import fake_quantize_kv
 
 
 class CausalBackend(AttentionBackend):
@@ -58,17 +56,3 @@ class CausalBackend(AttentionBackend):
             vh = vh.repeat_interleave(heads // kv_heads, dim=1)
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
         return o.transpose(1, 2).reshape(b * t, heads, dim)
-
-
-_BACKENDS = {kind: CausalBackend(kind) for kind in KV_CACHE_DTYPES}
-
-
-def causal_hidden(
-    model: LlamaForCausalLM, ids: torch.Tensor, kv_cache_dtype: str = "auto"
-) -> torch.Tensor:
-    """Final hidden states ``[B, T, hidden]`` of ``ids`` ``[B, T]`` (each row from position 0)."""
-    b, t = ids.shape
-    positions = torch.arange(t, device=ids.device).repeat(b)
-    caches = [torch.empty(0, device=ids.device)] * len(model.model.layers)
-    hidden = model(ids.reshape(-1), positions, caches, _BACKENDS[kv_cache_dtype], (b, t))
-    return hidden.view(b, t, -1)

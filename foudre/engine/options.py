@@ -1,0 +1,87 @@
+"""Engine options from the outside: one command-line flag per ``EngineConfig`` field, and the
+check of the option names that the configuration itself leaves to their owners."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+from foudre.config import EngineConfig
+
+if TYPE_CHECKING:
+    import torch
+
+
+def check_config(config: EngineConfig, device: torch.device) -> None:
+    """``ValueError`` naming the field if a name in ``config`` is not one its owner knows (or
+    cannot run on ``device``); checked before any model is loaded."""
+    # imported here: the command line builds its parser from this module without loading torch
+    from foudre.engine.policies import POLICIES
+    from foudre.layers.kv_quant import KV_CACHE_DTYPES
+    from foudre.loading.loader import parse_dtype
+    from foudre.quant.api import METHODS
+    from foudre.runner.attention import resolve_backend
+    from foudre.spec.registry import PROPOSERS
+
+    named = [
+        ("scheduling_policy", config.scheduling_policy, POLICIES),
+        ("kv_cache_dtype", config.kv_cache_dtype, KV_CACHE_DTYPES),
+        ("quantization", config.quantization, (None, *METHODS)),
+        ("speculative_quantization", config.speculative_quantization, (None, *METHODS)),
+        ("speculative_method", config.speculative_method, (None, *PROPOSERS)),
+    ]
+    for field, value, allowed in named:
+        if value not in allowed:
+            names = ", ".join(str(a) for a in allowed if a is not None)
+            raise ValueError(f"{field} must be one of {names}, got {value!r}")
+    if config.dtype != "auto":
+        parse_dtype(config.dtype)
+    resolve_backend(config.attention_backend, device, config.kv_cache_dtype)
+
+
+def _bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected a boolean, got {text!r}")
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per ``EngineConfig`` field, with its default."""
+    defaults = EngineConfig()
+    for f in dataclasses.fields(EngineConfig):
+        flag = "--" + f.name.replace("_", "-")
+        default = getattr(defaults, f.name)
+        kind: Any
+        if isinstance(default, bool):
+            kind = _bool
+        elif f.name in ("kv_cache_memory", "batch_wait_ms"):
+            kind = float
+        elif isinstance(default, int) or f.name in ("max_model_len", "num_kv_blocks"):
+            kind = int
+        else:
+            kind = str
+        if isinstance(default, bool):  # "--flag" alone means true; "--flag false" works too
+            parser.add_argument(
+                flag,
+                type=kind,
+                nargs="?",
+                const=True,
+                default=default,
+                help=f"(default: {default})",
+            )
+        else:
+            parser.add_argument(flag, type=kind, default=default, help=f"(default: {default})")
+        if isinstance(default, bool):
+            parser.add_argument(
+                "--no-" + f.name.replace("_", "-"),
+                dest=f.name,
+                action="store_false",
+                help=argparse.SUPPRESS,
+            )
+
+
+def engine_config_from(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(**{name: getattr(args, name) for name in EngineConfig.field_names()})

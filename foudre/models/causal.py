@@ -1,0 +1,23 @@
+"""A model's forward over whole sequences without a KV cache (training, evaluation,
+quantization calibration), through ``CausalBackend`` (``foudre/layers/attention/causal.py``)."""
+
+from __future__ import annotations
+
+import torch
+
+from foudre.layers.attention.causal import CausalBackend
+from foudre.layers.kv_quant import KV_CACHE_DTYPES
+from foudre.models.llama import LlamaForCausalLM
+
+_BACKENDS = {kind: CausalBackend(kind) for kind in KV_CACHE_DTYPES}
+
+
+def causal_hidden(
+    model: LlamaForCausalLM, ids: torch.Tensor, kv_cache_dtype: str = "auto"
+) -> torch.Tensor:
+    """Final hidden states ``[B, T, hidden]`` of ``ids`` ``[B, T]`` (each row from position 0)."""
+    b, t = ids.shape
+    positions = torch.arange(t, device=ids.device).repeat(b)
+    caches = [torch.empty(0, device=ids.device)] * len(model.model.layers)
+    hidden = model(ids.reshape(-1), positions, caches, _BACKENDS[kv_cache_dtype], (b, t))
+    return hidden.view(b, t, -1)
