@@ -17,6 +17,15 @@ from typing import Any
 from foudre.loading.errors import ModelLoadError
 
 _BYTE_PIECE = re.compile(rb"^<0x([0-9A-Fa-f]{2})>$")
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
+
+
+class InvalidTextError(ValueError):
+    """Text that no tokenizer can encode: it holds a lone UTF-16 surrogate, not valid Unicode.
+
+    Such strings come from JSON escapes like ``"\\ud800"``; every ``Tokenizer.encode`` rejects
+    them with this error rather than failing (or not) inside its library.
+    """
 
 
 def _raise_template_exception(message: str) -> None:
@@ -44,7 +53,25 @@ class Tokenizer(ABC):
 
     @abstractmethod
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text``; with ``add_special_tokens``, BOS first if the model wants it."""
+        """Token ids of ``text``; with ``add_special_tokens``, BOS first if the model wants it.
+
+        Raises ``InvalidTextError`` when ``text`` holds a lone surrogate (``_check_text``).
+        """
+
+    @staticmethod
+    def _check_text(text: str) -> None:
+        """Raise ``InvalidTextError`` if ``text`` holds a surrogate code point (U+D800-U+DFFF).
+
+        Every ``encode`` calls this first, so all tokenizer classes reject the same inputs.
+        """
+        if text.isascii():  # O(1) in CPython: the common case costs nothing
+            return
+        found = _SURROGATE.search(text)
+        if found is not None:
+            raise InvalidTextError(
+                f"text contains a lone surrogate (U+{ord(found.group()):04X} at index "
+                f"{found.start()}) and is not valid Unicode"
+            )
 
     @abstractmethod
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
@@ -193,6 +220,7 @@ class HFTokenizer(Tokenizer):
         } | {i for i in (self._bos_id, self._eos_id) if i is not None}
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        self._check_text(text)
         ids: list[int] = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
         if add_special_tokens and self._bos_id is not None:
             if self._add_bos and not self._post_adds_bos:
@@ -283,6 +311,7 @@ class SentencePieceTokenizer(Tokenizer):
         }
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        self._check_text(text)
         ids: list[int] = self._sp.encode(text)
         if add_special_tokens and self._add_bos and self._bos_id is not None:
             ids.insert(0, self._bos_id)
@@ -385,30 +414,103 @@ class Llama2cTokenizer(Tokenizer):
         for piece in pieces:
             m = _BYTE_PIECE.match(piece)
             self._bytes.append(bytes([int(m.group(1), 16)]) if m else piece)
+        # Each id's rank among the distinct scores, best first (equal scores share a rank), or
+        # None when run.c never merges into it: its score is not above run.c's floor, -1e10.
+        usable = sorted({s for s in scores if s > -1e10}, reverse=True)
+        rank_of = {s: r for r, s in enumerate(usable)}
+        self._ranks: list[int | None] = [rank_of[s] if s > -1e10 else None for s in scores]
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        tokens: list[int] = []
+        """run.c's encoding, in O(n log n) rather than its O(n^2) rescan per merge.
+
+        The dummy space first, one id per character (UTF-8 byte fallback for characters not in
+        the vocabulary), then, as long as some adjacent pair's concatenated pieces form a token
+        scoring above -1e10, merge the best-scoring such pair, the leftmost on ties.
+        """
+        self._check_text(text)
+        tokens = [self.BOS_ID] if add_special_tokens else []
         if text:
-            tokens.append(self._lookup.get(b" ", 0x20 + 3))  # run.c's dummy prefix
-        for char in text:
-            utf8 = char.encode("utf-8", errors="surrogatepass")
-            found = self._lookup.get(utf8)
-            if found is not None:
-                tokens.append(found)
-            else:
-                tokens.extend(b + 3 for b in utf8)  # byte fallback: <0x00> is id 3
-        while True:  # merge the best-scoring adjacent pair, leftmost on ties, as run.c
-            best_score, best_id, best_at = -1e10, -1, -1
-            for at in range(len(tokens) - 1):
-                merged = self._lookup.get(self._pieces[tokens[at]] + self._pieces[tokens[at + 1]])
-                if merged is not None and self._scores[merged] > best_score:
-                    best_score, best_id, best_at = self._scores[merged], merged, at
-            if best_at < 0:
-                break
-            tokens[best_at : best_at + 2] = [best_id]
-        if add_special_tokens:
-            tokens.insert(0, self.BOS_ID)
+            tokens += self._merge(self._symbols(text))
         return tokens
+
+    def _symbols(self, text: str) -> list[int]:
+        """The ids before any merge: the dummy space, then each character or its UTF-8 bytes."""
+        lookup = self._lookup
+        ids = [lookup.get(b" ", 0x20 + 3)]  # run.c's dummy prefix
+        known: dict[str, list[int]] = {}  # per distinct character: its ids
+        for char in text:
+            found = known.get(char)
+            if found is None:
+                utf8 = char.encode("utf-8")
+                single = lookup.get(utf8)
+                # byte fallback: <0x00> is id 3
+                found = known[char] = [single] if single is not None else [b + 3 for b in utf8]
+            ids += found
+        return ids
+
+    def _merge(self, ids: list[int]) -> list[int]:
+        """Apply run.c's merges to ``ids`` (consumed) with a heap of candidate pairs.
+
+        Symbols form a doubly linked list over the positions of ``ids``; a merge keeps the left
+        symbol's position, so positions stay in text order. A candidate is the int
+        ``(rank * span + left) * span + pushed``: the merged token's score rank (0 = best),
+        the left symbol's position, then the merge count when it was pushed; the smallest
+        key is thus the best score, leftmost on ties, exactly run.c's choice by full rescan.
+        Candidates are invalidated lazily: one is stale, and dropped when popped, if either
+        of its symbols changed (merged or was absorbed) after it was pushed.
+        """
+        from heapq import heapify, heappop, heappush
+
+        n = len(ids)
+        if n < 2:
+            return ids
+        pieces, lookup, ranks = self._pieces, self._lookup, self._ranks
+        span = n + 1  # above every position and every merge count
+        heap: list[int] = []
+        pair_ranks: dict[tuple[int, int], int | None] = {}  # the text repeats its pairs
+        for at in range(n - 1):
+            pair = (ids[at], ids[at + 1])
+            if pair in pair_ranks:
+                rank = pair_ranks[pair]
+            else:
+                merged = lookup.get(pieces[pair[0]] + pieces[pair[1]])
+                rank = pair_ranks[pair] = None if merged is None else ranks[merged]
+            if rank is not None:
+                heap.append((rank * span + at) * span)
+        heapify(heap)
+        nxt = list(range(1, n + 1))
+        nxt[-1] = -1
+        prv = list(range(-1, n - 1))
+        changed = [0] * n  # merge count at a symbol's last change; span once absorbed
+        merges = 0
+        while heap:
+            rest, pushed = divmod(heappop(heap), span)
+            left = rest % span
+            right = nxt[left]  # the candidate's right symbol, unless left changed since
+            if changed[left] > pushed or right < 0 or changed[right] > pushed:
+                continue
+            merged = lookup[pieces[ids[left]] + pieces[ids[right]]]
+            merges += 1
+            ids[left] = merged
+            changed[left] = merges
+            changed[right] = span
+            after = nxt[left] = nxt[right]
+            if after >= 0:
+                prv[after] = left
+                candidate = lookup.get(pieces[merged] + pieces[ids[after]])
+                if candidate is not None and (rank := ranks[candidate]) is not None:
+                    heappush(heap, (rank * span + left) * span + merges)
+            before = prv[left]
+            if before >= 0:
+                candidate = lookup.get(pieces[ids[before]] + pieces[merged])
+                if candidate is not None and (rank := ranks[candidate]) is not None:
+                    heappush(heap, (rank * span + before) * span + merges)
+        out: list[int] = []
+        at = 0  # position 0 is never absorbed: it has no left neighbour
+        while at >= 0:
+            out.append(ids[at])
+            at = nxt[at]
+        return out
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         out = bytearray()
