@@ -180,7 +180,7 @@ def main() -> None:
                     ttft, tps = hf_batch1(hf, prompts[0], args.new_tokens)
                 b1["hf_ttft"].append(ttft)
                 b1["hf"].append(tps)
-            llm.engine.kv.reset_prefix_cache()
+            llm.engine.reset_prefix_cache()
             before = measure_bandwidth(device=device)
             ttft, tps, step, pairs = foudre_batch1(llm, prompts[0], args.new_tokens, probe)
             # each step against a matvec sampled right after it: the drift cancels pair by pair
@@ -224,7 +224,7 @@ def main() -> None:
                     f"[{dtype_name}] HF static batch: {row['hf_static_tps']:.1f} tok/s", flush=True
                 )
                 continue
-            llm.engine.kv.reset_prefix_cache()
+            llm.engine.reset_prefix_cache()
             tp, row["foudre_preemptions"] = foudre_throughput(llm, prompts, lens)
             runs.append(tp)
         if runs:

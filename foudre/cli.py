@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from foudre.engine.options import add_engine_args, engine_config_from
+from foudre.engine.options import PROFILES, add_engine_args, engine_config_from, profile_defaults
 from foudre.loading.errors import ModelLoadError
 
 
@@ -86,15 +86,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from foudre.loading.errors import ModelLoadError
     from foudre.server.launch import run_server
 
+    config = engine_config_from(args)
+    if args.profile is not None:
+        chosen = ", ".join(f"{k}={getattr(config, k)}" for k in args.profile_fields)
+        print(f"foudre: profile {args.profile}: {chosen}", file=sys.stderr)
     try:
         return run_server(
-            engine_config_from(args),
+            config,
             host=args.host,
             port=args.port,
             api_key=args.api_key,
             served_model_name=args.served_model_name,
             max_queue=args.max_queue,
             log_level="info" if args.verbose else "warning",
+            max_n=args.max_n,
+            max_request_bytes=args.max_request_bytes,
+            request_timeout=args.request_timeout,
         )
     except ModelLoadError as e:
         print(f"foudre: error: {e}", file=sys.stderr)
@@ -262,13 +269,14 @@ def add_compress_parsers(sub: Any) -> None:
     ppl.add_argument("--data", required=True)
     ppl.add_argument("--max-length", type=int, default=None)
     ppl.add_argument("--split", choices=("all", "train", "heldout"), default="all")
-    ppl.add_argument(
-        "--quantization", default=None, choices=["int8", "int4", "gptq", "awq", "mixed"]
-    )
+    from foudre.layers.kv_quant import KV_CACHE_DTYPES
+    from foudre.quant.api import METHODS
+
+    ppl.add_argument("--quantization", default=None, choices=METHODS)
     ppl.add_argument(
         "--kv-cache-dtype",
         default="auto",
-        choices=["auto", "int8", "fp8"],
+        choices=KV_CACHE_DTYPES,
         help="round K/V as the quantized KV cache stores them",
     )
     ppl.set_defaults(func=cmd_eval_perplexity)
@@ -307,7 +315,28 @@ def build_parser() -> argparse.ArgumentParser:
         default=1024,
         help="most unfinished requests before answering 503 (default: 1024)",
     )
-    serve.set_defaults(func=cmd_serve)
+    serve.add_argument(
+        "--max-n", type=int, default=16, help="most choices (n) one request may ask (default: 16)"
+    )
+    serve.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=8 << 20,
+        help="larger request bodies get 413 (default: 8 MiB)",
+    )
+    serve.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        help="seconds before a request is aborted and answered 408 (default: none)",
+    )
+    serve.add_argument(
+        "--profile",
+        choices=sorted(PROFILES),
+        default=None,
+        help="engine options for a scenario (realtime, throughput, edge); flags still override",
+    )
+    serve.set_defaults(func=cmd_serve, profile_fields=[])
 
     bench = sub.add_parser(
         "bench", help="benchmarks: serve, throughput, latency, ablate, sweep, quant"
@@ -333,10 +362,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _apply_profile(parser: argparse.ArgumentParser, argv: list[str]) -> None:
+    """With ``serve --profile NAME``, make the profile's engine options the serve command's
+    defaults, so that each flag given on the command line still wins."""
+    if not argv or argv[0] != "serve":
+        return
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--profile", default=None)
+    pre.add_argument("--model", default=None)
+    known, _ = pre.parse_known_args(argv[1:])
+    if known.profile not in PROFILES:
+        return  # absent, or unknown: the full parser reports it
+    chosen = profile_defaults(known.profile, known.model)
+    serve = _subparser(parser, "serve")
+    serve.set_defaults(**chosen, profile_fields=sorted(chosen))
+
+
+def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices[name]  # type: ignore[no-any-return]
+    raise KeyError(name)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    args.argv = list(argv) if argv is not None else sys.argv[1:]
+    arg_list = list(argv) if argv is not None else sys.argv[1:]
+    args_start = next((i for i, a in enumerate(arg_list) if not a.startswith("-")), 0)
+    _apply_profile(parser, arg_list[args_start:])
+    args = parser.parse_args(arg_list)
+    args.argv = arg_list
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         stream=sys.stderr,

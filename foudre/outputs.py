@@ -13,7 +13,8 @@ class CompletionOutput:
     index: int
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    # "stop" | "length" | "abort" | "error" (a step that computed it failed) | None while running
+    finish_reason: str | None = None
     stop_reason: str | int | None = None  # the stop string or token that ended it
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float | None = None
@@ -45,3 +46,4 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
+    error: str | None = None  # with finish_reason "error": what failed

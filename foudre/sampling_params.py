@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from foudre.errors import InvalidParameterError
+
+MAX_STOP_STRINGS = 32
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024  # entries
+SEED_RANGE = (-(2**63), 2**63 - 1)  # what a torch.Generator takes
 
 
 @dataclass(slots=True)
@@ -33,11 +41,22 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # number of top logprobs to return beside the sampled one
     skip_special_tokens: bool = True
+    # added to the logits of these token ids before sampling ([-100, 100], as OpenAI's)
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None  # sample only among these
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = [s for s in self.stop if s]
+        floats = ("temperature", "top_p", "min_p", "repetition_penalty")
+        for name in (*floats, "presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise InvalidParameterError(name, f"{name} must be a number, got {value!r}")
+            if not math.isfinite(value):
+                raise InvalidParameterError(name, f"{name} must be finite, got {value!r}")
+        self._check_lists()
         if self.top_k == -1:
             self.top_k = 0
         checks: list[tuple[str, bool, str]] = [
@@ -66,6 +85,55 @@ class SamplingParams:
                 "stop_token_ids",
                 f"stop_token_ids must be non-negative, got {self.stop_token_ids!r}",
             )
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            raise InvalidParameterError(
+                "seed", f"seed must be a 64-bit signed integer, got {self.seed!r}"
+            )
+
+    def _check_lists(self) -> None:
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidParameterError(
+                "stop", f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}"
+            )
+        if any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
+            raise InvalidParameterError(
+                "stop", f"each stop string must be at most {MAX_STOP_STRING_CHARS} characters"
+            )
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidParameterError(
+                "stop_token_ids", f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids"
+            )
+        if self.logit_bias is not None:
+            if len(self.logit_bias) > MAX_LOGIT_BIAS:
+                raise InvalidParameterError(
+                    "logit_bias", f"logit_bias takes at most {MAX_LOGIT_BIAS} entries"
+                )
+            for token, bias in self.logit_bias.items():
+                if not isinstance(token, int) or token < 0:
+                    raise InvalidParameterError(
+                        "logit_bias", f"logit_bias keys must be token ids, got {token!r}"
+                    )
+                if not (isinstance(bias, int | float) and -100.0 <= bias <= 100.0):
+                    raise InvalidParameterError(
+                        "logit_bias", f"logit_bias values must be in [-100, 100], got {bias!r}"
+                    )
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise InvalidParameterError(
+                    "allowed_token_ids", "allowed_token_ids must not be empty"
+                )
+            if any(t < 0 for t in self.allowed_token_ids):
+                raise InvalidParameterError(
+                    "allowed_token_ids", "allowed_token_ids must be non-negative token ids"
+                )
+
+    def token_ids_in_use(self) -> Sequence[tuple[str, int]]:
+        """Every token id these parameters name, with the field that names it (for a check
+        against the vocabulary, which only the engine knows)."""
+        named = [("stop_token_ids", t) for t in self.stop_token_ids]
+        named += [("logit_bias", t) for t in self.logit_bias or ()]
+        named += [("allowed_token_ids", t) for t in self.allowed_token_ids or ()]
+        return named
 
     @property
     def greedy(self) -> bool:

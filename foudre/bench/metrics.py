@@ -104,7 +104,8 @@ def compute_metrics(
     ``total_output_tokens``, ``request_throughput``, ``output_throughput``,
     ``total_token_throughput`` and, for each m in ``METRICS``, ``mean_<m>_ms``, ``median_<m>_ms``,
     ``std_<m>_ms``, ``p90_<m>_ms`` and ``p99_<m>_ms`` (None when no request contributes), plus
-    ``goodput`` (requests per second meeting all ``slos``) when ``slos`` is non-empty.
+    ``goodput`` (requests per second meeting all ``slos``) and ``slo_attainment`` (the
+    fraction of all requests, failed ones included, that met them) when ``slos`` is non-empty.
 
     Token totals and statistics cover successful requests only; ITL statistics are over the
     gaps of all successful requests pooled together.
@@ -140,7 +141,9 @@ def compute_metrics(
         for stat, value in summarize(samples[m]).items():
             out[f"{stat}_{m}_ms"] = value
     if slos:
-        out["goodput"] = sum(meets_slos(r, slos) for r in ok) / duration
+        met = sum(meets_slos(r, slos) for r in ok)
+        out["goodput"] = met / duration
+        out["slo_attainment"] = met / len(results) if results else 0.0
     return out
 
 

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -482,6 +483,19 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
         metavar="KEY=MS",
         help="service-level objective for goodput (ttft_ms, tpot_ms, e2el_ms); repeatable",
     )
+    p.add_argument(
+        "--find-max-rate",
+        action="store_true",
+        help="with --slo: search the highest request rate at which --slo-attainment of the "
+        "requests meet every SLO (doubling from --request-rate, then bisecting)",
+    )
+    p.add_argument(
+        "--slo-attainment",
+        type=float,
+        default=0.9,
+        help="fraction of requests that must meet the SLOs (default: 0.9)",
+    )
+    p.add_argument("--search-steps", type=int, default=4, help="bisection steps of --find-max-rate")
     p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
     p.add_argument(
         "--tokenizer",
@@ -530,6 +544,103 @@ def _build_requests(args: argparse.Namespace, tokenizer: Tokenizer | None) -> li
     return requests
 
 
+def search_max_rate(
+    attainment_at: Callable[[float], float],
+    start: float,
+    target: float,
+    steps: int,
+    max_doublings: int = 10,
+) -> tuple[float | None, list[tuple[float, float]]]:
+    """The highest request rate whose SLO attainment (``attainment_at(rate)``) reaches
+    ``target``: double from ``start`` until it fails, then bisect ``steps`` times between the
+    last rate that passed and the first that failed. Returns that rate (None when even
+    ``start`` fails, after halving it ``steps`` times) and every (rate, attainment) tried."""
+    tried: list[tuple[float, float]] = []
+
+    def ok(rate: float) -> bool:
+        value = attainment_at(rate)
+        tried.append((rate, value))
+        return value >= target
+
+    good: float | None = None
+    bad: float | None = None
+    rate = start
+    if ok(rate):
+        good = rate
+        for _ in range(max_doublings):
+            rate *= 2
+            if not ok(rate):
+                bad = rate
+                break
+            good = rate
+        else:
+            return good, tried  # never failed: the search's ceiling
+    else:
+        bad = rate
+        for _ in range(steps):
+            rate /= 2
+            if ok(rate):
+                good = rate
+                break
+            bad = rate
+        if good is None:
+            return None, tried
+    for _ in range(steps):
+        mid = (good + bad) / 2
+        if ok(mid):
+            good = mid
+        else:
+            bad = mid
+    return good, tried
+
+
+def _find_max_rate(
+    args: argparse.Namespace,
+    requests: list[SampledRequest],
+    config: BenchConfig,
+    tokenizer: Tokenizer | None,
+    slos: dict[str, float],
+) -> int:
+    if not slos:
+        print(
+            "foudre bench serve: error: --find-max-rate needs at least one --slo", file=sys.stderr
+        )
+        return 2
+    if not 0 < args.slo_attainment <= 1:
+        print("foudre bench serve: error: --slo-attainment must be in (0, 1]", file=sys.stderr)
+        return 2
+    start = config.request_rate if math.isfinite(config.request_rate) else 1.0
+    runs: list[dict[str, Any]] = []
+
+    def attainment_at(rate: float) -> float:
+        cfg = dataclasses.replace(config, request_rate=rate, progress=False)
+        results, duration = asyncio.run(run_benchmark(requests, cfg, tokenizer))
+        metrics = compute_metrics(results, duration, slos)
+        runs.append({"request_rate": rate, **metrics})
+        print(
+            f"rate {rate:8.3f} req/s: {metrics['slo_attainment']:.1%} meet the SLOs, goodput "
+            f"{metrics['goodput']:.2f} req/s, p90 TTFT {_fmt(metrics['p90_ttft_ms'])} ms, "
+            f"p90 TPOT {_fmt(metrics['p90_tpot_ms'])} ms",
+            file=sys.stderr,
+            flush=True,
+        )
+        return float(metrics["slo_attainment"])
+
+    best, _ = search_max_rate(attainment_at, start, args.slo_attainment, args.search_steps)
+    slo_text = ", ".join(f"{k} <= {v:g}" for k, v in slos.items())
+    found = "none" if best is None else f"{best:.3f} req/s"
+    print(
+        f"Highest request rate with {args.slo_attainment:.0%} of requests meeting "
+        f"{slo_text}: {found}"
+    )
+    if args.save_result:
+        path = Path(args.save_result)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        summary = {"slos": slos, "slo_attainment": args.slo_attainment, "max_rate": best}
+        path.write_text(json.dumps({**summary, "runs": runs}, indent=2) + "\n")
+    return 0 if best is not None else 1
+
+
 def run_bench_serve(args: argparse.Namespace) -> int:
     """Run ``foudre bench serve`` with parsed ``args`` (see ``add_bench_serve_args``).
 
@@ -573,6 +684,8 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         f"max concurrency {config.max_concurrency or 'unlimited'}",
         file=sys.stderr,
     )
+    if args.find_max_rate:
+        return _find_max_rate(args, requests, config, tokenizer, slos)
     spec_before = scrape_spec_counters(args.base_url)
     results, duration = asyncio.run(run_benchmark(requests, config, tokenizer))
     metrics = compute_metrics(results, duration, slos)

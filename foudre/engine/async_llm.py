@@ -50,6 +50,7 @@ class _Add:
     group_id: str
     prompts: list[Prompt]
     params: SamplingParams
+    cache_salt: str | None
     num_children: int
     stream: RequestStream
     ack: asyncio.Future[None]
@@ -140,6 +141,7 @@ class AsyncLLM:
         self.max_queue = max_queue
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.model_config.vocab_size
         self._cv = threading.Condition()
         self._commands: list[_Add | _Abort] = []
         self._stopping = False
@@ -166,7 +168,11 @@ class AsyncLLM:
         self._observers.append(observer)
 
     async def add_requests(
-        self, prompts: Sequence[Prompt], params: SamplingParams, request_id: str
+        self,
+        prompts: Sequence[Prompt],
+        params: SamplingParams,
+        request_id: str,
+        cache_salt: str | None = None,
     ) -> RequestStream:
         """Submit ``params.n`` samples of each prompt and return their stream once the engine
         has accepted them all (or none).
@@ -190,7 +196,7 @@ class AsyncLLM:
         loop = asyncio.get_running_loop()
         stream = RequestStream(self, request_id, loop)
         ack: asyncio.Future[None] = loop.create_future()
-        self._submit(_Add(request_id, list(prompts), params, total, stream, ack))
+        self._submit(_Add(request_id, list(prompts), params, cache_salt, total, stream, ack))
         try:
             await ack
         except asyncio.CancelledError:
@@ -232,7 +238,12 @@ class AsyncLLM:
 
     @property
     def is_running(self) -> bool:
-        return self._thread.is_alive() and not self._stopping
+        """The engine thread is alive, not stopping, and its engine can still step."""
+        return self._thread.is_alive() and not self._stopping and self._healthy
+
+    @property
+    def _healthy(self) -> bool:
+        return bool(self._snapshot.get("healthy", True))
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Abort in-flight requests and stop the engine thread. Idempotent."""
@@ -264,7 +275,7 @@ class AsyncLLM:
             self._num_unfinished -= count
 
     def _make_snapshot(self) -> dict[str, Any]:
-        return dict(self.engine.metrics())
+        return {**self.engine.metrics(), "healthy": self.engine.healthy}
 
     def _run(self) -> None:
         while True:
@@ -308,7 +319,7 @@ class AsyncLLM:
         stream = command.stream
         try:
             stream.child_ids = self.engine.add_group(
-                command.group_id, command.prompts, command.params
+                command.group_id, command.prompts, command.params, cache_salt=command.cache_salt
             )
         except Exception as e:
             error = e
@@ -327,12 +338,12 @@ class AsyncLLM:
         stream = self._streams.pop(group_id, None)
         if stream is None:
             return
+        for rid in stream.child_ids:  # released first: a failing abort leaks no queue slot
+            if self._sinks.pop(rid, None) is not None:
+                self._release(1)
         for out in self.engine.abort_group(group_id):
             self._observe(out)
             stream._deliver(out)
-        for rid in stream.child_ids:
-            if self._sinks.pop(rid, None) is not None:
-                self._release(1)
 
     def _step(self) -> None:
         try:

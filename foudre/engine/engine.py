@@ -30,7 +30,7 @@ from foudre.models.config import ModelConfig
 from foudre.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from foudre.runner.attention import get_backend
 from foudre.runner.host_memory import keep_freed_host_memory
-from foudre.runner.model_runner import ModelRunner, num_kv_blocks
+from foudre.runner.model_runner import ModelRunner, kv_bytes_per_block, num_kv_blocks
 from foudre.runner.step import StepOutput
 from foudre.sampling_params import SamplingParams
 from foudre.spec.proposers import Proposer
@@ -39,6 +39,8 @@ from foudre.spec.registry import ProposerContext, make_proposer
 logger = logging.getLogger("foudre")
 
 Prompt = str | list[int]
+
+_UNHEALTHY_AFTER = 8  # consecutive failed steps (each isolating or failing its requests)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -76,6 +78,9 @@ class EngineStats:
     num_model_steps: int = 0  # target forwards run
     num_padding_tokens: int = 0  # throw-away tokens of rectangular batches (static/dynamic)
     num_scheduled_last_step: int = 0  # 0 while requests wait on a batching policy or blocks
+    num_step_failures: int = 0  # steps whose forward raised (their requests were isolated)
+    num_failed_requests: int = 0  # requests that failed a step alone (finish_reason "error")
+    consecutive_step_failures: int = 0
     spec_num_drafts: int = 0  # verifications with at least one draft token
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
@@ -89,7 +94,8 @@ class EngineStats:
             self.spec_accepted_per_position[j] += 1
 
     def as_dict(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["spec_accepted_per_position"] = list(self.spec_accepted_per_position)
         # tokens per verification step: accepted drafts plus the target's own token
         out["spec_mean_acceptance_length"] = (
             1.0 + self.spec_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else 0.0
@@ -237,6 +243,20 @@ class LLMEngine:
             raise PromptTooLongError(len(ids), self.max_model_len)
         return ids, text
 
+    def _check_params(self, params: SamplingParams) -> None:
+        """What ``SamplingParams`` cannot check alone: token ids and ``top_k`` against the
+        model's vocabulary (so that no request can make a step index out of range)."""
+        vocab = self.model_config.vocab_size
+        if params.top_k > vocab:
+            raise InvalidParameterError(
+                "top_k", f"top_k must be -1, 0 or at most the vocabulary size {vocab}"
+            )
+        for name, token in params.token_ids_in_use():
+            if token >= vocab:
+                raise InvalidParameterError(
+                    name, f"{name} names token id {token}, outside the vocabulary [0, {vocab})"
+                )
+
     def add_request(
         self,
         prompt: Prompt,
@@ -249,7 +269,8 @@ class LLMEngine:
         ``add_group``). ``InvalidParameterError`` for an empty or unknown-token prompt,
         ``PromptTooLongError`` for one over ``max_model_len``."""
         ids, text = self._prompt_ids(prompt)
-        return self._add(ids, text, params, request_id, arrival_time, index, None)
+        self._check_params(params)
+        return self._add(ids, text, params, request_id, arrival_time, index, None, None)
 
     def add_group(
         self,
@@ -257,19 +278,22 @@ class LLMEngine:
         prompts: Sequence[Prompt],
         params: SamplingParams,
         arrival_time: float | None = None,
+        cache_salt: str | None = None,
     ) -> list[str]:
         """Queue ``params.n`` samples of each prompt as one group, all or none; return the
         children's ids. Child ``i = prompt_index * n + sample`` has id ``{group_id}-{i}`` (just
         ``group_id`` when there is one child), output index ``i`` and seed ``seed + sample``.
-        Each prompt is encoded and validated once, before any child is queued."""
+        Each prompt is encoded and validated once, before any child is queued. ``cache_salt``
+        puts the group's blocks in their own prefix-cache namespace (a tenant's)."""
         if group_id in self._groups or group_id in self._tracked:
             raise InvalidParameterError("request_id", f"request id {group_id!r} is already in use")
         if not prompts:
             raise InvalidParameterError("prompt", "prompt must not be empty")
         encoded = [self._prompt_ids(p) for p in prompts]
+        self._check_params(params)
         n = params.n
         total = len(encoded) * n
-        children = []
+        plan = []  # every child checked (ids, seeds) before any is queued
         for p, (ids, text) in enumerate(encoded):
             for j in range(n):
                 child = params
@@ -277,10 +301,20 @@ class LLMEngine:
                     child = dataclasses.replace(params, seed=params.seed + j)
                 i = p * n + j
                 rid = group_id if total == 1 else f"{group_id}-{i}"
-                self._add(ids, text, child, rid, arrival_time, i, group_id)
+                if rid in self._tracked:
+                    raise InvalidParameterError("request_id", f"request id {rid!r} is in use")
+                plan.append((ids, text, child, rid, i))
+        children: list[str] = []
+        self._groups[group_id] = children
+        try:
+            for ids, text, child, rid, i in plan:
+                self._add(ids, text, child, rid, arrival_time, i, group_id, cache_salt)
                 children.append(rid)
-        self._groups[group_id] = list(children)
-        return children
+        except BaseException:
+            self.abort_group(group_id)
+            self._groups.pop(group_id, None)
+            raise
+        return list(children)
 
     def _add(
         self,
@@ -291,6 +325,7 @@ class LLMEngine:
         arrival_time: float | None,
         index: int,
         group_id: str | None,
+        cache_salt: str | None,
     ) -> Request:
         if request_id is None:
             request_id = str(next(self._ids))
@@ -304,6 +339,7 @@ class LLMEngine:
             params,
             self.eos_token_ids,
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+            cache_salt=cache_salt,
         )
         detok = None
         if self.tokenizer is not None:
@@ -321,11 +357,11 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request wherever it is; its blocks return to the pool at once."""
-        tracked = self._tracked.pop(request_id, None)
+        tracked = self._tracked.get(request_id)
         if tracked is None or tracked.request.is_finished:
             return None
-        self._forget(tracked)
         self.scheduler.finish(tracked.request, RequestStatus.FINISHED_ABORTED)
+        self._retire(tracked)
         return self._output(tracked, [], "")
 
     def abort_group(self, group_id: str) -> list[RequestOutput]:
@@ -334,14 +370,15 @@ class LLMEngine:
         outputs = [self.abort_request(rid) for rid in children]
         return [out for out in outputs if out is not None]
 
-    def _forget(self, tracked: _Tracked) -> None:
-        """Drop a finished or aborted child from its group."""
-        if tracked.group_id is None:
+    def _retire(self, tracked: _Tracked) -> None:
+        """Forget a finished, aborted or failed request, and drop it from its group (once)."""
+        if self._tracked.pop(tracked.request.request_id, None) is None or tracked.group_id is None:
             return
-        children = self._groups[tracked.group_id]
-        children.remove(tracked.request.request_id)
+        children = self._groups.get(tracked.group_id, [])
+        if tracked.request.request_id in children:
+            children.remove(tracked.request.request_id)
         if not children:
-            del self._groups[tracked.group_id]
+            self._groups.pop(tracked.group_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -351,6 +388,17 @@ class LLMEngine:
         """Requests are waiting but the last step scheduled none: a batching policy is waiting
         for arrivals, or blocks are short. A driving loop may sleep briefly instead of spinning."""
         return self.has_unfinished_requests() and self.stats.num_scheduled_last_step == 0
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block hash (a cold cache for a measurement); only when no
+        request holds blocks. Returns whether it did."""
+        return self.kv.reset_prefix_cache()
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        """Bytes of one KV block across all layers (K and V, scales included)."""
+        cfg = self.config
+        return kv_bytes_per_block(self.model, cfg.block_size, self.dtype, cfg.kv_cache_dtype)
 
     def set_draining(self, draining: bool) -> None:
         """``True`` once every request the caller will submit is queued (offline input), so
@@ -367,16 +415,65 @@ class LLMEngine:
         if not sched.rows:
             return []
         self.stats.num_model_steps += 1
-        result = self.runner.execute(sched)
+        try:
+            result = self.runner.execute(sched)
+        except Exception as e:
+            return self._step_failed([row.request_id for row in sched.rows], e)
+        self.stats.consecutive_step_failures = 0
         self.stats.num_padding_tokens += sched.num_padding_rows
         sampled = self.scheduler.update(sched, result)
         self.stats.peak_kv_cache_usage = max(self.stats.peak_kv_cache_usage, self.kv.usage)
         return self._update(sampled, result)
 
+    @property
+    def healthy(self) -> bool:
+        """False once steps keep failing whatever they run: the engine cannot step at all."""
+        return self.stats.consecutive_step_failures < _UNHEALTHY_AFTER
+
+    def _step_failed(self, request_ids: list[str], error: Exception) -> list[RequestOutput]:
+        """A forward raised. A request that ran alone is the cause: it fails (``finish_reason
+        "error"``). Otherwise the step's requests are quarantined, each to run alone next, so
+        that only the one that causes the failure fails; the others resume unchanged."""
+        self.stats.num_step_failures += 1
+        self.stats.consecutive_step_failures += 1
+        message = f"{type(error).__name__}: {error}"
+        if len(request_ids) == 1:
+            logger.error("step failed for request %s: %s", request_ids[0], message, exc_info=error)
+            return [self._fail_request(self._tracked[request_ids[0]], message)]
+        logger.warning(
+            "step of %d requests failed (%s); running them one by one to find the cause",
+            len(request_ids),
+            message,
+        )
+        self.scheduler.quarantine(request_ids)
+        return []
+
+    def _fail_request(self, tracked: _Tracked, message: str) -> RequestOutput:
+        """Finish a request with ``finish_reason "error"``; its blocks leave the prefix cache."""
+        req = tracked.request
+        req.error = message
+        self.stats.num_failed_requests += 1
+        if not req.is_finished:
+            self.scheduler.finish(req, RequestStatus.FINISHED_ERROR, uncache=True)
+        else:  # it had finished before the failure: it fails all the same
+            req.status = RequestStatus.FINISHED_ERROR
+        self._retire(tracked)
+        return self._output(tracked, [], "")
+
     def _propose(self) -> None:
-        """Drafts for every running request that has caught up, as many as it may still use."""
+        """Drafts for every running request that has caught up, as many as it may still use.
+        A proposer that fails costs its drafts, not the requests: they verify none this step."""
         assert self.proposer is not None
-        k = self.proposer.num_speculative_tokens
+        try:
+            self._propose_drafts(self.proposer)
+        except Exception:
+            logger.exception("the proposer failed; no drafts this step")
+            for req in self.scheduler.running:
+                req.clear_spec()
+                self.proposer.free(req.request_id)
+
+    def _propose_drafts(self, proposer: Proposer) -> None:
+        k = proposer.num_speculative_tokens
         reqs, limits = [], []
         for req in self.scheduler.running:
             req.clear_spec()
@@ -391,12 +488,13 @@ class LLMEngine:
                 reqs.append(req)
                 limits.append(min(k, room))
         if reqs:
-            for req, draft in zip(reqs, self.proposer.propose(reqs, limits), strict=True):
+            for req, draft in zip(reqs, proposer.propose(reqs, limits), strict=True):
                 req.spec_token_ids = draft.token_ids
                 req.spec_probs = draft.probs
 
     def _update(self, sampled: list[Request], result: StepOutput) -> list[RequestOutput]:
-        """Append each sampled request's new tokens, detokenize, stop where it must."""
+        """Append each sampled request's new tokens, detokenize, stop where it must; a request
+        whose output cannot be processed fails alone."""
         now = time.monotonic()
         outputs = []
         for req, tokens, lps, n_draft, n_acc in zip(
@@ -409,37 +507,46 @@ class LLMEngine:
         ):
             if n_draft:
                 self.stats.record_spec(n_draft, n_acc)
-            tracked = self._tracked[req.request_id]
             if req.first_token_time is None:
                 req.first_token_time = now
             req.last_token_time = now
-            delta = ""
-            status = None
-            emitted: list[int] = []
-            for i, token in enumerate(tokens):
-                req.output_token_ids.append(token)
-                emitted.append(token)
-                self.stats.generation_tokens += 1
-                if lps is not None:
-                    req.logprobs.append(lps[i])
-                    req.cumulative_logprob += lps[i][token]
-                status = self._check_stop(req, token)
-                if tracked.detok is not None:
-                    if status is None or req.stop_reason is None:  # stop tokens are not shown
-                        delta += tracked.detok.add_tokens([token])
-                    if tracked.detok.stopped_by is not None:
-                        status = RequestStatus.FINISHED_STOPPED
-                        req.stop_reason = tracked.detok.stopped_by
-                    elif status is not None:
-                        delta += tracked.detok.flush()
-                if status is not None:
-                    break  # tokens accepted after a stop are dropped
-            if status is not None:
-                self.scheduler.finish(req, status)
-                del self._tracked[req.request_id]
-                self._forget(tracked)
-            outputs.append(self._output(tracked, emitted, delta))
+            tracked = self._tracked[req.request_id]
+            try:
+                outputs.append(self._append(tracked, tokens, lps))
+            except Exception as e:
+                logger.exception("request %s: its new tokens failed", req.request_id)
+                outputs.append(self._fail_request(tracked, f"{type(e).__name__}: {e}"))
         return outputs
+
+    def _append(
+        self, tracked: _Tracked, tokens: list[int], lps: list[dict[int, float]] | None
+    ) -> RequestOutput:
+        req = tracked.request
+        delta = ""
+        status = None
+        emitted: list[int] = []
+        for i, token in enumerate(tokens):
+            req.output_token_ids.append(token)
+            emitted.append(token)
+            self.stats.generation_tokens += 1
+            if lps is not None:
+                req.logprobs.append(lps[i])
+                req.cumulative_logprob += lps[i][token]
+            status = self._check_stop(req, token)
+            if tracked.detok is not None:
+                if status is None or req.stop_reason is None:  # stop tokens are not shown
+                    delta += tracked.detok.add_tokens([token])
+                if tracked.detok.stopped_by is not None:
+                    status = RequestStatus.FINISHED_STOPPED
+                    req.stop_reason = tracked.detok.stopped_by
+                elif status is not None:
+                    delta += tracked.detok.flush()
+            if status is not None:
+                break  # tokens accepted after a stop are dropped
+        if status is not None:
+            self.scheduler.finish(req, status)
+            self._retire(tracked)
+        return self._output(tracked, emitted, delta)
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         p = req.sampling_params
@@ -489,6 +596,7 @@ class LLMEngine:
             finished=finish is not None,
             metrics=metrics,
             num_cached_tokens=max(req.num_cached_tokens, 0),
+            error=req.error,
         )
 
     # -- introspection -------------------------------------------------------------------------

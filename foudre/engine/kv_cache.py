@@ -7,7 +7,8 @@ This module only manages block *ids*; the tensors live in the runner. Invariants
   the free queue is LRU, so the least recently freed block is reused first.
 - Only full blocks whose tokens are final are hashed. A block's hash chains its parent's hash and
   its own token ids; a lookup is verified against the stored parent hash and token ids, so a hash
-  collision can never return the wrong K/V.
+  collision can never return the wrong K/V. The first block's parent is the request's
+  ``cache_salt`` (hashed), so requests with different salts (tenants) never share a block.
 - ``num_free_blocks + blocks held by requests == num_blocks`` (blocks shared by several requests
   counted once).
 """
@@ -139,6 +140,13 @@ class BlockPool:
         block.key = key
         self.cached.setdefault(block_hash, block)
 
+    def forget(self, block: Block) -> None:
+        """Drop ``block``'s hash: it is no prefix-cache hit any more (its K/V is not trusted)."""
+        if block.block_hash is not None and self.cached.get(block.block_hash) is block:
+            del self.cached[block.block_hash]
+        block.block_hash = None
+        block.key = None
+
     def reset_prefix_cache(self) -> None:
         for block in self.blocks:
             block.block_hash = None
@@ -189,11 +197,17 @@ class KVCacheManager:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]
 
     # -- prefix cache --------------------------------------------------------------------------
+    @staticmethod
+    def _root(request: Request) -> int | None:
+        """The parent of a request's first block: its cache salt, hashed (None without)."""
+        salt = request.cache_salt
+        return None if salt is None else hash(("cache_salt", salt))
+
     def _hash_blocks(self, request: Request, num_tokens: int) -> list[int]:
         """Chained hashes of the request's full blocks within its first ``num_tokens`` tokens."""
         hashes = self.req_hashes.setdefault(request.request_id, [])
         bs = self.block_size
-        parent = hashes[-1] if hashes else None
+        parent = hashes[-1] if hashes else self._root(request)
         for i in range(len(hashes), num_tokens // bs):
             key = (parent, tuple(request.token_ids_range(i * bs, (i + 1) * bs)))
             parent = hash(key)
@@ -211,7 +225,7 @@ class KVCacheManager:
         limit = (request.num_tokens - 1) // self.block_size
         hashes = self._hash_blocks(request, request.num_tokens)
         hits: list[Block] = []
-        parent: int | None = None
+        parent = self._root(request)
         bs = self.block_size
         for i in range(limit):
             key = (parent, tuple(request.token_ids_range(i * bs, (i + 1) * bs)))
@@ -238,6 +252,14 @@ class KVCacheManager:
             total = max(total, self.reserve_tokens)
         return max(0, -(-total // self.block_size) - held)
 
+    def can_allocate(
+        self, request: Request, num_new_tokens: int, computed_blocks: Sequence[Block] = ()
+    ) -> bool:
+        """Whether ``allocate_slots`` with these arguments would succeed now."""
+        need = self.num_blocks_needed(request, num_new_tokens, len(computed_blocks))
+        free_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        return need + free_hits <= self.pool.num_free_blocks
+
     def allocate_slots(
         self,
         request: Request,
@@ -254,10 +276,9 @@ class KVCacheManager:
         already share them: their K/V is written before any attention reads it.
         """
         computed_blocks = computed_blocks or []
-        need = self.num_blocks_needed(request, num_new_tokens, len(computed_blocks))
-        free_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
-        if need + free_hits > self.pool.num_free_blocks:
+        if not self.can_allocate(request, num_new_tokens, computed_blocks):
             return False
+        need = self.num_blocks_needed(request, num_new_tokens, len(computed_blocks))
         blocks = self.req_blocks.setdefault(request.request_id, [])
         for b in computed_blocks:
             self.pool.touch(b)
@@ -278,15 +299,21 @@ class KVCacheManager:
         bs = self.block_size
         for i in range(num_tokens // bs):
             if blocks[i].block_hash is None:
-                parent = hashes[i - 1] if i else None
+                parent = hashes[i - 1] if i else self._root(request)
                 key = (parent, tuple(request.token_ids_range(i * bs, (i + 1) * bs)))
                 self.pool.cache(blocks[i], hashes[i], key)
 
-    def free(self, request: Request) -> None:
-        """Return all of the request's blocks; the tail is freed first so it is evicted first."""
+    def free(self, request: Request, uncache: bool = False) -> None:
+        """Return all of the request's blocks; the tail is freed first so it is evicted first.
+        ``uncache``: also drop the hashes of those that no other request holds (their K/V may
+        not have been written, e.g. by a step that failed)."""
         blocks = self.req_blocks.pop(request.request_id, [])
         self.pool.release(blocks[::-1])
         self.req_hashes.pop(request.request_id, None)
+        if uncache:
+            for block in blocks:
+                if block.ref_cnt == 0:
+                    self.pool.forget(block)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only allowed when no request holds blocks."""

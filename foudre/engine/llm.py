@@ -133,6 +133,7 @@ class LLM:
         engine = self.engine
         [rid] = engine.add_group(f"stream-{next(self._ids)}", [prompt], params)
         finished = False
+        engine.set_draining(True)  # nothing else will arrive: a static batch need not wait
         try:
             while not finished:
                 for out in engine.step():
@@ -141,5 +142,6 @@ class LLM:
                         if out.outputs[0].delta_text:
                             yield out.outputs[0].delta_text
         finally:
+            engine.set_draining(False)
             if not finished:
                 engine.abort_request(rid)

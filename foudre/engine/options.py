@@ -13,6 +13,47 @@ if TYPE_CHECKING:
     import torch
 
 
+# Scenario profiles: engine options chosen for one way of serving. Each is a default that its
+# own flag still overrides. realtime: a small token budget with chunked prefill keeps every
+# step short (TTFT and TPOT), running requests come first (the scheduler always serves them
+# before admitting), and a draft model speculates where one is known (the embedded model's).
+# throughput: big batches and budget, prefix caching. edge: int4 weights and an int8 KV cache
+# in a small pool, few sequences, small steps (a small machine, memory first).
+PROFILES: dict[str, dict[str, Any]] = {
+    "realtime": {
+        "max_num_batched_tokens": 256,
+        "max_num_seqs": 32,
+        "enable_chunked_prefill": True,
+        "enable_prefix_caching": True,
+    },
+    "throughput": {
+        "max_num_batched_tokens": 8192,
+        "max_num_seqs": 256,
+        "enable_chunked_prefill": True,
+        "enable_prefix_caching": True,
+    },
+    "edge": {
+        "quantization": "int4",
+        "kv_cache_dtype": "int8",
+        "kv_cache_memory": float(256 << 20),
+        "max_num_seqs": 8,
+        "max_num_batched_tokens": 512,
+        "enable_chunked_prefill": True,
+    },
+}
+
+
+def profile_defaults(name: str, model: str | None) -> dict[str, Any]:
+    """The engine options of profile ``name`` for ``model`` (None: the embedded model, whose
+    draft model lets ``realtime`` speculate); ``ValueError`` for an unknown profile."""
+    if name not in PROFILES:
+        raise ValueError(f"unknown profile {name!r}; choose one of {', '.join(PROFILES)}")
+    chosen = dict(PROFILES[name])
+    if name == "realtime" and model is None:
+        chosen["speculative_method"] = "draft"
+    return chosen
+
+
 def check_config(config: EngineConfig, device: torch.device) -> None:
     """``ValueError`` naming the field if a name in ``config`` is not one its owner knows (or
     cannot run on ``device``); checked before any model is loaded."""
@@ -36,7 +77,10 @@ def check_config(config: EngineConfig, device: torch.device) -> None:
             names = ", ".join(str(a) for a in allowed if a is not None)
             raise ValueError(f"{field} must be one of {names}, got {value!r}")
     if config.dtype != "auto":
-        parse_dtype(config.dtype)
+        try:
+            parse_dtype(config.dtype)
+        except ValueError as e:
+            raise ValueError(f"dtype: {e}") from None
     resolve_backend(config.attention_backend, device, config.kv_cache_dtype)
 
 

@@ -19,6 +19,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # a step that computed it failed; the engine serves the rest
 
     @property
     def finished(self) -> bool:
@@ -29,6 +30,7 @@ _FINISHED = {
     RequestStatus.FINISHED_STOPPED,
     RequestStatus.FINISHED_LENGTH,
     RequestStatus.FINISHED_ABORTED,
+    RequestStatus.FINISHED_ERROR,
 }
 
 
@@ -65,6 +67,8 @@ class Request:
     num_preemptions: int = 0
     stop_reason: str | int | None = None
     user_data: Any = None
+    cache_salt: str | None = None  # prefix-cache namespace (a tenant): no sharing across salts
+    error: str | None = None  # why a request finished with FINISHED_ERROR
     # speculative decoding: draft tokens to verify this step, and the proposer's distributions
     # they were drawn from ([k, vocab]; None = one-hot at each draft, as for n-gram drafts)
     spec_token_ids: list[int] = field(default_factory=list)

@@ -51,6 +51,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
+        # requests of a step that failed, each scheduled alone until it samples (see quarantine)
+        self.quarantined: set[str] = set()
         self.num_preemptions = 0
         self.on_free: Callable[[Request], None] | None = None  # e.g. the draft model's cache
 
@@ -69,8 +71,9 @@ class Scheduler:
         queued), so that batches stop waiting for arrivals; ``False`` when more may come."""
         self.policy.flush = draining
 
-    def finish(self, request: Request, status: RequestStatus) -> None:
-        """Retire a request (finished or aborted) and return its blocks, wherever it is."""
+    def finish(self, request: Request, status: RequestStatus, uncache: bool = False) -> None:
+        """Retire a request (finished, aborted or failed) and return its blocks, wherever it is
+        (``uncache``: their K/V is not trusted, see ``KVCacheManager.free``)."""
         assert status.finished
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
@@ -79,22 +82,49 @@ class Scheduler:
                 self.waiting.remove(request)
         request.status = status
         self.requests.pop(request.request_id, None)
-        self._free(request)
+        self.quarantined.discard(request.request_id)
+        self._free(request, uncache)
         self.policy.on_finish(request)
 
-    def _free(self, request: Request) -> None:
+    def _free(self, request: Request, uncache: bool = False) -> None:
         request.clear_spec()
-        self.kv.free(request)
+        self.kv.free(request, uncache)
         if self.on_free is not None:
             self.on_free(request)
 
-    def _preempt(self, request: Request) -> None:
-        self._free(request)
+    def _preempt(self, request: Request, uncache: bool = False) -> None:
+        self._free(request, uncache)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
+
+    def quarantine(self, request_ids: list[str]) -> None:
+        """The rows of a step that failed: preempt their requests (blocks freed, and dropped from
+        the prefix cache: that step's K/V was not written) and from now on schedule each alone,
+        until it samples once, so that a request that makes steps fail fails by itself while
+        the others resume (they recompute, exactly as after a preemption)."""
+        for rid in reversed(request_ids):  # preemption puts each at the head: keep step order
+            req = self.requests.get(rid)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue
+            self.running.remove(req)
+            self._preempt(req, uncache=True)
+            self.quarantined.add(rid)
+
+    def _probe(self) -> Request | None:
+        """The quarantined request to run alone this step (None when none is quarantined)."""
+        if not self.quarantined:
+            return None
+        for req in self.running:
+            if req.request_id in self.quarantined:
+                return req
+        for req in self.waiting:
+            if req.request_id in self.quarantined:
+                return req
+        self.quarantined.clear()  # finished meanwhile
+        return None
 
     # -- the step ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -102,10 +132,14 @@ class Scheduler:
         scheduled: list[tuple[Request, int]] = []
         preempted: list[Request] = []
         budget = self.max_num_batched_tokens
+        probe = self._probe()
 
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if probe is not None and req is not probe:
+                i += 1
+                continue
             lacking = req.num_tokens - req.num_computed_tokens
             num_new = min(lacking + len(req.spec_token_ids), budget)
             if num_new < lacking + len(req.spec_token_ids):  # keep the drafts that fit
@@ -128,8 +162,13 @@ class Scheduler:
                 i += 1
 
         now = time.monotonic()
-        if not preempted and self.waiting:
-            allowed = self.policy.admissible(self.waiting, len(self.running), now)
+        if probe is not None and probe.status != RequestStatus.RUNNING:
+            self._make_room(probe, budget, preempted)
+        if self.waiting and (self.waiting[0] is probe if probe else not preempted):
+            if probe is None:
+                allowed = self.policy.admissible(self.waiting, len(self.running), now)
+            else:
+                allowed = 1
             while allowed > 0 and budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self.waiting[0]
                 hits, num_cached = self.kv.get_computed_blocks(req)
@@ -162,6 +201,20 @@ class Scheduler:
         assert len(self.running) <= self.max_num_seqs
         return out
 
+    def _make_room(self, probe: Request, budget: int, preempted: list[Request]) -> None:
+        """Preempt running requests (newest first) until the waiting ``probe`` has a seat and
+        blocks for its next chunk, then put it at the head of the queue."""
+        while self.running:
+            hits, num_cached = self.kv.get_computed_blocks(probe)
+            num_new = min(probe.num_tokens - num_cached, budget)
+            if len(self.running) < self.max_num_seqs and self.kv.can_allocate(probe, num_new, hits):
+                break
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted.append(victim)
+        self.waiting.remove(probe)
+        self.waiting.appendleft(probe)
+
     def _row(self, req: Request, num_new: int) -> ScheduledRow:
         start = req.num_computed_tokens
         end = start + num_new
@@ -191,6 +244,7 @@ class Scheduler:
             req = self.requests[rid]
             req.num_computed_tokens -= n_draft - n_accepted
             req.clear_spec()
+            self.quarantined.discard(rid)  # it ran a whole step and sampled: not the culprit
             sampled.append(req)
         return sampled
 

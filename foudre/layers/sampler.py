@@ -87,10 +87,20 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
 
 
 def process_logits(logits: torch.Tensor, requests: Sequence[SamplingRow]) -> torch.Tensor:
-    """min_tokens (end-of-sequence tokens banned until reached) and penalties, in place where
-    possible. The result's argmax is the greedy token."""
+    """``allowed_token_ids`` and ``logit_bias``, min_tokens (end-of-sequence tokens banned until
+    reached) and penalties, in place where possible. The result's argmax is the greedy token.
+    Token ids must lie in the vocabulary (the engine checks them at admission)."""
     for i, r in enumerate(requests):
         p = r.sampling_params
+        if p.allowed_token_ids is not None:
+            keep = torch.tensor(p.allowed_token_ids, device=logits.device)
+            masked = torch.full_like(logits[i], float("-inf"))
+            masked[keep] = logits[i, keep]
+            logits[i] = masked
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), device=logits.device)
+            bias = torch.tensor(list(p.logit_bias.values()), device=logits.device)
+            logits[i, ids] += bias.to(logits.dtype)
         if p.min_tokens and len(r.output_token_ids) < p.min_tokens:
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(r.eos_token_ids))
             if banned:

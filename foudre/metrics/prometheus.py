@@ -46,6 +46,10 @@ class _EngineCollector(Collector):
          "spec_draft_tokens"),
         ("foudre:spec_decode_num_accepted_tokens", "Draft tokens accepted by the target.",
          "spec_accepted_tokens"),
+        ("foudre:engine_step_failures", "Engine steps whose forward raised (requests isolated).",
+         "num_step_failures"),
+        ("foudre:engine_failed_requests", "Requests failed by a step they ran alone.",
+         "num_failed_requests"),
     )  # fmt: skip
     _GAUGES = (
         ("foudre:num_requests_running", "Requests in the running batch.", "num_running"),

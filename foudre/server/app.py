@@ -10,33 +10,50 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import secrets
 import time
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from foudre.engine.async_llm import AsyncLLM
 from foudre.metrics.prometheus import CONTENT_TYPE, PrometheusMetrics
 from foudre.server.protocol import (
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
     DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    HealthResponse,
+    ModelList,
     OpenAIError,
     TokenizeRequest,
+    TokenizeResponse,
 )
-from foudre.server.serving import OpenAIServing
+from foudre.server.serving import DEFAULT_MAX_N, OpenAIServing
 
 logger = logging.getLogger("foudre.server")
 
 M = TypeVar("M", bound=BaseModel)
+
+DEFAULT_MAX_REQUEST_BYTES = 8 << 20
+MAX_JSON_DEPTH = 64
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")  # printable ASCII, no spaces
 
 
 def _error_response(err: OpenAIError) -> JSONResponse:
@@ -52,19 +69,99 @@ def _validation_error(errors: list[Any]) -> OpenAIError:
     return OpenAIError(400, message, param=param)
 
 
-async def parse_body(request: Request, model: type[M]) -> M:
-    """The JSON body validated as ``model``; 400 for malformed JSON or invalid fields."""
-    raw = await request.body()
+def check_json(data: Any) -> None:
+    """400 for a body nested deeper than ``MAX_JSON_DEPTH`` or with a lone UTF-16 surrogate in
+    any string (not valid Unicode: no tokenizer or response could carry it); ``param`` names
+    the top-level field. Iterative: a deep body costs no recursion."""
+    stack: list[tuple[Any, int, str | None]] = [(data, 1, None)]
+    while stack:
+        obj, depth, field = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise OpenAIError(
+                400, f"the JSON body is nested deeper than {MAX_JSON_DEPTH} levels", param=field
+            )
+        if isinstance(obj, dict):
+            for key, value in obj.items():
+                if _SURROGATE.search(key):
+                    raise OpenAIError(400, "a JSON key contains a lone surrogate", param=field)
+                stack.append((value, depth + 1, key if field is None else field))
+        elif isinstance(obj, list):
+            stack.extend((value, depth + 1, field) for value in obj)
+        elif isinstance(obj, str) and _SURROGATE.search(obj):
+            where = field or "body"
+            raise OpenAIError(
+                400,
+                f"{where}: text contains a lone surrogate and is not valid Unicode",
+                param=field,
+            )
+
+
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The request body, refused with 413 past ``max_bytes`` (before reading it all when the
+    client announces its length)."""
+    announced = request.headers.get("content-length", "")
+    if announced.isdigit() and int(announced) > max_bytes:
+        raise _too_large(max_bytes)
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_bytes:
+                raise _too_large(max_bytes)
+            chunks.append(chunk)
+    except ClientDisconnect:  # nobody will read the answer; not a server error
+        raise OpenAIError(400, "the client disconnected while sending its request") from None
+    return b"".join(chunks)
+
+
+def _too_large(max_bytes: int) -> OpenAIError:
+    return OpenAIError(413, f"the request body exceeds {max_bytes} bytes", code="request_too_large")
+
+
+async def parse_body(request: Request, model: type[M], max_bytes: int) -> M:
+    """The JSON body validated as ``model``; 413 when too large, 400 for malformed JSON,
+    nesting, lone surrogates or invalid fields."""
+    raw = await read_body(request, max_bytes)
     try:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise OpenAIError(400, f"malformed JSON body: {e}") from None
+    except RecursionError:
+        raise OpenAIError(
+            400, f"the JSON body is nested deeper than {MAX_JSON_DEPTH} levels"
+        ) from None
     if not isinstance(data, dict):
         raise OpenAIError(400, "the request body must be a JSON object")
+    check_json(data)
     try:
         return model.model_validate(data)
     except ValidationError as e:
         raise _validation_error(list(e.errors())) from None
+
+
+class _RequestId:
+    """``X-Request-Id``: the client's (printable, at most 128 characters) or a new one, kept in
+    ``request.state.request_id`` for logs and sent back on every response, errors included."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope.get("headers", ())).get(b"x-request-id", b"").decode("latin-1")
+        rid = given if _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = rid
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [*message.get("headers", ()), (b"x-request-id", rid.encode())]
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 class _CatchAll:
@@ -89,11 +186,14 @@ class _CatchAll:
         try:
             await self.app(scope, receive, tracking_send)
         except Exception as exc:
-            logger.exception("unexpected error on %s", scope.get("path"))
+            rid = scope.get("state", {}).get("request_id")
+            logger.exception("unexpected error on %s (request %s)", scope.get("path"), rid)
             if started:
                 return
             err = OpenAIError(
-                500, f"internal error: {type(exc).__name__}: {exc}", type="internal_server_error"
+                500,
+                f"internal error (request {rid}): {type(exc).__name__}: {exc}",
+                type="internal_server_error",
             )
             await _error_response(err)(scope, receive, send)
 
@@ -103,14 +203,20 @@ def build_app(
     served_model_name: str,
     api_key: str | None = None,
     shutdown_engine: bool = True,
+    max_n: int = DEFAULT_MAX_N,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    request_timeout: float | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app over ``llm``.
 
     ``api_key``: when set, /v1/*, /tokenize and /detokenize require ``Authorization: Bearer
     <key>`` (/health and /metrics stay open). ``shutdown_engine``: stop ``llm`` when the app's
-    lifespan ends.
+    lifespan ends. ``max_n``: most choices per request; ``max_request_bytes``: larger bodies get
+    413; ``request_timeout``: seconds before a request is aborted (408 or an error event).
     """
-    serving = OpenAIServing(llm, served_model_name)
+    if max_request_bytes < 1:
+        raise ValueError(f"max_request_bytes must be positive, got {max_request_bytes}")
+    serving = OpenAIServing(llm, served_model_name, max_n, request_timeout)
     prometheus = PrometheusMetrics(llm.metrics)
     llm.add_observer(prometheus.observe)
     created = int(time.time())
@@ -118,6 +224,7 @@ def build_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
+        serving.workers.close()
         if shutdown_engine:
             await asyncio.to_thread(llm.shutdown)
 
@@ -141,6 +248,7 @@ def build_app(
         return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)
 
     app.add_middleware(_CatchAll)
+    app.add_middleware(_RequestId)  # outermost: 500s from _CatchAll carry the id too
 
     async def authenticate(request: Request) -> None:
         if api_key is None:
@@ -170,12 +278,12 @@ def build_app(
 
     @app.post("/v1/completions", dependencies=auth)
     async def completions(request: Request) -> Response:
-        req = await parse_body(request, CompletionRequest)
+        req = await parse_body(request, CompletionRequest, max_request_bytes)
         return respond(await serving.completions(req, request.receive))
 
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat_completions(request: Request) -> Response:
-        req = await parse_body(request, ChatCompletionRequest)
+        req = await parse_body(request, ChatCompletionRequest, max_request_bytes)
         return respond(await serving.chat(req, request.receive))
 
     @app.get("/v1/models", dependencies=auth)
@@ -194,7 +302,9 @@ def build_app(
     async def health() -> Response:
         if not llm.is_running:
             return _error_response(
-                OpenAIError(503, "the engine is not running", type="service_unavailable")
+                OpenAIError(
+                    503, "the engine is not running or cannot step", type="service_unavailable"
+                )
             )
         return JSONResponse({"status": "ok"})
 
@@ -204,7 +314,7 @@ def build_app(
 
     @app.post("/tokenize", dependencies=auth)
     async def tokenize(request: Request) -> dict[str, Any]:
-        req = await parse_body(request, TokenizeRequest)
+        req = await parse_body(request, TokenizeRequest, max_request_bytes)
         serving.check_model(req.model)
         tok = serving.tokenizer
         if tok is None:
@@ -213,19 +323,17 @@ def build_app(
             raise OpenAIError(400, "give exactly one of prompt and messages", param="prompt")
         if req.messages is not None:
             msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
-            try:
-                text = tok.apply_chat_template(msgs)
-            except Exception as e:
-                raise OpenAIError(400, f"cannot apply the chat template: {e}", "messages") from e
+            serving.check_text("".join(m["content"] for m in msgs), "messages")
+            text = await serving.render_chat(msgs, True)
             has_bos = bool(tok.bos_token) and text.startswith(tok.bos_token or "")
-            ids = await serving.encode(text, req.add_special_tokens and not has_bos)
+            ids = await serving.encode(text, req.add_special_tokens and not has_bos, "messages")
         else:
             ids = await serving.encode(req.prompt or "", req.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": llm.max_model_len}
 
     @app.post("/detokenize", dependencies=auth)
     async def detokenize(request: Request) -> dict[str, Any]:
-        req = await parse_body(request, DetokenizeRequest)
+        req = await parse_body(request, DetokenizeRequest, max_request_bytes)
         serving.check_model(req.model)
         tok = serving.tokenizer
         if tok is None:
@@ -236,6 +344,68 @@ def build_app(
             raise OpenAIError(
                 400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})", "tokens"
             )
-        return {"prompt": tok.decode(req.tokens)}
+        return {"prompt": await serving.off_loop(tok.decode, req.tokens)}
 
+    _declare_schemas(
+        app,
+        requests={
+            "/v1/completions": CompletionRequest,
+            "/v1/chat/completions": ChatCompletionRequest,
+            "/tokenize": TokenizeRequest,
+            "/detokenize": DetokenizeRequest,
+        },
+        responses={
+            ("/v1/completions", "post"): CompletionResponse,
+            ("/v1/chat/completions", "post"): ChatCompletionResponse,
+            ("/tokenize", "post"): TokenizeResponse,
+            ("/detokenize", "post"): DetokenizeResponse,
+            ("/v1/models", "get"): ModelList,
+            ("/health", "get"): HealthResponse,
+        },
+    )
     return app
+
+
+def _declare_schemas(
+    app: FastAPI,
+    requests: dict[str, type[BaseModel]],
+    responses: dict[tuple[str, str], type[BaseModel]],
+) -> None:
+    """Declare the request and response bodies in the served OpenAPI schema (the routes parse
+    their bodies themselves, to bound their size and depth, so FastAPI cannot see them)."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        models: list[tuple[type[BaseModel], Any]] = [(m, "validation") for m in requests.values()]
+        shown: list[type[BaseModel]] = [*responses.values(), ErrorResponse]
+        models += [(m, "serialization") for m in shown]
+        _, defs = models_json_schema(models, ref_template="#/components/schemas/{model}")
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        components.update(defs.get("$defs", {}))
+
+        def ref(model: type[BaseModel]) -> dict[str, Any]:
+            return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+        error = {
+            "description": "an OpenAI-shaped error",
+            "content": {"application/json": {"schema": ref(ErrorResponse)}},
+        }
+        for path, model in requests.items():
+            schema["paths"][path]["post"]["requestBody"] = {
+                "required": True,
+                "content": {"application/json": {"schema": ref(model)}},
+            }
+        for (path, method), model in responses.items():
+            content: dict[str, Any] = {"application/json": {"schema": ref(model)}}
+            if path in ("/v1/completions", "/v1/chat/completions"):
+                content["text/event-stream"] = {"schema": {"type": "string"}}
+            schema["paths"][path][method]["responses"] = {
+                "200": {"description": "success", "content": content},
+                "default": error,
+            }
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

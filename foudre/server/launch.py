@@ -11,7 +11,8 @@ import uvicorn
 
 from foudre.config import EngineConfig
 from foudre.engine.async_llm import AsyncLLM
-from foudre.server.app import build_app
+from foudre.server.app import DEFAULT_MAX_REQUEST_BYTES, build_app
+from foudre.server.serving import DEFAULT_MAX_N
 
 
 def default_served_name(model: str) -> str:
@@ -53,6 +54,9 @@ def run_server(
     served_model_name: str | None = None,
     max_queue: int | None = None,
     log_level: str = "warning",
+    max_n: int = DEFAULT_MAX_N,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    request_timeout: float | None = None,
 ) -> int:
     """Serve until SIGINT/SIGTERM; returns 0 after a clean shutdown."""
     llm = AsyncLLM.from_config(config, max_queue=max_queue)
@@ -65,7 +69,14 @@ def run_server(
             f"foudre: serving {name} at {{url}} (KV cache {capacity} tokens, max concurrency "
             f"{capacity // engine.max_model_len} at full context {engine.max_model_len})"
         )
-        app = build_app(llm, name, api_key=api_key)
+        app = build_app(
+            llm,
+            name,
+            api_key=api_key,
+            max_n=max_n,
+            max_request_bytes=max_request_bytes,
+            request_timeout=request_timeout,
+        )
         uv_config = uvicorn.Config(
             app,
             host=host,

@@ -26,7 +26,8 @@ from foudre.engine.async_llm import (
     RequestStream,
 )
 from foudre.errors import InvalidParameterError, PromptTooLongError
-from foudre.outputs import CompletionOutput
+from foudre.loading.tokenizer import InvalidTextError
+from foudre.outputs import CompletionOutput, RequestOutput
 from foudre.sampling_params import SamplingParams
 from foudre.server.protocol import (
     ChatCompletionRequest,
@@ -34,8 +35,14 @@ from foudre.server.protocol import (
     OpenAIError,
     _SamplingFields,
 )
+from foudre.server.workers import PoolFullError, WorkerPool
 
 Json = dict[str, Any]
+
+# no token is longer than this many characters in the vocabularies we serve, so a text longer
+# than max_model_len * CHARS_PER_TOKEN cannot fit: it is refused without being tokenized
+CHARS_PER_TOKEN = 32
+DEFAULT_MAX_N = 16
 
 
 def sse(obj: Json | str) -> str:
@@ -77,14 +84,64 @@ class _Usage:
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
-class OpenAIServing:
-    """The OpenAI endpoints' logic for one served model."""
+def _failure_timeout(request_id: str) -> OpenAIError:
+    return OpenAIError(
+        408, f"request {request_id} ran past the server's request timeout", code="timeout"
+    )
 
-    def __init__(self, llm: AsyncLLM, model_name: str) -> None:
+
+def _failure(out: RequestOutput, request_id: str) -> OpenAIError | None:
+    """The error of an output that ended without an OpenAI finish reason: a failed step
+    (``error``) or an abort at shutdown (a client that disconnected hears nothing)."""
+    reason = out.outputs[0].finish_reason
+    if reason == "error":
+        return OpenAIError(
+            500,
+            f"request {request_id} failed in the engine: {out.error}",
+            type="internal_server_error",
+        )
+    if reason == "abort":
+        return OpenAIError(
+            503,
+            f"request {request_id} was aborted: the server is shutting down",
+            type="service_unavailable",
+        )
+    return None
+
+
+class OpenAIServing:
+    """The OpenAI endpoints' logic for one served model.
+
+    ``max_n``: the most choices (``n``) one request may ask for. ``request_timeout``: seconds
+    after which a request is aborted (its blocks freed) and answered 408, or an error event.
+    """
+
+    def __init__(
+        self,
+        llm: AsyncLLM,
+        model_name: str,
+        max_n: int = DEFAULT_MAX_N,
+        request_timeout: float | None = None,
+        workers: WorkerPool | None = None,
+    ) -> None:
+        if max_n < 1:
+            raise ValueError(f"max_n must be positive, got {max_n}")
+        if request_timeout is not None and request_timeout <= 0:
+            raise ValueError(f"request_timeout must be positive, got {request_timeout}")
         self.llm = llm
         self.model_name = model_name
         self.tokenizer = llm.tokenizer
+        self.max_n = max_n
+        self.request_timeout = request_timeout
+        self.max_prompt_chars = llm.max_model_len * CHARS_PER_TOKEN
+        self.workers = workers or WorkerPool()
         self._pieces: dict[int, str] = {}
+
+    def deadline(self) -> float | None:
+        """The loop time at which a request arriving now is aborted (None: never)."""
+        if self.request_timeout is None:
+            return None
+        return asyncio.get_running_loop().time() + self.request_timeout
 
     # -- shared helpers ------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
@@ -119,6 +176,16 @@ class OpenAIServing:
         def pick(value: Any, default: Any) -> Any:
             return default if value is None else value
 
+        if req.n > self.max_n:
+            raise OpenAIError(400, f"n must be at most {self.max_n}, got {req.n}", param="n")
+        logit_bias = None
+        if req.logit_bias is not None:
+            try:
+                logit_bias = {int(k): v for k, v in req.logit_bias.items()}
+            except ValueError:
+                raise OpenAIError(
+                    400, "logit_bias keys must be token ids (integers)", param="logit_bias"
+                ) from None
         try:
             return SamplingParams(
                 n=req.n,
@@ -138,16 +205,59 @@ class OpenAIServing:
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 logprobs=logprobs,
                 skip_special_tokens=req.skip_special_tokens,
+                logit_bias=logit_bias,
+                allowed_token_ids=req.allowed_token_ids,
             )
         except InvalidParameterError as e:
             param = (rename or {}).get(e.param, e.param)
             raise OpenAIError(400, str(e), param=param) from None
 
+    def check_fits(self, prompt_len: int, max_tokens: int | None, param: str) -> None:
+        """400 when the prompt, or the prompt plus ``max_tokens``, exceeds ``max_model_len``."""
+        limit = self.llm.max_model_len
+        if prompt_len > limit:
+            raise OpenAIError(
+                400,
+                str(PromptTooLongError(prompt_len, limit)),
+                param=param,
+                code="context_length_exceeded",
+            )
+        if max_tokens is not None and prompt_len + max_tokens > limit:
+            raise OpenAIError(
+                400,
+                f"max_tokens {max_tokens} plus the prompt's {prompt_len} tokens exceed the "
+                f"maximum context length (max_model_len) of {limit} tokens",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+
+    def check_token_ids(self, ids: list[int], param: str) -> None:
+        vocab = self.llm.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise OpenAIError(
+                400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param=param
+            )
+
     async def submit(
-        self, prompts: list[Prompt], params: SamplingParams, request_id: str, param: str
+        self,
+        prompts: list[Prompt],
+        params: SamplingParams,
+        request_id: str,
+        param: str,
+        cache_salt: str | None = None,
     ) -> RequestStream:
+        queue_limit = self.llm.max_queue
+        total = params.n * len(prompts)
+        if queue_limit is not None and total > queue_limit:
+            raise OpenAIError(
+                400,
+                f"the request asks for {total} sequences; this server holds at most "
+                f"{queue_limit} at once",
+                param="n",
+            )
         try:
-            return await self.llm.add_requests(prompts, params, request_id)
+            return await self.llm.add_requests(prompts, params, request_id, cache_salt)
         except PromptTooLongError as e:
             raise OpenAIError(400, str(e), param=param, code="context_length_exceeded") from None
         except InvalidParameterError as e:
@@ -162,30 +272,69 @@ class OpenAIServing:
         except EngineStoppedError as e:
             raise OpenAIError(503, str(e), type="service_unavailable") from None
 
-    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text``, computed off the event loop."""
+    def check_text(self, text: str, param: str) -> None:
+        """400 for a text that cannot fit ``max_model_len`` whatever its tokens (before any
+        tokenization, whose cost grows with the text)."""
+        if len(text) > self.max_prompt_chars:
+            raise OpenAIError(
+                400,
+                f"{param} has {len(text)} characters; at most {self.max_prompt_chars} can fit "
+                f"the maximum context length (max_model_len) of {self.llm.max_model_len} tokens",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+    async def off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` on the worker pool; 503 when it is full."""
+        try:
+            return await self.workers.run(fn, *args)
+        except PoolFullError as e:
+            raise OpenAIError(
+                503,
+                f"too many requests are being tokenized: {e}",
+                type="server_overloaded",
+                headers={"Retry-After": "1"},
+            ) from None
+
+    async def encode(
+        self, text: str, add_special_tokens: bool = True, param: str = "prompt"
+    ) -> list[int]:
+        """Token ids of ``text``, computed off the event loop after the length check."""
         tok = self.tokenizer
         if tok is None:
-            raise OpenAIError(400, "this server has no tokenizer; send token ids")
-        return await asyncio.to_thread(tok.encode, text, add_special_tokens)
+            raise OpenAIError(400, "this server has no tokenizer; send token ids", param=param)
+        self.check_text(text, param)
+        try:
+            ids: list[int] = await self.off_loop(tok.encode, text, add_special_tokens)
+        except InvalidTextError as e:
+            raise OpenAIError(400, f"{param}: {e}", param=param) from None
+        return ids
 
     async def collect(
-        self, stream: RequestStream, receive: Receive, n: int
+        self, stream: RequestStream, receive: Receive, n: int, deadline: float | None = None
     ) -> tuple[dict[int, CompletionOutput], _Usage]:
-        """Run ``stream`` to its end (aborting it if the client leaves); final outputs by choice
-        index, and the usage (``n`` choices per prompt)."""
+        """Run ``stream`` to its end (aborting it if the client leaves or the deadline passes);
+        final outputs by choice index, and the usage (``n`` choices per prompt)."""
         finals: dict[int, CompletionOutput] = {}
         usage = _Usage()
         watcher = asyncio.create_task(_watch_disconnect(receive, stream))
         try:
-            async for out in stream:
-                if out.finished:
-                    comp = out.outputs[0]
-                    finals[comp.index] = comp
-                    usage.completion[comp.index] = len(comp.token_ids)
-                    usage.prompt[comp.index // n] = len(out.prompt_token_ids)
-        except RuntimeError as e:  # the engine step failed
-            raise OpenAIError(500, str(e), type="internal_server_error") from None
+            async with asyncio.timeout_at(deadline):
+                async for out in stream:
+                    if out.finished:
+                        error = _failure(out, stream.request_id)
+                        if error is not None:
+                            raise error
+                        comp = out.outputs[0]
+                        finals[comp.index] = comp
+                        usage.completion[comp.index] = len(comp.token_ids)
+                        usage.prompt[comp.index // n] = len(out.prompt_token_ids)
+        except TimeoutError:
+            raise _failure_timeout(stream.request_id) from None
+        except RuntimeError as e:  # the engine thread failed
+            raise OpenAIError(
+                500, f"request {stream.request_id}: {e}", type="internal_server_error"
+            ) from None
         finally:
             watcher.cancel()
             stream.abort()
@@ -199,27 +348,41 @@ class OpenAIServing:
         prelude: list[Json],
         chunk: Callable[[CompletionOutput], Json | None],
         usage_chunk: Callable[[Json], Json] | None,
+        deadline: float | None = None,
     ) -> AsyncIterator[str]:
         """The SSE body: ``prelude``, one chunk per useful output, the usage chunk, ``[DONE]``.
-        The request is aborted when the client disconnects or the body iterator is closed."""
+        A request that fails, times out or is aborted by a shutdown ends with an error event
+        (then ``[DONE]``) instead of a finish reason. The request is aborted when the client
+        disconnects or the body iterator is closed."""
         watcher = asyncio.create_task(_watch_disconnect(receive, stream))
         usage = _Usage()
         try:
             for obj in prelude:
                 yield sse(obj)
+            error: OpenAIError | None = None
             try:
-                async for out in stream:
-                    comp = out.outputs[0]
-                    usage.completion[comp.index] = len(comp.token_ids)
-                    usage.prompt[comp.index // n] = len(out.prompt_token_ids)
-                    piece = chunk(comp)
-                    if piece is not None:
-                        yield sse(piece)
-            except RuntimeError as e:
-                yield sse(OpenAIError(500, str(e), type="internal_server_error").body())
-            else:
-                if usage_chunk is not None:
-                    yield sse(usage_chunk(usage.as_dict()))
+                async with asyncio.timeout_at(deadline):
+                    async for out in stream:
+                        if out.finished:
+                            error = _failure(out, stream.request_id)
+                            if error is not None:
+                                break
+                        comp = out.outputs[0]
+                        usage.completion[comp.index] = len(comp.token_ids)
+                        usage.prompt[comp.index // n] = len(out.prompt_token_ids)
+                        piece = chunk(comp)
+                        if piece is not None:
+                            yield sse(piece)
+            except TimeoutError:
+                error = _failure_timeout(stream.request_id)
+            except RuntimeError as e:  # the engine thread failed
+                error = OpenAIError(
+                    500, f"request {stream.request_id}: {e}", type="internal_server_error"
+                )
+            if error is not None:
+                yield sse(error.body())
+            elif usage_chunk is not None:
+                yield sse(usage_chunk(usage.as_dict()))
             yield sse("[DONE]")
         finally:
             watcher.cancel()
@@ -241,20 +404,27 @@ class OpenAIServing:
             items = list(raw)  # type: ignore[arg-type]
         if not items:
             raise OpenAIError(400, "prompt must not be empty", param="prompt")
+        deadline = self.deadline()
         prompts: list[Prompt] = []
         texts: list[str] = []
+        tok = self.tokenizer
         for item in items:
             if isinstance(item, str):
-                prompts.append(await self.encode(item) if self.tokenizer is not None else item)
                 texts.append(item)
+                if tok is None:
+                    self.check_text(item, "prompt")
+                    prompts.append(item)
+                    continue
+                ids = await self.encode(item)
             else:
-                prompts.append(list(item))
-                texts.append(
-                    self.tokenizer.decode(item) if req.echo and self.tokenizer is not None else ""
-                )
+                ids = list(item)
+                self.check_token_ids(ids, "prompt")
+                texts.append(await self.off_loop(tok.decode, ids) if req.echo and tok else "")
+            self.check_fits(len(ids), params.max_tokens, "prompt")
+            prompts.append(ids)
         rid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        stream = await self.submit(prompts, params, rid, "prompt")
+        stream = await self.submit(prompts, params, rid, "prompt", req.cache_salt)
         n = params.n
         base: Json = {
             "id": rid,
@@ -265,7 +435,7 @@ class OpenAIServing:
         want_lp = req.logprobs
 
         if not req.stream:
-            finals, usage = await self.collect(stream, receive, params.n)
+            finals, usage = await self.collect(stream, receive, params.n, deadline)
             choices = []
             for i in sorted(finals):
                 comp = finals[i]
@@ -317,7 +487,7 @@ class OpenAIServing:
             return {**base, "choices": [], "usage": usage}
 
         return self.stream_sse(
-            stream, receive, n, [], chunk, usage_chunk if req.include_usage else None
+            stream, receive, n, [], chunk, usage_chunk if req.include_usage else None, deadline
         )
 
     def _completion_logprobs(
@@ -341,6 +511,21 @@ class OpenAIServing:
         }
         return lp, offset
 
+    async def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+        """The chat template applied to ``messages``, off the event loop; 400 if it fails."""
+        tok = self.tokenizer
+        if tok is None:
+            raise OpenAIError(400, "chat needs a tokenizer; this server has none")
+        try:
+            rendered: str = await self.off_loop(
+                tok.apply_chat_template, messages, add_generation_prompt
+            )
+        except OpenAIError:
+            raise
+        except Exception as e:  # jinja2.TemplateError, or a template bug
+            raise OpenAIError(400, f"cannot apply the chat template: {e}", "messages") from None
+        return rendered
+
     # -- /v1/chat/completions ------------------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest, receive: Receive) -> Json | AsyncIterator[str]:
         self.check_model(req.model)
@@ -354,21 +539,21 @@ class OpenAIServing:
             req.max_completion_tokens if req.max_completion_tokens is not None else (req.max_tokens)
         )
         params = self.sampling_params(req, max_tokens, top_n, rename={"logprobs": "top_logprobs"})
+        deadline = self.deadline()
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        try:
-            rendered = tok.apply_chat_template(messages, req.add_generation_prompt)
-        except Exception as e:  # jinja2.TemplateError, or a template bug
-            raise OpenAIError(400, f"cannot apply the chat template: {e}", "messages") from None
+        self.check_text("".join(m["content"] for m in messages), "messages")
+        rendered = await self.render_chat(messages, req.add_generation_prompt)
         bos = tok.bos_token
         has_bos = bool(bos) and rendered.startswith(bos or "")
-        prompt_ids = await self.encode(rendered, add_special_tokens=not has_bos)
+        prompt_ids = await self.encode(rendered, not has_bos, "messages")
+        self.check_fits(len(prompt_ids), params.max_tokens, "messages")
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        stream = await self.submit([prompt_ids], params, rid, "messages")
+        stream = await self.submit([prompt_ids], params, rid, "messages", req.cache_salt)
         base: Json = {"id": rid, "created": created, "model": self.model_name}
 
         if not req.stream:
-            finals, usage = await self.collect(stream, receive, params.n)
+            finals, usage = await self.collect(stream, receive, params.n, deadline)
             choices = []
             for i in sorted(finals):
                 comp = finals[i]
@@ -431,7 +616,13 @@ class OpenAIServing:
             return {**base, "choices": [], "usage": usage}
 
         return self.stream_sse(
-            stream, receive, params.n, prelude, chunk, usage_chunk if req.include_usage else None
+            stream,
+            receive,
+            params.n,
+            prelude,
+            chunk,
+            usage_chunk if req.include_usage else None,
+            deadline,
         )
 
     def _chat_logprobs(

@@ -32,6 +32,8 @@ class SpecRequest(SamplingRow, Protocol):
     def request_id(self) -> str: ...
     @property
     def prompt_token_ids(self) -> list[int]: ...
+    @property
+    def cache_salt(self) -> str | None: ...
     def token_ids_range(self, start: int, end: int) -> list[int]: ...
 
 
@@ -69,6 +71,7 @@ class _Shadow:
     request_id: str
     prompt_token_ids: list[int]
     output_token_ids: list[int]
+    cache_salt: str | None = None  # the target's: the draft's prefix cache is partitioned alike
     num_computed_tokens: int = 0
 
     @property
@@ -202,7 +205,9 @@ class DraftModelProposer(Proposer):
         shadow = self._shadows.get(req.request_id)
         hits = None
         if shadow is None:
-            shadow = _Shadow(req.request_id, req.prompt_token_ids, req.output_token_ids)
+            shadow = _Shadow(
+                req.request_id, req.prompt_token_ids, req.output_token_ids, req.cache_salt
+            )
             hits, num_cached = self.kv.get_computed_blocks(shadow)
             shadow.num_computed_tokens = 0
             need = n - num_cached + k - 1

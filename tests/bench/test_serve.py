@@ -235,3 +235,40 @@ def test_bad_arguments_return_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert "error" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         parse([*base, "--request-rate", "0"])
+
+
+def test_search_max_rate_finds_the_threshold() -> None:
+    from foudre.bench.serve import search_max_rate
+
+    def capacity(limit: float) -> Any:
+        return lambda rate: 1.0 if rate <= limit else 0.5
+
+    best, tried = search_max_rate(capacity(5.0), start=1.0, target=0.9, steps=6)
+    assert best is not None and 4.5 < best <= 5.0
+    assert [r for r, _ in tried[:4]] == [1.0, 2.0, 4.0, 8.0]  # doubling, then bisecting
+    best, tried = search_max_rate(capacity(0.3), start=1.0, target=0.9, steps=4)
+    assert best is not None and 0.25 <= best <= 0.3
+    assert [r for r, _ in tried][:3] == [1.0, 0.5, 0.25]  # halving, then bisecting
+    assert search_max_rate(capacity(0.0), 1.0, 0.9, 3)[0] is None
+    assert search_max_rate(capacity(1e9), 1.0, 0.9, 3, max_doublings=3)[0] == 8.0
+
+
+def test_find_max_rate_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    result_path = tmp_path / "rate.json"
+    with fake_server() as (url, _):
+        args = parse([
+            "--base-url", url, "--model", "fake", "--num-prompts", "4", "--dataset", "random",
+            "--input-len", "8", "--output-len", "4", "--request-rate", "50",
+            "--slo", "ttft_ms=60000", "--find-max-rate", "--search-steps", "1",
+            "--slo-attainment", "0.5", "--save-result", str(result_path), "--disable-tqdm",
+        ])  # fmt: skip
+        assert run_bench_serve(args) == 0
+    assert "Highest request rate with 50% of requests meeting ttft_ms <= 60000" in (
+        capsys.readouterr().out
+    )
+    saved = json.loads(result_path.read_text())
+    assert saved["max_rate"] >= 50 and saved["runs"][0]["request_rate"] == 50
+    assert all("slo_attainment" in run for run in saved["runs"])
+    with fake_server() as (url, _):
+        no_slo = parse(["--base-url", url, "--model", "fake", "--find-max-rate"])
+        assert run_bench_serve(no_slo) == 2

@@ -24,7 +24,14 @@ def resolve_backend(name: str, device: torch.device, kv_cache_dtype: str = "auto
     if name == "sdpa":
         name = "torch"
     if name not in BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r} (available: {', '.join(BACKENDS)})")
+        hint = (
+            " (the non-paged baseline is kv_allocation='contiguous')"
+            if name == "contiguous"
+            else ""
+        )
+        raise ValueError(
+            f"unknown attention backend {name!r} (available: {', '.join(BACKENDS)}){hint}"
+        )
     triton_ok = importlib.util.find_spec("triton") is not None
     if name == "auto":
         if kv_cache_dtype != "auto":
