@@ -605,6 +605,7 @@ class LLMEngine:
         return {
             "kv_cache_usage": kv.usage,
             "num_free_blocks": kv.num_free_blocks,
+            "num_used_blocks": kv.num_blocks - kv.num_free_blocks,
             "num_total_blocks": kv.num_blocks,
             "block_size": kv.block_size,
             "num_preemptions": self.scheduler.num_preemptions,

@@ -56,6 +56,7 @@ class _EngineCollector(Collector):
         ("foudre:num_requests_waiting", "Requests waiting to be scheduled.", "num_waiting"),
         ("foudre:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).",
          "kv_cache_usage"),
+        ("foudre:kv_cache_blocks_used", "KV-cache blocks held by requests.", "num_used_blocks"),
         ("foudre:spec_decode_mean_acceptance_length",
          "Tokens per speculative verification step (accepted drafts + 1).",
          "spec_mean_acceptance_length"),
