@@ -125,7 +125,8 @@ async def one(client: httpx.AsyncClient, rng: random.Random, tally: Tally) -> No
         chunks, done = 0, False
         async with client.stream("POST", path, json=body) as resp:
             if resp.status_code != 200:
-                tally.errors[f"HTTP {resp.status_code}"] += 1
+                await resp.aread()
+                tally.errors[f"HTTP {resp.status_code}: {resp.text[:120]}"] += 1
                 return
             async for line in resp.aiter_lines():
                 if line == "data: [DONE]":
@@ -144,7 +145,8 @@ async def one(client: httpx.AsyncClient, rng: random.Random, tally: Tally) -> No
         if not done:
             tally.errors["stream ended without [DONE]"] += 1
     except httpx.HTTPError as e:
-        tally.errors[f"{type(e).__name__}: {e}"[:120]] += 1
+        where = "stream" if stream else "request"
+        tally.errors[f"{type(e).__name__} ({where}): {e!r}"[:160]] += 1
 
 
 async def soak(url: str, seconds: float, concurrency: int, seed: int) -> Tally:

@@ -47,6 +47,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     llm = LLM.from_config(engine_config_from(args))
+    if args.beam_width is not None:
+        from foudre.sampling_params import BeamSearchParams
+
+        params = BeamSearchParams(
+            beam_width=args.beam_width,
+            max_tokens=args.max_tokens,
+            length_penalty=args.length_penalty,
+            ignore_eos=args.ignore_eos,
+        )
+        [out] = llm.beam_search([prompt], params)
+        for i, seq in enumerate(out.sequences):
+            print(f"[{i}] score {seq.score:.4f} ({seq.finish_reason}): {seq.text}")
+        return 0
     for piece in llm.stream(prompt, _sampling_params(args, args.seed)):
         sys.stdout.write(piece)
         sys.stdout.flush()
@@ -102,6 +115,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             max_n=args.max_n,
             max_request_bytes=args.max_request_bytes,
             request_timeout=args.request_timeout,
+            tool_call_parser=args.tool_call_parser,
         )
     except ModelLoadError as e:
         print(f"foudre: error: {e}", file=sys.stderr)
@@ -291,6 +305,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     add_sampling_args(gen)
     gen.add_argument("--prompt", default=None)
+    gen.add_argument(
+        "--beam-width", type=int, default=None, help="beam search: print the N best sequences"
+    )
+    gen.add_argument("--length-penalty", type=float, default=1.0, help="beam search scoring")
     gen.set_defaults(func=cmd_generate)
 
     chat = sub.add_parser("chat", help="interactive chat with the model's chat template")
@@ -329,6 +347,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         help="seconds before a request is aborted and answered 408 (default: none)",
+    )
+    serve.add_argument(
+        "--tool-call-parser",
+        choices=["hermes", "llama3_json"],
+        default=None,
+        help="how tool calls are read from the output with tool_choice 'auto' (default: the "
+        "format the chat template uses)",
     )
     serve.add_argument(
         "--profile",

@@ -23,6 +23,9 @@ class EngineConfig:
     kv_cache_memory: float | None = None  # bytes (> 1) or a fraction of device memory (<= 1)
     kv_cache_dtype: str = "auto"  # auto (the model's dtype) | int8 | fp8 (per token and head)
     enable_prefix_caching: bool = True
+    # forked sequences (the samples of one prompt, the beams of a beam search) share their
+    # parent's KV blocks until one writes (copy-on-write); False copies them all at the fork
+    copy_on_write: bool = True
     enable_chunked_prefill: bool = True
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256

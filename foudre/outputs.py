@@ -20,6 +20,7 @@ class CompletionOutput:
     cumulative_logprob: float | None = None
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
+    score: float | None = None  # a beam search hypothesis: its length-normalised score
 
     @property
     def finished(self) -> bool:
@@ -35,6 +36,28 @@ class RequestMetrics:
     finished_time: float | None
     num_cached_tokens: int
     num_preemptions: int
+
+
+@dataclass(slots=True)
+class BeamSequence:
+    """One hypothesis of a beam search: generated tokens (an end-of-sequence token included),
+    their text, the sum of their log-probabilities and why it ended."""
+
+    token_ids: list[int]
+    text: str
+    cum_logprob: float
+    finish_reason: str
+    score: float  # cum_logprob / generated length ** length_penalty: what ranks hypotheses
+
+
+@dataclass(slots=True)
+class BeamSearchOutput:
+    """The ``beam_width`` hypotheses of one prompt, best first."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sequences: list[BeamSequence]
 
 
 @dataclass(slots=True)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from foudre.errors import InvalidParameterError
 
@@ -13,6 +15,97 @@ MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024  # entries
 SEED_RANGE = (-(2**63), 2**63 - 1)  # what a torch.Generator takes
+MAX_CHOICES = 1024  # StructuredOutput.choice
+
+
+@dataclass(slots=True)
+class StructuredOutput:
+    """A language the output must belong to, enforced while decoding: exactly one of
+
+    - ``json_schema``: a JSON Schema (a dict, or its JSON text); the output is one JSON value
+      that validates against it (properties in the schema's order, ``", "`` and ``": "`` as
+      separators, no additional properties unless the schema allows them);
+    - ``json_object=True``: any JSON object;
+    - ``regex``: the whole output matches this regular expression;
+    - ``choice``: the output is exactly one of these strings;
+    - ``grammar``: a context-free grammar in EBNF (GBNF, as llama.cpp and xgrammar write it),
+      whose start rule is ``root``.
+
+    Only the form is checked here; the engine compiles the grammar when the request arrives and
+    refuses one it cannot enforce (an invalid schema or regex, an unsupported schema keyword)
+    with ``InvalidParameterError`` naming ``structured_output``. The output ends (``"stop"``)
+    as soon as the grammar admits nothing more.
+    """
+
+    json_schema: dict[str, Any] | bool | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        given = [
+            name
+            for name in ("json_schema", "regex", "choice", "grammar")
+            if getattr(self, name) is not None
+        ]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise InvalidParameterError(
+                "structured_output",
+                "structured_output takes exactly one of json_schema, regex, choice, grammar, "
+                f"json_object; got {', '.join(given) or 'none'}",
+            )
+        if isinstance(self.json_schema, str):
+            try:
+                self.json_schema = json.loads(self.json_schema)
+            except json.JSONDecodeError as e:
+                raise InvalidParameterError(
+                    "structured_output", f"json_schema is not valid JSON: {e}"
+                ) from None
+        if self.json_schema is not None and not isinstance(self.json_schema, dict | bool):
+            raise InvalidParameterError(
+                "structured_output",
+                f"json_schema must be a JSON object, got {type(self.json_schema).__name__}",
+            )
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise InvalidParameterError(
+                    "structured_output", f"{name} must be a non-empty string"
+                )
+        if self.choice is not None:
+            if (
+                not isinstance(self.choice, list | tuple)
+                or not self.choice
+                or not all(isinstance(c, str) for c in self.choice)
+            ):
+                raise InvalidParameterError(
+                    "structured_output", "choice must be a non-empty list of strings"
+                )
+            if len(self.choice) > MAX_CHOICES:
+                raise InvalidParameterError(
+                    "structured_output", f"choice takes at most {MAX_CHOICES} strings"
+                )
+            self.choice = list(self.choice)
+
+    @property
+    def kind(self) -> str:
+        """Which form it takes: ``json_schema``, ``json_object``, ``regex``, ``choice`` or
+        ``grammar``."""
+        for name in ("json_schema", "regex", "choice", "grammar"):
+            if getattr(self, name) is not None:
+                return name
+        return "json_object"
+
+    def key(self) -> tuple[str, str]:
+        """A hashable identity: two specs with equal keys compile to the same grammar (a JSON
+        schema's key keeps its property order, which the output follows)."""
+        kind = self.kind
+        if kind == "json_object":
+            return kind, ""
+        value = getattr(self, kind)
+        return kind, value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
 
 @dataclass(slots=True)
@@ -25,6 +118,9 @@ class SamplingParams:
     """
 
     n: int = 1
+    # sample best_of sequences (forked from one prompt computation), return the n of highest
+    # cumulative log-probability; None: n
+    best_of: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: disabled
@@ -44,6 +140,8 @@ class SamplingParams:
     # added to the logits of these token ids before sampling ([-100, 100], as OpenAI's)
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None  # sample only among these
+    # constrained decoding: the output follows this JSON schema, regex, choice or grammar
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -57,10 +155,17 @@ class SamplingParams:
             if not math.isfinite(value):
                 raise InvalidParameterError(name, f"{name} must be finite, got {value!r}")
         self._check_lists()
+        if self.structured_output is not None and not isinstance(
+            self.structured_output, StructuredOutput
+        ):
+            raise InvalidParameterError(
+                "structured_output", "structured_output must be a StructuredOutput"
+            )
         if self.top_k == -1:
             self.top_k = 0
         checks: list[tuple[str, bool, str]] = [
             ("n", self.n >= 1, "must be at least 1"),
+            ("best_of", self.best_of is None or self.best_of >= self.n, "must be at least n"),
             ("temperature", self.temperature >= 0.0, "must be non-negative"),
             ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
             ("top_k", self.top_k >= 0, "must be -1 (disabled), 0 (disabled) or positive"),
@@ -136,6 +241,11 @@ class SamplingParams:
         return named
 
     @property
+    def num_samples(self) -> int:
+        """Sequences generated per prompt: ``best_of``, or ``n``."""
+        return self.best_of if self.best_of is not None else self.n
+
+    @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
@@ -146,3 +256,44 @@ class SamplingParams:
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
         )
+
+
+@dataclass(slots=True)
+class BeamSearchParams:
+    """Beam search, scored as Hugging Face ``transformers`` scores it: each step every live beam
+    expands, the ``beam_width`` best continuations (by cumulative log-probability) survive, and
+    a finished hypothesis (end-of-sequence, or ``max_tokens``) scores ``cum_logprob /
+    generated_length ** length_penalty``. ``early_stopping``: True stops once ``beam_width``
+    hypotheses are finished; False (the default) stops when no running beam can beat the
+    worst finished one at its current length; ``"never"`` assumes the best possible length.
+    Greedy only (``temperature`` 0)."""
+
+    beam_width: int
+    max_tokens: int = 16
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+    ignore_eos: bool = False
+    temperature: float = 0.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.beam_width, bool) or self.beam_width < 1:
+            raise InvalidParameterError(
+                "beam_width", f"beam_width must be at least 1, got {self.beam_width!r}"
+            )
+        if self.max_tokens < 1:
+            raise InvalidParameterError(
+                "max_tokens", f"max_tokens must be at least 1, got {self.max_tokens!r}"
+            )
+        if not math.isfinite(self.length_penalty):
+            raise InvalidParameterError(
+                "length_penalty", f"length_penalty must be finite, got {self.length_penalty!r}"
+            )
+        if self.early_stopping not in (True, False, "never"):
+            raise InvalidParameterError(
+                "early_stopping",
+                f"early_stopping must be true, false or 'never', got {self.early_stopping!r}",
+            )
+        if self.temperature != 0.0:
+            raise InvalidParameterError(
+                "temperature", "beam search is deterministic here: temperature must be 0"
+            )

@@ -25,6 +25,10 @@ quant...   model dtype vs int8 vs int4 weights      ``--workload`` as batching
 speculative off vs n-gram lookup vs draft model     ``--workload`` as batching; the draft row runs
            (``--num-speculative-tokens``)          with ``--speculative-model`` (default: the
                                                     embedded draft for the embedded target)
+sharing... n=8 samples, beam width 4: forked        ``max(2, num_prompts // 8)`` ~256-token prompts
+           sequences share blocks (copy-on-write)   at t=0: 8 samples of 64 tokens each, or a beam
+           vs copy the prompt's blocks at the fork  search of width 4 over 32 tokens (headline:
+                                                    peak KV blocks used)
 =========  ======================================  ==============================================
 
 Token lengths are multiplied by ``--scale`` (1.0: the sizes above). A variant is a name, a
@@ -132,6 +136,10 @@ DEFAULT_VARIANTS: tuple[Variant, ...] = (
     Variant("speculative", "no speculation (full)", "main", reference=True),
     Variant("speculative", "n-gram lookup", "main", {"speculative_method": "ngram"}),
     Variant("speculative", "draft model", "main", {"speculative_method": "draft"}),
+    Variant("sharing-n8", "n=8, copy-on-write (full)", "samples-n8", reference=True),
+    Variant("sharing-n8", "n=8, full copies", "samples-n8", {"copy_on_write": False}),
+    Variant("sharing-beam4", "beam 4, copy-on-write (full)", "beams-4", reference=True),
+    Variant("sharing-beam4", "beam 4, full copies", "beams-4", {"copy_on_write": False}),
 )
 """The rows of ``foudre bench ablate``, in order. Add quantization or speculative decoding as
 e.g. ``Variant("quant", "int8", "main", {"quantization": "int8"})`` with a reference row."""
@@ -325,10 +333,15 @@ def run_variant(
     engine = llm.engine
     try:
         vocab = engine.model_config.vocab_size
-        items = build_workload(variant.workload, sizes, vocab)
         if warmup:  # first-call costs (allocations, kernel selection) are not the technique's
             rng = np.random.default_rng(sizes.seed + 99)
             llm.generate(_ids(rng, 8, vocab), SamplingParams(temperature=0, max_tokens=2))
+        if variant.workload in SHARING_WORKLOADS:
+            row = run_sharing(llm, variant, config, sizes)
+            row["overrides"] = overrides
+            row["wall_s"] = time.perf_counter() - t0
+            return row
+        items = build_workload(variant.workload, sizes, vocab)
         before = engine.metrics()
         rep = replay(engine, items)
         after = engine.metrics()
@@ -365,6 +378,72 @@ def run_variant(
     finally:
         del engine, llm
         gc.collect()
+
+
+SHARING_WORKLOADS = ("samples-n8", "beams-4")
+
+
+def run_sharing(llm: Any, variant: Variant, config: EngineConfig, sizes: Sizes) -> dict[str, Any]:
+    """A sharing row: ``max(2, num_prompts // 8)`` prompts of ~256 tokens (scaled) at once, with
+    8 samples of 64 tokens (``samples-n8``) or a width-4 beam search over 32 (``beams-4``);
+    output tokens/s and the peak of KV blocks used."""
+    from foudre.sampling_params import BeamSearchParams, SamplingParams
+
+    engine = llm.engine
+    vocab = engine.model_config.vocab_size
+    rng = np.random.default_rng(sizes.seed + 3)
+    k = max(2, sizes.num_prompts // 8)
+    prompts = [_ids(rng, sizes.tokens(256), vocab) for _ in range(k)]
+    engine.reset_prefix_cache()
+    if variant.workload == "beams-4":  # a first beam search: its own first-call costs
+        llm.beam_search(prompts[:1], BeamSearchParams(beam_width=4, max_tokens=2))
+    before = engine.metrics()
+    t0 = time.perf_counter()
+    if variant.workload == "samples-n8":
+        params = SamplingParams(n=8, temperature=1.0, seed=0, max_tokens=sizes.tokens(64),
+                                ignore_eos=True)  # fmt: skip
+        outs = llm.generate(prompts, params)
+        tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    else:
+        beams = BeamSearchParams(beam_width=4, max_tokens=sizes.tokens(32), ignore_eos=True)
+        searches = llm.beam_search(prompts, beams)
+        # every live beam computes a token per step: 4 per step of each search
+        tokens = sum(4 * max(len(s.token_ids) for s in o.sequences) for o in searches)
+    duration = time.perf_counter() - t0
+    after = engine.metrics()
+    num_blocks = int(after["num_total_blocks"])
+    peak = after["peak_kv_cache_usage"]
+    return {
+        "experiment": variant.experiment,
+        "variant": variant.name,
+        "reference": variant.reference,
+        "workload": variant.workload,
+        "focus": None,
+        "completed": k,
+        "failed": 0,
+        "duration_s": duration,
+        "total_output_tokens": tokens,
+        "output_throughput": tokens / duration,
+        "mean_ttft_ms": None,
+        "p99_ttft_ms": None,
+        "mean_tpot_ms": None,
+        "p99_tpot_ms": None,
+        "p99_itl_ms": None,
+        "max_itl_ms": None,
+        "mean_ttft_ms_by_tag": {},
+        "num_kv_blocks": num_blocks,
+        "max_num_seqs": config.max_num_seqs,
+        "max_num_batched_tokens": config.max_num_batched_tokens,
+        "peak_kv_cache_usage": peak,
+        "peak_kv_blocks": round(peak * num_blocks),
+        "peak_kv_mib": peak * num_blocks * engine.kv_bytes_per_block / (1 << 20),
+        "max_running": after["peak_running"],
+        "num_preemptions": after["num_preemptions"] - before["num_preemptions"],
+        "num_cow_copies": after["num_cow_copies"] - before["num_cow_copies"],
+        "prefix_cache_hits": after["prefix_cache_hits"] - before["prefix_cache_hits"],
+        "prefix_cache_queries": after["prefix_cache_queries"] - before["prefix_cache_queries"],
+        "num_padding_tokens": 0,
+    }
 
 
 def add_ratios(rows: list[dict[str, Any]]) -> None:
@@ -485,6 +564,15 @@ def headlines(rows: Sequence[dict[str, Any]]) -> list[str]:
             if r["experiment"] == "quantization"
         ]
         out.append("**quantization**: " + "; ".join(parts) + ".")
+    for name, what in (("sharing-n8", "n=8 samples"), ("sharing-beam4", "beam search of width 4")):
+        if name in ref:
+            parts = [
+                f"{r['variant']}: peak {r['peak_kv_blocks']} KV blocks, "
+                f"{_f(r['output_throughput'])} tok/s, {r['num_preemptions']} preemptions"
+                for r in rows
+                if r["experiment"] == name
+            ]
+            out.append(f"**{what}**: " + "; ".join(parts) + ".")
     if "speculative" in ref:
         parts = []
         for r in rows:

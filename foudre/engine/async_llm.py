@@ -27,12 +27,19 @@ from foudre.config import EngineConfig
 from foudre.engine.engine import LLMEngine
 from foudre.errors import InvalidParameterError
 from foudre.outputs import RequestOutput
-from foudre.sampling_params import SamplingParams
+from foudre.sampling_params import BeamSearchParams, SamplingParams
 
 logger = logging.getLogger("foudre")
 
 Prompt = str | list[int]
 OutputObserver = Callable[[RequestOutput], None]
+
+
+def sequences_per_prompt(params: SamplingParams | BeamSearchParams) -> int:
+    """Sequences one prompt of a submission runs at once (what ``max_queue`` counts)."""
+    if isinstance(params, BeamSearchParams):
+        return params.beam_width
+    return params.num_samples
 
 
 class QueueFullError(RuntimeError):
@@ -49,7 +56,7 @@ class _Add:
 
     group_id: str
     prompts: list[Prompt]
-    params: SamplingParams
+    params: SamplingParams | BeamSearchParams
     cache_salt: str | None
     num_children: int
     stream: RequestStream
@@ -170,7 +177,7 @@ class AsyncLLM:
     async def add_requests(
         self,
         prompts: Sequence[Prompt],
-        params: SamplingParams,
+        params: SamplingParams | BeamSearchParams,
         request_id: str,
         cache_salt: str | None = None,
     ) -> RequestStream:
@@ -181,7 +188,7 @@ class AsyncLLM:
         and seeds are numbered there). Raises ``InvalidParameterError`` (the engine's
         validation, e.g. ``PromptTooLongError``), ``QueueFullError`` or ``EngineStoppedError``.
         """
-        total = len(prompts) * params.n
+        total = len(prompts) * sequences_per_prompt(params)
         if total == 0:
             raise InvalidParameterError("prompt", "prompt must not be empty")
         with self._lock:

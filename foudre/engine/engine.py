@@ -17,12 +17,14 @@ from typing import Any
 import torch
 
 from foudre.config import EngineConfig
+from foudre.engine.beam import BeamSearch, Survivor
 from foudre.engine.kv_cache import KVCacheManager
 from foudre.engine.options import check_config
 from foudre.engine.policies import make_policy
-from foudre.engine.request import Request, RequestStatus
+from foudre.engine.request import Cohort, Request, RequestStatus
 from foudre.engine.scheduler import Scheduler
 from foudre.errors import InvalidParameterError, PromptTooLongError
+from foudre.layers.structured import GrammarCompiler
 from foudre.loading.detokenizer import IncrementalDetokenizer
 from foudre.loading.loader import LoadedModel, default_model, load_model, load_tokenizer_for
 from foudre.loading.tokenizer import Tokenizer
@@ -32,7 +34,7 @@ from foudre.runner.attention import get_backend
 from foudre.runner.host_memory import keep_freed_host_memory
 from foudre.runner.model_runner import ModelRunner, kv_bytes_per_block, num_kv_blocks
 from foudre.runner.step import StepOutput
-from foudre.sampling_params import SamplingParams
+from foudre.sampling_params import BeamSearchParams, SamplingParams
 from foudre.spec.proposers import Proposer
 from foudre.spec.registry import ProposerContext, make_proposer
 
@@ -50,16 +52,9 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_max_model_len(config: EngineConfig, mcfg: ModelConfig) -> int:
-    """``max_model_len`` as given or the model's; capped at a sliding window, within which full
-    causal attention is exactly the model's. ``ValueError`` above the model's positions."""
+    """``max_model_len`` as given or the model's (a sliding window does not limit it: every
+    attention backend computes the window). ``ValueError`` above the model's positions."""
     max_len = config.max_model_len or mcfg.max_position_embeddings
-    if mcfg.sliding_window is not None and max_len > mcfg.sliding_window:
-        logger.warning(
-            "capping max_model_len from %d to the model's sliding window of %d tokens",
-            max_len,
-            mcfg.sliding_window,
-        )
-        max_len = mcfg.sliding_window
     if max_len > mcfg.max_position_embeddings:
         raise ValueError(
             f"max_model_len {max_len} exceeds the model's "
@@ -75,6 +70,7 @@ class EngineStats:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     peak_kv_cache_usage: float = 0.0
+    peak_running: int = 0  # most sequences running at once
     num_model_steps: int = 0  # target forwards run
     num_padding_tokens: int = 0  # throw-away tokens of rectangular batches (static/dynamic)
     num_scheduled_last_step: int = 0  # 0 while requests wait on a batching policy or blocks
@@ -103,15 +99,30 @@ class EngineStats:
         return out
 
 
+@dataclass(eq=False)
+class _BestOf:
+    """The samples of one prompt when ``best_of`` > ``n``: their final outputs are held until all
+    are in, then the ``n`` of highest cumulative log-probability leave under the visible ids."""
+
+    visible_ids: list[str]
+    base_index: int
+    num_samples: int
+    show_logprobs: bool
+    finals: list[RequestOutput] = field(default_factory=list)
+
+
 @dataclass(slots=True)
 class _Tracked:
-    """Engine-side companions of a request: its detokenizer, the prompt text, its group."""
+    """Engine-side companions of a request: its detokenizer, the prompt text, its group, and
+    what it belongs to when its outputs are not its own (best_of samples, beams)."""
 
     request: Request
     prompt: str | None
     detok: IncrementalDetokenizer | None
     index: int = 0
     group_id: str | None = None
+    best_of: _BestOf | None = None
+    beam: BeamSearch | None = None
 
 
 class LLMEngine:
@@ -147,6 +158,7 @@ class LLMEngine:
         self._tracked: dict[str, _Tracked] = {}
         self._groups: dict[str, list[str]] = {}  # group id -> its unfinished children
         self._ids = itertools.count()
+        self._grammar_compiler: GrammarCompiler | None = None  # built on first use
 
     def _load(self, config: EngineConfig) -> LoadedModel:
         model, default_tok = (config.model, None) if config.model else default_model()
@@ -169,6 +181,7 @@ class LLMEngine:
             cfg.block_size,
             cfg.enable_prefix_caching,
             reserve_tokens=self.max_model_len if contiguous else None,
+            copy_on_write=cfg.copy_on_write,
         )
 
     def _runner(self, num_blocks: int) -> ModelRunner:
@@ -256,6 +269,22 @@ class LLMEngine:
                 raise InvalidParameterError(
                     name, f"{name} names token id {token}, outside the vocabulary [0, {vocab})"
                 )
+        if params.structured_output is not None:  # compiled (and cached) now, or refused
+            self._grammars().compile(params.structured_output)
+
+    def _grammars(self) -> GrammarCompiler:
+        """The compiler of structured outputs for this model's vocabulary, built on first use
+        (it loads the grammar engine and reads every token's bytes)."""
+        if self._grammar_compiler is None:
+            if self.tokenizer is None:
+                raise InvalidParameterError(
+                    "structured_output",
+                    "structured output needs the tokenizer (skip_tokenizer_init=True)",
+                )
+            self._grammar_compiler = GrammarCompiler(
+                self.tokenizer.token_bytes(), self.eos_token_ids, self.model_config.vocab_size
+            )
+        return self._grammar_compiler
 
     def add_request(
         self,
@@ -276,45 +305,157 @@ class LLMEngine:
         self,
         group_id: str,
         prompts: Sequence[Prompt],
-        params: SamplingParams,
+        params: SamplingParams | BeamSearchParams,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
     ) -> list[str]:
-        """Queue ``params.n`` samples of each prompt as one group, all or none; return the
-        children's ids. Child ``i = prompt_index * n + sample`` has id ``{group_id}-{i}`` (just
-        ``group_id`` when there is one child), output index ``i`` and seed ``seed + sample``.
-        Each prompt is encoded and validated once, before any child is queued. ``cache_salt``
-        puts the group's blocks in their own prefix-cache namespace (a tenant's)."""
+        """Queue one submission, all or none; return the ids its outputs will carry.
+
+        With ``SamplingParams``: ``n`` samples of each prompt. Output ``i = prompt_index * n +
+        sample`` has id ``{group_id}-{i}`` (just ``group_id`` when there is one), seed ``seed +
+        sample``. The samples of a prompt are forked from one sequence when it samples its first
+        token: the prompt is computed once and its blocks are shared. With ``best_of`` >
+        ``n``, ``best_of`` are sampled and the ``n`` of highest cumulative log-probability come
+        out, when all are done. With ``BeamSearchParams``: one beam search per prompt, whose one
+        final output (``{group_id}-{prompt_index}``, or ``group_id``) holds the hypotheses, best
+        first. Each prompt is encoded and validated once, before anything is queued.
+        ``cache_salt`` puts the group's blocks in their own prefix-cache namespace."""
         if group_id in self._groups or group_id in self._tracked:
             raise InvalidParameterError("request_id", f"request id {group_id!r} is already in use")
         if not prompts:
             raise InvalidParameterError("prompt", "prompt must not be empty")
         encoded = [self._prompt_ids(p) for p in prompts]
-        self._check_params(params)
-        n = params.n
-        total = len(encoded) * n
-        plan = []  # every child checked (ids, seeds) before any is queued
-        for p, (ids, text) in enumerate(encoded):
-            for j in range(n):
-                child = params
-                if n > 1 and params.seed is not None:
-                    child = dataclasses.replace(params, seed=params.seed + j)
-                i = p * n + j
-                rid = group_id if total == 1 else f"{group_id}-{i}"
-                if rid in self._tracked:
-                    raise InvalidParameterError("request_id", f"request id {rid!r} is in use")
-                plan.append((ids, text, child, rid, i))
-        children: list[str] = []
-        self._groups[group_id] = children
+        if isinstance(params, BeamSearchParams):
+            plans = self._plan_beams(group_id, encoded, params, arrival_time, cache_salt)
+        else:
+            self._check_params(params)
+            plans = self._plan_samples(group_id, encoded, params, arrival_time, cache_salt)
+        visible = [vid for _, ids in plans for vid in ids]
+        members: list[str] = []
+        self._groups[group_id] = members
         try:
-            for ids, text, child, rid, i in plan:
-                self._add(ids, text, child, rid, arrival_time, i, group_id, cache_salt)
-                children.append(rid)
+            for tracked_list, _ in plans:
+                parent = tracked_list[0].request
+                parent.fork_children = [t.request for t in tracked_list[1:]]
+                for t in tracked_list:
+                    if t.request.request_id in self._tracked:
+                        raise InvalidParameterError(
+                            "request_id", f"request id {t.request.request_id!r} is in use"
+                        )
+                self.scheduler.add_request(parent)
+                for t in tracked_list:
+                    self._tracked[t.request.request_id] = t
+                    members.append(t.request.request_id)
+                    self.stats.prompt_tokens += t.request.num_prompt_tokens
         except BaseException:
             self.abort_group(group_id)
             self._groups.pop(group_id, None)
             raise
-        return list(children)
+        return visible
+
+    def _plan_samples(
+        self,
+        group_id: str,
+        encoded: list[tuple[list[int], str | None]],
+        params: SamplingParams,
+        arrival_time: float | None,
+        cache_salt: str | None,
+    ) -> list[tuple[list[_Tracked], list[str]]]:
+        """Per prompt: its samples (the first is the one the others fork from) and the ids its
+        outputs carry. Every child's parameters are checked (seeds) before anything is queued."""
+        n, samples = params.n, params.num_samples
+        total = len(encoded) * n
+        plans = []
+        for p, (ids, text) in enumerate(encoded):
+            visible = [group_id if total == 1 else f"{group_id}-{p * n + j}" for j in range(n)]
+            best_of = None
+            base = params
+            if samples > n:
+                best_of = _BestOf(visible, p * n, samples, params.logprobs is not None)
+                if params.logprobs is None:  # ranking needs each token's log-probability
+                    base = dataclasses.replace(params, logprobs=0)
+            tracked = []
+            for j in range(samples):
+                child = base
+                if samples > 1 and params.seed is not None:
+                    child = dataclasses.replace(base, seed=params.seed + j)
+                rid = visible[j] if best_of is None else f"{group_id}~{p * samples + j}"
+                t = self._make(ids, text, child, rid, arrival_time, p * n + j, group_id, cache_salt)
+                t.best_of = best_of
+                tracked.append(t)
+            plans.append((tracked, visible))
+        return plans
+
+    def _plan_beams(
+        self,
+        group_id: str,
+        encoded: list[tuple[list[int], str | None]],
+        params: BeamSearchParams,
+        arrival_time: float | None,
+        cache_salt: str | None,
+    ) -> list[tuple[list[_Tracked], list[str]]]:
+        if self.proposer is not None:
+            raise InvalidParameterError(
+                "beam_width", "beam search does not run with speculative decoding"
+            )
+        if params.beam_width > self.config.max_num_seqs:
+            raise InvalidParameterError(
+                "beam_width",
+                f"beam_width {params.beam_width} exceeds max_num_seqs {self.config.max_num_seqs}",
+            )
+        plans = []
+        for p, (ids, text) in enumerate(encoded):
+            room = self.max_model_len - len(ids)
+            if room < 1:
+                raise PromptTooLongError(len(ids) + 1, self.max_model_len)
+            vid = group_id if len(encoded) == 1 else f"{group_id}-{p}"
+            cohort = Cohort(seats=params.beam_width)
+            search = BeamSearch(
+                vid, p, params, self.eos_token_ids, min(params.max_tokens, room), cohort
+            )
+            sampling = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
+            sampling.logprobs = search.num_candidates  # set after validation: may pass 20
+            t = self._make(ids, text, sampling, f"{vid}:0", arrival_time, p, group_id, cache_salt)
+            t.beam = search
+            t.request.cohort = cohort
+            cohort.members.append(t.request)
+            search.scores[t.request.request_id] = 0.0
+            plans.append(([t], [vid]))
+        return plans
+
+    def _make(
+        self,
+        prompt_ids: list[int],
+        text: str | None,
+        params: SamplingParams,
+        request_id: str,
+        arrival_time: float | None,
+        index: int,
+        group_id: str | None,
+        cache_salt: str | None,
+    ) -> _Tracked:
+        """A request and its companions, not queued yet."""
+        req = Request(
+            request_id,
+            prompt_ids,
+            params,
+            self.eos_token_ids,
+            arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+            cache_salt=cache_salt,
+        )
+        if params.structured_output is not None:  # each sample walks the grammar on its own
+            stops = {*self.eos_token_ids, *params.stop_token_ids}
+            req.grammar = self._grammars().matcher(params.structured_output, sorted(stops))
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(
+                self.tokenizer,
+                prompt_ids,
+                params.skip_special_tokens,
+                params.stop,
+                params.include_stop_str_in_output,
+            )
+        return _Tracked(req, text, detok, index, group_id)
 
     def _add(
         self,
@@ -333,42 +474,36 @@ class LLMEngine:
             raise InvalidParameterError(
                 "request_id", f"request id {request_id!r} is already in use"
             )
-        req = Request(
-            request_id,
-            prompt_ids,
-            params,
-            self.eos_token_ids,
-            arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
-            cache_salt=cache_salt,
+        t = self._make(
+            prompt_ids, text, params, request_id, arrival_time, index, group_id, cache_salt
         )
-        detok = None
-        if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(
-                self.tokenizer,
-                prompt_ids,
-                params.skip_special_tokens,
-                params.stop,
-                params.include_stop_str_in_output,
-            )
-        self._tracked[request_id] = _Tracked(req, text, detok, index, group_id)
+        self.scheduler.add_request(t.request)
+        self._tracked[request_id] = t
         self.stats.prompt_tokens += len(prompt_ids)
-        self.scheduler.add_request(req)
-        return req
+        return t.request
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Stop a request wherever it is; its blocks return to the pool at once."""
+        """Stop a request wherever it is; its blocks return to the pool at once. Returns its
+        final output (a beam's: its search's; a best_of sample's: none until the last)."""
+        outputs = self._abort(request_id)
+        return outputs[0] if outputs else None
+
+    def _abort(self, request_id: str) -> list[RequestOutput]:
         tracked = self._tracked.get(request_id)
         if tracked is None or tracked.request.is_finished:
-            return None
+            return []
+        if tracked.beam is not None:
+            return [self._end_beam_search(tracked.beam, "abort")]
         self.scheduler.finish(tracked.request, RequestStatus.FINISHED_ABORTED)
         self._retire(tracked)
-        return self._output(tracked, [], "")
+        return self._emit(tracked, self._output(tracked, [], ""))
 
     def abort_group(self, group_id: str) -> list[RequestOutput]:
-        """Abort every unfinished child of a group (or the request of that id)."""
-        children = list(self._groups.get(group_id, [group_id]))
-        outputs = [self.abort_request(rid) for rid in children]
-        return [out for out in outputs if out is not None]
+        """Abort every unfinished member of a group (or the request of that id)."""
+        outputs = []
+        for rid in list(self._groups.get(group_id, [group_id])):
+            outputs += self._abort(rid)
+        return outputs
 
     def _retire(self, tracked: _Tracked) -> None:
         """Forget a finished, aborted or failed request, and drop it from its group (once)."""
@@ -422,7 +557,9 @@ class LLMEngine:
         self.stats.consecutive_step_failures = 0
         self.stats.num_padding_tokens += sched.num_padding_rows
         sampled = self.scheduler.update(sched, result)
-        self.stats.peak_kv_cache_usage = max(self.stats.peak_kv_cache_usage, self.kv.usage)
+        stats = self.stats
+        stats.peak_kv_cache_usage = max(stats.peak_kv_cache_usage, self.kv.usage)
+        stats.peak_running = max(stats.peak_running, len(self.scheduler.running))
         return self._update(sampled, result)
 
     @property
@@ -439,7 +576,7 @@ class LLMEngine:
         message = f"{type(error).__name__}: {error}"
         if len(request_ids) == 1:
             logger.error("step failed for request %s: %s", request_ids[0], message, exc_info=error)
-            return [self._fail_request(self._tracked[request_ids[0]], message)]
+            return self._fail_request(self._tracked[request_ids[0]], message)
         logger.warning(
             "step of %d requests failed (%s); running them one by one to find the cause",
             len(request_ids),
@@ -448,17 +585,20 @@ class LLMEngine:
         self.scheduler.quarantine(request_ids)
         return []
 
-    def _fail_request(self, tracked: _Tracked, message: str) -> RequestOutput:
-        """Finish a request with ``finish_reason "error"``; its blocks leave the prefix cache."""
+    def _fail_request(self, tracked: _Tracked, message: str) -> list[RequestOutput]:
+        """Finish a request with ``finish_reason "error"``; its blocks leave the prefix cache
+        (a beam fails its whole search)."""
         req = tracked.request
         req.error = message
         self.stats.num_failed_requests += 1
+        if tracked.beam is not None:
+            return [self._end_beam_search(tracked.beam, "error", message)]
         if not req.is_finished:
             self.scheduler.finish(req, RequestStatus.FINISHED_ERROR, uncache=True)
         else:  # it had finished before the failure: it fails all the same
             req.status = RequestStatus.FINISHED_ERROR
         self._retire(tracked)
-        return self._output(tracked, [], "")
+        return self._emit(tracked, self._output(tracked, [], ""))
 
     def _propose(self) -> None:
         """Drafts for every running request that has caught up, as many as it may still use.
@@ -512,11 +652,134 @@ class LLMEngine:
             req.last_token_time = now
             tracked = self._tracked[req.request_id]
             try:
-                outputs.append(self._append(tracked, tokens, lps))
+                if tracked.beam is not None:
+                    assert lps is not None
+                    if tracked.beam.report(req, lps[0]):
+                        outputs += self._advance_beam_search(tracked.beam)
+                    continue
+                outputs += self._emit(tracked, self._append(tracked, tokens, lps))
             except Exception as e:
                 logger.exception("request %s: its new tokens failed", req.request_id)
-                outputs.append(self._fail_request(tracked, f"{type(e).__name__}: {e}"))
+                outputs += self._fail_request(tracked, f"{type(e).__name__}: {e}")
         return outputs
+
+    def _emit(self, tracked: _Tracked, out: RequestOutput) -> list[RequestOutput]:
+        """The outputs to hand out for ``out``: itself, or for a best_of sample nothing until
+        the last sample is final, then the ``n`` best under the visible ids."""
+        best = tracked.best_of
+        if best is None:
+            return [out]
+        if not out.finished:
+            return []
+        best.finals.append(out)
+        if len(best.finals) < best.num_samples:
+            return []
+
+        def rank(o: RequestOutput) -> float:
+            c = o.outputs[0]
+            usable = c.finish_reason in ("stop", "length") and c.cumulative_logprob is not None
+            return c.cumulative_logprob if usable else float("-inf")  # type: ignore[return-value]
+
+        ranked = sorted(best.finals, key=rank, reverse=True)[: len(best.visible_ids)]
+        chosen = []
+        for i, (vid, o) in enumerate(zip(best.visible_ids, ranked, strict=False)):
+            comp = dataclasses.replace(o.outputs[0], index=best.base_index + i)
+            if not best.show_logprobs:
+                comp.logprobs = comp.cumulative_logprob = None
+            chosen.append(dataclasses.replace(o, request_id=vid, outputs=[comp]))
+        return chosen
+
+    # -- beam search ---------------------------------------------------------------------------
+    def _advance_beam_search(self, search: BeamSearch) -> list[RequestOutput]:
+        """Every live beam has reported: select the next beams (forking and pruning requests),
+        or end the search with its final output."""
+        survivors = search.advance()
+        if survivors is None:
+            return [self._end_beam_search(search, None)]
+        by_parent: dict[str, list[Survivor]] = {}
+        for s in survivors:
+            by_parent.setdefault(s.parent.request_id, []).append(s)
+        placed: dict[int, Request] = {}  # survivor position -> its request
+        for beam in list(search.beams):
+            mine = by_parent.get(beam.request_id)
+            if not mine:  # pruned
+                del search.scores[beam.request_id]
+                self.scheduler.finish(beam, RequestStatus.FINISHED_ABORTED)
+                self._retire(self._tracked[beam.request_id])
+                continue
+            for extra in mine[1:]:  # forked before the parent takes its own token
+                placed[id(extra)] = self._fork_beam(search, beam, extra)
+            first = mine[0]
+            beam.output_token_ids.append(first.token)
+            search.scores[beam.request_id] = first.cum_logprob
+            placed[id(first)] = beam
+        search.cohort.members[:] = [placed[id(s)] for s in survivors]
+        self.stats.generation_tokens += len(survivors)
+        return []
+
+    def _fork_beam(self, search: BeamSearch, parent: Request, survivor: Survivor) -> Request:
+        parent_tracked = self._tracked[parent.request_id]
+        rid = search.next_beam_id()
+        child = Request(
+            rid,
+            parent.prompt_token_ids,
+            parent.sampling_params,
+            parent.eos_token_ids,
+            arrival_time=parent.arrival_time,
+            cache_salt=parent.cache_salt,
+        )
+        child.output_token_ids = [*parent.output_token_ids, survivor.token]
+        child.first_scheduled_time = parent.first_scheduled_time
+        child.cohort = search.cohort
+        t = _Tracked(child, parent_tracked.prompt, None, search.index, parent_tracked.group_id)
+        t.beam = search
+        self._tracked[rid] = t
+        if t.group_id is not None:
+            self._groups.setdefault(t.group_id, []).append(rid)
+        search.cohort.members.append(child)
+        search.scores[rid] = survivor.cum_logprob
+        self.scheduler.fork(parent, child)
+        return child
+
+    def _end_beam_search(
+        self, search: BeamSearch, reason: str | None, error: str | None = None
+    ) -> RequestOutput:
+        """Free every live beam; the search's one final output: its hypotheses, best first
+        (``reason`` "abort" or "error": none, that finish reason)."""
+        first = search.beams[0] if search.beams else None
+        tracked = self._tracked.get(first.request_id) if first is not None else None
+        status = (
+            RequestStatus.FINISHED_ERROR if reason == "error" else RequestStatus.FINISHED_ABORTED
+        )
+        for beam in list(search.beams):
+            if not beam.is_finished:
+                self.scheduler.finish(beam, status, uncache=reason == "error")
+            beam_tracked = self._tracked.get(beam.request_id)
+            if beam_tracked is not None:
+                self._retire(beam_tracked)
+        tok = self.tokenizer
+        width = search.width
+        outputs = [
+            CompletionOutput(
+                index=search.index * width + i,
+                text=tok.decode(h.token_ids, skip_special_tokens=True) if tok else "",
+                token_ids=h.token_ids,
+                finish_reason=h.finish_reason,
+                cumulative_logprob=h.cum_logprob,
+                score=h.score,
+            )
+            for i, h in enumerate(search.finished if reason is None else [])
+        ]
+        if reason is not None:
+            outputs = [CompletionOutput(index=search.index * width, finish_reason=reason)]
+        return RequestOutput(
+            request_id=search.visible_id,
+            prompt=tracked.prompt if tracked is not None else None,
+            prompt_token_ids=first.prompt_token_ids if first is not None else [],
+            outputs=outputs,
+            finished=True,
+            error=error,
+        )
 
     def _append(
         self, tracked: _Tracked, tokens: list[int], lps: list[dict[int, float]] | None
@@ -532,6 +795,8 @@ class LLMEngine:
             if lps is not None:
                 req.logprobs.append(lps[i])
                 req.cumulative_logprob += lps[i][token]
+            if req.grammar is not None and not req.grammar.accept(token):
+                raise RuntimeError(f"token {token} does not continue the request's grammar")
             status = self._check_stop(req, token)
             if tracked.detok is not None:
                 if status is None or req.stop_reason is None:  # stop tokens are not shown
@@ -555,6 +820,9 @@ class LLMEngine:
             not p.ignore_eos and token in req.eos_token_ids
         )
         if is_stop_token and n_out >= p.min_tokens:
+            req.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        if req.grammar is not None and req.grammar.is_terminated:  # it took a stop token
             req.stop_reason = token
             return RequestStatus.FINISHED_STOPPED
         if p.max_tokens is not None and n_out >= p.max_tokens:
@@ -606,6 +874,8 @@ class LLMEngine:
             "kv_cache_usage": kv.usage,
             "num_free_blocks": kv.num_free_blocks,
             "num_used_blocks": kv.num_blocks - kv.num_free_blocks,
+            "num_shared_blocks": kv.num_shared_blocks,
+            "num_cow_copies": kv.num_copies,
             "num_total_blocks": kv.num_blocks,
             "block_size": kv.block_size,
             "num_preemptions": self.scheduler.num_preemptions,

@@ -11,6 +11,12 @@ This module only manages block *ids*; the tensors live in the runner. Invariants
   ``cache_salt`` (hashed), so requests with different salts (tenants) never share a block.
 - ``num_free_blocks + blocks held by requests == num_blocks`` (blocks shared by several requests
   counted once).
+- A block's reference count is the number of block tables that hold it. Forked sequences (the
+  samples of one prompt, the beams of a beam search) hold their parent's blocks, partly filled
+  last block included; a step never writes into a block that another table holds: before it
+  does, the block is copied (copy-on-write) and the writer's table takes the copy. The copies
+  to make are handed to the runner with the step (``take_copies``), which applies them before
+  the forward.
 """
 
 from __future__ import annotations
@@ -90,6 +96,7 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.enable_prefix_caching = enable_prefix_caching
         self.cached: dict[int, Block] = {}
+        self.num_shared = 0  # blocks whose reference count is above one
 
     @property
     def num_blocks(self) -> int:
@@ -117,6 +124,8 @@ class BlockPool:
         """Take another reference to a (possibly free) cached block."""
         if block.ref_cnt == 0:
             self.free_queue.remove(block)
+        elif block.ref_cnt == 1:
+            self.num_shared += 1
         block.ref_cnt += 1
 
     def release(self, blocks: Sequence[Block]) -> None:
@@ -126,6 +135,8 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
+            elif block.ref_cnt == 1:
+                self.num_shared -= 1
 
     def lookup(self, block_hash: int, key: BlockKey) -> Block | None:
         block = self.cached.get(block_hash)
@@ -163,10 +174,13 @@ class KVCacheManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         reserve_tokens: int | None = None,
+        copy_on_write: bool = True,
     ):
         """``reserve_tokens`` turns paging off: each request reserves room for that many tokens
         (``max_model_len``) when first admitted, as a contiguous per-request buffer would. It is
-        the non-paged baseline that shows what paging buys; prefix caching is then off."""
+        the non-paged baseline that shows what paging buys; prefix caching is then off.
+        ``copy_on_write=False`` is the baseline of forking: a fork copies every block of its
+        parent at once instead of sharing them."""
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.reserve_tokens = reserve_tokens
@@ -179,6 +193,9 @@ class KVCacheManager:
         self.req_hashes: dict[str, list[int]] = {}  # hashes of the request's full final blocks
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
+        self.copy_on_write = copy_on_write
+        self.num_copies = 0  # blocks copied for writers (or for forks, without copy-on-write)
+        self._copies: list[tuple[int, int]] = []  # (source, destination) block ids, this step
 
     # -- queries -------------------------------------------------------------------------------
     @property
@@ -244,13 +261,62 @@ class KVCacheManager:
 
     # -- allocation ----------------------------------------------------------------------------
     def num_blocks_needed(self, request: Request, num_new_tokens: int, num_hit_blocks: int) -> int:
+        """New blocks for ``num_new_tokens`` more tokens, copies of shared blocks included."""
         held = len(self.req_blocks.get(request.request_id, ())) + num_hit_blocks
         total = request.num_computed_tokens + num_new_tokens
         if num_hit_blocks:
             total = num_hit_blocks * self.block_size + num_new_tokens
         if self.reserve_tokens is not None:
             total = max(total, self.reserve_tokens)
-        return max(0, -(-total // self.block_size) - held)
+        fresh = max(0, -(-total // self.block_size) - held)
+        return fresh + len(
+            self._shared_written(request, num_new_tokens) if not num_hit_blocks else ()
+        )
+
+    def _shared_written(self, request: Request, num_new_tokens: int) -> list[int]:
+        """Indices in the request's table of the blocks that the next ``num_new_tokens`` tokens
+        write into and that another table holds too (they must be copied first)."""
+        blocks = self.req_blocks.get(request.request_id)
+        if not blocks or num_new_tokens <= 0:
+            return []
+        bs = self.block_size
+        first = request.num_computed_tokens // bs
+        last = min(len(blocks), -(-(request.num_computed_tokens + num_new_tokens) // bs))
+        return [i for i in range(first, last) if blocks[i].ref_cnt > 1]
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Give ``child`` the parent's blocks (its table; every reference count raised), as
+        computed so far. Without copy-on-write, every block is copied at once instead."""
+        assert child.request_id not in self.req_blocks, "the child already holds blocks"
+        blocks = self.req_blocks.get(parent.request_id, [])
+        if self.copy_on_write:
+            for b in blocks:
+                self.pool.touch(b)
+            self.req_blocks[child.request_id] = list(blocks)
+        else:
+            if len(blocks) > self.pool.num_free_blocks:
+                raise MemoryError("no free blocks to copy the parent's")
+            copies = self.pool.allocate(len(blocks))
+            self._copies += [(b.block_id, c.block_id) for b, c in zip(blocks, copies, strict=True)]
+            self.num_copies += len(copies)
+            self.req_blocks[child.request_id] = copies
+        self.req_hashes[child.request_id] = list(self.req_hashes.get(parent.request_id, []))
+
+    def can_fork(self, parent: Request) -> bool:
+        """Whether ``fork`` from ``parent`` can succeed now (always, with copy-on-write)."""
+        needed = len(self.req_blocks.get(parent.request_id, ()))
+        return self.copy_on_write or needed <= self.pool.num_free_blocks
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The block copies (source, destination) made since the last call, in order; the
+        runner must apply them before the step's forward writes or reads those blocks."""
+        copies, self._copies = self._copies, []
+        return copies
+
+    @property
+    def num_shared_blocks(self) -> int:
+        """Blocks held by more than one table right now."""
+        return self.pool.num_shared
 
     def can_allocate(
         self, request: Request, num_new_tokens: int, computed_blocks: Sequence[Block] = ()
@@ -280,6 +346,14 @@ class KVCacheManager:
             return False
         need = self.num_blocks_needed(request, num_new_tokens, len(computed_blocks))
         blocks = self.req_blocks.setdefault(request.request_id, [])
+        for i in self._shared_written(request, num_new_tokens):
+            shared = blocks[i]
+            [copy] = self.pool.allocate(1)
+            self._copies.append((shared.block_id, copy.block_id))
+            self.num_copies += 1
+            self.pool.release([shared])
+            blocks[i] = copy
+            need -= 1
         for b in computed_blocks:
             self.pool.touch(b)
         blocks.extend(computed_blocks)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -11,8 +12,8 @@ from foudre.config import EngineConfig
 from foudre.engine.engine import LLMEngine
 from foudre.errors import InvalidParameterError
 from foudre.loading.tokenizer import Tokenizer
-from foudre.outputs import RequestOutput
-from foudre.sampling_params import SamplingParams
+from foudre.outputs import BeamSearchOutput, BeamSequence, RequestOutput
+from foudre.sampling_params import BeamSearchParams, SamplingParams
 
 Prompt = str | list[int]
 
@@ -81,14 +82,10 @@ class LLM:
         """Complete every prompt; outputs come back in the order of ``prompts``.
 
         A prompt is a string or a list of token ids. With ``n > 1`` the n samples of a prompt
-        share its cached prompt blocks and come back together in one ``RequestOutput``.
+        fork from one computation of it (sharing its blocks) and come back together in one
+        ``RequestOutput``; with ``best_of``, the ``n`` best of ``best_of`` samples.
         """
-        if isinstance(prompts, str) or (
-            isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
-        ):
-            prompt_list: list[Prompt] = [prompts]  # type: ignore[list-item]
-        else:
-            prompt_list = list(prompts)  # type: ignore[arg-type]
+        prompt_list = _prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -99,12 +96,52 @@ class LLM:
                 raise ValueError(
                     f"got {len(params_list)} sampling params for {len(prompt_list)} prompts"
                 )
+        final, groups = self._run(prompt_list, params_list, "gen")
+        results = []
+        for ids in groups:
+            first = final[ids[0]]
+            first.outputs = [final[rid].outputs[0] for rid in ids]
+            results.append(first)
+        return results
+
+    def beam_search(
+        self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams
+    ) -> list[BeamSearchOutput]:
+        """Beam search of every prompt (all in the continuous batch together); one
+        ``BeamSearchOutput`` per prompt, in order, its ``beam_width`` sequences best first, as
+        Hugging Face ``transformers``' ``generate(num_beams=...)`` ranks them."""
+        prompt_list = _prompt_list(prompts)
+        final, groups = self._run(prompt_list, [params] * len(prompt_list), "beam")
+        results = []
+        for [rid] in groups:
+            out = final[rid]
+            sequences = [
+                BeamSequence(
+                    c.token_ids,
+                    c.text,
+                    c.cumulative_logprob if c.cumulative_logprob is not None else -math.inf,
+                    c.finish_reason or "abort",
+                    c.score if c.score is not None else -math.inf,
+                )
+                for c in out.outputs
+            ]
+            results.append(BeamSearchOutput(rid, out.prompt, out.prompt_token_ids, sequences))
+        return results
+
+    def _run(
+        self,
+        prompts: Sequence[Prompt],
+        params: Sequence[SamplingParams | BeamSearchParams],
+        prefix: str,
+    ) -> tuple[dict[str, RequestOutput], list[list[str]]]:
+        """Queue one group per prompt, step until all are done; the final outputs by id and
+        each group's output ids. Anything raised aborts what was queued."""
         engine = self.engine
         groups: list[list[str]] = []
         engine.set_draining(True)  # every request is queued: batches need not wait
         try:
-            for prompt, params in zip(prompt_list, params_list, strict=True):
-                groups.append(engine.add_group(f"gen-{next(self._ids)}", [prompt], params))
+            for prompt, p in zip(prompts, params, strict=True):
+                groups.append(engine.add_group(f"{prefix}-{next(self._ids)}", [prompt], p))
             final: dict[str, RequestOutput] = {}
             while engine.has_unfinished_requests():
                 for out in engine.step():
@@ -117,12 +154,7 @@ class LLM:
             raise
         finally:
             engine.set_draining(False)
-        results = []
-        for ids in groups:
-            first = final[ids[0]]
-            first.outputs = [final[rid].outputs[0] for rid in ids]
-            results.append(first)
-        return results
+        return final, groups
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
         """Generate one completion of ``prompt``, yielding its text as it is produced (the
@@ -145,3 +177,12 @@ class LLM:
             engine.set_draining(False)
             if not finished:
                 engine.abort_request(rid)
+
+
+def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """One prompt (text or token ids) or several, as a list."""
+    if isinstance(prompts, str) or (
+        isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
+    ):
+        return [prompts]  # type: ignore[list-item]
+    return list(prompts)  # type: ignore[arg-type]

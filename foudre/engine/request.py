@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from foudre.layers.structured import GrammarMatcher
 from foudre.sampling_params import SamplingParams
 
 
@@ -69,10 +70,15 @@ class Request:
     user_data: Any = None
     cache_salt: str | None = None  # prefix-cache namespace (a tenant): no sharing across salts
     error: str | None = None  # why a request finished with FINISHED_ERROR
+    # structured output: the grammar's state after output_token_ids (None: unconstrained)
+    grammar: GrammarMatcher | None = None
     # speculative decoding: draft tokens to verify this step, and the proposer's distributions
     # they were drawn from ([k, vocab]; None = one-hot at each draft, as for n-gram drafts)
     spec_token_ids: list[int] = field(default_factory=list)
     spec_probs: torch.Tensor | None = None
+    # the other samples of this prompt, forked from it when it samples its first token
+    fork_children: list[Request] = field(default_factory=list)
+    cohort: Cohort | None = None  # requests admitted and preempted together (a beam search)
 
     def __post_init__(self) -> None:
         if self.sampling_params.seed is not None:
@@ -113,3 +119,19 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.finished
+
+    @property
+    def num_seats(self) -> int:
+        """Running slots this request takes once admitted: itself and its pending forks."""
+        return 1 + len(self.fork_children)
+
+
+@dataclass(slots=True, eq=False)
+class Cohort:
+    """Requests that run as one: the scheduler admits them together (all or none) and
+    preempts them together, so that none waits for a sibling that cannot run (the beams of a
+    beam search advance in lockstep). ``members`` are the live ones; ``seats`` is reserved
+    for the whole cohort at admission."""
+
+    members: list[Request] = field(default_factory=list)
+    seats: int = 1

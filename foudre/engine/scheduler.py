@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 from foudre.engine.kv_cache import KVCacheManager
 from foudre.engine.policies import ContinuousPolicy, SchedulingPolicy
-from foudre.engine.request import Request, RequestStatus
+from foudre.engine.request import Cohort, Request, RequestStatus
 from foudre.runner.step import ScheduledRow, SchedulerOutput, StepOutput
 
 
@@ -58,10 +58,29 @@ class Scheduler:
 
     # -- queue management ----------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
-        self.requests[request.request_id] = request
+        """Queue ``request``; its ``fork_children`` wait, unqueued, to be forked from it."""
+        for r in (request, *request.fork_children):
+            if r.request_id in self.requests:
+                raise ValueError(f"request id {r.request_id!r} is already in use")
+        for r in (request, *request.fork_children):
+            self.requests[r.request_id] = r
         self.waiting.append(request)
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Start ``child`` from ``parent``'s computed tokens: it holds the parent's blocks (one
+        more reference each; written blocks are copied first) and runs from the next step. A
+        child's tokens must extend the parent's computed ones. Without copy-on-write and with
+        too few free blocks for the copies, the child is queued to compute its tokens itself."""
+        self.requests[child.request_id] = child
+        if not self.kv.can_fork(parent):
+            child.num_computed_tokens = 0
+            child.status = RequestStatus.WAITING
+            self.waiting.appendleft(child)
+            return
+        self.kv.fork(parent, child)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.status = RequestStatus.RUNNING
+        self.running.append(child)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -85,6 +104,12 @@ class Scheduler:
         self.quarantined.discard(request.request_id)
         self._free(request, uncache)
         self.policy.on_finish(request)
+        if request.cohort is not None and request in request.cohort.members:
+            request.cohort.members.remove(request)
+        for child in request.fork_children:  # never forked: they compute the prompt themselves
+            if not child.is_finished:
+                self.waiting.appendleft(child)
+        request.fork_children = []
 
     def _free(self, request: Request, uncache: bool = False) -> None:
         request.clear_spec()
@@ -151,15 +176,17 @@ class Scheduler:
                 i += 1
                 continue
             while not self.kv.allocate_slots(req, num_new, num_final_tokens=req.num_tokens):
-                victim = self.running.pop()
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is req:
+                victims = self._preempt_newest()
+                preempted += victims
+                if req in victims:
                     break
             else:
                 scheduled.append((req, num_new))
                 budget -= num_new
                 i += 1
+        # a preempted cohort member may sit before ``i``: keep only requests still running
+        scheduled = [(r, n) for r, n in scheduled if r.status == RequestStatus.RUNNING]
+        budget = self.max_num_batched_tokens - sum(n for _, n in scheduled)
 
         now = time.monotonic()
         if probe is not None and probe.status != RequestStatus.RUNNING:
@@ -169,37 +196,111 @@ class Scheduler:
                 allowed = self.policy.admissible(self.waiting, len(self.running), now)
             else:
                 allowed = 1
-            while allowed > 0 and budget > 0 and len(self.running) < self.max_num_seqs:
+            free_seats = self.max_num_seqs - self._occupied_seats()
+            while allowed > 0 and budget > 0 and self.waiting:
                 req = self.waiting[0]
-                hits, num_cached = self.kv.get_computed_blocks(req)
-                num_new = req.num_tokens - num_cached
-                if num_new > budget:
-                    if not self.enable_chunked_prefill and scheduled:
-                        break
-                    num_new = budget
-                if not self.kv.allocate_slots(req, num_new, hits):
+                cohort = req.cohort if probe is None else None
+                group = self._waiting_members(cohort) if cohort is not None else [req]
+                seats = self._seats_needed(req, cohort)
+                if seats > free_seats:
                     break
-                self.waiting.popleft()
-                allowed -= 1
-                self.kv.record_prefix_lookup(req.num_tokens, num_cached)
-                req.num_computed_tokens = num_cached
-                if req.num_cached_tokens < 0:
-                    req.num_cached_tokens = num_cached
-                if req.first_scheduled_time is None:
-                    req.first_scheduled_time = now
-                req.status = RequestStatus.RUNNING
-                self.running.append(req)
-                scheduled.append((req, num_new))
-                budget -= num_new
+                admitted = self._admit(group, budget, scheduled, now)
+                if admitted is None:
+                    break
+                allowed -= len(group)
+                free_seats -= seats
+                budget -= admitted
 
         out = SchedulerOutput(
             [self._row(req, n) for req, n in scheduled],
             [r.request_id for r in preempted],
             self.policy.num_padding_rows if scheduled else 0,
+            self.kv.take_copies(),
         )
         assert out.total_tokens <= self.max_num_batched_tokens
-        assert len(self.running) <= self.max_num_seqs
+        assert self._occupied_seats() <= self.max_num_seqs
         return out
+
+    def _admit(
+        self,
+        group: list[Request],
+        budget: int,
+        scheduled: list[tuple[Request, int]],
+        now: float,
+    ) -> int | None:
+        """Admit the waiting requests of ``group`` (one request, or a cohort's waiting members)
+        all or none: each gets its prefix-cache hits and as much of the rest as the budget
+        leaves. Returns the tokens scheduled, or None when blocks (or, without chunked prefill,
+        the budget) do not allow it."""
+        plan = []
+        left = budget
+        counted: set[int] = set()
+        need = 0
+        for req in group:
+            hits, num_cached = self.kv.get_computed_blocks(req)
+            num_new = min(req.num_tokens - num_cached, left)
+            whole = num_new == req.num_tokens - num_cached
+            if not (whole or self.enable_chunked_prefill):
+                if req is not group[0]:
+                    num_new = 0  # a cohort's next members: admitted now, computed next steps
+                elif scheduled:
+                    return None  # no chunked prefill: a prompt runs whole, in a step of its own
+            need += self.kv.num_blocks_needed(req, num_new, len(hits))
+            need += sum(1 for b in hits if b.ref_cnt == 0 and b.block_id not in counted)
+            counted.update(b.block_id for b in hits)
+            plan.append((req, hits, num_cached, num_new))
+            left -= num_new
+        if need > self.kv.num_free_blocks:
+            return None
+        for req, hits, num_cached, num_new in plan:
+            ok = self.kv.allocate_slots(req, num_new, hits)
+            assert ok, "the plan counted the blocks"
+            self.waiting.remove(req)
+            self.kv.record_prefix_lookup(req.num_tokens, num_cached)
+            req.num_computed_tokens = num_cached
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_cached
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            if num_new:
+                scheduled.append((req, num_new))
+        return budget - left
+
+    def _waiting_members(self, cohort: Cohort) -> list[Request]:
+        return [m for m in cohort.members if m.status != RequestStatus.RUNNING]
+
+    def _seats_needed(self, req: Request, cohort: Cohort | None) -> int:
+        if cohort is None:
+            return req.num_seats
+        running = sum(1 for m in cohort.members if m.status == RequestStatus.RUNNING)
+        return cohort.seats if running == 0 else len(self._waiting_members(cohort))
+
+    def _occupied_seats(self) -> int:
+        """Running requests, plus seats reserved for their pending forks and for cohorts."""
+        seats = len(self.running)
+        cohorts: dict[int, Cohort] = {}
+        for req in self.running:
+            seats += len(req.fork_children)
+            if req.cohort is not None:
+                cohorts[id(req.cohort)] = req.cohort
+        for cohort in cohorts.values():
+            seats += max(cohort.seats - len(cohort.members), 0)
+        return seats
+
+    def _preempt_newest(self) -> list[Request]:
+        """Preempt the newest running request, with every running member of its cohort."""
+        victim = self.running.pop()
+        victims = [victim]
+        if victim.cohort is not None:
+            for member in victim.cohort.members:
+                if member is not victim and member.status == RequestStatus.RUNNING:
+                    self.running.remove(member)
+                    victims.append(member)
+        for v in victims:
+            self._preempt(v)
+        return victims
 
     def _make_room(self, probe: Request, budget: int, preempted: list[Request]) -> None:
         """Preempt running requests (newest first) until the waiting ``probe`` has a seat and
@@ -209,9 +310,7 @@ class Scheduler:
             num_new = min(probe.num_tokens - num_cached, budget)
             if len(self.running) < self.max_num_seqs and self.kv.can_allocate(probe, num_new, hits):
                 break
-            victim = self.running.pop()
-            self._preempt(victim)
-            preempted.append(victim)
+            preempted += self._preempt_newest()
         self.waiting.remove(probe)
         self.waiting.appendleft(probe)
 
@@ -221,6 +320,7 @@ class Scheduler:
         # a request samples once it reaches its last token; every draft adds one position
         num_logits = end - req.num_tokens + 1 if end >= req.num_tokens else 0
         assert num_logits in (0, len(req.spec_token_ids) + 1), "drafts scheduled partially"
+        forks = [c for c in req.fork_children if not c.is_finished] if num_logits else []
         return ScheduledRow(
             req.request_id,
             start,
@@ -228,6 +328,8 @@ class Scheduler:
             self.kv.block_ids(req.request_id),
             num_logits,
             req if num_logits else None,
+            forks,  # type: ignore[arg-type]
+            [c.request_id for c in forks],
         )
 
     def update(self, scheduled: SchedulerOutput, result: StepOutput) -> list[Request]:
@@ -236,7 +338,13 @@ class Scheduler:
         (their K/V is overwritten later). Returns the requests that sampled, in ``result``'s
         order; their tokens are the engine's to append."""
         for row in scheduled.rows:
-            self.requests[row.request_id].num_computed_tokens += row.num_new_tokens
+            req = self.requests[row.request_id]
+            req.num_computed_tokens += row.num_new_tokens
+            if row.fork_ids:
+                for child in req.fork_children:
+                    if child.request_id in row.fork_ids and not child.is_finished:
+                        self.fork(req, child)
+                req.fork_children = []
         sampled = []
         for rid, n_draft, n_accepted in zip(
             result.request_ids, result.num_draft_tokens, result.num_accepted, strict=True

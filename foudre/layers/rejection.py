@@ -25,9 +25,11 @@ from foudre.layers.sampler import (
     SamplingRow,
     exponential_noise,
     gather_logprobs,
+    grammar_masks,
     process_logits,
     warp_probs,
 )
+from foudre.layers.structured import GrammarMatcher
 from foudre.sampling_params import SamplingParams
 
 
@@ -111,6 +113,10 @@ class _DraftView:
     def generator(self) -> torch.Generator | None:
         return self.request.generator
 
+    @property
+    def grammar(self) -> GrammarMatcher | None:
+        return self.request.grammar
+
 
 @dataclass(slots=True)
 class VerifyOutput:
@@ -129,6 +135,7 @@ def verify(
 
     ``logits`` holds ``len(spec_token_ids) + 1`` consecutive rows per request (the positions of
     the last computed token and of each draft). Requests without drafts simply sample one token.
+    A constrained request's position ``j`` is masked by its grammar after drafts ``1..j-1``.
     """
     device = logits.device
     counts = [len(r.spec_token_ids) for r in requests]
@@ -139,7 +146,8 @@ def verify(
     params = [v.sampling_params for v in views]
     want_logprobs = any(p.logprobs is not None for p in params)
     raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
-    logits = process_logits(logits, views)
+    grammars = grammar_masks(logits, requests, [r.spec_token_ids for r in requests])
+    logits = process_logits(logits, views, grammars)
     vocab = logits.shape[-1]
     greedy = torch.tensor([p.greedy for p in params], device=device).view(-1, 1)
     one_hot = torch.zeros_like(logits).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)

@@ -6,8 +6,8 @@ batch is warped in a handful of vectorised ops. Sampling uses the exponential ra
 take its noise from its own generator: the same seed gives the same tokens whatever the batch.
 
 The stages are separate so that speculative verification (``foudre/spec``) warps the target's
-logits exactly as plain sampling does: ``process_logits`` (min_tokens, penalties) ->
-``warp_probs`` (temperature, top-k, top-p, min-p) -> ``draw``.
+logits exactly as plain sampling does: ``process_logits`` (grammar masks, min_tokens,
+penalties) -> ``warp_probs`` (temperature, top-k, top-p, min-p) -> ``draw``.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Protocol
 
 import torch
 
+from foudre.layers.structured import GrammarMasks, GrammarMatcher, fill_masks
 from foudre.sampling_params import SamplingParams
 
 
@@ -36,6 +37,8 @@ class SamplingRow(Protocol):
     def all_token_ids(self) -> list[int]: ...
     @property
     def generator(self) -> torch.Generator | None: ...
+    @property
+    def grammar(self) -> GrammarMatcher | None: ...
 
 
 @dataclass(slots=True)
@@ -86,10 +89,15 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def process_logits(logits: torch.Tensor, requests: Sequence[SamplingRow]) -> torch.Tensor:
-    """``allowed_token_ids`` and ``logit_bias``, min_tokens (end-of-sequence tokens banned until
-    reached) and penalties, in place where possible. The result's argmax is the greedy token.
-    Token ids must lie in the vocabulary (the engine checks them at admission)."""
+def process_logits(
+    logits: torch.Tensor, requests: Sequence[SamplingRow], grammars: GrammarMasks | None = None
+) -> torch.Tensor:
+    """Grammar masks (structured output), ``allowed_token_ids`` and ``logit_bias``, min_tokens
+    (end-of-sequence tokens banned until reached, unless the grammar allows nothing else) and
+    penalties, in place where possible. The result's argmax is the greedy token. Token ids must
+    lie in the vocabulary (the engine checks them at admission)."""
+    if grammars is not None:
+        grammars.apply(logits)
     for i, r in enumerate(requests):
         p = r.sampling_params
         if p.allowed_token_ids is not None:
@@ -103,7 +111,7 @@ def process_logits(logits: torch.Tensor, requests: Sequence[SamplingRow]) -> tor
             logits[i, ids] += bias.to(logits.dtype)
         if p.min_tokens and len(r.output_token_ids) < p.min_tokens:
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(r.eos_token_ids))
-            if banned:
+            if banned and not (grammars is not None and grammars.allows_only(i, banned)):
                 logits[i, banned] = float("-inf")
     if any(r.sampling_params.has_penalties for r in requests):
         logits = apply_penalties(logits, requests)
@@ -176,6 +184,17 @@ def gather_logprobs(
     return rows
 
 
+def grammar_masks(
+    logits: torch.Tensor, requests: Sequence[SamplingRow], drafts: Sequence[Sequence[int]]
+) -> GrammarMasks | None:
+    """The grammar bitmasks of the constrained rows (``structured.fill_masks``), None when no
+    request is constrained: unconstrained batches do no grammar work at all."""
+    if all(r.grammar is None for r in requests):
+        return None
+    rows = [(r.grammar, d) for r, d in zip(requests, drafts, strict=True)]
+    return fill_masks(rows, logits.shape[-1])
+
+
 def sample(
     logits: torch.Tensor,
     requests: Sequence[SamplingRow],
@@ -185,7 +204,8 @@ def sample(
     params = [r.sampling_params for r in requests]
     want_logprobs = any(p.logprobs is not None for p in params)
     raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
-    logits = process_logits(logits, requests)
+    grammars = grammar_masks(logits, requests, [()] * len(requests))
+    logits = process_logits(logits, requests, grammars)
     greedy_tokens = logits.argmax(dim=-1)
     if all(p.greedy for p in params):
         tokens = greedy_tokens

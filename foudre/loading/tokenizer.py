@@ -34,6 +34,29 @@ def _raise_template_exception(message: str) -> None:
     raise TemplateError(message)
 
 
+def _byte_level_table() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: the printable character that stands for each byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    printable += range(ord("®"), ord("ÿ") + 1)
+    table = {chr(b): b for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
+
+
+def _decoder_types(decoder: Any) -> set[str]:
+    """The types of a ``tokenizer.json`` decoder and of every step of a ``Sequence`` one."""
+    if not isinstance(decoder, dict):
+        return set()
+    found = {str(decoder.get("type"))}
+    for step in decoder.get("decoders") or ():
+        found |= _decoder_types(step)
+    return found
+
+
 def _write_tokenizer_config(directory: Path, values: dict[str, Any]) -> None:
     import json
 
@@ -50,6 +73,7 @@ class Tokenizer(ABC):
     def __init__(self, chat_template: str | None = None) -> None:
         self.chat_template = chat_template
         self._compiled_template: Any = None
+        self._takes_tools: bool | None = None
 
     @abstractmethod
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -105,22 +129,54 @@ class Tokenizer(ABC):
         """The text of the EOS token (for chat templates), or None."""
         return None
 
+    def token_bytes(self) -> list[bytes]:
+        """What each token id adds to decoded text, as bytes (``vocab_size`` entries; empty for
+        the special tokens that ``decode`` drops): the vocabulary a grammar is matched against
+        in constrained decoding. This default decodes each token alone, exact for tokens that
+        are whole characters; tokenizers with byte pieces override it."""
+        special = self.all_special_ids
+        return [
+            b"" if i in special else self.decode([i], skip_special_tokens=False).encode()
+            for i in range(self.vocab_size)
+        ]
+
     @property
     def has_chat_template(self) -> bool:
         return self.chat_template is not None
 
+    @property
+    def chat_template_takes_tools(self) -> bool:
+        """Whether the chat template renders tool definitions (it reads a ``tools`` variable,
+        as Hugging Face's tool-calling templates do)."""
+        if self.chat_template is None:
+            return False
+        if self._takes_tools is None:
+            from jinja2 import meta
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            try:
+                parsed = ImmutableSandboxedEnvironment().parse(self.chat_template)
+                self._takes_tools = "tools" in meta.find_undeclared_variables(parsed)
+            except Exception:  # a template that does not even parse takes nothing
+                self._takes_tools = False
+        return self._takes_tools
+
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        """Render ``messages`` (dicts with ``role`` and ``content``) as one prompt string.
+        """Render ``messages`` (dicts with ``role`` and ``content``, and for tool calling
+        ``tool_calls`` or ``tool_call_id``) as one prompt string.
 
         With a chat template: Hugging Face's rendering (sandboxed Jinja, ``trim_blocks`` and
-        ``lstrip_blocks``, variables ``messages``, ``bos_token``, ``eos_token``,
-        ``add_generation_prompt``, function ``raise_exception`` which raises
-        ``jinja2.TemplateError``). Without one, the fallback format is one line
-        ``"{role}: {content}\\n"`` per message, then ``"assistant:"`` when
-        ``add_generation_prompt``. The result carries no BOS of its own unless the template
-        writes one; encode it with ``add_special_tokens=False`` when it does.
+        ``lstrip_blocks``, variables ``messages``, ``tools`` (OpenAI-style function
+        definitions, or None), ``bos_token``, ``eos_token``, ``add_generation_prompt``, function
+        ``raise_exception`` which raises ``jinja2.TemplateError``). Without one, the fallback
+        format is one line ``"{role}: {content}\\n"`` per message, then ``"assistant:"`` when
+        ``add_generation_prompt`` (tools are not shown). The result carries no BOS of its own
+        unless the template writes one; encode it with ``add_special_tokens=False`` when it does.
         """
         if self.chat_template is None:
             lines = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
@@ -140,6 +196,7 @@ class Tokenizer(ABC):
         return str(
             self._compiled_template.render(
                 messages=messages,
+                tools=tools,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
                 add_generation_prompt=add_generation_prompt,
@@ -248,6 +305,34 @@ class HFTokenizer(Tokenizer):
     def all_special_ids(self) -> set[int]:
         return set(self._special_ids)
 
+    def token_bytes(self) -> list[bytes]:
+        """Byte-level pieces (GPT-2, Llama 3, Qwen) mapped back to their bytes; sentencepiece
+        style pieces with ``▁`` as a space and ``<0xNN>`` byte fallback; added tokens as their
+        text (special ones empty); any other kind decoded token by token."""
+        kinds = _decoder_types(json.loads(self._tok.to_str()).get("decoder"))
+        added = self._tok.get_added_tokens_decoder()
+        if not kinds & {"ByteLevel", "ByteFallback", "Metaspace", "Replace"}:
+            out = super().token_bytes()
+        else:
+            out = [b""] * self.vocab_size
+            table = _byte_level_table() if "ByteLevel" in kinds else {}
+            for piece, i in self._tok.get_vocab(with_added_tokens=False).items():
+                if i >= len(out):
+                    continue
+                if table and all(c in table for c in piece):
+                    out[i] = bytes(table[c] for c in piece)
+                elif m := _BYTE_PIECE.match(piece.encode()):
+                    out[i] = bytes([int(m.group(1), 16)])
+                else:
+                    out[i] = piece.replace("\u2581", " ").encode()
+        for i, token in added.items():
+            if i < len(out):
+                out[i] = b"" if token.special else token.content.encode()
+        for i in self._special_ids:
+            if i < len(out):
+                out[i] = b""
+        return out
+
     @property
     def bos_token(self) -> str | None:
         return self._bos_token
@@ -347,6 +432,18 @@ class SentencePieceTokenizer(Tokenizer):
     @property
     def all_special_ids(self) -> set[int]:
         return set(self._special_ids)
+
+    def token_bytes(self) -> list[bytes]:
+        out = []
+        for i in range(self.vocab_size):
+            piece = str(self._sp.id_to_piece(i))
+            if i in self._special_ids:
+                out.append(b"")
+            elif self._sp.is_byte(i) and (m := _BYTE_PIECE.match(piece.encode())):
+                out.append(bytes([int(m.group(1), 16)]))
+            else:
+                out.append(piece.replace("\u2581", " ").encode())
+        return out
 
     @property
     def bos_token(self) -> str | None:
@@ -541,3 +638,7 @@ class Llama2cTokenizer(Tokenizer):
     @property
     def all_special_ids(self) -> set[int]:
         return {self.UNK_ID, self.BOS_ID, self.EOS_ID}
+
+    def token_bytes(self) -> list[bytes]:
+        special = self.all_special_ids
+        return [b"" if i in special else piece for i, piece in enumerate(self._bytes)]

@@ -48,6 +48,8 @@ class _EngineCollector(Collector):
          "spec_accepted_tokens"),
         ("foudre:engine_step_failures", "Engine steps whose forward raised (requests isolated).",
          "num_step_failures"),
+        ("foudre:kv_cache_cow_copies", "KV blocks copied before a write (copy-on-write).",
+         "num_cow_copies"),
         ("foudre:engine_failed_requests", "Requests failed by a step they ran alone.",
          "num_failed_requests"),
     )  # fmt: skip
@@ -57,6 +59,8 @@ class _EngineCollector(Collector):
         ("foudre:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).",
          "kv_cache_usage"),
         ("foudre:kv_cache_blocks_used", "KV-cache blocks held by requests.", "num_used_blocks"),
+        ("foudre:kv_cache_shared_blocks", "KV-cache blocks held by more than one sequence.",
+         "num_shared_blocks"),
         ("foudre:spec_decode_mean_acceptance_length",
          "Tokens per speculative verification step (accepted drafts + 1).",
          "spec_mean_acceptance_length"),
@@ -79,6 +83,15 @@ class _EngineCollector(Collector):
         for i, count in enumerate(snap.get("spec_accepted_per_position", [])):
             per_position.add_metric([str(i + 1)], float(count))
         yield per_position
+        experts = CounterMetricFamily(
+            "foudre:moe_expert_tokens",
+            "Tokens routed to each expert of each mixture-of-experts layer.",
+            labels=["layer", "expert"],
+        )
+        for layer, counts in snap.get("moe_expert_tokens", {}).items():
+            for expert, count in enumerate(counts):
+                experts.add_metric([str(layer), str(expert)], float(count))
+        yield experts
 
 
 class PrometheusMetrics:

@@ -112,6 +112,20 @@ class ModelRunner:
             if make is not None:
                 self.decode_path = make(self, max_num_seqs, max_len)
 
+    def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
+        """Copy whole blocks (K and V of every layer) from source to destination ids: the
+        copy-on-write of shared blocks, before a step writes into them."""
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies], device=self.device)
+        dst = torch.tensor([d for _, d in copies], device=self.device)
+        for cache in self.kv_caches:
+            if isinstance(cache, QuantizedKVCache):
+                cache.codes[:, dst] = cache.codes[:, src]
+                cache.scales[:, dst] = cache.scales[:, src]
+            else:
+                cache[:, dst] = cache[:, src]
+
     def flatten(self, step: ForwardStep) -> None:
         """Fill ``step``'s flattened tensors: token ids, positions, and the backend's metadata
         (each token's cache slot ``block_id * block_size + offset``, lengths, block tables)."""
@@ -185,6 +199,7 @@ class ModelRunner:
         the scratch block) are added to the batch, as a rectangular batch computes the rows of
         its finished members; their results are dropped.
         """
+        self.copy_blocks(scheduled.block_copies)
         rows = scheduled.rows
         pad = scheduled.num_padding_rows
         tables = [r.block_ids for r in rows] + [[self.padding_block]] * pad
@@ -193,17 +208,26 @@ class ModelRunner:
         num_logits = [r.num_logits for r in rows] + [1] * pad
         samplers: list[DraftRow] = []
         ids: list[str] = []
+        logit_rows: list[int] = []  # the logits row each sampler draws from
         for r in rows:
             if r.num_logits:
                 assert r.sampler is not None
                 assert r.num_logits == len(r.sampler.spec_token_ids) + 1, "drafts cut"
                 samplers.append(r.sampler)
                 ids.append(r.request_id)
+                first = len(logit_rows) and logit_rows[-1] + 1
+                logit_rows.extend(range(first, first + r.num_logits))
+                for fork, fork_id in zip(r.forks, r.fork_ids, strict=True):
+                    samplers.append(fork)
+                    ids.append(fork_id)
+                    logit_rows.append(logit_rows[-1])
         logits = self.forward(tables, starts, tokens, num_logits)
         if logits is not None and pad:
             logits = logits[: logits.shape[0] - pad]
         if logits is None or logits.shape[0] == 0:
             return StepOutput()
+        if len(logit_rows) != logits.shape[0]:  # forked samplers share their parent's row
+            logits = logits[torch.tensor(logit_rows, device=logits.device)]
         if not any(s.spec_token_ids for s in samplers):
             out = sample(logits, samplers, self.generator)
             lps = [None if lp is None else [lp] for lp in out.logprobs]

@@ -32,6 +32,10 @@ class ScheduledRow:
     block_ids: list[int]
     num_logits: int  # 0, 1 or 1 + drafts
     sampler: DraftRow | None = None  # set when num_logits > 0
+    # sequences forked from this one at this step (the other samples of its prompt): each draws
+    # its own token from the same last logits, then holds the row's blocks as its own
+    forks: list[DraftRow] = field(default_factory=list)
+    fork_ids: list[str] = field(default_factory=list)
 
     @property
     def num_new_tokens(self) -> int:
@@ -45,6 +49,8 @@ class SchedulerOutput:
     rows: list[ScheduledRow] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)  # request ids preempted in this step
     num_padding_rows: int = 0  # static / dynamic batching: rows of finished members
+    # copy-on-write: (source, destination) block ids to copy before the forward, in order
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def total_tokens(self) -> int:

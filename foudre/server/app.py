@@ -206,17 +206,21 @@ def build_app(
     max_n: int = DEFAULT_MAX_N,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     request_timeout: float | None = None,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app over ``llm``.
 
     ``api_key``: when set, /v1/*, /tokenize and /detokenize require ``Authorization: Bearer
     <key>`` (/health and /metrics stay open). ``shutdown_engine``: stop ``llm`` when the app's
     lifespan ends. ``max_n``: most choices per request; ``max_request_bytes``: larger bodies get
-    413; ``request_timeout``: seconds before a request is aborted (408 or an error event).
+    413; ``request_timeout``: seconds before a request is aborted (408 or an error event);
+    ``tool_call_parser``: how tool calls are read with ``tool_choice`` "auto" (None: detected).
     """
     if max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be positive, got {max_request_bytes}")
-    serving = OpenAIServing(llm, served_model_name, max_n, request_timeout)
+    serving = OpenAIServing(
+        llm, served_model_name, max_n, request_timeout, tool_call_parser=tool_call_parser
+    )
     prometheus = PrometheusMetrics(llm.metrics)
     llm.add_observer(prometheus.observe)
     created = int(time.time())
@@ -342,7 +346,7 @@ def build_app(
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:
             raise OpenAIError(
-                400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})", "tokens"
+                400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="tokens"
             )
         return {"prompt": await serving.off_loop(tok.decode, req.tokens)}
 

@@ -57,6 +57,7 @@ def run_server(
     max_n: int = DEFAULT_MAX_N,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     request_timeout: float | None = None,
+    tool_call_parser: str | None = None,
 ) -> int:
     """Serve until SIGINT/SIGTERM; returns 0 after a clean shutdown."""
     llm = AsyncLLM.from_config(config, max_queue=max_queue)
@@ -76,6 +77,7 @@ def run_server(
             max_n=max_n,
             max_request_bytes=max_request_bytes,
             request_timeout=request_timeout,
+            tool_call_parser=tool_call_parser,
         )
         uv_config = uvicorn.Config(
             app,

@@ -8,6 +8,7 @@ partial stop string, so a stream never shows text that the final answer would no
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import time
@@ -24,17 +25,20 @@ from foudre.engine.async_llm import (
     Prompt,
     QueueFullError,
     RequestStream,
+    sequences_per_prompt,
 )
 from foudre.errors import InvalidParameterError, PromptTooLongError
 from foudre.loading.tokenizer import InvalidTextError
 from foudre.outputs import CompletionOutput, RequestOutput
-from foudre.sampling_params import SamplingParams
+from foudre.sampling_params import BeamSearchParams, SamplingParams, StructuredOutput
 from foudre.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     OpenAIError,
     _SamplingFields,
 )
+from foudre.server.structured import structured_output
+from foudre.server.tools import PARSERS, ToolPlan, template_messages
 from foudre.server.workers import PoolFullError, WorkerPool
 
 Json = dict[str, Any]
@@ -114,6 +118,8 @@ class OpenAIServing:
 
     ``max_n``: the most choices (``n``) one request may ask for. ``request_timeout``: seconds
     after which a request is aborted (its blocks freed) and answered 408, or an error event.
+    ``tool_call_parser``: how "auto" tool calls are read (``tools.PARSERS``; None: the one that
+    fits the chat template).
     """
 
     def __init__(
@@ -123,7 +129,10 @@ class OpenAIServing:
         max_n: int = DEFAULT_MAX_N,
         request_timeout: float | None = None,
         workers: WorkerPool | None = None,
+        tool_call_parser: str | None = None,
     ) -> None:
+        if tool_call_parser is not None and tool_call_parser not in PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {PARSERS}, got {tool_call_parser!r}")
         if max_n < 1:
             raise ValueError(f"max_n must be positive, got {max_n}")
         if request_timeout is not None and request_timeout <= 0:
@@ -134,8 +143,10 @@ class OpenAIServing:
         self.max_n = max_n
         self.request_timeout = request_timeout
         self.max_prompt_chars = llm.max_model_len * CHARS_PER_TOKEN
-        self.workers = workers or WorkerPool()
+        # every request the queue admits may wait to be tokenized, but no more
+        self.workers = workers or WorkerPool(max_pending=max(64, llm.max_queue or 1024))
         self._pieces: dict[int, str] = {}
+        self.tool_call_parser = tool_call_parser
 
     def deadline(self) -> float | None:
         """The loop time at which a request arriving now is aborted (None: never)."""
@@ -170,6 +181,7 @@ class OpenAIServing:
         max_tokens: int | None,
         logprobs: int | None,
         rename: dict[str, str] | None = None,
+        structured: StructuredOutput | None = None,
     ) -> SamplingParams:
         """``SamplingParams`` of a request; an invalid value is a 400 naming its field."""
 
@@ -207,6 +219,7 @@ class OpenAIServing:
                 skip_special_tokens=req.skip_special_tokens,
                 logit_bias=logit_bias,
                 allowed_token_ids=req.allowed_token_ids,
+                structured_output=structured,
             )
         except InvalidParameterError as e:
             param = (rename or {}).get(e.param, e.param)
@@ -242,13 +255,14 @@ class OpenAIServing:
     async def submit(
         self,
         prompts: list[Prompt],
-        params: SamplingParams,
+        params: SamplingParams | BeamSearchParams,
         request_id: str,
         param: str,
         cache_salt: str | None = None,
+        rename: dict[str, str] | None = None,
     ) -> RequestStream:
         queue_limit = self.llm.max_queue
-        total = params.n * len(prompts)
+        total = sequences_per_prompt(params) * len(prompts)
         if queue_limit is not None and total > queue_limit:
             raise OpenAIError(
                 400,
@@ -261,7 +275,7 @@ class OpenAIServing:
         except PromptTooLongError as e:
             raise OpenAIError(400, str(e), param=param, code="context_length_exceeded") from None
         except InvalidParameterError as e:
-            name = param if e.param == "prompt" else e.param
+            name = param if e.param == "prompt" else (rename or {}).get(e.param, e.param)
             raise OpenAIError(400, str(e), param=name) from None
         except ValueError as e:  # text the tokenizer refuses
             raise OpenAIError(400, str(e), param=param) from None
@@ -325,10 +339,10 @@ class OpenAIServing:
                         error = _failure(out, stream.request_id)
                         if error is not None:
                             raise error
-                        comp = out.outputs[0]
-                        finals[comp.index] = comp
-                        usage.completion[comp.index] = len(comp.token_ids)
-                        usage.prompt[comp.index // n] = len(out.prompt_token_ids)
+                        for comp in out.outputs:  # a beam search's: every hypothesis
+                            finals[comp.index] = comp
+                            usage.completion[comp.index] = len(comp.token_ids)
+                            usage.prompt[comp.index // n] = len(out.prompt_token_ids)
         except TimeoutError:
             raise _failure_timeout(stream.request_id) from None
         except RuntimeError as e:  # the engine thread failed
@@ -393,7 +407,22 @@ class OpenAIServing:
         self, req: CompletionRequest, receive: Receive
     ) -> Json | AsyncIterator[str]:
         self.check_model(req.model)
-        params = self.sampling_params(req, req.max_tokens, req.logprobs)
+        structured, field = structured_output(req)
+        rename = {"structured_output": field or "structured_output"}
+        params = self.sampling_params(req, req.max_tokens, req.logprobs, rename, structured)
+        search = self.beam_search_params(req)
+        if search is not None and structured is not None:
+            message = "beam search does not take a grammar (response_format, guided_*)"
+            raise OpenAIError(400, message, param="use_beam_search")
+        if req.best_of is not None and search is None:
+            if req.best_of > self.max_n:
+                raise OpenAIError(400, f"best_of must be at most {self.max_n}", param="best_of")
+            if req.stream and req.best_of > req.n:
+                raise OpenAIError(400, "best_of > n cannot stream", param="best_of")
+            try:
+                params = dataclasses.replace(params, best_of=req.best_of)
+            except InvalidParameterError as e:
+                raise OpenAIError(400, str(e), param=e.param) from None
         raw = req.prompt
         items: list[str | list[int]]
         if isinstance(raw, str):
@@ -424,7 +453,9 @@ class OpenAIServing:
             prompts.append(ids)
         rid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        stream = await self.submit(prompts, params, rid, "prompt", req.cache_salt)
+        if search is not None:
+            return await self._beam_search(req, prompts, texts, search, rid, receive, deadline)
+        stream = await self.submit(prompts, params, rid, "prompt", req.cache_salt, rename)
         n = params.n
         base: Json = {
             "id": rid,
@@ -490,6 +521,74 @@ class OpenAIServing:
             stream, receive, n, [], chunk, usage_chunk if req.include_usage else None, deadline
         )
 
+    def beam_search_params(self, req: CompletionRequest) -> BeamSearchParams | None:
+        """``use_beam_search``: ``best_of`` (or ``n``) beams; 400 for what it cannot do."""
+        if not req.use_beam_search:
+            return None
+        width = req.best_of if req.best_of is not None else req.n
+        if req.stream:
+            message = "beam search returns its beams at the end: no stream"
+            raise OpenAIError(400, message, param="stream")
+        if width > self.max_n:
+            raise OpenAIError(400, f"best_of (beams) must be at most {self.max_n}", param="best_of")
+        if req.n > width:
+            message = f"n ({req.n}) exceeds the number of beams ({width})"
+            raise OpenAIError(400, message, param="n")
+        if req.logprobs is not None:
+            message = "logprobs are not returned with beam search"
+            raise OpenAIError(400, message, param="logprobs")
+        try:
+            return BeamSearchParams(
+                beam_width=width,
+                max_tokens=req.max_tokens if req.max_tokens is not None else 16,
+                length_penalty=req.length_penalty,
+                early_stopping=req.early_stopping,
+                ignore_eos=req.ignore_eos,
+                temperature=req.temperature or 0.0,
+            )
+        except InvalidParameterError as e:
+            raise OpenAIError(400, str(e), param=e.param) from None
+
+    async def _beam_search(
+        self,
+        req: CompletionRequest,
+        prompts: list[Prompt],
+        texts: list[str],
+        search: BeamSearchParams,
+        rid: str,
+        receive: Receive,
+        deadline: float | None,
+    ) -> Json:
+        """A beam search per prompt; the ``n`` best beams of each are its choices."""
+        stream = await self.submit(prompts, search, rid, "prompt", req.cache_salt)
+        width = search.beam_width
+        finals, usage = await self.collect(stream, receive, width, deadline)
+        choices = []
+        usage.completion.clear()  # the returned beams' tokens, as for any choice
+        for index in sorted(finals):
+            prompt, rank = divmod(index, width)
+            if rank >= req.n:
+                continue
+            comp = finals[index]
+            choices.append(
+                {
+                    "index": prompt * req.n + rank,
+                    "text": (texts[prompt] if req.echo else "") + comp.text,
+                    "logprobs": None,
+                    "finish_reason": comp.finish_reason,
+                    "stop_reason": None,
+                }
+            )
+            usage.completion[prompt * req.n + rank] = len(comp.token_ids)
+        return {
+            "id": rid,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": choices,
+            "usage": usage.as_dict(),
+        }
+
     def _completion_logprobs(
         self, token_ids: list[int], entries: list[dict[int, float]], top_n: int, offset: int
     ) -> tuple[Json, int]:
@@ -511,19 +610,26 @@ class OpenAIServing:
         }
         return lp, offset
 
-    async def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
-        """The chat template applied to ``messages``, off the event loop; 400 if it fails."""
+    async def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """The chat template applied to ``messages`` (and ``tools``), off the event loop; 400 if
+        it fails."""
         tok = self.tokenizer
         if tok is None:
             raise OpenAIError(400, "chat needs a tokenizer; this server has none")
         try:
             rendered: str = await self.off_loop(
-                tok.apply_chat_template, messages, add_generation_prompt
+                tok.apply_chat_template, messages, add_generation_prompt, tools
             )
         except OpenAIError:
             raise
         except Exception as e:  # jinja2.TemplateError, or a template bug
-            raise OpenAIError(400, f"cannot apply the chat template: {e}", "messages") from None
+            message = f"cannot apply the chat template: {e}"
+            raise OpenAIError(400, message, param="messages") from None
         return rendered
 
     # -- /v1/chat/completions ------------------------------------------------------------------
@@ -533,23 +639,33 @@ class OpenAIServing:
         if tok is None:
             raise OpenAIError(400, "chat needs a tokenizer; this server has none")
         if req.top_logprobs is not None and not req.logprobs:
-            raise OpenAIError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
+            message = "top_logprobs requires logprobs to be true"
+            raise OpenAIError(400, message, param="top_logprobs")
         top_n = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = (
             req.max_completion_tokens if req.max_completion_tokens is not None else (req.max_tokens)
         )
-        params = self.sampling_params(req, max_tokens, top_n, rename={"logprobs": "top_logprobs"})
+        plan = ToolPlan.of(req, tok, self.tool_call_parser)
+        structured, field = structured_output(req)
+        if plan.structured_output is not None:  # tool_choice "required" or a named function
+            if structured is not None:
+                raise OpenAIError(
+                    400, f"{field} cannot be combined with a forced tool_choice", param=field
+                )
+            structured, field = plan.structured_output, "tools"
+        rename = {"logprobs": "top_logprobs", "structured_output": field or "structured_output"}
+        params = self.sampling_params(req, max_tokens, top_n, rename, structured)
         deadline = self.deadline()
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        messages = template_messages(req.messages)
         self.check_text("".join(m["content"] for m in messages), "messages")
-        rendered = await self.render_chat(messages, req.add_generation_prompt)
+        rendered = await self.render_chat(messages, req.add_generation_prompt, plan.tools)
         bos = tok.bos_token
         has_bos = bool(bos) and rendered.startswith(bos or "")
         prompt_ids = await self.encode(rendered, not has_bos, "messages")
         self.check_fits(len(prompt_ids), params.max_tokens, "messages")
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        stream = await self.submit([prompt_ids], params, rid, "messages", req.cache_salt)
+        stream = await self.submit([prompt_ids], params, rid, "messages", req.cache_salt, rename)
         base: Json = {"id": rid, "created": created, "model": self.model_name}
 
         if not req.stream:
@@ -562,12 +678,13 @@ class OpenAIServing:
                     lp = {
                         "content": self._chat_logprobs(comp.token_ids, comp.logprobs or [], top_n)
                     }
+                reply, called = plan.message(comp.text)
                 choices.append(
                     {
                         "index": i,
-                        "message": {"role": "assistant", "content": comp.text},
+                        "message": reply,
                         "logprobs": lp,
-                        "finish_reason": comp.finish_reason,
+                        "finish_reason": plan.finish_reason(comp.finish_reason, called),
                         "stop_reason": comp.stop_reason,
                     }
                 )
@@ -594,6 +711,8 @@ class OpenAIServing:
             for i in range(params.n)
         ]
 
+        streamers = {i: plan.streamer() for i in range(params.n)} if plan.parses else {}
+
         def chunk(comp: CompletionOutput) -> Json | None:
             lp = None
             if top_n is not None and comp.delta_token_ids:
@@ -601,14 +720,25 @@ class OpenAIServing:
                 entries = (comp.logprobs or [])[-k:]
                 lp = {"content": self._chat_logprobs(comp.delta_token_ids, entries, top_n)}
             text = comp.delta_text
-            if not text and lp is None and not comp.finished:
+            delta: Json = {"content": text} if text else {}
+            finish = comp.finish_reason
+            streamer = streamers.get(comp.index)
+            if streamer is not None:  # tool calls: content held back while it may be a call
+                delta = streamer.feed(text)
+                if comp.finished:
+                    last = streamer.close()
+                    if "content" in last:
+                        delta["content"] = delta.get("content", "") + last["content"]
+                    if "tool_calls" in last:
+                        delta["tool_calls"] = delta.get("tool_calls", []) + last["tool_calls"]
+                    finish = plan.finish_reason(finish, streamer.num_calls > 0)
+            if not delta and lp is None and not comp.finished:
                 return None
-            delta = {"content": text} if text else {}
             choice = {
                 "index": comp.index,
                 "delta": delta,
                 "logprobs": lp,
-                "finish_reason": comp.finish_reason,
+                "finish_reason": finish,
             }
             return {**base, "choices": [choice]}
 

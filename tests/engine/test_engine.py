@@ -145,14 +145,19 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(llm: LLM) -> None:
 
 
 def test_n_samples_share_the_prompt(llm: LLM) -> None:
-    before = llm.metrics()["prefix_cache_hits"]
+    """The n samples fork from one computation of the prompt: one admission (one prefix-cache
+    lookup), its blocks shared, the partly filled last one copied by all writers but the last."""
+    before = llm.metrics()
     prompt = "Once upon a time, there was a little girl named Lily. She loved to play outside."
     out = llm.generate(prompt, SamplingParams(n=4, temperature=1.0, max_tokens=12, seed=7))[0]
     assert [c.index for c in out.outputs] == [0, 1, 2, 3]
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1
-    full_blocks = (len(out.prompt_token_ids) - 1) // 16
-    assert llm.metrics()["prefix_cache_hits"] - before >= 3 * full_blocks * 16
-    assert _all_free(llm)
+    after = llm.metrics()
+    num_prompt = len(out.prompt_token_ids)
+    assert after["prefix_cache_queries"] - before["prefix_cache_queries"] == num_prompt
+    assert num_prompt % 16 != 0  # so the last prompt block is partly filled, then shared
+    assert after["num_cow_copies"] - before["num_cow_copies"] == 3
+    assert _all_free(llm) and after["num_shared_blocks"] == 0
 
 
 def test_logprobs(llm: LLM) -> None:

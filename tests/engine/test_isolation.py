@@ -182,3 +182,43 @@ def test_cache_salt_separates_prefix_caches(llm: LLM) -> None:
     assert cached("b1", "tenant-b") == 0  # another tenant never hits them
     assert cached("n1", None) == 0  # nor does an unsalted request
     assert cached("n2", None) == 48
+
+
+def test_n_samples_fit_where_copies_would_not(stories_paths: tuple[str, str]) -> None:
+    """256 prompt tokens, n=8, 16 new tokens each, prefix caching off: shared, it takes 16 + 8
+    blocks of 16 tokens; a copy per sample would need 8 * 17 = 136. A pool of 48 serves it
+    without a preemption."""
+    model, tok = stories_paths
+    llm = LLM(model, tokenizer=tok, num_kv_blocks=48, enable_prefix_caching=False)
+    prompt = [1, *[(7 * i) % 500 + 3 for i in range(255)]]
+    params = SamplingParams(n=8, temperature=1.0, seed=3, max_tokens=16, ignore_eos=True)
+    [out] = llm.generate([prompt], params)
+    assert len(out.outputs) == 8 and all(len(c.token_ids) == 16 for c in out.outputs)
+    m = llm.metrics()
+    assert m["num_preemptions"] == 0 and m["peak_kv_cache_usage"] <= 24 / 48
+    assert _all_free(llm)
+    # the same samples as eight independent requests with the seeds the group gives them
+    solo = LLM(model, tokenizer=tok, num_kv_blocks=200, enable_prefix_caching=False)
+    alone = [
+        solo.generate([prompt], SamplingParams(temperature=1.0, seed=3 + j, max_tokens=16,
+                                               ignore_eos=True))[0].outputs[0].token_ids
+        for j in range(8)
+    ]  # fmt: skip
+    assert [c.token_ids for c in out.outputs] == alone
+
+
+def test_best_of_returns_the_n_most_likely(llm: LLM) -> None:
+    params = SamplingParams(n=2, best_of=5, temperature=1.0, seed=11, max_tokens=10)
+    [out] = llm.generate(["Once upon a time"], params)
+    assert [c.index for c in out.outputs] == [0, 1]
+    assert all(c.logprobs is None and c.cumulative_logprob is None for c in out.outputs)
+    every = llm.generate(
+        ["Once upon a time"],
+        SamplingParams(n=5, temperature=1.0, seed=11, max_tokens=10, logprobs=0),
+    )[0].outputs
+    ranked = sorted(every, key=lambda c: -(c.cumulative_logprob or 0.0))
+    assert [c.token_ids for c in out.outputs] == [c.token_ids for c in ranked[:2]]
+    with pytest.raises(InvalidParameterError) as info:
+        SamplingParams(n=3, best_of=2)
+    assert info.value.param == "best_of"
+    assert _all_free(llm)

@@ -389,3 +389,99 @@ def test_no_prefix_caching_never_hits() -> None:
     _run_to_completion(run, b)
     assert b.num_cached_tokens == 0
     assert run.kv.prefix_cache_queries == run.kv.prefix_cache_hits == 0
+
+
+# -- forks and copy-on-write ----------------------------------------------------------------------
+class ForkModel:
+    """A KV manager driven by random forks, writes and frees, beside a model of each block's
+    contents (``block id -> {offset: (sequence, position)}``): copies are applied as the runner
+    applies them, and each write records who wrote what where."""
+
+    def __init__(self, kv: KVCacheManager) -> None:
+        self.kv = kv
+        self.content: dict[int, dict[int, tuple[str, int]]] = {}
+        self.live: dict[str, Request] = {}
+        self.origin: dict[tuple[str, int], tuple[str, int]] = {}  # what each position holds
+        self.count = 0
+
+    def new(self, num_tokens: int) -> Request:
+        self.count += 1
+        req = Request(f"s{self.count}", [1] * num_tokens, SamplingParams())
+        self.live[req.request_id] = req
+        return req
+
+    def apply_copies(self) -> None:
+        """What the runner does before the next forward reads or writes anything."""
+        for src, dst in self.kv.take_copies():
+            assert self.kv.pool.blocks[dst].ref_cnt == 1
+            self.content[dst] = dict(self.content.get(src, {}))
+
+    def write(self, req: Request, n: int) -> bool:
+        if not self.kv.allocate_slots(req, n):
+            return False
+        self.apply_copies()
+        table = self.kv.req_blocks[req.request_id]
+        for pos in range(req.num_computed_tokens, req.num_computed_tokens + n):
+            block = table[pos // BS]
+            assert block.ref_cnt == 1, "a write into a block another table holds"
+            self.content.setdefault(block.block_id, {})[pos % BS] = (req.request_id, pos)
+            self.origin[(req.request_id, pos)] = (req.request_id, pos)
+        req.num_computed_tokens += n
+        req.output_token_ids += [2] * max(0, req.num_computed_tokens - req.num_tokens)
+        return True
+
+    def fork(self, parent: Request) -> Request:
+        child = self.new(0)
+        child.prompt_token_ids = list(parent.prompt_token_ids)
+        child.output_token_ids = list(parent.output_token_ids)
+        self.kv.fork(parent, child)
+        self.apply_copies()  # without copy-on-write the fork copies at once
+        child.num_computed_tokens = parent.num_computed_tokens
+        for pos in range(parent.num_computed_tokens):  # the child sees what the parent wrote
+            self.origin[(child.request_id, pos)] = self.origin[(parent.request_id, pos)]
+        return child
+
+    def free(self, req: Request) -> None:
+        self.kv.free(req)
+        del self.live[req.request_id]
+
+    def check(self) -> None:
+        holders: dict[int, int] = {}
+        for blocks in self.kv.req_blocks.values():
+            for b in blocks:
+                holders[b.block_id] = holders.get(b.block_id, 0) + 1
+        for b in self.kv.pool.blocks:
+            assert b.ref_cnt == holders.get(b.block_id, 0), "count != tables holding it"
+        shared = sum(1 for n in holders.values() if n > 1)
+        assert self.kv.num_shared_blocks == shared
+        assert len(holders) + self.kv.num_free_blocks == self.kv.num_blocks
+        for rid, req in self.live.items():  # every sequence reads back what it should
+            table = self.kv.req_blocks.get(rid, [])
+            for pos in range(req.num_computed_tokens):
+                got = self.content[table[pos // BS].block_id][pos % BS]
+                assert got == self.origin[(rid, pos)], (rid, pos)
+
+
+@settings(max_examples=300, deadline=None)
+@given(num_blocks=st.integers(4, 24), seed=SEEDS, cow=st.booleans())
+def test_forks_share_blocks_and_copy_before_writes(num_blocks: int, seed: int, cow: bool) -> None:
+    rnd = random.Random(seed)
+    kv = KVCacheManager(num_blocks, BS, enable_prefix_caching=False, copy_on_write=cow)
+    model = ForkModel(kv)
+    for _ in range(60):
+        op = rnd.random()
+        live = list(model.live.values())
+        if op < 0.25 or not live:
+            model.write(model.new(0), rnd.randint(1, 2 * BS))
+        elif op < 0.5:
+            parent = rnd.choice(live)
+            if parent.request_id in kv.req_blocks and kv.can_fork(parent):
+                model.fork(parent)
+        elif op < 0.85:
+            model.write(rnd.choice(live), rnd.randint(1, BS + 1))
+        else:
+            model.free(rnd.choice(live))
+        model.check()
+    for req in list(model.live.values()):
+        model.free(req)
+    assert kv.num_free_blocks == kv.num_blocks and kv.num_shared_blocks == 0

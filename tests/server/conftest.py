@@ -100,9 +100,8 @@ def start_in_process(**app_kwargs: Any) -> InProcessServer:
 
     max_queue = app_kwargs.pop("max_queue", None)
     engine_opts = app_kwargs.pop("engine", {})
-    llm = AsyncLLM.from_config(
-        EngineConfig(model=str(MODEL), tokenizer=str(TOKENIZER), **engine_opts), max_queue
-    )
+    engine_opts = {"model": str(MODEL), "tokenizer": str(TOKENIZER), **engine_opts}
+    llm = AsyncLLM.from_config(EngineConfig(**engine_opts), max_queue)
     app = build_app(llm, "stories", **app_kwargs)
     config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
     server = uvicorn.Server(config)

@@ -1,0 +1,395 @@
+"""Tool calling on ``/v1/chat/completions``.
+
+The tools go to the model through its chat template (its ``tools`` variable, as in Hugging
+Face's tool-calling templates); what the model writes back is read according to
+``tool_choice``:
+
+- ``"none"``: plain text, never parsed;
+- ``"auto"``: text that may hold calls in the model's own format, found by a parser: ``hermes``
+  (Hermes, Qwen 2.5 / 3: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``) or
+  ``llama3_json`` (Llama 3.1+: ``{"name": ..., "parameters": {...}}``, optionally after
+  ``<|python_tag|>``, several separated by ``;``). Needs a template that renders tools;
+- ``"required"``: a grammar forces a JSON array of ``{"name", "parameters"}`` objects, one
+  variant per tool with that tool's parameter schema, so every call is valid;
+- a named function: a grammar forces its arguments object (its parameter schema).
+
+Calls come back as ``message.tool_calls`` (``finish_reason "tool_calls"``; ``"stop"`` for a
+named function, as OpenAI does) and, streamed, as ``delta.tool_calls``: content is streamed as
+it comes (holding back what could begin a call), each call once it is complete.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from foudre.loading.tokenizer import Tokenizer
+from foudre.sampling_params import StructuredOutput
+from foudre.server.protocol import ChatCompletionRequest, ChatMessage, OpenAIError
+
+Json = dict[str, Any]
+
+PARSERS = ("hermes", "llama3_json")
+_HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
+_PYTHON_TAG = "<|python_tag|>"
+_HERMES_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
+
+
+@dataclass(slots=True)
+class ToolCallOut:
+    """One parsed call: the function's name and its arguments as JSON text."""
+
+    name: str
+    arguments: str
+    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+    def as_json(self, index: int | None = None) -> Json:
+        out: Json = {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+        return out if index is None else {"index": index, **out}
+
+
+def detect_parser(chat_template: str | None) -> str:
+    """The parser that fits a chat template's own call format (``hermes`` by default)."""
+    template = chat_template or ""
+    if _HERMES_OPEN in template:
+        return "hermes"
+    if _PYTHON_TAG in template or "ipython" in template:
+        return "llama3_json"
+    return "hermes"
+
+
+def _call(obj: Any, keys: tuple[str, ...] = ("arguments", "parameters")) -> ToolCallOut | None:
+    """A call from a decoded ``{"name": ..., "arguments" | "parameters": {...}}``, or None."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args: Any = next((obj[k] for k in keys if k in obj), {})
+    if isinstance(args, str):  # arguments already as JSON text
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return ToolCallOut(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+def parse_hermes(text: str) -> tuple[str | None, list[ToolCallOut]]:
+    """Content before the first ``<tool_call>`` and the calls; the whole text as content, no
+    calls, when a block is not a call (a model that writes the tag in prose)."""
+    start = text.find(_HERMES_OPEN)
+    if start < 0:
+        return text, []
+    calls = []
+    for block in _HERMES_BLOCK.findall(text[start:]):
+        try:
+            call = _call(json.loads(block))
+        except json.JSONDecodeError:
+            call = None
+        if call is None:
+            return text, []
+        calls.append(call)
+    content = text[:start].strip()
+    return content or None, calls
+
+
+def parse_llama3_json(text: str) -> tuple[str | None, list[ToolCallOut]]:
+    """Calls when the whole output is ``{"name", "parameters"}`` objects (after an optional
+    ``<|python_tag|>``, separated by ``;``); otherwise the text as content."""
+    body = text.strip()
+    body = body.removeprefix(_PYTHON_TAG).strip()
+    if not body.startswith("{"):
+        return text, []
+    decoder = json.JSONDecoder()
+    calls, at = [], 0
+    while at < len(body):
+        try:
+            obj, end = decoder.raw_decode(body, at)
+        except json.JSONDecodeError:
+            return text, []
+        call = _call(obj, ("parameters", "arguments"))
+        if call is None:
+            return text, []
+        calls.append(call)
+        at = end
+        while at < len(body) and body[at] in " \t\r\n;":
+            at += 1
+    return None, calls
+
+
+def _arguments_object(arguments: str | dict[str, Any]) -> Any:
+    """Arguments as chat templates expect them: a dict (OpenAI sends JSON text)."""
+    if isinstance(arguments, dict):
+        return arguments
+    try:
+        return json.loads(arguments)
+    except json.JSONDecodeError:
+        return arguments
+
+
+def template_messages(messages: list[ChatMessage]) -> list[Json]:
+    """The messages as chat templates read them: ``role`` and ``content`` (text), plus an
+    assistant's ``tool_calls`` (arguments as objects) and a tool result's ``tool_call_id``."""
+    out = []
+    for m in messages:
+        msg: Json = {"role": m.role, "content": m.text()}
+        if m.name is not None:
+            msg["name"] = m.name
+        if m.tool_calls:
+            msg["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {
+                        "name": c.function.name,
+                        "arguments": _arguments_object(c.function.arguments),
+                    },
+                }
+                for c in m.tool_calls
+            ]
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
+        out.append(msg)
+    return out
+
+
+def _parameters(schema: dict[str, Any] | None) -> dict[str, Any]:
+    return schema if schema is not None else {"type": "object", "properties": {}}
+
+
+@dataclass(slots=True)
+class ToolPlan:
+    """How one chat request handles tools: what the template gets, what grammar (if any)
+    forces the output, and how the output is read."""
+
+    mode: str = "none"  # none | auto | required | named
+    tools: list[Json] | None = None  # for the chat template
+    parser: str = "hermes"
+    function: str | None = None  # the named function
+    parallel: bool = True
+    structured_output: StructuredOutput | None = None  # required / named
+
+    @classmethod
+    def of(cls, req: ChatCompletionRequest, tokenizer: Tokenizer, parser: str | None) -> ToolPlan:
+        """The plan of ``req``; 400 for a ``tool_choice`` without tools, an unknown named
+        function, duplicate names, or ``"auto"`` with a template that cannot show tools."""
+        choice = req.tool_choice
+        if not req.tools:
+            if choice not in (None, "none"):
+                raise OpenAIError(
+                    400, "tool_choice needs tools: the request defines none", param="tool_choice"
+                )
+            return cls()
+        names = [t.function.name for t in req.tools]
+        if len(set(names)) != len(names):
+            raise OpenAIError(400, "tools must have distinct function names", param="tools")
+        tools = [t.model_dump(exclude_none=True) for t in req.tools]
+        plan = cls(
+            tools=tools,
+            parser=parser or detect_parser(tokenizer.chat_template),
+            parallel=req.parallel_tool_calls,
+        )
+        if choice is None or choice == "auto":
+            if not tokenizer.chat_template_takes_tools:
+                raise OpenAIError(
+                    400,
+                    "tool_choice 'auto' needs a chat template that renders tools, and this "
+                    "model's does not; use tool_choice 'required' or a named function (a "
+                    "grammar then writes the calls), or serve a tool-capable chat template",
+                    param="tool_choice",
+                )
+            plan.mode = "auto"
+        elif choice == "none":
+            plan.mode = "none"
+        elif choice == "required":
+            plan.mode = "required"
+            variants = [
+                {
+                    "type": "object",
+                    "properties": {
+                        "name": {"const": t.function.name},
+                        "parameters": _parameters(t.function.parameters),
+                    },
+                    "required": ["name", "parameters"],
+                }
+                for t in req.tools
+            ]
+            schema: Json = {
+                "type": "array",
+                "items": variants[0] if len(variants) == 1 else {"anyOf": variants},
+                "minItems": 1,
+            }
+            if not req.parallel_tool_calls:
+                schema["maxItems"] = 1
+            plan.structured_output = StructuredOutput(json_schema=schema)
+        else:
+            assert not isinstance(choice, str)
+            match = [t for t in req.tools if t.function.name == choice.function.name]
+            if not match:
+                raise OpenAIError(
+                    400,
+                    f"tool_choice names the function {choice.function.name!r}, which is not "
+                    "among the tools",
+                    param="tool_choice",
+                )
+            plan.mode = "named"
+            plan.function = choice.function.name
+            plan.structured_output = StructuredOutput(
+                json_schema=_parameters(match[0].function.parameters)
+            )
+        return plan
+
+    @property
+    def parses(self) -> bool:
+        return self.mode != "none"
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCallOut]]:
+        """The content and the calls of a complete output."""
+        if self.mode == "none":
+            return text, []
+        if self.mode == "named":
+            assert self.function is not None
+            return None, [ToolCallOut(self.function, text)]
+        if self.mode == "required":
+            try:
+                items = json.loads(text)
+            except json.JSONDecodeError:  # cut by max_tokens
+                return text, []
+            if not isinstance(items, list):
+                return text, []
+            found = [_call(item, ("parameters", "arguments")) for item in items]
+            calls = [c for c in found if c is not None]
+            if not calls or len(calls) != len(found):
+                return text, []
+            return None, calls
+        content, calls = (parse_hermes if self.parser == "hermes" else parse_llama3_json)(text)
+        if calls and not self.parallel:
+            calls = calls[:1]
+        return content, calls
+
+    def finish_reason(self, reason: str | None, called: bool) -> str | None:
+        """OpenAI's finish reason: ``tool_calls`` when the model stopped after calling (but
+        ``stop`` for a forced named function)."""
+        if reason == "stop" and called and self.mode != "named":
+            return "tool_calls"
+        return reason
+
+    def message(self, text: str) -> tuple[Json, bool]:
+        """The assistant message of a complete output, and whether it holds calls."""
+        content, calls = self.parse(text)
+        message: Json = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [c.as_json() for c in calls]
+        return message, bool(calls)
+
+    def streamer(self) -> ToolStreamer:
+        return ToolStreamer(self)
+
+
+def _held_back(text: str, marker: str) -> int:
+    """Length of the longest end of ``text`` that could be the start of ``marker``."""
+    for n in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+@dataclass(slots=True)
+class ToolStreamer:
+    """One choice's stream: text deltas in, chat deltas out (content as soon as it cannot be
+    part of a call, each call once complete)."""
+
+    plan: ToolPlan
+    buffer: str = ""  # text received but not emitted
+    in_calls: bool = False  # a call has begun: the rest is held for the parser
+    num_calls: int = 0  # calls emitted (-1: a llama3_json output found to be plain text)
+
+    def feed(self, text: str) -> Json:
+        """The delta (``content`` and/or ``tool_calls``, possibly empty) for new text."""
+        self.buffer += text
+        plan = self.plan
+        if plan.mode in ("required", "named"):
+            return {}
+        if plan.parser == "llama3_json":
+            # the output is calls when it opens with "{" or the python tag: then hold it all
+            if self.num_calls >= 0:
+                head = self.buffer.lstrip()
+                if self.in_calls or not head or _PYTHON_TAG.startswith(head):
+                    return {}
+                if head.startswith(("{", _PYTHON_TAG)):
+                    self.in_calls = True
+                    return {}
+                self.num_calls = -1  # decided: plain text (no call will be parsed)
+            text, self.buffer = self.buffer, ""
+            return {"content": text}
+        return self._hermes()
+
+    def _hermes(self) -> Json:
+        delta: Json = {}
+        calls: list[Json] = []
+        while True:
+            if not self.in_calls:
+                start = self.buffer.find(_HERMES_OPEN)
+                if start < 0:
+                    keep = _held_back(self.buffer, _HERMES_OPEN)
+                    emit = self.buffer[: len(self.buffer) - keep]
+                    self.buffer = self.buffer[len(emit) :]
+                    if emit and not self.num_calls:
+                        delta["content"] = delta.get("content", "") + emit
+                    break
+                if start and not self.num_calls:
+                    delta["content"] = delta.get("content", "") + self.buffer[:start]
+                self.buffer = self.buffer[start:]
+                self.in_calls = True
+            end = self.buffer.find(_HERMES_CLOSE)
+            if end < 0:
+                break
+            block = self.buffer[len(_HERMES_OPEN) : end]
+            self.buffer = self.buffer[end + len(_HERMES_CLOSE) :]
+            self.in_calls = False
+            call = self._parse_block(block)
+            if call is None:  # not a call: show it as text
+                delta["content"] = delta.get("content", "") + _HERMES_OPEN + block + _HERMES_CLOSE
+            elif self.plan.parallel or not self.num_calls:
+                calls.append(call.as_json(self.num_calls))
+                self.num_calls += 1
+        if calls:
+            delta["tool_calls"] = calls
+        return delta
+
+    @staticmethod
+    def _parse_block(block: str) -> ToolCallOut | None:
+        try:
+            return _call(json.loads(block))
+        except json.JSONDecodeError:
+            return None
+
+    def close(self) -> Json:
+        """The last delta, once the output is complete."""
+        rest, self.buffer = self.buffer, ""
+        plan = self.plan
+        if plan.mode in ("required", "named") or plan.parser == "llama3_json":
+            if not rest:
+                return {}
+            if self.num_calls < 0:  # llama3_json output already streamed as text
+                return {"content": rest}
+            content, calls = plan.parse(rest)
+            delta: Json = {}
+            if content:
+                delta["content"] = content
+            if calls:
+                delta["tool_calls"] = [c.as_json(i) for i, c in enumerate(calls)]
+                self.num_calls = len(calls)
+            return delta
+        if self.in_calls:  # a call left open at the end of the output
+            call = self._parse_block(rest[len(_HERMES_OPEN) :])
+            if call is not None and (plan.parallel or not self.num_calls):
+                self.num_calls += 1
+                return {"tool_calls": [call.as_json(self.num_calls - 1)]}
+        return {"content": rest} if rest and not self.num_calls else {}
