@@ -101,7 +101,8 @@ class RequestStream:
         self._pending: set[str] = set()
         self._accepted = False
         self._abort_sent = False
-        self._live = 0  # engine thread: children not yet finished
+        self._live = 0  # engine thread: outputs not yet finished
+        self._reserved = 0  # engine thread: queue slots it holds (its sequences), freed at its end
 
     @property
     def finished(self) -> bool:
@@ -277,6 +278,12 @@ class AsyncLLM:
                 _resolve, command.ack, EngineStoppedError("the engine is shutting down")
             )
 
+    def _end(self, stream: RequestStream) -> None:
+        """Give back the queue slots of a stream that ended (finished, aborted or failed): all
+        its sequences', however many outputs it had (a beam search has one, best_of n)."""
+        self._release(stream._reserved)
+        stream._reserved = 0
+
     def _release(self, count: int) -> None:
         with self._lock:
             self._num_unfinished -= count
@@ -334,6 +341,7 @@ class AsyncLLM:
         else:
             stream._pending = set(stream.child_ids)
             stream._live = len(stream.child_ids)
+            stream._reserved = command.num_children
             stream._accepted = True
             self._streams[command.group_id] = stream
             for rid in stream.child_ids:
@@ -345,9 +353,9 @@ class AsyncLLM:
         stream = self._streams.pop(group_id, None)
         if stream is None:
             return
-        for rid in stream.child_ids:  # released first: a failing abort leaks no queue slot
-            if self._sinks.pop(rid, None) is not None:
-                self._release(1)
+        for rid in stream.child_ids:
+            self._sinks.pop(rid, None)
+        self._end(stream)  # released first: a failing abort leaks no queue slot
         for out in self.engine.abort_group(group_id):
             self._observe(out)
             stream._deliver(out)
@@ -359,8 +367,9 @@ class AsyncLLM:
             logger.exception("engine step failed; failing %d in-flight requests", len(self._sinks))
             streams = dict(self._streams)
             self._streams.clear()
-            self._release(len(self._sinks))
             self._sinks.clear()
+            for stream in streams.values():
+                self._end(stream)
             for group_id in streams:
                 with contextlib.suppress(Exception):
                     self.engine.abort_group(group_id)
@@ -377,10 +386,10 @@ class AsyncLLM:
                 continue
             if out.finished:
                 del self._sinks[out.request_id]
-                self._release(1)
                 sink._live -= 1
                 if not sink._live:
                     self._streams.pop(sink.request_id, None)
+                    self._end(sink)
             batches.setdefault(sink._loop, []).append((sink, out))
         for loop, items in batches.items():
             with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening

@@ -364,6 +364,11 @@ class LLMEngine:
         """Per prompt: its samples (the first is the one the others fork from) and the ids its
         outputs carry. Every child's parameters are checked (seeds) before anything is queued."""
         n, samples = params.n, params.num_samples
+        if samples > self.config.max_num_seqs:  # the samples of a prompt run together
+            name = "n" if params.best_of is None else "best_of"
+            raise InvalidParameterError(
+                name, f"{name} {samples} exceeds max_num_seqs {self.config.max_num_seqs}"
+            )
         total = len(encoded) * n
         plans = []
         for p, (ids, text) in enumerate(encoded):
@@ -408,6 +413,15 @@ class LLMEngine:
             room = self.max_model_len - len(ids)
             if room < 1:
                 raise PromptTooLongError(len(ids) + 1, self.max_model_len)
+            # the beams may diverge from the first token: each may need its own blocks
+            length = len(ids) + min(params.max_tokens, room)
+            worst = params.beam_width * -(-length // self.config.block_size)
+            if worst > self.kv.num_blocks:
+                raise InvalidParameterError(
+                    "beam_width",
+                    f"{params.beam_width} beams of {length} tokens may need {worst} KV blocks; "
+                    f"the cache has {self.kv.num_blocks}",
+                )
             vid = group_id if len(encoded) == 1 else f"{group_id}-{p}"
             cohort = Cohort(seats=params.beam_width)
             search = BeamSearch(
@@ -546,6 +560,10 @@ class LLMEngine:
         if self.proposer is not None:
             self._propose()
         sched = self.scheduler.schedule()
+        for rid in sched.preempted:  # a preempted beam reports again once recomputed
+            tracked = self._tracked.get(rid)
+            if tracked is not None and tracked.beam is not None:
+                tracked.beam.reported.pop(rid, None)
         self.stats.num_scheduled_last_step = len(sched.rows)
         if not sched.rows:
             return []
@@ -593,12 +611,21 @@ class LLMEngine:
         self.stats.num_failed_requests += 1
         if tracked.beam is not None:
             return [self._end_beam_search(tracked.beam, "error", message)]
+        # samples not forked yet share its prompt: they fail with it, not one by one later
+        unforked = [self._tracked[c.request_id] for c in req.fork_children if not c.is_finished]
+        req.fork_children = []
+        outputs = []
+        for child in unforked:
+            child.request.error = message
+            self.scheduler.finish(child.request, RequestStatus.FINISHED_ERROR)
+            self._retire(child)
+            outputs += self._emit(child, self._output(child, [], ""))
         if not req.is_finished:
             self.scheduler.finish(req, RequestStatus.FINISHED_ERROR, uncache=True)
         else:  # it had finished before the failure: it fails all the same
             req.status = RequestStatus.FINISHED_ERROR
         self._retire(tracked)
-        return self._emit(tracked, self._output(tracked, [], ""))
+        return outputs + self._emit(tracked, self._output(tracked, [], ""))
 
     def _propose(self) -> None:
         """Drafts for every running request that has caught up, as many as it may still use.
@@ -617,8 +644,8 @@ class LLMEngine:
         reqs, limits = [], []
         for req in self.scheduler.running:
             req.clear_spec()
-            if req.num_tokens - req.num_computed_tokens != 1:
-                continue  # still prefilling
+            if req.num_tokens - req.num_computed_tokens != 1 or req.fork_children:
+                continue  # still prefilling, or its samples fork from its next position
             p = req.sampling_params
             # a step emits up to drafts + 1 tokens: stay within max_tokens and max_model_len
             room = self.max_model_len - req.num_tokens - 1
@@ -650,7 +677,10 @@ class LLMEngine:
             if req.first_token_time is None:
                 req.first_token_time = now
             req.last_token_time = now
-            tracked = self._tracked[req.request_id]
+            found = self._tracked.get(req.request_id)
+            if found is None:  # ended meanwhile (its beam search finished this step)
+                continue
+            tracked = found
             try:
                 if tracked.beam is not None:
                     assert lps is not None
@@ -671,6 +701,8 @@ class LLMEngine:
             return [out]
         if not out.finished:
             return []
+        if any(o.request_id == out.request_id for o in best.finals):
+            return []  # already in (a sample that failed after finishing)
         best.finals.append(out)
         if len(best.finals) < best.num_samples:
             return []

@@ -310,8 +310,10 @@ class KVCacheManager:
     def take_copies(self) -> list[tuple[int, int]]:
         """The block copies (source, destination) made since the last call, in order; the
         runner must apply them before the step's forward writes or reads those blocks."""
-        copies, self._copies = self._copies, []
-        return copies
+        # a destination written twice (its first owner preempted in the step): the last wins
+        latest = {dst: src for src, dst in self._copies}
+        self._copies = []
+        return [(src, dst) for dst, src in latest.items()]
 
     @property
     def num_shared_blocks(self) -> int:

@@ -130,7 +130,12 @@ class Scheduler:
         the prefix cache: that step's K/V was not written) and from now on schedule each alone,
         until it samples once, so that a request that makes steps fail fails by itself while
         the others resume (they recompute, exactly as after a preemption)."""
-        for rid in reversed(request_ids):  # preemption puts each at the head: keep step order
+        ids = list(request_ids)
+        for rid in request_ids:  # a cohort's other members read what the step hashed
+            req = self.requests.get(rid)
+            if req is not None and req.cohort is not None:
+                ids += [m.request_id for m in req.cohort.members if m.request_id not in ids]
+        for rid in reversed(ids):  # preemption puts each at the head: keep step order
             req = self.requests.get(rid)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue
@@ -176,8 +181,10 @@ class Scheduler:
                 i += 1
                 continue
             while not self.kv.allocate_slots(req, num_new, num_final_tokens=req.num_tokens):
-                victims = self._preempt_newest()
+                earlier = {id(r) for r in self.running[:i]}
+                victims = self._preempt_newest({id(r) for r, _ in scheduled})
                 preempted += victims
+                i -= sum(1 for v in victims if id(v) in earlier)  # cohort members before req
                 if req in victims:
                     break
             else:
@@ -215,7 +222,7 @@ class Scheduler:
             [self._row(req, n) for req, n in scheduled],
             [r.request_id for r in preempted],
             self.policy.num_padding_rows if scheduled else 0,
-            self.kv.take_copies(),
+            self.kv.take_copies() if scheduled else [],  # else they wait for a step that runs
         )
         assert out.total_tokens <= self.max_num_batched_tokens
         assert self._occupied_seats() <= self.max_num_seqs
@@ -289,8 +296,10 @@ class Scheduler:
             seats += max(cohort.seats - len(cohort.members), 0)
         return seats
 
-    def _preempt_newest(self) -> list[Request]:
-        """Preempt the newest running request, with every running member of its cohort."""
+    def _preempt_newest(self, scheduled: set[int] | None = None) -> list[Request]:
+        """Preempt the newest running request, with every running member of its cohort. A
+        member already scheduled in this step (``scheduled``: ids) had blocks hashed for K/V
+        that this step will now not write: they leave the prefix cache."""
         victim = self.running.pop()
         victims = [victim]
         if victim.cohort is not None:
@@ -299,7 +308,7 @@ class Scheduler:
                     self.running.remove(member)
                     victims.append(member)
         for v in victims:
-            self._preempt(v)
+            self._preempt(v, uncache=scheduled is not None and id(v) in scheduled)
         return victims
 
     def _make_room(self, probe: Request, budget: int, preempted: list[Request]) -> None:
@@ -308,7 +317,9 @@ class Scheduler:
         while self.running:
             hits, num_cached = self.kv.get_computed_blocks(probe)
             num_new = min(probe.num_tokens - num_cached, budget)
-            if len(self.running) < self.max_num_seqs and self.kv.can_allocate(probe, num_new, hits):
+            free_seats = self.max_num_seqs - self._occupied_seats()
+            seated = free_seats >= self._seats_needed(probe, None)
+            if seated and self.kv.can_allocate(probe, num_new, hits):
                 break
             preempted += self._preempt_newest()
         self.waiting.remove(probe)
@@ -338,13 +349,7 @@ class Scheduler:
         (their K/V is overwritten later). Returns the requests that sampled, in ``result``'s
         order; their tokens are the engine's to append."""
         for row in scheduled.rows:
-            req = self.requests[row.request_id]
-            req.num_computed_tokens += row.num_new_tokens
-            if row.fork_ids:
-                for child in req.fork_children:
-                    if child.request_id in row.fork_ids and not child.is_finished:
-                        self.fork(req, child)
-                req.fork_children = []
+            self.requests[row.request_id].num_computed_tokens += row.num_new_tokens
         sampled = []
         for rid, n_draft, n_accepted in zip(
             result.request_ids, result.num_draft_tokens, result.num_accepted, strict=True
@@ -354,6 +359,13 @@ class Scheduler:
             req.clear_spec()
             self.quarantined.discard(rid)  # it ran a whole step and sampled: not the culprit
             sampled.append(req)
+        for row in scheduled.rows:  # after the rollbacks: forks start from the final count
+            if row.fork_ids:
+                parent = self.requests[row.request_id]
+                for child in parent.fork_children:
+                    if child.request_id in row.fork_ids and not child.is_finished:
+                        self.fork(parent, child)
+                parent.fork_children = []
         return sampled
 
     def check_invariants(self) -> None:

@@ -43,14 +43,14 @@ class WorkerPool:
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` on a worker thread; ``PoolFullError`` when ``max_pending`` jobs wait."""
-        with self._lock:
+        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        with self._lock:  # queued under the lock: never after close()'s sentinels
             if self._closed:
                 raise PoolFullError("the server is shutting down")
             if self._pending >= self.max_pending:
                 raise PoolFullError(f"{self._pending} jobs are pending; retry later")
             self._pending += 1
-        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
-        self._jobs.put((lambda: fn(*args), future))
+            self._jobs.put((lambda: fn(*args), future))
         return await future
 
     def close(self) -> None:

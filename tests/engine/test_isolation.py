@@ -222,3 +222,50 @@ def test_best_of_returns_the_n_most_likely(llm: LLM) -> None:
         SamplingParams(n=3, best_of=2)
     assert info.value.param == "best_of"
     assert _all_free(llm)
+
+
+def test_more_samples_than_seats_is_refused(stories_paths: tuple[str, str]) -> None:
+    model, tok = stories_paths
+    llm = LLM(model, tokenizer=tok, num_kv_blocks=64, max_num_seqs=4)
+    for params, name in ((SamplingParams(n=5), "n"), (SamplingParams(n=2, best_of=5), "best_of")):
+        with pytest.raises(InvalidParameterError) as info:
+            llm.generate(["Once"], params)
+        assert info.value.param == name
+    assert not llm.engine.has_unfinished_requests()
+    assert len(llm.generate(["Once"], SamplingParams(n=4, max_tokens=3))[0].outputs) == 4
+
+
+def test_samples_with_speculative_decoding(stories_paths: tuple[str, str]) -> None:
+    model, tok = stories_paths
+    params = SamplingParams(n=3, temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompts = ["Once upon a time", [1, 50, 60, 50, 60, 50, 60, 50, 60, 50, 60, 50]]
+    plain = LLM(model, tokenizer=tok, num_kv_blocks=64).generate(prompts, params)
+    # budget 7: prompt chunks leave one token now and then, where drafts would be proposed
+    spec = LLM(model, tokenizer=tok, num_kv_blocks=64, speculative_method="ngram",
+               max_num_batched_tokens=7)  # fmt: skip
+    got = spec.generate(prompts, params)
+    assert [[c.token_ids for c in o.outputs] for o in got] == [
+        [c.token_ids for c in o.outputs] for o in plain
+    ]
+    assert _all_free(spec)
+
+
+def test_a_failing_prompt_fails_its_unforked_samples_with_it(
+    stories_paths: tuple[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, tok = stories_paths
+    llm = LLM(model, tokenizer=tok, num_kv_blocks=64)
+    engine = llm.engine
+    poisoned = Poisoned(engine.runner.execute, "bad-0")
+    monkeypatch.setattr(engine.runner, "execute", poisoned)
+    good = engine.add_group("good", [PROMPTS[1]], GREEDY)
+    bad = engine.add_group("bad", [PROMPTS[0]], SamplingParams(n=3, max_tokens=5))
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    assert {finals[rid].outputs[0].finish_reason for rid in bad} == {"error"}
+    assert finals[good[0]].outputs[0].finish_reason == "length"
+    assert llm.metrics()["num_step_failures"] == 2  # the batch, then the culprit alone
+    assert _all_free(llm)

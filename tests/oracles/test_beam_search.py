@@ -130,3 +130,21 @@ def test_beam_search_refuses_speculative_decoding(tmp_path: Path) -> None:
     with pytest.raises(InvalidParameterError, match="speculative") as info:
         llm.beam_search([[1, 2, 3]], BeamSearchParams(beam_width=2))
     assert info.value.param == "beam_width"
+
+
+def test_beams_survive_preemption(tmp_path: Path) -> None:
+    """A pool too small for every search at once: cohorts are preempted and recomputed
+    together, and the hypotheses are the same as with room to spare."""
+    path = make_hf_model(tmp_path / "m", "llama")
+    params = BeamSearchParams(beam_width=4, max_tokens=MAX_NEW, ignore_eos=True)
+    roomy = LLM(str(path), dtype="float32", skip_tokenizer_init=True, num_kv_blocks=256)
+    tight = LLM(str(path), dtype="float32", skip_tokenizer_init=True, num_kv_blocks=32,
+                block_size=4, max_num_seqs=12, max_model_len=128)  # fmt: skip
+    prompts = [list(range(1, 21)), [1, 5, 9, 33, 7] * 4, [1, 42] * 6]
+    want = [[s.token_ids for s in o.sequences] for o in roomy.beam_search(prompts, params)]
+    got = [[s.token_ids for s in o.sequences] for o in tight.beam_search(prompts, params)]
+    assert got == want
+    m = tight.metrics()
+    assert m["num_preemptions"] > 0 and m["num_free_blocks"] == m["num_total_blocks"]
+    with pytest.raises(InvalidParameterError, match="KV blocks"):
+        tight.beam_search([list(range(1, 60))], BeamSearchParams(beam_width=4, max_tokens=60))

@@ -81,6 +81,10 @@ def test_best_of_and_n_through_the_server(srv: InProcessServer, http: httpx.Clie
     r = http.post("/v1/chat/completions", json=chat)
     assert r.status_code == 200 and len(r.json()["choices"]) == 3
     assert srv.llm.metrics()["num_cow_copies"] > before
+    beams = {"prompt": "Once", "max_tokens": 4, "use_beam_search": True, "best_of": 3}
+    assert http.post("/v1/completions", json=beams).status_code == 200
+    # every queue slot comes back: a beam search's and best_of's sequences, not only outputs
+    assert srv.llm.metrics()["num_unfinished_requests"] == 0
     metrics = http.get("/metrics").text
     assert "foudre:kv_cache_cow_copies_total" in metrics
     assert "foudre:kv_cache_shared_blocks 0.0" in metrics
