@@ -86,6 +86,9 @@ def run_server(
             log_level=log_level,
             access_log=log_level in ("info", "debug", "trace"),
             timeout_graceful_shutdown=10,
+            # longer than clients keep idle connections (httpx: 5 s), so a client never reuses
+            # a connection the server is closing at that moment
+            timeout_keep_alive=75,
             lifespan="on",
         )
         server = _Server(uv_config, llm, ready)
