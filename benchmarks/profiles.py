@@ -20,9 +20,6 @@ import argparse
 import asyncio
 import datetime
 import json
-import os
-import selectors
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,34 +28,14 @@ from typing import Any
 import httpx
 import torch
 from common import machine, random_llama
+from soak import start_server
 
 from foudre.bench.datasets import sample_random
 from foudre.bench.metrics import compute_metrics
 from foudre.bench.serve import BenchConfig, run_benchmark
 
-REPO = Path(__file__).resolve().parent.parent
 CONFIGS = ("default", "realtime", "throughput", "edge")
 TTFT_MS, TPOT_MS = 150.0, 50.0
-
-
-def start(model_args: list[str], profile: str) -> tuple[subprocess.Popen[str], str]:
-    cmd = [sys.executable, "-m", "foudre.cli", "serve", "--host", "127.0.0.1", "--port", "0",
-           "--max-queue", "4096", *model_args]  # fmt: skip
-    if profile != "default":
-        cmd += ["--profile", profile]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, text=True, env=env)
-    assert proc.stdout is not None
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline and proc.poll() is None:
-        if sel.select(timeout=0.5):
-            line = proc.stdout.readline()
-            if line.startswith("foudre: serving"):
-                return proc, line.split(" at ", 1)[1].split(" ", 1)[0]
-    proc.kill()
-    raise SystemExit(f"foudre serve --profile {profile} did not start")
 
 
 def rss_mib(pid: int) -> float:
@@ -127,7 +104,8 @@ def main() -> None:
     rows: dict[str, dict[str, Any]] = {}
     for profile in args.configs:
         print(f"[{profile}]", flush=True)
-        proc, url = start(model_args, profile)
+        extra = model_args if profile == "default" else [*model_args, "--profile", profile]
+        proc, url = start_server(extra, timeout=600)
         try:
             t0 = time.monotonic()
             rows[profile] = measure(url, args)

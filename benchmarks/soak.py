@@ -46,22 +46,23 @@ PROMPTS = [
 ]
 
 
-def start_server(extra: list[str]) -> tuple[subprocess.Popen[str], str]:
+def start_server(extra: list[str], timeout: float = 120.0) -> tuple[subprocess.Popen[str], str]:
+    """``foudre serve`` on a free loopback port with ``extra`` flags: the process and its URL."""
     cmd = [sys.executable, "-m", "foudre.cli", "serve", "--host", "127.0.0.1", "--port", "0",
-           "--max-num-seqs", "128", "--max-queue", "4096", *extra]  # fmt: skip
+           "--max-queue", "4096", *extra]  # fmt: skip
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, text=True, env=env)
     assert proc.stdout is not None
     sel = selectors.DefaultSelector()
     sel.register(proc.stdout, selectors.EVENT_READ)
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and proc.poll() is None:
         if sel.select(timeout=0.5):
             line = proc.stdout.readline()
             if line.startswith("foudre: serving"):
                 return proc, line.split(" at ", 1)[1].split(" ", 1)[0]
     proc.kill()
-    raise SystemExit(f"foudre serve did not start (rc={proc.poll()})")
+    raise SystemExit(f"foudre serve {' '.join(extra)} did not start (rc={proc.poll()})")
 
 
 def blocks_used(url: str) -> tuple[int, int]:
@@ -183,7 +184,7 @@ def main() -> None:
         extra += ["--model", args.model or str(STORIES / "stories260K.bin")]
         tok = args.tokenizer or (None if args.model else str(STORIES / "tok512.bin"))
         extra += ["--tokenizer", tok] if tok else []
-    proc, url = start_server(extra)
+    proc, url = start_server(["--max-num-seqs", "128", *extra])
     try:
         t0 = time.monotonic()
         tally = asyncio.run(soak(url, args.minutes * 60, args.concurrency, args.seed))
