@@ -13,6 +13,7 @@ from foudre.bench.roofline import machine, measure_bandwidth, weight_bytes
 __all__ = [
     "CACHE",
     "MEDIUM",
+    "MEDIUM_32K",
     "SMALL",
     "machine",
     "measure_bandwidth",
@@ -35,6 +36,19 @@ MEDIUM: dict[str, Any] = dict(
 SMALL: dict[str, Any] = dict(
     MEDIUM, hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=2048
 )
+# The medium model with its context raised to 32k tokens by Llama-3.1-style RoPE scaling.
+MEDIUM_32K: dict[str, Any] = dict(
+    MEDIUM,
+    max_position_embeddings=32768,
+    rope_theta=500000.0,
+    rope_scaling={
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 4096,
+    },
+)
 CACHE = Path(os.environ.get("FOUDRE_BENCH_CACHE", Path.home() / ".cache" / "foudre-bench"))
 
 
@@ -46,7 +60,9 @@ def random_llama(name: str = "medium", dtype: torch.dtype = torch.float32) -> Pa
     if (path / "config.json").exists():
         return path
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(**{"medium": MEDIUM, "small": SMALL}[name])
+    cfg = transformers.LlamaConfig(
+        **{"medium": MEDIUM, "small": SMALL, "medium-32k": MEDIUM_32K}[name]
+    )
     model = transformers.LlamaForCausalLM(cfg).to(dtype)
     model.save_pretrained(path, safe_serialization=True)
     return path

@@ -21,6 +21,18 @@ timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -p no:cacheprovider -q --timeou
 echo "pytest exit $?"
 grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest-cuda.txt" | tail -n 40
 
+if [ -n "${MOE:-}" ]; then
+    echo "== Triton fused MoE against grouped cuBLAS"
+    timeout "${MOE_TIMEOUT:-90}" python3 benchmarks/moe_kernels_cuda.py \
+        --out "$OUT/moe-kernels-cuda.md" 2>&1 | tail -n 12
+fi
+
+if [ -n "${PREFILL:-}" ]; then
+    echo "== long-prompt prefill: gather + masked SDPA against the Triton varlen kernel"
+    timeout "${PREFILL_TIMEOUT:-300}" python3 benchmarks/long_prefill.py --device cuda \
+        --lengths 2048 16384 --out "$OUT/long-prefill-cuda" 2>&1 | tail -n 12
+fi
+
 if [ -n "${KERNELS:-}" ]; then
     echo "== Triton weight-only kernels"
     timeout "${KERNEL_TIMEOUT:-70}" python3 benchmarks/quant_kernels_cuda.py \

@@ -44,6 +44,10 @@ def make_hf_model(path: Path, arch: str = "llama", seed: int = 0, **overrides: A
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+        "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+        "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM),
     }[arch]
     torch.manual_seed(seed)
     config = cls[0](**base)
@@ -51,7 +55,7 @@ def make_hf_model(path: Path, arch: str = "llama", seed: int = 0, **overrides: A
     # random init is tiny; scale up so that logits are far from uniform and greedy is decisive
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() == 2:
+            if p.dim() in (2, 3):  # 3-D: the stacked experts of MoE models
                 p.normal_(0.0, 0.08 if "embed" not in name else 1.0)
             elif "bias" in name:
                 p.normal_(0.0, 0.1)

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from foudre.layers import fused
+from foudre.layers.moe import SparseMoeBlock
 
 _WEIGHT_BUFFER_MARKS = ("weight", "scale", "zero")
 
@@ -25,7 +26,9 @@ def weight_bytes(model: torch.nn.Module) -> int:
     Counts every parameter once (a tied ``lm_head`` shares the embedding tensor and is counted
     once), except input embedding tables that no other module uses: a step gathers a few of their
     rows rather than reading them. Buffers whose name marks them as weights or their scales (the
-    packed tensors of quantized layers) are counted too.
+    packed tensors of quantized layers) are counted too. The routed experts of a
+    mixture-of-experts layer count for ``top_k / num_experts`` of their bytes: what one token
+    reads (its active parameters), the bytes of a batch-1 decode step.
     """
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     used_elsewhere = {
@@ -39,7 +42,21 @@ def weight_bytes(model: torch.nn.Module) -> int:
         if id(p) in embeddings and id(p) not in used_elsewhere:
             continue
         total += p.numel() * p.element_size()
-    for name, b in model.named_buffers():
+    total += _buffer_bytes(model)
+    for block in model.modules():
+        if isinstance(block, SparseMoeBlock):
+            experts = block.experts
+            routed = _buffer_bytes(experts) + sum(
+                p.numel() * p.element_size() for p in experts.parameters()
+            )
+            total -= routed - routed * block.top_k // block.num_experts
+    return total
+
+
+def _buffer_bytes(module: torch.nn.Module) -> int:
+    """Bytes of the buffers whose names mark them as weights or their scales."""
+    total = 0
+    for name, b in module.named_buffers():
         leaf = name.rsplit(".", 1)[-1]
         if any(mark in leaf for mark in _WEIGHT_BUFFER_MARKS):
             total += b.numel() * b.element_size()

@@ -26,6 +26,7 @@ import torch
 
 from foudre.compress.data import fixed_batches, read_split, token_stream
 from foudre.compress.model import load_trainable, num_parameters
+from foudre.layers.mlp import GatedMLP
 from foudre.loading.loader import load_tokenizer
 from foudre.loading.writer import hf_state_dict, save_hf
 from foudre.models.causal import causal_hidden
@@ -45,6 +46,11 @@ def _calibration_loss(
 
 def _layers(model: LlamaForCausalLM) -> list[DecoderLayer]:
     return [cast(DecoderLayer, layer) for layer in model.model.layers]
+
+
+def _mlp(layer: DecoderLayer) -> GatedMLP:
+    assert isinstance(layer.mlp, GatedMLP), "pruning mixture-of-experts layers is not supported"
+    return layer.mlp
 
 
 @torch.no_grad()
@@ -67,7 +73,7 @@ def rank_layers_to_drop(
             else:
                 layer = original[idx]
                 scores[idx] = float(
-                    layer.self_attn.o_proj.weight.norm() + layer.mlp.down_proj.weight.norm()
+                    layer.self_attn.o_proj.weight.norm() + _mlp(layer).down_proj.weight.norm()
                 )
         best = min(scores, key=lambda i: scores[i])
         dropped.append(best)
@@ -100,7 +106,7 @@ def measure_activations(
             ffn_act[i] += args[0].float().abs().reshape(-1, cfg.intermediate_size).sum(0)
 
         hooks.append(layer.self_attn.o_proj.register_forward_pre_hook(attn_hook))
-        hooks.append(layer.mlp.down_proj.register_forward_pre_hook(ffn_hook))
+        hooks.append(_mlp(layer).down_proj.register_forward_pre_hook(ffn_hook))
     model.eval()
     try:
         for x, _ in batches:
@@ -132,6 +138,8 @@ def prune_model(
     nothing removed the new model computes exactly what the original does.
     """
     cfg = model.config
+    if cfg.is_moe:
+        raise ValueError("pruning mixture-of-experts models is not supported")
     if not (0 <= heads < 1 and 0 <= ffn < 1):
         raise ValueError("--heads and --ffn are fractions to remove, in [0, 1)")
     dropped = rank_layers_to_drop(model, batches, layers) if layers else []

@@ -915,5 +915,7 @@ class LLMEngine:
             "prefix_cache_hits": kv.prefix_cache_hits,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
+            # tokens routed to each expert, by layer (mixture-of-experts models; else empty)
+            "moe_expert_tokens": self.runner.model.moe_expert_tokens(),
             **self.stats.as_dict(),
         }

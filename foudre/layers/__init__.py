@@ -1,1 +1,2 @@
-"""Building blocks shared by the models: norms, rotary embeddings, sampling."""
+"""Building blocks shared by the models: linear layers, norms, rotary embeddings, gated MLPs and
+mixtures of experts, sampling."""

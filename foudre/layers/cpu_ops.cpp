@@ -12,6 +12,11 @@
 // path reads at 60-80% of its speed, MKL's float32 path at two to 64 rows at a quarter to a
 // third.
 //
+// The routed experts of a mixture-of-experts layer at decode sizes (moe_experts, moe_block):
+// the (token, expert) pairs sorted by expert, each chosen expert's rows through the linear
+// kernel, so only the chosen experts' weights are read; with the router and the routing too in
+// moe_block, a sparse layer is one call.
+//
 // Built by foudre/runner/native.py with -march=native; the ops exist only where AVX-512 does
 // (foudre_cpu_ops_available() says which), and foudre/layers/fused.py falls back to torch
 // elsewhere.
@@ -19,6 +24,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <initializer_list>
 #include <vector>
 
@@ -274,6 +280,166 @@ void add_(T* x, const T* y, int64_t n) {
   }
 }
 
+// y [rows, n] = x [rows, k] @ w[n0 : n0 + R]^T for one group of R weight rows, four x rows at a
+// time (then the one to three left): one task of the experts' products below.
+template <typename T, int R>
+void rows_group(const T* x, int64_t x_stride, const T* w, T* y, int64_t rows, int64_t n,
+                int64_t k, int64_t n0) {
+  for (int64_t m = 0; m < rows; m += 4) {
+    const T* xm = x + m * x_stride;
+    T* ym = y + m * n;
+    switch (std::min<int64_t>(rows - m, 4)) {
+      case 1: linear_group<T, 1, R, true>(xm, x_stride, w, nullptr, ym, n, k, n0); break;
+      case 2: linear_group<T, 2, R>(xm, x_stride, w, nullptr, ym, n, k, n0); break;
+      case 3: linear_group<T, 3, R>(xm, x_stride, w, nullptr, ym, n, k, n0); break;
+      default: linear_group<T, 4, R>(xm, x_stride, w, nullptr, ym, n, k, n0); break;
+    }
+  }
+}
+
+// For each expert e with rows [start[e], start[e + 1]) of x: y's rows = x's rows @ w_e^T, with
+// w_e = w + e * n * k ([n, k]). Every (expert, group of weight rows) pair is one task of one
+// parallel loop, so the chosen experts' weights stream on every core at once.
+template <typename T>
+void experts_linear(const T* x, const T* w, T* y, const std::vector<int64_t>& start, int64_t n,
+                    int64_t k) {
+  struct Task {
+    int64_t expert, n0;
+    int r;
+  };
+  std::vector<Task> tasks;
+  const int64_t experts = static_cast<int64_t>(start.size()) - 1;
+  for (int64_t e = 0; e < experts; ++e) {
+    const int64_t rows = start[e + 1] - start[e];
+    if (rows == 0) continue;
+    const int r = rows >= 4 ? 6 : rows == 3 ? 8 : rows == 2 ? 12 : 16;
+    for (int64_t n0 = 0; n0 < n; n0 += r) tasks.push_back({e, n0, r});
+  }
+#pragma omp parallel for schedule(static)
+  for (size_t i = 0; i < tasks.size(); ++i) {
+    const Task t = tasks[i];
+    const int64_t s = start[t.expert], rows = start[t.expert + 1] - s;
+    const T* we = w + t.expert * n * k;
+    switch (t.r) {
+      case 16: rows_group<T, 16>(x + s * k, k, we, y + s * n, rows, n, k, t.n0); break;
+      case 12: rows_group<T, 12>(x + s * k, k, we, y + s * n, rows, n, k, t.n0); break;
+      case 8: rows_group<T, 8>(x + s * k, k, we, y + s * n, rows, n, k, t.n0); break;
+      default: rows_group<T, 6>(x + s * k, k, we, y + s * n, rows, n, k, t.n0); break;
+    }
+  }
+}
+
+// The routed experts of a mixture-of-experts layer, for a decode-sized batch: row t of x goes to
+// the experts ids[t, 0..top_k) with the float32 weights weights[t, ...], and
+//   out[t] = sum_j weights[t, j] * down_e(T(silu(gate_e(x_t))) * up_e(x_t)),  e = ids[t, j],
+// with gate_up [experts, 2 * inter, hidden] (gate rows, then up rows) and down [experts, hidden,
+// inter]. Only the chosen experts' weights are read. The rows are sorted by expert (stable), each
+// expert's rows go through the linear kernel above and silu_mul, and each product y * w is added
+// to a float32 sum in increasing expert order, then rounded once: the bits of layers/moe.py's
+// grouped path over the same kernels. Returns 1, before writing anything, for an id outside
+// 0..experts.
+template <typename T>
+int moe_experts(const T* x, int64_t rows, int64_t hidden, int64_t inter, const int64_t* ids,
+                const float* weights, int64_t top_k, const T* gate_up, const T* down,
+                int64_t experts, T* out) {
+  const int64_t n = rows * top_k;
+  for (int64_t j = 0; j < n; ++j)
+    if (ids[j] < 0 || ids[j] >= experts) return 1;
+  std::vector<int64_t> start(experts + 1, 0), order(n);
+  for (int64_t j = 0; j < n; ++j) ++start[ids[j] + 1];
+  for (int64_t e = 0; e < experts; ++e) start[e + 1] += start[e];
+  std::vector<int64_t> next(start.begin(), start.end() - 1);
+  for (int64_t j = 0; j < n; ++j) order[next[ids[j]]++] = j;
+  std::vector<T> xs(n * hidden), gu(n * 2 * inter), act(n * inter), ys(n * hidden);
+  for (int64_t i = 0; i < n; ++i) {
+    const T* row = x + order[i] / top_k * hidden;
+    std::copy(row, row + hidden, xs.data() + i * hidden);
+  }
+  experts_linear(xs.data(), gate_up, gu.data(), start, 2 * inter, hidden);
+  silu_mul(gu.data(), act.data(), n, inter, 2 * inter);
+  experts_linear(act.data(), down, ys.data(), start, hidden, inter);
+  std::vector<float> sum(rows * hidden, 0.0f);
+  for (int64_t i = 0; i < n; ++i) {  // in expert order: each row's terms add up as torch's do
+    float* acc = sum.data() + order[i] / top_k * hidden;
+    const __m512 wv = _mm512_set1_ps(weights[order[i]]);
+    const T* y = ys.data() + i * hidden;
+    for (int64_t h = 0; h < hidden; h += 16) {
+      const __mmask16 m = lanes(hidden - h);
+      store(acc + h, _mm512_add_ps(load(acc + h, m), _mm512_mul_ps(load(y + h, m), wv)), m);
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t h = 0; h < hidden; h += 16) {
+      const __mmask16 m = lanes(hidden - h);
+      store(out + r * hidden + h, load(sum.data() + r * hidden + h, m), m);
+    }
+  return 0;
+}
+
+inline float to_float(float x) { return x; }
+inline float to_float(uint16_t x) {  // bfloat16: the high half of a float32
+  uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// A router's choice for each of `rows` rows of `experts` logits: the softmax (float32) over the
+// row, its top_k experts (highest probability first; the lower index first among equals) and
+// their probabilities, renormalised to sum to 1 when `renormalize`. What layers/moe.py's route()
+// computes with torch ops, within float32 rounding (exp and the sum run in another order).
+template <typename T>
+void route(const T* logits, int64_t rows, int64_t experts, int64_t top_k, bool renormalize,
+           int64_t* ids, float* weights) {
+  std::vector<float> p(experts);
+  std::vector<char> taken(experts);
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* l = logits + r * experts;
+    float m = -INFINITY;
+    for (int64_t e = 0; e < experts; ++e) m = std::max(m, to_float(l[e]));
+    float sum = 0.0f;
+    for (int64_t e = 0; e < experts; ++e) {
+      p[e] = std::exp(to_float(l[e]) - m);
+      sum += p[e];
+    }
+    for (int64_t e = 0; e < experts; ++e) p[e] /= sum;
+    std::fill(taken.begin(), taken.end(), 0);
+    int64_t* id = ids + r * top_k;
+    float* w = weights + r * top_k;
+    for (int64_t j = 0; j < top_k; ++j) {
+      int64_t best = -1;
+      for (int64_t e = 0; e < experts; ++e)
+        if (!taken[e] && (best < 0 || p[e] > p[best])) best = e;
+      taken[best] = 1;
+      id[j] = best;
+      w[j] = p[best];
+    }
+    if (renormalize) {
+      float total = 0.0f;
+      for (int64_t j = 0; j < top_k; ++j) total += w[j];
+      for (int64_t j = 0; j < top_k; ++j) w[j] /= total;
+    }
+  }
+}
+
+// A whole mixture-of-experts block at decode sizes, in one call: the router's logits (the linear
+// kernel, rounded to T as the router's Linear rounds them), route(), one count per chosen expert
+// added to counts[experts], then moe_experts(). The bits of layers/moe.py's path through the same
+// kernels.
+template <typename T>
+int moe_block(const T* x, int64_t rows, int64_t hidden, int64_t inter, const T* router,
+              int64_t experts, int64_t top_k, bool renormalize, const T* gate_up, const T* down,
+              int64_t* counts, T* out) {
+  std::vector<T> logits(rows * experts);
+  linear(x, hidden, router, static_cast<const T*>(nullptr), logits.data(), rows, experts, hidden);
+  std::vector<int64_t> ids(rows * top_k);
+  std::vector<float> weights(rows * top_k);
+  route(logits.data(), rows, experts, top_k, renormalize, ids.data(), weights.data());
+  for (const int64_t e : ids) ++counts[e];
+  return moe_experts(x, rows, hidden, inter, ids.data(), weights.data(), top_k, gate_up, down,
+                     experts, out);
+}
+
 // The paged-attention decode kernel (runner/attention/cpu_paged_decode.cpp), passed by address
 using PagedDecode = void (*)(const void* q, const void* k, const void* v, void* out,
                              const int32_t* tokens, const int32_t* tables, const int32_t* lens,
@@ -384,6 +550,27 @@ int foudre_cpu_ops_available() { return 1; }
                          head_dim, intermediate, eps, cos, sin, max_positions, positions, slots,   \
                          num_slots, attention, tokens, tables, lens, table_width, block_size,      \
                          scale);                                                                   \
+  }                                                                                                \
+  int foudre_moe_experts_##SUFFIX(const void* x, int64_t rows, int64_t hidden, int64_t inter,      \
+                                  const int64_t* ids, const float* weights, int64_t top_k,         \
+                                  const void* gate_up, const void* down, int64_t experts,          \
+                                  void* out) {                                                     \
+    return moe_experts(static_cast<const T*>(x), rows, hidden, inter, ids, weights, top_k,         \
+                       static_cast<const T*>(gate_up), static_cast<const T*>(down), experts,       \
+                       static_cast<T*>(out));                                                      \
+  }                                                                                                \
+  void foudre_route_##SUFFIX(const void* logits, int64_t rows, int64_t experts, int64_t top_k,     \
+                             int renormalize, int64_t* ids, float* weights) {                      \
+    route(static_cast<const T*>(logits), rows, experts, top_k, renormalize != 0, ids, weights);    \
+  }                                                                                                \
+  int foudre_moe_block_##SUFFIX(const void* x, int64_t rows, int64_t hidden, int64_t inter,        \
+                                const void* router, int64_t experts, int64_t top_k,                \
+                                int renormalize, const void* gate_up, const void* down,            \
+                                int64_t* counts, void* out) {                                      \
+    return moe_block(static_cast<const T*>(x), rows, hidden, inter,                                \
+                     static_cast<const T*>(router), experts, top_k, renormalize != 0,              \
+                     static_cast<const T*>(gate_up), static_cast<const T*>(down), counts,          \
+                     static_cast<T*>(out));                                                        \
   }
 
 FOUDRE_OPS(f32, float)

@@ -1,6 +1,7 @@
 """Fused CPU versions of the layers' elementwise chains (``cpu_ops.cpp``): RMSNorm, SiLU(gate) *
-up and RoPE, for float32 and bfloat16 tensors on an AVX-512 CPU; and ``linear``, the
-decode-sized matrix product that ``layers/linear.py`` routes to.
+up and RoPE, for float32 and bfloat16 tensors on an AVX-512 CPU; ``linear``, the
+decode-sized matrix product that ``layers/linear.py`` routes to; and ``moe_experts``, the routed
+experts of a mixture-of-experts layer at decode sizes (``layers/moe.py``).
 
 Each replaces several torch ops (RMSNorm alone is eight, each a pass over memory and a dispatch)
 and rounds where those ops round (RoPE bit for bit, the others within a few float32 ulps before
@@ -32,6 +33,12 @@ _SIGNATURES = {
     "foudre_silu_mul": [_P, _P, _I64, _I64, _I64],
     "foudre_rope": [_P, _P, _P, _P, _I64, _I64, _I64, _I64],
     "foudre_linear": [_P, _I64, _P, _P, _P, _I64, _I64, _I64],
+    # x, rows, hidden, inter, ids, weights, top_k, gate_up, down, experts, out
+    "foudre_moe_experts": [_P, *[_I64] * 3, _P, _P, _I64, _P, _P, _I64, _P],
+    # logits, rows, experts, top_k, renormalize, ids, weights
+    "foudre_route": [_P, _I64, _I64, _I64, ctypes.c_int, _P, _P],
+    # x, rows, hidden, inter, router, experts, top_k, renormalize, gate_up, down, counts, out
+    "foudre_moe_block": [_P, *[_I64] * 3, _P, _I64, _I64, ctypes.c_int, _P, _P, _P, _P],
     # x, rows, layers, num_layers, hidden, heads, kv_heads, head_dim, intermediate, eps;
     # cos, sin, max_positions, positions, slots, num_slots;
     # attention, tokens, tables, lens, table_width, block_size, scale
@@ -41,6 +48,9 @@ _SIGNATURES = {
         *[*[_P] * 4, _I64, _I64, _F],
     ],
 }
+
+
+_RETURNS_INT = ("foudre_decode_layers", "foudre_moe_experts", "foudre_moe_block")
 
 
 @lru_cache(maxsize=1)
@@ -54,7 +64,7 @@ def _library() -> ctypes.CDLL | None:
         for dtype, suffix in _SUFFIX.items():
             fn = getattr(dll, f"{name}_{suffix}")
             fn.argtypes = argtypes
-            fn.restype = ctypes.c_int if name == "foudre_decode_layers" else None
+            fn.restype = ctypes.c_int if name in _RETURNS_INT else None
             _FNS[name, dtype] = fn
     return dll
 
@@ -179,3 +189,87 @@ def linear_unchecked(
             weight.shape[1],
         )
     return y
+
+
+def moe_experts(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+) -> torch.Tensor:
+    """``sum_j weights[t, j] * down[e](silu(gate) * up)`` over the experts ``e = ids[t, j]`` of
+    each row ``t`` of ``x`` ``[rows, hidden]`` (``gate | up = x @ gate_up[e].T``), reading only
+    the chosen experts' weights; the bits of ``layers/moe.py``'s grouped path when every expert
+    gets at most ``linear.MAX_ROWS`` rows. ``gate_up`` ``[E, 2I, hidden]``, ``down`` ``[E, hidden,
+    I]`` and ``x`` share a dtype that ``enabled`` accepts; ``weights`` is float32 ``[rows, k]``,
+    ``ids`` int64 ``[rows, k]``. Raises ``IndexError`` for an id outside ``0..E``."""
+    experts, two_inter, hidden = gate_up.shape
+    if x.dim() != 2 or x.shape[1] != hidden or down.shape != (experts, hidden, two_inter // 2):
+        raise ValueError(
+            f"moe_experts: x {tuple(x.shape)}, gate_up {tuple(gate_up.shape)}, "
+            f"down {tuple(down.shape)}"
+        )
+    if ids.shape != weights.shape or ids.dim() != 2 or ids.shape[0] != x.shape[0]:
+        raise ValueError(f"moe_experts: ids {tuple(ids.shape)}, weights {tuple(weights.shape)}")
+    x, gate_up, down = x.contiguous(), gate_up.contiguous(), down.contiguous()
+    ids = ids.to(torch.int64).contiguous()
+    weights = weights.to(torch.float32).contiguous()
+    out = torch.empty_like(x)
+    failed = _fn("foudre_moe_experts", x.dtype)(
+        x.data_ptr(),
+        x.shape[0],
+        hidden,
+        two_inter // 2,
+        ids.data_ptr(),
+        weights.data_ptr(),
+        ids.shape[1],
+        gate_up.data_ptr(),
+        down.data_ptr(),
+        experts,
+        out.data_ptr(),
+    )
+    if failed:
+        raise IndexError(f"moe_experts: an expert id outside 0..{experts}")
+    return out
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``layers/moe.route`` for a 2-D ``logits`` ``[rows, experts]`` that ``enabled`` accepts:
+    softmax in float32, the ``top_k`` most probable experts (the lower index first among equal
+    probabilities), renormalised when ``renormalize``. Float32 weights, int64 ids."""
+    rows, experts = logits.shape
+    if not 1 <= top_k <= experts:
+        raise ValueError(f"route: top_k={top_k} for {experts} experts")
+    logits = logits.contiguous()
+    ids = torch.empty(rows, top_k, dtype=torch.int64)
+    weights = torch.empty(rows, top_k, dtype=torch.float32)
+    _fn("foudre_route", logits.dtype)(
+        logits.data_ptr(), rows, experts, top_k, int(renormalize), ids.data_ptr(),
+        weights.data_ptr(),
+    )  # fmt: skip
+    return weights, ids
+
+
+def moe_block_unchecked(
+    x: torch.Tensor,
+    router: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    counts: torch.Tensor,
+) -> torch.Tensor:
+    """A mixture-of-experts block at decode sizes in one call: ``linear(x, router)``,
+    ``route``, ``counts[e] += 1`` for each chosen expert, then ``moe_experts``; the bits of that
+    sequence of calls. Unchecked (``SparseMoeBlock`` checks): ``x`` ``[rows, hidden]``,
+    ``router`` ``[E, hidden]``, ``gate_up`` ``[E, 2I, hidden]``, ``down`` ``[E, hidden, I]``,
+    all contiguous CPU tensors of one dtype that ``enabled`` accepts, ``1 <= top_k <= E``,
+    ``counts`` a contiguous int64 ``[E]``."""
+    out = torch.empty_like(x)
+    _FNS["foudre_moe_block", x.dtype](
+        x.data_ptr(), x.shape[0], x.shape[1], down.shape[2], router.data_ptr(), router.shape[0],
+        top_k, int(renormalize), gate_up.data_ptr(), down.data_ptr(), counts.data_ptr(),
+        out.data_ptr(),
+    )  # fmt: skip
+    return out

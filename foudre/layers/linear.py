@@ -34,29 +34,34 @@ FP32_CHUNK_ROWS = 1024
 
 class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w, b = self.weight, self.bias
-        if (
-            x.dim() == 2
-            and x.shape[0] <= MAX_ROWS.get(x.dtype, 0)
-            and fused.enabled(x, w, b)
-            and x.shape[1] == w.shape[1]
-            and x.stride(1) == 1
-            and w.is_contiguous()
-            and (b is None or (b.shape == (w.shape[0],) and b.is_contiguous()))
-            and not torch.is_autocast_enabled("cpu")
-        ):
-            return fused.linear_unchecked(x, w, b)
-        if (
-            x.dtype == torch.float32
-            and x.dim() == 2
-            and x.shape[0] <= FP32_CHUNK_ROWS
-            and w.shape[0] > FP32_CHUNK
-            and x.is_cpu
-            and not fused.records_grad(x, w, b)
-            and not torch.is_autocast_enabled("cpu")
-        ):
-            return _chunked(x, w, b)
-        return F.linear(x, w, b)
+        return linear(x, self.weight, self.bias)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, w, b)``, through the kernel that is fastest here for ``x``'s rows (what
+    ``Linear`` runs; the experts of ``layers/moe.py`` call it on slices of their weights)."""
+    if (
+        x.dim() == 2
+        and x.shape[0] <= MAX_ROWS.get(x.dtype, 0)
+        and fused.enabled(x, w, b)
+        and x.shape[1] == w.shape[1]
+        and x.stride(1) == 1
+        and w.is_contiguous()
+        and (b is None or (b.shape == (w.shape[0],) and b.is_contiguous()))
+        and not torch.is_autocast_enabled("cpu")
+    ):
+        return fused.linear_unchecked(x, w, b)
+    if (
+        x.dtype == torch.float32
+        and x.dim() == 2
+        and x.shape[0] <= FP32_CHUNK_ROWS
+        and w.shape[0] > FP32_CHUNK
+        and x.is_cpu
+        and not fused.records_grad(x, w, b)
+        and not torch.is_autocast_enabled("cpu")
+    ):
+        return _chunked(x, w, b)
+    return F.linear(x, w, b)
 
 
 def _chunked(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:

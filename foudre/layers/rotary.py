@@ -1,4 +1,5 @@
-"""Rotary position embeddings (the "rotate half" convention), with Llama-3 and linear scaling."""
+"""Rotary position embeddings (the "rotate half" convention), with Llama-3, linear and YaRN
+scaling."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ from foudre.layers import fused
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     """Inverse frequencies per rotated pair, after the configured scaling.
 
-    Supports no scaling, ``linear`` and ``llama3``; any other ``rope_type`` raises ``ValueError``
-    rather than silently producing a model with wrong positions.
+    Supports no scaling, ``linear``, ``llama3`` and ``yarn`` (as ``transformers`` computes
+    them); any other ``rope_type`` raises ``ValueError`` rather than silently producing a model
+    with wrong positions.
     """
     exponents = torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim
     inv_freq = 1.0 / (theta**exponents)
@@ -39,7 +41,53 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
         return torch.where(is_medium, smoothed, scaled).float()
-    raise ValueError(f"unsupported rope_scaling type {rope_type!r} (supported: linear, llama3)")
+    if rope_type == "yarn":
+        return _yarn_inv_freq(head_dim, theta, scaling)
+    raise ValueError(
+        f"unsupported rope_scaling type {rope_type!r} (supported: linear, llama3, yarn)"
+    )
+
+
+def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
+    """The factor YaRN applies to cos and sin (1 for the other types)."""
+    if not scaling or scaling.get("rope_type", scaling.get("type")) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling["factor"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if m and m_all:
+        return mscale(factor, float(m)) / mscale(factor, float(m_all))
+    return mscale(factor)
+
+
+def _yarn_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
+    """YaRN's inverse frequencies: interpolated (divided by ``factor``) for the dimensions that
+    rotate fewer than ``beta_slow`` times over the original context, extrapolated (unchanged) for
+    those that rotate more than ``beta_fast`` times, a linear ramp between (float32, as
+    ``transformers`` computes them)."""
+    factor = float(scaling["factor"])
+    original = float(scaling["original_max_position_embeddings"])
+    beta_fast = float(scaling.get("beta_fast") or 32)
+    beta_slow = float(scaling.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no singularity
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2, device="cpu").float() / head_dim)
+    ramp = (torch.arange(head_dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)
+    extrapolation = 1 - torch.clamp(ramp, 0, 1)
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
 
 
 class RotaryEmbedding(nn.Module):
@@ -64,7 +112,11 @@ class RotaryEmbedding(nn.Module):
         inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling)
         t = torch.arange(self.max_positions, dtype=torch.float32, device="cpu")
         emb = torch.outer(t, inv_freq).repeat(1, 2)
-        self.cos, self.sin = emb.cos().to(device), emb.sin().to(device)
+        cos, sin = emb.cos(), emb.sin()
+        factor = rope_attention_factor(self.scaling)
+        if factor != 1.0:  # YaRN scales q·k through both rotated vectors
+            cos, sin = cos * factor, sin * factor
+        self.cos, self.sin = cos.to(device), sin.to(device)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor

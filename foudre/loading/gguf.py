@@ -14,6 +14,15 @@ by element, which takes seconds); tensor bytes are memory-mapped and dequantized
 Weights are renamed to the Hugging Face names ``LlamaForCausalLM.load_weights`` expects. For
 ``llama`` files the rows of ``attn_q`` and ``attn_k`` are permuted back: llama.cpp's converter
 reorders them so that its RoPE can rotate adjacent pairs, where Hugging Face's rotates halves.
+
+Mixtures of experts are read as llama.cpp writes them: ``llama`` (Mixtral), ``qwen2moe``,
+``qwen3moe`` and ``olmoe``, with the router ``ffn_gate_inp``, the experts stacked in
+``ffn_{gate,up,down}_exps`` (``[experts, rows, cols]``; the older one-tensor-per-expert
+``ffn_gate.{e}`` too) and Qwen2-MoE's shared expert (``ffn_*_shexp``, its gate
+``ffn_gate_inp_shexp``). A layer is sparse when it has a router. How the top-k weights are
+normalised follows llama.cpp's graphs (renormalised for ``llama`` and ``qwen3moe``, not for
+``qwen2moe`` and ``olmoe``) unless ``expert_weights_norm`` says otherwise; other gating
+functions or a weight scale are refused, naming the key.
 """
 
 from __future__ import annotations
@@ -43,8 +52,18 @@ SUPPORTED_TENSOR_TYPES = (
     _QT.Q4_K, _QT.Q5_K, _QT.Q6_K,
 )  # fmt: skip
 
-# general.architecture -> foudre architecture. Mistral models are written as "llama".
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+# general.architecture -> foudre architecture. Mistral and Mixtral models are written as "llama".
+ARCHITECTURES = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "qwen2moe": "qwen2_moe",
+    "qwen3moe": "qwen3_moe",
+    "olmoe": "olmoe",
+}
+# llama.cpp's graphs: whether each architecture renormalises its top-k expert weights
+_NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False}
+_GATING_SOFTMAX = 1  # llama_expert_gating_func_type: 1 softmax, 2 sigmoid, 3 softmax of weights
 
 _MAGIC = b"GGUF"
 _U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
@@ -75,7 +94,16 @@ _BLOCK_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
 }
+# stacked experts [experts, rows, cols], and the older files' one tensor per expert
+_EXPERT_NAMES = {"ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}
+_STACKED = re.compile(r"^(ffn_gate|ffn_up|ffn_down)_exps\.weight$")
+_PER_EXPERT = re.compile(r"^(ffn_gate|ffn_up|ffn_down)\.(\d+)\.weight$")
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
 _ROPE_FREQS = "rope_freqs.weight"  # Llama 3 RoPE scaling, stored as per-frequency divisors
 
@@ -301,11 +329,22 @@ def dequantize_tensor(f: GGUFFile, tensor: GGUFTensor) -> torch.Tensor:
 
 
 def _hf_name(name: str) -> str | None:
+    """The Hugging Face name of a GGUF tensor; for stacked experts, with ``{}`` where the
+    expert's index goes."""
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     m = _BLOCK.match(name)
-    if m is not None and m.group(2) in _BLOCK_NAMES:
-        return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}"
+    if m is None:
+        return None
+    layer, leaf = m.group(1), m.group(2)
+    if leaf in _BLOCK_NAMES:
+        return f"model.layers.{layer}.{_BLOCK_NAMES[leaf]}"
+    stacked, single = _STACKED.match(leaf), _PER_EXPERT.match(leaf)
+    if stacked is not None:
+        return f"model.layers.{layer}.mlp.experts.{{}}.{_EXPERT_NAMES[stacked.group(1)]}.weight"
+    if single is not None:
+        part = _EXPERT_NAMES[single.group(1)]
+        return f"model.layers.{layer}.mlp.experts.{single.group(2)}.{part}.weight"
     return None
 
 
@@ -338,7 +377,13 @@ def iter_gguf_weights(f: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, t
                 f.path,
             )
         w = dequantize_tensor(f, tensor)
-        if config.architecture == "llama":
+        if "{}" in hf:  # stacked experts: one tensor per expert, as Hugging Face names them
+            for e, expert in enumerate(w):
+                yield hf.format(e), expert
+            continue
+        if hf.endswith("shared_expert_gate.weight") and w.dim() == 1:
+            w = w[None]  # llama.cpp stores this [1, hidden] matrix as a vector
+        if config.architecture in ("llama", "mixtral"):
             if hf.endswith(("q_proj.weight", "q_proj.bias")):
                 w = _unpermute_rope(w, config.num_attention_heads)
             elif hf.endswith(("k_proj.weight", "k_proj.bias")):
@@ -433,7 +478,7 @@ def _rope_scaling(f: GGUFFile, arch: str, head_dim: int, theta: float) -> dict[s
 
 def _default_dtype(f: GGUFFile) -> str:
     """float32 / float16 for unquantized files, else bfloat16 (HF's usual dtype)."""
-    types = {t.type for t in f.tensors.values() if len(t.shape) == 2}
+    types = {t.type for t in f.tensors.values() if len(t.shape) >= 2}
     if types <= {_QT.F32}:
         return "float32"
     if types <= {_QT.F32, _QT.F16}:
@@ -445,9 +490,10 @@ def gguf_config(f: GGUFFile) -> ModelConfig:
     """The ``ModelConfig`` described by the metadata (and tensor list) of ``f``.
 
     Raises ``ModelLoadError`` naming the file for an unsupported architecture or feature
-    (mixture of experts, partial RoPE, RoPE scaling other than linear / Llama 3), a missing
-    or invalid key, and for any tensor of a type foudre cannot dequantize or with no place in
-    the model, so that nothing is built for a file that cannot load.
+    (partial RoPE, RoPE scaling other than linear / Llama 3, a mixture-of-experts routing other
+    than softmax then top-k), a missing or invalid key, a missing expert tensor, and for any
+    tensor of a type foudre cannot dequantize or with no place in the model, so that nothing is
+    built for a file that cannot load.
     """
     path = f.path
     arch = f.metadata.get("general.architecture")
@@ -464,8 +510,6 @@ def gguf_config(f: GGUFFile) -> ModelConfig:
                 f"{path}: tensor {tensor.name!r} has no counterpart in foudre's {arch} model",
                 path,
             )
-    if f.metadata.get(f"{arch}.expert_count", 0):
-        raise ModelLoadError(f"{path}: mixture-of-experts GGUF models are not supported", path)
     embed = f.tensors.get("token_embd.weight")
     if embed is None or len(embed.shape) != 2:
         raise ModelLoadError(f"{path}: no 2-D token_embd.weight tensor", path)
@@ -484,6 +528,15 @@ def gguf_config(f: GGUFFile) -> ModelConfig:
             path,
         )
     theta = _meta_float(f, f"{arch}.rope.freq_base", 10000.0)
+    n_layers = _meta_int(f, f"{arch}.block_count")
+    moe = _gguf_moe(f, arch, n_layers)
+    if arch == "llama" and moe:
+        arch_name = "mixtral"
+    elif arch in ("qwen2moe", "qwen3moe", "olmoe") and not moe:
+        raise ModelLoadError(f"{path}: a {arch} file without expert_count and routers", path)
+    else:
+        arch_name = ARCHITECTURES[arch]
+    clip = f.metadata.get(f"{arch}.attention.clamp_kqv")
     vocab = embed.shape[0]
     eos: list[int] = []
     for key in ("eos", "eot", "eom"):
@@ -493,11 +546,13 @@ def gguf_config(f: GGUFFile) -> ModelConfig:
     bos = f.metadata.get("tokenizer.ggml.bos_token_id")
     try:
         return ModelConfig(
-            architecture=ARCHITECTURES[arch],
+            architecture=arch_name,
             vocab_size=vocab,
             hidden_size=hidden,
-            intermediate_size=_meta_int(f, f"{arch}.feed_forward_length"),
-            num_hidden_layers=_meta_int(f, f"{arch}.block_count"),
+            intermediate_size=_meta_int(
+                f, f"{arch}.feed_forward_length", moe.get("moe_intermediate_size")
+            ),
+            num_hidden_layers=n_layers,
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
@@ -507,13 +562,83 @@ def gguf_config(f: GGUFFile) -> ModelConfig:
             rope_scaling=_rope_scaling(f, arch, head_dim, theta),
             tie_word_embeddings="output.weight" not in f.tensors,
             attention_bias=arch == "qwen2" or "blk.0.attn_q.bias" in f.tensors,
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in ("qwen3", "qwen3moe", "olmoe"),
+            qk_norm_over_heads=arch == "olmoe",
+            clip_qkv=float(clip) if isinstance(clip, int | float) and clip > 0 else None,
             torch_dtype=_default_dtype(f),
             bos_token_id=bos if isinstance(bos, int) and 0 <= bos < vocab else None,
             eos_token_ids=eos,
+            **moe,
         )
     except ValueError as exc:
         raise ModelLoadError(f"{path}: {exc}", path) from exc
+
+
+def _gguf_moe(f: GGUFFile, arch: str, n_layers: int) -> dict[str, Any]:
+    """The ``ModelConfig`` mixture-of-experts fields of a GGUF file (``{}`` for a dense one).
+
+    A layer is sparse when it has a router (``ffn_gate_inp``); every sparse layer must hold
+    all its experts' tensors and every dense one its MLP, else ``ModelLoadError`` names the
+    first missing tensor.
+    """
+    path = f.path
+    experts = _meta_int(f, f"{arch}.expert_count", 0)
+    if not experts:
+        return {}
+    gating = f.metadata.get(f"{arch}.expert_gating_func", _GATING_SOFTMAX)
+    if gating != _GATING_SOFTMAX:
+        raise ModelLoadError(
+            f"{path}: unsupported mixture-of-experts routing {arch}.expert_gating_func="
+            f"{gating!r} (foudre routes by softmax then top-k, value {_GATING_SOFTMAX})",
+            path,
+        )
+    scale = f.metadata.get(f"{arch}.expert_weights_scale", 0.0)
+    if scale not in (0, 0.0, 1, 1.0):
+        raise ModelLoadError(
+            f"{path}: unsupported mixture-of-experts routing {arch}.expert_weights_scale="
+            f"{scale!r} (only unscaled weights)",
+            path,
+        )
+    for key, most in (("leading_dense_block_count", 0), ("expert_group_count", 1)):
+        value = f.metadata.get(f"{arch}.{key}", 0)
+        if value > most:
+            raise ModelLoadError(
+                f"{path}: unsupported mixture-of-experts layout {arch}.{key}={value!r}", path
+            )
+    norm = f.metadata.get(f"{arch}.expert_weights_norm", _NORM_TOPK[arch])
+    sparse = [i for i in range(n_layers) if f"blk.{i}.ffn_gate_inp.weight" in f.tensors]
+    if not sparse:
+        raise ModelLoadError(f"{path}: expert_count={experts} but no ffn_gate_inp router", path)
+    for i in range(n_layers):
+        if i not in sparse:
+            needed = [f"blk.{i}.{p}.weight" for p in _EXPERT_NAMES]
+        elif f"blk.{i}.ffn_gate.0.weight" not in f.tensors:
+            needed = [f"blk.{i}.{p}_exps.weight" for p in _EXPERT_NAMES]
+        else:
+            needed = [f"blk.{i}.{p}.{e}.weight" for e in range(experts) for p in _EXPERT_NAMES]
+        for name in needed:
+            if name not in f.tensors:
+                raise ModelLoadError(f"{path}: tensor {name!r} is missing", path)
+    first = sparse[0]
+    stacked = f.tensors.get(f"blk.{first}.ffn_gate_exps.weight")
+    single = f.tensors.get(f"blk.{first}.ffn_gate.0.weight")
+    shape = stacked.shape[1] if stacked is not None else single.shape[0] if single else 0
+    inter = _meta_int(f, f"{arch}.expert_feed_forward_length", shape)
+    shared_gate = f.tensors.get(f"blk.{first}.ffn_gate_shexp.weight")
+    shared = _meta_int(
+        f,
+        f"{arch}.expert_shared_feed_forward_length",
+        shared_gate.shape[0] if shared_gate is not None else 0,
+    )
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=_meta_int(f, f"{arch}.expert_used_count"),
+        moe_intermediate_size=inter,
+        norm_topk_prob=bool(norm),
+        shared_expert_intermediate_size=shared if shared_gate is not None else 0,
+        shared_expert_gate=f"blk.{first}.ffn_gate_inp_shexp.weight" in f.tensors,
+        mlp_only_layers=tuple(i for i in range(n_layers) if i not in sparse),
+    )
 
 
 def load_gguf(path: str | Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:

@@ -26,6 +26,10 @@ _ARCHITECTURE_CLASSES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "OlmoeForCausalLM": "olmoe",
 }
 
 # Hugging Face's defaults per model type for keys a config.json may leave out
@@ -35,6 +39,37 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "mistral": {"max_position_embeddings": 4096 * 32},
     "qwen2": {"max_position_embeddings": 32768},
     "qwen3": {"max_position_embeddings": 32768, "head_dim": 128},
+    "mixtral": {
+        "max_position_embeddings": 4096 * 32,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+    },
+    "qwen2_moe": {
+        "max_position_embeddings": 32768,
+        "num_experts": 60,
+        "num_experts_per_tok": 4,
+        "moe_intermediate_size": 1408,
+        "shared_expert_intermediate_size": 5632,
+    },
+    "qwen3_moe": {
+        "max_position_embeddings": 32768,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 768,
+    },
+    "olmoe": {"max_position_embeddings": 4096, "num_experts": 64, "num_experts_per_tok": 8},
+}
+
+# Keys of other mixture-of-experts routers (DeepSeek's sigmoid scores, grouped top-k and scaled
+# weights), with the values that mean "as the architectures here route": a config that asks for
+# anything else is refused, naming the key, rather than routed wrongly. (Training-only keys such
+# as router_jitter_noise or router_aux_loss_coef change nothing at inference.)
+_MOE_ROUTING_KEYS: dict[str, tuple[Any, ...]] = {
+    "scoring_func": ("softmax", None),
+    "topk_method": ("greedy", None),
+    "n_group": (1, None),
+    "topk_group": (1, None),
+    "routed_scaling_factor": (1, 1.0, None),
 }
 
 _DTYPES = ("float32", "float16", "bfloat16")
@@ -153,6 +188,8 @@ def _rope(
             "original_max_position_embeddings",
             raw.get("original_max_position_embeddings", max_positions),
         )
+    if rope_type == "yarn" and scaling.get("factor") is None:  # DeepSeek's way: by the ratio
+        scaling["factor"] = max_positions / scaling["original_max_position_embeddings"]
     return float(theta), scaling
 
 
@@ -171,9 +208,90 @@ def _sliding_window(raw: dict[str, Any], arch: str) -> int | None:
     window = raw.get("sliding_window")
     if not isinstance(window, int) or window <= 0:
         return None
-    if arch in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
+    if arch in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and not raw.get(
+        "use_sliding_window", False
+    ):
         return None
     return window
+
+
+def _layer_types(
+    raw: dict[str, Any], arch: str, num_layers: int, window: int | None
+) -> tuple[str, ...] | None:
+    """Which layers slide, as transformers decides it: every layer for Mistral, Mixtral and
+    Qwen3-MoE (None); for Qwen2 and Qwen3 the config's ``layer_types``, else the layers from
+    ``max_window_layers`` on; for Qwen2-MoE its ``layer_types``, else the even-numbered layers
+    below ``max_window_layers``."""
+    if window is None or arch not in ("qwen2", "qwen3", "qwen2_moe"):
+        return None
+    given = raw.get("layer_types")
+    if isinstance(given, list):
+        return tuple(str(t) for t in given)
+    first = raw.get("max_window_layers", 28)
+    if arch == "qwen2_moe":
+        return tuple(
+            "sliding_attention" if i % 2 == 0 and i < first else "full_attention"
+            for i in range(num_layers)
+        )
+    return tuple("sliding_attention" if i >= first else "full_attention" for i in range(num_layers))
+
+
+def _moe(raw: dict[str, Any], arch: str, path: Path) -> dict[str, Any]:
+    """The ``ModelConfig`` mixture-of-experts fields of a config.json (``{}`` for dense ones)."""
+    if arch not in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe"):
+        return {}
+    defaults = _HF_DEFAULTS[arch]
+
+    def count(*keys: str, default: Any = None) -> int:
+        """The first of ``keys`` the config sets, else Hugging Face's default for it."""
+        value = next((raw[k] for k in keys if raw.get(k) is not None), None)
+        if value is None:
+            value = next((defaults[k] for k in keys if k in defaults), default)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ModelLoadError(
+                f"{path}: {keys[0]} must be a non-negative int, got {value!r}", path
+            )
+        return value
+
+    for key, accepted in _MOE_ROUTING_KEYS.items():
+        if key in raw and raw[key] not in accepted:
+            raise ModelLoadError(
+                f"{path}: unsupported mixture-of-experts routing {key}={raw[key]!r} "
+                "(foudre routes by softmax then top-k, as Mixtral and Qwen-MoE do)",
+                path,
+            )
+    num_experts = count("num_experts", "num_local_experts")
+    if num_experts == 0:
+        raise ModelLoadError(f"{path}: a {arch} model needs num_experts > 0", path)
+    layers = raw.get("mlp_only_layers") or []
+    if not isinstance(layers, list) or not all(isinstance(i, int) for i in layers):
+        raise ModelLoadError(f"{path}: mlp_only_layers must be a list of ints", path)
+    if arch == "mixtral":  # one expert size, top-k renormalised, every layer sparse
+        inter = count("intermediate_size")
+        return dict(
+            num_experts=num_experts,
+            num_experts_per_tok=count("num_experts_per_tok"),
+            moe_intermediate_size=inter,
+            norm_topk_prob=True,
+        )
+    if arch == "olmoe":  # every layer sparse, experts of intermediate_size
+        return dict(
+            num_experts=num_experts,
+            num_experts_per_tok=count("num_experts_per_tok"),
+            moe_intermediate_size=count("intermediate_size"),
+            norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+        )
+    shared = count("shared_expert_intermediate_size") if arch == "qwen2_moe" else 0
+    return dict(
+        num_experts=num_experts,
+        num_experts_per_tok=count("num_experts_per_tok"),
+        moe_intermediate_size=count("moe_intermediate_size"),
+        norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+        shared_expert_intermediate_size=shared,
+        shared_expert_gate=shared > 0,
+        decoder_sparse_step=count("decoder_sparse_step", default=1) or 1,
+        mlp_only_layers=tuple(layers),
+    )
 
 
 def load_hf_config(model_dir: Path) -> ModelConfig:
@@ -220,6 +338,11 @@ def load_hf_config(model_dir: Path) -> ModelConfig:
     if not isinstance(eps, int | float) or eps <= 0:
         raise ModelLoadError(f"{path}: rms_norm_eps must be a positive number, got {eps!r}", path)
 
+    moe = _moe(raw, arch, path)
+    clip = raw.get("clip_qkv") if arch == "olmoe" else None
+    if clip is not None and (not isinstance(clip, int | float) or clip <= 0):
+        raise ModelLoadError(f"{path}: clip_qkv must be a positive number, got {clip!r}", path)
+
     generation = load_generation_config(model_dir)
     eos = _token_ids(raw.get("eos_token_id"), "eos_token_id", path)
     for token in _token_ids(generation.get("eos_token_id"), "eos_token_id", path.parent):
@@ -228,6 +351,11 @@ def load_hf_config(model_dir: Path) -> ModelConfig:
     bos_ids = _token_ids(
         raw.get("bos_token_id", generation.get("bos_token_id")), "bos_token_id", path
     )
+
+    window = _sliding_window(raw, arch)
+    layer_types = _layer_types(raw, arch, required_int("num_hidden_layers"), window)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        window, layer_types = None, None  # no layer slides
 
     try:
         return ModelConfig(
@@ -244,13 +372,20 @@ def load_hf_config(model_dir: Path) -> ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            # Qwen2's q/k/v always carry a bias; the others follow the config (HF modeling code).
-            attention_bias=arch == "qwen2" or bool(raw.get("attention_bias", False)),
-            qk_norm=arch == "qwen3",
-            sliding_window=_sliding_window(raw, arch),
+            # Qwen2's q/k/v always carry a bias (Qwen2-MoE's unless qkv_bias is false); the
+            # others follow the config (HF modeling code).
+            attention_bias=arch == "qwen2"
+            or (arch == "qwen2_moe" and bool(raw.get("qkv_bias", True)))
+            or bool(raw.get("attention_bias", False)),
+            qk_norm=arch in ("qwen3", "qwen3_moe", "olmoe"),
+            qk_norm_over_heads=arch == "olmoe",
+            clip_qkv=None if clip is None else float(clip),
+            sliding_window=window,
+            layer_types=layer_types,
             torch_dtype=_dtype(raw, path),
             bos_token_id=bos_ids[0] if bos_ids else None,
             eos_token_ids=eos,
+            **moe,
         )
     except ValueError as exc:
         raise ModelLoadError(f"{path}: {exc}", path) from exc

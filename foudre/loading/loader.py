@@ -139,6 +139,7 @@ def load_model(
         net = LlamaForCausalLM(cfg, max_positions)
     net = net.to_empty(device=device).to(torch_dtype)
     net.model.rotary.init_tables(device)  # the tables built under "meta" hold no values
+    net.reset_moe_stats()  # nor do the routers' counters
     if cfg.tie_word_embeddings:
         net.lm_head.weight = net.model.embed_tokens.weight
     try:

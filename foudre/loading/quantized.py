@@ -100,6 +100,11 @@ def save_quantized(
 ) -> Path:
     """Write ``model`` (after ``quantize_``) as a directory ``load_quantized`` reads back into
     identical modules. Returns the directory."""
+    if model.config.is_moe:
+        raise ValueError(
+            "quantized mixture-of-experts checkpoints are not written; quantize at load time "
+            "instead (--quantization int8 or int4)"
+        )
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
     cfg = model.config
@@ -272,6 +277,7 @@ def build_quantized_model(
         net = LlamaForCausalLM(cfg)
     net = net.to_empty(device=device).to(dtype)
     net.model.rotary.init_tables(device)
+    net.reset_moe_stats()
     if cfg.tie_word_embeddings:
         net.lm_head.weight = net.model.embed_tokens.weight
     load_quantized(net, model_dir)

@@ -21,6 +21,10 @@ _HF_CLASSES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
 }
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -33,22 +37,38 @@ TOKENIZER_FILES = (
 
 
 def hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
-    """The weights under Hugging Face names: fused q|k|v and gate|up split back, no tied head."""
+    """The weights under Hugging Face names: fused q|k|v and gate|up split back, no tied head,
+    experts one tensor per expert and projection (Mixtral's ``block_sparse_moe.experts.{e}.w1``
+    names, the others' ``mlp.experts.{e}.gate_proj``), as transformers writes them."""
     cfg = model.config
     out: dict[str, torch.Tensor] = {}
+    mixtral = cfg.architecture == "mixtral"
+    parts = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
     for name, tensor in model.state_dict().items():
         t = tensor.detach().float().contiguous()
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
+        if mixtral:
+            name = name.replace(".mlp.", ".block_sparse_moe.")
         prefix, _, leaf = name.rpartition(".")
-        if prefix.endswith("qkv_proj"):
+        if prefix.endswith(".experts"):  # stacked [E, ...]: one tensor per expert
+            if leaf not in ("gate_up_proj", "down_proj"):
+                raise ValueError(f"{name}: quantized experts are not written as a checkpoint")
+            for e, w in enumerate(t):
+                if leaf == "down_proj":
+                    out[f"{prefix}.{e}.{parts[2]}.weight"] = w.contiguous()
+                else:
+                    gate, up = w.split(w.shape[0] // 2, dim=0)
+                    out[f"{prefix}.{e}.{parts[0]}.weight"] = gate.contiguous()
+                    out[f"{prefix}.{e}.{parts[1]}.weight"] = up.contiguous()
+        elif prefix.endswith("qkv_proj"):
             base = prefix.removesuffix("qkv_proj")
             q, k, v = t.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=0)
             for part, value in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
                 out[f"{base}{part}.{leaf}"] = value.contiguous()
         elif prefix.endswith("gate_up_proj"):
             base = prefix.removesuffix("gate_up_proj")
-            gate, up = t.split(cfg.intermediate_size, dim=0)
+            gate, up = t.split(t.shape[0] // 2, dim=0)
             out[f"{base}gate_proj.{leaf}"] = gate.contiguous()
             out[f"{base}up_proj.{leaf}"] = up.contiguous()
         else:
@@ -94,6 +114,38 @@ def hf_config_dict(cfg: ModelConfig) -> dict[str, Any]:
     if cfg.sliding_window is not None:
         raw["sliding_window"] = cfg.sliding_window
         raw["use_sliding_window"] = True
+        if cfg.layer_types is not None:
+            raw["layer_types"] = list(cfg.layer_types)
+    if cfg.num_experts:
+        raw.update(_moe_config(cfg))
+    return raw
+
+
+def _moe_config(cfg: ModelConfig) -> dict[str, Any]:
+    """The mixture-of-experts keys of ``config.json`` for ``cfg``'s architecture."""
+    raw: dict[str, Any] = {
+        "num_experts": cfg.num_experts,
+        "num_experts_per_tok": cfg.num_experts_per_tok,
+        "norm_topk_prob": cfg.norm_topk_prob,
+    }
+    if cfg.architecture in ("mixtral", "olmoe"):  # every layer sparse, experts of this size
+        dense = cfg.mlp_only_layers or cfg.decoder_sparse_step != 1
+        if dense or cfg.shared_expert_intermediate_size:
+            raise ValueError(f"{cfg.architecture} has neither dense layers nor shared experts")
+        raw["intermediate_size"] = cfg.moe_intermediate_size
+        if cfg.architecture == "mixtral":
+            raw["num_local_experts"] = raw.pop("num_experts")
+        else:
+            raw["clip_qkv"] = cfg.clip_qkv
+        return raw
+    raw.update(
+        moe_intermediate_size=cfg.moe_intermediate_size,
+        decoder_sparse_step=cfg.decoder_sparse_step,
+        mlp_only_layers=list(cfg.mlp_only_layers),
+    )
+    if cfg.architecture == "qwen2_moe":
+        raw["shared_expert_intermediate_size"] = cfg.shared_expert_intermediate_size
+        raw["qkv_bias"] = cfg.attention_bias
     return raw
 
 

@@ -5,12 +5,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = (
+    "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
+)  # fmt: skip
+# How a mixture-of-experts router scores the experts before its top-k: a softmax over all of
+# them (Mixtral, Qwen-MoE, OLMoE). Other variants (sigmoid scores, grouped top-k, a bias on
+# the scores) are refused by the loaders, naming the variant.
+MOE_SCORING_FUNCS = ("softmax",)
 
 
 @dataclass(slots=True)
 class ModelConfig:
-    """Everything the Llama-family model needs to build itself.
+    """Everything the Llama-family model (dense or mixture-of-experts) needs to build itself.
 
     Loaders (Hugging Face ``config.json``, llama2.c headers, GGUF metadata) all produce one of
     these; the model never reads a file format itself.
@@ -31,10 +37,33 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v projections carry a bias (qwen2)
     qk_norm: bool = False  # RMSNorm over each head of q and k (qwen3)
-    sliding_window: int | None = None  # attention window; the engine caps its context to it
+    qk_norm_over_heads: bool = False  # ... or one RMSNorm over all of q's, all of k's (olmoe)
+    clip_qkv: float | None = None  # q, k and v clamped to [-clip, clip] (olmoe)
+    # Sliding-window attention: a query at position p sees keys p - sliding_window + 1 .. p, in
+    # every layer (Mistral), or in the layers that layer_types marks "sliding_attention" (Qwen2
+    # and Qwen3 with use_sliding_window, alternating models); None: full attention everywhere.
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None  # per layer: "full_attention" | "sliding_attention"
     torch_dtype: str = "float32"
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    # Mixture of experts (``num_experts > 0``): a sparse layer's MLP is ``num_experts`` gated
+    # MLPs of ``moe_intermediate_size``; a router scores them (``moe_scoring_func``) and each
+    # token goes to its ``num_experts_per_tok`` best, weighted by their scores, renormalised to
+    # sum to 1 when ``norm_topk_prob``. ``shared_expert_intermediate_size > 0`` adds an MLP
+    # every token goes through, scaled by ``sigmoid(shared_expert_gate(x))`` when
+    # ``shared_expert_gate`` (qwen2_moe). Layer ``i`` is sparse unless it is in
+    # ``mlp_only_layers`` or ``(i + 1) % decoder_sparse_step != 0``; dense layers keep the
+    # ``intermediate_size`` MLP.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_scoring_func: str = "softmax"
+    shared_expert_intermediate_size: int = 0
+    shared_expert_gate: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -47,6 +76,63 @@ class ModelConfig:
                 f"num_key_value_heads={self.num_key_value_heads} must divide "
                 f"num_attention_heads={self.num_attention_heads}"
             )
+        self.mlp_only_layers = tuple(self.mlp_only_layers)
+        if self.layer_types is not None:
+            self.layer_types = tuple(self.layer_types)
+            if len(self.layer_types) != self.num_hidden_layers or not set(self.layer_types) <= {
+                "full_attention",
+                "sliding_attention",
+            }:
+                raise ValueError(
+                    f"layer_types must give 'full_attention' or 'sliding_attention' for each of "
+                    f"the {self.num_hidden_layers} layers, got {list(self.layer_types)}"
+                )
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError(f"sliding_window must be positive, got {self.sliding_window}")
+        if self.num_experts < 0:
+            raise ValueError(f"num_experts must be >= 0, got {self.num_experts}")
+        if self.num_experts:
+            if not 1 <= self.num_experts_per_tok <= self.num_experts:
+                raise ValueError(
+                    f"num_experts_per_tok={self.num_experts_per_tok} must be within 1.."
+                    f"num_experts={self.num_experts}"
+                )
+            if self.moe_intermediate_size <= 0:
+                raise ValueError(
+                    f"moe_intermediate_size must be positive, got {self.moe_intermediate_size}"
+                )
+            if self.moe_scoring_func not in MOE_SCORING_FUNCS:
+                raise ValueError(
+                    f"unsupported mixture-of-experts routing {self.moe_scoring_func!r}; "
+                    f"supported: {', '.join(MOE_SCORING_FUNCS)}"
+                )
+            if self.decoder_sparse_step < 1:
+                raise ValueError(
+                    f"decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}"
+                )
+            if self.shared_expert_intermediate_size < 0:
+                raise ValueError("shared_expert_intermediate_size must be >= 0")
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether any layer is a mixture of experts."""
+        return any(self.is_sparse_layer(i) for i in range(self.num_hidden_layers))
+
+    def layer_window(self, index: int) -> int | None:
+        """The sliding window of decoder layer ``index`` (None: full causal attention)."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is not None and self.layer_types[index] != "sliding_attention":
+            return None
+        return self.sliding_window
+
+    def is_sparse_layer(self, index: int) -> bool:
+        """Whether decoder layer ``index`` routes tokens to experts (else a dense MLP)."""
+        return (
+            self.num_experts > 0
+            and index not in self.mlp_only_layers
+            and (index + 1) % self.decoder_sparse_step == 0
+        )
 
     @property
     def q_size(self) -> int:

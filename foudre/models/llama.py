@@ -1,30 +1,36 @@
-"""The Llama family (Llama 1-3, Mistral, Qwen2, Qwen3) as one model driven by ``ModelConfig``.
+"""The Llama family (Llama 1-3, Mistral, Qwen2, Qwen3) and its mixtures of experts (Mixtral,
+Qwen2-MoE, Qwen3-MoE, OLMoE) as one model driven by ``ModelConfig``.
 
 The forward pass takes the flattened new tokens of a whole batch (``[T]`` ids and positions) and
 the paged KV cache; attention goes through the backend, so this file knows nothing of blocks.
-Projections are fused (q|k|v and gate|up) to halve the matmul calls per layer.
+Projections are fused (q|k|v and gate|up) to halve the matmul calls per layer. A sparse layer's
+MLP is a ``layers/moe.SparseMoeBlock``; the model only says which variant (from the config).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from foudre.layers import fused
 from foudre.layers.attention import AttentionBackend
 from foudre.layers.linear import Linear
+from foudre.layers.mlp import GatedMLP
+from foudre.layers.moe import SparseMoeBlock
 from foudre.layers.norm import RMSNorm
 from foudre.layers.rotary import RotaryEmbedding
 from foudre.models.config import ModelConfig
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, index: int = 0) -> None:
         super().__init__()
+        # the sliding window of layer `index` (None: full causal attention), which every
+        # attention backend applies
+        self.sliding_window = cfg.layer_window(index)
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
@@ -33,8 +39,13 @@ class Attention(nn.Module):
             cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
         )
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
-        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        # q/k norm over each head (qwen3), or over all heads at once (olmoe)
+        self.norm_over_heads = cfg.qk_norm_over_heads
+        q_width = self.q_size if cfg.qk_norm_over_heads else self.head_dim
+        k_width = self.kv_size if cfg.qk_norm_over_heads else self.head_dim
+        self.q_norm = RMSNorm(q_width, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(k_width, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.clip_qkv = cfg.clip_qkv
         self.rotary = rotary
         self.scale = self.head_dim**-0.5
 
@@ -48,38 +59,39 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.norm_over_heads and self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:
+            q, k, v = (z.clamp(-self.clip_qkv, self.clip_qkv) for z in (q, k, v))
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
+        if not self.norm_over_heads and self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        o = backend.forward(q, k, v, kv_cache, metadata, self.scale)
+        o = backend.forward(q, k, v, kv_cache, metadata, self.scale, window=self.sliding_window)
         return self.o_proj(o.reshape(t, self.q_size))
 
 
-class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.intermediate_size = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if fused.enabled(gate_up) and gate_up.dim() == 2:
-            return self.down_proj(fused.silu_mul(gate_up))
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
-
-
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, index: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rotary)
+        self.self_attn = Attention(cfg, rotary, index)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp: GatedMLP | SparseMoeBlock
+        if cfg.is_sparse_layer(index):
+            self.mlp = SparseMoeBlock(
+                cfg.hidden_size,
+                cfg.num_experts,
+                cfg.num_experts_per_tok,
+                cfg.moe_intermediate_size,
+                renormalize=cfg.norm_topk_prob,
+                shared_intermediate_size=cfg.shared_expert_intermediate_size,
+                shared_gate=cfg.shared_expert_gate,
+            )
+        else:
+            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(
         self,
@@ -100,7 +112,9 @@ class LlamaModel(nn.Module):
             cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling
         )
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, rotary, i) for i in range(cfg.num_hidden_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -135,44 +149,114 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors into the fused parameters.
 
-        Raises ``ValueError`` naming the tensor for an unexpected name or shape, and for any
-        parameter left unloaded, so that a wrong checkpoint never runs with random weights.
+        Experts come per expert (``mlp.experts.{e}.gate_proj.weight``, Mixtral's
+        ``block_sparse_moe.experts.{e}.w1.weight``) or stacked (``mlp.experts.gate_up_proj``
+        ``[E, 2I, hidden]``, ``mlp.experts.down_proj``). Raises ``ValueError`` naming the
+        tensor for an unexpected name or shape, a piece loaded twice, and any parameter (or
+        expert) left unloaded, so that a wrong checkpoint never runs with random weights.
         """
         cfg = self.config
         params = dict(self.named_parameters())
-        fused = {
-            "q_proj": ("qkv_proj", 0, cfg.q_size),
-            "k_proj": ("qkv_proj", cfg.q_size, cfg.kv_size),
-            "v_proj": ("qkv_proj", cfg.q_size + cfg.kv_size, cfg.kv_size),
-            "gate_proj": ("gate_up_proj", 0, cfg.intermediate_size),
-            "up_proj": ("gate_up_proj", cfg.intermediate_size, cfg.intermediate_size),
+        qkv = {
+            "q_proj": (0, cfg.q_size),
+            "k_proj": (cfg.q_size, cfg.kv_size),
+            "v_proj": (cfg.q_size + cfg.kv_size, cfg.kv_size),
         }
-        loaded: dict[str, int] = {}
+        covered: dict[str, int] = {}
+        pieces: set[tuple[str, int, int]] = set()  # (parameter, expert or -1, first row)
         for name, tensor in weights:
             if "rotary_emb" in name:
                 continue
             if cfg.tie_word_embeddings and name == "lm_head.weight":
                 continue
-            target, start, size = name, 0, -1
-            parts = name.split(".")
-            if len(parts) >= 2 and parts[-2] in fused:
-                fused_name, start, size = fused[parts[-2]]
-                target = ".".join([*parts[:-2], fused_name, parts[-1]])
+            target, expert, part = _destination(name)
             param = params.get(target)
-            if param is None:
+            if param is None or expert >= (param.shape[0] if expert >= 0 else 0):
                 raise ValueError(f"unexpected weight {name!r} for {cfg.architecture}")
-            dest = param.data if size < 0 else param.data.narrow(0, start, size)
+            dest = param.data if expert < 0 else param.data[expert]
+            start = 0
+            if part in qkv:
+                start, size = qkv[part]
+                dest = dest.narrow(0, start, size)
+            elif part is not None:  # gate_proj, up_proj: the halves of gate_up_proj
+                half = dest.shape[0] // 2
+                start = 0 if part == "gate_proj" else half
+                dest = dest.narrow(0, start, half)
             if tuple(dest.shape) != tuple(tensor.shape):
                 raise ValueError(
                     f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
                 )
+            if (target, expert, start) in pieces:
+                raise ValueError(f"weight {name!r} is given twice")
+            pieces.add((target, expert, start))
             dest.copy_(tensor)
-            loaded[target] = loaded.get(target, 0) + (tensor.shape[0] if size >= 0 else 1)
+            covered[target] = covered.get(target, 0) + dest.numel()
         for target, param in params.items():
-            expected = (
-                param.shape[0]
-                if target.endswith(("qkv_proj.weight", "qkv_proj.bias", "gate_up_proj.weight"))
-                else 1
-            )
-            if loaded.get(target, 0) != expected:
-                raise ValueError(f"weight {target!r} missing from the checkpoint")
+            if covered.get(target, 0) != param.numel():
+                missing = _missing_expert(target, param, pieces) or target
+                raise ValueError(f"weight {missing!r} missing from the checkpoint")
+
+    def moe_blocks(self) -> dict[int, SparseMoeBlock]:
+        """The mixture-of-experts blocks by layer index (empty for a dense model)."""
+        mlps = (cast(DecoderLayer, layer).mlp for layer in self.model.layers)
+        return {i: mlp for i, mlp in enumerate(mlps) if isinstance(mlp, SparseMoeBlock)}
+
+    def reset_moe_stats(self) -> None:
+        """Zero every block's count of tokens routed to each expert."""
+        for block in self.moe_blocks().values():
+            block.reset_stats()
+
+    def moe_expert_tokens(self) -> dict[int, list[int]]:
+        """Tokens routed to each expert since the counts were last reset, by layer index."""
+        blocks = self.moe_blocks()
+        if not blocks:
+            return {}
+        counts = torch.stack([b.expert_tokens for b in blocks.values()]).tolist()
+        return dict(zip(blocks, counts, strict=True))
+
+
+# Mixtral's (and transformers 4's) names for the routed experts' projections
+_EXPERT_PARTS = {
+    "w1": "gate_proj",
+    "w3": "up_proj",
+    "w2": "down_proj",
+    "gate_proj": "gate_proj",
+    "up_proj": "up_proj",
+    "down_proj": "down_proj",
+}
+_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+_FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj"}
+_FUSED |= {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
+
+
+def _destination(name: str) -> tuple[str, int, str | None]:
+    """(parameter name, expert index or -1, the part of a fused parameter or None) of a
+    Hugging Face tensor name."""
+    name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral
+    m = _EXPERT.match(name)
+    if m is not None:
+        part = _EXPERT_PARTS[m.group(3)]
+        if part == "down_proj":
+            return f"{m.group(1)}.down_proj", int(m.group(2)), None
+        return f"{m.group(1)}.gate_up_proj", int(m.group(2)), part
+    parts = name.split(".")
+    if len(parts) >= 2 and parts[-2] in _FUSED:
+        return ".".join([*parts[:-2], _FUSED[parts[-2]], parts[-1]]), -1, parts[-2]
+    return name, -1, None
+
+
+def _missing_expert(
+    target: str, param: torch.Tensor, pieces: set[tuple[str, int, int]]
+) -> str | None:
+    """The per-expert name of the first expert projection ``target`` lacks, if it holds
+    experts."""
+    prefix, _, leaf = target.rpartition(".")
+    if not prefix.endswith(".experts") or (target, -1, 0) in pieces:
+        return None
+    half = param.shape[1] // 2
+    parts = [("gate_proj", 0), ("up_proj", half)] if leaf == "gate_up_proj" else [(leaf, 0)]
+    for e in range(param.shape[0]):
+        for part, start in parts:
+            if (target, e, start) not in pieces:
+                return f"{prefix}.{e}.{part}.weight"
+    return None

@@ -1,9 +1,10 @@
 """Weight-only quantization: int8 / int4 round-to-nearest, GPTQ, AWQ, mixed 4/8 bits.
 
-``quantize_(model, config)`` swaps linears for ``QuantLinear``; ``quantize_model`` is the
-engine's entry point by method name. ``foudre.loading.quantized`` writes and reads quantized
-checkpoints (``quant_method: "foudre"``) and imports GPTQ / AWQ ones; ``foudre.compress.quantize``
-is the ``foudre quantize`` command.
+``quantize_(model, config)`` swaps linears for ``QuantLinear`` (and the experts of
+mixture-of-experts layers for ``QuantExperts``); ``quantize_model`` is the engine's entry point
+by method name. ``foudre.loading.quantized`` writes and reads quantized checkpoints
+(``quant_method: "foudre"``) and imports GPTQ / AWQ ones; ``foudre.compress.quantize`` is the
+``foudre quantize`` command.
 """
 
 from foudre.quant.api import (

@@ -5,10 +5,17 @@ One config dataclass per scheme. ``config`` may also be a mapping ``pattern -> c
 matched against the module name (``model.layers.3.mlp.down_proj``) or any dotted suffix of it,
 so ``"lm_head"``, ``"down_proj"``, ``"model.layers.0.*"`` all work.
 
-``lm_head`` stays in float by default (``skip=None`` means ``("lm_head",)``): it is the most
-sensitive layer, and when it is tied to ``embed_tokens`` quantizing it adds a copy rather than
-saving memory. Pass ``skip=()`` to quantize it; a tied head then becomes its own ``QuantLinear``
-and the embedding keeps its float weight, so embedding lookups are unchanged.
+``lm_head`` and the routers of mixture-of-experts layers (``mlp.gate``, ``shared_expert_gate``)
+stay in float by default (``skip=None`` means ``SKIP``): the head is the most sensitive layer
+(and when it is tied to ``embed_tokens`` quantizing it adds a copy rather than saving memory), a
+router's rounding changes which experts a token reaches, and routers are small. Pass ``skip=()``
+to quantize them; a tied head then becomes its own ``QuantLinear`` and the embedding keeps its
+float weight, so embedding lookups are unchanged.
+
+The routed experts of a mixture-of-experts layer (``layers/moe.Experts``, matched by their module
+name ``model.layers.3.mlp.experts``) become ``QuantExperts``: every expert's projections
+quantized round-to-nearest with the scheme's bits and groups (int8 and int4 only; the
+calibration schemes refuse them).
 
 Calibration-based schemes (GPTQ, AWQ, MixedBits) take token id lists; the inputs of every
 target linear are captured in one pass of the float model (not layer by layer).
@@ -23,9 +30,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from foudre.layers.moe import Experts
 from foudre.models.llama import LlamaForCausalLM
 from foudre.quant import awq as awq_mod
 from foudre.quant.calib import capture_inputs, default_calibration
+from foudre.quant.experts import QuantExperts
 from foudre.quant.gptq import gptq_quantize, hessian
 from foudre.quant.packing import INT4_GROUP_SIZES
 from foudre.quant.qlinear import QuantLinear
@@ -111,6 +120,8 @@ class MixedBits:
 
 QuantConfig = Int8WeightOnly | Int4WeightOnly | GPTQ | AWQ | MixedBits
 METHODS = ("int8", "int4", "gptq", "awq", "mixed")
+# kept in float unless ``skip`` says otherwise: the head, and the routers of MoE layers
+SKIP = ("lm_head", "mlp.gate", "shared_expert_gate")
 
 
 def config_for_method(
@@ -149,10 +160,10 @@ def _plan(
     config: QuantConfig | Mapping[str, QuantConfig | None],
     skip: Iterable[str] | None,
 ) -> dict[str, QuantConfig]:
-    skip = ("lm_head",) if skip is None else tuple(skip)
+    skip = SKIP if skip is None else tuple(skip)
     plan: dict[str, QuantConfig] = {}
     for name, mod in model.named_modules():
-        if not isinstance(mod, nn.Linear) or any(matches(name, p) for p in skip):
+        if not isinstance(mod, nn.Linear | Experts) or any(matches(name, p) for p in skip):
             continue
         if isinstance(config, Mapping):
             chosen = next((c for p, c in config.items() if matches(name, p)), None)
@@ -189,6 +200,20 @@ def quantize_(
     RMSNorm / v / up weights AWQ folds its scales into (the float function is unchanged).
     """
     plan = _plan(model, config, skip)
+    modules = dict(model.named_modules())
+    applied: dict[str, dict[str, int | None]] = {}
+    for name in [n for n in plan if isinstance(modules[n], Experts)]:
+        cfg = plan.pop(name)
+        if not isinstance(cfg, Int8WeightOnly | Int4WeightOnly):
+            raise ValueError(
+                f"{name}: mixture-of-experts experts can be quantized with int8 or int4 only, "
+                f"not {type(cfg).__name__}"
+            )
+        experts = modules[name]
+        assert isinstance(experts, Experts)
+        group = getattr(cfg, "group_size", None) if cfg.bits == 4 else None
+        _set_module(model, name, QuantExperts.from_experts(experts, cfg.bits, group))
+        applied[name] = {"bits": cfg.bits, "group_size": group}
     needs_calib = [n for n, c in plan.items() if isinstance(c, GPTQ | AWQ | MixedBits)]
     inputs: dict[str, torch.Tensor] = {}
     if needs_calib:
@@ -212,7 +237,6 @@ def quantize_(
         _apply_awq(model, modules, name, cfg, inputs[name], input_scales)
 
     mixed_bits = _allocate_bits(model, plan, inputs)
-    applied: dict[str, dict[str, int | None]] = {}
     for name, cfg in plan.items():
         lin = modules[name]
         assert isinstance(lin, nn.Linear)

@@ -14,11 +14,12 @@ the roundings of ``models/llama.py``'s path through them, so the hidden states a
 (tests/engine/test_cpu_decode.py checks that). The embedding, the final norm and the logits stay
 in Python. It takes a step when every row is a decode row (one token each, no prefill chunk,
 no drafts), of at most ``Linear``'s ``MAX_ROWS``; other steps, and models it cannot run (another
-dtype, quantized layers, a quantized KV cache, another attention backend, hooks on a module),
-take the model's ``forward``. Like CUDA graphs, it holds addresses: every step checks that the
-weights, RoPE tables and KV caches it was built on are still the modules' and the runner's, at
-the same addresses, and that no hook or autocast asks for the Python path; otherwise the step
-goes back to Python.
+dtype, quantized layers, a quantized KV cache, another attention backend, hooks on a module,
+mixture-of-experts layers, whose experts have a native kernel of their own that
+``layers/moe.py`` calls), take the model's ``forward``. Like CUDA graphs, it holds addresses:
+every step checks that the weights, RoPE tables and KV caches it was built on are still the
+modules' and the runner's, at the same addresses, and that no hook or autocast asks for the
+Python path; otherwise the step goes back to Python.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from torch.nn.modules import module as nn_module
 
 from foudre.layers import fused
 from foudre.layers.linear import MAX_ROWS, Linear
+from foudre.layers.mlp import GatedMLP
 from foudre.layers.norm import RMSNorm
 from foudre.layers.rotary import RotaryEmbedding
 from foudre.runner.attention import cpu_paged
@@ -88,7 +90,7 @@ class NativeDecode:
                 pointers.append(0 if tensor is None else tensor.data_ptr())
 
         for layer, cache in zip(layers, kv_caches, strict=True):
-            attn, mlp = layer.self_attn, layer.mlp
+            attn, mlp = layer.self_attn, cast(GatedMLP, layer.mlp)
             hold(layer.input_layernorm, "weight")
             hold(attn.qkv_proj, "weight")
             hold(attn.qkv_proj, "bias")
@@ -121,17 +123,21 @@ class NativeDecode:
     ) -> NativeDecode | None:
         """A ``NativeDecode`` for ``model``, or None where its layers cannot run natively.
         ``flatten`` fills a step's token, position and metadata tensors (the runner's)."""
-        from foudre.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM
+        from foudre.models.llama import Attention, DecoderLayer, LlamaForCausalLM
 
         if type(model) is not LlamaForCausalLM or not isinstance(
             backend, cpu_paged.CPUPagedBackend
         ):
             return None
+        cfg = model.config
+        if cfg.is_moe or cfg.qk_norm_over_heads or cfg.clip_qkv is not None:
+            return None  # the C++ layers are the dense Llama ones
+        if cfg.sliding_window is not None:
+            return None  # they call the decode kernel without a window
         dtype = model.model.embed_tokens.weight.dtype
         fn = fused.decode_layers_fn(dtype)
         if fn is None or dtype not in MAX_ROWS or cpu_paged.kernel(dtype) is None:
             return None
-        cfg = model.config
         hidden, heads, kv_heads, head_dim = (
             cfg.hidden_size,
             cfg.num_attention_heads,
@@ -148,7 +154,9 @@ class NativeDecode:
             for c in kv_caches
         ):
             return None  # a quantized KV cache, or a layout the kernel does not read
-        allowed = (nn.ModuleList, DecoderLayer, Attention, MLP, Linear, RMSNorm, RotaryEmbedding)
+        allowed = (
+            nn.ModuleList, DecoderLayer, Attention, GatedMLP, Linear, RMSNorm, RotaryEmbedding,
+        )  # fmt: skip
         for module in model.model.layers.modules():
             if type(module) not in allowed:
                 return None  # a quantized or otherwise replaced layer
@@ -215,7 +223,7 @@ class NativeDecode:
         self.flatten(step)
         input_ids, positions, metadata = step.input_ids, step.positions, step.metadata
         assert input_ids is not None and positions is not None
-        assert isinstance(metadata, PagedMetadata) and not metadata.groups
+        assert isinstance(metadata, PagedMetadata) and metadata.prefill is None
         model = self.model.model
         x = model.embed_tokens(input_ids)
         rows = x.shape[0]

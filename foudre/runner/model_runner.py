@@ -19,6 +19,7 @@ from foudre.layers.sampler import sample
 from foudre.models.llama import LlamaForCausalLM
 from foudre.runner.attention import AttentionBackend, BatchLayout
 from foudre.runner.attention.kv_quant import QuantizedKVCache, kv_bytes_per_token_head
+from foudre.runner.attention.paged import PagedBackend
 from foudre.runner.cpu_decode import NativeDecode
 from foudre.runner.cuda_graphs import DecodeGraphs
 from foudre.runner.step import DecodePath, ForwardStep, SchedulerOutput, StepOutput
@@ -240,6 +241,10 @@ class ModelRunner:
 def _graphs(runner: ModelRunner, max_num_seqs: int, max_model_len: int) -> DecodePath | None:
     if runner.device.type != "cuda":
         return None
+    cfg = runner.model.config
+    tiles = None
+    if isinstance(runner.backend, PagedBackend):  # verification and mixed steps in graphs too
+        tiles = runner.backend.tile_positions(cfg.num_attention_heads, cfg.num_key_value_heads)
     return DecodeGraphs(
         runner.forward_hidden,
         runner.device,
@@ -247,6 +252,7 @@ def _graphs(runner: ModelRunner, max_num_seqs: int, max_model_len: int) -> Decod
         runner.padding_block,
         max_num_seqs,
         max_model_len,
+        tile_positions=tiles,
     )
 
 

@@ -36,3 +36,49 @@ def test_transformers_checkpoint(tmp_path: Path, arch: str) -> None:
         expected.pop("lm_head.weight")
     assert loaded.keys() == expected.keys()
     assert all(torch.equal(loaded[k], expected[k]) for k in expected)
+
+
+@pytest.mark.parametrize(
+    "arch,overrides",
+    [
+        ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+        (
+            "qwen2_moe",
+            {
+                "num_hidden_layers": 3,
+                "num_experts": 4,
+                "num_experts_per_tok": 2,
+                "moe_intermediate_size": 24,
+                "shared_expert_intermediate_size": 40,
+                "mlp_only_layers": [1],
+            },
+        ),
+        ("qwen3_moe", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24}),
+        ("olmoe", {"num_experts": 4, "num_experts_per_tok": 1, "clip_qkv": 3.0}),
+    ],
+)
+def test_moe_checkpoint_written_back_as_transformers_writes_it(
+    tmp_path: Path, arch: str, overrides: dict
+) -> None:
+    """foudre's ``save_hf`` of an MoE model: the same tensors under the same names and a config
+    that both transformers and foudre read back to the same model."""
+    pytest.importorskip("transformers")
+    from foudre.loading.loader import load_model
+    from foudre.loading.writer import save_hf
+    from tests.conftest import make_hf_model
+
+    src = make_hf_model(tmp_path / "src", arch, **overrides)
+    cpu = torch.device("cpu")
+    model = load_model(str(src), None, "float32", cpu, None).model
+    out = save_hf(model, tmp_path / "out")
+    written, original = dict(iter_safetensors_weights(out)), dict(iter_safetensors_weights(src))
+    assert written.keys() == original.keys()
+    assert all(torch.equal(written[k], original[k]) for k in original)
+    assert load_hf_config(out) == load_hf_config(src)
+    import transformers
+
+    ids = torch.tensor([[1, 5, 9, 33, 7, 100]])
+    with torch.no_grad():
+        a = transformers.AutoModelForCausalLM.from_pretrained(src)(ids).logits
+        b = transformers.AutoModelForCausalLM.from_pretrained(out)(ids).logits
+    assert torch.equal(a, b)

@@ -29,8 +29,26 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
     "llama-linear-rope": ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
+    # YaRN (Qwen2.5's long-context scaling): interpolated low frequencies, scaled cos/sin
+    "qwen2-yarn": (
+        "qwen2",
+        {
+            "rope_scaling": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 16,
+            }
+        },
+    ),
     "llama-head-dim": ("llama", {"head_dim": 32}),
     "mistral": ("mistral", {"sliding_window": None}),
+    # a window shorter than most prompts and every continuation: exact windowed attention
+    "mistral-window": ("mistral", {"sliding_window": 8}),
+    # layer 0 full attention, layer 1 a window (Qwen2's max_window_layers)
+    "qwen2-alternating-window": (
+        "qwen2",
+        {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1},
+    ),
     "qwen2-bias": ("qwen2", {"tie_word_embeddings": True}),
     "qwen3-qk-norm": ("qwen3", {"head_dim": 24}),
 }

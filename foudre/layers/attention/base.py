@@ -10,7 +10,8 @@ The runner flattens the new tokens of all scheduled requests into one sequence o
 Each request's new tokens are the *last* ``q_len`` positions of its context; their K/V are
 written to the paged cache at ``slot_mapping`` before attention reads the whole context back
 through the request's block table. A backend must therefore make every token attend causally to
-all earlier positions of its own request, and to nothing else.
+all earlier positions of its own request, and to nothing else; a layer with a sliding window
+``W`` (``forward(..., window=W)``) to the last ``W`` positions only, its own included.
 """
 
 from __future__ import annotations
@@ -51,8 +52,10 @@ class AttentionBackend(ABC):
         kv_cache: Any,  # [2, num_blocks, block_size, num_kv_heads, head_dim] or quantized
         metadata: Any,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
-        """Return attention outputs ``[T, num_heads, head_dim]``."""
+        """Return attention outputs ``[T, num_heads, head_dim]``: a query at position ``p``
+        attends to keys ``0 .. p`` of its request, or ``p - window + 1 .. p``."""
 
 
 def gather_blocks(cache: torch.Tensor, tables: torch.Tensor, dim: int = 0) -> torch.Tensor:

@@ -20,7 +20,8 @@ from foudre.layers.kv_quant import fake_quantize_kv
 class CausalBackend(AttentionBackend):
     """Dense causal attention over rows of equal length; ``metadata`` is ``(batch, seq_len)``.
 
-    Token ``t`` of a row attends to tokens ``0..t`` of the same row and nothing else. The KV
+    Token ``t`` of a row attends to tokens ``0..t`` of the same row and nothing else (to
+    ``t - window + 1..t`` with a sliding window). The KV
     cache argument is ignored. Differentiable, so it serves training as well as evaluation.
     ``kv_cache_dtype`` int8 / fp8 rounds K and V exactly as the quantized paged cache stores
     them, so evaluation measures the quality cost of KV-cache quantization.
@@ -42,6 +43,7 @@ class CausalBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         metadata: tuple[int, int],
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         b, t = metadata
         if self.kv_cache_dtype != "auto":
@@ -54,5 +56,10 @@ class CausalBackend(AttentionBackend):
         if heads != kv_heads:
             kh = kh.repeat_interleave(heads // kv_heads, dim=1)
             vh = vh.repeat_interleave(heads // kv_heads, dim=1)
-        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
+        if window is None or window >= t:
+            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
+        else:  # a sliding window: token i sees tokens i - window + 1 .. i
+            i = torch.arange(t, device=q.device)
+            mask = (i.view(-1, 1) >= i.view(1, -1)) & (i.view(-1, 1) - i.view(1, -1) < window)
+            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
         return o.transpose(1, 2).reshape(b * t, heads, dim)

@@ -18,7 +18,7 @@ BACKENDS = ("auto", "torch", "cpu", "triton")
 
 def resolve_backend(name: str, device: torch.device, kv_cache_dtype: str = "auto") -> str:
     """The concrete backend for ``name`` on ``device``: ``auto`` is ``triton`` on a CUDA device
-    where Triton imports, ``cpu`` (the C++ paged decode kernel) on the CPU where it builds, both
+    where Triton imports, ``cpu`` (the C++ paged kernels) on the CPU where they build, both
     for a float KV cache, else ``torch``. ``ValueError`` for an unknown name or a combination
     that cannot run."""
     if name == "sdpa":

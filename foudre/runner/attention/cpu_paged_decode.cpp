@@ -64,7 +64,7 @@ void paged_decode(const T* q, const T* k_cache, const T* v_cache, T* out, const 
                   const int32_t* block_tables, const int32_t* seq_lens, int64_t rows,
                   int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                   int64_t table_width, int64_t q_stride, int64_t o_stride, int64_t block_stride,
-                  int64_t token_stride, float scale) {
+                  int64_t token_stride, float scale, int64_t window) {
   const int64_t G = num_heads / num_kv_heads;
   const int64_t D = head_dim;
   const int64_t BS = block_size;
@@ -83,11 +83,13 @@ void paged_decode(const T* q, const T* k_cache, const T* v_cache, T* out, const 
       }
       std::fill(acc.begin(), acc.end(), 0.0f);
       const int64_t num_blocks = (len + BS - 1) / BS;
-      for (int64_t b = 0; b < num_blocks; ++b) {
+      const int64_t start = window > 0 && len > window ? len - window : 0;  // first key seen
+      for (int64_t b = start / BS; b < num_blocks; ++b) {
         const int64_t blk = block_tables[r * table_width + b];
-        const int64_t nt = (len - b * BS) < BS ? (len - b * BS) : BS;
-        const T* kb = k_cache + blk * block_stride + h * D;
-        const T* vb = v_cache + blk * block_stride + h * D;
+        const int64_t j0 = b == start / BS ? start % BS : 0;
+        const int64_t nt = ((len - b * BS) < BS ? (len - b * BS) : BS) - j0;
+        const T* kb = k_cache + blk * block_stride + j0 * token_stride + h * D;
+        const T* vb = v_cache + blk * block_stride + j0 * token_stride + h * D;
         for (int64_t j = 0; j < nt; ++j) {
           const T* kr = kb + j * token_stride;
           for (int64_t g = 0; g < G; ++g) {
@@ -338,7 +340,7 @@ void paged_decode_rows(const typename Ops::Elem* q, const typename Ops::Elem* k_
                        const int32_t* tokens, const int32_t* block_tables, const int32_t* seq_lens,
                        int64_t rows, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                        int64_t block_size, int64_t table_width, int64_t q_stride, int64_t o_stride,
-                       int64_t block_stride, int64_t token_stride, float scale) {
+                       int64_t block_stride, int64_t token_stride, float scale, int64_t window) {
   using T = typename Ops::Elem;
   constexpr int W = Ops::W;
   const int64_t G = num_heads / num_kv_heads;
@@ -365,7 +367,9 @@ void paged_decode_rows(const typename Ops::Elem* q, const typename Ops::Elem* k_
         l[hg] = 0.0f;
       }
       std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t pos = 0, nt = 0; pos < len; pos += nt) {
+      // a sliding window starts the walk at the first key it sees: earlier blocks are not read
+      const int64_t start = window > 0 && len > window ? len - window : 0;
+      for (int64_t pos = start, nt = 0; pos < len; pos += nt) {
         const int64_t b = pos / BS, j0 = pos % BS;
         const int64_t blk = block_tables[r * table_width + b];
         nt = std::min<int64_t>({16, len - pos, BS - j0});
@@ -429,7 +433,7 @@ void paged_decode_avx512(const T* q, const T* k, const T* v, T* out, const int32
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                          int64_t block_size, int64_t table_width, int64_t q_stride,
                          int64_t o_stride, int64_t block_stride, int64_t token_stride,
-                         float scale) {
+                         float scale, int64_t window) {
   auto f = paged_decode_rows<Ops, 0>;
   switch ((head_dim + Ops::W - 1) / Ops::W) {
     case 2:
@@ -445,7 +449,7 @@ void paged_decode_avx512(const T* q, const T* k, const T* v, T* out, const int32
       break;
   }
   f(q, k, v, out, tokens, tables, lens, rows, num_heads, num_kv_heads, head_dim, block_size,
-    table_width, q_stride, o_stride, block_stride, token_stride, scale);
+    table_width, q_stride, o_stride, block_stride, token_stride, scale, window);
 }
 #endif  // AVX-512
 
@@ -463,17 +467,29 @@ void paged_decode_avx512(const T* q, const T* k, const T* v, T* out, const int32
 #define FOUDRE_BF16_OPS void
 #endif
 
+// NAME: every key of a row (the signature cpu_ops.cpp's decoder layers call); NAME_window: a
+// sliding window, where a row of seq_len tokens sees its last `window` keys (0: all of them).
 #define FOUDRE_PAGED_DECODE(NAME, OPS, T)                                                       \
+  extern "C" void NAME##_window(                                                                \
+      const void* q, const void* k, const void* v, void* out, const int32_t* tokens,            \
+      const int32_t* tables, const int32_t* lens, int64_t rows, int64_t num_heads,              \
+      int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t table_width,          \
+      int64_t q_stride, int64_t o_stride, int64_t block_stride, int64_t token_stride,           \
+      float scale, int64_t window) {                                                            \
+    FOUDRE_KERNEL(OPS, T)                                                                       \
+    (static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v),              \
+     static_cast<T*>(out), tokens, tables, lens, rows, num_heads, num_kv_heads, head_dim,       \
+     block_size, table_width, q_stride, o_stride, block_stride, token_stride, scale, window);   \
+  }                                                                                             \
   extern "C" void NAME(const void* q, const void* k, const void* v, void* out,                  \
                        const int32_t* tokens, const int32_t* tables, const int32_t* lens,       \
                        int64_t rows, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, \
                        int64_t block_size, int64_t table_width, int64_t q_stride,               \
                        int64_t o_stride, int64_t block_stride, int64_t token_stride,            \
                        float scale) {                                                           \
-    FOUDRE_KERNEL(OPS, T)                                                                       \
-    (static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v),              \
-     static_cast<T*>(out), tokens, tables, lens, rows, num_heads, num_kv_heads, head_dim,       \
-     block_size, table_width, q_stride, o_stride, block_stride, token_stride, scale);           \
+    NAME##_window(q, k, v, out, tokens, tables, lens, rows, num_heads, num_kv_heads, head_dim,  \
+                  block_size, table_width, q_stride, o_stride, block_stride, token_stride,      \
+                  scale, 0);                                                                    \
   }
 
 FOUDRE_PAGED_DECODE(paged_decode_f32, FmaOps<float>, float)

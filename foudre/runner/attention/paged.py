@@ -1,45 +1,104 @@
-"""Backends whose decode rows are computed by a paged-attention kernel (Triton on CUDA, C++ on
-the CPU) and whose multi-token rows go through the SDPA groups.
+"""Backends whose attention is computed by paged kernels that read K/V straight from the pool
+(Triton on CUDA, C++ on the CPU): nothing is gathered, padded or masked by a dense tensor.
 
-A decode kernel reads K/V straight from the pool through each row's block table, so nothing is
-gathered or padded: ``decode(q, k_cache, v_cache, out, token_idx, block_tables, seq_lens,
-scale)`` computes row ``i`` (token ``token_idx[i]`` of ``q [T, H, D]``, seeing the first
-``seq_lens[i]`` positions of its blocks ``block_tables[i]`` in ``[num_blocks, block_size,
-kv_heads, D]``) into ``out[token_idx[i]]``.
+Two kernels, set by each subclass to its module's functions:
+
+- ``decode(q, k_cache, v_cache, out, token_idx, block_tables, seq_lens, scale, window)``
+  computes the rows of one new token each: row ``i`` (token ``token_idx[i]`` of ``q [T, H, D]``,
+  seeing the first ``seq_lens[i]`` positions of its blocks ``block_tables[i]`` in
+  ``[num_blocks, block_size, kv_heads, D]``, the last ``window`` of them with a sliding window)
+  into ``out[token_idx[i]]``;
+- ``prefill(q, k_cache, v_cache, out, rows, scale, window)`` computes rows of any number of new
+  tokens (``PrefillRows``: prompt chunks, speculative verification), FlashAttention-style: each
+  query sees the keys of its own request up to its position (and within the window).
+
+A backend with ``mixed_in_one`` (Triton) sends every row of a step that holds a multi-token
+row to ``prefill``, one launch; the others (the CPU) split decode rows from the rest.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from foudre.layers.attention import AttentionBackend, BatchLayout
 from foudre.runner.attention.kv_quant import QuantizedKVCache
-from foudre.runner.attention.torch_sdpa import (
-    _build_group,
-    _Group,
-    attend_groups,
-    split_rows,
-    write_kv,
-)
+from foudre.runner.attention.torch_sdpa import split_rows, store_kv
+
+
+@dataclass(slots=True)
+class PrefillRows:
+    """Rows for the prefill kernel, as int32 device tensors: row ``r`` computes ``q_lens[r]``
+    tokens (flat indices ``q_starts[r]...``), the last positions of a context of
+    ``seq_lens[r]`` tokens in blocks ``block_tables[r]``."""
+
+    q_starts: torch.Tensor  # [P]
+    q_lens: torch.Tensor  # [P]
+    seq_lens: torch.Tensor  # [P]
+    block_tables: torch.Tensor  # [P, W] (entries past a row's blocks: unused)
+    max_q_len: int
+    num_tokens: int  # sum of q_lens
+    host_q_lens: list[int] = field(default_factory=list)  # q_lens on the host
+    # work lists a kernel derives from the rows (by its tile size), built once per step
+    tiles: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def query_tiles(self, positions: int) -> torch.Tensor:
+        """``[2, n]`` int32 on the rows' device: (row, first query) of every tile of
+        ``positions`` consecutive queries of a row."""
+        tiles = self.tiles.get(positions)
+        if tiles is None:
+            pairs = [
+                (r, q0) for r, n in enumerate(self.host_q_lens) for q0 in range(0, n, positions)
+            ]
+            tiles = torch.tensor(pairs, dtype=torch.int32).t().contiguous()
+            tiles = tiles.to(self.q_lens.device)
+            self.tiles[positions] = tiles
+        return tiles
 
 
 @dataclass(slots=True)
 class PagedMetadata:
     """One step's layout: the decode rows as device tensors (None when there are none) and the
-    SDPA groups of the multi-token rows."""
+    rows for the prefill kernel (None when there are none)."""
 
     slot_mapping: torch.Tensor  # [T] int64
     decode_tokens: torch.Tensor | None  # [D] int32: flat token index of each decode row
     block_tables: torch.Tensor | None  # [D, W] int32 (entries past a row's blocks: unused)
     seq_lens: torch.Tensor | None  # [D] int32
-    groups: list[_Group]
+    prefill: PrefillRows | None = None
 
 
-class PagedDecodeBackend(AttentionBackend):
-    """Decode rows through ``decode`` (a paged kernel, set by each subclass to its module's
-    kernel function), the rest through SDPA groups."""
+def _int32(values: list[int] | list[list[int]], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32).to(device)
+
+
+def _tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
+    width = max(len(t) for t in tables)
+    return _int32([t + [0] * (width - len(t)) for t in tables], device)
+
+
+def prefill_rows(
+    rows: list[int], layout: BatchLayout, starts: list[int], device: torch.device
+) -> PrefillRows:
+    """``rows`` of ``layout`` (whose first flat token indices are ``starts``) for ``prefill``."""
+    q_lens = [layout.query_lens[r] for r in rows]
+    return PrefillRows(
+        q_starts=_int32([starts[r] for r in rows], device),
+        q_lens=_int32(q_lens, device),
+        seq_lens=_int32([layout.seq_lens[r] for r in rows], device),
+        block_tables=_tables([layout.block_tables[r] for r in rows], device),
+        max_q_len=max(q_lens),
+        num_tokens=sum(q_lens),
+        host_q_lens=q_lens,
+    )
+
+
+class PagedBackend(AttentionBackend):
+    """Decode rows through ``decode``, multi-token rows through ``prefill`` (both paged
+    kernels, set by each subclass)."""
+
+    mixed_in_one = False  # a step with a multi-token row sends all its rows to ``prefill``
 
     def decode(
         self,
@@ -51,22 +110,39 @@ class PagedDecodeBackend(AttentionBackend):
         block_tables: torch.Tensor,
         seq_lens: torch.Tensor,
         scale: float,
+        window: int | None = None,
     ) -> None:
         raise NotImplementedError
 
+    def prefill(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        out: torch.Tensor,
+        rows: PrefillRows,
+        scale: float,
+        window: int | None = None,
+    ) -> None:
+        raise NotImplementedError
+
+    def tile_positions(self, num_heads: int, num_kv_heads: int) -> int | None:
+        """Query positions per tile of ``prefill`` where it runs every row of a step in one
+        launch over a work list of tiles (``PrefillRows.query_tiles``): what a captured step
+        must lay out; None where it does not."""
+        return None
+
     def build_metadata(self, layout: BatchLayout, device: torch.device) -> PagedMetadata:
         starts, decode, multi = split_rows(layout)
+        if multi and self.mixed_in_one:
+            multi, decode = list(range(len(layout.query_lens))), []
         tok = tables = lens = None
         if decode:
-            width = max(len(layout.block_tables[r]) for r in decode)
-            rows = [
-                layout.block_tables[r] + [0] * (width - len(layout.block_tables[r])) for r in decode
-            ]
-            tables = torch.tensor(rows, dtype=torch.int32).to(device)
-            tok = torch.tensor([starts[r] for r in decode], dtype=torch.int32).to(device)
-            lens = torch.tensor([layout.seq_lens[r] for r in decode], dtype=torch.int32).to(device)
-        groups = [_build_group(multi, layout, starts, device)] if multi else []
-        return PagedMetadata(layout.slot_mapping.to(device), tok, tables, lens, groups)
+            tables = _tables([layout.block_tables[r] for r in decode], device)
+            tok = _int32([starts[r] for r in decode], device)
+            lens = _int32([layout.seq_lens[r] for r in decode], device)
+        prefill = prefill_rows(multi, layout, starts, device) if multi else None
+        return PagedMetadata(layout.slot_mapping.to(device), tok, tables, lens, prefill)
 
     def forward(
         self,
@@ -76,10 +152,11 @@ class PagedDecodeBackend(AttentionBackend):
         kv_cache: torch.Tensor | QuantizedKVCache,
         metadata: PagedMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         if isinstance(kv_cache, QuantizedKVCache):
             raise ValueError(f"the {self.name} attention backend reads a float KV cache only")
-        gather = write_kv(kv_cache, metadata.slot_mapping, k, v)
+        store_kv(kv_cache, metadata.slot_mapping, k, v)
         out = torch.empty_like(q)
         if metadata.decode_tokens is not None:
             assert metadata.block_tables is not None and metadata.seq_lens is not None
@@ -92,6 +169,8 @@ class PagedDecodeBackend(AttentionBackend):
                 metadata.block_tables,
                 metadata.seq_lens,
                 scale,
+                window,
             )
-        attend_groups(q, gather, metadata.groups, out, scale)
+        if metadata.prefill is not None:
+            self.prefill(q, kv_cache[0], kv_cache[1], out, metadata.prefill, scale, window)
         return out

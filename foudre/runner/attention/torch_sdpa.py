@@ -6,12 +6,18 @@ group per band of context lengths within about a factor of two (``decode_groups`
 rarely pays for more than twice its own keys; requests with several new tokens (prefill chunks,
 verification) run as one more batched call padded to the longest chunk. No Python loop runs over
 requests in ``forward``.
+
+A layer with a sliding window (``forward(..., window=W)``: a query at position ``p`` sees keys
+``p - W + 1 .. p``) gets its own groups, built on first use in a step: masks with the window's
+lower edge, and tables that start at the first block any query of the row sees, so blocks wholly
+outside the window are never gathered. This backend is the reference the paged kernels are
+tested against, and the fallback where they cannot run (a quantized KV cache).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -31,21 +37,50 @@ class _Group:
 @dataclass(slots=True)
 class SDPAMetadata:
     slot_mapping: torch.Tensor
-    groups: list[_Group]
+    groups: list[_Group]  # full causal attention
+    # what windowed groups are built from, on first use (by window size)
+    layout: BatchLayout | None = None
+    bands: list[list[int]] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)
+    device: torch.device | None = None
+    windowed: dict[int, list[_Group]] = field(default_factory=dict)
+
+    def groups_for(self, window: int | None) -> list[_Group]:
+        """The groups of full attention (``window`` None) or of a sliding window."""
+        if window is None:
+            return self.groups
+        groups = self.windowed.get(window)
+        if groups is None:
+            assert self.layout is not None and self.device is not None
+            groups = [
+                _build_group(rows, self.layout, self.starts, self.device, window)
+                for rows in self.bands
+            ]
+            self.windowed[window] = groups
+        return groups
 
 
 def _build_group(
-    rows: list[int], layout: BatchLayout, starts: list[int], device: torch.device
+    rows: list[int],
+    layout: BatchLayout,
+    starts: list[int],
+    device: torch.device,
+    window: int | None = None,
 ) -> _Group:
     bs = layout.block_size
     q_lens = [layout.query_lens[r] for r in rows]
     ctx = [layout.seq_lens[r] for r in rows]
     max_q = max(q_lens)
-    max_blocks = max(len(layout.block_tables[r]) for r in rows)
-    max_blocks = max(max_blocks, (max(ctx) + bs - 1) // bs)
+    # the first block each row reads: 0, or the block of the first key its first query sees
+    first = [
+        0 if window is None else max(0, c - q - window + 1) // bs
+        for q, c in zip(q_lens, ctx, strict=True)
+    ]
+    max_blocks = max(len(layout.block_tables[r]) - f for r, f in zip(rows, first, strict=True))
+    max_blocks = max(max_blocks, max(-(-c // bs) - f for c, f in zip(ctx, first, strict=True)))
     tables = torch.zeros(len(rows), max_blocks, dtype=torch.long)
-    for i, r in enumerate(rows):
-        bt = layout.block_tables[r]
+    for i, (r, f) in enumerate(zip(rows, first, strict=True)):
+        bt = layout.block_tables[r][f:]
         tables[i, : len(bt)] = torch.tensor(bt, dtype=torch.long)
     q_len_t = torch.tensor(q_lens).view(-1, 1)
     ctx_t = torch.tensor(ctx).view(-1, 1, 1)
@@ -54,11 +89,15 @@ def _build_group(
     valid = qi < q_len_t
     token_idx = torch.where(valid, token_idx, torch.zeros_like(token_idx))
     # query i of a request sits at position ctx - q_len + i and sees keys 0..that position
+    # (the last `window` of them, with a sliding window)
     q_pos = (ctx_t.view(-1, 1) - q_len_t + qi).unsqueeze(-1)  # [B, max_q, 1]
-    kj = torch.arange(max_blocks * bs).view(1, 1, -1)
+    kr = torch.arange(max_blocks * bs).view(1, 1, -1)  # a key's index in the gathered blocks
+    kj = kr + (torch.tensor(first) * bs).view(-1, 1, 1)  # its position
     mask = (kj <= q_pos) & (kj < ctx_t)
+    if window is not None:
+        mask &= kj > q_pos - window
     # padded query rows attend to key 0 so that softmax stays finite; their output is dropped
-    mask = mask | (~valid).unsqueeze(-1) & (kj == 0)
+    mask = mask | (~valid).unsqueeze(-1) & (kr == 0)
     return _Group(
         token_idx=token_idx.to(device),
         valid=None if bool(valid.all()) else valid.to(device),
@@ -100,9 +139,16 @@ class TorchSDPABackend(AttentionBackend):
 
     def build_metadata(self, layout: BatchLayout, device: torch.device) -> SDPAMetadata:
         starts, decode, multi = split_rows(layout)
-        bands = [*decode_groups(decode, layout.seq_lens), multi]
-        groups = [_build_group(rows, layout, starts, device) for rows in bands if rows]
-        return SDPAMetadata(slot_mapping=layout.slot_mapping.to(device), groups=groups)
+        bands = [rows for rows in (*decode_groups(decode, layout.seq_lens), multi) if rows]
+        groups = [_build_group(rows, layout, starts, device) for rows in bands]
+        return SDPAMetadata(
+            slot_mapping=layout.slot_mapping.to(device),
+            groups=groups,
+            layout=layout,
+            bands=bands,
+            starts=starts,
+            device=device,
+        )
 
     def forward(
         self,
@@ -112,14 +158,25 @@ class TorchSDPABackend(AttentionBackend):
         kv_cache: torch.Tensor | QuantizedKVCache,
         metadata: SDPAMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         gather = write_kv(kv_cache, metadata.slot_mapping, k, v)
         out = torch.empty_like(q)
-        attend_groups(q, gather, metadata.groups, out, scale)
+        attend_groups(q, gather, metadata.groups_for(window), out, scale)
         return out
 
 
 Gather = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def store_kv(
+    kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> None:
+    """Store the step's K/V ``[T, kv_heads, head_dim]`` at ``slot_mapping`` in a float cache
+    ``[2, blocks, block_size, kv_heads, head_dim]``."""
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
 
 
 def write_kv(
@@ -133,10 +190,8 @@ def write_kv(
     if isinstance(kv_cache, QuantizedKVCache):
         kv_cache.write(slot_mapping, k, v)
         return kv_cache.gather
-    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    store_kv(kv_cache, slot_mapping, k, v)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
     return lambda tables: (gather_blocks(k_cache, tables), gather_blocks(v_cache, tables))
 
 

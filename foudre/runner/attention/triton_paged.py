@@ -1,4 +1,4 @@
-"""The GPU backend: a Triton paged-attention kernel for decode rows, SDPA for longer chunks.
+"""The GPU backend: Triton paged-attention kernels, for decode rows and for prefill / mixed steps.
 
 Decode rows (one new token each, most rows of most steps) are computed by ``_paged_decode``, a
 FlashAttention-style kernel that reads K/V straight from the paged cache: one program per
@@ -13,27 +13,40 @@ rescaled accumulator), so nothing is gathered, padded or materialised beyond one
         acc = acc * exp(m - m') + p · V_b;  m = m'
     out = acc / l
 
-Rows with several new tokens (prefill chunks, speculative verification) go through the same
-SDPA groups as the CPU backend. The decode path has fixed shapes for a given number of rows and
-reads every length and block id from device tensors, so a whole decode step can be captured in a
-CUDA graph (``foudre.runner.cuda_graphs``). With ``TRITON_INTERPRET=1`` the kernel also runs on
-CPU tensors, which is how the tests check it without a GPU.
+A step that holds rows of several new tokens (prefill chunks, speculative verification) runs
+all its rows, decode rows included, in one launch of ``_paged_prefill``, a FlashAttention-2
+style varlen kernel over the block table: one program per (tile of query positions of a row,
+KV head) stacks the tile's positions for every query head of the group into the rows of its
+``tl.dot``s (the group shares each K/V tile), walks the keys the tile can see ``BLOCK_N`` at a
+time, gathering each key's block from the table, and applies the causal limit (and the sliding
+window) as tile bounds plus a mask on the edge tiles. No K/V is gathered into a tensor and no
+dense mask exists. A sliding window also moves both kernels' first block: the blocks before the
+window are never read.
+
+Both kernels have fixed shapes for a given number of rows (tiles) and read every length, block
+id and tile from device tensors, so whole steps can be captured in CUDA graphs
+(``foudre.runner.cuda_graphs``). With ``TRITON_INTERPRET=1`` the kernels also run on CPU
+tensors, which is how the tests check them without a GPU.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
 import triton.language as tl
 
-from foudre.runner.attention.paged import PagedDecodeBackend, PagedMetadata
+from foudre.runner.attention.paged import PagedBackend, PagedMetadata, PrefillRows
 
-__all__ = ["PagedMetadata", "TritonPagedBackend", "paged_decode"]
+__all__ = ["PagedMetadata", "TritonPagedBackend", "paged_decode", "paged_prefill"]
+
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
 def _paged_decode(
-    q_ptr, k_ptr, v_ptr, o_ptr, tok_ptr, bt_ptr, len_ptr, scale,
+    q_ptr, k_ptr, v_ptr, o_ptr, tok_ptr, bt_ptr, len_ptr, scale, window,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_ot, stride_oh, stride_bt,
     PER_KV: tl.constexpr, PER_KV_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
     HEAD_DIM_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -54,9 +67,12 @@ def _paged_decode(
     l = tl.zeros([PER_KV_P2], tl.float32)  # noqa: E741
     acc = tl.zeros([PER_KV_P2, HEAD_DIM_P2], tl.float32)
     offs = tl.arange(0, BLOCK_SIZE)
-    for b in range(0, tl.cdiv(seq_len, BLOCK_SIZE)):
+    # the first key seen (0 without a window): blocks before it are not read
+    start = tl.maximum(seq_len - tl.where(window > 0, window, seq_len), 0)
+    for b in range(start // BLOCK_SIZE, tl.cdiv(seq_len, BLOCK_SIZE)):
         blk = tl.load(bt_ptr + row * stride_bt + b).to(tl.int64)
-        valid = b * BLOCK_SIZE + offs < seq_len
+        pos = b * BLOCK_SIZE + offs
+        valid = (pos < seq_len) & (pos >= start)
         at = blk * stride_kb + offs[:, None] * stride_ks + kvh * stride_kh + d[None, :]
         kv_mask = valid[:, None] & (d[None, :] < HEAD_DIM)
         k = tl.load(k_ptr + at, mask=kv_mask, other=0.0).to(tl.float32)  # [BLOCK_SIZE, D]
@@ -83,10 +99,12 @@ def paged_decode(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    window: int | None = None,
 ) -> None:
     """Attention of the decode rows: row ``i`` is token ``token_idx[i]`` of ``q [T, H, D]``,
     seeing the first ``seq_lens[i]`` positions of its blocks ``block_tables[i]`` in the cache
-    (``[num_blocks, block_size, kv_heads, D]``); the result goes to ``out[token_idx[i]]``."""
+    (``[num_blocks, block_size, kv_heads, D]``), the last ``window`` of them with a sliding
+    window; the result goes to ``out[token_idx[i]]``."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     per_kv = num_heads // num_kv_heads
@@ -94,7 +112,7 @@ def paged_decode(
     assert q.stride(2) == 1 and out.stride(2) == 1
     grid = (token_idx.shape[0], num_kv_heads)
     _paged_decode[grid](
-        q, k_cache, v_cache, out, token_idx, block_tables, seq_lens, scale,
+        q, k_cache, v_cache, out, token_idx, block_tables, seq_lens, scale, window or 0,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1), block_tables.stride(0),
         PER_KV=per_kv, PER_KV_P2=max(2, triton.next_power_of_2(per_kv)), HEAD_DIM=head_dim,
@@ -102,7 +120,132 @@ def paged_decode(
     )  # fmt: skip
 
 
-class TritonPagedBackend(PagedDecodeBackend):
+@triton.jit
+def _paged_prefill(
+    q_ptr, k_ptr, v_ptr, o_ptr, tile_ptr, n_tiles, qs_ptr, ql_ptr, len_ptr, bt_ptr, scale, window,
+    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_ot, stride_oh, stride_bt,
+    PER_KV: tl.constexpr, POS: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    IEEE: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    row = tl.load(tile_ptr + tile)  # -1: a padding tile (fixed grids of CUDA graphs)
+    if row >= 0:
+        q0 = tl.load(tile_ptr + n_tiles + tile)
+        q_start = tl.load(qs_ptr + row).to(tl.int64)
+        q_len = tl.load(ql_ptr + row)
+        ctx = tl.load(len_ptr + row)
+        # row m of the tile: query position q0 + m // PER_KV of the row, head m % PER_KV
+        m = tl.arange(0, BLOCK_M)
+        qi = q0 + m // PER_KV
+        live = (m < POS * PER_KV) & (qi < q_len)
+        qpos = ctx - q_len + qi
+        d = tl.arange(0, HEAD_DIM_P2)
+        dmask = d < HEAD_DIM
+        heads = kvh * PER_KV + m % PER_KV
+        q_at = q_ptr + (q_start + qi)[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :]
+        q = tl.load(q_at, mask=live[:, None] & dmask[None, :], other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
+        first = ctx - q_len + q0
+        k_hi = tl.minimum(first + POS, ctx)  # after the tile's last query
+        # the first key any query of the tile sees (0 without a window): earlier blocks are not
+        # read
+        k_first = tl.maximum(first - tl.where(window > 0, window, first + 1) + 1, 0)
+        k_lo = k_first // BLOCK_N * BLOCK_N
+        m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: fully masked rows stay at 0
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM_P2], tl.float32)
+        n_offs = tl.arange(0, BLOCK_N)
+        for start_n in range(k_lo, k_hi, BLOCK_N):
+            n = start_n + n_offs
+            n_ok = (n < k_hi) & (n >= k_first)
+            blk = tl.load(bt_ptr + row * stride_bt + n // BLOCK_SIZE, mask=n_ok, other=0)
+            at = blk.to(tl.int64) * stride_kb + (n % BLOCK_SIZE) * stride_ks + kvh * stride_kh
+            kv_mask = n_ok[:, None] & dmask[None, :]
+            k = tl.load(k_ptr + at[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(v_ptr + at[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            p_type = v.dtype
+            if UPCAST:
+                k, v = k.to(tl.float32), v.to(tl.float32)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = s * scale
+            seen = live[:, None] & n_ok[None, :] & (n[None, :] <= qpos[:, None])
+            seen = seen & ((window <= 0) | (qpos[:, None] - n[None, :] < window))
+            s = tl.where(seen, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            p = p.to(p_type)  # the weights rounded as the values are stored, as FA2 does
+            if UPCAST:
+                p = p.to(tl.float32)
+            if IEEE:
+                pv = tl.dot(p, v, input_precision="ieee")
+            else:
+                pv = tl.dot(p, v)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+        out = acc / tl.where(live, l_i, 1.0)[:, None]
+        o_at = o_ptr + (q_start + qi)[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :]
+        tl.store(o_at, out.to(o_ptr.dtype.element_ty), mask=live[:, None] & dmask[None, :])
+
+
+def prefill_tile(per_kv: int) -> tuple[int, int]:
+    """(query positions per tile, rows of its dots): about 64 rows of query heads x positions,
+    at least 16 (``tl.dot``'s minimum)."""
+    block_m = max(16, 64, triton.next_power_of_2(per_kv))
+    return max(1, block_m // per_kv), block_m
+
+
+def paged_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    rows: PrefillRows,
+    scale: float,
+    window: int | None = None,
+    tiles: torch.Tensor | None = None,
+) -> None:
+    """Attention of ``rows`` (any number of new tokens each, see ``PrefillRows``): each query
+    sees its request's keys up to its own position (the last ``window`` with a sliding
+    window). ``tiles`` (``[2, n]``: row, first query; row -1 for padding) defaults to the rows'
+    own tiles."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    per_kv = num_heads // num_kv_heads
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1
+    assert q.stride(2) == 1 and out.stride(2) == 1
+    positions, block_m = prefill_tile(per_kv)
+    # Triton's interpreter multiplies 16-bit floats as raw bits in tl.dot: it gets float32
+    # operands holding the same (rounded) values
+    if tiles is None:
+        tiles = rows.query_tiles(positions)
+    n_tiles = tiles.shape[1]
+    head_dim_p2 = max(16, triton.next_power_of_2(head_dim))
+    grid = (n_tiles, num_kv_heads)
+    _paged_prefill[grid](
+        q, k_cache, v_cache, out, tiles, n_tiles, rows.q_starts, rows.q_lens, rows.seq_lens,
+        rows.block_tables, scale, window or 0,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        out.stride(0), out.stride(1), rows.block_tables.stride(0),
+        PER_KV=per_kv, POS=positions, BLOCK_M=block_m, HEAD_DIM=head_dim,
+        HEAD_DIM_P2=head_dim_p2, BLOCK_SIZE=block_size, BLOCK_N=32,
+        IEEE=q.dtype == torch.float32, UPCAST=_INTERPRETED and q.dtype != torch.float32,
+    )  # fmt: skip
+
+
+class TritonPagedBackend(PagedBackend):
     name = "triton"
+    mixed_in_one = True
 
     decode = staticmethod(paged_decode)
+    prefill = staticmethod(paged_prefill)
+
+    def tile_positions(self, num_heads: int, num_kv_heads: int) -> int | None:
+        return prefill_tile(num_heads // num_kv_heads)[0]

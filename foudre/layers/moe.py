@@ -1,0 +1,269 @@
+"""Mixture of experts: a router sends each token to its top-k experts, so a token pays for a
+fraction of the parameters.
+
+``SparseMoeBlock`` is the whole layer behind one interface; a model only says which variant it
+uses (how many experts, top-k, renormalised or not, a shared expert and its gate)::
+
+    weights, ids = route(gate(x), top_k, renormalize)   softmax over the experts, top-k,
+                                                         optionally renormalised to sum to 1
+    out = experts(x, weights, ids)                       out[t] = sum over j of
+                                                           weights[t, j] * expert(ids[t, j], x[t])
+    out += sigmoid(shared_expert_gate(x)) * shared_expert(x)     (Qwen2-MoE)
+
+``Experts`` holds the routed experts' weights stacked (``gate_up_proj`` ``[E, 2I, hidden]``,
+``down_proj`` ``[E, hidden, I]``, Hugging Face's fused layout) and never loops over tokens:
+
+- on CUDA, one Triton kernel per projection over the tokens sorted by expert
+  (``moe_triton.fused_experts``: a grouped GEMM, each tile of rows belonging to one expert);
+- on the CPU at decode sizes (at most ``linear.MAX_ROWS`` rows), one native call for the whole
+  block (``fused.moe_block_unchecked``: router, routing, counts, experts; the experts alone are
+  ``fused.moe_experts``) that reads only the chosen experts' weights, so batch-1 decode costs
+  the active parameters, not all of them, and pays one call's glue per layer, as a dense MLP;
+- otherwise ``grouped_experts``: tokens sorted by expert, then one gate|up and one down matmul
+  per expert that got tokens (``linear``: the decode kernel for small groups, torch's GEMM for
+  large ones);
+- while a CUDA graph is captured without the Triton kernel (or for quantized experts),
+  ``every_expert``: every expert over every row, weighted 0 where not chosen (no host sync).
+
+The CPU paths give the same bits: the native call runs the same kernels (the router's logits
+through the linear kernel, the routing through ``fused.route``, which ``route`` also uses on the
+CPU) and adds each token's weighted expert outputs in float32 in the same order (experts in
+increasing order), then rounds once. Routing weights stay float32 (Mixtral's reference does the
+same; Qwen2-MoE's rounds them to the model dtype first, a difference of one bf16 rounding).
+
+Each block counts the tokens routed to each of its experts since it was built
+(``expert_tokens``), so load imbalance can be seen (``LLM.metrics()["moe_expert_tokens"]``).
+Rows that only pad a batch (static batches, CUDA-graph buckets) are routed, and counted, too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import cache
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from foudre.layers import fused
+from foudre.layers.linear import MAX_ROWS, Linear, linear
+from foudre.layers.mlp import GatedMLP
+
+ExpertFn = Callable[[int, torch.Tensor], torch.Tensor]
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weights, ids)``, both ``[T, top_k]``: each token's ``top_k`` experts by softmax
+    probability (float32, over all experts), highest first, and their probabilities, divided
+    by their sum when ``renormalize``. Weights are float32, ids int64."""
+    if logits.dim() == 2 and fused.enabled(logits):  # the native block's routing, bit for bit
+        return fused.route(logits, top_k, renormalize)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def grouped_experts(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    num_experts: int,
+    expert: ExpertFn,
+) -> torch.Tensor:
+    """``out[t] = sum_j weights[t, j] * expert(ids[t, j], x[t])`` for ``x`` ``[T, hidden]``:
+    rows sorted by expert (stable), ``expert(e, rows)`` called once per expert that got rows,
+    in increasing order, and its outputs added, times their weights, into a float32 sum rounded
+    once to ``x``'s dtype. The only Python loop is over experts."""
+    t, k = ids.shape
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    if len(counts) > num_experts:
+        raise IndexError(f"an expert id outside 0..{num_experts}")
+    rows = torch.div(order, k, rounding_mode="floor")
+    xs = x.index_select(0, rows)
+    w = weights.reshape(-1).index_select(0, order).to(torch.float32)[:, None]
+    out = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            end = start + n
+            out.index_add_(0, rows[start:end], expert(e, xs[start:end]).float() * w[start:end])
+            start = end
+    return out.to(x.dtype)
+
+
+def every_expert(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    num_experts: int,
+    expert: ExpertFn,
+) -> torch.Tensor:
+    """What ``grouped_experts`` returns, computed by every expert over every row with weight 0
+    where a row did not choose it: no value leaves the device, so a CUDA graph can capture it
+    (the fallback of CUDA paths without a fused kernel; it reads every expert)."""
+    dense = torch.zeros(ids.shape[0], num_experts, dtype=torch.float32, device=x.device)
+    dense.scatter_(1, ids, weights.to(torch.float32))
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in range(num_experts):
+        out += expert(e, x).float() * dense[:, e : e + 1]
+    return out.to(x.dtype)
+
+
+def capturing(x: torch.Tensor) -> bool:
+    """Whether a CUDA graph is being captured on ``x``'s device (no host synchronisation)."""
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate_up = [gate | up]`` ``[T, 2I]`` (fused on the CPU)."""
+    if fused.enabled(gate_up) and gate_up.dim() == 2:
+        return fused.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class Experts(nn.Module):
+    """``num_experts`` gated MLPs with stacked weights: ``gate_up_proj`` ``[E, 2I, hidden]``
+    (gate rows, then up rows) and ``down_proj`` ``[E, hidden, I]``. Called with the routing
+    (``weights``, ``ids`` ``[T, k]``), it returns the weighted sum of each token's experts."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Parameter(
+            torch.empty(num_experts, 2 * intermediate_size, hidden_size)
+        )
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert ``e`` over the rows ``x`` ``[n, hidden]``."""
+        return linear(silu_mul(linear(x, self.gate_up_proj[e])), self.down_proj[e])
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        gate_up, down = self.gate_up_proj, self.down_proj
+        if x.is_cuda and not fused.records_grad(x, gate_up, down):
+            triton_experts = _triton_experts()
+            if triton_experts is not None:
+                return triton_experts(x, gate_up, down, weights, ids)
+        if (
+            x.dim() == 2
+            and x.shape[0] <= MAX_ROWS.get(x.dtype, 0)
+            and fused.enabled(x, gate_up, down)
+            and gate_up.is_contiguous()
+            and down.is_contiguous()
+            and not torch.is_autocast_enabled("cpu")
+        ):
+            return fused.moe_experts(x, weights, ids, gate_up, down)
+        if capturing(x):
+            return every_expert(x, weights, ids, self.num_experts, self.expert)
+        return grouped_experts(x, weights, ids, self.num_experts, self.expert)
+
+    def extra_repr(self) -> str:
+        e, two_i, h = self.gate_up_proj.shape
+        return f"num_experts={e}, hidden={h}, intermediate={two_i // 2}"
+
+
+@cache
+def _triton_experts() -> Any:
+    """``moe_triton.fused_experts``, or None where Triton does not import."""
+    try:
+        from foudre.layers import moe_triton
+    except ImportError:
+        return None
+    return moe_triton.fused_experts
+
+
+class SparseMoeBlock(nn.Module):
+    """A mixture-of-experts MLP: the router ``gate`` (``[E, hidden]``, no bias), the routed
+    ``experts``, and optionally a ``shared_expert`` every token goes through, scaled by
+    ``sigmoid(shared_expert_gate(x))`` when ``shared_gate``. Parameter names are Hugging
+    Face's (Qwen2-MoE, Qwen3-MoE, OLMoE, and Mixtral's once renamed)."""
+
+    expert_tokens: torch.Tensor
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        intermediate_size: int,
+        renormalize: bool,
+        shared_intermediate_size: int = 0,
+        shared_gate: bool = False,
+    ) -> None:
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k={top_k} must be within 1..num_experts={num_experts}")
+        self.hidden_size = hidden_size
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.gate = Linear(hidden_size, num_experts, bias=False)
+        self.experts: nn.Module = Experts(num_experts, hidden_size, intermediate_size)
+        self.shared_expert: GatedMLP | None = (
+            GatedMLP(hidden_size, shared_intermediate_size) if shared_intermediate_size else None
+        )
+        self.shared_expert_gate: Linear | None = (
+            Linear(hidden_size, 1, bias=False) if shared_intermediate_size and shared_gate else None
+        )
+        self.register_buffer(
+            "expert_tokens", torch.zeros(num_experts, dtype=torch.int64), persistent=False
+        )
+
+    @property
+    def num_experts(self) -> int:
+        return self.gate.out_features
+
+    def _native(self, x: torch.Tensor) -> bool:
+        """Whether this call can run as one native call (``fused.moe_block_unchecked``): a
+        decode-sized CPU batch, the plain router and experts, nothing autograd records."""
+        experts, gate = self.experts, self.gate
+        return (
+            x.shape[0] <= MAX_ROWS.get(x.dtype, 0)
+            and type(experts) is Experts
+            and type(gate) is Linear
+            and gate.bias is None
+            and fused.enabled(x, gate.weight, experts.gate_up_proj, experts.down_proj)
+            and x.is_contiguous()
+            and gate.weight.is_contiguous()
+            and experts.gate_up_proj.is_contiguous()
+            and experts.down_proj.is_contiguous()
+            and self.expert_tokens.is_cpu
+            and not torch.is_autocast_enabled("cpu")
+        )
+
+    def reset_stats(self) -> None:
+        """Zero ``expert_tokens`` (also what a model built on the meta device needs)."""
+        self.expert_tokens.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x = x.reshape(-1, self.hidden_size)
+        if self._native(x):  # router, routing, counts and experts in one call
+            experts = self.experts
+            assert isinstance(experts, Experts)
+            out = fused.moe_block_unchecked(
+                x,
+                self.gate.weight,
+                experts.gate_up_proj,
+                experts.down_proj,
+                self.top_k,
+                self.renormalize,
+                self.expert_tokens,
+            )
+        else:
+            weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+            flat = ids.reshape(-1)
+            self.expert_tokens.index_add_(0, flat, torch.ones_like(flat))
+            out = self.experts(x, weights, ids)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
+        return out.reshape(*lead, self.hidden_size)

@@ -1,0 +1,561 @@
+// Paged prefill attention on the CPU: FlashAttention-2 over the block table.
+//
+// The rows of a step that compute several tokens (prompt chunks, speculative verification)
+// attend to their own context: the prefix already in the cache (prefix hits, earlier chunks)
+// and the chunk itself, whose K/V the backend wrote first. Nothing is gathered out of the pool
+// and no mask tensor exists: one task per (sequence, KV head, tile of BQ query positions) walks
+// the key range that tile can see, BK keys at a time, straight from the blocks, with an online
+// softmax (running max m, running sum l, rescaled float32 accumulator). The causal limit and the
+// sliding window are tile bounds: a tile starts at the first key any of its queries sees
+// (rounded down to a multiple of BK, an absolute grid) and ends after its last query; only the
+// tiles on the diagonal or on the window's edge compute per-lane masks. The query heads of a
+// GQA group share each K/V tile, packed once.
+//
+// Layout: a query position is a SIMD lane. Scores are computed transposed, S^T[key][lane] =
+// K · Q^T, by broadcasting a key's values against vectors of 16 query lanes, so the softmax's
+// max and sum over keys are vertical (lane-wise) operations, and P·V as O^T[d][lane] +=
+// V[key][d] · P^T[key][lane], again a broadcast against query lanes. Both products are one
+// micro-kernel (gemm below) over packed tiles of 32-bit words: float32 values (FMA), or pairs
+// of bfloat16 (vdpbf16ps, AVX512-BF16), where a pair runs along head_dim for Q and K and along
+// the keys for P and V. Each lane's arithmetic is independent of the other lanes and the key
+// tiles lie on a fixed grid, so a query's output does not depend on the chunk or the batch it
+// is computed in. Masked scores are exact zeros; tiles a lane does not see leave its state
+// unchanged (rescaled by exp(0) = 1, plus zero).
+//
+// Three paths, by what the compiler targets (cpu_paged.py builds with -march=native):
+//   prefill_portable        portable C++ (loops over lanes for the vectorizer), float32 math
+//   prefill_avx512<F32Ops>  AVX-512 FMAs, any storage type converted to float32 when packed
+//   prefill_avx512<Bf16Ops> AVX512-BF16 on bfloat16 caches; the softmax weights are rounded to
+//                           bfloat16 for P·V, as FlashAttention does (and the decode kernel)
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int BQ = 32;  // query positions (lanes) per task
+constexpr int BK = 32;  // keys per tile (even: bfloat16 pairs of keys)
+
+inline float load(float x) { return x; }
+inline float load(uint16_t x) {  // bfloat16: the high half of a float32
+  uint32_t u = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline float load(_Float16 x) { return static_cast<float>(x); }
+
+inline void store(float* p, float x) { *p = x; }
+inline void store(uint16_t* p, float x) {  // round to nearest even, as torch converts
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  *p = static_cast<uint16_t>(u >> 16);
+}
+inline void store(_Float16* p, float x) { *p = static_cast<_Float16>(x); }
+
+// exp(x) for x <= 0 (the decode kernel's): 2^n * e^f, e^f by a degree-6 Taylor polynomial
+inline float exp_nonpositive(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  const float t = x * 1.44269504088896341f;
+  const float n = __builtin_floorf(t + 0.5f);
+  const float f = (t - n) * 0.693147180559945309f;
+  const float p =
+      1.0f + f * (1.0f + f * (0.5f + f * (1.0f / 6 +
+                                          f * (1.0f / 24 + f * (1.0f / 120 + f * (1.0f / 720))))));
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
+// One sequence's multi-token row and one unit of work.
+struct Seq {
+  int64_t q_tok;   // flat index of its first new token in q / out
+  int64_t q_len;   // new tokens
+  int64_t ctx;     // context after them: the new tokens are positions ctx - q_len .. ctx - 1
+  const int32_t* table;
+};
+
+struct Task {
+  int64_t seq, head, q0, nq;  // query positions q0 .. q0 + nq - 1 of the row (row-relative)
+  int64_t k_first, k_end;     // the keys its queries see: [k_first, k_end)
+  int64_t k_begin() const { return k_first / BK * BK; }  // its first tile, on the BK grid
+};
+
+struct Shape {
+  int64_t num_heads, num_kv_heads, head_dim, block_size, q_stride, o_stride, block_stride,
+      token_stride, window;
+  float scale;
+};
+
+// The tasks of a step, longest key range first (dynamic scheduling then balances the cores).
+std::vector<Task> make_tasks(const std::vector<Seq>& seqs, const Shape& sh) {
+  std::vector<Task> tasks;
+  for (int64_t r = 0; r < static_cast<int64_t>(seqs.size()); ++r) {
+    const Seq& s = seqs[r];
+    for (int64_t q0 = 0; q0 < s.q_len; q0 += BQ) {
+      const int64_t nq = std::min<int64_t>(BQ, s.q_len - q0);
+      const int64_t first = s.ctx - s.q_len + q0, last = first + nq - 1;
+      const int64_t k_first = sh.window > 0 ? std::max<int64_t>(0, first - sh.window + 1) : 0;
+      for (int64_t h = 0; h < sh.num_kv_heads; ++h)
+        tasks.push_back(Task{r, h, q0, nq, k_first, last + 1});
+    }
+  }
+  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) {
+    return a.k_end - a.k_first > b.k_end - b.k_first;
+  });
+  return tasks;
+}
+
+template <typename T>
+inline const T* kv_row(const T* cache, const Seq& s, int64_t j, int64_t h, const Shape& sh) {
+  const int64_t blk = s.table[j / sh.block_size];
+  return cache + blk * sh.block_stride + (j % sh.block_size) * sh.token_stride + h * sh.head_dim;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Portable path: the same tasks and tiles in plain loops, float32 throughout.
+
+template <typename T>
+void prefill_portable(const T* q, const T* k_cache, const T* v_cache, T* out,
+                      const std::vector<Seq>& seqs, const Shape& sh) {
+  const std::vector<Task> tasks = make_tasks(seqs, sh);
+  const int64_t G = sh.num_heads / sh.num_kv_heads, D = sh.head_dim;
+#pragma omp parallel
+  {
+    std::vector<float> qf(G * D * BQ), acc(G * D * BQ), m(G * BQ), l(G * BQ);
+    std::vector<float> kf(BK * D), vf(BK * D), s(BK * BQ);
+    std::vector<int64_t> qpos(BQ);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t t = 0; t < static_cast<int64_t>(tasks.size()); ++t) {
+      const Task& task = tasks[t];
+      const Seq& sq = seqs[task.seq];
+      const int64_t first = sq.ctx - sq.q_len + task.q0;
+      for (int64_t i = 0; i < BQ; ++i) qpos[i] = i < task.nq ? first + i : -1;
+      std::fill(qf.begin(), qf.end(), 0.0f);
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t i = 0; i < task.nq; ++i) {
+          const T* qr = q + (sq.q_tok + task.q0 + i) * sh.q_stride + (task.head * G + g) * D;
+          for (int64_t d = 0; d < D; ++d) qf[(g * D + d) * BQ + i] = load(qr[d]);
+        }
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      std::fill(m.begin(), m.end(), -FLT_MAX);
+      std::fill(l.begin(), l.end(), 0.0f);
+      for (int64_t j0 = task.k_begin(); j0 < task.k_end; j0 += BK) {
+        // rows [lo, nk) of the tile are keys the queries may see; the others (before the
+        // window, past the last query) are zeros, never read: they may hold anything
+        const int64_t nk = std::min<int64_t>(BK, task.k_end - j0);
+        const int64_t lo = std::max<int64_t>(0, task.k_first - j0);
+        for (int64_t jj = 0; jj < nk; ++jj) {
+          if (jj < lo) {
+            std::fill(&kf[jj * D], &kf[(jj + 1) * D], 0.0f);
+            std::fill(&vf[jj * D], &vf[(jj + 1) * D], 0.0f);
+            continue;
+          }
+          const T* kr = kv_row(k_cache, sq, j0 + jj, task.head, sh);
+          const T* vr = kv_row(v_cache, sq, j0 + jj, task.head, sh);
+          for (int64_t d = 0; d < D; ++d) {
+            kf[jj * D + d] = load(kr[d]);
+            vf[jj * D + d] = load(vr[d]);
+          }
+        }
+        for (int64_t g = 0; g < G; ++g) {
+          float* mg = &m[g * BQ];
+          float* lg = &l[g * BQ];
+          float mx[BQ], alpha[BQ], sum[BQ];
+          for (int64_t i = 0; i < BQ; ++i) mx[i] = mg[i];
+          for (int64_t jj = 0; jj < nk; ++jj) {
+            float* sr = &s[jj * BQ];
+            for (int64_t i = 0; i < BQ; ++i) sr[i] = 0.0f;
+            for (int64_t d = 0; d < D; ++d) {
+              const float kd = kf[jj * D + d];
+              const float* qd = &qf[(g * D + d) * BQ];
+#pragma omp simd
+              for (int64_t i = 0; i < BQ; ++i) sr[i] += kd * qd[i];
+            }
+            const int64_t j = j0 + jj;
+            for (int64_t i = 0; i < BQ; ++i) {
+              const bool ok =
+                  j <= qpos[i] && (sh.window <= 0 || qpos[i] - j < sh.window);
+              sr[i] = ok ? sr[i] * sh.scale : -INFINITY;
+              mx[i] = sr[i] > mx[i] ? sr[i] : mx[i];
+            }
+          }
+          for (int64_t i = 0; i < BQ; ++i) {
+            alpha[i] = exp_nonpositive(mg[i] - mx[i]);
+            sum[i] = 0.0f;
+          }
+          for (int64_t jj = 0; jj < nk; ++jj) {
+            float* sr = &s[jj * BQ];
+            for (int64_t i = 0; i < BQ; ++i) {
+              sr[i] = sr[i] == -INFINITY ? 0.0f : exp_nonpositive(sr[i] - mx[i]);
+              sum[i] += sr[i];
+            }
+          }
+          for (int64_t i = 0; i < BQ; ++i) {
+            lg[i] = lg[i] * alpha[i] + sum[i];
+            mg[i] = mx[i];
+          }
+          for (int64_t d = 0; d < D; ++d) {
+            float* ad = &acc[(g * D + d) * BQ];
+#pragma omp simd
+            for (int64_t i = 0; i < BQ; ++i) ad[i] *= alpha[i];
+            for (int64_t jj = 0; jj < nk; ++jj) {
+              const float vd = vf[jj * D + d];
+              const float* pr = &s[jj * BQ];
+#pragma omp simd
+              for (int64_t i = 0; i < BQ; ++i) ad[i] += vd * pr[i];
+            }
+          }
+        }
+      }
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t i = 0; i < task.nq; ++i) {
+          T* orow = out + (sq.q_tok + task.q0 + i) * sh.o_stride + (task.head * G + g) * D;
+          const float inv = 1.0f / l[g * BQ + i];
+          for (int64_t d = 0; d < D; ++d) store(orow + d, acc[(g * D + d) * BQ + i] * inv);
+        }
+    }
+  }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define FOUDRE_AVX512 1
+// ---------------------------------------------------------------------------------------------
+// AVX-512 paths. Packed tiles hold 32-bit words: a float32, or a pair of bfloat16 (PAIR = 2).
+//   Q  [G][PK][BQ]   PK = Dp / PAIR words per head_dim (Dp: head_dim rounded up to 8)
+//   K  [BK][PK]      a key's row
+//   V  [BK/PAIR][Dp] a key's (or a pair of keys') values along head_dim
+//   P  [BK/PAIR][BQ] softmax weights of a key (or a pair of keys) for each lane
+//   O  [G][Dp][BQ]   float32 accumulators, transposed
+constexpr int MV = BQ / 16;  // lane vectors per tile row
+constexpr int NR = 8;        // keys per micro-kernel call of S^T = K·Q^T (divides BK)
+constexpr int DR = 8;        // head_dim rows per call of O^T += V^T·P^T (divides Dp)
+
+// C[n][v] (+)= sum_k A[n][k] (x) B[k][v]: NR rows of the broadcast side A (strides a_n, a_k in
+// words) against MV vectors of B (row stride BQ words); C rows c_stride floats apart. With ACC,
+// C is loaded and scaled lane-wise by alpha first (the online softmax's rescaling).
+template <class Ops, bool ACC, int NR>
+inline void gemm(float* C, int64_t c_stride, const __m512* alpha, const uint32_t* A, int64_t a_n,
+                 int64_t a_k, const uint32_t* B, int64_t K) {
+  __m512 c[NR][MV];
+#pragma GCC unroll 8
+  for (int n = 0; n < NR; ++n)
+#pragma GCC unroll 4
+    for (int v = 0; v < MV; ++v)
+      c[n][v] = ACC ? _mm512_mul_ps(_mm512_loadu_ps(C + n * c_stride + v * 16), alpha[v])
+                    : _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    __m512i b[MV];
+#pragma GCC unroll 4
+    for (int v = 0; v < MV; ++v) b[v] = _mm512_loadu_si512(B + k * BQ + v * 16);
+#pragma GCC unroll 8
+    for (int n = 0; n < NR; ++n) {
+      const __m512i a = _mm512_set1_epi32(static_cast<int>(A[n * a_n + k * a_k]));
+#pragma GCC unroll 4
+      for (int v = 0; v < MV; ++v) c[n][v] = Ops::madd(c[n][v], a, b[v]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int n = 0; n < NR; ++n)
+#pragma GCC unroll 4
+    for (int v = 0; v < MV; ++v) _mm512_storeu_ps(C + n * c_stride + v * 16, c[n][v]);
+}
+
+inline __m512 exp16(__m512 x) {  // exp_nonpositive on 16 lanes
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945309f));
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  for (const float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f})
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
+  const __m512i e =
+      _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+// float32 arithmetic on any storage type: values converted when packed.
+template <typename T>
+struct F32Ops {
+  using Elem = T;
+  static constexpr int PAIR = 1;
+  static __m512 madd(__m512 c, __m512i a, __m512i b) {
+    return _mm512_fmadd_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b), c);
+  }
+  static uint32_t word(const T* row, int64_t d, int64_t D) {  // value d of a row (0 past D)
+    const float x = d < D ? load(row[d]) : 0.0f;
+    uint32_t w;
+    std::memcpy(&w, &x, 4);
+    return w;
+  }
+  static void pack_row(uint32_t* dst, const T* row, int64_t D, int64_t Dp) {
+    for (int64_t d = 0; d < Dp; ++d) dst[d] = word(row, d, D);
+  }
+  // V rows of the tile (null rows: zeros): V[j][d]
+  static void pack_v(uint32_t* dst, const T* const* rows, int64_t D, int64_t Dp) {
+    for (int64_t j = 0; j < BK; ++j) {
+      if (rows[j] != nullptr)
+        pack_row(dst + j * Dp, rows[j], D, Dp);
+      else
+        std::fill(dst + j * Dp, dst + (j + 1) * Dp, 0u);
+    }
+  }
+  // weights of key j for the MV lane vectors
+  static void pack_p(uint32_t* dst, const float* p) {  // p[j][lane], j < BK
+    std::memcpy(dst, p, BK * BQ * 4);
+  }
+};
+
+#if defined(__AVX512BF16__)
+#define FOUDRE_BF16_DOT 1
+// bfloat16 with AVX512-BF16: vdpbf16ps multiplies pairs of bfloat16 exactly and adds both
+// products into a float32 lane. Q and K pair consecutive head_dim values (their rows as 32-bit
+// words, as stored); P and V pair consecutive keys: V's rows 2i and 2i+1 are interleaved.
+struct Bf16Ops {
+  using Elem = uint16_t;
+  static constexpr int PAIR = 2;
+  static __m512 madd(__m512 c, __m512i a, __m512i b) {
+    return _mm512_dpbf16_ps(c, reinterpret_cast<__m512bh>(a), reinterpret_cast<__m512bh>(b));
+  }
+  static uint32_t word(const uint16_t* row, int64_t p, int64_t D) {  // pair p of a row
+    const uint32_t lo = 2 * p < D ? row[2 * p] : 0u, hi = 2 * p + 1 < D ? row[2 * p + 1] : 0u;
+    return lo | hi << 16;
+  }
+  static void pack_row(uint32_t* dst, const uint16_t* row, int64_t D, int64_t Dp) {
+    if (D == Dp) {
+      std::memcpy(dst, row, D * 2);
+      return;
+    }
+    for (int64_t p = 0; p < Dp / 2; ++p) dst[p] = word(row, p, D);
+  }
+  static void pack_v(uint32_t* dst, const uint16_t* const* rows, int64_t D, int64_t Dp) {
+    for (int64_t j = 0; j < BK; j += 2) {
+      uint32_t* out = dst + (j / 2) * Dp;
+      const uint16_t* r0 = rows[j];
+      const uint16_t* r1 = rows[j + 1];
+      for (int64_t d = 0; d < Dp; d += 16) {
+        const __mmask16 mk = static_cast<__mmask16>(
+            D - d >= 16 ? 0xFFFFu : (D > d ? (1u << (D - d)) - 1 : 0u));
+        const __m512i a = r0 ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, r0 + d))
+                             : _mm512_setzero_si512();
+        const __m512i b = r1 ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, r1 + d))
+                             : _mm512_setzero_si512();
+        const __m512i w = _mm512_or_si512(a, _mm512_slli_epi32(b, 16));
+        if (Dp - d >= 16)
+          _mm512_storeu_si512(out + d, w);
+        else
+          _mm512_mask_storeu_epi32(out + d, static_cast<__mmask16>((1u << (Dp - d)) - 1), w);
+      }
+    }
+  }
+  static void pack_p(uint32_t* dst, const float* p) {  // pairs of keys, rounded to bfloat16
+    const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                         24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
+                                         16, 0);
+    for (int j = 0; j < BK; j += 2)
+      for (int v = 0; v < MV; ++v) {
+        // low half: key j, high half: key j + 1; then interleaved into (j, j + 1) pairs
+        const __m512i two = reinterpret_cast<__m512i>(
+            _mm512_cvtne2ps_pbh(_mm512_loadu_ps(p + (j + 1) * BQ + v * 16),
+                                _mm512_loadu_ps(p + j * BQ + v * 16)));
+        _mm512_storeu_si512(dst + (j / 2) * BQ + v * 16, _mm512_permutexvar_epi16(idx, two));
+      }
+  }
+};
+#endif  // __AVX512BF16__
+
+template <class Ops>
+void prefill_avx512(const typename Ops::Elem* q, const typename Ops::Elem* k_cache,
+                    const typename Ops::Elem* v_cache, typename Ops::Elem* out,
+                    const std::vector<Seq>& seqs, const Shape& sh) {
+  using T = typename Ops::Elem;
+  constexpr int PAIR = Ops::PAIR;
+  const std::vector<Task> tasks = make_tasks(seqs, sh);
+  const int64_t G = sh.num_heads / sh.num_kv_heads, D = sh.head_dim;
+  const int64_t Dp = (D + 7) / 8 * 8, PK = Dp / PAIR, KJ = BK / PAIR;
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512 scale = _mm512_set1_ps(sh.scale);
+  const int64_t window = sh.window;
+#pragma omp parallel
+  {
+    std::vector<uint32_t> qp(G * PK * BQ), kt(BK * PK), vt(KJ * Dp), pt(KJ * BQ);
+    std::vector<float> acc(G * Dp * BQ), st(BK * BQ), m(G * BQ), l(G * BQ);
+    std::vector<__mmask16> valid(BK * MV);
+    std::vector<const T*> krows(BK), vrows(BK);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t t = 0; t < static_cast<int64_t>(tasks.size()); ++t) {
+      const Task& task = tasks[t];
+      const Seq& sq = seqs[task.seq];
+      const int64_t first = sq.ctx - sq.q_len + task.q0, last = first + task.nq - 1;
+      __m512i qpos[MV];  // each lane's position, -1 past the row's queries (sees nothing)
+      for (int v = 0; v < MV; ++v) {
+        const __m512i at = _mm512_add_epi32(lane, _mm512_set1_epi32(v * 16));
+        const __mmask16 live = _mm512_cmplt_epi32_mask(at, _mm512_set1_epi32(task.nq));
+        qpos[v] = _mm512_mask_add_epi32(_mm512_set1_epi32(-1), live, at,
+                                        _mm512_set1_epi32(static_cast<int32_t>(first)));
+      }
+      std::fill(qp.begin(), qp.end(), 0u);
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t i = 0; i < task.nq; ++i) {
+          const T* qr = q + (sq.q_tok + task.q0 + i) * sh.q_stride + (task.head * G + g) * D;
+          for (int64_t w = 0; w < PK; ++w) qp[(g * PK + w) * BQ + i] = Ops::word(qr, w, D);
+        }
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      std::fill(m.begin(), m.end(), -FLT_MAX);
+      std::fill(l.begin(), l.end(), 0.0f);
+      for (int64_t j0 = task.k_begin(); j0 < task.k_end; j0 += BK) {
+        // rows [lo, nk) of the tile are keys the queries may see; the others (before the
+        // window, past the last query) are zeros, never read: they may hold anything
+        const int64_t nk = std::min<int64_t>(BK, task.k_end - j0);
+        const int64_t lo = std::max<int64_t>(0, task.k_first - j0);
+        // each key's row in its block (one division per tile, then a walk along the blocks)
+        int64_t b = (j0 + lo) / sh.block_size, at = (j0 + lo) % sh.block_size;
+        for (int64_t jj = 0; jj < BK; ++jj) {
+          krows[jj] = vrows[jj] = nullptr;
+          if (jj < lo || jj >= nk) continue;
+          const int64_t off = sq.table[b] * sh.block_stride + at * sh.token_stride +
+                              task.head * sh.head_dim;
+          krows[jj] = k_cache + off;
+          vrows[jj] = v_cache + off;
+          if (++at == sh.block_size) {
+            at = 0;
+            ++b;
+          }
+        }
+        for (int64_t jj = 0; jj < BK; ++jj) {
+          if (krows[jj] != nullptr)
+            Ops::pack_row(&kt[jj * PK], krows[jj], D, Dp);
+          else
+            std::fill(&kt[jj * PK], &kt[(jj + 1) * PK], 0u);
+        }
+        Ops::pack_v(vt.data(), vrows.data(), D, Dp);
+        // every lane sees every key of the tile: no masks
+        const bool full = task.nq == BQ && j0 + BK - 1 <= first &&
+                          (window <= 0 || last - j0 < window);
+        if (!full)
+          for (int64_t jj = 0; jj < BK; ++jj) {
+            const __m512i j = _mm512_set1_epi32(static_cast<int32_t>(j0 + jj));
+            for (int v = 0; v < MV; ++v) {
+              __mmask16 ok = _mm512_cmple_epi32_mask(j, qpos[v]);
+              if (window > 0)
+                ok &= _mm512_cmplt_epi32_mask(_mm512_sub_epi32(qpos[v], j),
+                                              _mm512_set1_epi32(static_cast<int32_t>(window)));
+              valid[jj * MV + v] = jj < nk ? ok : 0;
+            }
+          }
+        for (int64_t g = 0; g < G; ++g) {
+          // S^T = K · Q^T for the BK keys
+          for (int64_t n = 0; n < BK; n += NR)
+            gemm<Ops, false, NR>(&st[n * BQ], BQ, nullptr, &kt[n * PK], PK, 1, &qp[g * PK * BQ],
+                                 PK);
+          // the online softmax, lane-wise: scores -> weights in place in st
+          __m512 alpha[MV];
+          for (int v = 0; v < MV; ++v) {
+            float* mv = &m[g * BQ + v * 16];
+            float* lv = &l[g * BQ + v * 16];
+            const __m512 m_old = _mm512_loadu_ps(mv);
+            __m512 mx = m_old;
+            for (int64_t jj = 0; jj < BK; ++jj) {
+              float* at = &st[jj * BQ + v * 16];
+              __m512 s = _mm512_mul_ps(_mm512_loadu_ps(at), scale);
+              if (!full) s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid[jj * MV + v], s);
+              _mm512_storeu_ps(at, s);
+              mx = _mm512_max_ps(mx, s);
+            }
+            alpha[v] = exp16(_mm512_sub_ps(m_old, mx));
+            __m512 sum = _mm512_setzero_ps();
+            for (int64_t jj = 0; jj < BK; ++jj) {
+              float* at = &st[jj * BQ + v * 16];
+              __m512 p = exp16(_mm512_sub_ps(_mm512_loadu_ps(at), mx));
+              if (!full) p = _mm512_maskz_mov_ps(valid[jj * MV + v], p);
+              _mm512_storeu_ps(at, p);
+              sum = _mm512_add_ps(sum, p);
+            }
+            _mm512_storeu_ps(lv, _mm512_fmadd_ps(_mm512_loadu_ps(lv), alpha[v], sum));
+            _mm512_storeu_ps(mv, mx);
+          }
+          Ops::pack_p(pt.data(), st.data());
+          // O^T = O^T * alpha + V^T · P^T
+          float* ag = &acc[g * Dp * BQ];
+          for (int64_t d = 0; d < Dp; d += DR)
+            gemm<Ops, true, DR>(ag + d * BQ, BQ, alpha, &vt[d], 1, Dp, pt.data(), KJ);
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        alignas(64) float inv[BQ];
+        for (int v = 0; v < MV; ++v)
+          _mm512_storeu_ps(inv + v * 16, _mm512_div_ps(_mm512_set1_ps(1.0f),
+                                                       _mm512_loadu_ps(&l[g * BQ + v * 16])));
+        const float* ag = &acc[g * Dp * BQ];
+        for (int64_t i = 0; i < task.nq; ++i) {
+          T* orow = out + (sq.q_tok + task.q0 + i) * sh.o_stride + (task.head * G + g) * D;
+          for (int64_t d = 0; d < D; ++d) store(orow + d, ag[d * BQ + i] * inv[i]);
+        }
+      }
+    }
+  }
+}
+#endif  // AVX-512
+
+template <typename T, class Fast>
+void prefill(const void* q, const void* k, const void* v, void* out, const int32_t* q_starts,
+             const int32_t* q_lens, const int32_t* seq_lens, const int32_t* tables, int64_t rows,
+             int64_t table_width, const Shape& sh) {
+  std::vector<Seq> seqs;
+  for (int64_t r = 0; r < rows; ++r)
+    seqs.push_back(Seq{q_starts[r], q_lens[r], seq_lens[r], tables + r * table_width});
+  const T* qt = static_cast<const T*>(q);
+  const T* kt = static_cast<const T*>(k);
+  const T* vt = static_cast<const T*>(v);
+  T* ot = static_cast<T*>(out);
+#if defined(FOUDRE_AVX512)
+  prefill_avx512<Fast>(qt, kt, vt, ot, seqs, sh);
+#else
+  prefill_portable<T>(qt, kt, vt, ot, seqs, sh);
+#endif
+}
+
+}  // namespace
+
+#if defined(FOUDRE_AVX512)
+#define FOUDRE_F32_OPS F32Ops<float>
+#define FOUDRE_F16_OPS F32Ops<_Float16>
+#if defined(FOUDRE_BF16_DOT)
+#define FOUDRE_BF16_OPS Bf16Ops
+#else
+#define FOUDRE_BF16_OPS F32Ops<uint16_t>
+#endif
+#else
+#define FOUDRE_F32_OPS void
+#define FOUDRE_F16_OPS void
+#define FOUDRE_BF16_OPS void
+#endif
+
+// Row r computes q_lens[r] tokens, flat indices q_starts[r].., at the last positions of a
+// context of seq_lens[r] tokens held in blocks tables[r]; their K/V are already in the cache.
+// window > 0: a query at position p sees keys p - window + 1 .. p (else 0 .. p).
+#define FOUDRE_PAGED_PREFILL(NAME, T, OPS)                                                        \
+  extern "C" void NAME(const void* q, const void* k, const void* v, void* out,                   \
+                       const int32_t* q_starts, const int32_t* q_lens, const int32_t* seq_lens,  \
+                       const int32_t* tables, int64_t rows, int64_t num_heads,                   \
+                       int64_t num_kv_heads, int64_t head_dim, int64_t block_size,               \
+                       int64_t table_width, int64_t q_stride, int64_t o_stride,                  \
+                       int64_t block_stride, int64_t token_stride, int64_t window, float scale) { \
+    const Shape sh{num_heads,    num_kv_heads, head_dim,     block_size, q_stride,               \
+                   o_stride,     block_stride, token_stride, window,     scale};                 \
+    prefill<T, OPS>(q, k, v, out, q_starts, q_lens, seq_lens, tables, rows, table_width, sh);    \
+  }
+
+FOUDRE_PAGED_PREFILL(paged_prefill_f32, float, FOUDRE_F32_OPS)
+FOUDRE_PAGED_PREFILL(paged_prefill_bf16, uint16_t, FOUDRE_BF16_OPS)
+FOUDRE_PAGED_PREFILL(paged_prefill_f16, _Float16, FOUDRE_F16_OPS)

@@ -1,0 +1,507 @@
+"""The paged prefill kernels (C++ on the CPU, Triton) and sliding windows in every attention
+backend, against SDPA with an explicit mask over the dense K/V.
+
+Each case is one step of several rows: a prompt chunk of 1-512 tokens after a cached prefix of
+0-3 blocks (plus a partial block), a decode row and a short chunk beside it, for GQA groups of
+1-8, head dims 64/80/128, block sizes 8/16/32, and no window, a window shorter than the chunk
+or one longer. The kernels run on a pool where every slot they must not read holds NaN: blocks
+of no row, the tails past each row's length and, with a window, the blocks wholly before the
+first key a row's queries see. The CPU kernel's three paths are each checked (the other two in
+subprocesses built for another ``-march``); the Triton kernels run in Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from foudre import LLM, SamplingParams
+from foudre.layers.attention import AttentionBackend
+from foudre.models.config import ModelConfig
+from foudre.runner.attention import BatchLayout, cpu_paged
+from foudre.runner.attention.torch_sdpa import TorchSDPABackend
+from tests.conftest import make_hf_model
+from tests.engine.march import run_built_for
+
+ROOT = Path(__file__).resolve().parents[2]
+CHUNKS = [1, 2, 5, 16, 31, 32, 33, 100, 255, 512]
+
+
+def cases(every: int = 1) -> list[tuple[int, int, int, int, list[tuple[int, int]], int | None]]:
+    """(heads, kv heads, head_dim, block size, rows as (new tokens, context), window)."""
+    out = []
+    n = 0
+    for i, chunk in enumerate(CHUNKS):
+        for blocks in range(4):
+            n += 1
+            if n % every:
+                continue
+            group = (1, 2, 3, 4, 8)[(i + blocks) % 5]
+            kv_heads = 1 if group == 8 else 2
+            head_dim = (64, 80, 128)[(i + 2 * blocks) % 3]
+            bs = (8, 16, 32)[(i + blocks) % 3]
+            window = (None, max(1, chunk // 3), chunk + bs + 7)[(i + blocks) % 3]
+            prefix = blocks * bs + (3 if (i + blocks) % 2 else 0)
+            rows = [(chunk, prefix + chunk), (1, 2 * bs + 5), (3, bs + 2)]
+            out.append((group * kv_heads, kv_heads, head_dim, bs, rows, window))
+    return out
+
+
+def reference(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    tables: list[list[int]],
+    rows: list[tuple[int, int]],
+    bs: int,
+    window: int | None,
+) -> torch.Tensor:
+    """float32 SDPA over each row's dense K/V with an explicit causal (and window) mask."""
+    out = torch.empty(q.shape, dtype=torch.float32)
+    heads, kv_heads, dim = q.shape[1], cache.shape[3], cache.shape[4]
+    start = 0
+    for table, (q_len, ctx) in zip(tables, rows, strict=True):
+        k = cache[0][table].reshape(-1, kv_heads, dim)[:ctx].float()
+        v = cache[1][table].reshape(-1, kv_heads, dim)[:ctx].float()
+        q_pos = torch.arange(ctx - q_len, ctx).view(-1, 1)
+        kj = torch.arange(ctx).view(1, -1)
+        mask = kj <= q_pos
+        if window is not None:
+            mask &= kj > q_pos - window
+        k = k.repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
+        v = v.repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
+        qr = q[start : start + q_len].float().transpose(0, 1)
+        o = F.scaled_dot_product_attention(qr, k, v, attn_mask=mask, scale=dim**-0.5)
+        out[start : start + q_len] = o.transpose(0, 1)
+        start += q_len
+    return out
+
+
+def errors(
+    backend: AttentionBackend,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    bs: int,
+    rows: list[tuple[int, int]],
+    window: int | None,
+    dtype: torch.dtype,
+    seed: int = 0,
+    poison: bool = True,
+    device: str = "cpu",
+) -> tuple[float, float]:
+    """Max errors against the float32 reference: of ``backend`` (on a pool poisoned with NaN
+    wherever it must not read, zeros there without ``poison``), and of the SDPA backend in
+    ``dtype`` (the rounding yardstick; SDPA multiplies its padding by 0, NaN would stay)."""
+    g = torch.Generator().manual_seed(seed)
+    nb = sum(-(-c // bs) for _, c in rows) + 3
+    perm = torch.randperm(nb, generator=g).tolist()  # blocks out of order, as a pool hands out
+    tables, slots, used = [], [], 0
+    for q_len, ctx in rows:
+        n = -(-ctx // bs)
+        table = perm[used : used + n]
+        used += n
+        tables.append(table)
+        slots += [table[p // bs] * bs + p % bs for p in range(ctx - q_len, ctx)]
+    layout = BatchLayout(
+        [q for q, _ in rows], [c for _, c in rows], tables, torch.tensor(slots), bs
+    )
+    clean = torch.randn(2, nb + 1, bs, kv_heads, head_dim, generator=g).to(dtype)
+    poisoned = clean.clone()
+    poisoned[:, perm[used:]] = float("nan")
+    poisoned[:, nb] = float("nan")
+    for table, (q_len, ctx) in zip(tables, rows, strict=True):
+        poisoned[:, table[-1], (ctx - 1) % bs + 1 :] = float("nan")
+        if window is not None:  # blocks wholly before the first key the row's queries see
+            first = max(0, ctx - q_len - window + 1)
+            poisoned[:, table[: first // bs]] = float("nan")
+    total = sum(q for q, _ in rows)
+    q, k, v = (
+        torch.randn(total, h, head_dim, generator=g).to(dtype) for h in (heads, kv_heads, kv_heads)
+    )
+    written = clean.float().clone()
+    for i, kv in enumerate((k, v)):
+        written[i].view(-1, kv_heads, head_dim)[torch.tensor(slots)] = kv.float()
+    ref = reference(q, written, tables, rows, bs, window)
+
+    def run(be: AttentionBackend, pool: torch.Tensor, dev: str) -> torch.Tensor:
+        meta = be.build_metadata(layout, torch.device(dev))
+        qd, kd, vd, cache = (x.to(dev) for x in (q, k, v, pool.clone()))
+        return be.forward(qd, kd, vd, cache, meta, head_dim**-0.5, window=window).float().cpu()
+
+    zeroed = torch.where(poisoned.isnan(), 0.0, poisoned)
+    out = run(backend, poisoned if poison else zeroed, device)
+    assert not out.isnan().any(), "read a slot it must not"
+    sdpa = run(TorchSDPABackend(), zeroed, "cpu")
+    return (out - ref).abs().max().item(), (sdpa - ref).abs().max().item()
+
+
+def check_backend(make: str, every: int = 1, slack: float = 2.0, device: str = "cpu") -> None:
+    """Every case of ``cases(every)`` through the backend ``make`` names, in each dtype."""
+    from foudre.runner.attention import get_backend
+
+    backend = get_backend(make, torch.device(device))
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for case in cases(every):
+            err, sdpa_err = errors(backend, *case, dtype, device=device)  # type: ignore[arg-type]
+            # float32 to rounding; 16-bit types no worse than SDPA's own rounding (+ slack for
+            # the 16-bit softmax weights of P·V) and never by more than a few output ulps
+            bound = 2e-5 if dtype == torch.float32 else max(slack * sdpa_err, 1e-2)
+            assert err < bound, (make, dtype, case, err, sdpa_err)
+
+
+def check_cpu_kernels() -> None:
+    check_backend("cpu")
+
+
+needs_kernels = pytest.mark.skipif(not cpu_paged.available(), reason="no C++ compiler")
+
+
+@needs_kernels
+def test_cpu_kernels_match_masked_sdpa() -> None:
+    check_cpu_kernels()
+
+
+@needs_kernels
+@pytest.mark.parametrize("march", ["x86-64", "skylake-avx512"])
+def test_other_cpu_paths_match_masked_sdpa(march: str, tmp_path: Path) -> None:
+    """The portable path and the AVX-512 one without AVX512-BF16, built for another -march."""
+    run_built_for(
+        march,
+        "tests.engine.test_prefill_attention:check_cpu_kernels",
+        "cpu_paged_prefill",
+        tmp_path,
+    )
+
+
+def test_sdpa_backend_window_matches_masked_sdpa() -> None:
+    """The reference backend itself: its windowed groups (gathering from the window's first
+    block) against the dense masked SDPA."""
+    for case in cases(every=3):
+        heads, kv_heads, head_dim, bs, rows, window = case
+        err, _ = errors(
+            TorchSDPABackend(), heads, kv_heads, head_dim, bs, rows, window, torch.float32, 0, False
+        )
+        assert err < 2e-5, (case, err)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_prefill_is_batch_invariant(dtype: torch.dtype) -> None:
+    """A query's output is the same bits whether its prompt is computed whole, in chunks, or
+    beside other rows: lanes never mix and the key tiles lie on a fixed grid."""
+    g = torch.Generator().manual_seed(1)
+    heads, kv_heads, dim, bs, ctx = 8, 2, 64, 16, 150
+    cache = torch.randn(2, 20, bs, kv_heads, dim, generator=g).to(dtype)
+    q = torch.randn(ctx, heads, dim, generator=g).to(dtype)
+    table = list(range(10))
+    backend = cpu_paged.CPUPagedBackend()
+
+    def attend(pieces: list[tuple[int, int]], other: bool, window: int | None) -> torch.Tensor:
+        """Queries [start, end) of the prompt as one step's rows (with another row first)."""
+        rows_q = [q[s:e] for s, e in pieces]
+        lens, seqs, tables = (
+            [e - s for s, e in pieces],
+            [e for _, e in pieces],
+            [table] * len(pieces),
+        )
+        if other:
+            rows_q.insert(0, torch.randn(7, heads, dim, generator=g).to(dtype))
+            lens, seqs, tables = [7, *lens], [40, *seqs], [[15, 16, 17], *tables]
+        flat = torch.cat(rows_q)
+        slots = torch.zeros(len(flat), dtype=torch.long) + 19 * bs  # K/V to a spare block
+        layout = BatchLayout(lens, seqs, tables, slots, bs)
+        meta = backend.build_metadata(layout, torch.device("cpu"))
+        k = torch.zeros(len(flat), kv_heads, dim, dtype=dtype)
+        out = backend.forward(flat, k, k, cache.clone(), meta, dim**-0.5, window=window)
+        return out[7:] if other else out
+
+    for window in (None, 40):
+        whole = attend([(0, ctx)], False, window)
+        chunked = torch.cat([attend([(0, 37)], False, window), attend([(37, ctx)], True, window)])
+        batched = attend([(0, 90), (90, ctx)], True, window)
+        assert torch.equal(whole, chunked) and torch.equal(whole, batched), window
+
+
+_TRITON_CHECK = """
+import sys
+from tests.engine.test_prefill_attention import check_backend
+check_backend("triton", every=int(sys.argv[1]), slack=float(sys.argv[2]))
+print("ok")
+"""
+
+
+def _interpreted(script: str, *args: str) -> None:
+    pytest.importorskip("triton", reason="triton is not installed")
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    out = subprocess.run(
+        [sys.executable, "-c", script, *args],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "ok" in out.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs the Triton kernels for real")
+def test_triton_kernels_interpreted() -> None:
+    """The varlen prefill kernel (every row of a step with a chunk, decode rows included, in one
+    launch) and the windowed decode kernel, in Triton's interpreter. The interpreter rounds
+    float32 to 16-bit floats towards zero where a GPU rounds to nearest: a wider slack."""
+    _interpreted(_TRITON_CHECK, "3", "4")
+
+
+def test_layer_windows_from_the_config() -> None:
+    base = dict(
+        architecture="qwen2",
+        vocab_size=16,
+        hidden_size=8,
+        intermediate_size=8,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=4,
+    )
+    assert [ModelConfig(**base).layer_window(i) for i in range(3)] == [None] * 3  # type: ignore[arg-type]
+    every = ModelConfig(**base, sliding_window=5)  # type: ignore[arg-type]
+    assert [every.layer_window(i) for i in range(3)] == [5, 5, 5]
+    types = ("full_attention", "sliding_attention", "full_attention")
+    alternating = ModelConfig(**base, sliding_window=5, layer_types=types)  # type: ignore[arg-type]
+    assert [alternating.layer_window(i) for i in range(3)] == [None, 5, None]
+    with pytest.raises(ValueError, match="layer_types"):
+        ModelConfig(**base, sliding_window=5, layer_types=types[:2])  # type: ignore[arg-type]
+
+
+def test_hf_layer_types(tmp_path: Path) -> None:
+    """Which layers slide, as transformers reads the same config.json."""
+    from foudre.loading.hf import load_hf_config
+
+    qwen = make_hf_model(
+        tmp_path / "qwen2",
+        "qwen2",
+        num_hidden_layers=3,
+        use_sliding_window=True,
+        sliding_window=6,
+        max_window_layers=1,
+    )
+    cfg = load_hf_config(qwen)
+    assert [cfg.layer_window(i) for i in range(3)] == [None, 6, 6]
+    mistral = load_hf_config(make_hf_model(tmp_path / "mistral", "mistral", sliding_window=6))
+    assert [mistral.layer_window(i) for i in range(2)] == [6, 6]
+    off = make_hf_model(tmp_path / "off", "qwen2", use_sliding_window=False, sliding_window=6)
+    assert load_hf_config(off).sliding_window is None
+
+
+WINDOW_PROMPTS = [
+    [1, 5, 9, 33, 7],
+    list(range(1, 40)),
+    [1, 42],
+    [1, 100, 101, 102, 103] * 8,
+    list(range(1, 40)),  # a prefix-cache hit of the second prompt, past the window
+]
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_windowed_engine_matches_the_sdpa_backend(tmp_path: Path, dtype: str) -> None:
+    """Mistral with a window of 12 tokens, prompts up to 40, chunked prefill, decode past the
+    window, a prefix hit: greedy tokens with the kernels as with gather + masked SDPA, and the
+    context is not capped at the window."""
+    path = make_hf_model(tmp_path / "m", "mistral", sliding_window=12)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (30, 9, 25, 12, 9)
+    ]
+    outs = {}
+    for backend in ("torch", "cpu"):
+        llm = LLM(
+            str(path),
+            dtype=dtype,
+            skip_tokenizer_init=True,
+            num_kv_blocks=64,
+            block_size=8,
+            max_num_batched_tokens=16,
+            attention_backend=backend,
+        )
+        assert llm.engine.runner.backend.name == backend
+        assert llm.engine.max_model_len == 512  # max_position_embeddings, not the window
+        outs[backend] = [o.outputs[0].token_ids for o in llm.generate(WINDOW_PROMPTS, params)]
+        m = llm.metrics()
+        assert m["num_free_blocks"] == m["num_total_blocks"]
+    if dtype == "float32":
+        assert outs["torch"] == outs["cpu"]
+    else:  # bf16 rounding differs between the two; most tokens must still agree
+        same = sum(a == b for x, y in zip(outs["torch"], outs["cpu"]) for a, b in zip(x, y))
+        assert same >= 0.8 * sum(len(x) for x in outs["torch"]), outs
+
+
+_TRITON_ENGINE = """
+import sys
+from foudre import LLM, SamplingParams
+from tests.engine.test_prefill_attention import WINDOW_PROMPTS
+
+params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (20, 9, 13, 6, 9)]
+outs = {}
+for backend in ("torch", "triton"):
+    llm = LLM(sys.argv[1], dtype="float32", skip_tokenizer_init=True, num_kv_blocks=64,
+              block_size=8, max_num_batched_tokens=16, device="cpu", attention_backend=backend)
+    outs[backend] = [o.outputs[0].token_ids for o in llm.generate(WINDOW_PROMPTS, params)]
+    m = llm.metrics()
+    assert m["num_free_blocks"] == m["num_total_blocks"]
+assert outs["torch"] == outs["triton"], outs
+print("ok")
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests run the engine for real")
+def test_windowed_engine_with_triton_interpreted(tmp_path: Path) -> None:
+    """Mixed steps (chunks beside decode rows) through the varlen kernel, decode steps through
+    the windowed decode kernel, in the interpreter: the SDPA backend's greedy tokens."""
+    path = make_hf_model(tmp_path / "m", "mistral", sliding_window=12)
+    _interpreted(_TRITON_ENGINE, str(path))
+
+
+_GRAPHS_CHECK = """
+import sys
+from foudre import LLM, SamplingParams
+from foudre.runner.cuda_graphs import DecodeGraphs
+from tests.engine.test_prefill_attention import WINDOW_PROMPTS
+
+class Replayed(DecodeGraphs):
+    # CUDA graphs with the capture replaced by re-running the forward over the static buffers
+    # (rows, tiles, padding row, slots), which checks them without a GPU
+    def _capture_fn(self, forward):
+        out = forward()
+        class Graph:
+            def replay(self):
+                out.copy_(forward())
+        return Graph(), out
+
+prompts = [*WINDOW_PROMPTS, [1, 5, 6, 7, 8] * 6]
+params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+          for n in (20, 9, 13, 6, 9, 16)]
+outs = {}
+for name in ("torch", "graphs"):
+    spec = {} if name == "torch" else dict(speculative_method="ngram", num_speculative_tokens=3)
+    llm = LLM(sys.argv[1], dtype="float32", skip_tokenizer_init=True, num_kv_blocks=96,
+              block_size=8, max_num_batched_tokens=16, device="cpu",
+              attention_backend="torch" if name == "torch" else "triton", **spec)
+    if name == "graphs":
+        runner = llm.engine.runner
+        cfg = runner.model.config
+        tiles = runner.backend.tile_positions(cfg.num_attention_heads, cfg.num_key_value_heads)
+        runner.decode_path = Replayed(runner.forward_hidden, runner.device, runner.block_size,
+                                      runner.padding_block, 4, 512, tile_positions=tiles,
+                                      max_tokens=32)
+    outs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    m = llm.metrics()
+    assert m["num_free_blocks"] == m["num_total_blocks"]
+graphs = runner.decode_path
+assert graphs.mixed_graphs and graphs.graphs, (graphs.mixed_graphs, graphs.graphs)
+assert m["spec_draft_tokens"] > 0, m
+assert outs["torch"] == outs["graphs"], outs
+print("ok")
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests run the engine for real")
+def test_graphs_of_verification_and_mixed_steps_interpreted(tmp_path: Path) -> None:
+    """Speculative verification and chunked prefill beside decode rows replayed over the
+    static buffers of the token-bucket graphs (decode-only steps over the row-bucket ones), in
+    the interpreter, with a sliding window: the eager SDPA engine's greedy tokens."""
+    path = make_hf_model(tmp_path / "m", "mistral", sliding_window=12)
+    _interpreted(_GRAPHS_CHECK, str(path))
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+@needs_cuda
+def test_triton_kernels_on_gpu() -> None:
+    pytest.importorskip("triton")
+    check_backend("triton", device="cuda")
+
+
+@needs_cuda
+def test_graphs_of_verification_match_eager_on_gpu(tmp_path: Path) -> None:
+    """Speculative verification and chunked prefill in CUDA graphs (the default GPU engine)
+    against the eager SDPA engine without speculation: the same greedy tokens (fp32)."""
+    path = make_hf_model(tmp_path / "m", "mistral", sliding_window=12)
+    prompts = [*WINDOW_PROMPTS, [1, 5, 6, 7, 8] * 6]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        for n in (20, 9, 13, 6, 9, 16)
+    ]
+    outs = {}
+    for name, kwargs in (
+        ("eager", dict(attention_backend="torch", enforce_eager=True)),
+        ("graphs", dict(speculative_method="ngram", num_speculative_tokens=3)),
+    ):
+        llm = LLM(
+            str(path),
+            dtype="float32",
+            skip_tokenizer_init=True,
+            num_kv_blocks=96,
+            block_size=8,
+            max_num_batched_tokens=16,
+            **kwargs,
+        )
+        outs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        graphs = llm.engine.runner.decode_path
+        if name == "graphs":
+            assert graphs is not None and graphs.mixed_graphs  # type: ignore[attr-defined]
+    assert outs["eager"] == outs["graphs"], outs
+
+
+_COMPILE_CHECK = """
+import inspect
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from foudre.runner.attention import triton_paged as tp
+
+def compile_for(fn, types, consts):
+    names = inspect.signature(fn.fn).parameters
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
+                          target=GPUTarget("cuda", 90, 32))
+
+for dt, groups in (("bf16", (1, 7)), ("fp32", (4,))):
+    ptr = "*" + dt
+    types = dict(q_ptr=ptr, k_ptr=ptr, v_ptr=ptr, o_ptr=ptr, tok_ptr="*i32", bt_ptr="*i32",
+                 len_ptr="*i32", scale="fp32", tile_ptr="*i32", qs_ptr="*i32", ql_ptr="*i32")
+    for per_kv in groups:
+        positions, block_m = tp.prefill_tile(per_kv)
+        compile_for(tp._paged_decode, types, dict(
+            PER_KV=per_kv, PER_KV_P2=max(2, triton.next_power_of_2(per_kv)), HEAD_DIM=80,
+            HEAD_DIM_P2=128, BLOCK_SIZE=16))
+        compile_for(tp._paged_prefill, types, dict(
+            PER_KV=per_kv, POS=positions, BLOCK_M=block_m, HEAD_DIM=80, HEAD_DIM_P2=128,
+            BLOCK_SIZE=16, BLOCK_N=32, IEEE=dt == "fp32", UPCAST=False))
+print("ok")
+"""
+
+
+def test_triton_kernels_compile_for_the_gpu() -> None:
+    """The interpreter does not type-check like the compiler: both kernels compiled to sm_90
+    code (Triton's own ptxas, no GPU needed), for the dtypes and GQA groups the engine uses."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    out = subprocess.run(
+        [sys.executable, "-c", _COMPILE_CHECK],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, TRITON_DEFAULT_FP_FUSION="1"),
+    )
+    if out.returncode and "ptxas" in out.stderr and "not found" in out.stderr:
+        pytest.skip("no ptxas in this triton install")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "ok" in out.stdout
