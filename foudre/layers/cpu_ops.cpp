@@ -424,18 +424,18 @@ void route(const T* logits, int64_t rows, int64_t experts, int64_t top_k, bool r
 
 // A whole mixture-of-experts block at decode sizes, in one call: the router's logits (the linear
 // kernel, rounded to T as the router's Linear rounds them), route(), one count per chosen expert
-// added to counts[experts], then moe_experts(). The bits of layers/moe.py's path through the same
-// kernels.
+// of the first `counted` rows (the others pad the batch) added to counts[experts], then
+// moe_experts(). The bits of layers/moe.py's path through the same kernels.
 template <typename T>
 int moe_block(const T* x, int64_t rows, int64_t hidden, int64_t inter, const T* router,
               int64_t experts, int64_t top_k, bool renormalize, const T* gate_up, const T* down,
-              int64_t* counts, T* out) {
+              int64_t* counts, int64_t counted, T* out) {
   std::vector<T> logits(rows * experts);
   linear(x, hidden, router, static_cast<const T*>(nullptr), logits.data(), rows, experts, hidden);
   std::vector<int64_t> ids(rows * top_k);
   std::vector<float> weights(rows * top_k);
   route(logits.data(), rows, experts, top_k, renormalize, ids.data(), weights.data());
-  for (const int64_t e : ids) ++counts[e];
+  for (int64_t j = 0; j < std::min(counted, rows) * top_k; ++j) ++counts[ids[j]];
   return moe_experts(x, rows, hidden, inter, ids.data(), weights.data(), top_k, gate_up, down,
                      experts, out);
 }
@@ -566,10 +566,10 @@ int foudre_cpu_ops_available() { return 1; }
   int foudre_moe_block_##SUFFIX(const void* x, int64_t rows, int64_t hidden, int64_t inter,        \
                                 const void* router, int64_t experts, int64_t top_k,                \
                                 int renormalize, const void* gate_up, const void* down,            \
-                                int64_t* counts, void* out) {                                      \
+                                int64_t* counts, int64_t counted, void* out) {                     \
     return moe_block(static_cast<const T*>(x), rows, hidden, inter,                                \
                      static_cast<const T*>(router), experts, top_k, renormalize != 0,              \
-                     static_cast<const T*>(gate_up), static_cast<const T*>(down), counts,          \
+                     static_cast<const T*>(gate_up), static_cast<const T*>(down), counts, counted, \
                      static_cast<T*>(out));                                                        \
   }
 

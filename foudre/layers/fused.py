@@ -37,8 +37,9 @@ _SIGNATURES = {
     "foudre_moe_experts": [_P, *[_I64] * 3, _P, _P, _I64, _P, _P, _I64, _P],
     # logits, rows, experts, top_k, renormalize, ids, weights
     "foudre_route": [_P, _I64, _I64, _I64, ctypes.c_int, _P, _P],
-    # x, rows, hidden, inter, router, experts, top_k, renormalize, gate_up, down, counts, out
-    "foudre_moe_block": [_P, *[_I64] * 3, _P, _I64, _I64, ctypes.c_int, _P, _P, _P, _P],
+    # x, rows, hidden, inter, router, experts, top_k, renormalize, gate_up, down, counts,
+    # counted, out
+    "foudre_moe_block": [_P, *[_I64] * 3, _P, _I64, _I64, ctypes.c_int, _P, _P, _P, _I64, _P],
     # x, rows, layers, num_layers, hidden, heads, kv_heads, head_dim, intermediate, eps;
     # cos, sin, max_positions, positions, slots, num_slots;
     # attention, tokens, tables, lens, table_width, block_size, scale
@@ -259,17 +260,19 @@ def moe_block_unchecked(
     top_k: int,
     renormalize: bool,
     counts: torch.Tensor,
+    counted: int,
 ) -> torch.Tensor:
     """A mixture-of-experts block at decode sizes in one call: ``linear(x, router)``,
-    ``route``, ``counts[e] += 1`` for each chosen expert, then ``moe_experts``; the bits of that
-    sequence of calls. Unchecked (``SparseMoeBlock`` checks): ``x`` ``[rows, hidden]``,
-    ``router`` ``[E, hidden]``, ``gate_up`` ``[E, 2I, hidden]``, ``down`` ``[E, hidden, I]``,
-    all contiguous CPU tensors of one dtype that ``enabled`` accepts, ``1 <= top_k <= E``,
-    ``counts`` a contiguous int64 ``[E]``."""
+    ``route``, ``counts[e] += 1`` for each expert chosen by the first ``counted`` rows (the
+    others pad the batch), then ``moe_experts``; the bits of that sequence of calls. Unchecked
+    (``SparseMoeBlock`` checks): ``x`` ``[rows, hidden]``, ``router`` ``[E, hidden]``,
+    ``gate_up`` ``[E, 2I, hidden]``, ``down`` ``[E, hidden, I]``, all contiguous CPU tensors of
+    one dtype that ``enabled`` accepts, ``1 <= top_k <= E``, ``counts`` a contiguous int64
+    ``[E]``."""
     out = torch.empty_like(x)
     _FNS["foudre_moe_block", x.dtype](
         x.data_ptr(), x.shape[0], x.shape[1], down.shape[2], router.data_ptr(), router.shape[0],
         top_k, int(renormalize), gate_up.data_ptr(), down.data_ptr(), counts.data_ptr(),
-        out.data_ptr(),
+        max(counted, 0), out.data_ptr(),
     )  # fmt: skip
     return out

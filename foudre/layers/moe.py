@@ -33,7 +33,9 @@ same; Qwen2-MoE's rounds them to the model dtype first, a difference of one bf16
 
 Each block counts the tokens routed to each of its experts since it was built
 (``expert_tokens``), so load imbalance can be seen (``LLM.metrics()["moe_expert_tokens"]``).
-Rows that only pad a batch (static batches, CUDA-graph buckets) are routed, and counted, too.
+Rows that only pad a batch (static batches, CUDA-graph buckets) are routed but not counted: the
+runner says how many rows are real (``count_rows``), and a CUDA graph's warm-up run counts
+nothing (``counting``).
 """
 
 from __future__ import annotations
@@ -55,12 +57,17 @@ ExpertFn = Callable[[int, torch.Tensor], torch.Tensor]
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``(weights, ids)``, both ``[T, top_k]``: each token's ``top_k`` experts by softmax
-    probability (float32, over all experts), highest first, and their probabilities, divided
-    by their sum when ``renormalize``. Weights are float32, ids int64."""
+    probability (float32, over all experts), highest first (the lower index first among equal
+    probabilities), and their probabilities, divided by their sum when ``renormalize``.
+    Weights are float32, ids int64."""
     if logits.dim() == 2 and fused.enabled(logits):  # the native block's routing, bit for bit
         return fused.route(logits, top_k, renormalize)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
+    # the lower index first among equal probabilities, as the native routing: torch.topk breaks
+    # ties as its algorithm of the moment falls (it differs by device and batch shape), and
+    # bfloat16 router logits tie often
+    weights, ids = torch.sort(probs, dim=-1, descending=True, stable=True)
+    weights, ids = weights[..., :top_k], ids[..., :top_k]
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids
@@ -214,6 +221,12 @@ class SparseMoeBlock(nn.Module):
         self.register_buffer(
             "expert_tokens", torch.zeros(num_experts, dtype=torch.int64), persistent=False
         )
+        # Which rows ``expert_tokens`` counts: with ``count_rows`` (a 0-d int64 tensor on the
+        # counts' device, read on the device, so CUDA graphs replay it) only the first that
+        # many, the others padding a batch; none while ``counting`` is off (a CUDA graph's
+        # warm-up run). Set by ``LlamaForCausalLM.count_moe_rows`` / ``moe_counting``.
+        self.count_rows: torch.Tensor | None = None
+        self.counting = True
 
     @property
     def num_experts(self) -> int:
@@ -241,12 +254,25 @@ class SparseMoeBlock(nn.Module):
         """Zero ``expert_tokens`` (also what a model built on the meta device needs)."""
         self.expert_tokens.zero_()
 
+    def _count(self, ids: torch.Tensor) -> None:
+        """Add the routing ``ids`` ``[T, k]`` of the counted rows to ``expert_tokens``."""
+        flat = ids.reshape(-1)
+        if self.count_rows is None:
+            ones = torch.ones_like(flat)
+        else:
+            rows = torch.arange(ids.shape[0], device=ids.device)
+            ones = (rows < self.count_rows).to(torch.int64)[:, None].expand(ids.shape).reshape(-1)
+        self.expert_tokens.index_add_(0, flat, ones)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x = x.reshape(-1, self.hidden_size)
         if self._native(x):  # router, routing, counts and experts in one call
             experts = self.experts
             assert isinstance(experts, Experts)
+            counted = x.shape[0] if self.counting else 0
+            if self.counting and self.count_rows is not None:
+                counted = min(counted, int(self.count_rows))
             out = fused.moe_block_unchecked(
                 x,
                 self.gate.weight,
@@ -255,11 +281,12 @@ class SparseMoeBlock(nn.Module):
                 self.top_k,
                 self.renormalize,
                 self.expert_tokens,
+                counted,
             )
         else:
             weights, ids = route(self.gate(x), self.top_k, self.renormalize)
-            flat = ids.reshape(-1)
-            self.expert_tokens.index_add_(0, flat, torch.ones_like(flat))
+            if self.counting:
+                self._count(ids)
             out = self.experts(x, weights, ids)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)

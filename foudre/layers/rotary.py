@@ -70,6 +70,9 @@ def _yarn_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> torc
     rotate fewer than ``beta_slow`` times over the original context, extrapolated (unchanged) for
     those that rotate more than ``beta_fast`` times, a linear ramp between (float32, as
     ``transformers`` computes them)."""
+    for key in ("factor", "original_max_position_embeddings"):
+        if scaling.get(key) is None:
+            raise ValueError(f"rope_scaling of type 'yarn' needs {key!r}, got {scaling}")
     factor = float(scaling["factor"])
     original = float(scaling["original_max_position_embeddings"])
     beta_fast = float(scaling.get("beta_fast") or 32)

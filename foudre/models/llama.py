@@ -10,7 +10,8 @@ MLP is a ``layers/moe.SparseMoeBlock``; the model only says which variant (from 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any, cast
 
 import torch
@@ -193,7 +194,7 @@ class LlamaForCausalLM(nn.Module):
             covered[target] = covered.get(target, 0) + dest.numel()
         for target, param in params.items():
             if covered.get(target, 0) != param.numel():
-                missing = _missing_expert(target, param, pieces) or target
+                missing = _missing_expert(target, param, pieces, cfg.architecture) or target
                 raise ValueError(f"weight {missing!r} missing from the checkpoint")
 
     def moe_blocks(self) -> dict[int, SparseMoeBlock]:
@@ -205,6 +206,35 @@ class LlamaForCausalLM(nn.Module):
         """Zero every block's count of tokens routed to each expert."""
         for block in self.moe_blocks().values():
             block.reset_stats()
+
+    def count_moe_rows(self, rows: int) -> None:
+        """Count only the first ``rows`` rows of the next forwards in the routers' statistics
+        (the rest pad the batch). One 0-d tensor on the counts' device, shared by the blocks
+        and filled in place, so CUDA graphs captured over it count what each replay says."""
+        blocks = list(self.moe_blocks().values())
+        if not blocks:
+            return
+        limit = blocks[0].count_rows
+        device = blocks[0].expert_tokens.device
+        if limit is None or limit.device != device:
+            with torch.inference_mode(False):  # filled in and out of inference mode
+                limit = torch.zeros((), dtype=torch.int64, device=device)
+            for block in blocks:
+                block.count_rows = limit
+        limit.fill_(rows)
+
+    @contextmanager
+    def moe_counting(self, on: bool) -> Iterator[None]:
+        """Within the block, the routers count the tokens they route only when ``on``."""
+        blocks = list(self.moe_blocks().values())
+        before = [b.counting for b in blocks]
+        try:
+            for block in blocks:
+                block.counting = on
+            yield
+        finally:
+            for block, was in zip(blocks, before, strict=True):
+                block.counting = was
 
     def moe_expert_tokens(self) -> dict[int, list[int]]:
         """Tokens routed to each expert since the counts were last reset, by layer index."""
@@ -246,15 +276,22 @@ def _destination(name: str) -> tuple[str, int, str | None]:
 
 
 def _missing_expert(
-    target: str, param: torch.Tensor, pieces: set[tuple[str, int, int]]
+    target: str, param: torch.Tensor, pieces: set[tuple[str, int, int]], architecture: str
 ) -> str | None:
-    """The per-expert name of the first expert projection ``target`` lacks, if it holds
-    experts."""
+    """The checkpoint name of the first expert projection ``target`` lacks, if it holds
+    experts: per expert, as the architecture's checkpoints name them (Mixtral's
+    ``block_sparse_moe.experts.{e}.w3.weight``), or the stacked tensor when none of it came."""
     prefix, _, leaf = target.rpartition(".")
     if not prefix.endswith(".experts") or (target, -1, 0) in pieces:
         return None
+    if architecture != "mixtral" and not any(piece[0] == target for piece in pieces):
+        return f"{target} (or its per-expert tensors {prefix}.{{e}}.*.weight)"
     half = param.shape[1] // 2
     parts = [("gate_proj", 0), ("up_proj", half)] if leaf == "gate_up_proj" else [(leaf, 0)]
+    if architecture == "mixtral":
+        prefix = prefix.replace(".mlp.", ".block_sparse_moe.")
+        names = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+        parts = [(names[part], start) for part, start in parts]
     for e in range(param.shape[0]):
         for part, start in parts:
             if (target, e, start) not in pieces:

@@ -1,6 +1,12 @@
 """``QuantLinear``: a weight-only quantized linear over the canonical layouts of
-``foudre.quant.packing`` (8-bit per channel, 4-bit group-wise), run by the packed kernels
-(``kernels`` on the CPU, ``triton_kernels`` on CUDA).
+``foudre.quant.packing`` (8-bit per channel, 4-bit group-wise), run by the packed kernels: on
+the CPU our own (``cpu_qmatmul``, int8 weights; up to ``NATIVE_MAX_ROWS`` rows) where they built
+with AVX-512, else PyTorch's (``kernels``); on CUDA ``triton_kernels``.
+
+With AVX512-VNNI, ours round the activations to int8 per block of 32 columns (as llama.cpp's
+Q8_0): ``cpu_qmatmul.error_bound`` bounds the difference from ``forward_reference``. On the
+stories260K model its logits' error is that of bfloat16 activations (the loader's compute dtype
+for a float32 model), 0.078 RMS beside int8 weights' own 0.069 (logits of RMS 6.9).
 
 Optional per module: ``input_scale`` ``[K]`` (AWQ scaling that could not be folded into the
 previous op; the input is multiplied by it) and ``perm`` ``[K]`` (act-order column permutation of
@@ -9,11 +15,14 @@ imported GPTQ checkpoints; the kernel sees ``x[..., perm]``).
 
 from __future__ import annotations
 
+import math
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from foudre.quant import kernels
+from foudre.quant import cpu_qmatmul, kernels
 from foudre.quant.packing import (
     INT4_GROUP_SIZES,
     dequantize_int4,
@@ -24,13 +33,22 @@ from foudre.quant.packing import (
     unpack_int4,
 )
 
+# Rows up to which the CPU forward runs cpu_qmatmul rather than aten's packed kernels, by bits.
+# Measured on one Zen 4 thread (benchmarks/quant_kernels_cpu.py; 4096x4096 and 1024x2816, bf16
+# activations): int8 1.7x aten's speed at one row with the weights read from memory, 1.25-1.9x
+# at 16 and still 1.4-1.6x at 512-2048 rows, so every batch (and a row's result never depends
+# on the batch around it); int4 0.7x at one row (our VNNI kernel is compute-bound there) and
+# 0.96-1.12x at 16: not yet.
+NATIVE_MAX_ROWS: dict[int, float] = {8: math.inf, 4: 0}
+
 
 class QuantLinear(nn.Module):
     """A weight-only quantized ``nn.Linear`` (8-bit per channel or 4-bit group-wise).
 
     ``forward`` returns what ``forward_reference`` (dequantize, then ``F.linear``) returns, to
-    within the rounding of the activation dtype; on CPU it runs PyTorch's packed kernels, on CUDA
-    the Triton kernels when Triton is importable. The output dtype is the input's.
+    within the rounding of the activation dtype (or of int8 activations, see the module's
+    docstring); on CPU it runs the packed kernels (ours or PyTorch's), on CUDA the Triton kernels
+    when Triton is importable. The output dtype is the input's.
     """
 
     qweight: torch.Tensor
@@ -86,7 +104,8 @@ class QuantLinear(nn.Module):
         self.register_buffer(
             "perm", torch.arange(k, dtype=torch.long, device=device) if perm else None
         )
-        self._packed: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, ...]] = {}
+        # kernel layouts by (device, activation dtype); dtype None: cpu_qmatmul's (any dtype)
+        self._packed: dict[tuple[torch.device, torch.dtype | None], tuple[torch.Tensor, ...]] = {}
         # activations are cast to this dtype for the CPU kernels and the result cast back
         # (None: the input's dtype). torch 2.13's float32 packed kernels are several times
         # slower than its bfloat16 ones; see set_compute_dtype.
@@ -207,11 +226,15 @@ class QuantLinear(nn.Module):
         x = self._prepare_input(x).reshape(-1, x.shape[-1])
         return x, tuple(lead)
 
-    def _cpu_layout(self, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    def _cpu_layout(self, dtype: torch.dtype | None) -> tuple[torch.Tensor, ...]:
+        """aten's layout for activations in ``dtype``; None: ``cpu_qmatmul``'s."""
         key = (self.qweight.device, dtype)
         layout = self._packed.get(key)
         if layout is None:
-            layout = kernels.cpu_layout(self.qweight, self.scales, self.zeros, dtype)
+            if dtype is None:
+                layout = cpu_qmatmul.layout(self.qweight, self.scales, self.zeros, self.group_size)
+            else:
+                layout = kernels.cpu_layout(self.qweight, self.scales, self.zeros, dtype)
             self._packed[key] = layout
         return layout
 
@@ -222,8 +245,11 @@ class QuantLinear(nn.Module):
         if self.compute_dtype is not None:
             x2 = x2.to(self.compute_dtype)
         x2 = x2.contiguous()
-        layout = self._cpu_layout(x2.dtype)
-        y = kernels.cpu_matmul(x2, layout, self.group_size, self.out_features).to(out_dtype)
+        if x2.shape[0] <= NATIVE_MAX_ROWS[self.bits] and uses_native_kernels(x2.dtype):
+            y = cpu_qmatmul.matmul(x2, self._cpu_layout(None), self.group_size).to(out_dtype)
+        else:
+            layout = self._cpu_layout(x2.dtype)
+            y = kernels.cpu_matmul(x2, layout, self.group_size, self.out_features).to(out_dtype)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*lead, self.out_features)
@@ -251,6 +277,15 @@ class QuantLinear(nn.Module):
     def extra_repr(self) -> str:
         extra = f", group_size={self.group_size}" if self.bits == 4 else ""
         return f"in={self.in_features}, out={self.out_features}, bits={self.bits}{extra}"
+
+
+def uses_native_kernels(dtype: torch.dtype) -> bool:
+    """Whether small CPU batches in ``dtype`` run ``cpu_qmatmul``: float32 or bfloat16, the
+    library built with AVX-512 (its portable path is for checks; aten's kernels serve CPUs
+    without AVX-512), and not switched off with ``FOUDRE_NATIVE_QMATMUL=0``."""
+    if dtype not in cpu_qmatmul.DTYPES or os.environ.get("FOUDRE_NATIVE_QMATMUL", "1") == "0":
+        return False
+    return cpu_qmatmul.path() in ("vnni", "avx512")
 
 
 def set_compute_dtype(model: nn.Module, dtype: torch.dtype | None) -> None:

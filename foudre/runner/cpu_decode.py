@@ -13,10 +13,11 @@ and the same paged-attention kernel (``attention/cpu_paged_decode.cpp``), in the
 the roundings of ``models/llama.py``'s path through them, so the hidden states are the same bits
 (tests/engine/test_cpu_decode.py checks that). The embedding, the final norm and the logits stay
 in Python. It takes a step when every row is a decode row (one token each, no prefill chunk,
-no drafts), of at most ``Linear``'s ``MAX_ROWS``; other steps, and models it cannot run (another
-dtype, quantized layers, a quantized KV cache, another attention backend, hooks on a module,
-mixture-of-experts layers, whose experts have a native kernel of their own that
-``layers/moe.py`` calls), take the model's ``forward``. Like CUDA graphs, it holds addresses:
+no drafts), of at most ``Linear``'s ``MAX_ROWS``, and with sliding windows while every row's
+context fits the narrowest window (its layers attend to every key); other steps, and models it
+cannot run (another dtype, quantized layers, a quantized KV cache, another attention backend,
+hooks on a module, mixture-of-experts layers, whose experts have a native kernel of their own
+that ``layers/moe.py`` calls), take the model's ``forward``. Like CUDA graphs, it holds addresses:
 every step checks that the weights, RoPE tables and KV caches it was built on are still the
 modules' and the runner's, at the same addresses, and that no hook or autocast asks for the
 Python path; otherwise the step goes back to Python.
@@ -73,6 +74,10 @@ class NativeDecode:
         )
         self.eps = cfg.rms_norm_eps
         layers = cast("list[DecoderLayer]", list(model.model.layers))
+        # the C++ layers attend to every key: with sliding windows, only while every context
+        # fits the narrowest one (where the window changes nothing)
+        windows = [layer.self_attn.sliding_window for layer in layers]
+        self.window = min((w for w in windows if w is not None), default=None)
         self.scale = layers[0].self_attn.scale
         self.rotary = model.model.rotary
         self.modules = list(model.model.layers.modules())
@@ -132,8 +137,6 @@ class NativeDecode:
         cfg = model.config
         if cfg.is_moe or cfg.qk_norm_over_heads or cfg.clip_qkv is not None:
             return None  # the C++ layers are the dense Llama ones
-        if cfg.sliding_window is not None:
-            return None  # they call the decode kernel without a window
         dtype = model.model.embed_tokens.weight.dtype
         fn = fused.decode_layers_fn(dtype)
         if fn is None or dtype not in MAX_ROWS or cpu_paged.kernel(dtype) is None:
@@ -196,11 +199,13 @@ class NativeDecode:
         return cls(model, kv_caches, fn, flatten)
 
     def can_run(self, step: ForwardStep) -> bool:
-        """Whether this step can run here: decode rows only, few enough, nothing replaced or
-        moved since ``build``, no hook to call, no autocast."""
+        """Whether this step can run here: decode rows only, few enough, contexts within the
+        sliding window (if any), nothing replaced or moved since ``build``, no hook to call, no
+        autocast."""
         return (
             step.decode_only
             and len(step.token_ids) <= self.max_rows
+            and (self.window is None or max(step.starts) < self.window)
             and not torch.is_autocast_enabled("cpu")
             and not (nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks)
             and self._unchanged()

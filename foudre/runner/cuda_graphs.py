@@ -16,7 +16,8 @@ shape). Graphs are captured lazily, the first time a bucket is used, each in its
 
 Steps with rows of several tokens (speculative verification: 1 + drafts per row; chunked
 prefill beside decode rows) run in graphs of the varlen prefill kernel, bucketed by their total
-tokens ``T`` (16, 32, 64, ... up to ``max_tokens``), over static buffers of rows and tiles:
+tokens ``T`` (16, 32, 64, ... up to ``max_tokens``, at most ``max_model_len``), over static
+buffers of rows and tiles:
 
     input_ids [T]  positions [T]  slot_mapping [T]
     q_starts [R]  q_lens [R]  seq_lens [R]  block_tables [R, max_blocks]  tiles [2, n_tiles(T)]
@@ -95,8 +96,9 @@ class DecodeGraphs:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         # steps with multi-token rows: token buckets over static rows and tiles
         self.tile_positions = tile_positions
-        # at most max_blocks blocks of the padding row: no table outgrows the buffers
-        self.max_tokens = min(max_tokens, self.max_blocks * block_size) if tile_positions else 0
+        # the padding row (positions 0 .. bucket - 2) stays within max_model_len, so within the
+        # RoPE tables, and within max_blocks blocks, so within the buffers
+        self.max_tokens = min(max_tokens, max_model_len) if tile_positions else 0
         self.token_sizes = token_buckets(self.max_tokens) if tile_positions else []
         self.max_rows = max_batch + 1  # a padding row
         width = max(max_batch, self.max_tokens)

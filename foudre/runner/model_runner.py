@@ -159,6 +159,16 @@ class ModelRunner:
         """The model's forward over this runner's caches and backend (what decode paths run)."""
         return self.model(input_ids, positions, self.kv_caches, self.backend, metadata)
 
+    def graph_forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: object
+    ) -> torch.Tensor:
+        """``forward_hidden`` for ``DecodeGraphs``, which runs it once eagerly to warm up, then
+        captures it, then replays the capture for the same step: the warm-up run leaves the
+        routers' statistics alone, so the step is counted once."""
+        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        with self.model.moe_counting(capturing):
+            return self.forward_hidden(input_ids, positions, metadata)
+
     @torch.inference_mode()
     def forward(
         self,
@@ -166,14 +176,19 @@ class ModelRunner:
         starts: Sequence[int],
         token_ids: Sequence[list[int]],
         num_logits: Sequence[int],
+        num_padding_rows: int = 0,
     ) -> torch.Tensor | None:
         """Compute ``token_ids[i]`` at positions ``starts[i]...`` of sequence ``i`` (writing
         their K/V through ``block_tables[i]``); return float32 logits of the last
-        ``num_logits[i]`` tokens of each sequence, in order (None when none are asked).
+        ``num_logits[i]`` tokens of each sequence, in order (None when none are asked). The
+        last ``num_padding_rows`` sequences pad the batch: the routers of mixture-of-experts
+        layers do not count their tokens.
 
         A step that the decode path can run (a replayed CUDA graph, the native CPU decoder
         layers) runs there; the rest runs the model op by op."""
         step = ForwardStep(block_tables, starts, token_ids, num_logits)
+        real = token_ids[: len(token_ids) - num_padding_rows]
+        self.model.count_moe_rows(sum(len(ids) for ids in real))
         path = self.decode_path
         if path is not None and path.can_run(step):
             hidden = path.run(step)
@@ -222,7 +237,7 @@ class ModelRunner:
                     samplers.append(fork)
                     ids.append(fork_id)
                     logit_rows.append(logit_rows[-1])
-        logits = self.forward(tables, starts, tokens, num_logits)
+        logits = self.forward(tables, starts, tokens, num_logits, pad)
         if logits is not None and pad:
             logits = logits[: logits.shape[0] - pad]
         if logits is None or logits.shape[0] == 0:
@@ -246,7 +261,7 @@ def _graphs(runner: ModelRunner, max_num_seqs: int, max_model_len: int) -> Decod
     if isinstance(runner.backend, PagedBackend):  # verification and mixed steps in graphs too
         tiles = runner.backend.tile_positions(cfg.num_attention_heads, cfg.num_key_value_heads)
     return DecodeGraphs(
-        runner.forward_hidden,
+        runner.graph_forward,
         runner.device,
         runner.block_size,
         runner.padding_block,

@@ -211,3 +211,17 @@ def test_generate_is_the_same_with_and_without_native_decode(tmp_path: Path) -> 
         outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
         assert llm.metrics()["num_free_blocks"] == llm.metrics()["num_total_blocks"]
     assert outs[0] == outs[1] and len(calls) >= 10
+
+
+def test_native_decode_within_the_sliding_window(tmp_path: Path) -> None:
+    """A windowed model (Mistral, a window of 6): its decode steps run natively while every
+    row's context fits the window (where the window changes nothing), the same bits as the
+    Python path; once a context passes it, in Python, which applies the window."""
+    runner = make_runner(tmp_path, "float32", "mistral", sliding_window=6)
+    calls = counted(runner)
+    with torch.inference_mode():
+        runner.forward([[3], [8]], [0, 0], [[5, 6, 7], [9, 4]], [1, 1])
+        for start in range(3, 8):  # row 0's context start + 1, row 1's one less
+            native, ref = both_paths(runner, [[3], [8]], [start, start - 1], [[11], [12]], [1, 1])
+            assert torch.equal(native, ref), start
+    assert calls == [2, 2, 2]  # contexts up to 4, 5, 6; then 7 and 8, past the window

@@ -19,6 +19,7 @@ from foudre.bench.roofline import weight_bytes
 from foudre.cli import main
 from foudre.metrics.prometheus import PrometheusMetrics
 from foudre.runner.cpu_decode import NativeDecode
+from foudre.runner.step import ForwardStep
 from tests.conftest import STORIES, make_hf_model
 
 MOE = dict(  # 3 layers: sparse, dense, sparse; 6 experts top-2 and a gated shared expert
@@ -224,3 +225,26 @@ def test_server_and_bench_on_an_moe_model(
     )
     assert res["weight_bytes"] == weight_bytes(model)
     assert weight_bytes(model) == pytest.approx(4 * (everything - experts * 4 / 6), abs=8)
+
+
+def test_padding_rows_of_rectangular_batches_are_not_counted(moe_model: str) -> None:
+    """A static batch computes a throw-away token for each finished member each step; the
+    routers count only the real tokens. A CUDA graph's warm-up run (``graph_forward`` outside a
+    capture) counts nothing."""
+    llm = _llm(moe_model, enable_prefix_caching=False, scheduling_policy="static", max_num_seqs=3)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (2, 9, 4)]
+    outs = llm.generate(PROMPTS[:3], params)
+    computed = sum(len(p) for p in PROMPTS[:3]) + sum(len(o.outputs[0].token_ids) - 1 for o in outs)
+    m = llm.metrics()
+    assert m["num_padding_tokens"] > 0
+    assert all(sum(c) == 2 * computed for c in m["moe_expert_tokens"].values())
+    runner = llm.engine.runner
+    step = ForwardStep([[0]], [0], [[5, 6, 7]], [1])
+    runner.flatten(step)
+    assert step.input_ids is not None and step.positions is not None
+    runner.model.count_moe_rows(3)
+    with torch.inference_mode():
+        runner.graph_forward(step.input_ids, step.positions, step.metadata)  # a warm-up run
+        assert llm.metrics()["moe_expert_tokens"] == m["moe_expert_tokens"]
+        runner.forward_hidden(step.input_ids, step.positions, step.metadata)
+    assert all(sum(c) == 2 * (computed + 3) for c in llm.metrics()["moe_expert_tokens"].values())

@@ -342,6 +342,53 @@ def test_windowed_engine_matches_the_sdpa_backend(tmp_path: Path, dtype: str) ->
         assert same >= 0.8 * sum(len(x) for x in outs["torch"]), outs
 
 
+@needs_kernels
+def test_long_prompt_matches_transformers(tmp_path: Path) -> None:
+    """A 3,000-token prompt, prefilled in chunks of 512 by the CPU kernels, on a Qwen2 model
+    whose context is raised to 4,096 by YaRN (positions past its original 1,024) and whose
+    second layer slides a 700-token window (longer than a chunk, shorter than the prompt):
+    the last logits and the greedy continuation of transformers."""
+    import transformers
+
+    path = make_hf_model(
+        tmp_path / "m",
+        "qwen2",
+        max_position_embeddings=4096,
+        use_sliding_window=True,
+        sliding_window=700,
+        max_window_layers=1,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024},
+    )
+    prompt = torch.randint(3, 256, (3000,), generator=torch.Generator().manual_seed(0)).tolist()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=6,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=None,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    llm = LLM(
+        str(path),
+        dtype="float32",
+        skip_tokenizer_init=True,
+        num_kv_blocks=260,
+        block_size=16,
+        max_num_batched_tokens=512,
+        attention_backend="cpu",
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=5)
+    out = llm.generate([prompt], params)[0].outputs[0]
+    assert out.token_ids == ref.sequences[0, len(prompt) :].tolist()
+    assert out.logprobs is not None
+    want = torch.log_softmax(ref.logits[0][0].float(), -1)
+    for token, logprob in out.logprobs[0].items():
+        assert abs(logprob - want[token].item()) < 1e-4, token
+
+
 _TRITON_ENGINE = """
 import sys
 from foudre import LLM, SamplingParams
@@ -418,6 +465,99 @@ def test_graphs_of_verification_and_mixed_steps_interpreted(tmp_path: Path) -> N
     the interpreter, with a sliding window: the eager SDPA engine's greedy tokens."""
     path = make_hf_model(tmp_path / "m", "mistral", sliding_window=12)
     _interpreted(_GRAPHS_CHECK, str(path))
+
+
+_GRAPH_STEPS = """
+import sys
+import torch
+from foudre import LLM
+from foudre.layers.attention import BatchLayout
+from foudre.runner.attention.torch_sdpa import TorchSDPABackend
+from foudre.runner.cuda_graphs import DecodeGraphs
+from foudre.runner.step import ForwardStep
+
+class Replayed(DecodeGraphs):
+    # the capture replaced by re-running the forward over the static buffers
+    def _capture_fn(self, forward):
+        out = forward()
+        class Graph:
+            def replay(self):
+                out.copy_(forward())
+        return Graph(), out
+
+llm = LLM(sys.argv[1], dtype="float32", skip_tokenizer_init=True, num_kv_blocks=64,
+          block_size=8, device="cpu", attention_backend="triton", enforce_eager=True)
+runner, sdpa = llm.engine.runner, TorchSDPABackend()
+cfg = runner.model.config
+per_tile = runner.backend.tile_positions(cfg.num_attention_heads, cfg.num_key_value_heads)
+assert per_tile == 32, per_tile
+g = torch.Generator().manual_seed(0)
+blocks = {s: list(range(16 * i, 16 * i + 16)) for i, s in enumerate("ABCD")}
+done = dict.fromkeys("ABCD", 0)
+
+def check(graphs, rows, graphed=True):
+    # rows: (sequence, new tokens); tables as wide as each sequence's blocks so far
+    tables, starts, ids = [], [], []
+    for name, n in rows:
+        starts.append(done[name])
+        done[name] += n
+        tables.append(blocks[name][: -(-done[name] // 8)])
+        ids.append(torch.randint(3, 256, (n,), generator=g).tolist())
+    step = ForwardStep(tables, starts, ids, [1] * len(ids))
+    assert graphs.can_run(step) == graphed, rows
+    if not graphed:
+        for name, n in rows:
+            done[name] -= n
+        return
+    got = graphs.run(step).clone()
+    # the oracle: the same model over the same cache through gather + masked SDPA
+    slots = [t[p // 8] * 8 + p % 8 for t, st, i in zip(tables, starts, ids)
+             for p in range(st, st + len(i))]
+    lens = [st + len(i) for st, i in zip(starts, ids)]
+    layout = BatchLayout([len(i) for i in ids], lens, tables, torch.tensor(slots), 8)
+    flat = torch.tensor([t for i in ids for t in i])
+    pos = torch.cat([torch.arange(st, st + len(i)) for st, i in zip(starts, ids)])
+    meta = sdpa.build_metadata(layout, runner.device)
+    want = runner.model(flat, pos, runner.kv_caches, sdpa, meta)
+    assert got.shape == want.shape and (got - want).abs().max() < 1e-4, rows
+
+graphs = Replayed(runner.forward_hidden, runner.device, 8, runner.padding_block, 4, 128,
+                  tile_positions=per_tile, max_tokens=64)
+assert graphs.token_sizes == [16, 32, 64] and graphs.max_blocks == 16
+check(graphs, [("A", 21), ("B", 5)])  # bucket 32: a padding row of 6 tokens
+check(graphs, [("A", 20), ("B", 1), ("C", 3)])  # a chunk past the window beside decode rows
+check(graphs, [("A", 1), ("B", 1), ("C", 1)])  # decode only: row bucket 4, a padding row
+check(graphs, [("A", 4), ("B", 4), ("C", 4), ("D", 4)])  # verification: 16, no padding row
+check(graphs, [("D", 47), ("A", 1)])  # bucket 64: two tiles of D, a padding row of 16
+check(graphs, [("B", 2), ("C", 1), ("D", 1)])  # narrower tables and fewer rows than before
+check(graphs, [("A", 4), ("B", 4), ("C", 4), ("D", 4), ("B", 1)], graphed=False)  # 5 rows
+check(graphs, [("A", 60), ("B", 10)], graphed=False)  # over max_tokens
+done["A"] = 8 * 16 + 1  # a table wider than max_model_len's 16 blocks
+blocks["A"] = list(range(64)) + [0]
+check(graphs, [("A", 1)], graphed=False)
+assert sorted(graphs.mixed_graphs) == [16, 32, 64] and sorted(graphs.graphs) == [4]
+
+# a short max_model_len: the padding row's positions stay within it (the RoPE table's rows)
+short = Replayed(runner.forward_hidden, runner.device, 8, runner.padding_block, 4, 12,
+                 tile_positions=per_tile, max_tokens=64)
+assert short.token_sizes == [12], short.token_sizes
+done.update(C=0)
+blocks["C"] = [40, 41]
+check(short, [("C", 3)])
+assert int(short.positions[:12].max()) < 12
+print("ok")
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests run the engine for real")
+def test_graph_buffers_step_by_step_interpreted(tmp_path: Path) -> None:
+    """The token-bucket and row-bucket graphs' static buffers (rows, tiles, the padding row
+    and its slots, tables narrower than the last step's, buckets filled exactly), replayed
+    step after step in the interpreter, against the same model over the same cache through
+    masked SDPA; steps the buffers cannot hold run eagerly; a short ``max_model_len`` keeps
+    the padding row's positions inside it."""
+    path = make_hf_model(tmp_path / "m", "mistral", sliding_window=12)
+    _interpreted(_GRAPH_STEPS, str(path))
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
@@ -505,3 +645,13 @@ def test_triton_kernels_compile_for_the_gpu() -> None:
         pytest.skip("no ptxas in this triton install")
     assert out.returncode == 0, out.stderr[-3000:]
     assert "ok" in out.stdout
+
+
+def test_yarn_without_its_lengths_is_refused() -> None:
+    from foudre.layers.rotary import RotaryEmbedding
+
+    for missing in ("factor", "original_max_position_embeddings"):
+        scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+        del scaling[missing]
+        with pytest.raises(ValueError, match=missing):
+            RotaryEmbedding(16, 256, 10000.0, scaling)

@@ -5,6 +5,7 @@ expert, dense layers mixed in; checkpoints with experts per expert, fused, and s
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -140,7 +141,27 @@ def test_missing_expert_tensor_is_named(tmp_path: Path) -> None:
     name = "model.layers.1.block_sparse_moe.experts.2.w3.weight"
     del state[name]
     save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(ModelLoadError, match=r"model\.layers\.1\.mlp\.experts\.2\.up_proj\.weight"):
+    with pytest.raises(ModelLoadError, match=re.escape(repr(name))):  # as the file names it
+        LLM(str(path), dtype="float32", skip_tokenizer_init=True, num_kv_blocks=16)
+
+
+def test_missing_stacked_experts_are_named(tmp_path: Path) -> None:
+    """A checkpoint of stacked experts (transformers 5's names) without a layer's
+    ``down_proj``: the error names that tensor."""
+    src = make_hf_model(
+        tmp_path / "src",
+        "qwen3_moe",
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+    )
+    state = {k: v.contiguous() for k, v in _hf_model(src).state_dict().items()}
+    del state["model.layers.1.mlp.experts.down_proj"]
+    path = tmp_path / "fused"
+    path.mkdir()
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "config.json").write_text((src / "config.json").read_text())
+    with pytest.raises(ModelLoadError, match=r"'model\.layers\.1\.mlp\.experts\.down_proj "):
         LLM(str(path), dtype="float32", skip_tokenizer_init=True, num_kv_blocks=16)
 
 

@@ -62,17 +62,27 @@ def _rel_err(x: torch.Tensor, w: torch.Tensor, wq: torch.Tensor) -> float:
 PROMPTS = [[1, 403, 407, 261, 378], [1, 365, 1247 % 512, 395]]
 
 
+def _teacher_forced_agreement(model: LlamaForCausalLM, ref_model: LlamaForCausalLM) -> float:
+    """The share of the float model's greedy tokens (50 per prompt) that ``model`` predicts
+    from the same prefix: one near-tie does not make every later token differ, as it does in
+    a free-running comparison."""
+    same = total = 0
+    for prompt in PROMPTS:
+        ids = prompt + _greedy(ref_model, prompt, 50)
+        with torch.no_grad():
+            for i in range(len(prompt), len(ids)):
+                logits = model.compute_logits(run_sequence(model, ids[:i])[-1:])
+                same += int(logits.argmax(-1)) == ids[i]
+                total += 1
+    return same / total
+
+
 def test_int8_keeps_greedy_output(stories_paths: tuple[str, str]) -> None:
     ref_model, model = _model(stories_paths), _model(stories_paths)
     quantize_(model, Int8WeightOnly())
     assert isinstance(model.get_submodule("model.layers.0.mlp.down_proj"), QuantLinear)
     assert isinstance(model.lm_head, nn.Linear)  # kept in float by default
-    same = total = 0
-    for prompt in PROMPTS:
-        a, b = _greedy(ref_model, prompt, 50), _greedy(model, prompt, 50)
-        same += sum(x == y for x, y in zip(a, b))
-        total += len(a)
-    assert same / total >= 0.9
+    assert _teacher_forced_agreement(model, ref_model) >= 0.9
 
 
 def test_int4_runs_and_tied_head_quantizes(stories_paths: tuple[str, str]) -> None:
