@@ -66,3 +66,18 @@ def random_llama(name: str = "medium", dtype: torch.dtype = torch.float32) -> Pa
     model = transformers.LlamaForCausalLM(cfg).to(dtype)
     model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+def with_llama2_tokenizer(model: Path) -> Path:
+    """``model`` (a random Llama of vocabulary 32,000) beside the Llama 2 tokenizer that its
+    vocabulary stands for: a directory of links to its files plus ``tokenizer.model``, for what
+    needs a tokenizer (the server)."""
+    out = model.parent / f"{model.name}-llama2-tokenizer"
+    if not (out / "tokenizer.model").exists():
+        out.mkdir(exist_ok=True)
+        for f in model.iterdir():
+            if not (out / f.name).exists():
+                (out / f.name).symlink_to(f.resolve())
+        tok = Path(__file__).resolve().parents[2] / "shared" / "models" / "llama2-tokenizer"
+        (out / "tokenizer.model").write_bytes((tok / "tokenizer.model").read_bytes())
+    return out

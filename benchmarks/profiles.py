@@ -27,7 +27,7 @@ from typing import Any
 
 import httpx
 import torch
-from common import machine, random_llama
+from common import machine, random_llama, with_llama2_tokenizer
 from soak import start_server
 
 from foudre.bench.datasets import sample_random
@@ -57,8 +57,9 @@ def measure(url: str, args: argparse.Namespace) -> dict[str, Any]:
     args.served = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
     warm = run(url, args, 2, 4, 8)
     assert warm["completed"] == 4, warm
-    users, best, tried = 1, 0, []
-    while users <= args.max_users:
+    best, tried = 0, []
+
+    def within_slo(users: int) -> bool:
         m = run(url, args, users, max(2 * users, 8), args.output_len)
         ok = (
             m["failed"] == 0
@@ -69,10 +70,21 @@ def measure(url: str, args: argparse.Namespace) -> dict[str, Any]:
         tried.append((users, m["p90_ttft_ms"], m["p90_tpot_ms"]))
         print(f"  {users:4d} users: p90 TTFT {m['p90_ttft_ms']:.0f} ms, p90 TPOT "
               f"{m['p90_tpot_ms']:.1f} ms{'' if ok else '  (over)'}", flush=True)  # fmt: skip
-        if not ok:
+        return ok
+
+    # double until over, then halve the gap twice (16 ok, 32 over: 24, then 20 or 28)
+    users = 1
+    while users <= args.max_users and within_slo(users):
+        best, users = users, users * 2
+    over = users
+    for _ in range(2):
+        mid = (best + over) // 2
+        if best == 0 or mid in (best, over) or over > args.max_users:
             break
-        best = users
-        users *= 2
+        if within_slo(mid):
+            best = mid
+        else:
+            over = mid
     out["max_users"], out["users_tried"] = best, tried
     m = run(url, args, 64, 128, args.output_len)
     out["tps_64"] = m["output_throughput"]
@@ -90,6 +102,9 @@ def main() -> None:
     ap.add_argument("--max-users", type=int, default=128)
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS))
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument(
+        "--server-args", default="", help="more flags for every server, e.g. '--max-num-seqs 64'"
+    )
     args = ap.parse_args()
     args.vocab = 32000
     if args.model == "embedded":
@@ -98,13 +113,15 @@ def main() -> None:
 
         args.vocab = load_tokenizer(default_model()[0]).vocab_size  # ids past it are refused
     elif args.model == "medium":
-        model_args = ["--model", str(random_llama("medium", torch.bfloat16)), "--dtype", "bfloat16"]
+        model = with_llama2_tokenizer(random_llama("medium", torch.bfloat16))
+        model_args = ["--model", str(model), "--dtype", "bfloat16"]
     else:
         model_args = ["--model", args.model]
     rows: dict[str, dict[str, Any]] = {}
     for profile in args.configs:
         print(f"[{profile}]", flush=True)
         extra = model_args if profile == "default" else [*model_args, "--profile", profile]
+        extra = [*extra, *args.server_args.split()]
         proc, url = start_server(extra, timeout=600)
         try:
             t0 = time.monotonic()
@@ -122,8 +139,8 @@ def main() -> None:
         f"- command: `benchmarks/profiles.py {' '.join(sys.argv[1:])}`",
         f"- requests: {args.input_len} random prompt tokens, {args.output_len} output tokens, "
         "streamed completions; users = concurrent clients in a closed loop",
-        f"- max users: the most users (1, 2, 4, ...) at which p90 TTFT <= {TTFT_MS:.0f} ms and "
-        f"p90 TPOT <= {TPOT_MS:.0f} ms",
+        "- max users: the most users (1, 2, 4, ..., then two bisection steps) at which "
+        f"p90 TTFT <= {TTFT_MS:.0f} ms and p90 TPOT <= {TPOT_MS:.0f} ms",
         "",
         "| settings | max users within SLO | output tok/s at 64 users | batch-1 tok/s "
         "| server RSS MiB |",

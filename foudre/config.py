@@ -41,10 +41,13 @@ class EngineConfig:
     batch_wait_ms: float | None = None  # static/dynamic: how long a batch waits for arrivals
     quantization: str | None = None  # quant/api.METHODS: int8 | int4 | ... (weights, at load)
     # speculative decoding: a proposer guesses k tokens, the target verifies them in one step
-    speculative_method: str | None = None  # draft | ngram (draft when a model is given)
+    speculative_method: str | None = None  # draft | ngram | none (draft when a model is given)
     speculative_model: str | None = None  # the draft model (default: the embedded draft)
     speculative_quantization: str | None = None  # quantize the draft at load (int8 | int4 ...)
     num_speculative_tokens: int = 4
+    # no drafts in a step where more requests run than this (None: always draft): drafting
+    # pays where a step is bound by reading the weights, not where a batch already fills it
+    speculative_max_batch_size: int | None = None
     ngram_min: int = 1
     ngram_max: int = 4
     seed: int = 0
@@ -56,7 +59,7 @@ class EngineConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("max_model_len", "num_kv_blocks"):
+        for name in ("max_model_len", "num_kv_blocks", "speculative_max_batch_size"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be positive, got {value}")
@@ -64,7 +67,9 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
         if self.batch_wait_ms is not None and self.batch_wait_ms < 0:
             raise ValueError(f"batch_wait_ms must be non-negative, got {self.batch_wait_ms}")
-        if self.speculative_model is not None and self.speculative_method is None:
+        if self.speculative_method == "none":  # off, also where a profile turned it on
+            self.speculative_method = None
+        elif self.speculative_model is not None and self.speculative_method is None:
             self.speculative_method = "draft"
         if self.num_speculative_tokens < 1:
             raise ValueError(

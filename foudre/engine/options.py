@@ -16,12 +16,19 @@ if TYPE_CHECKING:
 # Scenario profiles: engine options chosen for one way of serving. Each is a default that its
 # own flag still overrides. realtime: a small token budget with chunked prefill keeps every
 # step short (TTFT and TPOT), running requests come first (the scheduler always serves them
-# before admitting), and a draft model speculates where one is known (the embedded model's).
+# before admitting), and a draft model given with --speculative-model speculates only while one
+# request runs (speculative_max_batch_size 1): drafting pays where a step reads the weights for
+# one token, not in a batch. The embedded draft is not turned on: with random prompts it cut
+# the embedded model's batch-1 rate from 468 to 324 tok/s and its users within the SLO from 24
+# to 16 (benchmarks/results/profiles-embedded.md, 2026-12-01); --speculative-method draft
+# turns it on. 512 tokens a step: at 256, arrivals queued for the budget (TTFT); at 1,024 and
+# more, a long prompt's step stalls the running requests (TPOT) on the larger models.
 # throughput: big batches and budget, prefix caching. edge: int4 weights and an int8 KV cache
 # in a small pool, few sequences, small steps (a small machine, memory first).
 PROFILES: dict[str, dict[str, Any]] = {
     "realtime": {
-        "max_num_batched_tokens": 256,
+        "max_num_batched_tokens": 512,
+        "speculative_max_batch_size": 1,
         "max_num_seqs": 32,
         "enable_chunked_prefill": True,
         "enable_prefix_caching": True,
@@ -44,14 +51,11 @@ PROFILES: dict[str, dict[str, Any]] = {
 
 
 def profile_defaults(name: str, model: str | None) -> dict[str, Any]:
-    """The engine options of profile ``name`` for ``model`` (None: the embedded model, whose
-    draft model lets ``realtime`` speculate); ``ValueError`` for an unknown profile."""
+    """The engine options of profile ``name`` for ``model`` (None: the embedded model; the
+    profiles do not depend on it today); ``ValueError`` for an unknown profile."""
     if name not in PROFILES:
         raise ValueError(f"unknown profile {name!r}; choose one of {', '.join(PROFILES)}")
-    chosen = dict(PROFILES[name])
-    if name == "realtime" and model is None:
-        chosen["speculative_method"] = "draft"
-    return chosen
+    return dict(PROFILES[name])
 
 
 def check_config(config: EngineConfig, device: torch.device) -> None:
@@ -103,7 +107,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             kind = _bool
         elif f.name in ("kv_cache_memory", "batch_wait_ms"):
             kind = float
-        elif isinstance(default, int) or f.name in ("max_model_len", "num_kv_blocks"):
+        elif isinstance(default, int) or f.name in (
+            "max_model_len",
+            "num_kv_blocks",
+            "speculative_max_batch_size",
+        ):
             kind = int
         else:
             kind = str

@@ -33,10 +33,19 @@ def test_flags_override_the_profile() -> None:
     assert config.kv_cache_dtype == "int8"  # the rest of the profile stays
 
 
-def test_realtime_speculates_only_with_a_known_draft() -> None:
-    assert engine_config_from(_serve_args("--profile", "realtime")).speculative_method == "draft"
-    with_model = engine_config_from(_serve_args("--profile", "realtime", "--model", "m"))
-    assert with_model.speculative_method is None
+def test_realtime_speculates_with_a_given_draft_for_a_request_alone() -> None:
+    plain = engine_config_from(_serve_args("--profile", "realtime"))
+    assert plain.speculative_method is None and plain.speculative_max_batch_size == 1
+    drafted = engine_config_from(
+        _serve_args("--profile", "realtime", "--speculative-model", "d", "--model", "m")
+    )
+    assert drafted.speculative_method == "draft" and drafted.speculative_max_batch_size == 1
+    on = engine_config_from(_serve_args("--profile", "realtime", "--speculative-method", "draft"))
+    assert on.speculative_method == "draft"
+    off = engine_config_from(
+        _serve_args("--speculative-model", "d", "--speculative-method", "none")
+    )
+    assert off.speculative_method is None  # drafting turned off by its flag
 
 
 def test_no_profile_keeps_the_defaults_and_unknown_ones_are_refused() -> None:

@@ -260,6 +260,30 @@ def test_ngram_lookup() -> None:
     assert prop.lookup([4, 4, 4], 5) == [4]  # a match at the end yields what exists
 
 
+def test_no_drafts_above_speculative_max_batch_size(
+    embedded_reference: list[list[int]],
+) -> None:
+    """Steps with more running requests than the limit verify no drafts; the draft model
+    catches up on the tokens it skipped once the batch shrinks (the outputs are the same)."""
+    llm = LLM(dtype="float32", speculative_method="draft", speculative_max_batch_size=2)
+    engine, proposer = llm.engine, llm.engine.proposer
+    assert proposer is not None
+    batches: list[int] = []
+    propose = proposer.propose
+
+    def watched(requests: Any, limits: Any) -> Any:
+        batches.append(len(engine.scheduler.running))
+        return propose(requests, limits)
+
+    proposer.propose = watched  # type: ignore[method-assign]
+    assert _greedy(llm, PROMPTS) == embedded_reference
+    assert batches and max(batches) <= 2  # the last requests drafted, the full batch did not
+    assert llm.metrics()["spec_draft_tokens"] > 0
+    _assert_all_freed(llm)
+    with pytest.raises(ValueError, match="speculative_max_batch_size"):
+        LLM(speculative_method="draft", speculative_max_batch_size=0)
+
+
 def test_bad_speculative_config() -> None:
     with pytest.raises(ValueError, match="speculative_method"):
         LLM(speculative_method="medusa")
