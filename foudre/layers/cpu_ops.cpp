@@ -448,17 +448,21 @@ using PagedDecode = void (*)(const void* q, const void* k, const void* v, void* 
                              int64_t q_stride, int64_t o_stride, int64_t block_stride,
                              int64_t token_stride, float scale);
 
-// Per layer, the addresses decode_layers reads (0 where a layer has none)
+// Per layer, the addresses decode_layers reads (0 where a layer has none), then a sparse layer's
+// integers: a layer with a router (kRouter) runs moe_block in place of the dense MLP (kGateUp,
+// kDown), counting into its int64 counts[kExperts].
 enum LayerPointer {
   kInputNorm, kQKV, kQKVBias, kO, kPostNorm, kGateUp, kDown, kQNorm, kKNorm, kKCache, kVCache,
+  kRouter, kExpertsGateUp, kExpertsDown, kCounts, kExperts, kTopK, kRenormalize, kMoeIntermediate,
   kLayerPointers
 };
 
 // A decode step (one new token in each of `rows` rows) through every decoder layer, in place
 // on the residual stream x [rows, hidden]: the kernels above and the paged-attention kernel,
 // called in the order and with the roundings of models/llama.py's path through them, so both
-// give the same bits. Returns, before touching anything, 1 for a position outside the RoPE
-// tables, 2 for a slot outside the cache's num_slots; else 0.
+// give the same bits; sparse layers count the experts chosen by the first `counted` rows.
+// Returns, before touching anything, 1 for a position outside the RoPE tables, 2 for a slot
+// outside the cache's num_slots; else 0.
 template <typename T>
 int decode_layers(T* x, int64_t rows, const int64_t* layers, int64_t num_layers, int64_t hidden,
                   int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate,
@@ -466,7 +470,7 @@ int decode_layers(T* x, int64_t rows, const int64_t* layers, int64_t num_layers,
                   const int64_t* positions, const int64_t* slots, int64_t num_slots,
                   const void* attention,
                   const int32_t* tokens, const int32_t* tables, const int32_t* lens,
-                  int64_t table_width, int64_t block_size, float scale) {
+                  int64_t table_width, int64_t block_size, float scale, int64_t counted) {
   for (int64_t r = 0; r < rows; ++r) {
     if (positions[r] < 0 || positions[r] >= max_positions) return 1;
     if (slots[r] < 0 || slots[r] >= num_slots) return 2;
@@ -504,11 +508,17 @@ int decode_layers(T* x, int64_t rows, const int64_t* layers, int64_t num_layers,
            q_size);
     add_(x, y.data(), rows * hidden);
     rms_norm(x, w(kPostNorm), h.data(), rows, hidden, hidden, eps);
-    linear(h.data(), hidden, w(kGateUp), static_cast<const T*>(nullptr), gate_up.data(), rows,
-           2 * intermediate, hidden);
-    silu_mul(gate_up.data(), act.data(), rows, intermediate, 2 * intermediate);
-    linear(act.data(), intermediate, w(kDown), static_cast<const T*>(nullptr), y.data(), rows,
-           hidden, intermediate);
+    if (p[kRouter] != 0) {  // route's ids are in range: moe_block cannot fail
+      moe_block(h.data(), rows, hidden, p[kMoeIntermediate], w(kRouter), p[kExperts], p[kTopK],
+                p[kRenormalize] != 0, w(kExpertsGateUp), w(kExpertsDown),
+                reinterpret_cast<int64_t*>(p[kCounts]), counted, y.data());
+    } else {
+      linear(h.data(), hidden, w(kGateUp), static_cast<const T*>(nullptr), gate_up.data(), rows,
+             2 * intermediate, hidden);
+      silu_mul(gate_up.data(), act.data(), rows, intermediate, 2 * intermediate);
+      linear(act.data(), intermediate, w(kDown), static_cast<const T*>(nullptr), y.data(), rows,
+             hidden, intermediate);
+    }
     add_(x, y.data(), rows * hidden);
   }
   return 0;
@@ -545,11 +555,11 @@ int foudre_cpu_ops_available() { return 1; }
       const float* cos, const float* sin, int64_t max_positions, const int64_t* positions,         \
       const int64_t* slots, int64_t num_slots, const void* attention, const int32_t* tokens,       \
       const int32_t* tables, const int32_t* lens, int64_t table_width, int64_t block_size,         \
-      float scale) {                                                                               \
+      float scale, int64_t counted) {                                                              \
     return decode_layers(static_cast<T*>(x), rows, layers, num_layers, hidden, heads, kv_heads,    \
                          head_dim, intermediate, eps, cos, sin, max_positions, positions, slots,   \
                          num_slots, attention, tokens, tables, lens, table_width, block_size,      \
-                         scale);                                                                   \
+                         scale, counted);                                                          \
   }                                                                                                \
   int foudre_moe_experts_##SUFFIX(const void* x, int64_t rows, int64_t hidden, int64_t inter,      \
                                   const int64_t* ids, const float* weights, int64_t top_k,         \

@@ -12,15 +12,17 @@ about 15% of a bfloat16 step, several times what it costs warm.
 and the same paged-attention kernel (``attention/cpu_paged_decode.cpp``), in the order and with
 the roundings of ``models/llama.py``'s path through them, so the hidden states are the same bits
 (tests/engine/test_cpu_decode.py checks that). The embedding, the final norm and the logits stay
-in Python. It takes a step when every row is a decode row (one token each, no prefill chunk,
-no drafts), of at most ``Linear``'s ``MAX_ROWS``, and with sliding windows while every row's
-context fits the narrowest window (its layers attend to every key); other steps, and models it
-cannot run (another dtype, quantized layers, a quantized KV cache, another attention backend,
-hooks on a module, mixture-of-experts layers, whose experts have a native kernel of their own
-that ``layers/moe.py`` calls), take the model's ``forward``. Like CUDA graphs, it holds addresses:
-every step checks that the weights, RoPE tables and KV caches it was built on are still the
-modules' and the runner's, at the same addresses, and that no hook or autocast asks for the
-Python path; otherwise the step goes back to Python.
+in Python. A sparse layer (a mixture of experts: router and top-k experts, renormalised or not,
+no shared expert) runs ``moe_block``, the native call ``layers/moe.py`` makes for it at decode
+sizes, and adds to the block's ``expert_tokens`` what its Python path would (``_counted``).
+It takes a step when every row is a decode row (one token each, no prefill chunk, no drafts),
+of at most ``Linear``'s ``MAX_ROWS``, and with sliding windows while every row's context fits
+the narrowest window (its layers attend to every key); other steps, and models it cannot run
+(another dtype, quantized layers, a quantized KV cache, another attention backend, hooks on a
+module, a shared expert, OLMoE's attention), take the model's ``forward``. Like CUDA graphs, it
+holds addresses: every step checks that the weights, RoPE tables, KV caches and expert counts it
+was built on are still the modules' and the runner's, at the same addresses, and that no hook or
+autocast asks for the Python path; otherwise the step goes back to Python.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from torch.nn.modules import module as nn_module
 from foudre.layers import fused
 from foudre.layers.linear import MAX_ROWS, Linear
 from foudre.layers.mlp import GatedMLP
+from foudre.layers.moe import Experts, SparseMoeBlock
 from foudre.layers.norm import RMSNorm
 from foudre.layers.rotary import RotaryEmbedding
 from foudre.runner.attention import cpu_paged
@@ -94,20 +97,39 @@ class NativeDecode:
             if passed:
                 pointers.append(0 if tensor is None else tensor.data_ptr())
 
+        self.blocks: list[SparseMoeBlock] = []  # the sparse layers' MLPs, which count
         for layer, cache in zip(layers, kv_caches, strict=True):
-            attn, mlp = layer.self_attn, cast(GatedMLP, layer.mlp)
+            attn, mlp = layer.self_attn, layer.mlp
+            dense = mlp if isinstance(mlp, GatedMLP) else None
+            sparse = mlp if isinstance(mlp, SparseMoeBlock) else None
+            experts = None if sparse is None else cast(Experts, sparse.experts)
             hold(layer.input_layernorm, "weight")
             hold(attn.qkv_proj, "weight")
             hold(attn.qkv_proj, "bias")
             hold(attn.o_proj, "weight")
             hold(layer.post_attention_layernorm, "weight")
-            hold(mlp.gate_up_proj, "weight")
-            hold(mlp.down_proj, "weight")
+            hold(None if dense is None else dense.gate_up_proj, "weight")
+            hold(None if dense is None else dense.down_proj, "weight")
             hold(attn.q_norm, "weight")
             hold(attn.k_norm, "weight")
-            for module in (attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            hold(attn.o_proj, "bias", passed=False)
+            for module in (dense.gate_up_proj, dense.down_proj) if dense else ():
                 hold(module, "bias", passed=False)
             pointers += [cache[0].data_ptr(), cache[1].data_ptr()]
+            # a sparse layer's router, experts and counts, then its integers (all 0 if dense)
+            hold(None if sparse is None else sparse.gate, "weight")
+            hold(experts, "gate_up_proj")
+            hold(experts, "down_proj")
+            if sparse is None or experts is None:
+                pointers += [0] * 5
+                continue
+            hold(sparse.gate, "bias", passed=False)
+            counts = sparse.expert_tokens
+            self.held.append((sparse._buffers, "expert_tokens", counts, counts.data_ptr()))
+            self.blocks.append(sparse)
+            pointers.append(counts.data_ptr())
+            renormalize = int(sparse.renormalize)
+            pointers += [sparse.num_experts, sparse.top_k, renormalize, experts.intermediate_size]
         for name in ("cos", "sin"):
             table = self.rotary._buffers[name]
             assert table is not None
@@ -135,8 +157,8 @@ class NativeDecode:
         ):
             return None
         cfg = model.config
-        if cfg.is_moe or cfg.qk_norm_over_heads or cfg.clip_qkv is not None:
-            return None  # the C++ layers are the dense Llama ones
+        if cfg.qk_norm_over_heads or cfg.clip_qkv is not None:
+            return None  # olmoe's attention: the C++ layers' is Llama's
         dtype = model.model.embed_tokens.weight.dtype
         fn = fused.decode_layers_fn(dtype)
         if fn is None or dtype not in MAX_ROWS or cpu_paged.kernel(dtype) is None:
@@ -159,6 +181,7 @@ class NativeDecode:
             return None  # a quantized KV cache, or a layout the kernel does not read
         allowed = (
             nn.ModuleList, DecoderLayer, Attention, GatedMLP, Linear, RMSNorm, RotaryEmbedding,
+            SparseMoeBlock, Experts,
         )  # fmt: skip
         for module in model.model.layers.modules():
             if type(module) not in allowed:
@@ -182,12 +205,24 @@ class NativeDecode:
             "mlp.gate_up_proj.weight": (2 * cfg.intermediate_size, hidden),
             "mlp.down_proj.weight": (hidden, cfg.intermediate_size),
         }
+        num_experts, inter = cfg.num_experts, cfg.moe_intermediate_size
+        expected |= {  # a sparse layer's router and routed experts
+            "mlp.gate.weight": (num_experts, hidden),
+            "mlp.experts.gate_up_proj": (num_experts, 2 * inter, hidden),
+            "mlp.experts.down_proj": (num_experts, hidden, inter),
+        }
         for layer in cast("list[DecoderLayer]", list(model.model.layers)):
             for name, p in layer.named_parameters():
                 if tuple(p.shape) != expected.get(name):
-                    return None  # a bias the C++ does not add, or a shape it does not expect
+                    return None  # a bias or shared expert the C++ lacks, or another shape
             if layer.self_attn.scale != head_dim**-0.5:
                 return None
+            if isinstance(layer.mlp, SparseMoeBlock):  # the counts the C++ adds to
+                counts = layer.mlp.expert_tokens
+                if counts.dtype != torch.int64 or not counts.is_cpu or not counts.is_contiguous():
+                    return None
+                if counts.shape != (num_experts,):
+                    return None
         rotary = model.model.rotary
         for table in (rotary.cos, rotary.sin):
             if table.dtype != torch.float32 or not table.is_contiguous() or table.dim() != 2:
@@ -201,7 +236,7 @@ class NativeDecode:
     def can_run(self, step: ForwardStep) -> bool:
         """Whether this step can run here: decode rows only, few enough, contexts within the
         sliding window (if any), nothing replaced or moved since ``build``, no hook to call, no
-        autocast."""
+        autocast, and the sparse layers all counting the same rows."""
         return (
             step.decode_only
             and len(step.token_ids) <= self.max_rows
@@ -209,6 +244,17 @@ class NativeDecode:
             and not torch.is_autocast_enabled("cpu")
             and not (nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks)
             and self._unchanged()
+            and self._counting_alike()
+        )
+
+    def _counting_alike(self) -> bool:
+        """Whether every sparse layer counts the same rows (one ``counted`` for the call): the
+        same ``counting`` and ``count_rows``, as ``count_moe_rows`` and ``moe_counting`` set."""
+        if not self.blocks:
+            return True
+        first = self.blocks[0]
+        return all(
+            b.counting == first.counting and b.count_rows is first.count_rows for b in self.blocks
         )
 
     def _unchanged(self) -> bool:
@@ -222,6 +268,17 @@ class NativeDecode:
             if now is not cache or now.data_ptr() != address:
                 return False
         return not any(m._forward_hooks or m._forward_pre_hooks for m in self.modules)
+
+    def _counted(self, rows: int) -> int:
+        """How many of the step's rows the sparse layers count: ``SparseMoeBlock.forward``'s
+        rule (every row, at most ``count_rows``, none while ``counting`` is off), the same for
+        every block (``can_run`` checked)."""
+        if not self.blocks:
+            return 0
+        block = self.blocks[0]
+        if not block.counting:
+            return 0
+        return rows if block.count_rows is None else min(rows, int(block.count_rows))
 
     def run(self, step: ForwardStep) -> torch.Tensor:
         """Final hidden states (after the model's last norm) of a step that ``can_run`` allows."""
@@ -266,6 +323,7 @@ class NativeDecode:
             tables.shape[1],
             self.block_size,
             self.scale,
+            self._counted(rows),
         )
         if failed == 1:
             raise IndexError(f"RoPE position outside the table of {cos.shape[0]}")

@@ -24,12 +24,21 @@ pytestmark = pytest.mark.skipif(
     reason="no AVX-512 or no C++ compiler",
 )
 
+QWEN3_MOE: dict[str, Any] = {  # sparse, dense, sparse layers: 6 experts, top-2
+    "num_hidden_layers": 3,
+    "num_experts": 6,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 48,
+    "mlp_only_layers": [1],
+}
 ARCHS: list[tuple[str, dict[str, Any]]] = [
     ("llama", {}),  # GQA, 2 query heads per KV head
     ("llama", {"num_attention_heads": 8, "num_key_value_heads": 2}),  # 4 per KV head
     ("llama", {"num_key_value_heads": 1, "tie_word_embeddings": True}),  # MQA, tied
     ("qwen2", {}),  # q/k/v bias
     ("qwen3", {"head_dim": 24}),  # q/k norm, head_dim from the config
+    ("mixtral", {"num_hidden_layers": 3, "num_local_experts": 4}),  # top-2, renormalised
+    ("qwen3_moe", QWEN3_MOE),  # q/k norm; top-2 not renormalised, a dense layer between
 ]
 
 
@@ -57,18 +66,27 @@ def python_step(runner: ModelRunner, *args: Any) -> torch.Tensor | None:
         runner.decode_path = native
 
 
+def added(runner: ModelRunner, before: dict[int, list[int]]) -> dict[int, list[int]]:
+    """What the routers counted (tokens per expert, by layer) since ``before``."""
+    now = runner.model.moe_expert_tokens()
+    return {i: [b - a for a, b in zip(before[i], c, strict=True)] for i, c in now.items()}
+
+
 def both_paths(runner: ModelRunner, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """One step's logits by each path from the same cache, and each path's whole cache after it
-    (a stray write anywhere in the pool shows)."""
+    (a stray write anywhere in the pool shows) and its counts of tokens per expert."""
     before = [c.clone() for c in runner.kv_caches]
+    counts = runner.model.moe_expert_tokens()
     native = runner.forward(*args)
     after_native = [c.clone() for c in runner.kv_caches]
+    native_counts, counts = added(runner, counts), runner.model.moe_expert_tokens()
     for c, b in zip(runner.kv_caches, before, strict=True):
         c.copy_(b)
     ref = python_step(runner, *args)
     assert native is not None and ref is not None
     for a, b in zip(after_native, runner.kv_caches, strict=True):
         assert torch.equal(a, b)
+    assert native_counts == added(runner, counts)
     return native, ref
 
 
@@ -79,7 +97,7 @@ def test_native_decode_equals_the_python_path(
 ) -> None:
     """Prefill prompts (blocks out of order, contexts across block boundaries), then decode
     steps of 1, 3 and ``MAX_ROWS`` rows: logits and the whole KV pool equal the Python path's,
-    bit for bit."""
+    bit for bit, and so do the mixture-of-experts routers' counts."""
     runner = make_runner(tmp_path, dtype, arch, **overrides)
     calls = counted(runner)
     limit = MAX_ROWS[getattr(torch, dtype)]
@@ -98,6 +116,44 @@ def test_native_decode_equals_the_python_path(
             lens[:rows] = [n + 1 for n in lens[:rows]]
             logits = torch.cat([native, logits[rows:]])
     assert calls == [1, 3, limit]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_native_decode_counts_the_real_rows(tmp_path: Path, dtype: str) -> None:
+    """The sparse layers count each real row's top-2 experts, as the Python path does: not the
+    rows that pad a batch, nothing while counting is off. Blocks that would count different
+    rows, or counts replaced since the build, send the step to Python."""
+    runner = make_runner(tmp_path, dtype, "qwen3_moe", **QWEN3_MOE)
+    calls = counted(runner)
+    tables, lens, new = [[4], [9], [2]], [5, 3, 7], [[11], [12], [13]]
+
+    def totals(before: dict[int, list[int]]) -> list[int]:
+        return [sum(c) for c in added(runner, before).values()]  # layers 0 and 2
+
+    with torch.inference_mode():
+        runner.forward(tables, [0, 0, 0], [[7] * n for n in lens], [1, 1, 1])
+        for padding in (0, 1, 2):
+            before = runner.model.moe_expert_tokens()
+            native, ref = both_paths(runner, tables, lens, new, [1, 1, 1], padding)
+            assert torch.equal(native, ref)
+            assert totals(before) == [2 * 2 * (3 - padding)] * 2  # top-2, by both paths
+        before = runner.model.moe_expert_tokens()
+        with runner.model.moe_counting(False):
+            both_paths(runner, tables, lens, new, [1, 1, 1])
+        assert totals(before) == [0, 0] and calls == [3, 3, 3, 3]
+        blocks = runner.model.moe_blocks()
+        blocks[2].counting = False
+        before = runner.model.moe_expert_tokens()
+        runner.forward(tables, lens, new, [1, 1, 1])
+        assert totals(before) == [6, 0] and calls == [3, 3, 3, 3]  # in Python
+        blocks[2].counting = True
+        counts = blocks[0].expert_tokens
+        blocks[0].expert_tokens = counts.clone()  # counts the call does not hold
+        runner.forward(tables, lens, new, [1, 1, 1])
+        assert calls == [3, 3, 3, 3]
+        blocks[0].expert_tokens = counts
+        runner.forward(tables, lens, new, [1, 1, 1])
+    assert calls == [3, 3, 3, 3, 3]
 
 
 def test_native_decode_takes_only_what_it_can_run(tmp_path: Path) -> None:

@@ -111,7 +111,9 @@ def test_seeded_sampling_whatever_the_batch(moe_model: str) -> None:
     assert batch[1].outputs[0].token_ids == alone
 
 
-def test_native_decode_step_refuses_moe_models(moe_model: str) -> None:
+def test_native_decode_step_refuses_a_shared_expert(moe_model: str) -> None:
+    """The native decode step runs plain sparse layers (tests/engine/test_cpu_decode.py), not
+    Qwen2-MoE's shared expert: its steps stay in Python."""
     llm = _llm(moe_model)
     runner = llm.engine.runner
     assert runner.decode_path is None
