@@ -316,7 +316,9 @@ def fp32_reference(base: EngineConfig, kl_ids: torch.Tensor) -> torch.Tensor:
     from foudre.loading.loader import default_model, load_model
 
     name, tok = (base.model, base.tokenizer) if base.model else default_model()
-    loaded = load_model(name, tok, "float32", torch.device("cpu"), None, base.revision)
+    loaded = load_model(
+        name, tok, "float32", torch.device("cpu"), None, base.revision, gguf_dequantize=True
+    )
     try:
         return log_probs(loaded.model, kl_ids)
     finally:

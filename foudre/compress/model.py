@@ -62,7 +62,7 @@ def new_model(cfg: ModelConfig, seed: int = 0) -> LlamaForCausalLM:
 def load_trainable(path: str, tokenizer: str | None = None) -> tuple[LlamaForCausalLM, str | None]:
     """Any model foudre loads (HF dir, llama2.c ``.bin``), as float32 on CPU, in train mode;
     with the path of its tokenizer (None when none was found)."""
-    loaded = load_model(path, tokenizer, "float32", torch.device("cpu"), None)
+    loaded = load_model(path, tokenizer, "float32", torch.device("cpu"), None, gguf_dequantize=True)
     loaded.model.train()
     return loaded.model, loaded.tokenizer_path
 

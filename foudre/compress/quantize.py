@@ -88,7 +88,9 @@ def build_config(args: argparse.Namespace, calibration: list[list[int]] | None) 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
     """Load ``--model``, quantize it with ``--method``, write ``--output``; returns 0."""
-    loaded = load_model(args.model, args.tokenizer, args.dtype, torch.device("cpu"), None)
+    loaded = load_model(
+        args.model, args.tokenizer, args.dtype, torch.device("cpu"), None, gguf_dequantize=True
+    )
     calibration = None
     if args.calibration:
         calibration = load_calibration(

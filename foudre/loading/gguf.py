@@ -9,7 +9,8 @@ Layout (little-endian, versions 2 and 3)::
 
 The header is parsed here (the ``gguf`` package's reader parses a 128k-token vocabulary element
 by element, which takes seconds); tensor bytes are memory-mapped and dequantized with
-``gguf.quants.dequantize``, so no block decoder is written by hand.
+``gguf.quants.dequantize``, so no block decoder is written by hand. ``load_model`` keeps the
+Q4_0, Q4_1, Q4_K and Q8_0 linears quantized instead (``foudre.loading.gguf_quant``).
 
 Weights are renamed to the Hugging Face names ``LlamaForCausalLM.load_weights`` expects. For
 ``llama`` files the rows of ``attn_q`` and ``attn_k`` are permuted back: llama.cpp's converter
@@ -30,7 +31,7 @@ from __future__ import annotations
 import math
 import re
 import struct
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -360,14 +361,17 @@ def _unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     ).contiguous()
 
 
-def iter_gguf_weights(f: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(Hugging Face name, tensor)`` for every weight of ``f``, one tensor at a time.
+def iter_gguf_weights(
+    f: GGUFFile, config: ModelConfig, skip: Collection[str] = frozenset()
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(Hugging Face name, tensor)`` for every weight of ``f`` but those named in
+    ``skip`` (GGUF names: what ``gguf_quant`` keeps quantized), one tensor at a time.
 
     Quantized tensors come dequantized to float32; q/k of ``llama`` files come un-permuted.
     ``rope_freqs.weight`` is not yielded (``load_gguf`` turned it into ``rope_scaling``).
     """
     for tensor in f.tensors.values():
-        if tensor.name == _ROPE_FREQS:
+        if tensor.name == _ROPE_FREQS or tensor.name in skip:
             continue
         hf = _hf_name(tensor.name)
         if hf is None:

@@ -12,7 +12,20 @@ from typing import Any
 import torch
 
 from foudre.loading.errors import ModelLoadError
-from foudre.loading.gguf import is_gguf_file, load_gguf, load_gguf_tokenizer
+from foudre.loading.gguf import (
+    GGUFFile,
+    gguf_config,
+    is_gguf_file,
+    iter_gguf_weights,
+    load_gguf_tokenizer,
+    read_gguf,
+)
+from foudre.loading.gguf_quant import (
+    GGUFQuantPlan,
+    load_gguf_quantized,
+    plan_gguf_quantized,
+    swap_in_quantized,
+)
 from foudre.loading.hf import (
     iter_safetensors_weights,
     load_generation_config,
@@ -109,19 +122,24 @@ def load_model(
     max_positions: int | None,
     revision: str | None = None,
     quantization: str | None = None,
+    gguf_dequantize: bool = False,
 ) -> LoadedModel:
     """Load config and weights from a HF directory, a hub id, a GGUF file or a llama2.c ``.bin``.
 
-    A GGUF file is its own tokenizer (unless ``tokenizer`` names another) and its tensors are
-    dequantized to the model dtype (``dtype="auto"``: the file's float type, bfloat16 when
-    quantized).
+    A GGUF file is its own tokenizer (unless ``tokenizer`` names another); its Q4_0, Q4_1, Q4_K
+    and Q8_0 linears stay quantized (``gguf_quant``) unless ``quantization`` re-quantizes the
+    model, ``gguf_dequantize`` is set (training, float references) or ``FOUDRE_GGUF_DEQUANTIZE=1``;
+    its other tensors are dequantized to the model dtype (``dtype="auto"``: the file's float
+    type, bfloat16 when quantized).
     """
     path = resolve_model_path(model, revision)
     weights: Iterable[tuple[str, torch.Tensor]]
     gen: dict[str, Any]
     tok: str | None
+    gguf: GGUFFile | None = None
     if is_gguf_file(path):
-        cfg, weights = load_gguf(path)
+        gguf = read_gguf(path)
+        cfg = gguf_config(gguf)
         tok = tokenizer or str(path)
         gen = {}
     elif path.is_file():
@@ -137,7 +155,14 @@ def load_model(
     torch_dtype = parse_dtype(cfg.torch_dtype if dtype == "auto" else dtype)
     with torch.device("meta"):
         net = LlamaForCausalLM(cfg, max_positions)
-    net = net.to_empty(device=device).to(torch_dtype)
+    net = net.to(torch_dtype)  # still on meta: nothing is allocated before the swaps below
+    plan = GGUFQuantPlan()
+    if gguf is not None:
+        if quantization is None and not gguf_dequantize:
+            plan = plan_gguf_quantized(gguf, net)
+            swap_in_quantized(net, plan)
+        weights = iter_gguf_weights(gguf, cfg, skip=plan.consumed)
+    net = net.to_empty(device=device)
     net.model.rotary.init_tables(device)  # the tables built under "meta" hold no values
     net.reset_moe_stats()  # nor do the routers' counters
     if cfg.tie_word_embeddings:
@@ -147,6 +172,8 @@ def load_model(
             load_quantized(net, path)  # foudre, GPTQ or AWQ checkpoint: no re-quantization
         else:
             net.load_weights(weights)
+            if gguf is not None:
+                load_gguf_quantized(gguf, cfg, net, plan)
             if quantization is not None:
                 quantize_model(net, quantization)
     except ValueError as e:

@@ -1,22 +1,25 @@
 // Weight-only quantized linears on the CPU at decode-sized batches: y [M, N] = x [M, K] @ W^T
-// for int8 per-output-channel weights (w = q * s) and int4 group-wise ones (w = (q - z) * s),
-// x and y float32 or bfloat16. Bound by reading the weight: each task takes R packed weight rows
-// and multiplies them with every x row (four at a time, the weight rows coming from memory once
-// and then from L1), the tasks split over torch's OpenMP threads by output-row ranges.
+// for int8 weights per output channel (w = q * s) or group-wise (w = q * s[group], GGUF's Q8_0
+// with groups of 32) and int4 group-wise ones (w = (q - z) * s), x and y float32 or bfloat16.
+// Bound by reading the weight: each task takes R packed weight rows and multiplies them with
+// every x row (four at a time, the weight rows coming from memory once and then from L1), the
+// tasks split over torch's OpenMP threads by output-row ranges.
 //
 // Layouts (built by cpu_qmatmul.py): int8 [N, K] int8, K padded with zeros to a multiple of 64;
 // int4 [N, K / 2] bytes, K padded to a multiple of 128, each 128 columns as 64 bytes whose low
 // nibbles hold columns 0..63 and high nibbles columns 64..127 (one AND, or a shift and an AND,
 // unpacks 64 codes in column order); float32 scales s and s * z [N, groups] (padded with zeros).
+// Group-wise int8 as int8, with float32 scales [N, groups] (groups of 32 columns or more).
 // x comes padded to the same K.
 //
 // Three paths, by what the compiler targets (built with -march=native):
 //   VNNI      (AVX512-VNNI): x quantized to int8 per block of 32 (d = max|x| / 127, as llama.cpp's
 //             Q8_0), the weight codes as the unsigned operand of vpdpbusd (int8 weights + 128):
-//             sum_k u_k q_k per 4 columns in int32 lanes, scaled per lane by d (and the int4
-//             group scale) into float32 accumulators; the offsets (128, or the zero point z) are
+//             sum_k u_k q_k per 4 columns in int32 lanes, scaled per lane by d (and the group
+//             scale) into float32 accumulators; the offsets (128, or the zero point z) are
 //             taken off through each block's sum of q: int8: y = s (sum d u q - 128 sum_b d_b
-//             sum q), int4: y = sum s d u q - sum_g s z sum_{b in g} d_b sum q.
+//             sum q), int4: y = sum s d u q - sum_g s z sum_{b in g} d_b sum q, group-wise int8
+//             the same with z = 128 (per block of 32 this is llama.cpp's Q8_0 x Q8_0 dot).
 //   AVX-512   the codes widened to float32 (int4: dequantized as q s - s z) and multiplied with
 //             x in float32: no activation rounding.
 //   portable  the same in plain loops.
@@ -149,6 +152,27 @@ struct Portable {
       }
     }
   };
+  template <int MT, int R>
+  struct Int8G {
+    static void run(const Args<T>& a, int64_t m0, int64_t n0) {
+      for (int r = 0; r < R && n0 + r < a.n; ++r) {
+        const auto* wr = reinterpret_cast<const int8_t*>(a.w + (n0 + r) * a.row_bytes);
+        const float* s = a.s + (n0 + r) * a.groups;
+        for (int mi = 0; mi < MT; ++mi) {
+          const T* x = a.x + (m0 + mi) * a.k;
+          float acc[16] = {};
+          for (int64_t c = 0; c < a.k; c += 16) {
+            const float sg = s[c / a.group];
+            for (int j = 0; j < 16; ++j)
+              acc[j] += static_cast<float>(wr[c + j]) * sg * to_float(x[c + j]);
+          }
+          float sum = 0;
+          for (float v : acc) sum += v;
+          store1(a.y + (m0 + mi) * a.n + n0 + r, sum);
+        }
+      }
+    }
+  };
 };
 
 #if defined(FOUDRE_AVX512)
@@ -228,6 +252,30 @@ struct Float512 {
                            [](int64_t, int64_t, __m512 v) { return _mm512_reduce_add_ps(v); });
     }
   };
+  template <int MT, int R>
+  struct Int8G {  // 16 columns at a time, all in one group (groups are multiples of 32)
+    static void run(const Args<T>& a, int64_t m0, int64_t n0) {
+      const uint8_t* wr[R];
+      row_ptrs<R>(a.w, a.row_bytes, a.n, n0, wr);
+      const float* s[R];
+      for (int r = 0; r < R; ++r) s[r] = a.s + std::min<int64_t>(n0 + r, a.n - 1) * a.groups;
+      __m512 acc[MT][R];
+      for (auto& row : acc)
+        for (auto& v : row) v = _mm512_setzero_ps();
+      for (int64_t c = 0; c < a.k; c += 16) {
+        __m512 xv[MT];
+        for (int mi = 0; mi < MT; ++mi) xv[mi] = load16(a.x + (m0 + mi) * a.k + c);
+        for (int r = 0; r < R; ++r) {
+          const __m512 q = _mm512_cvtepi32_ps(
+              _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wr[r] + c))));
+          const __m512 wv = _mm512_mul_ps(q, _mm512_set1_ps(s[r][c / a.group]));
+          for (int mi = 0; mi < MT; ++mi) acc[mi][r] = _mm512_fmadd_ps(xv[mi], wv, acc[mi][r]);
+        }
+      }
+      store_tile<T, MT, R>(a, m0, n0, acc,
+                           [](int64_t, int64_t, __m512 v) { return _mm512_reduce_add_ps(v); });
+    }
+  };
 };
 
 #endif  // FOUDRE_AVX512
@@ -284,9 +332,11 @@ struct Vnni {
       });
     }
   };
-  // Split: groups of 32, two per 64 columns (lanes 0-7 and 8-15); else one group per 64
-  template <bool Split>
-  struct Int4 {
+  // Group-wise weights: int4 paired nibbles, or int8 (Int8W: as its unsigned code q + 128, the
+  // zero point z = 128 taken off with the others). Split: groups of 32, two per 64 columns
+  // (lanes 0-7 and 8-15); else one group per 64
+  template <bool Int8W, bool Split>
+  struct Grouped {
     template <int MT, int R>
     struct Tile {
       static void run(const Args<T>& a, int64_t m0, int64_t n0) {
@@ -302,14 +352,19 @@ struct Vnni {
         for (auto& row : acc)
           for (auto& v : row) v = _mm512_setzero_ps();
         const __m512i low = _mm512_set1_epi8(15);
-        for (int64_t c = 0; c < a.k; c += 64) {  // 64 columns: the low or the high nibbles
+        const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+        for (int64_t c = 0; c < a.k; c += 64) {  // 64 columns (int4: the low or high nibbles)
           const bool high = c % 128 != 0;
           const int64_t g0 = c / a.group, g1 = (c + 32) / a.group;  // of lanes 0-7, 8-15
           __m512i wv[R];
           __m512 sv[R];
           for (int r = 0; r < R; ++r) {
-            const __m512i v = _mm512_loadu_si512(wr[r] + (c / 128) * 64);
-            wv[r] = _mm512_and_si512(high ? _mm512_srli_epi16(v, 4) : v, low);
+            if constexpr (Int8W) {
+              wv[r] = _mm512_xor_si512(_mm512_loadu_si512(wr[r] + c), flip);
+            } else {
+              const __m512i v = _mm512_loadu_si512(wr[r] + (c / 128) * 64);
+              wv[r] = _mm512_and_si512(high ? _mm512_srli_epi16(v, 4) : v, low);
+            }
             sv[r] = _mm512_set1_ps(s[r][g0]);
             if constexpr (Split)
               sv[r] = _mm512_mask_broadcastss_ps(sv[r], 0xFF00, _mm_load_ss(s[r] + g1));
@@ -342,26 +397,31 @@ struct Vnni {
   };
 };
 
-// quantize x, then the tiles; int8: corr = sum of a row's block sums, int4: per group
-template <typename T, bool Int4>
+enum class Kind { Int8, Int8Grouped, Int4 };
+
+// quantize x, then the tiles; int8: corr = sum of a row's block sums, grouped: per group (times
+// 128 for int8, whose zero point is that offset)
+template <typename T, Kind K>
 void vnni_matmul(Args<T> a) {
+  constexpr bool grouped = K != Kind::Int8, w8 = K == Kind::Int8Grouped;
   const int64_t blocks = a.k / 32;
   std::vector<int8_t> xq(a.m * a.k);
   std::vector<float> dl(a.m * a.k / 4), bsum(a.m * blocks);
   quantize_rows(a.x, a.m, a.k, xq.data(), dl.data(), bsum.data());
-  const int64_t per_row = Int4 ? a.groups : 1;
+  const int64_t per_row = grouped ? a.groups : 1;
   std::vector<float> corr(a.m * per_row, 0.0f);
   for (int64_t i = 0; i < a.m; ++i)
     for (int64_t b = 0; b < blocks; ++b)
-      corr[i * per_row + (Int4 ? b * 32 / a.group : 0)] += bsum[i * blocks + b];
+      corr[i * per_row + (grouped ? b * 32 / a.group : 0)] +=
+          (w8 ? 128.0f : 1.0f) * bsum[i * blocks + b];
   a.xq = xq.data();
   a.dl = dl.data();
   a.corr = corr.data();
-  if constexpr (Int4) {
+  if constexpr (grouped) {
     if (a.group == 32)
-      for_tiles<Vnni<T>::template Int4<true>::template Tile>(a, a.m, a.n);
+      for_tiles<Vnni<T>::template Grouped<w8, true>::template Tile>(a, a.m, a.n);
     else
-      for_tiles<Vnni<T>::template Int4<false>::template Tile>(a, a.m, a.n);
+      for_tiles<Vnni<T>::template Grouped<w8, false>::template Tile>(a, a.m, a.n);
   } else {
     for_tiles<Vnni<T>::template Int8>(a, a.m, a.n);
   }
@@ -372,7 +432,7 @@ void vnni_matmul(Args<T> a) {
 template <typename T>
 void int8_matmul(const Args<T>& a) {
 #if defined(FOUDRE_VNNI)
-  vnni_matmul<T, false>(a);
+  vnni_matmul<T, Kind::Int8>(a);
 #elif defined(FOUDRE_AVX512)
   for_tiles<Float512<T>::template Int8>(a, a.m, a.n);
 #else
@@ -381,9 +441,20 @@ void int8_matmul(const Args<T>& a) {
 }
 
 template <typename T>
+void int8g_matmul(const Args<T>& a) {
+#if defined(FOUDRE_VNNI)
+  vnni_matmul<T, Kind::Int8Grouped>(a);
+#elif defined(FOUDRE_AVX512)
+  for_tiles<Float512<T>::template Int8G>(a, a.m, a.n);
+#else
+  for_tiles<Portable<T>::template Int8G>(a, a.m, a.n);
+#endif
+}
+
+template <typename T>
 void int4_matmul(const Args<T>& a) {
 #if defined(FOUDRE_VNNI)
-  vnni_matmul<T, true>(a);
+  vnni_matmul<T, Kind::Int4>(a);
 #elif defined(FOUDRE_AVX512)
   for_tiles<Float512<T>::template Int4>(a, a.m, a.n);
 #else
@@ -422,8 +493,19 @@ int foudre_qmm_path() {
                     groups, group, static_cast<T*>(y), m, n, k, nullptr, nullptr, nullptr});    \
   }
 
+// y [m, n] = x [m, k] @ (q * s[group])^T; q int8 [n, k], k a multiple of 64; s [n, groups] for
+// groups of `group` columns (a multiple of 32)
+#define FOUDRE_QMM_INT8G(NAME, T)                                                            \
+  void NAME(const void* x, const void* q, const float* s, int64_t groups, int64_t group,     \
+            void* y, int64_t m, int64_t n, int64_t k) {                                      \
+    int8g_matmul<T>({static_cast<const T*>(x), static_cast<const uint8_t*>(q), k, s, s,     \
+                     groups, group, static_cast<T*>(y), m, n, k, nullptr, nullptr, nullptr}); \
+  }
+
 FOUDRE_QMM_INT8(foudre_qmm_int8_f32, float)
 FOUDRE_QMM_INT8(foudre_qmm_int8_bf16, uint16_t)
+FOUDRE_QMM_INT8G(foudre_qmm_int8g_f32, float)
+FOUDRE_QMM_INT8G(foudre_qmm_int8g_bf16, uint16_t)
 FOUDRE_QMM_INT4(foudre_qmm_int4_f32, float)
 FOUDRE_QMM_INT4(foudre_qmm_int4_bf16, uint16_t)
 

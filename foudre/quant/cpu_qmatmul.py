@@ -1,6 +1,7 @@
 """Our native CPU kernels for weight-only quantized linears at decode-sized batches
-(``cpu_qmatmul.cpp``): ``y [M, N] = x [M, K] @ dequant(W)^T`` for the int8 per-channel and int4
-group-wise weights of ``foudre.quant.packing``, x float32 or bfloat16, y in x's dtype.
+(``cpu_qmatmul.cpp``): ``y [M, N] = x [M, K] @ dequant(W)^T`` for the int8 (per channel, or
+group-wise with one scale per group of columns as GGUF's Q8_0) and int4 group-wise weights of
+``foudre.quant.packing``, x float32 or bfloat16, y in x's dtype.
 
 Each task streams a few packed weight rows once for every row of x. With AVX512-VNNI the
 activations are quantized to int8 per block of 32 columns (as llama.cpp's Q8_0) and multiplied
@@ -36,6 +37,8 @@ def _library() -> ctypes.CDLL | None:
         return None
     for suffix in DTYPES.values():
         getattr(dll, f"foudre_qmm_int8_{suffix}").argtypes = [_P, _P, _P, _P, *[_I64] * 3]
+        int8g = [_P, _P, _P, _I64, _I64, _P, *[_I64] * 3]
+        getattr(dll, f"foudre_qmm_int8g_{suffix}").argtypes = int8g
         getattr(dll, f"foudre_qmm_int4_{suffix}").argtypes = [
             *[_P] * 4,
             _I64,
@@ -57,13 +60,20 @@ def layout(
     qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int | None
 ) -> tuple[torch.Tensor, ...]:
     """The kernels' layout of the canonical buffers: int8 ``(q [N, K64], s [N])``, K padded
-    with zero columns to a multiple of 64; int4 ``(paired nibbles [N, K128 / 2], s, s * z)``
-    (float32 ``[N, ceil(K128 / G)]``, zero-padded), each 128 columns as 64 bytes, column ``i``
-    in the low nibble of byte ``i`` and column ``64 + i`` in its high nibble."""
+    with zero columns to a multiple of 64 (group-wise int8: ``s`` float32 ``[N, ceil(K64 / G)]``,
+    zero-padded); int4 ``(paired nibbles [N, K128 / 2], s, s * z)`` (float32
+    ``[N, ceil(K128 / G)]``, zero-padded), each 128 columns as 64 bytes, column ``i`` in the low
+    nibble of byte ``i`` and column ``64 + i`` in its high nibble. Where K is already a multiple
+    of 64 and the scales float32, the int8 layouts are the buffers themselves (no copy)."""
     if zeros is None:
         k = qweight.shape[1]
         q8 = F.pad(qweight, (0, -k % 64)) if k % 64 else qweight
-        return (q8.contiguous(), scales.float().contiguous())
+        s = scales.float()
+        if s.dim() == 2:
+            assert group_size is not None
+            groups = -(-q8.shape[1] // group_size)
+            s = F.pad(s, (0, groups - s.shape[1])) if groups != s.shape[1] else s
+        return (q8.contiguous(), s.contiguous())
     assert group_size is not None
     q = unpack_int4(qweight)
     n, kp = q.shape
@@ -94,14 +104,16 @@ def matmul(
     x: torch.Tensor, packed: tuple[torch.Tensor, ...], group_size: int | None
 ) -> torch.Tensor:
     """``x [M, K] @ W^T`` (no bias) for a ``layout``; ``x`` float32 or bfloat16 on the CPU.
-    ``[M, N]`` in x's dtype."""
+    ``[M, N]`` in x's dtype. The layout says which weight: int8 per channel (two tensors, 1-D
+    scales), int8 group-wise (two, 2-D scales, ``group_size`` the group) or int4 (three)."""
     dll = _library()
     if dll is None:
         raise RuntimeError(f"{SOURCE.name} did not build: use the aten kernels (quant.kernels)")
     if x.dtype not in DTYPES or x.device.type != "cpu" or x.dim() != 2:
         raise ValueError(f"x must be a 2-D float32 or bfloat16 CPU tensor, got {x.dtype} {x.shape}")
     w = packed[0]
-    k = w.shape[1] if group_size is None else w.shape[1] * 2
+    int8 = len(packed) == 2
+    k = w.shape[1] if int8 else w.shape[1] * 2
     if x.shape[1] > k:
         raise ValueError(f"x has {x.shape[1]} columns, the weight {k} (padded)")
     x = (F.pad(x, (0, k - x.shape[1])) if x.shape[1] != k else x).contiguous()
@@ -110,12 +122,25 @@ def matmul(
     if m == 0:
         return y
     fn: Any
-    if group_size is None:
-        fn = getattr(dll, f"foudre_qmm_int8_{DTYPES[x.dtype]}")
+    suffix = DTYPES[x.dtype]
+    if int8 and packed[1].dim() == 1:
+        fn = getattr(dll, f"foudre_qmm_int8_{suffix}")
         fn(x.data_ptr(), w.data_ptr(), packed[1].data_ptr(), y.data_ptr(), m, out_features, k)
+    elif int8:
+        s = packed[1]
+        if group_size is None or group_size % 32 or s.shape[1] * group_size < k:
+            raise ValueError(
+                f"group-wise int8 scales {tuple(s.shape)} do not cover {k} columns in groups "
+                f"of {group_size} (a multiple of 32)"
+            )
+        fn = getattr(dll, f"foudre_qmm_int8g_{suffix}")
+        fn(
+            x.data_ptr(), w.data_ptr(), s.data_ptr(), s.shape[1], group_size, y.data_ptr(),
+            m, out_features, k,
+        )  # fmt: skip
     else:
         s, sz = packed[1], packed[2]
-        fn = getattr(dll, f"foudre_qmm_int4_{DTYPES[x.dtype]}")
+        fn = getattr(dll, f"foudre_qmm_int4_{suffix}")
         fn(
             x.data_ptr(),
             w.data_ptr(),

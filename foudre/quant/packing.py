@@ -4,11 +4,15 @@ Canonical layouts (what checkpoints store, whatever the device):
 
 - 8 bits, per output channel, symmetric: ``qweight`` int8 ``[N, K]``, ``scales`` ``[N]``;
   ``w = q * scale``.
+- 8 bits, group-wise, symmetric (GGUF's Q8_0 with groups of 32): ``qweight`` int8 ``[N, Kp]``,
+  ``scales`` ``[N, Kp / G]``; ``w = q * scale``.
 - 4 bits, group-wise, asymmetric: ``qweight`` uint8 ``[N, Kp / 2]`` (column ``2j`` in the low
-  nibble, ``2j + 1`` in the high one), ``scales`` and ``zeros`` ``[N, Kp / G]`` (zeros are integer
-  zero points (any integer, held in a float tensor)); ``w = (q - zero) * scale``. ``Kp`` is
-  ``K`` rounded up to a multiple of the group size; the padded columns quantize zeros and meet
-  zero inputs.
+  nibble, ``2j + 1`` in the high one), ``scales`` and ``zeros`` ``[N, Kp / G]`` (zeros are
+  zero points held in a float tensor: integers when we quantize, any value (GGUF's Q4_1 and
+  Q4_K, ``-min / scale``) when imported); ``w = (q - zero) * scale``.
+
+``Kp`` is ``K`` rounded up to a multiple of the group size; the padded columns quantize zeros
+and meet zero inputs.
 """
 
 from __future__ import annotations
@@ -92,3 +96,22 @@ def dequantize_int4(
     n, k = q.shape
     g = q.float().reshape(n, k // group_size, group_size)
     return ((g - zeros[..., None]) * scales[..., None]).reshape(n, k)
+
+
+def quantize_int8_grouped(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group-wise symmetric int8 (GGUF's Q8_0 for ``group_size`` 32): ``(q int8 [N, Kp],
+    scales float32 [N, Kp / G])``, ``w`` zero-padded to ``Kp``, each error within scale / 2."""
+    w = pad_columns(w.float(), padded_k(w.shape[1], group_size))
+    n, k = w.shape
+    g = w.reshape(n, k // group_size, group_size)
+    scales = g.abs().amax(dim=2) / 127.0
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    q = torch.round(g / safe[..., None]).clamp(-128, 127).to(torch.int8)
+    return q.reshape(n, k), scales
+
+
+def dequantize_int8_grouped(q: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Float32 ``[N, Kp]`` weight of group-wise int8 codes."""
+    n, k = q.shape
+    g = q.float().reshape(n, k // group_size, group_size)
+    return (g * scales.float()[..., None]).reshape(n, k)

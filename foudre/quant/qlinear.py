@@ -1,7 +1,9 @@
 """``QuantLinear``: a weight-only quantized linear over the canonical layouts of
-``foudre.quant.packing`` (8-bit per channel, 4-bit group-wise), run by the packed kernels: on
-the CPU our own (``cpu_qmatmul``, int8 weights; up to ``NATIVE_MAX_ROWS`` rows) where they built
-with AVX-512, else PyTorch's (``kernels``); on CUDA ``triton_kernels``.
+``foudre.quant.packing`` (8-bit per channel or group-wise, 4-bit group-wise), run by the packed
+kernels: on the CPU our own (``cpu_qmatmul``, int8 weights; up to ``NATIVE_MAX_ROWS`` rows)
+where they built with AVX-512, else PyTorch's (``kernels``); on CUDA ``triton_kernels``.
+Group-wise int8 (GGUF's Q8_0) runs on ours only; elsewhere (CPUs without AVX-512, CUDA) it runs
+``forward_reference``.
 
 With AVX512-VNNI, ours round the activations to int8 per block of 32 columns (as llama.cpp's
 Q8_0): ``cpu_qmatmul.error_bound`` bounds the difference from ``forward_reference``. On the
@@ -26,10 +28,12 @@ from foudre.quant import cpu_qmatmul, kernels
 from foudre.quant.packing import (
     INT4_GROUP_SIZES,
     dequantize_int4,
+    dequantize_int8_grouped,
     pack_int4,
     padded_k,
     quantize_int4,
     quantize_int8,
+    quantize_int8_grouped,
     unpack_int4,
 )
 
@@ -43,7 +47,7 @@ NATIVE_MAX_ROWS: dict[int, float] = {8: math.inf, 4: 0}
 
 
 class QuantLinear(nn.Module):
-    """A weight-only quantized ``nn.Linear`` (8-bit per channel or 4-bit group-wise).
+    """A weight-only quantized ``nn.Linear`` (8-bit per channel or per group, 4-bit per group).
 
     ``forward`` returns what ``forward_reference`` (dequantize, then ``F.linear``) returns, to
     within the rounding of the activation dtype (or of int8 activations, see the module's
@@ -69,21 +73,32 @@ class QuantLinear(nn.Module):
         perm: bool = False,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        scale_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         if bits not in (4, 8):
             raise ValueError(f"bits must be 4 or 8, got {bits}")
-        if bits == 4 and group_size not in INT4_GROUP_SIZES:
+        if (bits == 4 or group_size is not None) and group_size not in INT4_GROUP_SIZES:
             raise ValueError(
-                f"4-bit group_size must be one of {INT4_GROUP_SIZES}, got {group_size}"
+                f"{bits}-bit group_size must be one of {INT4_GROUP_SIZES}"
+                f"{' or None' if bits == 8 else ''}, got {group_size}"
             )
         self.in_features, self.out_features = in_features, out_features
         self.bits = bits
-        self.group_size = group_size if bits == 4 else None
+        self.group_size = group_size
         n, k = out_features, in_features
-        if bits == 8:
+        sdtype = scale_dtype or dtype  # GGUF's scales keep their exact float16 / float32 values
+        if bits == 8 and group_size is None:
             self.register_buffer("qweight", torch.zeros(n, k, dtype=torch.int8, device=device))
-            self.register_buffer("scales", torch.ones(n, dtype=dtype, device=device))
+            self.register_buffer("scales", torch.ones(n, dtype=sdtype, device=device))
+            self.zeros = None
+        elif bits == 8:
+            assert group_size is not None
+            kp = padded_k(k, group_size)
+            self.register_buffer("qweight", torch.zeros(n, kp, dtype=torch.int8, device=device))
+            self.register_buffer(
+                "scales", torch.ones(n, kp // group_size, dtype=sdtype, device=device)
+            )
             self.zeros = None
         else:
             assert group_size is not None
@@ -92,10 +107,10 @@ class QuantLinear(nn.Module):
                 "qweight", torch.zeros(n, kp // 2, dtype=torch.uint8, device=device)
             )
             self.register_buffer(
-                "scales", torch.ones(n, kp // group_size, dtype=dtype, device=device)
+                "scales", torch.ones(n, kp // group_size, dtype=sdtype, device=device)
             )
             self.register_buffer(
-                "zeros", torch.zeros(n, kp // group_size, dtype=dtype, device=device)
+                "zeros", torch.zeros(n, kp // group_size, dtype=sdtype, device=device)
             )
         self.register_buffer("bias", torch.zeros(n, dtype=dtype, device=device) if bias else None)
         self.register_buffer(
@@ -123,12 +138,16 @@ class QuantLinear(nn.Module):
         input_scale: torch.Tensor | None = None,
     ) -> QuantLinear:
         """Round-to-nearest quantization of ``weight`` ``[N, K]`` (already multiplied by any
-        AWQ scale; ``input_scale`` is what the input is multiplied by)."""
+        AWQ scale; ``input_scale`` is what the input is multiplied by). 8 bits: per channel,
+        or group-wise when ``group_size`` is given."""
         k = weight.shape[1]
-        if bits == 8:
+        if bits == 8 and group_size is None:
             q, scales = quantize_int8(weight)
             return cls.from_codes(q, scales, None, bias, bits, None, k, input_scale)
         assert group_size is not None
+        if bits == 8:
+            q, scales = quantize_int8_grouped(weight, group_size)
+            return cls.from_codes(q, scales, None, bias, bits, group_size, k, input_scale)
         q4, scales, zeros = quantize_int4(weight, group_size)
         return cls.from_codes(q4, scales, zeros, bias, 4, group_size, k, input_scale)
 
@@ -145,8 +164,11 @@ class QuantLinear(nn.Module):
         input_scale: torch.Tensor | None = None,
         perm: torch.Tensor | None = None,
         dtype: torch.dtype | None = None,
+        scale_dtype: torch.dtype | None = None,
     ) -> QuantLinear:
-        """Build from integer codes (int8 ``[N, K]``, or 0..15 ``[N, Kp]`` unpacked)."""
+        """Build from integer codes (int8 ``[N, K]`` per channel or ``[N, Kp]`` group-wise, or
+        0..15 ``[N, Kp]`` unpacked); ``scale_dtype`` (default ``dtype``) holds scales and
+        zeros."""
         dtype = dtype or (bias.dtype if bias is not None else torch.float32)
         if not dtype.is_floating_point:
             dtype = torch.float32
@@ -160,6 +182,7 @@ class QuantLinear(nn.Module):
             perm=perm is not None,
             dtype=dtype,
             device=q.device,
+            scale_dtype=scale_dtype,
         )
         with torch.no_grad():
             if bits == 8:
@@ -184,9 +207,13 @@ class QuantLinear(nn.Module):
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight ``[N, K]`` in the kernel's column order (``perm`` applied)."""
-        if self.bits == 8:
+        if self.bits == 8 and self.group_size is None:
             return self.qweight.float() * self.scales.float()[:, None]
-        assert self.zeros is not None and self.group_size is not None
+        assert self.group_size is not None
+        if self.bits == 8:
+            w = dequantize_int8_grouped(self.qweight, self.scales, self.group_size)
+            return w[:, : self.in_features]
+        assert self.zeros is not None
         w = dequantize_int4(
             unpack_int4(self.qweight), self.scales.float(), self.zeros.float(), self.group_size
         )
@@ -245,7 +272,11 @@ class QuantLinear(nn.Module):
         if self.compute_dtype is not None:
             x2 = x2.to(self.compute_dtype)
         x2 = x2.contiguous()
-        if x2.shape[0] <= NATIVE_MAX_ROWS[self.bits] and uses_native_kernels(x2.dtype):
+        native = uses_native_kernels(x2.dtype)
+        grouped8 = self.bits == 8 and self.group_size is not None
+        if grouped8 and not native:
+            return self.forward_reference(x)  # aten has no group-wise int8 kernel
+        if native and (grouped8 or x2.shape[0] <= NATIVE_MAX_ROWS[self.bits]):
             y = cpu_qmatmul.matmul(x2, self._cpu_layout(None), self.group_size).to(out_dtype)
         else:
             layout = self._cpu_layout(x2.dtype)
@@ -255,7 +286,10 @@ class QuantLinear(nn.Module):
         return y.reshape(*lead, self.out_features)
 
     def _forward_cuda(self, x: torch.Tensor) -> torch.Tensor:
-        """The Triton dequantize-matmul when Triton imports, else the dequantize reference."""
+        """The Triton dequantize-matmul when Triton imports, else (and for group-wise int8,
+        which has no Triton kernel yet) the dequantize reference."""
+        if self.bits == 8 and self.group_size is not None:
+            return self.forward_reference(x)
         try:
             from foudre.quant import triton_kernels
         except ImportError:
@@ -275,7 +309,7 @@ class QuantLinear(nn.Module):
         return super()._load_from_state_dict(*args, **kwargs)
 
     def extra_repr(self) -> str:
-        extra = f", group_size={self.group_size}" if self.bits == 4 else ""
+        extra = f", group_size={self.group_size}" if self.group_size is not None else ""
         return f"in={self.in_features}, out={self.out_features}, bits={self.bits}{extra}"
 
 

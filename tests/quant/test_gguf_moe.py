@@ -206,8 +206,13 @@ def test_per_expert_tensors_of_older_files(spm_model: bytes, tmp_path: Path) -> 
 
 
 @pytest.mark.parametrize("qtype,tolerance", [("Q8_0", 0.03), ("Q4_K", 0.5)])
-def test_quantized_experts(qtype: str, tolerance: float, tmp_path: Path) -> None:
-    """Q8_0 / Q4_K experts load as exactly their stored values; logits stay near float32."""
+def test_quantized_experts(
+    qtype: str, tolerance: float, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Q8_0 / Q4_K experts dequantized at load (``FOUDRE_GGUF_DEQUANTIZE=1``; kept quantized by
+    default, checked against this in ``test_gguf_quantized``) are exactly their stored values;
+    logits stay near float32."""
+    monkeypatch.setenv("FOUDRE_GGUF_DEQUANTIZE", "1")
     src = make_hf_model(
         tmp_path / "src",
         "qwen2_moe",
