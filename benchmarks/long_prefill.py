@@ -48,7 +48,6 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
-TOKENIZER = ROOT.parent / "shared" / "models" / "llama2-tokenizer" / "tokenizer.model"
 
 
 def _status(key: str) -> int:
@@ -182,13 +181,12 @@ def build_llama_cpp(root: Path) -> Path:
 def gguf_of(model: Path, root: Path) -> Path:
     """The bf16 GGUF of ``model`` (converted once by llama.cpp's converter, with the Llama 2
     tokenizer the random model's 32,000-token vocabulary stands for)."""
+    from common import with_llama2_tokenizer
+
     out = root / f"{model.name}.gguf"
     if out.exists():
         return out
-    staged = root / f"{model.name}-hf"
-    if not staged.exists():
-        shutil.copytree(model, staged)
-        shutil.copy(TOKENIZER, staged / "tokenizer.model")
+    staged = with_llama2_tokenizer(model)
     src = root / "src"
     if not src.exists():
         src = next(root.glob("**/vendor/llama.cpp"))

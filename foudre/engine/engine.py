@@ -642,12 +642,13 @@ class LLMEngine:
     def _propose_drafts(self, proposer: Proposer) -> None:
         k = proposer.num_speculative_tokens
         reqs, limits = [], []
-        running = self.scheduler.running
         limit = self.config.speculative_max_batch_size
-        for req in running:
+        # a full batch drafts nothing: the draft catches up when the batch shrinks
+        drafting = limit is None or len(self.scheduler.running) <= limit
+        for req in self.scheduler.running:
             req.clear_spec()
-            if limit is not None and len(running) > limit:
-                continue  # a full batch: the draft catches up when the batch shrinks
+            if not drafting:
+                continue
             if req.num_tokens - req.num_computed_tokens != 1 or req.fork_children:
                 continue  # still prefilling, or its samples fork from its next position
             p = req.sampling_params
