@@ -1,8 +1,15 @@
-"""Helpers shared by the benchmark scripts: random-weight models and the memory roofline."""
+"""Helpers shared by the benchmark scripts: random-weight models, the memory roofline, and
+llama.cpp (the CPU peer) built from llama-cpp-python's sdist, its converter, quantizer and
+``llama-bench``."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import subprocess
+import sys
+import tarfile
 from pathlib import Path
 from typing import Any
 
@@ -12,9 +19,13 @@ from foudre.bench.roofline import machine, measure_bandwidth, weight_bytes
 
 __all__ = [
     "CACHE",
+    "LLAMA_CPP_PYTHON",
     "MEDIUM",
     "MEDIUM_32K",
     "SMALL",
+    "build_llama_cpp",
+    "gguf_of",
+    "llama_bench",
     "machine",
     "measure_bandwidth",
     "random_llama",
@@ -81,3 +92,82 @@ def with_llama2_tokenizer(model: Path) -> Path:
         tok = Path(__file__).resolve().parents[2] / "shared" / "models" / "llama2-tokenizer"
         (out / "tokenizer.model").write_bytes((tok / "tokenizer.model").read_bytes())
     return out
+
+
+LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
+
+
+def build_llama_cpp(root: Path, targets: tuple[str, ...] = ("llama-bench",)) -> Path:
+    """The directory of llama.cpp's programs built under ``root`` (``root/build/bin``): the
+    ``targets`` missing there are built from llama-cpp-python's sdist (downloaded with pip,
+    its vendored llama.cpp moved to ``root/src``), ``-DGGML_NATIVE=ON``, about 6 minutes on
+    2 cores for ``llama-bench`` and ``llama-quantize``."""
+    bin_dir = root / "build" / "bin"
+    missing = [t for t in targets if not (bin_dir / t).exists()]
+    if not missing:
+        return bin_dir
+    root.mkdir(parents=True, exist_ok=True)
+    src = root / "src"
+    if not (src / "CMakeLists.txt").exists():
+        dl = root / "download"
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+             LLAMA_CPP_PYTHON, "-d", str(dl)],
+            check=True,
+        )  # fmt: skip
+        archive = next(dl.glob("llama_cpp_python-*.tar.gz"))
+        with tarfile.open(archive) as tar:
+            tar.extractall(dl, filter="data")
+        vendored = next(dl.glob("llama_cpp_python-*/vendor/llama.cpp"))
+        shutil.move(str(vendored), src)
+    build = root / "build"
+    if not (build / "build.ninja").exists():
+        subprocess.run(
+            ["cmake", "-S", str(src), "-B", str(build), "-G", "Ninja", "-DGGML_NATIVE=ON",
+             "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+             "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF"],
+            check=True,
+        )  # fmt: skip
+    subprocess.run(["ninja", "-C", str(build), *missing], check=True)
+    return bin_dir
+
+
+def gguf_of(model: Path, root: Path, quant: str = "bf16") -> Path:
+    """``model`` (a random Llama of vocabulary 32,000) as GGUF under ``root``, converted once
+    by llama.cpp's converter to bf16 (with the Llama 2 tokenizer its vocabulary stands for),
+    then, for ``quant`` other than bf16 (``Q8_0``, ``Q4_0``, ...), by its ``llama-quantize``."""
+    base = root / f"{model.name}.gguf"
+    if not base.exists():
+        staged = with_llama2_tokenizer(model)
+        src = root / "src"
+        if not src.exists():
+            src = next(root.glob("**/vendor/llama.cpp"))
+        subprocess.run(
+            [sys.executable, str(src / "convert_hf_to_gguf.py"), str(staged), "--outtype",
+             "bf16", "--outfile", str(base)],
+            check=True,
+            capture_output=True,
+        )  # fmt: skip
+    if quant == "bf16":
+        return base
+    out = root / f"{model.name}-{quant}.gguf"
+    if not out.exists():
+        quantize = build_llama_cpp(root, ("llama-quantize",)) / "llama-quantize"
+        subprocess.run([str(quantize), str(base), str(out), quant], check=True, capture_output=True)
+    return out
+
+
+def llama_bench(
+    bench: Path, gguf: Path, prompt: int = 0, generate: int = 0, repeats: int = 1
+) -> float:
+    """``llama-bench``'s tokens/s on ``gguf`` with flash attention, on every core: prefill of a
+    ``prompt``-token prompt (pp) or ``generate`` tokens of decode (tg), one of the two."""
+    threads = os.cpu_count() or 1
+    proc = subprocess.run(
+        [str(bench), "-m", str(gguf), "-p", str(prompt), "-n", str(generate), "-fa", "1",
+         "-t", str(threads), "-r", str(repeats), "-o", "json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )  # fmt: skip
+    return float(json.loads(proc.stdout)[0]["avg_ts"])

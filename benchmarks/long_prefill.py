@@ -34,12 +34,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
-import shutil
 import subprocess
 import sys
-import tarfile
 import time
 from datetime import date
 from pathlib import Path
@@ -47,7 +44,6 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
 
 
 def _status(key: str) -> int:
@@ -148,68 +144,10 @@ def prefill_flops(n: int, cfg: dict[str, Any]) -> float:
     return float(linears + attention)
 
 
-def build_llama_cpp(root: Path) -> Path:
-    """llama.cpp's ``llama-bench`` built under ``root`` (from llama-cpp-python's sdist)."""
-    bench = root / "build" / "bin" / "llama-bench"
-    if bench.exists():
-        return bench
-    root.mkdir(parents=True, exist_ok=True)
-    src = root / "src"
-    if not (src / "CMakeLists.txt").exists():
-        dl = root / "download"
-        subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-             LLAMA_CPP_PYTHON, "-d", str(dl)],
-            check=True,
-        )  # fmt: skip
-        archive = next(dl.glob("llama_cpp_python-*.tar.gz"))
-        with tarfile.open(archive) as tar:
-            tar.extractall(dl, filter="data")
-        vendored = next(dl.glob("llama_cpp_python-*/vendor/llama.cpp"))
-        shutil.move(str(vendored), src)
-    build = root / "build"
-    subprocess.run(
-        ["cmake", "-S", str(src), "-B", str(build), "-G", "Ninja", "-DGGML_NATIVE=ON",
-         "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
-         "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF"],
-        check=True,
-    )  # fmt: skip
-    subprocess.run(["ninja", "-C", str(build), "llama-bench"], check=True)
-    return bench
+def llama_cpp_prefill(bench: Path, gguf: Path, n: int) -> dict[str, Any]:
+    from common import llama_bench
 
-
-def gguf_of(model: Path, root: Path) -> Path:
-    """The bf16 GGUF of ``model`` (converted once by llama.cpp's converter, with the Llama 2
-    tokenizer the random model's 32,000-token vocabulary stands for)."""
-    from common import with_llama2_tokenizer
-
-    out = root / f"{model.name}.gguf"
-    if out.exists():
-        return out
-    staged = with_llama2_tokenizer(model)
-    src = root / "src"
-    if not src.exists():
-        src = next(root.glob("**/vendor/llama.cpp"))
-    subprocess.run(
-        [sys.executable, str(src / "convert_hf_to_gguf.py"), str(staged), "--outtype", "bf16",
-         "--outfile", str(out)],
-        check=True,
-        capture_output=True,
-    )  # fmt: skip
-    return out
-
-
-def llama_bench(bench: Path, gguf: Path, n: int) -> dict[str, Any]:
-    threads = os.cpu_count() or 1
-    proc = subprocess.run(
-        [str(bench), "-m", str(gguf), "-p", str(n), "-n", "0", "-fa", "1", "-t", str(threads),
-         "-r", "1", "-o", "json"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )  # fmt: skip
-    rows = json.loads(proc.stdout)
-    tps = float(rows[0]["avg_ts"])
+    tps = llama_bench(bench, gguf, prompt=n)
     return {"path": "llama.cpp", "length": n, "ttft_s": n / tps, "tokens_per_s": tps}
 
 
@@ -248,7 +186,7 @@ def main() -> None:
         return
 
     import torch
-    from common import MEDIUM_32K, machine, random_llama
+    from common import MEDIUM_32K, build_llama_cpp, gguf_of, machine, random_llama
 
     model = random_llama("medium-32k", getattr(torch, args.dtype))
     bench = gguf = None
@@ -259,7 +197,7 @@ def main() -> None:
         root = args.llama_cpp.expanduser()
         bench = root / "build" / "bin" / "llama-bench"
         if not bench.exists() and args.build:
-            bench = build_llama_cpp(root)
+            bench = build_llama_cpp(root) / "llama-bench"
         if bench.exists():
             gguf = gguf_of(model, root)
         else:
@@ -278,7 +216,7 @@ def main() -> None:
             for path in [*args.paths, *(["llama.cpp"] if bench else [])]:
                 if path == "llama.cpp":
                     assert bench is not None and gguf is not None
-                    r = llama_bench(bench, gguf, n)
+                    r = llama_cpp_prefill(bench, gguf, n)
                 else:
                     r = measure(path, n, model, args.dtype, args.device)
                 r["round"] = rnd

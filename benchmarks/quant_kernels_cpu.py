@@ -17,11 +17,13 @@ descheduled thread (two threads on a busy 2-core host time the scheduler, not th
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -46,16 +48,20 @@ def timed(fn: Callable[[], object], min_s: float = 0.2) -> float:
     return statistics.median(times)
 
 
+def _clone(weights: Any) -> Any:
+    if isinstance(weights, cpu_qmatmul.Packed):
+        z = None if weights.z is None else weights.z.clone()
+        return dataclasses.replace(weights, w=weights.w.clone(), s=weights.s.clone(), z=z)
+    return tuple(t.clone() for t in weights)
+
+
 def rotating(
-    call: Callable[[tuple[torch.Tensor, ...]], object],
-    weights: tuple[torch.Tensor, ...],
-    nbytes: int,
+    call: Callable[[Any], object], weights: Any, nbytes: int
 ) -> tuple[Callable[[], object], int]:
-    """``call`` over copies of ``weights`` in turn, enough copies to fill ``COLD_BYTES``: each
-    call reads its weight from memory, not from a last-level cache that holds a small layer."""
-    copies = [weights] + [
-        tuple(t.clone() for t in weights) for _ in range(max(0, -(-COLD_BYTES // nbytes) - 1))
-    ]
+    """``call`` over copies of ``weights`` (aten's tuple or our ``Packed``) in turn, enough
+    copies to fill ``COLD_BYTES``: each call reads its weight from memory, not from a
+    last-level cache that holds a small layer."""
+    copies = [weights] + [_clone(weights) for _ in range(max(0, -(-COLD_BYTES // nbytes) - 1))]
     turn = itertools.cycle(copies)
     return (lambda: call(next(turn))), nbytes
 
@@ -78,11 +84,11 @@ def candidates(n: int, k: int, m: int, group: int) -> dict[str, tuple[Callable[[
     return {
         "bf16 F.linear": rotating(lambda p: F.linear(x16, p[0]), (w.bfloat16(),), 2 * n * k),
         "aten int8": rotating(lambda p: kernels.cpu_matmul(x16, p, None, n), a8, bytes8),
-        "ours int8 bf16": rotating(lambda p: cpu_qmatmul.matmul(x16, p, None), n8, bytes8),
-        "ours int8 f32": rotating(lambda p: cpu_qmatmul.matmul(x32, p, None), n8, bytes8),
+        "ours int8 bf16": rotating(lambda p: cpu_qmatmul.matmul(x16, p), n8, bytes8),
+        "ours int8 f32": rotating(lambda p: cpu_qmatmul.matmul(x32, p), n8, bytes8),
         "aten int4": rotating(lambda p: kernels.cpu_matmul(x16, p, group, n), a4, bytes4),
-        "ours int4 bf16": rotating(lambda p: cpu_qmatmul.matmul(x16, p, group), n4, bytes4),
-        "ours int4 f32": rotating(lambda p: cpu_qmatmul.matmul(x32, p, group), n4, bytes4),
+        "ours int4 bf16": rotating(lambda p: cpu_qmatmul.matmul(x16, p), n4, bytes4),
+        "ours int4 f32": rotating(lambda p: cpu_qmatmul.matmul(x32, p), n4, bytes4),
     }
 
 

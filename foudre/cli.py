@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -410,6 +411,23 @@ def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentP
     raise KeyError(name)
 
 
+def _is_torchrun_worker(args: argparse.Namespace) -> bool:
+    """A command that runs an engine, started by ``torchrun`` (or any launcher that sets
+    ``RANK`` and ``WORLD_SIZE``) on a rank other than 0: rank 0 runs the command, the others
+    hold shards of its model (``torchrun --nproc-per-node 2 -m foudre serve ...
+    --tensor-parallel-size 2``)."""
+    if not hasattr(args, "tensor_parallel_size"):
+        return False
+    return int(os.environ.get("RANK", "0")) > 0 and int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def _run_torchrun_worker(args: argparse.Namespace) -> int:
+    from foudre.distributed.worker import run_worker_from_env
+
+    run_worker_from_env(engine_config_from(args))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     arg_list = list(argv) if argv is not None else sys.argv[1:]
@@ -423,6 +441,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(levelname)s %(name)s: %(message)s",
     )
     try:
+        if _is_torchrun_worker(args):
+            return _run_torchrun_worker(args)
         return int(args.func(args))
     except (ValueError, OSError, ModelLoadError) as e:
         print(f"foudre: error: {e}", file=sys.stderr)

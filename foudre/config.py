@@ -51,11 +51,23 @@ class EngineConfig:
     ngram_min: int = 1
     ngram_max: int = 4
     seed: int = 0
+    # parallelism (foudre/distributed): the model's layers split across pipeline_parallel_size
+    # stages, each stage's weights across tensor_parallel_size ranks; one process per rank
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    # seconds a rank waits on its peers within a step before the engine fails (a hung worker)
+    distributed_timeout_s: float = 25.0
     skip_tokenizer_init: bool = False
     revision: str | None = None
 
     def __post_init__(self) -> None:
-        positive = ("block_size", "max_num_batched_tokens", "max_num_seqs")
+        positive = (
+            "block_size",
+            "max_num_batched_tokens",
+            "max_num_seqs",
+            "tensor_parallel_size",
+            "pipeline_parallel_size",
+        )
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -65,6 +77,10 @@ class EngineConfig:
                 raise ValueError(f"{name} must be positive, got {value}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+        if self.distributed_timeout_s <= 0:
+            raise ValueError(
+                f"distributed_timeout_s must be positive, got {self.distributed_timeout_s}"
+            )
         if self.batch_wait_ms is not None and self.batch_wait_ms < 0:
             raise ValueError(f"batch_wait_ms must be non-negative, got {self.batch_wait_ms}")
         if self.speculative_method == "none":  # off, also where a profile turned it on

@@ -11,6 +11,7 @@ Layers, bottom to top (``docs/architecture.md`` draws them)::
     loading                                      files in and out, checkpoints written
     runner                                       one forward per step
     spec                                         proposers
+    distributed                                  process groups, shards, workers
     engine                                       requests, blocks, scheduling, the step
     compress, server                             applications of the engine
     bench                                        measures them (perplexity from compress)
@@ -40,6 +41,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("loading",),
     ("runner",),
     ("spec",),
+    ("distributed",),
     ("engine",),
     ("compress", "server"),
     ("bench",),

@@ -30,8 +30,9 @@ int8-kv   bfloat16 weights, int8 KV cache (``kv_cache_dtype="int8"``)
 The calibrated schemes calibrate at load on the engine's default calibration set: 8 sequences
 of 64 random token ids (``foudre.quant.calib.default_calibration``). ``--calibration-docs N``
 instead quantizes the float model in place with the first N documents of the *train* split of
-``--data`` (never the held-out documents that are scored). The ``lm_head`` stays in float in
-every scheme (``foudre.quant.api``).
+``--data`` (never the held-out documents that are scored). The ``lm_head`` is int8 per channel
+under int8 and int4 (as llama.cpp keeps its output layer at higher precision) and stays in
+float in the other schemes (``foudre.quant.api.quantize_model``).
 """
 
 from __future__ import annotations
@@ -169,7 +170,7 @@ def log_probs(model: Any, ids: torch.Tensor, kv_cache_dtype: str = "auto") -> to
     sequence per forward (each from position 0, no KV cache)."""
     from foudre.compress.model import causal_logits
 
-    device = model.lm_head.weight.device
+    device = model.model.embed_tokens.weight.device  # lm_head may be quantized
     rows = [
         torch.log_softmax(causal_logits(model, row.view(1, -1).to(device), kv_cache_dtype)[0], -1)
         for row in ids
@@ -223,14 +224,13 @@ def scheme_config(base: EngineConfig, scheme: Scheme, calibrate_in_place: bool) 
 
 def quantize_in_place(model: Any, method: str, calibration: list[list[int]]) -> None:
     """Quantize the engine's float model with ``method`` on ``calibration`` token ids, as the
-    loader would at load (compute dtype bfloat16 for a float32 model on CPU)."""
-    from foudre.quant import set_compute_dtype
-    from foudre.quant.api import config_for_method, quantize_
+    loader would at load (compute dtype bfloat16 for a float32 model on a CPU where torch's
+    packed kernels serve it)."""
+    from foudre.quant.api import quantize_model
+    from foudre.quant.qlinear import prepare_for_cpu
 
-    quantize_(model, config_for_method(method, calibration))
-    weight = model.lm_head.weight
-    if weight.device.type == "cpu" and weight.dtype == torch.float32:
-        set_compute_dtype(model, torch.bfloat16)
+    quantize_model(model, method, calibration)
+    prepare_for_cpu(model)
 
 
 def run_scheme(
@@ -515,9 +515,9 @@ def format_markdown(
     lines += [
         "",
         "Size: parameters plus persistent buffers as loaded (packed codes, scales and zero points "
-        "as stored); ratios in parentheses: size vs fp32, speeds vs bf16. The lm_head and the "
-        "embedding stay in float in every scheme. bits/weight: size in bits over the float "
-        "model's weight count.",
+        "as stored); ratios in parentheses: size vs fp32, speeds vs bf16. The embedding stays "
+        "in float in every scheme, the lm_head too except under int8 and int4 (int8 per "
+        "channel). bits/weight: size in bits over the float model's weight count.",
     ]
     return "\n".join(lines) + "\n"
 

@@ -32,7 +32,7 @@ def full_sequence_logits(
     model: LlamaForCausalLM, ids: list[int] | torch.Tensor, kv_cache_dtype: str = "auto"
 ) -> torch.Tensor:
     """Float32 logits ``[T, vocab]`` of one sequence, computed in a single forward."""
-    t = torch.as_tensor(ids, dtype=torch.long, device=model.lm_head.weight.device)
+    t = torch.as_tensor(ids, dtype=torch.long, device=model.model.embed_tokens.weight.device)
     return causal_logits(model, t.view(1, -1), kv_cache_dtype)[0]
 
 

@@ -33,7 +33,8 @@ from foudre.quant.api import (
 def add_quantize_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="HF directory, hub id or llama2.c .bin")
     parser.add_argument("--tokenizer", default=None)
-    parser.add_argument("--method", required=True, choices=METHODS)
+    # fp8 is applied at load only (``LLM(quantization="fp8")``): checkpoints hold QuantLinears
+    parser.add_argument("--method", required=True, choices=[m for m in METHODS if m != "fp8"])
     parser.add_argument("--output", required=True, help="directory to write")
     parser.add_argument("--bits", type=int, default=4, choices=(4, 8), help="gptq / awq bits")
     parser.add_argument("--group-size", type=int, default=128, choices=(32, 64, 128, 256))

@@ -30,6 +30,9 @@ from foudre.outputs import RequestOutput
 from foudre.sampling_params import BeamSearchParams, SamplingParams
 
 logger = logging.getLogger("foudre")
+# how often an idle engine checks that a parallel engine's workers still answer
+# (LLMEngine.heartbeat; a no-op on one device)
+HEARTBEAT_INTERVAL_S = 2.0
 
 Prompt = str | list[int]
 OutputObserver = Callable[[RequestOutput], None]
@@ -251,7 +254,9 @@ class AsyncLLM:
 
     @property
     def _healthy(self) -> bool:
-        return bool(self._snapshot.get("healthy", True))
+        # the snapshot is refreshed by steps; a fatal error (a parallel engine's lost worker)
+        # is read live, so that an idle engine reports it too
+        return bool(self._snapshot.get("healthy", True)) and self.engine.fatal_error is None
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Abort in-flight requests and stop the engine thread. Idempotent."""
@@ -293,15 +298,20 @@ class AsyncLLM:
 
     def _run(self) -> None:
         while True:
+            idle = False
             with self._cv:
                 while not self._commands and not self._stopping and not self._busy:
-                    self._cv.wait()
+                    if not self._cv.wait(timeout=HEARTBEAT_INTERVAL_S):
+                        idle = True  # nothing to do for a while: check the workers below
+                        break
                 if self._busy and self.engine.stalled and not self._commands:
                     # requests wait for a batch to form: poll the policy, don't spin
                     self._cv.wait(timeout=0.002)
                 commands, self._commands = self._commands, []
                 stopping = self._stopping
             try:
+                if idle:
+                    self.engine.heartbeat()
                 for command in commands:
                     self._apply(command)
                 if stopping:

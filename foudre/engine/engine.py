@@ -17,6 +17,8 @@ from typing import Any
 import torch
 
 from foudre.config import EngineConfig
+from foudre.distributed.errors import WorkerFailedError
+from foudre.distributed.executor import Executor, ParallelExecutor, start_parallel
 from foudre.engine.beam import BeamSearch, Survivor
 from foudre.engine.kv_cache import KVCacheManager
 from foudre.engine.options import check_config
@@ -126,7 +128,9 @@ class _Tracked:
 
 
 class LLMEngine:
-    """Owns the scheduler, the KV-cache manager and the model runner."""
+    """Owns the scheduler, the KV-cache manager and the model runner (with
+    ``tensor_parallel_size`` or ``pipeline_parallel_size`` above 1, a ``ParallelExecutor`` that
+    runs each step on the worker processes too; ``self.model`` is then this process's shard)."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -134,7 +138,19 @@ class LLMEngine:
         check_config(config, self.device)
         if self.device.type == "cpu":
             keep_freed_host_memory()
-        loaded = self._load(config)
+        self._parallel: ParallelExecutor | None = None
+        if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
+            loaded, self._parallel = start_parallel(config, self.device)
+            self.model_name = loaded.name
+        else:
+            loaded = self._load(config)
+        try:
+            self._init(config, loaded)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _init(self, config: EngineConfig, loaded: LoadedModel) -> None:
         self.model_config = mcfg = loaded.config
         self.max_model_len = resolve_max_model_len(config, mcfg)
         self.model = loaded.model
@@ -143,7 +159,10 @@ class LLMEngine:
             None if config.skip_tokenizer_init else load_tokenizer_for(loaded)
         )
         self.eos_token_ids = loaded.eos_token_ids(self.tokenizer)
-        num_blocks = num_kv_blocks(self.model, config, self.device, self.max_model_len)
+        if self._parallel is not None:
+            num_blocks = self._parallel.num_blocks  # the least any rank can hold
+        else:
+            num_blocks = num_kv_blocks(self.model, config, self.device, self.max_model_len)
         if num_blocks * config.block_size < self.max_model_len:
             raise ValueError(
                 f"the KV cache holds {num_blocks * config.block_size} tokens, fewer than "
@@ -152,7 +171,7 @@ class LLMEngine:
             )
         self.kv = self._block_manager(num_blocks)
         self.scheduler = self._scheduler()
-        self.runner = self._runner(num_blocks)
+        self.runner: Executor = self._parallel or self._runner(num_blocks)
         self.proposer = self._proposer(num_blocks)
         self.stats = EngineStats(spec_accepted_per_position=[0] * config.num_speculative_tokens)
         self._tracked: dict[str, _Tracked] = {}
@@ -570,6 +589,8 @@ class LLMEngine:
         self.stats.num_model_steps += 1
         try:
             result = self.runner.execute(sched)
+        except WorkerFailedError as e:
+            return self._workers_failed(e)
         except Exception as e:
             return self._step_failed([row.request_id for row in sched.rows], e)
         self.stats.consecutive_step_failures = 0
@@ -582,8 +603,43 @@ class LLMEngine:
 
     @property
     def healthy(self) -> bool:
-        """False once steps keep failing whatever they run: the engine cannot step at all."""
+        """False once steps keep failing whatever they run, or a parallel engine lost a worker:
+        the engine cannot step at all."""
+        if self._parallel is not None and not self._parallel.healthy:
+            return False
         return self.stats.consecutive_step_failures < _UNHEALTHY_AFTER
+
+    @property
+    def fatal_error(self) -> str | None:
+        """What broke the engine for good (a parallel engine's lost or hung worker), None while
+        it can step. Unlike ``healthy`` after repeated step failures, nothing recovers from it:
+        a server should exit."""
+        return self._parallel.failure if self._parallel is not None else None
+
+    def heartbeat(self) -> None:
+        """While idle: check that a parallel engine's workers still answer (``fatal_error``
+        says when one does not); nothing on one device."""
+        if self._parallel is not None:
+            self._parallel.heartbeat()
+
+    def shutdown(self) -> None:
+        """Stop the worker processes of a parallel engine (nothing to do on one device).
+        Idempotent; the engine cannot step after it."""
+        if self._parallel is not None:
+            self._parallel.shutdown()
+
+    def _workers_failed(self, error: WorkerFailedError) -> list[RequestOutput]:
+        """A parallel step failed across ranks: the engine cannot step any more. Every request
+        it holds, running or waiting, fails with the error (``finish_reason "error"``)."""
+        self.stats.num_step_failures += 1
+        message = f"{type(error).__name__}: {error}"
+        logger.error("the parallel engine lost a worker; failing every request: %s", message)
+        outputs: list[RequestOutput] = []
+        for rid in list(self._tracked):
+            tracked = self._tracked.get(rid)
+            if tracked is not None and not tracked.request.is_finished:
+                outputs += self._fail_request(tracked, message)
+        return outputs
 
     def _step_failed(self, request_ids: list[str], error: Exception) -> list[RequestOutput]:
         """A forward raised. A request that ran alone is the cause: it fails (``finish_reason

@@ -74,6 +74,11 @@ class LLM:
     def metrics(self) -> dict[str, Any]:
         return self.engine.metrics()
 
+    def shutdown(self) -> None:
+        """Stop the worker processes of a parallel engine (``tensor_parallel_size`` or
+        ``pipeline_parallel_size`` above 1; nothing to do on one device). Idempotent."""
+        self.engine.shutdown()
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],

@@ -105,7 +105,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         kind: Any
         if isinstance(default, bool):
             kind = _bool
-        elif f.name in ("kv_cache_memory", "batch_wait_ms"):
+        elif f.name in ("kv_cache_memory", "batch_wait_ms", "distributed_timeout_s"):
             kind = float
         elif isinstance(default, int) or f.name in (
             "max_model_len",

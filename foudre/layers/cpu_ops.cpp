@@ -448,17 +448,118 @@ using PagedDecode = void (*)(const void* q, const void* k, const void* v, void* 
                              int64_t q_stride, int64_t o_stride, int64_t block_stride,
                              int64_t token_stride, float scale);
 
+// The decode kernel over a quantized cache: codes k / v, their scales (the same file's
+// FOUDRE_PAGED_DECODE_CODES), and a sliding window (0 here)
+using PagedDecodeCodes = void (*)(const void* q, const void* k, const void* v,
+                                  const float* k_scale, const float* v_scale, void* out,
+                                  const int32_t* tokens, const int32_t* tables,
+                                  const int32_t* lens, int64_t rows, int64_t num_heads,
+                                  int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                                  int64_t table_width, int64_t q_stride, int64_t o_stride,
+                                  int64_t block_stride, int64_t token_stride, float scale,
+                                  int64_t window);
+
+// A quantized projection (quant/cpu_qmatmul.cpp's foudre_qmm_f32 / _bf16, passed by address in
+// its descriptor): kind, x, codes, scales, zero points, scale type, groups, group, y, m, n, k
+using QuantMatmul = void (*)(int kind, const void* x, const void* q, const void* s, const void* z,
+                             int st, int64_t groups, int64_t group, void* y, int64_t m, int64_t n,
+                             int64_t k);
+enum QuantSlot { kQmmFn, kQmmKind, kQmmCodes, kQmmScales, kQmmZeros, kQmmScaleType, kQmmGroups,
+                 kQmmGroup, kQmmBias, kQmmColumns, kQmmSlots };
+
+// y [rows, n] = x [rows, k] @ W^T (+ bias): W float (w, bias) unless `quant` describes a
+// QuantLinear (QuantSlot entries), whose bias is added after its result's rounding, as
+// QuantLinear.forward adds it; x padded with zero columns to the kernel's kQmmColumns if wider
+template <typename T>
+void project(const int64_t* quant, const T* x, const T* w, const T* bias, T* y, int64_t rows,
+             int64_t n, int64_t k) {
+  if (quant == nullptr) {
+    linear(x, k, w, bias, y, rows, n, k);
+    return;
+  }
+  const auto vp = [quant](QuantSlot i) { return reinterpret_cast<const void*>(quant[i]); };
+  const int64_t kp = quant[kQmmColumns];
+  std::vector<T> padded;
+  if (kp != k) {
+    padded.assign(rows * kp, T{});
+    for (int64_t r = 0; r < rows; ++r) std::copy(x + r * k, x + (r + 1) * k, &padded[r * kp]);
+    x = padded.data();
+  }
+  reinterpret_cast<QuantMatmul>(quant[kQmmFn])(
+      static_cast<int>(quant[kQmmKind]), x, vp(kQmmCodes), vp(kQmmScales), vp(kQmmZeros),
+      static_cast<int>(quant[kQmmScaleType]), quant[kQmmGroups], quant[kQmmGroup], y, rows, n, kp);
+  if (quant[kQmmBias] != 0)
+    for (int64_t r = 0; r < rows; ++r) add_(y + r * n, static_cast<const T*>(vp(kQmmBias)), n);
+}
+
+// A layer's KV cache: float (the model's dtype), or int8 / float8 e4m3fn codes with scales
+enum KVCodes { kFloatKV, kInt8KV, kFp8KV };
+
+// x to float8 e4m3fn as torch converts (c10's fp8e4m3fn_from_fp32_value): nearest even, NaN
+// from 480 up
+inline uint8_t to_e4m3(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  const uint32_t sign = bits & 0x80000000u;
+  bits ^= sign;
+  uint8_t code;
+  if (bits >= 1087u << 20) {
+    code = 0x7F;
+  } else if (bits < 121u << 23) {  // a subnormal e4m3: the float addition rounds it
+    const uint32_t denorm = 141u << 23;
+    float d;
+    std::memcpy(&d, &denorm, 4);
+    const float sum = std::fabs(f) + d;
+    std::memcpy(&bits, &sum, 4);
+    code = static_cast<uint8_t>(bits - denorm);
+  } else {
+    const uint32_t odd = (bits >> 20) & 1u;
+    bits += (static_cast<uint32_t>(7 - 127) << 23) + 0x7FFFFu + odd;
+    code = static_cast<uint8_t>(bits >> 20);
+  }
+  return code | static_cast<uint8_t>(sign >> 24);
+}
+
+// The K/V codes of layers/kv_quant.py's quantize_kv, bit for bit, for n heads of D values at x:
+// per head s = max(max|x|, 1e-8) / qmax, codes x / s rounded to nearest even, as int8 clamped
+// to +-127 (qmax 127) or as e4m3 (qmax 448); codes [n, D] bytes, scales [n]. Exported as
+// foudre_quantize_kv_* for the tests that compare the two.
+template <typename T>
+void quantize_kv(const T* x, int64_t n, int64_t D, int64_t kind, uint8_t* codes, float* scales) {
+  for (int64_t h = 0; h < n; ++h) {
+    const T* row = x + h * D;
+    float amax = 0.0f;
+    for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(to_float(row[d])));
+    const float s = std::max(amax, 1e-8f) / (kind == kInt8KV ? 127.0f : 448.0f);
+    scales[h] = s;
+    for (int64_t d = 0; d < D; ++d) {
+      const float y = to_float(row[d]) / s;
+      if (kind == kInt8KV) {
+        const float r = std::min(127.0f, std::max(-127.0f, std::nearbyint(y)));
+        codes[h * D + d] = static_cast<uint8_t>(static_cast<int8_t>(r));
+      } else {
+        codes[h * D + d] = to_e4m3(y);
+      }
+    }
+  }
+}
+
 // Per layer, the addresses decode_layers reads (0 where a layer has none), then a sparse layer's
 // integers: a layer with a router (kRouter) runs moe_block in place of the dense MLP (kGateUp,
-// kDown), counting into its int64 counts[kExperts].
+// kDown), counting into its int64 counts[kExperts]. A quantized KV cache: its codes at kKCache /
+// kVCache, their scales at kKScales / kVScales, kKVCodes its KVCodes (kFloatKV: a float cache).
+// A quantized projection: the address of its QuantSlot descriptor at kQKVQuant .. kDownQuant
+// (0: the float weight at kQKV .. kDown).
 enum LayerPointer {
   kInputNorm, kQKV, kQKVBias, kO, kPostNorm, kGateUp, kDown, kQNorm, kKNorm, kKCache, kVCache,
+  kKScales, kVScales, kKVCodes, kQKVQuant, kOQuant, kGateUpQuant, kDownQuant,
   kRouter, kExpertsGateUp, kExpertsDown, kCounts, kExperts, kTopK, kRenormalize, kMoeIntermediate,
   kLayerPointers
 };
 
 // A decode step (one new token in each of `rows` rows) through every decoder layer, in place
-// on the residual stream x [rows, hidden]: the kernels above and the paged-attention kernel,
+// on the residual stream x [rows, hidden]: the kernels above and the paged-attention kernel
+// (`attention`: a PagedDecode, or a PagedDecodeCodes where the layers' KV caches are quantized),
 // called in the order and with the roundings of models/llama.py's path through them, so both
 // give the same bits; sparse layers count the experts chosen by the first `counted` rows.
 // Returns, before touching anything, 1 for a position outside the RoPE tables, 2 for a slot
@@ -484,10 +585,13 @@ int decode_layers(T* x, int64_t rows, const int64_t* layers, int64_t num_layers,
   for (int64_t l = 0; l < num_layers; ++l) {
     const int64_t* p = layers + l * kLayerPointers;
     const auto w = [p](LayerPointer i) { return reinterpret_cast<const T*>(p[i]); };
+    const auto quant = [p](LayerPointer i) { return reinterpret_cast<const int64_t*>(p[i]); };
     T* k_cache = reinterpret_cast<T*>(p[kKCache]);
     T* v_cache = reinterpret_cast<T*>(p[kVCache]);
+    const int64_t kv_codes = p[kKVCodes];
     rms_norm(x, w(kInputNorm), h.data(), rows, hidden, hidden, eps);
-    linear(h.data(), hidden, w(kQKV), w(kQKVBias), qkv.data(), rows, qkv_width, hidden);
+    project(quant(kQKVQuant), h.data(), w(kQKV), w(kQKVBias), qkv.data(), rows, qkv_width,
+            hidden);
     if (p[kQNorm] != 0) {  // q/k norm over each head, before RoPE (qwen3)
       for (int64_t r = 0; r < rows; ++r) {
         T* row = qkv.data() + r * qkv_width;
@@ -499,13 +603,31 @@ int decode_layers(T* x, int64_t rows, const int64_t* layers, int64_t num_layers,
     for (int64_t r = 0; r < rows; ++r) {  // the new token's K and V into its slot
       const T* row = qkv.data() + r * qkv_width;
       const int64_t at = slots[r] / block_size * block_stride + slots[r] % block_size * token_stride;
+      if (kv_codes != kFloatKV) {  // codes of a byte, scales at the codes' offset / head_dim
+        uint8_t* codes[2] = {reinterpret_cast<uint8_t*>(p[kKCache]),
+                             reinterpret_cast<uint8_t*>(p[kVCache])};
+        float* scales[2] = {reinterpret_cast<float*>(p[kKScales]),
+                            reinterpret_cast<float*>(p[kVScales])};
+        for (int i = 0; i < 2; ++i)
+          quantize_kv(row + q_size + i * kv_size, kv_heads, D, kv_codes, codes[i] + at,
+                      scales[i] + at / D);
+        continue;
+      }
       std::copy(row + q_size, row + q_size + kv_size, k_cache + at);
       std::copy(row + q_size + kv_size, row + qkv_width, v_cache + at);
     }
-    attend(qkv.data(), k_cache, v_cache, att.data(), tokens, tables, lens, rows, heads, kv_heads,
-           D, block_size, table_width, qkv_width, q_size, block_stride, token_stride, scale);
-    linear(att.data(), q_size, w(kO), static_cast<const T*>(nullptr), y.data(), rows, hidden,
-           q_size);
+    if (kv_codes != kFloatKV)
+      reinterpret_cast<PagedDecodeCodes>(const_cast<void*>(attention))(
+          qkv.data(), k_cache, v_cache, reinterpret_cast<const float*>(p[kKScales]),
+          reinterpret_cast<const float*>(p[kVScales]), att.data(), tokens, tables, lens, rows,
+          heads, kv_heads, D, block_size, table_width, qkv_width, q_size, block_stride,
+          token_stride, scale, 0);
+    else
+      attend(qkv.data(), k_cache, v_cache, att.data(), tokens, tables, lens, rows, heads,
+             kv_heads, D, block_size, table_width, qkv_width, q_size, block_stride, token_stride,
+             scale);
+    project(quant(kOQuant), att.data(), w(kO), static_cast<const T*>(nullptr), y.data(), rows,
+            hidden, q_size);
     add_(x, y.data(), rows * hidden);
     rms_norm(x, w(kPostNorm), h.data(), rows, hidden, hidden, eps);
     if (p[kRouter] != 0) {  // route's ids are in range: moe_block cannot fail
@@ -513,11 +635,11 @@ int decode_layers(T* x, int64_t rows, const int64_t* layers, int64_t num_layers,
                 p[kRenormalize] != 0, w(kExpertsGateUp), w(kExpertsDown),
                 reinterpret_cast<int64_t*>(p[kCounts]), counted, y.data());
     } else {
-      linear(h.data(), hidden, w(kGateUp), static_cast<const T*>(nullptr), gate_up.data(), rows,
-             2 * intermediate, hidden);
+      project(quant(kGateUpQuant), h.data(), w(kGateUp), static_cast<const T*>(nullptr),
+              gate_up.data(), rows, 2 * intermediate, hidden);
       silu_mul(gate_up.data(), act.data(), rows, intermediate, 2 * intermediate);
-      linear(act.data(), intermediate, w(kDown), static_cast<const T*>(nullptr), y.data(), rows,
-             hidden, intermediate);
+      project(quant(kDownQuant), act.data(), w(kDown), static_cast<const T*>(nullptr), y.data(),
+              rows, hidden, intermediate);
     }
     add_(x, y.data(), rows * hidden);
   }
@@ -560,6 +682,11 @@ int foudre_cpu_ops_available() { return 1; }
                          head_dim, intermediate, eps, cos, sin, max_positions, positions, slots,   \
                          num_slots, attention, tokens, tables, lens, table_width, block_size,      \
                          scale, counted);                                                          \
+  }                                                                                                \
+  void foudre_quantize_kv_##SUFFIX(const void* x, int64_t n, int64_t head_dim, int64_t kind,      \
+                                   void* codes, float* scales) {                                   \
+    quantize_kv(static_cast<const T*>(x), n, head_dim, kind, static_cast<uint8_t*>(codes),         \
+                scales);                                                                           \
   }                                                                                                \
   int foudre_moe_experts_##SUFFIX(const void* x, int64_t rows, int64_t hidden, int64_t inter,      \
                                   const int64_t* ids, const float* weights, int64_t top_k,         \

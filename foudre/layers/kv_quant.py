@@ -4,7 +4,9 @@
 head's ``head_dim`` values; ``fp8`` stores ``x / s`` as float8 e4m3 with ``s = max|x| / 448``.
 These are the rounding functions; the paged cache that stores the codes is
 ``foudre.runner.attention.kv_quant.QuantizedKVCache``, and ``fake_quantize_kv`` gives what it
-reads back (how ``CausalBackend`` measures the quality cost without a cache).
+reads back (how ``CausalBackend`` measures the quality cost without a cache). The native CPU
+decode step quantizes its new K/V in C++ (``quantize_kv`` in ``layers/cpu_ops.cpp``) to the same
+codes and scales, bit for bit; the paged attention kernels read the codes and scales as stored.
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ Layout (little-endian, versions 2 and 3)::
 The header is parsed here (the ``gguf`` package's reader parses a 128k-token vocabulary element
 by element, which takes seconds); tensor bytes are memory-mapped and dequantized with
 ``gguf.quants.dequantize``, so no block decoder is written by hand. ``load_model`` keeps the
-Q4_0, Q4_1, Q4_K and Q8_0 linears quantized instead (``foudre.loading.gguf_quant``).
+Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K and Q8_0 linears quantized instead
+(``foudre.loading.gguf_quant``).
 
 Weights are renamed to the Hugging Face names ``LlamaForCausalLM.load_weights`` expects. For
 ``llama`` files the rows of ``attn_q`` and ``attn_k`` are permuted back: llama.cpp's converter
@@ -38,7 +39,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, quants
 from gguf.quants import dequantize
 
 from foudre.layers.rotary import rope_inv_freq
@@ -47,11 +48,13 @@ from foudre.loading.tokenizer import HFTokenizer, SentencePieceTokenizer, Tokeni
 from foudre.models.config import ModelConfig
 
 _QT = GGMLQuantizationType
-# The types foudre dequantizes; the K-quants cover llama.cpp's usual Q4_K_M / Q5_K_M / Q6_K files.
-SUPPORTED_TENSOR_TYPES = (
-    _QT.F32, _QT.F16, _QT.BF16, _QT.Q8_0, _QT.Q4_0, _QT.Q4_1, _QT.Q5_0, _QT.Q5_1,
-    _QT.Q4_K, _QT.Q5_K, _QT.Q6_K,
-)  # fmt: skip
+# The types foudre reads: the floats and every type the gguf package dequantizes (its ``quants``
+# module has a class per type it decodes: the legacy and K-quants, IQ*, TQ*, MXFP4...), which
+# ``gguf_quant`` keeps quantized or dequantizes at load. Not ggml's internal Q8_1 / Q8_K, nor
+# integer tensors.
+SUPPORTED_TENSOR_TYPES = tuple(
+    t for t in _QT if t in (_QT.F32, _QT.F16) or isinstance(getattr(quants, t.name, None), type)
+)
 
 # general.architecture -> foudre architecture. Mistral and Mixtral models are written as "llama".
 ARCHITECTURES = {

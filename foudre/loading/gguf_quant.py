@@ -1,26 +1,39 @@
-"""GGUF weights kept quantized: the Q4_0, Q4_1 and Q4_K linears as 4-bit and the Q8_0 ones as
-8-bit ``QuantLinear`` modules with groups of 32 columns (and the stacked experts of
-mixture-of-experts layers as ``QuantExperts`` of them), re-expressed exactly in foudre's
-canonical layouts (``foudre.quant.packing``) rather than expanded to floats:
+"""GGUF weights kept quantized: the linears of Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K and Q8_0
+tensors as ``QuantLinear`` modules (and the stacked experts of mixture-of-experts layers as
+``QuantExperts`` of them), re-expressed in foudre's canonical layouts (``foudre.quant.packing``)
+rather than expanded to floats. Every type is decoded to integer codes ``q``, a scale ``s`` and
+an optional min ``c`` per group, ``w = q s - c``, which is exactly the float32 arithmetic of the
+gguf package's dequantizers (``d``, ``dmin`` and ``m`` are the file's float16 values):
 
-- Q8_0 ``w = d q``: int8 codes ``q``, scale ``d`` per block of 32 (group-wise int8).
-- Q4_0 ``w = d (q - 8)``: codes ``q``, ``s = d``, ``z = 8``.
-- Q4_1 ``w = d q + m``: ``s = d``, ``z = -m / d``.
-- Q4_K, per 256 values ``d``, ``dmin`` and per sub-block of 32 6-bit ``sc`` and ``m``,
-  ``w = d sc q - dmin m``: ``s = d sc``, ``z = dmin m / s``.
+- Q4_0 ``w = d (q - 8)`` and Q5_0 ``w = d (q - 16)``: codes ``q - 8`` / ``q - 16``, ``s = d``.
+- Q4_1 and Q5_1 ``w = d q + m``: ``s = d``, ``c = -m``.
+- Q4_K and Q5_K, per 256 values ``d``, ``dmin`` and per sub-block of 32 6-bit ``sc`` and ``m``,
+  ``w = d sc q - dmin m``: ``s = d sc``, ``c = dmin m``.
+- Q6_K, per 256 values ``d`` and per sub-block of 16 an int8 ``sc``, ``w = d sc (q - 32)``:
+  codes ``q - 32``, ``s = d sc`` (exact in float32).
+- Q8_0 ``w = d q``: codes ``q``, ``s = d``.
 
-A block whose scale is zero holds one value ``v`` (``m``, ``-dmin m``, or 0): it becomes codes 0,
-``s = |v|``, ``z = -sign(v)``, which gives ``v`` exactly. Scales keep their exact values: float16
-for Q4_0 (``d`` is a float16, ``z = 8``), float32 otherwise; so a Q4_0 module takes 20 bytes per
-32 weights (the file 18) and a Q8_0 one 36 (the file 34).
+A module whose parts (q/k/v, gate/up) are all of the 4-bit types is a 4-bit ``QuantLinear`` with
+groups of 32: codes 0..15 (Q4_0's ``q``) and zero points ``z = c / s`` (Q4_0: 8), ``w = (q - z)
+s``. Any other module is 8-bit group-wise, with the smallest group of its parts (16 with a Q6_K
+part; a group of 32 is two of 16 with the same scale) and zero points ``z = c / s`` when a part
+has mins (Q4_1, Q4_K, Q5_1, Q5_K): so Q4_K_M's q/k/v (v in Q6_K) stays quantized, in 8 bits. A
+group with zero points and ``s == 0`` holds one value ``-c``: it becomes codes 0, ``s = |c|``,
+``z = sign(c)``, exactly ``-c``.
 
-Decoding is vectorised numpy over the file's memory map, one tensor at a time. The parts of a
-fused linear (q/k/v, gate/up) or of a layer's experts are kept only when all of them are of kept
-types of the same bits; everything else is dequantized at load as before: other types (Q5_*,
-Q6_K, ...), the parts beside one of them, the embedding table (looked up, not multiplied),
-routers, and experts stored one tensor per expert (older files). One log line names them with
-the reason. ``FOUDRE_GGUF_DEQUANTIZE=1`` (or ``load_model(gguf_dequantize=True)``) dequantizes
-everything, as before.
+Exactness against the gguf dequantizer: bit for bit where the zero points are absent or integers
+(Q5_0, Q6_K, Q8_0; Q4_0's 8); with a part's ``z = c / s``, ``(q - z) s`` and the kernels'
+``q s - fl(s z)`` are within a few float32 roundings of ``|c|`` (under ``1e-7 max|w|`` measured,
+where ``q s - c`` would be exact but is not ``QuantLinear``'s form). Scales are float32 (the
+kernels' layouts use the buffers themselves), but float16 for all-Q4_0 modules (``d`` is a
+float16, ``z = 8``): a Q4_0 module takes 20 bytes per 32 weights (the file 18), a Q8_0 one 36
+(the file 34), Q5_0 36 (22), Q5_1 / Q5_K 40 (24 / 22), Q6_K 40 (26.25).
+
+Decoding is vectorised numpy over the file's memory map, one tensor at a time. Dequantized at
+load as before: other types (Q2_K, Q3_K, the IQ types...) and the parts fused with one of them,
+the embedding table (looked up, not multiplied), routers, and experts stored one tensor per
+expert (older files). One log line names them with the reason. ``FOUDRE_GGUF_DEQUANTIZE=1`` (or
+``load_model(gguf_dequantize=True)``) dequantizes everything, as before.
 """
 
 from __future__ import annotations
@@ -53,9 +66,29 @@ from foudre.quant.qlinear import QuantLinear
 log = logging.getLogger(__name__)
 
 _QT = GGMLQuantizationType
-# ggml type -> bits of the QuantLinear that holds it
-KEPT_TYPES: dict[int, int] = {_QT.Q8_0: 8, _QT.Q4_0: 4, _QT.Q4_1: 4, _QT.Q4_K: 4}
-GROUP = 32
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """How weights are held: ``bits`` (4: codes 0..15, 8: int8), columns per scale (``group``),
+    and whether there are zero points (always with 4 bits; for 8 bits, when a part has mins)."""
+
+    bits: int
+    group: int
+    zero_point: bool
+
+
+# ggml type kept quantized -> its own layout (zero_point: the format has mins ``c``)
+KEPT_TYPES: dict[int, Layout] = {
+    _QT.Q4_0: Layout(4, 32, False),
+    _QT.Q4_1: Layout(4, 32, True),
+    _QT.Q4_K: Layout(4, 32, True),
+    _QT.Q5_0: Layout(8, 32, False),
+    _QT.Q5_1: Layout(8, 32, True),
+    _QT.Q5_K: Layout(8, 32, True),
+    _QT.Q6_K: Layout(8, 16, False),
+    _QT.Q8_0: Layout(8, 32, False),
+}
 _FLOATS = (_QT.F32, _QT.F16, _QT.BF16)
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 _ROUTERS = ("mlp.gate", "mlp.shared_expert_gate")
@@ -63,11 +96,21 @@ _STACKED_EXPERTS = re.compile(r"^(.*\.experts)\.\{\}\.(gate_proj|up_proj|down_pr
 ENV = "FOUDRE_GGUF_DEQUANTIZE"
 
 
+def module_layout(tensors: list[GGUFTensor]) -> Layout:
+    """The layout of a module made of ``tensors`` (all of ``KEPT_TYPES``): 4 bits with groups of
+    32 when every part is 4-bit, else 8 bits with the smallest group, zero points when a part
+    has mins."""
+    layouts = [KEPT_TYPES[t.type] for t in tensors]
+    if all(lay.bits == 4 for lay in layouts):
+        return Layout(4, 32, True)
+    return Layout(8, min(lay.group for lay in layouts), any(lay.zero_point for lay in layouts))
+
+
 @dataclass(slots=True)
 class Codes:
-    """One tensor's codes in QuantLinear's canonical (unpacked) form: ``codes`` int8 ``[N, K]``
-    (8 bits) or uint8 0..15 (4 bits), ``scales`` and ``zeros`` (4 bits) float32 ``[N, K / 32]``.
-    """
+    """One tensor's codes in QuantLinear's canonical (unpacked) form: ``codes`` uint8 0..15
+    (4 bits) or int8 (8 bits) ``[N, K]``, ``scales`` and ``zeros`` (None: no zero points)
+    float32 ``[N, K / group]``."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -81,21 +124,24 @@ class KeptLinear:
     module: str
     weights: list[tuple[str, GGUFTensor]]  # (HF name, tensor) in row order
     biases: list[tuple[str, GGUFTensor]]
-    bits: int
+    layout: Layout
     scale_dtype: torch.dtype
 
 
 @dataclass(slots=True)
 class KeptExperts:
     """The routed experts of a mixture-of-experts layer, from stacked GGUF tensors kept
-    quantized (``ffn_{gate,up,down}_exps``, ``[experts, rows, cols]``)."""
+    quantized (``ffn_{gate,up,down}_exps``, ``[experts, rows, cols]``); gate/up and down each
+    in the layout of their types."""
 
     module: str
     gate: GGUFTensor
     up: GGUFTensor
     down: GGUFTensor
-    bits: int
-    scale_dtype: torch.dtype
+    gate_up_layout: Layout
+    down_layout: Layout
+    gate_up_dtype: torch.dtype
+    down_dtype: torch.dtype
 
 
 @dataclass(slots=True)
@@ -125,9 +171,84 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
     return np.concatenate([qs & 0xF, qs >> 4], axis=-1)
 
 
-def _int4(codes: np.ndarray, s: np.ndarray, c: np.ndarray) -> Codes:
-    """Codes of ``w = q s - c`` (``codes [N, K]``, ``s`` and ``c`` ``[N, K / 32]``) as
-    ``w = (q - z) s``; a block of ``s == 0`` (the single value ``-c``) exactly as codes 0,
+def _high_bits(qh: np.ndarray) -> np.ndarray:
+    """Q5_0 / Q5_1's fifth bits: bit ``j`` of the little-endian ``qh [..., 4]`` is value ``j``'s,
+    as ``[..., 32]`` values 0 or 16."""
+    return np.unpackbits(qh, axis=-1, bitorder="little") << 4
+
+
+@dataclass(slots=True)
+class _Blocks:
+    """A tensor's values as ``w = codes s - c`` per group of ``group`` columns: int8 ``codes``
+    ``[N, K]``, float32 ``s`` and ``c`` (None: 0) ``[N, K / group]``."""
+
+    codes: np.ndarray
+    s: np.ndarray
+    c: np.ndarray | None
+    group: int
+
+
+def _decode(raw: np.ndarray, qtype: _QT, n: int, k: int) -> _Blocks:
+    """The exact form of ``raw`` (``[N, row bytes]`` of ``qtype``); see the module docstring."""
+    if qtype == _QT.Q8_0:
+        b = raw.reshape(n, k // 32, 34)
+        q: np.ndarray = np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(n, k)
+        return _Blocks(q, _f16(b[..., :2]), None, 32)
+    if qtype == _QT.Q4_0:
+        b = raw.reshape(n, k // 32, 18)
+        q = _nibbles(b[..., 2:]).view(np.int8) - np.int8(8)
+        return _Blocks(q.reshape(n, k), _f16(b[..., :2]), None, 32)
+    if qtype == _QT.Q4_1:
+        b = raw.reshape(n, k // 32, 20)
+        q = _nibbles(b[..., 4:]).view(np.int8).reshape(n, k)
+        return _Blocks(q, _f16(b[..., :2]), -_f16(b[..., 2:4]), 32)
+    if qtype == _QT.Q5_0:
+        b = raw.reshape(n, k // 32, 22)
+        q = (_nibbles(b[..., 6:]) | _high_bits(b[..., 2:6])).view(np.int8) - np.int8(16)
+        return _Blocks(q.reshape(n, k), _f16(b[..., :2]), None, 32)
+    if qtype == _QT.Q5_1:
+        b = raw.reshape(n, k // 32, 24)
+        q = (_nibbles(b[..., 8:]) | _high_bits(b[..., 4:8])).view(np.int8).reshape(n, k)
+        return _Blocks(q, _f16(b[..., :2]), -_f16(b[..., 2:4]), 32)
+    if qtype in (_QT.Q4_K, _QT.Q5_K):
+        size = 144 if qtype == _QT.Q4_K else 176
+        b = raw.reshape(n, k // 256, size)
+        d, dmin = _f16(b[..., :2]), _f16(b[..., 2:4])
+        sc, mn = Q4_K.get_scale_min(np.ascontiguousarray(b[..., 4:16]).reshape(-1, 12))
+        sc = sc.reshape(n, k // 256, 8).astype(np.float32)
+        mn = mn.reshape(n, k // 256, 8).astype(np.float32)
+        # 32 bytes per pair of sub-blocks: sub-block 2i in the low nibbles, 2i + 1 in the high
+        qs = (
+            b[..., size - 128 :].reshape(n, k // 256, 4, 1, 32)
+            >> np.array([0, 4], np.uint8)[:, None]
+        )
+        q = (qs & 0xF).reshape(n, k // 256, 8, 32)
+        if qtype == _QT.Q5_K:  # bit i of qh[l]: the fifth bit of sub-block i's value l
+            qh = b[..., 16:48].reshape(n, k // 256, 1, 32) >> np.arange(8, dtype=np.uint8)[:, None]
+            q = q | ((qh & 1) << 4)
+        s = (d[..., None] * sc).reshape(n, k // 32)
+        c = (dmin[..., None] * mn).reshape(n, k // 32)
+        return _Blocks(q.view(np.int8).reshape(n, k), s, c, 32)
+    if qtype == _QT.Q6_K:
+        b = raw.reshape(n, k // 256, 210)
+        # per half of 128 values: low nibbles of ql[0:64] (values 0..63), then their high
+        # nibbles (64..127); bits 2i..2i+1 of qh[l] are the top bits of value 32 i + l
+        ql = b[..., :128].reshape(n, k // 256, 2, 1, 64) >> np.array([0, 4], np.uint8)[:, None]
+        ql = (ql & np.uint8(0xF)).reshape(n, k // 256, 2, 4, 32)
+        qh = (
+            b[..., 128:192].reshape(n, k // 256, 2, 1, 32)
+            >> np.array([0, 2, 4, 6], np.uint8)[:, None]
+        )
+        q6 = (ql | ((qh & 3) << 4)).view(np.int8) - np.int8(32)
+        sc = np.ascontiguousarray(b[..., 192:208]).view(np.int8).astype(np.float32)
+        s = (_f16(b[..., 208:])[..., None] * sc).reshape(n, k // 16)
+        return _Blocks(q6.reshape(n, k), s, None, 16)
+    raise AssertionError(qtype)
+
+
+def _zero_points(codes: np.ndarray, s: np.ndarray, c: np.ndarray, group: int) -> Codes:
+    """Codes of ``w = q s - c`` (``codes [N, K]``, ``s`` and ``c`` ``[N, K / group]``) as
+    ``w = (q - z) s``; a group of ``s == 0`` (the single value ``-c``) exactly as codes 0,
     ``s = |c|``, ``z = sign(c)``."""
     zero = s == 0
     z = np.divide(c, s, out=np.zeros_like(s), where=~zero)
@@ -135,48 +256,39 @@ def _int4(codes: np.ndarray, s: np.ndarray, c: np.ndarray) -> Codes:
         s = np.where(zero, np.abs(c), s)
         z = np.where(zero, np.sign(c), z)
         n = codes.shape[0]
-        blocks = codes.reshape(n, -1, GROUP)
-        codes = np.where(zero[..., None], np.uint8(0), blocks).reshape(n, -1)
+        blocks = codes.reshape(n, -1, group)
+        codes = np.where(zero[..., None], codes.dtype.type(0), blocks).reshape(n, -1)
     return Codes(
-        torch.from_numpy(np.ascontiguousarray(codes, dtype=np.uint8)),
+        torch.from_numpy(np.ascontiguousarray(codes)),
         torch.from_numpy(np.ascontiguousarray(s, dtype=np.float32)),
         torch.from_numpy(np.ascontiguousarray(z, dtype=np.float32)),
     )
 
 
-def decode_codes(f: GGUFFile, tensor: GGUFTensor) -> Codes:
-    """The codes, scales and zeros of a tensor of a ``KEPT_TYPES`` type, its leading dimensions
-    flattened into rows (stacked experts: ``[experts * rows, cols]``); vectorised over every
-    block of the tensor, read from the file's memory map."""
+def decode_codes(f: GGUFFile, tensor: GGUFTensor, layout: Layout) -> Codes:
+    """The codes, scales and zeros of a tensor of a ``KEPT_TYPES`` type in ``layout`` (its own,
+    or a fused module's: ``module_layout``), its leading dimensions flattened into rows (stacked
+    experts: ``[experts * rows, cols]``); vectorised over every block of the tensor, read from
+    the file's memory map."""
+    if tensor.type not in KEPT_TYPES:
+        raise ValueError(f"tensor {tensor.name!r}: {tensor.type_name} is not kept quantized")
     k = tensor.shape[-1]
     n = math.prod(tensor.shape[:-1])
     raw = np.asarray(f.data[tensor.offset : tensor.offset + tensor.nbytes]).reshape(n, -1)
-    qtype = _QT(tensor.type)
-    if qtype == _QT.Q8_0:
-        b = raw.reshape(n, k // 32, 34)
-        q = np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(n, k)
-        return Codes(torch.from_numpy(q), torch.from_numpy(_f16(b[..., :2])), None)
-    if qtype == _QT.Q4_0:
-        b = raw.reshape(n, k // 32, 18)
-        d = _f16(b[..., :2])
-        return _int4(_nibbles(b[..., 2:]).reshape(n, k), d, 8 * d)
-    if qtype == _QT.Q4_1:
-        b = raw.reshape(n, k // 32, 20)
-        d, m = _f16(b[..., :2]), _f16(b[..., 2:4])
-        return _int4(_nibbles(b[..., 4:]).reshape(n, k), d, -m)
-    if qtype == _QT.Q4_K:
-        b = raw.reshape(n, k // 256, 144)
-        d, dmin = _f16(b[..., :2]), _f16(b[..., 2:4])
-        sc, mn = Q4_K.get_scale_min(np.ascontiguousarray(b[..., 4:16]).reshape(-1, 12))
-        sc = sc.reshape(n, k // 256, 8).astype(np.float32)
-        mn = mn.reshape(n, k // 256, 8).astype(np.float32)
-        # 32 bytes per pair of sub-blocks: sub-block 2i in the low nibbles, 2i + 1 in the high
-        qs = b[..., 16:].reshape(n, k // 256, 4, 1, 32) >> np.array([0, 4], np.uint8)[:, None]
-        codes = (qs & 0xF).reshape(n, k)
-        s = (d[..., None] * sc).reshape(n, k // 32)
-        c = (dmin[..., None] * mn).reshape(n, k // 32)
-        return _int4(codes, s, c)
-    raise ValueError(f"tensor {tensor.name!r}: {tensor.type_name} is not kept quantized")
+    b = _decode(raw, _QT(tensor.type), n, k)
+    if layout.bits == 4:  # 4-bit types only: codes 0..15 (Q4_0's q - 8 back to q)
+        assert b.group == layout.group
+        c = 8 * b.s if b.c is None else b.c
+        codes = b.codes.view(np.uint8) + np.uint8(8 if b.c is None else 0)
+        return _zero_points(codes, b.s, c, layout.group)
+    repeat = b.group // layout.group  # a group of 32 as two of 16
+    s = np.repeat(b.s, repeat, axis=1) if repeat > 1 else b.s
+    if layout.zero_point:
+        c = np.zeros_like(b.s) if b.c is None else b.c
+        c = np.repeat(c, repeat, axis=1) if repeat > 1 else c
+        return _zero_points(b.codes, s, c, layout.group)
+    assert b.c is None
+    return Codes(torch.from_numpy(b.codes), torch.from_numpy(np.ascontiguousarray(s)), None)
 
 
 # ----------------------------------------------------------------------------- planning
@@ -191,10 +303,13 @@ def _module_of(hf: str) -> tuple[str, str | None, str]:
     return ".".join([*path, proj]), None, leaf
 
 
-def plan_gguf_quantized(f: GGUFFile, model: nn.Module) -> GGUFQuantPlan:
+def plan_gguf_quantized(f: GGUFFile, model: nn.Module, grouped8: bool = True) -> GGUFQuantPlan:
     """Which linears and experts of ``model`` (built for ``f``'s config) are kept quantized, and
     which quantized tensors are dequantized and why. Everything is dequantized when
-    ``FOUDRE_GGUF_DEQUANTIZE=1``."""
+    ``FOUDRE_GGUF_DEQUANTIZE=1``; layouts of group-wise 8 bits (Q8_0, Q5_*, Q6_K) unless
+    ``grouped8`` (our CPU kernels build with AVX-512, or CUDA's Triton kernels): elsewhere they
+    have no kernel and would be dequantized at every call."""
+    no_kernel = "group-wise 8-bit (no kernel on this CPU: dequantized once, at load)"
     plan = GGUFQuantPlan()
     if os.environ.get(ENV, "0") not in ("", "0"):
         return plan
@@ -245,13 +360,16 @@ def plan_gguf_quantized(f: GGUFFile, model: nn.Module) -> GGUFQuantPlan:
             or len(found_bias) != (len(order) if lin.bias is not None else 0)
             or sum(t.shape[0] for t in tensors) != lin.out_features
             or any(len(t.shape) != 2 or t.shape[1] != lin.in_features for t in tensors)
-            or len({KEPT_TYPES.get(t.type) for t in tensors}) != 1
-            or tensors[0].type not in KEPT_TYPES
+            or any(t.type not in KEPT_TYPES for t in tensors)
         ):  # dequantized; load_weights reports missing or misshapen parts
             refuse(tensors, "fused with")
             continue
-        bits = KEPT_TYPES[tensors[0].type]
-        plan.kept.append(KeptLinear(module, found, found_bias, bits, _scale_dtype(tensors)))
+        layout, dtype = module_layout(tensors), _scale_dtype(tensors)
+        if layout.bits == 8 and not grouped8:
+            for t in tensors:
+                dequantized(no_kernel, t)
+            continue
+        plan.kept.append(KeptLinear(module, found, found_bias, layout, dtype))
     for module, stack in experts.items():
         ex = modules.get(module)
         gate, up, down = (stack.get(p) for p in ("gate_proj", "up_proj", "down_proj"))
@@ -265,13 +383,26 @@ def plan_gguf_quantized(f: GGUFFile, model: nn.Module) -> GGUFQuantPlan:
             or gate.shape != up.shape
             or (gate.shape[0], 2 * gate.shape[1], gate.shape[2]) != tuple(ex.gate_up_proj.shape)
             or down.shape != tuple(ex.down_proj.shape)
-            or len({KEPT_TYPES.get(t.type) for t in tensors}) != 1
-            or gate.type not in KEPT_TYPES
+            or any(t.type not in KEPT_TYPES for t in tensors)
         ):  # dequantized; load_weights reports missing or misshapen experts
             refuse(tensors, "experts with")
             continue
-        bits = KEPT_TYPES[gate.type]
-        plan.experts.append(KeptExperts(module, gate, up, down, bits, _scale_dtype(tensors)))
+        if not grouped8 and 8 in (module_layout([gate, up]).bits, module_layout([down]).bits):
+            for t in tensors:
+                dequantized(no_kernel, t)
+            continue
+        plan.experts.append(
+            KeptExperts(
+                module,
+                gate,
+                up,
+                down,
+                module_layout([gate, up]),
+                module_layout([down]),
+                _scale_dtype([gate, up]),
+                _scale_dtype([down]),
+            )
+        )
     return plan
 
 
@@ -291,10 +422,18 @@ def swap_in_quantized(model: nn.Module, plan: GGUFQuantPlan) -> None:
     (scales in the plan's)."""
 
     def empty(
-        like: torch.Tensor, k: int, n: int, bits: int, bias: bool, scales: torch.dtype
+        like: torch.Tensor, k: int, n: int, layout: Layout, bias: bool, scales: torch.dtype
     ) -> QuantLinear:
         return QuantLinear(
-            k, n, bits, GROUP, bias=bias, dtype=like.dtype, device=like.device, scale_dtype=scales
+            k,
+            n,
+            layout.bits,
+            layout.group,
+            bias=bias,
+            dtype=like.dtype,
+            device=like.device,
+            scale_dtype=scales,
+            zero_point=layout.bits == 8 and layout.zero_point,
         )
 
     for kept in plan.kept:
@@ -302,16 +441,16 @@ def swap_in_quantized(model: nn.Module, plan: GGUFQuantPlan) -> None:
         assert isinstance(lin, nn.Linear)
         bias = lin.bias is not None
         new = empty(
-            lin.weight, lin.in_features, lin.out_features, kept.bits, bias, kept.scale_dtype
+            lin.weight, lin.in_features, lin.out_features, kept.layout, bias, kept.scale_dtype
         )
         _set_module(model, kept.module, new)
     for ke in plan.experts:
         ex = model.get_submodule(ke.module)
         assert isinstance(ex, Experts)
         n, two_i, hidden = ex.gate_up_proj.shape
-        w, bits, sd = ex.gate_up_proj, ke.bits, ke.scale_dtype
-        gate_up = [empty(w, hidden, two_i, bits, False, sd) for _ in range(n)]
-        down = [empty(w, two_i // 2, hidden, bits, False, sd) for _ in range(n)]
+        w, gu, dn = ex.gate_up_proj, ke.gate_up_layout, ke.down_layout
+        gate_up = [empty(w, hidden, two_i, gu, False, ke.gate_up_dtype) for _ in range(n)]
+        down = [empty(w, two_i // 2, hidden, dn, False, ke.down_dtype) for _ in range(n)]
         _set_module(model, ke.module, QuantExperts(gate_up, down))
 
 
@@ -329,12 +468,14 @@ def _fill(mod: nn.Module, rows: slice, c: Codes) -> None:
     """Copy codes (unpacked), scales and zeros into the rows ``rows`` of ``mod``'s buffers."""
     assert isinstance(mod, QuantLinear)
     q = c.codes
+    if mod.bits == 4:
+        q = q[:, 0::2] | (q[:, 1::2] << 4)  # pack_int4's order
+    assert (mod.zeros is None) == (c.zeros is None)
     if mod.zeros is not None and c.zeros is not None:
         mod.zeros[rows].copy_(c.zeros)
-        q = q[:, 0::2] | (q[:, 1::2] << 4)  # pack_int4's order
     mod.qweight[rows].copy_(q)
     mod.scales[rows].copy_(c.scales)
-    mod._packed = {}
+    mod.invalidate_layouts()
 
 
 @torch.no_grad()
@@ -348,7 +489,7 @@ def load_gguf_quantized(
         assert isinstance(mod, QuantLinear)
         start = 0
         for hf, tensor in kept.weights:
-            c = decode_codes(f, tensor)
+            c = decode_codes(f, tensor, kept.layout)
             heads = _rope_heads(config, hf)
             if heads is not None:
                 zeros = None if c.zeros is None else _unpermute_rope(c.zeros, heads)
@@ -367,12 +508,12 @@ def load_gguf_quantized(
         qe = model.get_submodule(ke.module)
         assert isinstance(qe, QuantExperts)
         inter = ke.gate.shape[1]
-        for tensor, linears, first in (
-            (ke.gate, qe.gate_up, 0),
-            (ke.up, qe.gate_up, inter),
-            (ke.down, qe.down, 0),
+        for tensor, linears, first, layout in (
+            (ke.gate, qe.gate_up, 0, ke.gate_up_layout),
+            (ke.up, qe.gate_up, inter, ke.gate_up_layout),
+            (ke.down, qe.down, 0, ke.down_layout),
         ):
-            c = decode_codes(f, tensor)  # [experts * rows, cols]
+            c = decode_codes(f, tensor, layout)  # [experts * rows, cols]
             rows = tensor.shape[1]
             for e, lin in enumerate(linears):
                 part = slice(e * rows, (e + 1) * rows)

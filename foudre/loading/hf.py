@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -449,6 +449,20 @@ def iter_safetensors_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tenso
     ``ModelLoadError`` naming the file for a missing shard, a truncated or corrupt file, a
     tensor name found twice, or a directory that holds only pickle checkpoints.
     """
+    return iter_safetensors_slices(model_dir, lambda name, shape: (name, None))
+
+
+# what to read of one stored tensor, given its name and shape: None to skip it, else the name
+# to yield it under and the index of the part to read (None: all of it)
+SliceSelector = Callable[[str, tuple[int, ...]], tuple[str, tuple[slice, ...] | None] | None]
+
+
+def iter_safetensors_slices(
+    model_dir: Path, select: SliceSelector
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``iter_safetensors_weights``, reading of each tensor only what ``select`` asks for
+    (``tensor[index]`` straight from the file, so a process that holds a shard of a model never
+    reads the whole of it), under the name it gives; tensors it maps to None are skipped."""
     model_dir = Path(model_dir)
     seen: set[str] = set()
     for path, expected in _safetensors_files(model_dir):
@@ -466,7 +480,12 @@ def iter_safetensors_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tenso
                     if name in seen:
                         raise ModelLoadError(f"{path}: tensor {name!r} appears twice", path)
                     seen.add(name)
-                    yield name, f.get_tensor(name)
+                    part = f.get_slice(name)
+                    chosen = select(name, tuple(part.get_shape()))
+                    if chosen is None:
+                        continue
+                    new_name, index = chosen
+                    yield new_name, f.get_tensor(name) if index is None else part[index]
         except (SafetensorError, OSError) as exc:
             raise ModelLoadError(
                 f"{path}: corrupt or truncated safetensors file: {exc}", path

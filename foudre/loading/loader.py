@@ -43,8 +43,8 @@ from foudre.loading.tokenizer import (
 )
 from foudre.models.config import ModelConfig
 from foudre.models.llama import LlamaForCausalLM
-from foudre.quant import quantize_model, set_compute_dtype
-from foudre.quant.qlinear import QuantLinear
+from foudre.quant import quantize_model
+from foudre.quant.qlinear import prepare_for_cpu, uses_native_kernels
 
 _DTYPES = {
     "float32": torch.float32,
@@ -159,7 +159,8 @@ def load_model(
     plan = GGUFQuantPlan()
     if gguf is not None:
         if quantization is None and not gguf_dequantize:
-            plan = plan_gguf_quantized(gguf, net)
+            grouped8 = device.type == "cuda" or uses_native_kernels(torch_dtype)
+            plan = plan_gguf_quantized(gguf, net, grouped8)
             swap_in_quantized(net, plan)
         weights = iter_gguf_weights(gguf, cfg, skip=plan.consumed)
     net = net.to_empty(device=device)
@@ -178,15 +179,9 @@ def load_model(
                 quantize_model(net, quantization)
     except ValueError as e:
         raise ModelLoadError(f"{path}: {e}") from None
-    if device.type == "cpu" and torch_dtype == torch.float32 and _has_quantized(net):
-        # torch's packed int8/int4 CPU kernels are fast with bf16 activations only
-        set_compute_dtype(net, torch.bfloat16)
+    prepare_for_cpu(net)
     net.eval()
     return LoadedModel(net, cfg, tok, gen, model)
-
-
-def _has_quantized(net: torch.nn.Module) -> bool:
-    return any(isinstance(m, QuantLinear) for m in net.modules())
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:

@@ -17,6 +17,7 @@ recorded layout and copies the tensors: no quantization is recomputed.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +25,15 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from foudre.loading.hf import iter_safetensors_weights, load_hf_config
+from foudre.loading.hf import SliceSelector, iter_safetensors_weights, load_hf_config
 from foudre.loading.writer import copy_tokenizer, hf_config_dict
 from foudre.models.llama import LlamaForCausalLM
 from foudre.quant.hf_import import Int4Codes, awq_codes, gptq_codes
 from foudre.quant.packing import INT4_GROUP_SIZES
 from foudre.quant.qlinear import QuantLinear
+
+# what a shard does to the float weights before they are loaded (pad its vocabulary rows)
+WeightsFilter = Callable[[Iterable[tuple[str, torch.Tensor]]], Iterable[tuple[str, torch.Tensor]]]
 
 
 def read_quantization_config(model_dir: str | Path) -> dict[str, Any] | None:
@@ -66,6 +70,8 @@ def quantization_config(
                 "bias": mod.bias is not None,
                 "input_scale": mod.input_scale is not None,
                 "perm": mod.perm is not None,
+                "zero_point": mod.bits == 8 and mod.zeros is not None,
+                "scale_dtype": str(mod.scales.dtype).removeprefix("torch."),
             }
     bits = [m["bits"] for m in modules.values()]
     groups = [m["group_size"] for m in modules.values() if m["group_size"] is not None]
@@ -130,21 +136,34 @@ def save_quantized(
     return out
 
 
-def load_quantized(model: LlamaForCausalLM, model_dir: str | Path) -> None:
+def load_quantized(
+    model: LlamaForCausalLM,
+    model_dir: str | Path,
+    select: SliceSelector | None = None,
+    prepare: WeightsFilter | None = None,
+) -> None:
     """Load the quantized checkpoint at ``model_dir`` into ``model`` (built from its config.json,
     in the target dtype and device, weights not loaded), replacing linears by ``QuantLinear``.
 
     Handles ``quant_method`` "foudre" (ours), "gptq" (4-bit, v1 or v2 zeros, act-order) and
     "awq" (4-bit GEMM). Raises ``ValueError`` naming any tensor missing or unexpected.
+
+    A shard of a parallel model (``foudre/distributed``) passes ``select``, which says what it
+    holds of each Hugging Face-named weight (``hf.iter_safetensors_slices``), and ``prepare``,
+    applied to the float weights before they are loaded. GPTQ and AWQ only: each linear's codes
+    are cut by output rows, or by input columns in whole groups (a linear in act-order, or cut
+    inside a group, stays float, dequantized, as unshardable layouts do on one device).
     """
     qc = read_quantization_config(model_dir)
     if qc is None:
         raise ValueError(f"{model_dir}: config.json has no quantization_config")
     method = qc.get("quant_method")
-    if method == "foudre":
+    if method == "foudre" and select is None:
         _load_foudre(model, Path(model_dir), qc)
     elif method in ("gptq", "awq"):
-        _load_hf_int4(model, Path(model_dir), qc)
+        _load_hf_int4(model, Path(model_dir), qc, select, prepare)
+    elif method == "foudre":
+        raise ValueError(f"{model_dir}: foudre's quantized checkpoints do not load sharded")
     else:
         raise ValueError(f"{model_dir}: unsupported quant_method {method!r}")
 
@@ -165,6 +184,8 @@ def _load_foudre(model: LlamaForCausalLM, model_dir: Path, qc: dict[str, Any]) -
             perm=spec.get("perm", False),
             dtype=ref.dtype,
             device=ref.device,
+            scale_dtype=getattr(torch, spec["scale_dtype"]) if "scale_dtype" in spec else None,
+            zero_point=spec.get("zero_point", False),
         )
         _set_module(model, name, new)
     state = model.state_dict()
@@ -187,7 +208,7 @@ def _load_foudre(model: LlamaForCausalLM, model_dir: Path, qc: dict[str, Any]) -
         raise ValueError(f"{model_dir}: tensors missing from the checkpoint: {missing[:5]}")
     for mod in model.modules():
         if isinstance(mod, QuantLinear):
-            mod._packed = {}
+            mod.invalidate_layouts()
 
 
 _FUSED = {
@@ -200,7 +221,13 @@ _FUSED = {
 _QUANT_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")
 
 
-def _load_hf_int4(model: LlamaForCausalLM, model_dir: Path, qc: dict[str, Any]) -> None:
+def _load_hf_int4(
+    model: LlamaForCausalLM,
+    model_dir: Path,
+    qc: dict[str, Any],
+    select: SliceSelector | None = None,
+    prepare: WeightsFilter | None = None,
+) -> None:
     method = qc["quant_method"]
     bits = int(qc.get("bits", qc.get("w_bit", 4)))
     group_size = int(qc.get("group_size", qc.get("q_group_size", 128)))
@@ -215,19 +242,37 @@ def _load_hf_int4(model: LlamaForCausalLM, model_dir: Path, qc: dict[str, Any]) 
         prefix, _, leaf = name.rpartition(".")
         if leaf in _QUANT_SUFFIXES:
             parts.setdefault(prefix, {})[leaf] = tensor
-        else:
+        elif select is None:
             floats.append((name, tensor))
+        elif (chosen := select(name, tuple(tensor.shape))) is not None:
+            new_name, index = chosen
+            floats.append((new_name, tensor if index is None else tensor[index].contiguous()))
     codes: dict[str, Int4Codes] = {}
     for prefix, t in parts.items():
-        if method == "gptq":
-            c = gptq_codes(
-                t["qweight"], t["qzeros"], t["scales"], t.get("g_idx"), group_size, zero_offset
-            )
-        else:
-            c = awq_codes(t["qweight"], t["qzeros"], t["scales"], group_size)
-        codes[prefix] = c
-        floats.append((prefix + ".weight", c.dequantize()))
-    model.load_weights(floats)  # validates names and shapes; quantized ones as dequantized
+        try:
+            if method == "gptq":
+                c = gptq_codes(
+                    t["qweight"], t["qzeros"], t["scales"], t.get("g_idx"), group_size, zero_offset
+                )
+            else:
+                c = awq_codes(t["qweight"], t["qzeros"], t["scales"], group_size)
+        except ValueError as e:
+            raise ValueError(f"{prefix}.qweight: {e}") from None
+        name = prefix + ".weight"
+        if select is not None:
+            chosen = select(name, tuple(c.codes.shape))
+            if chosen is None:
+                continue
+            name, index = chosen
+            cut = c if index is None else _cut_codes(c, index)
+            if cut is None:  # not in whole groups: this shard's slice, in float
+                floats.append((name, c.dequantize()[index].contiguous()))
+                continue
+            c = cut
+        codes[name.removesuffix(".weight")] = c
+        floats.append((name, c.dequantize()))
+    # validates names and shapes; quantized ones as dequantized
+    model.load_weights(floats if prepare is None else prepare(floats))
     # rebuild each (fused) linear from its exact codes where the parts share one layout
     targets: dict[str, list[tuple[int, Int4Codes]]] = {}
     for prefix, c in codes.items():
@@ -264,6 +309,25 @@ def _load_hf_int4(model: LlamaForCausalLM, model_dir: Path, qc: dict[str, Any]) 
             dtype=lin.weight.dtype,
         ).to(device=lin.weight.device)
         _set_module(model, name, new)
+
+
+def _cut_codes(c: Int4Codes, index: tuple[slice, ...]) -> Int4Codes | None:
+    """``c`` cut to ``weight[index]``: output rows, or input columns in whole groups of a
+    linear in order (None for another cut: no exact codes for it)."""
+    rows = index[0]
+    if len(index) == 1:
+        return Int4Codes(c.codes[rows], c.scales[rows], c.zeros[rows], c.group_size, c.perm)
+    cols, g = index[1], c.group_size
+    start, stop, _ = cols.indices(c.codes.shape[1])
+    if c.perm is not None or start % g or stop % g:
+        return None
+    groups = slice(start // g, stop // g)
+    return Int4Codes(
+        c.codes[rows, cols].contiguous(),
+        c.scales[rows, groups].contiguous(),
+        c.zeros[rows, groups].contiguous(),
+        g,
+    )
 
 
 def build_quantized_model(

@@ -22,6 +22,7 @@ from foudre.layers.linear import Linear
 from foudre.layers.mlp import GatedMLP
 from foudre.layers.moe import SparseMoeBlock
 from foudre.layers.norm import RMSNorm
+from foudre.layers.parallel import TensorParallel, parallel_embedding
 from foudre.layers.rotary import RotaryEmbedding
 from foudre.models.config import ModelConfig
 
@@ -93,6 +94,9 @@ class DecoderLayer(nn.Module):
             )
         else:
             self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        # tensor parallelism: o_proj and the MLP's down projections are row-parallel, so each
+        # rank's output is a partial sum, added across ranks here (None: one device)
+        self.tp: TensorParallel | None = None
 
     def forward(
         self,
@@ -102,8 +106,14 @@ class DecoderLayer(nn.Module):
         backend: AttentionBackend,
         metadata: Any,
     ) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, backend, metadata)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attn = self.self_attn(positions, self.input_layernorm(x), kv_cache, backend, metadata)
+        if self.tp is not None:
+            attn = self.tp.all_reduce(attn)
+        x = x + attn
+        mlp = self.mlp(self.post_attention_layernorm(x))
+        if self.tp is not None:
+            mlp = self.tp.all_reduce(mlp)
+        return x + mlp
 
 
 class LlamaModel(nn.Module):
@@ -120,7 +130,12 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Decoder-only transformer; ``forward`` returns final hidden states for the flat batch."""
+    """Decoder-only transformer; ``forward`` returns final hidden states for the flat batch.
+
+    A shard of a parallel model (``foudre/distributed``) is this class built from the shard's
+    config (its heads, its slice of the MLP and vocabulary, its pipeline stage's layers) with
+    ``set_tensor_parallel``; it then runs as ``embed`` (first stage), ``forward_layers``, then
+    the final norm and ``compute_logits`` (last stage)."""
 
     def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
         super().__init__()
@@ -129,6 +144,18 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.tp: TensorParallel | None = None
+        self.vocab_size = cfg.vocab_size  # the whole vocabulary's (a shard holds a slice)
+        self.first_layer = 0  # the whole model's index of layer 0 (a pipeline stage's shard)
+
+    def set_tensor_parallel(self, tp: TensorParallel, vocab_size: int) -> None:
+        """Make this model one tensor-parallel shard of a model of ``vocab_size`` tokens: its
+        layers add their row-parallel outputs across ``tp``, its embedding and logits are
+        vocabulary-parallel."""
+        self.tp = tp
+        self.vocab_size = vocab_size
+        for layer in self.model.layers:
+            cast(DecoderLayer, layer).tp = tp
 
     def forward(
         self,
@@ -138,14 +165,35 @@ class LlamaForCausalLM(nn.Module):
         backend: AttentionBackend,
         metadata: Any,
     ) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
+        x = self.embed(input_ids)
+        x = self.forward_layers(x, positions, kv_caches, backend, metadata)
+        return self.model.norm(x)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The token embeddings ``[T, hidden]`` of ``input_ids``."""
+        if self.tp is not None:
+            return parallel_embedding(input_ids, self.model.embed_tokens.weight, self.tp)
+        return self.model.embed_tokens(input_ids)
+
+    def forward_layers(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        backend: AttentionBackend,
+        metadata: Any,
+    ) -> torch.Tensor:
+        """The decoder layers over the hidden states ``x`` (before the final norm)."""
         for layer, cache in zip(self.model.layers, kv_caches, strict=True):
             x = layer(positions, x, cache, backend, metadata)
-        return self.model.norm(x)
+        return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits ``[N, vocab]`` for the given final hidden states."""
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden)
+        if self.tp is not None:  # each rank's slice of the vocabulary, then the padding cut
+            logits = self.tp.all_gather(logits)[:, : self.vocab_size]
+        return logits.float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors into the fused parameters.
@@ -198,9 +246,11 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"weight {missing!r} missing from the checkpoint")
 
     def moe_blocks(self) -> dict[int, SparseMoeBlock]:
-        """The mixture-of-experts blocks by layer index (empty for a dense model)."""
+        """The mixture-of-experts blocks by layer index (the whole model's), empty for a dense
+        model."""
         mlps = (cast(DecoderLayer, layer).mlp for layer in self.model.layers)
-        return {i: mlp for i, mlp in enumerate(mlps) if isinstance(mlp, SparseMoeBlock)}
+        first = self.first_layer
+        return {first + i: mlp for i, mlp in enumerate(mlps) if isinstance(mlp, SparseMoeBlock)}
 
     def reset_moe_stats(self) -> None:
         """Zero every block's count of tokens routed to each expert."""

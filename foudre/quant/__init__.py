@@ -1,4 +1,5 @@
-"""Weight-only quantization: int8 / int4 round-to-nearest, GPTQ, AWQ, mixed 4/8 bits.
+"""Weight-only quantization: int8 / int4 round-to-nearest, GPTQ, AWQ, mixed 4/8 bits; FP8
+(e4m3) weights.
 
 ``quantize_(model, config)`` swaps linears for ``QuantLinear`` (and the experts of
 mixture-of-experts layers for ``QuantExperts``); ``quantize_model`` is the engine's entry point
@@ -11,6 +12,7 @@ from foudre.quant.api import (
     AWQ,
     GPTQ,
     METHODS,
+    Fp8,
     Int4WeightOnly,
     Int8WeightOnly,
     MixedBits,
@@ -19,12 +21,15 @@ from foudre.quant.api import (
     quantize_,
     quantize_model,
 )
+from foudre.quant.fp8 import Fp8Linear
 from foudre.quant.qlinear import QuantLinear, set_compute_dtype
 
 __all__ = [
     "AWQ",
     "GPTQ",
     "METHODS",
+    "Fp8",
+    "Fp8Linear",
     "Int4WeightOnly",
     "Int8WeightOnly",
     "MixedBits",

@@ -1,27 +1,30 @@
-// Weight-only quantized linears on the CPU at decode-sized batches: y [M, N] = x [M, K] @ W^T
-// for int8 weights per output channel (w = q * s) or group-wise (w = q * s[group], GGUF's Q8_0
-// with groups of 32) and int4 group-wise ones (w = (q - z) * s), x and y float32 or bfloat16.
-// Bound by reading the weight: each task takes R packed weight rows and multiplies them with
-// every x row (four at a time, the weight rows coming from memory once and then from L1), the
-// tasks split over torch's OpenMP threads by output-row ranges.
+// Weight-only quantized linears on the CPU: y [M, N] = x [M, K] @ W^T for
+//   int8 per output channel   w = q * s               (s [N])
+//   int8 group-wise            w = (q - z[g]) * s[g]   (z optional: GGUF's Q8_0, Q5_0, Q6_K without,
+//                                                       Q5_1, Q5_K with; groups of 16 columns or more)
+//   int4 group-wise            w = (q - z[g]) * s[g]   (codes 0..15, groups of 32 or more)
+// x and y float32 or bfloat16. Bound by reading the weight: each task takes R weight rows and
+// multiplies them with every x row (four at a time, the weight rows coming from memory once and
+// then from L1), the tasks split over torch's OpenMP threads by output-row ranges.
 //
-// Layouts (built by cpu_qmatmul.py): int8 [N, K] int8, K padded with zeros to a multiple of 64;
-// int4 [N, K / 2] bytes, K padded to a multiple of 128, each 128 columns as 64 bytes whose low
-// nibbles hold columns 0..63 and high nibbles columns 64..127 (one AND, or a shift and an AND,
-// unpacks 64 codes in column order); float32 scales s and s * z [N, groups] (padded with zeros).
-// Group-wise int8 as int8, with float32 scales [N, groups] (groups of 32 columns or more).
-// x comes padded to the same K.
+// The kernels read QuantLinear's own buffers, no copy: int8 codes [N, K] (K a multiple of 64),
+// int4 codes [N, K / 2] as packing.pack_int4 lays them (column 2j in the low nibble of byte j,
+// 2j + 1 in the high one; K a multiple of 128), scales and zero points [N, groups] in float32,
+// float16 or bfloat16 (st: 0, 1, 2). Each task prefetches its rows' scales and zero points at
+// its start and its weight rows ahead of use: a row's scales are a few cache lines, too short a
+// stream for the hardware prefetcher, and waiting on them halved the speed of groups of 32.
 //
 // Three paths, by what the compiler targets (built with -march=native):
 //   VNNI      (AVX512-VNNI): x quantized to int8 per block of 32 (d = max|x| / 127, as llama.cpp's
-//             Q8_0), the weight codes as the unsigned operand of vpdpbusd (int8 weights + 128):
-//             sum_k u_k q_k per 4 columns in int32 lanes, scaled per lane by d (and the group
-//             scale) into float32 accumulators; the offsets (128, or the zero point z) are
-//             taken off through each block's sum of q: int8: y = s (sum d u q - 128 sum_b d_b
-//             sum q), int4: y = sum s d u q - sum_g s z sum_{b in g} d_b sum q, group-wise int8
-//             the same with z = 128 (per block of 32 this is llama.cpp's Q8_0 x Q8_0 dot).
-//   AVX-512   the codes widened to float32 (int4: dequantized as q s - s z) and multiplied with
-//             x in float32: no activation rounding.
+//             Q8_0), the weight codes as the unsigned operand of vpdpbusd (int8 codes + 128, int4
+//             codes as they are): sum_k u_k q_k per 4 columns in int32 lanes, scaled per lane by d
+//             and the group's scale into float32 accumulators; the offsets (128, z) are taken off
+//             at the end through the sums of x's codes per group: y = sum_g s_g (sum d u q -
+//             (z_g [+ 128]) sum_{k in g} d q_k). For int4, x's codes are stored in the order of the
+//             nibbles (per 128 columns: the even columns, then the odd ones), so one AND (low) or
+//             shift and AND (high) of 64 code bytes lines them up with 64 of x's.
+//   AVX-512   the codes widened to float32, dequantized, multiplied with x in float32: no
+//             activation rounding.
 //   portable  the same in plain loops.
 
 #include <algorithm>
@@ -41,12 +44,37 @@
 
 namespace {
 
+enum class Kind { Int8, Int8Grouped, Int4 };
+enum ScaleType { kF32 = 0, kF16 = 1, kBF16 = 2 };
+
 inline float to_float(float x) { return x; }
 inline float to_float(uint16_t x) {  // bfloat16: the high half of a float32
   const uint32_t u = static_cast<uint32_t>(x) << 16;
   float f;
   std::memcpy(&f, &u, 4);
   return f;
+}
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  const uint32_t exp = (h >> 10) & 31, man = h & 1023;
+  float f;
+  if (exp == 0) {  // zero or subnormal
+    f = std::ldexp(static_cast<float>(man), -24);
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    u |= sign;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+  const uint32_t u = sign | (exp == 31 ? 0x7F800000u | (man << 13) : ((exp + 112) << 23) | (man << 13));
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+// element i of a scale array of type st
+inline float scale_at(const void* p, int64_t i, int st) {
+  if (st == kF32) return static_cast<const float*>(p)[i];
+  const uint16_t h = static_cast<const uint16_t*>(p)[i];
+  return st == kF16 ? half_to_float(h) : to_float(h);
 }
 inline void store1(float* p, float v) { *p = v; }
 inline void store1(uint16_t* p, float v) {  // round to nearest even, NaN to a quiet NaN
@@ -55,20 +83,61 @@ inline void store1(uint16_t* p, float v) {  // round to nearest even, NaN to a q
   *p = std::isnan(v) ? 0x7FC0 : static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
 }
 
+template <typename T>
+struct Args {
+  const T* x;        // [m, k]
+  const uint8_t* w;  // codes, rows of row_bytes
+  int64_t row_bytes;
+  const void* s;  // [n] (int8) or [n, groups], of type st
+  const void* z;  // [n, groups] or null (z = 0)
+  int st;
+  int64_t groups, group;
+  int gshift;  // log2(group): groups are powers of two
+  T* y;        // [m, n]
+  int64_t m, n, k;
+  // VNNI: x quantized ([m, k] int8, int4: in nibble order), d per 4 codes ([m, k / 4]), the
+  // sums d q per row (int8) or per group ([m] or [m, groups])
+  const int8_t* xq;
+  const float* dl;
+  const float* corr;
+};
+
 // The weight rows of the task at n0 (past the end: row n - 1 again, its results not stored).
-template <int R>
-void row_ptrs(const uint8_t* w, int64_t row_bytes, int64_t n, int64_t n0, const uint8_t** wr) {
-  for (int r = 0; r < R; ++r) wr[r] = w + std::min<int64_t>(n0 + r, n - 1) * row_bytes;
+template <int R, typename T>
+void row_ptrs(const Args<T>& a, int64_t n0, const uint8_t** wr, int64_t* nr) {
+  for (int r = 0; r < R; ++r) {
+    nr[r] = std::min<int64_t>(n0 + r, a.n - 1);
+    wr[r] = a.w + nr[r] * a.row_bytes;
+  }
 }
 
+inline void prefetch(const void* p) {
+#if defined(__GNUC__)
+  __builtin_prefetch(p, 0, 3);
+#endif
+}
+
+// a task's rows' scales and zero points, all of their cache lines
+template <int R, typename T>
+void prefetch_scales(const Args<T>& a, const int64_t* nr) {
+  const int64_t bytes = a.groups * (a.st == kF32 ? 4 : 2);
+  for (int r = 0; r < R; ++r)
+    for (int64_t b = 0; b < bytes; b += 64) {
+      prefetch(static_cast<const uint8_t*>(a.s) + nr[r] * bytes + b);
+      if (a.z) prefetch(static_cast<const uint8_t*>(a.z) + nr[r] * bytes + b);
+    }
+}
+
+constexpr int64_t kAhead = 1024;  // how far ahead in a weight row to prefetch, in bytes
+
 // The parallel loop: tasks of R weight rows, x's rows in tiles of four (then the one to three
-// left); Tile<MT, R>::run(m0, n0) computes y[m0 : m0 + MT, n0 : n0 + R].
-template <template <int, int> class Tile, typename Args>
-void for_tiles(const Args& a, int64_t m, int64_t n) {
+// left); Tile<MT, R>::run(a, m0, n0) computes y[m0 : m0 + MT, n0 : n0 + R].
+template <template <int, int> class Tile, typename A>
+void for_tiles(const A& a) {
   const auto task = [&](auto rows_c, int64_t n0) {
     constexpr int R = decltype(rows_c)::value;
-    for (int64_t m0 = 0; m0 < m; m0 += 4) {
-      switch (std::min<int64_t>(m - m0, 4)) {
+    for (int64_t m0 = 0; m0 < a.m; m0 += 4) {
+      switch (std::min<int64_t>(a.m - m0, 4)) {
         case 1: Tile<1, R>::run(a, m0, n0); break;
         case 2: Tile<2, R>::run(a, m0, n0); break;
         case 3: Tile<3, R>::run(a, m0, n0); break;
@@ -76,99 +145,49 @@ void for_tiles(const Args& a, int64_t m, int64_t n) {
       }
     }
   };
-  if (m == 1) {
+  if (a.m == 1) {
 #pragma omp parallel for schedule(static)
-    for (int64_t n0 = 0; n0 < n; n0 += 8) task(std::integral_constant<int, 8>{}, n0);
+    for (int64_t n0 = 0; n0 < a.n; n0 += 8) task(std::integral_constant<int, 8>{}, n0);
   } else {
 #pragma omp parallel for schedule(static)
-    for (int64_t n0 = 0; n0 < n; n0 += 4) task(std::integral_constant<int, 4>{}, n0);
+    for (int64_t n0 = 0; n0 < a.n; n0 += 4) task(std::integral_constant<int, 4>{}, n0);
   }
 }
 
-template <typename T>
-struct Args {
-  const T* x;       // [m, k]
-  const uint8_t* w;  // packed rows of row_bytes
-  int64_t row_bytes;
-  const float* s;   // int8: [n]; int4: [n, groups]
-  const float* sz;  // int4: s * z [n, groups]
-  int64_t groups, group;
-  T* y;  // [m, n]
-  int64_t m, n, k;
-  // VNNI: x quantized ([m, k] int8), d per 4 columns ([m, k / 4]), per-row or per-group
-  // corrections ([m] or [m, groups])
-  const int8_t* xq;
-  const float* dl;
-  const float* corr;
-};
-
-inline int code4(const uint8_t* row, int64_t c) {  // int4 code of column c in the paired layout
-  const int64_t i = c % 128;
-  const uint8_t b = row[(c / 128) * 64 + i % 64];
-  return i < 64 ? (b & 15) : (b >> 4);
+// the code of column c of a weight row
+template <Kind K>
+inline int code(const uint8_t* row, int64_t c) {
+  if constexpr (K == Kind::Int4) return (row[c / 2] >> (4 * (c & 1))) & 15;
+  return static_cast<int8_t>(row[c]);
 }
 
 // -- portable --------------------------------------------------------------------------------
 
-template <typename T>
+template <typename T, Kind K>
 struct Portable {
   template <int MT, int R>
-  struct Int8 {
+  struct Tile {
     static void run(const Args<T>& a, int64_t m0, int64_t n0) {
       for (int r = 0; r < R && n0 + r < a.n; ++r) {
-        const auto* wr = reinterpret_cast<const int8_t*>(a.w + (n0 + r) * a.row_bytes);
-        for (int mi = 0; mi < MT; ++mi) {
-          const T* x = a.x + (m0 + mi) * a.k;
-          float acc[16] = {};
-          for (int64_t c = 0; c < a.k; c += 16)
-            for (int j = 0; j < 16; ++j)
-              acc[j] += static_cast<float>(wr[c + j]) * to_float(x[c + j]);
-          float sum = 0;
-          for (float v : acc) sum += v;
-          store1(a.y + (m0 + mi) * a.n + n0 + r, sum * a.s[n0 + r]);
-        }
-      }
-    }
-  };
-  template <int MT, int R>
-  struct Int4 {
-    static void run(const Args<T>& a, int64_t m0, int64_t n0) {
-      for (int r = 0; r < R && n0 + r < a.n; ++r) {
-        const uint8_t* wr = a.w + (n0 + r) * a.row_bytes;
-        const float* s = a.s + (n0 + r) * a.groups;
-        const float* sz = a.sz + (n0 + r) * a.groups;
+        const int64_t nr = n0 + r;
+        const uint8_t* row = a.w + nr * a.row_bytes;
         for (int mi = 0; mi < MT; ++mi) {
           const T* x = a.x + (m0 + mi) * a.k;
           float acc[16] = {};
           for (int64_t c = 0; c < a.k; c += 16) {
-            const int64_t g = c / a.group;
+            float s = 1.0f, sz = 0.0f;
+            if constexpr (K != Kind::Int8) {
+              const int64_t g = nr * a.groups + (c >> a.gshift);
+              s = scale_at(a.s, g, a.st);
+              sz = a.z ? s * scale_at(a.z, g, a.st) : 0.0f;
+            }
             for (int j = 0; j < 16; ++j)
-              acc[j] += (static_cast<float>(code4(wr, c + j)) * s[g] - sz[g]) * to_float(x[c + j]);
+              acc[j] += (static_cast<float>(code<K>(row, c + j)) * s - sz) * to_float(x[c + j]);
           }
           float sum = 0;
           for (float v : acc) sum += v;
-          store1(a.y + (m0 + mi) * a.n + n0 + r, sum);
-        }
-      }
-    }
-  };
-  template <int MT, int R>
-  struct Int8G {
-    static void run(const Args<T>& a, int64_t m0, int64_t n0) {
-      for (int r = 0; r < R && n0 + r < a.n; ++r) {
-        const auto* wr = reinterpret_cast<const int8_t*>(a.w + (n0 + r) * a.row_bytes);
-        const float* s = a.s + (n0 + r) * a.groups;
-        for (int mi = 0; mi < MT; ++mi) {
-          const T* x = a.x + (m0 + mi) * a.k;
-          float acc[16] = {};
-          for (int64_t c = 0; c < a.k; c += 16) {
-            const float sg = s[c / a.group];
-            for (int j = 0; j < 16; ++j)
-              acc[j] += static_cast<float>(wr[c + j]) * sg * to_float(x[c + j]);
-          }
-          float sum = 0;
-          for (float v : acc) sum += v;
-          store1(a.y + (m0 + mi) * a.n + n0 + r, sum);
+          if constexpr (K == Kind::Int8) sum *= scale_at(a.s, nr, a.st);
+          store1(a.y + (m0 + mi) * a.n + nr, sum);
         }
       }
     }
@@ -184,6 +203,14 @@ inline __m512 load16(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
+// the `count` (<= 16) scales from p + i, as float32 lanes 0..count - 1 (the others zero)
+inline __m512 load_scales(const void* p, int64_t i, int st, __mmask16 mask) {
+  if (st == kF32) return _mm512_maskz_loadu_ps(mask, static_cast<const float*>(p) + i);
+  const __m256i h = _mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(p) + i);
+  if (st == kF16) return _mm512_cvtph_ps(h);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
 // y[m0 + mi, n0 + r] = finish(m0 + mi, n0 + r, acc[mi][r]), for the rows that exist
 template <typename T, int MT, int R, typename F>
 void store_tile(const Args<T>& a, int64_t m0, int64_t n0, __m512 (&acc)[MT][R], F&& finish) {
@@ -192,13 +219,39 @@ void store_tile(const Args<T>& a, int64_t m0, int64_t n0, __m512 (&acc)[MT][R], 
       store1(a.y + (m0 + mi) * a.n + n0 + r, finish(m0 + mi, n0 + r, acc[mi][r]));
 }
 
-template <typename T>
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(uint16_t* p, __m512 v) {  // to bfloat16 as torch rounds (subnormals kept)
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r =
+      _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+}
+
+// the codes of columns c .. c + 15 of a row as float32
+template <Kind K>
+inline __m512 codes16(const uint8_t* row, int64_t c) {
+  if constexpr (K == Kind::Int4) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + c / 2));
+    const __m128i lo = _mm_and_si128(b, _mm_set1_epi8(15));
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(15));
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)));
+  } else {
+    return _mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c))));
+  }
+}
+
+template <typename T, Kind K>
 struct Float512 {
   template <int MT, int R>
-  struct Int8 {
+  struct Tile {  // 16 columns at a time, all in one group (groups are multiples of 16)
     static void run(const Args<T>& a, int64_t m0, int64_t n0) {
       const uint8_t* wr[R];
-      row_ptrs<R>(a.w, a.row_bytes, a.n, n0, wr);
+      int64_t nr[R];
+      row_ptrs<R>(a, n0, wr, nr);
+      if constexpr (K != Kind::Int8) prefetch_scales<R>(a, nr);
       __m512 acc[MT][R];
       for (auto& row : acc)
         for (auto& v : row) v = _mm512_setzero_ps();
@@ -206,74 +259,20 @@ struct Float512 {
         __m512 xv[MT];
         for (int mi = 0; mi < MT; ++mi) xv[mi] = load16(a.x + (m0 + mi) * a.k + c);
         for (int r = 0; r < R; ++r) {
-          const __m512 wv = _mm512_cvtepi32_ps(
-              _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wr[r] + c))));
+          __m512 wv = codes16<K>(wr[r], c);
+          if constexpr (K != Kind::Int8) {
+            const int64_t g = nr[r] * a.groups + (c >> a.gshift);
+            const float s = scale_at(a.s, g, a.st);
+            const float sz = a.z ? s * scale_at(a.z, g, a.st) : 0.0f;
+            wv = _mm512_fmsub_ps(wv, _mm512_set1_ps(s), _mm512_set1_ps(sz));
+          }
           for (int mi = 0; mi < MT; ++mi) acc[mi][r] = _mm512_fmadd_ps(xv[mi], wv, acc[mi][r]);
         }
       }
-      store_tile<T, MT, R>(a, m0, n0, acc, [&](int64_t, int64_t nr, __m512 v) {
-        return _mm512_reduce_add_ps(v) * a.s[nr];
+      store_tile<T, MT, R>(a, m0, n0, acc, [&](int64_t, int64_t n, __m512 v) {
+        const float sum = _mm512_reduce_add_ps(v);
+        return K == Kind::Int8 ? sum * scale_at(a.s, n, a.st) : sum;
       });
-    }
-  };
-  template <int MT, int R>
-  struct Int4 {
-    // 16 columns c..c+15 of (c % 128 < 64 ? low : high) nibbles, dequantized
-    static __m512 dequant(const uint8_t* row, const float* s, const float* sz, int64_t c,
-                          int64_t group) {
-      const int64_t i = c % 128, g = c / group;
-      const __m512i b = _mm512_cvtepu8_epi32(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + (c / 128) * 64 + i % 64)));
-      const __m512i q =
-          i < 64 ? _mm512_and_si512(b, _mm512_set1_epi32(15)) : _mm512_srli_epi32(b, 4);
-      return _mm512_fmsub_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(s[g]), _mm512_set1_ps(sz[g]));
-    }
-    static void run(const Args<T>& a, int64_t m0, int64_t n0) {
-      const uint8_t* wr[R];
-      row_ptrs<R>(a.w, a.row_bytes, a.n, n0, wr);
-      const float *s[R], *sz[R];
-      for (int r = 0; r < R; ++r) {
-        const int64_t nr = std::min<int64_t>(n0 + r, a.n - 1);
-        s[r] = a.s + nr * a.groups;
-        sz[r] = a.sz + nr * a.groups;
-      }
-      __m512 acc[MT][R];
-      for (auto& row : acc)
-        for (auto& v : row) v = _mm512_setzero_ps();
-      for (int64_t c = 0; c < a.k; c += 16) {
-        __m512 xv[MT];
-        for (int mi = 0; mi < MT; ++mi) xv[mi] = load16(a.x + (m0 + mi) * a.k + c);
-        for (int r = 0; r < R; ++r) {
-          const __m512 wv = dequant(wr[r], s[r], sz[r], c, a.group);
-          for (int mi = 0; mi < MT; ++mi) acc[mi][r] = _mm512_fmadd_ps(xv[mi], wv, acc[mi][r]);
-        }
-      }
-      store_tile<T, MT, R>(a, m0, n0, acc,
-                           [](int64_t, int64_t, __m512 v) { return _mm512_reduce_add_ps(v); });
-    }
-  };
-  template <int MT, int R>
-  struct Int8G {  // 16 columns at a time, all in one group (groups are multiples of 32)
-    static void run(const Args<T>& a, int64_t m0, int64_t n0) {
-      const uint8_t* wr[R];
-      row_ptrs<R>(a.w, a.row_bytes, a.n, n0, wr);
-      const float* s[R];
-      for (int r = 0; r < R; ++r) s[r] = a.s + std::min<int64_t>(n0 + r, a.n - 1) * a.groups;
-      __m512 acc[MT][R];
-      for (auto& row : acc)
-        for (auto& v : row) v = _mm512_setzero_ps();
-      for (int64_t c = 0; c < a.k; c += 16) {
-        __m512 xv[MT];
-        for (int mi = 0; mi < MT; ++mi) xv[mi] = load16(a.x + (m0 + mi) * a.k + c);
-        for (int r = 0; r < R; ++r) {
-          const __m512 q = _mm512_cvtepi32_ps(
-              _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wr[r] + c))));
-          const __m512 wv = _mm512_mul_ps(q, _mm512_set1_ps(s[r][c / a.group]));
-          for (int mi = 0; mi < MT; ++mi) acc[mi][r] = _mm512_fmadd_ps(xv[mi], wv, acc[mi][r]);
-        }
-      }
-      store_tile<T, MT, R>(a, m0, n0, acc,
-                           [](int64_t, int64_t, __m512 v) { return _mm512_reduce_add_ps(v); });
     }
   };
 };
@@ -282,184 +281,252 @@ struct Float512 {
 
 #if defined(FOUDRE_VNNI)
 
-// x [m, k] to int8 per block of 32 columns: xq, d per 4 columns (dl), and d * sum(q) per block
-template <typename T>
-void quantize_rows(const T* x, int64_t m, int64_t k, int8_t* xq, float* dl, float* bsum) {
+// x [m, k] to int8 per block of 32 codes: xq, d per 4 codes (dl), and d * sum(q) per 16 codes
+// (hsum [m, k / 16]). Nibbles (int4): per 128 columns, the even columns then the odd ones, and
+// one d per 64 columns (the same d for codes j and 64 + j, whose products a kernel adds up in
+// int32).
+template <typename T, bool Nibbles>
+void quantize_rows(const T* x, int64_t m, int64_t k, int8_t* xq, float* dl, float* hsum) {
+  const auto put = [&](int64_t i, int64_t p, __m512 lo, __m512 hi, float amax) {
+    const float d = amax / 127.0f, id = amax > 0 ? 127.0f / amax : 0.0f;
+    const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(id)));
+    const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(id)));
+    int8_t* q = xq + i * k + p;
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(qlo));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtsepi32_epi8(qhi));
+    _mm256_storeu_ps(dl + i * (k / 4) + p / 4, _mm256_set1_ps(d));
+    hsum[i * (k / 16) + p / 16] = d * static_cast<float>(_mm512_reduce_add_epi32(qlo));
+    hsum[i * (k / 16) + p / 16 + 1] = d * static_cast<float>(_mm512_reduce_add_epi32(qhi));
+  };
+  const auto amax = [](__m512 a, __m512 b) {
+    return _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+  };
 #pragma omp parallel for schedule(static) if (m * k >= 65536)
   for (int64_t i = 0; i < m; ++i) {
-    for (int64_t b = 0; b < k / 32; ++b) {
-      const T* p = x + i * k + b * 32;
-      const __m512 lo = load16(p), hi = load16(p + 16);
-      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-      const float d = amax / 127.0f, id = amax > 0 ? 127.0f / amax : 0.0f;
-      const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(id)));
-      const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(id)));
-      int8_t* q = xq + i * k + b * 32;
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(qlo));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtsepi32_epi8(qhi));
-      _mm256_storeu_ps(dl + i * (k / 4) + b * 8, _mm256_set1_ps(d));
-      const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
-      bsum[i * (k / 32) + b] = d * static_cast<float>(sum);
+    if constexpr (Nibbles) {
+      const __m512i even =
+          _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+      const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+      for (int64_t c = 0; c < k; c += 128) {
+        __m512 ev[4], od[4];  // ev[h]: the even columns of c + 32 h .. c + 32 h + 31
+        float span[2];        // max |x| over each 64 columns
+        for (int h = 0; h < 4; ++h) {
+          const __m512 u = load16(x + i * k + c + 32 * h), v = load16(x + i * k + c + 32 * h + 16);
+          ev[h] = _mm512_permutex2var_ps(u, even, v);
+          od[h] = _mm512_permutex2var_ps(u, odd, v);
+        }
+        for (int half = 0; half < 2; ++half)
+          span[half] = std::max(amax(ev[2 * half], ev[2 * half + 1]),
+                                amax(od[2 * half], od[2 * half + 1]));
+        for (int half = 0; half < 2; ++half) {
+          put(i, c + 32 * half, ev[2 * half], ev[2 * half + 1], span[half]);
+          put(i, c + 64 + 32 * half, od[2 * half], od[2 * half + 1], span[half]);
+        }
+      }
+    } else {
+      for (int64_t p = 0; p < k; p += 32) {
+        const __m512 lo = load16(x + i * k + p), hi = load16(x + i * k + p + 16);
+        put(i, p, lo, hi, amax(lo, hi));
+      }
     }
   }
 }
 
-template <typename T>
+// The first column of x's 16 codes from code position p (int4: in nibble order)
+template <Kind K>
+inline int64_t column_of(int64_t p) {
+  if constexpr (K == Kind::Int4) return (p / 128) * 128 + 2 * (p % 64) + (p % 128) / 64;
+  return p;
+}
+
+template <typename T, Kind K>
 struct Vnni {
+  static constexpr bool kGrouped = K != Kind::Int8;
+  static constexpr int64_t kLaneColumns = K == Kind::Int4 ? 8 : 4;  // columns a lane spans
+
   template <int MT, int R>
-  struct Int8 {
+  struct Tile {
     static void run(const Args<T>& a, int64_t m0, int64_t n0) {
       const uint8_t* wr[R];
-      row_ptrs<R>(a.w, a.row_bytes, a.n, n0, wr);
+      int64_t nr[R];
+      row_ptrs<R>(a, n0, wr, nr);
+      if constexpr (kGrouped) prefetch_scales<R>(a, nr);
       __m512 acc[MT][R];
       for (auto& row : acc)
         for (auto& v : row) v = _mm512_setzero_ps();
+      // lane l of a 64-code step is in group (its first column) / group: the step's first group
+      // plus lane_group[l]; a step spans `span` groups
+      const int64_t step_columns = 16 * kLaneColumns;
+      const int64_t span = std::max<int64_t>(1, step_columns / a.group);
+      __m512i lane_group = _mm512_setzero_si512();
+      if (span > 1)
+        lane_group = _mm512_srli_epi32(
+            _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                               _mm512_set1_epi32(static_cast<int>(kLaneColumns))),
+            a.gshift);
+      const __mmask16 span_mask = static_cast<__mmask16>((1u << span) - 1);
+      const __m512i low = _mm512_set1_epi8(15);
       const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-      for (int64_t c = 0; c < a.k; c += 64) {
-        __m512i wv[R];
-        for (int r = 0; r < R; ++r) wv[r] = _mm512_xor_si512(_mm512_loadu_si512(wr[r] + c), flip);
+      // a step: 64 codes (int8), or 128 (int4: the low nibbles of 64 bytes, then the high
+      // ones, whose products with x's codes c .. c + 63 and c + 64 .. c + 127 sum in int32)
+      constexpr int64_t kStepCodes = K == Kind::Int4 ? 128 : 64;
+      for (int64_t c = 0; c < a.k; c += kStepCodes) {
+        const int64_t bytes = K == Kind::Int4 ? c / 2 : c;
+        const int64_t g0 = c >> a.gshift;  // the step's first group
+        __m512i xv[MT], xh[MT];
+        __m512 d[MT];
         for (int mi = 0; mi < MT; ++mi) {
-          const __m512i xv = _mm512_loadu_si512(a.xq + (m0 + mi) * a.k + c);
-          const __m512 d = _mm512_loadu_ps(a.dl + (m0 + mi) * (a.k / 4) + c / 4);
-          for (int r = 0; r < R; ++r) {
-            const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[r], xv);
-            acc[mi][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), d, acc[mi][r]);
+          xv[mi] = _mm512_loadu_si512(a.xq + (m0 + mi) * a.k + c);
+          if constexpr (K == Kind::Int4) xh[mi] = _mm512_loadu_si512(a.xq + (m0 + mi) * a.k + c + 64);
+          d[mi] = _mm512_loadu_ps(a.dl + (m0 + mi) * (a.k / 4) + c / 4);
+        }
+        for (int r = 0; r < R; ++r) {
+          prefetch(wr[r] + bytes + kAhead);
+          const __m512i v = _mm512_loadu_si512(wr[r] + bytes);
+          __m512i wv, wh = v;
+          if constexpr (K == Kind::Int4) {
+            wv = _mm512_and_si512(v, low);
+            wh = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+          } else {
+            wv = _mm512_xor_si512(v, flip);
+          }
+          __m512 sv = _mm512_setzero_ps();
+          if constexpr (kGrouped) {
+            const __m512 gs = load_scales(a.s, nr[r] * a.groups + g0, a.st, span_mask);
+            sv = span > 1 ? _mm512_permutexvar_ps(lane_group, gs)
+                          : _mm512_broadcastss_ps(_mm512_castps512_ps128(gs));
+          }
+          for (int mi = 0; mi < MT; ++mi) {
+            __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xv[mi]);
+            if constexpr (K == Kind::Int4) dot = _mm512_dpbusd_epi32(dot, wh, xh[mi]);
+            const __m512 scale = kGrouped ? _mm512_mul_ps(d[mi], sv) : d[mi];
+            acc[mi][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[mi][r]);
           }
         }
       }
-      store_tile<T, MT, R>(a, m0, n0, acc, [&](int64_t mr, int64_t nr, __m512 v) {
-        return (_mm512_reduce_add_ps(v) - 128.0f * a.corr[mr]) * a.s[nr];
-      });
-    }
-  };
-  // Group-wise weights: int4 paired nibbles, or int8 (Int8W: as its unsigned code q + 128, the
-  // zero point z = 128 taken off with the others). Split: groups of 32, two per 64 columns
-  // (lanes 0-7 and 8-15); else one group per 64
-  template <bool Int8W, bool Split>
-  struct Grouped {
-    template <int MT, int R>
-    struct Tile {
-      static void run(const Args<T>& a, int64_t m0, int64_t n0) {
-        const uint8_t* wr[R];
-        row_ptrs<R>(a.w, a.row_bytes, a.n, n0, wr);
-        const float *s[R], *sz[R];
-        for (int r = 0; r < R; ++r) {
-          const int64_t nr = std::min<int64_t>(n0 + r, a.n - 1);
-          s[r] = a.s + nr * a.groups;
-          sz[r] = a.sz + nr * a.groups;
-        }
-        __m512 acc[MT][R];
-        for (auto& row : acc)
-          for (auto& v : row) v = _mm512_setzero_ps();
-        const __m512i low = _mm512_set1_epi8(15);
-        const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-        for (int64_t c = 0; c < a.k; c += 64) {  // 64 columns (int4: the low or high nibbles)
-          const bool high = c % 128 != 0;
-          const int64_t g0 = c / a.group, g1 = (c + 32) / a.group;  // of lanes 0-7, 8-15
-          __m512i wv[R];
-          __m512 sv[R];
-          for (int r = 0; r < R; ++r) {
-            if constexpr (Int8W) {
-              wv[r] = _mm512_xor_si512(_mm512_loadu_si512(wr[r] + c), flip);
-            } else {
-              const __m512i v = _mm512_loadu_si512(wr[r] + (c / 128) * 64);
-              wv[r] = _mm512_and_si512(high ? _mm512_srli_epi16(v, 4) : v, low);
-            }
-            sv[r] = _mm512_set1_ps(s[r][g0]);
-            if constexpr (Split)
-              sv[r] = _mm512_mask_broadcastss_ps(sv[r], 0xFF00, _mm_load_ss(s[r] + g1));
-          }
-          for (int mi = 0; mi < MT; ++mi) {
-            const __m512i xv = _mm512_loadu_si512(a.xq + (m0 + mi) * a.k + c);
-            const __m512 d = _mm512_loadu_ps(a.dl + (m0 + mi) * (a.k / 4) + c / 4);
-            for (int r = 0; r < R; ++r) {
-              const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[r], xv);
-              const __m512 scale = _mm512_mul_ps(d, sv[r]);
-              acc[mi][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[mi][r]);
-            }
-          }
-        }
-        // the zero points: acc -= s z * (sum over the group's blocks of d sum q), 16 groups
-        // a step
+      if constexpr (kGrouped) {
+        // the offsets: acc -= s (z [+ 128]) * (the group's sum of d q), 16 groups a step
         for (int64_t g = 0; g < a.groups; g += 16) {
-          const __mmask16 mask = a.groups - g >= 16 ? 0xFFFF : (1u << (a.groups - g)) - 1;
+          const __mmask16 mask =
+              a.groups - g >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (a.groups - g)) - 1);
+          __m512 off[R];
+          for (int r = 0; r < R; ++r) {
+            const __m512 s = load_scales(a.s, nr[r] * a.groups + g, a.st, mask);
+            __m512 z = a.z ? load_scales(a.z, nr[r] * a.groups + g, a.st, mask)
+                           : _mm512_setzero_ps();
+            if constexpr (K != Kind::Int4) z = _mm512_add_ps(z, _mm512_set1_ps(128.0f));
+            off[r] = _mm512_mul_ps(s, z);
+          }
           for (int mi = 0; mi < MT; ++mi) {
             const __m512 cv = _mm512_maskz_loadu_ps(mask, a.corr + (m0 + mi) * a.groups + g);
-            for (int r = 0; r < R; ++r)
-              acc[mi][r] =
-                  _mm512_fnmadd_ps(_mm512_maskz_loadu_ps(mask, sz[r] + g), cv, acc[mi][r]);
+            for (int r = 0; r < R; ++r) acc[mi][r] = _mm512_fnmadd_ps(off[r], cv, acc[mi][r]);
           }
         }
         store_tile<T, MT, R>(a, m0, n0, acc,
                              [](int64_t, int64_t, __m512 v) { return _mm512_reduce_add_ps(v); });
+      } else {  // the offset 128: y = s (acc - 128 sum d q)
+        store_tile<T, MT, R>(a, m0, n0, acc, [&](int64_t mr, int64_t n, __m512 v) {
+          return (_mm512_reduce_add_ps(v) - 128.0f * a.corr[mr]) * scale_at(a.s, n, a.st);
+        });
       }
-    };
+    }
   };
 };
 
-enum class Kind { Int8, Int8Grouped, Int4 };
-
-// quantize x, then the tiles; int8: corr = sum of a row's block sums, grouped: per group (times
-// 128 for int8, whose zero point is that offset)
+// quantize x, then the tiles; corr = the sums of a row's 16-code sums: per row (int8), per
+// group (grouped)
 template <typename T, Kind K>
 void vnni_matmul(Args<T> a) {
-  constexpr bool grouped = K != Kind::Int8, w8 = K == Kind::Int8Grouped;
-  const int64_t blocks = a.k / 32;
+  constexpr bool grouped = K != Kind::Int8;
+  const int64_t halves = a.k / 16;
   std::vector<int8_t> xq(a.m * a.k);
-  std::vector<float> dl(a.m * a.k / 4), bsum(a.m * blocks);
-  quantize_rows(a.x, a.m, a.k, xq.data(), dl.data(), bsum.data());
+  std::vector<float> dl(a.m * a.k / 4), hsum(a.m * halves);
+  quantize_rows<T, K == Kind::Int4>(a.x, a.m, a.k, xq.data(), dl.data(), hsum.data());
   const int64_t per_row = grouped ? a.groups : 1;
   std::vector<float> corr(a.m * per_row, 0.0f);
   for (int64_t i = 0; i < a.m; ++i)
-    for (int64_t b = 0; b < blocks; ++b)
-      corr[i * per_row + (grouped ? b * 32 / a.group : 0)] +=
-          (w8 ? 128.0f : 1.0f) * bsum[i * blocks + b];
+    for (int64_t h = 0; h < halves; ++h)
+      corr[i * per_row + (grouped ? column_of<K>(h * 16) >> a.gshift : 0)] += hsum[i * halves + h];
   a.xq = xq.data();
   a.dl = dl.data();
   a.corr = corr.data();
-  if constexpr (grouped) {
-    if (a.group == 32)
-      for_tiles<Vnni<T>::template Grouped<w8, true>::template Tile>(a, a.m, a.n);
-    else
-      for_tiles<Vnni<T>::template Grouped<w8, false>::template Tile>(a, a.m, a.n);
-  } else {
-    for_tiles<Vnni<T>::template Int8>(a, a.m, a.n);
-  }
+  for_tiles<Vnni<T, K>::template Tile>(a);
 }
 
 #endif  // FOUDRE_VNNI
 
-template <typename T>
-void int8_matmul(const Args<T>& a) {
+template <typename T, Kind K>
+void matmul(const Args<T>& a) {
 #if defined(FOUDRE_VNNI)
-  vnni_matmul<T, Kind::Int8>(a);
+  vnni_matmul<T, K>(a);
 #elif defined(FOUDRE_AVX512)
-  for_tiles<Float512<T>::template Int8>(a, a.m, a.n);
+  for_tiles<Float512<T, K>::template Tile>(a);
 #else
-  for_tiles<Portable<T>::template Int8>(a, a.m, a.n);
+  for_tiles<Portable<T, K>::template Tile>(a);
 #endif
 }
 
-template <typename T>
-void int8g_matmul(const Args<T>& a) {
-#if defined(FOUDRE_VNNI)
-  vnni_matmul<T, Kind::Int8Grouped>(a);
-#elif defined(FOUDRE_AVX512)
-  for_tiles<Float512<T>::template Int8G>(a, a.m, a.n);
+// Rows n0 .. n1 of the dequantized weight into out [n1 - n0, k] (T): w = (q - z) s in float32
+// (QuantLinear.dequantize's values), then rounded to T; for the large batches that run a float
+// GEMM over them instead
+template <typename T, Kind K>
+void dequantize(const Args<T>& a, int64_t n0, int64_t n1, T* out) {
+#pragma omp parallel for schedule(static)
+  for (int64_t nr = n0; nr < n1; ++nr) {
+    const uint8_t* row = a.w + nr * a.row_bytes;
+    T* o = out + (nr - n0) * a.k;
+    for (int64_t c = 0; c < a.k; c += 16) {
+      float s, z = 0.0f;
+      if constexpr (K == Kind::Int8) {
+        s = scale_at(a.s, nr, a.st);
+      } else {
+        const int64_t g = nr * a.groups + (c >> a.gshift);
+        s = scale_at(a.s, g, a.st);
+        if (a.z) z = scale_at(a.z, g, a.st);
+      }
+#if defined(FOUDRE_AVX512)
+      const __m512 q = _mm512_sub_ps(codes16<K>(row, c), _mm512_set1_ps(z));
+      store16(o + c, _mm512_mul_ps(q, _mm512_set1_ps(s)));
 #else
-  for_tiles<Portable<T>::template Int8G>(a, a.m, a.n);
+      for (int j = 0; j < 16; ++j)
+        store1(o + c + j, (static_cast<float>(code<K>(row, c + j)) - z) * s);
 #endif
+    }
+  }
 }
 
 template <typename T>
-void int4_matmul(const Args<T>& a) {
-#if defined(FOUDRE_VNNI)
-  vnni_matmul<T, Kind::Int4>(a);
-#elif defined(FOUDRE_AVX512)
-  for_tiles<Float512<T>::template Int4>(a, a.m, a.n);
-#else
-  for_tiles<Portable<T>::template Int4>(a, a.m, a.n);
-#endif
+Args<T> args(int kind, const void* x, const void* q, const void* s, const void* z, int st,
+             int64_t groups, int64_t group, void* y, int64_t m, int64_t n, int64_t k) {
+  const int gshift = group > 0 ? __builtin_ctzll(static_cast<uint64_t>(group)) : 0;
+  return {static_cast<const T*>(x), static_cast<const uint8_t*>(q), kind == 2 ? k / 2 : k, s, z,
+          st, groups, group, gshift, static_cast<T*>(y), m, n, k, nullptr, nullptr, nullptr};
+}
+
+template <typename T>
+void run(int kind, const void* x, const void* q, const void* s, const void* z, int st,
+         int64_t groups, int64_t group, void* y, int64_t m, int64_t n, int64_t k) {
+  const Args<T> a = args<T>(kind, x, q, s, z, st, groups, group, y, m, n, k);
+  if (kind == 0)
+    matmul<T, Kind::Int8>(a);
+  else if (kind == 1)
+    matmul<T, Kind::Int8Grouped>(a);
+  else
+    matmul<T, Kind::Int4>(a);
+}
+
+template <typename T>
+void run_dequantize(int kind, const void* q, const void* s, const void* z, int st,
+                    int64_t groups, int64_t group, void* out, int64_t n0, int64_t n1,
+                    int64_t k) {
+  const Args<T> a = args<T>(kind, nullptr, q, s, z, st, groups, group, nullptr, 0, n1, k);
+  T* o = static_cast<T*>(out);
+  if (kind == 0)
+    dequantize<T, Kind::Int8>(a, n0, n1, o);
+  else if (kind == 1)
+    dequantize<T, Kind::Int8Grouped>(a, n0, n1, o);
+  else
+    dequantize<T, Kind::Int4>(a, n0, n1, o);
 }
 
 }  // namespace
@@ -477,36 +544,30 @@ int foudre_qmm_path() {
 #endif
 }
 
-// y [m, n] = x [m, k] @ (q * s)^T; q int8 [n, k], k a multiple of 64
-#define FOUDRE_QMM_INT8(NAME, T)                                                              \
-  void NAME(const void* x, const void* q, const float* s, void* y, int64_t m, int64_t n,      \
-            int64_t k) {                                                                      \
-    int8_matmul<T>({static_cast<const T*>(x), static_cast<const uint8_t*>(q), k, s, nullptr, \
-                    0, 0, static_cast<T*>(y), m, n, k, nullptr, nullptr, nullptr});           \
-  }
-// y [m, n] = x [m, k] @ ((q - z) * s)^T; q paired nibbles [n, k / 2], k a multiple of 128;
-// s and s * z [n, groups] for groups of `group` columns
-#define FOUDRE_QMM_INT4(NAME, T)                                                                \
-  void NAME(const void* x, const void* q, const float* s, const float* sz, int64_t groups,     \
-            int64_t group, void* y, int64_t m, int64_t n, int64_t k) {                          \
-    int4_matmul<T>({static_cast<const T*>(x), static_cast<const uint8_t*>(q), k / 2, s, sz,    \
-                    groups, group, static_cast<T*>(y), m, n, k, nullptr, nullptr, nullptr});    \
-  }
+// y [m, n] = x [m, k] @ W^T, x and y float32 (f32) or bfloat16 (bf16). kind 0: int8 per channel,
+// q [n, k] (k a multiple of 64), s [n]; 1: int8 group-wise, q [n, k], s and z (or null)
+// [n, groups] for groups of `group` columns (a power of two, 16 or more); 2: int4, q [n, k / 2]
+// (k a multiple of 128), s and z [n, groups] (groups of 32 or more). st: the type of s and z
+// (0 float32, 1 float16, 2 bfloat16).
+void foudre_qmm_f32(int kind, const void* x, const void* q, const void* s, const void* z, int st,
+                    int64_t groups, int64_t group, void* y, int64_t m, int64_t n, int64_t k) {
+  run<float>(kind, x, q, s, z, st, groups, group, y, m, n, k);
+}
+void foudre_qmm_bf16(int kind, const void* x, const void* q, const void* s, const void* z, int st,
+                     int64_t groups, int64_t group, void* y, int64_t m, int64_t n, int64_t k) {
+  run<uint16_t>(kind, x, q, s, z, st, groups, group, y, m, n, k);
+}
 
-// y [m, n] = x [m, k] @ (q * s[group])^T; q int8 [n, k], k a multiple of 64; s [n, groups] for
-// groups of `group` columns (a multiple of 32)
-#define FOUDRE_QMM_INT8G(NAME, T)                                                            \
-  void NAME(const void* x, const void* q, const float* s, int64_t groups, int64_t group,     \
-            void* y, int64_t m, int64_t n, int64_t k) {                                      \
-    int8g_matmul<T>({static_cast<const T*>(x), static_cast<const uint8_t*>(q), k, s, s,     \
-                     groups, group, static_cast<T*>(y), m, n, k, nullptr, nullptr, nullptr}); \
-  }
-
-FOUDRE_QMM_INT8(foudre_qmm_int8_f32, float)
-FOUDRE_QMM_INT8(foudre_qmm_int8_bf16, uint16_t)
-FOUDRE_QMM_INT8G(foudre_qmm_int8g_f32, float)
-FOUDRE_QMM_INT8G(foudre_qmm_int8g_bf16, uint16_t)
-FOUDRE_QMM_INT4(foudre_qmm_int4_f32, float)
-FOUDRE_QMM_INT4(foudre_qmm_int4_bf16, uint16_t)
+// rows n0 .. n1 of the same weights dequantized into out [n1 - n0, k], float32 or bfloat16
+void foudre_dequantize_f32(int kind, const void* q, const void* s, const void* z, int st,
+                           int64_t groups, int64_t group, void* out, int64_t n0, int64_t n1,
+                           int64_t k) {
+  run_dequantize<float>(kind, q, s, z, st, groups, group, out, n0, n1, k);
+}
+void foudre_dequantize_bf16(int kind, const void* q, const void* s, const void* z, int st,
+                            int64_t groups, int64_t group, void* out, int64_t n0, int64_t n1,
+                            int64_t k) {
+  run_dequantize<uint16_t>(kind, q, s, z, st, groups, group, out, n0, n1, k);
+}
 
 }  // extern "C"

@@ -85,6 +85,7 @@ def gptq_codes(
     s = scales.float()
     if group_size <= 0:
         group_size = k
+    _check_groups(k, group_size, s.shape[0])
     default = torch.arange(k) // group_size
     if g_idx is None or torch.equal(g_idx.long(), default):
         return Int4Codes(
@@ -99,12 +100,22 @@ def gptq_codes(
     return Int4Codes(codes, s.t().contiguous(), z.t().contiguous(), group_size, perm)
 
 
+def _check_groups(k: int, group_size: int, groups: int) -> None:
+    """``ValueError`` unless ``group_size`` divides the ``k`` input features into ``groups``."""
+    if group_size <= 0 or k % group_size or k // group_size != groups:
+        raise ValueError(
+            f"group_size {group_size} does not divide its {k} input features into the "
+            f"{groups} groups of its scales"
+        )
+
+
 def awq_codes(
     qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int
 ) -> Int4Codes:
     """An AutoAWQ GEMM 4-bit linear's tensors as ``Int4Codes``."""
     q = unpack_cols(qweight, AWQ_REVERSE_ORDER)  # [K, N]
     n = scales.shape[1]
+    _check_groups(q.shape[0], group_size, scales.shape[0])
     z = unpack_cols(qzeros, AWQ_REVERSE_ORDER)[:, :n].float()
     return Int4Codes(
         q[:, :n].t().to(torch.uint8).contiguous(),

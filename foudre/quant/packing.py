@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)
+INT8_GROUP_SIZES = (16, *INT4_GROUP_SIZES)  # group-wise 8-bit (GGUF's Q6_K has groups of 16)
 
 
 def padded_k(k: int, group_size: int) -> int:
@@ -110,8 +111,13 @@ def quantize_int8_grouped(w: torch.Tensor, group_size: int) -> tuple[torch.Tenso
     return q.reshape(n, k), scales
 
 
-def dequantize_int8_grouped(q: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
-    """Float32 ``[N, Kp]`` weight of group-wise int8 codes."""
+def dequantize_int8_grouped(
+    q: torch.Tensor, scales: torch.Tensor, group_size: int, zeros: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Float32 ``[N, Kp]`` weight of group-wise 8-bit codes: ``(q - zeros) * scales`` per group
+    (``zeros`` None: 0)."""
     n, k = q.shape
     g = q.float().reshape(n, k // group_size, group_size)
+    if zeros is not None:
+        g = g - zeros.float()[..., None]
     return (g * scales.float()[..., None]).reshape(n, k)

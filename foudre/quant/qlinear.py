@@ -1,14 +1,14 @@
 """``QuantLinear``: a weight-only quantized linear over the canonical layouts of
-``foudre.quant.packing`` (8-bit per channel or group-wise, 4-bit group-wise), run by the packed
-kernels: on the CPU our own (``cpu_qmatmul``, int8 weights; up to ``NATIVE_MAX_ROWS`` rows)
-where they built with AVX-512, else PyTorch's (``kernels``); on CUDA ``triton_kernels``.
-Group-wise int8 (GGUF's Q8_0) runs on ours only; elsewhere (CPUs without AVX-512, CUDA) it runs
-``forward_reference``.
+``foudre.quant.packing`` (8-bit per channel or group-wise with optional zero points, 4-bit
+group-wise). On a CPU with AVX-512 our kernels (``cpu_qmatmul``) read those buffers as they are:
+batches below ``DEQUANTIZED_GEMM_ROWS`` through the integer kernel, larger ones (prefill chunks)
+as the weight dequantized a few rows at a time into torch's GEMM; elsewhere torch's packed
+kernels (``kernels``; group-wise 8-bit there runs ``forward_reference``). On CUDA the Triton
+kernels (``triton_kernels``: a split-K GEMV at one row, dequantizing tiles in registers above).
 
-With AVX512-VNNI, ours round the activations to int8 per block of 32 columns (as llama.cpp's
-Q8_0): ``cpu_qmatmul.error_bound`` bounds the difference from ``forward_reference``. On the
-stories260K model its logits' error is that of bfloat16 activations (the loader's compute dtype
-for a float32 model), 0.078 RMS beside int8 weights' own 0.069 (logits of RMS 6.9).
+With AVX512-VNNI the integer kernel rounds the activations to int8 per block of 32 (as
+llama.cpp's Q8_0): ``cpu_qmatmul.error_bound`` bounds the difference from
+``forward_reference`` and ``cpu_qmatmul.round_like_kernel`` reproduces the rounding.
 
 Optional per module: ``input_scale`` ``[K]`` (AWQ scaling that could not be folded into the
 previous op; the input is multiplied by it) and ``perm`` ``[K]`` (act-order column permutation of
@@ -27,6 +27,7 @@ from torch import nn
 from foudre.quant import cpu_qmatmul, kernels
 from foudre.quant.packing import (
     INT4_GROUP_SIZES,
+    INT8_GROUP_SIZES,
     dequantize_int4,
     dequantize_int8_grouped,
     pack_int4,
@@ -38,16 +39,28 @@ from foudre.quant.packing import (
 )
 
 # Rows up to which the CPU forward runs cpu_qmatmul rather than aten's packed kernels, by bits.
-# Measured on one Zen 4 thread (benchmarks/quant_kernels_cpu.py; 4096x4096 and 1024x2816, bf16
-# activations): int8 1.7x aten's speed at one row with the weights read from memory, 1.25-1.9x
-# at 16 and still 1.4-1.6x at 512-2048 rows, so every batch (and a row's result never depends
-# on the batch around it); int4 0.7x at one row (our VNNI kernel is compute-bound there) and
-# 0.96-1.12x at 16: not yet.
-NATIVE_MAX_ROWS: dict[int, float] = {8: math.inf, 4: 0}
+# Measured on one Zen 4 thread (benchmarks/quant_kernels_cpu.py and 2048x2048 at 4 to 1024 rows,
+# bf16 activations): ours int8 1.7x aten's speed at one row with the weights read from memory,
+# 1.25-1.9x at 16 and 1.4-1.6x at 512-2048 rows; ours int4 (reading pack_int4's nibbles
+# directly, two vpdpbusd summed per 128 columns) 2.6x aten's at 4 rows, 1.1x at 16, 1.6-4x at
+# 64-1024: every batch below DEQUANTIZED_GEMM_ROWS, for both (int4 weights then need no second,
+# aten-packed copy); tests lower it to reach aten's kernels.
+NATIVE_MAX_ROWS: dict[int, float] = {8: math.inf, 4: math.inf}
+# Rows from which the CPU forward dequantizes the weight a few rows at a time into x's dtype and
+# runs torch's GEMM (cpu_qmatmul.matmul_dequantized): at prefill sizes the step is compute-bound
+# and a bf16 GEMM does more per cycle than the integer kernel's int8 products with their
+# per-block scaling. Measured on one Zen 4 thread, 2048 x 2048, bf16 (ours / dequantized + GEMM,
+# int4 g128): 16 rows 0.46 / 0.82 ms, 32 rows 1.17 / 1.12, 64 rows 1.77 / 1.62, 256 rows 9.4 / 5.0,
+# 1024 rows 40 / 19 (bf16 weights: 18.4).
+DEQUANTIZED_GEMM_ROWS = 64
 
 
 class QuantLinear(nn.Module):
     """A weight-only quantized ``nn.Linear`` (8-bit per channel or per group, 4-bit per group).
+
+    Weights: 8-bit per channel ``w = q * s``; 8-bit group-wise ``w = (q - z) * s`` per group of
+    ``group_size`` columns, ``z`` (``zeros``) only with ``zero_point`` (GGUF's Q5_1 and Q5_K;
+    without, as Q8_0, Q5_0 and Q6_K, z = 0); 4-bit ``w = (q - z) * s``, codes 0..15.
 
     ``forward`` returns what ``forward_reference`` (dequantize, then ``F.linear``) returns, to
     within the rounding of the activation dtype (or of int8 activations, see the module's
@@ -74,15 +87,19 @@ class QuantLinear(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
         scale_dtype: torch.dtype | None = None,
+        zero_point: bool = False,
     ) -> None:
         super().__init__()
         if bits not in (4, 8):
             raise ValueError(f"bits must be 4 or 8, got {bits}")
-        if (bits == 4 or group_size is not None) and group_size not in INT4_GROUP_SIZES:
+        sizes = INT4_GROUP_SIZES if bits == 4 else INT8_GROUP_SIZES
+        if (bits == 4 or group_size is not None) and group_size not in sizes:
             raise ValueError(
-                f"{bits}-bit group_size must be one of {INT4_GROUP_SIZES}"
+                f"{bits}-bit group_size must be one of {sizes}"
                 f"{' or None' if bits == 8 else ''}, got {group_size}"
             )
+        if zero_point and (bits != 8 or group_size is None):
+            raise ValueError("zero_point is for group-wise 8-bit weights (4-bit always has one)")
         self.in_features, self.out_features = in_features, out_features
         self.bits = bits
         self.group_size = group_size
@@ -99,7 +116,8 @@ class QuantLinear(nn.Module):
             self.register_buffer(
                 "scales", torch.ones(n, kp // group_size, dtype=sdtype, device=device)
             )
-            self.zeros = None
+            zeros = torch.zeros(n, kp // group_size, dtype=sdtype, device=device)
+            self.register_buffer("zeros", zeros if zero_point else None)
         else:
             assert group_size is not None
             kp = padded_k(k, group_size)
@@ -119,8 +137,9 @@ class QuantLinear(nn.Module):
         self.register_buffer(
             "perm", torch.arange(k, dtype=torch.long, device=device) if perm else None
         )
-        # kernel layouts by (device, activation dtype); dtype None: cpu_qmatmul's (any dtype)
-        self._packed: dict[tuple[torch.device, torch.dtype | None], tuple[torch.Tensor, ...]] = {}
+        # aten's kernel layouts by (device, activation dtype), and cpu_qmatmul's (any dtype)
+        self._packed: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, ...]] = {}
+        self._native: cpu_qmatmul.Packed | None = None
         # activations are cast to this dtype for the CPU kernels and the result cast back
         # (None: the input's dtype). torch 2.13's float32 packed kernels are several times
         # slower than its bfloat16 ones; see set_compute_dtype.
@@ -168,7 +187,7 @@ class QuantLinear(nn.Module):
     ) -> QuantLinear:
         """Build from integer codes (int8 ``[N, K]`` per channel or ``[N, Kp]`` group-wise, or
         0..15 ``[N, Kp]`` unpacked); ``scale_dtype`` (default ``dtype``) holds scales and
-        zeros."""
+        zeros. 8-bit group-wise codes take ``zeros`` or None (z = 0)."""
         dtype = dtype or (bias.dtype if bias is not None else torch.float32)
         if not dtype.is_floating_point:
             dtype = torch.float32
@@ -183,10 +202,14 @@ class QuantLinear(nn.Module):
             dtype=dtype,
             device=q.device,
             scale_dtype=scale_dtype,
+            zero_point=bits == 8 and zeros is not None,
         )
         with torch.no_grad():
             if bits == 8:
                 mod.qweight.copy_(q.to(torch.int8))
+                if zeros is not None:
+                    assert mod.zeros is not None
+                    mod.zeros.copy_(zeros)
             else:
                 assert mod.zeros is not None and zeros is not None
                 mod.qweight.copy_(pack_int4(q))
@@ -211,7 +234,7 @@ class QuantLinear(nn.Module):
             return self.qweight.float() * self.scales.float()[:, None]
         assert self.group_size is not None
         if self.bits == 8:
-            w = dequantize_int8_grouped(self.qweight, self.scales, self.group_size)
+            w = dequantize_int8_grouped(self.qweight, self.scales, self.group_size, self.zeros)
             return w[:, : self.in_features]
         assert self.zeros is not None
         w = dequantize_int4(
@@ -253,20 +276,27 @@ class QuantLinear(nn.Module):
         x = self._prepare_input(x).reshape(-1, x.shape[-1])
         return x, tuple(lead)
 
-    def _cpu_layout(self, dtype: torch.dtype | None) -> tuple[torch.Tensor, ...]:
-        """aten's layout for activations in ``dtype``; None: ``cpu_qmatmul``'s."""
+    def _cpu_layout(self, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """aten's layout for activations in ``dtype``."""
         key = (self.qweight.device, dtype)
         layout = self._packed.get(key)
         if layout is None:
-            if dtype is None:
-                layout = cpu_qmatmul.layout(self.qweight, self.scales, self.zeros, self.group_size)
-            else:
-                layout = kernels.cpu_layout(self.qweight, self.scales, self.zeros, dtype)
+            layout = kernels.cpu_layout(self.qweight, self.scales, self.zeros, dtype)
             self._packed[key] = layout
         return layout
 
+    def _native_layout(self) -> cpu_qmatmul.Packed:
+        """``cpu_qmatmul``'s layout (built once; it serves every activation dtype)."""
+        if self._native is None:
+            self._native = cpu_qmatmul.layout(
+                self.qweight, self.scales, self.zeros, self.group_size, self.bits
+            )
+        return self._native
+
     def _forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
-        """Through the native CPU packed kernels (``kernels``)."""
+        """On the CPU: ``cpu_qmatmul`` (its integer kernel, or its dequantized GEMM from
+        ``DEQUANTIZED_GEMM_ROWS`` rows) where ``uses_native_kernels``, else aten's packed
+        kernels (``kernels``; group-wise 8-bit: ``forward_reference``)."""
         out_dtype = x.dtype
         x2, lead = self._flat(x)
         if self.compute_dtype is not None:
@@ -276,8 +306,10 @@ class QuantLinear(nn.Module):
         grouped8 = self.bits == 8 and self.group_size is not None
         if grouped8 and not native:
             return self.forward_reference(x)  # aten has no group-wise int8 kernel
-        if native and (grouped8 or x2.shape[0] <= NATIVE_MAX_ROWS[self.bits]):
-            y = cpu_qmatmul.matmul(x2, self._cpu_layout(None), self.group_size).to(out_dtype)
+        if native and x2.shape[0] >= DEQUANTIZED_GEMM_ROWS:
+            y = cpu_qmatmul.matmul_dequantized(x2, self._native_layout()).to(out_dtype)
+        elif native and (grouped8 or x2.shape[0] <= NATIVE_MAX_ROWS[self.bits]):
+            y = cpu_qmatmul.matmul(x2, self._native_layout()).to(out_dtype)
         else:
             layout = self._cpu_layout(x2.dtype)
             y = kernels.cpu_matmul(x2, layout, self.group_size, self.out_features).to(out_dtype)
@@ -286,26 +318,29 @@ class QuantLinear(nn.Module):
         return y.reshape(*lead, self.out_features)
 
     def _forward_cuda(self, x: torch.Tensor) -> torch.Tensor:
-        """The Triton dequantize-matmul when Triton imports, else (and for group-wise int8,
-        which has no Triton kernel yet) the dequantize reference."""
-        if self.bits == 8 and self.group_size is not None:
-            return self.forward_reference(x)
+        """The Triton dequantize-matmul kernels (every layout: a GEMV or split-K kernel for
+        decode batches, ``tl.dot`` tiles beyond; bias added in the kernel) when Triton imports,
+        else the dequantize reference."""
         try:
             from foudre.quant import triton_kernels
         except ImportError:
             return self.forward_reference(x)
         x2, lead = self._flat(x)
-        y = triton_kernels.quant_matmul(x2, self.qweight, self.scales, self.zeros, self.group_size)
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
+        y = triton_kernels.quant_matmul(
+            x2, self.qweight, self.scales, self.zeros, self.group_size, self.bias
+        )
         return y.reshape(*lead, self.out_features)
 
+    def invalidate_layouts(self) -> None:
+        """Forget the kernels' layouts: call after writing the buffers in place."""
+        self._packed, self._native = {}, None
+
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
-        self._packed = {}  # device or dtype moves invalidate the kernel layouts
+        self.invalidate_layouts()  # device or dtype moves invalidate the layouts
         return super()._apply(fn, recurse)
 
     def _load_from_state_dict(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-        self._packed = {}
+        self.invalidate_layouts()
         return super()._load_from_state_dict(*args, **kwargs)
 
     def extra_repr(self) -> str:
@@ -314,12 +349,25 @@ class QuantLinear(nn.Module):
 
 
 def uses_native_kernels(dtype: torch.dtype) -> bool:
-    """Whether small CPU batches in ``dtype`` run ``cpu_qmatmul``: float32 or bfloat16, the
+    """Whether CPU activations in ``dtype`` run ``cpu_qmatmul``: float32 or bfloat16, the
     library built with AVX-512 (its portable path is for checks; aten's kernels serve CPUs
     without AVX-512), and not switched off with ``FOUDRE_NATIVE_QMATMUL=0``."""
     if dtype not in cpu_qmatmul.DTYPES or os.environ.get("FOUDRE_NATIVE_QMATMUL", "1") == "0":
         return False
     return cpu_qmatmul.path() in ("vnni", "avx512")
+
+
+def prepare_for_cpu(model: nn.Module) -> None:
+    """As loaded on the CPU: a float32 model's quantized linears compute in bfloat16 where
+    torch's packed kernels serve them (fast with bf16 activations only); ours (AVX-512) take
+    float32 as it is."""
+    params = next(model.parameters(), None)
+    if params is None or params.device.type != "cpu" or params.dtype != torch.float32:
+        return
+    if uses_native_kernels(torch.float32):
+        return
+    if any(isinstance(m, QuantLinear) for m in model.modules()):
+        set_compute_dtype(model, torch.bfloat16)
 
 
 def set_compute_dtype(model: nn.Module, dtype: torch.dtype | None) -> None:

@@ -18,17 +18,22 @@ sizes, and adds to the block's ``expert_tokens`` what its Python path would (``_
 It takes a step when every row is a decode row (one token each, no prefill chunk, no drafts),
 of at most ``Linear``'s ``MAX_ROWS``, and with sliding windows while every row's context fits
 the narrowest window (its layers attend to every key); other steps, and models it cannot run
-(another dtype, quantized layers, a quantized KV cache, another attention backend, hooks on a
-module, a shared expert, OLMoE's attention), take the model's ``forward``. Like CUDA graphs, it
-holds addresses: every step checks that the weights, RoPE tables, KV caches and expert counts it
-was built on are still the modules' and the runner's, at the same addresses, and that no hook or
-autocast asks for the Python path; otherwise the step goes back to Python.
+(another dtype, quantized experts, another attention backend, hooks on a module, a shared
+expert, OLMoE's attention), take the model's ``forward``. Quantized projections (``QuantLinear``
+on ``quant/cpu_qmatmul``: int8, GGUF's group-wise 8-bit, int4) run the same kernel from C++,
+their bias added after, as ``QuantLinear.forward`` does. A quantized KV cache (int8 / fp8) is
+read as stored by the paged kernel's codes variant, and the new tokens' K/V are quantized on
+write in C++ to the codes and scales of ``layers/kv_quant.py``'s ``quantize_kv``, bit for bit.
+Like CUDA graphs, it holds addresses: every step checks that the weights, RoPE tables, KV caches
+and expert counts it was built on are still the modules' and the runner's, at the same
+addresses, and that no hook or autocast asks for the Python path; otherwise the step goes back
+to Python.
 """
 
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -36,12 +41,16 @@ from torch import nn
 from torch.nn.modules import module as nn_module
 
 from foudre.layers import fused
+from foudre.layers.kv_quant import STORAGE_DTYPES
 from foudre.layers.linear import MAX_ROWS, Linear
 from foudre.layers.mlp import GatedMLP
 from foudre.layers.moe import Experts, SparseMoeBlock
 from foudre.layers.norm import RMSNorm
 from foudre.layers.rotary import RotaryEmbedding
+from foudre.quant import cpu_qmatmul
+from foudre.quant.qlinear import DEQUANTIZED_GEMM_ROWS, QuantLinear, uses_native_kernels
 from foudre.runner.attention import cpu_paged
+from foudre.runner.attention.kv_quant import QuantizedKVCache
 from foudre.runner.attention.paged import PagedMetadata
 from foudre.runner.step import ForwardStep
 
@@ -57,7 +66,7 @@ class NativeDecode:
     def __init__(
         self,
         model: LlamaForCausalLM,
-        kv_caches: list[torch.Tensor],
+        kv_caches: Sequence[torch.Tensor | QuantizedKVCache],
         fn: Any,
         flatten: Callable[[ForwardStep], None],
     ) -> None:
@@ -67,7 +76,11 @@ class NativeDecode:
         self.flatten = flatten
         self.dtype = model.model.embed_tokens.weight.dtype
         self.max_rows = MAX_ROWS[self.dtype]
-        self.attention = ctypes.cast(cpu_paged.kernel(self.dtype), ctypes.c_void_p).value
+        if any(isinstance(m, QuantLinear) for m in model.model.layers.modules()):
+            # where QuantLinear's forward switches to its dequantized GEMM, so do the steps
+            self.max_rows = min(self.max_rows, DEQUANTIZED_GEMM_ROWS - 1)
+        kernel = cpu_paged.kernel(self.dtype, _codes_dtype(kv_caches[0]))
+        self.attention = ctypes.cast(kernel, ctypes.c_void_p).value
         self.dims = (
             cfg.hidden_size,
             cfg.num_attention_heads,
@@ -84,6 +97,9 @@ class NativeDecode:
         self.scale = layers[0].self_attn.scale
         self.rotary = model.model.rotary
         self.modules = list(model.model.layers.modules())
+        # every module's children as built: a child replaced since (a Linear quantized in
+        # place, say) sends the steps back to Python
+        self.children = [(m._modules, dict(m._modules)) for m in self.modules]
         # (owner's dict, name, tensor, address) of everything whose address the call takes, and
         # of the parameters it assumes absent (None): the biases the C++ does not add
         self.held: list[tuple[dict[str, Any], str, torch.Tensor | None, int]] = []
@@ -96,6 +112,33 @@ class NativeDecode:
                 self.held.append((module._parameters, name, tensor, address))
             if passed:
                 pointers.append(0 if tensor is None else tensor.data_ptr())
+
+        # the quantized projections: their cpu_qmatmul views (each step checks that the module
+        # still holds it: invalidate_layouts, a move or load_state_dict drops it) and their
+        # descriptors (cpu_ops.cpp's QuantSlot)
+        self.quantized: list[tuple[QuantLinear, cpu_qmatmul.Packed]] = []
+        descriptors: list[list[int]] = []
+        patches: list[tuple[int, int]] = []  # (index in pointers, descriptor)
+        qmm = cpu_qmatmul.function(self.dtype)
+
+        def describe(module: nn.Module | None) -> None:
+            if not isinstance(module, QuantLinear):
+                pointers.append(0)
+                return
+            packed = module._native_layout()
+            bias = module.bias
+            if bias is not None:
+                self.held.append((module._buffers, "bias", bias, bias.data_ptr()))
+            self.quantized.append((module, packed))
+            patches.append((len(pointers), len(descriptors)))
+            pointers.append(0)
+            descriptors.append([
+                qmm or 0, cpu_qmatmul.KINDS[packed.kind], packed.w.data_ptr(),
+                packed.s.data_ptr(), 0 if packed.z is None else packed.z.data_ptr(),
+                cpu_qmatmul.SCALE_TYPES[packed.s.dtype],
+                0 if packed.kind == "int8" else packed.s.shape[1], packed.group or 0,
+                0 if bias is None else bias.data_ptr(), packed.k,
+            ])  # fmt: skip
 
         self.blocks: list[SparseMoeBlock] = []  # the sparse layers' MLPs, which count
         for layer, cache in zip(layers, kv_caches, strict=True):
@@ -115,7 +158,11 @@ class NativeDecode:
             hold(attn.o_proj, "bias", passed=False)
             for module in (dense.gate_up_proj, dense.down_proj) if dense else ():
                 hold(module, "bias", passed=False)
-            pointers += [cache[0].data_ptr(), cache[1].data_ptr()]
+            pointers += _cache_pointers(cache)
+            for module in (attn.qkv_proj, attn.o_proj):
+                describe(module)
+            describe(None if dense is None else dense.gate_up_proj)
+            describe(None if dense is None else dense.down_proj)
             # a sparse layer's router, experts and counts, then its integers (all 0 if dense)
             hold(None if sparse is None else sparse.gate, "weight")
             hold(experts, "gate_up_proj")
@@ -135,9 +182,13 @@ class NativeDecode:
             assert table is not None
             self.held.append((self.rotary._buffers, name, table, table.data_ptr()))
         self.cache_list = kv_caches
-        self.caches = [(c, c.data_ptr()) for c in kv_caches]
-        self.block_size = kv_caches[0].shape[2]  # [2, blocks, block_size, heads, head_dim]
-        self.num_slots = kv_caches[0].shape[1] * self.block_size
+        self.caches = [(c, _addresses(c)) for c in kv_caches]
+        shape = _stored(kv_caches[0]).shape  # [2, blocks, block_size, heads, head_dim]
+        self.block_size = shape[2]
+        self.num_slots = shape[1] * self.block_size
+        self.descriptors = torch.tensor(descriptors, dtype=torch.int64).reshape(-1, 10)
+        for at, row in patches:
+            pointers[at] = self.descriptors[row].data_ptr()
         self.layers = torch.tensor(pointers, dtype=torch.int64)
 
     @classmethod
@@ -161,7 +212,10 @@ class NativeDecode:
             return None  # olmoe's attention: the C++ layers' is Llama's
         dtype = model.model.embed_tokens.weight.dtype
         fn = fused.decode_layers_fn(dtype)
-        if fn is None or dtype not in MAX_ROWS or cpu_paged.kernel(dtype) is None:
+        if fn is None or dtype not in MAX_ROWS or not kv_caches:
+            return None
+        codes = _codes_dtype(kv_caches[0])
+        if cpu_paged.kernel(dtype, codes) is None:
             return None
         hidden, heads, kv_heads, head_dim = (
             cfg.hidden_size,
@@ -170,22 +224,31 @@ class NativeDecode:
             cfg.head_dim,
         )
         cache_shape = (kv_heads, head_dim)
-        if not all(
-            isinstance(c, torch.Tensor)
-            and c.dtype == dtype
-            and c.is_contiguous()
-            and c.dim() == 5
-            and tuple(c.shape[-2:]) == cache_shape
-            for c in kv_caches
-        ):
-            return None  # a quantized KV cache, or a layout the kernel does not read
+        for c in kv_caches:
+            if not isinstance(c, torch.Tensor | QuantizedKVCache) or _codes_dtype(c) != codes:
+                return None  # caches of several kinds
+            stored = _stored(c)
+            if isinstance(c, QuantizedKVCache):
+                if c.dtype != dtype or not c.scales.is_contiguous() or not c.scales.is_cpu:
+                    return None
+            elif stored.dtype != dtype:
+                return None
+            if not stored.is_contiguous() or stored.dim() != 5 or not stored.is_cpu:
+                return None  # a layout the kernel does not read
+            if tuple(stored.shape[-2:]) != cache_shape:
+                return None
         allowed = (
             nn.ModuleList, DecoderLayer, Attention, GatedMLP, Linear, RMSNorm, RotaryEmbedding,
-            SparseMoeBlock, Experts,
+            SparseMoeBlock, Experts, QuantLinear,
         )  # fmt: skip
+        projections = _projections(model)
         for module in model.model.layers.modules():
             if type(module) not in allowed:
-                return None  # a quantized or otherwise replaced layer
+                return None  # a replaced layer (quantized experts, a shared expert, ...)
+            if isinstance(module, QuantLinear) and (
+                module not in projections or not _runs_quantized(module, dtype, projections[module])
+            ):
+                return None
             if module._forward_hooks or module._forward_pre_hooks:
                 return None  # someone watches the layers (calibration): keep them called
             for p in module.parameters(recurse=False):
@@ -258,14 +321,19 @@ class NativeDecode:
         )
 
     def _unchanged(self) -> bool:
+        if any(now != built for now, built in self.children):
+            return False
+        for module, packed in self.quantized:  # the same kernel and inputs as its forward
+            if module._native is not packed or not _runs_quantized(module, self.dtype, None):
+                return False
         for owner, name, tensor, address in self.held:
             now = owner.get(name)
             if now is not tensor or (now is not None and now.data_ptr() != address):
                 return False
         if len(self.cache_list) != len(self.caches):
             return False
-        for now, (cache, address) in zip(self.cache_list, self.caches, strict=True):
-            if now is not cache or now.data_ptr() != address:
+        for now, (cache, addresses) in zip(self.cache_list, self.caches, strict=True):
+            if now is not cache or _addresses(now) != addresses:
                 return False
         return not any(m._forward_hooks or m._forward_pre_hooks for m in self.modules)
 
@@ -330,3 +398,69 @@ class NativeDecode:
         if failed:
             raise IndexError(f"KV slot outside the cache of {self.num_slots} slots")
         return model.norm(x)
+
+
+def _stored(cache: torch.Tensor | QuantizedKVCache) -> torch.Tensor:
+    """What holds a layer's K/V: the cache, or a quantized cache's codes."""
+    return cache.codes if isinstance(cache, QuantizedKVCache) else cache
+
+
+def _codes_dtype(cache: torch.Tensor | QuantizedKVCache) -> torch.dtype | None:
+    """A quantized cache's codes as the kernels view them (int8, float8_e4m3fn); None if float."""
+    return STORAGE_DTYPES[cache.kind] if isinstance(cache, QuantizedKVCache) else None
+
+
+def _addresses(cache: torch.Tensor | QuantizedKVCache) -> tuple[int, ...]:
+    if isinstance(cache, QuantizedKVCache):
+        return cache.codes.data_ptr(), cache.scales.data_ptr()
+    return (cache.data_ptr(),)
+
+
+# the C++ layers' kind of KV cache (KVCodes in layers/cpu_ops.cpp), by quantized kind
+_KV_CODES = {"int8": 1, "fp8": 2}
+
+
+def _projections(model: LlamaForCausalLM) -> dict[nn.Module, tuple[int, int]]:
+    """The decoder layers' projections the C++ layers may run quantized, with the (in, out)
+    features they take."""
+    cfg = model.config
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    found: dict[nn.Module, tuple[int, int]] = {}
+    for layer in cast("list[DecoderLayer]", list(model.model.layers)):
+        attn, mlp = layer.self_attn, layer.mlp
+        found[attn.qkv_proj] = (cfg.hidden_size, q + 2 * kv)
+        found[attn.o_proj] = (q, cfg.hidden_size)
+        if isinstance(mlp, GatedMLP):
+            found[mlp.gate_up_proj] = (cfg.hidden_size, 2 * cfg.intermediate_size)
+            found[mlp.down_proj] = (cfg.intermediate_size, cfg.hidden_size)
+    return found
+
+
+def _runs_quantized(
+    mod: QuantLinear, dtype: torch.dtype, shape: tuple[int, int] | None = None
+) -> bool:
+    """Whether the C++ layers compute ``mod`` as its ``forward`` does on ``dtype`` activations:
+    one of the projections with the features expected (``shape``; None: checked before), on
+    ``cpu_qmatmul`` (no activation cast, scaling or permutation first), a bias in ``dtype``."""
+    if shape is not None and (mod.in_features, mod.out_features) != shape:
+        return False
+    if not uses_native_kernels(dtype) or mod.compute_dtype not in (None, dtype):
+        return False
+    if mod.input_scale is not None or mod.perm is not None or not mod.qweight.is_cpu:
+        return False
+    return mod.bias is None or (mod.bias.dtype == dtype and mod.bias.is_contiguous())
+
+
+def _cache_pointers(cache: torch.Tensor | QuantizedKVCache) -> list[int]:
+    """A layer's cache entries for the C++ layers: K and V (a quantized cache's codes), their
+    scales (0 without), and the kind of cache (0: float)."""
+    if isinstance(cache, QuantizedKVCache):
+        codes, scales = cache.codes, cache.scales
+        return [
+            codes[0].data_ptr(),
+            codes[1].data_ptr(),
+            scales[0].data_ptr(),
+            scales[1].data_ptr(),
+            _KV_CODES[cache.kind],
+        ]
+    return [cache[0].data_ptr(), cache[1].data_ptr(), 0, 0, 0]

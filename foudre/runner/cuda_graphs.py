@@ -12,7 +12,9 @@ and fixed addresses, so a decode step of ``n`` rows runs in the graph of the sma
 Rows ``n..B`` are padding: token 0 at position 0, K/V written to the runner's scratch block, a
 context of one token; their outputs are dropped. Attention inside the graph is the Triton paged
 kernel, which reads lengths and block ids from those buffers (no host sync, no data-dependent
-shape). Graphs are captured lazily, the first time a bucket is used, each in its own memory pool.
+shape), and reads a quantized KV cache (int8 / fp8 codes and scales) as stored: the step's
+quantize-on-write and the kernels' reads of codes are captured like the rest. Graphs are
+captured lazily, the first time a bucket is used, each in its own memory pool.
 
 Steps with rows of several tokens (speculative verification: 1 + drafts per row; chunked
 prefill beside decode rows) run in graphs of the varlen prefill kernel, bucketed by their total

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -20,15 +21,36 @@ def default_served_name(model: str) -> str:
     return Path(model.rstrip("/")).name or model
 
 
+# how long a server whose engine broke for good keeps answering (503 on /health, the error
+# events of the streams that were in flight) before it exits
+FATAL_GRACE_S = 1.0
+
+
 class _Server(uvicorn.Server):
     """uvicorn, plus: abort in-flight requests at the first shutdown signal (so open streams
     end at once instead of holding the graceful shutdown), exit with status 0 instead of
-    re-raising the signal, and one ready line on stdout with the bound address."""
+    re-raising the signal, one ready line on stdout with the bound address, and an exit
+    ``FATAL_GRACE_S`` after the engine broke for good (``LLMEngine.fatal_error``: a parallel
+    engine lost a worker), so that a supervisor restarts the server rather than it answering
+    503 for ever."""
 
     def __init__(self, config: uvicorn.Config, llm: AsyncLLM, ready_line: str) -> None:
         super().__init__(config)
         self._llm = llm
         self._ready_line = ready_line
+        self.fatal_error: str | None = None
+        self._fatal_since = 0.0
+
+    async def on_tick(self, counter: int) -> bool:
+        error = self._llm.engine.fatal_error
+        if error is not None and self.fatal_error is None:
+            self.fatal_error, self._fatal_since = error, time.monotonic()
+            print(f"foudre: error: the engine cannot step ({error}); exiting", file=sys.stderr)
+        if self.fatal_error is not None and time.monotonic() - self._fatal_since >= FATAL_GRACE_S:
+            if not self.should_exit:
+                self._llm.abort_all()
+            self.should_exit = True
+        return await super().on_tick(counter)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         self._llm.abort_all()
@@ -59,7 +81,8 @@ def run_server(
     request_timeout: float | None = None,
     tool_call_parser: str | None = None,
 ) -> int:
-    """Serve until SIGINT/SIGTERM; returns 0 after a clean shutdown."""
+    """Serve until SIGINT/SIGTERM; returns 0 after a clean shutdown, 1 when the engine broke
+    for good (``LLMEngine.fatal_error``)."""
     llm = AsyncLLM.from_config(config, max_queue=max_queue)
     try:
         engine = llm.engine
@@ -96,7 +119,7 @@ def run_server(
         if not server.started:
             print(f"foudre: error: could not start the server on {host}:{port}", file=sys.stderr)
             return 1
-        return 0
+        return 1 if server.fatal_error is not None else 0
     finally:
         llm.shutdown()
         sys.stdout.flush()

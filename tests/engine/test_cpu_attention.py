@@ -111,12 +111,42 @@ def test_other_paths_match_sdpa(march: str, tmp_path: Path) -> None:
     )
 
 
+def check_quantized_decode() -> None:
+    """The decode shapes of ``CASES`` (head_dim 24-256, GQA 1-7) over int8 / fp8 caches, each
+    block size, against masked SDPA over the dequantized cache (``quantized_errors``)."""
+    from tests.engine.test_prefill_attention import check_quantized
+
+    check_quantized(
+        "cpu",
+        [
+            (heads, kv, dim, bs, list(zip(q_lens, ctx, strict=True)), None)
+            for heads, kv, dim, q_lens, ctx in CASES
+            for bs in (16, 8, 32)
+        ],
+    )
+
+
+def test_kernel_reads_a_quantized_cache_on_this_cpu() -> None:
+    check_quantized_decode()
+
+
+@pytest.mark.parametrize("march", ["x86-64", "skylake-avx512"])
+def test_other_paths_read_a_quantized_cache(march: str, tmp_path: Path) -> None:
+    run_built_for(
+        march,
+        "tests.engine.test_cpu_attention:check_quantized_decode",
+        "cpu_paged_decode",
+        tmp_path,
+    )
+
+
 def test_auto_picks_the_kernel_on_cpu() -> None:
     cpu = torch.device("cpu")
     assert resolve_backend("auto", cpu) == "cpu"
-    assert resolve_backend("auto", cpu, "int8") == "torch"  # it reads float caches only
+    for kind in ("int8", "fp8"):  # it reads quantized caches too
+        assert resolve_backend("auto", cpu, kind) == resolve_backend("cpu", cpu, kind) == "cpu"
     with pytest.raises(ValueError, match="kv_cache_dtype"):
-        resolve_backend("cpu", cpu, "fp8")
+        resolve_backend("cpu", cpu, "int4")
     with pytest.raises(ValueError, match="CPU only"):
         resolve_backend("cpu", torch.device("cuda"))
 

@@ -9,15 +9,19 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 from foudre import LLM, SamplingParams
 from foudre.layers import fused
-from foudre.layers.linear import MAX_ROWS
-from foudre.quant.api import Int8WeightOnly, quantize_
+from foudre.layers.linear import MAX_ROWS, Linear
+from foudre.quant import cpu_qmatmul, set_compute_dtype
+from foudre.quant.api import Int4WeightOnly, Int8WeightOnly, matches, quantize_
+from foudre.quant.qlinear import DEQUANTIZED_GEMM_ROWS, QuantLinear
 from foudre.runner.attention import cpu_paged
 from foudre.runner.cpu_decode import NativeDecode
 from foudre.runner.model_runner import ModelRunner
 from tests.conftest import make_hf_model
+from tests.quant.test_cpu_qmatmul import quant_module
 
 pytestmark = pytest.mark.skipif(
     fused.decode_layers_fn(torch.float32) is None or not cpu_paged.available(),
@@ -227,7 +231,7 @@ def test_native_decode_is_off_where_it_cannot_run(tmp_path: Path) -> None:
     assert native(dtype="bfloat16", enforce_eager=True) is None  # eager: op by op
     assert native(dtype="float16") is None  # no fused float16 kernels
     assert native(dtype="float32", attention_backend="torch") is None
-    assert native(dtype="float32", quantization="int8") is None  # quantized layers
+    assert native(dtype="bfloat16", quantization="int4") is not None  # quantized projections
     runner = make_runner(tmp_path, "float32")
     model, backend, caches = runner.model, runner.backend, runner.kv_caches
     handle = model.model.layers[0].mlp.register_forward_hook(lambda *a: None)
@@ -281,3 +285,97 @@ def test_native_decode_within_the_sliding_window(tmp_path: Path) -> None:
             native, ref = both_paths(runner, [[3], [8]], [start, start - 1], [[11], [12]], [1, 1])
             assert torch.equal(native, ref), start
     assert calls == [2, 2, 2]  # contexts up to 4, 5, 6; then 7 and 8, past the window
+
+
+def _five_bit_with_zeros(mod: nn.Module, group: int) -> QuantLinear:
+    """``mod``'s weight as GGUF's Q5_1 / Q5_K are held: 8-bit group-wise codes 0..31 with a scale
+    and a zero point per group."""
+    w = mod.weight.detach().float()
+    return quant_module(8, group, True, w)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(
+    ("arch", "scheme"),
+    [("llama", "int8"), ("llama", "int4"), ("qwen2", "int4"), ("qwen2", "q5"), ("llama", "q6")],
+)
+def test_native_decode_runs_quantized_projections(
+    tmp_path: Path, dtype: str, arch: str, scheme: str
+) -> None:
+    """Quantized projections (int8 per channel, int4 groups, GGUF's 8-bit group-wise forms with
+    and without zero points and groups of 16) run inside the native step, and its logits and
+    KV pool equal the Python path's bit for bit; a Qwen2 bias is added after the kernel."""
+    if cpu_qmatmul.path() not in ("vnni", "avx512"):
+        pytest.skip("quantized projections run natively with AVX-512 only")
+    runner = make_runner(tmp_path, dtype, arch)
+    model = runner.model
+    layers = "model.layers.*"
+    if scheme == "int8":
+        quantize_(model, Int8WeightOnly(), skip=("lm_head",))
+    elif scheme == "int4":
+        quantize_(model, Int4WeightOnly(group_size=32), skip=("lm_head",))
+    else:
+        group = 16 if scheme == "q6" else 32
+        for name, mod in list(model.named_modules()):
+            if matches(name, layers) and isinstance(mod, Linear):
+                q = _five_bit_with_zeros(mod, group) if scheme == "q5" else None
+                if q is None:
+                    q = QuantLinear.from_float(mod.weight.detach().float(), None, 8, group)
+                q = q.to(getattr(torch, dtype))
+                if mod.bias is not None:
+                    q.bias = mod.bias.detach().clone()
+                parent, _, leaf = name.rpartition(".")
+                setattr(model.get_submodule(parent), leaf, q)
+    set_compute_dtype(model, None)
+    native = NativeDecode.build(model, runner.backend, runner.kv_caches, runner.flatten)
+    assert native is not None
+    assert len(native.quantized) == 4 * len(model.model.layers)
+    runner.decode_path = native
+    calls = counted(runner)
+    with torch.inference_mode():
+        tables = [[3], [8], [5, 6]]
+        logits = runner.forward(tables, [0, 0, 0], [[5, 6, 7], [9, 4], [1] * 20], [1] * 3)
+        assert logits is not None
+        lens = [3, 2, 20]
+        for rows in (1, 3):
+            new = [[int(t)] for t in logits.argmax(-1)[:rows]]
+            got, ref = both_paths(runner, tables[:rows], lens[:rows], new, [1] * rows)
+            assert torch.equal(got, ref), (rows, (got - ref).abs().max())
+            lens[:rows] = [n + 1 for n in lens[:rows]]
+    assert calls == [1, 3]
+    # writing a projection's buffers drops its view: the next step goes back to Python
+    first = model.model.layers[0].self_attn.o_proj
+    assert isinstance(first, QuantLinear)
+    first.invalidate_layouts()
+    assert not native._unchanged()
+
+
+def test_native_decode_refuses_quantized_projections_it_cannot_run(tmp_path: Path) -> None:
+    """A projection whose forward scales, permutes or casts its input first, or that is
+    replaced after the build, keeps (or sends back) the step in Python; with quantized
+    projections the step stops below the rows where ``QuantLinear`` turns to its GEMM."""
+    if cpu_qmatmul.path() not in ("vnni", "avx512"):
+        pytest.skip("quantized projections run natively with AVX-512 only")
+    runner = make_runner(tmp_path, "float32")
+    model, backend, caches = runner.model, runner.backend, runner.kv_caches
+    quantize_(model, Int8WeightOnly(), skip=("lm_head",))
+
+    def build() -> NativeDecode | None:
+        return NativeDecode.build(model, backend, caches, runner.flatten)
+
+    native = build()
+    assert native is not None and native.max_rows == DEQUANTIZED_GEMM_ROWS - 1
+    o_proj = model.model.layers[0].self_attn.o_proj
+    assert isinstance(o_proj, QuantLinear)
+    o_proj.compute_dtype = torch.bfloat16  # the forward casts: the C++ would not
+    assert build() is None and not native._unchanged()
+    o_proj.compute_dtype = None
+    assert native._unchanged()
+    o_proj.input_scale = torch.ones(o_proj.in_features)  # AWQ scaling the C++ does not apply
+    assert build() is None and not native._unchanged()
+    o_proj.input_scale = None
+    assert native._unchanged()
+    mlp = model.model.layers[1].mlp
+    mlp.down_proj = QuantLinear.from_float(mlp.down_proj.dequantize(), None, 4, 32)
+    assert not native._unchanged()  # a module replaced after the build
+    assert build() is not None

@@ -12,6 +12,7 @@ subprocesses built for another ``-march``); the Triton kernels run in Triton's i
 
 from __future__ import annotations
 
+import copy
 import os
 import subprocess
 import sys
@@ -23,8 +24,10 @@ import torch.nn.functional as F
 
 from foudre import LLM, SamplingParams
 from foudre.layers.attention import AttentionBackend
+from foudre.layers.kv_quant import STORAGE_DTYPES, dequantize_kv
 from foudre.models.config import ModelConfig
 from foudre.runner.attention import BatchLayout, cpu_paged
+from foudre.runner.attention.kv_quant import QuantizedKVCache
 from foudre.runner.attention.torch_sdpa import TorchSDPABackend
 from tests.conftest import make_hf_model
 from tests.engine.march import run_built_for
@@ -159,12 +162,172 @@ def check_cpu_kernels() -> None:
     check_backend("cpu")
 
 
+def quantized_errors(
+    backend: AttentionBackend,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    bs: int,
+    rows: list[tuple[int, int]],
+    window: int | None,
+    dtype: torch.dtype,
+    kind: str,
+    seed: int = 0,
+    device: str = "cpu",
+) -> tuple[float, float]:
+    """``errors`` over a quantized cache (``kind`` int8 / fp8) that ``backend`` reads as stored,
+    against float32 masked SDPA over the whole cache dequantized after the step's writes. The
+    pool's codes are random bytes (every value, e4m3's subnormals included; not e4m3's NaN) with
+    the scales of random K/V; the slots it must not read hold NaN scales. The SDPA backend over
+    the same cache (clean scales there) in ``dtype`` is the rounding yardstick."""
+    g = torch.Generator().manual_seed(seed)
+    nb = sum(-(-c // bs) for _, c in rows) + 3
+    perm = torch.randperm(nb, generator=g).tolist()
+    tables, slots, used = [], [], 0
+    for q_len, ctx in rows:
+        n = -(-ctx // bs)
+        table = perm[used : used + n]
+        used += n
+        tables.append(table)
+        slots += [table[p // bs] * bs + p % bs for p in range(ctx - q_len, ctx)]
+    layout = BatchLayout(
+        [q for q, _ in rows], [c for _, c in rows], tables, torch.tensor(slots), bs
+    )
+    cache = QuantizedKVCache(nb + 1, bs, kv_heads, head_dim, kind, dtype, torch.device("cpu"))
+    every = torch.arange((nb + 1) * bs)
+    cache.write(every, *(torch.randn(len(every), kv_heads, head_dim, generator=g) for _ in "kv"))
+    codes = torch.randint(0, 256, cache.codes.shape, generator=g, dtype=torch.uint8)
+    if kind == "fp8":
+        codes[(codes & 0x7F) == 0x7F] = 0  # NaN
+    cache.codes.copy_(codes)
+    unread = torch.zeros(nb + 1, bs, dtype=torch.bool)
+    unread[perm[used:]] = True
+    unread[nb] = True
+    for table, (q_len, ctx) in zip(tables, rows, strict=True):
+        unread[table[-1], (ctx - 1) % bs + 1 :] = True
+        if window is not None:
+            unread[table[: max(0, ctx - q_len - window + 1) // bs]] = True
+    clean = cache.scales.clone()
+    cache.scales[:, unread] = float("nan")
+    total = sum(q for q, _ in rows)
+    q, k, v = (
+        torch.randn(total, h, head_dim, generator=g).to(dtype) for h in (heads, kv_heads, kv_heads)
+    )
+
+    def run(be: AttentionBackend, dev: str) -> tuple[torch.Tensor, QuantizedKVCache]:
+        pool = copy.deepcopy(cache)
+        if be is not backend:
+            pool.scales.copy_(clean)
+        pool.codes, pool.scales = pool.codes.to(dev), pool.scales.to(dev)
+        meta = be.build_metadata(layout, torch.device(dev))
+        qd, kd, vd = (x.to(dev) for x in (q, k, v))
+        out = be.forward(qd, kd, vd, pool, meta, head_dim**-0.5, window=window)
+        return out.float().cpu(), pool
+
+    out, written = run(backend, device)
+    assert not out.isnan().any(), "read a slot it must not"
+    scales = torch.where(written.scales.cpu().isnan(), 1.0, written.scales.cpu())
+    codes = written.codes.cpu().view(STORAGE_DTYPES[kind])
+    ref = reference(q, dequantize_kv(codes, scales, torch.float32), tables, rows, bs, window)
+    sdpa, _ = run(TorchSDPABackend(), "cpu")
+    return (out - ref).abs().max().item(), (sdpa - ref).abs().max().item()
+
+
+def check_quantized(
+    make: str,
+    case_list: list[tuple[int, int, int, int, list[tuple[int, int]], int | None]],
+    dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16),
+    slack: float = 2.0,
+    device: str = "cpu",
+) -> None:
+    """Every case through the backend ``make`` names over int8 and fp8 caches, in each dtype."""
+    from foudre.runner.attention import get_backend
+
+    backend = get_backend(make, torch.device(device))
+    for kind in ("int8", "fp8"):
+        for dtype in dtypes:
+            for case in case_list:
+                err, sdpa_err = quantized_errors(backend, *case, dtype, kind, device=device)  # type: ignore[arg-type]
+                bound = 2e-5 if dtype == torch.float32 else max(slack * sdpa_err, 1e-2)
+                assert err < bound, (make, kind, dtype, case, err, sdpa_err)
+
+
+def check_every_code(make: str, device: str = "cpu") -> None:
+    """Each code value read exactly, by the decode and the prefill kernel: rows whose first key
+    has every byte as V codes (e4m3's NaN aside) with scale 1. A query that sees that key alone
+    gets weight 1, so its output is the codes' values, which float32 and bfloat16 hold."""
+    from foudre.runner.attention import get_backend
+
+    backend = get_backend(make, torch.device(device))
+    dim, bs = 128, 8
+    for kind in ("int8", "fp8"):
+        codes = torch.arange(256, dtype=torch.uint8)
+        if kind == "fp8":
+            codes[(codes & 0x7F) == 0x7F] = 0  # NaN
+        want = dequantize_kv(codes.view(STORAGE_DTYPES[kind]), torch.ones(()), torch.float32)
+        for dtype in (torch.float32, torch.bfloat16):
+            cache = QuantizedKVCache(3, bs, 1, dim, kind, dtype, torch.device("cpu"))
+            cache.codes[1, :2, 0] = codes.view(2, 1, dim)  # V of blocks 0 and 1: first keys
+            cache.codes[0] = torch.randint(0, 100, cache.codes[0].shape, dtype=torch.uint8)
+            cache.codes, cache.scales = cache.codes.to(device), cache.scales.to(device)
+            for q_len in (1, 2):  # decode rows; rows of two queries (the first sees one key)
+                # the step's own K/V go to block 2, which no row reads
+                slots = torch.arange(2 * q_len) + 2 * bs
+                layout = BatchLayout([q_len] * 2, [q_len] * 2, [[0], [1]], slots, bs)
+                meta = backend.build_metadata(layout, torch.device(device))
+                q = torch.randn(2 * q_len, 2, dim).to(dtype).to(device)
+                k = torch.zeros(2 * q_len, 1, dim, dtype=dtype, device=device)
+                out = backend.forward(q, k, k, cache, meta, dim**-0.5).cpu()
+                got = out[::q_len].float()  # each row's first query: [2, heads, dim]
+                expected = want.view(2, 1, dim).expand(2, 2, dim).to(dtype).float()
+                assert torch.equal(got, expected), (make, kind, dtype, q_len)
+
+
+def check_cpu_quantized() -> None:
+    check_every_code("cpu")
+    check_quantized("cpu", cases(every=2))
+
+
+# decode-only steps (the Triton backend's decode kernel; the others go to its prefill kernel)
+DECODE_STEPS = [
+    (6, 2, 32, 16, [(1, 1), (1, 17), (1, 40), (1, 33)], None),
+    (8, 1, 64, 8, [(1, 16), (1, 129)], None),
+    (10, 2, 80, 32, [(1, 2), (1, 50), (1, 99)], 20),
+    (4, 4, 24, 8, [(1, 70), (1, 3)], 9),
+]
+
+
+def check_triton_quantized() -> None:
+    check_every_code("triton")
+    check_quantized("triton", [*cases(every=9), *DECODE_STEPS], (torch.float32, torch.bfloat16), 4)
+
+
 needs_kernels = pytest.mark.skipif(not cpu_paged.available(), reason="no C++ compiler")
 
 
 @needs_kernels
 def test_cpu_kernels_match_masked_sdpa() -> None:
     check_cpu_kernels()
+
+
+@needs_kernels
+def test_cpu_kernels_read_a_quantized_cache() -> None:
+    """int8 and fp8 codes and scales read as stored by the decode and prefill kernels: every
+    code value exactly, and every second case (GQA 1-8, block sizes 8/16/32, odd lengths,
+    windows) against masked SDPA over the dequantized cache."""
+    check_cpu_quantized()
+
+
+@needs_kernels
+@pytest.mark.parametrize("march", ["x86-64", "skylake-avx512"])
+def test_other_cpu_paths_read_a_quantized_cache(march: str, tmp_path: Path) -> None:
+    """The portable path and the AVX-512 one without AVX512-BF16 over quantized caches."""
+    run_built_for(
+        march,
+        "tests.engine.test_prefill_attention:check_cpu_quantized",
+        "cpu_paged_prefill",
+        tmp_path,
+    )
 
 
 @needs_kernels
@@ -257,6 +420,21 @@ def test_triton_kernels_interpreted() -> None:
     launch) and the windowed decode kernel, in Triton's interpreter. The interpreter rounds
     float32 to 16-bit floats towards zero where a GPU rounds to nearest: a wider slack."""
     _interpreted(_TRITON_CHECK, "3", "4")
+
+
+_TRITON_QUANTIZED = """
+from tests.engine.test_prefill_attention import check_triton_quantized
+check_triton_quantized()
+print("ok")
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs the Triton kernels for real")
+def test_triton_kernels_read_a_quantized_cache_interpreted() -> None:
+    """Both Triton kernels over int8 and fp8 codes and scales read as stored (mixed steps,
+    decode-only steps, windows, GQA 1-8, block sizes 8-32), in the interpreter, against masked
+    SDPA over the dequantized cache."""
+    _interpreted(_TRITON_QUANTIZED)
 
 
 def test_layer_windows_from_the_config() -> None:
@@ -434,11 +612,12 @@ class Replayed(DecodeGraphs):
 prompts = [*WINDOW_PROMPTS, [1, 5, 6, 7, 8] * 6]
 params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
           for n in (20, 9, 13, 6, 9, 16)]
+kv = sys.argv[2] if len(sys.argv) > 2 else "auto"  # the KV cache's dtype
 outs = {}
 for name in ("torch", "graphs"):
     spec = {} if name == "torch" else dict(speculative_method="ngram", num_speculative_tokens=3)
     llm = LLM(sys.argv[1], dtype="float32", skip_tokenizer_init=True, num_kv_blocks=96,
-              block_size=8, max_num_batched_tokens=16, device="cpu",
+              block_size=8, max_num_batched_tokens=16, device="cpu", kv_cache_dtype=kv,
               attention_backend="torch" if name == "torch" else "triton", **spec)
     if name == "graphs":
         runner = llm.engine.runner
@@ -465,6 +644,16 @@ def test_graphs_of_verification_and_mixed_steps_interpreted(tmp_path: Path) -> N
     the interpreter, with a sliding window: the eager SDPA engine's greedy tokens."""
     path = make_hf_model(tmp_path / "m", "mistral", sliding_window=12)
     _interpreted(_GRAPHS_CHECK, str(path))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests run the engine for real")
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_graphs_over_a_quantized_cache_interpreted(tmp_path: Path, kind: str) -> None:
+    """The CUDA-graph path (decode, verification and mixed steps replayed over the static
+    buffers) over an int8 / fp8 cache that the Triton kernels read as stored: the greedy tokens
+    of the eager SDPA engine over the same cache, dequantized."""
+    path = make_hf_model(tmp_path / "m", "mistral", sliding_window=12)
+    _interpreted(_GRAPHS_CHECK, str(path), kind)
 
 
 _GRAPH_STEPS = """
@@ -570,6 +759,13 @@ def test_triton_kernels_on_gpu() -> None:
 
 
 @needs_cuda
+def test_triton_kernels_read_a_quantized_cache_on_gpu() -> None:
+    pytest.importorskip("triton")
+    check_every_code("triton", "cuda")
+    check_quantized("triton", [*cases(every=3), *DECODE_STEPS], device="cuda")
+
+
+@needs_cuda
 def test_graphs_of_verification_match_eager_on_gpu(tmp_path: Path) -> None:
     """Speculative verification and chunked prefill in CUDA graphs (the default GPU engine)
     against the eager SDPA engine without speculation: the same greedy tokens (fp32)."""
@@ -613,25 +809,32 @@ def compile_for(fn, types, consts):
     return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
                           target=GPUTarget("cuda", 90, 32))
 
-for dt, groups in (("bf16", (1, 7)), ("fp32", (4,))):
+# (queries' dtype, the cache's: the same, or int8 / e4m3 codes read as bytes; CODES)
+for dt, cache, codes, groups in (("bf16", "bf16", 0, (1, 7)), ("fp32", "fp32", 0, (4,)),
+                                 ("bf16", "i8", 1, (4,)), ("bf16", "u8", 2, (4,)),
+                                 ("fp32", "u8", 2, (1,))):
     ptr = "*" + dt
-    types = dict(q_ptr=ptr, k_ptr=ptr, v_ptr=ptr, o_ptr=ptr, tok_ptr="*i32", bt_ptr="*i32",
-                 len_ptr="*i32", scale="fp32", tile_ptr="*i32", qs_ptr="*i32", ql_ptr="*i32")
+    kv = "*" + cache
+    scales = kv if codes == 0 else "*fp32"
+    types = dict(q_ptr=ptr, k_ptr=kv, v_ptr=kv, ks_ptr=scales, vs_ptr=scales, o_ptr=ptr,
+                 tok_ptr="*i32", bt_ptr="*i32", len_ptr="*i32", scale="fp32", tile_ptr="*i32",
+                 qs_ptr="*i32", ql_ptr="*i32")
     for per_kv in groups:
         positions, block_m = tp.prefill_tile(per_kv)
         compile_for(tp._paged_decode, types, dict(
             PER_KV=per_kv, PER_KV_P2=max(2, triton.next_power_of_2(per_kv)), HEAD_DIM=80,
-            HEAD_DIM_P2=128, BLOCK_SIZE=16))
+            HEAD_DIM_P2=128, BLOCK_SIZE=16, CODES=codes))
         compile_for(tp._paged_prefill, types, dict(
             PER_KV=per_kv, POS=positions, BLOCK_M=block_m, HEAD_DIM=80, HEAD_DIM_P2=128,
-            BLOCK_SIZE=16, BLOCK_N=32, IEEE=dt == "fp32", UPCAST=False))
+            BLOCK_SIZE=16, BLOCK_N=32, IEEE=dt == "fp32", UPCAST=False, CODES=codes))
 print("ok")
 """
 
 
 def test_triton_kernels_compile_for_the_gpu() -> None:
     """The interpreter does not type-check like the compiler: both kernels compiled to sm_90
-    code (Triton's own ptxas, no GPU needed), for the dtypes and GQA groups the engine uses."""
+    code (Triton's own ptxas, no GPU needed), for the dtypes and GQA groups the engine uses,
+    over float caches and int8 / fp8 codes."""
     pytest.importorskip("triton", reason="triton is not installed")
     out = subprocess.run(
         [sys.executable, "-c", _COMPILE_CHECK],

@@ -150,7 +150,7 @@ def test_backend_choice_and_errors() -> None:
         with pytest.raises(ValueError, match=r"CUDA|triton package"):
             resolve_backend("triton", cpu)
     with pytest.raises(ValueError, match="kv_cache_dtype"):
-        resolve_backend("triton", torch.device("cuda"), "int8")
+        resolve_backend("triton", torch.device("cuda"), "int4")
 
 
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")
@@ -167,6 +167,35 @@ def test_paged_decode_kernel_on_gpu() -> None:
         timeout=300,
     )
     assert out.returncode == 0, out.stderr[-3000:]
+
+
+@needs_cuda
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_cuda_graphs_over_a_quantized_cache_match_eager(tmp_path: Path, kind: str) -> None:
+    """The default GPU engine over an int8 / fp8 cache (Triton reading codes and scales, CUDA
+    graphs on) against the eager SDPA engine over the same cache, dequantized: same greedy
+    tokens (fp32)."""
+    path = make_hf_model(tmp_path / "m", "llama")
+    prompts = [[1, *range(3 + i, 3 + i + 3 + 5 * (i % 7))] for i in range(9)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=8 + 3 * (i % 5), ignore_eos=True)
+        for i in range(9)
+    ]
+    outs = []
+    for kwargs in (dict(attention_backend="torch", enforce_eager=True), {}):
+        llm = LLM(
+            str(path),
+            dtype="float32",
+            skip_tokenizer_init=True,
+            num_kv_blocks=256,
+            kv_cache_dtype=kind,
+            **kwargs,
+        )
+        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+        graphs = llm.engine.runner.decode_path
+        if not kwargs:
+            assert graphs is not None and graphs.graphs  # type: ignore[attr-defined]
+    assert outs[0] == outs[1], outs
 
 
 @needs_cuda

@@ -24,39 +24,76 @@ from tests.engine.march import run_built_for
 
 pytestmark = pytest.mark.skipif(cpu_qmatmul.path() is None, reason="no C++ compiler")
 
-# (bits, group, n, k): K not a multiple of 32 or 64, N odd
+# (bits, group, zero point, n, k): K not a multiple of 16, 32 or 64, N odd; group-wise 8-bit
+# with and without zero points (GGUF's Q8_0 / Q5_0 / Q6_K, and Q5_1 / Q5_K repacked)
 CASES = [
-    (8, None, 37, 100),
-    (8, None, 33, 520),
-    (8, None, 16, 1024),
-    (4, 32, 37, 100),
-    (4, 32, 17, 1000),
-    (4, 64, 33, 520),
-    (4, 128, 16, 1024),
-    (4, 256, 33, 300),
+    (8, None, False, 37, 100),
+    (8, None, False, 33, 520),
+    (8, None, False, 16, 1024),
+    (8, 16, False, 21, 200),
+    (8, 16, True, 19, 520),
+    (8, 32, False, 37, 100),
+    (8, 32, True, 17, 1000),
+    (8, 64, True, 33, 300),
+    (8, 256, False, 9, 520),
+    (4, 32, True, 37, 100),
+    (4, 32, True, 17, 1000),
+    (4, 64, True, 33, 520),
+    (4, 128, True, 16, 1024),
+    (4, 256, True, 33, 300),
 ]
 ROWS = (1, 3, 16, 64)
 
 
+def quant_module(bits: int, group: int | None, zero: bool, w: torch.Tensor) -> QuantLinear:
+    """Round-to-nearest ``w``; group-wise 8-bit with a zero point: 5-bit codes 0..31 with a
+    scale and a (fractional) zero point per group, as GGUF's Q5_1 is repacked."""
+    if not (bits == 8 and zero):
+        return QuantLinear.from_float(w, None, bits, group)
+    assert group is not None
+    n, k = w.shape
+    kp = -(-k // group) * group
+    g = torch.nn.functional.pad(w, (0, kp - k)).reshape(n, kp // group, group)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scales = (hi - lo).clamp(min=1e-6) / 31
+    zeros = -lo / scales
+    q = torch.round(g / scales[..., None] + zeros[..., None]).clamp(0, 31)
+    return QuantLinear.from_codes(q.reshape(n, kp).to(torch.int8), scales, zeros, None, 8, group, k)
+
+
 def check_kernels() -> None:
     """Every case, row count and dtype through this build's path."""
-    for bits, group, n, k in CASES:
+    for bits, group, zero, n, k in CASES:
         torch.manual_seed(bits * 1000 + n + k)
         w = torch.randn(n, k) * 0.1 + torch.linspace(-0.05, 0.1, k)  # all-positive groups too
-        mod = QuantLinear.from_float(w, None, bits, group)
-        packed = cpu_qmatmul.layout(mod.qweight, mod.scales, mod.zeros, mod.group_size)
+        mod = quant_module(bits, group, zero, w)
+        assert (mod.zeros is not None) == zero
+        packed = cpu_qmatmul.layout(mod.qweight, mod.scales, mod.zeros, mod.group_size, bits)
         wd = mod.dequantize()
         for m in ROWS:
             for dtype in (torch.float32, torch.bfloat16):
                 x = (torch.randn(m, k) * torch.rand(m, 1) * 4).to(dtype)
-                y = cpu_qmatmul.matmul(x, packed, group)
+                y = cpu_qmatmul.matmul(x, packed)
                 assert y.dtype == dtype and y.shape == (m, n)
                 ref = x.float() @ wd.t()
-                tol = cpu_qmatmul.error_bound(x.float(), wd)
+                tol = cpu_qmatmul.error_bound(x.float(), wd, bits)
                 if dtype == torch.bfloat16:
                     tol = tol + ref.abs() * 2**-8
                 err = (y.float() - ref).abs()
                 assert bool((err <= tol).all()), (bits, group, n, k, m, dtype, (err - tol).max())
+        # large batches: the weight dequantized (QuantLinear.dequantize's values) into a GEMM
+        wq = cpu_qmatmul.dequantize_rows(packed, 0, n, torch.float32)[:, :k]
+        assert torch.equal(wq, wd), (bits, group, n, k)
+        wb = cpu_qmatmul.dequantize_rows(packed, 1, n, torch.bfloat16)[:, :k]
+        assert torch.equal(wb, wd[1:].bfloat16())
+        x = torch.randn(70, k)
+        y = cpu_qmatmul.matmul_dequantized(x, packed)
+        ref = x @ wq.t()
+        assert bool(((y - ref).abs() <= 1e-5 * (x.abs() @ wq.abs().t()) + 1e-6).all())
+        yb = cpu_qmatmul.matmul_dequantized(x.bfloat16(), packed)
+        assert yb.dtype == torch.bfloat16
+        bound = 2**-7 * (x.abs() @ wq.abs().t()) + ref.abs() * 2**-7 + 1e-3
+        assert bool(((yb.float() - ref).abs() <= bound).all())
 
 
 def check_path_avx512() -> None:
@@ -88,7 +125,7 @@ def test_quantized_activations_are_needed_for_the_bound() -> None:
     torch.manual_seed(5)
     mod = QuantLinear.from_float(torch.randn(64, 512), None, 8)
     x = torch.randn(4, 512)
-    y = cpu_qmatmul.matmul(x, cpu_qmatmul.layout(mod.qweight, mod.scales, None, None), None)
+    y = cpu_qmatmul.matmul(x, cpu_qmatmul.layout(mod.qweight, mod.scales, None, None))
     ref = x @ mod.dequantize().t()
     float_bound = 1e-5 * (x.abs() @ mod.dequantize().abs().t()) + 1e-6
     assert bool(((y - ref).abs() > float_bound).any())
@@ -99,18 +136,18 @@ def test_bad_input_is_refused() -> None:
     mod = QuantLinear.from_float(torch.randn(8, 64), None, 8)
     packed = cpu_qmatmul.layout(mod.qweight, mod.scales, None, None)
     with pytest.raises(ValueError, match="float32 or bfloat16"):
-        cpu_qmatmul.matmul(torch.randn(2, 64, dtype=torch.float64), packed, None)
+        cpu_qmatmul.matmul(torch.randn(2, 64, dtype=torch.float64), packed)
     with pytest.raises(ValueError, match="columns"):
-        cpu_qmatmul.matmul(torch.randn(2, 65), packed, None)
+        cpu_qmatmul.matmul(torch.randn(2, 65), packed)
 
 
 @pytest.mark.parametrize("bits,group", [(8, None), (4, 32), (4, 128)])
-@pytest.mark.parametrize("m", [1, 3, 16, 64])
+@pytest.mark.parametrize("m", [1, 3, 16, 48, 64])
 def test_quant_linear_matches_reference(
     bits: int, group: int | None, m: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``QuantLinear`` (ours up to 32 rows, aten's above) against ``forward_reference``, with
-    bias, input scale and an act-order permutation."""
+    """``QuantLinear`` (ours up to 32 rows, aten's at 48, our dequantized GEMM from 64)
+    against ``forward_reference``, with bias, input scale and an act-order permutation."""
     monkeypatch.setitem(NATIVE_MAX_ROWS, bits, 32)
     torch.manual_seed(m + bits)
     k, n = 200, 45
@@ -125,7 +162,7 @@ def test_quant_linear_matches_reference(
     y, ref = mod(x), mod.forward_reference(x)
     assert y.shape == (2, m, n)
     xp = mod._prepare_input(x).reshape(-1, k)
-    tol = cpu_qmatmul.error_bound(xp, mod.dequantize()).reshape(2, m, n) + 1e-5
+    tol = cpu_qmatmul.error_bound(xp, mod.dequantize(), bits).reshape(2, m, n) + 1e-5
     assert bool(((y - ref).abs() <= tol).all())
 
 
@@ -137,10 +174,10 @@ def test_a_row_does_not_depend_on_its_batch() -> None:
         mod = QuantLinear.from_float(torch.randn(70, 300), None, bits, group)
         packed = cpu_qmatmul.layout(mod.qweight, mod.scales, mod.zeros, mod.group_size)
         x = torch.randn(37, 300).bfloat16()
-        batch = cpu_qmatmul.matmul(x, packed, group)
+        batch = cpu_qmatmul.matmul(x, packed)
         for i in (0, 5, 36):
-            assert torch.equal(cpu_qmatmul.matmul(x[i : i + 1], packed, group), batch[i : i + 1])
-            assert torch.equal(cpu_qmatmul.matmul(x[i : i + 3], packed, group)[0], batch[i])
+            assert torch.equal(cpu_qmatmul.matmul(x[i : i + 1], packed), batch[i : i + 1])
+            assert torch.equal(cpu_qmatmul.matmul(x[i : i + 3], packed)[0], batch[i])
 
 
 def test_switched_off_runs_aten(monkeypatch: pytest.MonkeyPatch) -> None:

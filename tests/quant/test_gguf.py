@@ -5,7 +5,8 @@ the gguf package's own name map, the q/k ``permute`` of llama models, ``rope_fre
 Llama 3 RoPE scaling, the vocabulary export) and ``llama-quantize`` (2-D weights quantized,
 norms kept F32).
 The legacy types are quantized by the gguf package; it has no K-quant quantizer, so K-quant
-blocks are packed here from the block layouts of ggml-quants.c, with their exact values known.
+blocks are packed here from the block layouts of ggml-quants.c, with their exact values known;
+Q3_K and IQ4_NL blocks (types loaded dequantized) hold random codes, valued by its dequantizer.
 """
 
 from __future__ import annotations
@@ -124,6 +125,22 @@ def _pack_q6_k(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return raw.reshape(rows, -1), values.reshape(x.shape)
 
 
+# where the float16 scale ``d`` sits in a block of the types the gguf package cannot quantize
+_D_AT = {"Q3_K": 108, "IQ4_NL": 0}
+
+
+def _random_blocks(x: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """Blocks of ``qtype`` with random codes (and sub-block scales) and ``d`` set from ``x``'s
+    magnitude, and their values by the gguf package's dequantizer."""
+    block, size = gguf.GGML_QUANT_SIZES[Q[qtype]]
+    rng = np.random.default_rng(x.size)
+    raw = rng.integers(0, 256, (x.shape[0], x.shape[1] // block, size), dtype=np.uint8)
+    d = np.array(np.abs(x).max() / 127, np.float16)
+    raw[..., _D_AT[qtype] : _D_AT[qtype] + 2] = np.frombuffer(d.tobytes(), np.uint8)
+    raw = raw.reshape(x.shape[0], -1)
+    return raw, gguf.quants.dequantize(raw, Q[qtype])
+
+
 def quantize(x: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray]:
     """(raw GGUF bytes [rows, row_bytes], exact dequantized values) of ``x`` in ``qtype``."""
     if qtype == "Q4_K":
@@ -132,6 +149,8 @@ def quantize(x: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray]:
         return _pack_q45_k(x, 5)
     if qtype == "Q6_K":
         return _pack_q6_k(x)
+    if qtype in _D_AT:
+        return _random_blocks(x, qtype)
     raw = gguf.quants.quantize(x.astype(np.float32), Q[qtype])
     return raw, gguf.quants.dequantize(raw, Q[qtype])
 
@@ -702,23 +721,61 @@ def _one_line(exc: pytest.ExceptionInfo[ModelLoadError]) -> str:
     return message
 
 
-def test_unsupported_tensor_type_names_tensor_and_type(llama_dir: Path, tmp_path: Path) -> None:
-    out = tmp_path / "q2k.gguf"
-    write_gguf(llama_dir, out, "Q4_K", zeros={"blk.1.ffn_up.weight": Q.Q2_K})
+def _header_field(data: bytes, name: str) -> tuple[int, int]:
+    """(offset of the first dimension, offset of the ggml type) of tensor ``name``'s header."""
+    at = data.index(name.encode()) + len(name)
+    return at + 4, at + 4 + 8 * int.from_bytes(data[at : at + 4], "little")
+
+
+@pytest.mark.parametrize("gguf_dequantize", [False, True])
+def test_unsupported_tensor_type_names_tensor_and_type(
+    gguf_dequantize: bool, llama_dir: Path, tmp_path: Path
+) -> None:
+    """A type with neither a kept-quantized layout nor a dequantizer (ggml's internal Q8_1, a
+    type id unknown to the gguf package) is refused, naming the tensor and the type."""
+    out = tmp_path / "q81.gguf"
+    write_gguf(llama_dir, out, "Q4_K", zeros={"blk.1.ffn_up.weight": Q.Q8_1})
     with pytest.raises(ModelLoadError) as exc:
-        load_model(str(out), None, "auto", CPU, None)
+        load_model(str(out), None, "auto", CPU, None, gguf_dequantize=gguf_dequantize)
     message = _one_line(exc)
-    assert message.startswith(f"{out}: tensor 'blk.1.ffn_up.weight' has type Q2_K, which foudre")
+    assert message.startswith(f"{out}: tensor 'blk.1.ffn_up.weight' has type Q8_1, which foudre")
     # a type id the gguf package does not know either (a newer llama.cpp's)
     data = bytearray(out.read_bytes())
-    name = b"blk.1.ffn_up.weight"
-    at = bytes(data).index(name) + len(name)
-    type_at = at + 4 + 8 * int.from_bytes(data[at : at + 4], "little")
-    assert int.from_bytes(data[type_at : type_at + 4], "little") == Q.Q2_K
+    type_at = _header_field(bytes(data), "blk.1.ffn_up.weight")[1]
+    assert int.from_bytes(data[type_at : type_at + 4], "little") == Q.Q8_1
     data[type_at : type_at + 4] = (250).to_bytes(4, "little")
     out.write_bytes(bytes(data))
     with pytest.raises(ModelLoadError, match=r"'blk\.1\.ffn_up\.weight' has type 250 \(unknown\)"):
         load_model(str(out), None, "auto", CPU, None)
+
+
+def test_rows_not_a_multiple_of_the_block_are_named(llama_dir: Path, tmp_path: Path) -> None:
+    """A row length that is not a whole number of its type's blocks (no group divides it) is
+    an invalid file: refused at read, naming the tensor."""
+    out = tmp_path / "rows.gguf"
+    write_gguf(llama_dir, out, "Q6_K")
+    data = bytearray(out.read_bytes())
+    dim_at = _header_field(bytes(data), "blk.0.ffn_down.weight")[0]
+    assert int.from_bytes(data[dim_at : dim_at + 8], "little") == 512
+    data[dim_at : dim_at + 8] = (500).to_bytes(8, "little")
+    out.write_bytes(bytes(data))
+    with pytest.raises(ModelLoadError) as exc:
+        load_model(str(out), None, "auto", CPU, None)
+    assert "tensor 'blk.0.ffn_down.weight' has rows of 500 values, not a multiple of its " in (
+        _one_line(exc)
+    )
+
+
+def test_types_without_a_kept_layout_load_dequantized(llama_dir: Path, tmp_path: Path) -> None:
+    """IQ and the other types the gguf package decodes load dequantized: exactly its values."""
+    out = tmp_path / "iq.gguf"
+    types = {"blk.0.attn_v.weight": "IQ4_NL", "blk.1.ffn_down.weight": "Q3_K"}
+    values = write_gguf(llama_dir, out, "Q8_0", types=types)
+    model = load_model(str(out), None, "float32", CPU, None).model
+    v = model.get_submodule("model.layers.0.self_attn.qkv_proj").weight.detach().numpy()
+    np.testing.assert_array_equal(v[256 + 128 :], values["model.layers.0.self_attn.v_proj.weight"])
+    down = model.get_submodule("model.layers.1.mlp.down_proj").weight.detach().numpy()
+    np.testing.assert_array_equal(down, values["model.layers.1.mlp.down_proj.weight"])
 
 
 def test_truncated_file_is_a_clear_error(tmp_path: Path) -> None:

@@ -49,10 +49,12 @@ def write_moe_gguf(
     per_expert: bool = False,
     drop: str | None = None,
     metadata: dict[str, Any] | None = None,
+    types: dict[str, str] | None = None,
 ) -> dict[str, np.ndarray]:
     """Convert the HF MoE model in ``src`` to ``out``; return the exact stored values of each
     stacked expert tensor (by GGUF name). ``per_expert`` writes the older one-tensor-per-expert
-    names (``ffn_gate.{e}``); ``drop`` leaves out the named tensor; ``metadata`` adds keys."""
+    names (``ffn_gate.{e}``); ``drop`` leaves out the named tensor; ``metadata`` adds keys;
+    ``types`` writes the named tensors in another type than ``qtype``."""
     cfg = json.loads((src / "config.json").read_text())
     arch = _ARCH[cfg["architectures"][0]]
     state = load_file(str(src / "model.safetensors"))
@@ -120,8 +122,9 @@ def write_moe_gguf(
         if keep_float:
             w.add_tensor(name, data.astype(np.float32))
             continue
-        raw, exact = quantize(data.reshape(-1, data.shape[-1]), qtype)
-        w.add_tensor(name, raw.reshape(*data.shape[:-1], -1), raw_dtype=Q[qtype])
+        kind = (types or {}).get(name, qtype)
+        raw, exact = quantize(data.reshape(-1, data.shape[-1]), kind)
+        w.add_tensor(name, raw.reshape(*data.shape[:-1], -1), raw_dtype=Q[kind])
         values[name] = exact.reshape(data.shape)
     w.write_header_to_file()
     w.write_kv_data_to_file()

@@ -75,7 +75,7 @@ def test_gptq_layout(act_order: bool, v2: bool) -> None:
                                  perm=codes.perm)  # fmt: skip
     x = torch.randn(5, k)
     assert torch.allclose(mod.forward_reference(x), x @ got.t(), atol=1e-3)
-    tol = 1e-3 + cpu_qmatmul.error_bound(mod._prepare_input(x), mod.dequantize())
+    tol = 1e-3 + cpu_qmatmul.error_bound(mod._prepare_input(x), mod.dequantize(), mod.bits)
     assert bool(((mod(x) - x @ got.t()).abs() <= tol).all())
 
 
@@ -135,3 +135,43 @@ def test_load_hf_gptq_and_awq_directories(tmp_path: Path) -> None:
         ref = torch.cat([expected[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"])
         assert torch.allclose(qkv.effective_weight(), ref, atol=1e-5)
         assert isinstance(model.get_submodule("model.layers.1.mlp.gate_up_proj"), QuantLinear)
+
+
+def test_group_size_that_does_not_divide_the_features_is_named(tmp_path: Path) -> None:
+    """A checkpoint whose ``group_size`` does not cut a linear's input features into its
+    scales' groups fails to load with the tensor's name, not a reshape error."""
+    torch.manual_seed(2)
+    n, k, group = 64, 128, 64
+    q, s, z = _fit(torch.randn(n, k), group, torch.arange(k) // group)
+    packed = (_pack_gptq_rows(q), _pack_cols((z - 1).int()), s.half())
+    with pytest.raises(ValueError, match="group_size 48 does not divide its 128 input features"):
+        gptq_codes(*packed, None, 48)
+    with pytest.raises(ValueError, match="group_size 48"):
+        awq_codes(_pack_cols(q, AWQ_ORDER), _pack_cols(z.int(), AWQ_ORDER), s.half(), 48)
+    pytest.importorskip("transformers")
+    from foudre.loading.errors import ModelLoadError
+    from foudre.loading.loader import load_model
+    from tests.conftest import make_hf_model
+
+    src = make_hf_model(tmp_path / "src", intermediate_size=128)
+    from safetensors.torch import load_file
+
+    state = load_file(str(src / "model.safetensors"))
+    tensors: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        if t.dim() == 2 and "proj" in name:
+            prefix = name[: -len(".weight")]
+            q, s, z = _fit(t, 32, torch.arange(t.shape[1]) // 32)
+            tensors[prefix + ".qweight"] = _pack_gptq_rows(q)
+            tensors[prefix + ".qzeros"] = _pack_cols((z - 1).int())
+            tensors[prefix + ".scales"] = s.half()
+        else:
+            tensors[name] = t
+    out = tmp_path / "bad"
+    out.mkdir()
+    save_file(tensors, str(out / "model.safetensors"))
+    raw = json.loads((src / "config.json").read_text())
+    qc = {"quant_method": "gptq", "bits": 4, "group_size": 48}
+    (out / "config.json").write_text(json.dumps({**raw, "quantization_config": qc}))
+    with pytest.raises((ValueError, ModelLoadError), match=r"model\.layers\.0\..*qweight: group"):
+        load_model(str(out), None, "float32", torch.device("cpu"), None)

@@ -77,7 +77,7 @@ def test_packed_kernel_matches_reference(
     if dtype != torch.float32:
         tol = 3e-2 * exact.abs().max().item() + 1e-2
     elif device == "cpu":  # cpu_qmatmul may round x to int8 per block: its bound
-        tol = 1e-4 + cpu_qmatmul.error_bound(x, mod.dequantize())
+        tol = 1e-4 + cpu_qmatmul.error_bound(x, mod.dequantize(), mod.bits)
     assert bool(((y.float() - ref.float()).abs() <= tol).all())
     assert bool(((y.float() - exact).abs() <= tol).all())
 

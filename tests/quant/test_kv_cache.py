@@ -3,6 +3,8 @@ paged machinery over quantized blocks, and the quality cost on the embedded mode
 
 from __future__ import annotations
 
+import ctypes
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,10 +14,16 @@ from foudre import LLM, SamplingParams
 from foudre.compress.data import read_documents
 from foudre.compress.eval import perplexity
 from foudre.compress.model import load_for_eval
+from foudre.layers import fused, native
 from foudre.layers.kv_quant import dequantize_kv, quantize_kv
+from foudre.layers.linear import MAX_ROWS
 from foudre.loading.loader import default_model
+from foudre.runner.attention import cpu_paged
 from foudre.runner.attention.kv_quant import QuantizedKVCache
-from tests.conftest import SHARED
+from foudre.runner.cpu_decode import NativeDecode
+from foudre.runner.model_runner import ModelRunner
+from tests.conftest import SHARED, make_hf_model
+from tests.engine.test_cpu_decode import counted, python_step
 
 PROMPTS = [
     "Once upon a time, there was a little girl named Lily. She loved to play in the park.",
@@ -111,3 +119,122 @@ def test_bits_per_byte_cost_on_the_embedded_model() -> None:
     assert abs(int8 - full) / full < 0.01
     assert abs(fp8 - full) / full < 0.02
     assert int8 != full  # the rounding is really applied
+
+
+needs_native = pytest.mark.skipif(
+    fused.decode_layers_fn(torch.float32) is None or not cpu_paged.available(),
+    reason="no AVX-512 or no C++ compiler",
+)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_native_quantize_on_write_is_quantize_kv(dtype: torch.dtype, kind: str) -> None:
+    """The native decode step's K/V write (``cpu_ops.cpp``'s quantize_kv) against
+    ``layers/kv_quant.quantize_kv``, bit for bit: magnitudes over 18 decades, a zero head, one
+    under the 1e-8 clamp, and heads of exact ties (halves of int8 steps, e4m3 midpoints)."""
+    dll = native.load(fused.SOURCE)
+    assert dll is not None
+    fn = getattr(dll, f"foudre_quantize_kv_{'f32' if dtype == torch.float32 else 'bf16'}")
+    fn.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 3, ctypes.c_void_p, ctypes.c_void_p]
+    fn.restype = None
+    g = torch.Generator().manual_seed(0)
+    n, dim = 3000, 64
+    x = torch.randn(n, dim, generator=g) * torch.logspace(-12, 6, n).view(-1, 1)
+    x[0] = 0
+    x[1] = 0
+    x[1, 0] = 3e-9
+    x[2] = torch.randint(-254, 255, (dim,), generator=g) / 2  # halves of a step of 1
+    x[2, 0] = 127
+    x[3] = torch.randint(-512, 513, (dim,), generator=g) / 16  # e4m3 ties (scale 1)
+    x[3, 0] = 448
+    x = x.to(dtype)
+    codes, scales = quantize_kv(x, kind)
+    out, out_scales = torch.empty(n, dim, dtype=torch.uint8), torch.empty(n)
+    fn(x.data_ptr(), n, dim, {"int8": 1, "fp8": 2}[kind], out.data_ptr(), out_scales.data_ptr())
+    assert torch.equal(out, codes.view(torch.uint8))
+    assert torch.equal(out_scales, scales)
+
+
+def quantized_runner(
+    tmp_path: Path, dtype: torch.dtype, kind: str, **overrides: Any
+) -> ModelRunner:
+    path = make_hf_model(tmp_path / "m", "llama", **overrides)
+    llm = LLM(
+        str(path),
+        dtype=str(dtype).removeprefix("torch."),
+        skip_tokenizer_init=True,
+        num_kv_blocks=200,
+        kv_cache_dtype=kind,
+    )
+    runner = llm.engine.runner
+    assert runner.backend.name == "cpu" and isinstance(runner.decode_path, NativeDecode)
+    return runner
+
+
+def snapshot(runner: ModelRunner) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    caches = [c for c in runner.kv_caches if isinstance(c, QuantizedKVCache)]
+    assert len(caches) == len(runner.kv_caches)
+    return [(c.codes.clone(), c.scales.clone()) for c in caches]
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_native_decode_over_a_quantized_cache(
+    tmp_path: Path, dtype: torch.dtype, kind: str
+) -> None:
+    """The native decode step runs over an int8 / fp8 cache (blocks out of order, contexts
+    across block boundaries; GQA 4): decode steps of 1, 3 and ``MAX_ROWS`` rows give the logits
+    of the Python path over the same cache, and the same codes and scales in the whole pool."""
+    runner = quantized_runner(tmp_path, dtype, kind, num_attention_heads=8, num_key_value_heads=2)
+    calls = counted(runner)
+    limit = MAX_ROWS[dtype]
+    g = torch.Generator().manual_seed(0)
+    order = torch.randperm(200, generator=g).tolist()
+    lens = [5, 16, 31, *torch.randint(1, 40, (limit - 3,), generator=g).tolist()]
+    tables = [order[3 * i : 3 * i + 3] for i in range(limit)]
+    prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in lens]
+    with torch.inference_mode():
+        logits = runner.forward(tables, [0] * limit, prompts, [1] * limit)
+        assert logits is not None and calls == []
+        for rows in (1, 3, limit):
+            new = [[int(t)] for t in logits.argmax(-1)[:rows]]
+            args = (tables[:rows], lens[:rows], new, [1] * rows)
+            before = snapshot(runner)
+            native = runner.forward(*args)
+            after = snapshot(runner)
+            for cache, (codes, scales) in zip(runner.kv_caches, before, strict=True):
+                assert isinstance(cache, QuantizedKVCache)
+                cache.codes.copy_(codes)
+                cache.scales.copy_(scales)
+            ref = python_step(runner, *args)
+            assert native is not None and ref is not None
+            assert torch.equal(native, ref), (rows, (native - ref).abs().max())
+            for (a, sa), (b, sb) in zip(after, snapshot(runner), strict=True):
+                assert torch.equal(a, b) and torch.equal(sa, sb)
+            lens[:rows] = [n + 1 for n in lens[:rows]]
+            logits = torch.cat([native, logits[rows:]])
+    assert calls == [1, 3, limit]
+
+
+@needs_native
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_generate_with_native_decode_over_a_quantized_cache(tmp_path: Path, kind: str) -> None:
+    """Greedy generation over an int8 / fp8 cache: the native decode step runs its steps and
+    gives the tokens of the Python path (``enforce_eager``) over the same cache, and those of
+    the SDPA backend reading the dequantized blocks (float32)."""
+    path = make_hf_model(tmp_path / "m", "llama")
+    prompts = [[1, 5, 9, 23], [1, 77] * 9, [1, 3]]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outs = []
+    for options in ({}, {"enforce_eager": True}, {"attention_backend": "torch"}):
+        llm = LLM(
+            str(path), dtype="float32", skip_tokenizer_init=True, kv_cache_dtype=kind, **options
+        )
+        if not options:
+            calls = counted(llm.engine.runner)
+        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+        assert llm.metrics()["num_free_blocks"] == llm.metrics()["num_total_blocks"]
+    assert outs[0] == outs[1] == outs[2] and len(calls) >= 10

@@ -8,6 +8,7 @@ import os
 import torch
 
 from foudre.layers.attention import AttentionBackend, BatchLayout
+from foudre.layers.kv_quant import KV_CACHE_DTYPES
 from foudre.runner.attention import cpu_paged
 from foudre.runner.attention.torch_sdpa import TorchSDPABackend
 
@@ -18,9 +19,12 @@ BACKENDS = ("auto", "torch", "cpu", "triton")
 
 def resolve_backend(name: str, device: torch.device, kv_cache_dtype: str = "auto") -> str:
     """The concrete backend for ``name`` on ``device``: ``auto`` is ``triton`` on a CUDA device
-    where Triton imports, ``cpu`` (the C++ paged kernels) on the CPU where they build, both
-    for a float KV cache, else ``torch``. ``ValueError`` for an unknown name or a combination
-    that cannot run."""
+    where Triton imports, ``cpu`` (the C++ paged kernels) on the CPU where they build, else
+    ``torch``. Every backend reads every ``kv_cache_dtype`` (the paged kernels read a quantized
+    cache's codes and scales as stored). ``ValueError`` for an unknown name or KV cache dtype,
+    or a combination that cannot run."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
     if name == "sdpa":
         name = "torch"
     if name not in BACKENDS:
@@ -34,27 +38,15 @@ def resolve_backend(name: str, device: torch.device, kv_cache_dtype: str = "auto
         )
     triton_ok = importlib.util.find_spec("triton") is not None
     if name == "auto":
-        if kv_cache_dtype != "auto":
-            return "torch"
         if device.type == "cuda":
             return "triton" if triton_ok else "torch"
         return "cpu" if device.type == "cpu" and cpu_paged.available() else "torch"
     if name == "cpu":
-        if kv_cache_dtype != "auto":
-            raise ValueError(
-                f"attention_backend 'cpu' reads a float KV cache; kv_cache_dtype "
-                f"{kv_cache_dtype!r} needs attention_backend 'torch'"
-            )
         if device.type != "cpu":
             raise ValueError("attention_backend 'cpu' runs on the CPU only")
         if not cpu_paged.available():
             raise ValueError("attention_backend 'cpu' needs a C++ compiler to build its kernel")
     if name == "triton":
-        if kv_cache_dtype != "auto":
-            raise ValueError(
-                f"attention_backend 'triton' reads a float KV cache; kv_cache_dtype "
-                f"{kv_cache_dtype!r} needs attention_backend 'torch'"
-            )
         if not triton_ok:
             raise ValueError("attention_backend 'triton' needs the triton package")
         if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":

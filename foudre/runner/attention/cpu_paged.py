@@ -13,6 +13,12 @@ decode step at 16 rows on the 2-core benchmark machine). Three paths, chosen at 
 - AVX-512 (float32, float16, and bfloat16 without AVX512-BF16): the same walk with float32 FMAs.
 - portable C++ for other CPUs (vectorized by the compiler).
 
+A quantized KV cache (``kv_cache_dtype`` int8 / fp8: 8-bit codes and one float32 scale per token
+and KV head) is read as it lies by both kernels, the codes converted to float32 as they are used
+(int8 by sign extension and ``vcvtdq2ps``, e4m3 by moving its bits into a float16's for
+``vcvtph2ps``) and each scale folded into what it multiplies anyway: a key's into its score, a
+value's into its softmax weight. A step reads a byte per value instead of two or four.
+
 Rows of several new tokens (prompt chunks, verification) go to ``cpu_paged_prefill.cpp``, the
 FlashAttention-2 counterpart: one task per (sequence, KV head, 32 query positions) walks the keys
 its queries see in tiles of 32 straight from the blocks, with an online softmax in float32, the
@@ -41,10 +47,15 @@ SOURCE = Path(__file__).with_name("cpu_paged_decode.cpp")
 PREFILL_SOURCE = Path(__file__).with_name("cpu_paged_prefill.cpp")
 _SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 _SYMBOLS = {dtype: f"paged_decode_{suffix}" for dtype, suffix in _SUFFIXES.items()}
+# a quantized cache's codes, by the dtype its codes are viewed as (QuantizedKVCache.stored)
+_CODES = {torch.int8: "int8", torch.float8_e4m3fn: "fp8"}
 _I64 = ctypes.c_int64
 _ARGTYPES = [ctypes.c_void_p] * 7 + [_I64] * 10 + [ctypes.c_float]
 _WINDOW_ARGTYPES = [*_ARGTYPES, _I64]
+# with codes: the scales of K and V after the caches' pointers
+_CODES_ARGTYPES = [ctypes.c_void_p] * 9 + [_I64] * 10 + [ctypes.c_float, _I64]
 _PREFILL_ARGTYPES = [ctypes.c_void_p] * 8 + [_I64] * 11 + [ctypes.c_float]
+_PREFILL_CODES_ARGTYPES = [ctypes.c_void_p] * 10 + [_I64] * 11 + [ctypes.c_float]
 
 
 @lru_cache(maxsize=1)
@@ -59,6 +70,10 @@ def load_library() -> ctypes.CDLL | None:
             fn = getattr(dll, f"{symbol}_window")
             fn.argtypes = _WINDOW_ARGTYPES
             fn.restype = None
+            for codes in _CODES.values():
+                fn = getattr(dll, f"{symbol}_{codes}")
+                fn.argtypes = _CODES_ARGTYPES
+                fn.restype = None
     return dll
 
 
@@ -71,14 +86,21 @@ def load_prefill_library() -> ctypes.CDLL | None:
             fn = getattr(dll, f"paged_prefill_{suffix}")
             fn.argtypes = _PREFILL_ARGTYPES
             fn.restype = None
+            for codes in _CODES.values():
+                fn = getattr(dll, f"paged_prefill_{suffix}_{codes}")
+                fn.argtypes = _PREFILL_CODES_ARGTYPES
+                fn.restype = None
     return dll
 
 
-def kernel(dtype: torch.dtype) -> Any:
-    """The decode kernel's function for ``dtype`` (``cpu_decode.py`` passes its address to the
-    fused layers), or None."""
+def kernel(dtype: torch.dtype, codes: torch.dtype | None = None) -> Any:
+    """The decode kernel's function for queries of ``dtype`` over a cache of ``dtype``, or of
+    ``codes`` (int8, float8_e4m3fn: a quantized cache) where given (``cpu_decode.py`` passes its
+    address to the fused layers); None where there is none."""
     dll = load_library()
     symbol = _SYMBOLS.get(dtype)
+    if codes is not None and symbol is not None:
+        symbol = f"{symbol}_{_CODES[codes]}" if codes in _CODES else None
     return None if dll is None or symbol is None else getattr(dll, symbol)
 
 
@@ -87,16 +109,37 @@ def available() -> bool:
 
 
 def _check_layouts(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor
-) -> None:
-    if q.dtype not in _SUFFIXES or k_cache.dtype != q.dtype or out.dtype != q.dtype:
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+) -> list[int]:
+    """The scales' addresses to pass after the caches' (none for a float cache)."""
+    if q.dtype not in _SUFFIXES or out.dtype != q.dtype:
         raise ValueError(f"CPU paged attention supports float32, bfloat16, float16; got {q.dtype}")
+    quantized = k_cache.dtype in _CODES
+    if (k_cache.dtype != q.dtype and not quantized) or v_cache.dtype != k_cache.dtype:
+        raise ValueError(
+            f"the KV cache ({k_cache.dtype}, {v_cache.dtype}) is neither the queries' dtype "
+            f"({q.dtype}) nor int8 / float8_e4m3fn codes"
+        )
+    if quantized != (k_scale is not None and v_scale is not None):
+        raise ValueError("k_scale and v_scale come with a quantized KV cache, and only with one")
     head_dim = q.shape[2]
     # the kernels assume these layouts: contiguous heads and head_dim, equal K and V strides
     assert q.stride(2) == 1 and q.stride(1) == head_dim
     assert out.stride(2) == 1 and out.stride(1) == head_dim
     assert k_cache.stride() == v_cache.stride()
     assert k_cache.stride(3) == 1 and k_cache.stride(2) == head_dim
+    if k_scale is None or v_scale is None:
+        return []
+    # scales [blocks, block_size, kv_heads] laid out as the codes without head_dim
+    assert k_scale.dtype == v_scale.dtype == torch.float32
+    assert k_scale.shape == k_cache.shape[:3] and k_scale.stride() == v_scale.stride()
+    assert [s * head_dim for s in k_scale.stride()] == list(k_cache.stride()[:3])
+    return [k_scale.data_ptr(), v_scale.data_ptr()]
 
 
 def cpu_paged_decode(
@@ -109,21 +152,27 @@ def cpu_paged_decode(
     seq_lens: torch.Tensor,
     scale: float,
     window: int | None = None,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """The decode rows of ``PagedBackend`` (see ``paged.py``) on CPU tensors."""
+    """The decode rows of ``PagedBackend`` (see ``paged.py``) on CPU tensors; a quantized cache
+    as int8 / float8_e4m3fn codes with their scales ``[num_blocks, block_size, kv_heads]``."""
     dll = load_library()
     if dll is None:
         raise RuntimeError("the CPU paged-attention kernel is not available (no C++ compiler?)")
-    _check_layouts(q, k_cache, v_cache, out)
+    scales = _check_layouts(q, k_cache, v_cache, out, k_scale, v_scale)
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     tables = block_tables.to(torch.int32).contiguous()
     tokens = token_idx.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
-    getattr(dll, f"{_SYMBOLS[q.dtype]}_window")(
+    symbol = _SYMBOLS[q.dtype] + (f"_{_CODES[k_cache.dtype]}" if scales else "_window")
+    getattr(dll, symbol)(
         q.data_ptr(),
         k_cache.data_ptr(),
         v_cache.data_ptr(),
+        *scales,
         out.data_ptr(),
         tokens.data_ptr(),
         tables.data_ptr(),
@@ -151,25 +200,31 @@ def cpu_paged_prefill(
     rows: PrefillRows,
     scale: float,
     window: int | None = None,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """The multi-token rows of ``PagedBackend`` (see ``paged.py``) on CPU tensors: row ``r``'s
     queries (``q[q_starts[r] : q_starts[r] + q_lens[r]]``, at the last positions of a context
     of ``seq_lens[r]``) attend causally to the keys of its blocks, the last ``window`` of them
-    with a sliding window; results into ``out`` at the same flat indices."""
+    with a sliding window; results into ``out`` at the same flat indices. A quantized cache as
+    in ``cpu_paged_decode``."""
     dll = load_prefill_library()
     if dll is None:
         raise RuntimeError("the CPU prefill attention kernel is not available (no C++ compiler?)")
-    _check_layouts(q, k_cache, v_cache, out)
+    scales = _check_layouts(q, k_cache, v_cache, out, k_scale, v_scale)
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     tables = rows.block_tables.to(torch.int32).contiguous()
     starts = rows.q_starts.to(torch.int32).contiguous()
     q_lens = rows.q_lens.to(torch.int32).contiguous()
     lens = rows.seq_lens.to(torch.int32).contiguous()
-    getattr(dll, f"paged_prefill_{_SUFFIXES[q.dtype]}")(
+    codes = f"_{_CODES[k_cache.dtype]}" if scales else ""
+    getattr(dll, f"paged_prefill_{_SUFFIXES[q.dtype]}{codes}")(
         q.data_ptr(),
         k_cache.data_ptr(),
         v_cache.data_ptr(),
+        *scales,
         out.data_ptr(),
         starts.data_ptr(),
         q_lens.data_ptr(),

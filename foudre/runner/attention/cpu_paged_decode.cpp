@@ -11,11 +11,24 @@
 //   paged_decode            portable: one task per (row, KV head), loops for the vectorizer
 //   paged_decode_avx512     AVX-512: the same tasks, head_dim in 16-lane float32 chunks
 //   paged_decode_bf16_dot   AVX512-BF16, bfloat16 caches: one task per row, vdpbf16ps (below)
+//
+// A quantized cache (kv_cache_dtype int8 / fp8: 8-bit codes with one float32 scale per token and
+// KV head, layers/kv_quant.py) is read as it lies: codes are converted to float32 as they are
+// used and the scales never touch a code, since q · (c s) = (q · c) s and p (c s) = (p s) c: a
+// key's scale multiplies its score, a value's scale its softmax weight (after the weight joined
+// the running sum). The AVX-512 path converts a tile's codes once per KV head into an L1 scratch
+// tile (int8: vpmovsxbd + vcvtdq2ps; e4m3: its bits moved into a float16's, vcvtph2ps, the
+// factor 2^8 that leaves folded into the scales), which the products then read for every query
+// head of the group: float32 FMAs (FmaOps), or for bfloat16 queries with AVX512-BF16 the
+// vdpbf16ps path (Bf16DotOps) on the codes' values rounded to bfloat16, which is exact (8
+// significant bits hold every int8 and e4m3 value).
 
 #include <algorithm>
 #include <cfloat>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -32,6 +45,25 @@ inline float load(uint16_t x) {  // bfloat16: the high half of a float32
   return f;
 }
 inline float load(_Float16 x) { return static_cast<float>(x); }
+
+// The quantized cache's codes: int8, and float8 e4m3fn (sign, 4 exponent bits with bias 7, 3
+// mantissa bits; no infinities), whose 256 values a table holds.
+struct Fp8 {
+  uint8_t bits;
+};
+struct Fp8Table {
+  float value[256];
+  Fp8Table() {
+    for (int b = 0; b < 256; ++b) {
+      const int e = (b >> 3) & 15, m = b & 7;
+      const float v = e ? std::ldexp(1.0f + m / 8.0f, e - 7) : std::ldexp(float(m), -9);
+      value[b] = b & 0x80 ? -v : v;
+    }
+  }
+};
+const Fp8Table kFp8;
+inline float load(int8_t x) { return static_cast<float>(x); }
+inline float load(Fp8 x) { return kFp8.value[x.bits]; }
 
 inline void store(float* p, float x) { *p = x; }
 inline void store(uint16_t* p, float x) {  // round to nearest even, as torch converts
@@ -59,15 +91,20 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
-template <typename T>
-void paged_decode(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_t* tokens,
+// T: the queries' and outputs' type; C: the cache's (T, or int8_t / Fp8 codes whose scales are
+// k_scale / v_scale, laid out as the codes without head_dim: the code offset / head_dim)
+template <typename T, typename C>
+void paged_decode(const T* q, const C* k_cache, const C* v_cache, const float* k_scale,
+                  const float* v_scale, T* out, const int32_t* tokens,
                   const int32_t* block_tables, const int32_t* seq_lens, int64_t rows,
                   int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                   int64_t table_width, int64_t q_stride, int64_t o_stride, int64_t block_stride,
                   int64_t token_stride, float scale, int64_t window) {
+  constexpr bool quantized = !std::is_same_v<T, C>;
   const int64_t G = num_heads / num_kv_heads;
   const int64_t D = head_dim;
   const int64_t BS = block_size;
+  const int64_t scale_token_stride = token_stride / D;
 #pragma omp parallel
   {
     std::vector<float> qf(G * D), acc(G * D), s(G * BS), m(G), l(G);
@@ -88,16 +125,18 @@ void paged_decode(const T* q, const T* k_cache, const T* v_cache, T* out, const 
         const int64_t blk = block_tables[r * table_width + b];
         const int64_t j0 = b == start / BS ? start % BS : 0;
         const int64_t nt = ((len - b * BS) < BS ? (len - b * BS) : BS) - j0;
-        const T* kb = k_cache + blk * block_stride + j0 * token_stride + h * D;
-        const T* vb = v_cache + blk * block_stride + j0 * token_stride + h * D;
+        const int64_t off = blk * block_stride + j0 * token_stride + h * D;
+        const C* kb = k_cache + off;
+        const C* vb = v_cache + off;
         for (int64_t j = 0; j < nt; ++j) {
-          const T* kr = kb + j * token_stride;
+          const C* kr = kb + j * token_stride;
+          const float ks = quantized ? k_scale[off / D + j * scale_token_stride] : 1.0f;
           for (int64_t g = 0; g < G; ++g) {
             const float* qg = qf.data() + g * D;
             float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
             for (int64_t d = 0; d < D; ++d) dot += qg[d] * load(kr[d]);
-            s[g * BS + j] = dot;
+            s[g * BS + j] = quantized ? dot * ks : dot;
           }
         }
         for (int64_t g = 0; g < G; ++g) {
@@ -118,9 +157,10 @@ void paged_decode(const T* q, const T* k_cache, const T* v_cache, T* out, const 
           for (int64_t d = 0; d < D; ++d) ag[d] *= corr;
         }
         for (int64_t j = 0; j < nt; ++j) {
-          const T* vr = vb + j * token_stride;
+          const C* vr = vb + j * token_stride;
+          const float vs = quantized ? v_scale[off / D + j * scale_token_stride] : 1.0f;
           for (int64_t g = 0; g < G; ++g) {
-            const float p = s[g * BS + j];
+            const float p = quantized ? s[g * BS + j] * vs : s[g * BS + j];
             float* ag = acc.data() + g * D;
 #pragma omp simd
             for (int64_t d = 0; d < D; ++d) ag[d] += p * load(vr[d]);
@@ -153,6 +193,61 @@ inline __m512 load16(const uint16_t* p, __mmask16 m) {
 inline __m512 load16(const _Float16* p, __mmask16 m) {
   return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));
 }
+// codes: int8 exactly; e4m3 as 2^-8 times its value (kUnit), its bits placed in a float16's:
+// sign to bit 15, exponent and mantissa to bits 7-13, which vcvtph2ps reads as e4m3's value with
+// an exponent bias of 15 instead of 7, subnormals included
+inline __m512 load16(const int8_t* p, __mmask16 m) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, p)));
+}
+inline __m512 load16(const Fp8* p, __mmask16 m) {
+  const __m256i w = _mm256_cvtepu8_epi16(_mm_maskz_loadu_epi8(m, p));
+  const __m256i sign = _mm256_and_si256(_mm256_slli_epi16(w, 8), _mm256_set1_epi16(-0x8000));
+  const __m256i rest = _mm256_and_si256(_mm256_slli_epi16(w, 7), _mm256_set1_epi16(0x3F80));
+  return _mm512_cvtph_ps(_mm256_or_si256(sign, rest));
+}
+template <typename C>
+constexpr float kUnit = 1.0f;  // what load16's values are to be multiplied by
+template <>
+constexpr float kUnit<Fp8> = 256.0f;
+
+inline __mmask16 lanes(int64_t n) {
+  return n >= 16 ? __mmask16(0xFFFFu) : n > 0 ? static_cast<__mmask16>((1u << n) - 1) : 0;
+}
+// A row of head_dim codes converted into a scratch row of floats, or of bfloat16 (exact, see
+// the top), `width` long (zeros past head_dim)
+template <typename C>
+inline void convert_row(float* dst, const C* src, int64_t D, int64_t width) {
+  for (int64_t d = 0; d < width; d += 16) _mm512_storeu_ps(dst + d, load16(src + d, lanes(D - d)));
+}
+#if defined(__AVX512BF16__)
+inline void convert_row(uint16_t* dst, const int8_t* src, int64_t D, int64_t width) {
+  for (int64_t d = 0; d < width; d += 16) {
+    const __m512 v = load16(src + d, lanes(D - d));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d),
+                        reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+  }
+}
+// e4m3 straight to bfloat16 bits, 32 codes at a time, as 2^-8 times their values (kUnit): a
+// normal code's exponent and mantissa moved into a bfloat16's, the bias raised from 7 to
+// 127 - 8; a subnormal one (exponent field 0: m 2^-9) from a table of m 2^-17
+inline void convert_row(uint16_t* dst, const Fp8* src, int64_t D, int64_t width) {
+  static const uint16_t subnormal[8] = {0, 0x3700, 0x3780, 0x37C0, 0x3800, 0x3820, 0x3840, 0x3860};
+  const __m512i table = _mm512_maskz_loadu_epi16(0xFF, subnormal);  // vpermw's lanes 0-7
+  for (int64_t d = 0; d < width; d += 32) {
+    const int64_t left = D - d;
+    const __mmask32 m = left >= 32 ? ~__mmask32{0} : left > 0 ? (__mmask32{1} << left) - 1 : 0;
+    const __m512i w = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(m, src + d));
+    const __m512i em = _mm512_and_si512(w, _mm512_set1_epi16(0x7F));
+    const __m512i normal =
+        _mm512_add_epi16(_mm512_slli_epi16(em, 4), _mm512_set1_epi16(static_cast<short>(112 << 7)));
+    const __m512i mag =
+        _mm512_mask_blend_epi16(_mm512_cmplt_epu16_mask(em, _mm512_set1_epi16(8)), normal,
+                                _mm512_permutexvar_epi16(em, table));
+    const __m512i sign = _mm512_and_si512(_mm512_slli_epi16(w, 8), _mm512_set1_epi16(-0x8000));
+    _mm512_storeu_si512(dst + d, _mm512_or_si512(mag, sign));
+  }
+}
+#endif
 
 inline __m512 exp16(__m512 x) {  // exp_nonpositive on 16 lanes
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
@@ -188,9 +283,10 @@ inline __m512 sum16(const __m512* v) {
 
 // float32 arithmetic on any storage type: head_dim in chunks of W = 16 lanes; q kept as float32;
 // the softmax weights p as 16 floats per head.
-template <typename T>
+template <typename T, typename C = T>
 struct FmaOps {
-  using Elem = T;
+  using Elem = T;   // queries and outputs
+  using Cache = C;  // the K and V rows it reads
   using Q = float;
   using Mask = __mmask16;
   static constexpr int W = 16;
@@ -203,7 +299,7 @@ struct FmaOps {
   }
 
   template <int NC>
-  static __m512 dot(const Q* qh, const T* kr, int64_t nc, Mask tl) {
+  static __m512 dot(const Q* qh, const C* kr, int64_t nc, Mask tl) {
     const int64_t n = NC ? NC : nc;  // a constant where NC is
     __m512 d = _mm512_setzero_ps();
     for (int64_t c = 0; c < n; ++c)
@@ -215,7 +311,7 @@ struct FmaOps {
 
   // acc[g] = acc[g] * corr[g] + sum_j p[g][j] V[j] for GS query heads
   template <int GS, int NC>
-  static void pv(float* acc, int64_t acc_stride, const float* corr, const float* pp, const T* vb,
+  static void pv(float* acc, int64_t acc_stride, const float* corr, const float* pp, const C* vb,
                  int64_t token_stride, int64_t nt, int64_t nc, Mask tl) {
     const int64_t n = NC ? NC : nc;
     for (int64_t c = 0; c < n; ++c) {
@@ -249,6 +345,7 @@ inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh>(x); }
 
 struct Bf16DotOps {
   using Elem = uint16_t;
+  using Cache = uint16_t;
   using Q = uint16_t;
   using Mask = __mmask32;
   static constexpr int W = 32;
@@ -323,8 +420,8 @@ struct Bf16DotOps {
 // Scores of one query head against up to 16 tokens (rows of kb; lane j = token j, lanes past
 // nt are 0): per token a 16-lane vector of partial dot products, summed across lanes by sum16.
 template <class Ops, int NC>
-inline __m512 qk_tile(const typename Ops::Q* qh, const typename Ops::Elem* kb, int64_t token_stride,
-                      int64_t nt, int64_t nc, typename Ops::Mask tl) {
+inline __m512 qk_tile(const typename Ops::Q* qh, const typename Ops::Cache* kb,
+                      int64_t token_stride, int64_t nt, int64_t nc, typename Ops::Mask tl) {
   __m512 v[16];
 #pragma GCC unroll 16
   for (int j = 0; j < 16; ++j)
@@ -333,15 +430,18 @@ inline __m512 qk_tile(const typename Ops::Q* qh, const typename Ops::Elem* kb, i
   return sum16(v);
 }
 
-// NC: head_dim's chunk count when known at compile time (0: computed from head_dim)
-template <class Ops, int NC>
-void paged_decode_rows(const typename Ops::Elem* q, const typename Ops::Elem* k_cache,
-                       const typename Ops::Elem* v_cache, typename Ops::Elem* out,
+// NC: head_dim's chunk count when known at compile time (0: computed from head_dim). C: the
+// cache's elements, Ops::Cache, or codes (int8_t, Fp8) that each tile converts for Ops (then
+// FmaOps<T, float>) into a scratch tile, with scales k_scale / v_scale (see the top).
+template <class Ops, typename C, int NC>
+void paged_decode_rows(const typename Ops::Elem* q, const C* k_cache, const C* v_cache,
+                       const float* k_scale, const float* v_scale, typename Ops::Elem* out,
                        const int32_t* tokens, const int32_t* block_tables, const int32_t* seq_lens,
                        int64_t rows, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                        int64_t block_size, int64_t table_width, int64_t q_stride, int64_t o_stride,
                        int64_t block_stride, int64_t token_stride, float scale, int64_t window) {
   using T = typename Ops::Elem;
+  constexpr bool quantized = !std::is_same_v<C, typename Ops::Cache>;
   constexpr int W = Ops::W;
   const int64_t G = num_heads / num_kv_heads;
   const int64_t D = head_dim;
@@ -351,13 +451,22 @@ void paged_decode_rows(const typename Ops::Elem* q, const typename Ops::Elem* k_
   const int64_t acc_stride = nc * W;
   // a block's K rows for all heads (contiguous in the pool), prefetched a query head's share
   // at a time while the previous block is computed (all at once would stall on the misses)
-  const int64_t block_bytes = BS * token_stride * static_cast<int64_t>(sizeof(T));
+  const int64_t block_bytes = BS * token_stride * static_cast<int64_t>(sizeof(C));
   const int64_t share = (block_bytes / num_heads + 63) / 64 * 64;
+  // scales: a token's at token_stride / head_dim, a block's (for all heads) in scale_bytes
+  const int64_t scale_token_stride = token_stride / D;
+  const int64_t scale_bytes = quantized ? BS * scale_token_stride * 4 : 0;
+  const __m512i scale_lanes = _mm512_mullo_epi32(
+      _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+      _mm512_set1_epi32(static_cast<int32_t>(scale_token_stride)));
 #pragma omp parallel
   {
     std::vector<typename Ops::Q> qv(num_heads * acc_stride);
     std::vector<float> acc(num_heads * acc_stride), m(num_heads), l(num_heads), corr(G);
     std::vector<float> pp(G * 16);
+    // a quantized tile's K and V converted for Ops (16 tokens of acc_stride values)
+    std::vector<typename Ops::Cache> kf(quantized ? 16 * acc_stride : 0);
+    std::vector<typename Ops::Cache> vf(quantized ? 16 * acc_stride : 0);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t tok = tokens[r], len = seq_lens[r];
@@ -376,8 +485,41 @@ void paged_decode_rows(const typename Ops::Elem* q, const typename Ops::Elem* k_
         const int64_t next =
             j0 + nt == BS && pos + nt < len ? block_tables[r * table_width + b + 1] : -1;
         const __mmask16 valid = static_cast<__mmask16>(nt == 16 ? 0xFFFFu : (1u << nt) - 1);
+        if (quantized && next >= 0)
+          for (int64_t at = 0; at < scale_bytes; at += 64) {
+            const int64_t first = next * (block_stride / D);
+            _mm_prefetch(reinterpret_cast<const char*>(k_scale + first) + at, _MM_HINT_T1);
+            _mm_prefetch(reinterpret_cast<const char*>(v_scale + first) + at, _MM_HINT_T1);
+          }
         for (int64_t h = 0; h < num_kv_heads; ++h) {
           const int64_t off = blk * block_stride + j0 * token_stride + h * D;
+          // what the products read: the cache's rows, or a tile of codes converted to float
+          const typename Ops::Cache* kb;
+          const typename Ops::Cache* vb;
+          int64_t kv_stride;
+          __m512 k_mul = _mm512_set1_ps(scale), v_mul = _mm512_set1_ps(1.0f);
+          if constexpr (quantized) {
+            for (int64_t j = 0; j < nt; ++j) {
+              const int64_t at = off + j * token_stride;
+              convert_row(&kf[j * acc_stride], k_cache + at, D, acc_stride);
+              convert_row(&vf[j * acc_stride], v_cache + at, D, acc_stride);
+            }
+            const int64_t at = off / D;  // the first token's scale for head h
+            const __m512 zero = _mm512_setzero_ps();
+            k_mul = _mm512_mul_ps(
+                _mm512_mask_i32gather_ps(zero, valid, scale_lanes, k_scale + at, 4),
+                _mm512_set1_ps(scale * kUnit<C>));
+            v_mul = _mm512_mul_ps(
+                _mm512_mask_i32gather_ps(zero, valid, scale_lanes, v_scale + at, 4),
+                _mm512_set1_ps(kUnit<C>));
+            kb = kf.data();
+            vb = vf.data();
+            kv_stride = acc_stride;
+          } else {
+            kb = k_cache + off;
+            vb = v_cache + off;
+            kv_stride = token_stride;
+          }
           for (int64_t g = 0; g < G; ++g) {
             const int64_t hg = h * G + g;
             if (next >= 0) {
@@ -388,34 +530,32 @@ void paged_decode_rows(const typename Ops::Elem* q, const typename Ops::Elem* k_
                 _mm_prefetch(vn + at, _MM_HINT_T1);
               }
             }
-            const __m512 s =
-                qk_tile<Ops, NC>(&qv[hg * acc_stride], k_cache + off, token_stride, nt, nc, tl);
-            const __m512 sc = _mm512_maskz_mul_ps(valid, s, _mm512_set1_ps(scale));
+            const __m512 s = qk_tile<Ops, NC>(&qv[hg * acc_stride], kb, kv_stride, nt, nc, tl);
+            const __m512 sc = _mm512_maskz_mul_ps(valid, s, k_mul);
             const float mx = std::max(m[hg], _mm512_mask_reduce_max_ps(valid, sc));
             const __m512 p =
                 _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(sc, _mm512_set1_ps(mx))));
             corr[g] = exp_nonpositive(m[hg] - mx);
             l[hg] = l[hg] * corr[g] + _mm512_reduce_add_ps(p);
             m[hg] = mx;
-            Ops::store_p(p, &pp[g * 16]);
+            Ops::store_p(quantized ? _mm512_mul_ps(p, v_mul) : p, &pp[g * 16]);
           }
           for (int64_t g0 = 0; g0 < G; g0 += 4) {  // query heads 4 at a time: in registers
             float* a = &acc[(h * G + g0) * acc_stride];
             const float* cr = &corr[g0];
             const float* p = &pp[g0 * 16];
-            const T* vb = v_cache + off;
             switch (std::min<int64_t>(4, G - g0)) {
               case 4:
-                Ops::template pv<4, NC>(a, acc_stride, cr, p, vb, token_stride, nt, nc, tl);
+                Ops::template pv<4, NC>(a, acc_stride, cr, p, vb, kv_stride, nt, nc, tl);
                 break;
               case 3:
-                Ops::template pv<3, NC>(a, acc_stride, cr, p, vb, token_stride, nt, nc, tl);
+                Ops::template pv<3, NC>(a, acc_stride, cr, p, vb, kv_stride, nt, nc, tl);
                 break;
               case 2:
-                Ops::template pv<2, NC>(a, acc_stride, cr, p, vb, token_stride, nt, nc, tl);
+                Ops::template pv<2, NC>(a, acc_stride, cr, p, vb, kv_stride, nt, nc, tl);
                 break;
               default:
-                Ops::template pv<1, NC>(a, acc_stride, cr, p, vb, token_stride, nt, nc, tl);
+                Ops::template pv<1, NC>(a, acc_stride, cr, p, vb, kv_stride, nt, nc, tl);
             }
           }
         }
@@ -427,43 +567,44 @@ void paged_decode_rows(const typename Ops::Elem* q, const typename Ops::Elem* k_
 }
 
 // head_dim's chunk count as a compile-time constant for the common sizes (64..256)
-template <class Ops, typename T>
-void paged_decode_avx512(const T* q, const T* k, const T* v, T* out, const int32_t* tokens,
+template <class Ops, typename C>
+void paged_decode_avx512(const typename Ops::Elem* q, const C* k, const C* v, const float* ks,
+                         const float* vs, typename Ops::Elem* out, const int32_t* tokens,
                          const int32_t* tables, const int32_t* lens, int64_t rows,
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                          int64_t block_size, int64_t table_width, int64_t q_stride,
                          int64_t o_stride, int64_t block_stride, int64_t token_stride,
                          float scale, int64_t window) {
-  auto f = paged_decode_rows<Ops, 0>;
+  auto f = paged_decode_rows<Ops, C, 0>;
   switch ((head_dim + Ops::W - 1) / Ops::W) {
     case 2:
-      f = paged_decode_rows<Ops, 2>;
+      f = paged_decode_rows<Ops, C, 2>;
       break;
     case 3:
-      f = paged_decode_rows<Ops, 3>;
+      f = paged_decode_rows<Ops, C, 3>;
       break;
     case 4:
-      f = paged_decode_rows<Ops, 4>;
+      f = paged_decode_rows<Ops, C, 4>;
       break;
     default:
       break;
   }
-  f(q, k, v, out, tokens, tables, lens, rows, num_heads, num_kv_heads, head_dim, block_size,
-    table_width, q_stride, o_stride, block_stride, token_stride, scale, window);
+  f(q, k, v, ks, vs, out, tokens, tables, lens, rows, num_heads, num_kv_heads, head_dim,
+    block_size, table_width, q_stride, o_stride, block_stride, token_stride, scale, window);
 }
 #endif  // AVX-512
 
 }  // namespace
 
 #if defined(FOUDRE_AVX512)
-#define FOUDRE_KERNEL(OPS, T) paged_decode_avx512<OPS, T>
+#define FOUDRE_KERNEL(OPS, T, C) paged_decode_avx512<OPS, C>
 #if defined(FOUDRE_BF16_DOT)
 #define FOUDRE_BF16_OPS Bf16DotOps
 #else
 #define FOUDRE_BF16_OPS FmaOps<uint16_t>
 #endif
 #else
-#define FOUDRE_KERNEL(OPS, T) paged_decode<T>
+#define FOUDRE_KERNEL(OPS, T, C) paged_decode<T, C>
 #define FOUDRE_BF16_OPS void
 #endif
 
@@ -476,10 +617,11 @@ void paged_decode_avx512(const T* q, const T* k, const T* v, T* out, const int32
       int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t table_width,          \
       int64_t q_stride, int64_t o_stride, int64_t block_stride, int64_t token_stride,           \
       float scale, int64_t window) {                                                            \
-    FOUDRE_KERNEL(OPS, T)                                                                       \
-    (static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v),              \
-     static_cast<T*>(out), tokens, tables, lens, rows, num_heads, num_kv_heads, head_dim,       \
-     block_size, table_width, q_stride, o_stride, block_stride, token_stride, scale, window);   \
+    FOUDRE_KERNEL(OPS, T, T)                                                                    \
+    (static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v), nullptr,     \
+     nullptr, static_cast<T*>(out), tokens, tables, lens, rows, num_heads, num_kv_heads,        \
+     head_dim, block_size, table_width, q_stride, o_stride, block_stride, token_stride, scale,  \
+     window);                                                                                   \
   }                                                                                             \
   extern "C" void NAME(const void* q, const void* k, const void* v, void* out,                  \
                        const int32_t* tokens, const int32_t* tables, const int32_t* lens,       \
@@ -495,3 +637,45 @@ void paged_decode_avx512(const T* q, const T* k, const T* v, T* out, const int32
 FOUDRE_PAGED_DECODE(paged_decode_f32, FmaOps<float>, float)
 FOUDRE_PAGED_DECODE(paged_decode_bf16, FOUDRE_BF16_OPS, uint16_t)
 FOUDRE_PAGED_DECODE(paged_decode_f16, FmaOps<_Float16>, _Float16)
+
+// A quantized cache: k / v hold the codes (C: int8_t or Fp8), k_scale / v_scale their scales,
+// laid out as the codes without head_dim; queries and outputs of type T. The window as above
+// (cpu_ops.cpp's decoder layers pass 0).
+#define FOUDRE_PAGED_DECODE_CODES(NAME, OPS, T, C)                                              \
+  extern "C" void NAME(const void* q, const void* k, const void* v, const float* k_scale,       \
+                       const float* v_scale, void* out, const int32_t* tokens,                  \
+                       const int32_t* tables, const int32_t* lens, int64_t rows,                \
+                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,               \
+                       int64_t block_size, int64_t table_width, int64_t q_stride,               \
+                       int64_t o_stride, int64_t block_stride, int64_t token_stride,            \
+                       float scale, int64_t window) {                                           \
+    FOUDRE_KERNEL(OPS, T, C)                                                                    \
+    (static_cast<const T*>(q), static_cast<const C*>(k), static_cast<const C*>(v), k_scale,     \
+     v_scale, static_cast<T*>(out), tokens, tables, lens, rows, num_heads, num_kv_heads,        \
+     head_dim, block_size, table_width, q_stride, o_stride, block_stride, token_stride, scale,  \
+     window);                                                                                   \
+  }
+
+#if defined(FOUDRE_AVX512)
+using F32CodesOps = FmaOps<float, float>;  // (aliases: a macro argument holds no comma)
+using F16CodesOps = FmaOps<_Float16, float>;
+#define FOUDRE_F32_CODES_OPS F32CodesOps
+#define FOUDRE_F16_CODES_OPS F16CodesOps
+#if defined(FOUDRE_BF16_DOT)
+#define FOUDRE_BF16_CODES_OPS Bf16DotOps
+#else
+using Bf16CodesOps = FmaOps<uint16_t, float>;
+#define FOUDRE_BF16_CODES_OPS Bf16CodesOps
+#endif
+#else
+#define FOUDRE_F32_CODES_OPS void
+#define FOUDRE_F16_CODES_OPS void
+#define FOUDRE_BF16_CODES_OPS void
+#endif
+
+FOUDRE_PAGED_DECODE_CODES(paged_decode_f32_int8, FOUDRE_F32_CODES_OPS, float, int8_t)
+FOUDRE_PAGED_DECODE_CODES(paged_decode_bf16_int8, FOUDRE_BF16_CODES_OPS, uint16_t, int8_t)
+FOUDRE_PAGED_DECODE_CODES(paged_decode_f16_int8, FOUDRE_F16_CODES_OPS, _Float16, int8_t)
+FOUDRE_PAGED_DECODE_CODES(paged_decode_f32_fp8, FOUDRE_F32_CODES_OPS, float, Fp8)
+FOUDRE_PAGED_DECODE_CODES(paged_decode_bf16_fp8, FOUDRE_BF16_CODES_OPS, uint16_t, Fp8)
+FOUDRE_PAGED_DECODE_CODES(paged_decode_f16_fp8, FOUDRE_F16_CODES_OPS, _Float16, Fp8)

@@ -27,12 +27,20 @@
 //   prefill_avx512<F32Ops>  AVX-512 FMAs, any storage type converted to float32 when packed
 //   prefill_avx512<Bf16Ops> AVX512-BF16 on bfloat16 caches; the softmax weights are rounded to
 //                           bfloat16 for P·V, as FlashAttention does (and the decode kernel)
+//
+// A quantized cache (kv_cache_dtype int8 / fp8: 8-bit codes, one float32 scale per token and KV
+// head) is read as it lies: a tile's codes are converted when packed (AVX-512: int8 by vpmovsxbd
+// + vcvtdq2ps, e4m3 by moving its bits into a float16's for vcvtph2ps; exact values, which
+// bfloat16 holds exactly too, so the AVX512-BF16 path packs them as bfloat16), and the scales
+// never touch a code: S^T's row of a key is multiplied by its scale with the softmax scale, and
+// a key's weights P^T by its value scale once they joined the running sum.
 
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -52,6 +60,25 @@ inline float load(uint16_t x) {  // bfloat16: the high half of a float32
   return f;
 }
 inline float load(_Float16 x) { return static_cast<float>(x); }
+
+// The quantized cache's codes: int8, and float8 e4m3fn (sign, 4 exponent bits with bias 7, 3
+// mantissa bits; no infinities), whose 256 values a table holds.
+struct Fp8 {
+  uint8_t bits;
+};
+struct Fp8Table {
+  float value[256];
+  Fp8Table() {
+    for (int b = 0; b < 256; ++b) {
+      const int e = (b >> 3) & 15, m = b & 7;
+      const float v = e ? std::ldexp(1.0f + m / 8.0f, e - 7) : std::ldexp(float(m), -9);
+      value[b] = b & 0x80 ? -v : v;
+    }
+  }
+};
+const Fp8Table kFp8;
+inline float load(int8_t x) { return static_cast<float>(x); }
+inline float load(Fp8 x) { return kFp8.value[x.bits]; }
 
 inline void store(float* p, float x) { *p = x; }
 inline void store(uint16_t* p, float x) {  // round to nearest even, as torch converts
@@ -95,6 +122,8 @@ struct Shape {
   int64_t num_heads, num_kv_heads, head_dim, block_size, q_stride, o_stride, block_stride,
       token_stride, window;
   float scale;
+  const float* k_scale;  // a quantized cache's scales (else null): laid out as the codes
+  const float* v_scale;  // without head_dim (a code's offset / head_dim)
 };
 
 // The tasks of a step, longest key range first (dynamic scheduling then balances the cores).
@@ -116,24 +145,26 @@ std::vector<Task> make_tasks(const std::vector<Seq>& seqs, const Shape& sh) {
   return tasks;
 }
 
-template <typename T>
-inline const T* kv_row(const T* cache, const Seq& s, int64_t j, int64_t h, const Shape& sh) {
+inline int64_t kv_offset(const Seq& s, int64_t j, int64_t h, const Shape& sh) {
   const int64_t blk = s.table[j / sh.block_size];
-  return cache + blk * sh.block_stride + (j % sh.block_size) * sh.token_stride + h * sh.head_dim;
+  return blk * sh.block_stride + (j % sh.block_size) * sh.token_stride + h * sh.head_dim;
 }
 
 // ---------------------------------------------------------------------------------------------
 // Portable path: the same tasks and tiles in plain loops, float32 throughout.
 
-template <typename T>
-void prefill_portable(const T* q, const T* k_cache, const T* v_cache, T* out,
+// T: the queries' and outputs' type; C: the cache's (T, or int8_t / Fp8 codes with scales)
+template <typename T, typename C>
+void prefill_portable(const T* q, const C* k_cache, const C* v_cache, T* out,
                       const std::vector<Seq>& seqs, const Shape& sh) {
+  constexpr bool quantized = !std::is_same_v<T, C>;
   const std::vector<Task> tasks = make_tasks(seqs, sh);
   const int64_t G = sh.num_heads / sh.num_kv_heads, D = sh.head_dim;
 #pragma omp parallel
   {
     std::vector<float> qf(G * D * BQ), acc(G * D * BQ), m(G * BQ), l(G * BQ);
     std::vector<float> kf(BK * D), vf(BK * D), s(BK * BQ);
+    std::vector<float> kmul(BK, sh.scale), vmul(BK, 1.0f);  // per key: scale (x its scales)
     std::vector<int64_t> qpos(BQ);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t t = 0; t < static_cast<int64_t>(tasks.size()); ++t) {
@@ -161,8 +192,13 @@ void prefill_portable(const T* q, const T* k_cache, const T* v_cache, T* out,
             std::fill(&vf[jj * D], &vf[(jj + 1) * D], 0.0f);
             continue;
           }
-          const T* kr = kv_row(k_cache, sq, j0 + jj, task.head, sh);
-          const T* vr = kv_row(v_cache, sq, j0 + jj, task.head, sh);
+          const int64_t off = kv_offset(sq, j0 + jj, task.head, sh);
+          const C* kr = k_cache + off;
+          const C* vr = v_cache + off;
+          if constexpr (quantized) {
+            kmul[jj] = sh.scale * sh.k_scale[off / D];
+            vmul[jj] = sh.v_scale[off / D];
+          }
           for (int64_t d = 0; d < D; ++d) {
             kf[jj * D + d] = load(kr[d]);
             vf[jj * D + d] = load(vr[d]);
@@ -186,7 +222,7 @@ void prefill_portable(const T* q, const T* k_cache, const T* v_cache, T* out,
             for (int64_t i = 0; i < BQ; ++i) {
               const bool ok =
                   j <= qpos[i] && (sh.window <= 0 || qpos[i] - j < sh.window);
-              sr[i] = ok ? sr[i] * sh.scale : -INFINITY;
+              sr[i] = ok ? sr[i] * kmul[jj] : -INFINITY;
               mx[i] = sr[i] > mx[i] ? sr[i] : mx[i];
             }
           }
@@ -199,6 +235,7 @@ void prefill_portable(const T* q, const T* k_cache, const T* v_cache, T* out,
             for (int64_t i = 0; i < BQ; ++i) {
               sr[i] = sr[i] == -INFINITY ? 0.0f : exp_nonpositive(sr[i] - mx[i]);
               sum[i] += sr[i];
+              if constexpr (quantized) sr[i] *= vmul[jj];
             }
           }
           for (int64_t i = 0; i < BQ; ++i) {
@@ -271,6 +308,30 @@ inline void gemm(float* C, int64_t c_stride, const __m512* alpha, const uint32_t
     for (int v = 0; v < MV; ++v) _mm512_storeu_ps(C + n * c_stride + v * 16, c[n][v]);
 }
 
+inline __mmask16 lanes(int64_t n) {
+  return n >= 16 ? __mmask16(0xFFFFu) : n > 0 ? static_cast<__mmask16>((1u << n) - 1) : 0;
+}
+// 16 values of a row as float32 (the codes' exact values)
+inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load16(const uint16_t* p, __mmask16 m) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+inline __m512 load16(const _Float16* p, __mmask16 m) {
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));
+}
+inline __m512 load16(const int8_t* p, __mmask16 m) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, p)));
+}
+// e4m3's bits in a float16's (sign to bit 15, the rest to bits 7-13): its value times 2^-8
+// (float16's exponent bias is 15, e4m3's 7), subnormals included; then times 2^8, exactly
+inline __m512 load16(const Fp8* p, __mmask16 m) {
+  const __m256i w = _mm256_cvtepu8_epi16(_mm_maskz_loadu_epi8(m, p));
+  const __m256i sign = _mm256_and_si256(_mm256_slli_epi16(w, 8), _mm256_set1_epi16(-0x8000));
+  const __m256i rest = _mm256_and_si256(_mm256_slli_epi16(w, 7), _mm256_set1_epi16(0x3F80));
+  return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_or_si256(sign, rest)), _mm512_set1_ps(256.0f));
+}
+
 inline __m512 exp16(__m512 x) {  // exp_nonpositive on 16 lanes
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
   const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
@@ -298,11 +359,18 @@ struct F32Ops {
     std::memcpy(&w, &x, 4);
     return w;
   }
-  static void pack_row(uint32_t* dst, const T* row, int64_t D, int64_t Dp) {
-    for (int64_t d = 0; d < Dp; ++d) dst[d] = word(row, d, D);
+  template <typename C>  // a K or V row: T, or codes
+  static void pack_row(uint32_t* dst, const C* row, int64_t D, int64_t Dp) {
+    if constexpr (std::is_same_v<C, T>) {
+      for (int64_t d = 0; d < Dp; ++d) dst[d] = word(row, d, D);
+    } else {
+      for (int64_t d = 0; d < Dp; d += 16)
+        _mm512_mask_storeu_ps(dst + d, lanes(Dp - d), load16(row + d, lanes(D - d)));
+    }
   }
   // V rows of the tile (null rows: zeros): V[j][d]
-  static void pack_v(uint32_t* dst, const T* const* rows, int64_t D, int64_t Dp) {
+  template <typename C>
+  static void pack_v(uint32_t* dst, const C* const* rows, int64_t D, int64_t Dp) {
     for (int64_t j = 0; j < BK; ++j) {
       if (rows[j] != nullptr)
         pack_row(dst + j * Dp, rows[j], D, Dp);
@@ -331,25 +399,38 @@ struct Bf16Ops {
     const uint32_t lo = 2 * p < D ? row[2 * p] : 0u, hi = 2 * p + 1 < D ? row[2 * p + 1] : 0u;
     return lo | hi << 16;
   }
-  static void pack_row(uint32_t* dst, const uint16_t* row, int64_t D, int64_t Dp) {
-    if (D == Dp) {
-      std::memcpy(dst, row, D * 2);
-      return;
-    }
-    for (int64_t p = 0; p < Dp / 2; ++p) dst[p] = word(row, p, D);
+  // 16 values of a row as bfloat16: stored so, or codes (whose values bfloat16 holds exactly)
+  static __m256i bf16x16(const uint16_t* p, __mmask16 m) { return _mm256_maskz_loadu_epi16(m, p); }
+  template <typename C>
+  static __m256i bf16x16(const C* p, __mmask16 m) {
+    return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(load16(p, m)));
   }
-  static void pack_v(uint32_t* dst, const uint16_t* const* rows, int64_t D, int64_t Dp) {
+  template <typename C>
+  static void pack_row(uint32_t* dst, const C* row, int64_t D, int64_t Dp) {
+    if constexpr (std::is_same_v<C, uint16_t>) {
+      if (D == Dp) {
+        std::memcpy(dst, row, D * 2);
+        return;
+      }
+      for (int64_t p = 0; p < Dp / 2; ++p) dst[p] = word(row, p, D);
+    } else {
+      uint16_t* out = reinterpret_cast<uint16_t*>(dst);
+      for (int64_t d = 0; d < Dp; d += 16)
+        _mm256_mask_storeu_epi16(out + d, lanes(Dp - d), bf16x16(row + d, lanes(D - d)));
+    }
+  }
+  template <typename C>
+  static void pack_v(uint32_t* dst, const C* const* rows, int64_t D, int64_t Dp) {
     for (int64_t j = 0; j < BK; j += 2) {
       uint32_t* out = dst + (j / 2) * Dp;
-      const uint16_t* r0 = rows[j];
-      const uint16_t* r1 = rows[j + 1];
+      const C* r0 = rows[j];
+      const C* r1 = rows[j + 1];
       for (int64_t d = 0; d < Dp; d += 16) {
-        const __mmask16 mk = static_cast<__mmask16>(
-            D - d >= 16 ? 0xFFFFu : (D > d ? (1u << (D - d)) - 1 : 0u));
-        const __m512i a = r0 ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, r0 + d))
-                             : _mm512_setzero_si512();
-        const __m512i b = r1 ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, r1 + d))
-                             : _mm512_setzero_si512();
+        const __mmask16 mk = lanes(D - d);
+        const __m512i a =
+            r0 ? _mm512_cvtepu16_epi32(bf16x16(r0 + d, mk)) : _mm512_setzero_si512();
+        const __m512i b =
+            r1 ? _mm512_cvtepu16_epi32(bf16x16(r1 + d, mk)) : _mm512_setzero_si512();
         const __m512i w = _mm512_or_si512(a, _mm512_slli_epi32(b, 16));
         if (Dp - d >= 16)
           _mm512_storeu_si512(out + d, w);
@@ -374,11 +455,12 @@ struct Bf16Ops {
 };
 #endif  // __AVX512BF16__
 
-template <class Ops>
-void prefill_avx512(const typename Ops::Elem* q, const typename Ops::Elem* k_cache,
-                    const typename Ops::Elem* v_cache, typename Ops::Elem* out,
-                    const std::vector<Seq>& seqs, const Shape& sh) {
+// C: the cache's elements, T (Ops::Elem), or codes with scales (sh.k_scale, sh.v_scale)
+template <class Ops, typename C>
+void prefill_avx512(const typename Ops::Elem* q, const C* k_cache, const C* v_cache,
+                    typename Ops::Elem* out, const std::vector<Seq>& seqs, const Shape& sh) {
   using T = typename Ops::Elem;
+  constexpr bool quantized = !std::is_same_v<C, T>;
   constexpr int PAIR = Ops::PAIR;
   const std::vector<Task> tasks = make_tasks(seqs, sh);
   const int64_t G = sh.num_heads / sh.num_kv_heads, D = sh.head_dim;
@@ -391,7 +473,8 @@ void prefill_avx512(const typename Ops::Elem* q, const typename Ops::Elem* k_cac
     std::vector<uint32_t> qp(G * PK * BQ), kt(BK * PK), vt(KJ * Dp), pt(KJ * BQ);
     std::vector<float> acc(G * Dp * BQ), st(BK * BQ), m(G * BQ), l(G * BQ);
     std::vector<__mmask16> valid(BK * MV);
-    std::vector<const T*> krows(BK), vrows(BK);
+    std::vector<const C*> krows(BK), vrows(BK);
+    std::vector<float> kmul(BK, sh.scale), vmul(BK, 1.0f);  // per key: scale (x its scales)
 #pragma omp for schedule(dynamic, 1)
     for (int64_t t = 0; t < static_cast<int64_t>(tasks.size()); ++t) {
       const Task& task = tasks[t];
@@ -427,6 +510,10 @@ void prefill_avx512(const typename Ops::Elem* q, const typename Ops::Elem* k_cac
                               task.head * sh.head_dim;
           krows[jj] = k_cache + off;
           vrows[jj] = v_cache + off;
+          if constexpr (quantized) {
+            kmul[jj] = sh.scale * sh.k_scale[off / D];
+            vmul[jj] = sh.v_scale[off / D];
+          }
           if (++at == sh.block_size) {
             at = 0;
             ++b;
@@ -467,7 +554,8 @@ void prefill_avx512(const typename Ops::Elem* q, const typename Ops::Elem* k_cac
             __m512 mx = m_old;
             for (int64_t jj = 0; jj < BK; ++jj) {
               float* at = &st[jj * BQ + v * 16];
-              __m512 s = _mm512_mul_ps(_mm512_loadu_ps(at), scale);
+              __m512 s = _mm512_mul_ps(_mm512_loadu_ps(at),
+                                       quantized ? _mm512_set1_ps(kmul[jj]) : scale);
               if (!full) s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid[jj * MV + v], s);
               _mm512_storeu_ps(at, s);
               mx = _mm512_max_ps(mx, s);
@@ -478,8 +566,9 @@ void prefill_avx512(const typename Ops::Elem* q, const typename Ops::Elem* k_cac
               float* at = &st[jj * BQ + v * 16];
               __m512 p = exp16(_mm512_sub_ps(_mm512_loadu_ps(at), mx));
               if (!full) p = _mm512_maskz_mov_ps(valid[jj * MV + v], p);
-              _mm512_storeu_ps(at, p);
               sum = _mm512_add_ps(sum, p);
+              if constexpr (quantized) p = _mm512_mul_ps(p, _mm512_set1_ps(vmul[jj]));
+              _mm512_storeu_ps(at, p);
             }
             _mm512_storeu_ps(lv, _mm512_fmadd_ps(_mm512_loadu_ps(lv), alpha[v], sum));
             _mm512_storeu_ps(mv, mx);
@@ -507,7 +596,7 @@ void prefill_avx512(const typename Ops::Elem* q, const typename Ops::Elem* k_cac
 }
 #endif  // AVX-512
 
-template <typename T, class Fast>
+template <typename T, typename C, class Fast>
 void prefill(const void* q, const void* k, const void* v, void* out, const int32_t* q_starts,
              const int32_t* q_lens, const int32_t* seq_lens, const int32_t* tables, int64_t rows,
              int64_t table_width, const Shape& sh) {
@@ -515,13 +604,13 @@ void prefill(const void* q, const void* k, const void* v, void* out, const int32
   for (int64_t r = 0; r < rows; ++r)
     seqs.push_back(Seq{q_starts[r], q_lens[r], seq_lens[r], tables + r * table_width});
   const T* qt = static_cast<const T*>(q);
-  const T* kt = static_cast<const T*>(k);
-  const T* vt = static_cast<const T*>(v);
+  const C* kt = static_cast<const C*>(k);
+  const C* vt = static_cast<const C*>(v);
   T* ot = static_cast<T*>(out);
 #if defined(FOUDRE_AVX512)
-  prefill_avx512<Fast>(qt, kt, vt, ot, seqs, sh);
+  prefill_avx512<Fast, C>(qt, kt, vt, ot, seqs, sh);
 #else
-  prefill_portable<T>(qt, kt, vt, ot, seqs, sh);
+  prefill_portable<T, C>(qt, kt, vt, ot, seqs, sh);
 #endif
 }
 
@@ -551,11 +640,33 @@ void prefill(const void* q, const void* k, const void* v, void* out, const int32
                        int64_t num_kv_heads, int64_t head_dim, int64_t block_size,               \
                        int64_t table_width, int64_t q_stride, int64_t o_stride,                  \
                        int64_t block_stride, int64_t token_stride, int64_t window, float scale) { \
-    const Shape sh{num_heads,    num_kv_heads, head_dim,     block_size, q_stride,               \
-                   o_stride,     block_stride, token_stride, window,     scale};                 \
-    prefill<T, OPS>(q, k, v, out, q_starts, q_lens, seq_lens, tables, rows, table_width, sh);    \
+    const Shape sh{num_heads,    num_kv_heads, head_dim,     block_size, q_stride, o_stride,     \
+                   block_stride, token_stride, window,       scale,      nullptr,  nullptr};     \
+    prefill<T, T, OPS>(q, k, v, out, q_starts, q_lens, seq_lens, tables, rows, table_width, sh); \
   }
 
 FOUDRE_PAGED_PREFILL(paged_prefill_f32, float, FOUDRE_F32_OPS)
 FOUDRE_PAGED_PREFILL(paged_prefill_bf16, uint16_t, FOUDRE_BF16_OPS)
 FOUDRE_PAGED_PREFILL(paged_prefill_f16, _Float16, FOUDRE_F16_OPS)
+
+// A quantized cache: k / v hold the codes (C: int8_t or Fp8), k_scale / v_scale their scales,
+// laid out as the codes without head_dim; queries and outputs of type T.
+#define FOUDRE_PAGED_PREFILL_CODES(NAME, T, C, OPS)                                               \
+  extern "C" void NAME(const void* q, const void* k, const void* v, const float* k_scale,        \
+                       const float* v_scale, void* out, const int32_t* q_starts,                 \
+                       const int32_t* q_lens, const int32_t* seq_lens, const int32_t* tables,    \
+                       int64_t rows, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,  \
+                       int64_t block_size, int64_t table_width, int64_t q_stride,                \
+                       int64_t o_stride, int64_t block_stride, int64_t token_stride,             \
+                       int64_t window, float scale) {                                            \
+    const Shape sh{num_heads,    num_kv_heads, head_dim, block_size, q_stride, o_stride,         \
+                   block_stride, token_stride, window,   scale,      k_scale,  v_scale};         \
+    prefill<T, C, OPS>(q, k, v, out, q_starts, q_lens, seq_lens, tables, rows, table_width, sh); \
+  }
+
+FOUDRE_PAGED_PREFILL_CODES(paged_prefill_f32_int8, float, int8_t, FOUDRE_F32_OPS)
+FOUDRE_PAGED_PREFILL_CODES(paged_prefill_bf16_int8, uint16_t, int8_t, FOUDRE_BF16_OPS)
+FOUDRE_PAGED_PREFILL_CODES(paged_prefill_f16_int8, _Float16, int8_t, FOUDRE_F16_OPS)
+FOUDRE_PAGED_PREFILL_CODES(paged_prefill_f32_fp8, float, Fp8, FOUDRE_F32_OPS)
+FOUDRE_PAGED_PREFILL_CODES(paged_prefill_bf16_fp8, uint16_t, Fp8, FOUDRE_BF16_OPS)
+FOUDRE_PAGED_PREFILL_CODES(paged_prefill_f16_fp8, _Float16, Fp8, FOUDRE_F16_OPS)

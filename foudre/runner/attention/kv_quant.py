@@ -2,9 +2,11 @@
 ``foudre.layers.kv_quant``.
 
 A block costs ``head_dim + 4`` bytes per token and head instead of ``2 * head_dim`` (bf16) or
-``4 * head_dim`` (fp32): 1.9x (bf16) to 3.8x (fp32) more tokens in the same memory. Attention
-reads the gathered blocks back in the model's dtype; new tokens are written first and read back
-like every other token, so a step sees exactly what later steps will see.
+``4 * head_dim`` (fp32): 1.9x (bf16) to 3.8x (fp32) more tokens in the same memory. The paged
+kernels (C++ on the CPU, Triton) read the codes and scales as stored (``stored``); the SDPA
+backend, the fallback, gathers blocks dequantized to the model's dtype (``gather``). New tokens
+are written first and read back like every other token, so a step sees exactly what later steps
+will see.
 """
 
 from __future__ import annotations
@@ -52,6 +54,13 @@ class QuantizedKVCache:
         codes, scale = quantize_kv(torch.stack([k, v]), self.kind)  # [2, T, H, D], [2, T, H]
         self.codes.view(2, -1, heads, dim).index_copy_(1, slot_mapping, codes.view(torch.uint8))
         self.scales.view(2, -1, heads).index_copy_(1, slot_mapping, scale)
+
+    def stored(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """K codes, V codes (``[blocks, block_size, kv_heads, head_dim]``, viewed as int8 or
+        float8_e4m3fn), K scales, V scales (``[blocks, block_size, kv_heads]``): views, what the
+        paged kernels read."""
+        codes = self.codes.view(STORAGE_DTYPES[self.kind])
+        return codes[0], codes[1], self.scales[0], self.scales[1]
 
     def gather(self, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of the blocks ``[B, n]``: ``[B, n, block_size, kv_heads, head_dim]``."""

@@ -14,6 +14,12 @@ Two kernels, set by each subclass to its module's functions:
 
 A backend with ``mixed_in_one`` (Triton) sends every row of a step that holds a multi-token
 row to ``prefill``, one launch; the others (the CPU) split decode rows from the rest.
+
+A quantized KV cache (``QuantizedKVCache``) reaches both kernels as it is stored: the caches are
+its codes, viewed as int8 or float8_e4m3fn (the dtype says which), with ``k_scale`` / ``v_scale``
+``[num_blocks, block_size, kv_heads]``; the kernels convert codes as they read them and fold
+each scale into the score or the softmax weight it multiplies. Nothing is dequantized into a
+tensor.
 """
 
 from __future__ import annotations
@@ -111,6 +117,9 @@ class PagedBackend(AttentionBackend):
         seq_lens: torch.Tensor,
         scale: float,
         window: int | None = None,
+        *,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> None:
         raise NotImplementedError
 
@@ -123,6 +132,9 @@ class PagedBackend(AttentionBackend):
         rows: PrefillRows,
         scale: float,
         window: int | None = None,
+        *,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> None:
         raise NotImplementedError
 
@@ -154,23 +166,39 @@ class PagedBackend(AttentionBackend):
         scale: float,
         window: int | None = None,
     ) -> torch.Tensor:
+        k_scale = v_scale = None
         if isinstance(kv_cache, QuantizedKVCache):
-            raise ValueError(f"the {self.name} attention backend reads a float KV cache only")
-        store_kv(kv_cache, metadata.slot_mapping, k, v)
+            kv_cache.write(metadata.slot_mapping, k, v)
+            k_cache, v_cache, k_scale, v_scale = kv_cache.stored()
+        else:
+            store_kv(kv_cache, metadata.slot_mapping, k, v)
+            k_cache, v_cache = kv_cache[0], kv_cache[1]
         out = torch.empty_like(q)
         if metadata.decode_tokens is not None:
             assert metadata.block_tables is not None and metadata.seq_lens is not None
             self.decode(
                 q,
-                kv_cache[0],
-                kv_cache[1],
+                k_cache,
+                v_cache,
                 out,
                 metadata.decode_tokens,
                 metadata.block_tables,
                 metadata.seq_lens,
                 scale,
                 window,
+                k_scale=k_scale,
+                v_scale=v_scale,
             )
         if metadata.prefill is not None:
-            self.prefill(q, kv_cache[0], kv_cache[1], out, metadata.prefill, scale, window)
+            self.prefill(
+                q,
+                k_cache,
+                v_cache,
+                out,
+                metadata.prefill,
+                scale,
+                window,
+                k_scale=k_scale,
+                v_scale=v_scale,
+            )
         return out

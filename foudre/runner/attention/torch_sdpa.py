@@ -11,7 +11,8 @@ A layer with a sliding window (``forward(..., window=W)``: a query at position `
 ``p - W + 1 .. p``) gets its own groups, built on first use in a step: masks with the window's
 lower edge, and tables that start at the first block any query of the row sees, so blocks wholly
 outside the window are never gathered. This backend is the reference the paged kernels are
-tested against, and the fallback where they cannot run (a quantized KV cache).
+tested against, and the fallback where they cannot run (no C++ compiler, no Triton); it reads a
+quantized KV cache by gathering its blocks dequantized to the model's dtype.
 """
 
 from __future__ import annotations

@@ -23,10 +23,18 @@ window) as tile bounds plus a mask on the edge tiles. No K/V is gathered into a 
 dense mask exists. A sliding window also moves both kernels' first block: the blocks before the
 window are never read.
 
+A quantized KV cache (``kv_cache_dtype`` int8 / fp8) is read as stored by both kernels: the
+codes are loaded (a byte each) and converted in registers (int8 by a cast; float8 e4m3fn from
+its bits, by integer arithmetic that any GPU and the interpreter run), and the per-(token, KV
+head) scales multiply what they multiply anyway: a key's scale its scores, a value's scale its
+softmax weights, once those joined the running sum. The prefill kernel's dots take the codes
+converted to the queries' dtype, which holds every int8 and e4m3 value exactly.
+
 Both kernels have fixed shapes for a given number of rows (tiles) and read every length, block
 id and tile from device tensors, so whole steps can be captured in CUDA graphs
-(``foudre.runner.cuda_graphs``). With ``TRITON_INTERPRET=1`` the kernels also run on CPU
-tensors, which is how the tests check them without a GPU.
+(``foudre.runner.cuda_graphs``), over a quantized cache as over a float one. With
+``TRITON_INTERPRET=1`` the kernels also run on CPU tensors, which is how the tests check them
+without a GPU.
 """
 
 from __future__ import annotations
@@ -42,14 +50,54 @@ from foudre.runner.attention.paged import PagedBackend, PagedMetadata, PrefillRo
 __all__ = ["PagedMetadata", "TritonPagedBackend", "paged_decode", "paged_prefill"]
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+# the kernels' CODES: 0 a float cache, 1 int8 codes, 2 float8 e4m3fn codes (read as bytes)
+_CODES = {torch.int8: 1, torch.float8_e4m3fn: 2}
+
+
+@triton.jit
+def _code_values(c, CODES: tl.constexpr):
+    """The values of int8 codes (``CODES`` 1) or of float8 e4m3fn bits (2, uint8) in float32:
+    a normal e4m3 (exponent field e > 0) moves its exponent and mantissa into a float32's with
+    the bias raised from 7 to 127; a subnormal is its mantissa times 2^-9."""
+    if CODES == 1:
+        x = c.to(tl.float32)
+    else:
+        b = c.to(tl.int32)
+        em = b & 0x7F
+        normal = ((em << 20) + (120 << 23)).to(tl.float32, bitcast=True)
+        x = tl.where(em >= 8, normal, (b & 7).to(tl.float32) * 0.001953125)
+        x = tl.where(b >= 128, -x, x)
+    return x
+
+
+def _codes(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(CODES, K, V, K scales, V scales) as the kernels take them: e4m3 codes as bytes; the
+    caches again in place of the scales of a float cache (never read)."""
+    codes = _CODES.get(k_cache.dtype, 0)
+    if not codes:
+        assert k_cache.dtype == q.dtype and k_scale is None and v_scale is None
+        return 0, k_cache, v_cache, k_cache, v_cache
+    assert k_scale is not None and v_scale is not None and v_cache.dtype == k_cache.dtype
+    # scales [blocks, block_size, kv_heads] laid out as the codes without head_dim
+    assert k_scale.stride() == v_scale.stride() and k_scale.stride(2) == 1
+    if codes == 2:
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+    return codes, k_cache, v_cache, k_scale, v_scale
 
 
 @triton.jit
 def _paged_decode(
-    q_ptr, k_ptr, v_ptr, o_ptr, tok_ptr, bt_ptr, len_ptr, scale, window,
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, tok_ptr, bt_ptr, len_ptr, scale, window,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_ot, stride_oh, stride_bt,
+    stride_sb, stride_ss,
     PER_KV: tl.constexpr, PER_KV_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
-    HEAD_DIM_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr, CODES: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -75,14 +123,23 @@ def _paged_decode(
         valid = (pos < seq_len) & (pos >= start)
         at = blk * stride_kb + offs[:, None] * stride_ks + kvh * stride_kh + d[None, :]
         kv_mask = valid[:, None] & (d[None, :] < HEAD_DIM)
-        k = tl.load(k_ptr + at, mask=kv_mask, other=0.0).to(tl.float32)  # [BLOCK_SIZE, D]
-        v = tl.load(v_ptr + at, mask=kv_mask, other=0.0).to(tl.float32)
+        if CODES == 0:
+            k = tl.load(k_ptr + at, mask=kv_mask, other=0.0).to(tl.float32)  # [BLOCK_SIZE, D]
+            v = tl.load(v_ptr + at, mask=kv_mask, other=0.0).to(tl.float32)
+        else:
+            k = _code_values(tl.load(k_ptr + at, mask=kv_mask, other=0), CODES)
+            v = _code_values(tl.load(v_ptr + at, mask=kv_mask, other=0), CODES)
         s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [PER_KV, BLOCK_SIZE]
+        if CODES != 0:  # each key's scale times its scores, each value's times its weights
+            s_at = blk * stride_sb + offs * stride_ss + kvh
+            s = s * tl.load(ks_ptr + s_at, mask=valid, other=0.0)[None, :]
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new[:, None])
         l = l * alpha + tl.sum(p, axis=1)  # noqa: E741
+        if CODES != 0:
+            p = p * tl.load(vs_ptr + s_at, mask=valid, other=0.0)[None, :]
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
         m = m_new
     out = acc / l[:, None]
@@ -100,33 +157,40 @@ def paged_decode(
     seq_lens: torch.Tensor,
     scale: float,
     window: int | None = None,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Attention of the decode rows: row ``i`` is token ``token_idx[i]`` of ``q [T, H, D]``,
     seeing the first ``seq_lens[i]`` positions of its blocks ``block_tables[i]`` in the cache
     (``[num_blocks, block_size, kv_heads, D]``), the last ``window`` of them with a sliding
-    window; the result goes to ``out[token_idx[i]]``."""
+    window; the result goes to ``out[token_idx[i]]``. A quantized cache: int8 / float8_e4m3fn
+    codes with their scales ``k_scale`` / ``v_scale`` ``[num_blocks, block_size, kv_heads]``."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     per_kv = num_heads // num_kv_heads
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1
     assert q.stride(2) == 1 and out.stride(2) == 1
+    codes, k_cache, v_cache, ks, vs = _codes(q, k_cache, v_cache, k_scale, v_scale)
     grid = (token_idx.shape[0], num_kv_heads)
     _paged_decode[grid](
-        q, k_cache, v_cache, out, token_idx, block_tables, seq_lens, scale, window or 0,
+        q, k_cache, v_cache, ks, vs, out, token_idx, block_tables, seq_lens, scale, window or 0,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        out.stride(0), out.stride(1), block_tables.stride(0),
+        out.stride(0), out.stride(1), block_tables.stride(0), ks.stride(0), ks.stride(1),
         PER_KV=per_kv, PER_KV_P2=max(2, triton.next_power_of_2(per_kv)), HEAD_DIM=head_dim,
-        HEAD_DIM_P2=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size,
+        HEAD_DIM_P2=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size, CODES=codes,
     )  # fmt: skip
 
 
 @triton.jit
 def _paged_prefill(
-    q_ptr, k_ptr, v_ptr, o_ptr, tile_ptr, n_tiles, qs_ptr, ql_ptr, len_ptr, bt_ptr, scale, window,
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, tile_ptr, n_tiles, qs_ptr, ql_ptr, len_ptr,
+    bt_ptr, scale, window,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_ot, stride_oh, stride_bt,
+    stride_sb, stride_ss,
     PER_KV: tl.constexpr, POS: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
     HEAD_DIM_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    IEEE: tl.constexpr, UPCAST: tl.constexpr, CODES: tl.constexpr,
 ):  # fmt: skip
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -164,8 +228,17 @@ def _paged_prefill(
             blk = tl.load(bt_ptr + row * stride_bt + n // BLOCK_SIZE, mask=n_ok, other=0)
             at = blk.to(tl.int64) * stride_kb + (n % BLOCK_SIZE) * stride_ks + kvh * stride_kh
             kv_mask = n_ok[:, None] & dmask[None, :]
-            k = tl.load(k_ptr + at[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(v_ptr + at[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            if CODES == 0:
+                k = tl.load(k_ptr + at[:, None] + d[None, :], mask=kv_mask, other=0.0)
+                v = tl.load(v_ptr + at[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            else:  # codes to the queries' dtype (exact), scales by key
+                k = tl.load(k_ptr + at[:, None] + d[None, :], mask=kv_mask, other=0)
+                v = tl.load(v_ptr + at[:, None] + d[None, :], mask=kv_mask, other=0)
+                k = _code_values(k, CODES).to(q_ptr.dtype.element_ty)
+                v = _code_values(v, CODES).to(q_ptr.dtype.element_ty)
+                s_at = blk.to(tl.int64) * stride_sb + (n % BLOCK_SIZE) * stride_ss + kvh
+                k_scale = tl.load(ks_ptr + s_at, mask=n_ok, other=0.0)
+                v_scale = tl.load(vs_ptr + s_at, mask=n_ok, other=0.0)
             p_type = v.dtype
             if UPCAST:
                 k, v = k.to(tl.float32), v.to(tl.float32)
@@ -174,6 +247,8 @@ def _paged_prefill(
             else:
                 s = tl.dot(q, tl.trans(k))
             s = s * scale
+            if CODES != 0:
+                s = s * k_scale[None, :]
             seen = live[:, None] & n_ok[None, :] & (n[None, :] <= qpos[:, None])
             seen = seen & ((window <= 0) | (qpos[:, None] - n[None, :] < window))
             s = tl.where(seen, s, float("-inf"))
@@ -181,6 +256,8 @@ def _paged_prefill(
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
+            if CODES != 0:
+                p = p * v_scale[None, :]
             p = p.to(p_type)  # the weights rounded as the values are stored, as FA2 does
             if UPCAST:
                 p = p.to(tl.float32)
@@ -211,16 +288,20 @@ def paged_prefill(
     scale: float,
     window: int | None = None,
     tiles: torch.Tensor | None = None,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Attention of ``rows`` (any number of new tokens each, see ``PrefillRows``): each query
     sees its request's keys up to its own position (the last ``window`` with a sliding
     window). ``tiles`` (``[2, n]``: row, first query; row -1 for padding) defaults to the rows'
-    own tiles."""
+    own tiles. A quantized cache as in ``paged_decode``."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     per_kv = num_heads // num_kv_heads
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1
     assert q.stride(2) == 1 and out.stride(2) == 1
+    codes, k_cache, v_cache, ks, vs = _codes(q, k_cache, v_cache, k_scale, v_scale)
     positions, block_m = prefill_tile(per_kv)
     # Triton's interpreter multiplies 16-bit floats as raw bits in tl.dot: it gets float32
     # operands holding the same (rounded) values
@@ -230,13 +311,14 @@ def paged_prefill(
     head_dim_p2 = max(16, triton.next_power_of_2(head_dim))
     grid = (n_tiles, num_kv_heads)
     _paged_prefill[grid](
-        q, k_cache, v_cache, out, tiles, n_tiles, rows.q_starts, rows.q_lens, rows.seq_lens,
-        rows.block_tables, scale, window or 0,
+        q, k_cache, v_cache, ks, vs, out, tiles, n_tiles, rows.q_starts, rows.q_lens,
+        rows.seq_lens, rows.block_tables, scale, window or 0,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        out.stride(0), out.stride(1), rows.block_tables.stride(0),
+        out.stride(0), out.stride(1), rows.block_tables.stride(0), ks.stride(0), ks.stride(1),
         PER_KV=per_kv, POS=positions, BLOCK_M=block_m, HEAD_DIM=head_dim,
         HEAD_DIM_P2=head_dim_p2, BLOCK_SIZE=block_size, BLOCK_N=32,
         IEEE=q.dtype == torch.float32, UPCAST=_INTERPRETED and q.dtype != torch.float32,
+        CODES=codes,
     )  # fmt: skip
 
 

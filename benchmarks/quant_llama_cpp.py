@@ -1,0 +1,240 @@
+"""Quantized decode and prefill against llama.cpp: foudre's bf16, int8 and int4 (and the Q8_0 /
+Q4_0 GGUF files themselves) beside llama.cpp's bf16, Q8_0 and Q4_0, in turns in the same run.
+
+The model is the medium random Llama (494.7M parameters, ``common.random_llama("medium")``,
+bfloat16). llama.cpp converts it with its own converter (``convert_hf_to_gguf.py``, bf16) and
+quantizes that with ``llama-quantize`` to Q8_0 and Q4_0; ``--build`` builds ``llama-bench`` and
+``llama-quantize`` from llama-cpp-python's sdist first (``common.build_llama_cpp``, about 6
+minutes on 2 cores). Each foudre configuration runs in a fresh process:
+
+- bf16: the safetensors checkpoint, ``dtype="bfloat16"``;
+- int8 / int4: the same with ``quantization="int8"`` (per channel) / ``"int4"`` (groups of 128);
+- gguf Q8_0 / Q4_0: llama.cpp's quantized files, kept quantized (group-wise 8-bit, int4 g32).
+
+and measures batch-1 decode (a 128-token prompt, 128 greedy tokens, each step timed after a
+warm-up request), prefill (TTFT of one 128- and one 1024-token prompt), the throughput of 32
+concurrent requests (128 + 128 tokens, ignore_eos), the weight bytes a decode step reads and
+the process's resident memory. llama.cpp: ``llama-bench -fa 1 -t <cores>``, ``-n 128`` (tg)
+and ``-p 128`` / ``-p 1024`` (pp). The roofline of a decode step is the measured bandwidth
+(``common.measure_bandwidth``, best of the start and the end) over its weight bytes.
+
+Targets (issue 21), as ratios in the run: int8 >= 1.15x llama.cpp's Q8_0 and int4 >= 1.15x its
+Q4_0 in batch-1 decode, at >= 85% of the roofline; foudre on the GGUF files within 10% of its
+own int8 / int4; int8 and int4 throughput at batch 32 at least bf16's; prefill no slower than
+llama.cpp's at each precision.
+
+    .venv/bin/python benchmarks/quant_llama_cpp.py [--rounds 1] \\
+        [--llama-cpp ~/.cache/foudre-bench/llama.cpp] [--build] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+PRECISIONS = {"bf16": "bf16", "int8": "Q8_0", "int4": "Q4_0"}  # ours -> llama.cpp's
+TARGET_DECODE, TARGET_ROOFLINE, TARGET_GGUF = 1.15, 0.85, 0.90
+
+
+def child(args: argparse.Namespace) -> None:
+    """One foudre configuration in this process: prints one JSON line."""
+    import torch
+
+    sys.path.insert(0, str(HERE))
+    from common import measure_bandwidth, weight_bytes
+
+    from foudre import LLM
+    from foudre.bench.offline import peak_rss_bytes, random_prompts, timed_batch
+    from foudre.bench.quant import batch_throughput, decode_speed
+
+    torch.manual_seed(0)
+    quantization = None if args.quantization == "none" else args.quantization
+    llm = LLM(args.model, dtype="bfloat16", quantization=quantization, skip_tokenizer_init=True)
+    engine = llm.engine
+    out: dict[str, Any] = {"weight_bytes": weight_bytes(engine.runner.model)}
+    out |= decode_speed(llm, 128, 128, seed=1)
+    for n in (128, 1024):
+        (prompt,) = random_prompts(1, n, engine.model_config.vocab_size, seed=2 + n)
+        ttfts, _ = timed_batch(engine, [prompt], 1)
+        out[f"prefill_{n}_tps"] = n / ttfts[0]
+    out |= batch_throughput(llm, 32, 128, 128, seed=3)
+    out["rss_mb"] = peak_rss_bytes() / 2**20
+    out["bandwidth"] = measure_bandwidth()
+    print(json.dumps(out), flush=True)
+
+
+def foudre_run(model: Path, quantization: str) -> dict[str, Any]:
+    proc = subprocess.run(
+        [sys.executable, __file__, "--child", "--model", str(model), "--quantization",
+         quantization],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )  # fmt: skip
+    if proc.returncode:
+        raise SystemExit(f"foudre {model.name} {quantization} failed:\n{proc.stderr[-3000:]}")
+    return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+def llama_cpp_run(bench: Path, gguf: Path) -> dict[str, Any]:
+    from common import llama_bench
+
+    return {
+        "decode_tps": llama_bench(bench, gguf, generate=128),
+        "prefill_128_tps": llama_bench(bench, gguf, prompt=128),
+        "prefill_1024_tps": llama_bench(bench, gguf, prompt=1024),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--llama-cpp", type=Path, default=Path("~/.cache/foudre-bench/llama.cpp"))
+    ap.add_argument("--build", action="store_true", help="build llama.cpp's programs if missing")
+    ap.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=PRECISIONS)
+    ap.add_argument("--out", type=Path, help="write results.json and results.md here")
+    ap.add_argument("--note", default="", help="a line for the record (e.g. a shared host)")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--quantization", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        child(args)
+        return
+
+    import torch
+    from common import build_llama_cpp, gguf_of, machine, measure_bandwidth, random_llama
+
+    root = args.llama_cpp.expanduser()
+    programs = ("llama-bench", "llama-quantize")
+    bin_dir = root / "build" / "bin"
+    if args.build:
+        bin_dir = build_llama_cpp(root, programs)
+    if not all((bin_dir / p).exists() for p in programs):
+        raise SystemExit(f"no llama-bench / llama-quantize in {bin_dir}: run with --build")
+    model = random_llama("medium", torch.bfloat16)
+    ggufs = {q: gguf_of(model, root, q) for q in PRECISIONS.values()}
+    print(machine(), flush=True)
+    bandwidth = [measure_bandwidth()]
+    runs: list[dict[str, Any]] = []
+
+    def record(rnd: int, precision: str, who: str, r: dict[str, Any]) -> None:
+        r |= {"round": rnd, "precision": precision, "who": who}
+        runs.append(r)
+        extra = f", 32 requests {r['throughput_tps']:.0f} tok/s" if "throughput_tps" in r else ""
+        print(
+            f"round {rnd} {precision:>4} {who:>10}: decode {r['decode_tps']:6.1f} tok/s, "
+            f"prefill 128 {r['prefill_128_tps']:6.0f}, 1024 {r['prefill_1024_tps']:6.0f}{extra}",
+            flush=True,
+        )
+
+    for rnd in range(args.rounds):
+        for precision in args.precisions:
+            peer = PRECISIONS[precision]
+            ours = "none" if precision == "bf16" else precision
+            record(rnd, precision, "foudre", foudre_run(model, ours))
+            if precision != "bf16":
+                record(rnd, precision, "foudre-gguf", foudre_run(ggufs[peer], "none"))
+            record(rnd, precision, "llama.cpp", llama_cpp_run(bin_dir / "llama-bench", ggufs[peer]))
+    bandwidth.append(measure_bandwidth())
+    bw = max(bandwidth + [r["bandwidth"] for r in runs if "bandwidth" in r])
+    table, targets = report(runs, bw, args.precisions)
+    print(table)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        rec = {
+            "date": date.today().isoformat(),
+            "machine": machine(),
+            "command": "python benchmarks/quant_llama_cpp.py " + " ".join(sys.argv[1:]),
+            "note": args.note,
+            "peer": "llama.cpp (llama-cpp-python 0.3.36 vendored), llama-bench -fa 1",
+            "model": "medium random Llama, 494.7M parameters, bfloat16",
+            "bandwidth": bandwidth,
+            "threads": os.cpu_count(),
+            "runs": runs,
+            "targets": targets,
+        }
+        (args.out / "results.json").write_text(json.dumps(rec, indent=1) + "\n")
+        head = f"# Quantized kernels against llama.cpp ({rec['date']})\n\n{rec['machine']}\n\n"
+        head += f"Command: `{rec['command']}`\n\n" + (f"{args.note}\n\n" if args.note else "")
+        (args.out / "results.md").write_text(head + table + "\n")
+
+
+def report(
+    runs: list[dict[str, Any]], bandwidth: float, precisions: list[str]
+) -> tuple[str, list[dict[str, Any]]]:
+    """A markdown table of the rounds' medians, and the targets checked."""
+
+    def med(precision: str, who: str, key: str) -> float:
+        values = [r[key] for r in runs if r["precision"] == precision and r["who"] == who]
+        return statistics.median(values) if values else float("nan")
+
+    lines = [
+        f"Bandwidth (matrix-vector product, best of the run): {bandwidth / 1e9:.1f} GB/s",
+        "",
+        "| precision | who | decode tok/s | vs llama.cpp | of roofline | prefill 128 tok/s "
+        "| prefill 1024 tok/s | 32 requests tok/s | weight MB | RSS MB |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    targets: list[dict[str, Any]] = []
+
+    def target(name: str, value: float, goal: float) -> None:
+        targets.append({"target": name, "value": value, "goal": goal, "met": value >= goal})
+
+    bf16_tp = med("bf16", "foudre", "throughput_tps")
+    for precision in precisions:
+        peer = PRECISIONS[precision]
+        ref = med(precision, "llama.cpp", "decode_tps")
+        for who in ("foudre", "foudre-gguf", "llama.cpp"):
+            decode = med(precision, who, "decode_tps")
+            if decode != decode:  # nan: not run
+                continue
+            wb = med(precision, who, "weight_bytes")
+            roof = decode * wb / bandwidth if wb == wb else float("nan")
+            label = who if who != "llama.cpp" else f"llama.cpp {peer}"
+            if who == "foudre-gguf":
+                label = f"foudre on {peer} GGUF"
+            tp = med(precision, who, "throughput_tps")
+            cells = [
+                precision, label, f"{decode:.1f}", f"{decode / ref:.2f}x",
+                "" if roof != roof else f"{roof:.0%}",
+                f"{med(precision, who, 'prefill_128_tps'):.0f}",
+                f"{med(precision, who, 'prefill_1024_tps'):.0f}",
+                "" if tp != tp else f"{tp:.0f} ({tp / bf16_tp:.2f}x bf16)",
+                "" if wb != wb else f"{wb / 2**20:.0f}",
+                "" if who == "llama.cpp" else f"{med(precision, who, 'rss_mb'):.0f}",
+            ]  # fmt: skip
+            lines.append("| " + " | ".join(cells) + " |")
+        ours = med(precision, "foudre", "decode_tps")
+        if precision != "bf16":
+            target(f"{precision} decode / llama.cpp {peer}", ours / ref, TARGET_DECODE)
+            wb = med(precision, "foudre", "weight_bytes")
+            target(f"{precision} decode of roofline", ours * wb / bandwidth, TARGET_ROOFLINE)
+            gguf = med(precision, "foudre-gguf", "decode_tps")
+            target(f"foudre on {peer} GGUF / own {precision}", gguf / ours, TARGET_GGUF)
+            tp = med(precision, "foudre", "throughput_tps")
+            target(f"{precision} 32-request throughput / bf16", tp / bf16_tp, 1.0)
+        for n in (128, 1024):
+            key = f"prefill_{n}_tps"
+            value = med(precision, "foudre", key) / med(precision, "llama.cpp", key)
+            target(f"{precision} prefill {n} / llama.cpp {peer}", value, 1.0)
+    lines += ["", "| target | value | goal | met |", "| --- | ---: | ---: | --- |"]
+    for t in targets:
+        lines.append(
+            f"| {t['target']} | {t['value']:.2f} | {t['goal']:.2f} "
+            f"| {'yes' if t['met'] else 'NO'} |"
+        )
+    return "\n".join(lines), targets
+
+
+if __name__ == "__main__":
+    main()
