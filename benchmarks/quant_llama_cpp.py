@@ -175,7 +175,9 @@ def report(
     """A markdown table of the rounds' medians, and the targets checked."""
 
     def med(precision: str, who: str, key: str) -> float:
-        values = [r[key] for r in runs if r["precision"] == precision and r["who"] == who]
+        values = [
+            r[key] for r in runs if r["precision"] == precision and r["who"] == who and key in r
+        ]
         return statistics.median(values) if values else float("nan")
 
     lines = [

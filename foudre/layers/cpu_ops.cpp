@@ -462,10 +462,11 @@ using PagedDecodeCodes = void (*)(const void* q, const void* k, const void* v,
 // A quantized projection (quant/cpu_qmatmul.cpp's foudre_qmm_f32 / _bf16, passed by address in
 // its descriptor): kind, x, codes, scales, zero points, scale type, groups, group, y, m, n, k
 using QuantMatmul = void (*)(int kind, const void* x, const void* q, const void* s, const void* z,
-                             int st, int64_t groups, int64_t group, void* y, int64_t m, int64_t n,
-                             int64_t k);
+                             float zc, int st, int64_t groups, int64_t group, void* y, int64_t m,
+                             int64_t n, int64_t k);
+// kQmmZeroConst: the one zero point (float32 bits) where kQmmZeros is 0
 enum QuantSlot { kQmmFn, kQmmKind, kQmmCodes, kQmmScales, kQmmZeros, kQmmScaleType, kQmmGroups,
-                 kQmmGroup, kQmmBias, kQmmColumns, kQmmSlots };
+                 kQmmGroup, kQmmBias, kQmmColumns, kQmmZeroConst, kQmmSlots };
 
 // y [rows, n] = x [rows, k] @ W^T (+ bias): W float (w, bias) unless `quant` describes a
 // QuantLinear (QuantSlot entries), whose bias is added after its result's rounding, as
@@ -485,8 +486,11 @@ void project(const int64_t* quant, const T* x, const T* w, const T* bias, T* y, 
     for (int64_t r = 0; r < rows; ++r) std::copy(x + r * k, x + (r + 1) * k, &padded[r * kp]);
     x = padded.data();
   }
+  const auto zc_bits = static_cast<uint32_t>(quant[kQmmZeroConst]);
+  float zc;
+  std::memcpy(&zc, &zc_bits, 4);
   reinterpret_cast<QuantMatmul>(quant[kQmmFn])(
-      static_cast<int>(quant[kQmmKind]), x, vp(kQmmCodes), vp(kQmmScales), vp(kQmmZeros),
+      static_cast<int>(quant[kQmmKind]), x, vp(kQmmCodes), vp(kQmmScales), vp(kQmmZeros), zc,
       static_cast<int>(quant[kQmmScaleType]), quant[kQmmGroups], quant[kQmmGroup], y, rows, n, kp);
   if (quant[kQmmBias] != 0)
     for (int64_t r = 0; r < rows; ++r) add_(y + r * n, static_cast<const T*>(vp(kQmmBias)), n);

@@ -89,7 +89,8 @@ struct Args {
   const uint8_t* w;  // codes, rows of row_bytes
   int64_t row_bytes;
   const void* s;  // [n] (int8) or [n, groups], of type st
-  const void* z;  // [n, groups] or null (z = 0)
+  const void* z;  // [n, groups], or null: every zero point is zc
+  float zc;
   int st;
   int64_t groups, group;
   int gshift;  // log2(group): groups are powers of two
@@ -179,7 +180,7 @@ struct Portable {
             if constexpr (K != Kind::Int8) {
               const int64_t g = nr * a.groups + (c >> a.gshift);
               s = scale_at(a.s, g, a.st);
-              sz = a.z ? s * scale_at(a.z, g, a.st) : 0.0f;
+              sz = s * (a.z ? scale_at(a.z, g, a.st) : a.zc);
             }
             for (int j = 0; j < 16; ++j)
               acc[j] += (static_cast<float>(code<K>(row, c + j)) * s - sz) * to_float(x[c + j]);
@@ -263,7 +264,7 @@ struct Float512 {
           if constexpr (K != Kind::Int8) {
             const int64_t g = nr[r] * a.groups + (c >> a.gshift);
             const float s = scale_at(a.s, g, a.st);
-            const float sz = a.z ? s * scale_at(a.z, g, a.st) : 0.0f;
+            const float sz = s * (a.z ? scale_at(a.z, g, a.st) : a.zc);
             wv = _mm512_fmsub_ps(wv, _mm512_set1_ps(s), _mm512_set1_ps(sz));
           }
           for (int mi = 0; mi < MT; ++mi) acc[mi][r] = _mm512_fmadd_ps(xv[mi], wv, acc[mi][r]);
@@ -413,7 +414,7 @@ struct Vnni {
           for (int r = 0; r < R; ++r) {
             const __m512 s = load_scales(a.s, nr[r] * a.groups + g, a.st, mask);
             __m512 z = a.z ? load_scales(a.z, nr[r] * a.groups + g, a.st, mask)
-                           : _mm512_setzero_ps();
+                           : _mm512_set1_ps(a.zc);  // one zero point (Q4_0's 8): no loads
             if constexpr (K != Kind::Int4) z = _mm512_add_ps(z, _mm512_set1_ps(128.0f));
             off[r] = _mm512_mul_ps(s, z);
           }
@@ -482,7 +483,7 @@ void dequantize(const Args<T>& a, int64_t n0, int64_t n1, T* out) {
       } else {
         const int64_t g = nr * a.groups + (c >> a.gshift);
         s = scale_at(a.s, g, a.st);
-        if (a.z) z = scale_at(a.z, g, a.st);
+        z = a.z ? scale_at(a.z, g, a.st) : a.zc;
       }
 #if defined(FOUDRE_AVX512)
       const __m512 q = _mm512_sub_ps(codes16<K>(row, c), _mm512_set1_ps(z));
@@ -496,17 +497,17 @@ void dequantize(const Args<T>& a, int64_t n0, int64_t n1, T* out) {
 }
 
 template <typename T>
-Args<T> args(int kind, const void* x, const void* q, const void* s, const void* z, int st,
-             int64_t groups, int64_t group, void* y, int64_t m, int64_t n, int64_t k) {
+Args<T> args(int kind, const void* x, const void* q, const void* s, const void* z, float zc,
+             int st, int64_t groups, int64_t group, void* y, int64_t m, int64_t n, int64_t k) {
   const int gshift = group > 0 ? __builtin_ctzll(static_cast<uint64_t>(group)) : 0;
   return {static_cast<const T*>(x), static_cast<const uint8_t*>(q), kind == 2 ? k / 2 : k, s, z,
-          st, groups, group, gshift, static_cast<T*>(y), m, n, k, nullptr, nullptr, nullptr};
+          zc, st, groups, group, gshift, static_cast<T*>(y), m, n, k, nullptr, nullptr, nullptr};
 }
 
 template <typename T>
-void run(int kind, const void* x, const void* q, const void* s, const void* z, int st,
+void run(int kind, const void* x, const void* q, const void* s, const void* z, float zc, int st,
          int64_t groups, int64_t group, void* y, int64_t m, int64_t n, int64_t k) {
-  const Args<T> a = args<T>(kind, x, q, s, z, st, groups, group, y, m, n, k);
+  const Args<T> a = args<T>(kind, x, q, s, z, zc, st, groups, group, y, m, n, k);
   if (kind == 0)
     matmul<T, Kind::Int8>(a);
   else if (kind == 1)
@@ -516,10 +517,10 @@ void run(int kind, const void* x, const void* q, const void* s, const void* z, i
 }
 
 template <typename T>
-void run_dequantize(int kind, const void* q, const void* s, const void* z, int st,
+void run_dequantize(int kind, const void* q, const void* s, const void* z, float zc, int st,
                     int64_t groups, int64_t group, void* out, int64_t n0, int64_t n1,
                     int64_t k) {
-  const Args<T> a = args<T>(kind, nullptr, q, s, z, st, groups, group, nullptr, 0, n1, k);
+  const Args<T> a = args<T>(kind, nullptr, q, s, z, zc, st, groups, group, nullptr, 0, n1, k);
   T* o = static_cast<T*>(out);
   if (kind == 0)
     dequantize<T, Kind::Int8>(a, n0, n1, o);
@@ -545,29 +546,24 @@ int foudre_qmm_path() {
 }
 
 // y [m, n] = x [m, k] @ W^T, x and y float32 (f32) or bfloat16 (bf16). kind 0: int8 per channel,
-// q [n, k] (k a multiple of 64), s [n]; 1: int8 group-wise, q [n, k], s and z (or null)
-// [n, groups] for groups of `group` columns (a power of two, 16 or more); 2: int4, q [n, k / 2]
-// (k a multiple of 128), s and z [n, groups] (groups of 32 or more). st: the type of s and z
-// (0 float32, 1 float16, 2 bfloat16).
-void foudre_qmm_f32(int kind, const void* x, const void* q, const void* s, const void* z, int st,
-                    int64_t groups, int64_t group, void* y, int64_t m, int64_t n, int64_t k) {
-  run<float>(kind, x, q, s, z, st, groups, group, y, m, n, k);
-}
-void foudre_qmm_bf16(int kind, const void* x, const void* q, const void* s, const void* z, int st,
-                     int64_t groups, int64_t group, void* y, int64_t m, int64_t n, int64_t k) {
-  run<uint16_t>(kind, x, q, s, z, st, groups, group, y, m, n, k);
-}
+// q [n, k] (k a multiple of 64), s [n]; 1: int8 group-wise, q [n, k], s and z [n, groups] for
+// groups of `group` columns (a power of two, 16 or more); 2: int4, q [n, k / 2] (k a multiple
+// of 128), s and z [n, groups] (groups of 32 or more). z null: every zero point is zc. st: the
+// type of s and z (0 float32, 1 float16, 2 bfloat16).
+#define FOUDRE_QMM(SUFFIX, T)                                                                   \
+  void foudre_qmm_##SUFFIX(int kind, const void* x, const void* q, const void* s, const void* z, \
+                           float zc, int st, int64_t groups, int64_t group, void* y, int64_t m,  \
+                           int64_t n, int64_t k) {                                               \
+    run<T>(kind, x, q, s, z, zc, st, groups, group, y, m, n, k);                                 \
+  }                                                                                              \
+  /* rows n0 .. n1 of the same weights dequantized into out [n1 - n0, k] */                      \
+  void foudre_dequantize_##SUFFIX(int kind, const void* q, const void* s, const void* z,         \
+                                  float zc, int st, int64_t groups, int64_t group, void* out,    \
+                                  int64_t n0, int64_t n1, int64_t k) {                           \
+    run_dequantize<T>(kind, q, s, z, zc, st, groups, group, out, n0, n1, k);                     \
+  }
 
-// rows n0 .. n1 of the same weights dequantized into out [n1 - n0, k], float32 or bfloat16
-void foudre_dequantize_f32(int kind, const void* q, const void* s, const void* z, int st,
-                           int64_t groups, int64_t group, void* out, int64_t n0, int64_t n1,
-                           int64_t k) {
-  run_dequantize<float>(kind, q, s, z, st, groups, group, out, n0, n1, k);
-}
-void foudre_dequantize_bf16(int kind, const void* q, const void* s, const void* z, int st,
-                            int64_t groups, int64_t group, void* out, int64_t n0, int64_t n1,
-                            int64_t k) {
-  run_dequantize<uint16_t>(kind, q, s, z, st, groups, group, out, n0, n1, k);
-}
+FOUDRE_QMM(f32, float)
+FOUDRE_QMM(bf16, uint16_t)
 
 }  // extern "C"

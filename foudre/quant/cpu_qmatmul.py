@@ -38,11 +38,11 @@ def _library() -> ctypes.CDLL | None:
         return None
     grouping = [ctypes.c_int, _I64, _I64]  # scale type, groups, group
     for suffix in DTYPES.values():
-        # kind, x, q, s, z, ..., y, m, n, k
-        qmm = [ctypes.c_int, _P, _P, _P, _P, *grouping, _P, _I64, _I64, _I64]
+        # kind, x, q, s, z, zc, ..., y, m, n, k
+        qmm = [ctypes.c_int, _P, _P, _P, _P, ctypes.c_float, *grouping, _P, _I64, _I64, _I64]
         getattr(dll, f"foudre_qmm_{suffix}").argtypes = qmm
-        # kind, q, s, z, ..., out, n0, n1, k
-        dequantize = [ctypes.c_int, _P, _P, _P, *grouping, _P, _I64, _I64, _I64]
+        # kind, q, s, z, zc, ..., out, n0, n1, k
+        dequantize = [ctypes.c_int, _P, _P, _P, ctypes.c_float, *grouping, _P, _I64, _I64, _I64]
         getattr(dll, f"foudre_dequantize_{suffix}").argtypes = dequantize
     return dll
 
@@ -70,9 +70,10 @@ SCALE_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 @dataclass(frozen=True)
 class Packed:
     """A weight as the kernels read it (``layout``): ``kind`` ``"int8"`` (per channel, ``s``
-    ``[N]``), ``"int8g"`` (group-wise int8, ``s`` and ``z`` or None ``[N, groups]``) or
-    ``"int4"`` (``s`` and ``z``); ``k`` the input features (padded), scales and zero points in
-    one dtype (float32, float16 or bfloat16)."""
+    ``[N]``), ``"int8g"`` (group-wise int8) or ``"int4"``, with ``s`` and ``z`` ``[N, groups]``
+    in one dtype (float32, float16 or bfloat16), ``z`` None where every zero point is ``zc``
+    (0 for symmetric int8, 8 for GGUF's Q4_0: the kernels then read no zero points); ``k`` the
+    input features (padded)."""
 
     kind: str
     w: torch.Tensor
@@ -80,6 +81,7 @@ class Packed:
     z: torch.Tensor | None
     group: int | None
     k: int
+    zc: float = 0.0
 
 
 def layout(
@@ -99,6 +101,9 @@ def layout(
     codes_per_byte = 2 if bits == 4 else 1
     k = qweight.shape[1] * codes_per_byte
     multiple = 128 if bits == 4 else 64
+    zc = 0.0
+    if zeros is not None and zeros.numel() and bool((zeros == zeros.flatten()[0]).all()):
+        zc, zeros = float(zeros.flatten()[0]), None  # one zero point: nothing to read
     if scales.dtype not in SCALE_TYPES or (zeros is not None and zeros.dtype != scales.dtype):
         scales = scales.float()
         zeros = None if zeros is None else zeros.float()
@@ -113,7 +118,7 @@ def layout(
         k += pad
     group = None if per_channel else group_size
     contiguous = None if zeros is None else zeros.contiguous()
-    return Packed(kind, qweight.contiguous(), scales.contiguous(), contiguous, group, k)
+    return Packed(kind, qweight.contiguous(), scales.contiguous(), contiguous, group, k, zc)
 
 
 def error_bound(x: torch.Tensor, w: torch.Tensor, bits: int = 8) -> torch.Tensor:
@@ -182,7 +187,7 @@ def matmul(x: torch.Tensor, packed: Packed) -> torch.Tensor:
     groups = 0 if packed.kind == "int8" else packed.s.shape[1]
     z = None if packed.z is None else packed.z.data_ptr()
     fn(
-        KINDS[packed.kind], x.data_ptr(), packed.w.data_ptr(), packed.s.data_ptr(), z,
+        KINDS[packed.kind], x.data_ptr(), packed.w.data_ptr(), packed.s.data_ptr(), z, packed.zc,
         SCALE_TYPES[packed.s.dtype], groups, group, y.data_ptr(), m, n, k,
     )  # fmt: skip
     return y
@@ -206,7 +211,7 @@ def _dequantize_into(dll: ctypes.CDLL, packed: Packed, n0: int, n1: int, out: to
     groups = 0 if packed.kind == "int8" else packed.s.shape[1]
     z = None if packed.z is None else packed.z.data_ptr()
     getattr(dll, f"foudre_dequantize_{DTYPES[out.dtype]}")(
-        KINDS[packed.kind], packed.w.data_ptr(), packed.s.data_ptr(), z,
+        KINDS[packed.kind], packed.w.data_ptr(), packed.s.data_ptr(), z, packed.zc,
         SCALE_TYPES[packed.s.dtype], groups, packed.group or 0, out.data_ptr(), n0, n1, packed.k,
     )  # fmt: skip
 

@@ -33,6 +33,7 @@ to Python.
 from __future__ import annotations
 
 import ctypes
+import struct
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
@@ -138,6 +139,7 @@ class NativeDecode:
                 cpu_qmatmul.SCALE_TYPES[packed.s.dtype],
                 0 if packed.kind == "int8" else packed.s.shape[1], packed.group or 0,
                 0 if bias is None else bias.data_ptr(), packed.k,
+                int.from_bytes(struct.pack("<f", packed.zc), "little"),
             ])  # fmt: skip
 
         self.blocks: list[SparseMoeBlock] = []  # the sparse layers' MLPs, which count
@@ -186,7 +188,7 @@ class NativeDecode:
         shape = _stored(kv_caches[0]).shape  # [2, blocks, block_size, heads, head_dim]
         self.block_size = shape[2]
         self.num_slots = shape[1] * self.block_size
-        self.descriptors = torch.tensor(descriptors, dtype=torch.int64).reshape(-1, 10)
+        self.descriptors = torch.tensor(descriptors, dtype=torch.int64).reshape(-1, 11)
         for at, row in patches:
             pointers[at] = self.descriptors[row].data_ptr()
         self.layers = torch.tensor(pointers, dtype=torch.int64)

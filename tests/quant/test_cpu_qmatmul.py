@@ -36,18 +36,32 @@ CASES = [
     (8, 32, True, 17, 1000),
     (8, 64, True, 33, 300),
     (8, 256, False, 9, 520),
+    (8, 32, "const", 19, 300),
     (4, 32, True, 37, 100),
     (4, 32, True, 17, 1000),
     (4, 64, True, 33, 520),
     (4, 128, True, 16, 1024),
     (4, 256, True, 33, 300),
+    (4, 32, "const", 37, 300),
 ]
 ROWS = (1, 3, 16, 64)
 
 
-def quant_module(bits: int, group: int | None, zero: bool, w: torch.Tensor) -> QuantLinear:
+def quant_module(bits: int, group: int | None, zero: bool | str, w: torch.Tensor) -> QuantLinear:
     """Round-to-nearest ``w``; group-wise 8-bit with a zero point: 5-bit codes 0..31 with a
-    scale and a (fractional) zero point per group, as GGUF's Q5_1 is repacked."""
+    scale and a (fractional) zero point per group, as GGUF's Q5_1 is repacked; ``"const"``: one
+    zero point for every group (8 for 4 bits, as GGUF's Q4_0; 16 for 8 bits, as Q5_0 could)."""
+    if zero == "const":
+        assert group is not None
+        n, k = w.shape
+        kp = -(-k // group) * group
+        g = torch.nn.functional.pad(w, (0, kp - k)).reshape(n, kp // group, group)
+        z0 = 8 if bits == 4 else 16
+        scales = g.abs().amax(-1).clamp(min=1e-6) / (z0 - 1)
+        q = torch.round(g / scales[..., None] + z0).clamp(0, 2 * z0 - 1).reshape(n, kp)
+        zeros = torch.full_like(scales, z0)
+        return QuantLinear.from_codes(q.to(torch.uint8 if bits == 4 else torch.int8), scales,
+                                      zeros, None, bits, group, k)  # fmt: skip
     if not (bits == 8 and zero):
         return QuantLinear.from_float(w, None, bits, group)
     assert group is not None
@@ -67,8 +81,10 @@ def check_kernels() -> None:
         torch.manual_seed(bits * 1000 + n + k)
         w = torch.randn(n, k) * 0.1 + torch.linspace(-0.05, 0.1, k)  # all-positive groups too
         mod = quant_module(bits, group, zero, w)
-        assert (mod.zeros is not None) == zero
+        assert (mod.zeros is not None) == bool(zero)
         packed = cpu_qmatmul.layout(mod.qweight, mod.scales, mod.zeros, mod.group_size, bits)
+        assert (packed.z is None) == (zero != True)  # noqa: E712 (one zero point: none read)
+        assert packed.zc == (0 if zero != "const" else (8 if bits == 4 else 16))
         wd = mod.dequantize()
         for m in ROWS:
             for dtype in (torch.float32, torch.bfloat16):
