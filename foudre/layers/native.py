@@ -2,8 +2,9 @@
 
 A kernel source ships inside the package and is compiled by the system's C++ compiler (``$CXX``,
 else ``g++``, ``c++`` or ``clang++``; a few seconds) with ``-O3 -march=native -fopenmp`` into
-``$FOUDRE_CACHE`` (default ``~/.cache/foudre``)``/kernels``, under a name keyed by the source,
-the compiler, the flags and the CPU's feature flags, so an edit or another machine rebuilds it.
+``$FOUDRE_CACHE`` (default ``~/.cache/foudre``)``/kernels``, under a name keyed by the source
+(and the headers beside it that it includes), the compiler, the flags and the CPU's feature
+flags, so an edit or another machine rebuilds it.
 No PyTorch headers or build tools beyond the compiler are needed. The libraries' OpenMP calls
 resolve to the libgomp that torch already loaded, so kernels and torch share one thread pool.
 ``FOUDRE_KERNEL_MARCH`` builds for another ``-march`` (how the tests check the paths that this
@@ -18,6 +19,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -51,6 +53,14 @@ def _compiler() -> str | None:
     return None
 
 
+def _headers(source: Path) -> list[bytes]:
+    """The headers beside ``source`` that it includes (``#include "name"``): part of what the
+    library is built from, so part of its cache key."""
+    names = re.findall(rb'^\s*#include\s+"([^"]+)"', source.read_bytes(), re.M)
+    paths = [source.parent / name.decode() for name in names]
+    return [path.read_bytes() for path in paths if path.is_file()]
+
+
 @cache
 def load(source: Path) -> ctypes.CDLL | None:
     """The library built from ``source`` (compiled on first use, then cached on disk), or None
@@ -59,7 +69,7 @@ def load(source: Path) -> ctypes.CDLL | None:
     if compiler is None:
         log.info("no C++ compiler found: %s is not built, torch ops are used instead", source.name)
         return None
-    text = source.read_bytes()
+    text = source.read_bytes() + b"".join(_headers(source))
     key = hashlib.sha256(
         text + " ".join([compiler, *flags(), platform.machine(), cpu_flags()]).encode()
     ).hexdigest()[:16]

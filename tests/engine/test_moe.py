@@ -3,9 +3,6 @@ native decode kernel and the Triton kernel against a per-token loop, quantized e
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,8 +15,8 @@ from foudre.layers.moe import Experts, SparseMoeBlock, every_expert, grouped_exp
 from foudre.quant.experts import QuantExperts
 from foudre.quant.qlinear import uses_native_kernels
 from tests.engine.march import run_built_for
+from tests.triton_check import run_triton_check
 
-ROOT = Path(__file__).resolve().parents[2]
 NATIVE = pytest.mark.skipif(
     fused._library() is None, reason="no C++ compiler or no AVX-512: the torch ops run instead"
 )
@@ -221,18 +218,7 @@ print("ok")
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the engine tests run it for real on CUDA")
 def test_triton_fused_experts_interpreted() -> None:
-    pytest.importorskip("triton", reason="triton is not installed")
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    out = subprocess.run(
-        [sys.executable, "-c", _TRITON_CHECK],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "ok" in out.stdout
+    run_triton_check(_TRITON_CHECK, timeout=300)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -31,6 +31,7 @@ from foudre.runner.attention.kv_quant import QuantizedKVCache
 from foudre.runner.attention.torch_sdpa import TorchSDPABackend
 from tests.conftest import make_hf_model
 from tests.engine.march import run_built_for
+from tests.triton_check import run_triton_check
 
 ROOT = Path(__file__).resolve().parents[2]
 CHUNKS = [1, 2, 5, 16, 31, 32, 33, 100, 255, 512]
@@ -400,18 +401,7 @@ print("ok")
 
 
 def _interpreted(script: str, *args: str) -> None:
-    pytest.importorskip("triton", reason="triton is not installed")
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    out = subprocess.run(
-        [sys.executable, "-c", script, *args],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "ok" in out.stdout
+    run_triton_check(script, *args)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs the Triton kernels for real")

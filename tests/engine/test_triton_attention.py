@@ -17,6 +17,7 @@ import torch
 
 from foudre import LLM, SamplingParams
 from tests.conftest import make_hf_model
+from tests.triton_check import run_triton_check
 
 ROOT = Path(__file__).resolve().parents[2]
 HAS_CUDA = torch.cuda.is_available()
@@ -113,18 +114,7 @@ print("ok")
 
 
 def _interpreted(script: str, *args: str) -> None:
-    pytest.importorskip("triton", reason="triton is not installed")
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    out = subprocess.run(
-        [sys.executable, "-c", script, *args],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "ok" in out.stdout
+    run_triton_check(script, *args, timeout=300)
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="runs for real on the GPU instead")

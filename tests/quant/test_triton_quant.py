@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from foudre.quant.packing import pack_int4, quantize_int4, quantize_int8
+from tests.triton_check import run_triton_check
 
 ROOT = Path(__file__).resolve().parents[2]
 HAS_CUDA = torch.cuda.is_available()
@@ -159,20 +160,8 @@ print("ok")
 def test_quant_linear_cuda_forward_runs_the_kernels() -> None:
     """``QuantLinear._forward_cuda`` (every layout, group-wise int8 included) with bias and
     leading dimensions, against ``forward_reference``."""
-    pytest.importorskip("triton", reason="triton is not installed")
-    env = dict(os.environ)
-    if not HAS_CUDA:
-        env["TRITON_INTERPRET"] = "1"
-    out = subprocess.run(
-        [sys.executable, "-c", _MODULE_CHECK, "cuda" if HAS_CUDA else "cpu"],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "ok" in out.stdout
+    device = "cuda" if HAS_CUDA else "cpu"
+    run_triton_check(_MODULE_CHECK, device, interpret=not HAS_CUDA, timeout=300)
 
 
 def test_choose_config_by_rows() -> None:

@@ -43,6 +43,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_paged_common.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -52,57 +54,6 @@ namespace {
 constexpr int BQ = 32;  // query positions (lanes) per task
 constexpr int BK = 32;  // keys per tile (even: bfloat16 pairs of keys)
 
-inline float load(float x) { return x; }
-inline float load(uint16_t x) {  // bfloat16: the high half of a float32
-  uint32_t u = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-inline float load(_Float16 x) { return static_cast<float>(x); }
-
-// The quantized cache's codes: int8, and float8 e4m3fn (sign, 4 exponent bits with bias 7, 3
-// mantissa bits; no infinities), whose 256 values a table holds.
-struct Fp8 {
-  uint8_t bits;
-};
-struct Fp8Table {
-  float value[256];
-  Fp8Table() {
-    for (int b = 0; b < 256; ++b) {
-      const int e = (b >> 3) & 15, m = b & 7;
-      const float v = e ? std::ldexp(1.0f + m / 8.0f, e - 7) : std::ldexp(float(m), -9);
-      value[b] = b & 0x80 ? -v : v;
-    }
-  }
-};
-const Fp8Table kFp8;
-inline float load(int8_t x) { return static_cast<float>(x); }
-inline float load(Fp8 x) { return kFp8.value[x.bits]; }
-
-inline void store(float* p, float x) { *p = x; }
-inline void store(uint16_t* p, float x) {  // round to nearest even, as torch converts
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  *p = static_cast<uint16_t>(u >> 16);
-}
-inline void store(_Float16* p, float x) { *p = static_cast<_Float16>(x); }
-
-// exp(x) for x <= 0 (the decode kernel's): 2^n * e^f, e^f by a degree-6 Taylor polynomial
-inline float exp_nonpositive(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  const float t = x * 1.44269504088896341f;
-  const float n = __builtin_floorf(t + 0.5f);
-  const float f = (t - n) * 0.693147180559945309f;
-  const float p =
-      1.0f + f * (1.0f + f * (0.5f + f * (1.0f / 6 +
-                                          f * (1.0f / 24 + f * (1.0f / 120 + f * (1.0f / 720))))));
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, 4);
-  return p * scale;
-}
 
 // One sequence's multi-token row and one unit of work.
 struct Seq {
@@ -308,21 +259,7 @@ inline void gemm(float* C, int64_t c_stride, const __m512* alpha, const uint32_t
     for (int v = 0; v < MV; ++v) _mm512_storeu_ps(C + n * c_stride + v * 16, c[n][v]);
 }
 
-inline __mmask16 lanes(int64_t n) {
-  return n >= 16 ? __mmask16(0xFFFFu) : n > 0 ? static_cast<__mmask16>((1u << n) - 1) : 0;
-}
 // 16 values of a row as float32 (the codes' exact values)
-inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-inline __m512 load16(const uint16_t* p, __mmask16 m) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-inline __m512 load16(const _Float16* p, __mmask16 m) {
-  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));
-}
-inline __m512 load16(const int8_t* p, __mmask16 m) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, p)));
-}
 // e4m3's bits in a float16's (sign to bit 15, the rest to bits 7-13): its value times 2^-8
 // (float16's exponent bias is 15, e4m3's 7), subnormals included; then times 2^8, exactly
 inline __m512 load16(const Fp8* p, __mmask16 m) {
@@ -332,18 +269,6 @@ inline __m512 load16(const Fp8* p, __mmask16 m) {
   return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_or_si256(sign, rest)), _mm512_set1_ps(256.0f));
 }
 
-inline __m512 exp16(__m512 x) {  // exp_nonpositive on 16 lanes
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945309f));
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  for (const float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f})
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
-  const __m512i e =
-      _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
-}
 
 // float32 arithmetic on any storage type: values converted when packed.
 template <typename T>
