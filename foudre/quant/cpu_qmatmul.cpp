@@ -11,8 +11,9 @@
 // int4 codes [N, K / 2] as packing.pack_int4 lays them (column 2j in the low nibble of byte j,
 // 2j + 1 in the high one; K a multiple of 128), scales and zero points [N, groups] in float32,
 // float16 or bfloat16 (st: 0, 1, 2). Each task prefetches its rows' scales and zero points at
-// its start and its weight rows ahead of use: a row's scales are a few cache lines, too short a
-// stream for the hardware prefetcher, and waiting on them halved the speed of groups of 32.
+// its start: a row's scales are a few cache lines, too short a stream for the hardware
+// prefetcher, and waiting on them halved the speed of groups of 32 (the weight rows, long
+// streams, need no help: prefetching them ahead measured no faster).
 //
 // Three paths, by what the compiler targets (built with -march=native):
 //   VNNI      (AVX512-VNNI): x quantized to int8 per block of 32 (d = max|x| / 127, as llama.cpp's
@@ -129,7 +130,6 @@ void prefetch_scales(const Args<T>& a, const int64_t* nr) {
     }
 }
 
-constexpr int64_t kAhead = 1024;  // how far ahead in a weight row to prefetch, in bytes
 
 // The parallel loop: tasks of R weight rows, x's rows in tiles of four (then the one to three
 // left); Tile<MT, R>::run(a, m0, n0) computes y[m0 : m0 + MT, n0 : n0 + R].
@@ -382,7 +382,6 @@ struct Vnni {
           d[mi] = _mm512_loadu_ps(a.dl + (m0 + mi) * (a.k / 4) + c / 4);
         }
         for (int r = 0; r < R; ++r) {
-          prefetch(wr[r] + bytes + kAhead);
           const __m512i v = _mm512_loadu_si512(wr[r] + bytes);
           __m512i wv, wh = v;
           if constexpr (K == Kind::Int4) {
