@@ -33,6 +33,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any, Protocol, cast
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from foudre.config import EngineConfig
@@ -83,6 +84,12 @@ class _Workers:
     failure: str | None = None
     threads: int | None = None  # this process's torch threads before it became a CPU rank
 
+    def fail(self, message: str) -> None:
+        """Record the first failure (for good) and log it."""
+        if self.failure is None:
+            self.failure = message
+            logger.error("parallel engine failed: %s", message)
+
 
 class ParallelExecutor:
     """Runs each step on every rank; see the module's docstring. ``model`` is rank 0's shard."""
@@ -95,8 +102,12 @@ class ParallelExecutor:
         self._store = store  # rank 0 serves the ranks' store: kept alive with the engine
         # the fewest tokens worth a micro-batch of their own (see num_micro_batches)
         self.micro_batch_tokens = MICRO_BATCH_TOKENS
-        if workers.processes:
-            threading.Thread(target=self._watch, daemon=True, name="foudre-workers").start()
+        if workers.processes:  # the thread holds the workers, not the executor: dropping an
+            # engine without shutdown() still runs the finalizer below
+            watcher = threading.Thread(
+                target=_watch, args=(workers,), daemon=True, name="foudre-workers"
+            )
+            watcher.start()
         weakref.finalize(self, _stop, workers)  # an engine dropped without shutdown()
 
     @property
@@ -152,26 +163,24 @@ class ParallelExecutor:
         return max(1, min(p, len(message.token_ids), tokens // self.micro_batch_tokens))
 
     def _fail(self, message: str) -> None:
-        if self._workers.failure is None:
-            self._workers.failure = message
-            logger.error("parallel engine failed: %s", message)
-
-    def _watch(self) -> None:
-        """Wait on the workers' sentinels; a worker that ends before the engine stops them is a
-        failure, seen at once (``healthy``), not at the next step."""
-        workers = self._workers
-        alive = {p.sentinel: p for p in workers.processes}
-        while alive:
-            for sentinel in multiprocessing.connection.wait(list(alive)):
-                proc = alive.pop(cast(int, sentinel))
-                proc.join(1.0)  # reaped, so that its exit status is known
-                if not workers.stopping:
-                    self._fail(f"worker {proc.name} exited with status {proc.exitcode}")
+        self._workers.fail(message)
 
     def shutdown(self) -> None:
         """Stop the workers (told to, then killed after a grace period) and leave the groups.
         Idempotent."""
         _stop(self._workers)
+
+
+def _watch(workers: _Workers) -> None:
+    """Wait on the workers' sentinels; a worker that ends before the engine stops them is a
+    failure, seen at once (``healthy``), not at the next step."""
+    alive = {p.sentinel: p for p in workers.processes}
+    while alive:
+        for sentinel in multiprocessing.connection.wait(list(alive)):
+            proc = alive.pop(cast(int, sentinel))
+            proc.join(1.0)  # reaped, so that its exit status is known
+            if not workers.stopping:
+                workers.fail(f"worker {proc.name} exited with status {proc.exitcode}")
 
 
 def _stop(workers: _Workers) -> None:
@@ -209,6 +218,12 @@ def start_parallel(
     read_config(config)
     t, p = config.tensor_parallel_size, config.pipeline_parallel_size
     world = t * p
+    if dist.is_initialized():
+        raise ParallelConfigError(
+            "tensor_parallel_size",
+            "this process already holds a parallel engine (one per process): shut it down "
+            "first (LLM.shutdown())",
+        )
     plan = ParallelPlan(0, t, p)
     env = torchrun_env()
     workers = _Workers()
@@ -243,6 +258,8 @@ def start_parallel(
         except BaseException:
             for proc in workers.processes:
                 proc.kill()
+                proc.join(1.0)
+            destroy_groups()  # joined before the failure: a later engine must start afresh
             if workers.threads is not None:
                 torch.set_num_threads(workers.threads)
             raise
@@ -260,7 +277,9 @@ def _wait_joined(store: Any, processes: list[BaseProcess]) -> None:
         for proc in processes:
             if not proc.is_alive():
                 raise WorkerFailedError(
-                    f"worker {proc.name} exited with status {proc.exitcode} while starting"
+                    f"worker {proc.name} exited with status {proc.exitcode} while starting "
+                    "(its log says why; a script that builds a parallel LLM needs "
+                    '`if __name__ == "__main__":`, the workers re-import it)'
                 )
         if time.monotonic() > deadline:
             raise WorkerFailedError("the workers did not start in time")

@@ -11,6 +11,7 @@ whole, one linear at a time; foudre's own quantized format (fused, packed) is re
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Iterable, Iterator
 from functools import partial
@@ -50,6 +51,8 @@ from foudre.models.config import ModelConfig
 from foudre.models.llama import DecoderLayer, LlamaForCausalLM
 from foudre.quant import quantize_model
 from foudre.quant.qlinear import prepare_for_cpu
+
+logger = logging.getLogger(__name__)
 
 # quantization methods a shard applies to its own slices (round to nearest, no calibration)
 SHARDED_QUANTIZATION = (None, "int8", "int4")
@@ -103,6 +106,15 @@ def load_shard(
     if is_gguf_file(path):
         gguf = read_gguf(path)
         cfg = gguf_config(gguf)
+        if plan.rank == 0 and any(
+            t.type_name not in ("F32", "F16", "BF16") for t in gguf.tensors.values()
+        ):
+            logger.warning(
+                "%s: sharded GGUF weights are dequantized at load (each rank holds its slice in "
+                "%s; quantization=int8|int4 re-quantizes the slices)",
+                path.name,
+                cfg.torch_dtype,
+            )
         weights = _cut(iter_gguf_weights(gguf, cfg), plan, cfg)
     elif path.is_file():
         cfg, state = load_llama2c(path)

@@ -65,7 +65,11 @@ def build_rank(
     assert loaded is not None
     model = loaded.model
     max_len = config.max_model_len or loaded.config.max_position_embeddings
-    blocks = torch.tensor([num_kv_blocks(model, config, device, max_len)], device=device)
+    # the CPU ranks of one machine share its memory (spawned: all of them; torchrun: its
+    # processes per node); a GPU is each rank's own
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", plan.world_size))
+    share = local if device.type == "cpu" else 1
+    blocks = torch.tensor([num_kv_blocks(model, config, device, max_len, share)], device=device)
     dist.all_reduce(blocks, op=dist.ReduceOp.MIN)
     dtype = next(model.parameters()).dtype
     runner = ShardRunner(groups, model, config, int(blocks.item()), dtype)

@@ -259,7 +259,8 @@ class AsyncLLM:
         return bool(self._snapshot.get("healthy", True)) and self.engine.fatal_error is None
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Abort in-flight requests and stop the engine thread. Idempotent."""
+        """Abort in-flight requests and stop the engine thread, which then stops a parallel
+        engine's workers (``LLMEngine.shutdown``, from the thread that steps it). Idempotent."""
         with self._cv:
             self._stopping = True
             self._cv.notify()
@@ -326,6 +327,10 @@ class AsyncLLM:
             except Exception:  # never let the engine thread die
                 logger.exception("engine loop error")
                 self._busy = False
+        try:  # the workers of a parallel engine, told to stop by the thread that steps them
+            self.engine.shutdown()
+        except Exception:
+            logger.exception("stopping the engine failed")
         with self._cv:  # adds that raced with shutdown are refused, never left hanging
             self._stopped = True
             late, self._commands = self._commands, []

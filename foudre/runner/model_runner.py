@@ -43,12 +43,17 @@ def device_memory(device: torch.device) -> int:
 
 
 def num_kv_blocks(
-    model: LlamaForCausalLM, config: EngineConfig, device: torch.device, max_model_len: int
+    model: LlamaForCausalLM,
+    config: EngineConfig,
+    device: torch.device,
+    max_model_len: int,
+    share: int = 1,
 ) -> int:
     """How many KV blocks to allocate: ``num_kv_blocks`` if given, else ``kv_cache_memory``
     (bytes, or a fraction of device memory), else enough for ``max_num_seqs`` full-length
     sequences, capped at 2 GiB (and a quarter of RAM) on the CPU and 80% of free memory on CUDA.
-    """
+    ``share``: how many processes draw on the same memory (the CPU ranks of one machine), each
+    taking that fraction of the byte budget and cap."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     dtype = next(model.parameters()).dtype
@@ -57,14 +62,14 @@ def num_kv_blocks(
         budget = config.kv_cache_memory
         if budget <= 1.0:
             budget *= device_memory(device)
-        return max(1, int(budget) // per_block)
+        return max(1, int(budget) // share // per_block)
     wanted = config.max_num_seqs * -(-max_model_len // config.block_size)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         cap = int(free * 0.8)
     else:
         cap = min(_CPU_DEFAULT_KV_BYTES, device_memory(device) // 4)
-    return max(1, min(wanted, cap // per_block))
+    return max(1, min(wanted, cap // share // per_block))
 
 
 class ModelRunner:

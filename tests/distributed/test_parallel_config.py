@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from foudre import LLM
+from foudre import LLM, SamplingParams
 from foudre.config import EngineConfig
 from foudre.distributed.errors import ParallelConfigError
 from foudre.distributed.groups import check_devices
@@ -134,3 +134,30 @@ def test_flags_reach_the_config() -> None:
         config = engine_config_from(args)
         assert (config.tensor_parallel_size, config.pipeline_parallel_size) == (2, 3)
         assert config.distributed_timeout_s == 7.5
+
+
+def test_a_dropped_engine_frees_its_workers_and_groups(tmp_path: Path) -> None:
+    """An ``LLM`` dropped without ``shutdown()`` stops its workers and leaves the process
+    groups (the watcher thread holds the workers, not the executor), so a second parallel
+    engine can start in the same process; two at once are refused with a clear error."""
+    import gc
+
+    import torch.distributed as dist
+
+    path = make_hf_model(tmp_path / "m", "llama", num_hidden_layers=2)
+    options: dict[str, Any] = dict(skip_tokenizer_init=True, num_kv_blocks=40)
+    llm = LLM(str(path), tensor_parallel_size=2, **options)
+    workers = list(llm.engine._parallel._workers.processes)  # type: ignore[union-attr]
+    with pytest.raises(ParallelConfigError, match="already holds a parallel engine"):
+        LLM(str(path), tensor_parallel_size=2, **options)
+    del llm
+    gc.collect()
+    assert not dist.is_initialized()
+    assert all(not w.is_alive() for w in workers)
+    again = LLM(str(path), tensor_parallel_size=2, **options)
+    try:
+        out = again.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True))
+        assert len(out[0].outputs[0].token_ids) == 2
+    finally:
+        again.shutdown()
+    assert not dist.is_initialized()
