@@ -220,16 +220,9 @@ class ShardRunner(ModelRunner):
             if self.next_rank is not None:
                 sends.append(dist.isend(x, self.next_rank, group=self.groups.pipe))
                 continue
-            hidden = model.model.norm(x)
-            rows: list[int] = []
-            end = 0
-            for n, n_logits in zip(sizes[lo:hi], num_logits[lo:hi], strict=True):
-                end += n
-                rows.extend(range(end - n_logits, end))
-            if rows:
-                if len(rows) < hidden.shape[0]:
-                    hidden = hidden[torch.tensor(rows, device=self.device)]
-                logits.append(model.compute_logits(hidden))
+            part = self.logits_of(model.model.norm(x), token_ids[lo:hi], num_logits[lo:hi])
+            if part is not None:
+                logits.append(part)
         for work in sends:
             if work is not None:
                 work.wait()

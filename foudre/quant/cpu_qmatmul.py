@@ -165,9 +165,9 @@ def round_like_kernel(x: torch.Tensor, bits: int) -> torch.Tensor:
     return (codes * (amax / 127.0)).reshape(xb.shape[0], -1)[:, :k].reshape(x.shape).to(x.dtype)
 
 
-def matmul(x: torch.Tensor, packed: Packed) -> torch.Tensor:
-    """``x [M, K] @ W^T`` (no bias) for a ``layout``; ``x`` float32 or bfloat16 on the CPU.
-    ``[M, N]`` in x's dtype."""
+def _prepared(x: torch.Tensor, packed: Packed) -> tuple[ctypes.CDLL, torch.Tensor]:
+    """The library, and ``x`` checked and padded with zero columns to the weight's (padded)
+    input features; the layout's groups checked."""
     dll = _library()
     if dll is None:
         raise RuntimeError(f"{SOURCE.name} did not build: use the aten kernels (quant.kernels)")
@@ -176,13 +176,19 @@ def matmul(x: torch.Tensor, packed: Packed) -> torch.Tensor:
     k = packed.k
     if x.shape[1] > k:
         raise ValueError(f"x has {x.shape[1]} columns, the weight {k} (padded)")
-    x = (F.pad(x, (0, k - x.shape[1])) if x.shape[1] != k else x).contiguous()
-    m, n = x.shape[0], packed.w.shape[0]
+    _check_groups(packed)
+    return dll, (F.pad(x, (0, k - x.shape[1])) if x.shape[1] != k else x).contiguous()
+
+
+def matmul(x: torch.Tensor, packed: Packed) -> torch.Tensor:
+    """``x [M, K] @ W^T`` (no bias) for a ``layout``; ``x`` float32 or bfloat16 on the CPU.
+    ``[M, N]`` in x's dtype."""
+    dll, x = _prepared(x, packed)
+    k, m, n = packed.k, x.shape[0], packed.w.shape[0]
     y = torch.empty(m, n, dtype=x.dtype)
     if m == 0:
         return y
     fn = getattr(dll, f"foudre_qmm_{DTYPES[x.dtype]}")
-    _check_groups(packed)
     group = packed.group or 0
     groups = 0 if packed.kind == "int8" else packed.s.shape[1]
     z = None if packed.z is None else packed.z.data_ptr()
@@ -219,21 +225,13 @@ def _dequantize_into(dll: ctypes.CDLL, packed: Packed, n0: int, n1: int, out: to
 def matmul_dequantized(x: torch.Tensor, packed: Packed) -> torch.Tensor:
     """``matmul``'s product for large batches: the weight dequantized to x's dtype a few rows
     at a time (``foudre_dequantize_*``: ``(q - z) s`` in float32, as ``QuantLinear.dequantize``,
-    then rounded to x's dtype) and multiplied by
-    torch's GEMM, which outruns the integer kernel when the batch makes the step compute-bound
-    (prefill chunks). As ``forward_reference`` computes, up to the GEMM's summation order."""
-    dll = _library()
-    if dll is None:
-        raise RuntimeError(f"{SOURCE.name} did not build: use the aten kernels (quant.kernels)")
-    if x.dtype not in DTYPES or x.device.type != "cpu" or x.dim() != 2:
-        raise ValueError(f"x must be a 2-D float32 or bfloat16 CPU tensor, got {x.dtype} {x.shape}")
+    then rounded to x's dtype) and multiplied by torch's GEMM, which outruns the integer kernel
+    when the batch makes the step compute-bound (prefill chunks). As ``forward_reference``
+    computes, up to the GEMM's summation order."""
+    dll, x = _prepared(x, packed)
     k, n = packed.k, packed.w.shape[0]
-    if x.shape[1] > k:
-        raise ValueError(f"x has {x.shape[1]} columns, the weight {k} (padded)")
-    _check_groups(packed)
     if n == 0 or x.shape[0] == 0:
         return torch.zeros(x.shape[0], n, dtype=x.dtype)
-    x = (F.pad(x, (0, k - x.shape[1])) if x.shape[1] != k else x).contiguous()
     rows = max(16, DEQUANTIZED_CHUNK_BYTES // (k * x.element_size()) // 16 * 16)
     w = torch.empty(min(rows, n), k, dtype=x.dtype)
     parts = []

@@ -188,10 +188,6 @@ def _gemm_kernel(
             kc = 2 * kb0 + tl.arange(0, 2 * BLOCK_KB)
             x_mask = m_mask[:, None] & (kc < K)[None, :]
             x = tl.load(x_rows + kc[None, :], mask=x_mask, other=0.0).to(cdt)
-            if IEEE:
-                acc += tl.dot(x, tl.trans(w), input_precision="ieee")
-            else:
-                acc += tl.dot(x, tl.trans(w))
         else:
             if FP8:
                 w = b
@@ -204,10 +200,10 @@ def _gemm_kernel(
             w = tl.reshape(w, (BLOCK_N, BLOCK_KB)).to(cdt)
             x_mask = m_mask[:, None] & (kb < K)[None, :]
             x = tl.load(x_rows + kb[None, :], mask=x_mask, other=0.0).to(cdt)
-            if IEEE:
-                acc += tl.dot(x, tl.trans(w), input_precision="ieee")
-            else:
-                acc += tl.dot(x, tl.trans(w))
+        if IEEE:  # both layouts: x [BLOCK_M, columns] against w [BLOCK_N, columns]
+            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+        else:
+            acc += tl.dot(x, tl.trans(w))
     if GROUP_B == 0:
         acc = acc * tl.load(s_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     mn_mask = m_mask[:, None] & n_mask[None, :]

@@ -201,6 +201,13 @@ class ModelRunner:
             self.flatten(step)
             assert step.input_ids is not None and step.positions is not None
             hidden = self.forward_hidden(step.input_ids, step.positions, step.metadata)
+        return self.logits_of(hidden, token_ids, num_logits)
+
+    def logits_of(
+        self, hidden: torch.Tensor, token_ids: Sequence[list[int]], num_logits: Sequence[int]
+    ) -> torch.Tensor | None:
+        """Float32 logits of the last ``num_logits[i]`` tokens of each row, from the final
+        hidden states of the rows' tokens flattened in order (None when none are asked)."""
         rows: list[int] = []
         end = 0
         for ids, n_logits in zip(token_ids, num_logits, strict=True):

@@ -380,20 +380,6 @@ def qwen_bpe(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _train_bpe(tmp_path_factory.mktemp("qwen_bpe"), "qwen2")
 
 
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A random HF Llama wide enough (256) for K-quant blocks, GQA 4:2."""
-    return make_hf_model(
-        tmp_path_factory.mktemp("llama"),
-        "llama",
-        vocab_size=384,
-        hidden_size=256,
-        intermediate_size=512,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-
-
 PROMPT = [1, 17, 250, 3, 99, 380, 42, 42, 7, 300, 12, 5, 211, 64, 128, 33]
 
 

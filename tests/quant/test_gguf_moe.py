@@ -40,6 +40,21 @@ _GGUF_PART = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up"}
 _GGUF_PART |= {"w2": "down", "down_proj": "down"}
 
 
+def moe_source(path: Path) -> Path:
+    """A random HF Qwen2-MoE (4 experts, top-2, a shared expert) wide enough (256) for K-quant
+    blocks: the model these tests write as GGUF."""
+    return make_hf_model(
+        path,
+        "qwen2_moe",
+        vocab_size=400,
+        hidden_size=256,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=256,
+        shared_expert_intermediate_size=256,
+    )
+
+
 def write_moe_gguf(
     src: Path,
     out: Path,
@@ -216,16 +231,7 @@ def test_quantized_experts(
     default, checked against this in ``test_gguf_quantized``) are exactly their stored values;
     logits stay near float32."""
     monkeypatch.setenv("FOUDRE_GGUF_DEQUANTIZE", "1")
-    src = make_hf_model(
-        tmp_path / "src",
-        "qwen2_moe",
-        vocab_size=400,
-        hidden_size=256,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=256,
-        shared_expert_intermediate_size=256,
-    )
+    src = moe_source(tmp_path / "src")
     out = tmp_path / f"{qtype}.gguf"
     values = write_moe_gguf(src, out, qtype)
     model = load_model(str(out), None, "float32", CPU, None).model

@@ -57,7 +57,7 @@ from foudre.quant.qlinear import (
 )
 from tests.conftest import make_hf_model
 from tests.quant.test_gguf import PROMPT, _logits, _rel, write_gguf
-from tests.quant.test_gguf_moe import write_moe_gguf
+from tests.quant.test_gguf_moe import moe_source, write_moe_gguf
 
 CPU = torch.device("cpu")
 # type -> (bits, group, zero points) of the module a file of only that type gives
@@ -135,20 +135,6 @@ def test_grouped_int8_quant_linear(m: int, monkeypatch: pytest.MonkeyPatch) -> N
 
 
 # ----------------------------------------------------------------------------- models
-
-
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A random HF Llama wide enough (256) for K-quant blocks, GQA 4:2."""
-    return make_hf_model(
-        tmp_path_factory.mktemp("llama"),
-        "llama",
-        vocab_size=384,
-        hidden_size=256,
-        intermediate_size=512,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
 
 
 def _load(path: Path, dtype: str = "float32", *, dequantize: bool = False) -> LlamaForCausalLM:
@@ -551,16 +537,7 @@ def test_moe_experts_kept_quantized(qtype: str, tmp_path: Path) -> None:
     layout of their type (the shared expert and the attention ``QuantLinear``s, the routers
     float); the model's logits are those of the same modules computed by dequantize-then-matmul
     with the kernels' input rounding, each on the activations the model gives it."""
-    src = make_hf_model(
-        tmp_path / "src",
-        "qwen2_moe",
-        vocab_size=400,
-        hidden_size=256,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=256,
-        shared_expert_intermediate_size=256,
-    )
+    src = moe_source(tmp_path / "src")
     out = tmp_path / f"moe-{qtype}.gguf"
     base, types = MOE_MIXES.get(qtype, (qtype, {}))
     write_moe_gguf(src, out, base, types=types)
