@@ -3,22 +3,25 @@
 //   int8 group-wise            w = (q - z[g]) * s[g]   (z optional: GGUF's Q8_0, Q5_0, Q6_K without,
 //                                                       Q5_1, Q5_K with; groups of 16 columns or more)
 //   int4 group-wise            w = (q - z[g]) * s[g]   (codes 0..15, groups of 32 or more)
-// x and y float32 or bfloat16. Bound by reading the weight: each task takes R weight rows and
-// multiplies them with every x row (four at a time, the weight rows coming from memory once and
-// then from L1), the tasks split over torch's OpenMP threads by output-row ranges.
+// x and y float32 or bfloat16. Bound by reading the weight: each task takes R weight rows (one
+// for one x row, so that a thread reads one sequential stream; four for more) and multiplies them
+// with every x row (four at a time, the weight rows coming from memory once and then from L1),
+// the tasks split over torch's OpenMP threads by output-row ranges.
 //
-// The kernels read QuantLinear's own buffers, no copy: int8 codes [N, K] (K a multiple of 64),
-// int4 codes [N, K / 2] as packing.pack_int4 lays them (column 2j in the low nibble of byte j,
-// 2j + 1 in the high one; K a multiple of 128), scales and zero points [N, groups] in float32,
+// The kernels read QuantLinear's own buffers, no copy: int8 codes [N, K] (K a multiple of 128 per
+// channel, of 64 group-wise), int4 codes [N, K / 2] as packing.pack_int4 lays them (column 2j in
+// the low nibble of byte j, 2j + 1 in the high one; K a multiple of 128), scales and zero points [N, groups] in float32,
 // float16 or bfloat16 (st: 0, 1, 2). Each task prefetches its rows' scales and zero points at
 // its start: a row's scales are a few cache lines, too short a stream for the hardware
 // prefetcher, and waiting on them halved the speed of groups of 32 (the weight rows, long
 // streams, need no help: prefetching them ahead measured no faster).
 //
 // Three paths, by what the compiler targets (built with -march=native):
-//   VNNI      (AVX512-VNNI): x quantized to int8 per block of 32 (d = max|x| / 127, as llama.cpp's
-//             Q8_0), the weight codes as the unsigned operand of vpdpbusd (int8 codes + 128, int4
-//             codes as they are): sum_k u_k q_k per 4 columns in int32 lanes, scaled per lane by d
+//   VNNI      (AVX512-VNNI): x quantized to int8 per block (d = max|x| / 127; 32 columns for
+//             grouped int8, as llama.cpp's Q8_0; 128 per channel, 64 for int4, whose steps sum
+//             two 64-code halves in int32 before one conversion), the weight codes as the
+//             unsigned operand of vpdpbusd (int8 codes + 128, int4 codes as they are):
+//             sum_k u_k q_k per 4 columns in int32 lanes, scaled per lane by d
 //             and the group's scale into float32 accumulators; the offsets (128, z) are taken off
 //             at the end through the sums of x's codes per group: y = sum_g s_g (sum d u q -
 //             (z_g [+ 128]) sum_{k in g} d q_k). For int4, x's codes are stored in the order of the
@@ -146,9 +149,9 @@ void for_tiles(const A& a) {
       }
     }
   };
-  if (a.m == 1) {
+  if (a.m == 1) {  // one row at a time: one sequential stream (8 rows in turn: 0.8x as fast)
 #pragma omp parallel for schedule(static)
-    for (int64_t n0 = 0; n0 < a.n; n0 += 8) task(std::integral_constant<int, 8>{}, n0);
+    for (int64_t n0 = 0; n0 < a.n; ++n0) task(std::integral_constant<int, 1>{}, n0);
   } else {
 #pragma omp parallel for schedule(static)
     for (int64_t n0 = 0; n0 < a.n; n0 += 4) task(std::integral_constant<int, 4>{}, n0);
@@ -282,12 +285,13 @@ struct Float512 {
 
 #if defined(FOUDRE_VNNI)
 
-// x [m, k] to int8 per block of 32 codes: xq, d per 4 codes (dl), and d * sum(q) per 16 codes
-// (hsum [m, k / 16]). Nibbles (int4): per 128 columns, the even columns then the odd ones, and
-// one d per 64 columns (the same d for codes j and 64 + j, whose products a kernel adds up in
-// int32).
+// x [m, k] to int8 per block of `block` codes (32 or 128): xq, d per 4 codes (dl), and d * sum(q)
+// per 16 codes (hsum [m, k / 16]). Nibbles (int4): per 128 columns, the even columns then the odd
+// ones, and one d per 64 columns (the same d for codes j and 64 + j, whose products a kernel adds
+// up in int32).
 template <typename T, bool Nibbles>
-void quantize_rows(const T* x, int64_t m, int64_t k, int8_t* xq, float* dl, float* hsum) {
+void quantize_rows(const T* x, int64_t m, int64_t k, int64_t block, int8_t* xq, float* dl,
+                   float* hsum) {
   const auto put = [&](int64_t i, int64_t p, __m512 lo, __m512 hi, float amax) {
     const float d = amax / 127.0f, id = amax > 0 ? 127.0f / amax : 0.0f;
     const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(id)));
@@ -325,9 +329,12 @@ void quantize_rows(const T* x, int64_t m, int64_t k, int8_t* xq, float* dl, floa
         }
       }
     } else {
-      for (int64_t p = 0; p < k; p += 32) {
-        const __m512 lo = load16(x + i * k + p), hi = load16(x + i * k + p + 16);
-        put(i, p, lo, hi, amax(lo, hi));
+      for (int64_t p = 0; p < k; p += block) {
+        float span = 0.0f;
+        for (int64_t j = 0; j < block; j += 32)
+          span = std::max(span, amax(load16(x + i * k + p + j), load16(x + i * k + p + j + 16)));
+        for (int64_t j = 0; j < block; j += 32)
+          put(i, p + j, load16(x + i * k + p + j), load16(x + i * k + p + j + 16), span);
       }
     }
   }
@@ -340,9 +347,17 @@ inline int64_t column_of(int64_t p) {
   return p;
 }
 
+// x's block of codes (one d): per channel int8 128, its steps' two halves summed in int32 as
+// int4's; grouped int8 32 (llama.cpp's Q8_0: its group scale changes every step anyway); int4 64
+template <Kind K>
+constexpr int64_t kActivationBlock = K == Kind::Int8 ? 128 : K == Kind::Int4 ? 64 : 32;
+
 template <typename T, Kind K>
 struct Vnni {
   static constexpr bool kGrouped = K != Kind::Int8;
+  // a step: 64 codes (grouped int8), or 128 in two halves of 64 whose products sum in int32:
+  // per channel int8 two 64-byte loads, int4 the low nibbles of 64 bytes then the high ones
+  static constexpr bool kHalves = K != Kind::Int8Grouped;
   static constexpr int64_t kLaneColumns = K == Kind::Int4 ? 8 : 4;  // columns a lane spans
 
   template <int MT, int R>
@@ -368,9 +383,7 @@ struct Vnni {
       const __mmask16 span_mask = static_cast<__mmask16>((1u << span) - 1);
       const __m512i low = _mm512_set1_epi8(15);
       const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-      // a step: 64 codes (int8), or 128 (int4: the low nibbles of 64 bytes, then the high
-      // ones, whose products with x's codes c .. c + 63 and c + 64 .. c + 127 sum in int32)
-      constexpr int64_t kStepCodes = K == Kind::Int4 ? 128 : 64;
+      constexpr int64_t kStepCodes = kHalves ? 128 : 64;
       for (int64_t c = 0; c < a.k; c += kStepCodes) {
         const int64_t bytes = K == Kind::Int4 ? c / 2 : c;
         const int64_t g0 = c >> a.gshift;  // the step's first group
@@ -378,7 +391,7 @@ struct Vnni {
         __m512 d[MT];
         for (int mi = 0; mi < MT; ++mi) {
           xv[mi] = _mm512_loadu_si512(a.xq + (m0 + mi) * a.k + c);
-          if constexpr (K == Kind::Int4) xh[mi] = _mm512_loadu_si512(a.xq + (m0 + mi) * a.k + c + 64);
+          if constexpr (kHalves) xh[mi] = _mm512_loadu_si512(a.xq + (m0 + mi) * a.k + c + 64);
           d[mi] = _mm512_loadu_ps(a.dl + (m0 + mi) * (a.k / 4) + c / 4);
         }
         for (int r = 0; r < R; ++r) {
@@ -389,6 +402,8 @@ struct Vnni {
             wh = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
           } else {
             wv = _mm512_xor_si512(v, flip);
+            if constexpr (kHalves)
+              wh = _mm512_xor_si512(_mm512_loadu_si512(wr[r] + bytes + 64), flip);
           }
           __m512 sv = _mm512_setzero_ps();
           if constexpr (kGrouped) {
@@ -398,7 +413,7 @@ struct Vnni {
           }
           for (int mi = 0; mi < MT; ++mi) {
             __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xv[mi]);
-            if constexpr (K == Kind::Int4) dot = _mm512_dpbusd_epi32(dot, wh, xh[mi]);
+            if constexpr (kHalves) dot = _mm512_dpbusd_epi32(dot, wh, xh[mi]);
             const __m512 scale = kGrouped ? _mm512_mul_ps(d[mi], sv) : d[mi];
             acc[mi][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[mi][r]);
           }
@@ -441,7 +456,8 @@ void vnni_matmul(Args<T> a) {
   const int64_t halves = a.k / 16;
   std::vector<int8_t> xq(a.m * a.k);
   std::vector<float> dl(a.m * a.k / 4), hsum(a.m * halves);
-  quantize_rows<T, K == Kind::Int4>(a.x, a.m, a.k, xq.data(), dl.data(), hsum.data());
+  quantize_rows<T, K == Kind::Int4>(a.x, a.m, a.k, kActivationBlock<K>, xq.data(), dl.data(),
+                                    hsum.data());
   const int64_t per_row = grouped ? a.groups : 1;
   std::vector<float> corr(a.m * per_row, 0.0f);
   for (int64_t i = 0; i < a.m; ++i)
@@ -545,9 +561,9 @@ int foudre_qmm_path() {
 }
 
 // y [m, n] = x [m, k] @ W^T, x and y float32 (f32) or bfloat16 (bf16). kind 0: int8 per channel,
-// q [n, k] (k a multiple of 64), s [n]; 1: int8 group-wise, q [n, k], s and z [n, groups] for
-// groups of `group` columns (a power of two, 16 or more); 2: int4, q [n, k / 2] (k a multiple
-// of 128), s and z [n, groups] (groups of 32 or more). z null: every zero point is zc. st: the
+// q [n, k] (k a multiple of 128), s [n]; 1: int8 group-wise, q [n, k] (k a multiple of 64), s
+// and z [n, groups] for groups of `group` columns (a power of two, 16 or more); 2: int4,
+// q [n, k / 2] (k a multiple of 128), s and z [n, groups] (groups of 32 or more). z null: every zero point is zc. st: the
 // type of s and z (0 float32, 1 float16, 2 bfloat16).
 #define FOUDRE_QMM(SUFFIX, T)                                                                   \
   void foudre_qmm_##SUFFIX(int kind, const void* x, const void* q, const void* s, const void* z, \

@@ -5,7 +5,8 @@ channel, int8 group-wise with a scale and an optional zero point per group of 16
 float32 or bfloat16, y in x's dtype.
 
 Each task streams a few weight rows once for every row of x. With AVX512-VNNI the activations
-are quantized to int8 per block of 32 (as llama.cpp's Q8_0) and multiplied by vpdpbusd, so
+are quantized to int8 per block (``activation_block``: 32 columns for group-wise int8, as
+llama.cpp's Q8_0, 64 or 128 for int4 and per-channel int8) and multiplied by vpdpbusd, so
 results differ from dequantize-then-matmul by that rounding (each x within half its block's
 ``max|x| / 127``); the AVX-512 path without VNNI and the portable one multiply in float32.
 ``layout`` is the kernels' view of ``QuantLinear``'s buffers (the buffers themselves, no copy,
@@ -92,15 +93,15 @@ def layout(
     bits: int | None = None,
 ) -> Packed:
     """The kernels' view of ``QuantLinear``'s buffers for a ``bits``-bit weight (default: 4 for
-    uint8 codes, else 8): the buffers themselves where K is a multiple of 64 (int8) or 128
-    (int4, ``pack_int4``'s nibbles) and the scales float32, float16 or bfloat16 (one dtype for
+    uint8 codes, else 8): the buffers themselves where K is a multiple of 128 (64 for group-wise
+    int8; int4: ``pack_int4``'s nibbles) and the scales float32, float16 or bfloat16 (one dtype for
     both), else copies padded with zero columns (zero scales)."""
     bits = bits or (4 if qweight.dtype == torch.uint8 else 8)
     per_channel = scales.dim() == 1
     kind = "int8" if per_channel else ("int8g" if bits == 8 else "int4")
     codes_per_byte = 2 if bits == 4 else 1
     k = qweight.shape[1] * codes_per_byte
-    multiple = 128 if bits == 4 else 64
+    multiple = 64 if bits == 8 and not per_channel else 128  # the kernels' steps
     zc = 0.0
     if zeros is not None and zeros.numel() and bool((zeros == zeros.flatten()[0]).all()):
         zc, zeros = float(zeros.flatten()[0]), None  # one zero point: nothing to read
@@ -121,15 +122,28 @@ def layout(
     return Packed(kind, qweight.contiguous(), scales.contiguous(), contiguous, group, k, zc)
 
 
-def error_bound(x: torch.Tensor, w: torch.Tensor, bits: int = 8) -> torch.Tensor:
+def activation_block(bits: int, group_size: int | None) -> int:
+    """The columns of x that share one int8 scale on the VNNI path: 32 for group-wise 8-bit
+    weights (llama.cpp's Q8_0 activations: the weight's scale changes every 32 columns or sooner
+    anyway), 128 for per-channel int8 and 64 for int4 (the kernels sum two 64-column halves in
+    int32 before one float conversion: a quarter of the float work of blocks of 32)."""
+    if bits == 4:
+        return 64
+    return 128 if group_size is None else 32
+
+
+def error_bound(
+    x: torch.Tensor, w: torch.Tensor, bits: int = 8, group_size: int | None = None
+) -> torch.Tensor:
     """A bound ``[M, N]`` on ``|matmul(x, layout(W)) - x @ w.T|`` for float32 ``x [M, K]`` and
     the dequantized ``bits``-bit weight ``w [N, K]``, float32 outputs: the float32 sums' order
     (``1e-5 sum |x| |w|``) and, on the VNNI path, the rounding of x to int8 (each x within
-    ``d / 2``, ``d = max|x| / 127`` over its block: 32 columns, 64 for int4 weights)."""
+    ``d / 2``, ``d = max|x| / 127`` over its block, ``activation_block(bits, group_size)``: the
+    defaults, per-channel int8, give the loosest bound for 8 bits)."""
     x, aw = x.float(), w.float().abs()
     bound = 1e-5 * (x.abs() @ aw.t()) + 1e-6
     if path() == "vnni":
-        k, span = x.shape[1], 64 if bits == 4 else 32
+        k, span = x.shape[1], activation_block(bits, group_size)
         d = F.pad(x, (0, -k % span)).abs().reshape(x.shape[0], -1, span).amax(-1) / 127
         bound = bound + (d.repeat_interleave(span, dim=1)[:, :k] / 2) @ aw.t()
     return bound
@@ -148,14 +162,14 @@ def _check_groups(packed: Packed) -> None:
         )
 
 
-def round_like_kernel(x: torch.Tensor, bits: int) -> torch.Tensor:
+def round_like_kernel(x: torch.Tensor, bits: int, group_size: int | None) -> torch.Tensor:
     """``x`` ``[..., K]`` as the VNNI path rounds it (the oracle of its tests): codes
     ``round(x * 127 / a)`` (ties to even, as ``vcvtps2dq``) times ``a / 127``, ``a`` the largest
-    ``|x|`` of the block, a block being 32 columns (int8 weights, as llama.cpp's Q8_0) or for
-    int4 weights 64 columns (the even and the odd columns of 64 share their scale, so the two
-    halves of a byte's products add up in int32)."""
+    ``|x|`` of the block, ``activation_block(bits, group_size)`` columns (for int4 weights the
+    even and the odd columns of 64 share their scale, so the two halves of a byte's products add
+    up in int32)."""
     k = x.shape[-1]
-    span = 64 if bits == 4 else 32
+    span = activation_block(bits, group_size)
     xb = F.pad(x.float().reshape(-1, k), (0, -k % span)).reshape(-1, -(-k // span), span)
     amax = xb.abs().amax(-1, keepdim=True)
     # one division, as the kernel (127 / a, not 127 * (1 / a): a scalar over a tensor rounds

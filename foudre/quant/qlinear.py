@@ -6,8 +6,8 @@ as the weight dequantized a few rows at a time into torch's GEMM; elsewhere torc
 kernels (``kernels``; group-wise 8-bit there runs ``forward_reference``). On CUDA the Triton
 kernels (``triton_kernels``: a split-K GEMV at one row, dequantizing tiles in registers above).
 
-With AVX512-VNNI the integer kernel rounds the activations to int8 per block of 32 (as
-llama.cpp's Q8_0): ``cpu_qmatmul.error_bound`` bounds the difference from
+With AVX512-VNNI the integer kernel rounds the activations to int8 per block
+(``cpu_qmatmul.activation_block``): ``cpu_qmatmul.error_bound`` bounds the difference from
 ``forward_reference`` and ``cpu_qmatmul.round_like_kernel`` reproduces the rounding.
 
 Optional per module: ``input_scale`` ``[K]`` (AWQ scaling that could not be folded into the

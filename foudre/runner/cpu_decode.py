@@ -325,8 +325,10 @@ class NativeDecode:
     def _unchanged(self) -> bool:
         if any(now != built for now, built in self.children):
             return False
+        if self.quantized and not uses_native_kernels(self.dtype):
+            return False
         for module, packed in self.quantized:  # the same kernel and inputs as its forward
-            if module._native is not packed or not _runs_quantized(module, self.dtype, None):
+            if module._native is not packed or not _feeds_kernel(module, self.dtype):
                 return False
         for owner, name, tensor, address in self.held:
             now = owner.get(name)
@@ -438,19 +440,25 @@ def _projections(model: LlamaForCausalLM) -> dict[nn.Module, tuple[int, int]]:
     return found
 
 
-def _runs_quantized(
-    mod: QuantLinear, dtype: torch.dtype, shape: tuple[int, int] | None = None
-) -> bool:
+def _runs_quantized(mod: QuantLinear, dtype: torch.dtype, shape: tuple[int, int]) -> bool:
     """Whether the C++ layers compute ``mod`` as its ``forward`` does on ``dtype`` activations:
-    one of the projections with the features expected (``shape``; None: checked before), on
+    one of the projections with the features expected (``shape``), on
     ``cpu_qmatmul`` (no activation cast, scaling or permutation first), a bias in ``dtype``."""
-    if shape is not None and (mod.in_features, mod.out_features) != shape:
+    if (mod.in_features, mod.out_features) != shape:
         return False
-    if not uses_native_kernels(dtype) or mod.compute_dtype not in (None, dtype):
+    return uses_native_kernels(dtype) and _feeds_kernel(mod, dtype)
+
+
+def _feeds_kernel(mod: QuantLinear, dtype: torch.dtype) -> bool:
+    """``_runs_quantized``'s checks of the module itself (each step makes them: the buffers
+    read from their dict, as ``nn.Module.__getattr__`` would take most of the check's time)."""
+    buffers = mod._buffers
+    if mod.compute_dtype not in (None, dtype) or buffers["input_scale"] is not None:
         return False
-    if mod.input_scale is not None or mod.perm is not None or not mod.qweight.is_cpu:
+    bias, qweight = buffers["bias"], buffers["qweight"]
+    if buffers["perm"] is not None or qweight is None or not qweight.is_cpu:
         return False
-    return mod.bias is None or (mod.bias.dtype == dtype and mod.bias.is_contiguous())
+    return bias is None or (bias.dtype == dtype and bias.is_contiguous())
 
 
 def _cache_pointers(cache: torch.Tensor | QuantizedKVCache) -> list[int]:

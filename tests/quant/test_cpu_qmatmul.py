@@ -92,7 +92,7 @@ def check_kernels() -> None:
                 y = cpu_qmatmul.matmul(x, packed)
                 assert y.dtype == dtype and y.shape == (m, n)
                 ref = x.float() @ wd.t()
-                tol = cpu_qmatmul.error_bound(x.float(), wd, bits)
+                tol = cpu_qmatmul.error_bound(x.float(), wd, bits, group)
                 if dtype == torch.bfloat16:
                     tol = tol + ref.abs() * 2**-8
                 err = (y.float() - ref).abs()
@@ -148,13 +148,35 @@ def test_quantized_activations_are_needed_for_the_bound() -> None:
     assert bool(((y - ref).abs() <= cpu_qmatmul.error_bound(x, mod.dequantize())).all())
 
 
+@pytest.mark.parametrize("k", [384, 200])
+def test_vnni_per_channel_int8_is_the_rounded_product(k: int) -> None:
+    """On the VNNI path per-channel int8 is the product of x rounded per block of 128 columns
+    (``round_like_kernel``) with the dequantized weight, to float32 summation order (terms of
+    ``(|q| + 128) s`` with the 128 offset the kernel takes off at the end); the rounding is
+    really there, and a block of 32 would round differently."""
+    if cpu_qmatmul.path() != "vnni":
+        pytest.skip("this build multiplies in float32")
+    assert cpu_qmatmul.activation_block(8, None) == 128
+    torch.manual_seed(k)
+    mod = QuantLinear.from_float(torch.randn(40, k) * 0.1, None, 8)
+    x = torch.randn(3, k) * torch.linspace(0.1, 4, k)  # blocks of different ranges
+    y = cpu_qmatmul.matmul(x, cpu_qmatmul.layout(mod.qweight, mod.scales, None, None)).double()
+    wd = mod.dequantize().double()
+    xr = cpu_qmatmul.round_like_kernel(x, 8, None).double()
+    terms = (mod.qweight.double().abs() + 256) * mod.scales.double()[:, None]
+    tight = 1e-5 * (xr.abs() @ terms.t()) + 1e-6
+    assert bool(((y - xr @ wd.t()).abs() <= tight).all())
+    by_32 = cpu_qmatmul.round_like_kernel(x, 8, 32).double() @ wd.t()
+    assert float((y - by_32).abs().max()) > 10 * float(tight.max())
+
+
 def test_bad_input_is_refused() -> None:
     mod = QuantLinear.from_float(torch.randn(8, 64), None, 8)
     packed = cpu_qmatmul.layout(mod.qweight, mod.scales, None, None)
     with pytest.raises(ValueError, match="float32 or bfloat16"):
         cpu_qmatmul.matmul(torch.randn(2, 64, dtype=torch.float64), packed)
     with pytest.raises(ValueError, match="columns"):
-        cpu_qmatmul.matmul(torch.randn(2, 65), packed)
+        cpu_qmatmul.matmul(torch.randn(2, packed.k + 1), packed)
 
 
 @pytest.mark.parametrize("bits,group", [(8, None), (4, 32), (4, 128)])
@@ -178,7 +200,7 @@ def test_quant_linear_matches_reference(
     y, ref = mod(x), mod.forward_reference(x)
     assert y.shape == (2, m, n)
     xp = mod._prepare_input(x).reshape(-1, k)
-    tol = cpu_qmatmul.error_bound(xp, mod.dequantize(), bits).reshape(2, m, n) + 1e-5
+    tol = cpu_qmatmul.error_bound(xp, mod.dequantize(), bits, group).reshape(2, m, n) + 1e-5
     assert bool(((y - ref).abs() <= tol).all())
 
 

@@ -90,12 +90,6 @@ def _grouped(group: int, n: int, k: int) -> QuantLinear:
     return mod
 
 
-def _round_like_vnni(x: torch.Tensor, bits: int = 8) -> torch.Tensor:
-    """x rounded to int8 per row and block as the VNNI kernel does (for 8-bit weights llama.cpp's
-    ``quantize_row_q8_0``): ``cpu_qmatmul.round_like_kernel``."""
-    return cpu_qmatmul.round_like_kernel(x, bits)
-
-
 @needs_kernels
 def test_vnni_grouped_int8_is_the_q8_0_dot() -> None:
     """On the VNNI path each block of 32 is llama.cpp's Q8_0 x Q8_0 dot: the integer dot of the
@@ -107,7 +101,8 @@ def test_vnni_grouped_int8_is_the_q8_0_dot() -> None:
     mod = _grouped(32, 45, 320)
     x = torch.randn(5, 320) * 3
     y = cpu_qmatmul.matmul(x, cpu_qmatmul.layout(mod.qweight, mod.scales, None, 32))
-    xr, wd = _round_like_vnni(x).double(), mod.dequantize().double()
+    xr = cpu_qmatmul.round_like_kernel(x, 8, 32).double()  # llama.cpp's quantize_row_q8_0
+    wd = mod.dequantize().double()
     ref = xr @ wd.t()
     tight = 1e-5 * (xr.abs() @ wd.abs().t()) + 1e-6
     assert bool(((y.double() - ref).abs() <= tight).all())
@@ -157,7 +152,9 @@ def _rounds_input(mod: QuantLinear, rows: int) -> bool:
 def _kernel_input(mod: QuantLinear, x: torch.Tensor) -> torch.Tensor:
     """``x`` as ``mod``'s CPU kernel sees it: rounded to int8 per block where it runs the VNNI
     kernel (``cpu_qmatmul.round_like_kernel``)."""
-    return _round_like_vnni(x, mod.bits) if _rounds_input(mod, x[..., 0].numel()) else x
+    if not _rounds_input(mod, x[..., 0].numel()):
+        return x
+    return cpu_qmatmul.round_like_kernel(x, mod.bits, mod.group_size)
 
 
 def _term_sizes(mod: QuantLinear) -> torch.Tensor:
