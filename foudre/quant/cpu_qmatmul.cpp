@@ -215,6 +215,13 @@ inline __m512 load_scales(const void* p, int64_t i, int st, __mmask16 mask) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+// element i of a scale array of type st, as scale_at with F16C's conversion
+inline float scale1(const void* p, int64_t i, int st) {
+  if (st == kF32) return static_cast<const float*>(p)[i];
+  const uint16_t h = static_cast<const uint16_t*>(p)[i];
+  return st == kF16 ? _cvtsh_ss(h) : to_float(h);
+}
+
 // y[m0 + mi, n0 + r] = finish(m0 + mi, n0 + r, acc[mi][r]), for the rows that exist
 template <typename T, int MT, int R, typename F>
 void store_tile(const Args<T>& a, int64_t m0, int64_t n0, __m512 (&acc)[MT][R], F&& finish) {
@@ -285,10 +292,10 @@ struct Float512 {
 
 #if defined(FOUDRE_VNNI)
 
-// x [m, k] to int8 per block of `block` codes (32 or 128): xq, d per 4 codes (dl), and d * sum(q)
-// per 16 codes (hsum [m, k / 16]). Nibbles (int4): per 128 columns, the even columns then the odd
-// ones, and one d per 64 columns (the same d for codes j and 64 + j, whose products a kernel adds
-// up in int32).
+// x [m, k] to int8 per block of `block` columns (32 or 128; nibbles 64 or 128): xq, d per 4 codes
+// (dl), and d * sum(q) per 16 codes (hsum [m, k / 16]). Nibbles (int4): per 128 columns, the even
+// columns then the odd ones, and one d per 64 columns or 128 (the same d for codes j and 64 + j,
+// whose products a kernel adds up in int32).
 template <typename T, bool Nibbles>
 void quantize_rows(const T* x, int64_t m, int64_t k, int64_t block, int8_t* xq, float* dl,
                    float* hsum) {
@@ -323,6 +330,7 @@ void quantize_rows(const T* x, int64_t m, int64_t k, int64_t block, int8_t* xq, 
         for (int half = 0; half < 2; ++half)
           span[half] = std::max(amax(ev[2 * half], ev[2 * half + 1]),
                                 amax(od[2 * half], od[2 * half + 1]));
+        if (block == 128) span[0] = span[1] = std::max(span[0], span[1]);
         for (int half = 0; half < 2; ++half) {
           put(i, c + 32 * half, ev[2 * half], ev[2 * half + 1], span[half]);
           put(i, c + 64 + 32 * half, od[2 * half], od[2 * half + 1], span[half]);
@@ -348,9 +356,13 @@ inline int64_t column_of(int64_t p) {
 }
 
 // x's block of codes (one d): per channel int8 128, its steps' two halves summed in int32 as
-// int4's; grouped int8 32 (llama.cpp's Q8_0: its group scale changes every step anyway); int4 64
+// int4's; grouped int8 32 (llama.cpp's Q8_0: its group scale changes every step anyway); int4 64,
+// 128 in groups of 128 or more (one d and one scale a step)
 template <Kind K>
-constexpr int64_t kActivationBlock = K == Kind::Int8 ? 128 : K == Kind::Int4 ? 64 : 32;
+int64_t activation_block(int64_t group) {
+  if constexpr (K == Kind::Int4) return group >= 128 ? 128 : 64;
+  return K == Kind::Int8 ? 128 : 32;
+}
 
 template <typename T, Kind K>
 struct Vnni {
@@ -381,18 +393,36 @@ struct Vnni {
                                _mm512_set1_epi32(static_cast<int>(kLaneColumns))),
             a.gshift);
       const __mmask16 span_mask = static_cast<__mmask16>((1u << span) - 1);
+      // int4 in groups of 128 or more: one d (x's block of 128) and one scale per step, their
+      // product a scalar broadcast (no vector loads, conversions and products of scales)
+      if (K == Kind::Int4 && a.group >= kStepCodes)
+        steps<MT, R, true>(a, m0, wr, nr, acc, lane_group, span, span_mask);
+      else
+        steps<MT, R, false>(a, m0, wr, nr, acc, lane_group, span, span_mask);
+      finish<MT, R>(a, m0, n0, nr, acc);
+    }
+  };
+
+  static constexpr int64_t kStepCodes = kHalves ? 128 : 64;
+
+  template <int MT, int R, bool Uniform>
+  static void steps(const Args<T>& a, int64_t m0, const uint8_t* const* wr, const int64_t* nr,
+                    __m512 (&acc)[MT][R], __m512i lane_group, int64_t span, __mmask16 span_mask) {
       const __m512i low = _mm512_set1_epi8(15);
       const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-      constexpr int64_t kStepCodes = kHalves ? 128 : 64;
       for (int64_t c = 0; c < a.k; c += kStepCodes) {
         const int64_t bytes = K == Kind::Int4 ? c / 2 : c;
         const int64_t g0 = c >> a.gshift;  // the step's first group
         __m512i xv[MT], xh[MT];
         __m512 d[MT];
+        float d1[MT];
         for (int mi = 0; mi < MT; ++mi) {
           xv[mi] = _mm512_loadu_si512(a.xq + (m0 + mi) * a.k + c);
           if constexpr (kHalves) xh[mi] = _mm512_loadu_si512(a.xq + (m0 + mi) * a.k + c + 64);
-          d[mi] = _mm512_loadu_ps(a.dl + (m0 + mi) * (a.k / 4) + c / 4);
+          if constexpr (Uniform)
+            d1[mi] = a.dl[(m0 + mi) * (a.k / 4) + c / 4];
+          else
+            d[mi] = _mm512_loadu_ps(a.dl + (m0 + mi) * (a.k / 4) + c / 4);
         }
         for (int r = 0; r < R; ++r) {
           const __m512i v = _mm512_loadu_si512(wr[r] + bytes);
@@ -406,7 +436,10 @@ struct Vnni {
               wh = _mm512_xor_si512(_mm512_loadu_si512(wr[r] + bytes + 64), flip);
           }
           __m512 sv = _mm512_setzero_ps();
-          if constexpr (kGrouped) {
+          float s1 = 0.0f;
+          if constexpr (Uniform) {
+            s1 = scale1(a.s, nr[r] * a.groups + g0, a.st);
+          } else if constexpr (kGrouped) {
             const __m512 gs = load_scales(a.s, nr[r] * a.groups + g0, a.st, span_mask);
             sv = span > 1 ? _mm512_permutexvar_ps(lane_group, gs)
                           : _mm512_broadcastss_ps(_mm512_castps512_ps128(gs));
@@ -414,11 +447,20 @@ struct Vnni {
           for (int mi = 0; mi < MT; ++mi) {
             __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xv[mi]);
             if constexpr (kHalves) dot = _mm512_dpbusd_epi32(dot, wh, xh[mi]);
-            const __m512 scale = kGrouped ? _mm512_mul_ps(d[mi], sv) : d[mi];
+            __m512 scale;
+            if constexpr (Uniform)
+              scale = _mm512_set1_ps(d1[mi] * s1);
+            else
+              scale = kGrouped ? _mm512_mul_ps(d[mi], sv) : d[mi];
             acc[mi][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[mi][r]);
           }
         }
       }
+  }
+
+  template <int MT, int R>
+  static void finish(const Args<T>& a, int64_t m0, int64_t n0, const int64_t* nr,
+                     __m512 (&acc)[MT][R]) {
       if constexpr (kGrouped) {
         // the offsets: acc -= s (z [+ 128]) * (the group's sum of d q), 16 groups a step
         for (int64_t g = 0; g < a.groups; g += 16) {
@@ -444,8 +486,7 @@ struct Vnni {
           return (_mm512_reduce_add_ps(v) - 128.0f * a.corr[mr]) * scale_at(a.s, n, a.st);
         });
       }
-    }
-  };
+  }
 };
 
 // quantize x, then the tiles; corr = the sums of a row's 16-code sums: per row (int8), per
@@ -456,8 +497,8 @@ void vnni_matmul(Args<T> a) {
   const int64_t halves = a.k / 16;
   std::vector<int8_t> xq(a.m * a.k);
   std::vector<float> dl(a.m * a.k / 4), hsum(a.m * halves);
-  quantize_rows<T, K == Kind::Int4>(a.x, a.m, a.k, kActivationBlock<K>, xq.data(), dl.data(),
-                                    hsum.data());
+  quantize_rows<T, K == Kind::Int4>(a.x, a.m, a.k, activation_block<K>(a.group), xq.data(),
+                                    dl.data(), hsum.data());
   const int64_t per_row = grouped ? a.groups : 1;
   std::vector<float> corr(a.m * per_row, 0.0f);
   for (int64_t i = 0; i < a.m; ++i)

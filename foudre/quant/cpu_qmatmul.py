@@ -126,9 +126,10 @@ def activation_block(bits: int, group_size: int | None) -> int:
     """The columns of x that share one int8 scale on the VNNI path: 32 for group-wise 8-bit
     weights (llama.cpp's Q8_0 activations: the weight's scale changes every 32 columns or sooner
     anyway), 128 for per-channel int8 and 64 for int4 (the kernels sum two 64-column halves in
-    int32 before one float conversion: a quarter of the float work of blocks of 32)."""
+    int32 before one float conversion: a quarter of the float work of blocks of 32), 128 for
+    int4 in groups of 128 or more (one d and one weight scale a step: their product a scalar)."""
     if bits == 4:
-        return 64
+        return 64 if group_size is not None and group_size < 128 else 128
     return 128 if group_size is None else 32
 
 
@@ -139,7 +140,7 @@ def error_bound(
     the dequantized ``bits``-bit weight ``w [N, K]``, float32 outputs: the float32 sums' order
     (``1e-5 sum |x| |w|``) and, on the VNNI path, the rounding of x to int8 (each x within
     ``d / 2``, ``d = max|x| / 127`` over its block, ``activation_block(bits, group_size)``: the
-    defaults, per-channel int8, give the loosest bound for 8 bits)."""
+    default group, None, gives the loosest bound for either width)."""
     x, aw = x.float(), w.float().abs()
     bound = 1e-5 * (x.abs() @ aw.t()) + 1e-6
     if path() == "vnni":

@@ -148,22 +148,30 @@ def test_quantized_activations_are_needed_for_the_bound() -> None:
     assert bool(((y - ref).abs() <= cpu_qmatmul.error_bound(x, mod.dequantize())).all())
 
 
-@pytest.mark.parametrize("k", [384, 200])
-def test_vnni_per_channel_int8_is_the_rounded_product(k: int) -> None:
-    """On the VNNI path per-channel int8 is the product of x rounded per block of 128 columns
-    (``round_like_kernel``) with the dequantized weight, to float32 summation order (terms of
-    ``(|q| + 128) s`` with the 128 offset the kernel takes off at the end); the rounding is
-    really there, and a block of 32 would round differently."""
+@pytest.mark.parametrize(
+    "bits,group,k", [(8, None, 384), (8, None, 200), (4, 128, 384), (4, 256, 512)]
+)
+def test_vnni_rounds_x_per_block_of_128(bits: int, group: int | None, k: int) -> None:
+    """On the VNNI path per-channel int8, and int4 in groups of 128 or more, are the product of
+    x rounded per block of 128 columns (``round_like_kernel``) with the dequantized weight, to
+    float32 summation order (terms of ``(|q| + |z|) s``, int8's codes offset by 128 and the
+    offset taken off at the end); the rounding is really there, and blocks of 32 would round
+    differently."""
     if cpu_qmatmul.path() != "vnni":
         pytest.skip("this build multiplies in float32")
-    assert cpu_qmatmul.activation_block(8, None) == 128
-    torch.manual_seed(k)
-    mod = QuantLinear.from_float(torch.randn(40, k) * 0.1, None, 8)
+    assert cpu_qmatmul.activation_block(bits, group) == 128
+    torch.manual_seed(k + bits)
+    mod = QuantLinear.from_float(torch.randn(40, k) * 0.1, None, bits, group)
     x = torch.randn(3, k) * torch.linspace(0.1, 4, k)  # blocks of different ranges
-    y = cpu_qmatmul.matmul(x, cpu_qmatmul.layout(mod.qweight, mod.scales, None, None)).double()
+    packed = cpu_qmatmul.layout(mod.qweight, mod.scales, mod.zeros, group, bits)
+    y = cpu_qmatmul.matmul(x, packed).double()
     wd = mod.dequantize().double()
-    xr = cpu_qmatmul.round_like_kernel(x, 8, None).double()
-    terms = (mod.qweight.double().abs() + 256) * mod.scales.double()[:, None]
+    xr = cpu_qmatmul.round_like_kernel(x, bits, group).double()
+    q = (mod.qweight if bits == 8 else unpack_int4(mod.qweight)).double()[:, :k]
+    s = mod.scales.double()
+    s = s[:, None] if group is None else s.repeat_interleave(group, 1)[:, :k]
+    z = 0 if mod.zeros is None else mod.zeros.double().repeat_interleave(group, 1)[:, :k]
+    terms = (q.abs() + z + (256 if bits == 8 else 0)) * s.abs()
     tight = 1e-5 * (xr.abs() @ terms.t()) + 1e-6
     assert bool(((y - xr @ wd.t()).abs() <= tight).all())
     by_32 = cpu_qmatmul.round_like_kernel(x, 8, 32).double() @ wd.t()
