@@ -10,8 +10,8 @@
 //
 // The kernels read QuantLinear's own buffers, no copy: int8 codes [N, K] (K a multiple of 128 per
 // channel, of 64 group-wise), int4 codes [N, K / 2] as packing.pack_int4 lays them (column 2j in
-// the low nibble of byte j, 2j + 1 in the high one; K a multiple of 128), scales and zero points [N, groups] in float32,
-// float16 or bfloat16 (st: 0, 1, 2). Each task prefetches its rows' scales and zero points at
+// the low nibble of byte j, 2j + 1 in the high one; K a multiple of 128), scales and zero points
+// [N, groups] in float32, float16 or bfloat16 (st: 0, 1, 2). Each task prefetches its rows' scales and zero points at
 // its start: a row's scales are a few cache lines, too short a stream for the hardware
 // prefetcher, and waiting on them halved the speed of groups of 32 (the weight rows, long
 // streams, need no help: prefetching them ahead measured no faster).
@@ -408,84 +408,84 @@ struct Vnni {
   template <int MT, int R, bool Uniform>
   static void steps(const Args<T>& a, int64_t m0, const uint8_t* const* wr, const int64_t* nr,
                     __m512 (&acc)[MT][R], __m512i lane_group, int64_t span, __mmask16 span_mask) {
-      const __m512i low = _mm512_set1_epi8(15);
-      const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-      for (int64_t c = 0; c < a.k; c += kStepCodes) {
-        const int64_t bytes = K == Kind::Int4 ? c / 2 : c;
-        const int64_t g0 = c >> a.gshift;  // the step's first group
-        __m512i xv[MT], xh[MT];
-        __m512 d[MT];
-        float d1[MT];
-        for (int mi = 0; mi < MT; ++mi) {
-          xv[mi] = _mm512_loadu_si512(a.xq + (m0 + mi) * a.k + c);
-          if constexpr (kHalves) xh[mi] = _mm512_loadu_si512(a.xq + (m0 + mi) * a.k + c + 64);
-          if constexpr (Uniform)
-            d1[mi] = a.dl[(m0 + mi) * (a.k / 4) + c / 4];
-          else
-            d[mi] = _mm512_loadu_ps(a.dl + (m0 + mi) * (a.k / 4) + c / 4);
+    const __m512i low = _mm512_set1_epi8(15);
+    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+    for (int64_t c = 0; c < a.k; c += kStepCodes) {
+      const int64_t bytes = K == Kind::Int4 ? c / 2 : c;
+      const int64_t g0 = c >> a.gshift;  // the step's first group
+      __m512i xv[MT], xh[MT];
+      __m512 d[MT];
+      float d1[MT];
+      for (int mi = 0; mi < MT; ++mi) {
+        xv[mi] = _mm512_loadu_si512(a.xq + (m0 + mi) * a.k + c);
+        if constexpr (kHalves) xh[mi] = _mm512_loadu_si512(a.xq + (m0 + mi) * a.k + c + 64);
+        if constexpr (Uniform)
+          d1[mi] = a.dl[(m0 + mi) * (a.k / 4) + c / 4];
+        else
+          d[mi] = _mm512_loadu_ps(a.dl + (m0 + mi) * (a.k / 4) + c / 4);
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m512i v = _mm512_loadu_si512(wr[r] + bytes);
+        __m512i wv, wh = v;
+        if constexpr (K == Kind::Int4) {
+          wv = _mm512_and_si512(v, low);
+          wh = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        } else {
+          wv = _mm512_xor_si512(v, flip);
+          if constexpr (kHalves)
+            wh = _mm512_xor_si512(_mm512_loadu_si512(wr[r] + bytes + 64), flip);
         }
-        for (int r = 0; r < R; ++r) {
-          const __m512i v = _mm512_loadu_si512(wr[r] + bytes);
-          __m512i wv, wh = v;
-          if constexpr (K == Kind::Int4) {
-            wv = _mm512_and_si512(v, low);
-            wh = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-          } else {
-            wv = _mm512_xor_si512(v, flip);
-            if constexpr (kHalves)
-              wh = _mm512_xor_si512(_mm512_loadu_si512(wr[r] + bytes + 64), flip);
-          }
-          __m512 sv = _mm512_setzero_ps();
-          float s1 = 0.0f;
-          if constexpr (Uniform) {
-            s1 = scale1(a.s, nr[r] * a.groups + g0, a.st);
-          } else if constexpr (kGrouped) {
-            const __m512 gs = load_scales(a.s, nr[r] * a.groups + g0, a.st, span_mask);
-            sv = span > 1 ? _mm512_permutexvar_ps(lane_group, gs)
-                          : _mm512_broadcastss_ps(_mm512_castps512_ps128(gs));
-          }
-          for (int mi = 0; mi < MT; ++mi) {
-            __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xv[mi]);
-            if constexpr (kHalves) dot = _mm512_dpbusd_epi32(dot, wh, xh[mi]);
-            __m512 scale;
-            if constexpr (Uniform)
-              scale = _mm512_set1_ps(d1[mi] * s1);
-            else
-              scale = kGrouped ? _mm512_mul_ps(d[mi], sv) : d[mi];
-            acc[mi][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[mi][r]);
-          }
+        __m512 sv = _mm512_setzero_ps();
+        float s1 = 0.0f;
+        if constexpr (Uniform) {
+          s1 = scale1(a.s, nr[r] * a.groups + g0, a.st);
+        } else if constexpr (kGrouped) {
+          const __m512 gs = load_scales(a.s, nr[r] * a.groups + g0, a.st, span_mask);
+          sv = span > 1 ? _mm512_permutexvar_ps(lane_group, gs)
+                        : _mm512_broadcastss_ps(_mm512_castps512_ps128(gs));
+        }
+        for (int mi = 0; mi < MT; ++mi) {
+          __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xv[mi]);
+          if constexpr (kHalves) dot = _mm512_dpbusd_epi32(dot, wh, xh[mi]);
+          __m512 scale;
+          if constexpr (Uniform)
+            scale = _mm512_set1_ps(d1[mi] * s1);
+          else
+            scale = kGrouped ? _mm512_mul_ps(d[mi], sv) : d[mi];
+          acc[mi][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[mi][r]);
         }
       }
+    }
   }
 
   template <int MT, int R>
   static void finish(const Args<T>& a, int64_t m0, int64_t n0, const int64_t* nr,
                      __m512 (&acc)[MT][R]) {
-      if constexpr (kGrouped) {
-        // the offsets: acc -= s (z [+ 128]) * (the group's sum of d q), 16 groups a step
-        for (int64_t g = 0; g < a.groups; g += 16) {
-          const __mmask16 mask =
-              a.groups - g >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (a.groups - g)) - 1);
-          __m512 off[R];
-          for (int r = 0; r < R; ++r) {
-            const __m512 s = load_scales(a.s, nr[r] * a.groups + g, a.st, mask);
-            __m512 z = a.z ? load_scales(a.z, nr[r] * a.groups + g, a.st, mask)
-                           : _mm512_set1_ps(a.zc);  // one zero point (Q4_0's 8): no loads
-            if constexpr (K != Kind::Int4) z = _mm512_add_ps(z, _mm512_set1_ps(128.0f));
-            off[r] = _mm512_mul_ps(s, z);
-          }
-          for (int mi = 0; mi < MT; ++mi) {
-            const __m512 cv = _mm512_maskz_loadu_ps(mask, a.corr + (m0 + mi) * a.groups + g);
-            for (int r = 0; r < R; ++r) acc[mi][r] = _mm512_fnmadd_ps(off[r], cv, acc[mi][r]);
-          }
+    if constexpr (kGrouped) {
+      // the offsets: acc -= s (z [+ 128]) * (the group's sum of d q), 16 groups a step
+      for (int64_t g = 0; g < a.groups; g += 16) {
+        const __mmask16 mask =
+            a.groups - g >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (a.groups - g)) - 1);
+        __m512 off[R];
+        for (int r = 0; r < R; ++r) {
+          const __m512 s = load_scales(a.s, nr[r] * a.groups + g, a.st, mask);
+          __m512 z = a.z ? load_scales(a.z, nr[r] * a.groups + g, a.st, mask)
+                         : _mm512_set1_ps(a.zc);  // one zero point (Q4_0's 8): no loads
+          if constexpr (K != Kind::Int4) z = _mm512_add_ps(z, _mm512_set1_ps(128.0f));
+          off[r] = _mm512_mul_ps(s, z);
         }
-        store_tile<T, MT, R>(a, m0, n0, acc,
-                             [](int64_t, int64_t, __m512 v) { return _mm512_reduce_add_ps(v); });
-      } else {  // the offset 128: y = s (acc - 128 sum d q)
-        store_tile<T, MT, R>(a, m0, n0, acc, [&](int64_t mr, int64_t n, __m512 v) {
-          return (_mm512_reduce_add_ps(v) - 128.0f * a.corr[mr]) * scale_at(a.s, n, a.st);
-        });
+        for (int mi = 0; mi < MT; ++mi) {
+          const __m512 cv = _mm512_maskz_loadu_ps(mask, a.corr + (m0 + mi) * a.groups + g);
+          for (int r = 0; r < R; ++r) acc[mi][r] = _mm512_fnmadd_ps(off[r], cv, acc[mi][r]);
+        }
       }
+      store_tile<T, MT, R>(a, m0, n0, acc,
+                           [](int64_t, int64_t, __m512 v) { return _mm512_reduce_add_ps(v); });
+    } else {  // the offset 128: y = s (acc - 128 sum d q)
+      store_tile<T, MT, R>(a, m0, n0, acc, [&](int64_t mr, int64_t n, __m512 v) {
+        return (_mm512_reduce_add_ps(v) - 128.0f * a.corr[mr]) * scale_at(a.s, n, a.st);
+      });
+    }
   }
 };
 
@@ -604,8 +604,8 @@ int foudre_qmm_path() {
 // y [m, n] = x [m, k] @ W^T, x and y float32 (f32) or bfloat16 (bf16). kind 0: int8 per channel,
 // q [n, k] (k a multiple of 128), s [n]; 1: int8 group-wise, q [n, k] (k a multiple of 64), s
 // and z [n, groups] for groups of `group` columns (a power of two, 16 or more); 2: int4,
-// q [n, k / 2] (k a multiple of 128), s and z [n, groups] (groups of 32 or more). z null: every zero point is zc. st: the
-// type of s and z (0 float32, 1 float16, 2 bfloat16).
+// q [n, k / 2] (k a multiple of 128), s and z [n, groups] (groups of 32 or more). z null: every
+// zero point is zc. st: the type of s and z (0 float32, 1 float16, 2 bfloat16).
 #define FOUDRE_QMM(SUFFIX, T)                                                                   \
   void foudre_qmm_##SUFFIX(int kind, const void* x, const void* q, const void* s, const void* z, \
                            float zc, int st, int64_t groups, int64_t group, void* y, int64_t m,  \
