@@ -151,7 +151,8 @@ def main() -> None:
                 record(rnd, precision, "foudre-gguf", foudre_run(ggufs[peer], "none"))
             record(rnd, precision, "llama.cpp", llama_cpp_run(bin_dir / "llama-bench", ggufs[peer]))
     bandwidth.append(measure_bandwidth())
-    bw = max(bandwidth + [r["bandwidth"] for r in runs if "bandwidth" in r])
+    paired = [r[key] for r in runs for key in ("bandwidth", "decode_bandwidth") if key in r]
+    bw = max(bandwidth + paired)
     table, targets = report(runs, bw, args.precisions)
     print(table)
     if args.out is not None:

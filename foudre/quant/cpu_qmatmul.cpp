@@ -3,13 +3,13 @@
 //   int8 group-wise            w = (q - z[g]) * s[g]   (z optional: GGUF's Q8_0, Q5_0, Q6_K without,
 //                                                       Q5_1, Q5_K with; groups of 16 columns or more)
 //   int4 group-wise            w = (q - z[g]) * s[g]   (codes 0..15, groups of 32 or more)
-// x and y float32 or bfloat16. Bound by reading the weight: each task takes R weight rows (one
-// for one x row, so that a thread reads one sequential stream; four for more) and multiplies them
-// with every x row (four at a time, the weight rows coming from memory once and then from L1),
-// the tasks split over torch's OpenMP threads by output-row ranges.
+// x and y float32 or bfloat16. Bound by reading the weight: each task takes R weight rows (for
+// one x row, one on the VNNI path, so that a thread reads one sequential stream; 4 for more) and
+// multiplies them with every x row (four at a time, the weight rows coming from memory once and
+// then from L1), the tasks split over torch's OpenMP threads by output-row ranges.
 //
-// The kernels read QuantLinear's own buffers, no copy: int8 codes [N, K] (K a multiple of 128 per
-// channel, of 64 group-wise), int4 codes [N, K / 2] as packing.pack_int4 lays them (column 2j in
+// The kernels read QuantLinear's own buffers, no copy: int8 codes [N, K] (K a multiple of 64),
+// int4 codes [N, K / 2] as packing.pack_int4 lays them (column 2j in
 // the low nibble of byte j, 2j + 1 in the high one; K a multiple of 128), scales and zero points
 // [N, groups] in float32, float16 or bfloat16 (st: 0, 1, 2). Each task prefetches its rows' scales and zero points at
 // its start: a row's scales are a few cache lines, too short a stream for the hardware
@@ -18,8 +18,9 @@
 //
 // Three paths, by what the compiler targets (built with -march=native):
 //   VNNI      (AVX512-VNNI): x quantized to int8 per block (d = max|x| / 127; 32 columns for
-//             grouped int8, as llama.cpp's Q8_0; 128 per channel, 64 for int4, whose steps sum
-//             two 64-code halves in int32 before one conversion), the weight codes as the
+//             group-wise int8, as llama.cpp's Q8_0; 128 per channel and for int4 in groups of
+//             128 or more, 64 for smaller int4 groups: their steps sum two 64-code halves in
+//             int32 before one conversion), the weight codes as the
 //             unsigned operand of vpdpbusd (int8 codes + 128, int4 codes as they are):
 //             sum_k u_k q_k per 4 columns in int32 lanes, scaled per lane by d
 //             and the group's scale into float32 accumulators; the offsets (128, z) are taken off
@@ -135,8 +136,10 @@ void prefetch_scales(const Args<T>& a, const int64_t* nr) {
 
 
 // The parallel loop: tasks of R weight rows, x's rows in tiles of four (then the one to three
-// left); Tile<MT, R>::run(a, m0, n0) computes y[m0 : m0 + MT, n0 : n0 + R].
-template <template <int, int> class Tile, typename A>
+// left); Tile<MT, R>::run(a, m0, n0) computes y[m0 : m0 + MT, n0 : n0 + R]. One x row: tasks of
+// R1 rows (the VNNI kernel 1: one sequential stream a thread, where 8 rows in turn, each a short
+// stream of its own, ran 0.8x as fast; the float paths 8, which share each x load among them).
+template <template <int, int> class Tile, int R1, typename A>
 void for_tiles(const A& a) {
   const auto task = [&](auto rows_c, int64_t n0) {
     constexpr int R = decltype(rows_c)::value;
@@ -149,9 +152,9 @@ void for_tiles(const A& a) {
       }
     }
   };
-  if (a.m == 1) {  // one row at a time: one sequential stream (8 rows in turn: 0.8x as fast)
+  if (a.m == 1) {
 #pragma omp parallel for schedule(static)
-    for (int64_t n0 = 0; n0 < a.n; ++n0) task(std::integral_constant<int, 1>{}, n0);
+    for (int64_t n0 = 0; n0 < a.n; n0 += R1) task(std::integral_constant<int, R1>{}, n0);
   } else {
 #pragma omp parallel for schedule(static)
     for (int64_t n0 = 0; n0 < a.n; n0 += 4) task(std::integral_constant<int, 4>{}, n0);
@@ -215,11 +218,12 @@ inline __m512 load_scales(const void* p, int64_t i, int st, __mmask16 mask) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-// element i of a scale array of type st, as scale_at with F16C's conversion
+// element i of a scale array of type st, as scale_at with AVX-512's conversion of halves
 inline float scale1(const void* p, int64_t i, int st) {
   if (st == kF32) return static_cast<const float*>(p)[i];
   const uint16_t h = static_cast<const uint16_t*>(p)[i];
-  return st == kF16 ? _cvtsh_ss(h) : to_float(h);
+  if (st == kF16) return _mm512_cvtss_f32(_mm512_cvtph_ps(_mm256_set1_epi16(static_cast<short>(h))));
+  return to_float(h);
 }
 
 // y[m0 + mi, n0 + r] = finish(m0 + mi, n0 + r, acc[mi][r]), for the rows that exist
@@ -337,11 +341,12 @@ void quantize_rows(const T* x, int64_t m, int64_t k, int64_t block, int8_t* xq, 
         }
       }
     } else {
-      for (int64_t p = 0; p < k; p += block) {
+      for (int64_t p = 0; p < k; p += block) {  // the last block may be short (K = 64 mod 128)
+        const int64_t end = std::min(block, k - p);
         float span = 0.0f;
-        for (int64_t j = 0; j < block; j += 32)
+        for (int64_t j = 0; j < end; j += 32)
           span = std::max(span, amax(load16(x + i * k + p + j), load16(x + i * k + p + j + 16)));
-        for (int64_t j = 0; j < block; j += 32)
+        for (int64_t j = 0; j < end; j += 32)
           put(i, p + j, load16(x + i * k + p + j), load16(x + i * k + p + j + 16), span);
       }
     }
@@ -355,8 +360,8 @@ inline int64_t column_of(int64_t p) {
   return p;
 }
 
-// x's block of codes (one d): per channel int8 128, its steps' two halves summed in int32 as
-// int4's; grouped int8 32 (llama.cpp's Q8_0: its group scale changes every step anyway); int4 64,
+// x's block of codes (one d): per channel int8 128 (the last one 64 where K = 64 mod 128), its
+// steps' two halves summed in int32 as int4's; group-wise int8 32 (llama.cpp's Q8_0); int4 64,
 // 128 in groups of 128 or more (one d and one scale a step)
 template <Kind K>
 int64_t activation_block(int64_t group) {
@@ -370,6 +375,7 @@ struct Vnni {
   // a step: 64 codes (grouped int8), or 128 in two halves of 64 whose products sum in int32:
   // per channel int8 two 64-byte loads, int4 the low nibbles of 64 bytes then the high ones
   static constexpr bool kHalves = K != Kind::Int8Grouped;
+  static constexpr int64_t kStepCodes = kHalves ? 128 : 64;
   static constexpr int64_t kLaneColumns = K == Kind::Int4 ? 8 : 4;  // columns a lane spans
 
   template <int MT, int R>
@@ -382,8 +388,8 @@ struct Vnni {
       __m512 acc[MT][R];
       for (auto& row : acc)
         for (auto& v : row) v = _mm512_setzero_ps();
-      // lane l of a 64-code step is in group (its first column) / group: the step's first group
-      // plus lane_group[l]; a step spans `span` groups
+      // lane l of a step's first 64 codes is in group (its first column) / group: the step's
+      // first group plus lane_group[l]; a step spans `span` groups
       const int64_t step_columns = 16 * kLaneColumns;
       const int64_t span = std::max<int64_t>(1, step_columns / a.group);
       __m512i lane_group = _mm512_setzero_si512();
@@ -395,7 +401,9 @@ struct Vnni {
       const __mmask16 span_mask = static_cast<__mmask16>((1u << span) - 1);
       // int4 in groups of 128 or more: one d (x's block of 128) and one scale per step, their
       // product a scalar broadcast (no vector loads, conversions and products of scales)
-      if (K == Kind::Int4 && a.group >= kStepCodes)
+      bool uniform = false;
+      if constexpr (K == Kind::Int4) uniform = a.group >= kStepCodes;
+      if (uniform)
         steps<MT, R, true>(a, m0, wr, nr, acc, lane_group, span, span_mask);
       else
         steps<MT, R, false>(a, m0, wr, nr, acc, lane_group, span, span_mask);
@@ -403,14 +411,14 @@ struct Vnni {
     }
   };
 
-  static constexpr int64_t kStepCodes = kHalves ? 128 : 64;
-
   template <int MT, int R, bool Uniform>
   static void steps(const Args<T>& a, int64_t m0, const uint8_t* const* wr, const int64_t* nr,
                     __m512 (&acc)[MT][R], __m512i lane_group, int64_t span, __mmask16 span_mask) {
     const __m512i low = _mm512_set1_epi8(15);
     const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-    for (int64_t c = 0; c < a.k; c += kStepCodes) {
+    // a step at column c; a tail (per-channel int8 where K = 64 mod 128) has its first half only
+    const auto step = [&](int64_t c, auto tail_c) {
+      constexpr bool kBoth = kHalves && !decltype(tail_c)::value;
       const int64_t bytes = K == Kind::Int4 ? c / 2 : c;
       const int64_t g0 = c >> a.gshift;  // the step's first group
       __m512i xv[MT], xh[MT];
@@ -418,7 +426,7 @@ struct Vnni {
       float d1[MT];
       for (int mi = 0; mi < MT; ++mi) {
         xv[mi] = _mm512_loadu_si512(a.xq + (m0 + mi) * a.k + c);
-        if constexpr (kHalves) xh[mi] = _mm512_loadu_si512(a.xq + (m0 + mi) * a.k + c + 64);
+        if constexpr (kBoth) xh[mi] = _mm512_loadu_si512(a.xq + (m0 + mi) * a.k + c + 64);
         if constexpr (Uniform)
           d1[mi] = a.dl[(m0 + mi) * (a.k / 4) + c / 4];
         else
@@ -432,7 +440,7 @@ struct Vnni {
           wh = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
         } else {
           wv = _mm512_xor_si512(v, flip);
-          if constexpr (kHalves)
+          if constexpr (kBoth)
             wh = _mm512_xor_si512(_mm512_loadu_si512(wr[r] + bytes + 64), flip);
         }
         __m512 sv = _mm512_setzero_ps();
@@ -446,7 +454,7 @@ struct Vnni {
         }
         for (int mi = 0; mi < MT; ++mi) {
           __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xv[mi]);
-          if constexpr (kHalves) dot = _mm512_dpbusd_epi32(dot, wh, xh[mi]);
+          if constexpr (kBoth) dot = _mm512_dpbusd_epi32(dot, wh, xh[mi]);
           __m512 scale;
           if constexpr (Uniform)
             scale = _mm512_set1_ps(d1[mi] * s1);
@@ -455,7 +463,10 @@ struct Vnni {
           acc[mi][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[mi][r]);
         }
       }
-    }
+    };
+    const int64_t whole = a.k / kStepCodes * kStepCodes;
+    for (int64_t c = 0; c < whole; c += kStepCodes) step(c, std::false_type{});
+    if (whole < a.k) step(whole, std::true_type{});  // per-channel int8: K = 64 mod 128
   }
 
   template <int MT, int R>
@@ -507,7 +518,7 @@ void vnni_matmul(Args<T> a) {
   a.xq = xq.data();
   a.dl = dl.data();
   a.corr = corr.data();
-  for_tiles<Vnni<T, K>::template Tile>(a);
+  for_tiles<Vnni<T, K>::template Tile, 1>(a);
 }
 
 #endif  // FOUDRE_VNNI
@@ -517,9 +528,9 @@ void matmul(const Args<T>& a) {
 #if defined(FOUDRE_VNNI)
   vnni_matmul<T, K>(a);
 #elif defined(FOUDRE_AVX512)
-  for_tiles<Float512<T, K>::template Tile>(a);
+  for_tiles<Float512<T, K>::template Tile, 8>(a);
 #else
-  for_tiles<Portable<T, K>::template Tile>(a);
+  for_tiles<Portable<T, K>::template Tile, 8>(a);
 #endif
 }
 
@@ -602,7 +613,7 @@ int foudre_qmm_path() {
 }
 
 // y [m, n] = x [m, k] @ W^T, x and y float32 (f32) or bfloat16 (bf16). kind 0: int8 per channel,
-// q [n, k] (k a multiple of 128), s [n]; 1: int8 group-wise, q [n, k] (k a multiple of 64), s
+// q [n, k] (k a multiple of 64), s [n]; 1: int8 group-wise, q [n, k] (k a multiple of 64), s
 // and z [n, groups] for groups of `group` columns (a power of two, 16 or more); 2: int4,
 // q [n, k / 2] (k a multiple of 128), s and z [n, groups] (groups of 32 or more). z null: every
 // zero point is zc. st: the type of s and z (0 float32, 1 float16, 2 bfloat16).

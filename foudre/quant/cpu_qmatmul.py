@@ -4,9 +4,10 @@ channel, int8 group-wise with a scale and an optional zero point per group of 16
 (GGUF's Q8_0, Q5_0, Q5_1, Q5_K and Q6_K as QuantLinear holds them) and int4 group-wise; x
 float32 or bfloat16, y in x's dtype.
 
-Each task streams a few weight rows once for every row of x. With AVX512-VNNI the activations
-are quantized to int8 per block (``activation_block``: 32 columns for group-wise int8, as
-llama.cpp's Q8_0, 64 or 128 for int4 and per-channel int8) and multiplied by vpdpbusd, so
+Each task streams its weight rows (one, for one row of x) once for every row of x. With
+AVX512-VNNI the activations are quantized to int8 per block (``activation_block``: 32 columns
+for group-wise int8, as llama.cpp's Q8_0, 64 or 128 for int4 and per-channel int8) and
+multiplied by vpdpbusd, so
 results differ from dequantize-then-matmul by that rounding (each x within half its block's
 ``max|x| / 127``); the AVX-512 path without VNNI and the portable one multiply in float32.
 ``layout`` is the kernels' view of ``QuantLinear``'s buffers (the buffers themselves, no copy,
@@ -93,15 +94,15 @@ def layout(
     bits: int | None = None,
 ) -> Packed:
     """The kernels' view of ``QuantLinear``'s buffers for a ``bits``-bit weight (default: 4 for
-    uint8 codes, else 8): the buffers themselves where K is a multiple of 128 (64 for group-wise
-    int8; int4: ``pack_int4``'s nibbles) and the scales float32, float16 or bfloat16 (one dtype for
+    uint8 codes, else 8): the buffers themselves where K is a multiple of 64 (int8) or 128
+    (int4, ``pack_int4``'s nibbles) and the scales float32, float16 or bfloat16 (one dtype for
     both), else copies padded with zero columns (zero scales)."""
     bits = bits or (4 if qweight.dtype == torch.uint8 else 8)
     per_channel = scales.dim() == 1
     kind = "int8" if per_channel else ("int8g" if bits == 8 else "int4")
     codes_per_byte = 2 if bits == 4 else 1
     k = qweight.shape[1] * codes_per_byte
-    multiple = 64 if bits == 8 and not per_channel else 128  # the kernels' steps
+    multiple = 128 if bits == 4 else 64
     zc = 0.0
     if zeros is not None and zeros.numel() and bool((zeros == zeros.flatten()[0]).all()):
         zc, zeros = float(zeros.flatten()[0]), None  # one zero point: nothing to read
@@ -127,7 +128,8 @@ def activation_block(bits: int, group_size: int | None) -> int:
     weights (llama.cpp's Q8_0 activations: the weight's scale changes every 32 columns or sooner
     anyway), 128 for per-channel int8 and 64 for int4 (the kernels sum two 64-column halves in
     int32 before one float conversion: a quarter of the float work of blocks of 32), 128 for
-    int4 in groups of 128 or more (one d and one weight scale a step: their product a scalar)."""
+    int4 in groups of 128 or more (one d and one weight scale a step: their product a scalar).
+    Per channel, where K = 64 mod 128, the last 64 columns are a block of their own."""
     if bits == 4:
         return 64 if group_size is not None and group_size < 128 else 128
     return 128 if group_size is None else 32
@@ -150,9 +152,17 @@ def error_bound(
     return bound
 
 
-def _check_groups(packed: Packed) -> None:
-    """``ValueError`` unless a group-wise layout's groups are what the kernels take: a power of
-    two, at least 16 columns (32 for int4), covering the padded columns."""
+def _check_layout(packed: Packed) -> None:
+    """``ValueError`` unless ``packed`` is what the kernels read: K a multiple of 64 (128 for
+    int4) that the codes hold, and a group-wise layout's groups a power of two, at least 16
+    columns (32 for int4), covering the padded columns."""
+    per_byte = 2 if packed.kind == "int4" else 1
+    multiple = 128 if packed.kind == "int4" else 64
+    if packed.k % multiple or packed.w.dim() != 2 or packed.w.shape[1] * per_byte != packed.k:
+        raise ValueError(
+            f"{packed.kind} codes {tuple(packed.w.shape)} for {packed.k} columns: the kernels "
+            f"take K a multiple of {multiple} (cpu_qmatmul.layout pads)"
+        )
     if packed.kind == "int8":
         return
     group, least = packed.group or 0, 32 if packed.kind == "int4" else 16
@@ -191,7 +201,7 @@ def _prepared(x: torch.Tensor, packed: Packed) -> tuple[ctypes.CDLL, torch.Tenso
     k = packed.k
     if x.shape[1] > k:
         raise ValueError(f"x has {x.shape[1]} columns, the weight {k} (padded)")
-    _check_groups(packed)
+    _check_layout(packed)
     return dll, (F.pad(x, (0, k - x.shape[1])) if x.shape[1] != k else x).contiguous()
 
 

@@ -451,14 +451,20 @@ def _runs_quantized(mod: QuantLinear, dtype: torch.dtype, shape: tuple[int, int]
 
 def _feeds_kernel(mod: QuantLinear, dtype: torch.dtype) -> bool:
     """``_runs_quantized``'s checks of the module itself (each step makes them: the buffers
-    read from their dict, as ``nn.Module.__getattr__`` would take most of the check's time)."""
+    read from their dict, as ``nn.Module.__getattr__`` would take most of the check's time). A
+    name no longer a buffer (a Parameter assigned to it, or deleted) fails the check."""
     buffers = mod._buffers
-    if mod.compute_dtype not in (None, dtype) or buffers["input_scale"] is not None:
+    input_scale = buffers.get("input_scale", _MISSING)
+    perm, bias = buffers.get("perm", _MISSING), buffers.get("bias", _MISSING)
+    qweight = buffers.get("qweight")
+    if mod.compute_dtype not in (None, dtype) or input_scale is not None or perm is not None:
         return False
-    bias, qweight = buffers["bias"], buffers["qweight"]
-    if buffers["perm"] is not None or qweight is None or not qweight.is_cpu:
+    if qweight is None or not qweight.is_cpu or bias is _MISSING:
         return False
     return bias is None or (bias.dtype == dtype and bias.is_contiguous())
+
+
+_MISSING = object()  # a buffer's name absent from ``_buffers``
 
 
 def _cache_pointers(cache: torch.Tensor | QuantizedKVCache) -> list[int]:

@@ -375,6 +375,15 @@ def test_native_decode_refuses_quantized_projections_it_cannot_run(tmp_path: Pat
     assert build() is None and not native._unchanged()
     o_proj.input_scale = None
     assert native._unchanged()
+    o_proj.bias = torch.nn.Parameter(torch.zeros(o_proj.out_features))  # no longer a buffer
+    assert build() is None and not native._unchanged()
+    del o_proj.bias
+    o_proj.register_buffer("bias", None)
+    assert native._unchanged()
+    with pytest.MonkeyPatch.context() as mp:  # the kernels switched off after the build
+        mp.setenv("FOUDRE_NATIVE_QMATMUL", "0")
+        assert build() is None and not native._unchanged()
+    assert native._unchanged()
     mlp = model.model.layers[1].mlp
     mlp.down_proj = QuantLinear.from_float(mlp.down_proj.dequantize(), None, 4, 32)
     assert not native._unchanged()  # a module replaced after the build

@@ -264,8 +264,9 @@ def test_quantized_experts_match_their_dequantized_weights(
     bits: int, group: int | None, native: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Exact activations (aten's kernels) give the dequantized weights' output to float
-    rounding; the native int8 kernel, which rounds activations to int8 per block of 32 as
-    llama.cpp does, stays within the quantization's own error of the float experts."""
+    rounding; the native int8 kernel, which rounds activations to int8 per block
+    (``cpu_qmatmul.activation_block``) as llama.cpp does, stays within the quantization's own
+    error of the float experts."""
     monkeypatch.setenv("FOUDRE_NATIVE_QMATMUL", "1" if native else "0")
     if native and not uses_native_kernels(torch.float32):
         pytest.skip("the native quantized kernels did not build here")

@@ -5,13 +5,14 @@ takes in-process, the others in subprocesses built with ``FOUDRE_KERNEL_MARCH``.
 
 Tolerance (``cpu_qmatmul.error_bound``): the float paths differ from the float32 reference only
 by summation order (a 1e-5 relative bound on ``sum |w| |x|``). The VNNI path rounds each x to its
-block's int8 grid, ``|x - d q| <= d / 2`` with ``d = max|x| / 127`` over its block of 32
-columns, so its error is at most ``sum_k |w_k| d_k / 2`` more; bfloat16 outputs add their own
-rounding, ``|y| * 2^-8``.
+block's int8 grid, ``|x - d q| <= d / 2`` with ``d = max|x| / 127`` over its block
+(``cpu_qmatmul.activation_block``: 32, 64 or 128 columns), so its error is at most
+``sum_k |w_k| d_k / 2`` more; bfloat16 outputs add their own rounding, ``|y| * 2^-8``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -148,10 +149,11 @@ def test_quantized_activations_are_needed_for_the_bound() -> None:
     assert bool(((y - ref).abs() <= cpu_qmatmul.error_bound(x, mod.dequantize())).all())
 
 
+@pytest.mark.parametrize("m", [1, 3, 5])
 @pytest.mark.parametrize(
-    "bits,group,k", [(8, None, 384), (8, None, 200), (4, 128, 384), (4, 256, 512)]
+    "bits,group,k", [(8, None, 384), (8, None, 200), (8, None, 192), (4, 128, 384), (4, 256, 512)]
 )
-def test_vnni_rounds_x_per_block_of_128(bits: int, group: int | None, k: int) -> None:
+def test_vnni_rounds_x_per_block_of_128(bits: int, group: int | None, k: int, m: int) -> None:
     """On the VNNI path per-channel int8, and int4 in groups of 128 or more, are the product of
     x rounded per block of 128 columns (``round_like_kernel``) with the dequantized weight, to
     float32 summation order (terms of ``(|q| + |z|) s``, int8's codes offset by 128 and the
@@ -162,7 +164,7 @@ def test_vnni_rounds_x_per_block_of_128(bits: int, group: int | None, k: int) ->
     assert cpu_qmatmul.activation_block(bits, group) == 128
     torch.manual_seed(k + bits)
     mod = QuantLinear.from_float(torch.randn(40, k) * 0.1, None, bits, group)
-    x = torch.randn(3, k) * torch.linspace(0.1, 4, k)  # blocks of different ranges
+    x = torch.randn(m, k) * torch.linspace(0.1, 4, k)  # blocks of different ranges
     packed = cpu_qmatmul.layout(mod.qweight, mod.scales, mod.zeros, group, bits)
     y = cpu_qmatmul.matmul(x, packed).double()
     wd = mod.dequantize().double()
@@ -174,8 +176,9 @@ def test_vnni_rounds_x_per_block_of_128(bits: int, group: int | None, k: int) ->
     terms = (q.abs() + z + (256 if bits == 8 else 0)) * s.abs()
     tight = 1e-5 * (xr.abs() @ terms.t()) + 1e-6
     assert bool(((y - xr @ wd.t()).abs() <= tight).all())
-    by_32 = cpu_qmatmul.round_like_kernel(x, 8, 32).double() @ wd.t()
-    assert float((y - by_32).abs().max()) > 10 * float(tight.max())
+    for smaller in ((8, 32), (4, 32)):  # blocks of 32 and 64 columns
+        other = cpu_qmatmul.round_like_kernel(x, *smaller).double() @ wd.t()
+        assert float((y - other).abs().max()) > 4 * float(tight.max())
 
 
 def test_bad_input_is_refused() -> None:
@@ -185,6 +188,10 @@ def test_bad_input_is_refused() -> None:
         cpu_qmatmul.matmul(torch.randn(2, 64, dtype=torch.float64), packed)
     with pytest.raises(ValueError, match="columns"):
         cpu_qmatmul.matmul(torch.randn(2, packed.k + 1), packed)
+    # a layout not made by layout(): K off the kernels' steps, or more than the codes hold
+    for k in (packed.k - 32, packed.k + 64):
+        with pytest.raises(ValueError, match="multiple of 64"):
+            cpu_qmatmul.matmul(torch.randn(2, 32), dataclasses.replace(packed, k=k))
 
 
 @pytest.mark.parametrize("bits,group", [(8, None), (4, 32), (4, 128)])

@@ -75,7 +75,8 @@ def test_gptq_layout(act_order: bool, v2: bool) -> None:
                                  perm=codes.perm)  # fmt: skip
     x = torch.randn(5, k)
     assert torch.allclose(mod.forward_reference(x), x @ got.t(), atol=1e-3)
-    tol = 1e-3 + cpu_qmatmul.error_bound(mod._prepare_input(x), mod.dequantize(), mod.bits)
+    xp, wd = mod._prepare_input(x), mod.dequantize()
+    tol = 1e-3 + cpu_qmatmul.error_bound(xp, wd, mod.bits, mod.group_size)
     assert bool(((mod(x) - x @ got.t()).abs() <= tol).all())
 
 

@@ -77,7 +77,7 @@ def test_packed_kernel_matches_reference(
     if dtype != torch.float32:
         tol = 3e-2 * exact.abs().max().item() + 1e-2
     elif device == "cpu":  # cpu_qmatmul may round x to int8 per block: its bound
-        tol = 1e-4 + cpu_qmatmul.error_bound(x, mod.dequantize(), mod.bits)
+        tol = 1e-4 + cpu_qmatmul.error_bound(x, mod.dequantize(), mod.bits, mod.group_size)
     assert bool(((y.float() - ref.float()).abs() <= tol).all())
     assert bool(((y.float() - exact).abs() <= tol).all())
 
@@ -85,7 +85,8 @@ def test_packed_kernel_matches_reference(
 def test_3d_input_and_dtype_move() -> None:
     mod = QuantLinear.from_float(torch.randn(32, 64), None, 4, 32)
     x = torch.randn(2, 3, 64)
-    tol = 1e-4 + cpu_qmatmul.error_bound(x.reshape(6, 64), mod.dequantize()).reshape(2, 3, 32)
+    bound = cpu_qmatmul.error_bound(x.reshape(6, 64), mod.dequantize(), 4, 32)
+    tol = 1e-4 + bound.reshape(2, 3, 32)
     assert bool(((mod(x) - mod.forward_reference(x)).abs() <= tol).all())
     y16 = mod.to(torch.bfloat16)(x.bfloat16())
     assert y16.dtype == torch.bfloat16 and y16.shape == (2, 3, 32)
@@ -100,7 +101,7 @@ def test_input_scale_and_perm_are_applied() -> None:
     mod = QuantLinear.from_codes(q, s, z, None, 4, 32, 64, input_scale=scale, perm=perm)
     x = torch.randn(3, 64)
     expected = x @ mod.effective_weight().t()
-    tol = 1e-4 + cpu_qmatmul.error_bound(mod._prepare_input(x), mod.dequantize())
+    tol = 1e-4 + cpu_qmatmul.error_bound(mod._prepare_input(x), mod.dequantize(), 4, 32)
     assert bool(((mod(x) - expected).abs() <= tol).all())
     assert torch.allclose(mod.forward_reference(x), expected, atol=1e-4)
 
