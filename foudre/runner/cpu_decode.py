@@ -459,9 +459,11 @@ def _feeds_kernel(mod: QuantLinear, dtype: torch.dtype) -> bool:
     qweight = buffers.get("qweight")
     if mod.compute_dtype not in (None, dtype) or input_scale is not None or perm is not None:
         return False
-    if qweight is None or not qweight.is_cpu or bias is _MISSING:
+    if qweight is None or not qweight.is_cpu:
         return False
-    return bias is None or (bias.dtype == dtype and bias.is_contiguous())
+    if bias is None:
+        return True
+    return isinstance(bias, torch.Tensor) and bias.dtype == dtype and bias.is_contiguous()
 
 
 _MISSING = object()  # a buffer's name absent from ``_buffers``
