@@ -15,19 +15,20 @@ the roundings of ``models/llama.py``'s path through them, so the hidden states a
 in Python. A sparse layer (a mixture of experts: router and top-k experts, renormalised or not,
 no shared expert) runs ``moe_block``, the native call ``layers/moe.py`` makes for it at decode
 sizes, and adds to the block's ``expert_tokens`` what its Python path would (``_counted``).
-It takes a step when every row is a decode row (one token each, no prefill chunk, no drafts),
-of at most ``Linear``'s ``MAX_ROWS``, and with sliding windows while every row's context fits
-the narrowest window (its layers attend to every key); other steps, and models it cannot run
-(another dtype, quantized experts, another attention backend, hooks on a module, a shared
-expert, OLMoE's attention), take the model's ``forward``. Quantized projections (``QuantLinear``
-on ``quant/cpu_qmatmul``: int8, GGUF's group-wise 8-bit, int4) run the same kernel from C++,
-their bias added after, as ``QuantLinear.forward`` does. A quantized KV cache (int8 / fp8) is
-read as stored by the paged kernel's codes variant, and the new tokens' K/V are quantized on
-write in C++ to the codes and scales of ``layers/kv_quant.py``'s ``quantize_kv``, bit for bit.
-Like CUDA graphs, it holds addresses: every step checks that the weights, RoPE tables, KV caches
-and expert counts it was built on are still the modules' and the runner's, at the same
-addresses, and that no hook or autocast asks for the Python path; otherwise the step goes back
-to Python.
+It takes a step when every row is a decode row (one token each, no prefill chunk, no drafts), of
+at most ``Linear``'s ``MAX_ROWS`` (with every projection quantized, up to the rows where
+``QuantLinear`` turns to its dequantized GEMM), and with sliding windows while every row's
+context fits the narrowest window (its layers attend to every key); other steps, and models it
+cannot run (another dtype, quantized experts, another attention backend, hooks on a module, a
+shared expert, OLMoE's attention), take the model's ``forward``. Quantized projections
+(``QuantLinear`` on ``quant/cpu_qmatmul``: int8, GGUF's group-wise 8-bit, int4) run the same
+kernel from C++, their bias added after, as ``QuantLinear.forward`` does. A quantized KV cache
+(int8 / fp8) is read as stored by the paged kernel's codes variant, and the new tokens' K/V are
+quantized on write in C++ to the codes and scales of ``layers/kv_quant.py``'s ``quantize_kv``,
+bit for bit. Like CUDA graphs, it holds addresses: every step checks that the weights, RoPE
+tables, KV caches and expert counts it was built on are still the modules' and the runner's, at
+the same addresses, and that no hook or autocast asks for the Python path; otherwise the step
+goes back to Python.
 """
 
 from __future__ import annotations
@@ -76,10 +77,7 @@ class NativeDecode:
         self.fn = fn
         self.flatten = flatten
         self.dtype = model.model.embed_tokens.weight.dtype
-        self.max_rows = MAX_ROWS[self.dtype]
-        if any(isinstance(m, QuantLinear) for m in model.model.layers.modules()):
-            # where QuantLinear's forward switches to its dequantized GEMM, so do the steps
-            self.max_rows = min(self.max_rows, DEQUANTIZED_GEMM_ROWS - 1)
+        self.max_rows = MAX_ROWS[self.dtype]  # where the float projections' kernel stops paying
         kernel = cpu_paged.kernel(self.dtype, _codes_dtype(kv_caches[0]))
         self.attention = ctypes.cast(kernel, ctypes.c_void_p).value
         self.dims = (
@@ -192,6 +190,13 @@ class NativeDecode:
         for at, row in patches:
             pointers[at] = self.descriptors[row].data_ptr()
         self.layers = torch.tensor(pointers, dtype=torch.int64)
+        if self.quantized:
+            # where QuantLinear's forward switches to its dequantized GEMM, so do the steps; with
+            # every projection quantized (and no experts) up to there, as the float kernel's
+            # limit then does not apply (32-row int8 steps: 5% more throughput than in Python)
+            all_quantized = len(self.quantized) == 4 * len(layers) and not self.blocks
+            limit = DEQUANTIZED_GEMM_ROWS - 1
+            self.max_rows = limit if all_quantized else min(self.max_rows, limit)
 
     @classmethod
     def build(

@@ -342,7 +342,15 @@ def test_native_decode_runs_quantized_projections(
             got, ref = both_paths(runner, tables[:rows], lens[:rows], new, [1] * rows)
             assert torch.equal(got, ref), (rows, (got - ref).abs().max())
             lens[:rows] = [n + 1 for n in lens[:rows]]
-    assert calls == [1, 3]
+        # every projection quantized: native up to QuantLinear's GEMM rows, past the float
+        # kernel's limit (16 bfloat16 rows)
+        assert native.max_rows == DEQUANTIZED_GEMM_ROWS - 1
+        many = 20
+        tables = [[30 + i] for i in range(many)]
+        new = [[i + 1] for i in range(many)]
+        got, ref = both_paths(runner, tables, [3] * many, new, [1] * many)
+        assert torch.equal(got, ref), (got - ref).abs().max()
+    assert calls == [1, 3, many]
     # writing a projection's buffers drops its view: the next step goes back to Python
     first = model.model.layers[0].self_attn.o_proj
     assert isinstance(first, QuantLinear)
