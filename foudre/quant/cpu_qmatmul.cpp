@@ -391,7 +391,7 @@ struct Vnni {
       // lane l of a step's first 64 codes is in group (its first column) / group: the step's
       // first group plus lane_group[l]; a step spans `span` groups
       const int64_t step_columns = 16 * kLaneColumns;
-      const int64_t span = std::max<int64_t>(1, step_columns / a.group);
+      const int64_t span = a.group > 0 ? std::max<int64_t>(1, step_columns / a.group) : 1;
       __m512i lane_group = _mm512_setzero_si512();
       if (span > 1)
         lane_group = _mm512_srli_epi32(

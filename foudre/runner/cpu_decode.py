@@ -50,7 +50,12 @@ from foudre.layers.moe import Experts, SparseMoeBlock
 from foudre.layers.norm import RMSNorm
 from foudre.layers.rotary import RotaryEmbedding
 from foudre.quant import cpu_qmatmul
-from foudre.quant.qlinear import DEQUANTIZED_GEMM_ROWS, QuantLinear, uses_native_kernels
+from foudre.quant.qlinear import (
+    DEQUANTIZED_GEMM_ROWS,
+    NATIVE_MAX_ROWS,
+    QuantLinear,
+    uses_native_kernels,
+)
 from foudre.runner.attention import cpu_paged
 from foudre.runner.attention.kv_quant import QuantizedKVCache
 from foudre.runner.attention.paged import PagedMetadata
@@ -125,9 +130,10 @@ class NativeDecode:
                 pointers.append(0)
                 return
             packed = module._native_layout()
-            bias = module.bias
-            if bias is not None:
-                self.held.append((module._buffers, "bias", bias, bias.data_ptr()))
+            bias = module.bias  # held absent too: one set after the build sends steps back
+            self.held.append(
+                (module._buffers, "bias", bias, 0 if bias is None else bias.data_ptr())
+            )
             self.quantized.append((module, packed))
             patches.append((len(pointers), len(descriptors)))
             pointers.append(0)
@@ -195,7 +201,13 @@ class NativeDecode:
             # every projection quantized (and no experts) up to there, as the float kernel's
             # limit then does not apply (32-row int8 steps: 5% more throughput than in Python)
             all_quantized = len(self.quantized) == 4 * len(layers) and not self.blocks
-            limit = DEQUANTIZED_GEMM_ROWS - 1
+            # and where a forward turns to aten's kernels (NATIVE_MAX_ROWS, for tunings)
+            aten = [
+                NATIVE_MAX_ROWS[m.bits]
+                for m, _ in self.quantized
+                if m.group_size is None or m.bits == 4
+            ]
+            limit = int(min([DEQUANTIZED_GEMM_ROWS - 1, *aten]))
             self.max_rows = limit if all_quantized else min(self.max_rows, limit)
 
     @classmethod

@@ -20,6 +20,7 @@ from foudre.quant.qlinear import DEQUANTIZED_GEMM_ROWS, QuantLinear
 from foudre.runner.attention import cpu_paged
 from foudre.runner.cpu_decode import NativeDecode
 from foudre.runner.model_runner import ModelRunner
+from foudre.runner.step import ForwardStep
 from tests.conftest import make_hf_model
 from tests.quant.test_cpu_qmatmul import quant_module
 
@@ -350,6 +351,8 @@ def test_native_decode_runs_quantized_projections(
         new = [[i + 1] for i in range(many)]
         got, ref = both_paths(runner, tables, [3] * many, new, [1] * many)
         assert torch.equal(got, ref), (got - ref).abs().max()
+        wide = DEQUANTIZED_GEMM_ROWS  # QuantLinear's GEMM from here: Python's step
+        assert not native.can_run(ForwardStep([[1]] * wide, [3] * wide, [[1]] * wide, [1] * wide))
     assert calls == [1, 3, many]
     # writing a projection's buffers drops its view: the next step goes back to Python
     first = model.model.layers[0].self_attn.o_proj
@@ -382,6 +385,10 @@ def test_native_decode_refuses_quantized_projections_it_cannot_run(tmp_path: Pat
     o_proj.input_scale = torch.ones(o_proj.in_features)  # AWQ scaling the C++ does not apply
     assert build() is None and not native._unchanged()
     o_proj.input_scale = None
+    assert native._unchanged()
+    o_proj.bias = torch.zeros(o_proj.out_features)  # a bias set after the build: not in C++
+    assert not native._unchanged()
+    o_proj.bias = None
     assert native._unchanged()
     o_proj.bias = torch.nn.Parameter(torch.zeros(o_proj.out_features))  # no longer a buffer
     assert build() is None and not native._unchanged()
