@@ -60,6 +60,9 @@ inline float to_float(uint16_t x) {  // bfloat16: the high half of a float32
   return f;
 }
 inline float half_to_float(uint16_t h) {
+#if defined(FOUDRE_AVX512)  // one instruction (the scalar below: a branch and a few shifts)
+  return _mm512_cvtss_f32(_mm512_cvtph_ps(_mm256_set1_epi16(static_cast<short>(h))));
+#else
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
   const uint32_t exp = (h >> 10) & 31, man = h & 1023;
   float f;
@@ -74,6 +77,7 @@ inline float half_to_float(uint16_t h) {
   const uint32_t u = sign | (exp == 31 ? 0x7F800000u | (man << 13) : ((exp + 112) << 23) | (man << 13));
   std::memcpy(&f, &u, 4);
   return f;
+#endif
 }
 // element i of a scale array of type st
 inline float scale_at(const void* p, int64_t i, int st) {
@@ -216,14 +220,6 @@ inline __m512 load_scales(const void* p, int64_t i, int st, __mmask16 mask) {
   const __m256i h = _mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(p) + i);
   if (st == kF16) return _mm512_cvtph_ps(h);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-// element i of a scale array of type st, as scale_at with AVX-512's conversion of halves
-inline float scale1(const void* p, int64_t i, int st) {
-  if (st == kF32) return static_cast<const float*>(p)[i];
-  const uint16_t h = static_cast<const uint16_t*>(p)[i];
-  if (st == kF16) return _mm512_cvtss_f32(_mm512_cvtph_ps(_mm256_set1_epi16(static_cast<short>(h))));
-  return to_float(h);
 }
 
 // y[m0 + mi, n0 + r] = finish(m0 + mi, n0 + r, acc[mi][r]), for the rows that exist
@@ -446,7 +442,7 @@ struct Vnni {
         __m512 sv = _mm512_setzero_ps();
         float s1 = 0.0f;
         if constexpr (Uniform) {
-          s1 = scale1(a.s, nr[r] * a.groups + g0, a.st);
+          s1 = scale_at(a.s, nr[r] * a.groups + g0, a.st);
         } else if constexpr (kGrouped) {
           const __m512 gs = load_scales(a.s, nr[r] * a.groups + g0, a.st, span_mask);
           sv = span > 1 ? _mm512_permutexvar_ps(lane_group, gs)
