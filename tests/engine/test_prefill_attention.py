@@ -82,6 +82,27 @@ def reference(
     return out
 
 
+def scattered(
+    rows: list[tuple[int, int]], bs: int, g: torch.Generator
+) -> tuple[int, list[int], list[list[int]], BatchLayout]:
+    """A pool of ``nb`` blocks (the rows' and 3 spare ones) handed out in random order, as a pool
+    does: ``nb``, the spare blocks, each row's block table, and the layout of the rows' new
+    tokens (``(q_len, ctx)`` each: the last ``q_len`` of ``ctx`` positions)."""
+    nb = sum(-(-c // bs) for _, c in rows) + 3
+    perm = torch.randperm(nb, generator=g).tolist()
+    tables, slots, used = [], [], 0
+    for q_len, ctx in rows:
+        n = -(-ctx // bs)
+        table = perm[used : used + n]
+        used += n
+        tables.append(table)
+        slots += [table[p // bs] * bs + p % bs for p in range(ctx - q_len, ctx)]
+    layout = BatchLayout(
+        [q for q, _ in rows], [c for _, c in rows], tables, torch.tensor(slots), bs
+    )
+    return nb, perm[used:], tables, layout
+
+
 def errors(
     backend: AttentionBackend,
     heads: int,
@@ -99,21 +120,10 @@ def errors(
     wherever it must not read, zeros there without ``poison``), and of the SDPA backend in
     ``dtype`` (the rounding yardstick; SDPA multiplies its padding by 0, NaN would stay)."""
     g = torch.Generator().manual_seed(seed)
-    nb = sum(-(-c // bs) for _, c in rows) + 3
-    perm = torch.randperm(nb, generator=g).tolist()  # blocks out of order, as a pool hands out
-    tables, slots, used = [], [], 0
-    for q_len, ctx in rows:
-        n = -(-ctx // bs)
-        table = perm[used : used + n]
-        used += n
-        tables.append(table)
-        slots += [table[p // bs] * bs + p % bs for p in range(ctx - q_len, ctx)]
-    layout = BatchLayout(
-        [q for q, _ in rows], [c for _, c in rows], tables, torch.tensor(slots), bs
-    )
+    nb, spare, tables, layout = scattered(rows, bs, g)
     clean = torch.randn(2, nb + 1, bs, kv_heads, head_dim, generator=g).to(dtype)
     poisoned = clean.clone()
-    poisoned[:, perm[used:]] = float("nan")
+    poisoned[:, spare] = float("nan")
     poisoned[:, nb] = float("nan")
     for table, (q_len, ctx) in zip(tables, rows, strict=True):
         poisoned[:, table[-1], (ctx - 1) % bs + 1 :] = float("nan")
@@ -126,7 +136,7 @@ def errors(
     )
     written = clean.float().clone()
     for i, kv in enumerate((k, v)):
-        written[i].view(-1, kv_heads, head_dim)[torch.tensor(slots)] = kv.float()
+        written[i].view(-1, kv_heads, head_dim)[layout.slot_mapping] = kv.float()
     ref = reference(q, written, tables, rows, bs, window)
 
     def run(be: AttentionBackend, pool: torch.Tensor, dev: str) -> torch.Tensor:
@@ -178,18 +188,7 @@ def quantized_errors(
     the scales of random K/V; the slots it must not read hold NaN scales. The SDPA backend over
     the same cache (clean scales there) in ``dtype`` is the rounding yardstick."""
     g = torch.Generator().manual_seed(seed)
-    nb = sum(-(-c // bs) for _, c in rows) + 3
-    perm = torch.randperm(nb, generator=g).tolist()
-    tables, slots, used = [], [], 0
-    for q_len, ctx in rows:
-        n = -(-ctx // bs)
-        table = perm[used : used + n]
-        used += n
-        tables.append(table)
-        slots += [table[p // bs] * bs + p % bs for p in range(ctx - q_len, ctx)]
-    layout = BatchLayout(
-        [q for q, _ in rows], [c for _, c in rows], tables, torch.tensor(slots), bs
-    )
+    nb, spare, tables, layout = scattered(rows, bs, g)
     cache = QuantizedKVCache(nb + 1, bs, kv_heads, head_dim, kind, dtype, torch.device("cpu"))
     every = torch.arange((nb + 1) * bs)
     cache.write(every, *(torch.randn(len(every), kv_heads, head_dim, generator=g) for _ in "kv"))
@@ -198,7 +197,7 @@ def quantized_errors(
         codes[(codes & 0x7F) == 0x7F] = 0  # NaN
     cache.codes.copy_(codes)
     unread = torch.zeros(nb + 1, bs, dtype=torch.bool)
-    unread[perm[used:]] = True
+    unread[spare] = True
     unread[nb] = True
     for table, (q_len, ctx) in zip(tables, rows, strict=True):
         unread[table[-1], (ctx - 1) % bs + 1 :] = True
