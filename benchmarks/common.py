@@ -29,6 +29,7 @@ __all__ = [
     "machine",
     "measure_bandwidth",
     "random_llama",
+    "run_child",
     "weight_bytes",
 ]
 
@@ -155,6 +156,21 @@ def gguf_of(model: Path, root: Path, quant: str = "bf16") -> Path:
         quantize = build_llama_cpp(root, ("llama-quantize",)) / "llama-quantize"
         subprocess.run([str(quantize), str(base), str(out), quant], check=True, capture_output=True)
     return out
+
+
+def run_child(script: str, *args: str, what: str) -> dict[str, Any]:
+    """``script --child *args`` in a fresh Python process from the repository's root (one
+    configuration per process: no state carried between measurements); its last line of stdout
+    is one JSON object. ``SystemExit`` naming ``what``, with the end of its stderr, if it fails."""
+    proc = subprocess.run(
+        [sys.executable, script, "--child", *args],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+    if proc.returncode:
+        raise SystemExit(f"{what} failed:\n{proc.stderr[-3000:]}")
+    return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
 
 
 def llama_bench(

@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import subprocess
 import sys
 import time
 from datetime import date
@@ -43,7 +42,6 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
 
 
 def _status(key: str) -> int:
@@ -152,16 +150,10 @@ def llama_cpp_prefill(bench: Path, gguf: Path, n: int) -> dict[str, Any]:
 
 
 def measure(path: str, n: int, model: Path, dtype: str, device: str) -> dict[str, Any]:
-    proc = subprocess.run(
-        [sys.executable, __file__, "--child", "--path", path, "--length", str(n),
-         "--model", str(model), "--dtype", dtype, "--device", device],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-    )  # fmt: skip
-    if proc.returncode:
-        raise SystemExit(f"{path} at {n} tokens failed:\n{proc.stderr[-3000:]}")
-    return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
+    from common import run_child
+
+    args = ("--path", path, "--length", str(n), "--model", str(model), "--dtype", dtype)
+    return run_child(__file__, *args, "--device", device, what=f"{path} at {n} tokens")
 
 
 def main() -> None:

@@ -36,14 +36,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 from datetime import date
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
 PRECISIONS = {"bf16": "bf16", "int8": "Q8_0", "int4": "Q4_0"}  # ours -> llama.cpp's
 TARGET_DECODE, TARGET_ROOFLINE, TARGET_GGUF = 1.15, 0.85, 0.90
 
@@ -78,16 +76,10 @@ def child(args: argparse.Namespace) -> None:
 
 
 def foudre_run(model: Path, quantization: str) -> dict[str, Any]:
-    proc = subprocess.run(
-        [sys.executable, __file__, "--child", "--model", str(model), "--quantization",
-         quantization],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-    )  # fmt: skip
-    if proc.returncode:
-        raise SystemExit(f"foudre {model.name} {quantization} failed:\n{proc.stderr[-3000:]}")
-    return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
+    from common import run_child
+
+    args = ("--model", str(model), "--quantization", quantization)
+    return run_child(__file__, *args, what=f"foudre {model.name} {quantization}")
 
 
 def llama_cpp_run(bench: Path, gguf: Path) -> dict[str, Any]:
