@@ -18,6 +18,7 @@ from foudre.quant import cpu_qmatmul, set_compute_dtype
 from foudre.quant.api import Int4WeightOnly, Int8WeightOnly, matches, quantize_
 from foudre.quant.qlinear import DEQUANTIZED_GEMM_ROWS, QuantLinear
 from foudre.runner.attention import cpu_paged
+from foudre.runner.attention.kv_quant import QuantizedKVCache
 from foudre.runner.cpu_decode import NativeDecode
 from foudre.runner.model_runner import ModelRunner
 from foudre.runner.step import ForwardStep
@@ -77,35 +78,37 @@ def added(runner: ModelRunner, before: dict[int, list[int]]) -> dict[int, list[i
     return {i: [b - a for a, b in zip(before[i], c, strict=True)] for i, c in now.items()}
 
 
+def pool(runner: ModelRunner) -> list[torch.Tensor]:
+    """The tensors that hold the runner's K/V: each cache, or a quantized one's codes and scales."""
+    held: list[torch.Tensor] = []
+    for c in runner.kv_caches:
+        held += [c.codes, c.scales] if isinstance(c, QuantizedKVCache) else [c]
+    return held
+
+
 def both_paths(runner: ModelRunner, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """One step's logits by each path from the same cache, and each path's whole cache after it
     (a stray write anywhere in the pool shows) and its counts of tokens per expert."""
-    before = [c.clone() for c in runner.kv_caches]
+    before = [t.clone() for t in pool(runner)]
     counts = runner.model.moe_expert_tokens()
     native = runner.forward(*args)
-    after_native = [c.clone() for c in runner.kv_caches]
+    after_native = [t.clone() for t in pool(runner)]
     native_counts, counts = added(runner, counts), runner.model.moe_expert_tokens()
-    for c, b in zip(runner.kv_caches, before, strict=True):
-        c.copy_(b)
+    for t, b in zip(pool(runner), before, strict=True):
+        t.copy_(b)
     ref = python_step(runner, *args)
     assert native is not None and ref is not None
-    for a, b in zip(after_native, runner.kv_caches, strict=True):
+    for a, b in zip(after_native, pool(runner), strict=True):
         assert torch.equal(a, b)
     assert native_counts == added(runner, counts)
     return native, ref
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize(("arch", "overrides"), ARCHS)
-def test_native_decode_equals_the_python_path(
-    tmp_path: Path, dtype: str, arch: str, overrides: dict[str, Any]
-) -> None:
-    """Prefill prompts (blocks out of order, contexts across block boundaries), then decode
-    steps of 1, 3 and ``MAX_ROWS`` rows: logits and the whole KV pool equal the Python path's,
-    bit for bit, and so do the mixture-of-experts routers' counts."""
-    runner = make_runner(tmp_path, dtype, arch, **overrides)
+def prefill_then_decode(runner: ModelRunner, limit: int) -> None:
+    """Prefill ``limit`` prompts (blocks out of order, contexts across block boundaries) in
+    Python, then decode steps of 1, 3 and ``limit`` rows natively: each step's logits and the
+    whole pool equal the Python path's, bit for bit (``both_paths``)."""
     calls = counted(runner)
-    limit = MAX_ROWS[getattr(torch, dtype)]
     g = torch.Generator().manual_seed(0)
     order = torch.randperm(200, generator=g).tolist()
     lens = [5, 16, 31, *torch.randint(1, 40, (limit - 3,), generator=g).tolist()]
@@ -121,6 +124,18 @@ def test_native_decode_equals_the_python_path(
             lens[:rows] = [n + 1 for n in lens[:rows]]
             logits = torch.cat([native, logits[rows:]])
     assert calls == [1, 3, limit]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(("arch", "overrides"), ARCHS)
+def test_native_decode_equals_the_python_path(
+    tmp_path: Path, dtype: str, arch: str, overrides: dict[str, Any]
+) -> None:
+    """Prefill prompts (blocks out of order, contexts across block boundaries), then decode
+    steps of 1, 3 and ``MAX_ROWS`` rows: logits and the whole KV pool equal the Python path's,
+    bit for bit, and so do the mixture-of-experts routers' counts."""
+    runner = make_runner(tmp_path, dtype, arch, **overrides)
+    prefill_then_decode(runner, MAX_ROWS[getattr(torch, dtype)])
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

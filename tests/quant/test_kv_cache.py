@@ -23,7 +23,7 @@ from foudre.runner.attention.kv_quant import QuantizedKVCache
 from foudre.runner.cpu_decode import NativeDecode
 from foudre.runner.model_runner import ModelRunner
 from tests.conftest import SHARED, make_hf_model
-from tests.engine.test_cpu_decode import counted, python_step
+from tests.engine.test_cpu_decode import counted, prefill_then_decode
 
 PROMPTS = [
     "Once upon a time, there was a little girl named Lily. She loved to play in the park.",
@@ -173,12 +173,6 @@ def quantized_runner(
     return runner
 
 
-def snapshot(runner: ModelRunner) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    caches = [c for c in runner.kv_caches if isinstance(c, QuantizedKVCache)]
-    assert len(caches) == len(runner.kv_caches)
-    return [(c.codes.clone(), c.scales.clone()) for c in caches]
-
-
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
@@ -189,34 +183,7 @@ def test_native_decode_over_a_quantized_cache(
     across block boundaries; GQA 4): decode steps of 1, 3 and ``MAX_ROWS`` rows give the logits
     of the Python path over the same cache, and the same codes and scales in the whole pool."""
     runner = quantized_runner(tmp_path, dtype, kind, num_attention_heads=8, num_key_value_heads=2)
-    calls = counted(runner)
-    limit = MAX_ROWS[dtype]
-    g = torch.Generator().manual_seed(0)
-    order = torch.randperm(200, generator=g).tolist()
-    lens = [5, 16, 31, *torch.randint(1, 40, (limit - 3,), generator=g).tolist()]
-    tables = [order[3 * i : 3 * i + 3] for i in range(limit)]
-    prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in lens]
-    with torch.inference_mode():
-        logits = runner.forward(tables, [0] * limit, prompts, [1] * limit)
-        assert logits is not None and calls == []
-        for rows in (1, 3, limit):
-            new = [[int(t)] for t in logits.argmax(-1)[:rows]]
-            args = (tables[:rows], lens[:rows], new, [1] * rows)
-            before = snapshot(runner)
-            native = runner.forward(*args)
-            after = snapshot(runner)
-            for cache, (codes, scales) in zip(runner.kv_caches, before, strict=True):
-                assert isinstance(cache, QuantizedKVCache)
-                cache.codes.copy_(codes)
-                cache.scales.copy_(scales)
-            ref = python_step(runner, *args)
-            assert native is not None and ref is not None
-            assert torch.equal(native, ref), (rows, (native - ref).abs().max())
-            for (a, sa), (b, sb) in zip(after, snapshot(runner), strict=True):
-                assert torch.equal(a, b) and torch.equal(sa, sb)
-            lens[:rows] = [n + 1 for n in lens[:rows]]
-            logits = torch.cat([native, logits[rows:]])
-    assert calls == [1, 3, limit]
+    prefill_then_decode(runner, MAX_ROWS[dtype])
 
 
 @needs_native
