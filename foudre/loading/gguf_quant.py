@@ -25,9 +25,10 @@ Exactness against the gguf dequantizer: bit for bit where the zero points are ab
 (Q5_0, Q6_K, Q8_0; Q4_0's 8); with a part's ``z = c / s``, ``(q - z) s`` and the kernels'
 ``q s - fl(s z)`` are within a few float32 roundings of ``|c|`` (under ``1e-7 max|w|`` measured,
 where ``q s - c`` would be exact but is not ``QuantLinear``'s form). Scales are float32 (the
-kernels' layouts use the buffers themselves), but float16 for all-Q4_0 modules (``d`` is a
-float16, ``z = 8``): a Q4_0 module takes 20 bytes per 32 weights (the file 18), a Q8_0 one 36
-(the file 34), Q5_0 36 (22), Q5_1 / Q5_K 40 (24 / 22), Q6_K 40 (26.25).
+kernels' layouts use the buffers themselves), but float16 for modules of Q4_0, Q5_0 and Q8_0
+parts only (``d`` is a float16, zero points none or 8): a Q4_0 module takes 20 bytes per 32
+weights (the file 18), a Q8_0 one 34 (34), Q5_0 34 (22), Q5_1 / Q5_K 40 (24 / 22), Q6_K 40
+(26.25).
 
 Decoding is vectorised numpy over the file's memory map, one tensor at a time. Dequantized at
 load as before: other types (Q2_K, Q3_K, the IQ types...) and the parts fused with one of them,
@@ -406,9 +407,14 @@ def plan_gguf_quantized(f: GGUFFile, model: nn.Module, grouped8: bool = True) ->
     return plan
 
 
+# the types whose scale is the file's float16 d and whose zero point is none or Q4_0's 8
+_HALF_SCALES = (_QT.Q4_0, _QT.Q5_0, _QT.Q8_0)
+
+
 def _scale_dtype(tensors: list[GGUFTensor]) -> torch.dtype:
-    """float16 holds Q4_0's scales (``d``) and zero points (8) exactly; float32 the others'."""
-    return torch.float16 if all(t.type == _QT.Q4_0 for t in tensors) else torch.float32
+    """float16 holds the scales (``d``) and zero points (none, or 8) of Q4_0, Q5_0 and Q8_0
+    exactly, in any mix; float32 the others' (``d sc``, ``c / s``)."""
+    return torch.float16 if all(t.type in _HALF_SCALES for t in tensors) else torch.float32
 
 
 def _set_module(model: nn.Module, name: str, new: nn.Module) -> None:

@@ -76,12 +76,16 @@ def quant_module(bits: int, group: int | None, zero: bool | str, w: torch.Tensor
     return QuantLinear.from_codes(q.reshape(n, kp).to(torch.int8), scales, zeros, None, 8, group, k)
 
 
+# the scales' (and zero points') dtypes, one per case in turn: each kernel reads all three
+SCALE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
 def check_kernels() -> None:
     """Every case, row count and dtype through this build's path."""
-    for bits, group, zero, n, k in CASES:
+    for i, (bits, group, zero, n, k) in enumerate(CASES):
         torch.manual_seed(bits * 1000 + n + k)
         w = torch.randn(n, k) * 0.1 + torch.linspace(-0.05, 0.1, k)  # all-positive groups too
-        mod = quant_module(bits, group, zero, w)
+        mod = quant_module(bits, group, zero, w).to(SCALE_DTYPES[i % len(SCALE_DTYPES)])
         assert (mod.zeros is not None) == bool(zero)
         packed = cpu_qmatmul.layout(mod.qweight, mod.scales, mod.zeros, mod.group_size, bits)
         assert (packed.z is None) == (zero != True)  # noqa: E712 (one zero point: none read)

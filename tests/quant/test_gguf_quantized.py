@@ -286,7 +286,8 @@ def test_kept_types_load_as_quant_linear(qtype: str, llama_dir: Path, tmp_path: 
     for mod in linears.values():
         assert (mod.bits, mod.group_size, mod.zeros is not None) == (bits, group, zero_point)
         assert mod.qweight.dtype == (torch.uint8 if bits == 4 else torch.int8)  # codes, not floats
-        assert mod.scales.dtype == (torch.float16 if qtype == "Q4_0" else torch.float32)
+        half = qtype in ("Q4_0", "Q5_0", "Q8_0")  # the file's float16 d, exactly
+        assert mod.scales.dtype == (torch.float16 if half else torch.float32)
         assert _exact(mod) == (qtype in EXACT)
     assert kept.model.embed_tokens.weight.dtype == torch.float32  # looked up: dequantized
     _check_weights(kept, ref)
