@@ -26,7 +26,7 @@ Exactness against the gguf dequantizer: bit for bit where the zero points are ab
 ``q s - fl(s z)`` are within a few float32 roundings of ``|c|`` (under ``1e-7 max|w|`` measured,
 where ``q s - c`` would be exact but is not ``QuantLinear``'s form). Scales are float32 (the
 kernels' layouts use the buffers themselves), but float16 for modules of Q4_0, Q5_0 and Q8_0
-parts only (``d`` is a float16, zero points none or 8): a Q4_0 module takes 20 bytes per 32
+parts only (``d`` is a float16, zero points none, 8 or 0): a Q4_0 module takes 20 bytes per 32
 weights (the file 18), a Q8_0 one 34 (34), Q5_0 34 (22), Q5_1 / Q5_K 40 (24 / 22), Q6_K 40
 (26.25).
 
@@ -407,12 +407,13 @@ def plan_gguf_quantized(f: GGUFFile, model: nn.Module, grouped8: bool = True) ->
     return plan
 
 
-# the types whose scale is the file's float16 d and whose zero point is none or Q4_0's 8
+# the types whose scale is the file's float16 d and whose zero point is none, or Q4_0's 8 (0 in
+# a group whose d is 0)
 _HALF_SCALES = (_QT.Q4_0, _QT.Q5_0, _QT.Q8_0)
 
 
 def _scale_dtype(tensors: list[GGUFTensor]) -> torch.dtype:
-    """float16 holds the scales (``d``) and zero points (none, or 8) of Q4_0, Q5_0 and Q8_0
+    """float16 holds the scales (``d``) and zero points (none, 8 or 0) of Q4_0, Q5_0 and Q8_0
     exactly, in any mix; float32 the others' (``d sc``, ``c / s``)."""
     return torch.float16 if all(t.type in _HALF_SCALES for t in tensors) else torch.float32
 

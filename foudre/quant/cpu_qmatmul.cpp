@@ -214,7 +214,7 @@ inline __m512 load16(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
-// the `count` (<= 16) scales from p + i, as float32 lanes 0..count - 1 (the others zero)
+// the scales from p + i of the lanes `mask` sets (up to 16), as float32 lanes (the others zero)
 inline __m512 load_scales(const void* p, int64_t i, int st, __mmask16 mask) {
   if (st == kF32) return _mm512_maskz_loadu_ps(mask, static_cast<const float*>(p) + i);
   const __m256i h = _mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(p) + i);
@@ -222,19 +222,22 @@ inline __m512 load_scales(const void* p, int64_t i, int st, __mmask16 mask) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-// the `span` (1, 2 or 4) scales from p + i as float32 lanes 0..span - 1, reading those bytes
-// only: a step's scales through a masked 16-lane load (load_scales), whose masked-off lanes reach
-// lines that are not needed yet, held GGUF's layouts to 0.75-0.85x (batch-1 8192 x 1536: Q4_0
-// 0.35 -> 0.27 ms, Q8_0 with float32 scales 0.54 -> 0.44 ms, Q6_K's int8 g16 0.57 -> 0.43 ms)
+// the `span` scales from p + i as float32 lanes 0..span - 1 (the others undefined), reading
+// those bytes only where span is 1, 2 or 4 (every group-wise layout: a step spans 64 columns of
+// 8-bit groups of 16 or more, 128 of 4-bit groups of 32 or more). Through a masked 16-lane load
+// (load_scales, the fallback) GGUF's layouts ran at 0.75-0.85x at batch 1 (8192 x 1536 on Zen 4:
+// Q4_0 0.35 -> 0.27 ms; int8 g32 with float32 scales 0.54 -> 0.44 ms; Q6_K's int8 g16 0.57 ->
+// 0.43 ms); the cause was not isolated.
 inline __m512 load_few(const void* p, int64_t i, int st, int64_t span) {
   const int64_t size = st == kF32 ? 4 : 2;
   const uint8_t* b = static_cast<const uint8_t*>(p) + i * size;
-  __m128i v = _mm_setzero_si128();
+  __m128i v;
   switch (span * size) {
     case 2: { uint16_t u; std::memcpy(&u, b, 2); v = _mm_cvtsi32_si128(u); break; }
     case 4: { int32_t u; std::memcpy(&u, b, 4); v = _mm_cvtsi32_si128(u); break; }
     case 8: { int64_t u; std::memcpy(&u, b, 8); v = _mm_cvtsi64_si128(u); break; }
-    default: v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)); break;
+    case 16: v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)); break;
+    default: return load_scales(p, i, st, static_cast<__mmask16>((1u << span) - 1));
   }
   if (st == kF32) return _mm512_castps128_ps512(_mm_castsi128_ps(v));
   if (st == kF16) return _mm512_castps256_ps512(_mm256_cvtph_ps(v));

@@ -25,25 +25,28 @@ from tests.engine.march import run_built_for
 
 pytestmark = pytest.mark.skipif(cpu_qmatmul.path() is None, reason="no C++ compiler")
 
-# (bits, group, zero point, n, k): K not a multiple of 16, 32 or 64, N odd; group-wise 8-bit
-# with and without zero points (GGUF's Q8_0 / Q5_0 / Q6_K, and Q5_1 / Q5_K repacked)
+# (bits, group, zero point, n, k, scales' dtype): K not a multiple of 16, 32 or 64, N odd;
+# group-wise 8-bit with and without zero points (GGUF's Q8_0 / Q5_0 / Q6_K, and Q5_1 / Q5_K
+# repacked); each dtype of scales with each count of scales a kernel step reads (4, 2, 1 of
+# them: groups of 16 / 32 / 64 and more for 8 bits, 32 / 64 / 128 and more for 4 bits)
 CASES = [
-    (8, None, False, 37, 100),
-    (8, None, False, 33, 520),
-    (8, None, False, 16, 1024),
-    (8, 16, False, 21, 200),
-    (8, 16, True, 19, 520),
-    (8, 32, False, 37, 100),
-    (8, 32, True, 17, 1000),
-    (8, 64, True, 33, 300),
-    (8, 256, False, 9, 520),
-    (8, 32, "const", 19, 300),
-    (4, 32, True, 37, 100),
-    (4, 32, True, 17, 1000),
-    (4, 64, True, 33, 520),
-    (4, 128, True, 16, 1024),
-    (4, 256, True, 33, 300),
-    (4, 32, "const", 37, 300),
+    (8, None, False, 37, 100, torch.float32),
+    (8, None, False, 33, 520, torch.bfloat16),
+    (8, None, False, 16, 1024, torch.float16),
+    (8, 16, False, 21, 200, torch.float32),
+    (8, 16, True, 19, 520, torch.float16),
+    (8, 32, False, 37, 100, torch.bfloat16),
+    (8, 32, True, 17, 1000, torch.float16),
+    (8, 64, True, 33, 300, torch.float32),
+    (8, 128, False, 13, 256, torch.float16),
+    (8, 256, False, 9, 520, torch.bfloat16),
+    (8, 32, "const", 19, 300, torch.float32),
+    (4, 32, True, 37, 100, torch.float16),
+    (4, 32, True, 17, 1000, torch.bfloat16),
+    (4, 64, True, 33, 520, torch.float32),
+    (4, 128, True, 16, 1024, torch.bfloat16),
+    (4, 256, True, 33, 300, torch.float16),
+    (4, 32, "const", 37, 300, torch.float32),
 ]
 ROWS = (1, 3, 16, 64)
 
@@ -76,16 +79,12 @@ def quant_module(bits: int, group: int | None, zero: bool | str, w: torch.Tensor
     return QuantLinear.from_codes(q.reshape(n, kp).to(torch.int8), scales, zeros, None, 8, group, k)
 
 
-# the scales' (and zero points') dtypes, one per case in turn: each kernel reads all three
-SCALE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
 def check_kernels() -> None:
     """Every case, row count and dtype through this build's path."""
-    for i, (bits, group, zero, n, k) in enumerate(CASES):
+    for bits, group, zero, n, k, scale_dtype in CASES:
         torch.manual_seed(bits * 1000 + n + k)
         w = torch.randn(n, k) * 0.1 + torch.linspace(-0.05, 0.1, k)  # all-positive groups too
-        mod = quant_module(bits, group, zero, w).to(SCALE_DTYPES[i % len(SCALE_DTYPES)])
+        mod = quant_module(bits, group, zero, w).to(scale_dtype)
         assert (mod.zeros is not None) == bool(zero)
         packed = cpu_qmatmul.layout(mod.qweight, mod.scales, mod.zeros, mod.group_size, bits)
         assert (packed.z is None) == (zero != True)  # noqa: E712 (one zero point: none read)

@@ -374,6 +374,9 @@ def test_mixed_modules_are_8_bit(llama_dir: Path, tmp_path: Path) -> None:
     for name, layout in layouts.items():
         mod = linears[name]
         assert (mod.bits, mod.group_size, mod.zeros is not None) == layout, name
+        # the file's float16 d where every part is Q4_0, Q5_0 or Q8_0; d sc or c / s else
+        half = name == "model.layers.1.mlp.gate_up_proj"
+        assert mod.scales.dtype == (torch.float16 if half else torch.float32), name
     assert _exact(linears["model.layers.1.mlp.gate_up_proj"])  # Q8_0 beside Q4_0: q - 8, no z
     _check_weights(kept, ref)
     _check_logits(kept, ref)
