@@ -58,9 +58,10 @@ def function(dtype: torch.dtype) -> int | None:
     return ctypes.cast(getattr(dll, f"foudre_qmm_{DTYPES[dtype]}"), ctypes.c_void_p).value
 
 
+@lru_cache(maxsize=1)
 def path() -> str | None:
     """``"vnni"``, ``"avx512"`` or ``"portable"``: the path the library was built for; None
-    where it did not build."""
+    where it did not build (asked every decode step: one library, one answer)."""
     dll = _library()
     return None if dll is None else PATHS[dll.foudre_qmm_path()]
 
