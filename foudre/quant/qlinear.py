@@ -1,9 +1,10 @@
 """``QuantLinear``: a weight-only quantized linear over the canonical layouts of
 ``foudre.quant.packing`` (8-bit per channel or group-wise with optional zero points, 4-bit
 group-wise). On a CPU with AVX-512 our kernels (``cpu_qmatmul``) read those buffers as they are:
-batches below ``DEQUANTIZED_GEMM_ROWS`` through the integer kernel, larger ones (prefill chunks)
-as the weight dequantized a few rows at a time into torch's GEMM; elsewhere torch's packed
-kernels (``kernels``; group-wise 8-bit there runs ``forward_reference``). On CUDA the Triton
+batches below ``dequantized_gemm_rows`` (64; 16 for group-wise 8-bit, GGUF's forms) through
+the integer kernel, larger ones (prefill chunks, larger decode batches) as the weight
+dequantized a few rows at a time into torch's GEMM; elsewhere torch's packed kernels
+(``kernels``; group-wise 8-bit there runs ``forward_reference``). On CUDA the Triton
 kernels (``triton_kernels``: a split-K GEMV at one row, dequantizing tiles in registers above).
 
 With AVX512-VNNI the integer kernel rounds the activations to int8 per block
@@ -53,6 +54,20 @@ NATIVE_MAX_ROWS: dict[int, float] = {8: math.inf, 4: math.inf}
 # int4 g128): 16 rows 0.46 / 0.82 ms, 32 rows 1.17 / 1.12, 64 rows 1.77 / 1.62, 256 rows 9.4 / 5.0,
 # 1024 rows 40 / 19 (bf16 weights: 18.4).
 DEQUANTIZED_GEMM_ROWS = 64
+# ... from 16 rows for group-wise 8-bit layouts (GGUF's Q8_0, Q5_x, Q6_K), whose kernel steps
+# scale every 64 codes with a vector of group scales (twice per-channel int8's float work per
+# code). Measured on 8192 x 1536, 2 threads, bf16 (ours / dequantized + GEMM): int8 g32 8 rows
+# 1.50 / 1.66 ms, 16 rows 2.21 / 1.92, 32 rows 4.45 / 3.18; int8 g16 16 rows 2.80 / 2.23; a
+# Q8_0 file's 32 requests 124-137 -> 161-177 tok/s (A/B in turns). int4 g32 (24 rows 2.71 /
+# 2.93, 32 rows 3.73 / 3.04) gained nothing end to end (its steps then leave the native decode
+# step) and keeps 64.
+GROUPED8_GEMM_ROWS = 16
+
+
+def dequantized_gemm_rows(bits: int, group_size: int | None) -> int:
+    """The rows from which ``QuantLinear``'s CPU forward (and the native decode step's limit)
+    turns to ``cpu_qmatmul.matmul_dequantized`` for a ``bits``-bit layout in ``group_size``."""
+    return GROUPED8_GEMM_ROWS if bits == 8 and group_size is not None else DEQUANTIZED_GEMM_ROWS
 
 
 class QuantLinear(nn.Module):
@@ -295,7 +310,7 @@ class QuantLinear(nn.Module):
 
     def _forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
         """On the CPU: ``cpu_qmatmul`` (its integer kernel, or its dequantized GEMM from
-        ``DEQUANTIZED_GEMM_ROWS`` rows) where ``uses_native_kernels``, else aten's packed
+        ``dequantized_gemm_rows`` rows) where ``uses_native_kernels``, else aten's packed
         kernels (``kernels``; group-wise 8-bit: ``forward_reference``)."""
         out_dtype = x.dtype
         x2, lead = self._flat(x)
@@ -306,7 +321,7 @@ class QuantLinear(nn.Module):
         grouped8 = self.bits == 8 and self.group_size is not None
         if grouped8 and not native:
             return self.forward_reference(x)  # aten has no group-wise int8 kernel
-        if native and x2.shape[0] >= DEQUANTIZED_GEMM_ROWS:
+        if native and x2.shape[0] >= dequantized_gemm_rows(self.bits, self.group_size):
             y = cpu_qmatmul.matmul_dequantized(x2, self._native_layout()).to(out_dtype)
         elif native and (grouped8 or x2.shape[0] <= NATIVE_MAX_ROWS[self.bits]):
             y = cpu_qmatmul.matmul(x2, self._native_layout()).to(out_dtype)

@@ -51,9 +51,9 @@ from foudre.layers.norm import RMSNorm
 from foudre.layers.rotary import RotaryEmbedding
 from foudre.quant import cpu_qmatmul
 from foudre.quant.qlinear import (
-    DEQUANTIZED_GEMM_ROWS,
     NATIVE_MAX_ROWS,
     QuantLinear,
+    dequantized_gemm_rows,
     uses_native_kernels,
 )
 from foudre.runner.attention import cpu_paged
@@ -207,7 +207,8 @@ class NativeDecode:
                 for m, _ in self.quantized
                 if m.group_size is None or m.bits == 4
             ]
-            limit = int(min([DEQUANTIZED_GEMM_ROWS - 1, *aten]))
+            gemm = [dequantized_gemm_rows(m.bits, m.group_size) - 1 for m, _ in self.quantized]
+            limit = int(min([*gemm, *aten]))
             self.max_rows = limit if all_quantized else min(self.max_rows, limit)
 
     @classmethod

@@ -16,7 +16,12 @@ from foudre.layers import fused
 from foudre.layers.linear import MAX_ROWS, Linear
 from foudre.quant import cpu_qmatmul, set_compute_dtype
 from foudre.quant.api import Int4WeightOnly, Int8WeightOnly, matches, quantize_
-from foudre.quant.qlinear import DEQUANTIZED_GEMM_ROWS, QuantLinear
+from foudre.quant.qlinear import (
+    DEQUANTIZED_GEMM_ROWS,
+    GROUPED8_GEMM_ROWS,
+    QuantLinear,
+    dequantized_gemm_rows,
+)
 from foudre.runner.attention import cpu_paged
 from foudre.runner.attention.kv_quant import QuantizedKVCache
 from foudre.runner.cpu_decode import NativeDecode
@@ -358,20 +363,22 @@ def test_native_decode_runs_quantized_projections(
             got, ref = both_paths(runner, tables[:rows], lens[:rows], new, [1] * rows)
             assert torch.equal(got, ref), (rows, (got - ref).abs().max())
             lens[:rows] = [n + 1 for n in lens[:rows]]
-        # every projection quantized: native up to QuantLinear's GEMM rows, past the float
-        # kernel's limit (16 bfloat16 rows)
-        assert native.max_rows == DEQUANTIZED_GEMM_ROWS - 1
-        many = 20
+        # every projection quantized: native up to QuantLinear's GEMM rows (past the float
+        # kernel's limit, 16 bfloat16 rows, but for group-wise 8 bits)
+        first = model.model.layers[0].self_attn.o_proj
+        assert isinstance(first, QuantLinear)
+        gemm = dequantized_gemm_rows(first.bits, first.group_size)
+        assert gemm == (GROUPED8_GEMM_ROWS if first.bits == 8 and first.group_size else 64)
+        assert native.max_rows == gemm - 1
+        many = min(20, gemm - 1)
         tables = [[30 + i] for i in range(many)]
         new = [[i + 1] for i in range(many)]
         got, ref = both_paths(runner, tables, [3] * many, new, [1] * many)
         assert torch.equal(got, ref), (got - ref).abs().max()
-        wide = DEQUANTIZED_GEMM_ROWS  # QuantLinear's GEMM from here: Python's step
+        wide = gemm  # QuantLinear's GEMM from here: Python's step
         assert not native.can_run(ForwardStep([[1]] * wide, [3] * wide, [[1]] * wide, [1] * wide))
     assert calls == [1, 3, many]
     # writing a projection's buffers drops its view: the next step goes back to Python
-    first = model.model.layers[0].self_attn.o_proj
-    assert isinstance(first, QuantLinear)
     first.invalidate_layouts()
     assert not native._unchanged()
 
