@@ -424,4 +424,9 @@ def test_native_decode_refuses_quantized_projections_it_cannot_run(tmp_path: Pat
     mlp = model.model.layers[1].mlp
     mlp.down_proj = QuantLinear.from_float(mlp.down_proj.dequantize(), None, 4, 32)
     assert not native._unchanged()  # a module replaced after the build
-    assert build() is not None
+    again = build()
+    assert again is not None and again.max_rows == DEQUANTIZED_GEMM_ROWS - 1
+    # one group-wise 8-bit projection among per-channel ones: its GEMM rows bound the step
+    mlp.down_proj = QuantLinear.from_float(mlp.down_proj.dequantize(), None, 8, 32)
+    again = build()
+    assert again is not None and again.max_rows == GROUPED8_GEMM_ROWS - 1

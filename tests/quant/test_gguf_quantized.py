@@ -203,12 +203,15 @@ def _kernels_checked(model: nn.Module) -> Iterator[dict[str, float]]:
             h.remove()
 
 
-def _greedy(model: LlamaForCausalLM, steps: int = 6) -> list[int]:
-    """Greedy tokens after ``PROMPT[:8]``, each step recomputed from position 0."""
-    ids = PROMPT[:8]
-    for _ in range(steps):
+GREEDY_FROM, GREEDY_STEPS = 8, 6  # _greedy's steps compute 8 to 13 rows
+
+
+def _greedy(model: LlamaForCausalLM) -> list[int]:
+    """Greedy tokens after ``PROMPT[:GREEDY_FROM]``, each step recomputed from position 0."""
+    ids = PROMPT[:GREEDY_FROM]
+    for _ in range(GREEDY_STEPS):
         ids = [*ids, int(_logits(model, ids)[-1].argmax())]
-    return ids[8:]
+    return ids[GREEDY_FROM:]
 
 
 @contextmanager
@@ -240,7 +243,7 @@ def _check_logits(kept: LlamaForCausalLM, ref: LlamaForCausalLM, ids: list[int] 
         got = _logits(kept, ids)
         tokens = _greedy(kept)
     modules = _quant_linears(kept)
-    rows = (len(ids), *range(8, 14))  # the logits' rows, then the greedy steps' (8 to 13)
+    rows = (len(ids), *range(GREEDY_FROM, GREEDY_FROM + GREEDY_STEPS))  # logits', greedy's
     rounding = {n for n, m in modules.items() if any(_rounds_input(m, r) for r in rows)}
     # the oracle sees the rounding: without it, the kernels' results are out of bounds
     assert set(plain) <= rounding and bool(plain) == bool(rounding), (plain, rounding)
