@@ -126,9 +126,10 @@ def load_model(
 ) -> LoadedModel:
     """Load config and weights from a HF directory, a hub id, a GGUF file or a llama2.c ``.bin``.
 
-    A GGUF file is its own tokenizer (unless ``tokenizer`` names another); its Q4_0, Q4_1, Q4_K
-    and Q8_0 linears stay quantized (``gguf_quant``) unless ``quantization`` re-quantizes the
-    model, ``gguf_dequantize`` is set (training, float references) or ``FOUDRE_GGUF_DEQUANTIZE=1``;
+    A GGUF file is its own tokenizer (unless ``tokenizer`` names another); its Q4_0, Q4_1, Q4_K,
+    Q5_0, Q5_1, Q5_K, Q6_K and Q8_0 linears stay quantized (``gguf_quant``) unless
+    ``quantization`` re-quantizes the model, ``gguf_dequantize`` is set (training, float
+    references) or ``FOUDRE_GGUF_DEQUANTIZE=1``;
     its other tensors are dequantized to the model dtype (``dtype="auto"``: the file's float
     type, bfloat16 when quantized).
     """

@@ -225,7 +225,7 @@ inline __m512 load_scales(const void* p, int64_t i, int st, __mmask16 mask) {
 // the `span` scales from p + i as float32 lanes 0..span - 1 (the others undefined), reading
 // those bytes only where span is 1, 2 or 4 (every group-wise layout: a step spans 64 columns of
 // 8-bit groups of 16 or more, 128 of 4-bit groups of 32 or more). Through a masked 16-lane load
-// (load_scales, the fallback) GGUF's layouts ran at 0.75-0.85x at batch 1 (8192 x 1536 on Zen 4:
+// (load_scales, the fallback) GGUF's layouts ran at 0.75-0.82x at batch 1 (8192 x 1536 on Zen 4:
 // Q4_0 0.35 -> 0.27 ms; int8 g32 with float32 scales 0.54 -> 0.44 ms; Q6_K's int8 g16 0.57 ->
 // 0.43 ms); the cause was not isolated.
 inline __m512 load_few(const void* p, int64_t i, int st, int64_t span) {

@@ -62,7 +62,8 @@ DEQUANTIZED_GEMM_ROWS = 64
 # 2.93, 32 rows 3.73 / 3.04) gained nothing end to end (its steps then leave the native decode
 # step) and keeps 64. A Q4_K_M file (v in Q6_K: its qkv_proj 8-bit g16) leaves the native
 # step from 16 rows: its 32 requests 136-158 tok/s before, 150-158 after. Measured with bf16
-# activations; float32's take the same rows.
+# activations on the VNNI path; float32 activations and the AVX-512 float path take the same
+# rows, unmeasured.
 GROUPED8_GEMM_ROWS = 16
 
 

@@ -87,6 +87,7 @@ def check_kernels() -> None:
         mod = quant_module(bits, group, zero, w).to(scale_dtype)
         assert (mod.zeros is not None) == bool(zero)
         packed = cpu_qmatmul.layout(mod.qweight, mod.scales, mod.zeros, mod.group_size, bits)
+        assert packed.s.dtype == scale_dtype  # read as stored: each dtype's loads checked
         assert (packed.z is None) == (zero != True)  # noqa: E712 (one zero point: none read)
         assert packed.zc == (0 if zero != "const" else (8 if bits == 4 else 16))
         wd = mod.dequantize()
