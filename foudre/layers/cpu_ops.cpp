@@ -460,13 +460,14 @@ using PagedDecodeCodes = void (*)(const void* q, const void* k, const void* v,
                                   int64_t window);
 
 // A quantized projection (quant/cpu_qmatmul.cpp's foudre_qmm_f32 / _bf16, passed by address in
-// its descriptor): kind, x, codes, scales, zero points, scale type, groups, group, y, m, n, k
+// its descriptor): kind, x, codes, scales, zero points, scale type, groups, group, the scales'
+// row stride, y, m, n, k
 using QuantMatmul = void (*)(int kind, const void* x, const void* q, const void* s, const void* z,
-                             float zc, int st, int64_t groups, int64_t group, void* y, int64_t m,
-                             int64_t n, int64_t k);
+                             float zc, int st, int64_t groups, int64_t group, int64_t s_stride,
+                             void* y, int64_t m, int64_t n, int64_t k);
 // kQmmZeroConst: the one zero point (float32 bits) where kQmmZeros is 0
 enum QuantSlot { kQmmFn, kQmmKind, kQmmCodes, kQmmScales, kQmmZeros, kQmmScaleType, kQmmGroups,
-                 kQmmGroup, kQmmBias, kQmmColumns, kQmmZeroConst, kQmmSlots };
+                 kQmmGroup, kQmmBias, kQmmColumns, kQmmZeroConst, kQmmScaleStride, kQmmSlots };
 
 // y [rows, n] = x [rows, k] @ W^T (+ bias): W float (w, bias) unless `quant` describes a
 // QuantLinear (QuantSlot entries), whose bias is added after its result's rounding, as
@@ -491,7 +492,8 @@ void project(const int64_t* quant, const T* x, const T* w, const T* bias, T* y, 
   std::memcpy(&zc, &zc_bits, 4);
   reinterpret_cast<QuantMatmul>(quant[kQmmFn])(
       static_cast<int>(quant[kQmmKind]), x, vp(kQmmCodes), vp(kQmmScales), vp(kQmmZeros), zc,
-      static_cast<int>(quant[kQmmScaleType]), quant[kQmmGroups], quant[kQmmGroup], y, rows, n, kp);
+      static_cast<int>(quant[kQmmScaleType]), quant[kQmmGroups], quant[kQmmGroup],
+      quant[kQmmScaleStride], y, rows, n, kp);
   if (quant[kQmmBias] != 0)
     for (int64_t r = 0; r < rows; ++r) add_(y + r * n, static_cast<const T*>(vp(kQmmBias)), n);
 }

@@ -9,10 +9,12 @@
 // then from L1), the tasks split over torch's OpenMP threads by output-row ranges.
 //
 // The kernels read QuantLinear's own buffers, no copy: int8 codes [N, K] (K a multiple of 64),
-// int4 codes [N, K / 2] as packing.pack_int4 lays them (column 2j in
-// the low nibble of byte j, 2j + 1 in the high one; K a multiple of 128), scales and zero points
-// [N, groups] in float32, float16 or bfloat16 (st: 0, 1, 2). Each task prefetches its rows' scales and zero points at
-// its start: a row's scales are a few cache lines, too short a stream for the hardware
+// int4 codes [N, K / 2] as packing.pack_int4 lays them (column 2j in the low nibble of byte j,
+// 2j + 1 in the high one; K a multiple of 128), scales and zero points [N, groups] in float32,
+// float16 or bfloat16 (st: 0, 1, 2), their rows s_stride elements apart (QuantLinear pairs a
+// row's scales and zero points in one buffer: cpu_qmatmul.pair_scales, one stream where a
+// separate one of zero points cost 18% at batch 1). Each task prefetches its rows' scales and
+// zero points at its start: a row's scales are a few cache lines, too short a stream for the hardware
 // prefetcher, and waiting on them halved the speed of groups of 32 (the weight rows, long
 // streams, need no help: prefetching them ahead measured no faster).
 //
@@ -97,11 +99,11 @@ struct Args {
   const T* x;        // [m, k]
   const uint8_t* w;  // codes, rows of row_bytes
   int64_t row_bytes;
-  const void* s;  // [n] (int8) or [n, groups], of type st
-  const void* z;  // [n, groups], or null: every zero point is zc
+  const void* s;  // [n] (int8) or [n, groups] with rows s_stride elements apart, of type st
+  const void* z;  // as s (the same row stride), or null: every zero point is zc
   float zc;
   int st;
-  int64_t groups, group;
+  int64_t groups, group, s_stride;
   int gshift;  // log2(group): groups are powers of two
   T* y;        // [m, n]
   int64_t m, n, k;
@@ -130,11 +132,11 @@ inline void prefetch(const void* p) {
 // a task's rows' scales and zero points, all of their cache lines
 template <int R, typename T>
 void prefetch_scales(const Args<T>& a, const int64_t* nr) {
-  const int64_t bytes = a.groups * (a.st == kF32 ? 4 : 2);
+  const int64_t size = a.st == kF32 ? 4 : 2, bytes = a.groups * size;
   for (int r = 0; r < R; ++r)
     for (int64_t b = 0; b < bytes; b += 64) {
-      prefetch(static_cast<const uint8_t*>(a.s) + nr[r] * bytes + b);
-      if (a.z) prefetch(static_cast<const uint8_t*>(a.z) + nr[r] * bytes + b);
+      prefetch(static_cast<const uint8_t*>(a.s) + nr[r] * a.s_stride * size + b);
+      if (a.z) prefetch(static_cast<const uint8_t*>(a.z) + nr[r] * a.s_stride * size + b);
     }
 }
 
@@ -188,7 +190,7 @@ struct Portable {
           for (int64_t c = 0; c < a.k; c += 16) {
             float s = 1.0f, sz = 0.0f;
             if constexpr (K != Kind::Int8) {
-              const int64_t g = nr * a.groups + (c >> a.gshift);
+              const int64_t g = nr * a.s_stride + (c >> a.gshift);
               s = scale_at(a.s, g, a.st);
               sz = s * (a.z ? scale_at(a.z, g, a.st) : a.zc);
             }
@@ -295,7 +297,7 @@ struct Float512 {
         for (int r = 0; r < R; ++r) {
           __m512 wv = codes16<K>(wr[r], c);
           if constexpr (K != Kind::Int8) {
-            const int64_t g = nr[r] * a.groups + (c >> a.gshift);
+            const int64_t g = nr[r] * a.s_stride + (c >> a.gshift);
             const float s = scale_at(a.s, g, a.st);
             const float sz = s * (a.z ? scale_at(a.z, g, a.st) : a.zc);
             wv = _mm512_fmsub_ps(wv, _mm512_set1_ps(s), _mm512_set1_ps(sz));
@@ -464,9 +466,9 @@ struct Vnni {
         __m512 sv = _mm512_setzero_ps();
         float s1 = 0.0f;
         if constexpr (Uniform) {
-          s1 = scale_at(a.s, nr[r] * a.groups + g0, a.st);
+          s1 = scale_at(a.s, nr[r] * a.s_stride + g0, a.st);
         } else if constexpr (kGrouped) {
-          const __m512 gs = load_few(a.s, nr[r] * a.groups + g0, a.st, span);
+          const __m512 gs = load_few(a.s, nr[r] * a.s_stride + g0, a.st, span);
           sv = span > 1 ? _mm512_permutexvar_ps(lane_group, gs)
                         : _mm512_broadcastss_ps(_mm512_castps512_ps128(gs));
         }
@@ -497,8 +499,8 @@ struct Vnni {
             a.groups - g >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (a.groups - g)) - 1);
         __m512 off[R];
         for (int r = 0; r < R; ++r) {
-          const __m512 s = load_scales(a.s, nr[r] * a.groups + g, a.st, mask);
-          __m512 z = a.z ? load_scales(a.z, nr[r] * a.groups + g, a.st, mask)
+          const __m512 s = load_scales(a.s, nr[r] * a.s_stride + g, a.st, mask);
+          __m512 z = a.z ? load_scales(a.z, nr[r] * a.s_stride + g, a.st, mask)
                          : _mm512_set1_ps(a.zc);  // one zero point (Q4_0's 8): no loads
           if constexpr (K != Kind::Int4) z = _mm512_add_ps(z, _mm512_set1_ps(128.0f));
           off[r] = _mm512_mul_ps(s, z);
@@ -566,7 +568,7 @@ void dequantize(const Args<T>& a, int64_t n0, int64_t n1, T* out) {
       if constexpr (K == Kind::Int8) {
         s = scale_at(a.s, nr, a.st);
       } else {
-        const int64_t g = nr * a.groups + (c >> a.gshift);
+        const int64_t g = nr * a.s_stride + (c >> a.gshift);
         s = scale_at(a.s, g, a.st);
         z = a.z ? scale_at(a.z, g, a.st) : a.zc;
       }
@@ -583,16 +585,19 @@ void dequantize(const Args<T>& a, int64_t n0, int64_t n1, T* out) {
 
 template <typename T>
 Args<T> args(int kind, const void* x, const void* q, const void* s, const void* z, float zc,
-             int st, int64_t groups, int64_t group, void* y, int64_t m, int64_t n, int64_t k) {
+             int st, int64_t groups, int64_t group, int64_t s_stride, void* y, int64_t m,
+             int64_t n, int64_t k) {
   const int gshift = group > 0 ? __builtin_ctzll(static_cast<uint64_t>(group)) : 0;
   return {static_cast<const T*>(x), static_cast<const uint8_t*>(q), kind == 2 ? k / 2 : k, s, z,
-          zc, st, groups, group, gshift, static_cast<T*>(y), m, n, k, nullptr, nullptr, nullptr};
+          zc, st, groups, group, s_stride, gshift, static_cast<T*>(y), m, n, k, nullptr, nullptr,
+          nullptr};
 }
 
 template <typename T>
 void run(int kind, const void* x, const void* q, const void* s, const void* z, float zc, int st,
-         int64_t groups, int64_t group, void* y, int64_t m, int64_t n, int64_t k) {
-  const Args<T> a = args<T>(kind, x, q, s, z, zc, st, groups, group, y, m, n, k);
+         int64_t groups, int64_t group, int64_t s_stride, void* y, int64_t m, int64_t n,
+         int64_t k) {
+  const Args<T> a = args<T>(kind, x, q, s, z, zc, st, groups, group, s_stride, y, m, n, k);
   if (kind == 0)
     matmul<T, Kind::Int8>(a);
   else if (kind == 1)
@@ -603,9 +608,10 @@ void run(int kind, const void* x, const void* q, const void* s, const void* z, f
 
 template <typename T>
 void run_dequantize(int kind, const void* q, const void* s, const void* z, float zc, int st,
-                    int64_t groups, int64_t group, void* out, int64_t n0, int64_t n1,
-                    int64_t k) {
-  const Args<T> a = args<T>(kind, nullptr, q, s, z, zc, st, groups, group, nullptr, 0, n1, k);
+                    int64_t groups, int64_t group, int64_t s_stride, void* out, int64_t n0,
+                    int64_t n1, int64_t k) {
+  const Args<T> a =
+      args<T>(kind, nullptr, q, s, z, zc, st, groups, group, s_stride, nullptr, 0, n1, k);
   T* o = static_cast<T*>(out);
   if (kind == 0)
     dequantize<T, Kind::Int8>(a, n0, n1, o);
@@ -634,18 +640,21 @@ int foudre_qmm_path() {
 // q [n, k] (k a multiple of 64), s [n]; 1: int8 group-wise, q [n, k] (k a multiple of 64), s
 // and z [n, groups] for groups of `group` columns (a power of two, 16 or more); 2: int4,
 // q [n, k / 2] (k a multiple of 128), s and z [n, groups] (groups of 32 or more). z null: every
-// zero point is zc. st: the type of s and z (0 float32, 1 float16, 2 bfloat16).
+// zero point is zc. st: the type of s and z (0 float32, 1 float16, 2 bfloat16); s_stride: the
+// elements between two rows of s (and of z), groups or more (cpu_qmatmul.pair_scales: a row's
+// scales then its zero points, one stream).
 #define FOUDRE_QMM(SUFFIX, T)                                                                   \
   void foudre_qmm_##SUFFIX(int kind, const void* x, const void* q, const void* s, const void* z, \
-                           float zc, int st, int64_t groups, int64_t group, void* y, int64_t m,  \
-                           int64_t n, int64_t k) {                                               \
-    run<T>(kind, x, q, s, z, zc, st, groups, group, y, m, n, k);                                 \
+                           float zc, int st, int64_t groups, int64_t group, int64_t s_stride,    \
+                           void* y, int64_t m, int64_t n, int64_t k) {                           \
+    run<T>(kind, x, q, s, z, zc, st, groups, group, s_stride, y, m, n, k);                       \
   }                                                                                              \
   /* rows n0 .. n1 of the same weights dequantized into out [n1 - n0, k] */                      \
   void foudre_dequantize_##SUFFIX(int kind, const void* q, const void* s, const void* z,         \
-                                  float zc, int st, int64_t groups, int64_t group, void* out,    \
-                                  int64_t n0, int64_t n1, int64_t k) {                           \
-    run_dequantize<T>(kind, q, s, z, zc, st, groups, group, out, n0, n1, k);                     \
+                                  float zc, int st, int64_t groups, int64_t group,               \
+                                  int64_t s_stride, void* out, int64_t n0, int64_t n1,           \
+                                  int64_t k) {                                                   \
+    run_dequantize<T>(kind, q, s, z, zc, st, groups, group, s_stride, out, n0, n1, k);           \
   }
 
 FOUDRE_QMM(f32, float)

@@ -304,8 +304,13 @@ class QuantLinear(nn.Module):
         return layout
 
     def _native_layout(self) -> cpu_qmatmul.Packed:
-        """``cpu_qmatmul``'s layout (built once; it serves every activation dtype)."""
+        """``cpu_qmatmul``'s layout (built once; it serves every activation dtype). Group-wise
+        scales and zero points are first paired in place (``cpu_qmatmul.pair_scales``: one
+        stream for the kernels)."""
         if self._native is None:
+            if self.group_size is not None:
+                scales, zeros = cpu_qmatmul.pair_scales(self.scales, self.zeros)
+                self._buffers["scales"], self._buffers["zeros"] = scales, zeros
             self._native = cpu_qmatmul.layout(
                 self.qweight, self.scales, self.zeros, self.group_size, self.bits
             )

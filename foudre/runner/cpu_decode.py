@@ -138,13 +138,11 @@ class NativeDecode:
             self.quantized.append((module, packed))
             patches.append((len(pointers), len(descriptors)))
             pointers.append(0)
+            z, zc, st, groups, group, s_stride = packed.arguments()
             descriptors.append([
                 qmm or 0, cpu_qmatmul.KINDS[packed.kind], packed.w.data_ptr(),
-                packed.s.data_ptr(), 0 if packed.z is None else packed.z.data_ptr(),
-                cpu_qmatmul.SCALE_TYPES[packed.s.dtype],
-                0 if packed.kind == "int8" else packed.s.shape[1], packed.group or 0,
-                0 if bias is None else bias.data_ptr(), packed.k,
-                int.from_bytes(struct.pack("<f", packed.zc), "little"),
+                packed.s.data_ptr(), z, st, groups, group, 0 if bias is None else bias.data_ptr(),
+                packed.k, int.from_bytes(struct.pack("<f", zc), "little"), s_stride,
             ])  # fmt: skip
 
         self.blocks: list[SparseMoeBlock] = []  # the sparse layers' MLPs, which count
@@ -193,7 +191,7 @@ class NativeDecode:
         shape = _stored(kv_caches[0]).shape  # [2, blocks, block_size, heads, head_dim]
         self.block_size = shape[2]
         self.num_slots = shape[1] * self.block_size
-        self.descriptors = torch.tensor(descriptors, dtype=torch.int64).reshape(-1, 11)
+        self.descriptors = torch.tensor(descriptors, dtype=torch.int64).reshape(-1, 12)
         for at, row in patches:
             pointers[at] = self.descriptors[row].data_ptr()
         self.layers = torch.tensor(pointers, dtype=torch.int64)

@@ -243,3 +243,37 @@ def test_switched_off_runs_aten(monkeypatch: pytest.MonkeyPatch) -> None:
     mod = QuantLinear.from_float(torch.randn(16, 64), None, 8)
     x = torch.randn(1, 64)
     assert torch.allclose(mod(x), mod.forward_reference(x), atol=1e-4)
+
+
+def test_paired_scales_change_no_result() -> None:
+    """``pair_scales`` puts a row's scales and zero points side by side in one buffer (one
+    stream for the kernels): the products, the dequantized rows and the module's values are
+    the same bit for bit (K = 384: no padding, which copies); a layout with one zero point
+    (none read) is left as it is."""
+    torch.manual_seed(3)
+    for bits, group in ((4, 32), (4, 128), (8, 32)):
+        mod = quant_module(bits, group, True, torch.randn(37, 384) * 0.1).to(torch.bfloat16)
+        assert mod.zeros is not None
+        scales, zeros = cpu_qmatmul.pair_scales(mod.scales, mod.zeros)
+        assert zeros is not None
+        assert scales.untyped_storage().data_ptr() == zeros.untyped_storage().data_ptr()
+        assert scales.stride(0) == 2 * scales.shape[1]
+        assert torch.equal(scales, mod.scales) and torch.equal(zeros, mod.zeros)
+        apart = cpu_qmatmul.layout(mod.qweight, mod.scales, mod.zeros, group, bits)
+        paired = cpu_qmatmul.layout(mod.qweight, scales, zeros, group, bits)
+        assert paired.s.data_ptr() == scales.data_ptr()  # read in place, not copied
+        for m in (1, 3, 16):
+            x = torch.randn(m, 384).bfloat16()
+            assert torch.equal(cpu_qmatmul.matmul(x, paired), cpu_qmatmul.matmul(x, apart))
+        for dtype in (torch.float32, torch.bfloat16):
+            got = cpu_qmatmul.dequantize_rows(paired, 2, 30, dtype)
+            assert torch.equal(got, cpu_qmatmul.dequantize_rows(apart, 2, 30, dtype))
+        # QuantLinear pairs its own buffers when it first builds the layout
+        before = mod.dequantize()
+        x = torch.randn(2, 384).bfloat16()
+        mod._native_layout()
+        assert mod.scales.untyped_storage().data_ptr() == mod.zeros.untyped_storage().data_ptr()
+        assert torch.equal(mod.dequantize(), before)
+        assert torch.equal(mod(x), cpu_qmatmul.matmul(x, apart))
+    const = quant_module(4, 32, "const", torch.randn(5, 128))
+    assert cpu_qmatmul.pair_scales(const.scales, const.zeros) == (const.scales, const.zeros)
