@@ -217,6 +217,17 @@ def _check_layout(packed: Packed) -> None:
         )
     if packed.kind == "int8":
         return
+    s, z = packed.s, packed.z
+    if (
+        s.dim() != 2
+        or s.stride(1) != 1
+        or (z is not None and (z.shape, z.stride()) != (s.shape, s.stride()))
+    ):
+        raise ValueError(
+            "group-wise scales and zero points must be 2-D rows of adjacent elements with one "
+            f"shape and row stride, got {tuple(s.shape)} {s.stride()} and "
+            f"{None if z is None else (tuple(z.shape), z.stride())}"
+        )
     group, least = packed.group or 0, 32 if packed.kind == "int4" else 16
     if group < least or group & (group - 1) or packed.s.shape[1] * group < packed.k:
         raise ValueError(

@@ -309,7 +309,8 @@ class QuantLinear(nn.Module):
         stream for the kernels)."""
         if self._native is None:
             if self.group_size is not None:
-                scales, zeros = cpu_qmatmul.pair_scales(self.scales, self.zeros)
+                with torch.inference_mode(False):  # buffers, written in place later
+                    scales, zeros = cpu_qmatmul.pair_scales(self.scales, self.zeros)
                 self._buffers["scales"], self._buffers["zeros"] = scales, zeros
             self._native = cpu_qmatmul.layout(
                 self.qweight, self.scales, self.zeros, self.group_size, self.bits

@@ -91,6 +91,14 @@ def check_kernels() -> None:
         assert (packed.z is None) == (zero != True)  # noqa: E712 (one zero point: none read)
         assert packed.zc == (0 if zero != "const" else (8 if bits == 4 else 16))
         wd = mod.dequantize()
+        if packed.z is not None:  # scales and zero points paired: read with their row stride
+            s, z = cpu_qmatmul.pair_scales(packed.s, packed.z)
+            paired = dataclasses.replace(packed, s=s, z=z)
+            assert paired.s.stride(0) == 2 * paired.s.shape[1]
+            x = torch.randn(3, k)
+            assert torch.equal(cpu_qmatmul.matmul(x, paired), cpu_qmatmul.matmul(x, packed))
+            got = cpu_qmatmul.dequantize_rows(paired, 1, n, torch.float32)
+            assert torch.equal(got, cpu_qmatmul.dequantize_rows(packed, 1, n, torch.float32))
         for m in ROWS:
             for dtype in (torch.float32, torch.bfloat16):
                 x = (torch.randn(m, k) * torch.rand(m, 1) * 4).to(dtype)
@@ -268,12 +276,23 @@ def test_paired_scales_change_no_result() -> None:
         for dtype in (torch.float32, torch.bfloat16):
             got = cpu_qmatmul.dequantize_rows(paired, 2, 30, dtype)
             assert torch.equal(got, cpu_qmatmul.dequantize_rows(apart, 2, 30, dtype))
-        # QuantLinear pairs its own buffers when it first builds the layout
+        # QuantLinear pairs its own buffers when it first builds the layout (in inference mode
+        # too: the buffers stay writable)
         before = mod.dequantize()
         x = torch.randn(2, 384).bfloat16()
-        mod._native_layout()
+        with torch.inference_mode():
+            mod._native_layout()
         assert mod.scales.untyped_storage().data_ptr() == mod.zeros.untyped_storage().data_ptr()
         assert torch.equal(mod.dequantize(), before)
-        assert torch.equal(mod(x), cpu_qmatmul.matmul(x, apart))
+        mod.scales.mul_(1)  # not an inference tensor
+        if uses_native_kernels(torch.bfloat16):
+            assert torch.equal(mod(x), cpu_qmatmul.matmul(x, apart))
     const = quant_module(4, 32, "const", torch.randn(5, 128))
-    assert cpu_qmatmul.pair_scales(const.scales, const.zeros) == (const.scales, const.zeros)
+    same = cpu_qmatmul.pair_scales(const.scales, const.zeros)
+    assert same[0] is const.scales and same[1] is const.zeros
+    # a layout whose zero points do not share the scales' row stride is refused
+    own = cpu_qmatmul.layout(mod.qweight, mod.scales, mod.zeros, 32, 8)  # the module's, paired
+    assert own.z is not None and own.z.stride() == own.s.stride() != own.z.contiguous().stride()
+    odd = dataclasses.replace(own, z=own.z.contiguous())
+    with pytest.raises(ValueError, match="row stride"):
+        cpu_qmatmul.matmul(torch.randn(1, 384), odd)
