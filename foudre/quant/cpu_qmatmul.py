@@ -218,11 +218,7 @@ def _check_layout(packed: Packed) -> None:
     if packed.kind == "int8":
         return
     s, z = packed.s, packed.z
-    if (
-        s.dim() != 2
-        or s.stride(1) != 1
-        or (z is not None and (z.shape, z.stride()) != (s.shape, s.stride()))
-    ):
+    if s.dim() != 2 or not _rows_alike(s, z):
         raise ValueError(
             "group-wise scales and zero points must be 2-D rows of adjacent elements with one "
             f"shape and row stride, got {tuple(s.shape)} {s.stride()} and "

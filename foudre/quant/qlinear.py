@@ -317,6 +317,15 @@ class QuantLinear(nn.Module):
             )
         return self._native
 
+    def native_rows(self) -> int:
+        """The most rows ``_forward_cpu`` runs through ``cpu_qmatmul``'s integer kernel (where
+        ``uses_native_kernels``): below ``dequantized_gemm_rows`` and, but for group-wise 8 bits
+        (which aten's kernels do not take), up to ``NATIVE_MAX_ROWS``."""
+        rows = dequantized_gemm_rows(self.bits, self.group_size) - 1
+        if self.bits == 8 and self.group_size is not None:
+            return rows
+        return int(min(rows, NATIVE_MAX_ROWS[self.bits]))
+
     def _forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
         """On the CPU: ``cpu_qmatmul`` (its integer kernel, or its dequantized GEMM from
         ``dequantized_gemm_rows`` rows) where ``uses_native_kernels``, else aten's packed

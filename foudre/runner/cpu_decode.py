@@ -51,12 +51,7 @@ from foudre.layers.moe import Experts, SparseMoeBlock
 from foudre.layers.norm import RMSNorm
 from foudre.layers.rotary import RotaryEmbedding
 from foudre.quant import cpu_qmatmul
-from foudre.quant.qlinear import (
-    NATIVE_MAX_ROWS,
-    QuantLinear,
-    dequantized_gemm_rows,
-    uses_native_kernels,
-)
+from foudre.quant.qlinear import QuantLinear, uses_native_kernels
 from foudre.runner.attention import cpu_paged
 from foudre.runner.attention.kv_quant import QuantizedKVCache
 from foudre.runner.attention.paged import PagedMetadata
@@ -200,14 +195,8 @@ class NativeDecode:
             # every projection quantized (and no experts) up to there, as the float kernel's
             # limit then does not apply (32-row int8 steps: 5% more throughput than in Python)
             all_quantized = len(self.quantized) == 4 * len(layers) and not self.blocks
-            # and where a forward turns to aten's kernels (NATIVE_MAX_ROWS, for tunings)
-            aten = [
-                NATIVE_MAX_ROWS[m.bits]
-                for m, _ in self.quantized
-                if m.group_size is None or m.bits == 4
-            ]
-            gemm = [dequantized_gemm_rows(m.bits, m.group_size) - 1 for m, _ in self.quantized]
-            limit = int(min([*gemm, *aten]))
+            # (and where it turns to aten's kernels: QuantLinear.native_rows)
+            limit = min(m.native_rows() for m, _ in self.quantized)
             self.max_rows = limit if all_quantized else min(self.max_rows, limit)
 
     @classmethod
