@@ -46,7 +46,8 @@ def cpu_flags() -> str:
     return platform.processor()
 
 
-def _compiler() -> str | None:
+def compiler() -> str | None:
+    """The C++ compiler the kernels build with (``$CXX``, else the first on the PATH), or None."""
     for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
         if name and shutil.which(name):
             return name
@@ -65,13 +66,13 @@ def _headers(source: Path) -> list[bytes]:
 def load(source: Path) -> ctypes.CDLL | None:
     """The library built from ``source`` (compiled on first use, then cached on disk), or None
     with the reason logged when it cannot be built or loaded."""
-    compiler = _compiler()
-    if compiler is None:
+    cxx = compiler()
+    if cxx is None:
         log.info("no C++ compiler found: %s is not built, torch ops are used instead", source.name)
         return None
     text = source.read_bytes() + b"".join(_headers(source))
     key = hashlib.sha256(
-        text + " ".join([compiler, *flags(), platform.machine(), cpu_flags()]).encode()
+        text + " ".join([cxx, *flags(), platform.machine(), cpu_flags()]).encode()
     ).hexdigest()[:16]
     cache = Path(os.environ.get("FOUDRE_CACHE", Path.home() / ".cache" / "foudre")) / "kernels"
     lib = cache / f"{source.stem}-{key}.so"
@@ -81,7 +82,7 @@ def load(source: Path) -> ctypes.CDLL | None:
             with tempfile.TemporaryDirectory(dir=cache) as tmp:
                 built = Path(tmp) / lib.name
                 subprocess.run(
-                    [compiler, *flags(), str(source), "-o", str(built)],
+                    [cxx, *flags(), str(source), "-o", str(built)],
                     check=True,
                     capture_output=True,
                     text=True,
