@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import ctypes
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -54,7 +54,6 @@ from foudre.quant import cpu_qmatmul
 from foudre.quant.qlinear import QuantLinear, uses_native_kernels
 from foudre.runner.attention import cpu_paged
 from foudre.runner.attention.kv_quant import QuantizedKVCache
-from foudre.runner.attention.paged import PagedMetadata
 from foudre.runner.step import ForwardStep
 
 if TYPE_CHECKING:
@@ -71,12 +70,10 @@ class NativeDecode:
         model: LlamaForCausalLM,
         kv_caches: Sequence[torch.Tensor | QuantizedKVCache],
         fn: Any,
-        flatten: Callable[[ForwardStep], None],
     ) -> None:
         cfg = model.config
         self.model = model
         self.fn = fn
-        self.flatten = flatten
         self.dtype = model.model.embed_tokens.weight.dtype
         self.max_rows = MAX_ROWS[self.dtype]  # where the float projections' kernel stops paying
         kernel = cpu_paged.kernel(self.dtype, _codes_dtype(kv_caches[0]))
@@ -96,10 +93,7 @@ class NativeDecode:
         self.window = min((w for w in windows if w is not None), default=None)
         self.scale = layers[0].self_attn.scale
         self.rotary = model.model.rotary
-        self.modules = list(model.model.layers.modules())
-        # every module's children as built: a child replaced since (a Linear quantized in
-        # place, say) sends the steps back to Python
-        self.children = [(m._modules, dict(m._modules)) for m in self.modules]
+        modules = list(model.model.layers.modules())
         # (owner's dict, name, tensor, address) of everything whose address the call takes, and
         # of the parameters it assumes absent (None): the biases the C++ does not add
         self.held: list[tuple[dict[str, Any], str, torch.Tensor | None, int]] = []
@@ -198,6 +192,30 @@ class NativeDecode:
             # (and where it turns to aten's kernels: QuantLinear.native_rows)
             limit = min(m.native_rows() for m, _ in self.quantized)
             self.max_rows = limit if all_quantized else min(self.max_rows, limit)
+        # What _unchanged checks each step, arranged to touch few objects: a step finds them all
+        # out of the caches once the weights have streamed through (looked up by module and name,
+        # the checks took 0.37 ms of a 9 ms int4 step). The dicts that must stay empty: every
+        # module's hooks, a leaf's children, and the parameters or buffers of a module where the
+        # C++ assumes entries absent and there are none at all (checking the whole dict is
+        # empty is one look, and stricter than the names).
+        self.empty: list[dict[str, Any]] = []
+        for m in modules:
+            self.empty += [m._forward_hooks, m._forward_pre_hooks]
+            if not m._modules:
+                self.empty.append(m._modules)
+        # a module's children as built: a child replaced since (a Linear quantized in place,
+        # say) sends the steps back to Python
+        self.children = [(m._modules, dict(m._modules)) for m in modules if m._modules]
+        seen = {id(d) for d in self.empty}
+        held = []
+        for entry in self.held:
+            owner, _, tensor, _ = entry
+            if tensor is not None or owner:
+                held.append(entry)
+            elif id(owner) not in seen:
+                seen.add(id(owner))
+                self.empty.append(owner)
+        self.held = held
 
     @classmethod
     def build(
@@ -205,10 +223,8 @@ class NativeDecode:
         model: nn.Module,
         backend: AttentionBackend,
         kv_caches: list[torch.Tensor] | list[Any],
-        flatten: Callable[[ForwardStep], None],
     ) -> NativeDecode | None:
-        """A ``NativeDecode`` for ``model``, or None where its layers cannot run natively.
-        ``flatten`` fills a step's token, position and metadata tensors (the runner's)."""
+        """A ``NativeDecode`` for ``model``, or None where its layers cannot run natively."""
         from foudre.models.llama import Attention, DecoderLayer, LlamaForCausalLM
 
         if type(model) is not LlamaForCausalLM or not isinstance(
@@ -302,7 +318,7 @@ class NativeDecode:
                 return None
         if len(kv_caches) != len(model.model.layers):
             return None
-        return cls(model, kv_caches, fn, flatten)
+        return cls(model, kv_caches, fn)
 
     def can_run(self, step: ForwardStep) -> bool:
         """Whether this step can run here: decode rows only, few enough, contexts within the
@@ -329,7 +345,7 @@ class NativeDecode:
         )
 
     def _unchanged(self) -> bool:
-        if any(now != built for now, built in self.children):
+        if any(self.empty) or any(now != built for now, built in self.children):
             return False
         if self.quantized and not uses_native_kernels(self.dtype):
             return False
@@ -345,7 +361,7 @@ class NativeDecode:
         for now, (cache, addresses) in zip(self.cache_list, self.caches, strict=True):
             if now is not cache or _addresses(now) != addresses:
                 return False
-        return not any(m._forward_hooks or m._forward_pre_hooks for m in self.modules)
+        return True
 
     def _counted(self, rows: int) -> int:
         """How many of the step's rows the sparse layers count: ``SparseMoeBlock.forward``'s
@@ -360,23 +376,14 @@ class NativeDecode:
 
     def run(self, step: ForwardStep) -> torch.Tensor:
         """Final hidden states (after the model's last norm) of a step that ``can_run`` allows."""
-        self.flatten(step)
-        input_ids, positions, metadata = step.input_ids, step.positions, step.metadata
-        assert input_ids is not None and positions is not None
-        assert isinstance(metadata, PagedMetadata) and metadata.prefill is None
+        rows = len(step.token_ids)
+        longs, ints, width = self._inputs(step)
         model = self.model.model
-        x = model.embed_tokens(input_ids)
-        rows = x.shape[0]
-        tables, lens, tokens = metadata.block_tables, metadata.seq_lens, metadata.decode_tokens
-        slots = metadata.slot_mapping
-        assert tables is not None and lens is not None and tokens is not None
-        assert x.dtype == self.dtype and x.is_contiguous() and x.dim() == 2
-        assert positions.dtype == slots.dtype == torch.int64
-        assert tokens.dtype == tables.dtype == lens.dtype == torch.int32
-        assert all(t.is_contiguous() for t in (positions, slots, tokens, tables, lens))
-        assert len(positions) == len(slots) == len(tokens) == len(tables) == len(lens) == rows
+        x = model.embed_tokens(longs[:rows])
+        assert x.dtype == self.dtype and x.is_contiguous() and x.shape[0] == rows
         cos, sin = self.rotary.cos, self.rotary.sin
         hidden, heads, kv_heads, head_dim, intermediate = self.dims
+        at64, at32 = longs.data_ptr(), ints.data_ptr()
         failed = self.fn(
             x.data_ptr(),
             rows,
@@ -391,14 +398,14 @@ class NativeDecode:
             cos.data_ptr(),
             sin.data_ptr(),
             cos.shape[0],
-            positions.data_ptr(),
-            slots.data_ptr(),
+            at64 + 8 * rows,  # positions
+            at64 + 16 * rows,  # slots
             self.num_slots,
             self.attention,
-            tokens.data_ptr(),
-            tables.data_ptr(),
-            lens.data_ptr(),
-            tables.shape[1],
+            at32,  # each row's flat token index
+            at32 + 8 * rows,  # block tables
+            at32 + 4 * rows,  # context lengths
+            width,
             self.block_size,
             self.scale,
             self._counted(rows),
@@ -408,6 +415,26 @@ class NativeDecode:
         if failed:
             raise IndexError(f"KV slot outside the cache of {self.num_slots} slots")
         return model.norm(x)
+
+    def _inputs(self, step: ForwardStep) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The step's inputs for the C++ layers in two tensors made from Python lists: int64
+        token ids, positions and KV slots (``rows`` each); int32 flat token indices, context
+        lengths (``rows`` each) and block tables (``rows x width``, zero-padded); and ``width``.
+        What the runner's ``flatten`` and the backend's metadata hold for a decode step, built
+        without their dozen tensor ops a row (a third of a millisecond a step when the weights'
+        stream has left the caches cold)."""
+        bs = self.block_size
+        tables, starts = step.block_tables, step.starts
+        width = max(len(t) for t in tables)
+        longs = [ids[0] for ids in step.token_ids]
+        longs += starts
+        longs += [t[s // bs] * bs + s % bs for t, s in zip(tables, starts, strict=True)]
+        ints = list(range(len(starts)))
+        ints += [s + 1 for s in starts]
+        for t in tables:
+            ints += t
+            ints += [0] * (width - len(t))
+        return torch.tensor(longs, dtype=torch.int64), torch.tensor(ints, dtype=torch.int32), width
 
 
 def _stored(cache: torch.Tensor | QuantizedKVCache) -> torch.Tensor:

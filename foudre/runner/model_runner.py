@@ -286,7 +286,7 @@ def _graphs(runner: ModelRunner, max_num_seqs: int, max_model_len: int) -> Decod
 def _native(runner: ModelRunner, max_num_seqs: int, max_model_len: int) -> DecodePath | None:
     if runner.device.type != "cpu":
         return None
-    return NativeDecode.build(runner.model, runner.backend, runner.kv_caches, runner.flatten)
+    return NativeDecode.build(runner.model, runner.backend, runner.kv_caches)
 
 
 # the decode path each attention backend offers: the decode kernels they are built around

@@ -213,7 +213,7 @@ def test_native_decode_takes_only_what_it_can_run(tmp_path: Path) -> None:
         decode()
         assert calls == [limit, 1]
         runner.decode_path = native = NativeDecode.build(
-            runner.model, runner.backend, runner.kv_caches, runner.flatten
+            runner.model, runner.backend, runner.kv_caches
         )
         assert native is not None
         calls = counted(runner)
@@ -256,13 +256,13 @@ def test_native_decode_is_off_where_it_cannot_run(tmp_path: Path) -> None:
     runner = make_runner(tmp_path, "float32")
     model, backend, caches = runner.model, runner.backend, runner.kv_caches
     handle = model.model.layers[0].mlp.register_forward_hook(lambda *a: None)
-    assert NativeDecode.build(model, backend, caches, runner.flatten) is None
+    assert NativeDecode.build(model, backend, caches) is None
     handle.remove()
     rotary = model.model.rotary
     rotary.cos = rotary.cos.bfloat16()  # what a bare model.to(bfloat16) does to the tables
-    assert NativeDecode.build(model, backend, caches, runner.flatten) is None
+    assert NativeDecode.build(model, backend, caches) is None
     rotary.init_tables(torch.device("cpu"))
-    assert NativeDecode.build(model, backend, caches, runner.flatten) is not None
+    assert NativeDecode.build(model, backend, caches) is not None
 
 
 def test_native_decode_with_a_quantized_lm_head(tmp_path: Path) -> None:
@@ -270,7 +270,7 @@ def test_native_decode_with_a_quantized_lm_head(tmp_path: Path) -> None:
     logits still equal the Python path's."""
     runner = make_runner(tmp_path, "float32")
     quantize_(runner.model, Int8WeightOnly(), skip=("model.layers.*",))
-    native = NativeDecode.build(runner.model, runner.backend, runner.kv_caches, runner.flatten)
+    native = NativeDecode.build(runner.model, runner.backend, runner.kv_caches)
     assert native is not None
     runner.decode_path = native
     calls = counted(runner)
@@ -348,7 +348,7 @@ def test_native_decode_runs_quantized_projections(
                 parent, _, leaf = name.rpartition(".")
                 setattr(model.get_submodule(parent), leaf, q)
     set_compute_dtype(model, None)
-    native = NativeDecode.build(model, runner.backend, runner.kv_caches, runner.flatten)
+    native = NativeDecode.build(model, runner.backend, runner.kv_caches)
     assert native is not None
     assert len(native.quantized) == 4 * len(model.model.layers)
     runner.decode_path = native
@@ -395,7 +395,7 @@ def test_native_decode_refuses_quantized_projections_it_cannot_run(tmp_path: Pat
     quantize_(model, Int8WeightOnly(), skip=("lm_head",))
 
     def build() -> NativeDecode | None:
-        return NativeDecode.build(model, backend, caches, runner.flatten)
+        return NativeDecode.build(model, backend, caches)
 
     native = build()
     assert native is not None and native.max_rows == DEQUANTIZED_GEMM_ROWS - 1

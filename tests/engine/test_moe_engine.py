@@ -117,9 +117,7 @@ def test_native_decode_step_refuses_a_shared_expert(moe_model: str) -> None:
     llm = _llm(moe_model)
     runner = llm.engine.runner
     assert runner.decode_path is None
-    assert (
-        NativeDecode.build(runner.model, runner.backend, runner.kv_caches, runner.flatten) is None
-    )
+    assert NativeDecode.build(runner.model, runner.backend, runner.kv_caches) is None
 
 
 def _dense_draft_for_mixtral(tmp_path: Path) -> tuple[Path, Path]:
