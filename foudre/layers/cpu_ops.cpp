@@ -563,25 +563,33 @@ enum LayerPointer {
   kLayerPointers
 };
 
-// A decode step (one new token in each of `rows` rows) through every decoder layer, in place
-// on the residual stream x [rows, hidden]: the kernels above and the paged-attention kernel
-// (`attention`: a PagedDecode, or a PagedDecodeCodes where the layers' KV caches are quantized),
-// called in the order and with the roundings of models/llama.py's path through them, so both
-// give the same bits; sparse layers count the experts chosen by the first `counted` rows.
-// Returns, before touching anything, 1 for a position outside the RoPE tables, 2 for a slot
-// outside the cache's num_slots; else 0.
+// A decode step (one new token in each of `rows` rows) from the tokens `ids` to the final
+// hidden states: the rows of the embedding table `embed` [vocab, hidden] as the residual
+// stream, every decoder layer in place on it, then the final RMSNorm (`final_norm`) into out
+// [rows, hidden]: the kernels above and the paged-attention kernel (`attention`: a PagedDecode,
+// or a PagedDecodeCodes where the layers' KV caches are quantized), called in the order and
+// with the roundings of models/llama.py's path through them, so both give the same bits; sparse
+// layers count the experts chosen by the first `counted` rows. Returns, before touching
+// anything, 1 for a position outside the RoPE tables, 2 for a slot outside the cache's
+// num_slots, 3 for a token outside the vocabulary; else 0.
 template <typename T>
-int decode_layers(T* x, int64_t rows, const int64_t* layers, int64_t num_layers, int64_t hidden,
+int decode_layers(T* out, int64_t rows, const int64_t* layers, int64_t num_layers, int64_t hidden,
                   int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate,
                   float eps, const float* cos, const float* sin, int64_t max_positions,
                   const int64_t* positions, const int64_t* slots, int64_t num_slots,
                   const void* attention,
                   const int32_t* tokens, const int32_t* tables, const int32_t* lens,
-                  int64_t table_width, int64_t block_size, float scale, int64_t counted) {
+                  int64_t table_width, int64_t block_size, float scale, int64_t counted,
+                  const T* embed, int64_t vocab, const int64_t* ids, const T* final_norm) {
   for (int64_t r = 0; r < rows; ++r) {
     if (positions[r] < 0 || positions[r] >= max_positions) return 1;
     if (slots[r] < 0 || slots[r] >= num_slots) return 2;
+    if (ids[r] < 0 || ids[r] >= vocab) return 3;
   }
+  std::vector<T> stream(rows * hidden);
+  T* x = stream.data();
+  for (int64_t r = 0; r < rows; ++r)
+    std::copy(embed + ids[r] * hidden, embed + (ids[r] + 1) * hidden, x + r * hidden);
   const int64_t D = head_dim, q_size = heads * D, kv_size = kv_heads * D;
   const int64_t qkv_width = q_size + 2 * kv_size;
   const int64_t token_stride = kv_size, block_stride = block_size * kv_size;
@@ -649,6 +657,7 @@ int decode_layers(T* x, int64_t rows, const int64_t* layers, int64_t num_layers,
     }
     add_(x, y.data(), rows * hidden);
   }
+  rms_norm(x, final_norm, out, rows, hidden, hidden, eps);
   return 0;
 }
 
@@ -678,16 +687,18 @@ int foudre_cpu_ops_available() { return 1; }
            static_cast<const T*>(bias), static_cast<T*>(y), rows, n, k);                           \
   }                                                                                                \
   int foudre_decode_layers_##SUFFIX(                                                               \
-      void* x, int64_t rows, const int64_t* layers, int64_t num_layers, int64_t hidden,            \
+      void* out, int64_t rows, const int64_t* layers, int64_t num_layers, int64_t hidden,            \
       int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate, float eps,          \
       const float* cos, const float* sin, int64_t max_positions, const int64_t* positions,         \
       const int64_t* slots, int64_t num_slots, const void* attention, const int32_t* tokens,       \
       const int32_t* tables, const int32_t* lens, int64_t table_width, int64_t block_size,         \
-      float scale, int64_t counted) {                                                              \
-    return decode_layers(static_cast<T*>(x), rows, layers, num_layers, hidden, heads, kv_heads,    \
+      float scale, int64_t counted, const void* embed, int64_t vocab, const int64_t* ids,          \
+      const void* final_norm) {                                                                    \
+    return decode_layers(static_cast<T*>(out), rows, layers, num_layers, hidden, heads, kv_heads,  \
                          head_dim, intermediate, eps, cos, sin, max_positions, positions, slots,   \
                          num_slots, attention, tokens, tables, lens, table_width, block_size,      \
-                         scale, counted);                                                          \
+                         scale, counted, static_cast<const T*>(embed), vocab, ids,                 \
+                         static_cast<const T*>(final_norm));                                       \
   }                                                                                                \
   void foudre_quantize_kv_##SUFFIX(const void* x, int64_t n, int64_t head_dim, int64_t kind,      \
                                    void* codes, float* scales) {                                   \

@@ -40,14 +40,16 @@ _SIGNATURES = {
     # x, rows, hidden, inter, router, experts, top_k, renormalize, gate_up, down, counts,
     # counted, out
     "foudre_moe_block": [_P, *[_I64] * 3, _P, _I64, _I64, ctypes.c_int, _P, _P, _P, _I64, _P],
-    # x, rows, layers, num_layers, hidden, heads, kv_heads, head_dim, intermediate, eps;
+    # out, rows, layers, num_layers, hidden, heads, kv_heads, head_dim, intermediate, eps;
     # cos, sin, max_positions, positions, slots, num_slots;
-    # attention, tokens, tables, lens, table_width, block_size, scale; counted
+    # attention, tokens, tables, lens, table_width, block_size, scale; counted;
+    # embed, vocab, ids, final_norm
     "foudre_decode_layers": [
         *[_P, _I64, _P, *[_I64] * 6, _F],
         *[_P, _P, _I64, _P, _P, _I64],
         *[*[_P] * 4, _I64, _I64, _F],
         _I64,
+        *[_P, _I64, _P, _P],
     ],
 }
 

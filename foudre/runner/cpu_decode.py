@@ -8,28 +8,27 @@ some thirty ops and module calls per layer) runs from DRAM. Measured in place, t
 about 15% of a bfloat16 step, several times what it costs warm.
 
 ``NativeDecode`` runs the decoder layers of such a step in ``foudre_decode_layers``
-(``layers/cpu_ops.cpp``): the same fused kernels (RMSNorm, the linear kernel, RoPE, SiLU * up)
-and the same paged-attention kernel (``attention/cpu_paged_decode.cpp``), in the order and with
-the roundings of ``models/llama.py``'s path through them, so the hidden states are the same bits
-(tests/engine/test_cpu_decode.py checks that). The embedding, the final norm and the logits stay
-in Python. A sparse layer (a mixture of experts: router and top-k experts, renormalised or not,
-no shared expert) runs ``moe_block``, the native call ``layers/moe.py`` makes for it at decode
-sizes, and adds to the block's ``expert_tokens`` what its Python path would (``_counted``).
-It takes a step when every row is a decode row (one token each, no prefill chunk, no drafts), of
-at most ``Linear``'s ``MAX_ROWS`` and below the rows where a ``QuantLinear`` turns to its
-dequantized GEMM (``dequantized_gemm_rows``: 64, 16 for group-wise 8 bits; with every projection
-quantized, ``MAX_ROWS`` does not apply), and with sliding windows while every row's
-context fits the narrowest window (its layers attend to every key); other steps, and models it
-cannot run (another dtype, quantized experts, another attention backend, hooks on a module, a
-shared expert, OLMoE's attention), take the model's ``forward``. Quantized projections
-(``QuantLinear`` on ``quant/cpu_qmatmul``: int8, GGUF's group-wise 8-bit, int4) run the same
-kernel from C++, their bias added after, as ``QuantLinear.forward`` does. A quantized KV cache
-(int8 / fp8) is read as stored by the paged kernel's codes variant, and the new tokens' K/V are
-quantized on write in C++ to the codes and scales of ``layers/kv_quant.py``'s ``quantize_kv``,
-bit for bit. Like CUDA graphs, it holds addresses: every step checks that the weights, RoPE
-tables, KV caches and expert counts it was built on are still the modules' and the runner's, at
-the same addresses, and that no hook or autocast asks for the Python path; otherwise the step
-goes back to Python.
+(``layers/cpu_ops.cpp``): the same fused kernels (RMSNorm, the linear kernel, RoPE, SiLU * up) and
+the same paged-attention kernel (``attention/cpu_paged_decode.cpp``), in the order and with the
+roundings of ``models/llama.py``'s path through them, so the hidden states are the same bits
+(tests/engine/test_cpu_decode.py checks that), from the embedding rows to the final norm; the
+logits stay in Python. A sparse layer (a mixture of experts: router and top-k experts, renormalised
+or not, no shared expert) runs ``moe_block``, the native call ``layers/moe.py`` makes for it at
+decode sizes, and adds to the block's ``expert_tokens`` what its Python path would (``_counted``).
+It takes a step when every row is a decode row (one token each, no prefill chunk, no drafts), of at
+most ``Linear``'s ``MAX_ROWS`` and below the rows where a ``QuantLinear`` turns to its dequantized
+GEMM (``dequantized_gemm_rows``: 64, 16 for group-wise 8 bits; with every projection quantized,
+``MAX_ROWS`` does not apply), and with sliding windows while every row's context fits the narrowest
+window (its layers attend to every key); other steps, and models it cannot run (another dtype,
+quantized experts, another attention backend, hooks on a module, a shared expert, OLMoE's
+attention, a vocabulary-parallel embedding), take the model's ``forward``. Quantized projections
+(``QuantLinear`` on ``quant/cpu_qmatmul``: int8, GGUF's group-wise 8-bit, int4) run the same kernel
+from C++, their bias added after, as ``QuantLinear.forward`` does. A quantized KV cache (int8 /
+fp8) is read as stored by the paged kernel's codes variant, and the new tokens' K/V are quantized
+on write in C++ to the codes and scales of ``layers/kv_quant.py``'s ``quantize_kv``, bit for bit.
+Like CUDA graphs, it holds addresses: every step checks that the weights, RoPE tables, KV caches
+and expert counts it was built on are still the modules' and the runner's, at the same addresses,
+and that no hook or autocast asks for the Python path; otherwise the step goes back to Python.
 """
 
 from __future__ import annotations
@@ -93,7 +92,8 @@ class NativeDecode:
         self.window = min((w for w in windows if w is not None), default=None)
         self.scale = layers[0].self_attn.scale
         self.rotary = model.model.rotary
-        modules = list(model.model.layers.modules())
+        embed, norm = model.model.embed_tokens, model.model.norm
+        modules = [*model.model.layers.modules(), embed, norm]
         # (owner's dict, name, tensor, address) of everything whose address the call takes, and
         # of the parameters it assumes absent (None): the biases the C++ does not add
         self.held: list[tuple[dict[str, Any], str, torch.Tensor | None, int]] = []
@@ -175,6 +175,11 @@ class NativeDecode:
             table = self.rotary._buffers[name]
             assert table is not None
             self.held.append((self.rotary._buffers, name, table, table.data_ptr()))
+        # the embedding table and the final norm's weight, which the call reads too
+        self.vocab = embed.weight.shape[0]
+        self.ends = (embed.weight.data_ptr(), norm.weight.data_ptr())
+        hold(embed, "weight", passed=False)
+        hold(norm, "weight", passed=False)
         self.cache_list = kv_caches
         self.caches = [(c, _addresses(c)) for c in kv_caches]
         shape = _stored(kv_caches[0]).shape  # [2, blocks, block_size, heads, head_dim]
@@ -198,7 +203,7 @@ class NativeDecode:
         # module's hooks, a leaf's children, and the parameters or buffers of a module where the
         # C++ assumes entries absent and there are none at all (checking the whole dict is
         # empty is one look, and stricter than the names).
-        self.empty: list[dict[str, Any]] = []
+        self.empty: list[dict[Any, Any]] = []
         for m in modules:
             self.empty += [m._forward_hooks, m._forward_pre_hooks]
             if not m._modules:
@@ -310,6 +315,17 @@ class NativeDecode:
                     return None
                 if counts.shape != (num_experts,):
                     return None
+        embed, norm = model.model.embed_tokens, model.model.norm
+        if model.tp is not None or type(embed) is not nn.Embedding or embed.max_norm is not None:
+            return None  # a vocabulary-parallel or renormalising embedding
+        if type(norm) is not RMSNorm or norm.eps != cfg.rms_norm_eps:
+            return None
+        for module, shape in ((embed, (cfg.vocab_size, hidden)), (norm, (hidden,))):
+            w = module.weight
+            if module._forward_hooks or module._forward_pre_hooks or tuple(w.shape) != shape:
+                return None
+            if w.dtype != dtype or not w.is_cpu or not w.is_contiguous():
+                return None
         rotary = model.model.rotary
         for table in (rotary.cos, rotary.sin):
             if table.dtype != torch.float32 or not table.is_contiguous() or table.dim() != 2:
@@ -375,17 +391,17 @@ class NativeDecode:
         return rows if block.count_rows is None else min(rows, int(block.count_rows))
 
     def run(self, step: ForwardStep) -> torch.Tensor:
-        """Final hidden states (after the model's last norm) of a step that ``can_run`` allows."""
+        """Final hidden states (after the model's last norm) of a step that ``can_run`` allows:
+        the embedding, the layers and the final norm in the one call."""
         rows = len(step.token_ids)
         longs, ints, width = self._inputs(step)
-        model = self.model.model
-        x = model.embed_tokens(longs[:rows])
-        assert x.dtype == self.dtype and x.is_contiguous() and x.shape[0] == rows
         cos, sin = self.rotary.cos, self.rotary.sin
         hidden, heads, kv_heads, head_dim, intermediate = self.dims
+        out = torch.empty(rows, hidden, dtype=self.dtype)
         at64, at32 = longs.data_ptr(), ints.data_ptr()
+        embed, norm = self.ends
         failed = self.fn(
-            x.data_ptr(),
+            out.data_ptr(),
             rows,
             self.layers.data_ptr(),
             len(self.caches),
@@ -409,12 +425,18 @@ class NativeDecode:
             self.block_size,
             self.scale,
             self._counted(rows),
+            embed,
+            self.vocab,
+            at64,  # token ids
+            norm,
         )
         if failed == 1:
             raise IndexError(f"RoPE position outside the table of {cos.shape[0]}")
-        if failed:
+        if failed == 2:
             raise IndexError(f"KV slot outside the cache of {self.num_slots} slots")
-        return model.norm(x)
+        if failed:
+            raise IndexError(f"token id outside the vocabulary of {self.vocab}")
+        return out
 
     def _inputs(self, step: ForwardStep) -> tuple[torch.Tensor, torch.Tensor, int]:
         """The step's inputs for the C++ layers in two tensors made from Python lists: int64

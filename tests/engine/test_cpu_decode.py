@@ -183,8 +183,8 @@ def test_native_decode_counts_the_real_rows(tmp_path: Path, dtype: str) -> None:
 
 def test_native_decode_takes_only_what_it_can_run(tmp_path: Path) -> None:
     """Decode rows only and at most ``MAX_ROWS``; weights replaced or moved after the build,
-    a hook, autocast or a replaced KV cache send steps back to Python; out-of-range positions
-    and slots raise before anything is written."""
+    a hook, autocast or a replaced KV cache send steps back to Python; out-of-range positions,
+    slots and token ids raise before anything is written."""
     runner = make_runner(tmp_path, "bfloat16")
     native = runner.decode_path
     assert native is not None
@@ -238,7 +238,10 @@ def test_native_decode_takes_only_what_it_can_run(tmp_path: Path) -> None:
             runner.forward([list(range(rope_table // 16 + 1))], [rope_table], [[5]], [1])
         with pytest.raises(IndexError, match="KV slot outside"):
             runner.forward([[cache.shape[1]]], [4], [[5]], [1])
-        assert calls == [1, 1, 1]  # the native path raised both
+        vocab = runner.model.model.embed_tokens.num_embeddings
+        with pytest.raises(IndexError, match="outside the vocabulary"):
+            runner.forward([[0]], [4], [[vocab]], [1])
+        assert calls == [1, 1, 1, 1]  # the native path raised all three
 
 
 def test_native_decode_is_off_where_it_cannot_run(tmp_path: Path) -> None:
