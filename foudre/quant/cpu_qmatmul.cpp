@@ -133,6 +133,12 @@ inline void prefetch(const void* p) {
 #endif
 }
 
+// prefetch the line `ahead` bytes past p, which may lie past the buffer (a prefetch never
+// faults; the address is formed as an integer, not as a pointer past the object)
+inline void prefetch_ahead(const void* p, int64_t ahead) {
+  prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(p) + ahead));
+}
+
 // how far ahead of its reads a task prefetches its weight rows (1024: slower than none; 2048
 // to 16384 alike, 4096 the best of them on a Q8_0 and an int4 weight)
 constexpr int64_t kAhead = 4096;
@@ -304,7 +310,7 @@ struct Float512 {
         for (int mi = 0; mi < MT; ++mi) xv[mi] = load16(a.x + (m0 + mi) * a.k + c);
         const int64_t line = K == Kind::Int4 ? c / 2 : c;  // the bytes read this step
         for (int r = 0; r < R; ++r) {
-          if (line % 64 == 0) prefetch(wr[r] + line + kAhead);
+          if (line % 64 == 0) prefetch_ahead(wr[r] + line, kAhead);
           __m512 wv = codes16<K>(wr[r], c);
           if constexpr (K != Kind::Int8) {
             const int64_t g = nr[r] * a.s_stride + (c >> a.gshift);
@@ -463,8 +469,10 @@ struct Vnni {
           d[mi] = _mm512_loadu_ps(a.dl + (m0 + mi) * (a.k / 4) + c / 4);
       }
       for (int r = 0; r < R; ++r) {
-        prefetch(wr[r] + bytes + kAhead);  // past a row's end: the rows the task reads next
-        if constexpr (kBoth && K == Kind::Int8) prefetch(wr[r] + bytes + kAhead + 64);
+        // (past a row's end: the rows after it, which this task or the thread's next one reads,
+        // and past the last row of the weight: nothing there, no fault)
+        prefetch_ahead(wr[r] + bytes, kAhead);
+        if constexpr (kBoth && K == Kind::Int8) prefetch_ahead(wr[r] + bytes, kAhead + 64);
         const __m512i v = _mm512_loadu_si512(wr[r] + bytes);
         __m512i wv, wh = v;
         if constexpr (K == Kind::Int4) {

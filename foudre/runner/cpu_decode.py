@@ -61,8 +61,9 @@ if TYPE_CHECKING:
 
 
 class NativeDecode:
-    """The decoder layers of ``model`` for decode steps, over ``kv_caches`` (the runner's list);
-    ``build`` returns None where they cannot run natively."""
+    """Decode steps of ``model`` from the token ids to the final norm (embedding, decoder layers,
+    final RMSNorm), over ``kv_caches`` (the runner's list); ``build`` returns None where they
+    cannot run natively."""
 
     def __init__(
         self,
@@ -203,14 +204,18 @@ class NativeDecode:
         # module's hooks, a leaf's children, and the parameters or buffers of a module where the
         # C++ assumes entries absent and there are none at all (checking the whole dict is
         # empty is one look, and stricter than the names).
+        # The dict objects themselves are held: hooks registered into a dict that replaced a
+        # module's own (``m._forward_hooks = {...}``, which torch never does) go unseen.
         self.empty: list[dict[Any, Any]] = []
         for m in modules:
             self.empty += [m._forward_hooks, m._forward_pre_hooks]
             if not m._modules:
                 self.empty.append(m._modules)
         # a module's children as built: a child replaced since (a Linear quantized in place,
-        # say) sends the steps back to Python
-        self.children = [(m._modules, dict(m._modules)) for m in modules if m._modules]
+        # say) sends the steps back to Python; the model's own too (an embedding, final norm or
+        # rotary module replaced: the call holds the built ones' tables)
+        owners = [model.model, *(m for m in modules if m._modules)]
+        self.children = [(m._modules, dict(m._modules)) for m in owners]
         seen = {id(d) for d in self.empty}
         held = []
         for entry in self.held:
@@ -229,12 +234,15 @@ class NativeDecode:
         backend: AttentionBackend,
         kv_caches: list[torch.Tensor] | list[Any],
     ) -> NativeDecode | None:
-        """A ``NativeDecode`` for ``model``, or None where its layers cannot run natively."""
+        """A ``NativeDecode`` for ``model``, or None where its embedding, layers or final norm
+        cannot run natively. What it checks here and not at each step (``_unchanged``): the
+        modules' classes and settings (an RMSNorm's eps, the embedding's ``max_norm``, tensor
+        parallelism), as for the layers' norms."""
         from foudre.models.llama import Attention, DecoderLayer, LlamaForCausalLM
 
-        if type(model) is not LlamaForCausalLM or not isinstance(
-            backend, cpu_paged.CPUPagedBackend
-        ):
+        # the backend's own class: the step builds what its build_metadata would, so a
+        # subclass that builds otherwise is not run here
+        if type(model) is not LlamaForCausalLM or type(backend) is not cpu_paged.CPUPagedBackend:
             return None
         cfg = model.config
         if cfg.qk_norm_over_heads or cfg.clip_qkv is not None:
@@ -447,6 +455,11 @@ class NativeDecode:
         stream has left the caches cold)."""
         bs = self.block_size
         tables, starts = step.block_tables, step.starts
+        if not len(tables) == len(starts) == len(step.token_ids):
+            raise ValueError(
+                f"a step of {len(step.token_ids)} rows with {len(starts)} starts and "
+                f"{len(tables)} block tables"
+            )
         width = max(len(t) for t in tables)
         longs = [ids[0] for ids in step.token_ids]
         longs += starts

@@ -4,6 +4,7 @@ Python."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -222,6 +223,19 @@ def test_native_decode_takes_only_what_it_can_run(tmp_path: Path) -> None:
         handle.remove()
         with torch.autocast("cpu", dtype=torch.bfloat16):
             decode()
+        inner = runner.model.model
+        for module in (inner.embed_tokens, inner.norm):  # the ends the call runs too
+            handle = module.register_forward_hook(lambda *a: None)
+            decode()
+            handle.remove()
+            weight = module.weight.data
+            module.weight.data = weight.clone()  # same Parameter, new storage
+            decode()
+            module.weight.data = weight
+        norm = inner.norm
+        inner.norm = copy.deepcopy(norm)  # a replaced module, its weight a copy
+        decode()
+        inner.norm = norm
         o_proj = layer.self_attn.o_proj
         o_proj.bias = torch.nn.Parameter(torch.zeros(o_proj.out_features, dtype=torch.bfloat16))
         decode()
@@ -242,6 +256,8 @@ def test_native_decode_takes_only_what_it_can_run(tmp_path: Path) -> None:
         with pytest.raises(IndexError, match="outside the vocabulary"):
             runner.forward([[0]], [4], [[vocab]], [1])
         assert calls == [1, 1, 1, 1]  # the native path raised all three
+        with pytest.raises(ValueError, match="2 block tables"):  # rows that do not line up
+            native.run(ForwardStep([[0], [1]], [4, 4], [[5]], [1]))
 
 
 def test_native_decode_is_off_where_it_cannot_run(tmp_path: Path) -> None:
@@ -265,6 +281,19 @@ def test_native_decode_is_off_where_it_cannot_run(tmp_path: Path) -> None:
     rotary.cos = rotary.cos.bfloat16()  # what a bare model.to(bfloat16) does to the tables
     assert NativeDecode.build(model, backend, caches) is None
     rotary.init_tables(torch.device("cpu"))
+    assert NativeDecode.build(model, backend, caches) is not None
+    embed, norm = model.model.embed_tokens, model.model.norm
+    embed.max_norm = 1.0  # a lookup that renormalises rows: the Python path's
+    assert NativeDecode.build(model, backend, caches) is None
+    embed.max_norm = None
+    norm.eps = norm.eps * 2  # the C++ applies the layers' eps
+    assert NativeDecode.build(model, backend, caches) is None
+    norm.eps = model.config.rms_norm_eps
+
+    class Backend(cpu_paged.CPUPagedBackend):  # its metadata may differ: not this step's
+        pass
+
+    assert NativeDecode.build(model, Backend(), caches) is None
     assert NativeDecode.build(model, backend, caches) is not None
 
 
