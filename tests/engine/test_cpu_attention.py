@@ -180,3 +180,42 @@ def test_engine_outputs_match_the_sdpa_backend(tmp_path: Path, dtype: str) -> No
     else:  # bf16 rounding differs between the two; most tokens must still agree
         same = sum(a == b for x, y in zip(outs["torch"], outs["cpu"]) for a, b in zip(x, y))
         assert same >= 0.8 * sum(len(x) for x in outs["torch"]), outs
+
+
+def test_decode_rows_are_the_same_bits_in_any_batch_and_threads() -> None:
+    """The decode kernel splits each row's keys in parts by the row's length alone (one task a
+    part below as many rows as threads, one task a row above): a row gives the same bits alone,
+    in a batch, and on one thread or two."""
+    heads, kv_heads, head_dim, block_size = 8, 2, 64, 16
+    lens = [1, 16, 17, 40, 300]  # one block, a full one, a part of one key, uneven parts
+    g = torch.Generator().manual_seed(3)
+    blocks = sum(-(-n // block_size) for n in lens)
+    perm = torch.randperm(blocks, generator=g).tolist()
+    tables, used = [], 0
+    for n in lens:
+        tables.append(perm[used : used + -(-n // block_size)])
+        used += len(tables[-1])
+    cache = torch.randn(2, blocks, block_size, kv_heads, head_dim, generator=g).bfloat16()
+    q = torch.randn(len(lens), heads, head_dim, generator=g).bfloat16()
+    backend = cpu_paged.CPUPagedBackend()
+
+    def attend(rows: list[int]) -> torch.Tensor:
+        table = [tables[r] for r in rows]
+        layout = BatchLayout([1] * len(rows), [lens[r] for r in rows], table,
+                             torch.tensor([0] * len(rows)), block_size)  # fmt: skip
+        meta = backend.build_metadata(layout, torch.device("cpu"))
+        out = torch.empty(len(rows), heads, head_dim, dtype=torch.bfloat16)
+        backend.decode(q[rows], cache[0], cache[1], out, meta.decode_tokens, meta.block_tables,
+                       meta.seq_lens, head_dim**-0.5, None)  # fmt: skip
+        return out
+
+    batch = attend(list(range(len(lens))))
+    for r in range(len(lens)):
+        assert torch.equal(attend([r])[0], batch[r]), f"row {r} alone"
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = attend(list(range(len(lens))))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, batch)

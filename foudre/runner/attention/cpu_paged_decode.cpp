@@ -23,11 +23,14 @@
 // vdpbf16ps path (Bf16DotOps) on the codes' values rounded to bfloat16, which is exact (8
 // significant bits hold every int8 and e4m3 value).
 
+#include <omp.h>
+
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -383,15 +386,22 @@ void paged_decode_rows(const typename Ops::Elem* q, const C* k_cache, const C* v
   const __m512i scale_lanes = _mm512_mullo_epi32(
       _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
       _mm512_set1_epi32(static_cast<int32_t>(scale_token_stride)));
-  // Each row's keys in kSplit parts of whole blocks, one task each, their running max, sum and
-  // accumulators merged after (flash-decoding's split of the keys): a batch-1 step's attention
-  // then runs on two threads, where one task a row left the other idle (single-threaded it took
-  // a tenth of a batch-1 int4 decode step at 300 keys). The parts depend on the row's length
-  // only, never on the batch or the threads: a row's result is the same in any batch.
+  // Each row's keys in kSplit parts of whole blocks (the first part the smaller, empty for a
+  // row of one block), each with its own running max, sum and accumulators, merged after
+  // (flash-decoding's split of the keys): a batch-1 step's attention then runs on both threads
+  // of a 2-core host, where one task a row left the other idle (single-threaded it took a tenth
+  // of a batch-1 int4 decode step at 300 keys). Fewer rows than threads: one task a part, their
+  // states in a shared buffer (a cache line apart); else one task a row computing its parts one
+  // after the other in the thread's scratch (a part a task there ran 0.65-0.85x as fast: the
+  // second pass over q, the shared states). The same arithmetic either way, and the parts depend
+  // on the row's length only: a row's result is the same bits in any batch, on any threads.
   constexpr int64_t kSplit = 2;
   const int64_t part_stride = num_heads * acc_stride;
-  std::vector<float> part_acc(rows * kSplit * part_stride), part_m(rows * kSplit * num_heads),
-      part_l(rows * kSplit * num_heads);
+  const int64_t part_floats = (part_stride + 2 * num_heads + 15) / 16 * 16;  // acc, m, l
+  const bool task_a_part = rows < omp_get_max_threads();
+  std::unique_ptr<float[]> shared(new float[task_a_part ? rows * kSplit * part_floats + 16 : 0]);
+  float* const states = reinterpret_cast<float*>(
+      (reinterpret_cast<uintptr_t>(shared.get()) + 63) / 64 * 64);  // 64-byte aligned
 #pragma omp parallel
   {
     std::vector<typename Ops::Q> qv(num_heads * acc_stride);
@@ -400,25 +410,30 @@ void paged_decode_rows(const typename Ops::Elem* q, const C* k_cache, const C* v
     // a quantized tile's K and V converted for Ops (16 tokens of acc_stride values)
     std::vector<typename Ops::Cache> kf(quantized ? 16 * acc_stride : 0);
     std::vector<typename Ops::Cache> vf(quantized ? 16 * acc_stride : 0);
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < rows * kSplit; ++task) {
-      const int64_t r = task / kSplit, part = task % kSplit;
-      float* acc = &part_acc[task * part_stride];
-      float* m = &part_m[task * num_heads];
-      float* l = &part_l[task * num_heads];
+    std::vector<float> own(task_a_part ? 0 : kSplit * part_floats), merged(acc_stride);
+    const auto state = [&](int64_t r, int64_t part) {
+      return task_a_part ? states + (r * kSplit + part) * part_floats : &own[part * part_floats];
+    };
+    int64_t loaded = -1;  // the row whose queries qv holds
+    // part `part` of row r into its state
+    const auto compute = [&](int64_t r, int64_t part) {
+      float* acc = state(r, part);
+      float* m = acc + part_stride;
+      float* l = m + num_heads;
       const int64_t tok = tokens[r], len = seq_lens[r];
       for (int64_t hg = 0; hg < num_heads; ++hg) {
-        Ops::load_q(q + tok * q_stride + hg * D, &qv[hg * acc_stride], nc, tl);
+        if (loaded != r) Ops::load_q(q + tok * q_stride + hg * D, &qv[hg * acc_stride], nc, tl);
         m[hg] = -FLT_MAX;
         l[hg] = 0.0f;
       }
+      loaded = r;
       std::fill(acc, acc + part_stride, 0.0f);
       // a sliding window starts the walk at the first key it sees: earlier blocks are not read
       const int64_t start = window > 0 && len > window ? len - window : 0;
       // this part's keys [lo, hi): its share of the blocks from start's to the last
-      const int64_t first = start / BS, blocks = (len - 1) / BS - first + 1;
-      const int64_t lo = std::max(start, (first + blocks * part / kSplit) * BS);
-      const int64_t hi = std::min(len, (first + blocks * (part + 1) / kSplit) * BS);
+      const int64_t first_block = start / BS, blocks = (len - 1) / BS - first_block + 1;
+      const int64_t lo = std::max(start, (first_block + blocks * part / kSplit) * BS);
+      const int64_t hi = std::min(len, (first_block + blocks * (part + 1) / kSplit) * BS);
       for (int64_t pos = lo, nt = 0; pos < hi; pos += nt) {
         const int64_t b = pos / BS, j0 = pos % BS;
         const int64_t blk = block_tables[r * table_width + b];
@@ -501,28 +516,39 @@ void paged_decode_rows(const typename Ops::Elem* q, const C* k_cache, const C* v
           }
         }
       }
-    }
-    // each row's parts merged: acc = sum_p acc_p e^(m_p - M), l likewise, M the largest m_p (an
-    // empty part: m = -FLT_MAX, l = 0, acc = 0, adds nothing)
-    std::vector<float> acc(acc_stride);
-#pragma omp for schedule(static)
-    for (int64_t r = 0; r < rows; ++r) {
+    };
+    // row r's parts merged: acc = sum_p acc_p e^(m_p - M), l likewise, M the largest m_p (an
+    // empty part: m = -FLT_MAX, l = 0, acc = 0, adds nothing), then written out
+    const auto merge = [&](int64_t r) {
       const int64_t tok = tokens[r];
       for (int64_t hg = 0; hg < num_heads; ++hg) {
         float mx = -FLT_MAX;
         for (int64_t part = 0; part < kSplit; ++part)
-          mx = std::max(mx, part_m[(r * kSplit + part) * num_heads + hg]);
-        std::fill(acc.begin(), acc.end(), 0.0f);
+          mx = std::max(mx, state(r, part)[part_stride + hg]);
+        std::fill(merged.begin(), merged.end(), 0.0f);
         float sum = 0.0f;
         for (int64_t part = 0; part < kSplit; ++part) {
-          const int64_t at = (r * kSplit + part) * num_heads + hg;
-          if (part_l[at] == 0.0f) continue;
-          const float f = exp_nonpositive(part_m[at] - mx);
-          const float* a = &part_acc[(r * kSplit + part) * part_stride + hg * acc_stride];
-          for (int64_t d = 0; d < acc_stride; ++d) acc[d] += a[d] * f;
-          sum += part_l[at] * f;
+          const float* acc = state(r, part);
+          const float l = acc[part_stride + num_heads + hg];
+          if (l == 0.0f) continue;
+          const float f = exp_nonpositive(acc[part_stride + hg] - mx);
+          const float* a = acc + hg * acc_stride;
+          for (int64_t d = 0; d < acc_stride; ++d) merged[d] += a[d] * f;
+          sum += l * f;
         }
-        Ops::write(out + tok * o_stride + hg * D, acc.data(), 1.0f / sum, D);
+        Ops::write(out + tok * o_stride + hg * D, merged.data(), 1.0f / sum, D);
+      }
+    };
+    if (task_a_part) {
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t task = 0; task < rows * kSplit; ++task) compute(task / kSplit, task % kSplit);
+#pragma omp for schedule(static)
+      for (int64_t r = 0; r < rows; ++r) merge(r);
+    } else {
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t part = 0; part < kSplit; ++part) compute(r, part);
+        merge(r);
       }
     }
   }
