@@ -336,12 +336,11 @@ class QuantLinear(nn.Module):
             x2 = x2.to(self.compute_dtype)
         x2 = x2.contiguous()
         native = uses_native_kernels(x2.dtype)
-        grouped8 = self.bits == 8 and self.group_size is not None
-        if grouped8 and not native:
+        if self.bits == 8 and self.group_size is not None and not native:
             return self.forward_reference(x)  # aten has no group-wise int8 kernel
         if native and x2.shape[0] >= dequantized_gemm_rows(self.bits, self.group_size):
             y = cpu_qmatmul.matmul_dequantized(x2, self._native_layout()).to(out_dtype)
-        elif native and (grouped8 or x2.shape[0] <= NATIVE_MAX_ROWS[self.bits]):
+        elif native and x2.shape[0] <= self.native_rows():
             y = cpu_qmatmul.matmul(x2, self._native_layout()).to(out_dtype)
         else:
             layout = self._cpu_layout(x2.dtype)

@@ -95,16 +95,45 @@ class NativeDecode:
         self.rotary = model.model.rotary
         embed, norm = model.model.embed_tokens, model.model.norm
         modules = [*model.model.layers.modules(), embed, norm]
+        # What _unchanged checks each step, arranged to touch few objects: a step finds them all
+        # out of the caches once the weights have streamed through (looked up by module and name,
+        # the checks took 0.37 ms of a 9 ms int4 step). The dicts that must stay empty: every
+        # module's hooks, a leaf's children, and the parameters or buffers of a module where the
+        # C++ assumes entries absent and there are none at all (checking the whole dict is
+        # empty is one look, and stricter than the names).
+        # The dict objects themselves are held: hooks registered into a dict that replaced a
+        # module's own (``m._forward_hooks = {...}``, which torch never does) go unseen.
+        self.empty: list[dict[Any, Any]] = []
+        for m in modules:
+            self.empty += [m._forward_hooks, m._forward_pre_hooks]
+            if not m._modules:
+                self.empty.append(m._modules)
+        # a module's children as built: a child replaced since (a Linear quantized in place,
+        # say) sends the steps back to Python; the model's own too (an embedding, final norm or
+        # rotary module replaced: the call holds the built ones' tables)
+        owners = [model.model, *(m for m in modules if m._modules)]
+        self.children = [(m._modules, dict(m._modules)) for m in owners]
+        emptied = {id(d) for d in self.empty}
         # (owner's dict, name, tensor, address) of everything whose address the call takes, and
         # of the parameters it assumes absent (None): the biases the C++ does not add
         self.held: list[tuple[dict[str, Any], str, torch.Tensor | None, int]] = []
         pointers: list[int] = []
 
+        def keep(
+            owner: dict[str, Any], name: str, tensor: torch.Tensor | None, address: int
+        ) -> None:
+            """Hold an entry; an absent one in a dict with no entries at all as that dict
+            staying empty."""
+            if tensor is not None or owner:
+                self.held.append((owner, name, tensor, address))
+            elif id(owner) not in emptied:
+                emptied.add(id(owner))
+                self.empty.append(owner)
+
         def hold(module: nn.Module | None, name: str, passed: bool = True) -> None:
             tensor = None if module is None else module._parameters.get(name)
             if module is not None:
-                address = 0 if tensor is None else tensor.data_ptr()
-                self.held.append((module._parameters, name, tensor, address))
+                keep(module._parameters, name, tensor, 0 if tensor is None else tensor.data_ptr())
             if passed:
                 pointers.append(0 if tensor is None else tensor.data_ptr())
 
@@ -122,9 +151,7 @@ class NativeDecode:
                 return
             packed = module._native_layout()
             bias = module.bias  # held absent too: one set after the build sends steps back
-            self.held.append(
-                (module._buffers, "bias", bias, 0 if bias is None else bias.data_ptr())
-            )
+            keep(module._buffers, "bias", bias, 0 if bias is None else bias.data_ptr())
             self.quantized.append((module, packed))
             patches.append((len(pointers), len(descriptors)))
             pointers.append(0)
@@ -167,7 +194,7 @@ class NativeDecode:
                 continue
             hold(sparse.gate, "bias", passed=False)
             counts = sparse.expert_tokens
-            self.held.append((sparse._buffers, "expert_tokens", counts, counts.data_ptr()))
+            keep(sparse._buffers, "expert_tokens", counts, counts.data_ptr())
             self.blocks.append(sparse)
             pointers.append(counts.data_ptr())
             renormalize = int(sparse.renormalize)
@@ -175,7 +202,7 @@ class NativeDecode:
         for name in ("cos", "sin"):
             table = self.rotary._buffers[name]
             assert table is not None
-            self.held.append((self.rotary._buffers, name, table, table.data_ptr()))
+            keep(self.rotary._buffers, name, table, table.data_ptr())
         # the embedding table and the final norm's weight, which the call reads too
         self.vocab = embed.weight.shape[0]
         self.ends = (embed.weight.data_ptr(), norm.weight.data_ptr())
@@ -198,34 +225,6 @@ class NativeDecode:
             # (and where it turns to aten's kernels: QuantLinear.native_rows)
             limit = min(m.native_rows() for m, _ in self.quantized)
             self.max_rows = limit if all_quantized else min(self.max_rows, limit)
-        # What _unchanged checks each step, arranged to touch few objects: a step finds them all
-        # out of the caches once the weights have streamed through (looked up by module and name,
-        # the checks took 0.37 ms of a 9 ms int4 step). The dicts that must stay empty: every
-        # module's hooks, a leaf's children, and the parameters or buffers of a module where the
-        # C++ assumes entries absent and there are none at all (checking the whole dict is
-        # empty is one look, and stricter than the names).
-        # The dict objects themselves are held: hooks registered into a dict that replaced a
-        # module's own (``m._forward_hooks = {...}``, which torch never does) go unseen.
-        self.empty: list[dict[Any, Any]] = []
-        for m in modules:
-            self.empty += [m._forward_hooks, m._forward_pre_hooks]
-            if not m._modules:
-                self.empty.append(m._modules)
-        # a module's children as built: a child replaced since (a Linear quantized in place,
-        # say) sends the steps back to Python; the model's own too (an embedding, final norm or
-        # rotary module replaced: the call holds the built ones' tables)
-        owners = [model.model, *(m for m in modules if m._modules)]
-        self.children = [(m._modules, dict(m._modules)) for m in owners]
-        seen = {id(d) for d in self.empty}
-        held = []
-        for entry in self.held:
-            owner, _, tensor, _ = entry
-            if tensor is not None or owner:
-                held.append(entry)
-            elif id(owner) not in seen:
-                seen.add(id(owner))
-                self.empty.append(owner)
-        self.held = held
 
     @classmethod
     def build(
