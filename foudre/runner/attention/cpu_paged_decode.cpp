@@ -9,8 +9,9 @@
 //
 // Three paths, by what the compiler targets (cpu_paged.py builds with -march=native):
 //   paged_decode            portable: one task per (row, KV head), loops for the vectorizer
-//   paged_decode_avx512     AVX-512: two tasks a row (below), head_dim in 16-lane float32 chunks
-//   paged_decode_bf16_dot   AVX512-BF16, bfloat16 caches: two tasks a row, vdpbf16ps (below)
+//   paged_decode_avx512     AVX-512: a row's keys in two parts (below), head_dim in 16-lane
+//                           float32 chunks
+//   paged_decode_bf16_dot   AVX512-BF16, bfloat16 caches: the same parts, vdpbf16ps (below)
 //
 // A quantized cache (kv_cache_dtype int8 / fp8: 8-bit codes with one float32 scale per token and
 // KV head, layers/kv_quant.py) is read as it lies: codes are converted to float32 as they are
@@ -130,13 +131,14 @@ void paged_decode(const T* q, const C* k_cache, const C* v_cache, const float* k
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define FOUDRE_AVX512 1
-// The AVX-512 paths: two tasks per decode row (each half of its blocks, merged after:
-// paged_decode_rows), each walking its blocks in order in tiles of <= 16 tokens, each tile for
-// every KV head in turn, so that a block's K and V rows (all heads: one contiguous run in the
-// [blocks, block_size, heads, dim] pool) are read front to back, once, while the next block is
-// prefetched. Per tile and query head: 16 scores in one vector, the
-// online-softmax update, then P·V into float32 accumulators. How scores and P·V are computed
-// is the Ops policy: FmaOps (float32 FMAs, any storage type) or Bf16DotOps (AVX512-BF16).
+// The AVX-512 paths: each decode row's keys in two parts of its blocks, merged after (one task a
+// part below as many rows as threads, else one a row: paged_decode_rows), each part walking its
+// blocks in order in tiles of <= 16 tokens, each tile for every KV head in turn, so that a
+// block's K and V rows (all heads: one contiguous run in the [blocks, block_size, heads, dim]
+// pool) are read front to back, once, while the next block is prefetched. Per tile and query
+// head: 16 scores in one vector, the online-softmax update, then P·V into float32 accumulators.
+// How scores and P·V are computed is the Ops policy: FmaOps (float32 FMAs, any storage type) or
+// Bf16DotOps (AVX512-BF16).
 
 // codes: int8 exactly; e4m3 as 2^-8 times its value (kUnit), its bits placed in a float16's:
 // sign to bit 15, exponent and mantissa to bits 7-13, which vcvtph2ps reads as e4m3's value with
