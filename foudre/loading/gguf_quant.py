@@ -13,7 +13,10 @@ gguf package's dequantizers (``d``, ``dmin`` and ``m`` are the file's float16 va
   codes ``q - 32``, ``s = d sc`` (exact in float32).
 - Q8_0 ``w = d q``: codes ``q``, ``s = d``.
 
-A module whose parts (q/k/v, gate/up) are all of the 4-bit types is a 4-bit ``QuantLinear`` with
+A module whose parts are all Q6_K is a 6-bit ``QuantLinear`` where our CPU kernels serve it
+(``six_bit``): Q6_K's own codes, int8 sub-scales and float16 ``d`` (``packing.pack_int6``, 26
+bytes per 32 weights as the file's 26.25), ``w = (q - 32) (d sc)`` exactly. A module whose parts
+(q/k/v, gate/up) are all of the 4-bit types is a 4-bit ``QuantLinear`` with
 groups of 32: codes 0..15 (Q4_0's ``q``) and zero points ``z = c / s`` (Q4_0: 8), ``w = (q - z)
 s``. Any other module is 8-bit group-wise, with the smallest group of its parts (16 with a Q6_K
 part; a group of 32 is two of 16 with the same scale) and zero points ``z = c / s`` when a part
@@ -27,8 +30,8 @@ Exactness against the gguf dequantizer: bit for bit where the zero points are ab
 where ``q s - c`` would be exact but is not ``QuantLinear``'s form). Scales are float32 (the
 kernels' layouts use the buffers themselves), but float16 for modules of Q4_0, Q5_0 and Q8_0
 parts only (``d`` is a float16, zero points none, 8 or 0): a Q4_0 module takes 20 bytes per 32
-weights (the file 18), a Q8_0 one 34 (34), Q5_0 34 (22), Q5_1 / Q5_K 40 (24 / 22), Q6_K 40
-(26.25).
+weights (the file 18), a Q8_0 one 34 (34), Q5_0 34 (22), Q5_1 / Q5_K 40 (24 / 22), Q6_K 26
+(26.25; in 8 bits, fused with other types or on CUDA, 40).
 
 Decoding is vectorised numpy over the file's memory map, one tensor at a time. Dequantized at
 load as before: other types (Q2_K, Q3_K, the IQ types...) and the parts fused with one of them,
@@ -62,6 +65,7 @@ from foudre.loading.gguf import (
 )
 from foudre.models.config import ModelConfig
 from foudre.quant.experts import QuantExperts
+from foudre.quant.packing import pack_int6
 from foudre.quant.qlinear import QuantLinear
 
 log = logging.getLogger(__name__)
@@ -71,8 +75,9 @@ _QT = GGMLQuantizationType
 
 @dataclass(frozen=True, slots=True)
 class Layout:
-    """How weights are held: ``bits`` (4: codes 0..15, 8: int8), columns per scale (``group``),
-    and whether there are zero points (always with 4 bits; for 8 bits, when a part has mins)."""
+    """How weights are held: ``bits`` (4: codes 0..15, 6: Q6_K's, 8: int8), columns per scale
+    (``group``), and whether there are zero points (always with 4 bits; for 8 bits, when a part
+    has mins)."""
 
     bits: int
     group: int
@@ -97,10 +102,12 @@ _STACKED_EXPERTS = re.compile(r"^(.*\.experts)\.\{\}\.(gate_proj|up_proj|down_pr
 ENV = "FOUDRE_GGUF_DEQUANTIZE"
 
 
-def module_layout(tensors: list[GGUFTensor]) -> Layout:
-    """The layout of a module made of ``tensors`` (all of ``KEPT_TYPES``): 4 bits with groups of
-    32 when every part is 4-bit, else 8 bits with the smallest group, zero points when a part
-    has mins."""
+def module_layout(tensors: list[GGUFTensor], six_bit: bool = False) -> Layout:
+    """The layout of a module made of ``tensors`` (all of ``KEPT_TYPES``): 6 bits when every
+    part is Q6_K and ``six_bit`` (our CPU kernels take it), 4 bits with groups of 32 when every
+    part is 4-bit, else 8 bits with the smallest group, zero points when a part has mins."""
+    if six_bit and all(t.type == _QT.Q6_K for t in tensors):
+        return Layout(6, 16, False)
     layouts = [KEPT_TYPES[t.type] for t in tensors]
     if all(lay.bits == 4 for lay in layouts):
         return Layout(4, 32, True)
@@ -110,12 +117,14 @@ def module_layout(tensors: list[GGUFTensor]) -> Layout:
 @dataclass(slots=True)
 class Codes:
     """One tensor's codes in QuantLinear's canonical (unpacked) form: ``codes`` uint8 0..15
-    (4 bits) or int8 (8 bits) ``[N, K]``, ``scales`` and ``zeros`` (None: no zero points)
-    float32 ``[N, K / group]``."""
+    (4 bits), 0..63 (6 bits) or int8 (8 bits) ``[N, K]``, ``scales`` and ``zeros`` (None: no
+    zero points) float32 ``[N, K / group]``; 6 bits: ``scales`` the ``d`` ``[N, K / 256]`` and
+    ``subs`` the int8 sub-scales ``[N, K / 16]``."""
 
     codes: torch.Tensor
     scales: torch.Tensor
     zeros: torch.Tensor | None
+    subs: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -231,20 +240,24 @@ def _decode(raw: np.ndarray, qtype: _QT, n: int, k: int) -> _Blocks:
         c = (dmin[..., None] * mn).reshape(n, k // 32)
         return _Blocks(q.view(np.int8).reshape(n, k), s, c, 32)
     if qtype == _QT.Q6_K:
-        b = raw.reshape(n, k // 256, 210)
-        # per half of 128 values: low nibbles of ql[0:64] (values 0..63), then their high
-        # nibbles (64..127); bits 2i..2i+1 of qh[l] are the top bits of value 32 i + l
-        ql = b[..., :128].reshape(n, k // 256, 2, 1, 64) >> np.array([0, 4], np.uint8)[:, None]
-        ql = (ql & np.uint8(0xF)).reshape(n, k // 256, 2, 4, 32)
-        qh = (
-            b[..., 128:192].reshape(n, k // 256, 2, 1, 32)
-            >> np.array([0, 2, 4, 6], np.uint8)[:, None]
-        )
-        q6 = (ql | ((qh & 3) << 4)).view(np.int8) - np.int8(32)
-        sc = np.ascontiguousarray(b[..., 192:208]).view(np.int8).astype(np.float32)
-        s = (_f16(b[..., 208:])[..., None] * sc).reshape(n, k // 16)
-        return _Blocks(q6.reshape(n, k), s, None, 16)
+        q6, sc, d = _q6_k(raw, n, k)
+        s = d.reshape(n, k // 256, 1) * sc.astype(np.float32).reshape(n, k // 256, 16)
+        return _Blocks(q6.view(np.int8) - np.int8(32), s.reshape(n, k // 16), None, 16)
     raise AssertionError(qtype)
+
+
+def _q6_k(raw: np.ndarray, n: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q6_K's codes 0..63 ``[N, K]`` (uint8), int8 sub-scales ``[N, K / 16]`` and float16 ``d``
+    (as float32) ``[N, K / 256]``; ``w = (q - 32) d sc``."""
+    b = raw.reshape(n, k // 256, 210)
+    # per half of 128 values: low nibbles of ql[0:64] (values 0..63), then their high
+    # nibbles (64..127); bits 2i..2i+1 of qh[l] are the top bits of value 32 i + l
+    ql = b[..., :128].reshape(n, k // 256, 2, 1, 64) >> np.array([0, 4], np.uint8)[:, None]
+    ql = (ql & np.uint8(0xF)).reshape(n, k // 256, 2, 4, 32)
+    qh = b[..., 128:192].reshape(n, k // 256, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]
+    q6 = (ql | ((qh & 3) << 4)).reshape(n, k)
+    sc = np.ascontiguousarray(b[..., 192:208]).view(np.int8).reshape(n, k // 16)
+    return q6, sc, _f16(b[..., 208:]).reshape(n, k // 256)
 
 
 def _zero_points(codes: np.ndarray, s: np.ndarray, c: np.ndarray, group: int) -> Codes:
@@ -276,6 +289,9 @@ def decode_codes(f: GGUFFile, tensor: GGUFTensor, layout: Layout) -> Codes:
     k = tensor.shape[-1]
     n = math.prod(tensor.shape[:-1])
     raw = np.asarray(f.data[tensor.offset : tensor.offset + tensor.nbytes]).reshape(n, -1)
+    if layout.bits == 6:
+        q6, sc, d = _q6_k(raw, n, k)
+        return Codes(torch.from_numpy(q6), torch.from_numpy(d), None, torch.from_numpy(sc))
     b = _decode(raw, _QT(tensor.type), n, k)
     if layout.bits == 4:  # 4-bit types only: codes 0..15 (Q4_0's q - 8 back to q)
         assert b.group == layout.group
@@ -304,12 +320,15 @@ def _module_of(hf: str) -> tuple[str, str | None, str]:
     return ".".join([*path, proj]), None, leaf
 
 
-def plan_gguf_quantized(f: GGUFFile, model: nn.Module, grouped8: bool = True) -> GGUFQuantPlan:
+def plan_gguf_quantized(
+    f: GGUFFile, model: nn.Module, grouped8: bool = True, six_bit: bool = False
+) -> GGUFQuantPlan:
     """Which linears and experts of ``model`` (built for ``f``'s config) are kept quantized, and
     which quantized tensors are dequantized and why. Everything is dequantized when
     ``FOUDRE_GGUF_DEQUANTIZE=1``; layouts of group-wise 8 bits (Q8_0, Q5_*, Q6_K) unless
     ``grouped8`` (our CPU kernels build with AVX-512, or CUDA's Triton kernels): elsewhere they
-    have no kernel and would be dequantized at every call."""
+    have no kernel and would be dequantized at every call. Modules all of Q6_K in 6 bits where
+    ``six_bit`` (our CPU kernels), else in 8 bits."""
     no_kernel = "group-wise 8-bit (no kernel on this CPU: dequantized once, at load)"
     plan = GGUFQuantPlan()
     if os.environ.get(ENV, "0") not in ("", "0"):
@@ -365,7 +384,8 @@ def plan_gguf_quantized(f: GGUFFile, model: nn.Module, grouped8: bool = True) ->
         ):  # dequantized; load_weights reports missing or misshapen parts
             refuse(tensors, "fused with")
             continue
-        layout, dtype = module_layout(tensors), _scale_dtype(tensors)
+        layout = module_layout(tensors, six_bit)
+        dtype = _scale_dtype(tensors, layout)
         if layout.bits == 8 and not grouped8:
             for t in tensors:
                 dequantized(no_kernel, t)
@@ -388,7 +408,11 @@ def plan_gguf_quantized(f: GGUFFile, model: nn.Module, grouped8: bool = True) ->
         ):  # dequantized; load_weights reports missing or misshapen experts
             refuse(tensors, "experts with")
             continue
-        if not grouped8 and 8 in (module_layout([gate, up]).bits, module_layout([down]).bits):
+        gate_up_layout, down_layout = (
+            module_layout([gate, up], six_bit),
+            module_layout([down], six_bit),
+        )
+        if not grouped8 and 8 in (gate_up_layout.bits, down_layout.bits):
             for t in tensors:
                 dequantized(no_kernel, t)
             continue
@@ -398,10 +422,10 @@ def plan_gguf_quantized(f: GGUFFile, model: nn.Module, grouped8: bool = True) ->
                 gate,
                 up,
                 down,
-                module_layout([gate, up]),
-                module_layout([down]),
-                _scale_dtype([gate, up]),
-                _scale_dtype([down]),
+                gate_up_layout,
+                down_layout,
+                _scale_dtype([gate, up], gate_up_layout),
+                _scale_dtype([down], down_layout),
             )
         )
     return plan
@@ -412,10 +436,11 @@ def plan_gguf_quantized(f: GGUFFile, model: nn.Module, grouped8: bool = True) ->
 _HALF_SCALES = (_QT.Q4_0, _QT.Q5_0, _QT.Q8_0)
 
 
-def _scale_dtype(tensors: list[GGUFTensor]) -> torch.dtype:
+def _scale_dtype(tensors: list[GGUFTensor], layout: Layout) -> torch.dtype:
     """float16 holds the scales (``d``) and zero points (none, 8 or 0) of Q4_0, Q5_0 and Q8_0
-    exactly, in any mix; float32 the others' (``d sc``, ``c / s``)."""
-    return torch.float16 if all(t.type in _HALF_SCALES for t in tensors) else torch.float32
+    exactly, in any mix, and 6 bits' ``d``; float32 the others' (``d sc``, ``c / s``)."""
+    half = layout.bits == 6 or all(t.type in _HALF_SCALES for t in tensors)
+    return torch.float16 if half else torch.float32
 
 
 def _set_module(model: nn.Module, name: str, new: nn.Module) -> None:
@@ -475,6 +500,12 @@ def _fill(mod: nn.Module, rows: slice, c: Codes) -> None:
     """Copy codes (unpacked), scales and zeros into the rows ``rows`` of ``mod``'s buffers."""
     assert isinstance(mod, QuantLinear)
     q = c.codes
+    if mod.bits == 6:
+        assert c.subs is not None
+        mod.qweight[rows].copy_(pack_int6(q, c.subs))
+        mod.scales[rows].copy_(c.scales)
+        mod.invalidate_layouts()
+        return
     if mod.bits == 4:
         q = q[:, 0::2] | (q[:, 1::2] << 4)  # pack_int4's order
     assert (mod.zeros is None) == (c.zeros is None)
@@ -500,7 +531,9 @@ def load_gguf_quantized(
             heads = _rope_heads(config, hf)
             if heads is not None:
                 zeros = None if c.zeros is None else _unpermute_rope(c.zeros, heads)
-                c = Codes(_unpermute_rope(c.codes, heads), _unpermute_rope(c.scales, heads), zeros)
+                subs = None if c.subs is None else _unpermute_rope(c.subs, heads)
+                c = Codes(_unpermute_rope(c.codes, heads), _unpermute_rope(c.scales, heads), zeros,
+                          subs)  # fmt: skip
             _fill(mod, slice(start, start + tensor.shape[0]), c)
             start += tensor.shape[0]
         start = 0
@@ -525,7 +558,9 @@ def load_gguf_quantized(
             for e, lin in enumerate(linears):
                 part = slice(e * rows, (e + 1) * rows)
                 zeros = None if c.zeros is None else c.zeros[part]
-                _fill(lin, slice(first, first + rows), Codes(c.codes[part], c.scales[part], zeros))
+                subs = None if c.subs is None else c.subs[part]
+                c_e = Codes(c.codes[part], c.scales[part], zeros, subs)
+                _fill(lin, slice(first, first + rows), c_e)
     if plan.dequantized or plan.kept or plan.experts:
         reasons = "; ".join(
             f"{reason}: {', '.join(names[:3])}"

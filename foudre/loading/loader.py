@@ -160,8 +160,9 @@ def load_model(
     plan = GGUFQuantPlan()
     if gguf is not None:
         if quantization is None and not gguf_dequantize:
-            grouped8 = device.type == "cuda" or uses_native_kernels(torch_dtype)
-            plan = plan_gguf_quantized(gguf, net, grouped8)
+            six_bit = device.type == "cpu" and uses_native_kernels(torch_dtype)
+            grouped8 = device.type == "cuda" or six_bit
+            plan = plan_gguf_quantized(gguf, net, grouped8, six_bit)
             swap_in_quantized(net, plan)
         weights = iter_gguf_weights(gguf, cfg, skip=plan.consumed)
     net = net.to_empty(device=device)

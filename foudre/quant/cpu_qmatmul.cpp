@@ -3,6 +3,8 @@
 //   int8 group-wise            w = (q - z[g]) * s[g]   (z optional: GGUF's Q8_0, Q5_0, Q6_K without,
 //                                                       Q5_1, Q5_K with; groups of 16 columns or more)
 //   int4 group-wise            w = (q - z[g]) * s[g]   (codes 0..15, groups of 32 or more)
+//   int6 (GGUF's Q6_K)         w = (q - 32) * d[b] * sc[j]  (codes 0..63, an int8 sc per 16
+//                                                       columns, a d per block b of 256)
 // x and y float32 or bfloat16. Bound by reading the weight: each task takes R weight rows (for
 // one x row, one on the VNNI path, so that a thread reads one sequential stream; 4 for more) and
 // multiplies them with every x row (four at a time, the weight rows coming from memory once and
@@ -10,12 +12,15 @@
 //
 // The kernels read QuantLinear's own buffers, no copy: int8 codes [N, K] (K a multiple of 64),
 // int4 codes [N, K / 2] as packing.pack_int4 lays them (column 2j in the low nibble of byte j,
-// 2j + 1 in the high one; K a multiple of 128), scales and zero points [N, groups] in float32,
-// float16 or bfloat16 (st: 0, 1, 2), their rows s_stride elements apart (QuantLinear pairs a
-// row's scales and zero points in one buffer: cpu_qmatmul.pair_scales, one stream where a
-// separate one of zero points cost 18% at batch 1). Each task prefetches its rows' scales and
-// zero points at its start: a row's scales are a few cache lines, too short a stream for the
-// hardware prefetcher, and waiting on them halved the speed of groups of 32. The weight rows are
+// 2j + 1 in the high one; K a multiple of 128), int6 rows [N, 13 K / 16] as packing.pack_int6
+// lays them (K a multiple of 256: the low nibbles as int4's, then the top two bits, 32 bytes per
+// 128 columns, then the int8 sub-scales: one stream a row), scales and zero points [N, groups]
+// in float32, float16 or bfloat16 (st: 0, 1, 2), their rows s_stride elements apart
+// (QuantLinear pairs a row's scales and zero points in one buffer: cpu_qmatmul.pair_scales, one
+// stream where a separate one of zero points cost 18% at batch 1). Each task prefetches its
+// rows' scales and zero points at its start: a row's scales are a few cache lines, too short a
+// stream for the hardware prefetcher, and waiting on them halved the speed of groups of 32. The
+// weight rows are
 // prefetched kAhead bytes ahead of the line each step reads: at batch 1 a core's stream is bound
 // by the misses it keeps in flight, not by the DRAM (one thread read a cold Q8_0 8192 x 1536
 // weight at 22-23 GB/s however fast its loop, two at 33-35), and these prefetches add to them:
@@ -55,7 +60,7 @@
 
 namespace {
 
-enum class Kind { Int8, Int8Grouped, Int4 };
+enum class Kind { Int8, Int8Grouped, Int4, Int6 };
 enum ScaleType { kF32 = 0, kF16 = 1, kBF16 = 2 };
 
 inline float to_float(float x) { return x; }
@@ -116,6 +121,7 @@ struct Args {
   const int8_t* xq;
   const float* dl;
   const float* corr;
+  const int32_t* xs;  // int6: -32 times the sum of x's codes per 8 columns ([m, k / 8])
 };
 
 // The weight rows of the task at n0 (past the end: row n - 1 again, its results not stored).
@@ -182,11 +188,28 @@ void for_tiles(const A& a) {
   }
 }
 
-// the code of column c of a weight row
+// The top two bits of int6 column c (packing.pack_int6): per 128 columns 32 bytes, byte i
+// holding those of the step's columns 2i (bits 0-1), 2i + 64 (2-3), 2i + 1 (4-5), 2i + 65 (6-7)
+inline int int6_top_shift(int64_t c) { return 2 * ((c % 128) / 64) + 4 * (c & 1); }
+inline int64_t int6_top_byte(int64_t c, int64_t k) { return k / 2 + c / 128 * 32 + (c % 64) / 2; }
+
+// the code of column c of a weight row (of k columns)
 template <Kind K>
-inline int code(const uint8_t* row, int64_t c) {
-  if constexpr (K == Kind::Int4) return (row[c / 2] >> (4 * (c & 1))) & 15;
+inline int code(const uint8_t* row, int64_t c, int64_t k) {
+  if constexpr (K == Kind::Int4 || K == Kind::Int6) {
+    const int low = (row[c / 2] >> (4 * (c & 1))) & 15;
+    if constexpr (K == Kind::Int4) return low;
+    return low | (((row[int6_top_byte(c, k)] >> int6_top_shift(c)) & 3) << 4);
+  }
   return static_cast<int8_t>(row[c]);
+}
+
+// the scale of the group of column c of row nr (int6: d times the sub-scale of c's 16 columns)
+template <Kind K, typename A>
+inline float group_scale(const A& a, int64_t nr, const uint8_t* row, int64_t c) {
+  const float s = scale_at(a.s, nr * a.s_stride + (c >> a.gshift), a.st);
+  if constexpr (K == Kind::Int6) return s * static_cast<int8_t>(row[a.k / 2 + a.k / 4 + c / 16]);
+  return s;
 }
 
 // -- portable --------------------------------------------------------------------------------
@@ -205,12 +228,12 @@ struct Portable {
           for (int64_t c = 0; c < a.k; c += 16) {
             float s = 1.0f, sz = 0.0f;
             if constexpr (K != Kind::Int8) {
-              const int64_t g = nr * a.s_stride + (c >> a.gshift);
-              s = scale_at(a.s, g, a.st);
-              sz = s * (a.z ? scale_at(a.z, g, a.st) : a.zc);
+              s = group_scale<K>(a, nr, row, c);
+              sz = s * (a.z ? scale_at(a.z, nr * a.s_stride + (c >> a.gshift), a.st) : a.zc);
             }
             for (int j = 0; j < 16; ++j)
-              acc[j] += (static_cast<float>(code<K>(row, c + j)) * s - sz) * to_float(x[c + j]);
+              acc[j] +=
+                  (static_cast<float>(code<K>(row, c + j, a.k)) * s - sz) * to_float(x[c + j]);
           }
           float sum = 0;
           for (float v : acc) sum += v;
@@ -280,13 +303,22 @@ inline void store16(uint16_t* p, __m512 v) {  // to bfloat16 as torch rounds (su
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
 }
 
-// the codes of columns c .. c + 15 of a row as float32
+// the codes of columns c .. c + 15 of a row (of k columns) as float32
 template <Kind K>
-inline __m512 codes16(const uint8_t* row, int64_t c) {
-  if constexpr (K == Kind::Int4) {
+inline __m512 codes16(const uint8_t* row, int64_t c, int64_t k) {
+  if constexpr (K == Kind::Int4 || K == Kind::Int6) {
     const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + c / 2));
-    const __m128i lo = _mm_and_si128(b, _mm_set1_epi8(15));
-    const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(15));
+    __m128i lo = _mm_and_si128(b, _mm_set1_epi8(15));
+    __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(15));
+    if constexpr (K == Kind::Int6) {  // the 16 columns' top bits: 8 bytes, one shift for all
+      const __m128i t =
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + int6_top_byte(c, k)));
+      const __m128i three = _mm_set1_epi8(3);
+      const __m128i shift = _mm_cvtsi32_si128(int6_top_shift(c));  // column c is even
+      const __m128i shift_odd = _mm_cvtsi32_si128(int6_top_shift(c) + 4);
+      lo = _mm_or_si128(lo, _mm_slli_epi16(_mm_and_si128(_mm_srl_epi16(t, shift), three), 4));
+      hi = _mm_or_si128(hi, _mm_slli_epi16(_mm_and_si128(_mm_srl_epi16(t, shift_odd), three), 4));
+    }
     return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)));
   } else {
     return _mm512_cvtepi32_ps(
@@ -309,14 +341,15 @@ struct Float512 {
       for (int64_t c = 0; c < a.k; c += 16) {
         __m512 xv[MT];
         for (int mi = 0; mi < MT; ++mi) xv[mi] = load16(a.x + (m0 + mi) * a.k + c);
-        const int64_t line = K == Kind::Int4 ? c / 2 : c;  // the bytes read this step
+        // the bytes read before this step (int6: 13 per 16 columns, 52 per 64: a line every 64)
+        const int64_t line = K == Kind::Int4 ? c / 2 : (K == Kind::Int6 ? c / 16 * 13 : c);
         for (int r = 0; r < R; ++r) {
-          if (line % 64 == 0) prefetch_ahead(wr[r] + line, kAhead);
-          __m512 wv = codes16<K>(wr[r], c);
+          if (K == Kind::Int6 ? c % 64 == 0 : line % 64 == 0) prefetch_ahead(wr[r] + line, kAhead);
+          __m512 wv = codes16<K>(wr[r], c, a.k);
           if constexpr (K != Kind::Int8) {
-            const int64_t g = nr[r] * a.s_stride + (c >> a.gshift);
-            const float s = scale_at(a.s, g, a.st);
-            const float sz = s * (a.z ? scale_at(a.z, g, a.st) : a.zc);
+            const float s = group_scale<K>(a, nr[r], wr[r], c);
+            const float sz =
+                s * (a.z ? scale_at(a.z, nr[r] * a.s_stride + (c >> a.gshift), a.st) : a.zc);
             wv = _mm512_fmsub_ps(wv, _mm512_set1_ps(s), _mm512_set1_ps(sz));
           }
           for (int mi = 0; mi < MT; ++mi) acc[mi][r] = _mm512_fmadd_ps(xv[mi], wv, acc[mi][r]);
@@ -403,6 +436,7 @@ inline int64_t column_of(int64_t p) {
 // 128 in groups of 128 or more (one d and one scale a step)
 template <Kind K>
 int64_t activation_block(int64_t group) {
+  if constexpr (K == Kind::Int6) return 128;
   if constexpr (K == Kind::Int4) return group >= 128 ? 128 : 64;
   return K == Kind::Int8 ? 128 : 32;
 }
@@ -541,25 +575,106 @@ struct Vnni {
   }
 };
 
+// int6 (Q6_K): a step of 128 columns makes 128 codes 0..63 of a row's 64 bytes of low nibbles
+// (x's nibble order, as int4) and 32 of top bits; vpdpbusd sums lane l's 8 columns (c + 8 l ..
+// c + 8 l + 7, inside one sub-block of 16) on top of -32 times the sum of their x codes (xs: the
+// codes' offset), the lane's sub-scale multiplies that in int32 (|sum| <= 8 * 32 * 128, |sc| <=
+// 128: far inside int32), then one float product by x's d (one per 128 columns) times the
+// weight's (one per 256). No offsets left for the end.
+template <typename T>
+struct VnniInt6 {
+  template <int MT, int R>
+  struct Tile {
+    static void run(const Args<T>& a, int64_t m0, int64_t n0) {
+      const uint8_t* wr[R];
+      int64_t nr[R];
+      row_ptrs<R>(a, n0, wr, nr);
+      prefetch_scales<R>(a, nr);
+      __m512 acc[MT][R];
+      for (auto& row : acc)
+        for (auto& v : row) v = _mm512_setzero_ps();
+      const __m512i low = _mm512_set1_epi8(15), top = _mm512_set1_epi8(0x30);
+      // the top bits as bits 4-5: of the even columns bits 0-1 of the 32 bytes (for the first 64
+      // code bytes) and 2-3 (the copy, for the last 64); of the odd ones bits 4-5 and 6-7
+      const __m512i even_left = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
+      const __m512i odd_right = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+      const int64_t tops = a.k / 2, subs = a.k / 2 + a.k / 4;
+      for (int64_t c = 0; c < a.k; c += 128) {
+        __m512i xv[MT], xh[MT], off[MT];
+        float d1[MT];
+        for (int mi = 0; mi < MT; ++mi) {
+          xv[mi] = _mm512_loadu_si512(a.xq + (m0 + mi) * a.k + c);
+          xh[mi] = _mm512_loadu_si512(a.xq + (m0 + mi) * a.k + c + 64);
+          off[mi] = _mm512_loadu_si512(a.xs + (m0 + mi) * (a.k / 8) + c / 8);
+          d1[mi] = a.dl[(m0 + mi) * (a.k / 4) + c / 4];
+        }
+        for (int r = 0; r < R; ++r) {
+          prefetch_ahead(wr[r] + c / 128 * 104, kAhead);  // 104 bytes a step
+          prefetch_ahead(wr[r] + c / 128 * 104, kAhead + 64);
+          const __m512i v = _mm512_loadu_si512(wr[r] + c / 2);
+          const __m512i t = _mm512_broadcast_i64x4(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr[r] + tops + c / 4)));
+          const __m512i wv =
+              _mm512_or_si512(_mm512_and_si512(v, low),
+                              _mm512_and_si512(_mm512_sllv_epi16(t, even_left), top));
+          const __m512i wh =
+              _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), low),
+                              _mm512_and_si512(_mm512_srlv_epi16(t, odd_right), top));
+          const __m128i sc8 =
+              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(wr[r] + subs + c / 16));
+          // lane l: sc[l / 2]
+          const __m512i sc = _mm512_cvtepi8_epi32(_mm_unpacklo_epi8(sc8, sc8));
+          const float dw = scale_at(a.s, nr[r] * a.s_stride + (c >> a.gshift), a.st);
+          for (int mi = 0; mi < MT; ++mi) {
+            __m512i dot = _mm512_dpbusd_epi32(off[mi], wv, xv[mi]);
+            dot = _mm512_mullo_epi32(_mm512_dpbusd_epi32(dot, wh, xh[mi]), sc);
+            acc[mi][r] =
+                _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(d1[mi] * dw), acc[mi][r]);
+          }
+        }
+      }
+      store_tile<T, MT, R>(a, m0, n0, acc,
+                           [](int64_t, int64_t, __m512 v) { return _mm512_reduce_add_ps(v); });
+    }
+  };
+};
+
 // quantize x, then the tiles; corr = the sums of a row's 16-code sums: per row (int8), per
-// group (grouped)
+// group (grouped); int6 takes its offsets per 8 columns instead (xs)
 template <typename T, Kind K>
 void vnni_matmul(Args<T> a) {
   constexpr bool grouped = K != Kind::Int8;
   const int64_t halves = a.k / 16;
   std::vector<int8_t> xq(a.m * a.k);
   std::vector<float> dl(a.m * a.k / 4), hsum(a.m * halves);
-  quantize_rows<T, K == Kind::Int4>(a.x, a.m, a.k, activation_block<K>(a.group), xq.data(),
-                                    dl.data(), hsum.data());
-  const int64_t per_row = grouped ? a.groups : 1;
-  std::vector<float> corr(a.m * per_row, 0.0f);
-  for (int64_t i = 0; i < a.m; ++i)
-    for (int64_t h = 0; h < halves; ++h)
-      corr[i * per_row + (grouped ? column_of<K>(h * 16) >> a.gshift : 0)] += hsum[i * halves + h];
+  quantize_rows<T, K == Kind::Int4 || K == Kind::Int6>(
+      a.x, a.m, a.k, activation_block<K>(a.group), xq.data(), dl.data(), hsum.data());
   a.xq = xq.data();
   a.dl = dl.data();
-  a.corr = corr.data();
-  for_tiles<Vnni<T, K>::template Tile, 1>(a);
+  if constexpr (K == Kind::Int6) {
+    // lane l of the step at c: the even columns' codes at c + 4 l .. c + 4 l + 3 (nibble
+    // order), the odd ones' 64 further
+    std::vector<int32_t> xs(a.m * a.k / 8);
+    for (int64_t i = 0; i < a.m; ++i)
+      for (int64_t c = 0; c < a.k; c += 128)
+        for (int l = 0; l < 16; ++l) {
+          int32_t sum = 0;
+          for (int b = 0; b < 4; ++b)
+            sum += xq[i * a.k + c + 4 * l + b] + xq[i * a.k + c + 64 + 4 * l + b];
+          xs[i * (a.k / 8) + c / 8 + l] = -32 * sum;
+        }
+    a.xs = xs.data();
+    for_tiles<VnniInt6<T>::template Tile, 1>(a);
+  } else {
+    const int64_t per_row = grouped ? a.groups : 1;
+    std::vector<float> corr(a.m * per_row, 0.0f);
+    for (int64_t i = 0; i < a.m; ++i)
+      for (int64_t h = 0; h < halves; ++h)
+        corr[i * per_row + (grouped ? column_of<K>(h * 16) >> a.gshift : 0)] +=
+            hsum[i * halves + h];
+    a.corr = corr.data();
+    for_tiles<Vnni<T, K>::template Tile, 1>(a);
+  }
 }
 
 #endif  // FOUDRE_VNNI
@@ -589,16 +704,15 @@ void dequantize(const Args<T>& a, int64_t n0, int64_t n1, T* out) {
       if constexpr (K == Kind::Int8) {
         s = scale_at(a.s, nr, a.st);
       } else {
-        const int64_t g = nr * a.s_stride + (c >> a.gshift);
-        s = scale_at(a.s, g, a.st);
-        z = a.z ? scale_at(a.z, g, a.st) : a.zc;
+        s = group_scale<K>(a, nr, row, c);
+        z = a.z ? scale_at(a.z, nr * a.s_stride + (c >> a.gshift), a.st) : a.zc;
       }
 #if defined(FOUDRE_AVX512)
-      const __m512 q = _mm512_sub_ps(codes16<K>(row, c), _mm512_set1_ps(z));
+      const __m512 q = _mm512_sub_ps(codes16<K>(row, c, a.k), _mm512_set1_ps(z));
       store16(o + c, _mm512_mul_ps(q, _mm512_set1_ps(s)));
 #else
       for (int j = 0; j < 16; ++j)
-        store1(o + c + j, (static_cast<float>(code<K>(row, c + j)) - z) * s);
+        store1(o + c + j, (static_cast<float>(code<K>(row, c + j, a.k)) - z) * s);
 #endif
     }
   }
@@ -609,9 +723,10 @@ Args<T> args(int kind, const void* x, const void* q, const void* s, const void* 
              int st, int64_t groups, int64_t group, int64_t s_stride, void* y, int64_t m,
              int64_t n, int64_t k) {
   const int gshift = group > 0 ? __builtin_ctzll(static_cast<uint64_t>(group)) : 0;
-  return {static_cast<const T*>(x), static_cast<const uint8_t*>(q), kind == 2 ? k / 2 : k, s, z,
-          zc, st, groups, group, s_stride, gshift, static_cast<T*>(y), m, n, k, nullptr, nullptr,
-          nullptr};
+  const int64_t row_bytes = kind == 2 ? k / 2 : (kind == 3 ? k / 16 * 13 : k);
+  return {static_cast<const T*>(x), static_cast<const uint8_t*>(q), row_bytes, s, z, zc, st,
+          groups, group, s_stride, gshift, static_cast<T*>(y), m, n, k, nullptr, nullptr,
+          nullptr, nullptr};
 }
 
 template <typename T>
@@ -623,8 +738,10 @@ void run(int kind, const void* x, const void* q, const void* s, const void* z, f
     matmul<T, Kind::Int8>(a);
   else if (kind == 1)
     matmul<T, Kind::Int8Grouped>(a);
-  else
+  else if (kind == 2)
     matmul<T, Kind::Int4>(a);
+  else
+    matmul<T, Kind::Int6>(a);
 }
 
 template <typename T>
@@ -638,8 +755,10 @@ void run_dequantize(int kind, const void* q, const void* s, const void* z, float
     dequantize<T, Kind::Int8>(a, n0, n1, o);
   else if (kind == 1)
     dequantize<T, Kind::Int8Grouped>(a, n0, n1, o);
-  else
+  else if (kind == 2)
     dequantize<T, Kind::Int4>(a, n0, n1, o);
+  else
+    dequantize<T, Kind::Int6>(a, n0, n1, o);
 }
 
 }  // namespace
@@ -660,10 +779,11 @@ int foudre_qmm_path() {
 // y [m, n] = x [m, k] @ W^T, x and y float32 (f32) or bfloat16 (bf16). kind 0: int8 per channel,
 // q [n, k] (k a multiple of 64), s [n]; 1: int8 group-wise, q [n, k] (k a multiple of 64), s
 // and z [n, groups] for groups of `group` columns (a power of two, 16 or more); 2: int4,
-// q [n, k / 2] (k a multiple of 128), s and z [n, groups] (groups of 32 or more). z null: every
-// zero point is zc. st: the type of s and z (0 float32, 1 float16, 2 bfloat16); s_stride: the
-// elements between two rows of s (and of z), groups or more (cpu_qmatmul.pair_scales: a row's
-// scales then its zero points, one stream).
+// q [n, k / 2] (k a multiple of 128), s and z [n, groups] (groups of 32 or more); 3: int6, q
+// [n, 13 k / 16] (k a multiple of 256), s the d [n, k / 256] (group 256), z null and zc 32. z
+// null: every zero point is zc. st: the type of s and z (0 float32, 1 float16, 2 bfloat16);
+// s_stride: the elements between two rows of s (and of z), groups or more
+// (cpu_qmatmul.pair_scales: a row's scales then its zero points, one stream).
 #define FOUDRE_QMM(SUFFIX, T)                                                                   \
   void foudre_qmm_##SUFFIX(int kind, const void* x, const void* q, const void* s, const void* z, \
                            float zc, int st, int64_t groups, int64_t group, int64_t s_stride,    \

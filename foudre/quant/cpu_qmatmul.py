@@ -1,12 +1,13 @@
 """Our native CPU kernels for weight-only quantized linears (``cpu_qmatmul.cpp``):
 ``y [M, N] = x [M, K] @ dequant(W)^T`` for the weights of ``foudre.quant.packing``: int8 per
 channel, int8 group-wise with a scale and an optional zero point per group of 16 columns or more
-(GGUF's Q8_0, Q5_0, Q5_1, Q5_K and Q6_K as QuantLinear holds them) and int4 group-wise; x
-float32 or bfloat16, y in x's dtype.
+(GGUF's Q8_0, Q5_0, Q5_1 and Q5_K as QuantLinear holds them), int4 group-wise and int6
+(GGUF's Q6_K, ``packing.pack_int6``); x float32 or bfloat16, y in x's dtype.
 
 Each task streams its weight rows (one, for one row of x) once for every row of x. With
 AVX512-VNNI the activations are quantized to int8 per block (``activation_block``: 32 columns
-for group-wise int8, as llama.cpp's Q8_0, 64 or 128 for int4 and per-channel int8) and
+for group-wise int8, as llama.cpp's Q8_0, 64 or 128 for int4 and per-channel int8, 128 for
+int6) and
 multiplied by vpdpbusd, so
 results differ from dequantize-then-matmul by that rounding (each x within half its block's
 ``max|x| / 127``); the AVX-512 path without VNNI and the portable one multiply in float32.
@@ -66,14 +67,15 @@ def path() -> str | None:
     return None if dll is None else PATHS[dll.foudre_qmm_path()]
 
 
-KINDS = {"int8": 0, "int8g": 1, "int4": 2}
+KINDS = {"int8": 0, "int8g": 1, "int4": 2, "int6": 3}
 SCALE_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
 @dataclass(frozen=True)
 class Packed:
     """A weight as the kernels read it (``layout``): ``kind`` ``"int8"`` (per channel, ``s``
-    ``[N]``), ``"int8g"`` (group-wise int8) or ``"int4"``, with ``s`` and ``z`` ``[N, groups]``
+    ``[N]``), ``"int8g"`` (group-wise int8), ``"int4"`` or ``"int6"`` (``s`` the ``d`` per 256
+    columns, ``zc`` 32), with ``s`` and ``z`` ``[N, groups]``
     in one dtype (float32, float16 or bfloat16), ``z`` None where every zero point is ``zc``
     (0 for symmetric int8, 8 for GGUF's Q4_0: the kernels then read no zero points); ``k`` the
     input features (padded). ``s`` and ``z`` rows may be further apart than their length, by
@@ -107,8 +109,13 @@ def layout(
     """The kernels' view of ``QuantLinear``'s buffers for a ``bits``-bit weight (default: 4 for
     uint8 codes, else 8): the buffers themselves where K is a multiple of 64 (int8) or 128
     (int4, ``pack_int4``'s nibbles) and the scales float32, float16 or bfloat16 (one dtype for
-    both), else copies padded with zero columns (zero scales)."""
+    both), else copies padded with zero columns (zero scales). 6 bits (``pack_int6``'s rows, K
+    a multiple of 256 already): the buffers themselves."""
     bits = bits or (4 if qweight.dtype == torch.uint8 else 8)
+    if bits == 6:
+        k = qweight.shape[1] * 16 // 13
+        s = scales if scales.dtype in SCALE_TYPES and scales.stride(-1) == 1 else scales.float()
+        return Packed("int6", qweight.contiguous(), s.contiguous(), None, 256, k, 32.0)
     per_channel = scales.dim() == 1
     kind = "int8" if per_channel else ("int8g" if bits == 8 else "int4")
     codes_per_byte = 2 if bits == 4 else 1
@@ -184,14 +191,15 @@ def activation_block(bits: int, group_size: int | None) -> int:
     Per channel, where K = 64 mod 128, the last 64 columns are a block of their own."""
     if bits == 4:
         return 64 if group_size is not None and group_size < 128 else 128
-    return 128 if group_size is None else 32
+    return 128 if group_size is None or bits == 6 else 32
 
 
 def error_bound(
     x: torch.Tensor, w: torch.Tensor, bits: int = 8, group_size: int | None = None
 ) -> torch.Tensor:
     """A bound ``[M, N]`` on ``|matmul(x, layout(W)) - x @ w.T|`` for float32 ``x [M, K]`` and
-    the dequantized ``bits``-bit weight ``w [N, K]``, float32 outputs: the float32 sums' order
+    the dequantized ``bits``-bit weight ``w [N, K]`` (bits 4, 6 or 8), float32 outputs: the
+    float32 sums' order
     (``1e-5 sum |x| |w|``) and, on the VNNI path, the rounding of x to int8 (each x within
     ``d / 2``, ``d = max|x| / 127`` over its block, ``activation_block(bits, group_size)``: the
     default group, None, gives the loosest bound for either width)."""
@@ -206,8 +214,20 @@ def error_bound(
 
 def _check_layout(packed: Packed) -> None:
     """``ValueError`` unless ``packed`` is what the kernels read: K a multiple of 64 (128 for
-    int4) that the codes hold, and a group-wise layout's groups a power of two, at least 16
-    columns (32 for int4), covering the padded columns."""
+    int4, 256 for int6) that the codes hold, and a group-wise layout's groups a power of two,
+    at least 16 columns (32 for int4), covering the padded columns (int6: one d per 256)."""
+    if packed.kind == "int6":
+        s, k = packed.s, packed.k
+        if (
+            k % 256 or packed.w.dim() != 2 or packed.w.shape[1] != k // 16 * 13
+            or s.dim() != 2 or s.shape != (packed.w.shape[0], k // 256) or not s.is_contiguous()
+            or packed.group != 256 or packed.zc != 32 or packed.z is not None
+        ):  # fmt: skip
+            raise ValueError(
+                f"int6 rows {tuple(packed.w.shape)} and d {tuple(s.shape)}: the kernels take "
+                "pack_int6's rows (K a multiple of 256) and one d per 256 columns"
+            )
+        return
     per_byte = 2 if packed.kind == "int4" else 1
     multiple = 128 if packed.kind == "int4" else 64
     if packed.k % multiple or packed.w.dim() != 2 or packed.w.shape[1] * per_byte != packed.k:

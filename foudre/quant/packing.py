@@ -11,8 +11,13 @@ Canonical layouts (what checkpoints store, whatever the device):
   zero points held in a float tensor: integers when we quantize, any value (GGUF's Q4_1 and
   Q4_K, ``-min / scale``) when imported); ``w = (q - zero) * scale``.
 
-``Kp`` is ``K`` rounded up to a multiple of the group size; the padded columns quantize zeros
-and meet zero inputs.
+- 6 bits (GGUF's Q6_K, as its files hold it): ``qweight`` uint8 ``[N, 13 Kp / 16]``
+  (``pack_int6``: per row the low nibbles of codes 0..63 as ``pack_int4`` lays them, their top
+  two bits, then an int8 sub-scale ``sc`` per 16 columns), ``scales`` ``d`` ``[N, Kp / 256]``;
+  ``w = (q - 32) * (d * sc)``.
+
+``Kp`` is ``K`` rounded up to a multiple of the group size (of 256 for 6 bits); the padded
+columns quantize zeros and meet zero inputs.
 """
 
 from __future__ import annotations
@@ -88,6 +93,64 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """Inverse of ``pack_int4``: uint8 ``[N, K]`` codes."""
     lo, hi = packed & 0xF, packed >> 4
     return torch.stack([lo, hi], dim=-1).reshape(packed.shape[0], -1)
+
+
+INT6_BLOCK = 256  # columns per d of a 6-bit weight (Q6_K's super-block); sub-scales per 16
+
+
+def pack_int6(q: torch.Tensor, sub_scales: torch.Tensor) -> torch.Tensor:
+    """Codes 0..63 ``[N, Kp]`` (Kp a multiple of 256) and int8 ``sub_scales`` ``[N, Kp / 16]`` to
+    the 6-bit rows ``[N, 13 Kp / 16]``: the low nibbles (``pack_int4``), the top two bits (per
+    128 columns 32 bytes, byte ``i`` holding those of the block's columns ``2i`` in bits 0-1,
+    ``2i + 64`` in 2-3, ``2i + 1`` in 4-5, ``2i + 65`` in 6-7: one shift lines up 64 codes of
+    ``pack_int4``'s even or odd columns), then the sub-scales."""
+    n, k = q.shape
+    if k % INT6_BLOCK or sub_scales.shape != (n, k // 16):
+        raise ValueError(f"6-bit codes {tuple(q.shape)} and sub-scales {tuple(sub_scales.shape)}")
+    q = q.to(torch.uint8)
+    top = (q >> 4).reshape(n, k // 128, 128)
+    even, odd = top[..., 0::2], top[..., 1::2]
+    tops = even[..., :32] | (even[..., 32:] << 2) | (odd[..., :32] << 4) | (odd[..., 32:] << 6)
+    subs = sub_scales.to(torch.int8).view(torch.uint8)
+    return torch.cat([pack_int4(q & 0xF), tops.reshape(n, k // 4), subs], dim=1)
+
+
+def quantize_int6(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Round-to-nearest 6-bit codes in Q6_K's form: ``(codes uint8 0..63 [N, Kp], int8 sub-scales
+    [N, Kp / 16], d float32 [N, Kp / 256])``, ``w`` zero-padded to ``Kp`` (a multiple of 256).
+    Each sub-block's step ``d * sc`` is its ``max|w| / 31`` rounded up to a multiple of ``d``
+    (``d`` the largest of those over 127), so every code is within -31..31 of 32 and every error
+    within half the step."""
+    w = pad_columns(w.float(), padded_k(w.shape[1], INT6_BLOCK))
+    n, k = w.shape
+    g = w.reshape(n, k // 16, 16)
+    sub = g.abs().amax(-1) / 31  # [N, Kp / 16]
+    d = sub.reshape(n, k // INT6_BLOCK, INT6_BLOCK // 16).amax(-1) / 127
+    per_sub = d.repeat_interleave(INT6_BLOCK // 16, dim=1)
+    sc = torch.ceil(sub / torch.where(per_sub > 0, per_sub, torch.ones_like(per_sub))).clamp(0, 127)
+    s = sc * per_sub
+    q = torch.round(g / torch.where(s > 0, s, torch.ones_like(s))[..., None]).clamp(-32, 31) + 32
+    return q.reshape(n, k).to(torch.uint8), sc.to(torch.int8), d
+
+
+def unpack_int6(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of ``pack_int6``: codes uint8 ``[N, Kp]`` and int8 sub-scales ``[N, Kp / 16]``."""
+    n, k = packed.shape[0], packed.shape[1] * 16 // 13
+    tops = packed[:, k // 2 : k // 2 + k // 4].reshape(n, k // 128, 32)
+    even = torch.cat([tops & 3, (tops >> 2) & 3], dim=-1)
+    odd = torch.cat([(tops >> 4) & 3, tops >> 6], dim=-1)
+    top = torch.stack([even, odd], dim=-1).reshape(n, k)
+    subs = packed[:, k // 2 + k // 4 :].contiguous().view(torch.int8)
+    return unpack_int4(packed[:, : k // 2]) | (top << 4), subs
+
+
+def dequantize_int6(packed: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """Float32 ``[N, Kp]`` weight of 6-bit rows: ``(q - 32) * (d * sc)`` in float32 (the gguf
+    package's Q6_K arithmetic, exactly)."""
+    q, subs = unpack_int6(packed)
+    n, k = q.shape
+    s = (d.float().repeat_interleave(INT6_BLOCK // 16, dim=1) * subs.float())[..., None]
+    return ((q.float() - 32.0).reshape(n, k // 16, 16) * s).reshape(n, k)
 
 
 def dequantize_int4(

@@ -1,11 +1,13 @@
 """``QuantLinear``: a weight-only quantized linear over the canonical layouts of
 ``foudre.quant.packing`` (8-bit per channel or group-wise with optional zero points, 4-bit
-group-wise). On a CPU with AVX-512 our kernels (``cpu_qmatmul``) read those buffers as they are:
-batches below ``dequantized_gemm_rows`` (64; 16 for group-wise 8-bit, GGUF's forms) through
+group-wise, 6-bit as GGUF's Q6_K). On a CPU with AVX-512 our kernels (``cpu_qmatmul``) read
+those buffers as they are: batches below ``dequantized_gemm_rows`` (64; 16 for group-wise 8-bit
+and 6-bit, GGUF's forms) through
 the integer kernel, larger ones (prefill chunks, larger decode batches) as the weight
 dequantized a few rows at a time into torch's GEMM; elsewhere torch's packed kernels
-(``kernels``; group-wise 8-bit there runs ``forward_reference``). On CUDA the Triton
-kernels (``triton_kernels``: a split-K GEMV at one row, dequantizing tiles in registers above).
+(``kernels``; group-wise 8-bit and 6-bit there run ``forward_reference``). On CUDA the Triton
+kernels (``triton_kernels``: a split-K GEMV at one row, dequantizing tiles in registers above;
+6-bit: ``forward_reference``, the GGUF loader keeps Q6_K there in group-wise 8 bits).
 
 With AVX512-VNNI the integer kernel rounds the activations to int8 per block
 (``cpu_qmatmul.activation_block``): ``cpu_qmatmul.error_bound`` bounds the difference from
@@ -28,12 +30,16 @@ from torch import nn
 from foudre.quant import cpu_qmatmul, kernels
 from foudre.quant.packing import (
     INT4_GROUP_SIZES,
+    INT6_BLOCK,
     INT8_GROUP_SIZES,
     dequantize_int4,
+    dequantize_int6,
     dequantize_int8_grouped,
     pack_int4,
+    pack_int6,
     padded_k,
     quantize_int4,
+    quantize_int6,
     quantize_int8,
     quantize_int8_grouped,
     unpack_int4,
@@ -69,16 +75,21 @@ GROUPED8_GEMM_ROWS = 16
 
 def dequantized_gemm_rows(bits: int, group_size: int | None) -> int:
     """The rows from which ``QuantLinear``'s CPU forward (and the native decode step's limit)
-    turns to ``cpu_qmatmul.matmul_dequantized`` for a ``bits``-bit layout in ``group_size``."""
-    return GROUPED8_GEMM_ROWS if bits == 8 and group_size is not None else DEQUANTIZED_GEMM_ROWS
+    turns to ``cpu_qmatmul.matmul_dequantized`` for a ``bits``-bit layout in ``group_size``
+    (6 bits as group-wise 8: its steps scale every lane in int32 and in float32)."""
+    grouped = bits == 6 or (bits == 8 and group_size is not None)
+    return GROUPED8_GEMM_ROWS if grouped else DEQUANTIZED_GEMM_ROWS
 
 
 class QuantLinear(nn.Module):
-    """A weight-only quantized ``nn.Linear`` (8-bit per channel or per group, 4-bit per group).
+    """A weight-only quantized ``nn.Linear`` (8-bit per channel or per group, 4-bit per group,
+    6-bit as GGUF's Q6_K).
 
     Weights: 8-bit per channel ``w = q * s``; 8-bit group-wise ``w = (q - z) * s`` per group of
     ``group_size`` columns, ``z`` (``zeros``) only with ``zero_point`` (GGUF's Q5_1 and Q5_K;
-    without, as Q8_0, Q5_0 and Q6_K, z = 0); 4-bit ``w = (q - z) * s``, codes 0..15.
+    without, as Q8_0, Q5_0 and Q6_K, z = 0); 4-bit ``w = (q - z) * s``, codes 0..15; 6-bit
+    (``group_size`` 16, ``packing.pack_int6``'s rows in ``qweight``, ``scales`` the ``d`` per
+    256 columns) ``w = (q - 32) * d * sc``, codes 0..63, an int8 ``sc`` per 16 columns.
 
     ``forward`` returns what ``forward_reference`` (dequantize, then ``F.linear``) returns, to
     within the rounding of the activation dtype (or of int8 activations, see the module's
@@ -108,9 +119,9 @@ class QuantLinear(nn.Module):
         zero_point: bool = False,
     ) -> None:
         super().__init__()
-        if bits not in (4, 8):
-            raise ValueError(f"bits must be 4 or 8, got {bits}")
-        sizes = INT4_GROUP_SIZES if bits == 4 else INT8_GROUP_SIZES
+        if bits not in (4, 6, 8):
+            raise ValueError(f"bits must be 4, 6 or 8, got {bits}")
+        sizes = {4: INT4_GROUP_SIZES, 6: (16,), 8: INT8_GROUP_SIZES}[bits]
         if (bits == 4 or group_size is not None) and group_size not in sizes:
             raise ValueError(
                 f"{bits}-bit group_size must be one of {sizes}"
@@ -136,6 +147,14 @@ class QuantLinear(nn.Module):
             )
             zeros = torch.zeros(n, kp // group_size, dtype=sdtype, device=device)
             self.register_buffer("zeros", zeros if zero_point else None)
+        elif bits == 6:
+            kp = padded_k(k, INT6_BLOCK)
+            rows = torch.zeros(n, kp // 16 * 13, dtype=torch.uint8, device=device)
+            self.register_buffer("qweight", rows)
+            self.register_buffer(
+                "scales", torch.ones(n, kp // INT6_BLOCK, dtype=sdtype, device=device)
+            )
+            self.zeros = None
         else:
             assert group_size is not None
             kp = padded_k(k, group_size)
@@ -176,8 +195,11 @@ class QuantLinear(nn.Module):
     ) -> QuantLinear:
         """Round-to-nearest quantization of ``weight`` ``[N, K]`` (already multiplied by any
         AWQ scale; ``input_scale`` is what the input is multiplied by). 8 bits: per channel,
-        or group-wise when ``group_size`` is given."""
+        or group-wise when ``group_size`` is given; 6 bits: Q6_K's form (``quantize_int6``)."""
         k = weight.shape[1]
+        if bits == 6:
+            q6, subs, d = quantize_int6(weight)
+            return cls.from_int6(q6, subs, d, bias, k, input_scale=input_scale)
         if bits == 8 and group_size is None:
             q, scales = quantize_int8(weight)
             return cls.from_codes(q, scales, None, bias, bits, None, k, input_scale)
@@ -244,12 +266,44 @@ class QuantLinear(nn.Module):
                 mod.perm.copy_(perm)
         return mod
 
+    @classmethod
+    def from_int6(
+        cls,
+        q: torch.Tensor,
+        sub_scales: torch.Tensor,
+        d: torch.Tensor,
+        bias: torch.Tensor | None,
+        in_features: int,
+        input_scale: torch.Tensor | None = None,
+        dtype: torch.dtype | None = None,
+        scale_dtype: torch.dtype | None = None,
+    ) -> QuantLinear:
+        """A 6-bit module from codes 0..63 ``[N, Kp]`` (Kp a multiple of 256), int8
+        ``sub_scales`` ``[N, Kp / 16]`` and ``d`` ``[N, Kp / 256]`` (held in ``scale_dtype``,
+        default ``dtype``)."""
+        dtype = dtype or (bias.dtype if bias is not None else torch.float32)
+        mod = cls(in_features, q.shape[0], 6, 16, bias=bias is not None,
+                  input_scale=input_scale is not None, dtype=dtype, device=q.device,
+                  scale_dtype=scale_dtype)  # fmt: skip
+        with torch.no_grad():
+            mod.qweight.copy_(pack_int6(q, sub_scales))
+            mod.scales.copy_(d)
+            if bias is not None:
+                assert mod.bias is not None
+                mod.bias.copy_(bias)
+            if input_scale is not None:
+                assert mod.input_scale is not None
+                mod.input_scale.copy_(input_scale)
+        return mod
+
     # -- math ----------------------------------------------------------------------------
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight ``[N, K]`` in the kernel's column order (``perm`` applied)."""
         if self.bits == 8 and self.group_size is None:
             return self.qweight.float() * self.scales.float()[:, None]
+        if self.bits == 6:
+            return dequantize_int6(self.qweight, self.scales)[:, : self.in_features]
         assert self.group_size is not None
         if self.bits == 8:
             w = dequantize_int8_grouped(self.qweight, self.scales, self.group_size, self.zeros)
@@ -308,7 +362,7 @@ class QuantLinear(nn.Module):
         scales and zero points are first paired in place (``cpu_qmatmul.pair_scales``: one
         stream for the kernels)."""
         if self._native is None:
-            if self.group_size is not None:
+            if self.group_size is not None and self.bits != 6:
                 with torch.inference_mode(False):  # buffers, written in place later
                     scales, zeros = cpu_qmatmul.pair_scales(self.scales, self.zeros)
                 self._buffers["scales"], self._buffers["zeros"] = scales, zeros
@@ -320,9 +374,9 @@ class QuantLinear(nn.Module):
     def native_rows(self) -> int:
         """The most rows ``_forward_cpu`` runs through ``cpu_qmatmul``'s integer kernel (where
         ``uses_native_kernels``): below ``dequantized_gemm_rows`` and, but for group-wise 8 bits
-        (which aten's kernels do not take), up to ``NATIVE_MAX_ROWS``."""
+        and 6 bits (which aten's kernels do not take), up to ``NATIVE_MAX_ROWS``."""
         rows = dequantized_gemm_rows(self.bits, self.group_size) - 1
-        if self.bits == 8 and self.group_size is not None:
+        if not self._aten_kernels():
             return rows
         return int(min(rows, NATIVE_MAX_ROWS[self.bits]))
 
@@ -336,8 +390,8 @@ class QuantLinear(nn.Module):
             x2 = x2.to(self.compute_dtype)
         x2 = x2.contiguous()
         native = uses_native_kernels(x2.dtype)
-        if self.bits == 8 and self.group_size is not None and not native:
-            return self.forward_reference(x)  # aten has no group-wise int8 kernel
+        if not native and not self._aten_kernels():
+            return self.forward_reference(x)
         if native and x2.shape[0] >= dequantized_gemm_rows(self.bits, self.group_size):
             y = cpu_qmatmul.matmul_dequantized(x2, self._native_layout()).to(out_dtype)
         elif native and x2.shape[0] <= self.native_rows():
@@ -349,10 +403,16 @@ class QuantLinear(nn.Module):
             y = y + self.bias.to(y.dtype)
         return y.reshape(*lead, self.out_features)
 
+    def _aten_kernels(self) -> bool:
+        """Whether aten's packed kernels take this layout (not group-wise 8 bits nor 6 bits)."""
+        return self.bits == 4 or (self.bits == 8 and self.group_size is None)
+
     def _forward_cuda(self, x: torch.Tensor) -> torch.Tensor:
         """The Triton dequantize-matmul kernels (every layout: a GEMV or split-K kernel for
         decode batches, ``tl.dot`` tiles beyond; bias added in the kernel) when Triton imports,
         else the dequantize reference."""
+        if self.bits == 6:  # no Triton kernel: the GGUF loader keeps Q6_K as 8 bits on CUDA
+            return self.forward_reference(x)
         try:
             from foudre.quant import triton_kernels
         except ImportError:

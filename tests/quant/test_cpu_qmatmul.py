@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from foudre.quant import cpu_qmatmul
-from foudre.quant.packing import unpack_int4
+from foudre.quant.packing import pack_int6, quantize_int6, unpack_int4, unpack_int6
 from foudre.quant.qlinear import NATIVE_MAX_ROWS, QuantLinear, uses_native_kernels
 from tests.engine.march import run_built_for
 
@@ -28,7 +28,8 @@ pytestmark = pytest.mark.skipif(cpu_qmatmul.path() is None, reason="no C++ compi
 # (bits, group, zero point, n, k, scales' dtype): K not a multiple of 16, 32 or 64, N odd;
 # group-wise 8-bit with and without zero points (GGUF's Q8_0 / Q5_0 / Q6_K, and Q5_1 / Q5_K
 # repacked); each dtype of scales with each count of scales a kernel step reads (4, 2, 1 of
-# them: groups of 16 / 32 / 64 and more for 8 bits, 32 / 64 / 128 and more for 4 bits)
+# them: groups of 16 / 32 / 64 and more for 8 bits, 32 / 64 / 128 and more for 4 bits); 6 bits
+# (GGUF's Q6_K: codes 0..63, an int8 sub-scale per 16 columns, a d per 256) with each dtype of d
 CASES = [
     (8, None, False, 37, 100, torch.float32),
     (8, None, False, 33, 520, torch.bfloat16),
@@ -47,6 +48,9 @@ CASES = [
     (4, 128, True, 16, 1024, torch.bfloat16),
     (4, 256, True, 33, 300, torch.float16),
     (4, 32, "const", 37, 300, torch.float32),
+    (6, 16, False, 37, 300, torch.float16),
+    (6, 16, False, 16, 1024, torch.float32),
+    (6, 16, False, 33, 520, torch.bfloat16),
 ]
 ROWS = (1, 3, 16, 64)
 
@@ -89,7 +93,8 @@ def check_kernels() -> None:
         packed = cpu_qmatmul.layout(mod.qweight, mod.scales, mod.zeros, mod.group_size, bits)
         assert packed.s.dtype == scale_dtype  # read as stored: each dtype's loads checked
         assert (packed.z is None) == (zero != True)  # noqa: E712 (one zero point: none read)
-        assert packed.zc == (0 if zero != "const" else (8 if bits == 4 else 16))
+        const = {4: 8, 8: 16}.get(bits, 0) if zero == "const" else 0
+        assert packed.zc == (32 if bits == 6 else const)  # 6 bits: q - 32
         wd = mod.dequantize()
         if packed.z is not None:  # scales and zero points paired: read with their row stride
             s, z = cpu_qmatmul.pair_scales(packed.s, packed.z)
@@ -191,6 +196,53 @@ def test_vnni_rounds_x_per_block_of_128(bits: int, group: int | None, k: int, m:
     for smaller in ((8, 32), (4, 32)):  # blocks of 32 and 64 columns
         other = cpu_qmatmul.round_like_kernel(x, *smaller).double() @ wd.t()
         assert float((y - other).abs().max()) > 4 * float(tight.max())
+
+
+@pytest.mark.parametrize("m", [1, 3, 5])
+@pytest.mark.parametrize("k", [256, 768])
+def test_vnni_int6_is_x_rounded_per_128_times_the_weight(k: int, m: int) -> None:
+    """On the VNNI path a 6-bit weight's product is x rounded per block of 128 columns
+    (``round_like_kernel``) times the dequantized weight, to float32 summation order: each
+    lane's sum is exact in int32 (codes, their offset 32 and the sub-scale), then scaled by
+    x's d and the weight's; the rounding is really there, and blocks of 32 would round
+    differently."""
+    if cpu_qmatmul.path() != "vnni":
+        pytest.skip("this build multiplies in float32")
+    torch.manual_seed(k + m)
+    mod = QuantLinear.from_float(torch.randn(40, k) * 0.1, None, 6, 16)
+    x = torch.randn(m, k) * torch.linspace(0.1, 4, k)
+    y = cpu_qmatmul.matmul(x, cpu_qmatmul.layout(mod.qweight, mod.scales, None, 16, 6)).double()
+    wd = mod.dequantize().double()
+    xr = cpu_qmatmul.round_like_kernel(x, 6, 16).double()
+    tight = 1e-6 * (xr.abs() @ wd.abs().t()) + 1e-6
+    assert bool(((y - xr @ wd.t()).abs() <= tight).all())
+    other = cpu_qmatmul.round_like_kernel(x, 8, 32).double() @ wd.t()
+    assert float((y - other).abs().max()) > 4 * float(tight.max())
+
+
+def test_int6_packing() -> None:
+    """``pack_int6`` round-trips codes and sub-scales; ``quantize_int6`` keeps each weight
+    within half its sub-block's step; a weight off 256 columns, or another group, is refused."""
+    torch.manual_seed(3)
+    q = torch.randint(0, 64, (5, 512), dtype=torch.uint8)
+    subs = torch.randint(-128, 128, (5, 32), dtype=torch.int8)
+    packed = pack_int6(q, subs)
+    assert packed.shape == (5, 416)
+    got_q, got_subs = unpack_int6(packed)
+    assert torch.equal(got_q, q) and torch.equal(got_subs, subs)
+    w = torch.randn(7, 300) * torch.linspace(0.01, 1, 300)
+    codes, sc, d = quantize_int6(w)
+    assert codes.shape == (7, 512) and sc.shape == (7, 32) and d.shape == (7, 2)
+    step = (d.repeat_interleave(16, 1) * sc.float()).repeat_interleave(16, 1)
+    mod = QuantLinear.from_float(w, None, 6, 16)
+    assert bool(((mod.dequantize() - w).abs() <= step[:, :300] / 2 + 1e-7).all())
+    with pytest.raises(ValueError, match="6-bit codes"):
+        pack_int6(q[:, :384], subs[:, :24])
+    with pytest.raises(ValueError, match="group_size"):
+        QuantLinear(256, 8, 6, 32)
+    bad = dataclasses.replace(cpu_qmatmul.layout(mod.qweight, mod.scales, None, 16, 6), k=256)
+    with pytest.raises(ValueError, match="int6 rows"):
+        cpu_qmatmul.matmul(torch.randn(1, 256), bad)
 
 
 def test_bad_input_is_refused() -> None:

@@ -1,6 +1,7 @@
 """GGUF linears kept quantized (``foudre.loading.gguf_quant``): Q4_0, Q4_1 and Q4_K as 4-bit
-groups of 32, Q5_0, Q5_1, Q5_K, Q6_K and Q8_0 (and modules mixing types) as group-wise 8-bit,
-and the group-wise int8 kernel's Q8_0 dot (the kernels themselves: ``test_cpu_qmatmul``).
+groups of 32, Q6_K as 6 bits where our CPU kernels serve it, Q5_0, Q5_1, Q5_K and Q8_0 (and
+modules mixing types, and Q6_K elsewhere) as group-wise 8-bit, and the group-wise int8 kernel's
+Q8_0 dot (the kernels themselves: ``test_cpu_qmatmul``).
 
 Oracles: the gguf package's dequantizers (``gguf.quants.dequantize``, the blocks of files written
 with its writer: random bytes, or ``test_gguf.quantize``'s models), which is also what the same
@@ -48,9 +49,8 @@ from foudre.loading.loader import load_model
 from foudre.models.llama import LlamaForCausalLM
 from foudre.quant import cpu_qmatmul
 from foudre.quant.experts import QuantExperts
-from foudre.quant.packing import unpack_int4
+from foudre.quant.packing import INT6_BLOCK, unpack_int4, unpack_int6
 from foudre.quant.qlinear import (
-    NATIVE_MAX_ROWS,
     QuantLinear,
     dequantized_gemm_rows,
     set_compute_dtype,
@@ -61,6 +61,8 @@ from tests.quant.test_gguf import PROMPT, _logits, _rel, write_gguf
 from tests.quant.test_gguf_moe import moe_source, write_moe_gguf
 
 CPU = torch.device("cpu")
+# Q6_K alone in a module is 6 bits where our kernels serve float32 activations (these tests'
+SIX = uses_native_kernels(torch.float32)  # models), else group-wise 8 bits
 # type -> (bits, group, zero points) of the module a file of only that type gives
 KEPT = {
     "Q8_0": (8, 32, False),
@@ -70,8 +72,9 @@ KEPT = {
     "Q5_0": (8, 32, False),
     "Q5_1": (8, 32, True),
     "Q5_K": (8, 32, True),
-    "Q6_K": (8, 16, False),
+    "Q6_K": (6 if SIX else 8, 16, False),
 }
+CODES = {4: torch.uint8, 6: torch.uint8, 8: torch.int8}  # qweight's dtype by bits
 EXACT = ("Q8_0", "Q4_0", "Q5_0", "Q6_K")  # no mins: bit for bit
 needs_kernels = pytest.mark.skipif(cpu_qmatmul.path() is None, reason="no C++ compiler")
 
@@ -150,7 +153,7 @@ def _rounds_input(mod: QuantLinear, rows: int) -> bool:
         return False
     if rows >= dequantized_gemm_rows(mod.bits, mod.group_size):
         return False  # the dequantized weight into torch's GEMM: nothing rounded
-    return (mod.bits == 8 and mod.group_size is not None) or rows <= NATIVE_MAX_ROWS[mod.bits]
+    return rows <= mod.native_rows()
 
 
 def _kernel_input(mod: QuantLinear, x: torch.Tensor) -> torch.Tensor:
@@ -163,12 +166,19 @@ def _kernel_input(mod: QuantLinear, x: torch.Tensor) -> torch.Tensor:
 
 def _term_sizes(mod: QuantLinear) -> torch.Tensor:
     """``(|q| + |z| + 256) |s|`` per weight ``[N, K]``: the size of the terms a kernel sums (the
-    VNNI one offsets int8 codes by 128 and takes ``(z + 128) s`` off per group), which its
-    float32 rounding scales with; at least ``|w|``."""
+    VNNI one offsets int8 codes by 128 and takes ``(z + 128) s`` off per group; 6 bits: z = 32,
+    s = d sc), which its float32 rounding scales with; at least ``|w|``."""
     assert mod.group_size is not None
+    z: torch.Tensor | int = 0
+    if mod.bits == 6:
+        q, subs = unpack_int6(mod.qweight)
+        d = mod.scales.float().repeat_interleave(INT6_BLOCK // 16, 1)
+        s, z = (d * subs.float()).repeat_interleave(16, 1), 32
+        return ((q.float() + z + 256) * s.abs())[:, : mod.in_features]
     q = mod.qweight if mod.bits == 8 else unpack_int4(mod.qweight)
     s = mod.scales.float().repeat_interleave(mod.group_size, 1)
-    z = 0 if mod.zeros is None else mod.zeros.float().abs().repeat_interleave(mod.group_size, 1)
+    if mod.zeros is not None:
+        z = mod.zeros.float().abs().repeat_interleave(mod.group_size, 1)
     return ((q.float().abs() + z + 256) * s.abs())[:, : mod.in_features]
 
 
@@ -294,8 +304,8 @@ def test_kept_types_load_as_quant_linear(qtype: str, llama_dir: Path, tmp_path: 
     bits, group, zero_point = KEPT[qtype]
     for mod in linears.values():
         assert (mod.bits, mod.group_size, mod.zeros is not None) == (bits, group, zero_point)
-        assert mod.qweight.dtype == (torch.uint8 if bits == 4 else torch.int8)  # codes, not floats
-        half = qtype in ("Q4_0", "Q5_0", "Q8_0")  # the file's float16 d, exactly
+        assert mod.qweight.dtype == CODES[bits]  # codes, not floats
+        half = qtype in ("Q4_0", "Q5_0", "Q8_0") or bits == 6  # the file's float16 d, exactly
         assert mod.scales.dtype == (torch.float16 if half else torch.float32)
         assert _exact(mod) == (qtype in EXACT)
     assert kept.model.embed_tokens.weight.dtype == torch.float32  # looked up: dequantized
@@ -342,13 +352,19 @@ def test_decoded_codes_are_the_gguf_dequantizers_values(qtype: str, tmp_path: Pa
     mins = own.zero_point
     layouts = [Layout(4, 32, True)] if own.bits == 4 else [own]
     layouts += [Layout(8, 16, True)] + ([] if mins else [Layout(8, 16, False)])
+    layouts += [Layout(6, 16, False)] if qt == Q.Q6_K else []
     for layout in layouts:
         c = decode_codes(f, f.tensors["t"], layout)
         zeros = c.zeros if layout.zero_point else None
-        mod = QuantLinear.from_codes(
-            c.codes, c.scales, zeros, None, layout.bits, layout.group, cols
-        )
-        assert mod.qweight.dtype == (torch.uint8 if layout.bits == 4 else torch.int8)
+        if layout.bits == 6:
+            assert c.subs is not None and c.scales.shape == (rows, cols // INT6_BLOCK)
+            mod = QuantLinear.from_int6(c.codes, c.subs, c.scales, None, cols,
+                                        scale_dtype=torch.float16)  # fmt: skip
+        else:
+            mod = QuantLinear.from_codes(
+                c.codes, c.scales, zeros, None, layout.bits, layout.group, cols
+            )
+        assert mod.qweight.dtype == CODES[layout.bits]
         got = mod.dequantize()
         assert _same(got, want, not mins), (layout, float((got - want).abs().max()))
         if mins:  # the tolerance is not slack: measured within 1e-7
@@ -357,8 +373,8 @@ def test_decoded_codes_are_the_gguf_dequantizers_values(qtype: str, tmp_path: Pa
 
 def test_mixed_modules_are_8_bit(llama_dir: Path, tmp_path: Path) -> None:
     """Q4_K_M's mix (v, down and the head in Q6_K, the rest Q4_K) and others: a module whose
-    parts are not all 4-bit types is 8-bit with the smallest group of its parts and zero points
-    where a part has mins; each part keeps its values."""
+    parts are not all 4-bit types (nor all Q6_K: 6 bits) is 8-bit with the smallest group of its
+    parts and zero points where a part has mins; each part keeps its values."""
     out = tmp_path / "mixed.gguf"
     types = {
         "blk.0.attn_v.weight": "Q6_K",
@@ -375,16 +391,17 @@ def test_mixed_modules_are_8_bit(llama_dir: Path, tmp_path: Path) -> None:
         "model.layers.0.self_attn.qkv_proj": (8, 16, True),
         "model.layers.0.self_attn.o_proj": (4, 32, True),
         "model.layers.0.mlp.gate_up_proj": (4, 32, True),
-        "model.layers.0.mlp.down_proj": (8, 16, False),
+        "model.layers.0.mlp.down_proj": KEPT["Q6_K"],
         "model.layers.1.self_attn.qkv_proj": (8, 32, True),
         "model.layers.1.mlp.gate_up_proj": (8, 32, False),
-        "lm_head": (8, 16, False),
+        "lm_head": KEPT["Q6_K"],
     }
     for name, layout in layouts.items():
         mod = linears[name]
         assert (mod.bits, mod.group_size, mod.zeros is not None) == layout, name
-        # the file's float16 d where every part is Q4_0, Q5_0 or Q8_0; d sc or c / s else
-        half = name == "model.layers.1.mlp.gate_up_proj"
+        # the file's float16 d where every part is Q4_0, Q5_0 or Q8_0, or in 6 bits; d sc or
+        # c / s else
+        half = name == "model.layers.1.mlp.gate_up_proj" or mod.bits == 6
         assert mod.scales.dtype == (torch.float16 if half else torch.float32), name
     assert _exact(linears["model.layers.1.mlp.gate_up_proj"])  # Q8_0 beside Q4_0: q - 8, no z
     _check_weights(kept, ref)
@@ -518,11 +535,14 @@ def _resident_bytes(model: nn.Module) -> tuple[int, int]:
 
 
 @needs_kernels
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "Q6_K"])
 def test_resident_size_is_the_files(qtype: str, llama_dir: Path, tmp_path: Path) -> None:
-    """A Q4_0 / Q8_0 file with an F16 embedding (``llama-quantize --token-embedding-type f16``)
-    takes at most 1.15x its tensors' bytes once loaded (bfloat16 model; no KV cache here); the
-    Q8_0 kernel's layout is the module's own buffers, so running it adds nothing."""
+    """A Q4_0 / Q8_0 / Q6_K file with an F16 embedding (``llama-quantize
+    --token-embedding-type f16``) takes at most 1.15x its tensors' bytes once loaded (bfloat16
+    model; no KV cache here; Q6_K where it loads in 6 bits: in 8 bits it takes 1.5x); the Q8_0
+    and 6-bit kernels' layouts are the modules' own buffers, so running them adds nothing."""
+    if qtype == "Q6_K" and not uses_native_kernels(torch.bfloat16):
+        pytest.skip("Q6_K loads in group-wise 8 bits without our kernels")
     out = tmp_path / f"size-{qtype}.gguf"
     write_gguf(llama_dir, out, qtype, types={"token_embd.weight": "F16"})
     file_bytes = sum(t.nbytes for t in read_gguf(out).tensors.values())
@@ -534,7 +554,7 @@ def test_resident_size_is_the_files(qtype: str, llama_dir: Path, tmp_path: Path)
     _logits(model, PROMPT[:4])  # every kernel builds its layout
     weights_after, extra = _resident_bytes(model)
     assert weights_after == weights
-    if qtype == "Q8_0" and cpu_qmatmul.path() in ("vnni", "avx512"):
+    if qtype in ("Q8_0", "Q6_K") and cpu_qmatmul.path() in ("vnni", "avx512"):
         assert extra == 0
 
 
@@ -583,8 +603,9 @@ def test_moe_experts_kept_quantized(qtype: str, tmp_path: Path) -> None:
 
 def test_engine_generates_with_kept_modules(llama_dir: Path, tmp_path: Path) -> None:
     """The engine (paged KV cache, one-row decode steps) runs a Q4_K_M-like file's kept modules
-    (4-bit, and 8-bit with groups of 16 and zero points): its greedy tokens are those of the
-    same loaded model recomputed from position 0 at every step."""
+    (4-bit, 8-bit with groups of 16 and zero points, and 6-bit where our kernels run: the head
+    and a down_proj): its greedy tokens are those of the same loaded model recomputed from
+    position 0 at every step."""
     from foudre import LLM, SamplingParams
 
     out = tmp_path / "q4_k_m.gguf"
@@ -597,6 +618,8 @@ def test_engine_generates_with_kept_modules(llama_dir: Path, tmp_path: Path) -> 
     )  # fmt: skip
     qkv = llm.engine.model.get_submodule("model.layers.0.self_attn.qkv_proj")
     assert isinstance(qkv, QuantLinear) and (qkv.bits, qkv.group_size) == (8, 16)
+    head = llm.engine.model.get_submodule("lm_head")
+    assert isinstance(head, QuantLinear) and head.bits == KEPT["Q6_K"][0]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     got = llm.generate([PROMPT[:8]], params)[0].outputs[0].token_ids
     assert list(got) == _greedy(_load(out))
