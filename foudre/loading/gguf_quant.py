@@ -14,8 +14,8 @@ gguf package's dequantizers (``d``, ``dmin`` and ``m`` are the file's float16 va
 - Q8_0 ``w = d q``: codes ``q``, ``s = d``.
 
 A module whose parts are all Q6_K is a 6-bit ``QuantLinear`` where our CPU kernels serve it
-(``six_bit``): Q6_K's own codes, int8 sub-scales and float16 ``d`` (``packing.pack_int6``, 26
-bytes per 32 weights as the file's 26.25), ``w = (q - 32) (d sc)`` exactly. A module whose parts
+(``six_bit``): Q6_K's own codes, int8 sub-scales and float16 ``d`` (``packing.pack_int6``, the
+file's 26.25 bytes per 32 weights), ``w = (q - 32) (d sc)`` exactly. A module whose parts
 (q/k/v, gate/up) are all of the 4-bit types is a 4-bit ``QuantLinear`` with
 groups of 32: codes 0..15 (Q4_0's ``q``) and zero points ``z = c / s`` (Q4_0: 8), ``w = (q - z)
 s``. Any other module is 8-bit group-wise, with the smallest group of its parts (16 with a Q6_K
@@ -30,7 +30,7 @@ Exactness against the gguf dequantizer: bit for bit where the zero points are ab
 where ``q s - c`` would be exact but is not ``QuantLinear``'s form). Scales are float32 (the
 kernels' layouts use the buffers themselves), but float16 for modules of Q4_0, Q5_0 and Q8_0
 parts only (``d`` is a float16, zero points none, 8 or 0): a Q4_0 module takes 20 bytes per 32
-weights (the file 18), a Q8_0 one 34 (34), Q5_0 34 (22), Q5_1 / Q5_K 40 (24 / 22), Q6_K 26
+weights (the file 18), a Q8_0 one 34 (34), Q5_0 34 (22), Q5_1 / Q5_K 40 (24 / 22), Q6_K 26.25
 (26.25; in 8 bits, fused with other types or on CUDA, 40).
 
 Decoding is vectorised numpy over the file's memory map, one tensor at a time. Dequantized at

@@ -35,10 +35,13 @@
 //             unsigned operand of vpdpbusd (int8 codes + 128, int4 codes as they are):
 //             sum_k u_k q_k per 4 columns in int32 lanes, scaled per lane by d
 //             and the group's scale into float32 accumulators; the offsets (128, z) are taken off
-//             at the end through the sums of x's codes per group: y = sum_g s_g (sum d u q -
-//             (z_g [+ 128]) sum_{k in g} d q_k). For int4, x's codes are stored in the order of the
-//             nibbles (per 128 columns: the even columns, then the odd ones), so one AND (low) or
-//             shift and AND (high) of 64 code bytes lines them up with 64 of x's.
+//             in each lane's int32 sum where they are one integer (Q4_0's 8, Q8_0's 128: vpdpbusd
+//             starts from -(z [+ 128]) times the lane's sum of x codes; int6 always), else at the
+//             end through the sums of x's codes per group: y = sum_g s_g (sum d u q - (z_g [+
+//             128]) sum_{k in g} d q_k). For int4 and int6, x's codes are stored in the order of
+//             the nibbles (per 128 columns: the even columns, then the odd ones), so one AND (low)
+//             or shift and AND (high) of 64 code bytes lines them up with 64 of x's. Each case's
+//             loop is compiled for it, the scales' type included.
 //   AVX-512   the codes widened to float32, dequantized, multiplied with x in float32: no
 //             activation rounding.
 //   portable  the same in plain loops.
@@ -121,7 +124,10 @@ struct Args {
   const int8_t* xq;
   const float* dl;
   const float* corr;
-  const int32_t* xs;  // int6: -32 times the sum of x's codes per 8 columns ([m, k / 8])
+  // where a lane's dot starts (int6, and group-wise layouts whose zero points are all zc): minus
+  // the codes' offset (int6 32, int4 zc, int8 zc + 128) times the sum of x's codes over the
+  // lane's columns, per step and lane ([m, k / 8] int6 and int4, [m, k / 4] int8); else null
+  const int32_t* xs;
 };
 
 // The weight rows of the task at n0 (past the end: row n - 1 again, its results not stored).
@@ -168,23 +174,21 @@ void prefetch_scales(const Args<T>& a, const int64_t* nr) {
 // stream of its own, ran 0.8x as fast; the float paths 8, which share each x load among them).
 template <template <int, int> class Tile, int R1, typename A>
 void for_tiles(const A& a) {
-  const auto task = [&](auto rows_c, int64_t n0) {
-    constexpr int R = decltype(rows_c)::value;
-    for (int64_t m0 = 0; m0 < a.m; m0 += 4) {
-      switch (std::min<int64_t>(a.m - m0, 4)) {
-        case 1: Tile<1, R>::run(a, m0, n0); break;
-        case 2: Tile<2, R>::run(a, m0, n0); break;
-        case 3: Tile<3, R>::run(a, m0, n0); break;
-        default: Tile<4, R>::run(a, m0, n0); break;
-      }
-    }
-  };
   if (a.m == 1) {
 #pragma omp parallel for schedule(static)
-    for (int64_t n0 = 0; n0 < a.n; n0 += R1) task(std::integral_constant<int, R1>{}, n0);
-  } else {
+    for (int64_t n0 = 0; n0 < a.n; n0 += R1) Tile<1, R1>::run(a, 0, n0);
+    return;
+  }
 #pragma omp parallel for schedule(static)
-    for (int64_t n0 = 0; n0 < a.n; n0 += 4) task(std::integral_constant<int, 4>{}, n0);
+  for (int64_t n0 = 0; n0 < a.n; n0 += 4) {
+    for (int64_t m0 = 0; m0 < a.m; m0 += 4) {
+      switch (std::min<int64_t>(a.m - m0, 4)) {
+        case 1: Tile<1, 4>::run(a, m0, n0); break;
+        case 2: Tile<2, 4>::run(a, m0, n0); break;
+        case 3: Tile<3, 4>::run(a, m0, n0); break;
+        default: Tile<4, 4>::run(a, m0, n0); break;
+      }
+    }
   }
 }
 
@@ -472,43 +476,88 @@ struct Vnni {
             a.gshift);
       // int4 in groups of 128 or more: one d (x's block of 128) and one scale per step, their
       // product a scalar broadcast (no vector loads, conversions and products of scales)
-      bool uniform = false;
-      if constexpr (K == Kind::Int4) uniform = a.group >= kStepCodes;
-      if (uniform)
-        steps<MT, R, true>(a, m0, wr, nr, acc, lane_group, span);
-      else
-        steps<MT, R, false>(a, m0, wr, nr, acc, lane_group, span);
+      // The loop compiled for each case (the scales' type too: read through a runtime type, the
+      // steps of int4 g32 ran 1.4-1.8x as long)
+      const auto run_steps = [&](auto uniform_c, auto offsets_c) {
+        constexpr bool kUniform = decltype(uniform_c)::value, kOffsets = decltype(offsets_c)::value;
+        if constexpr (!kGrouped) {  // per channel: no group scales in the steps
+          steps<MT, R, kUniform, kOffsets, kF32>(a, m0, wr, nr, acc, lane_group, span);
+        } else if (a.st == kF16) {
+          steps<MT, R, kUniform, kOffsets, kF16>(a, m0, wr, nr, acc, lane_group, span);
+        } else if (a.st == kBF16) {
+          steps<MT, R, kUniform, kOffsets, kBF16>(a, m0, wr, nr, acc, lane_group, span);
+        } else {
+          steps<MT, R, kUniform, kOffsets, kF32>(a, m0, wr, nr, acc, lane_group, span);
+        }
+      };
+      const auto with_offsets = [&](auto uniform_c) {
+        if constexpr (kGrouped) {  // (a.xs: group-wise layouts only)
+          if (a.xs) {
+            run_steps(uniform_c, std::true_type{});
+            return;
+          }
+        }
+        run_steps(uniform_c, std::false_type{});
+      };
+      if constexpr (K == Kind::Int4) {
+        if (a.group >= kStepCodes) {  // groups of 128 or more
+          with_offsets(std::true_type{});
+          finish<MT, R>(a, m0, n0, nr, acc);
+          return;
+        }
+      }
+      with_offsets(std::false_type{});
       finish<MT, R>(a, m0, n0, nr, acc);
     }
   };
 
-  template <int MT, int R, bool Uniform>
+  // (everything a step reads kept in locals: __m512 may alias anything, so through `a` each
+  // step would reload its fields after every store of an accumulator)
+  template <int MT, int R, bool Uniform, bool Offsets, int ST>
   static void steps(const Args<T>& a, int64_t m0, const uint8_t* const* wr, const int64_t* nr,
                     __m512 (&acc)[MT][R], __m512i lane_group, int64_t span) {
     const __m512i low = _mm512_set1_epi8(15);
     const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+    const int64_t k = a.k;
+    const int gshift = a.gshift;
+    const int8_t* xq = a.xq + m0 * k;
+    const float* dl = a.dl + m0 * (k / 4);
+    const int64_t lanes = k / kLaneColumns;  // xs per x row
+    const int32_t* xs = Offsets ? a.xs + m0 * lanes : nullptr;
+    const uint8_t* w[R];
+    const void* srow[R];  // the row's scales
+    const int64_t size = ST == kF32 ? 4 : 2;
+    for (int r = 0; r < R; ++r) {
+      w[r] = wr[r];
+      srow[r] = static_cast<const uint8_t*>(a.s) + nr[r] * a.s_stride * size;
+    }
+    __m512 sum[MT][R];
+    for (int mi = 0; mi < MT; ++mi)
+      for (int r = 0; r < R; ++r) sum[mi][r] = acc[mi][r];
     // a step at column c; a tail (per-channel int8 where K = 64 mod 128) has its first half only
     const auto step = [&](int64_t c, auto tail_c) {
       constexpr bool kBoth = kHalves && !decltype(tail_c)::value;
       const int64_t bytes = K == Kind::Int4 ? c / 2 : c;
-      const int64_t g0 = c >> a.gshift;  // the step's first group
-      __m512i xv[MT], xh[MT];
+      const int64_t g0 = c >> gshift;  // the step's first group
+      __m512i xv[MT], xh[MT], start[MT];
       __m512 d[MT];
       float d1[MT];
       for (int mi = 0; mi < MT; ++mi) {
-        xv[mi] = _mm512_loadu_si512(a.xq + (m0 + mi) * a.k + c);
-        if constexpr (kBoth) xh[mi] = _mm512_loadu_si512(a.xq + (m0 + mi) * a.k + c + 64);
+        start[mi] = Offsets ? _mm512_loadu_si512(xs + mi * lanes + c / kLaneColumns)
+                            : _mm512_setzero_si512();
+        xv[mi] = _mm512_loadu_si512(xq + mi * k + c);
+        if constexpr (kBoth) xh[mi] = _mm512_loadu_si512(xq + mi * k + c + 64);
         if constexpr (Uniform)
-          d1[mi] = a.dl[(m0 + mi) * (a.k / 4) + c / 4];
+          d1[mi] = dl[mi * (k / 4) + c / 4];
         else
-          d[mi] = _mm512_loadu_ps(a.dl + (m0 + mi) * (a.k / 4) + c / 4);
+          d[mi] = _mm512_loadu_ps(dl + mi * (k / 4) + c / 4);
       }
       for (int r = 0; r < R; ++r) {
         // (past a row's end: the rows after it, which this task or the thread's next one reads,
         // and past the last row of the weight: nothing there, no fault)
-        prefetch_ahead(wr[r] + bytes, kAhead);
-        if constexpr (kBoth && K == Kind::Int8) prefetch_ahead(wr[r] + bytes, kAhead + 64);
-        const __m512i v = _mm512_loadu_si512(wr[r] + bytes);
+        prefetch_ahead(w[r] + bytes, kAhead);
+        if constexpr (kBoth && K == Kind::Int8) prefetch_ahead(w[r] + bytes, kAhead + 64);
+        const __m512i v = _mm512_loadu_si512(w[r] + bytes);
         __m512i wv, wh = v;
         if constexpr (K == Kind::Int4) {
           wv = _mm512_and_si512(v, low);
@@ -516,40 +565,43 @@ struct Vnni {
         } else {
           wv = _mm512_xor_si512(v, flip);
           if constexpr (kBoth)
-            wh = _mm512_xor_si512(_mm512_loadu_si512(wr[r] + bytes + 64), flip);
+            wh = _mm512_xor_si512(_mm512_loadu_si512(w[r] + bytes + 64), flip);
         }
         __m512 sv = _mm512_setzero_ps();
         float s1 = 0.0f;
         if constexpr (Uniform) {
-          s1 = scale_at(a.s, nr[r] * a.s_stride + g0, a.st);
+          s1 = scale_at(srow[r], g0, ST);
         } else if constexpr (kGrouped) {
-          const __m512 gs = load_few(a.s, nr[r] * a.s_stride + g0, a.st, span);
+          const __m512 gs = load_few(srow[r], g0, ST, span);
           sv = span > 1 ? _mm512_permutexvar_ps(lane_group, gs)
                         : _mm512_broadcastss_ps(_mm512_castps512_ps128(gs));
         }
         for (int mi = 0; mi < MT; ++mi) {
-          __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xv[mi]);
+          __m512i dot = _mm512_dpbusd_epi32(start[mi], wv, xv[mi]);
           if constexpr (kBoth) dot = _mm512_dpbusd_epi32(dot, wh, xh[mi]);
           __m512 scale;
           if constexpr (Uniform)
             scale = _mm512_set1_ps(d1[mi] * s1);
           else
             scale = kGrouped ? _mm512_mul_ps(d[mi], sv) : d[mi];
-          acc[mi][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[mi][r]);
+          sum[mi][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, sum[mi][r]);
         }
       }
     };
-    const int64_t whole = a.k / kStepCodes * kStepCodes;
+    const int64_t whole = k / kStepCodes * kStepCodes;
     for (int64_t c = 0; c < whole; c += kStepCodes) step(c, std::false_type{});
-    if (whole < a.k) step(whole, std::true_type{});  // per-channel int8: K = 64 mod 128
+    if (whole < k) step(whole, std::true_type{});  // per-channel int8: K = 64 mod 128
+    for (int mi = 0; mi < MT; ++mi)
+      for (int r = 0; r < R; ++r) acc[mi][r] = sum[mi][r];
   }
 
   template <int MT, int R>
   static void finish(const Args<T>& a, int64_t m0, int64_t n0, const int64_t* nr,
                      __m512 (&acc)[MT][R]) {
     if constexpr (kGrouped) {
-      // the offsets: acc -= s (z [+ 128]) * (the group's sum of d q), 16 groups a step
-      for (int64_t g = 0; g < a.groups; g += 16) {
+      // the offsets (unless taken off in the lanes' dots): acc -= s (z [+ 128]) * (the group's
+      // sum of d q), 16 groups a step
+      for (int64_t g = 0; g < (a.xs ? 0 : a.groups); g += 16) {
         const __mmask16 mask =
             a.groups - g >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (a.groups - g)) - 1);
         __m512 off[R];
@@ -586,27 +638,44 @@ struct VnniInt6 {
   template <int MT, int R>
   struct Tile {
     static void run(const Args<T>& a, int64_t m0, int64_t n0) {
+      if (a.st == kF16)
+        go<kF16>(a, m0, n0);
+      else if (a.st == kBF16)
+        go<kBF16>(a, m0, n0);
+      else
+        go<kF32>(a, m0, n0);
+    }
+    template <int ST>  // the type of d, compiled in (as Vnni::steps)
+    static void go(const Args<T>& a, int64_t m0, int64_t n0) {
       const uint8_t* wr[R];
       int64_t nr[R];
       row_ptrs<R>(a, n0, wr, nr);
       prefetch_scales<R>(a, nr);
-      __m512 acc[MT][R];
-      for (auto& row : acc)
-        for (auto& v : row) v = _mm512_setzero_ps();
       const __m512i low = _mm512_set1_epi8(15), top = _mm512_set1_epi8(0x30);
       // the top bits as bits 4-5: of the even columns bits 0-1 of the 32 bytes (for the first 64
       // code bytes) and 2-3 (the copy, for the last 64); of the odd ones bits 4-5 and 6-7
       const __m512i even_left = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
       const __m512i odd_right = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
-      const int64_t tops = a.k / 2, subs = a.k / 2 + a.k / 4;
-      for (int64_t c = 0; c < a.k; c += 128) {
+      // (in locals, as Vnni::steps)
+      const int64_t k = a.k, tops = k / 2, subs = k / 2 + k / 4;
+      const int gshift = a.gshift;
+      const int8_t* xq = a.xq + m0 * k;
+      const int32_t* xs = a.xs + m0 * (k / 8);
+      const float* dl = a.dl + m0 * (k / 4);
+      const void* srow[R];
+      for (int r = 0; r < R; ++r)
+        srow[r] = static_cast<const uint8_t*>(a.s) + nr[r] * a.s_stride * (ST == kF32 ? 4 : 2);
+      __m512 sum[MT][R];
+      for (auto& row : sum)
+        for (auto& v : row) v = _mm512_setzero_ps();
+      for (int64_t c = 0; c < k; c += 128) {
         __m512i xv[MT], xh[MT], off[MT];
         float d1[MT];
         for (int mi = 0; mi < MT; ++mi) {
-          xv[mi] = _mm512_loadu_si512(a.xq + (m0 + mi) * a.k + c);
-          xh[mi] = _mm512_loadu_si512(a.xq + (m0 + mi) * a.k + c + 64);
-          off[mi] = _mm512_loadu_si512(a.xs + (m0 + mi) * (a.k / 8) + c / 8);
-          d1[mi] = a.dl[(m0 + mi) * (a.k / 4) + c / 4];
+          xv[mi] = _mm512_loadu_si512(xq + mi * k + c);
+          xh[mi] = _mm512_loadu_si512(xq + mi * k + c + 64);
+          off[mi] = _mm512_loadu_si512(xs + mi * (k / 8) + c / 8);
+          d1[mi] = dl[mi * (k / 4) + c / 4];
         }
         for (int r = 0; r < R; ++r) {
           prefetch_ahead(wr[r] + c / 128 * 104, kAhead);  // 104 bytes a step
@@ -624,46 +693,62 @@ struct VnniInt6 {
               _mm_loadl_epi64(reinterpret_cast<const __m128i*>(wr[r] + subs + c / 16));
           // lane l: sc[l / 2]
           const __m512i sc = _mm512_cvtepi8_epi32(_mm_unpacklo_epi8(sc8, sc8));
-          const float dw = scale_at(a.s, nr[r] * a.s_stride + (c >> a.gshift), a.st);
+          const float dw = scale_at(srow[r], c >> gshift, ST);
           for (int mi = 0; mi < MT; ++mi) {
             __m512i dot = _mm512_dpbusd_epi32(off[mi], wv, xv[mi]);
             dot = _mm512_mullo_epi32(_mm512_dpbusd_epi32(dot, wh, xh[mi]), sc);
-            acc[mi][r] =
-                _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(d1[mi] * dw), acc[mi][r]);
+            sum[mi][r] =
+                _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(d1[mi] * dw), sum[mi][r]);
           }
         }
       }
-      store_tile<T, MT, R>(a, m0, n0, acc,
+      store_tile<T, MT, R>(a, m0, n0, sum,
                            [](int64_t, int64_t, __m512 v) { return _mm512_reduce_add_ps(v); });
     }
   };
 };
 
-// quantize x, then the tiles; corr = the sums of a row's 16-code sums: per row (int8), per
-// group (grouped); int6 takes its offsets per 8 columns instead (xs)
+// Minus `offset` times the sum of x's codes over each lane's columns, per step: 128 columns
+// of nibble order (int4, int6: lane l the codes at c + 4 l .. c + 4 l + 3 and 64 further) or
+// 64 columns of 4 a lane (int8)
+template <bool Nibbles>
+std::vector<int32_t> lane_offsets(const int8_t* xq, int64_t m, int64_t k, int32_t offset) {
+  const int64_t columns = Nibbles ? 8 : 4, step = Nibbles ? 128 : 64;
+  std::vector<int32_t> xs(m * k / columns);
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t c = 0; c < k; c += step)
+      for (int l = 0; l < 16; ++l) {
+        int32_t sum = 0;
+        for (int b = 0; b < 4; ++b) {
+          sum += xq[i * k + c + 4 * l + b];
+          if (Nibbles) sum += xq[i * k + c + 64 + 4 * l + b];
+        }
+        xs[i * (k / columns) + c / columns + l] = -offset * sum;
+      }
+  return xs;
+}
+
+// quantize x, then the tiles; the codes' offsets taken off in the lanes' dots (xs) where they
+// are one integer (int6's 32; a group-wise layout whose zero points are all zc), else at the
+// end through corr = the sums of a row's 16-code sums: per row (int8), per group (grouped)
 template <typename T, Kind K>
 void vnni_matmul(Args<T> a) {
   constexpr bool grouped = K != Kind::Int8;
+  constexpr bool nibbles = K == Kind::Int4 || K == Kind::Int6;
   const int64_t halves = a.k / 16;
   std::vector<int8_t> xq(a.m * a.k);
   std::vector<float> dl(a.m * a.k / 4), hsum(a.m * halves);
-  quantize_rows<T, K == Kind::Int4 || K == Kind::Int6>(
-      a.x, a.m, a.k, activation_block<K>(a.group), xq.data(), dl.data(), hsum.data());
+  quantize_rows<T, nibbles>(a.x, a.m, a.k, activation_block<K>(a.group), xq.data(), dl.data(),
+                            hsum.data());
   a.xq = xq.data();
   a.dl = dl.data();
-  if constexpr (K == Kind::Int6) {
-    // lane l of the step at c: the even columns' codes at c + 4 l .. c + 4 l + 3 (nibble
-    // order), the odd ones' 64 further
-    std::vector<int32_t> xs(a.m * a.k / 8);
-    for (int64_t i = 0; i < a.m; ++i)
-      for (int64_t c = 0; c < a.k; c += 128)
-        for (int l = 0; l < 16; ++l) {
-          int32_t sum = 0;
-          for (int b = 0; b < 4; ++b)
-            sum += xq[i * a.k + c + 4 * l + b] + xq[i * a.k + c + 64 + 4 * l + b];
-          xs[i * (a.k / 8) + c / 8 + l] = -32 * sum;
-        }
+  std::vector<int32_t> xs;
+  const float offset = K == Kind::Int6 ? 32.0f : a.zc + (K == Kind::Int4 ? 0.0f : 128.0f);
+  if (grouped && !a.z && offset == std::floor(offset) && std::fabs(offset) <= 384.0f) {
+    xs = lane_offsets<nibbles>(xq.data(), a.m, a.k, static_cast<int32_t>(offset));
     a.xs = xs.data();
+  }
+  if constexpr (K == Kind::Int6) {
     for_tiles<VnniInt6<T>::template Tile, 1>(a);
   } else {
     const int64_t per_row = grouped ? a.groups : 1;
