@@ -290,6 +290,8 @@ def decode_codes(f: GGUFFile, tensor: GGUFTensor, layout: Layout) -> Codes:
     n = math.prod(tensor.shape[:-1])
     raw = np.asarray(f.data[tensor.offset : tensor.offset + tensor.nbytes]).reshape(n, -1)
     if layout.bits == 6:
+        if tensor.type != _QT.Q6_K:
+            raise ValueError(f"tensor {tensor.name!r}: 6 bits are Q6_K's, not {tensor.type_name}")
         q6, sc, d = _q6_k(raw, n, k)
         return Codes(torch.from_numpy(q6), torch.from_numpy(d), None, torch.from_numpy(sc))
     b = _decode(raw, _QT(tensor.type), n, k)

@@ -13,8 +13,8 @@
 // The kernels read QuantLinear's own buffers, no copy: int8 codes [N, K] (K a multiple of 64),
 // int4 codes [N, K / 2] as packing.pack_int4 lays them (column 2j in the low nibble of byte j,
 // 2j + 1 in the high one; K a multiple of 128), int6 rows [N, 13 K / 16] as packing.pack_int6
-// lays them (K a multiple of 256: the low nibbles as int4's, then the top two bits, 32 bytes per
-// 128 columns, then the int8 sub-scales: one stream a row), scales and zero points [N, groups]
+// lays them (K a multiple of 256; per 128 columns 104 bytes: the low nibbles as int4's, the top
+// two bits, the int8 sub-scales: a row one sequential stream), scales and zero points [N, groups]
 // in float32, float16 or bfloat16 (st: 0, 1, 2), their rows s_stride elements apart
 // (QuantLinear pairs a row's scales and zero points in one buffer: cpu_qmatmul.pair_scales, one
 // stream where a separate one of zero points cost 18% at batch 1). Each task prefetches its
@@ -29,10 +29,10 @@
 //
 // Three paths, by what the compiler targets (built with -march=native):
 //   VNNI      (AVX512-VNNI): x quantized to int8 per block (d = max|x| / 127; 32 columns for
-//             group-wise int8, as llama.cpp's Q8_0; 128 per channel and for int4 in groups of
-//             128 or more, 64 for smaller int4 groups: their steps sum two 64-code halves in
-//             int32 before one conversion), the weight codes as the
-//             unsigned operand of vpdpbusd (int8 codes + 128, int4 codes as they are):
+//             group-wise int8, as llama.cpp's Q8_0; 128 per channel, for int6 and for int4 in
+//             groups of 128 or more, 64 for smaller int4 groups: their steps sum two 64-code
+//             halves in int32 before one conversion), the weight codes as the unsigned operand
+//             of vpdpbusd (int8 codes + 128, int4 and int6 codes as they are):
 //             sum_k u_k q_k per 4 columns in int32 lanes, scaled per lane by d
 //             and the group's scale into float32 accumulators; the offsets (128, z) are taken off
 //             in each lane's int32 sum where they are one integer (Q4_0's 8, Q8_0's 128: vpdpbusd
@@ -119,8 +119,8 @@ struct Args {
   int gshift;  // log2(group): groups are powers of two
   T* y;        // [m, n]
   int64_t m, n, k;
-  // VNNI: x quantized ([m, k] int8, int4: in nibble order), d per 4 codes ([m, k / 4]), the
-  // sums d q per row (int8) or per group ([m] or [m, groups])
+  // VNNI: x quantized ([m, k] int8, int4 and int6: in nibble order), d per 4 codes ([m, k / 4]),
+  // the sums d q per row (int8) or per group ([m] or [m, groups])
   const int8_t* xq;
   const float* dl;
   const float* corr;
@@ -192,18 +192,23 @@ void for_tiles(const A& a) {
   }
 }
 
-// The top two bits of int6 column c (packing.pack_int6): per 128 columns 32 bytes, byte i
-// holding those of the step's columns 2i (bits 0-1), 2i + 64 (2-3), 2i + 1 (4-5), 2i + 65 (6-7)
+// An int6 row (packing.pack_int6) is blocks of 104 bytes, one per 128 columns: the low nibbles
+// (64 bytes, as int4's), the top two bits (32 bytes, byte i holding those of the block's columns
+// 2i in bits 0-1, 2i + 64 in 2-3, 2i + 1 in 4-5, 2i + 65 in 6-7), the int8 sub-scales (8 bytes).
+constexpr int64_t kInt6Block = 104, kInt6Tops = 64, kInt6Subs = 96;
+inline const uint8_t* int6_block(const uint8_t* row, int64_t c) {
+  return row + c / 128 * kInt6Block;
+}
 inline int int6_top_shift(int64_t c) { return 2 * ((c % 128) / 64) + 4 * (c & 1); }
-inline int64_t int6_top_byte(int64_t c, int64_t k) { return k / 2 + c / 128 * 32 + (c % 64) / 2; }
 
-// the code of column c of a weight row (of k columns)
+// the code of column c of a weight row
 template <Kind K>
-inline int code(const uint8_t* row, int64_t c, int64_t k) {
-  if constexpr (K == Kind::Int4 || K == Kind::Int6) {
-    const int low = (row[c / 2] >> (4 * (c & 1))) & 15;
-    if constexpr (K == Kind::Int4) return low;
-    return low | (((row[int6_top_byte(c, k)] >> int6_top_shift(c)) & 3) << 4);
+inline int code(const uint8_t* row, int64_t c) {
+  if constexpr (K == Kind::Int4) return (row[c / 2] >> (4 * (c & 1))) & 15;
+  if constexpr (K == Kind::Int6) {
+    const uint8_t* b = int6_block(row, c);
+    const int low = (b[(c % 128) / 2] >> (4 * (c & 1))) & 15;
+    return low | (((b[kInt6Tops + (c % 64) / 2] >> int6_top_shift(c)) & 3) << 4);
   }
   return static_cast<int8_t>(row[c]);
 }
@@ -212,7 +217,8 @@ inline int code(const uint8_t* row, int64_t c, int64_t k) {
 template <Kind K, typename A>
 inline float group_scale(const A& a, int64_t nr, const uint8_t* row, int64_t c) {
   const float s = scale_at(a.s, nr * a.s_stride + (c >> a.gshift), a.st);
-  if constexpr (K == Kind::Int6) return s * static_cast<int8_t>(row[a.k / 2 + a.k / 4 + c / 16]);
+  if constexpr (K == Kind::Int6)
+    return s * static_cast<int8_t>(int6_block(row, c)[kInt6Subs + (c % 128) / 16]);
   return s;
 }
 
@@ -237,7 +243,7 @@ struct Portable {
             }
             for (int j = 0; j < 16; ++j)
               acc[j] +=
-                  (static_cast<float>(code<K>(row, c + j, a.k)) * s - sz) * to_float(x[c + j]);
+                  (static_cast<float>(code<K>(row, c + j)) * s - sz) * to_float(x[c + j]);
           }
           float sum = 0;
           for (float v : acc) sum += v;
@@ -307,16 +313,17 @@ inline void store16(uint16_t* p, __m512 v) {  // to bfloat16 as torch rounds (su
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
 }
 
-// the codes of columns c .. c + 15 of a row (of k columns) as float32
+// the codes of columns c .. c + 15 of a row as float32
 template <Kind K>
-inline __m512 codes16(const uint8_t* row, int64_t c, int64_t k) {
+inline __m512 codes16(const uint8_t* row, int64_t c) {
   if constexpr (K == Kind::Int4 || K == Kind::Int6) {
-    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + c / 2));
+    const uint8_t* nibbles = K == Kind::Int4 ? row + c / 2 : int6_block(row, c) + (c % 128) / 2;
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(nibbles));
     __m128i lo = _mm_and_si128(b, _mm_set1_epi8(15));
     __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(15));
     if constexpr (K == Kind::Int6) {  // the 16 columns' top bits: 8 bytes, one shift for all
-      const __m128i t =
-          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + int6_top_byte(c, k)));
+      const uint8_t* tops = int6_block(row, c) + kInt6Tops + (c % 64) / 2;
+      const __m128i t = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(tops));
       const __m128i three = _mm_set1_epi8(3);
       const __m128i shift = _mm_cvtsi32_si128(int6_top_shift(c));  // column c is even
       const __m128i shift_odd = _mm_cvtsi32_si128(int6_top_shift(c) + 4);
@@ -345,11 +352,11 @@ struct Float512 {
       for (int64_t c = 0; c < a.k; c += 16) {
         __m512 xv[MT];
         for (int mi = 0; mi < MT; ++mi) xv[mi] = load16(a.x + (m0 + mi) * a.k + c);
-        // the bytes read before this step (int6: 13 per 16 columns, 52 per 64: a line every 64)
+        // the bytes read before this step (int6: 104 per 128 columns, 52 per 64: a line every 64)
         const int64_t line = K == Kind::Int4 ? c / 2 : (K == Kind::Int6 ? c / 16 * 13 : c);
         for (int r = 0; r < R; ++r) {
           if (K == Kind::Int6 ? c % 64 == 0 : line % 64 == 0) prefetch_ahead(wr[r] + line, kAhead);
-          __m512 wv = codes16<K>(wr[r], c, a.k);
+          __m512 wv = codes16<K>(wr[r], c);
           if constexpr (K != Kind::Int8) {
             const float s = group_scale<K>(a, nr[r], wr[r], c);
             const float sz =
@@ -372,9 +379,9 @@ struct Float512 {
 #if defined(FOUDRE_VNNI)
 
 // x [m, k] to int8 per block of `block` columns (32 or 128; nibbles 64 or 128): xq, d per 4 codes
-// (dl), and d * sum(q) per 16 codes (hsum [m, k / 16]). Nibbles (int4): per 128 columns, the even
-// columns then the odd ones, and one d per 64 columns or 128 (the same d for codes j and 64 + j,
-// whose products a kernel adds up in int32).
+// (dl), and d * sum(q) per 16 codes (hsum [m, k / 16]). Nibbles (int4, int6): per 128 columns,
+// the even columns then the odd ones, and one d per 64 columns or 128 (the same d for codes j and
+// 64 + j, whose products a kernel adds up in int32).
 template <typename T, bool Nibbles>
 void quantize_rows(const T* x, int64_t m, int64_t k, int64_t block, int8_t* xq, float* dl,
                    float* hsum) {
@@ -657,7 +664,7 @@ struct VnniInt6 {
       const __m512i even_left = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
       const __m512i odd_right = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
       // (in locals, as Vnni::steps)
-      const int64_t k = a.k, tops = k / 2, subs = k / 2 + k / 4;
+      const int64_t k = a.k;
       const int gshift = a.gshift;
       const int8_t* xq = a.xq + m0 * k;
       const int32_t* xs = a.xs + m0 * (k / 8);
@@ -678,11 +685,12 @@ struct VnniInt6 {
           d1[mi] = dl[mi * (k / 4) + c / 4];
         }
         for (int r = 0; r < R; ++r) {
-          prefetch_ahead(wr[r] + c / 128 * 104, kAhead);  // 104 bytes a step
-          prefetch_ahead(wr[r] + c / 128 * 104, kAhead + 64);
-          const __m512i v = _mm512_loadu_si512(wr[r] + c / 2);
+          const uint8_t* block = int6_block(wr[r], c);  // a step reads one block of 104 bytes
+          prefetch_ahead(block, kAhead);
+          prefetch_ahead(block, kAhead + 64);
+          const __m512i v = _mm512_loadu_si512(block);
           const __m512i t = _mm512_broadcast_i64x4(
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr[r] + tops + c / 4)));
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kInt6Tops)));
           const __m512i wv =
               _mm512_or_si512(_mm512_and_si512(v, low),
                               _mm512_and_si512(_mm512_sllv_epi16(t, even_left), top));
@@ -690,7 +698,7 @@ struct VnniInt6 {
               _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), low),
                               _mm512_and_si512(_mm512_srlv_epi16(t, odd_right), top));
           const __m128i sc8 =
-              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(wr[r] + subs + c / 16));
+              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + kInt6Subs));
           // lane l: sc[l / 2]
           const __m512i sc = _mm512_cvtepi8_epi32(_mm_unpacklo_epi8(sc8, sc8));
           const float dw = scale_at(srow[r], c >> gshift, ST);
@@ -752,8 +760,8 @@ void vnni_matmul(Args<T> a) {
     for_tiles<VnniInt6<T>::template Tile, 1>(a);
   } else {
     const int64_t per_row = grouped ? a.groups : 1;
-    std::vector<float> corr(a.m * per_row, 0.0f);
-    for (int64_t i = 0; i < a.m; ++i)
+    std::vector<float> corr(a.xs ? 0 : a.m * per_row, 0.0f);  // (unread with xs)
+    for (int64_t i = 0; i < (a.xs ? 0 : a.m); ++i)
       for (int64_t h = 0; h < halves; ++h)
         corr[i * per_row + (grouped ? column_of<K>(h * 16) >> a.gshift : 0)] +=
             hsum[i * halves + h];
@@ -793,11 +801,11 @@ void dequantize(const Args<T>& a, int64_t n0, int64_t n1, T* out) {
         z = a.z ? scale_at(a.z, nr * a.s_stride + (c >> a.gshift), a.st) : a.zc;
       }
 #if defined(FOUDRE_AVX512)
-      const __m512 q = _mm512_sub_ps(codes16<K>(row, c, a.k), _mm512_set1_ps(z));
+      const __m512 q = _mm512_sub_ps(codes16<K>(row, c), _mm512_set1_ps(z));
       store16(o + c, _mm512_mul_ps(q, _mm512_set1_ps(s)));
 #else
       for (int j = 0; j < 16; ++j)
-        store1(o + c + j, (static_cast<float>(code<K>(row, c + j, a.k)) - z) * s);
+        store1(o + c + j, (static_cast<float>(code<K>(row, c + j)) - z) * s);
 #endif
     }
   }

@@ -110,7 +110,8 @@ def layout(
     uint8 codes, else 8): the buffers themselves where K is a multiple of 64 (int8) or 128
     (int4, ``pack_int4``'s nibbles) and the scales float32, float16 or bfloat16 (one dtype for
     both), else copies padded with zero columns (zero scales). 6 bits (``pack_int6``'s rows, K
-    a multiple of 256 already): the buffers themselves."""
+    a multiple of 256 already; ``bits=6`` must be given: the rows are uint8 as int4's): the
+    buffers themselves."""
     bits = bits or (4 if qweight.dtype == torch.uint8 else 8)
     if bits == 6:
         k = qweight.shape[1] * 16 // 13
@@ -217,15 +218,20 @@ def _check_layout(packed: Packed) -> None:
     int4, 256 for int6) that the codes hold, and a group-wise layout's groups a power of two,
     at least 16 columns (32 for int4), covering the padded columns (int6: one d per 256)."""
     if packed.kind == "int6":
-        s, k = packed.s, packed.k
-        if (
-            k % 256 or packed.w.dim() != 2 or packed.w.shape[1] != k // 16 * 13
-            or s.dim() != 2 or s.shape != (packed.w.shape[0], k // 256) or not s.is_contiguous()
-            or packed.group != 256 or packed.zc != 32 or packed.z is not None
-        ):  # fmt: skip
+        s, k, w = packed.s, packed.k, packed.w
+        n = w.shape[0] if w.dim() == 2 else -1
+        checks = {
+            f"K = {k} a multiple of 256": k % 256 == 0,
+            "rows of 13 K / 16 bytes": w.dim() == 2 and w.shape[1] * 16 == k * 13,
+            "a contiguous d [N, K / 256]": s.shape == (n, k // 256) and s.is_contiguous(),
+            "group 256, zc 32, no zero points": (packed.group, packed.zc, packed.z)
+            == (256, 32, None),
+        }
+        wrong = [what for what, ok in checks.items() if not ok]
+        if wrong:
             raise ValueError(
-                f"int6 rows {tuple(packed.w.shape)} and d {tuple(s.shape)}: the kernels take "
-                "pack_int6's rows (K a multiple of 256) and one d per 256 columns"
+                f"int6 rows {tuple(w.shape)}, d {tuple(s.shape)}: the kernels take "
+                + "; ".join(wrong)
             )
         return
     per_byte = 2 if packed.kind == "int4" else 1

@@ -12,9 +12,9 @@ Canonical layouts (what checkpoints store, whatever the device):
   Q4_K, ``-min / scale``) when imported); ``w = (q - zero) * scale``.
 
 - 6 bits (GGUF's Q6_K, as its files hold it): ``qweight`` uint8 ``[N, 13 Kp / 16]``
-  (``pack_int6``: per row the low nibbles of codes 0..63 as ``pack_int4`` lays them, their top
-  two bits, then an int8 sub-scale ``sc`` per 16 columns), ``scales`` ``d`` ``[N, Kp / 256]``;
-  ``w = (q - 32) * (d * sc)``.
+  (``pack_int6``: per 128 columns the low nibbles of codes 0..63 as ``pack_int4`` lays them,
+  their top two bits, then an int8 sub-scale ``sc`` per 16 columns), ``scales`` ``d``
+  ``[N, Kp / 256]``; ``w = (q - 32) * (d * sc)``.
 
 ``Kp`` is ``K`` rounded up to a multiple of the group size (of 256 for 6 bits); the padded
 columns quantize zeros and meet zero inputs.
@@ -100,19 +100,26 @@ INT6_BLOCK = 256  # columns per d of a 6-bit weight (Q6_K's super-block); sub-sc
 
 def pack_int6(q: torch.Tensor, sub_scales: torch.Tensor) -> torch.Tensor:
     """Codes 0..63 ``[N, Kp]`` (Kp a multiple of 256) and int8 ``sub_scales`` ``[N, Kp / 16]`` to
-    the 6-bit rows ``[N, 13 Kp / 16]``: the low nibbles (``pack_int4``), the top two bits (per
-    128 columns 32 bytes, byte ``i`` holding those of the block's columns ``2i`` in bits 0-1,
-    ``2i + 64`` in 2-3, ``2i + 1`` in 4-5, ``2i + 65`` in 6-7: one shift lines up 64 codes of
-    ``pack_int4``'s even or odd columns), then the sub-scales."""
+    the 6-bit rows ``[N, 13 Kp / 16]``: per 128 columns a block of 104 bytes (a row is one
+    sequential stream), the low nibbles (64 bytes, ``pack_int4``'s), the top two bits (32 bytes,
+    byte ``i`` holding those of the block's columns ``2i`` in bits 0-1, ``2i + 64`` in 2-3,
+    ``2i + 1`` in 4-5, ``2i + 65`` in 6-7: one shift lines up 64 codes of ``pack_int4``'s even or
+    odd columns), then the block's 8 sub-scales."""
     n, k = q.shape
-    if k % INT6_BLOCK or sub_scales.shape != (n, k // 16):
-        raise ValueError(f"6-bit codes {tuple(q.shape)} and sub-scales {tuple(sub_scales.shape)}")
-    q = q.to(torch.uint8)
-    top = (q >> 4).reshape(n, k // 128, 128)
+    if k % INT6_BLOCK or sub_scales.shape != (n, k // 16) or sub_scales.dtype != torch.int8:
+        raise ValueError(
+            f"6-bit codes {tuple(q.shape)} need K a multiple of {INT6_BLOCK} and int8 sub-scales "
+            f"[N, K / 16], got {sub_scales.dtype} {tuple(sub_scales.shape)}"
+        )
+    if q.numel() and (int(q.min()) < 0 or int(q.max()) > 63):
+        raise ValueError(f"6-bit codes must be 0..63, got {int(q.min())}..{int(q.max())}")
+    q = q.to(torch.uint8).reshape(n, k // 128, 128)
+    top = q >> 4
     even, odd = top[..., 0::2], top[..., 1::2]
     tops = even[..., :32] | (even[..., 32:] << 2) | (odd[..., :32] << 4) | (odd[..., 32:] << 6)
-    subs = sub_scales.to(torch.int8).view(torch.uint8)
-    return torch.cat([pack_int4(q & 0xF), tops.reshape(n, k // 4), subs], dim=1)
+    nibbles = (q[..., 0::2] & 0xF) | ((q[..., 1::2] & 0xF) << 4)
+    subs = sub_scales.view(torch.uint8).reshape(n, k // 128, 8)
+    return torch.cat([nibbles, tops, subs], dim=-1).reshape(n, k // 128 * 104)
 
 
 def quantize_int6(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -135,13 +142,14 @@ def quantize_int6(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 
 def unpack_int6(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse of ``pack_int6``: codes uint8 ``[N, Kp]`` and int8 sub-scales ``[N, Kp / 16]``."""
-    n, k = packed.shape[0], packed.shape[1] * 16 // 13
-    tops = packed[:, k // 2 : k // 2 + k // 4].reshape(n, k // 128, 32)
-    even = torch.cat([tops & 3, (tops >> 2) & 3], dim=-1)
-    odd = torch.cat([(tops >> 4) & 3, tops >> 6], dim=-1)
-    top = torch.stack([even, odd], dim=-1).reshape(n, k)
-    subs = packed[:, k // 2 + k // 4 :].contiguous().view(torch.int8)
-    return unpack_int4(packed[:, : k // 2]) | (top << 4), subs
+    n, blocks = packed.shape[0], packed.shape[1] // 104
+    b = packed.reshape(n, blocks, 104)
+    nibbles, tops = b[..., :64], b[..., 64:96]
+    even = torch.cat([tops & 3, (tops >> 2) & 3], dim=-1) << 4 | (nibbles & 0xF)
+    odd = torch.cat([(tops >> 4) & 3, tops >> 6], dim=-1) << 4 | (nibbles >> 4)
+    q = torch.stack([even, odd], dim=-1).reshape(n, blocks * 128)
+    subs = b[..., 96:].contiguous().view(torch.int8).reshape(n, blocks * 8)
+    return q, subs
 
 
 def dequantize_int6(packed: torch.Tensor, d: torch.Tensor) -> torch.Tensor:

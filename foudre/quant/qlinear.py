@@ -1,13 +1,13 @@
 """``QuantLinear``: a weight-only quantized linear over the canonical layouts of
 ``foudre.quant.packing`` (8-bit per channel or group-wise with optional zero points, 4-bit
 group-wise, 6-bit as GGUF's Q6_K). On a CPU with AVX-512 our kernels (``cpu_qmatmul``) read
-those buffers as they are: batches below ``dequantized_gemm_rows`` (64; 16 for group-wise 8-bit
-and 6-bit, GGUF's forms) through
-the integer kernel, larger ones (prefill chunks, larger decode batches) as the weight
-dequantized a few rows at a time into torch's GEMM; elsewhere torch's packed kernels
-(``kernels``; group-wise 8-bit and 6-bit there run ``forward_reference``). On CUDA the Triton
-kernels (``triton_kernels``: a split-K GEMV at one row, dequantizing tiles in registers above;
-6-bit: ``forward_reference``, the GGUF loader keeps Q6_K there in group-wise 8 bits).
+those buffers as they are: batches below ``dequantized_gemm_rows`` (64; 24 for group-wise
+8-bit, GGUF's forms) through the integer kernel, larger ones (prefill chunks, larger decode
+batches) as the weight dequantized a few rows at a time into torch's GEMM; elsewhere torch's
+packed kernels (``kernels``; group-wise 8-bit and 6-bit there run ``forward_reference``). On
+CUDA the Triton kernels (``triton_kernels``: a split-K GEMV at one row, dequantizing tiles in
+registers above; 6-bit: ``forward_reference``, the GGUF loader keeps Q6_K there in group-wise
+8 bits).
 
 With AVX512-VNNI the integer kernel rounds the activations to int8 per block
 (``cpu_qmatmul.activation_block``): ``cpu_qmatmul.error_bound`` bounds the difference from
@@ -20,6 +20,7 @@ imported GPTQ checkpoints; the kernel sees ``x[..., perm]``).
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 
@@ -45,6 +46,8 @@ from foudre.quant.packing import (
     unpack_int4,
 )
 
+log = logging.getLogger(__name__)
+
 # Rows up to which the CPU forward runs cpu_qmatmul rather than aten's packed kernels, by bits.
 # Measured on one Zen 4 thread (benchmarks/quant_kernels_cpu.py and 2048x2048 at 4 to 1024 rows,
 # bf16 activations): ours int8 1.7x aten's speed at one row with the weights read from memory,
@@ -60,25 +63,24 @@ NATIVE_MAX_ROWS: dict[int, float] = {8: math.inf, 4: math.inf}
 # int4 g128): 16 rows 0.46 / 0.82 ms, 32 rows 1.17 / 1.12, 64 rows 1.77 / 1.62, 256 rows 9.4 / 5.0,
 # 1024 rows 40 / 19 (bf16 weights: 18.4).
 DEQUANTIZED_GEMM_ROWS = 64
-# ... from 16 rows for group-wise 8-bit layouts (GGUF's Q8_0, Q5_x, Q6_K), whose kernel steps
-# scale every 64 codes with a vector of group scales (twice per-channel int8's float work per
-# code). Measured on 8192 x 1536, 2 threads, bf16 (ours / dequantized + GEMM): int8 g32 8 rows
-# 1.50 / 1.66 ms, 16 rows 2.21 / 1.92, 32 rows 4.45 / 3.18; int8 g16 16 rows 2.80 / 2.23; a
-# Q8_0 file's 32 requests 124-137 -> 161-177 tok/s (A/B in turns). int4 g32 (24 rows 2.71 /
-# 2.93, 32 rows 3.73 / 3.04) gained nothing end to end (its steps then leave the native decode
-# step) and keeps 64. A Q4_K_M file (v in Q6_K: its qkv_proj 8-bit g16) leaves the native
-# step from 16 rows: its 32 requests 136-158 tok/s before, 150-158 after. Measured with bf16
-# activations on the VNNI path; float32 activations and the AVX-512 float path take the same
-# rows, unmeasured.
-GROUPED8_GEMM_ROWS = 16
+# ... from 24 rows for group-wise 8-bit layouts (GGUF's Q8_0, Q5_x, and Q6_K beside other
+# types), whose kernel steps scale every 64 codes with a vector of group scales (twice
+# per-channel int8's float work per code). Measured on 8192 x 1536, 2 threads, bf16 (ours /
+# dequantized + GEMM), with each loop compiled for its scales' type: int8 g32 16 rows 1.89 /
+# 2.39 ms, 24 rows 2.73 / 3.17, 28 rows 3.33 / 3.65, 32 rows 3.63 / 2.81; int8 g16 with float32
+# scales 16 rows 2.91 / 3.70, 24 rows 4.20 / 4.28, 32 rows 4.95 / 4.90 (before that compiled
+# loop the crossing was at 16 rows: a Q8_0 file's 32 requests 124-137 -> 161-177 tok/s in turns).
+# int4 g32 (24 rows 2.71 / 2.93, 32 rows 3.73 / 3.04) gained nothing end to end (its steps then
+# leave the native decode step) and keeps 64, as 6 bits do (Q6_K: 48 rows 3.95 / 4.52 ms, 64
+# rows 4.77 / 5.70, 96 rows 7.74 / 6.80). Measured with bf16 activations on the VNNI path;
+# float32 activations and the AVX-512 float path take the same rows, unmeasured.
+GROUPED8_GEMM_ROWS = 24
 
 
 def dequantized_gemm_rows(bits: int, group_size: int | None) -> int:
     """The rows from which ``QuantLinear``'s CPU forward (and the native decode step's limit)
-    turns to ``cpu_qmatmul.matmul_dequantized`` for a ``bits``-bit layout in ``group_size``
-    (6 bits as group-wise 8: its steps scale every lane in int32 and in float32)."""
-    grouped = bits == 6 or (bits == 8 and group_size is not None)
-    return GROUPED8_GEMM_ROWS if grouped else DEQUANTIZED_GEMM_ROWS
+    turns to ``cpu_qmatmul.matmul_dequantized`` for a ``bits``-bit layout in ``group_size``."""
+    return GROUPED8_GEMM_ROWS if bits == 8 and group_size is not None else DEQUANTIZED_GEMM_ROWS
 
 
 class QuantLinear(nn.Module):
@@ -122,7 +124,7 @@ class QuantLinear(nn.Module):
         if bits not in (4, 6, 8):
             raise ValueError(f"bits must be 4, 6 or 8, got {bits}")
         sizes = {4: INT4_GROUP_SIZES, 6: (16,), 8: INT8_GROUP_SIZES}[bits]
-        if (bits == 4 or group_size is not None) and group_size not in sizes:
+        if (bits != 8 or group_size is not None) and group_size not in sizes:
             raise ValueError(
                 f"{bits}-bit group_size must be one of {sizes}"
                 f"{' or None' if bits == 8 else ''}, got {group_size}"
@@ -198,6 +200,8 @@ class QuantLinear(nn.Module):
         or group-wise when ``group_size`` is given; 6 bits: Q6_K's form (``quantize_int6``)."""
         k = weight.shape[1]
         if bits == 6:
+            if group_size != 16:
+                raise ValueError(f"6-bit group_size must be 16 (Q6_K's), got {group_size}")
             q6, subs, d = quantize_int6(weight)
             return cls.from_int6(q6, subs, d, bias, k, input_scale=input_scale)
         if bits == 8 and group_size is None:
@@ -227,7 +231,9 @@ class QuantLinear(nn.Module):
     ) -> QuantLinear:
         """Build from integer codes (int8 ``[N, K]`` per channel or ``[N, Kp]`` group-wise, or
         0..15 ``[N, Kp]`` unpacked); ``scale_dtype`` (default ``dtype``) holds scales and
-        zeros. 8-bit group-wise codes take ``zeros`` or None (z = 0)."""
+        zeros. 8-bit group-wise codes take ``zeros`` or None (z = 0). 6 bits: ``from_int6``."""
+        if bits == 6:
+            raise ValueError("6-bit weights are built by QuantLinear.from_int6 (sub-scales and d)")
         dtype = dtype or (bias.dtype if bias is not None else torch.float32)
         if not dtype.is_floating_point:
             dtype = torch.float32
@@ -275,16 +281,17 @@ class QuantLinear(nn.Module):
         bias: torch.Tensor | None,
         in_features: int,
         input_scale: torch.Tensor | None = None,
+        perm: torch.Tensor | None = None,
         dtype: torch.dtype | None = None,
         scale_dtype: torch.dtype | None = None,
     ) -> QuantLinear:
         """A 6-bit module from codes 0..63 ``[N, Kp]`` (Kp a multiple of 256), int8
         ``sub_scales`` ``[N, Kp / 16]`` and ``d`` ``[N, Kp / 256]`` (held in ``scale_dtype``,
-        default ``dtype``)."""
+        default ``dtype``); ``input_scale`` and ``perm`` as ``from_codes``."""
         dtype = dtype or (bias.dtype if bias is not None else torch.float32)
         mod = cls(in_features, q.shape[0], 6, 16, bias=bias is not None,
-                  input_scale=input_scale is not None, dtype=dtype, device=q.device,
-                  scale_dtype=scale_dtype)  # fmt: skip
+                  input_scale=input_scale is not None, perm=perm is not None, dtype=dtype,
+                  device=q.device, scale_dtype=scale_dtype)  # fmt: skip
         with torch.no_grad():
             mod.qweight.copy_(pack_int6(q, sub_scales))
             mod.scales.copy_(d)
@@ -294,6 +301,9 @@ class QuantLinear(nn.Module):
             if input_scale is not None:
                 assert mod.input_scale is not None
                 mod.input_scale.copy_(input_scale)
+            if perm is not None:
+                assert mod.perm is not None
+                mod.perm.copy_(perm)
         return mod
 
     # -- math ----------------------------------------------------------------------------
@@ -391,6 +401,7 @@ class QuantLinear(nn.Module):
         x2 = x2.contiguous()
         native = uses_native_kernels(x2.dtype)
         if not native and not self._aten_kernels():
+            _warn_dequantizing(self, f"{x2.dtype} activations without our CPU kernels")
             return self.forward_reference(x)
         if native and x2.shape[0] >= dequantized_gemm_rows(self.bits, self.group_size):
             y = cpu_qmatmul.matmul_dequantized(x2, self._native_layout()).to(out_dtype)
@@ -412,6 +423,7 @@ class QuantLinear(nn.Module):
         decode batches, ``tl.dot`` tiles beyond; bias added in the kernel) when Triton imports,
         else the dequantize reference."""
         if self.bits == 6:  # no Triton kernel: the GGUF loader keeps Q6_K as 8 bits on CUDA
+            _warn_dequantizing(self, "CUDA (no 6-bit Triton kernel)")
             return self.forward_reference(x)
         try:
             from foudre.quant import triton_kernels
@@ -438,6 +450,18 @@ class QuantLinear(nn.Module):
     def extra_repr(self) -> str:
         extra = f", group_size={self.group_size}" if self.group_size is not None else ""
         return f"in={self.in_features}, out={self.out_features}, bits={self.bits}{extra}"
+
+
+_warned: set[str] = set()
+
+
+def _warn_dequantizing(mod: QuantLinear, where: str) -> None:
+    """Log once per case that ``mod``'s layout runs ``forward_reference`` (the whole weight
+    dequantized at every call) on ``where``."""
+    layout = f"{mod.bits}-bit" + (f" group {mod.group_size}" if mod.group_size else "")
+    if (key := f"{layout} {where}") not in _warned:
+        _warned.add(key)
+        log.warning("%s weights on %s: every call dequantizes the whole weight", layout, where)
 
 
 def uses_native_kernels(dtype: torch.dtype) -> bool:

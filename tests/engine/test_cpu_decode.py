@@ -350,14 +350,22 @@ def _five_bit_with_zeros(mod: nn.Module, group: int) -> QuantLinear:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize(
     ("arch", "scheme"),
-    [("llama", "int8"), ("llama", "int4"), ("qwen2", "int4"), ("qwen2", "q5"), ("llama", "q6")],
+    [
+        ("llama", "int8"),
+        ("llama", "int4"),
+        ("qwen2", "int4"),
+        ("qwen2", "q5"),
+        ("llama", "g16"),
+        ("qwen2", "int6"),
+    ],
 )
 def test_native_decode_runs_quantized_projections(
     tmp_path: Path, dtype: str, arch: str, scheme: str
 ) -> None:
     """Quantized projections (int8 per channel, int4 groups, GGUF's 8-bit group-wise forms with
-    and without zero points and groups of 16) run inside the native step, and its logits and
-    KV pool equal the Python path's bit for bit; a Qwen2 bias is added after the kernel."""
+    and without zero points and groups of 16, Q6_K's 6 bits) run inside the native step, and
+    its logits and KV pool equal the Python path's bit for bit; a Qwen2 bias is added after the
+    kernel."""
     if cpu_qmatmul.path() not in ("vnni", "avx512"):
         pytest.skip("quantized projections run natively with AVX-512 only")
     runner = make_runner(tmp_path, dtype, arch)
@@ -368,12 +376,12 @@ def test_native_decode_runs_quantized_projections(
     elif scheme == "int4":
         quantize_(model, Int4WeightOnly(group_size=32), skip=("lm_head",))
     else:
-        group = 16 if scheme == "q6" else 32
+        bits, group = {"q5": (8, 32), "g16": (8, 16), "int6": (6, 16)}[scheme]
         for name, mod in list(model.named_modules()):
             if matches(name, layers) and isinstance(mod, Linear):
                 q = _five_bit_with_zeros(mod, group) if scheme == "q5" else None
                 if q is None:
-                    q = QuantLinear.from_float(mod.weight.detach().float(), None, 8, group)
+                    q = QuantLinear.from_float(mod.weight.detach().float(), None, bits, group)
                 q = q.to(getattr(torch, dtype))
                 if mod.bias is not None:
                     q.bias = mod.bias.detach().clone()

@@ -48,7 +48,11 @@ CASES = [
     (4, 128, True, 16, 1024, torch.bfloat16),
     (4, 256, True, 33, 300, torch.float16),
     (4, 32, "const", 37, 300, torch.float32),
+    (4, 128, "const", 19, 384, torch.bfloat16),
+    (4, 64, "half", 21, 256, torch.float32),
+    (8, 32, "half", 13, 128, torch.float16),
     (6, 16, False, 37, 300, torch.float16),
+    (6, 16, "raw", 21, 512, torch.float16),
     (6, 16, False, 16, 1024, torch.float32),
     (6, 16, False, 33, 520, torch.bfloat16),
 ]
@@ -58,15 +62,27 @@ ROWS = (1, 3, 16, 64)
 def quant_module(bits: int, group: int | None, zero: bool | str, w: torch.Tensor) -> QuantLinear:
     """Round-to-nearest ``w``; group-wise 8-bit with a zero point: 5-bit codes 0..31 with a
     scale and a (fractional) zero point per group, as GGUF's Q5_1 is repacked; ``"const"``: one
-    zero point for every group (8 for 4 bits, as GGUF's Q4_0; 16 for 8 bits, as Q5_0 could)."""
-    if zero == "const":
+    zero point for every group (8 for 4 bits, as GGUF's Q4_0; 16 for 8 bits, as Q5_0 could: the
+    VNNI kernel takes it off in each lane's int32 sum), ``"half"`` one that is not an integer
+    (7.5, 15.5: taken off per group at the end); 6 bits ``"raw"``: random codes 0..63, int8
+    sub-scales (-128 included) and float16 d of either sign, as a GGUF file's Q6_K blocks."""
+    if zero == "raw":
+        assert bits == 6
+        n, k = w.shape
+        kp = -(-k // 256) * 256
+        codes = torch.randint(0, 64, (n, kp), dtype=torch.uint8)
+        subs = torch.randint(-128, 128, (n, kp // 16), dtype=torch.int8)
+        subs[0, 0] = -128
+        d = (torch.randn(n, kp // 256) * 1e-3).half()
+        return QuantLinear.from_int6(codes, subs, d, None, k, scale_dtype=torch.float16)
+    if zero in ("const", "half"):
         assert group is not None
         n, k = w.shape
         kp = -(-k // group) * group
         g = torch.nn.functional.pad(w, (0, kp - k)).reshape(n, kp // group, group)
-        z0 = 8 if bits == 4 else 16
+        z0 = (8 if bits == 4 else 16) - (0.5 if zero == "half" else 0)
         scales = g.abs().amax(-1).clamp(min=1e-6) / (z0 - 1)
-        q = torch.round(g / scales[..., None] + z0).clamp(0, 2 * z0 - 1).reshape(n, kp)
+        q = torch.round(g / scales[..., None] + z0).clamp(0, 2 * int(z0 + 0.5) - 1).reshape(n, kp)
         zeros = torch.full_like(scales, z0)
         return QuantLinear.from_codes(q.to(torch.uint8 if bits == 4 else torch.int8), scales,
                                       zeros, None, bits, group, k)  # fmt: skip
@@ -89,11 +105,12 @@ def check_kernels() -> None:
         torch.manual_seed(bits * 1000 + n + k)
         w = torch.randn(n, k) * 0.1 + torch.linspace(-0.05, 0.1, k)  # all-positive groups too
         mod = quant_module(bits, group, zero, w).to(scale_dtype)
-        assert (mod.zeros is not None) == bool(zero)
+        assert (mod.zeros is not None) == (bool(zero) and bits != 6)
         packed = cpu_qmatmul.layout(mod.qweight, mod.scales, mod.zeros, mod.group_size, bits)
         assert packed.s.dtype == scale_dtype  # read as stored: each dtype's loads checked
         assert (packed.z is None) == (zero != True)  # noqa: E712 (one zero point: none read)
-        const = {4: 8, 8: 16}.get(bits, 0) if zero == "const" else 0
+        const = {4: 8.0, 8: 16.0}.get(bits, 0.0) if zero in ("const", "half") else 0.0
+        const -= 0.5 if zero == "half" else 0.0
         assert packed.zc == (32 if bits == 6 else const)  # 6 bits: q - 32
         wd = mod.dequantize()
         if packed.z is not None:  # scales and zero points paired: read with their row stride
@@ -258,38 +275,49 @@ def test_bad_input_is_refused() -> None:
             cpu_qmatmul.matmul(torch.randn(2, 32), dataclasses.replace(packed, k=k))
 
 
-@pytest.mark.parametrize("bits,group", [(8, None), (4, 32), (4, 128)])
+@pytest.mark.parametrize("bits,group", [(8, None), (4, 32), (4, 128), (6, 16)])
 @pytest.mark.parametrize("m", [1, 3, 16, 48, 64])
 def test_quant_linear_matches_reference(
     bits: int, group: int | None, m: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``QuantLinear`` (ours up to 32 rows, aten's at 48, our dequantized GEMM from 64)
-    against ``forward_reference``, with bias, input scale and an act-order permutation."""
+    """``QuantLinear`` (ours up to 32 rows, aten's at 48, our dequantized GEMM from 64; 6 bits
+    ours up to 63) against ``forward_reference``, with bias, input scale and an act-order
+    permutation; switched off, 6 bits run the reference itself (aten has no kernel for them)."""
     monkeypatch.setitem(NATIVE_MAX_ROWS, bits, 32)
     torch.manual_seed(m + bits)
     k, n = 200, 45
     w = torch.randn(n, k) * 0.1
     perm = torch.randperm(k)
+    scale = torch.rand(k) + 0.5
     q = QuantLinear.from_float(w, torch.randn(n), bits, group)
-    mod = QuantLinear.from_codes(
-        *(q.qweight, q.scales) if bits == 8 else (unpack_int4(q.qweight), q.scales),
-        q.zeros, q.bias, bits, group, k, input_scale=torch.rand(k) + 0.5, perm=perm,
-    )  # fmt: skip
+    if bits == 6:
+        codes, subs = unpack_int6(q.qweight)
+        mod = QuantLinear.from_int6(codes, subs, q.scales, q.bias, k, input_scale=scale, perm=perm)
+    else:
+        mod = QuantLinear.from_codes(
+            *(q.qweight, q.scales) if bits == 8 else (unpack_int4(q.qweight), q.scales),
+            q.zeros, q.bias, bits, group, k, input_scale=scale, perm=perm,
+        )  # fmt: skip
     x = torch.randn(2, m, k)
     y, ref = mod(x), mod.forward_reference(x)
     assert y.shape == (2, m, n)
     xp = mod._prepare_input(x).reshape(-1, k)
     tol = cpu_qmatmul.error_bound(xp, mod.dequantize(), bits, group).reshape(2, m, n) + 1e-5
     assert bool(((y - ref).abs() <= tol).all())
+    if bits == 6:
+        monkeypatch.setenv("FOUDRE_NATIVE_QMATMUL", "0")
+        assert torch.equal(mod(x), ref)
 
 
 def test_a_row_does_not_depend_on_its_batch() -> None:
     """Each row's result is the same bit for bit alone as in any batch (its quantization, sums
     and their order are its own), so an engine's output never depends on the other requests."""
     torch.manual_seed(7)
-    for bits, group in ((8, None), (4, 64)):
-        mod = QuantLinear.from_float(torch.randn(70, 300), None, bits, group)
-        packed = cpu_qmatmul.layout(mod.qweight, mod.scales, mod.zeros, mod.group_size)
+    # (one zero point, Q8_0's none and Q4_0's 8, and 6 bits: the offsets in the lanes' sums)
+    for bits, group, zero in ((8, None, False), (4, 64, True), (8, 32, False), (4, 32, "const"),
+                              (6, 16, False)):  # fmt: skip
+        mod = quant_module(bits, group, zero, torch.randn(70, 300))
+        packed = cpu_qmatmul.layout(mod.qweight, mod.scales, mod.zeros, mod.group_size, bits)
         x = torch.randn(37, 300).bfloat16()
         batch = cpu_qmatmul.matmul(x, packed)
         for i in (0, 5, 36):

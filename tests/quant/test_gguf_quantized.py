@@ -623,3 +623,42 @@ def test_engine_generates_with_kept_modules(llama_dir: Path, tmp_path: Path) -> 
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     got = llm.generate([PROMPT[:8]], params)[0].outputs[0].token_ids
     assert list(got) == _greedy(_load(out))
+
+
+def test_six_bit_modules_save_and_load_back(llama_dir: Path, tmp_path: Path) -> None:
+    """A Q6_K file's 6-bit modules written as a foudre checkpoint (``save_quantized``) load
+    back as the same modules, buffer for buffer, with the same logits."""
+    if not SIX:
+        pytest.skip("Q6_K loads in group-wise 8 bits without our kernels")
+    from foudre.loading.quantized import save_quantized
+
+    out = tmp_path / "q6.gguf"
+    write_gguf(llama_dir, out, "Q6_K")
+    kept = _load(out)
+    saved = save_quantized(kept, tmp_path / "saved", "gguf")
+    back = _load(saved)
+    for name, mod in _quant_linears(kept).items():
+        other = back.get_submodule(name)
+        assert isinstance(other, QuantLinear) and (other.bits, other.group_size) == (6, 16), name
+        assert torch.equal(other.qweight, mod.qweight) and torch.equal(other.scales, mod.scales)
+        assert other.scales.dtype == torch.float16
+    assert torch.equal(_logits(back, PROMPT), _logits(kept, PROMPT))
+
+
+def test_q6_k_alone_is_8_bit_where_6_bits_have_no_kernel(llama_dir: Path, tmp_path: Path) -> None:
+    """Planned for CUDA or a CPU without our kernels (``six_bit`` off), a module all of Q6_K is
+    8-bit in groups of 16 (the Triton kernels' form), its values the file's."""
+    from foudre.loading.gguf_quant import plan_gguf_quantized
+
+    out = tmp_path / "q6.gguf"
+    write_gguf(llama_dir, out, "Q6_K")
+    model = _load(out, dequantize=True)
+    f = read_gguf(out)
+    for six_bit in (False, True):
+        plan = plan_gguf_quantized(f, model, grouped8=True, six_bit=six_bit)
+        assert plan.kept and all(
+            k.layout == Layout(6 if six_bit else 8, 16, False) for k in plan.kept
+        )
+        assert all(
+            k.scale_dtype == (torch.float16 if six_bit else torch.float32) for k in plan.kept
+        )
