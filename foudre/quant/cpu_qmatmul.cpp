@@ -124,7 +124,8 @@ struct Args {
   const int8_t* xq;
   const float* dl;
   const float* corr;
-  // where a lane's dot starts (int6, and group-wise layouts whose zero points are all zc): minus
+  // where a lane's dot starts (int6; group-wise layouts whose zero points are all zc, int4's in
+  // groups under 128): minus
   // the codes' offset (int6 32, int4 zc, int8 zc + 128) times the sum of x's codes over the
   // lane's columns, per step and lane ([m, k / 8] int6 and int4, [m, k / 4] int8); else null
   const int32_t* xs;
@@ -483,43 +484,43 @@ struct Vnni {
             a.gshift);
       // int4 in groups of 128 or more: one d (x's block of 128) and one scale per step, their
       // product a scalar broadcast (no vector loads, conversions and products of scales)
-      // The loop compiled for each case (the scales' type too: read through a runtime type, the
-      // steps of int4 g32 ran 1.4-1.8x as long)
-      const auto run_steps = [&](auto uniform_c, auto offsets_c) {
-        constexpr bool kUniform = decltype(uniform_c)::value, kOffsets = decltype(offsets_c)::value;
-        if constexpr (!kGrouped) {  // per channel: no group scales in the steps
-          steps<MT, R, kUniform, kOffsets, kF32>(a, m0, wr, nr, acc, lane_group, span);
-        } else if (a.st == kF16) {
-          steps<MT, R, kUniform, kOffsets, kF16>(a, m0, wr, nr, acc, lane_group, span);
-        } else if (a.st == kBF16) {
-          steps<MT, R, kUniform, kOffsets, kBF16>(a, m0, wr, nr, acc, lane_group, span);
-        } else {
-          steps<MT, R, kUniform, kOffsets, kF32>(a, m0, wr, nr, acc, lane_group, span);
-        }
-      };
-      const auto with_offsets = [&](auto uniform_c) {
-        if constexpr (kGrouped) {  // (a.xs: group-wise layouts only)
-          if (a.xs) {
-            run_steps(uniform_c, std::true_type{});
-            return;
-          }
-        }
-        run_steps(uniform_c, std::false_type{});
-      };
+      // One loop compiled per case: per channel, and int4 in groups of 128 or more, one (their
+      // scales read at the end, or one a step); smaller groups with their scales' type and
+      // their lane offsets compiled in (read through a runtime type, the steps of int4 g32 ran
+      // 1.4-1.8x as long). (More cases than these, each compiled in, made the four-row tiles
+      // 1.3-1.4x slower.)
       if constexpr (K == Kind::Int4) {
-        if (a.group >= kStepCodes) {  // groups of 128 or more
-          with_offsets(std::true_type{});
+        if (a.group >= kStepCodes) {
+          steps<MT, R, true, false, -1>(a, m0, wr, nr, acc, lane_group, span);
           finish<MT, R>(a, m0, n0, nr, acc);
           return;
         }
       }
-      with_offsets(std::false_type{});
+      if constexpr (!kGrouped)
+        steps<MT, R, false, false, -1>(a, m0, wr, nr, acc, lane_group, span);
+      else if (a.xs)
+        typed_steps<MT, R, true>(a, m0, wr, nr, acc, lane_group, span);
+      else
+        typed_steps<MT, R, false>(a, m0, wr, nr, acc, lane_group, span);
       finish<MT, R>(a, m0, n0, nr, acc);
     }
   };
 
+  template <int MT, int R, bool Offsets>
+  static void typed_steps(const Args<T>& a, int64_t m0, const uint8_t* const* wr,
+                          const int64_t* nr, __m512 (&acc)[MT][R], __m512i lane_group,
+                          int64_t span) {
+    if (a.st == kF16)
+      steps<MT, R, false, Offsets, kF16>(a, m0, wr, nr, acc, lane_group, span);
+    else if (a.st == kBF16)
+      steps<MT, R, false, Offsets, kBF16>(a, m0, wr, nr, acc, lane_group, span);
+    else
+      steps<MT, R, false, Offsets, kF32>(a, m0, wr, nr, acc, lane_group, span);
+  }
+
   // (everything a step reads kept in locals: __m512 may alias anything, so through `a` each
-  // step would reload its fields after every store of an accumulator)
+  // step would reload its fields after every store of an accumulator.) ST:
+  // the scales' type, -1 read at run time.
   template <int MT, int R, bool Uniform, bool Offsets, int ST>
   static void steps(const Args<T>& a, int64_t m0, const uint8_t* const* wr, const int64_t* nr,
                     __m512 (&acc)[MT][R], __m512i lane_group, int64_t span) {
@@ -533,14 +534,12 @@ struct Vnni {
     const int32_t* xs = Offsets ? a.xs + m0 * lanes : nullptr;
     const uint8_t* w[R];
     const void* srow[R];  // the row's scales
-    const int64_t size = ST == kF32 ? 4 : 2;
+    const int st = ST < 0 ? a.st : ST;
+    const int64_t size = st == kF32 ? 4 : 2;
     for (int r = 0; r < R; ++r) {
       w[r] = wr[r];
       srow[r] = static_cast<const uint8_t*>(a.s) + nr[r] * a.s_stride * size;
     }
-    __m512 sum[MT][R];
-    for (int mi = 0; mi < MT; ++mi)
-      for (int r = 0; r < R; ++r) sum[mi][r] = acc[mi][r];
     // a step at column c; a tail (per-channel int8 where K = 64 mod 128) has its first half only
     const auto step = [&](int64_t c, auto tail_c) {
       constexpr bool kBoth = kHalves && !decltype(tail_c)::value;
@@ -577,9 +576,9 @@ struct Vnni {
         __m512 sv = _mm512_setzero_ps();
         float s1 = 0.0f;
         if constexpr (Uniform) {
-          s1 = scale_at(srow[r], g0, ST);
+          s1 = scale_at(srow[r], g0, st);
         } else if constexpr (kGrouped) {
-          const __m512 gs = load_few(srow[r], g0, ST, span);
+          const __m512 gs = load_few(srow[r], g0, st, span);
           sv = span > 1 ? _mm512_permutexvar_ps(lane_group, gs)
                         : _mm512_broadcastss_ps(_mm512_castps512_ps128(gs));
         }
@@ -591,15 +590,13 @@ struct Vnni {
             scale = _mm512_set1_ps(d1[mi] * s1);
           else
             scale = kGrouped ? _mm512_mul_ps(d[mi], sv) : d[mi];
-          sum[mi][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, sum[mi][r]);
+          acc[mi][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[mi][r]);
         }
       }
     };
     const int64_t whole = k / kStepCodes * kStepCodes;
     for (int64_t c = 0; c < whole; c += kStepCodes) step(c, std::false_type{});
     if (whole < k) step(whole, std::true_type{});  // per-channel int8: K = 64 mod 128
-    for (int mi = 0; mi < MT; ++mi)
-      for (int r = 0; r < R; ++r) acc[mi][r] = sum[mi][r];
   }
 
   template <int MT, int R>
@@ -752,7 +749,9 @@ void vnni_matmul(Args<T> a) {
   a.dl = dl.data();
   std::vector<int32_t> xs;
   const float offset = K == Kind::Int6 ? 32.0f : a.zc + (K == Kind::Int4 ? 0.0f : 128.0f);
-  if (grouped && !a.z && offset == std::floor(offset) && std::fabs(offset) <= 384.0f) {
+  const bool small_groups = K != Kind::Int4 || a.group < 128;  // (int4 g128+: one loop only)
+  if (grouped && small_groups && !a.z && offset == std::floor(offset) &&
+      std::fabs(offset) <= 384.0f) {
     xs = lane_offsets<nibbles>(xq.data(), a.m, a.k, static_cast<int32_t>(offset));
     a.xs = xs.data();
   }
