@@ -35,13 +35,14 @@
 //             of vpdpbusd (int8 codes + 128, int4 and int6 codes as they are):
 //             sum_k u_k q_k per 4 columns in int32 lanes, scaled per lane by d
 //             and the group's scale into float32 accumulators; the offsets (128, z) are taken off
-//             in each lane's int32 sum where they are one integer (Q4_0's 8, Q8_0's 128: vpdpbusd
-//             starts from -(z [+ 128]) times the lane's sum of x codes; int6 always), else at the
-//             end through the sums of x's codes per group: y = sum_g s_g (sum d u q - (z_g [+
-//             128]) sum_{k in g} d q_k). For int4 and int6, x's codes are stored in the order of
-//             the nibbles (per 128 columns: the even columns, then the odd ones), so one AND (low)
-//             or shift and AND (high) of 64 code bytes lines them up with 64 of x's. Each case's
-//             loop is compiled for it, the scales' type included.
+//             in each lane's int32 sum where they are one integer in groups under 128 (Q4_0's 8,
+//             Q8_0's 128: vpdpbusd starts from -(z [+ 128]) times the lane's sum of x codes;
+//             int6's 32 always), else at the end through the sums of x's codes per group: y =
+//             sum_g s_g (sum d u q - (z_g [+ 128]) sum_{k in g} d q_k). For int4 and int6, x's
+//             codes are stored in the order of the nibbles (per 128 columns: the even columns,
+//             then the odd ones), so one AND (low) or shift and AND (high) of 64 code bytes lines
+//             them up with 64 of x's. The loops of groups under 128 are compiled for their
+//             scales' type.
 //   AVX-512   the codes widened to float32, dequantized, multiplied with x in float32: no
 //             activation rounding.
 //   portable  the same in plain loops.
@@ -124,10 +125,10 @@ struct Args {
   const int8_t* xq;
   const float* dl;
   const float* corr;
-  // where a lane's dot starts (int6; group-wise layouts whose zero points are all zc, int4's in
-  // groups under 128): minus
-  // the codes' offset (int6 32, int4 zc, int8 zc + 128) times the sum of x's codes over the
-  // lane's columns, per step and lane ([m, k / 8] int6 and int4, [m, k / 4] int8); else null
+  // where a lane's dot starts (int6; groups under 128 whose zero points are all one integer
+  // zc, the offset within 384): minus the codes' offset (int6 32, int4 zc, int8 zc + 128) times
+  // the sum of x's codes over the lane's columns, per step and lane ([m, k / 8] int6 and int4,
+  // [m, k / 4] int8); else null
   const int32_t* xs;
 };
 
@@ -489,20 +490,24 @@ struct Vnni {
       // their lane offsets compiled in (read through a runtime type, the steps of int4 g32 ran
       // 1.4-1.8x as long). (More cases than these, each compiled in, made the four-row tiles
       // 1.3-1.4x slower.)
+      // (finish takes off what the steps did not: its Offsets says whether they did)
       if constexpr (K == Kind::Int4) {
         if (a.group >= kStepCodes) {
           steps<MT, R, true, false, -1>(a, m0, wr, nr, acc, lane_group, span);
-          finish<MT, R>(a, m0, n0, nr, acc);
+          finish<MT, R, false>(a, m0, n0, nr, acc);
           return;
         }
       }
-      if constexpr (!kGrouped)
+      if constexpr (!kGrouped) {
         steps<MT, R, false, false, -1>(a, m0, wr, nr, acc, lane_group, span);
-      else if (a.xs)
+        finish<MT, R, false>(a, m0, n0, nr, acc);
+      } else if (a.xs) {
         typed_steps<MT, R, true>(a, m0, wr, nr, acc, lane_group, span);
-      else
+        finish<MT, R, true>(a, m0, n0, nr, acc);
+      } else {
         typed_steps<MT, R, false>(a, m0, wr, nr, acc, lane_group, span);
-      finish<MT, R>(a, m0, n0, nr, acc);
+        finish<MT, R, false>(a, m0, n0, nr, acc);
+      }
     }
   };
 
@@ -599,13 +604,13 @@ struct Vnni {
     if (whole < k) step(whole, std::true_type{});  // per-channel int8: K = 64 mod 128
   }
 
-  template <int MT, int R>
+  template <int MT, int R, bool Offsets>
   static void finish(const Args<T>& a, int64_t m0, int64_t n0, const int64_t* nr,
                      __m512 (&acc)[MT][R]) {
     if constexpr (kGrouped) {
-      // the offsets (unless taken off in the lanes' dots): acc -= s (z [+ 128]) * (the group's
-      // sum of d q), 16 groups a step
-      for (int64_t g = 0; g < (a.xs ? 0 : a.groups); g += 16) {
+      // the offsets (unless the steps took them off in the lanes' dots): acc -= s (z [+ 128]) *
+      // (the group's sum of d q), 16 groups a step
+      for (int64_t g = 0; g < (Offsets ? 0 : a.groups); g += 16) {
         const __mmask16 mask =
             a.groups - g >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (a.groups - g)) - 1);
         __m512 off[R];
@@ -734,8 +739,8 @@ std::vector<int32_t> lane_offsets(const int8_t* xq, int64_t m, int64_t k, int32_
 }
 
 // quantize x, then the tiles; the codes' offsets taken off in the lanes' dots (xs) where they
-// are one integer (int6's 32; a group-wise layout whose zero points are all zc), else at the
-// end through corr = the sums of a row's 16-code sums: per row (int8), per group (grouped)
+// are one integer (int6's 32; groups under 128 whose zero points are all zc), else at the end
+// through corr = the sums of a row's 16-code sums: per row (int8), per group (grouped)
 template <typename T, Kind K>
 void vnni_matmul(Args<T> a) {
   constexpr bool grouped = K != Kind::Int8;
@@ -750,8 +755,8 @@ void vnni_matmul(Args<T> a) {
   std::vector<int32_t> xs;
   const float offset = K == Kind::Int6 ? 32.0f : a.zc + (K == Kind::Int4 ? 0.0f : 128.0f);
   const bool small_groups = K != Kind::Int4 || a.group < 128;  // (int4 g128+: one loop only)
-  if (grouped && small_groups && !a.z && offset == std::floor(offset) &&
-      std::fabs(offset) <= 384.0f) {
+  const bool one_integer = !a.z && offset == std::floor(offset) && std::fabs(offset) <= 384.0f;
+  if (K == Kind::Int6 || (grouped && small_groups && one_integer)) {
     xs = lane_offsets<nibbles>(xq.data(), a.m, a.k, static_cast<int32_t>(offset));
     a.xs = xs.data();
   }

@@ -111,6 +111,8 @@ def pack_int6(q: torch.Tensor, sub_scales: torch.Tensor) -> torch.Tensor:
             f"6-bit codes {tuple(q.shape)} need K a multiple of {INT6_BLOCK} and int8 sub-scales "
             f"[N, K / 16], got {sub_scales.dtype} {tuple(sub_scales.shape)}"
         )
+    if q.dtype.is_floating_point or q.dtype == torch.bool:
+        raise ValueError(f"6-bit codes must be integers 0..63, got {q.dtype}")
     if q.numel() and (int(q.min()) < 0 or int(q.max()) > 63):
         raise ValueError(f"6-bit codes must be 0..63, got {int(q.min())}..{int(q.max())}")
     q = q.to(torch.uint8).reshape(n, k // 128, 128)
@@ -142,6 +144,8 @@ def quantize_int6(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 
 def unpack_int6(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse of ``pack_int6``: codes uint8 ``[N, Kp]`` and int8 sub-scales ``[N, Kp / 16]``."""
+    if packed.dim() != 2 or packed.shape[1] % 208:
+        raise ValueError(f"6-bit rows {tuple(packed.shape)}: 104 bytes per 128 columns, Kp / 256")
     n, blocks = packed.shape[0], packed.shape[1] // 104
     b = packed.reshape(n, blocks, 104)
     nibbles, tops = b[..., :64], b[..., 64:96]

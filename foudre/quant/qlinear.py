@@ -1,7 +1,7 @@
 """``QuantLinear``: a weight-only quantized linear over the canonical layouts of
 ``foudre.quant.packing`` (8-bit per channel or group-wise with optional zero points, 4-bit
 group-wise, 6-bit as GGUF's Q6_K). On a CPU with AVX-512 our kernels (``cpu_qmatmul``) read
-those buffers as they are: batches below ``dequantized_gemm_rows`` (64; 24 for group-wise
+those buffers as they are: batches below ``dequantized_gemm_rows`` (64; 32 for group-wise
 8-bit, GGUF's forms) through the integer kernel, larger ones (prefill chunks, larger decode
 batches) as the weight dequantized a few rows at a time into torch's GEMM; elsewhere torch's
 packed kernels (``kernels``; group-wise 8-bit and 6-bit there run ``forward_reference``). On
@@ -63,7 +63,7 @@ NATIVE_MAX_ROWS: dict[int, float] = {8: math.inf, 4: math.inf}
 # int4 g128): 16 rows 0.46 / 0.82 ms, 32 rows 1.17 / 1.12, 64 rows 1.77 / 1.62, 256 rows 9.4 / 5.0,
 # 1024 rows 40 / 19 (bf16 weights: 18.4).
 DEQUANTIZED_GEMM_ROWS = 64
-# ... from 24 rows for group-wise 8-bit layouts (GGUF's Q8_0, Q5_x, and Q6_K beside other
+# ... from 32 rows for group-wise 8-bit layouts (GGUF's Q8_0, Q5_x, and Q6_K beside other
 # types), whose kernel steps scale every 64 codes with a vector of group scales (twice
 # per-channel int8's float work per code). Measured on 8192 x 1536, 2 threads, bf16 (ours /
 # dequantized + GEMM), with each loop compiled for its scales' type: int8 g32 16 rows 1.89 /
@@ -72,9 +72,10 @@ DEQUANTIZED_GEMM_ROWS = 64
 # loop the crossing was at 16 rows: a Q8_0 file's 32 requests 124-137 -> 161-177 tok/s in turns).
 # int4 g32 (24 rows 2.71 / 2.93, 32 rows 3.73 / 3.04) gained nothing end to end (its steps then
 # leave the native decode step) and keeps 64, as 6 bits do (Q6_K: 48 rows 3.95 / 4.52 ms, 64
-# rows 4.77 / 5.70, 96 rows 7.74 / 6.80). Measured with bf16 activations on the VNNI path;
-# float32 activations and the AVX-512 float path take the same rows, unmeasured.
-GROUPED8_GEMM_ROWS = 24
+# rows 4.77 / 5.70, 96 rows 7.74 / 6.80: the crossing near 80, the native decode step's bound
+# kept). Measured with bf16 activations on the VNNI path; float32 activations and the AVX-512
+# float path take the same rows, unmeasured.
+GROUPED8_GEMM_ROWS = 32
 
 
 def dequantized_gemm_rows(bits: int, group_size: int | None) -> int:
@@ -393,7 +394,7 @@ class QuantLinear(nn.Module):
     def _forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
         """On the CPU: ``cpu_qmatmul`` (its integer kernel, or its dequantized GEMM from
         ``dequantized_gemm_rows`` rows) where ``uses_native_kernels``, else aten's packed
-        kernels (``kernels``; group-wise 8-bit: ``forward_reference``)."""
+        kernels (``kernels``; group-wise 8-bit and 6-bit: ``forward_reference``)."""
         out_dtype = x.dtype
         x2, lead = self._flat(x)
         if self.compute_dtype is not None:

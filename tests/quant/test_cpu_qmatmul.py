@@ -304,7 +304,8 @@ def test_quant_linear_matches_reference(
     xp = mod._prepare_input(x).reshape(-1, k)
     tol = cpu_qmatmul.error_bound(xp, mod.dequantize(), bits, group).reshape(2, m, n) + 1e-5
     assert bool(((y - ref).abs() <= tol).all())
-    if bits == 6:
+    if bits == 6:  # switched off: the reference itself, not the kernel (which rounds x on VNNI)
+        assert cpu_qmatmul.path() != "vnni" or not torch.equal(y, ref)
         monkeypatch.setenv("FOUDRE_NATIVE_QMATMUL", "0")
         assert torch.equal(mod(x), ref)
 

@@ -637,7 +637,9 @@ def test_six_bit_modules_save_and_load_back(llama_dir: Path, tmp_path: Path) -> 
     kept = _load(out)
     saved = save_quantized(kept, tmp_path / "saved", "gguf")
     back = _load(saved)
-    for name, mod in _quant_linears(kept).items():
+    linears = _quant_linears(kept)
+    assert linears and all(mod.bits == 6 for mod in linears.values())
+    for name, mod in linears.items():
         other = back.get_submodule(name)
         assert isinstance(other, QuantLinear) and (other.bits, other.group_size) == (6, 16), name
         assert torch.equal(other.qweight, mod.qweight) and torch.equal(other.scales, mod.scales)
