@@ -204,7 +204,7 @@ class QuantLinear(nn.Module):
             if group_size != 16:
                 raise ValueError(f"6-bit group_size must be 16 (Q6_K's), got {group_size}")
             q6, subs, d = quantize_int6(weight)
-            return cls.from_int6(q6, subs, d, bias, k, input_scale=input_scale)
+            return cls.from_codes(q6, d, None, bias, 6, 16, k, input_scale, sub_scales=subs)
         if bits == 8 and group_size is None:
             q, scales = quantize_int8(weight)
             return cls.from_codes(q, scales, None, bias, bits, None, k, input_scale)
@@ -229,12 +229,15 @@ class QuantLinear(nn.Module):
         perm: torch.Tensor | None = None,
         dtype: torch.dtype | None = None,
         scale_dtype: torch.dtype | None = None,
+        sub_scales: torch.Tensor | None = None,
     ) -> QuantLinear:
         """Build from integer codes (int8 ``[N, K]`` per channel or ``[N, Kp]`` group-wise, or
-        0..15 ``[N, Kp]`` unpacked); ``scale_dtype`` (default ``dtype``) holds scales and
-        zeros. 8-bit group-wise codes take ``zeros`` or None (z = 0). 6 bits: ``from_int6``."""
-        if bits == 6:
-            raise ValueError("6-bit weights are built by QuantLinear.from_int6 (sub-scales and d)")
+        0..15 ``[N, Kp]`` unpacked, or 0..63 ``[N, Kp]`` for 6 bits, Kp a multiple of 256);
+        ``scale_dtype`` (default ``dtype``) holds scales and zeros. 8-bit group-wise codes take
+        ``zeros`` or None (z = 0). 6 bits take their int8 ``sub_scales`` ``[N, Kp / 16]``,
+        ``scales`` their d ``[N, Kp / 256]``, no zeros."""
+        if (bits == 6) != (sub_scales is not None) or (bits == 6 and zeros is not None):
+            raise ValueError("6-bit codes (and only they) take sub_scales, and no zeros")
         dtype = dtype or (bias.dtype if bias is not None else torch.float32)
         if not dtype.is_floating_point:
             dtype = torch.float32
@@ -252,7 +255,9 @@ class QuantLinear(nn.Module):
             zero_point=bits == 8 and zeros is not None,
         )
         with torch.no_grad():
-            if bits == 8:
+            if sub_scales is not None:
+                mod.qweight.copy_(pack_int6(q, sub_scales))
+            elif bits == 8:
                 mod.qweight.copy_(q.to(torch.int8))
                 if zeros is not None:
                     assert mod.zeros is not None
@@ -262,50 +267,22 @@ class QuantLinear(nn.Module):
                 mod.qweight.copy_(pack_int4(q))
                 mod.zeros.copy_(zeros)
             mod.scales.copy_(scales)
-            if bias is not None:
-                assert mod.bias is not None
-                mod.bias.copy_(bias)
-            if input_scale is not None:
-                assert mod.input_scale is not None
-                mod.input_scale.copy_(input_scale)
-            if perm is not None:
-                assert mod.perm is not None
-                mod.perm.copy_(perm)
+        mod._fill_extras(bias, input_scale, perm)
         return mod
 
-    @classmethod
-    def from_int6(
-        cls,
-        q: torch.Tensor,
-        sub_scales: torch.Tensor,
-        d: torch.Tensor,
-        bias: torch.Tensor | None,
-        in_features: int,
-        input_scale: torch.Tensor | None = None,
-        perm: torch.Tensor | None = None,
-        dtype: torch.dtype | None = None,
-        scale_dtype: torch.dtype | None = None,
-    ) -> QuantLinear:
-        """A 6-bit module from codes 0..63 ``[N, Kp]`` (Kp a multiple of 256), int8
-        ``sub_scales`` ``[N, Kp / 16]`` and ``d`` ``[N, Kp / 256]`` (held in ``scale_dtype``,
-        default ``dtype``); ``input_scale`` and ``perm`` as ``from_codes``."""
-        dtype = dtype or (bias.dtype if bias is not None else torch.float32)
-        mod = cls(in_features, q.shape[0], 6, 16, bias=bias is not None,
-                  input_scale=input_scale is not None, perm=perm is not None, dtype=dtype,
-                  device=q.device, scale_dtype=scale_dtype)  # fmt: skip
-        with torch.no_grad():
-            mod.qweight.copy_(pack_int6(q, sub_scales))
-            mod.scales.copy_(d)
-            if bias is not None:
-                assert mod.bias is not None
-                mod.bias.copy_(bias)
-            if input_scale is not None:
-                assert mod.input_scale is not None
-                mod.input_scale.copy_(input_scale)
-            if perm is not None:
-                assert mod.perm is not None
-                mod.perm.copy_(perm)
-        return mod
+    @torch.no_grad()
+    def _fill_extras(
+        self, bias: torch.Tensor | None, input_scale: torch.Tensor | None, perm: torch.Tensor | None
+    ) -> None:
+        """Copy the optional bias, input scale and permutation into their buffers."""
+        for buffer, value in (
+            (self.bias, bias),
+            (self.input_scale, input_scale),
+            (self.perm, perm),
+        ):
+            if value is not None:
+                assert buffer is not None
+                buffer.copy_(value)
 
     # -- math ----------------------------------------------------------------------------
 

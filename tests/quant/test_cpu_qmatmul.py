@@ -74,7 +74,8 @@ def quant_module(bits: int, group: int | None, zero: bool | str, w: torch.Tensor
         subs = torch.randint(-128, 128, (n, kp // 16), dtype=torch.int8)
         subs[0, 0] = -128
         d = (torch.randn(n, kp // 256) * 1e-3).half()
-        return QuantLinear.from_int6(codes, subs, d, None, k, scale_dtype=torch.float16)
+        return QuantLinear.from_codes(codes, d, None, None, 6, 16, k, scale_dtype=torch.float16,
+                                      sub_scales=subs)  # fmt: skip
     if zero in ("const", "half"):
         assert group is not None
         n, k = w.shape
@@ -257,6 +258,10 @@ def test_int6_packing() -> None:
         pack_int6(q[:, :384], subs[:, :24])
     with pytest.raises(ValueError, match="group_size"):
         QuantLinear(256, 8, 6, 32)
+    with pytest.raises(ValueError, match="sub_scales"):  # 6-bit codes without, 4-bit with
+        QuantLinear.from_codes(q, d, None, None, 6, 16, 512)
+    with pytest.raises(ValueError, match="sub_scales"):
+        QuantLinear.from_codes(q & 15, d, d, None, 4, 256, 512, sub_scales=subs)
     bad = dataclasses.replace(cpu_qmatmul.layout(mod.qweight, mod.scales, None, 16, 6), k=256)
     with pytest.raises(ValueError, match="int6 rows"):
         cpu_qmatmul.matmul(torch.randn(1, 256), bad)
@@ -292,7 +297,8 @@ def test_quant_linear_matches_reference(
     q = QuantLinear.from_float(w, torch.randn(n), bits, group)
     if bits == 6:
         codes, subs = unpack_int6(q.qweight)
-        mod = QuantLinear.from_int6(codes, subs, q.scales, q.bias, k, input_scale=scale, perm=perm)
+        mod = QuantLinear.from_codes(codes, q.scales, None, q.bias, 6, 16, k, input_scale=scale,
+                                     perm=perm, sub_scales=subs)  # fmt: skip
     else:
         mod = QuantLinear.from_codes(
             *(q.qweight, q.scales) if bits == 8 else (unpack_int4(q.qweight), q.scales),

@@ -358,12 +358,9 @@ def test_decoded_codes_are_the_gguf_dequantizers_values(qtype: str, tmp_path: Pa
         zeros = c.zeros if layout.zero_point else None
         if layout.bits == 6:
             assert c.subs is not None and c.scales.shape == (rows, cols // INT6_BLOCK)
-            mod = QuantLinear.from_int6(c.codes, c.subs, c.scales, None, cols,
-                                        scale_dtype=torch.float16)  # fmt: skip
-        else:
-            mod = QuantLinear.from_codes(
-                c.codes, c.scales, zeros, None, layout.bits, layout.group, cols
-            )
+        mod = QuantLinear.from_codes(
+            c.codes, c.scales, zeros, None, layout.bits, layout.group, cols, sub_scales=c.subs
+        )
         assert mod.qweight.dtype == CODES[layout.bits]
         got = mod.dequantize()
         assert _same(got, want, not mins), (layout, float((got - want).abs().max()))
