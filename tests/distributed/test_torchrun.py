@@ -108,7 +108,7 @@ def test_two_nodes_serve_one_model() -> None:
 
 
 def test_world_size_that_does_not_match_is_refused() -> None:
-    """``T x P`` must be torchrun's world size: each rank says so and exits, none waits."""
+    """``T x P`` must be torchrun's world size: the ranks say so and exit, none waits."""
     if not MODEL.exists():
         pytest.skip("../shared/models/stories260K is not present")
     if not TORCHRUN.exists():
@@ -122,5 +122,7 @@ def test_world_size_that_does_not_match_is_refused() -> None:
     )
     assert done.returncode != 0
     errors = [line for line in done.stderr.splitlines() if line.startswith("foudre: error:")]
-    assert len(errors) == 2, done.stderr  # one per rank: the engine's and the worker's
+    # one per rank that gets to say it: torchrun stops the other rank once one has failed,
+    # sometimes before that one has printed (a race on a loaded host); none waits for the other
+    assert 1 <= len(errors) <= 2, done.stderr
     assert all("tensor_parallel_size" in line and "4" in line for line in errors), errors
