@@ -20,12 +20,11 @@
 // stream where a separate one of zero points cost 18% at batch 1). Each task prefetches its
 // rows' scales and zero points at its start: a row's scales are a few cache lines, too short a
 // stream for the hardware prefetcher, and waiting on them halved the speed of groups of 32. The
-// weight rows are
-// prefetched kAhead bytes ahead of the line each step reads: at batch 1 a core's stream is bound
-// by the misses it keeps in flight, not by the DRAM (one thread read a cold Q8_0 8192 x 1536
-// weight at 22-23 GB/s however fast its loop, two at 33-35), and these prefetches add to them:
-// 27 GB/s and 40-43 (Zen 4; a 64-projection int4 decode step's products 1.10x, int8's
-// 1.04-1.13x, in interleaved pairs).
+// weight rows are prefetched kAhead bytes ahead of the line each step reads: at batch 1 a
+// core's stream is bound by the misses it keeps in flight, not by the DRAM (one thread read a
+// cold Q8_0 8192 x 1536 weight at 22-23 GB/s however fast its loop, two at 33-35), and these
+// prefetches add to them: 27 GB/s and 40-43 (Zen 4; a 64-projection int4 decode step's
+// products 1.10x, int8's 1.04-1.13x, in interleaved pairs).
 //
 // Three paths, by what the compiler targets (built with -march=native):
 //   VNNI      (AVX512-VNNI): x quantized to int8 per block (d = max|x| / 127; 32 columns for

@@ -115,7 +115,7 @@ def layout(
     bits = bits or (4 if qweight.dtype == torch.uint8 else 8)
     if bits == 6:
         k = qweight.shape[1] * 16 // 13
-        s = scales if scales.dtype in SCALE_TYPES and scales.stride(-1) == 1 else scales.float()
+        s = scales if scales.dtype in SCALE_TYPES else scales.float()
         return Packed("int6", qweight.contiguous(), s.contiguous(), None, 256, k, 32.0)
     per_channel = scales.dim() == 1
     kind = "int8" if per_channel else ("int8g" if bits == 8 else "int4")

@@ -267,22 +267,16 @@ class QuantLinear(nn.Module):
                 mod.qweight.copy_(pack_int4(q))
                 mod.zeros.copy_(zeros)
             mod.scales.copy_(scales)
-        mod._fill_extras(bias, input_scale, perm)
+            if bias is not None:
+                assert mod.bias is not None
+                mod.bias.copy_(bias)
+            if input_scale is not None:
+                assert mod.input_scale is not None
+                mod.input_scale.copy_(input_scale)
+            if perm is not None:
+                assert mod.perm is not None
+                mod.perm.copy_(perm)
         return mod
-
-    @torch.no_grad()
-    def _fill_extras(
-        self, bias: torch.Tensor | None, input_scale: torch.Tensor | None, perm: torch.Tensor | None
-    ) -> None:
-        """Copy the optional bias, input scale and permutation into their buffers."""
-        for buffer, value in (
-            (self.bias, bias),
-            (self.input_scale, input_scale),
-            (self.perm, perm),
-        ):
-            if value is not None:
-                assert buffer is not None
-                buffer.copy_(value)
 
     # -- math ----------------------------------------------------------------------------
 
