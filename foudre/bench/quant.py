@@ -31,8 +31,9 @@ The calibrated schemes calibrate at load on the engine's default calibration set
 of 64 random token ids (``foudre.quant.calib.default_calibration``). ``--calibration-docs N``
 instead quantizes the float model in place with the first N documents of the *train* split of
 ``--data`` (never the held-out documents that are scored). The ``lm_head`` is int8 per channel
-under int8 and int4 (as llama.cpp keeps its output layer at higher precision) and stays in
-float in the other schemes (``foudre.quant.api.quantize_model``).
+under int8, 6-bit (Q6_K's form) under int4 where our CPU kernels run it, else int8 (as llama.cpp
+keeps its output layer at higher precision), and stays in float in the other schemes
+(``foudre.quant.api.quantize_model``).
 """
 
 from __future__ import annotations
@@ -516,8 +517,9 @@ def format_markdown(
         "",
         "Size: parameters plus persistent buffers as loaded (packed codes, scales and zero points "
         "as stored); ratios in parentheses: size vs fp32, speeds vs bf16. The embedding stays "
-        "in float in every scheme, the lm_head too except under int8 and int4 (int8 per "
-        "channel). bits/weight: size in bits over the float model's weight count.",
+        "in float in every scheme, the lm_head too except under int8 (int8 per channel) and "
+        "int4 (6 bits on our CPU kernels, else int8). bits/weight: size in bits over the float "
+        "model's weight count.",
     ]
     return "\n".join(lines) + "\n"
 

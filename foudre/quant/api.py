@@ -41,8 +41,8 @@ from foudre.quant.calib import capture_inputs, default_calibration
 from foudre.quant.experts import QuantExperts
 from foudre.quant.fp8 import Fp8Linear
 from foudre.quant.gptq import gptq_quantize, hessian
-from foudre.quant.packing import INT4_GROUP_SIZES
-from foudre.quant.qlinear import QuantLinear
+from foudre.quant.packing import INT4_GROUP_SIZES, INT6_BLOCK, padded_k
+from foudre.quant.qlinear import QuantLinear, uses_native_kernels
 
 Calibration = Sequence[Sequence[int]]
 
@@ -70,6 +70,16 @@ class Int4WeightOnly:
 
     def __post_init__(self) -> None:
         _check_group(4, self.group_size)
+
+
+@dataclass(frozen=True)
+class Int6WeightOnly:
+    """6-bit in GGUF Q6_K's form (``packing.quantize_int6``): codes around 32, an int8 sub-scale
+    per 16 input channels and a float scale per 256 (input features padded to a multiple of
+    256). What ``int4`` takes its head to where our CPU kernels run it."""
+
+    group_size: int = 16
+    bits: int = 6
 
 
 @dataclass(frozen=True)
@@ -130,7 +140,7 @@ class Fp8:
     bits: int = 8
 
 
-QuantConfig = Int8WeightOnly | Int4WeightOnly | GPTQ | AWQ | MixedBits | Fp8
+QuantConfig = Int8WeightOnly | Int4WeightOnly | Int6WeightOnly | GPTQ | AWQ | MixedBits | Fp8
 METHODS = ("int8", "int4", "gptq", "awq", "mixed", "fp8")
 # kept in float unless ``skip`` says otherwise: the head, and the routers of MoE layers
 SKIP = ("lm_head", "mlp.gate", "shared_expert_gate")
@@ -159,18 +169,33 @@ def quantize_model(
     model: LlamaForCausalLM, method: str, calibration: list[list[int]] | None = None
 ) -> None:
     """Quantize ``model`` in place with ``method`` (``int8``, ``int4`` (g128), ``gptq``, ``awq``,
-    ``mixed``, ``fp8``; 4-bit group 128). ``int8`` and ``int4`` take ``lm_head`` to int8 per
-    channel, as llama.cpp keeps its output layer at higher precision (Q8_0 in Q8_0 files, Q6_K
-    in Q4_0 ones): in a 0.5B model with a 32k vocabulary it is a fifth of the weights a decode
-    step reads; the other methods keep it in float. The calibration schemes use ``calibration``
-    token ids, or deterministic random ids when it is None. Raises ``ValueError`` naming the
-    choices for an unknown method."""
+    ``mixed``, ``fp8``; 4-bit group 128). ``int8`` and ``int4`` quantize ``lm_head`` too, at
+    higher precision as llama.cpp keeps its output layer (Q8_0 in Q8_0 files, Q6_K in Q4_0
+    ones): ``int8`` to int8 per channel, ``int4`` to 6 bits in Q6_K's form where our CPU kernels
+    run it and it is smaller than int8 (``six_bit_head``), else int8 per channel. In a 0.5B
+    model with a 32k vocabulary the head is a fifth of the weights a decode step reads. The
+    other methods keep it in float. The calibration schemes use ``calibration`` token ids, or
+    deterministic random ids when it is None. Raises ``ValueError`` naming the choices for an
+    unknown method."""
     config = config_for_method(method, calibration)
     if method in ("int8", "int4"):
-        head: dict[str, QuantConfig | None] = {"lm_head": Int8WeightOnly(), "*": config}
+        head_config: QuantConfig = Int8WeightOnly()
+        if method == "int4" and six_bit_head(model.lm_head):
+            head_config = Int6WeightOnly()
+        head: dict[str, QuantConfig | None] = {"lm_head": head_config, "*": config}
         quantize_(model, head, skip=[p for p in SKIP if p != "lm_head"])
     else:
         quantize_(model, config)
+
+
+def six_bit_head(head: nn.Module) -> bool:
+    """Whether ``int4`` takes ``head`` to 6 bits: a float linear on the CPU whose products run
+    on our kernels (``uses_native_kernels``; elsewhere 6 bits dequantize at every call), and
+    fewer bytes than int8 (13/16 of a byte per padded input feature against one)."""
+    if not isinstance(head, nn.Linear) or head.weight.device.type != "cpu":
+        return False
+    k = head.in_features
+    return uses_native_kernels(head.weight.dtype) and 13 * padded_k(k, INT6_BLOCK) < 16 * k
 
 
 def matches(name: str, pattern: str) -> bool:
@@ -273,7 +298,7 @@ def quantize_(
         bits = (
             mixed_bits.get(name, cfg.bits) if not isinstance(cfg, MixedBits) else mixed_bits[name]
         )
-        group = getattr(cfg, "group_size", None) if bits == 4 else None
+        group = getattr(cfg, "group_size", None) if bits in (4, 6) else None
         use_gptq = isinstance(cfg, GPTQ) or (isinstance(cfg, MixedBits) and cfg.algorithm == "gptq")
         if use_gptq:
             damp = cfg.damp if isinstance(cfg, GPTQ) else 0.01

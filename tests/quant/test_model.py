@@ -24,6 +24,7 @@ from foudre.quant import (
 from foudre.quant.awq import fake_quantize, search_scale
 from foudre.quant.calib import capture_inputs, run_sequence
 from foudre.quant.gptq import gptq_quantize, hessian
+from foudre.quant.qlinear import uses_native_kernels
 
 TEXT = (
     Path(__file__).resolve().parents[3] / "shared" / "data" / "tinystories_v2_train_first2MiB.txt"
@@ -93,6 +94,42 @@ def test_int4_runs_and_tied_head_quantizes(stories_paths: tuple[str, str]) -> No
     assert torch.equal(model.model.embed_tokens.weight, emb)  # the tied embedding is untouched
     out = _greedy(model, PROMPTS[0], 10)
     assert len(out) == 10 and all(0 <= t < 512 for t in out)
+
+
+def test_int4_takes_its_head_to_six_bits_where_our_kernels_run(
+    llama_dir: Path, stories_paths: tuple[str, str]
+) -> None:
+    """``int4`` quantizes ``lm_head`` to Q6_K's 6 bits (llama.cpp's head in Q4_0 files) where our
+    CPU kernels run it, int8 per channel elsewhere and where 6 bits would not be smaller (64
+    columns padded to 256); ``int8`` keeps int8. The 6-bit head is within 6 bits' error of the
+    float one, well inside int4's."""
+
+    def head(quantization: str | None, path: str = str(llama_dir)) -> nn.Module:
+        tok = stories_paths[1] if path == stories_paths[0] else None
+        cpu = torch.device("cpu")
+        return load_model(path, tok, "float32", cpu, None, None, quantization).model.lm_head
+
+    ref = head(None)
+    assert isinstance(ref, nn.Linear)
+    six = head("int4")
+    assert isinstance(six, QuantLinear)
+    if uses_native_kernels(torch.float32):
+        assert (six.bits, six.group_size) == (6, 16)
+        assert six.qweight.numel() == ref.weight.numel() * 13 // 16  # 0.8125 bytes a weight
+    else:
+        assert (six.bits, six.group_size) == (8, None)
+    narrow = head("int4", stories_paths[0])
+    assert isinstance(narrow, QuantLinear) and (narrow.bits, narrow.group_size) == (8, None)
+    eight = head("int8")
+    assert isinstance(eight, QuantLinear) and (eight.bits, eight.group_size) == (8, None)
+    w = ref.weight.detach()
+    x = torch.randn(8, w.shape[1], generator=torch.Generator().manual_seed(0))
+    want = x @ w.t()
+    with torch.no_grad():
+        err = {b: float((m(x) - want).norm() / want.norm()) for b, m in ((6, six), (8, eight))}
+    int4 = QuantLinear.from_float(w, None, 4, 128)(x)
+    err4 = float((int4 - want).norm() / want.norm())
+    assert err[8] < err[6] < 0.35 * err4 and err[6] < 0.03, (err, err4)
 
 
 def test_overrides_and_unknown_method(stories_paths: tuple[str, str]) -> None:
