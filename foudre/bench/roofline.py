@@ -64,14 +64,15 @@ def _buffer_bytes(module: torch.nn.Module) -> int:
 
 
 def _matvec_samplers(mib: int, dev: torch.device) -> list[Callable[[], float]]:
-    """One function per fp32 matrix-vector product available on ``dev``, over one ``mib`` MiB
-    matrix: each runs its product once and returns the bytes/s of weight reads. ``torch.mv``
-    first, then foudre's kernel (``fused.linear``) on a CPU where it builds."""
+    """One function per way of reading one ``mib`` MiB fp32 matrix on ``dev``: each reads it
+    once and returns the bytes/s. A plain read (``torch.sum``: no product, what any kernel's
+    stream at best reaches) first, then the matrix-vector products: ``torch.mv``, then foudre's
+    kernel (``fused.linear``) on a CPU where it builds (the last)."""
     cols = 4096
     rows = max(1, mib * (1 << 20) // (4 * cols))
     w = torch.randn(rows, cols, device=dev)
     x = torch.randn(cols, device=dev)
-    products: list[Callable[[], object]] = [lambda: torch.mv(w, x)]
+    products: list[Callable[[], object]] = [lambda: w.sum(), lambda: torch.mv(w, x)]
     if dev.type == "cpu" and fused.enabled(w):
         x2 = x[None]
         products.append(lambda: fused.linear(x2, w))
@@ -91,12 +92,13 @@ def _matvec_samplers(mib: int, dev: torch.device) -> list[Callable[[], float]]:
 def measure_bandwidth(
     mib: int = 512, repeats: int = 8, device: torch.device | str | None = None
 ) -> float:
-    """Bytes/s of weight reads by an fp32 matrix-vector product over ``mib`` MiB (larger than the
-    last-level cache: the CPU's L3 or the GPU's L2): the best of ``repeats`` timed runs after one
-    warm-up, on ``device`` (the CPU by default). On a CPU where foudre's decode kernel builds,
-    that kernel (``fused.linear``) is timed the same way beside ``torch.mv`` and the faster
-    counts: it reads at up to twice ``torch.mv``'s speed here, and a roofline below what a
-    matrix-vector product reaches would flatter every fraction measured against it."""
+    """Bytes/s of reading an fp32 matrix of ``mib`` MiB (larger than the last-level cache: the
+    CPU's L3 or the GPU's L2): the best of ``repeats`` timed runs after one warm-up, on
+    ``device`` (the CPU by default), of a plain read (``torch.sum``), ``torch.mv`` and, on a CPU
+    where it builds, foudre's decode kernel (``fused.linear``), the fastest counting: a roofline
+    below what any of them reaches would flatter every fraction measured against it (the kernel
+    reads at up to twice ``torch.mv``'s speed here; a plain read at times 1.1-1.2x the
+    kernel's, and as fast as our int8 one)."""
     best = 0.0
     for sample in _matvec_samplers(mib, torch.device(device or "cpu")):
         sample()  # warm-up
