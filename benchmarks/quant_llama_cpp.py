@@ -21,7 +21,7 @@ kernel over 512 MiB; best of the whole run: the start, the end and each foudre p
 weight bytes; the paired roofline pairs each of a process's three decode passes (their median
 is its decode figure) with the bandwidth measured right before and after it (the better of the
 two), the median of the three fractions, as this host's bandwidth drifts by up to 1.5-2x
-within minutes. The target is checked against the first, the stricter.
+within minutes. The target is checked against both (the issue's is the first, the stricter).
 
 Targets (issue 21), as ratios in the run: int8 >= 1.15x llama.cpp's Q8_0 and int4 >= 1.15x its
 Q4_0 in batch-1 decode, at >= 85% of the roofline; foudre on the GGUF files within 10% of its
@@ -215,6 +215,8 @@ def report(
             wb = med(precision, who, "weight_bytes")
             roof = decode * wb / bandwidth if wb == wb else float("nan")
             paired = med(precision, who, "paired_roofline")
+            if paired != paired:  # a record from before the passes: one decode, two probes
+                paired = decode * wb / med(precision, who, "decode_bandwidth")
             label = who if who != "llama.cpp" else f"llama.cpp {peer}"
             if who == "foudre-gguf":
                 label = f"foudre on {peer} GGUF"
@@ -236,7 +238,8 @@ def report(
             wb = med(precision, "foudre", "weight_bytes")
             target(f"{precision} decode of roofline", ours * wb / bandwidth, TARGET_ROOFLINE)
             paired = med(precision, "foudre", "paired_roofline")
-            target(f"{precision} decode of paired roofline", paired, TARGET_ROOFLINE)
+            if paired == paired:  # (not in records from before the passes)
+                target(f"{precision} decode of paired roofline", paired, TARGET_ROOFLINE)
             gguf = med(precision, "foudre-gguf", "decode_tps")
             target(f"foudre on {peer} GGUF / own {precision}", gguf / ours, TARGET_GGUF)
             tp = med(precision, "foudre", "throughput_tps")

@@ -405,8 +405,8 @@ def add_latency_args(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         metavar="GB/S",
-        help="memory bandwidth for the roofline (default: measured by an fp32 matrix-vector "
-        "product over 512 MiB on the engine's device)",
+        help="memory bandwidth for the roofline (default: the fastest read of a 512 MiB fp32 "
+        "matrix on the engine's device: a sum or a matrix-vector product)",
     )
     parser.add_argument("--save-result", default=None, metavar="FILE.json")
 

@@ -1,5 +1,5 @@
-"""Weight-only quantization: int8 / int4 round-to-nearest, GPTQ, AWQ, mixed 4/8 bits; FP8
-(e4m3) weights.
+"""Weight-only quantization: int8 / int4 round-to-nearest (6 bits in Q6_K's form for int4's
+head), GPTQ, AWQ, mixed 4/8 bits; FP8 (e4m3) weights.
 
 ``quantize_(model, config)`` swaps linears for ``QuantLinear`` (and the experts of
 mixture-of-experts layers for ``QuantExperts``); ``quantize_model`` is the engine's entry point

@@ -81,6 +81,13 @@ class Int6WeightOnly:
     group_size: int = 16
     bits: int = 6
 
+    def __post_init__(self) -> None:
+        if (self.bits, self.group_size) != (6, 16):
+            raise ValueError(
+                f"Int6WeightOnly is 6 bits in groups of 16 (Q6_K's), got bits={self.bits}, "
+                f"group_size={self.group_size}"
+            )
+
 
 @dataclass(frozen=True)
 class GPTQ:
@@ -191,11 +198,14 @@ def quantize_model(
 def six_bit_head(head: nn.Module) -> bool:
     """Whether ``int4`` takes ``head`` to 6 bits: a float linear on the CPU whose products run
     on our kernels (``uses_native_kernels``; elsewhere 6 bits dequantize at every call), and
-    fewer bytes than int8 (13/16 of a byte per padded input feature against one)."""
+    at least 5% fewer bytes than int8 (13/16 of a byte per input feature padded to 256, against
+    one). Decided as the model is quantized: a model moved afterwards to CUDA, or run with
+    ``FOUDRE_NATIVE_QMATMUL=0``, dequantizes its 6-bit head at every call (with a warning)."""
     if not isinstance(head, nn.Linear) or head.weight.device.type != "cpu":
         return False
     k = head.in_features
-    return uses_native_kernels(head.weight.dtype) and 13 * padded_k(k, INT6_BLOCK) < 16 * k
+    smaller = 20 * 13 * padded_k(k, INT6_BLOCK) <= 19 * 16 * k
+    return smaller and uses_native_kernels(head.weight.dtype)
 
 
 def matches(name: str, pattern: str) -> bool:
