@@ -20,7 +20,7 @@
 // stream where a separate one of zero points cost 18% at batch 1). Each task prefetches its
 // rows' scales and zero points at its start: a row's scales are a few cache lines, too short a
 // stream for the hardware prefetcher, and waiting on them halved the speed of groups of 32. The
-// weight rows are prefetched kAhead bytes ahead of the line each step reads: at batch 1 a
+// weight rows are prefetched kAhead bytes (8 KiB) ahead of the line each step reads: at batch 1 a
 // core's stream is bound by the misses it keeps in flight, not by the DRAM (one thread read a
 // cold Q8_0 8192 x 1536 weight at 22-23 GB/s however fast its loop, two at 33-35), and these
 // prefetches add to them: 27 GB/s and 40-43 (Zen 4; a 64-projection int4 decode step's
@@ -147,15 +147,24 @@ inline void prefetch(const void* p) {
 }
 
 // prefetch the line `ahead` bytes past p, which may lie past the buffer (a prefetch never
-// faults; the address is formed as an integer, not as a pointer past the object)
+// faults; the address is formed as an integer, not as a pointer past the object), as
+// non-temporal (prefetchnta: a weight line is read once, then the L1 of a tile; the hint ran
+// 1.0-1.05x of T0 at batch 1, more where the host's bandwidth was low)
 inline void prefetch_ahead(const void* p, int64_t ahead) {
-  prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(p) + ahead));
+#if defined(__GNUC__)
+  __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(p) + ahead), 0, 0);
+#endif
 }
 
 // how far ahead of its reads a task prefetches its weight rows (one thread on a cold Q8_0
 // weight: 512 bytes 0.85x of none, 1024 1.05x, 2048 1.12x, 4096 1.24x, 8192 and 16384 1.19-1.23x;
-// a whole int4 decode step's products: 2048 0.94x and 8192 0.99x of 4096)
-constexpr int64_t kAhead = 4096;
+// a whole int4 decode step's products: 2048 0.94x and 8192 0.99x of 4096, in an hour when a
+// plain read of the memory ran at ~45 GB/s. Where it ran at ~70 (the host's bandwidth drifts),
+// two threads on chains of cold 4096 x 1536 weights: int8 53-55 GB/s at 4096, 57-59 at 8192
+// (non-temporal; 12288-24576 no better), int4 g128 50-51 and 53, Q4_0 44 and 47, Q8_0 52 and
+// 54, int6 51 and 54; at ~45 the same or 1.02-1.05x; 16 rows of int8 1.27x, 4 rows and int4's
+// tiles unchanged)
+constexpr int64_t kAhead = 8192;
 
 // a task's rows' scales and zero points, all of their cache lines
 template <int R, typename T>
