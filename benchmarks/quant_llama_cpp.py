@@ -14,8 +14,10 @@ minutes on 2 cores). Each foudre configuration runs in a fresh process:
 and measures batch-1 decode (a 128-token prompt, 128 greedy tokens, each step timed after a
 warm-up request), prefill (TTFT of one 128- and one 1024-token prompt), the throughput of 32
 concurrent requests (128 + 128 tokens, ignore_eos), the weight bytes a decode step reads and
-the process's resident memory. llama.cpp: ``llama-bench -fa 1 -t <cores>``, ``-n 128`` (tg)
-and ``-p 128`` / ``-p 1024`` (pp). The roofline of a decode step is the measured bandwidth
+the process's resident memory; then, for int8 and int4, one more process holds our
+quantization and the GGUF file together and decodes with them in turns (six passes each, ABBA),
+so the file's speed against ours is also read with the host's drift cancelled within each pair.
+llama.cpp: ``llama-bench -fa 1 -t <cores>``, ``-n 128`` (tg) and ``-p 128`` / ``-p 1024`` (pp). The roofline of a decode step is the measured bandwidth
 (``common.measure_bandwidth``: the fastest of a plain read, ``torch.mv`` and our matrix-vector
 kernel over 512 MiB; best of the whole run: the start, the end and each foudre process) over its
 weight bytes; the paired roofline pairs each of a process's three decode passes (their median
@@ -46,6 +48,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 PRECISIONS = {"bf16": "bf16", "int8": "Q8_0", "int4": "Q4_0"}  # ours -> llama.cpp's
 TARGET_DECODE, TARGET_ROOFLINE, TARGET_GGUF = 1.15, 0.85, 0.90
+PAIR_PASSES = 6  # decode passes of each model in the process that compares a GGUF file with ours
 DECODE_PASSES = 3  # batch-1 decodes of 128 tokens per foudre process, probes of bandwidth between
 
 
@@ -89,6 +92,37 @@ def child(args: argparse.Namespace) -> None:
     print(json.dumps(out), flush=True)
 
 
+def pair_child(args: argparse.Namespace) -> None:
+    """Our quantization of the model and a GGUF file of the same precision in one process,
+    decode passes in turns (ABBA): prints one JSON line with the GGUF file's decode over ours per
+    pair of neighbouring passes (the host's drift cancels within a pair)."""
+    import torch
+
+    from foudre import LLM
+    from foudre.bench.quant import decode_speed
+
+    torch.manual_seed(0)
+    own = LLM(
+        args.model, dtype="bfloat16", quantization=args.quantization, skip_tokenizer_init=True
+    )
+    gguf = LLM(args.pair, dtype="bfloat16", skip_tokenizer_init=True)
+    for llm in (own, gguf):
+        decode_speed(llm, 128, 16, seed=1)
+    ratios = []
+    for i in range(PAIR_PASSES):
+        order = (own, gguf) if i % 2 == 0 else (gguf, own)
+        tps = {id(llm): decode_speed(llm, 128, 64, seed=1 + i)["decode_tps"] for llm in order}
+        ratios.append(tps[id(gguf)] / tps[id(own)])
+    print(json.dumps({"gguf_over_own": ratios}), flush=True)
+
+
+def foudre_pair(model: Path, quantization: str, gguf: Path) -> dict[str, Any]:
+    from common import run_child
+
+    args = ("--model", str(model), "--quantization", quantization, "--pair", str(gguf))
+    return run_child(__file__, *args, what=f"foudre {quantization} against {gguf.name}")
+
+
 def foudre_run(model: Path, quantization: str) -> dict[str, Any]:
     from common import run_child
 
@@ -117,9 +151,10 @@ def main() -> None:
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--quantization", help=argparse.SUPPRESS)
+    ap.add_argument("--pair", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        child(args)
+        pair_child(args) if args.pair else child(args)
         return
 
     import torch
@@ -155,6 +190,10 @@ def main() -> None:
             record(rnd, precision, "foudre", foudre_run(model, ours))
             if precision != "bf16":
                 record(rnd, precision, "foudre-gguf", foudre_run(ggufs[peer], "none"))
+                pair = foudre_pair(model, ours, ggufs[peer])
+                runs.append(pair | {"round": rnd, "precision": precision, "who": "pair"})
+                ratios = ", ".join(f"{r:.2f}" for r in pair["gguf_over_own"])
+                print(f"round {rnd} {precision:>4} GGUF / own in one process: {ratios}", flush=True)
             record(rnd, precision, "llama.cpp", llama_cpp_run(bin_dir / "llama-bench", ggufs[peer]))
     bandwidth.append(measure_bandwidth())
     paired = [r[key] for r in runs for key in ("bandwidth", "decode_bandwidth") if key in r]
@@ -242,6 +281,11 @@ def report(
                 target(f"{precision} decode of paired roofline", paired, TARGET_ROOFLINE)
             gguf = med(precision, "foudre-gguf", "decode_tps")
             target(f"foudre on {peer} GGUF / own {precision}", gguf / ours, TARGET_GGUF)
+            pairs = [x for r in runs if r["who"] == "pair" and r["precision"] == precision
+                     for x in r["gguf_over_own"]]  # fmt: skip
+            if pairs:
+                name = f"foudre on {peer} GGUF / own {precision}, in turns in one process"
+                target(name, statistics.median(pairs), TARGET_GGUF)
             tp = med(precision, "foudre", "throughput_tps")
             target(f"{precision} 32-request throughput / bf16", tp / bf16_tp, 1.0)
         for n in (128, 1024):
