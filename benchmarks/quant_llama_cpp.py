@@ -17,7 +17,8 @@ concurrent requests (128 + 128 tokens, ignore_eos), the weight bytes a decode st
 the process's resident memory; then, for int8 and int4, one more process holds our
 quantization and the GGUF file together and decodes with them in turns (six passes each, ABBA),
 so the file's speed against ours is also read with the host's drift cancelled within each pair.
-llama.cpp: ``llama-bench -fa 1 -t <cores>``, ``-n 128`` (tg) and ``-p 128`` / ``-p 1024`` (pp). The roofline of a decode step is the measured bandwidth
+llama.cpp: ``llama-bench -fa 1 -t <cores>``, ``-n 128`` (tg) and ``-p 128`` / ``-p 1024`` (pp).
+The roofline of a decode step is the measured bandwidth
 (``common.measure_bandwidth``: the fastest of a plain read, ``torch.mv`` and our matrix-vector
 kernel over 512 MiB; best of the whole run: the start, the end and each foudre process) over its
 weight bytes; the paired roofline pairs each of a process's three decode passes (their median
