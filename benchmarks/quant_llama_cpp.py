@@ -15,8 +15,9 @@ and measures batch-1 decode (a 128-token prompt, 128 greedy tokens, each step ti
 warm-up request), prefill (TTFT of one 128- and one 1024-token prompt), the throughput of 32
 concurrent requests (128 + 128 tokens, ignore_eos), the weight bytes a decode step reads and
 the process's resident memory; then, for int8 and int4, one more process holds our
-quantization and the GGUF file together and decodes with them in turns (six passes each, ABBA),
-so the file's speed against ours is also read with the host's drift cancelled within each pair.
+quantization and the GGUF file together and decodes with them in turns (six passes of 64 tokens
+each, ABBA), so the file's speed against ours is also read from neighbouring passes (single
+pairs still read 0.6-1.25x on this host; the median of all pairs is the target's figure).
 llama.cpp: ``llama-bench -fa 1 -t <cores>``, ``-n 128`` (tg) and ``-p 128`` / ``-p 1024`` (pp).
 The roofline of a decode step is the measured bandwidth
 (``common.measure_bandwidth``: the fastest of a plain read, ``torch.mv`` and our matrix-vector

@@ -23,8 +23,8 @@
 // weight rows are prefetched kAhead bytes (8 KiB) ahead of the line each step reads: at batch 1 a
 // core's stream is bound by the misses it keeps in flight, not by the DRAM (one thread read a
 // cold Q8_0 8192 x 1536 weight at 22-23 GB/s however fast its loop, two at 33-35), and these
-// prefetches add to them: 27 GB/s and 40-43 (Zen 4; a 64-projection int4 decode step's
-// products 1.10x, int8's 1.04-1.13x, in interleaved pairs).
+// prefetches add to them: 27 GB/s and 40-43 (Zen 4, 4 KiB ahead then; a 64-projection int4
+// decode step's products 1.10x, int8's 1.04-1.13x, in interleaved pairs).
 //
 // Three paths, by what the compiler targets (built with -march=native):
 //   VNNI      (AVX512-VNNI): x quantized to int8 per block (d = max|x| / 127; 32 columns for
@@ -147,12 +147,22 @@ inline void prefetch(const void* p) {
 }
 
 // prefetch the line `ahead` bytes past p, which may lie past the buffer (a prefetch never
-// faults; the address is formed as an integer, not as a pointer past the object), as
-// non-temporal (prefetchnta: a weight line is read once, then the L1 of a tile; the hint ran
-// 1.0-1.05x of T0 at batch 1, more where the host's bandwidth was low)
+// faults; the address is formed as an integer, not as a pointer past the object). Stream: the
+// one row of a batch-1 task, each line read once, as non-temporal (prefetchnta; with the 8 KiB
+// distance 1.04-1.08x of T0 where the host's bandwidth was high, 1.0-1.05x where low); else
+// (tasks of several rows, whose tiles read their rows again from the caches, and the float
+// path's 8 rows a task, more lines in flight than an L1 holds) into every level (T0)
+template <bool Stream>
 inline void prefetch_ahead(const void* p, int64_t ahead) {
 #if defined(__GNUC__)
-  __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(p) + ahead), 0, 0);
+  const auto* line = reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(p) + ahead);
+  if constexpr (Stream)
+    __builtin_prefetch(line, 0, 0);
+  else
+    __builtin_prefetch(line, 0, 3);
+#else
+  (void)p;
+  (void)ahead;
 #endif
 }
 
@@ -365,7 +375,8 @@ struct Float512 {
         // the bytes read before this step (int6: 104 per 128 columns, 52 per 64: a line every 64)
         const int64_t line = K == Kind::Int4 ? c / 2 : (K == Kind::Int6 ? c / 16 * 13 : c);
         for (int r = 0; r < R; ++r) {
-          if (K == Kind::Int6 ? c % 64 == 0 : line % 64 == 0) prefetch_ahead(wr[r] + line, kAhead);
+          if (K == Kind::Int6 ? c % 64 == 0 : line % 64 == 0)
+            prefetch_ahead<false>(wr[r] + line, kAhead);
           __m512 wv = codes16<K>(wr[r], c);
           if constexpr (K != Kind::Int8) {
             const float s = group_scale<K>(a, nr[r], wr[r], c);
@@ -574,8 +585,9 @@ struct Vnni {
       for (int r = 0; r < R; ++r) {
         // (past a row's end: the rows after it, which this task or the thread's next one reads,
         // and past the last row of the weight: nothing there, no fault)
-        prefetch_ahead(w[r] + bytes, kAhead);
-        if constexpr (kBoth && K == Kind::Int8) prefetch_ahead(w[r] + bytes, kAhead + 64);
+        constexpr bool kStream = MT == 1 && R == 1;
+        prefetch_ahead<kStream>(w[r] + bytes, kAhead);
+        if constexpr (kBoth && K == Kind::Int8) prefetch_ahead<kStream>(w[r] + bytes, kAhead + 64);
         const __m512i v = _mm512_loadu_si512(w[r] + bytes);
         __m512i wv, wh = v;
         if constexpr (K == Kind::Int4) {
@@ -696,8 +708,8 @@ struct VnniInt6 {
         }
         for (int r = 0; r < R; ++r) {
           const uint8_t* block = int6_block(wr[r], c);  // a step reads one block of 104 bytes
-          prefetch_ahead(block, kAhead);
-          prefetch_ahead(block, kAhead + 64);
+          prefetch_ahead<MT == 1 && R == 1>(block, kAhead);
+          prefetch_ahead<MT == 1 && R == 1>(block, kAhead + 64);
           const __m512i v = _mm512_loadu_si512(block);
           const __m512i t = _mm512_broadcast_i64x4(
               _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kInt6Tops)));
