@@ -97,7 +97,8 @@ def child(args: argparse.Namespace) -> None:
 def pair_child(args: argparse.Namespace) -> None:
     """Our quantization of the model and a GGUF file of the same precision in one process,
     decode passes in turns (ABBA): prints one JSON line with the GGUF file's decode over ours per
-    pair of neighbouring passes (the host's drift cancels within a pair)."""
+    pair of neighbouring passes (what the host's drift leaves of each: 0.6-1.25x here; the
+    report takes their median)."""
     import torch
 
     from foudre import LLM

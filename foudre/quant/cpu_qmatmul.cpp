@@ -148,18 +148,16 @@ inline void prefetch(const void* p) {
 
 // prefetch the line `ahead` bytes past p, which may lie past the buffer (a prefetch never
 // faults; the address is formed as an integer, not as a pointer past the object). Stream: the
-// one row of a batch-1 task, each line read once, as non-temporal (prefetchnta; with the 8 KiB
-// distance 1.04-1.08x of T0 where the host's bandwidth was high, 1.0-1.05x where low); else
-// (tasks of several rows, whose tiles read their rows again from the caches, and the float
-// path's 8 rows a task, more lines in flight than an L1 holds) into every level (T0)
+// one row of a batch-1 task, each line read once, as non-temporal (prefetchnta; against T0 at
+// the same 8 KiB, chains of cold 4096 x 1536 weights: 1.00-1.01x where the host's bandwidth was
+// high, int8 1.025x and int4 1.02x where low); else (tasks of several rows, whose tiles read
+// their rows again from the caches, and the float path's 8 rows a task, more lines in flight
+// than an L1 holds) into every level (T0)
 template <bool Stream>
 inline void prefetch_ahead(const void* p, int64_t ahead) {
 #if defined(__GNUC__)
   const auto* line = reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(p) + ahead);
-  if constexpr (Stream)
-    __builtin_prefetch(line, 0, 0);
-  else
-    __builtin_prefetch(line, 0, 3);
+  __builtin_prefetch(line, 0, Stream ? 0 : 3);
 #else
   (void)p;
   (void)ahead;
@@ -708,8 +706,9 @@ struct VnniInt6 {
         }
         for (int r = 0; r < R; ++r) {
           const uint8_t* block = int6_block(wr[r], c);  // a step reads one block of 104 bytes
-          prefetch_ahead<MT == 1 && R == 1>(block, kAhead);
-          prefetch_ahead<MT == 1 && R == 1>(block, kAhead + 64);
+          constexpr bool kStream = MT == 1 && R == 1;  // (as Vnni::steps)
+          prefetch_ahead<kStream>(block, kAhead);
+          prefetch_ahead<kStream>(block, kAhead + 64);
           const __m512i v = _mm512_loadu_si512(block);
           const __m512i t = _mm512_broadcast_i64x4(
               _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kInt6Tops)));
