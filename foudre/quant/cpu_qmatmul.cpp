@@ -10,7 +10,8 @@
 // multiplies them with every x row (four at a time, the weight rows coming from memory once and
 // then from L1), the tasks split over torch's OpenMP threads by output-row ranges.
 //
-// The kernels read QuantLinear's own buffers, no copy: int8 codes [N, K] (K a multiple of 64),
+// The kernels read QuantLinear's own buffers, no copy: int8 codes [N, K] (K a multiple of 64
+// per channel, 128 group-wise),
 // int4 codes [N, K / 2] as packing.pack_int4 lays them (column 2j in the low nibble of byte j,
 // 2j + 1 in the high one; K a multiple of 128), int6 rows [N, 13 K / 16] as packing.pack_int6
 // lays them (K a multiple of 256; per 128 columns 104 bytes: the low nibbles as int4's, the top
@@ -32,7 +33,8 @@
 //             groups of 128 or more, 64 for smaller int4 groups: their steps sum two 64-code
 //             halves in int32 before one conversion), the weight codes as the unsigned operand
 //             of vpdpbusd (int8 codes + 128, int4 and int6 codes as they are):
-//             sum_k u_k q_k per 4 columns in int32 lanes, scaled per lane by d
+//             sum_k u_k q_k per 4 columns in int32 lanes (group-wise int8: two such lanes
+//             summed, 8 columns), scaled per lane by d
 //             and the group's scale into float32 accumulators; the offsets (128, z) are taken off
 //             in each lane's int32 sum where they are one integer in groups under 128 (Q4_0's 8,
 //             Q8_0's 128: vpdpbusd starts from -(z [+ 128]) times the lane's sum of x codes;
@@ -119,8 +121,9 @@ struct Args {
   int gshift;  // log2(group): groups are powers of two
   T* y;        // [m, n]
   int64_t m, n, k;
-  // VNNI: x quantized ([m, k] int8, int4 and int6: in nibble order), d per 4 codes ([m, k / 4]),
-  // the sums d q per row (int8) or per group ([m] or [m, groups])
+  // VNNI: x quantized ([m, k] int8, int4 and int6: in nibble order), d per 4 codes ([m, k / 4];
+  // group-wise int8: per 8, [m, k / 8]), the sums d q per row (int8) or per group ([m] or
+  // [m, groups])
   const int8_t* xq;
   const float* dl;
   const float* corr;
@@ -290,25 +293,36 @@ inline __m512 load_scales(const void* p, int64_t i, int st, __mmask16 mask) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-// the `span` scales from p + i as float32 lanes 0..span - 1 (the others undefined), reading
-// those bytes only where span is 1, 2 or 4 (every group-wise layout: a step spans 64 columns of
-// 8-bit groups of 16 or more, 128 of 4-bit groups of 32 or more). Through a masked 16-lane load
-// (load_scales, the fallback) GGUF's layouts ran at 0.75-0.82x at batch 1 (8192 x 1536 on Zen 4:
+// the `span` scales of type ST from p + i as float32 lanes 0..span - 1 (the others undefined),
+// reading those bytes only (a step spans 128 columns: 1 to 8 groups of 16 or more; any other
+// count through the masked load of 16 lanes). Through a masked 16-lane load
+// (load_scales) GGUF's layouts ran at 0.75-0.82x at batch 1 (8192 x 1536 on Zen 4:
 // Q4_0 0.35 -> 0.27 ms; int8 g32 with float32 scales 0.54 -> 0.44 ms; Q6_K's int8 g16 0.57 ->
-// 0.43 ms); the cause was not isolated.
-inline __m512 load_few(const void* p, int64_t i, int st, int64_t span) {
-  const int64_t size = st == kF32 ? 4 : 2;
-  const uint8_t* b = static_cast<const uint8_t*>(p) + i * size;
-  __m128i v;
-  switch (span * size) {
-    case 2: { uint16_t u; std::memcpy(&u, b, 2); v = _mm_cvtsi32_si128(u); break; }
-    case 4: { int32_t u; std::memcpy(&u, b, 4); v = _mm_cvtsi32_si128(u); break; }
-    case 8: { int64_t u; std::memcpy(&u, b, 8); v = _mm_cvtsi64_si128(u); break; }
-    case 16: v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)); break;
-    default: return load_scales(p, i, st, static_cast<__mmask16>((1u << span) - 1));
+// 0.43 ms); the cause was not isolated. One switch per type: a case of 32 bytes in a switch
+// shared by all three made Q8_0 and Q4_0 1.08x slower (one thread, from the caches).
+template <int ST>
+inline __m512 load_few(const void* p, int64_t i, int64_t span) {
+  if constexpr (ST == kF32) {
+    const float* f = static_cast<const float*>(p) + i;
+    switch (span) {
+      case 1: return _mm512_castps128_ps512(_mm_load_ss(f));
+      case 2: return _mm512_castps128_ps512(_mm_castsi128_ps(_mm_loadl_epi64(
+                  reinterpret_cast<const __m128i*>(f))));
+      case 4: return _mm512_castps128_ps512(_mm_loadu_ps(f));
+      case 8: return _mm512_castps256_ps512(_mm256_loadu_ps(f));
+      default: return load_scales(p, i, ST, static_cast<__mmask16>((1u << span) - 1));
+    }
   }
-  if (st == kF32) return _mm512_castps128_ps512(_mm_castsi128_ps(v));
-  if (st == kF16) return _mm512_castps256_ps512(_mm256_cvtph_ps(v));
+  const uint8_t* b = static_cast<const uint8_t*>(p) + i * 2;
+  __m128i v;
+  switch (span) {
+    case 1: { uint16_t u; std::memcpy(&u, b, 2); v = _mm_cvtsi32_si128(u); break; }
+    case 2: { int32_t u; std::memcpy(&u, b, 4); v = _mm_cvtsi32_si128(u); break; }
+    case 4: { int64_t u; std::memcpy(&u, b, 8); v = _mm_cvtsi64_si128(u); break; }
+    case 8: v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)); break;
+    default: return load_scales(p, i, ST, static_cast<__mmask16>((1u << span) - 1));
+  }
+  if constexpr (ST == kF16) return _mm512_castps256_ps512(_mm256_cvtph_ps(v));
   const __m256i wide = _mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16);  // bfloat16
   return _mm512_castps256_ps512(_mm256_castsi256_ps(wide));
 }
@@ -474,11 +488,19 @@ int64_t activation_block(int64_t group) {
 template <typename T, Kind K>
 struct Vnni {
   static constexpr bool kGrouped = K != Kind::Int8;
-  // a step: 64 codes (grouped int8), or 128 in two halves of 64 whose products sum in int32:
-  // per channel int8 two 64-byte loads, int4 the low nibbles of 64 bytes then the high ones
-  static constexpr bool kHalves = K != Kind::Int8Grouped;
-  static constexpr int64_t kStepCodes = kHalves ? 128 : 64;
-  static constexpr int64_t kLaneColumns = K == Kind::Int4 ? 8 : 4;  // columns a lane spans
+  // a step: 128 codes in two halves of 64 whose products sum in int32 before one conversion
+  // to float: int8 two 64-byte loads, int4 the low nibbles of 64 bytes then the high ones.
+  // Group-wise int8 (kPairs) sums the halves' lanes in pairs: lanes 2j and 2j + 1 of the first
+  // half (its columns 8 j .. 8 j + 7) make lane j, those of the second lane 8 + j, so that a
+  // lane spans 8 adjacent columns, inside one group (16 or more) and one block of x (32), and
+  // a step converts, scales and accumulates 128 codes where it did 64 (batch-1 4096 x 1536
+  // products from the caches on Zen 4, one thread: Q8_0 1.3x as fast, int8 g16 with float32
+  // scales 1.25x; from memory where the host's bandwidth was low the same, bound by the bytes)
+  static constexpr int64_t kStepCodes = 128;
+  static constexpr bool kPairs = K == Kind::Int8Grouped;
+  static constexpr int64_t kLaneColumns = K == Kind::Int8 ? 4 : 8;  // columns a lane spans
+  static constexpr int64_t kXsColumns = K == Kind::Int4 ? 8 : 4;  // columns of an xs entry
+  static constexpr int64_t kDColumns = kPairs ? 8 : 4;  // columns of a d entry
 
   template <int MT, int R>
   struct Tile {
@@ -551,9 +573,13 @@ struct Vnni {
     const int64_t k = a.k;
     const int gshift = a.gshift;
     const int8_t* xq = a.xq + m0 * k;
-    const float* dl = a.dl + m0 * (k / 4);
-    const int64_t lanes = k / kLaneColumns;  // xs per x row
+    const float* dl = a.dl + m0 * (k / kDColumns);
+    const int64_t lanes = k / kXsColumns;  // xs per x row
     const int32_t* xs = Offsets ? a.xs + m0 * lanes : nullptr;
+    // kPairs: the lanes that make lane j, of the first half (j < 8) or the second (16 + ...)
+    const __m512i first =
+        _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(1));
     const uint8_t* w[R];
     const void* srow[R];  // the row's scales
     const int st = ST < 0 ? a.st : ST;
@@ -564,28 +590,31 @@ struct Vnni {
     }
     // a step at column c; a tail (per-channel int8 where K = 64 mod 128) has its first half only
     const auto step = [&](int64_t c, auto tail_c) {
-      constexpr bool kBoth = kHalves && !decltype(tail_c)::value;
+      constexpr bool kBoth = !decltype(tail_c)::value;
       const int64_t bytes = K == Kind::Int4 ? c / 2 : c;
       const int64_t g0 = c >> gshift;  // the step's first group
-      __m512i xv[MT], xh[MT], start[MT];
+      __m512i xv[MT], xh[MT], start[MT], start_h[MT];
       __m512 d[MT];
       float d1[MT];
       for (int mi = 0; mi < MT; ++mi) {
-        start[mi] = Offsets ? _mm512_loadu_si512(xs + mi * lanes + c / kLaneColumns)
+        start[mi] = Offsets ? _mm512_loadu_si512(xs + mi * lanes + c / kXsColumns)
                             : _mm512_setzero_si512();
+        if constexpr (kPairs)
+          start_h[mi] = Offsets ? _mm512_loadu_si512(xs + mi * lanes + c / kXsColumns + 16)
+                                : _mm512_setzero_si512();
         xv[mi] = _mm512_loadu_si512(xq + mi * k + c);
         if constexpr (kBoth) xh[mi] = _mm512_loadu_si512(xq + mi * k + c + 64);
         if constexpr (Uniform)
           d1[mi] = dl[mi * (k / 4) + c / 4];
         else
-          d[mi] = _mm512_loadu_ps(dl + mi * (k / 4) + c / 4);
+          d[mi] = _mm512_loadu_ps(dl + mi * (k / kDColumns) + c / kDColumns);
       }
       for (int r = 0; r < R; ++r) {
         // (past a row's end: the rows after it, which this task or the thread's next one reads,
         // and past the last row of the weight: nothing there, no fault)
         constexpr bool kStream = MT == 1 && R == 1;
         prefetch_ahead<kStream>(w[r] + bytes, kAhead);
-        if constexpr (kBoth && K == Kind::Int8) prefetch_ahead<kStream>(w[r] + bytes, kAhead + 64);
+        if constexpr (kBoth && K != Kind::Int4) prefetch_ahead<kStream>(w[r] + bytes, kAhead + 64);
         const __m512i v = _mm512_loadu_si512(w[r] + bytes);
         __m512i wv, wh = v;
         if constexpr (K == Kind::Int4) {
@@ -601,13 +630,19 @@ struct Vnni {
         if constexpr (Uniform) {
           s1 = scale_at(srow[r], g0, st);
         } else if constexpr (kGrouped) {
-          const __m512 gs = load_few(srow[r], g0, st, span);
+          const __m512 gs = load_few<ST>(srow[r], g0, span);
           sv = span > 1 ? _mm512_permutexvar_ps(lane_group, gs)
                         : _mm512_broadcastss_ps(_mm512_castps512_ps128(gs));
         }
         for (int mi = 0; mi < MT; ++mi) {
           __m512i dot = _mm512_dpbusd_epi32(start[mi], wv, xv[mi]);
-          if constexpr (kBoth) dot = _mm512_dpbusd_epi32(dot, wh, xh[mi]);
+          if constexpr (kPairs) {
+            const __m512i dh = _mm512_dpbusd_epi32(start_h[mi], wh, xh[mi]);
+            dot = _mm512_add_epi32(_mm512_permutex2var_epi32(dot, first, dh),
+                                   _mm512_permutex2var_epi32(dot, second, dh));
+          } else if constexpr (kBoth) {
+            dot = _mm512_dpbusd_epi32(dot, wh, xh[mi]);
+          }
           __m512 scale;
           if constexpr (Uniform)
             scale = _mm512_set1_ps(d1[mi] * s1);
@@ -619,7 +654,8 @@ struct Vnni {
     };
     const int64_t whole = k / kStepCodes * kStepCodes;
     for (int64_t c = 0; c < whole; c += kStepCodes) step(c, std::false_type{});
-    if (whole < k) step(whole, std::true_type{});  // per-channel int8: K = 64 mod 128
+    if constexpr (K == Kind::Int8)  // (the others' K: a multiple of 128)
+      if (whole < k) step(whole, std::true_type{});  // K = 64 mod 128: the first half only
   }
 
   template <int MT, int R, bool Offsets>
@@ -771,6 +807,12 @@ void vnni_matmul(Args<T> a) {
                             hsum.data());
   a.xq = xq.data();
   a.dl = dl.data();
+  std::vector<float> dl8;
+  if constexpr (K == Kind::Int8Grouped) {  // one d per 8 columns (a lane after the pair sums)
+    dl8.resize(a.m * a.k / 8);
+    for (int64_t i = 0; i < a.m * a.k / 8; ++i) dl8[i] = dl[2 * i];
+    a.dl = dl8.data();
+  }
   std::vector<int32_t> xs;
   const float offset = K == Kind::Int6 ? 32.0f : a.zc + (K == Kind::Int4 ? 0.0f : 128.0f);
   const bool small_groups = K != Kind::Int4 || a.group < 128;  // (int4 g128+: one loop only)

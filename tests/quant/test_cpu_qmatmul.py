@@ -27,8 +27,9 @@ pytestmark = pytest.mark.skipif(cpu_qmatmul.path() is None, reason="no C++ compi
 
 # (bits, group, zero point, n, k, scales' dtype): K not a multiple of 16, 32 or 64, N odd;
 # group-wise 8-bit with and without zero points (GGUF's Q8_0 / Q5_0 / Q6_K, and Q5_1 / Q5_K
-# repacked); each dtype of scales with each count of scales a kernel step reads (4, 2, 1 of
-# them: groups of 16 / 32 / 64 and more for 8 bits, 32 / 64 / 128 and more for 4 bits); 6 bits
+# repacked); each dtype of scales with each count of scales a kernel step reads (8, 4, 2, 1 of
+# them: groups of 16 / 32 / 64 / 128 and more for 8 bits; 4, 2, 1: 32 / 64 / 128 and more for 4
+# bits); 6 bits
 # (GGUF's Q6_K: codes 0..63, an int8 sub-scale per 16 columns, a d per 256) with each dtype of d
 CASES = [
     (8, None, False, 37, 100, torch.float32),
