@@ -10,8 +10,7 @@
 // multiplies them with every x row (four at a time, the weight rows coming from memory once and
 // then from L1), the tasks split over torch's OpenMP threads by output-row ranges.
 //
-// The kernels read QuantLinear's own buffers, no copy: int8 codes [N, K] (K a multiple of 64
-// per channel, 128 group-wise),
+// The kernels read QuantLinear's own buffers, no copy: int8 codes [N, K] (K a multiple of 64),
 // int4 codes [N, K / 2] as packing.pack_int4 lays them (column 2j in the low nibble of byte j,
 // 2j + 1 in the high one; K a multiple of 128), int6 rows [N, 13 K / 16] as packing.pack_int6
 // lays them (K a multiple of 256; per 128 columns 104 bytes: the low nibbles as int4's, the top
@@ -302,6 +301,7 @@ inline __m512 load_scales(const void* p, int64_t i, int st, __mmask16 mask) {
 // shared by all three made Q8_0 and Q4_0 1.08x slower (one thread, from the caches).
 template <int ST>
 inline __m512 load_few(const void* p, int64_t i, int64_t span) {
+  static_assert(ST >= 0, "the scales' type compiled in");
   if constexpr (ST == kF32) {
     const float* f = static_cast<const float*>(p) + i;
     switch (span) {
@@ -512,8 +512,9 @@ struct Vnni {
       __m512 acc[MT][R];
       for (auto& row : acc)
         for (auto& v : row) v = _mm512_setzero_ps();
-      // lane l of a step's first 64 codes is in group (its first column) / group: the step's
-      // first group plus lane_group[l]; a step spans `span` groups
+      // lane l (the columns c + kLaneColumns l and on, of a step at c; per-channel int8: of
+      // its first half) is in group (its first column) / group: the step's first group plus
+      // lane_group[l]; a step spans `span` groups
       const int64_t step_columns = 16 * kLaneColumns;
       const int64_t span = a.group > 0 ? std::max<int64_t>(1, step_columns / a.group) : 1;
       __m512i lane_group = _mm512_setzero_si512();
@@ -588,7 +589,7 @@ struct Vnni {
       w[r] = wr[r];
       srow[r] = static_cast<const uint8_t*>(a.s) + nr[r] * a.s_stride * size;
     }
-    // a step at column c; a tail (per-channel int8 where K = 64 mod 128) has its first half only
+    // a step at column c; a tail (int8 where K = 64 mod 128) has its first half only
     const auto step = [&](int64_t c, auto tail_c) {
       constexpr bool kBoth = !decltype(tail_c)::value;
       const int64_t bytes = K == Kind::Int4 ? c / 2 : c;
@@ -600,12 +601,15 @@ struct Vnni {
         start[mi] = Offsets ? _mm512_loadu_si512(xs + mi * lanes + c / kXsColumns)
                             : _mm512_setzero_si512();
         if constexpr (kPairs)
-          start_h[mi] = Offsets ? _mm512_loadu_si512(xs + mi * lanes + c / kXsColumns + 16)
-                                : _mm512_setzero_si512();
+          start_h[mi] = Offsets && kBoth
+                            ? _mm512_loadu_si512(xs + mi * lanes + c / kXsColumns + 16)
+                            : _mm512_setzero_si512();
         xv[mi] = _mm512_loadu_si512(xq + mi * k + c);
         if constexpr (kBoth) xh[mi] = _mm512_loadu_si512(xq + mi * k + c + 64);
         if constexpr (Uniform)
           d1[mi] = dl[mi * (k / 4) + c / 4];
+        else if constexpr (kPairs && !kBoth)  // (a tail: the d of its 8 lanes)
+          d[mi] = _mm512_maskz_loadu_ps(0x00FF, dl + mi * (k / kDColumns) + c / kDColumns);
         else
           d[mi] = _mm512_loadu_ps(dl + mi * (k / kDColumns) + c / kDColumns);
       }
@@ -630,14 +634,17 @@ struct Vnni {
         if constexpr (Uniform) {
           s1 = scale_at(srow[r], g0, st);
         } else if constexpr (kGrouped) {
-          const __m512 gs = load_few<ST>(srow[r], g0, span);
+          // (a tail: the groups of its 64 columns)
+          const int64_t count = kBoth ? span : std::max<int64_t>(1, span / 2);
+          const __m512 gs = load_few<ST>(srow[r], g0, count);
           sv = span > 1 ? _mm512_permutexvar_ps(lane_group, gs)
                         : _mm512_broadcastss_ps(_mm512_castps512_ps128(gs));
         }
         for (int mi = 0; mi < MT; ++mi) {
           __m512i dot = _mm512_dpbusd_epi32(start[mi], wv, xv[mi]);
-          if constexpr (kPairs) {
-            const __m512i dh = _mm512_dpbusd_epi32(start_h[mi], wh, xh[mi]);
+          if constexpr (kPairs) {  // (a tail: lanes 8-15 zero, their scales too)
+            __m512i dh = _mm512_setzero_si512();
+            if constexpr (kBoth) dh = _mm512_dpbusd_epi32(start_h[mi], wh, xh[mi]);
             dot = _mm512_add_epi32(_mm512_permutex2var_epi32(dot, first, dh),
                                    _mm512_permutex2var_epi32(dot, second, dh));
           } else if constexpr (kBoth) {
@@ -646,6 +653,8 @@ struct Vnni {
           __m512 scale;
           if constexpr (Uniform)
             scale = _mm512_set1_ps(d1[mi] * s1);
+          else if constexpr (kPairs && !kBoth)  // (lanes 8-15 of sv: undefined)
+            scale = _mm512_maskz_mul_ps(0x00FF, d[mi], sv);
           else
             scale = kGrouped ? _mm512_mul_ps(d[mi], sv) : d[mi];
           acc[mi][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[mi][r]);
@@ -654,7 +663,7 @@ struct Vnni {
     };
     const int64_t whole = k / kStepCodes * kStepCodes;
     for (int64_t c = 0; c < whole; c += kStepCodes) step(c, std::false_type{});
-    if constexpr (K == Kind::Int8)  // (the others' K: a multiple of 128)
+    if constexpr (K != Kind::Int4)  // (int4's K: a multiple of 128)
       if (whole < k) step(whole, std::true_type{});  // K = 64 mod 128: the first half only
   }
 

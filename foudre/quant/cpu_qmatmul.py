@@ -107,8 +107,8 @@ def layout(
     bits: int | None = None,
 ) -> Packed:
     """The kernels' view of ``QuantLinear``'s buffers for a ``bits``-bit weight (default: 4 for
-    uint8 codes, else 8): the buffers themselves where K is a multiple of 64 (int8 per
-    channel) or 128 (group-wise int8; int4, ``pack_int4``'s nibbles) and the scales float32,
+    uint8 codes, else 8): the buffers themselves where K is a multiple of 64 (int8) or 128
+    (int4, ``pack_int4``'s nibbles) and the scales float32,
     float16 or bfloat16 (one dtype for both), else copies padded with zero columns (zero
     scales). 6 bits (``pack_int6``'s rows, K a multiple of 256 already; ``bits=6`` must be
     given: the rows are uint8 as int4's): the buffers themselves."""
@@ -121,7 +121,7 @@ def layout(
     kind = "int8" if per_channel else ("int8g" if bits == 8 else "int4")
     codes_per_byte = 2 if bits == 4 else 1
     k = qweight.shape[1] * codes_per_byte
-    multiple = 64 if per_channel else 128
+    multiple = 128 if bits == 4 else 64
     zc, zeros = _zero_point(zeros)
     if scales.dtype not in SCALE_TYPES or (zeros is not None and zeros.dtype != scales.dtype):
         scales = scales.float()
@@ -215,7 +215,7 @@ def error_bound(
 
 def _check_layout(packed: Packed) -> None:
     """``ValueError`` unless ``packed`` is what the kernels read: K a multiple of 64 (128 for
-    group-wise int8 and int4, 256 for int6) that the codes hold, and a group-wise layout's
+    int4, 256 for int6) that the codes hold, and a group-wise layout's
     groups a power of two, at least 16 columns (32 for int4), covering the padded columns (int6:
     one d per 256)."""
     if packed.kind == "int6":
@@ -236,7 +236,7 @@ def _check_layout(packed: Packed) -> None:
             )
         return
     per_byte = 2 if packed.kind == "int4" else 1
-    multiple = 64 if packed.kind == "int8" else 128
+    multiple = 128 if packed.kind == "int4" else 64
     if packed.k % multiple or packed.w.dim() != 2 or packed.w.shape[1] * per_byte != packed.k:
         raise ValueError(
             f"{packed.kind} codes {tuple(packed.w.shape)} for {packed.k} columns: the kernels "

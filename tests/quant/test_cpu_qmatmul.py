@@ -27,9 +27,10 @@ pytestmark = pytest.mark.skipif(cpu_qmatmul.path() is None, reason="no C++ compi
 
 # (bits, group, zero point, n, k, scales' dtype): K not a multiple of 16, 32 or 64, N odd;
 # group-wise 8-bit with and without zero points (GGUF's Q8_0 / Q5_0 / Q6_K, and Q5_1 / Q5_K
-# repacked); each dtype of scales with each count of scales a kernel step reads (8, 4, 2, 1 of
-# them: groups of 16 / 32 / 64 / 128 and more for 8 bits; 4, 2, 1: 32 / 64 / 128 and more for 4
-# bits); 6 bits
+# repacked); each dtype of scales with each count of scales a VNNI step reads (8, 4, 2 of them:
+# groups of 16 / 32 / 64 for 8 bits; 4, 2: 32 / 64 for 4 bits; one for larger groups, float16
+# and float32 for 8 bits); 8-bit K = 64 mod 128 once padded (a last step of one half: 192, 300,
+# 320, 448, 520 columns) in groups of 16 to 256, with and without zero points; 6 bits
 # (GGUF's Q6_K: codes 0..63, an int8 sub-scale per 16 columns, a d per 256) with each dtype of d
 CASES = [
     (8, None, False, 37, 100, torch.float32),
@@ -42,10 +43,15 @@ CASES = [
     (8, 64, True, 33, 300, torch.float32),
     (8, 128, False, 13, 256, torch.float16),
     (8, 256, False, 9, 520, torch.bfloat16),
+    (8, 16, False, 23, 192, torch.bfloat16),
+    (8, 64, False, 11, 448, torch.float16),
+    (8, 64, True, 15, 330, torch.bfloat16),
+    (8, 128, True, 9, 320, torch.float32),
     (8, 32, "const", 19, 300, torch.float32),
     (4, 32, True, 37, 100, torch.float16),
     (4, 32, True, 17, 1000, torch.bfloat16),
     (4, 64, True, 33, 520, torch.float32),
+    (4, 64, True, 13, 384, torch.bfloat16),
     (4, 128, True, 16, 1024, torch.bfloat16),
     (4, 256, True, 33, 300, torch.float16),
     (4, 32, "const", 37, 300, torch.float32),
@@ -57,7 +63,7 @@ CASES = [
     (6, 16, False, 16, 1024, torch.float32),
     (6, 16, False, 33, 520, torch.bfloat16),
 ]
-ROWS = (1, 3, 16, 64)
+ROWS = (1, 2, 3, 16, 64)
 
 
 def quant_module(bits: int, group: int | None, zero: bool | str, w: torch.Tensor) -> QuantLinear:
