@@ -64,9 +64,12 @@ NATIVE_MAX_ROWS: dict[int, float] = {8: math.inf, 4: math.inf}
 # 1024 rows 40 / 19 (bf16 weights: 18.4).
 DEQUANTIZED_GEMM_ROWS = 64
 # ... from 32 rows for group-wise 8-bit layouts (GGUF's Q8_0, Q5_x, and Q6_K beside other
-# types), whose kernel steps scale every 64 codes with a vector of group scales (twice
-# per-channel int8's float work per code). Measured on 8192 x 1536, 2 threads, bf16 (ours /
-# dequantized + GEMM), with each loop compiled for its scales' type: int8 g32 16 rows 1.89 /
+# types), whose kernel steps multiply every lane by its group's scale. Measured again once the
+# steps summed two halves' lanes in pairs and the dequantization read a group's scale once
+# (8192 x 1536, 2 threads, bf16, ours / dequantized + GEMM): Q8_0 16 rows 1.65 / 1.97 ms, 24
+# rows 2.36 / 2.09, 32 rows 3.12 / 2.39; int8 g16 with float32 scales 16 rows 1.33 / 1.68, 24
+# rows 2.00 / 1.94, 32 rows 2.56 / 2.22: the crossing near 24, 32 kept (the native decode step's
+# bound). Before (each loop compiled for its scales' type): int8 g32 16 rows 1.89 /
 # 2.39 ms, 24 rows 2.73 / 3.17, 28 rows 3.33 / 3.65, 32 rows 3.63 / 2.81; int8 g16 with float32
 # scales 16 rows 2.91 / 3.70, 24 rows 4.20 / 4.28, 32 rows 4.95 / 4.90 (before that compiled
 # loop the crossing was at 16 rows: a Q8_0 file's 32 requests 124-137 -> 161-177 tok/s in turns).
