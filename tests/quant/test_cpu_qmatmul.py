@@ -30,7 +30,7 @@ pytestmark = pytest.mark.skipif(cpu_qmatmul.path() is None, reason="no C++ compi
 # repacked); each dtype of scales with each count of scales a VNNI step reads (8, 4, 2 of them:
 # groups of 16 / 32 / 64 for 8 bits; 4, 2: 32 / 64 for 4 bits; one for larger groups, float16
 # and float32 for 8 bits); 8-bit K = 64 mod 128 once padded (a last step of one half: 192, 300,
-# 320, 448, 520 columns) in groups of 16 to 256, with and without zero points; 6 bits
+# 310, 320, 448, 520 columns) in groups of 16 to 256, with and without zero points; 6 bits
 # (GGUF's Q6_K: codes 0..63, an int8 sub-scale per 16 columns, a d per 256) with each dtype of d
 CASES = [
     (8, None, False, 37, 100, torch.float32),
@@ -45,7 +45,8 @@ CASES = [
     (8, 256, False, 9, 520, torch.bfloat16),
     (8, 16, False, 23, 192, torch.bfloat16),
     (8, 64, False, 11, 448, torch.float16),
-    (8, 64, True, 15, 330, torch.bfloat16),
+    (8, 64, True, 15, 310, torch.bfloat16),
+    (8, 32, True, 11, 192, torch.float16),
     (8, 128, True, 9, 320, torch.float32),
     (8, 32, "const", 19, 300, torch.float32),
     (4, 32, True, 37, 100, torch.float16),
