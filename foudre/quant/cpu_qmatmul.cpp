@@ -335,6 +335,38 @@ void store_tile(const Args<T>& a, int64_t m0, int64_t n0, __m512 (&acc)[MT][R], 
       store1(a.y + (m0 + mi) * a.n + n0 + r, finish(m0 + mi, n0 + r, acc[mi][r]));
 }
 
+// The sum of v's lanes, in one written-out order (GCC's _mm512_reduce_add_ps's: the halves,
+// then the quarters, then within one): reduce16 sums 16 vectors in the same order, so that a
+// row comes out bit for bit the same whichever of them sums it
+inline float hsum16(__m512 v) {
+  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v),
+                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  const __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  const __m128 p = _mm_add_ps(q, _mm_movehl_ps(q, q));  // q0 + q2, q1 + q3
+  return _mm_cvtss_f32(_mm_add_ss(p, _mm_movehdup_ps(p)));
+}
+
+// lane i: hsum16(v[i]), the 16 sums at once (about 3 instructions a row where hsum16 takes 7
+// and a row's result was stored alone)
+inline __m512 reduce16(const __m512 (&v)[16]) {
+  __m512 h[8], q[4];
+  for (int i = 0; i < 8; ++i)  // two rows' halves summed: [a's 8 | b's 8]
+    h[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int i = 0; i < 4; ++i)  // four rows' quarters summed: 128-bit lane j, row 4 i + j
+    q[i] = _mm512_add_ps(_mm512_shuffle_f32x4(h[2 * i], h[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(h[2 * i], h[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  // within the 128-bit lanes: (q0 + q2) and (q1 + q3) of two quads' rows side by side, then
+  // their sum: 128-bit lane j, element e, row 4 e + j
+  const __m512 z01 = _mm512_add_ps(_mm512_unpacklo_ps(q[0], q[1]), _mm512_unpackhi_ps(q[0], q[1]));
+  const __m512 z23 = _mm512_add_ps(_mm512_unpacklo_ps(q[2], q[3]), _mm512_unpackhi_ps(q[2], q[3]));
+  const __m512 f = _mm512_add_ps(
+      _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(z01), _mm512_castps_pd(z23))),
+      _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(z01), _mm512_castps_pd(z23))));
+  const __m512i rows = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(rows, f);
+}
+
 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 inline void store16(uint16_t* p, __m512 v) {  // to bfloat16 as torch rounds (subnormals kept)
   const __m512i u = _mm512_castps_si512(v);
@@ -505,54 +537,101 @@ struct Vnni {
   template <int MT, int R>
   struct Tile {
     static void run(const Args<T>& a, int64_t m0, int64_t n0) {
-      const uint8_t* wr[R];
-      int64_t nr[R];
-      row_ptrs<R>(a, n0, wr, nr);
-      if constexpr (kGrouped) prefetch_scales<R>(a, nr);
       __m512 acc[MT][R];
-      for (auto& row : acc)
-        for (auto& v : row) v = _mm512_setzero_ps();
-      // lane l (the columns c + kLaneColumns l and on, of a step at c; per-channel int8: of
-      // its first half) is in group (its first column) / group: the step's first group plus
-      // lane_group[l]; a step spans `span` groups
-      const int64_t step_columns = 16 * kLaneColumns;
-      const int64_t span = a.group > 0 ? std::max<int64_t>(1, step_columns / a.group) : 1;
-      __m512i lane_group = _mm512_setzero_si512();
-      if (span > 1)
-        lane_group = _mm512_srli_epi32(
-            _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                               _mm512_set1_epi32(static_cast<int>(kLaneColumns))),
-            a.gshift);
-      // int4 in groups of 128 or more: one d (x's block of 128) and one scale per step, their
-      // product a scalar broadcast (no vector loads, conversions and products of scales)
-      // One loop compiled per case: per channel, and int4 in groups of 128 or more, one (their
-      // scales read at the end, or one a step); smaller groups with their scales' type and
-      // their lane offsets compiled in (read through a runtime type, the steps of int4 g32 ran
-      // 1.4-1.8x as long). (More cases than these, each compiled in, made the four-row tiles
-      // 1.3-1.4x slower.)
-      // (finish takes off what the steps did not: its Offsets says whether they did)
-      if constexpr (K == Kind::Int4) {
-        if (a.group >= kStepCodes) {
-          steps<MT, R, true, false, -1>(a, m0, wr, nr, acc, lane_group, span);
-          finish<MT, R, false>(a, m0, n0, nr, acc);
-          return;
-        }
-      }
-      if constexpr (!kGrouped) {
-        steps<MT, R, false, false, -1>(a, m0, wr, nr, acc, lane_group, span);
-        finish<MT, R, false>(a, m0, n0, nr, acc);
-      } else if (a.xs) {
-        typed_steps<MT, R, true>(a, m0, wr, nr, acc, lane_group, span);
-        finish<MT, R, true>(a, m0, n0, nr, acc);
-      } else {
-        typed_steps<MT, R, false>(a, m0, wr, nr, acc, lane_group, span);
-        finish<MT, R, false>(a, m0, n0, nr, acc);
+      sums<MT, R>(a, m0, n0, acc);
+      if constexpr (kGrouped) {
+        store_tile<T, MT, R>(a, m0, n0, acc,
+                             [](int64_t, int64_t, __m512 v) { return hsum16(v); });
+      } else {  // the offset 128: y = s (acc - 128 sum d q)
+        store_tile<T, MT, R>(a, m0, n0, acc, [&](int64_t mr, int64_t n, __m512 v) {
+          return (hsum16(v) - 128.0f * a.corr[mr]) * scale_at(a.s, n, a.st);
+        });
       }
     }
   };
 
+  // batch 1: tasks of 16 weight rows, one after another (one sequential stream, as tasks of
+  // one row), their lanes summed 16 rows at a time (reduce16) and stored as one vector, where
+  // each row's sum and store took up to 15% of a 1536-column row's time from the caches
+  // (4096 x 1536, one thread, interleaved: int4 g128 72 -> 66 us, Q4_0 81 -> 76, int8 69 -> 65,
+  // Q8_0 98 -> 95; from memory, where the host's bandwidth was low, the same)
+  static void strip(const Args<T>& a, int64_t n0) {
+    const int64_t rows = std::min<int64_t>(16, a.n - n0);
+    __m512 lanes[16];
+#pragma GCC unroll 1
+    for (int64_t r = 0; r < rows; ++r) {
+      __m512 acc[1][1];
+      sums<1, 1>(a, 0, n0 + r, acc);
+      lanes[r] = acc[0][0];
+    }
+    for (int64_t r = rows; r < 16; ++r) lanes[r] = _mm512_setzero_ps();
+    __m512 y = reduce16(lanes);
+    const __mmask16 mask = static_cast<__mmask16>(rows == 16 ? 0xFFFF : (1u << rows) - 1);
+    if constexpr (!kGrouped)  // as Tile::run's: y = s (acc - 128 sum d q)
+      y = _mm512_mul_ps(_mm512_sub_ps(y, _mm512_set1_ps(128.0f * a.corr[0])),
+                        load_scales(a.s, n0, a.st, mask));
+    if (rows == 16) {
+      store16(a.y + n0, y);
+    } else {
+      T part[16];
+      store16(part, y);
+      std::copy(part, part + rows, a.y + n0);
+    }
+  }
+
+  // acc[mi][r]: the lanes of y[m0 + mi, n0 + r]'s sum (the zero points' offsets taken off; per
+  // channel: before the 128 and the scale). It and the steps are inlined into strip's loop (as
+  // the compiler did into a one-row task): called, the strips ran 1.1-1.3x as long as tasks of
+  // one row; unrolled 16 times, per-channel int8's 1.13x
+  template <int MT, int R>
+  [[gnu::always_inline]] static void sums(const Args<T>& a, int64_t m0, int64_t n0,
+                                          __m512 (&acc)[MT][R]) {
+    const uint8_t* wr[R];
+    int64_t nr[R];
+    row_ptrs<R>(a, n0, wr, nr);
+    if constexpr (kGrouped) prefetch_scales<R>(a, nr);
+    for (auto& row : acc)
+      for (auto& v : row) v = _mm512_setzero_ps();
+    // lane l (the columns c + kLaneColumns l and on, of a step at c; per-channel int8: of
+    // its first half) is in group (its first column) / group: the step's first group plus
+    // lane_group[l]; a step spans `span` groups
+    const int64_t step_columns = 16 * kLaneColumns;
+    const int64_t span = a.group > 0 ? std::max<int64_t>(1, step_columns / a.group) : 1;
+    __m512i lane_group = _mm512_setzero_si512();
+    if (span > 1)
+      lane_group = _mm512_srli_epi32(
+          _mm512_mullo_epi32(
+              _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+              _mm512_set1_epi32(static_cast<int>(kLaneColumns))),
+          a.gshift);
+    // int4 in groups of 128 or more: one d (x's block of 128) and one scale per step, their
+    // product a scalar broadcast (no vector loads, conversions and products of scales)
+    // One loop compiled per case: per channel, and int4 in groups of 128 or more, one (their
+    // scales read at the end, or one a step); smaller groups with their scales' type and
+    // their lane offsets compiled in (read through a runtime type, the steps of int4 g32 ran
+    // 1.4-1.8x as long). (More cases than these, each compiled in, made the four-row tiles
+    // 1.3-1.4x slower.)
+    // (offsets takes off what the steps did not: its Offsets says whether they did)
+    if constexpr (K == Kind::Int4) {
+      if (a.group >= kStepCodes) {
+        steps<MT, R, true, false, -1>(a, m0, wr, nr, acc, lane_group, span);
+        offsets<MT, R, false>(a, m0, nr, acc);
+        return;
+      }
+    }
+    if constexpr (!kGrouped) {
+      steps<MT, R, false, false, -1>(a, m0, wr, nr, acc, lane_group, span);
+    } else if (a.xs) {
+      typed_steps<MT, R, true>(a, m0, wr, nr, acc, lane_group, span);
+    } else {
+      typed_steps<MT, R, false>(a, m0, wr, nr, acc, lane_group, span);
+      offsets<MT, R, false>(a, m0, nr, acc);
+    }
+  }
+
   template <int MT, int R, bool Offsets>
-  static void typed_steps(const Args<T>& a, int64_t m0, const uint8_t* const* wr,
+  [[gnu::always_inline]] static void typed_steps(const Args<T>& a, int64_t m0,
+                                                 const uint8_t* const* wr,
                           const int64_t* nr, __m512 (&acc)[MT][R], __m512i lane_group,
                           int64_t span) {
     if (a.st == kF16)
@@ -567,7 +646,8 @@ struct Vnni {
   // step would reload its fields after every store of an accumulator.) ST:
   // the scales' type, -1 read at run time.
   template <int MT, int R, bool Uniform, bool Offsets, int ST>
-  static void steps(const Args<T>& a, int64_t m0, const uint8_t* const* wr, const int64_t* nr,
+  [[gnu::always_inline]] static void steps(const Args<T>& a, int64_t m0,
+                                           const uint8_t* const* wr, const int64_t* nr,
                     __m512 (&acc)[MT][R], __m512i lane_group, int64_t span) {
     const __m512i low = _mm512_set1_epi8(15);
     const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
@@ -667,9 +747,10 @@ struct Vnni {
       if (whole < k) step(whole, std::true_type{});  // K = 64 mod 128: the first half only
   }
 
+  // grouped: acc -= the offsets the steps did not take off (Offsets: they took them all)
   template <int MT, int R, bool Offsets>
-  static void finish(const Args<T>& a, int64_t m0, int64_t n0, const int64_t* nr,
-                     __m512 (&acc)[MT][R]) {
+  [[gnu::always_inline]] static void offsets(const Args<T>& a, int64_t m0, const int64_t* nr,
+                                             __m512 (&acc)[MT][R]) {
     if constexpr (kGrouped) {
       // the offsets (unless the steps took them off in the lanes' dots): acc -= s (z [+ 128]) *
       // (the group's sum of d q), 16 groups a step
@@ -689,12 +770,6 @@ struct Vnni {
           for (int r = 0; r < R; ++r) acc[mi][r] = _mm512_fnmadd_ps(off[r], cv, acc[mi][r]);
         }
       }
-      store_tile<T, MT, R>(a, m0, n0, acc,
-                           [](int64_t, int64_t, __m512 v) { return _mm512_reduce_add_ps(v); });
-    } else {  // the offset 128: y = s (acc - 128 sum d q)
-      store_tile<T, MT, R>(a, m0, n0, acc, [&](int64_t mr, int64_t n, __m512 v) {
-        return (_mm512_reduce_add_ps(v) - 128.0f * a.corr[mr]) * scale_at(a.s, n, a.st);
-      });
     }
   }
 };
@@ -840,7 +915,12 @@ void vnni_matmul(Args<T> a) {
         corr[i * per_row + (grouped ? column_of<K>(h * 16) >> a.gshift : 0)] +=
             hsum[i * halves + h];
     a.corr = corr.data();
-    for_tiles<Vnni<T, K>::template Tile, 1>(a);
+    if (a.m == 1) {
+#pragma omp parallel for schedule(static)
+      for (int64_t n0 = 0; n0 < a.n; n0 += 16) Vnni<T, K>::strip(a, n0);
+    } else {
+      for_tiles<Vnni<T, K>::template Tile, 1>(a);
+    }
   }
 }
 
