@@ -6,8 +6,8 @@
 //   int6 (GGUF's Q6_K)         w = (q - 32) * d[b] * sc[j]  (codes 0..63, an int8 sc per 16
 //                                                       columns, a d per block b of 256)
 // x and y float32 or bfloat16. Bound by reading the weight: each task takes R weight rows (for
-// one x row, one on the VNNI path, so that a thread reads one sequential stream; 4 for more) and
-// multiplies them with every x row (four at a time, the weight rows coming from memory once and
+// one x row on the VNNI path 16, one after another, so that a thread reads one sequential
+// stream: Vnni::strip; 4 for more) and multiplies them with every x row (four at a time, the weight rows coming from memory once and
 // then from L1), the tasks split over torch's OpenMP threads by output-row ranges.
 //
 // The kernels read QuantLinear's own buffers, no copy: int8 codes [N, K] (K a multiple of 64),
@@ -517,6 +517,18 @@ int64_t activation_block(int64_t group) {
   return K == Kind::Int8 ? 128 : 32;
 }
 
+// y[0, n0 .. n0 + rows) = lanes 0 .. rows - 1 of v (a strip's results, batch 1)
+template <typename T>
+void store_strip(const Args<T>& a, int64_t n0, int64_t rows, __m512 v) {
+  if (rows == 16) {
+    store16(a.y + n0, v);
+  } else {
+    T part[16];
+    store16(part, v);
+    std::copy(part, part + rows, a.y + n0);
+  }
+}
+
 template <typename T, Kind K>
 struct Vnni {
   static constexpr bool kGrouped = K != Kind::Int8;
@@ -570,13 +582,7 @@ struct Vnni {
     if constexpr (!kGrouped)  // as Tile::run's: y = s (acc - 128 sum d q)
       y = _mm512_mul_ps(_mm512_sub_ps(y, _mm512_set1_ps(128.0f * a.corr[0])),
                         load_scales(a.s, n0, a.st, mask));
-    if (rows == 16) {
-      store16(a.y + n0, y);
-    } else {
-      T part[16];
-      store16(part, y);
-      std::copy(part, part + rows, a.y + n0);
-    }
+    store_strip(a, n0, rows, y);
   }
 
   // acc[mi][r]: the lanes of y[m0 + mi, n0 + r]'s sum (the zero points' offsets taken off; per
@@ -792,8 +798,16 @@ struct VnniInt6 {
       else
         go<kF32>(a, m0, n0);
     }
-    template <int ST>  // the type of d, compiled in (as Vnni::steps)
+    template <int ST>
     static void go(const Args<T>& a, int64_t m0, int64_t n0) {
+      __m512 sum[MT][R];
+      sums<ST>(a, m0, n0, sum);
+      store_tile<T, MT, R>(a, m0, n0, sum, [](int64_t, int64_t, __m512 v) { return hsum16(v); });
+    }
+    // sum[mi][r]: the lanes of y[m0 + mi, n0 + r] (inlined into strip's loop, as Vnni::sums)
+    template <int ST>  // the type of d, compiled in (as Vnni::steps)
+    [[gnu::always_inline]] static void sums(const Args<T>& a, int64_t m0, int64_t n0,
+                                            __m512 (&sum)[MT][R]) {
       const uint8_t* wr[R];
       int64_t nr[R];
       row_ptrs<R>(a, n0, wr, nr);
@@ -812,7 +826,6 @@ struct VnniInt6 {
       const void* srow[R];
       for (int r = 0; r < R; ++r)
         srow[r] = static_cast<const uint8_t*>(a.s) + nr[r] * a.s_stride * (ST == kF32 ? 4 : 2);
-      __m512 sum[MT][R];
       for (auto& row : sum)
         for (auto& v : row) v = _mm512_setzero_ps();
       for (int64_t c = 0; c < k; c += 128) {
@@ -851,10 +864,31 @@ struct VnniInt6 {
           }
         }
       }
-      store_tile<T, MT, R>(a, m0, n0, sum,
-                           [](int64_t, int64_t, __m512 v) { return _mm512_reduce_add_ps(v); });
     }
   };
+
+  // batch 1: as Vnni::strip
+  static void strip(const Args<T>& a, int64_t n0) {
+    if (a.st == kF16)
+      strip_typed<kF16>(a, n0);
+    else if (a.st == kBF16)
+      strip_typed<kBF16>(a, n0);
+    else
+      strip_typed<kF32>(a, n0);
+  }
+  template <int ST>
+  static void strip_typed(const Args<T>& a, int64_t n0) {
+    const int64_t rows = std::min<int64_t>(16, a.n - n0);
+    __m512 lanes[16];
+#pragma GCC unroll 1
+    for (int64_t r = 0; r < rows; ++r) {
+      __m512 sum[1][1];
+      Tile<1, 1>::template sums<ST>(a, 0, n0 + r, sum);
+      lanes[r] = sum[0][0];
+    }
+    for (int64_t r = rows; r < 16; ++r) lanes[r] = _mm512_setzero_ps();
+    store_strip(a, n0, rows, reduce16(lanes));
+  }
 };
 
 // Minus `offset` times the sum of x's codes over each lane's columns, per step: 128 columns
@@ -906,7 +940,12 @@ void vnni_matmul(Args<T> a) {
     a.xs = xs.data();
   }
   if constexpr (K == Kind::Int6) {
-    for_tiles<VnniInt6<T>::template Tile, 1>(a);
+    if (a.m == 1) {
+#pragma omp parallel for schedule(static)
+      for (int64_t n0 = 0; n0 < a.n; n0 += 16) VnniInt6<T>::strip(a, n0);
+    } else {
+      for_tiles<VnniInt6<T>::template Tile, 1>(a);
+    }
   } else {
     const int64_t per_row = grouped ? a.groups : 1;
     std::vector<float> corr(a.xs ? 0 : a.m * per_row, 0.0f);  // (unread with xs)
