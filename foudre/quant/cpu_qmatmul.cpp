@@ -7,8 +7,9 @@
 //                                                       columns, a d per block b of 256)
 // x and y float32 or bfloat16. Bound by reading the weight: each task takes R weight rows (for
 // one x row on the VNNI path 16, one after another, so that a thread reads one sequential
-// stream: Vnni::strip; 4 for more) and multiplies them with every x row (four at a time, the weight rows coming from memory once and
-// then from L1), the tasks split over torch's OpenMP threads by output-row ranges.
+// stream: Vnni::strip; 4 for more) and multiplies them with every x row (four at a time, the
+// weight rows coming from memory once and then from L1), the tasks split over torch's OpenMP
+// threads by output-row ranges.
 //
 // The kernels read QuantLinear's own buffers, no copy: int8 codes [N, K] (K a multiple of 64),
 // int4 codes [N, K / 2] as packing.pack_int4 lays them (column 2j in the low nibble of byte j,
@@ -17,8 +18,8 @@
 // two bits, the int8 sub-scales: a row one sequential stream), scales and zero points [N, groups]
 // in float32, float16 or bfloat16 (st: 0, 1, 2), their rows s_stride elements apart
 // (QuantLinear pairs a row's scales and zero points in one buffer: cpu_qmatmul.pair_scales, one
-// stream where a separate one of zero points cost 18% at batch 1). Each task prefetches its
-// rows' scales and zero points at its start: a row's scales are a few cache lines, too short a
+// stream where a separate one of zero points cost 18% at batch 1). A row's scales and zero
+// points are prefetched as its steps begin: a row's scales are a few cache lines, too short a
 // stream for the hardware prefetcher, and waiting on them halved the speed of groups of 32. The
 // weight rows are prefetched kAhead bytes (8 KiB) ahead of the line each step reads: at batch 1 a
 // core's stream is bound by the misses it keeps in flight, not by the DRAM (one thread read a
@@ -53,6 +54,9 @@
 #include <cstring>
 #include <type_traits>
 #include <vector>
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
@@ -150,11 +154,11 @@ inline void prefetch(const void* p) {
 
 // prefetch the line `ahead` bytes past p, which may lie past the buffer (a prefetch never
 // faults; the address is formed as an integer, not as a pointer past the object). Stream: the
-// one row of a batch-1 task, each line read once, as non-temporal (prefetchnta; against T0 at
-// the same 8 KiB, chains of cold 4096 x 1536 weights: 1.00-1.01x where the host's bandwidth was
-// high, int8 1.025x and int4 1.02x where low); else (tasks of several rows, whose tiles read
-// their rows again from the caches, and the float path's 8 rows a task, more lines in flight
-// than an L1 holds) into every level (T0)
+// rows of a batch-1 task (one at a time), each line read once, as non-temporal (prefetchnta;
+// against T0 at the same 8 KiB, chains of cold 4096 x 1536 weights: 1.00-1.01x where the
+// host's bandwidth was high, int8 1.025x and int4 1.02x where low); else (tasks of several
+// rows, whose tiles read their rows again from the caches, and the float path's 8 rows a task,
+// more lines in flight than an L1 holds) into every level (T0)
 template <bool Stream>
 inline void prefetch_ahead(const void* p, int64_t ahead) {
 #if defined(__GNUC__)
@@ -190,8 +194,9 @@ void prefetch_scales(const Args<T>& a, const int64_t* nr) {
 
 // The parallel loop: tasks of R weight rows, x's rows in tiles of four (then the one to three
 // left); Tile<MT, R>::run(a, m0, n0) computes y[m0 : m0 + MT, n0 : n0 + R]. One x row: tasks of
-// R1 rows (the VNNI kernel 1: one sequential stream a thread, where 8 rows in turn, each a short
-// stream of its own, ran 0.8x as fast; the float paths 8, which share each x load among them).
+// R1 rows (the VNNI kernels 1, where their strips of 16 would leave threads idle: one
+// sequential stream a thread, where 8 rows interleaved, each a short stream of its own, ran
+// 0.8x as fast; the float paths 8, which share each x load among them).
 template <template <int, int> class Tile, int R1, typename A>
 void for_tiles(const A& a) {
   if (a.m == 1) {
@@ -517,6 +522,18 @@ int64_t activation_block(int64_t group) {
   return K == Kind::Int8 ? 128 : 32;
 }
 
+// whether batch 1 runs in strips of 16 rows: where every thread gets one (a strip's results
+// are the same bits as one-row tasks'; on a many-core host a narrow output in strips would
+// leave threads idle)
+inline bool strips_for(int64_t n) {
+#if defined(_OPENMP)
+  return n >= 16 * static_cast<int64_t>(omp_get_max_threads());
+#else
+  (void)n;
+  return true;
+#endif
+}
+
 // y[0, n0 .. n0 + rows) = lanes 0 .. rows - 1 of v (a strip's results, batch 1)
 template <typename T>
 void store_strip(const Args<T>& a, int64_t n0, int64_t rows, __m512 v) {
@@ -702,7 +719,7 @@ struct Vnni {
       for (int r = 0; r < R; ++r) {
         // (past a row's end: the rows after it, which this task or the thread's next one reads,
         // and past the last row of the weight: nothing there, no fault)
-        constexpr bool kStream = MT == 1 && R == 1;
+        constexpr bool kStream = MT == 1 && R == 1;  // (a batch-1 row, of a strip or alone)
         prefetch_ahead<kStream>(w[r] + bytes, kAhead);
         if constexpr (kBoth && K != Kind::Int4) prefetch_ahead<kStream>(w[r] + bytes, kAhead + 64);
         const __m512i v = _mm512_loadu_si512(w[r] + bytes);
@@ -940,7 +957,7 @@ void vnni_matmul(Args<T> a) {
     a.xs = xs.data();
   }
   if constexpr (K == Kind::Int6) {
-    if (a.m == 1) {
+    if (a.m == 1 && strips_for(a.n)) {
 #pragma omp parallel for schedule(static)
       for (int64_t n0 = 0; n0 < a.n; n0 += 16) VnniInt6<T>::strip(a, n0);
     } else {
@@ -954,7 +971,7 @@ void vnni_matmul(Args<T> a) {
         corr[i * per_row + (grouped ? column_of<K>(h * 16) >> a.gshift : 0)] +=
             hsum[i * halves + h];
     a.corr = corr.data();
-    if (a.m == 1) {
+    if (a.m == 1 && strips_for(a.n)) {
 #pragma omp parallel for schedule(static)
       for (int64_t n0 = 0; n0 < a.n; n0 += 16) Vnni<T, K>::strip(a, n0);
     } else {

@@ -329,15 +329,17 @@ def test_a_row_does_not_depend_on_its_batch() -> None:
     and their order are its own), so an engine's output never depends on the other requests."""
     torch.manual_seed(7)
     # (one zero point, Q8_0's none and Q4_0's 8, and 6 bits: the offsets in the lanes' sums)
-    for bits, group, zero in ((8, None, False), (4, 64, True), (8, 32, False), (4, 32, "const"),
-                              (6, 16, False)):  # fmt: skip
+    # (batch 1 sums 16 weight rows at a time, a batch each row alone: 70 rows, a last strip of 6)
+    for bits, group, zero in ((8, None, False), (4, 64, True), (4, 128, True), (8, 32, False),
+                              (4, 32, "const"), (6, 16, False)):  # fmt: skip
         mod = quant_module(bits, group, zero, torch.randn(70, 300))
         packed = cpu_qmatmul.layout(mod.qweight, mod.scales, mod.zeros, mod.group_size, bits)
-        x = torch.randn(37, 300).bfloat16()
-        batch = cpu_qmatmul.matmul(x, packed)
-        for i in (0, 5, 36):
-            assert torch.equal(cpu_qmatmul.matmul(x[i : i + 1], packed), batch[i : i + 1])
-            assert torch.equal(cpu_qmatmul.matmul(x[i : i + 3], packed)[0], batch[i])
+        for dtype in (torch.bfloat16, torch.float32):
+            x = torch.randn(37, 300).to(dtype)
+            batch = cpu_qmatmul.matmul(x, packed)
+            for i in (0, 5, 36):
+                assert torch.equal(cpu_qmatmul.matmul(x[i : i + 1], packed), batch[i : i + 1])
+                assert torch.equal(cpu_qmatmul.matmul(x[i : i + 3], packed)[0], batch[i])
 
 
 def test_switched_off_runs_aten(monkeypatch: pytest.MonkeyPatch) -> None:
