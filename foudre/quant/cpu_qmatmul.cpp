@@ -534,6 +534,18 @@ inline bool strips_for(int64_t n) {
 #endif
 }
 
+// a batch-1 strip's 16 sums (lane r: row(r)'s lanes summed; zero past `rows`): row(r) returns
+// row n0 + r's lanes, its steps inlined into this loop (called, strips ran 1.1-1.3x as long as
+// tasks of one row; unrolled 16 times, per-channel int8's 1.13x)
+template <typename F>
+[[gnu::always_inline]] inline __m512 strip_sums(int64_t rows, F&& row) {
+  __m512 lanes[16];
+#pragma GCC unroll 1
+  for (int64_t r = 0; r < rows; ++r) lanes[r] = row(r);
+  for (int64_t r = rows; r < 16; ++r) lanes[r] = _mm512_setzero_ps();
+  return reduce16(lanes);
+}
+
 // y[0, n0 .. n0 + rows) = lanes 0 .. rows - 1 of v (a strip's results, batch 1)
 template <typename T>
 void store_strip(const Args<T>& a, int64_t n0, int64_t rows, __m512 v) {
@@ -586,15 +598,11 @@ struct Vnni {
   // Q8_0 98 -> 95; from memory, where the host's bandwidth was low, the same)
   static void strip(const Args<T>& a, int64_t n0) {
     const int64_t rows = std::min<int64_t>(16, a.n - n0);
-    __m512 lanes[16];
-#pragma GCC unroll 1
-    for (int64_t r = 0; r < rows; ++r) {
+    __m512 y = strip_sums(rows, [&](int64_t r) __attribute__((always_inline)) {
       __m512 acc[1][1];
       sums<1, 1>(a, 0, n0 + r, acc);
-      lanes[r] = acc[0][0];
-    }
-    for (int64_t r = rows; r < 16; ++r) lanes[r] = _mm512_setzero_ps();
-    __m512 y = reduce16(lanes);
+      return acc[0][0];
+    });
     const __mmask16 mask = static_cast<__mmask16>(rows == 16 ? 0xFFFF : (1u << rows) - 1);
     if constexpr (!kGrouped)  // as Tile::run's: y = s (acc - 128 sum d q)
       y = _mm512_mul_ps(_mm512_sub_ps(y, _mm512_set1_ps(128.0f * a.corr[0])),
@@ -603,9 +611,8 @@ struct Vnni {
   }
 
   // acc[mi][r]: the lanes of y[m0 + mi, n0 + r]'s sum (the zero points' offsets taken off; per
-  // channel: before the 128 and the scale). It and the steps are inlined into strip's loop (as
-  // the compiler did into a one-row task): called, the strips ran 1.1-1.3x as long as tasks of
-  // one row; unrolled 16 times, per-channel int8's 1.13x
+  // channel: before the 128 and the scale). It and the steps are inlined into strip's loop
+  // (strip_sums)
   template <int MT, int R>
   [[gnu::always_inline]] static void sums(const Args<T>& a, int64_t m0, int64_t n0,
                                           __m512 (&acc)[MT][R]) {
@@ -896,15 +903,11 @@ struct VnniInt6 {
   template <int ST>
   static void strip_typed(const Args<T>& a, int64_t n0) {
     const int64_t rows = std::min<int64_t>(16, a.n - n0);
-    __m512 lanes[16];
-#pragma GCC unroll 1
-    for (int64_t r = 0; r < rows; ++r) {
+    store_strip(a, n0, rows, strip_sums(rows, [&](int64_t r) __attribute__((always_inline)) {
       __m512 sum[1][1];
       Tile<1, 1>::template sums<ST>(a, 0, n0 + r, sum);
-      lanes[r] = sum[0][0];
-    }
-    for (int64_t r = rows; r < 16; ++r) lanes[r] = _mm512_setzero_ps();
-    store_strip(a, n0, rows, reduce16(lanes));
+      return sum[0][0];
+    }));
   }
 };
 
