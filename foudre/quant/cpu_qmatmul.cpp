@@ -522,18 +522,6 @@ int64_t activation_block(int64_t group) {
   return K == Kind::Int8 ? 128 : 32;
 }
 
-// whether batch 1 runs in strips of 16 rows: where every thread gets one (a strip's results
-// are the same bits as one-row tasks'; on a many-core host a narrow output in strips would
-// leave threads idle)
-inline bool strips_for(int64_t n) {
-#if defined(_OPENMP)
-  return n >= 16 * static_cast<int64_t>(omp_get_max_threads());
-#else
-  (void)n;
-  return true;
-#endif
-}
-
 // a batch-1 strip's 16 sums (lane r: row(r)'s lanes summed; zero past `rows`): row(r) returns
 // row n0 + r's lanes, its steps inlined into this loop (called, strips ran 1.1-1.3x as long as
 // tasks of one row; unrolled 16 times, per-channel int8's 1.13x)
@@ -603,10 +591,11 @@ struct Vnni {
       sums<1, 1>(a, 0, n0 + r, acc);
       return acc[0][0];
     });
-    const __mmask16 mask = static_cast<__mmask16>(rows == 16 ? 0xFFFF : (1u << rows) - 1);
-    if constexpr (!kGrouped)  // as Tile::run's: y = s (acc - 128 sum d q)
+    if constexpr (!kGrouped) {  // as Tile::run's: y = s (acc - 128 sum d q)
+      const __mmask16 mask = static_cast<__mmask16>(rows == 16 ? 0xFFFF : (1u << rows) - 1);
       y = _mm512_mul_ps(_mm512_sub_ps(y, _mm512_set1_ps(128.0f * a.corr[0])),
                         load_scales(a.s, n0, a.st, mask));
+    }
     store_strip(a, n0, rows, y);
   }
 
@@ -641,11 +630,11 @@ struct Vnni {
     // their lane offsets compiled in (read through a runtime type, the steps of int4 g32 ran
     // 1.4-1.8x as long). (More cases than these, each compiled in, made the four-row tiles
     // 1.3-1.4x slower.)
-    // (offsets takes off what the steps did not: its Offsets says whether they did)
+    // (offsets takes off what the steps did not: with xs they took them all)
     if constexpr (K == Kind::Int4) {
       if (a.group >= kStepCodes) {
         steps<MT, R, true, false, -1>(a, m0, wr, nr, acc, lane_group, span);
-        offsets<MT, R, false>(a, m0, nr, acc);
+        offsets<MT, R>(a, m0, nr, acc);
         return;
       }
     }
@@ -655,7 +644,7 @@ struct Vnni {
       typed_steps<MT, R, true>(a, m0, wr, nr, acc, lane_group, span);
     } else {
       typed_steps<MT, R, false>(a, m0, wr, nr, acc, lane_group, span);
-      offsets<MT, R, false>(a, m0, nr, acc);
+      offsets<MT, R>(a, m0, nr, acc);
     }
   }
 
@@ -777,14 +766,13 @@ struct Vnni {
       if (whole < k) step(whole, std::true_type{});  // K = 64 mod 128: the first half only
   }
 
-  // grouped: acc -= the offsets the steps did not take off (Offsets: they took them all)
-  template <int MT, int R, bool Offsets>
+  // grouped: acc -= the offsets, where the steps did not take them off in the lanes' dots
+  template <int MT, int R>
   [[gnu::always_inline]] static void offsets(const Args<T>& a, int64_t m0, const int64_t* nr,
                                              __m512 (&acc)[MT][R]) {
     if constexpr (kGrouped) {
-      // the offsets (unless the steps took them off in the lanes' dots): acc -= s (z [+ 128]) *
-      // (the group's sum of d q), 16 groups a step
-      for (int64_t g = 0; g < (Offsets ? 0 : a.groups); g += 16) {
+      // acc -= s (z [+ 128]) * (the group's sum of d q), 16 groups a step
+      for (int64_t g = 0; g < a.groups; g += 16) {
         const __mmask16 mask =
             a.groups - g >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (a.groups - g)) - 1);
         __m512 off[R];
@@ -931,6 +919,24 @@ std::vector<int32_t> lane_offsets(const int8_t* xq, int64_t m, int64_t k, int32_
   return xs;
 }
 
+// a VNNI kernel's tasks: at batch 1 strips of 16 rows (Kernel::strip) where every thread gets
+// one (a strip's results are the same bits as one-row tasks'; on a many-core host a narrow
+// output in strips would leave threads idle), else for_tiles (one-row tasks at batch 1)
+template <typename Kernel, typename T>
+void vnni_tiles(const Args<T>& a) {
+#if defined(_OPENMP)
+  const bool strips = a.m == 1 && a.n >= 16 * static_cast<int64_t>(omp_get_max_threads());
+#else
+  const bool strips = a.m == 1;
+#endif
+  if (!strips) {
+    for_tiles<Kernel::template Tile, 1>(a);
+    return;
+  }
+#pragma omp parallel for schedule(static)
+  for (int64_t n0 = 0; n0 < a.n; n0 += 16) Kernel::strip(a, n0);
+}
+
 // quantize x, then the tiles; the codes' offsets taken off in the lanes' dots (xs) where they
 // are one integer (int6's 32; groups under 128 whose zero points are all zc), else at the end
 // through corr = the sums of a row's 16-code sums: per row (int8), per group (grouped)
@@ -960,12 +966,7 @@ void vnni_matmul(Args<T> a) {
     a.xs = xs.data();
   }
   if constexpr (K == Kind::Int6) {
-    if (a.m == 1 && strips_for(a.n)) {
-#pragma omp parallel for schedule(static)
-      for (int64_t n0 = 0; n0 < a.n; n0 += 16) VnniInt6<T>::strip(a, n0);
-    } else {
-      for_tiles<VnniInt6<T>::template Tile, 1>(a);
-    }
+    vnni_tiles<VnniInt6<T>>(a);
   } else {
     const int64_t per_row = grouped ? a.groups : 1;
     std::vector<float> corr(a.xs ? 0 : a.m * per_row, 0.0f);  // (unread with xs)
@@ -974,12 +975,7 @@ void vnni_matmul(Args<T> a) {
         corr[i * per_row + (grouped ? column_of<K>(h * 16) >> a.gshift : 0)] +=
             hsum[i * halves + h];
     a.corr = corr.data();
-    if (a.m == 1 && strips_for(a.n)) {
-#pragma omp parallel for schedule(static)
-      for (int64_t n0 = 0; n0 < a.n; n0 += 16) Vnni<T, K>::strip(a, n0);
-    } else {
-      for_tiles<Vnni<T, K>::template Tile, 1>(a);
-    }
+    vnni_tiles<Vnni<T, K>>(a);
   }
 }
 

@@ -108,10 +108,10 @@ def layout(
 ) -> Packed:
     """The kernels' view of ``QuantLinear``'s buffers for a ``bits``-bit weight (default: 4 for
     uint8 codes, else 8): the buffers themselves where K is a multiple of 64 (int8) or 128
-    (int4, ``pack_int4``'s nibbles) and the scales float32,
-    float16 or bfloat16 (one dtype for both), else copies padded with zero columns (zero
-    scales). 6 bits (``pack_int6``'s rows, K a multiple of 256 already; ``bits=6`` must be
-    given: the rows are uint8 as int4's): the buffers themselves."""
+    (int4, ``pack_int4``'s nibbles) and the scales float32, float16 or bfloat16 (one dtype for
+    both), else copies padded with zero columns (zero scales). 6 bits (``pack_int6``'s rows, K
+    a multiple of 256 already; ``bits=6`` must be given: the rows are uint8 as int4's): the
+    buffers themselves."""
     bits = bits or (4 if qweight.dtype == torch.uint8 else 8)
     if bits == 6:
         k = qweight.shape[1] * 16 // 13
@@ -215,9 +215,8 @@ def error_bound(
 
 def _check_layout(packed: Packed) -> None:
     """``ValueError`` unless ``packed`` is what the kernels read: K a multiple of 64 (128 for
-    int4, 256 for int6) that the codes hold, and a group-wise layout's
-    groups a power of two, at least 16 columns (32 for int4), covering the padded columns (int6:
-    one d per 256)."""
+    int4, 256 for int6) that the codes hold, and a group-wise layout's groups a power of two,
+    at least 16 columns (32 for int4), covering the padded columns (int6: one d per 256)."""
     if packed.kind == "int6":
         s, k, w = packed.s, packed.k, packed.w
         n = w.shape[0] if w.dim() == 2 else -1
