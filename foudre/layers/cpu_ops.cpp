@@ -235,11 +235,13 @@ void linear_group(const T* x, int64_t x_stride, const T* w, const T* bias, T* y,
 
 // Each task takes R weight rows at a time and multiplies them with the x rows: one pass for one
 // to three rows (M = rows), else four x rows at a time (M = 4), the weight rows coming from
-// memory once and then from L1/L2 for the next four.
+// memory once and then from L1/L2 for the next four. The tasks are handed out guided, as
+// quant/cpu_qmatmul.cpp's (where it says why): a bf16 494.7M Llama's batch-1 decode layers took
+// 0.965x the time of equal static shares, interleaved.
 template <typename T, int M, int R>
 void linear_groups(const T* x, int64_t x_stride, const T* w, const T* bias, T* y, int64_t rows,
                    int64_t n, int64_t k) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(guided)
   for (int64_t n0 = 0; n0 < n; n0 += R) {
     if constexpr (M < 4) {
       linear_group<T, M, R, true>(x, x_stride, w, bias, y, n, k, n0);

@@ -180,6 +180,17 @@ inline void prefetch_ahead(const void* p, int64_t ahead) {
 // tiles unchanged)
 constexpr int64_t kAhead = 8192;
 
+// Guided tasks: the parallel loops over weight rows hand out their tasks guided, a thread taking
+// half of the rows left over the threads (the first half of the rows, the next a quarter, and so
+// on down to one task). Each thread still reads one long sequential stream (its next chunk mostly
+// starts where its last one ended), and the one that finishes first takes the last tasks instead
+// of waiting. In equal static shares one of two threads finished its share of a projection 5 us
+// before the other on average (0.32 ms of the products' 4.9 ms in a batch-1 int4 decode step,
+// summed), the other's tail reading alone at one thread's speed. Guided, interleaved, a 494.7M
+// Llama's decode layers: 0.97-0.99x the time at batch 1 (int4), 0.95-0.98x (int8), 0.97x at 16
+// rows (int4); dynamic chunks of 64 rows (a stream restarting at each) 1.18x, of 16 rows 1.39x.
+// A row's result is the same bits whichever thread computes it.
+
 // a task's rows' scales and zero points, all of their cache lines
 template <int R, typename T>
 void prefetch_scales(const Args<T>& a, const int64_t* nr) {
@@ -197,14 +208,15 @@ void prefetch_scales(const Args<T>& a, const int64_t* nr) {
 // R1 rows (the VNNI kernels 1, where their strips of 16 would leave threads idle: one
 // sequential stream a thread, where 8 rows interleaved, each a short stream of its own, ran
 // 0.8x as fast; the float paths 8, which share each x load among them).
+// The tasks are handed out guided (see guided tasks above).
 template <template <int, int> class Tile, int R1, typename A>
 void for_tiles(const A& a) {
   if (a.m == 1) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(guided)
     for (int64_t n0 = 0; n0 < a.n; n0 += R1) Tile<1, R1>::run(a, 0, n0);
     return;
   }
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(guided)
   for (int64_t n0 = 0; n0 < a.n; n0 += 4) {
     for (int64_t m0 = 0; m0 < a.m; m0 += 4) {
       switch (std::min<int64_t>(a.m - m0, 4)) {
@@ -933,7 +945,7 @@ void vnni_tiles(const Args<T>& a) {
     for_tiles<Kernel::template Tile, 1>(a);
     return;
   }
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(guided)
   for (int64_t n0 = 0; n0 < a.n; n0 += 16) Kernel::strip(a, n0);
 }
 
