@@ -571,8 +571,10 @@ enum LayerPointer {
 // [rows, hidden]: the kernels above and the paged-attention kernel (`attention`: a PagedDecode,
 // or a PagedDecodeCodes where the layers' KV caches are quantized), called in the order and
 // with the roundings of models/llama.py's path through them, so both give the same bits; sparse
-// layers count the experts chosen by the first `counted` rows. Returns, before touching
-// anything, 1 for a position outside the RoPE tables, 2 for a slot outside the cache's
+// layers count the experts chosen by the first `counted` rows. With a `head` (a QuantSlot
+// descriptor, as a projection's: the model's quantized lm_head), then its `head_n` logits of
+// every row into logits [rows, head_n], as QuantLinear's forward computes them. Returns, before
+// touching anything, 1 for a position outside the RoPE tables, 2 for a slot outside the cache's
 // num_slots, 3 for a token outside the vocabulary; else 0.
 template <typename T>
 int decode_layers(T* out, int64_t rows, const int64_t* layers, int64_t num_layers, int64_t hidden,
@@ -582,7 +584,8 @@ int decode_layers(T* out, int64_t rows, const int64_t* layers, int64_t num_layer
                   const void* attention,
                   const int32_t* tokens, const int32_t* tables, const int32_t* lens,
                   int64_t table_width, int64_t block_size, float scale, int64_t counted,
-                  const T* embed, int64_t vocab, const int64_t* ids, const T* final_norm) {
+                  const T* embed, int64_t vocab, const int64_t* ids, const T* final_norm,
+                  const int64_t* head, int64_t head_n, T* logits) {
   for (int64_t r = 0; r < rows; ++r) {
     if (positions[r] < 0 || positions[r] >= max_positions) return 1;
     if (slots[r] < 0 || slots[r] >= num_slots) return 2;
@@ -660,6 +663,9 @@ int decode_layers(T* out, int64_t rows, const int64_t* layers, int64_t num_layer
     add_(x, y.data(), rows * hidden);
   }
   rms_norm(x, final_norm, out, rows, hidden, hidden, eps);
+  if (head != nullptr)
+    project(head, out, static_cast<const T*>(nullptr), static_cast<const T*>(nullptr), logits, rows,
+            head_n, hidden);
   return 0;
 }
 
@@ -695,12 +701,13 @@ int foudre_cpu_ops_available() { return 1; }
       const int64_t* slots, int64_t num_slots, const void* attention, const int32_t* tokens,       \
       const int32_t* tables, const int32_t* lens, int64_t table_width, int64_t block_size,         \
       float scale, int64_t counted, const void* embed, int64_t vocab, const int64_t* ids,          \
-      const void* final_norm) {                                                                    \
+      const void* final_norm, const int64_t* head, int64_t head_n, void* logits) {                 \
     return decode_layers(static_cast<T*>(out), rows, layers, num_layers, hidden, heads, kv_heads,  \
                          head_dim, intermediate, eps, cos, sin, max_positions, positions, slots,   \
                          num_slots, attention, tokens, tables, lens, table_width, block_size,      \
                          scale, counted, static_cast<const T*>(embed), vocab, ids,                 \
-                         static_cast<const T*>(final_norm));                                       \
+                         static_cast<const T*>(final_norm), head, head_n,                          \
+                         static_cast<T*>(logits));                                                 \
   }                                                                                                \
   void foudre_quantize_kv_##SUFFIX(const void* x, int64_t n, int64_t head_dim, int64_t kind,      \
                                    void* codes, float* scales) {                                   \

@@ -43,13 +43,14 @@ _SIGNATURES = {
     # out, rows, layers, num_layers, hidden, heads, kv_heads, head_dim, intermediate, eps;
     # cos, sin, max_positions, positions, slots, num_slots;
     # attention, tokens, tables, lens, table_width, block_size, scale; counted;
-    # embed, vocab, ids, final_norm
+    # embed, vocab, ids, final_norm; head (a QuantSlot descriptor, or 0), head_n, logits
     "foudre_decode_layers": [
         *[_P, _I64, _P, *[_I64] * 6, _F],
         *[_P, _P, _I64, _P, _P, _I64],
         *[*[_P] * 4, _I64, _I64, _F],
         _I64,
         *[_P, _I64, _P, _P],
+        *[_P, _I64, _P],
     ],
 }
 

@@ -11,8 +11,9 @@ about 15% of a bfloat16 step, several times what it costs warm.
 (``layers/cpu_ops.cpp``): the same fused kernels (RMSNorm, the linear kernel, RoPE, SiLU * up) and
 the same paged-attention kernel (``attention/cpu_paged_decode.cpp``), in the order and with the
 roundings of ``models/llama.py``'s path through them, so the hidden states are the same bits
-(tests/engine/test_cpu_decode.py checks that), from the embedding rows to the final norm; the
-logits stay in Python. A sparse layer (a mixture of experts: router and top-k experts, renormalised
+(tests/engine/test_cpu_decode.py checks that), from the embedding rows to the final norm, and on
+to the logits where the model's head is quantized (``run_logits``; a float head's logits stay in
+Python). A sparse layer (a mixture of experts: router and top-k experts, renormalised
 or not, no shared expert) runs ``moe_block``, the native call ``layers/moe.py`` makes for it at
 decode sizes, and adds to the block's ``expert_tokens`` what its Python path would (``_counted``).
 It takes a step when every row is a decode row (one token each, no prefill chunk, no drafts), of at
@@ -146,22 +147,26 @@ class NativeDecode:
         patches: list[tuple[int, int]] = []  # (index in pointers, descriptor)
         qmm = cpu_qmatmul.function(self.dtype)
 
-        def describe(module: nn.Module | None) -> None:
-            if not isinstance(module, QuantLinear):
-                pointers.append(0)
-                return
+        def descriptor(module: QuantLinear) -> list[int]:
+            """A quantized projection's descriptor, its layout and bias held."""
             packed = module._native_layout()
             bias = module.bias  # held absent too: one set after the build sends steps back
             keep(module._buffers, "bias", bias, 0 if bias is None else bias.data_ptr())
             self.quantized.append((module, packed))
-            patches.append((len(pointers), len(descriptors)))
-            pointers.append(0)
             z, zc, st, groups, group, s_stride = packed.arguments()
-            descriptors.append([
+            return [
                 qmm or 0, cpu_qmatmul.KINDS[packed.kind], packed.w.data_ptr(),
                 packed.s.data_ptr(), z, st, groups, group, 0 if bias is None else bias.data_ptr(),
                 packed.k, int.from_bytes(struct.pack("<f", zc), "little"), s_stride,
-            ])  # fmt: skip
+            ]  # fmt: skip
+
+        def describe(module: nn.Module | None) -> None:
+            if not isinstance(module, QuantLinear):
+                pointers.append(0)
+                return
+            patches.append((len(pointers), len(descriptors)))
+            pointers.append(0)
+            descriptors.append(descriptor(module))
 
         self.blocks: list[SparseMoeBlock] = []  # the sparse layers' MLPs, which count
         for layer, cache in zip(layers, kv_caches, strict=True):
@@ -226,6 +231,21 @@ class NativeDecode:
             # (and where it turns to aten's kernels: QuantLinear.native_rows)
             limit = min(m.native_rows() for m, _ in self.quantized)
             self.max_rows = limit if all_quantized else min(self.max_rows, limit)
+        # The model's head, computed in the call too where it is a QuantLinear on cpu_qmatmul
+        # (run_logits): for steps of rows it runs there (its native_rows) and each row's one
+        # logit. Its Python path's module calls and checks took 0.17 ms of a 7.8 ms int4 step
+        # (the head's 40 MB stream leaving them cold); a float head's kernel changes with the
+        # rows (``linear``), and it is left to ``compute_logits``.
+        head = model.lm_head
+        self.head: torch.Tensor | None = None  # its descriptor
+        self.head_rows, self.head_features = 0, head.out_features
+        if isinstance(head, QuantLinear) and _runs_quantized(
+            head, self.dtype, (cfg.hidden_size, head.out_features)
+        ):
+            self.empty += [head._forward_hooks, head._forward_pre_hooks, head._modules]
+            self.children.append((model._modules, dict(model._modules)))
+            self.head = torch.tensor(descriptor(head), dtype=torch.int64)
+            self.head_rows = head.native_rows()
 
     @classmethod
     def build(
@@ -401,11 +421,28 @@ class NativeDecode:
     def run(self, step: ForwardStep) -> torch.Tensor:
         """Final hidden states (after the model's last norm) of a step that ``can_run`` allows:
         the embedding, the layers and the final norm in the one call."""
+        return self._call(step, None)
+
+    def run_logits(self, step: ForwardStep) -> torch.Tensor | None:
+        """Float32 logits ``[rows, vocab]`` of a step that ``can_run`` allows, the model's head
+        computed in the same call, where it can be (a quantized head, rows within its
+        ``native_rows``, every row asking one logit), exactly ``compute_logits``' on ``run``'s
+        hidden states; else None."""
+        rows = len(step.token_ids)
+        if self.head is None or rows > self.head_rows or any(n != 1 for n in step.num_logits):
+            return None
+        logits = torch.empty(rows, self.head_features, dtype=self.dtype)
+        self._call(step, logits)
+        return logits.float()
+
+    def _call(self, step: ForwardStep, logits: torch.Tensor | None) -> torch.Tensor:
+        """The call: the final hidden states, and the head's logits into ``logits`` if given."""
         rows = len(step.token_ids)
         longs, ints, width = self._inputs(step)
         cos, sin = self.rotary.cos, self.rotary.sin
         hidden, heads, kv_heads, head_dim, intermediate = self.dims
         out = torch.empty(rows, hidden, dtype=self.dtype)
+        head = 0 if logits is None or self.head is None else self.head.data_ptr()
         at64, at32 = longs.data_ptr(), ints.data_ptr()
         embed, norm = self.ends
         failed = self.fn(
@@ -437,6 +474,9 @@ class NativeDecode:
             self.vocab,
             at64,  # token ids
             norm,
+            head,
+            self.head_features,
+            0 if logits is None else logits.data_ptr(),
         )
         if failed == 1:
             raise IndexError(f"RoPE position outside the table of {cos.shape[0]}")

@@ -139,6 +139,10 @@ class DecodeGraphs:
         tokens = sum(len(ids) for ids in step.token_ids)
         return 0 < tokens <= self.max_tokens and len(step.token_ids) < self.max_rows
 
+    def run_logits(self, step: ForwardStep) -> torch.Tensor | None:
+        """None: the graphs end at the hidden states (the head runs after, eagerly)."""
+        return None
+
     def run(self, step: ForwardStep) -> torch.Tensor:
         """Hidden states ``[n, hidden]`` of one step: in a decode graph when every row computes
         one token (row ``i`` its token at position ``starts[i]`` through ``block_tables[i]``),

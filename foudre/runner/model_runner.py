@@ -196,6 +196,9 @@ class ModelRunner:
         self.model.count_moe_rows(sum(len(ids) for ids in real))
         path = self.decode_path
         if path is not None and path.can_run(step):
+            logits = path.run_logits(step)
+            if logits is not None:
+                return logits
             hidden = path.run(step)
         else:
             self.flatten(step)

@@ -93,8 +93,12 @@ class ForwardStep:
 class DecodePath(Protocol):
     """A faster way to run some decode steps (replayed CUDA graphs, the native CPU layers).
     ``can_run`` is cheap and side-effect free; ``run`` returns the final hidden states of every
-    row (after the model's last norm), exactly what the model's forward would."""
+    row (after the model's last norm), exactly what the model's forward would; ``run_logits``,
+    for a step ``can_run`` allows, its float32 logits (``compute_logits`` of those states) where
+    the path computes the model's head too, else None (the caller then calls ``run``)."""
 
     def can_run(self, step: ForwardStep) -> bool: ...
 
     def run(self, step: ForwardStep) -> torch.Tensor: ...
+
+    def run_logits(self, step: ForwardStep) -> torch.Tensor | None: ...

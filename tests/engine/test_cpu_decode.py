@@ -63,10 +63,10 @@ def make_runner(tmp_path: Path, dtype: str, arch: str = "llama", **overrides: An
 def counted(runner: ModelRunner) -> list[int]:
     """The row counts of the steps the native layers run (or try to) from now on."""
     native = runner.decode_path
-    assert native is not None
+    assert isinstance(native, NativeDecode)
     calls: list[int] = []
-    run = native.run
-    native.run = lambda step: calls.append(len(step.token_ids)) or run(step)  # type: ignore[method-assign]
+    call = native._call  # what run and run_logits call
+    native._call = lambda step, logits: calls.append(len(step.token_ids)) or call(step, logits)  # type: ignore[method-assign]
     return calls
 
 
@@ -297,19 +297,65 @@ def test_native_decode_is_off_where_it_cannot_run(tmp_path: Path) -> None:
     assert NativeDecode.build(model, backend, caches) is not None
 
 
-def test_native_decode_with_a_quantized_lm_head(tmp_path: Path) -> None:
-    """Only the layers run natively: a quantized ``lm_head`` stays in Python, and the step's
-    logits still equal the Python path's."""
-    runner = make_runner(tmp_path, "float32")
-    quantize_(runner.model, Int8WeightOnly(), skip=("model.layers.*",))
-    native = NativeDecode.build(runner.model, runner.backend, runner.kv_caches)
-    assert native is not None
+@pytest.mark.parametrize(
+    ("arch", "method"), [("llama", "int8"), ("qwen2", "int6"), ("llama", "bias")]
+)
+def test_native_decode_with_a_quantized_lm_head(tmp_path: Path, arch: str, method: str) -> None:
+    """A quantized ``lm_head`` (int8 per channel, the 6 bits of ``int4``'s head, one with a
+    bias) runs in the native call too: the step's logits equal the Python path's bit for bit.
+    Steps it cannot take there (more rows than the head's ``native_rows``, rows asking no logit)
+    run the layers natively and the head in Python; a hook on the head, the head replaced or its
+    layout dropped after the build send the steps back to Python."""
+    if cpu_qmatmul.path() not in ("vnni", "avx512"):
+        pytest.skip("quantized projections run natively with AVX-512 only")
+    runner = make_runner(tmp_path, "bfloat16", arch, vocab_size=300)
+    model = runner.model
+    float_head = model.lm_head
+    w = float_head.weight.detach().float()
+    if method == "int6":
+        head = QuantLinear.from_float(w, None, 6, 16)
+    else:
+        head = QuantLinear.from_float(w, None, 8, None)
+        if method == "bias":
+            head.bias = torch.randn(head.out_features).to(torch.bfloat16)
+    model.lm_head = head.to(torch.bfloat16)
+    native = NativeDecode.build(model, runner.backend, runner.kv_caches)
+    assert native is not None and native.head is not None
     runner.decode_path = native
     calls = counted(runner)
+    heads: list[bool] = []
+    run_logits = native.run_logits
+
+    def spy(step: ForwardStep) -> torch.Tensor | None:
+        out = run_logits(step)
+        heads.append(out is not None)
+        return out
+
+    native.run_logits = spy  # type: ignore[method-assign]
     with torch.inference_mode():
         runner.forward([[3], [8]], [0, 0], [[5, 6, 7], [9, 4]], [1, 1])
-        native_logits, ref = both_paths(runner, [[3], [8]], [3, 2], [[11], [12]], [1, 1])
-    assert torch.equal(native_logits, ref) and calls == [2]
+        got, ref = both_paths(runner, [[3], [8]], [3, 2], [[11], [12]], [1, 1])
+        assert torch.equal(got, ref), (got - ref).abs().max()
+        assert calls == [2] and heads == [True]
+        native.head_rows = 1  # (as a head whose native_rows is 1)
+        got, ref = both_paths(runner, [[3], [8]], [4, 3], [[13], [14]], [1, 1])
+        assert torch.equal(got, ref) and calls == [2, 2] and heads == [True, False]
+        native.head_rows = head.native_rows()
+        got = runner.forward([[3], [8]], [5, 4], [[15], [16]], [0, 1])  # row 0 asks none
+        assert got is not None and got.shape[0] == 1 and heads[-1] is False
+    assert native._unchanged()
+    handle = head.register_forward_hook(lambda *_: None)
+    assert not native._unchanged()
+    handle.remove()
+    assert native._unchanged()
+    head.invalidate_layouts()
+    assert not native._unchanged()
+    native = NativeDecode.build(model, runner.backend, runner.kv_caches)
+    assert native is not None and native._unchanged()
+    model.lm_head = float_head
+    assert not native._unchanged()
+    again = NativeDecode.build(model, runner.backend, runner.kv_caches)
+    assert again is not None and again.head is None  # a float head: Python's compute_logits
 
 
 def test_generate_is_the_same_with_and_without_native_decode(tmp_path: Path) -> None:
