@@ -180,16 +180,17 @@ inline void prefetch_ahead(const void* p, int64_t ahead) {
 // tiles unchanged)
 constexpr int64_t kAhead = 8192;
 
-// Guided tasks: the parallel loops over weight rows hand out their tasks guided, a thread taking
-// half of the rows left over the threads (the first half of the rows, the next a quarter, and so
-// on down to one task). Each thread still reads one long sequential stream (its next chunk mostly
-// starts where its last one ended), and the one that finishes first takes the last tasks instead
-// of waiting. In equal static shares one of two threads finished its share of a projection 5 us
-// before the other on average (0.32 ms of the products' 4.9 ms in a batch-1 int4 decode step,
-// summed), the other's tail reading alone at one thread's speed. Guided, interleaved, a 494.7M
-// Llama's decode layers: 0.97-0.99x the time at batch 1 (int4), 0.95-0.98x (int8), 0.97x at 16
-// rows (int4); dynamic chunks of 64 rows (a stream restarting at each) 1.18x, of 16 rows 1.39x.
-// A row's result is the same bits whichever thread computes it.
+// Guided tasks: the parallel loops of the products over weight rows (not dequantize's, for the
+// prefill GEMMs) hand out their tasks guided: each chunk a thread takes is its share of the
+// tasks left (libgomp: the tasks left over the threads; libomp half that), down to one task. The
+// first chunks are long sequential streams, and a thread that finishes early takes the next
+// chunk, which with two threads mostly starts where its last one ended, instead of waiting. In
+// equal static shares one of two threads finished its share of a projection 5 us before the
+// other on average (0.32 ms of the products' 4.9 ms in a batch-1 int4 decode step, summed), the
+// other's tail reading alone at one thread's speed. Guided, interleaved, a 494.7M Llama's decode
+// layers: 0.97-0.99x the time at batch 1 (int4), 0.95-0.98x (int8), 0.97x at 16 rows (int4);
+// dynamic chunks of 64 rows (a stream restarting at each) 1.18x, of 16 rows 1.39x. A row's
+// result is the same bits whichever thread computes it.
 
 // a task's rows' scales and zero points, all of their cache lines
 template <int R, typename T>
@@ -931,9 +932,10 @@ std::vector<int32_t> lane_offsets(const int8_t* xq, int64_t m, int64_t k, int32_
   return xs;
 }
 
-// a VNNI kernel's tasks: at batch 1 strips of 16 rows (Kernel::strip) where every thread gets
-// one (a strip's results are the same bits as one-row tasks'; on a many-core host a narrow
-// output in strips would leave threads idle), else for_tiles (one-row tasks at batch 1)
+// a VNNI kernel's tasks: at batch 1 strips of 16 rows (Kernel::strip) where there are at least
+// as many strips as threads (a strip's results are the same bits as one-row tasks'; on a
+// many-core host a narrow output in strips would leave threads idle), else for_tiles (one-row
+// tasks at batch 1)
 template <typename Kernel, typename T>
 void vnni_tiles(const Args<T>& a) {
 #if defined(_OPENMP)

@@ -64,8 +64,8 @@ if TYPE_CHECKING:
 
 class NativeDecode:
     """Decode steps of ``model`` from the token ids to the final norm (embedding, decoder layers,
-    final RMSNorm), over ``kv_caches`` (the runner's list); ``build`` returns None where they
-    cannot run natively."""
+    final RMSNorm) and, with a quantized head, on to the logits (``run_logits``), over
+    ``kv_caches`` (the runner's list); ``build`` returns None where they cannot run natively."""
 
     def __init__(
         self,
@@ -97,40 +97,18 @@ class NativeDecode:
         self.rotary = model.model.rotary
         embed, norm = model.model.embed_tokens, model.model.norm
         modules = [*model.model.layers.modules(), embed, norm]
-        # What _unchanged checks each step, arranged to touch few objects: a step finds them all
-        # out of the caches once the weights have streamed through (looked up by module and name,
-        # the checks took 0.37 ms of a 9 ms int4 step). The dicts that must stay empty: every
-        # module's hooks, a leaf's children, and the parameters or buffers of a module where the
-        # C++ assumes entries absent and there are none at all (checking the whole dict is
-        # empty is one look, and stricter than the names).
-        # The dict objects themselves are held: hooks registered into a dict that replaced a
-        # module's own (``m._forward_hooks = {...}``, which torch never does) go unseen.
-        self.empty: list[dict[Any, Any]] = []
-        for m in modules:
-            self.empty += [m._forward_hooks, m._forward_pre_hooks]
-            if not m._modules:
-                self.empty.append(m._modules)
+        # What _unchanged checks each step (_Checks): every module's hooks, the top model's and
+        # its decoder's too (a hook there is called by the Python path), and a leaf's children
+        self.checks = checks = _Checks()
+        for m in [model, model.model, *modules]:
+            checks.watch(m)
         # a module's children as built: a child replaced since (a Linear quantized in place,
         # say) sends the steps back to Python; the model's own too (an embedding, final norm or
         # rotary module replaced: the call holds the built ones' tables)
         owners = [model.model, *(m for m in modules if m._modules)]
-        self.children = [(m._modules, dict(m._modules)) for m in owners]
-        emptied = {id(d) for d in self.empty}
-        # (owner's dict, name, tensor, address) of everything whose address the call takes, and
-        # of the parameters it assumes absent (None): the biases the C++ does not add
-        self.held: list[tuple[dict[str, Any], str, torch.Tensor | None, int]] = []
+        checks.children = [(m._modules, dict(m._modules)) for m in owners]
+        keep = checks.keep
         pointers: list[int] = []
-
-        def keep(
-            owner: dict[str, Any], name: str, tensor: torch.Tensor | None, address: int
-        ) -> None:
-            """Hold an entry; an absent one in a dict with no entries at all as that dict
-            staying empty."""
-            if tensor is not None or owner:
-                self.held.append((owner, name, tensor, address))
-            elif id(owner) not in emptied:
-                emptied.add(id(owner))
-                self.empty.append(owner)
 
         def hold(module: nn.Module | None, name: str, passed: bool = True) -> None:
             tensor = None if module is None else module._parameters.get(name)
@@ -142,17 +120,16 @@ class NativeDecode:
         # the quantized projections: their cpu_qmatmul views (each step checks that the module
         # still holds it: invalidate_layouts, a move or load_state_dict drops it) and their
         # descriptors (cpu_ops.cpp's QuantSlot)
-        self.quantized: list[tuple[QuantLinear, cpu_qmatmul.Packed]] = []
         descriptors: list[list[int]] = []
         patches: list[tuple[int, int]] = []  # (index in pointers, descriptor)
         qmm = cpu_qmatmul.function(self.dtype)
 
-        def descriptor(module: QuantLinear) -> list[int]:
-            """A quantized projection's descriptor, its layout and bias held."""
+        def descriptor(module: QuantLinear, held: _Checks = checks) -> list[int]:
+            """A quantized projection's descriptor, its layout and bias held (in ``held``)."""
             packed = module._native_layout()
             bias = module.bias  # held absent too: one set after the build sends steps back
-            keep(module._buffers, "bias", bias, 0 if bias is None else bias.data_ptr())
-            self.quantized.append((module, packed))
+            held.keep(module._buffers, "bias", bias, 0 if bias is None else bias.data_ptr())
+            held.quantized.append((module, packed))
             z, zc, st, groups, group, s_stride = packed.arguments()
             return [
                 qmm or 0, cpu_qmatmul.KINDS[packed.kind], packed.w.data_ptr(),
@@ -223,28 +200,30 @@ class NativeDecode:
         for at, row in patches:
             pointers[at] = self.descriptors[row].data_ptr()
         self.layers = torch.tensor(pointers, dtype=torch.int64)
-        if self.quantized:
+        if checks.quantized:
             # where QuantLinear's forward switches to its dequantized GEMM, so do the steps; with
             # every projection quantized (and no experts) up to there, as the float kernel's
             # limit then does not apply (32-row int8 steps: 5% more throughput than in Python)
-            all_quantized = len(self.quantized) == 4 * len(layers) and not self.blocks
+            all_quantized = len(checks.quantized) == 4 * len(layers) and not self.blocks
             # (and where it turns to aten's kernels: QuantLinear.native_rows)
-            limit = min(m.native_rows() for m, _ in self.quantized)
+            limit = min(m.native_rows() for m, _ in checks.quantized)
             self.max_rows = limit if all_quantized else min(self.max_rows, limit)
         # The model's head, computed in the call too where it is a QuantLinear on cpu_qmatmul
         # (run_logits): for steps of rows it runs there (its native_rows) and each row's one
-        # logit. Its Python path's module calls and checks took 0.17 ms of a 7.8 ms int4 step
+        # logit, while its own checks hold (a hook on it, say, sends the head alone back to
+        # Python). Its Python path's module calls and checks took 0.17 ms of a 7.8 ms int4 step
         # (the head's 40 MB stream leaving them cold); a float head's kernel changes with the
         # rows (``linear``), and it is left to ``compute_logits``.
         head = model.lm_head
         self.head: torch.Tensor | None = None  # its descriptor
+        self.head_checks = _Checks()
         self.head_rows, self.head_features = 0, head.out_features
         if isinstance(head, QuantLinear) and _runs_quantized(
             head, self.dtype, (cfg.hidden_size, head.out_features)
         ):
-            self.empty += [head._forward_hooks, head._forward_pre_hooks, head._modules]
-            self.children.append((model._modules, dict(model._modules)))
-            self.head = torch.tensor(descriptor(head), dtype=torch.int64)
+            self.head_checks.watch(head)
+            self.head_checks.children.append((model._modules, dict(model._modules)))
+            self.head = torch.tensor(descriptor(head, self.head_checks), dtype=torch.int64)
             self.head_rows = head.native_rows()
 
     @classmethod
@@ -389,18 +368,7 @@ class NativeDecode:
         )
 
     def _unchanged(self) -> bool:
-        if any(self.empty) or any(now != built for now, built in self.children):
-            return False
-        if self.quantized and not uses_native_kernels(self.dtype):
-            return False
-        for module, packed in self.quantized:  # the same kernel and inputs as its forward
-            if module._native is not packed or not _feeds_kernel(module, self.dtype):
-                return False
-        for owner, name, tensor, address in self.held:
-            now = owner.get(name)
-            if now is not tensor or (now is not None and now.data_ptr() != address):
-                return False
-        if len(self.cache_list) != len(self.caches):
+        if not self.checks.unchanged(self.dtype) or len(self.cache_list) != len(self.caches):
             return False
         for now, (cache, addresses) in zip(self.cache_list, self.caches, strict=True):
             if now is not cache or _addresses(now) != addresses:
@@ -430,6 +398,8 @@ class NativeDecode:
         hidden states; else None."""
         rows = len(step.token_ids)
         if self.head is None or rows > self.head_rows or any(n != 1 for n in step.num_logits):
+            return None
+        if not self.head_checks.unchanged(self.dtype):
             return None
         logits = torch.empty(rows, self.head_features, dtype=self.dtype)
         self._call(step, logits)
@@ -510,6 +480,67 @@ class NativeDecode:
             ints += t
             ints += [0] * (width - len(t))
         return torch.tensor(longs, dtype=torch.int64), torch.tensor(ints, dtype=torch.int32), width
+
+
+class _Checks:
+    """What a native step checks is as it was built, arranged to touch few objects: a step finds
+    them all out of the caches once the weights have streamed through (looked up by module and
+    name, the checks took 0.37 ms of a 9 ms int4 step).
+
+    ``empty``: the dicts that must stay empty: modules' hooks, a leaf's children, and the
+    parameters or buffers of a module where the C++ assumes entries absent and there are none at
+    all (checking the whole dict is empty is one look, and stricter than the names). The dict
+    objects themselves are held: hooks registered into a dict that replaced a module's own
+    (``m._forward_hooks = {...}``, which torch never does) go unseen. ``children``: modules'
+    children dicts and their entries as built. ``quantized``: the quantized projections and
+    their cpu_qmatmul views (the module must still hold it: invalidate_layouts, a move or
+    load_state_dict drops it), fed as their forward would. ``held``: (owner's dict, name,
+    tensor, address) of everything whose address the call takes, and of the parameters it
+    assumes absent (None): the biases the C++ does not add."""
+
+    def __init__(self) -> None:
+        self.empty: list[dict[Any, Any]] = []
+        self.children: list[tuple[dict[str, Any], dict[str, Any]]] = []
+        self.quantized: list[tuple[QuantLinear, cpu_qmatmul.Packed]] = []
+        self.held: list[tuple[dict[str, Any], str, torch.Tensor | None, int]] = []
+        self._emptied: set[int] = set()
+
+    def watch(self, module: nn.Module) -> None:
+        """``module``'s hooks stay empty, and its children if it has none."""
+        self._empty(module._forward_hooks)
+        self._empty(module._forward_pre_hooks)
+        if not module._modules:
+            self._empty(module._modules)
+
+    def keep(
+        self, owner: dict[str, Any], name: str, tensor: torch.Tensor | None, address: int
+    ) -> None:
+        """Hold an entry; an absent one in a dict with no entries at all as that dict staying
+        empty."""
+        if tensor is not None or owner:
+            self.held.append((owner, name, tensor, address))
+        else:
+            self._empty(owner)
+
+    def _empty(self, d: dict[Any, Any]) -> None:
+        if id(d) not in self._emptied:
+            self._emptied.add(id(d))
+            self.empty.append(d)
+
+    def unchanged(self, dtype: torch.dtype) -> bool:
+        """Whether everything is as built, for steps of ``dtype`` activations."""
+        if any(self.empty) or any(now != built for now, built in self.children):
+            return False
+        if self.quantized and not uses_native_kernels(dtype):
+            return False
+        for module, packed in self.quantized:  # the same kernel and inputs as its forward
+            if module._native is not packed or not _feeds_kernel(module, dtype):
+                return False
+        for owner, name, tensor, address in self.held:
+            now = owner.get(name)
+            if now is not tensor or (now is not None and now.data_ptr() != address):
+                return False
+        return True
 
 
 def _stored(cache: torch.Tensor | QuantizedKVCache) -> torch.Tensor:

@@ -224,7 +224,13 @@ def test_native_decode_takes_only_what_it_can_run(tmp_path: Path) -> None:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             decode()
         inner = runner.model.model
-        for module in (inner.embed_tokens, inner.norm):  # the ends the call runs too
+        # the ends the call runs too, and the model and its decoder, whose hooks Python calls
+        for module in (inner.embed_tokens, inner.norm, runner.model, inner):
+            if not hasattr(module, "weight"):
+                handle = module.register_forward_pre_hook(lambda *a: None)
+                decode()
+                handle.remove()
+                continue
             handle = module.register_forward_hook(lambda *a: None)
             decode()
             handle.remove()
@@ -298,27 +304,34 @@ def test_native_decode_is_off_where_it_cannot_run(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("arch", "method"), [("llama", "int8"), ("qwen2", "int6"), ("llama", "bias")]
+    ("dtype", "arch", "method"),
+    [
+        ("bfloat16", "llama", "int8"),
+        ("bfloat16", "qwen2", "int6"),
+        ("bfloat16", "llama", "int4"),
+        ("float32", "llama", "bias"),
+    ],
 )
-def test_native_decode_with_a_quantized_lm_head(tmp_path: Path, arch: str, method: str) -> None:
-    """A quantized ``lm_head`` (int8 per channel, the 6 bits of ``int4``'s head, one with a
-    bias) runs in the native call too: the step's logits equal the Python path's bit for bit.
-    Steps it cannot take there (more rows than the head's ``native_rows``, rows asking no logit)
-    run the layers natively and the head in Python; a hook on the head, the head replaced or its
-    layout dropped after the build send the steps back to Python."""
+def test_native_decode_with_a_quantized_lm_head(
+    tmp_path: Path, dtype: str, arch: str, method: str
+) -> None:
+    """A quantized ``lm_head`` (int8 per channel, the 6 bits of ``int4``'s head, int4 in groups
+    (its scales paired), one with a bias) runs in the native call too: the steps' logits equal
+    the Python path's bit for bit, at batch 1 (strips) and 2. Steps it cannot take there (more
+    rows than the head's ``native_rows``, rows asking no logit) run the layers natively and
+    the head in Python; a hook on the head, its layout dropped or the head replaced after the
+    build send the head alone back to Python."""
     if cpu_qmatmul.path() not in ("vnni", "avx512"):
         pytest.skip("quantized projections run natively with AVX-512 only")
-    runner = make_runner(tmp_path, "bfloat16", arch, vocab_size=300)
+    runner = make_runner(tmp_path, dtype, arch, vocab_size=300)
     model = runner.model
     float_head = model.lm_head
     w = float_head.weight.detach().float()
-    if method == "int6":
-        head = QuantLinear.from_float(w, None, 6, 16)
-    else:
-        head = QuantLinear.from_float(w, None, 8, None)
-        if method == "bias":
-            head.bias = torch.randn(head.out_features).to(torch.bfloat16)
-    model.lm_head = head.to(torch.bfloat16)
+    bits, group = {"int6": (6, 16), "int4": (4, 32)}.get(method, (8, None))
+    head = QuantLinear.from_float(w, None, bits, group)
+    if method == "bias":
+        head.bias = torch.randn(head.out_features)
+    model.lm_head = head.to(getattr(torch, dtype))
     native = NativeDecode.build(model, runner.backend, runner.kv_caches)
     assert native is not None and native.head is not None
     runner.decode_path = native
@@ -332,28 +345,39 @@ def test_native_decode_with_a_quantized_lm_head(tmp_path: Path, arch: str, metho
         return out
 
     native.run_logits = spy  # type: ignore[method-assign]
+    lens = [3, 2]
+
+    def step(rows: int, num_logits: list[int] | None = None) -> None:
+        new = [[11 + lens[i]] for i in range(rows)]
+        got, ref = both_paths(runner, [[3], [8]][:rows], lens[:rows], new, num_logits or [1] * rows)
+        assert torch.equal(got, ref), (got - ref).abs().max()
+        lens[:rows] = [n + 1 for n in lens[:rows]]
+
     with torch.inference_mode():
         runner.forward([[3], [8]], [0, 0], [[5, 6, 7], [9, 4]], [1, 1])
-        got, ref = both_paths(runner, [[3], [8]], [3, 2], [[11], [12]], [1, 1])
-        assert torch.equal(got, ref), (got - ref).abs().max()
-        assert calls == [2] and heads == [True]
+        step(2)
+        step(1)
+        assert calls == [2, 1] and heads == [True, True]
         native.head_rows = 1  # (as a head whose native_rows is 1)
-        got, ref = both_paths(runner, [[3], [8]], [4, 3], [[13], [14]], [1, 1])
-        assert torch.equal(got, ref) and calls == [2, 2] and heads == [True, False]
+        step(2)
+        assert calls[-1] == 2 and heads[-1] is False
         native.head_rows = head.native_rows()
-        got = runner.forward([[3], [8]], [5, 4], [[15], [16]], [0, 1])  # row 0 asks none
-        assert got is not None and got.shape[0] == 1 and heads[-1] is False
-    assert native._unchanged()
-    handle = head.register_forward_hook(lambda *_: None)
-    assert not native._unchanged()
-    handle.remove()
-    assert native._unchanged()
-    head.invalidate_layouts()
-    assert not native._unchanged()
-    native = NativeDecode.build(model, runner.backend, runner.kv_caches)
-    assert native is not None and native._unchanged()
-    model.lm_head = float_head
-    assert not native._unchanged()
+        step(2, [0, 1])  # row 0 asks none
+        assert calls[-1] == 2 and heads[-1] is False
+        handle = head.register_forward_hook(lambda *_: None)
+        step(1)  # the layers native, the head (and its hook) in Python
+        assert calls[-1] == 1 and heads[-1] is False
+        handle.remove()
+        step(1)
+        assert heads[-1] is True
+        head.invalidate_layouts()
+        step(1)
+        assert calls[-1] == 1 and heads[-1] is False
+        native = NativeDecode.build(model, runner.backend, runner.kv_caches)
+        one = ForwardStep([[3]], [9], [[1]], [1])
+        assert native is not None and native.run_logits(one) is not None
+        model.lm_head = float_head
+        assert native._unchanged() and native.run_logits(one) is None
     again = NativeDecode.build(model, runner.backend, runner.kv_caches)
     assert again is not None and again.head is None  # a float head: Python's compute_logits
 
@@ -436,7 +460,7 @@ def test_native_decode_runs_quantized_projections(
     set_compute_dtype(model, None)
     native = NativeDecode.build(model, runner.backend, runner.kv_caches)
     assert native is not None
-    assert len(native.quantized) == 4 * len(model.model.layers)
+    assert len(native.checks.quantized) == 4 * len(model.model.layers)
     runner.decode_path = native
     calls = counted(runner)
     with torch.inference_mode():
