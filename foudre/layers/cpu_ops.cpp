@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <cstring>
 #include <initializer_list>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -573,9 +574,10 @@ enum LayerPointer {
 // with the roundings of models/llama.py's path through them, so both give the same bits; sparse
 // layers count the experts chosen by the first `counted` rows. With a `head` (a QuantSlot
 // descriptor, as a projection's: the model's quantized lm_head), then its `head_n` logits of
-// every row into logits [rows, head_n], as QuantLinear's forward computes them. Returns, before
-// touching anything, 1 for a position outside the RoPE tables, 2 for a slot outside the cache's
-// num_slots, 3 for a token outside the vocabulary; else 0.
+// every row into float32 logits [rows, head_n], as QuantLinear's forward computes them (in T)
+// and compute_logits widens them. Returns, before touching anything, 1 for a position outside
+// the RoPE tables, 2 for a slot outside the cache's num_slots, 3 for a token outside the
+// vocabulary; else 0.
 template <typename T>
 int decode_layers(T* out, int64_t rows, const int64_t* layers, int64_t num_layers, int64_t hidden,
                   int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate,
@@ -585,7 +587,7 @@ int decode_layers(T* out, int64_t rows, const int64_t* layers, int64_t num_layer
                   const int32_t* tokens, const int32_t* tables, const int32_t* lens,
                   int64_t table_width, int64_t block_size, float scale, int64_t counted,
                   const T* embed, int64_t vocab, const int64_t* ids, const T* final_norm,
-                  const int64_t* head, int64_t head_n, T* logits) {
+                  const int64_t* head, int64_t head_n, float* logits) {
   for (int64_t r = 0; r < rows; ++r) {
     if (positions[r] < 0 || positions[r] >= max_positions) return 1;
     if (slots[r] < 0 || slots[r] >= num_slots) return 2;
@@ -663,9 +665,14 @@ int decode_layers(T* out, int64_t rows, const int64_t* layers, int64_t num_layer
     add_(x, y.data(), rows * hidden);
   }
   rms_norm(x, final_norm, out, rows, hidden, hidden, eps);
-  if (head != nullptr)
-    project(head, out, static_cast<const T*>(nullptr), static_cast<const T*>(nullptr), logits, rows,
+  if (head != nullptr) {  // in T, as QuantLinear's forward rounds them, then widened exactly
+    std::vector<T> y(std::is_same_v<T, float> ? 0 : rows * head_n);
+    T* dst = std::is_same_v<T, float> ? reinterpret_cast<T*>(logits) : y.data();
+    project(head, out, static_cast<const T*>(nullptr), static_cast<const T*>(nullptr), dst, rows,
             head_n, hidden);
+    if constexpr (!std::is_same_v<T, float>)
+      for (int64_t i = 0; i < rows * head_n; ++i) logits[i] = to_float(y[i]);
+  }
   return 0;
 }
 
@@ -707,7 +714,7 @@ int foudre_cpu_ops_available() { return 1; }
                          num_slots, attention, tokens, tables, lens, table_width, block_size,      \
                          scale, counted, static_cast<const T*>(embed), vocab, ids,                 \
                          static_cast<const T*>(final_norm), head, head_n,                          \
-                         static_cast<T*>(logits));                                                 \
+                         static_cast<float*>(logits));                                             \
   }                                                                                                \
   void foudre_quantize_kv_##SUFFIX(const void* x, int64_t n, int64_t head_dim, int64_t kind,      \
                                    void* codes, float* scales) {                                   \

@@ -401,9 +401,9 @@ class NativeDecode:
             return None
         if not self.head_checks.unchanged(self.dtype):
             return None
-        logits = torch.empty(rows, self.head_features, dtype=self.dtype)
+        logits = torch.empty(rows, self.head_features)  # float32: the C++ widens them
         self._call(step, logits)
-        return logits.float()
+        return logits
 
     def _call(self, step: ForwardStep, logits: torch.Tensor | None) -> torch.Tensor:
         """The call: the final hidden states, and the head's logits into ``logits`` if given."""
