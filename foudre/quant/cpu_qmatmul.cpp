@@ -18,14 +18,15 @@
 // two bits, the int8 sub-scales: a row one sequential stream), scales and zero points [N, groups]
 // in float32, float16 or bfloat16 (st: 0, 1, 2), their rows s_stride elements apart
 // (QuantLinear pairs a row's scales and zero points in one buffer: cpu_qmatmul.pair_scales, one
-// stream where a separate one of zero points cost 18% at batch 1). A row's scales and zero
-// points are prefetched as its steps begin: a row's scales are a few cache lines, too short a
-// stream for the hardware prefetcher, and waiting on them halved the speed of groups of 32. The
-// weight rows are prefetched kAhead bytes (8 KiB) ahead of the line each step reads: at batch 1 a
-// core's stream is bound by the misses it keeps in flight, not by the DRAM (one thread read a
-// cold Q8_0 8192 x 1536 weight at 22-23 GB/s however fast its loop, two at 33-35), and these
-// prefetches add to them: 27 GB/s and 40-43 (Zen 4, 4 KiB ahead then; a 64-projection int4
-// decode step's products 1.10x, int8's 1.04-1.13x, in interleaved pairs).
+// stream where a separate one of zero points cost 18% at batch 1). Each task prefetches the
+// scales and zero points of a task ahead (prefetch_scale_rows): a row's are a few cache lines,
+// too short a stream for the hardware prefetcher, and waiting on them halved the speed of groups
+// of 32, and of int4 g128 rows of 4096 codes with zero points at batch 1. The weight rows are
+// prefetched kAhead bytes (8 KiB) ahead of the line each step reads: at batch 1 a core's stream
+// is bound by the misses it keeps in flight, not by the DRAM (one thread read a cold Q8_0
+// 8192 x 1536 weight at 22-23 GB/s however fast its loop, two at 33-35), and these prefetches add
+// to them: 27 GB/s and 40-43 (Zen 4, 4 KiB ahead then; a 64-projection int4 decode step's
+// products 1.10x, int8's 1.04-1.13x, in interleaved pairs).
 //
 // Three paths, by what the compiler targets (built with -march=native):
 //   VNNI      (AVX512-VNNI): x quantized to int8 per block (d = max|x| / 127; 32 columns for
@@ -146,7 +147,7 @@ void row_ptrs(const Args<T>& a, int64_t n0, const uint8_t** wr, int64_t* nr) {
   }
 }
 
-inline void prefetch(const void* p) {
+[[gnu::always_inline]] inline void prefetch(const void* p) {
 #if defined(__GNUC__)
   __builtin_prefetch(p, 0, 3);
 #endif
@@ -160,7 +161,7 @@ inline void prefetch(const void* p) {
 // rows, whose tiles read their rows again from the caches, and the float path's 8 rows a task,
 // more lines in flight than an L1 holds) into every level (T0)
 template <bool Stream>
-inline void prefetch_ahead(const void* p, int64_t ahead) {
+[[gnu::always_inline]] inline void prefetch_ahead(const void* p, int64_t ahead) {
 #if defined(__GNUC__)
   const auto* line = reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(p) + ahead);
   __builtin_prefetch(line, 0, Stream ? 0 : 3);
@@ -192,17 +193,31 @@ constexpr int64_t kAhead = 8192;
 // dynamic chunks of 64 rows (a stream restarting at each) 1.18x, of 16 rows 1.39x. A row's
 // result is the same bits whichever thread computes it.
 
-// a task's rows' scales and zero points, all of their cache lines
-template <int R, typename T>
-void prefetch_scales(const Args<T>& a, const int64_t* nr) {
-  const int64_t size = a.st == kF32 ? 4 : 2, bytes = a.groups * size;
-  for (int r = 0; r < R; ++r)
-    for (int64_t b = 0; b < bytes; b += 64) {
-      prefetch(static_cast<const uint8_t*>(a.s) + nr[r] * a.s_stride * size + b);
-      if (a.z) prefetch(static_cast<const uint8_t*>(a.z) + nr[r] * a.s_stride * size + b);
-    }
+// The scales and zero points of the rows [first, first + count) (none past the last row), all
+// of their cache lines: what a task some rows on will read (kTaskScalesAhead tasks; at batch 1
+// the next strip), prefetched by the loops over tasks as each begins. A task prefetching its own
+// rows' scales as its steps began was late: at batch 1 a row of 4096 int4 codes waited on its
+// group scales and zero points (one thread, chains of cold 1536 x 4096 int4 g128 weights:
+// 24.6-25.3 GB/s, 36.1 prefetched a strip ahead; 4096 x 1536 33.4 -> 34.1; a 494.7M Llama's int4
+// decode layers 0.963x the time, interleaved, on two threads; at 16 rows 0.986x). Always
+// inlined: compiled out of line, a function whose only effects are prefetches had its calls
+// dropped from the batch-1 strips by GCC (no prefetcht0 left in their object code).
+template <typename T>
+[[gnu::always_inline]] inline void prefetch_scale_rows(const Args<T>& a, int64_t first,
+                                                       int64_t count) {
+  count = std::min(count, a.n - first);
+  if (count <= 0) return;
+  const int64_t size = a.st == kF32 ? 4 : 2, stride = a.s_stride * size;
+  const auto* s = static_cast<const uint8_t*>(a.s);
+  const auto* z = static_cast<const uint8_t*>(a.z);
+  const int64_t bytes = (count - 1) * stride + std::max<int64_t>(a.groups, 1) * size;
+  for (int64_t b = 0; b < bytes; b += 64) prefetch(s + first * stride + b);
+  if (z && (z < s || z >= s + stride))  // (zero points in rows of their own, not paired)
+    for (int64_t b = 0; b < bytes; b += 64) prefetch(z + first * stride + b);
 }
 
+// how many tasks ahead the loops over tasks of one or four rows prefetch their scales
+constexpr int64_t kTaskScalesAhead = 2;
 
 // The parallel loop: tasks of R weight rows, x's rows in tiles of four (then the one to three
 // left); Tile<MT, R>::run(a, m0, n0) computes y[m0 : m0 + MT, n0 : n0 + R]. One x row: tasks of
@@ -214,11 +229,15 @@ template <template <int, int> class Tile, int R1, typename A>
 void for_tiles(const A& a) {
   if (a.m == 1) {
 #pragma omp parallel for schedule(guided)
-    for (int64_t n0 = 0; n0 < a.n; n0 += R1) Tile<1, R1>::run(a, 0, n0);
+    for (int64_t n0 = 0; n0 < a.n; n0 += R1) {
+      prefetch_scale_rows(a, n0 + kTaskScalesAhead * R1, R1);
+      Tile<1, R1>::run(a, 0, n0);
+    }
     return;
   }
 #pragma omp parallel for schedule(guided)
   for (int64_t n0 = 0; n0 < a.n; n0 += 4) {
+    prefetch_scale_rows(a, n0 + kTaskScalesAhead * 4, 4);
     for (int64_t m0 = 0; m0 < a.m; m0 += 4) {
       switch (std::min<int64_t>(a.m - m0, 4)) {
         case 1: Tile<1, 4>::run(a, m0, n0); break;
@@ -427,7 +446,6 @@ struct Float512 {
       const uint8_t* wr[R];
       int64_t nr[R];
       row_ptrs<R>(a, n0, wr, nr);
-      if constexpr (K != Kind::Int8) prefetch_scales<R>(a, nr);
       __m512 acc[MT][R];
       for (auto& row : acc)
         for (auto& v : row) v = _mm512_setzero_ps();
@@ -621,7 +639,6 @@ struct Vnni {
     const uint8_t* wr[R];
     int64_t nr[R];
     row_ptrs<R>(a, n0, wr, nr);
-    if constexpr (kGrouped) prefetch_scales<R>(a, nr);
     for (auto& row : acc)
       for (auto& v : row) v = _mm512_setzero_ps();
     // lane l (the columns c + kLaneColumns l and on, of a step at c; per-channel int8: of
@@ -836,7 +853,6 @@ struct VnniInt6 {
       const uint8_t* wr[R];
       int64_t nr[R];
       row_ptrs<R>(a, n0, wr, nr);
-      prefetch_scales<R>(a, nr);
       const __m512i low = _mm512_set1_epi8(15), top = _mm512_set1_epi8(0x30);
       // the top bits as bits 4-5: of the even columns bits 0-1 of the 32 bytes (for the first 64
       // code bytes) and 2-3 (the copy, for the last 64); of the odd ones bits 4-5 and 6-7
@@ -948,7 +964,10 @@ void vnni_tiles(const Args<T>& a) {
     return;
   }
 #pragma omp parallel for schedule(guided)
-  for (int64_t n0 = 0; n0 < a.n; n0 += 16) Kernel::strip(a, n0);
+  for (int64_t n0 = 0; n0 < a.n; n0 += 16) {
+    prefetch_scale_rows(a, n0 + 16, 16);  // the next strip's
+    Kernel::strip(a, n0);
+  }
 }
 
 // quantize x, then the tiles; the codes' offsets taken off in the lanes' dots (xs) where they
