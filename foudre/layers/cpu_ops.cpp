@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <cstring>
 #include <initializer_list>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -666,12 +667,13 @@ int decode_layers(T* out, int64_t rows, const int64_t* layers, int64_t num_layer
   }
   rms_norm(x, final_norm, out, rows, hidden, hidden, eps);
   if (head != nullptr) {  // in T, as QuantLinear's forward rounds them, then widened exactly
-    std::vector<T> y(std::is_same_v<T, float> ? 0 : rows * head_n);
-    T* dst = std::is_same_v<T, float> ? reinterpret_cast<T*>(logits) : y.data();
+    constexpr bool wide = std::is_same_v<T, float>;
+    std::unique_ptr<T[]> rounded(wide ? nullptr : new T[rows * head_n]);  // (not zeroed)
+    T* dst = wide ? reinterpret_cast<T*>(logits) : rounded.get();
     project(head, out, static_cast<const T*>(nullptr), static_cast<const T*>(nullptr), dst, rows,
             head_n, hidden);
-    if constexpr (!std::is_same_v<T, float>)
-      for (int64_t i = 0; i < rows * head_n; ++i) logits[i] = to_float(y[i]);
+    if constexpr (!wide)
+      for (int64_t i = 0; i < rows * head_n; ++i) logits[i] = to_float(rounded[i]);
   }
   return 0;
 }

@@ -18,8 +18,8 @@
 // two bits, the int8 sub-scales: a row one sequential stream), scales and zero points [N, groups]
 // in float32, float16 or bfloat16 (st: 0, 1, 2), their rows s_stride elements apart
 // (QuantLinear pairs a row's scales and zero points in one buffer: cpu_qmatmul.pair_scales, one
-// stream where a separate one of zero points cost 18% at batch 1). Each task prefetches the
-// scales and zero points of a task ahead (prefetch_scale_rows): a row's are a few cache lines,
+// stream where a separate one of zero points cost 18% at batch 1). The loops over tasks prefetch
+// the scales and zero points of a task ahead (prefetch_scale_rows): a row's are a few lines,
 // too short a stream for the hardware prefetcher, and waiting on them halved the speed of groups
 // of 32, and of int4 g128 rows of 4096 codes with zero points at batch 1. The weight rows are
 // prefetched kAhead bytes (8 KiB) ahead of the line each step reads: at batch 1 a core's stream
@@ -193,30 +193,38 @@ constexpr int64_t kAhead = 8192;
 // dynamic chunks of 64 rows (a stream restarting at each) 1.18x, of 16 rows 1.39x. A row's
 // result is the same bits whichever thread computes it.
 
-// The scales and zero points of the rows [first, first + count) (none past the last row), all
-// of their cache lines: what a task some rows on will read (kTaskScalesAhead tasks; at batch 1
-// the next strip), prefetched by the loops over tasks as each begins. A task prefetching its own
-// rows' scales as its steps began was late: at batch 1 a row of 4096 int4 codes waited on its
+// The scales and zero points of the rows [first, first + count) (none past the last row), every
+// cache line of them, into L2: what a task some rows on will read (kTaskScalesAhead tasks; at
+// batch 1 the next strip), prefetched by the loops over tasks as each task begins. Before, each
+// task prefetched its own rows' scales as its steps began, in a function of its own, which GCC
+// left out of most of the object code (every batch-1 strip, the bfloat16 tiles: no prefetcht0
+// there), and which came late where it ran: at batch 1 a row of 4096 int4 codes waited on its
 // group scales and zero points (one thread, chains of cold 1536 x 4096 int4 g128 weights:
 // 24.6-25.3 GB/s, 36.1 prefetched a strip ahead; 4096 x 1536 33.4 -> 34.1; a 494.7M Llama's int4
 // decode layers 0.963x the time, interleaved, on two threads; at 16 rows 0.986x). Always
-// inlined: compiled out of line, a function whose only effects are prefetches had its calls
-// dropped from the batch-1 strips by GCC (no prefetcht0 left in their object code).
+// inlined, so that nothing decides it does nothing; into L2 (T1), as a strip's scales in small
+// groups of wide rows run to tens of KiB. Addresses are formed as integers (prefetch_ahead).
 template <typename T>
 [[gnu::always_inline]] inline void prefetch_scale_rows(const Args<T>& a, int64_t first,
                                                        int64_t count) {
   count = std::min(count, a.n - first);
   if (count <= 0) return;
+  const auto s = reinterpret_cast<uintptr_t>(a.s), z = reinterpret_cast<uintptr_t>(a.z);
   const int64_t size = a.st == kF32 ? 4 : 2, stride = a.s_stride * size;
-  const auto* s = static_cast<const uint8_t*>(a.s);
-  const auto* z = static_cast<const uint8_t*>(a.z);
-  const int64_t bytes = (count - 1) * stride + std::max<int64_t>(a.groups, 1) * size;
-  for (int64_t b = 0; b < bytes; b += 64) prefetch(s + first * stride + b);
-  if (z && (z < s || z >= s + stride))  // (zero points in rows of their own, not paired)
-    for (int64_t b = 0; b < bytes; b += 64) prefetch(z + first * stride + b);
+  const int64_t span = std::max<int64_t>(a.groups, 1) * size;  // a row's scales (or zero points)
+  // zero points paired with the scales (cpu_qmatmul.pair_scales): inside each scale row's stride
+  const bool paired = z != 0 && z >= s && z < s + static_cast<uintptr_t>(stride);
+  const auto lines = [&](uintptr_t base, int64_t row_bytes) {
+    const uintptr_t from = (base + first * stride) & ~uintptr_t{63};
+    const uintptr_t to = base + (first + count - 1) * stride + row_bytes;
+    for (uintptr_t p = from; p < to; p += 64)
+      __builtin_prefetch(reinterpret_cast<const void*>(p), 0, 2);
+  };
+  lines(s, paired ? static_cast<int64_t>(z - s) + span : span);
+  if (z != 0 && !paired) lines(z, span);
 }
 
-// how many tasks ahead the loops over tasks of one or four rows prefetch their scales
+// how many tasks ahead for_tiles prefetches the scales (tasks of 4 rows, or at batch 1 of R1)
 constexpr int64_t kTaskScalesAhead = 2;
 
 // The parallel loop: tasks of R weight rows, x's rows in tiles of four (then the one to three
