@@ -217,10 +217,11 @@ class NativeDecode:
         head = model.lm_head
         self.head: torch.Tensor | None = None  # its descriptor
         self.head_checks = _Checks()
-        self.head_rows, self.head_features = 0, head.out_features
+        self.head_rows = self.head_features = 0
         if isinstance(head, QuantLinear) and _runs_quantized(
             head, self.dtype, (cfg.hidden_size, head.out_features)
         ):
+            self.head_features = head.out_features
             self.head_checks.watch(head)
             self.head_checks.children.append((model._modules, dict(model._modules)))
             self.head = torch.tensor(descriptor(head, self.head_checks), dtype=torch.int64)
