@@ -342,6 +342,30 @@ def test_a_row_does_not_depend_on_its_batch() -> None:
                 assert torch.equal(cpu_qmatmul.matmul(x[i : i + 3], packed)[0], batch[i])
 
 
+def test_a_row_does_not_depend_on_the_threads() -> None:
+    """The tasks are handed out guided (any thread may take any rows) and batch 1 takes strips
+    of 16 rows only where there are as many strips as threads (else one row a task): each row's
+    result is the same bits on 1, 2 and 3 threads, at batch 1 (40 rows: strips on up to two
+    threads, one row a task on three), 3 and 37, for every kind (the scales prefetched ahead up
+    to the last row)."""
+    torch.manual_seed(11)
+    threads = torch.get_num_threads()
+    cases = ((8, None, False), (4, 128, True), (4, 32, "const"), (8, 32, True), (6, 16, False))
+    try:
+        for bits, group, zero in cases:
+            mod = quant_module(bits, group, zero, torch.randn(40, 384))
+            packed = cpu_qmatmul.layout(mod.qweight, mod.scales, mod.zeros, mod.group_size, bits)
+            for m in (1, 3, 37):
+                x = torch.randn(m, 384, dtype=torch.bfloat16)
+                results = []
+                for n in (1, 2, 3):
+                    torch.set_num_threads(n)
+                    results.append(cpu_qmatmul.matmul(x, packed))
+                assert all(torch.equal(r, results[0]) for r in results), (bits, group, m)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_switched_off_runs_aten(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FOUDRE_NATIVE_QMATMUL", "0")
     assert not uses_native_kernels(torch.float32)
