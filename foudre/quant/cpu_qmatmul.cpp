@@ -147,9 +147,12 @@ void row_ptrs(const Args<T>& a, int64_t n0, const uint8_t** wr, int64_t* nr) {
   }
 }
 
-[[gnu::always_inline]] inline void prefetch(const void* p) {
+// prefetch the line at address p (an integer: it may lie past a buffer) into L2
+[[gnu::always_inline]] inline void prefetch_l2(uintptr_t p) {
 #if defined(__GNUC__)
-  __builtin_prefetch(p, 0, 3);
+  __builtin_prefetch(reinterpret_cast<const void*>(p), 0, 2);
+#else
+  (void)p;
 #endif
 }
 
@@ -201,9 +204,10 @@ constexpr int64_t kAhead = 8192;
 // there), and which came late where it ran: at batch 1 a row of 4096 int4 codes waited on its
 // group scales and zero points (one thread, chains of cold 1536 x 4096 int4 g128 weights:
 // 24.6-25.3 GB/s, 36.1 prefetched a strip ahead; 4096 x 1536 33.4 -> 34.1; a 494.7M Llama's int4
-// decode layers 0.963x the time, interleaved, on two threads; at 16 rows 0.986x). Always
-// inlined, so that nothing decides it does nothing; into L2 (T1), as a strip's scales in small
-// groups of wide rows run to tens of KiB. Addresses are formed as integers (prefetch_ahead).
+// decode layers 0.963x the time, interleaved, on two threads; at 16 rows 0.986x). It, its
+// lambda and prefetch_l2 always inlined, so that nothing decides it does nothing (with the
+// lambda left to the compiler, no prefetcht1 was left in any loop's object code); into L2 (T1),
+// as a strip's scales in small groups of wide rows run to tens of KiB.
 template <typename T>
 [[gnu::always_inline]] inline void prefetch_scale_rows(const Args<T>& a, int64_t first,
                                                        int64_t count) {
@@ -214,11 +218,10 @@ template <typename T>
   const int64_t span = std::max<int64_t>(a.groups, 1) * size;  // a row's scales (or zero points)
   // zero points paired with the scales (cpu_qmatmul.pair_scales): inside each scale row's stride
   const bool paired = z != 0 && z >= s && z < s + static_cast<uintptr_t>(stride);
-  const auto lines = [&](uintptr_t base, int64_t row_bytes) {
+  const auto lines = [&](uintptr_t base, int64_t row_bytes) __attribute__((always_inline)) {
     const uintptr_t from = (base + first * stride) & ~uintptr_t{63};
     const uintptr_t to = base + (first + count - 1) * stride + row_bytes;
-    for (uintptr_t p = from; p < to; p += 64)
-      __builtin_prefetch(reinterpret_cast<const void*>(p), 0, 2);
+    for (uintptr_t p = from; p < to; p += 64) prefetch_l2(p);
   };
   lines(s, paired ? static_cast<int64_t>(z - s) + span : span);
   if (z != 0 && !paired) lines(z, span);
