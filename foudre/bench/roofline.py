@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from foudre.layers import fused
+from foudre.layers import fused, huge_pages
 from foudre.layers.moe import SparseMoeBlock
 
 _WEIGHT_BUFFER_MARKS = ("weight", "scale", "zero")
@@ -70,7 +70,10 @@ def _matvec_samplers(mib: int, dev: torch.device) -> list[Callable[[], float]]:
     kernel (``fused.linear``) on a CPU where it builds (the last)."""
     cols = 4096
     rows = max(1, mib * (1 << 20) // (4 * cols))
-    w = torch.randn(rows, cols, device=dev)
+    if dev.type == "cpu":  # in 2 MiB pages where the OS gives them, as the engine's weights
+        w = huge_pages.empty(rows * cols * 4).view(torch.float32).view(rows, cols).normal_()
+    else:
+        w = torch.randn(rows, cols, device=dev)
     x = torch.randn(cols, device=dev)
     products: list[Callable[[], object]] = [lambda: w.sum(), lambda: torch.mv(w, x)]
     if dev.type == "cpu" and fused.enabled(w):

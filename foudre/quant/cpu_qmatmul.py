@@ -180,7 +180,12 @@ def pair_scales(
     ):
         return scales, zeros
     both = torch.stack([scales, read], dim=1)  # [N, 2, groups]
-    return both[:, 0], both[:, 1]
+    # tensors on its storage, not views of it: a view holds ``both`` too (its ``_base``), which
+    # keeps ``huge_pages.place_in_huge_pages`` from moving the storage
+    storage, stride = both.untyped_storage(), (both.stride(0), both.stride(2))
+    return tuple(  # type: ignore[return-value]
+        scales.new_empty(0).set_(storage, i * both.stride(1), scales.shape, stride) for i in (0, 1)
+    )
 
 
 def activation_block(bits: int, group_size: int | None) -> int:

@@ -449,15 +449,19 @@ def uses_native_kernels(dtype: torch.dtype) -> bool:
 
 
 def prepare_for_cpu(model: nn.Module) -> None:
-    """As loaded on the CPU: a float32 model's quantized linears compute in bfloat16 where
-    torch's packed kernels serve them (fast with bf16 activations only); ours (AVX-512) take
-    float32 as it is."""
+    """As loaded on the CPU: where our kernels (AVX-512) serve the model's dtype, each quantized
+    linear's layout is built now (its group-wise scales and zero points paired: new buffers,
+    which ``huge_pages.place_in_huge_pages`` then moves with the rest); else a float32 model's
+    quantized linears compute in bfloat16 (torch's packed kernels are fast with bf16
+    activations only)."""
     params = next(model.parameters(), None)
-    if params is None or params.device.type != "cpu" or params.dtype != torch.float32:
+    if params is None or params.device.type != "cpu":
         return
-    if uses_native_kernels(torch.float32):
-        return
-    if any(isinstance(m, QuantLinear) for m in model.modules()):
+    quantized = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    if uses_native_kernels(params.dtype):
+        for mod in quantized:
+            mod._native_layout()
+    elif params.dtype == torch.float32 and quantized:
         set_compute_dtype(model, torch.bfloat16)
 
 

@@ -1,0 +1,131 @@
+"""Weights moved into 2 MiB pages at load (``foudre.layers.huge_pages``): the same tensors, values
+and strides in one advised map; what else holds a storage keeps it where it is."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from foudre.compress.model import causal_logits
+from foudre.layers import huge_pages
+from foudre.loading.loader import load_model
+from foudre.quant import cpu_qmatmul
+from foudre.quant.qlinear import QuantLinear
+from tests.conftest import make_hf_model
+
+needs_thp = pytest.mark.skipif(
+    not huge_pages.enabled(), reason="no transparent huge pages (or FOUDRE_HUGE_PAGES=0)"
+)
+
+
+def _region(address: int) -> tuple[int, int, str]:
+    """(start, end, VmFlags) of the mapping of this process that holds ``address``."""
+    start = end = -1
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            start, end = (int(x, 16) for x in head.split("-"))
+        elif head == "VmFlags:" and start <= address < end:
+            return start, end, line
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def _in_advised_map(tensors: list[torch.Tensor]) -> bool:
+    """Whether every tensor lies in one mapping advised MADV_HUGEPAGE (flag ``hg``)."""
+    regions = {_region(t.data_ptr()) for t in tensors}
+    return len(regions) == 1 and " hg" in next(iter(regions))[2]
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(96, 80)
+        self.b = nn.Linear(96, 80, bias=False)
+        self.b.weight = self.a.weight  # tied: one tensor in two modules
+        self.c = nn.Linear(40, 24)
+        self.register_buffer("table", torch.empty_strided((5, 7), (1, 5)).normal_())  # strided
+        self.register_buffer("gone", None)
+
+
+@needs_thp
+def test_moves_storages_keeping_tensors_and_values() -> None:
+    torch.manual_seed(0)
+    net = _Net()
+    held = net.c.weight[3:]  # a view that another holder keeps: its storage must stay
+    tensors = [net.a.weight, net.a.bias, net.c.bias, net.table]
+    before = {id(t): (t.clone(), t.stride(), t.data_ptr()) for t in [*tensors, net.c.weight]}
+    moved = huge_pages.place_in_huge_pages(net)
+    assert moved == sum(-(-t.nbytes // 64) * 64 for t in tensors)
+    assert net.b.weight is net.a.weight
+    for t in tensors:
+        value, stride, address = before[id(t)]
+        assert t.stride() == stride and torch.equal(t, value)
+        assert t.data_ptr() != address and t.data_ptr() % 64 == 0
+    assert _in_advised_map(tensors)
+    assert net.c.weight.data_ptr() == before[id(net.c.weight)][2]  # left in place
+    assert held.data_ptr() == net.c.weight.data_ptr() + 3 * 40 * 4
+    # the module still trains and computes as before
+    x = torch.randn(3, 96)
+    assert torch.equal(net.a(x), x @ before[id(net.a.weight)][0].t() + before[id(net.a.bias)][0])
+    net.a(x).sum().backward()
+    assert net.a.weight.grad is not None
+
+
+def test_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FOUDRE_HUGE_PAGES", "0")
+    net = _Net()
+    address = net.a.weight.data_ptr()
+    assert not huge_pages.enabled()
+    assert huge_pages.place_in_huge_pages(net) == 0
+    assert net.a.weight.data_ptr() == address
+    assert huge_pages.empty(100).numel() == 100
+
+
+@needs_thp
+def test_empty_is_aligned_and_advised() -> None:
+    buf = huge_pages.empty(3 * huge_pages.HUGE_PAGE + 5)
+    assert buf.numel() == 3 * huge_pages.HUGE_PAGE + 5 and buf.dtype == torch.uint8
+    assert buf.data_ptr() % huge_pages.HUGE_PAGE == 0
+    assert _in_advised_map([buf])
+    buf.fill_(7)
+    assert int(buf.sum()) == 7 * buf.numel()
+
+
+def test_paired_scales_are_not_views() -> None:
+    """``pair_scales`` gives two tensors on one storage, neither a view (whose base would hold
+    the storage too and keep it out of huge pages), with the values given."""
+    scales, zeros = torch.rand(6, 4, dtype=torch.bfloat16), torch.rand(6, 4, dtype=torch.bfloat16)
+    s, z = cpu_qmatmul.pair_scales(scales, zeros)
+    assert s._base is None and z._base is None
+    assert s.untyped_storage().data_ptr() == z.untyped_storage().data_ptr()
+    assert torch.equal(s, scales) and torch.equal(z, zeros)
+    assert cpu_qmatmul.pair_scales(s, z) == (s, z)  # already paired: as they are
+
+
+@needs_thp
+@pytest.mark.parametrize("quantization", [None, "int4"])
+def test_loaded_weights_in_huge_pages_same_logits(
+    quantization: str | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model loaded on the CPU holds every weight (the quantized linears' codes, paired scales
+    and zero points too) in one advised map, and computes the same logits, bit for bit, as the
+    same model loaded without (``FOUDRE_HUGE_PAGES=0``)."""
+    path = make_hf_model(tmp_path / "m", hidden_size=256, intermediate_size=512, vocab_size=384)
+    cpu = torch.device("cpu")
+    model = load_model(str(path), None, "bfloat16", cpu, None, quantization=quantization).model
+    monkeypatch.setenv("FOUDRE_HUGE_PAGES", "0")
+    plain = load_model(str(path), None, "bfloat16", cpu, None, quantization=quantization).model
+    weights = [*model.parameters(), *(b for n, b in model.named_buffers() if "rotary" not in n)]
+    assert _in_advised_map(weights)
+    assert not any(_in_advised_map([w]) for w in plain.parameters())
+    if quantization is not None:
+        linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
+        assert any(m.zeros is not None for m in linears)  # int4's zero points, paired
+        for m in linears:
+            assert _in_advised_map([t for t in (m.qweight, m.scales, m.zeros) if t is not None])
+    ids = torch.tensor([[1, 7, 42, 300, 5, 9]])
+    with torch.inference_mode():
+        assert torch.equal(causal_logits(model, ids), causal_logits(plain, ids))
