@@ -36,6 +36,8 @@ otherwise the step goes back to Python.
 from __future__ import annotations
 
 import ctypes
+import itertools
+import operator
 import struct
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, cast
@@ -43,6 +45,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 from torch.nn.modules import module as nn_module
+from torch.utils.hooks import RemovableHandle
 
 from foudre.layers import fused
 from foudre.layers.kv_quant import STORAGE_DTYPES
@@ -129,7 +132,7 @@ class NativeDecode:
             packed = module._native_layout()
             bias = module.bias  # held absent too: one set after the build sends steps back
             held.keep(module._buffers, "bias", bias, 0 if bias is None else bias.data_ptr())
-            held.quantized.append((module, packed))
+            held.quantize(module, packed)
             z, zc, st, groups, group, s_stride = packed.arguments()
             return [
                 qmm or 0, cpu_qmatmul.KINDS[packed.kind], packed.w.data_ptr(),
@@ -484,44 +487,73 @@ class NativeDecode:
 
 
 class _Checks:
-    """What a native step checks is as it was built, arranged to touch few objects: a step finds
-    them all out of the caches once the weights have streamed through (looked up by module and
-    name, the checks took 0.37 ms of a 9 ms int4 step).
+    """What a native step checks is as it was built, each kind of check one pass of C loops
+    (``map``, ``all``, ``any``) over tuples made once. What the checks cost is the cache misses
+    of the objects they touch, cold after the weights have streamed through (an int4 step's
+    checks: ~30 us warm, ~250 us cold), so they touch as few as they can: the hooks' dicts only
+    when torch has made a hook handle since they were last seen empty (``_handles``).
 
-    ``empty``: the dicts that must stay empty: modules' hooks, a leaf's children, and the
-    parameters or buffers of a module where the C++ assumes entries absent and there are none at
-    all (checking the whole dict is empty is one look, and stricter than the names). The dict
-    objects themselves are held: hooks registered into a dict that replaced a module's own
-    (``m._forward_hooks = {...}``, which torch never does) go unseen. ``children``: modules'
-    children dicts and their entries as built. ``quantized``: the quantized projections and
-    their cpu_qmatmul views (the module must still hold it: invalidate_layouts, a move or
-    load_state_dict drops it), fed as their forward would. ``held``: (owner's dict, name,
-    tensor, address) of everything whose address the call takes, and of the parameters it
-    assumes absent (None): the biases the C++ does not add."""
+    ``empty``: the dicts that must stay empty: a leaf's children, and the parameters or buffers
+    of a module where the C++ assumes entries absent and there are none at all (checking the
+    whole dict is empty is one look, and stricter than the names). ``hooks``: the modules' hook
+    dicts, which must stay empty too. The dict objects themselves are held: hooks put into a
+    dict that replaced a module's own (``m._forward_hooks = {...}``), or put into one without
+    a handle (``m._forward_hooks[k] = f``), which torch never does, go unseen. ``children``:
+    modules' children dicts and their entries as built. ``entries``: (dict, name, what it held
+    at the build, ``_MISSING`` if absent) that must hold the same object: the tensors whose
+    address the call takes, the parameters it assumes absent (the biases the C++ does not add),
+    and what a quantized projection's forward reads to choose its kernel (``_feeds_kernel``'s
+    buffers and attributes, its cpu_qmatmul layout: invalidate_layouts, a move or
+    load_state_dict drops it). ``addresses``: (tensor, address) of every tensor the call reads,
+    whose storage a ``set_`` or ``.data =`` could move under the same object (a quantized
+    layout's codes and scales too: before, only the module's holding the layout was checked).
+    ``quantized``: the quantized projections and their layouts."""
 
     def __init__(self) -> None:
         self.empty: list[dict[Any, Any]] = []
+        self.hooks: list[dict[Any, Any]] = []
+        self._handles = -1  # RemovableHandle.next_id when the hooks were last seen empty
         self.children: list[tuple[dict[str, Any], dict[str, Any]]] = []
         self.quantized: list[tuple[QuantLinear, cpu_qmatmul.Packed]] = []
-        self.held: list[tuple[dict[str, Any], str, torch.Tensor | None, int]] = []
+        self.entries: list[tuple[dict[str, Any], str, object]] = []
+        self.addresses: list[tuple[torch.Tensor, int]] = []
         self._emptied: set[int] = set()
+        self._frozen: tuple[tuple[Any, ...], ...] | None = None  # the tuples, at the first step
 
     def watch(self, module: nn.Module) -> None:
         """``module``'s hooks stay empty, and its children if it has none."""
-        self._empty(module._forward_hooks)
-        self._empty(module._forward_pre_hooks)
+        self.hooks += [module._forward_hooks, module._forward_pre_hooks]
         if not module._modules:
             self._empty(module._modules)
 
     def keep(
         self, owner: dict[str, Any], name: str, tensor: torch.Tensor | None, address: int
     ) -> None:
-        """Hold an entry; an absent one in a dict with no entries at all as that dict staying
-        empty."""
+        """Hold an entry and its address; an absent one in a dict with no entries at all as
+        that dict staying empty."""
         if tensor is not None or owner:
-            self.held.append((owner, name, tensor, address))
+            self.entry(owner, name)
+            if tensor is not None:
+                self.addresses.append((tensor, address))
         else:
             self._empty(owner)
+
+    def entry(self, owner: dict[str, Any], name: str) -> None:
+        """``owner[name]`` stays the object it is now (absent stays absent)."""
+        self.entries.append((owner, name, owner.get(name, _MISSING)))
+
+    def quantize(self, module: QuantLinear, packed: cpu_qmatmul.Packed) -> None:
+        """A quantized projection run on ``packed``: its layout and what its forward reads to
+        choose its kernel stay as built (``_feeds_kernel`` held them then), and the tensors of
+        the layout where they are."""
+        self.quantized.append((module, packed))
+        for name in ("qweight", "input_scale", "perm"):
+            self.entry(module._buffers, name)
+        for name in ("compute_dtype", "_native"):
+            self.entry(module.__dict__, name)
+        for t in (packed.w, packed.s, packed.z):
+            if t is not None:
+                self.addresses.append((t, t.data_ptr()))
 
     def _empty(self, d: dict[Any, Any]) -> None:
         if id(d) not in self._emptied:
@@ -530,18 +562,42 @@ class _Checks:
 
     def unchanged(self, dtype: torch.dtype) -> bool:
         """Whether everything is as built, for steps of ``dtype`` activations."""
-        if any(self.empty) or any(now != built for now, built in self.children):
+        frozen = self._frozen
+        if frozen is None:
+            frozen = self._frozen = (
+                tuple(now for now, _ in self.children),
+                tuple(built for _, built in self.children),
+                tuple(d for d, _, _ in self.entries),
+                tuple(name for _, name, _ in self.entries),
+                tuple(value for _, _, value in self.entries),
+                tuple(t for t, _ in self.addresses),
+                tuple(address for _, address in self.addresses),
+            )
+        now, built, dicts, names, values, tensors, addresses = frozen
+        if any(self.empty) or not all(map(operator.eq, now, built)):
             return False
+        handles = _handles()
+        if handles != self._handles or handles < 0:
+            if any(self.hooks):
+                return False
+            self._handles = handles
         if self.quantized and not uses_native_kernels(dtype):
             return False
-        for module, packed in self.quantized:  # the same kernel and inputs as its forward
-            if module._native is not packed or not _feeds_kernel(module, dtype):
-                return False
-        for owner, name, tensor, address in self.held:
-            now = owner.get(name)
-            if now is not tensor or (now is not None and now.data_ptr() != address):
-                return False
-        return True
+        held = map(dict.get, dicts, names, itertools.repeat(_MISSING))
+        return all(map(operator.is_, held, values)) and tuple(map(_ADDRESS, tensors)) == addresses
+
+
+_ADDRESS = torch.Tensor.data_ptr
+
+
+def _handles() -> int:
+    """How many hook handles torch has made (``RemovableHandle.next_id``: every
+    ``register_forward_hook`` and the like takes the next id), -1 where it does not count them.
+    While it stands still no hook was registered anywhere, so hook dicts seen empty stay empty,
+    and a step need not look at them again: they are a cold cache line each after the weights
+    have streamed through (some 300 dicts, 40-50 us of a 5 ms int4 step)."""
+    count = getattr(RemovableHandle, "next_id", None)
+    return count if isinstance(count, int) else -1
 
 
 def _stored(cache: torch.Tensor | QuantizedKVCache) -> torch.Tensor:
@@ -590,9 +646,9 @@ def _runs_quantized(mod: QuantLinear, dtype: torch.dtype, shape: tuple[int, int]
 
 
 def _feeds_kernel(mod: QuantLinear, dtype: torch.dtype) -> bool:
-    """``_runs_quantized``'s checks of the module itself (each step makes them: the buffers
-    read from their dict, as ``nn.Module.__getattr__`` would take most of the check's time). A
-    name no longer a buffer (a Parameter assigned to it, or deleted) fails the check."""
+    """``_runs_quantized``'s checks of the module itself, at the build (each step then checks
+    that what they read is the same: ``_Checks.quantize``). A name no longer a buffer (a
+    Parameter assigned to it, or deleted) fails the check."""
     buffers = mod._buffers
     input_scale = buffers.get("input_scale", _MISSING)
     perm, bias = buffers.get("perm", _MISSING), buffers.get("bias", _MISSING)

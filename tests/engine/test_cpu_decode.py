@@ -528,6 +528,14 @@ def test_native_decode_refuses_quantized_projections_it_cannot_run(tmp_path: Pat
     del o_proj.bias
     o_proj.register_buffer("bias", None)
     assert native._unchanged()
+    # codes or scales moved under the same tensor (``.data =``): the call holds their address
+    for name in ("qweight", "scales"):
+        buffer = getattr(o_proj, name)
+        before = buffer.data
+        buffer.data = before.clone()
+        assert not native._unchanged(), name
+        buffer.data = before
+        assert native._unchanged()
     with pytest.MonkeyPatch.context() as mp:  # the kernels switched off after the build
         mp.setenv("FOUDRE_NATIVE_QMATMUL", "0")
         assert build() is None and not native._unchanged()
