@@ -250,6 +250,7 @@ def run_scheme(
     its log-probabilities on ``kl_ids`` (the reference of the others when it is fp32)."""
     from foudre.compress.eval import perplexity
     from foudre.engine.llm import LLM
+    from foudre.runner.model_runner import ModelRunner
 
     in_place = calibration is not None and scheme.quantization in CALIBRATED
     config = scheme_config(base, scheme, in_place)
@@ -260,6 +261,9 @@ def run_scheme(
         if in_place:
             assert scheme.quantization is not None and calibration is not None
             quantize_in_place(model, scheme.quantization, calibration)
+            runner = llm.engine.runner
+            if isinstance(runner, ModelRunner):  # the native decode step on the quantized model
+                runner.model_changed()
         load_s = time.perf_counter() - wall
         size = model_bytes(model)
         row: dict[str, Any] = {

@@ -4,15 +4,17 @@ crosses a page (a TLB entry) every 4 KiB of them.
 Linux backs memory with transparent huge pages where the process asks for them
 (``madvise(MADV_HUGEPAGE)``: the kernel's default ``madvise`` mode) or everywhere (``always``);
 PyTorch's CPU allocator asks only with ``THP_MEM_ALLOC_ENABLE=1`` in the environment before its
-first allocation, which a library cannot arrange. ``place_in_huge_pages`` moves a model's weights
-into one buffer aligned to 2 MiB and advised before its first touch, so that every page of it is
+first allocation, which a library cannot arrange. ``place_in_huge_pages`` (called by
+``ModelRunner`` on the CPU, before anything runs) moves a model's weights into one buffer
+aligned to 2 MiB and advised before its first touch, so that every page of it is
 faulted in as a huge page (where the kernel has them to give: otherwise it stays on 4 KiB pages,
 as before).
 
 Measured on the 2-core EPYC (Zen 4) of the benchmarks, one process holding two copies of the
-494.7M Llama and stepping them in turns: the decode step took 0.96-0.98x the time with the
-weights in huge pages (int4), 0.95x (int8), 0.97x (bf16); a plain read of 512 MiB ran 1.07x as
-fast (so the roofline's probe reads a buffer of ``empty`` too: ``foudre.bench.roofline``).
+494.7M Llama and stepping them in turns: the decode step took 0.958x and 0.972x the time with
+the weights in huge pages (int4, two runs), 0.942x (int8), 0.973x (bf16); a plain read of 512
+MiB ran 1.07x as fast (so the roofline's probe reads a buffer of ``empty`` too:
+``foudre.bench.roofline``).
 
 Switched off with ``FOUDRE_HUGE_PAGES=0``; elsewhere than Linux it does nothing.
 """
@@ -20,9 +22,11 @@ Switched off with ``FOUDRE_HUGE_PAGES=0``; elsewhere than Linux it does nothing.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import itertools
 import mmap
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -44,15 +48,16 @@ def enabled() -> bool:
         return False
 
 
-def empty(nbytes: int) -> torch.Tensor:
-    """A uint8 CPU tensor of ``nbytes`` starting on a 2 MiB boundary of fresh memory (an
-    anonymous map of its own: memory from the allocator's heap may have been touched already, in
-    4 KiB pages), advised ``MADV_HUGEPAGE`` before anything touches it, where ``enabled``; else
-    ``torch.empty``. The map is unmapped when the last tensor on it goes."""
+def _mapped(nbytes: int) -> torch.Tensor | None:
+    """``empty``'s map, or None where not ``enabled`` or the map is refused (no memory left to
+    commit)."""
     if not enabled() or nbytes == 0:
-        return torch.empty(nbytes, dtype=torch.uint8)
+        return None
     span = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
-    region = mmap.mmap(-1, span + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        region = mmap.mmap(-1, span + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except (OSError, MemoryError):
+        return None
     raw = torch.frombuffer(region, dtype=torch.uint8)  # holds the map
     start = -raw.data_ptr() % HUGE_PAGE
     with contextlib.suppress(OSError):  # refused: 4 KiB pages, as torch's
@@ -60,20 +65,44 @@ def empty(nbytes: int) -> torch.Tensor:
     return raw[start : start + nbytes]
 
 
+def empty(nbytes: int) -> torch.Tensor:
+    """A uint8 CPU tensor of ``nbytes`` starting on a 2 MiB boundary of fresh memory (an
+    anonymous map of its own: memory from the allocator's heap may have been touched already, in
+    4 KiB pages), advised ``MADV_HUGEPAGE`` before anything touches it, where ``enabled``; else
+    (or where the map is refused) ``torch.empty``. The map is unmapped when the last tensor on
+    it goes."""
+    mapped = _mapped(nbytes)
+    return torch.empty(nbytes, dtype=torch.uint8) if mapped is None else mapped
+
+
 def _holders() -> Callable[[int], int] | None:
-    """``torch._C._storage_Use_Count`` (how many tensors and storage objects hold a storage),
-    or None where this torch has no such function."""
+    """``torch._C._storage_Use_Count`` (how many tensors hold a storage, and its storage object
+    if it has one), or None where this torch has no such function."""
     return getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _holds(t: torch.Tensor, use_count: Callable[[int], int]) -> tuple[int, int]:
+    """(tensors holding ``t``'s storage, plus its storage object if it has one; references to
+    that storage object), taken the same way for every tensor."""
+    storage = t.untyped_storage()
+    return use_count(storage._cdata), sys.getrefcount(storage)
 
 
 def place_in_huge_pages(module: torch.nn.Module) -> int:
     """Move the storages of ``module``'s CPU parameters and buffers into one buffer of ``empty``
     (2 MiB pages), each tensor repointed there (``Tensor.set_``): the same tensor objects, values,
     shapes and strides, so whatever holds them (the modules, kernels' layouts built of them)
-    reads the new copy; the old storage is freed as it is left. A storage that anything else
-    holds too (a view of it elsewhere, a storage object) stays where it is: moving it would leave
-    that holder on the old copy and both in memory; inference tensors too outside inference
-    mode (``set_`` refuses them). Returns the bytes moved (0 where not ``enabled``)."""
+    reads the new copy; the old storage is freed as it is left (and the C allocator asked to
+    give back what it kept: ``malloc_trim``). A storage that anything else holds too (a view of
+    it kept elsewhere, its storage object) stays where it is: moving it would leave that holder
+    on the old copy and both in memory; inference tensors too outside inference mode (``set_``
+    refuses them). What holds only a raw address is not seen (a NumPy array of ``.numpy()``, a
+    DLPack capsule): call it on a module nothing has run yet, as ``ModelRunner`` does.
+
+    The moved tensors then share one storage: one replaced later (a linear quantized in place)
+    frees nothing until every tensor on it is gone; calling this again moves what is left into a
+    new map and frees the old one. Returns the bytes moved (0 where not ``enabled``, or where the
+    map is refused: everything stays where it was)."""
     use_count = _holders()
     if not enabled() or use_count is None:
         return 0
@@ -83,17 +112,22 @@ def place_in_huge_pages(module: torch.nn.Module) -> int:
         if t.device.type != "cpu" or id(t) in seen:
             continue
         seen.add(id(t))
-        by_storage.setdefault(t.untyped_storage().data_ptr(), []).append(t)
+        by_storage.setdefault(t.untyped_storage()._cdata, []).append(t)
+    # a storage's holders are only its tensors here: no other tensor on it (a view kept
+    # elsewhere), nor a reference to its storage object beyond those of one nobody holds
+    _, refs = _holds(torch.empty(1), use_count)
     inference = torch.is_inference_mode_enabled()
-    movable: list[tuple[list[torch.Tensor], int]] = []
-    for tensors in by_storage.values():
-        storage = tensors[0].untyped_storage()
-        alone = use_count(storage._cdata) == len(tensors) + 1  # these and ``storage``
-        if storage.nbytes() and alone and (inference or not any(t.is_inference() for t in tensors)):
-            movable.append((tensors, storage.nbytes()))
-        del storage
+    movable = [
+        (tensors, tensors[0].untyped_storage().nbytes())
+        for tensors in by_storage.values()
+        if _holds(tensors[0], use_count) == (len(tensors) + 1, refs)
+        and tensors[0].untyped_storage().nbytes()
+        and (inference or not any(t.is_inference() for t in tensors))
+    ]
     total = sum(-(-n // _ALIGN) * _ALIGN for _, n in movable)
-    arena = empty(total)
+    arena = _mapped(total)
+    if arena is None:
+        return 0
     target, base = arena.untyped_storage(), arena.storage_offset()  # bytes: uint8
     pos = 0
     with torch.no_grad():
@@ -105,4 +139,12 @@ def place_in_huge_pages(module: torch.nn.Module) -> int:
                 size = t.element_size()
                 t.set_(target, (base + pos) // size + t.storage_offset(), t.size(), t.stride())
             pos += -(-nbytes // _ALIGN) * _ALIGN
+    _trim()
     return total
+
+
+def _trim() -> None:
+    """Ask glibc's allocator to return the freed memory it keeps (freed blocks from its heap
+    stay resident otherwise); nothing elsewhere."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).malloc_trim(0)

@@ -11,7 +11,6 @@ from typing import Any
 
 import torch
 
-from foudre.layers.huge_pages import place_in_huge_pages
 from foudre.loading.errors import ModelLoadError
 from foudre.loading.gguf import (
     GGUFFile,
@@ -183,8 +182,6 @@ def load_model(
     except ValueError as e:
         raise ModelLoadError(f"{path}: {e}") from None
     prepare_for_cpu(net)
-    if device.type == "cpu":
-        place_in_huge_pages(net)
     net.eval()
     return LoadedModel(net, cfg, tok, gen, model)
 

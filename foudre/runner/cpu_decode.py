@@ -506,7 +506,8 @@ class _Checks:
     buffers and attributes, its cpu_qmatmul layout: invalidate_layouts, a move or
     load_state_dict drops it). ``addresses``: (tensor, address) of every tensor the call reads,
     whose storage a ``set_`` or ``.data =`` could move under the same object (a quantized
-    layout's codes and scales too: before, only the module's holding the layout was checked).
+    layout's codes and scales too: before, only the module's holding the layout was checked),
+    and their dtypes.
     ``quantized``: the quantized projections and their layouts."""
 
     def __init__(self) -> None:
@@ -519,6 +520,8 @@ class _Checks:
         self.addresses: list[tuple[torch.Tensor, int]] = []
         self._emptied: set[int] = set()
         self._frozen: tuple[tuple[Any, ...], ...] | None = None  # the tuples, at the first step
+        # (a step checks from another thread than the one that registers hooks: a handle taken
+        # before its hook is in the dict may leave that hook unseen until the next handle)
 
     def watch(self, module: nn.Module) -> None:
         """``module``'s hooks stay empty, and its children if it has none."""
@@ -572,8 +575,9 @@ class _Checks:
                 tuple(value for _, _, value in self.entries),
                 tuple(t for t, _ in self.addresses),
                 tuple(address for _, address in self.addresses),
+                tuple(t.dtype for t, _ in self.addresses),
             )
-        now, built, dicts, names, values, tensors, addresses = frozen
+        now, built, dicts, names, values, tensors, addresses, dtypes = frozen
         if any(self.empty) or not all(map(operator.eq, now, built)):
             return False
         handles = _handles()
@@ -584,10 +588,15 @@ class _Checks:
         if self.quantized and not uses_native_kernels(dtype):
             return False
         held = map(dict.get, dicts, names, itertools.repeat(_MISSING))
-        return all(map(operator.is_, held, values)) and tuple(map(_ADDRESS, tensors)) == addresses
+        if not all(map(operator.is_, held, values)):
+            return False
+        # (each tensor's dtype too, as the C++ reads it: ``.data =`` a view in another dtype
+        # keeps the address; the lines are warm from the addresses)
+        return tuple(map(_ADDRESS, tensors)) == addresses and tuple(map(_DTYPE, tensors)) == dtypes
 
 
 _ADDRESS = torch.Tensor.data_ptr
+_DTYPE = operator.attrgetter("dtype")
 
 
 def _handles() -> int:

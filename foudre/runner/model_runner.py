@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from foudre.config import EngineConfig
+from foudre.layers import huge_pages
 from foudre.layers.rejection import DraftRow, verify
 from foudre.layers.sampler import sample
 from foudre.models.llama import LlamaForCausalLM
@@ -93,6 +94,8 @@ class ModelRunner:
         self.backend = backend
         self.block_size = block_size
         self.device = device
+        if device.type == "cpu":  # before anything holds their addresses
+            huge_pages.place_in_huge_pages(model)
         cfg = model.config
         heads, dim = cfg.num_key_value_heads, cfg.head_dim
         # one block past the pool, never handed out: the scratch K/V of padding rows
@@ -111,12 +114,25 @@ class ModelRunner:
                 for _ in range(cfg.num_hidden_layers)
             ]
         self.generator = torch.Generator(device=device).manual_seed(seed)
-        self.decode_path: DecodePath | None = None
-        if decode_graphs:
-            make = DECODE_PATHS.get(backend.name)
-            max_len = max_model_len or cfg.max_position_embeddings
-            if make is not None:
-                self.decode_path = make(self, max_num_seqs, max_len)
+        self._decode_path_args = (max_num_seqs, max_model_len or cfg.max_position_embeddings)
+        self._decode_graphs = decode_graphs
+        self.decode_path: DecodePath | None = self._make_decode_path()
+
+    def _make_decode_path(self) -> DecodePath | None:
+        make = DECODE_PATHS.get(self.backend.name)
+        if not self._decode_graphs or make is None:
+            return None
+        return make(self, *self._decode_path_args)
+
+    def model_changed(self) -> None:
+        """Call after replacing the model's weights or quantizing it in place: on the CPU its
+        weights go into huge pages again (a new map: what was replaced is freed with the old
+        one), and the decode path is rebuilt on the model as it is now (the one built before
+        sends every step back to Python)."""
+        self.decode_path = None  # (what it holds, the replaced modules too, goes first)
+        if self.device.type == "cpu":
+            huge_pages.place_in_huge_pages(self.model)
+        self.decode_path = self._make_decode_path()
 
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
         """Copy whole blocks (K and V of every layer) from source to destination ids: the

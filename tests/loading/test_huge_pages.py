@@ -9,11 +9,15 @@ import pytest
 import torch
 from torch import nn
 
+from foudre import LLM
 from foudre.compress.model import causal_logits
 from foudre.layers import huge_pages
 from foudre.loading.loader import load_model
-from foudre.quant import cpu_qmatmul
-from foudre.quant.qlinear import QuantLinear
+from foudre.quant import Int4WeightOnly, cpu_qmatmul, quantize_
+from foudre.quant.qlinear import QuantLinear, prepare_for_cpu
+from foudre.runner.cpu_decode import NativeDecode
+from foudre.runner.model_runner import ModelRunner
+from foudre.runner.step import ForwardStep
 from tests.conftest import make_hf_model
 
 needs_thp = pytest.mark.skipif(
@@ -105,18 +109,56 @@ def test_paired_scales_are_not_views() -> None:
     assert cpu_qmatmul.pair_scales(s, z) == (s, z)  # already paired: as they are
 
 
+def _maps() -> set[str]:
+    return {line.split()[0] for line in Path("/proc/self/maps").read_text().splitlines()}
+
+
+@needs_thp
+def test_storage_held_elsewhere_stays_and_placing_again_compacts() -> None:
+    """A storage whose storage object someone holds stays; placing twice moves everything into
+    a new map and unmaps the first (what held only a replaced weight is freed with it)."""
+    net = _Net()
+    held = net.c.bias.untyped_storage()
+    address = net.c.bias.data_ptr()
+    huge_pages.place_in_huge_pages(net)
+    assert net.c.bias.data_ptr() == address and held.data_ptr() == address
+    first = _region(net.a.weight.data_ptr())
+    net.c.weight = nn.Parameter(torch.zeros(24, 40))  # replaced: its old copy stays in the map
+    before = net.a.weight.clone()
+    huge_pages.place_in_huge_pages(net)
+    assert _region(net.a.weight.data_ptr()) != first
+    assert f"{first[0]:x}-{first[1]:x}" not in _maps()  # the first map is gone
+    assert torch.equal(net.a.weight, before)
+
+
+@needs_thp
+def test_moves_inference_tensors_in_inference_mode() -> None:
+    with torch.inference_mode():
+        net = _Net()
+        assert net.a.weight.is_inference()
+        assert huge_pages.place_in_huge_pages(net) > 0
+        assert _in_advised_map([net.a.weight, net.c.bias])
+    net = _Net()
+    with torch.inference_mode():
+        net.c.register_buffer("made", torch.ones(3))  # an inference tensor, outside: left
+    address = net.c.made.data_ptr()
+    huge_pages.place_in_huge_pages(net)
+    assert net.c.made.data_ptr() == address and _in_advised_map([net.a.weight])
+
+
 @needs_thp
 @pytest.mark.parametrize("quantization", [None, "int4"])
-def test_loaded_weights_in_huge_pages_same_logits(
+def test_engine_weights_in_huge_pages_same_logits(
     quantization: str | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A model loaded on the CPU holds every weight (the quantized linears' codes, paired scales
-    and zero points too) in one advised map, and computes the same logits, bit for bit, as the
-    same model loaded without (``FOUDRE_HUGE_PAGES=0``)."""
+    """An engine on the CPU holds every weight of its model (the quantized linears' codes,
+    paired scales and zero points too) in one advised map, and computes the same logits, bit for
+    bit, as the same model loaded without (``FOUDRE_HUGE_PAGES=0``)."""
     path = make_hf_model(tmp_path / "m", hidden_size=256, intermediate_size=512, vocab_size=384)
-    cpu = torch.device("cpu")
-    model = load_model(str(path), None, "bfloat16", cpu, None, quantization=quantization).model
+    llm = LLM(str(path), dtype="bfloat16", quantization=quantization, skip_tokenizer_init=True)
+    model = llm.engine.model
     monkeypatch.setenv("FOUDRE_HUGE_PAGES", "0")
+    cpu = torch.device("cpu")
     plain = load_model(str(path), None, "bfloat16", cpu, None, quantization=quantization).model
     weights = [*model.parameters(), *(b for n, b in model.named_buffers() if "rotary" not in n)]
     assert _in_advised_map(weights)
@@ -129,3 +171,29 @@ def test_loaded_weights_in_huge_pages_same_logits(
     ids = torch.tensor([[1, 7, 42, 300, 5, 9]])
     with torch.inference_mode():
         assert torch.equal(causal_logits(model, ids), causal_logits(plain, ids))
+
+
+@needs_thp
+def test_model_changed_after_quantizing_in_place(tmp_path: Path) -> None:
+    """Quantized in place after the engine was built, the model's steps fall back to Python;
+    ``ModelRunner.model_changed`` moves the weights into a new map (the float ones freed with the
+    old) and rebuilds the native decode step on the quantized projections."""
+    if cpu_qmatmul.path() not in ("vnni", "avx512"):
+        pytest.skip("quantized projections run natively with AVX-512 only")
+    path = make_hf_model(tmp_path / "m", hidden_size=256, intermediate_size=512, vocab_size=384)
+    llm = LLM(str(path), dtype="bfloat16", skip_tokenizer_init=True)
+    runner = llm.engine.runner
+    assert isinstance(runner, ModelRunner)
+    model = runner.model
+    first = _region(model.model.norm.weight.data_ptr())
+    quantize_(model, Int4WeightOnly(group_size=64), skip=("lm_head",))
+    prepare_for_cpu(model)
+    step = ForwardStep([[0]], [3], [[5]], [1])
+    assert runner.decode_path is not None and not runner.decode_path.can_run(step)
+    runner.model_changed()
+    native = runner.decode_path
+    assert isinstance(native, NativeDecode) and native.can_run(step)
+    assert len(native.checks.quantized) == 4 * len(model.model.layers)
+    assert f"{first[0]:x}-{first[1]:x}" not in _maps()
+    linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert _in_advised_map([model.model.norm.weight, *(m.qweight for m in linears)])
