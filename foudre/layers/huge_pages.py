@@ -101,7 +101,8 @@ def place_in_huge_pages(module: torch.nn.Module) -> int:
 
     The moved tensors then share one storage: one replaced later (a linear quantized in place)
     frees nothing until every tensor on it is gone; calling this again moves what is left into a
-    new map and frees the old one. Returns the bytes moved (0 where not ``enabled``, or where the
+    new map and frees the old one (and does nothing where the module's tensors are still just
+    those it placed). Returns the bytes moved (0 where not ``enabled``, or where the
     map is refused: everything stays where it was)."""
     use_count = _holders()
     if not enabled() or use_count is None:
@@ -125,6 +126,10 @@ def place_in_huge_pages(module: torch.nn.Module) -> int:
         and (inference or not any(t.is_inference() for t in tensors))
     ]
     total = sum(-(-n // _ALIGN) * _ALIGN for _, n in movable)
+    if len(movable) == 1:  # one storage to move: one placed already, as it was?
+        tensors = movable[0][0]
+        if _placed.get(tensors[0].untyped_storage().data_ptr()) == _extent(tensors):
+            return 0
     arena = _mapped(total)
     if arena is None:
         return 0
@@ -140,7 +145,18 @@ def place_in_huge_pages(module: torch.nn.Module) -> int:
                 t.set_(target, (base + pos) // size + t.storage_offset(), t.size(), t.stride())
             pos += -(-nbytes // _ALIGN) * _ALIGN
     _trim()
+    _placed[target.data_ptr()] = _extent([t for tensors, _ in movable for t in tensors])
     return total
+
+
+def _extent(tensors: list[torch.Tensor]) -> tuple[int, int]:
+    return len(tensors), sum(t.nbytes for t in tensors)
+
+
+# the maps placed, by address: how many tensors moved there and their bytes (a map that still
+# holds just those is left alone: placing again moves nothing, and what holds their addresses
+# stays valid)
+_placed: dict[int, tuple[int, int]] = {}
 
 
 def _trim() -> None:

@@ -123,6 +123,9 @@ def test_storage_held_elsewhere_stays_and_placing_again_compacts() -> None:
     huge_pages.place_in_huge_pages(net)
     assert net.c.bias.data_ptr() == address and held.data_ptr() == address
     first = _region(net.a.weight.data_ptr())
+    address = net.a.weight.data_ptr()
+    assert huge_pages.place_in_huge_pages(net) == 0  # nothing changed: nothing moves
+    assert net.a.weight.data_ptr() == address
     net.c.weight = nn.Parameter(torch.zeros(24, 40))  # replaced: its old copy stays in the map
     before = net.a.weight.clone()
     huge_pages.place_in_huge_pages(net)
