@@ -160,6 +160,17 @@ def _rows_alike(scales: torch.Tensor, zeros: torch.Tensor | None) -> bool:
     return scales.stride() == zeros.stride() and scales.stride(1) == 1
 
 
+def _paired(scales: torch.Tensor, zeros: torch.Tensor) -> bool:
+    """Whether ``zeros`` follow ``scales`` row by row in one buffer, as ``pair_scales`` leaves
+    them (not just on one storage: weights in huge pages all share one)."""
+    groups = scales.shape[1]
+    return (
+        scales.stride() == zeros.stride() == (2 * groups, 1)
+        and zeros.untyped_storage().data_ptr() == scales.untyped_storage().data_ptr()
+        and zeros.data_ptr() == scales.data_ptr() + groups * scales.element_size()
+    )
+
+
 def pair_scales(
     scales: torch.Tensor, zeros: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -176,7 +187,7 @@ def pair_scales(
         or read.dtype != scales.dtype
         or scales.dtype not in SCALE_TYPES
         or scales.device.type != "cpu"
-        or read.untyped_storage().data_ptr() == scales.untyped_storage().data_ptr()
+        or _paired(scales, read)
     ):
         return scales, zeros
     both = torch.stack([scales, read], dim=1)  # [N, 2, groups]

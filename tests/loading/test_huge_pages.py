@@ -107,6 +107,12 @@ def test_paired_scales_are_not_views() -> None:
     assert s.untyped_storage().data_ptr() == z.untyped_storage().data_ptr()
     assert torch.equal(s, scales) and torch.equal(z, zeros)
     assert cpu_qmatmul.pair_scales(s, z) == (s, z)  # already paired: as they are
+    # on one storage but not paired (weights in huge pages all share one): paired
+    one = torch.cat([scales.flatten(), zeros.flatten()])
+    s2, z2 = cpu_qmatmul.pair_scales(one[:24].view(6, 4), one[24:].view(6, 4))
+    assert s2.untyped_storage().data_ptr() != one.untyped_storage().data_ptr()
+    assert torch.equal(s2, scales) and torch.equal(z2, zeros)
+    assert z2.data_ptr() == s2.data_ptr() + 4 * s2.element_size()
 
 
 def _maps() -> set[str]:
