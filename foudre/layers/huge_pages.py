@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import itertools
 import mmap
 import os
@@ -37,15 +38,21 @@ _THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 _ALIGN = 64  # each storage's start in the buffer: torch's own alignment
 
 
-def enabled() -> bool:
-    """Whether buffers from ``empty`` are advised into huge pages: Linux with transparent huge
-    pages not ``never``, and not switched off (``FOUDRE_HUGE_PAGES=0``)."""
-    if os.environ.get("FOUDRE_HUGE_PAGES", "1") == "0" or not hasattr(mmap, "MADV_HUGEPAGE"):
+@functools.cache
+def _kernel_gives_them() -> bool:
+    """Linux with transparent huge pages not ``never`` (the mode read once a process)."""
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
         return False
     try:
         return "[never]" not in _THP_MODE.read_text()
     except OSError:
         return False
+
+
+def enabled() -> bool:
+    """Whether buffers from ``empty`` are advised into huge pages: Linux with transparent huge
+    pages not ``never``, and not switched off (``FOUDRE_HUGE_PAGES=0``)."""
+    return os.environ.get("FOUDRE_HUGE_PAGES", "1") != "0" and _kernel_gives_them()
 
 
 def _mapped(nbytes: int) -> torch.Tensor | None:
@@ -75,10 +82,9 @@ def empty(nbytes: int) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8) if mapped is None else mapped
 
 
-def _holders() -> Callable[[int], int] | None:
-    """``torch._C._storage_Use_Count`` (how many tensors hold a storage, and its storage object
-    if it has one), or None where this torch has no such function."""
-    return getattr(torch._C, "_storage_Use_Count", None)
+# how many tensors hold a storage, and its storage object if it has one (None where this torch
+# has no such function: nothing is moved)
+_USE_COUNT: Callable[[int], int] | None = getattr(torch._C, "_storage_Use_Count", None)
 
 
 def _holds(t: torch.Tensor, use_count: Callable[[int], int]) -> tuple[int, int]:
@@ -104,7 +110,7 @@ def place_in_huge_pages(module: torch.nn.Module) -> int:
     new map and frees the old one (and does nothing where the module's tensors are still just
     those it placed). Returns the bytes moved (0 where not ``enabled``, or where the
     map is refused: everything stays where it was)."""
-    use_count = _holders()
+    use_count = _USE_COUNT
     if not enabled() or use_count is None:
         return 0
     by_storage: dict[int, list[torch.Tensor]] = {}
@@ -118,11 +124,12 @@ def place_in_huge_pages(module: torch.nn.Module) -> int:
     # elsewhere), nor a reference to its storage object beyond those of one nobody holds
     _, refs = _holds(torch.empty(1), use_count)
     inference = torch.is_inference_mode_enabled()
+    sized = [(tensors, tensors[0].untyped_storage().nbytes()) for tensors in by_storage.values()]
     movable = [
-        (tensors, tensors[0].untyped_storage().nbytes())
-        for tensors in by_storage.values()
-        if _holds(tensors[0], use_count) == (len(tensors) + 1, refs)
-        and tensors[0].untyped_storage().nbytes()
+        (tensors, nbytes)
+        for tensors, nbytes in sized
+        if nbytes
+        and _holds(tensors[0], use_count) == (len(tensors) + 1, refs)
         and (inference or not any(t.is_inference() for t in tensors))
     ]
     total = sum(-(-n // _ALIGN) * _ALIGN for _, n in movable)
