@@ -328,9 +328,9 @@ def plan_gguf_quantized(
     """Which linears and experts of ``model`` (built for ``f``'s config) are kept quantized, and
     which quantized tensors are dequantized and why. Everything is dequantized when
     ``FOUDRE_GGUF_DEQUANTIZE=1``; layouts of group-wise 8 bits (Q8_0, Q5_*, Q6_K) unless
-    ``grouped8`` (our CPU kernels build with AVX-512, or CUDA's Triton kernels): elsewhere they
-    have no kernel and would be dequantized at every call. Modules all of Q6_K in 6 bits where
-    ``six_bit`` (our CPU kernels), else in 8 bits."""
+    ``grouped8`` (our CPU kernels build with AVX-512 or AVX2, or CUDA's Triton kernels):
+    elsewhere they have no kernel and would be dequantized at every call. Modules all of Q6_K in
+    6 bits where ``six_bit`` (our CPU kernels), else in 8 bits."""
     no_kernel = "group-wise 8-bit (no kernel on this CPU: dequantized once, at load)"
     plan = GGUFQuantPlan()
     if os.environ.get(ENV, "0") not in ("", "0"):

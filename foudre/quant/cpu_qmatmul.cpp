@@ -7,7 +7,7 @@
 //                                                       columns, a d per block b of 256)
 // x and y float32 or bfloat16. Bound by reading the weight: each task takes R weight rows (for
 // one x row on the VNNI path 16, one after another, so that a thread reads one sequential
-// stream: Vnni::strip; 4 for more) and multiplies them with every x row (four at a time, the
+// stream: Vnni::strip; 4 for more, 2 on the AVX2 path) and multiplies them with every x row (four at a time, the
 // weight rows coming from memory once and then from L1), the tasks split over torch's OpenMP
 // threads by output-row ranges.
 //
@@ -28,7 +28,7 @@
 // to them: 27 GB/s and 40-43 (Zen 4, 4 KiB ahead then; a 64-projection int4 decode step's
 // products 1.10x, int8's 1.04-1.13x, in interleaved pairs).
 //
-// Three paths, by what the compiler targets (built with -march=native):
+// Four paths, by what the compiler targets (built with -march=native):
 //   VNNI      (AVX512-VNNI): x quantized to int8 per block (d = max|x| / 127; 32 columns for
 //             group-wise int8, as llama.cpp's Q8_0; 128 per channel, for int6 and for int4 in
 //             groups of 128 or more, 64 for smaller int4 groups: their steps sum two 64-code
@@ -47,6 +47,8 @@
 //             scales' type.
 //   AVX-512   the codes widened to float32, dequantized, multiplied with x in float32: no
 //             activation rounding.
+//   AVX2      (without AVX-512; with FMA and F16C): the VNNI path's arithmetic on 8 lanes (see
+//             "-- AVX2 --" below); x rounded as there.
 //   portable  the same in plain loops.
 
 #include <algorithm>
@@ -65,6 +67,9 @@
 #if defined(__AVX512VNNI__)
 #define FOUDRE_VNNI 1
 #endif
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define FOUDRE_AVX2 1
 #endif
 
 namespace {
@@ -82,6 +87,8 @@ inline float to_float(uint16_t x) {  // bfloat16: the high half of a float32
 inline float half_to_float(uint16_t h) {
 #if defined(FOUDRE_AVX512)  // one instruction (the scalar below: a branch and a few shifts)
   return _mm512_cvtss_f32(_mm512_cvtph_ps(_mm256_set1_epi16(static_cast<short>(h))));
+#elif defined(FOUDRE_AVX2)
+  return _cvtsh_ss(h);
 #else
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
   const uint32_t exp = (h >> 10) & 31, man = h & 1023;
@@ -125,8 +132,8 @@ struct Args {
   int gshift;  // log2(group): groups are powers of two
   T* y;        // [m, n]
   int64_t m, n, k;
-  // VNNI: x quantized ([m, k] int8, int4 and int6: in nibble order), d per 4 codes ([m, k / 4];
-  // group-wise int8: per 8, [m, k / 8]), the sums d q per row (int8) or per group ([m] or
+  // VNNI, AVX2: x quantized ([m, k] int8, int4 and int6: in nibble order), d per 4 codes
+  // ([m, k / 4]; VNNI's group-wise int8: per 8, [m, k / 8]), the sums d q per row (int8) or per group ([m] or
   // [m, groups])
   const int8_t* xq;
   const float* dl;
@@ -136,6 +143,8 @@ struct Args {
   // the sum of x's codes over the lane's columns, per step and lane ([m, k / 8] int6 and int4,
   // [m, k / 4] int8); else null
   const int32_t* xs;
+  // AVX2, int6: 32 times the sums of x's codes per pair of positions and the pair 64 on ([m, k / 4])
+  const int16_t* xo;
 };
 
 // The weight rows of the task at n0 (past the end: row n - 1 again, its results not stored).
@@ -227,16 +236,17 @@ template <typename T>
   if (z != 0 && !paired) lines(z, span);
 }
 
-// how many tasks ahead for_tiles prefetches the scales (tasks of 4 rows, or at batch 1 of R1)
+// how many tasks ahead for_tiles prefetches the scales (tasks of RM rows, or at batch 1 of R1)
 constexpr int64_t kTaskScalesAhead = 2;
 
 // The parallel loop: tasks of R weight rows, x's rows in tiles of four (then the one to three
 // left); Tile<MT, R>::run(a, m0, n0) computes y[m0 : m0 + MT, n0 : n0 + R]. One x row: tasks of
 // R1 rows (the VNNI kernels 1, where their strips of 16 would leave threads idle: one
 // sequential stream a thread, where 8 rows interleaved, each a short stream of its own, ran
-// 0.8x as fast; the float paths 8, which share each x load among them).
+// 0.8x as fast; the float paths 8, which share each x load among them); more: tasks of RM
+// rows (4; the AVX2 kernels 2, whose 16 registers hold 4 x 2 accumulators).
 // The tasks are handed out guided (see guided tasks above).
-template <template <int, int> class Tile, int R1, typename A>
+template <template <int, int> class Tile, int R1, int RM = 4, typename A>
 void for_tiles(const A& a) {
   if (a.m == 1) {
 #pragma omp parallel for schedule(guided)
@@ -247,14 +257,14 @@ void for_tiles(const A& a) {
     return;
   }
 #pragma omp parallel for schedule(guided)
-  for (int64_t n0 = 0; n0 < a.n; n0 += 4) {
-    prefetch_scale_rows(a, n0 + kTaskScalesAhead * 4, 4);
+  for (int64_t n0 = 0; n0 < a.n; n0 += RM) {
+    prefetch_scale_rows(a, n0 + kTaskScalesAhead * RM, RM);
     for (int64_t m0 = 0; m0 < a.m; m0 += 4) {
       switch (std::min<int64_t>(a.m - m0, 4)) {
-        case 1: Tile<1, 4>::run(a, m0, n0); break;
-        case 2: Tile<2, 4>::run(a, m0, n0); break;
-        case 3: Tile<3, 4>::run(a, m0, n0); break;
-        default: Tile<4, 4>::run(a, m0, n0); break;
+        case 1: Tile<1, RM>::run(a, m0, n0); break;
+        case 2: Tile<2, RM>::run(a, m0, n0); break;
+        case 3: Tile<3, RM>::run(a, m0, n0); break;
+        default: Tile<4, RM>::run(a, m0, n0); break;
       }
     }
   }
@@ -288,6 +298,24 @@ inline float group_scale(const A& a, int64_t nr, const uint8_t* row, int64_t c) 
   if constexpr (K == Kind::Int6)
     return s * static_cast<int8_t>(int6_block(row, c)[kInt6Subs + (c % 128) / 16]);
   return s;
+}
+
+// The first column of x's 16 codes from code position p (int4: in nibble order; the first of
+// each 16 positions: the rest follow it two columns apart)
+template <Kind K>
+inline int64_t column_of(int64_t p) {
+  if constexpr (K == Kind::Int4) return (p / 128) * 128 + 2 * (p % 64) + (p % 128) / 64;
+  return p;
+}
+
+// x's block of codes (one d): per channel int8 128 (the last one 64 where K = 64 mod 128), its
+// steps' two halves summed in int32 as int4's; group-wise int8 32 (llama.cpp's Q8_0); int4 64,
+// 128 in groups of 128 or more (one d and one scale a step)
+template <Kind K>
+int64_t activation_block(int64_t group) {
+  if constexpr (K == Kind::Int6) return 128;
+  if constexpr (K == Kind::Int4) return group >= 128 ? 128 : 64;
+  return K == Kind::Int8 ? 128 : 32;
 }
 
 // -- portable --------------------------------------------------------------------------------
@@ -545,23 +573,6 @@ void quantize_rows(const T* x, int64_t m, int64_t k, int64_t block, int8_t* xq, 
       }
     }
   }
-}
-
-// The first column of x's 16 codes from code position p (int4: in nibble order)
-template <Kind K>
-inline int64_t column_of(int64_t p) {
-  if constexpr (K == Kind::Int4) return (p / 128) * 128 + 2 * (p % 64) + (p % 128) / 64;
-  return p;
-}
-
-// x's block of codes (one d): per channel int8 128 (the last one 64 where K = 64 mod 128), its
-// steps' two halves summed in int32 as int4's; group-wise int8 32 (llama.cpp's Q8_0); int4 64,
-// 128 in groups of 128 or more (one d and one scale a step)
-template <Kind K>
-int64_t activation_block(int64_t group) {
-  if constexpr (K == Kind::Int6) return 128;
-  if constexpr (K == Kind::Int4) return group >= 128 ? 128 : 64;
-  return K == Kind::Int8 ? 128 : 32;
 }
 
 // a batch-1 strip's 16 sums (lane r: row(r)'s lanes summed; zero past `rows`): row(r) returns
@@ -1025,12 +1036,352 @@ void vnni_matmul(Args<T> a) {
 
 #endif  // FOUDRE_VNNI
 
+#if defined(FOUDRE_AVX2)
+
+// -- AVX2 ------------------------------------------------------------------------------------
+//
+// Without AVX-512 (AMD Zen 2 and 3, Intel's client cores): the VNNI path's arithmetic, x
+// rounded to int8 per block as there (the same codes, the same d: quantize_rows_plain), its
+// products by vpmaddubsw (unsigned by signed bytes, pairs summed in int16) and vpmaddwd (pairs
+// of those in int32), as llama.cpp's AVX2 kernels do, on 8 float32 lanes. The unsigned operand:
+// int4 and int6 codes as they are (|pair| <= 63 * 127 * 2 fits int16), int8 codes' magnitudes
+// with their signs moved onto x (vpsignb: |q| <= 128, |pair| <= 128 * 127 * 2), so signed codes
+// need no offset. A step's int32 lanes are converted once and scaled by x's d times the
+// weight's scale; zero points come off at the end, through the sums of x's codes per group
+// (corr, as the VNNI path's), int6's 32 through x's pair sums in int16 before its sub-scales
+// (vpmaddwd by them). One weight row a task at batch 1 (one sequential stream a thread, its
+// lines prefetched kAhead ahead), tasks of two rows for more (16 registers).
+
+// x [m, k] rounded as the VNNI path's quantize_rows rounds it, in plain loops: xq, d per 4
+// codes (dl [m, k / 4]), d * sum(q) per 16 codes (hsum [m, k / 16]); nibbles: per 128 columns
+// the even columns then the odd ones, the codes j and 64 + j sharing one d
+template <typename T, bool Nibbles>
+void quantize_rows_plain(const T* x, int64_t m, int64_t k, int64_t block, int8_t* xq, float* dl,
+                         float* hsum) {
+  const int64_t blocks = (k + block - 1) / block;
+#pragma omp parallel for schedule(static) if (m * k >= 65536)
+  for (int64_t i = 0; i < m; ++i) {
+    const T* xr = x + i * k;
+    std::vector<float> amax(blocks, 0.0f);  // max |x| over each block of columns
+    for (int64_t b = 0; b < blocks; ++b)
+      for (int64_t c = b * block; c < std::min(k, (b + 1) * block); ++c)
+        amax[b] = std::max(amax[b], std::fabs(to_float(xr[c])));
+    for (int64_t p0 = 0; p0 < k; p0 += 16) {  // 16 positions: one block, one d
+      const int64_t c0 = Nibbles ? column_of<Kind::Int4>(p0) : p0;
+      const float a = amax[c0 / block];
+      const float d = a / 127.0f, id = a > 0 ? 127.0f / a : 0.0f;
+      int32_t sum = 0;
+      for (int64_t j = 0; j < 16; ++j) {
+        const float v = to_float(xr[Nibbles ? c0 + 2 * j : c0 + j]) * id;
+        const int32_t q = static_cast<int32_t>(std::nearbyint(v));  // ties to even
+        xq[i * k + p0 + j] = static_cast<int8_t>(std::clamp<int32_t>(q, -128, 127));
+        sum += q;
+      }
+      for (int64_t j = 0; j < 16; j += 4) dl[i * (k / 4) + (p0 + j) / 4] = d;
+      hsum[i * (k / 16) + p0 / 16] = d * static_cast<float>(sum);
+    }
+  }
+}
+
+inline float hsum8(__m256 v) {
+  __m128 q = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+  return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+}
+
+inline __m256i load32(const void* p) {
+  return _mm256_loadu_si256(static_cast<const __m256i*>(p));
+}
+
+template <typename T, Kind K>
+struct Avx2 {
+  template <int MT, int R>
+  struct Tile {
+    static void run(const Args<T>& a, int64_t m0, int64_t n0) {
+      const uint8_t* wr[R];
+      int64_t nr[R];
+      row_ptrs<R>(a, n0, wr, nr);
+      __m256 acc[MT][R];
+      for (auto& row : acc)
+        for (auto& v : row) v = _mm256_setzero_ps();
+      // (steps of one group or two, int4 under 128 and group-wise int8, compiled for their
+      // scales' type, as the VNNI path's: read through a runtime type, Q4_0's ran 1.2x as long)
+      if constexpr (K == Kind::Int8 || K == Kind::Int6)
+        steps<MT, R, false, -1>(a, m0, wr, nr, acc);
+      else if (K == Kind::Int4 && a.group >= 128)
+        steps<MT, R, K == Kind::Int4, -1>(a, m0, wr, nr, acc);  // (Wide: int4 only)
+      else if (a.st == kF16)
+        steps<MT, R, false, kF16>(a, m0, wr, nr, acc);
+      else if (a.st == kBF16)
+        steps<MT, R, false, kBF16>(a, m0, wr, nr, acc);
+      else
+        steps<MT, R, false, kF32>(a, m0, wr, nr, acc);
+      const bool offsets = K != Kind::Int8 && K != Kind::Int6 && (a.z || a.zc != 0.0f);
+      for (int mi = 0; mi < MT; ++mi)
+        for (int r = 0; r < R && n0 + r < a.n; ++r) {
+          float sum = hsum8(acc[mi][r]);
+          if constexpr (K == Kind::Int8) sum *= scale_at(a.s, nr[r], a.st);
+          if (offsets) sum -= offset(a, m0 + mi, nr[r]);
+          store1(a.y + (m0 + mi) * a.n + n0 + r, sum);
+        }
+    }
+  };
+
+  // sum over groups g of s_g z_g corr_g: the zero points' part of row nr's dot with x row i
+  // (8 groups a step: a scalar loop over a row's groups of 32 took longer than its codes)
+  static float offset(const Args<T>& a, int64_t i, int64_t nr) {
+    const float* corr = a.corr + i * a.groups;
+    const int64_t base = nr * a.s_stride;
+    __m256 v = _mm256_setzero_ps();
+    int64_t g = 0;
+    for (; g + 8 <= a.groups; g += 8) {
+      const __m256 z = a.z ? scales8(a.z, base + g, a.st) : _mm256_set1_ps(a.zc);
+      v = _mm256_fmadd_ps(_mm256_mul_ps(scales8(a.s, base + g, a.st), z),
+                          _mm256_loadu_ps(corr + g), v);
+    }
+    float sum = hsum8(v);
+    for (; g < a.groups; ++g)
+      sum += scale_at(a.s, base + g, a.st) * (a.z ? scale_at(a.z, base + g, a.st) : a.zc) *
+             corr[g];
+    return sum;
+  }
+
+  // the 8 scales from p + i as float32
+  static __m256 scales8(const void* p, int64_t i, int st) {
+    if (st == kF32) return _mm256_loadu_ps(static_cast<const float*>(p) + i);
+    const auto* h16 = static_cast<const uint16_t*>(p) + i;
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(h16));
+    if (st == kF16) return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+
+  // the scale of lanes 0-3 (group g) and 4-7 (group g + 1, or g again): the two read in one
+  // load and spread (reading each through scale_at took 8 instructions where this takes 3)
+  template <int ST>
+  static __m256 two_scales(const void* srow, int64_t g, bool two) {
+    constexpr int st = ST;
+    const __m256i spread = two ? _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1)
+                               : _mm256_setzero_si256();
+    __m128 pair;
+    if (st == kF32) {  // (the second unread where one group spans the step)
+      const float* f = static_cast<const float*>(srow) + g;
+      pair = two ? _mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(f)))
+                 : _mm_load_ss(f);
+    } else {
+      int32_t u = 0;  // (two 16-bit scales, or one; each size a constant: no call)
+      const auto* h16 = static_cast<const uint16_t*>(srow) + g;
+      if (two)
+        std::memcpy(&u, h16, 4);
+      else
+        std::memcpy(&u, h16, 2);
+      const __m128i h = _mm_cvtsi32_si128(u);
+      pair = st == kF16 ? _mm_cvtph_ps(h)
+                        : _mm_castsi128_ps(_mm_unpacklo_epi16(_mm_setzero_si128(), h));
+    }
+    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(pair), spread);
+  }
+
+  template <int MT, int R, bool Wide, int ST>
+  [[gnu::always_inline]] static void steps(const Args<T>& a, int64_t m0,
+                                           const uint8_t* const* wr, const int64_t* nr,
+                                           __m256 (&acc)[MT][R]) {
+    const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    const int64_t k = a.k;
+    const int gshift = a.gshift, st = a.st;
+    const int8_t* xq = a.xq + m0 * k;
+    const float* dl = a.dl + m0 * (k / 4);
+    const void* srow[R];
+    const int64_t size = st == kF32 ? 4 : 2;
+    for (int r = 0; r < R; ++r)
+      srow[r] = static_cast<const uint8_t*>(a.s) + nr[r] * a.s_stride * size;
+    constexpr bool kStream = MT == 1 && R == 1;
+    if constexpr (K == Kind::Int8) {
+      // steps of x's blocks (128 columns; a last one of 64 where K = 64 mod 128): 4 (2)
+      // vectors of 32 codes summed in int32, one conversion and one d
+      const auto block = [&](int64_t c, auto parts_c) __attribute__((always_inline)) {
+        constexpr int parts = decltype(parts_c)::value;
+        for (int r = 0; r < R; ++r) {
+          prefetch_ahead<kStream>(wr[r] + c, kAhead);
+          prefetch_ahead<kStream>(wr[r] + c, kAhead + 64);
+          __m256i w[parts], mag[parts];
+          for (int j = 0; j < parts; ++j) {
+            w[j] = load32(wr[r] + c + 32 * j);
+            mag[j] = _mm256_abs_epi8(w[j]);
+          }
+          for (int mi = 0; mi < MT; ++mi) {
+            __m256i dot = _mm256_setzero_si256();
+            for (int j = 0; j < parts; ++j) {
+              const __m256i xs = _mm256_sign_epi8(load32(xq + mi * k + c + 32 * j), w[j]);
+              dot = _mm256_add_epi32(dot,
+                                     _mm256_madd_epi16(_mm256_maddubs_epi16(mag[j], xs), ones));
+            }
+            acc[mi][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
+                                         _mm256_set1_ps(dl[mi * (k / 4) + c / 4]), acc[mi][r]);
+          }
+        }
+      };
+      const int64_t whole = k / 128 * 128;
+      for (int64_t c = 0; c < whole; c += 128) block(c, std::integral_constant<int, 4>{});
+      if (whole < k) block(whole, std::integral_constant<int, 2>{});
+    } else if constexpr (K == Kind::Int8Grouped) {
+      // steps of 32 columns (x's block): one group, or two of 16
+      const bool two = a.group < 32;
+      for (int64_t c = 0; c < k; c += 32) {
+        for (int r = 0; r < R; ++r) {
+          if (c % 64 == 0) prefetch_ahead<kStream>(wr[r] + c, kAhead);
+          const __m256i w = load32(wr[r] + c), mag = _mm256_abs_epi8(w);
+          const __m256 s = two_scales<ST>(srow[r], c >> gshift, two);
+          for (int mi = 0; mi < MT; ++mi) {
+            const __m256i xs = _mm256_sign_epi8(load32(xq + mi * k + c), w);
+            const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(mag, xs), ones);
+            acc[mi][r] =
+                _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
+                                _mm256_mul_ps(_mm256_set1_ps(dl[mi * (k / 4) + c / 4]), s),
+                                acc[mi][r]);
+          }
+        }
+      }
+    } else if constexpr (K == Kind::Int4) {
+      // 32 code bytes: 64 columns, the low nibbles (even columns) against x's codes at p, the
+      // high ones (odd) at p + 64 (p: the step's positions in x's nibble order); lane l the
+      // columns 8 l .. 8 l + 7. Wide (groups of 128 or more): both halves of 128 columns,
+      // summed in int16 (|sum| <= 4 * 15 * 127 * 2), one group, one d
+      const auto half = [&](const uint8_t* w, const int8_t* x) __attribute__((always_inline)) {
+        const __m256i v = load32(w);
+        const __m256i lo = _mm256_and_si256(v, low);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        return _mm256_add_epi16(_mm256_maddubs_epi16(lo, load32(x)),
+                                _mm256_maddubs_epi16(hi, load32(x + 64)));
+      };
+      if constexpr (Wide) {
+        for (int64_t c = 0; c < k; c += 128) {
+          for (int r = 0; r < R; ++r) {
+            prefetch_ahead<kStream>(wr[r] + c / 2, kAhead);
+            const float s = scale_at(srow[r], c >> gshift, st);
+            for (int mi = 0; mi < MT; ++mi) {
+              const int8_t* x = xq + mi * k + c;
+              const __m256i p =
+                  _mm256_add_epi16(half(wr[r] + c / 2, x), half(wr[r] + c / 2 + 32, x + 32));
+              const __m256i dot = _mm256_madd_epi16(p, ones);
+              acc[mi][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
+                                           _mm256_set1_ps(dl[mi * (k / 4) + c / 4] * s),
+                                           acc[mi][r]);
+            }
+          }
+        }
+      } else {
+        const bool two = a.group < 64;
+        for (int64_t c = 0; c < k; c += 64) {
+          const int64_t p = c - c % 128 + (c % 128) / 2;  // the low nibbles' first position
+          for (int r = 0; r < R; ++r) {
+            if (c % 128 == 0) prefetch_ahead<kStream>(wr[r] + c / 2, kAhead);
+            const __m256 s = two_scales<ST>(srow[r], c >> gshift, two);
+            for (int mi = 0; mi < MT; ++mi) {
+              const __m256i dot = _mm256_madd_epi16(half(wr[r] + c / 2, xq + mi * k + p), ones);
+              acc[mi][r] =
+                  _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
+                                  _mm256_mul_ps(_mm256_set1_ps(dl[mi * (k / 4) + p / 4]), s),
+                                  acc[mi][r]);
+            }
+          }
+        }
+      }
+    } else {  // int6: a block of 104 bytes per 128 columns (int6_block)
+      const __m256i top = _mm256_set1_epi8(0x30);
+      // int16 lane j of a half's pair sums covers columns 4 j .. 4 j + 3: sub-scale j / 4
+      const __m128i spread0 = _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+      const __m128i spread1 = _mm_add_epi8(spread0, _mm_set1_epi8(4));
+      const int16_t* xo = a.xo + m0 * (k / 4);
+      for (int64_t c = 0; c < k; c += 128) {
+        for (int r = 0; r < R; ++r) {
+          const uint8_t* b = int6_block(wr[r], c);
+          prefetch_ahead<kStream>(b, kAhead);
+          prefetch_ahead<kStream>(b, kAhead + 64);
+          const __m256i v0 = load32(b), v1 = load32(b + 32), t = load32(b + kInt6Tops);
+          // the codes against x's positions 0-31 (even columns 0-62), 32-63 (64-126), 64-95
+          // (odd 1-63), 96-127 (65-127): the top bits of byte i at bits 0-1, 2-3, 4-5, 6-7
+          const __m256i q0 = _mm256_or_si256(_mm256_and_si256(v0, low),
+                                             _mm256_and_si256(_mm256_slli_epi16(t, 4), top));
+          const __m256i q1 = _mm256_or_si256(_mm256_and_si256(v1, low),
+                                             _mm256_and_si256(_mm256_slli_epi16(t, 2), top));
+          const __m256i q2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v0, 4), low),
+                                             _mm256_and_si256(t, top));
+          const __m256i q3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v1, 4), low),
+                                             _mm256_and_si256(_mm256_srli_epi16(t, 2), top));
+          const __m128i sc8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + kInt6Subs));
+          const __m256i sc0 = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc8, spread0));
+          const __m256i sc1 = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc8, spread1));
+          const float dw = scale_at(srow[r], c >> gshift, st);
+          for (int mi = 0; mi < MT; ++mi) {
+            const int8_t* x = xq + mi * k + c;
+            const int16_t* o = xo + mi * (k / 4) + c / 4;  // 32 (the codes' offset) x pair sums
+            const __m256i p0 = _mm256_sub_epi16(
+                _mm256_add_epi16(_mm256_maddubs_epi16(q0, load32(x)),
+                                 _mm256_maddubs_epi16(q2, load32(x + 64))),
+                load32(o));
+            const __m256i p1 = _mm256_sub_epi16(
+                _mm256_add_epi16(_mm256_maddubs_epi16(q1, load32(x + 32)),
+                                 _mm256_maddubs_epi16(q3, load32(x + 96))),
+                load32(o + 16));
+            const __m256i dot =
+                _mm256_add_epi32(_mm256_madd_epi16(p0, sc0), _mm256_madd_epi16(p1, sc1));
+            acc[mi][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
+                                         _mm256_set1_ps(dl[mi * (k / 4) + c / 4] * dw),
+                                         acc[mi][r]);
+          }
+        }
+      }
+    }
+  }
+};
+
+// quantize x, the sums of its codes per group (corr: the zero points' part, taken off at the
+// end) or int6's offsets (xo), then the tiles
+template <typename T, Kind K>
+void avx2_matmul(Args<T> a) {
+  constexpr bool nibbles = K == Kind::Int4 || K == Kind::Int6;
+  const int64_t halves = a.k / 16;
+  std::vector<int8_t> xq(a.m * a.k);
+  std::vector<float> dl(a.m * a.k / 4), hsum(a.m * halves);
+  quantize_rows_plain<T, nibbles>(a.x, a.m, a.k, activation_block<K>(a.group), xq.data(),
+                                  dl.data(), hsum.data());
+  a.xq = xq.data();
+  a.dl = dl.data();
+  std::vector<float> corr;
+  std::vector<int16_t> xo;
+  if constexpr (K == Kind::Int6) {
+    // per 64 columns (positions p .. p + 31 and p + 64 .. p + 95), int16 lane j: 32 times the
+    // sum of the codes at p + 2 j, p + 2 j + 1 and the same 64 on
+    xo.resize(a.m * a.k / 4);
+    for (int64_t i = 0; i < a.m; ++i)
+      for (int64_t c = 0; c < a.k; c += 128)
+        for (int h = 0; h < 2; ++h)
+          for (int j = 0; j < 16; ++j) {
+            const int8_t* q = xq.data() + i * a.k + c + 32 * h + 2 * j;
+            xo[i * (a.k / 4) + c / 4 + 16 * h + j] =
+                static_cast<int16_t>(32 * (q[0] + q[1] + q[64] + q[65]));
+          }
+    a.xo = xo.data();
+  } else if constexpr (K != Kind::Int8) {
+    corr.assign(a.m * a.groups, 0.0f);
+    for (int64_t i = 0; i < a.m; ++i)
+      for (int64_t h = 0; h < halves; ++h)
+        corr[i * a.groups + (column_of<K>(h * 16) >> a.gshift)] += hsum[i * halves + h];
+    a.corr = corr.data();
+  }
+  for_tiles<Avx2<T, K>::template Tile, 1, 2>(a);
+}
+
+#endif  // FOUDRE_AVX2
+
 template <typename T, Kind K>
 void matmul(const Args<T>& a) {
 #if defined(FOUDRE_VNNI)
   vnni_matmul<T, K>(a);
 #elif defined(FOUDRE_AVX512)
   for_tiles<Float512<T, K>::template Tile, 8>(a);
+#elif defined(FOUDRE_AVX2)
+  avx2_matmul<T, K>(a);
 #else
   for_tiles<Portable<T, K>::template Tile, 8>(a);
 #endif
@@ -1081,7 +1432,7 @@ Args<T> args(int kind, const void* x, const void* q, const void* s, const void* 
   const int64_t row_bytes = kind == 2 ? k / 2 : (kind == 3 ? k / 16 * 13 : k);
   return {static_cast<const T*>(x), static_cast<const uint8_t*>(q), row_bytes, s, z, zc, st,
           groups, group, s_stride, gshift, static_cast<T*>(y), m, n, k, nullptr, nullptr,
-          nullptr, nullptr};
+          nullptr, nullptr, nullptr};
 }
 
 template <typename T>
@@ -1120,12 +1471,14 @@ void run_dequantize(int kind, const void* q, const void* s, const void* z, float
 
 extern "C" {
 
-// 2: VNNI (int8 activations), 1: AVX-512 float, 0: portable
+// 2: VNNI (int8 activations), 1: AVX-512 float, 3: AVX2 (int8 activations), 0: portable
 int foudre_qmm_path() {
 #if defined(FOUDRE_VNNI)
   return 2;
 #elif defined(FOUDRE_AVX512)
   return 1;
+#elif defined(FOUDRE_AVX2)
+  return 3;
 #else
   return 0;
 #endif

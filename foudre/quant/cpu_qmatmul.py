@@ -5,7 +5,8 @@ channel, int8 group-wise with a scale and an optional zero point per group of 16
 (GGUF's Q6_K, ``packing.pack_int6``); x float32 or bfloat16, y in x's dtype.
 
 Each task streams its weight rows (one, for one row of x) once for every row of x. With
-AVX512-VNNI the activations are quantized to int8 per block (``activation_block``: 32 columns
+AVX512-VNNI, and on AVX2 CPUs without AVX-512 (``vpmaddubsw``, ``vpmaddwd``), the activations
+are quantized to int8 per block (``activation_block``: 32 columns
 for group-wise int8, as llama.cpp's Q8_0, 64 or 128 for int4 and per-channel int8, 128 for
 int6) and
 multiplied by vpdpbusd, so
@@ -29,7 +30,7 @@ import torch.nn.functional as F
 from foudre.layers import native
 
 SOURCE = Path(__file__).with_name("cpu_qmatmul.cpp")
-PATHS = ("portable", "avx512", "vnni")
+PATHS = ("portable", "avx512", "vnni", "avx2")
 DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
@@ -61,10 +62,20 @@ def function(dtype: torch.dtype) -> int | None:
 
 @lru_cache(maxsize=1)
 def path() -> str | None:
-    """``"vnni"``, ``"avx512"`` or ``"portable"``: the path the library was built for; None
-    where it did not build (asked every decode step: one library, one answer)."""
+    """``"vnni"``, ``"avx2"``, ``"avx512"`` or ``"portable"``: the path the library was built
+    for; None where it did not build (asked every decode step: one library, one answer)."""
     dll = _library()
     return None if dll is None else PATHS[dll.foudre_qmm_path()]
+
+
+ROUNDING_PATHS = ("vnni", "avx2")  # the paths that round x to int8 per block
+NATIVE_PATHS = ("vnni", "avx2", "avx512")  # the paths that serve models (not the portable one)
+
+
+def rounds_activations() -> bool:
+    """Whether this build's path rounds x to int8 per block (``activation_block``) before its
+    integer products: VNNI (AVX-512) and AVX2, the same rounding; the float paths do not."""
+    return path() in ROUNDING_PATHS
 
 
 KINDS = {"int8": 0, "int8g": 1, "int4": 2, "int6": 3}
@@ -217,12 +228,12 @@ def error_bound(
     """A bound ``[M, N]`` on ``|matmul(x, layout(W)) - x @ w.T|`` for float32 ``x [M, K]`` and
     the dequantized ``bits``-bit weight ``w [N, K]`` (bits 4, 6 or 8), float32 outputs: the
     float32 sums' order
-    (``1e-5 sum |x| |w|``) and, on the VNNI path, the rounding of x to int8 (each x within
+    (``1e-5 sum |x| |w|``) and, on the VNNI and AVX2 paths, the rounding of x to int8 (each x within
     ``d / 2``, ``d = max|x| / 127`` over its block, ``activation_block(bits, group_size)``: the
     default group, None, gives the loosest bound for either width)."""
     x, aw = x.float(), w.float().abs()
     bound = 1e-5 * (x.abs() @ aw.t()) + 1e-6
-    if path() == "vnni":
+    if rounds_activations():
         k, span = x.shape[1], activation_block(bits, group_size)
         d = F.pad(x, (0, -k % span)).abs().reshape(x.shape[0], -1, span).amax(-1) / 127
         bound = bound + (d.repeat_interleave(span, dim=1)[:, :k] / 2) @ aw.t()
@@ -275,7 +286,7 @@ def _check_layout(packed: Packed) -> None:
 
 
 def round_like_kernel(x: torch.Tensor, bits: int, group_size: int | None) -> torch.Tensor:
-    """``x`` ``[..., K]`` as the VNNI path rounds it (the oracle of its tests): codes
+    """``x`` ``[..., K]`` as the VNNI and AVX2 paths round it (the oracle of their tests): codes
     ``round(x * 127 / a)`` (ties to even, as ``vcvtps2dq``) times ``a / 127``, ``a`` the largest
     ``|x|`` of the block, ``activation_block(bits, group_size)`` columns (for int4 weights the
     even and the odd columns of 64 share their scale, so the two halves of a byte's products add

@@ -1,6 +1,6 @@
 """``QuantLinear``: a weight-only quantized linear over the canonical layouts of
 ``foudre.quant.packing`` (8-bit per channel or group-wise with optional zero points, 4-bit
-group-wise, 6-bit as GGUF's Q6_K). On a CPU with AVX-512 our kernels (``cpu_qmatmul``) read
+group-wise, 6-bit as GGUF's Q6_K). On a CPU with AVX-512 or AVX2 our kernels (``cpu_qmatmul``) read
 those buffers as they are: batches below ``dequantized_gemm_rows`` (64; 32 for group-wise
 8-bit, GGUF's forms) through the integer kernel, larger ones (prefill chunks, larger decode
 batches) as the weight dequantized a few rows at a time into torch's GEMM; elsewhere torch's
@@ -9,7 +9,7 @@ CUDA the Triton kernels (``triton_kernels``: a split-K GEMV at one row, dequanti
 registers above; 6-bit: ``forward_reference``, the GGUF loader keeps Q6_K there in group-wise
 8 bits).
 
-With AVX512-VNNI the integer kernel rounds the activations to int8 per block
+With AVX512-VNNI (and on AVX2) the integer kernel rounds the activations to int8 per block
 (``cpu_qmatmul.activation_block``): ``cpu_qmatmul.error_bound`` bounds the difference from
 ``forward_reference`` and ``cpu_qmatmul.round_like_kernel`` reproduces the rounding.
 
@@ -441,18 +441,18 @@ def _warn_dequantizing(mod: QuantLinear, where: str) -> None:
 
 def uses_native_kernels(dtype: torch.dtype) -> bool:
     """Whether CPU activations in ``dtype`` run ``cpu_qmatmul``: float32 or bfloat16, the
-    library built with AVX-512 (its portable path is for checks; aten's kernels serve CPUs
-    without AVX-512), and not switched off with ``FOUDRE_NATIVE_QMATMUL=0``."""
+    library built with AVX-512 or AVX2 (its portable path is for checks; aten's kernels serve
+    CPUs with neither), and not switched off with ``FOUDRE_NATIVE_QMATMUL=0``."""
     if dtype not in cpu_qmatmul.DTYPES or os.environ.get("FOUDRE_NATIVE_QMATMUL", "1") == "0":
         return False
-    return cpu_qmatmul.path() in ("vnni", "avx512")
+    return cpu_qmatmul.path() in cpu_qmatmul.NATIVE_PATHS
 
 
 def prepare_for_cpu(model: nn.Module) -> None:
-    """As loaded on the CPU: where our kernels (AVX-512) serve the model's dtype, each quantized
-    linear's layout is built now (its group-wise scales and zero points paired: new buffers,
-    which ``huge_pages.place_in_huge_pages`` then moves with the rest); else a float32 model's
-    quantized linears compute in bfloat16 (torch's packed kernels are fast with bf16
+    """As loaded on the CPU: where our kernels (AVX-512, AVX2) serve the model's dtype, each
+    quantized linear's layout is built now (its group-wise scales and zero points paired: new
+    buffers, which ``huge_pages.place_in_huge_pages`` then moves with the rest); else a float32
+    model's quantized linears compute in bfloat16 (torch's packed kernels are fast with bf16
     activations only)."""
     params = next(model.parameters(), None)
     if params is None or params.device.type != "cpu":

@@ -23,6 +23,8 @@ def run_built_for(march: str, check: str, library: str, tmp_path: Path) -> None:
         pytest.skip("x86 -march values")
     if "avx512" in march and "avx512bw" not in native.cpu_flags():
         pytest.skip("this CPU cannot run AVX-512 code")
+    if march == "haswell" and not {"avx2", "fma", "f16c"} <= set(native.cpu_flags().split()):
+        pytest.skip("this CPU cannot run AVX2 code")
     module, function = check.split(":")
     env = dict(os.environ, FOUDRE_KERNEL_MARCH=march, FOUDRE_CACHE=str(tmp_path))
     script = f"from {module} import {function}\n{function}()\nprint('ok')\n"

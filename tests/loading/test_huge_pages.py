@@ -187,8 +187,8 @@ def test_model_changed_after_quantizing_in_place(tmp_path: Path) -> None:
     """Quantized in place after the engine was built, the model's steps fall back to Python;
     ``ModelRunner.model_changed`` moves the weights into a new map (the float ones freed with the
     old) and rebuilds the native decode step on the quantized projections."""
-    if cpu_qmatmul.path() not in ("vnni", "avx512"):
-        pytest.skip("quantized projections run natively with AVX-512 only")
+    if cpu_qmatmul.path() not in cpu_qmatmul.NATIVE_PATHS:
+        pytest.skip("quantized projections run natively with AVX-512 or AVX2 only")
     path = make_hf_model(tmp_path / "m", hidden_size=256, intermediate_size=512, vocab_size=384)
     llm = LLM(str(path), dtype="bfloat16", skip_tokenizer_init=True)
     runner = llm.engine.runner

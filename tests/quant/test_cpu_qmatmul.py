@@ -1,11 +1,11 @@
 """Our native quantized-linear kernels (``cpu_qmatmul``) against dequantize-then-matmul.
 
-The three paths (VNNI, AVX-512 float, portable) are each built and checked: the one this machine
-takes in-process, the others in subprocesses built with ``FOUDRE_KERNEL_MARCH``.
+The four paths (VNNI, AVX2, AVX-512 float, portable) are each built and checked: the one this
+machine takes in-process, the others in subprocesses built with ``FOUDRE_KERNEL_MARCH``.
 
 Tolerance (``cpu_qmatmul.error_bound``): the float paths differ from the float32 reference only
-by summation order (a 1e-5 relative bound on ``sum |w| |x|``). The VNNI path rounds each x to its
-block's int8 grid, ``|x - d q| <= d / 2`` with ``d = max|x| / 127`` over its block
+by summation order (a 1e-5 relative bound on ``sum |w| |x|``). The VNNI and AVX2 paths round each
+x to its block's int8 grid, ``|x - d q| <= d / 2`` with ``d = max|x| / 127`` over its block
 (``cpu_qmatmul.activation_block``: 32, 64 or 128 columns), so its error is at most
 ``sum_k |w_k| d_k / 2`` more; bfloat16 outputs add their own rounding, ``|y| * 2^-8``.
 """
@@ -161,6 +161,19 @@ def check_path_avx512() -> None:
     check_kernels()
 
 
+def check_path_avx2() -> None:
+    assert cpu_qmatmul.path() == "avx2"
+    check_kernels()
+    test_quantized_activations_are_needed_for_the_bound()
+    for m in (1, 3, 5):  # x really rounded, per block of 128
+        test_vnni_rounds_x_per_block_of_128(8, None, 200, m)
+        test_vnni_rounds_x_per_block_of_128(4, 256, 512, m)
+        test_vnni_int6_is_x_rounded_per_128_times_the_weight(768, m)
+    from tests.quant.test_gguf_quantized import test_vnni_grouped_int8_is_the_q8_0_dot
+
+    test_vnni_grouped_int8_is_the_q8_0_dot()
+
+
 def check_path_portable() -> None:
     assert cpu_qmatmul.path() == "portable"
     check_kernels()
@@ -170,9 +183,14 @@ def test_kernels_match_dequantized_matmul_on_this_cpu() -> None:
     check_kernels()
 
 
-@pytest.mark.parametrize("march,check", [("skylake-avx512", "avx512"), ("x86-64", "portable")])
+@pytest.mark.parametrize(
+    "march,check", [("skylake-avx512", "avx512"), ("haswell", "avx2"), ("x86-64", "portable")]
+)
 def test_other_paths_match(march: str, check: str, tmp_path: Path) -> None:
-    """The AVX-512 float path (no VNNI) and the portable one, built for another -march."""
+    """The AVX-512 float path (no VNNI), the AVX2 one and the portable one, built for another
+    -march (where this build is not already that path: its own tests run it)."""
+    if cpu_qmatmul.path() == check:
+        pytest.skip(f"this build is the {check} path")
     run_built_for(
         march, f"tests.quant.test_cpu_qmatmul:check_path_{check}", "cpu_qmatmul", tmp_path
     )
@@ -180,7 +198,7 @@ def test_other_paths_match(march: str, check: str, tmp_path: Path) -> None:
 
 def test_quantized_activations_are_needed_for_the_bound() -> None:
     """The VNNI bound is not vacuous: the float-path bound fails where x is rounded to int8."""
-    if cpu_qmatmul.path() != "vnni":
+    if not cpu_qmatmul.rounds_activations():
         pytest.skip("this build multiplies in float32")
     torch.manual_seed(5)
     mod = QuantLinear.from_float(torch.randn(64, 512), None, 8)
@@ -202,7 +220,7 @@ def test_vnni_rounds_x_per_block_of_128(bits: int, group: int | None, k: int, m:
     float32 summation order (terms of ``(|q| + |z|) s``, int8's codes offset by 128 and the
     offset taken off at the end); the rounding is really there, and blocks of 32 would round
     differently."""
-    if cpu_qmatmul.path() != "vnni":
+    if not cpu_qmatmul.rounds_activations():
         pytest.skip("this build multiplies in float32")
     assert cpu_qmatmul.activation_block(bits, group) == 128
     torch.manual_seed(k + bits)
@@ -232,7 +250,7 @@ def test_vnni_int6_is_x_rounded_per_128_times_the_weight(k: int, m: int) -> None
     lane's sum is exact in int32 (codes, their offset 32 and the sub-scale), then scaled by
     x's d and the weight's; the rounding is really there, and blocks of 32 would round
     differently."""
-    if cpu_qmatmul.path() != "vnni":
+    if not cpu_qmatmul.rounds_activations():
         pytest.skip("this build multiplies in float32")
     torch.manual_seed(k + m)
     mod = QuantLinear.from_float(torch.randn(40, k) * 0.1, None, 6, 16)
@@ -319,7 +337,7 @@ def test_quant_linear_matches_reference(
     tol = cpu_qmatmul.error_bound(xp, mod.dequantize(), bits, group).reshape(2, m, n) + 1e-5
     assert bool(((y - ref).abs() <= tol).all())
     if bits == 6:  # switched off: the reference itself, not the kernel (which rounds x on VNNI)
-        assert cpu_qmatmul.path() != "vnni" or not torch.equal(y, ref)
+        assert not cpu_qmatmul.rounds_activations() or not torch.equal(y, ref)
         monkeypatch.setenv("FOUDRE_NATIVE_QMATMUL", "0")
         assert torch.equal(mod(x), ref)
 

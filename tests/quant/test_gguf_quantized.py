@@ -100,7 +100,7 @@ def test_vnni_grouped_int8_is_the_q8_0_dot() -> None:
     weight's and the activation's codes times both scales (the activation's scale kept in
     float32, where ggml stores a float16). Checked to float32 summation order, far inside the
     rounding bound."""
-    if cpu_qmatmul.path() != "vnni":
+    if not cpu_qmatmul.rounds_activations():
         pytest.skip("this build multiplies in float32")
     mod = _grouped(32, 45, 320)
     x = torch.randn(5, 320) * 3
@@ -149,7 +149,7 @@ def _quant_linears(model: nn.Module) -> dict[str, QuantLinear]:
 
 def _rounds_input(mod: QuantLinear, rows: int) -> bool:
     """Whether ``mod``'s CPU forward (float32 activations) runs the VNNI kernel for ``rows``."""
-    if cpu_qmatmul.path() != "vnni" or not uses_native_kernels(torch.float32):
+    if not cpu_qmatmul.rounds_activations() or not uses_native_kernels(torch.float32):
         return False
     if rows >= dequantized_gemm_rows(mod.bits, mod.group_size):
         return False  # the dequantized weight into torch's GEMM: nothing rounded
@@ -490,9 +490,9 @@ def test_group_wise_8_bit_is_dequantized_where_no_kernel_runs_it(
     caplog: pytest.LogCaptureFixture,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Without our kernels (no AVX-512, or switched off) group-wise 8-bit layouts would be
-    dequantized at every call: they are dequantized once at load instead, and the log says
-    why; 4-bit layouts stay quantized on torch's kernels."""
+    """Without our kernels (neither AVX-512 nor AVX2, or switched off) group-wise 8-bit layouts
+    would be dequantized at every call: they are dequantized once at load instead, and the log
+    says why; 4-bit layouts stay quantized on torch's kernels."""
     from foudre.loading import loader
 
     monkeypatch.setattr(loader, "uses_native_kernels", lambda dtype: False)
@@ -551,7 +551,7 @@ def test_resident_size_is_the_files(qtype: str, llama_dir: Path, tmp_path: Path)
     _logits(model, PROMPT[:4])  # every kernel builds its layout
     weights_after, extra = _resident_bytes(model)
     assert weights_after == weights
-    if qtype in ("Q8_0", "Q6_K") and cpu_qmatmul.path() in ("vnni", "avx512"):
+    if qtype in ("Q8_0", "Q6_K") and cpu_qmatmul.path() in cpu_qmatmul.NATIVE_PATHS:
         assert extra == 0
 
 
