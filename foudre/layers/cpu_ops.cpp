@@ -17,9 +17,11 @@
 // kernel, so only the chosen experts' weights are read; with the router and the routing too in
 // moe_block, a sparse layer is one call.
 //
-// Built by foudre/runner/native.py with -march=native; the ops exist only where AVX-512 does
-// (foudre_cpu_ops_available() says which), and foudre/layers/fused.py falls back to torch
-// elsewhere.
+// Built by foudre/layers/native.py with -march=native; the ops exist where AVX-512 or AVX2 (with
+// FMA) does (foudre_cpu_ops_available() says which), and foudre/layers/fused.py falls back to
+// torch elsewhere. The AVX2 build (AMD Zen 2 and 3, Intel's client cores) runs the same ops on 8
+// float32 lanes: its own elementwise ops and linear kernel (a bfloat16 weight step takes 16
+// values in one load), the rest of the file shared.
 
 #include <algorithm>
 #include <cmath>
@@ -31,9 +33,25 @@
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define FOUDRE_OPS_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#define FOUDRE_OPS_AVX2 1
+#endif
+
+#if defined(FOUDRE_OPS_AVX512) || defined(FOUDRE_OPS_AVX2)
 #include <immintrin.h>
 
 namespace {
+
+inline float to_float(float x) { return x; }
+inline float to_float(uint16_t x) {  // bfloat16: the high half of a float32
+  uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+#if defined(FOUDRE_OPS_AVX512)
 
 inline __mmask16 lanes(int64_t n) {
   return n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
@@ -235,6 +253,266 @@ void linear_group(const T* x, int64_t x_stride, const T* w, const T* bias, T* y,
   }
 }
 
+// x += y, rounded to T as torch's add of two T tensors rounds
+template <typename T>
+void add_(T* x, const T* y, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = lanes(n - i);
+    store(x + i, _mm512_add_ps(load(x + i, m), load(y + i, m)), m);
+  }
+}
+
+// acc += y * w (float32 sums of the experts' outputs), out = T(acc)
+template <typename T>
+void add_scaled(float* acc, const T* y, float w, int64_t n) {
+  const __m512 wv = _mm512_set1_ps(w);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = lanes(n - i);
+    store(acc + i, _mm512_add_ps(load(acc + i, m), _mm512_mul_ps(load(y + i, m), wv)), m);
+  }
+}
+template <typename T>
+void store_rounded(T* out, const float* acc, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = lanes(n - i);
+    store(out + i, load(acc + i, m), m);
+  }
+}
+
+// the weight rows of a task by the x rows it multiplies (1, 2, 3, 4 or more): as many as the
+// accumulators (M * R) and the M x vectors leave of the 32 registers
+constexpr int group_rows(int m) { return m == 1 ? 16 : (m == 2 ? 12 : (m == 3 ? 8 : 6)); }
+
+#else  // AVX2 (AMD Zen 2 and 3, Intel's client cores): the same ops on 8 float32 lanes
+
+inline __m256i lane_mask(int64_t n) {  // lanes 0 .. min(n, 8) - 1 set
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(n, 8))),
+                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+inline __m256 load8(const float* p, int64_t n) {  // the first min(n, 8), the others zero
+  return n >= 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, lane_mask(n));
+}
+inline __m256 widen8(__m128i h) {  // bfloat16: the high half of a float32
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline __m256 load8(const uint16_t* p, int64_t n) {
+  if (n >= 8) return widen8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  alignas(16) uint16_t part[8] = {};
+  std::copy(p, p + n, part);
+  return widen8(_mm_load_si128(reinterpret_cast<const __m128i*>(part)));
+}
+inline void store8(float* p, __m256 x, int64_t n) {
+  if (n >= 8)
+    _mm256_storeu_ps(p, x);
+  else
+    _mm256_maskstore_ps(p, lane_mask(n), x);
+}
+inline __m128i to_bf16(__m256 x) {  // round to nearest even, NaN to a quiet NaN: as torch does
+  const __m256i u = _mm256_castps_si256(x);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r =
+      _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0),
+                         _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+  // (16-bit values: the unsigned saturation keeps them; the packs work per 128-bit half)
+  return _mm256_castsi256_si128(
+      _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), _MM_SHUFFLE(3, 1, 2, 0)));
+}
+inline void store8(uint16_t* p, __m256 x, int64_t n) {
+  const __m128i h = to_bf16(x);
+  if (n >= 8) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h);
+  } else {
+    alignas(16) uint16_t part[8];
+    _mm_store_si128(reinterpret_cast<__m128i*>(part), h);
+    std::copy(part, part + n, p);
+  }
+}
+// x rounded to T's precision (float32: unchanged), where the torch chain stores a T tensor
+inline __m256 round_to(__m256 x, const float*) { return x; }
+inline __m256 round_to(__m256 x, const uint16_t*) { return widen8(to_bf16(x)); }
+
+inline float hsum8(__m256 v) {
+  __m128 q = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+  return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+}
+
+inline __m256 exp8(__m256 x) {  // e^x on [-87, 88] (clamped outside): as exp16
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+  const __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), f);
+  __m256 p = _mm256_set1_ps(1.0f / 5040);
+  for (const float c : {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f})
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  const __m256i e =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+template <typename T>
+void rms_norm(const T* x, const T* weight, T* out, int64_t rows, int64_t n, int64_t x_stride,
+              float eps) {
+#pragma omp parallel for schedule(static) if (rows * n >= 65536)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * x_stride;
+    __m256 ss = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i += 8) {
+      const __m256 v = load8(xr + i, n - i);
+      ss = _mm256_fmadd_ps(v, v, ss);
+    }
+    const float inv = 1.0f / std::sqrt(hsum8(ss) / static_cast<float>(n) + eps);
+    const __m256 iv = _mm256_set1_ps(inv);
+    for (int64_t i = 0; i < n; i += 8) {
+      const __m256 h = round_to(_mm256_mul_ps(load8(xr + i, n - i), iv), x);
+      store8(out + r * n + i, _mm256_mul_ps(load8(weight + i, n - i), h), n - i);
+    }
+  }
+}
+
+template <typename T>
+void silu_mul(const T* gu, T* out, int64_t rows, int64_t n, int64_t gu_stride) {
+#pragma omp parallel for schedule(static) if (rows * n >= 65536)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* g = gu + r * gu_stride;
+    for (int64_t i = 0; i < n; i += 8) {
+      const __m256 x = load8(g + i, n - i);
+      const __m256 d = _mm256_add_ps(_mm256_set1_ps(1.0f),
+                                     exp8(_mm256_sub_ps(_mm256_setzero_ps(), x)));
+      // where e^-x overflows float32, torch's x / inf is a signed zero: so is this
+      const __m256 s = _mm256_blendv_ps(_mm256_div_ps(x, d), _mm256_mul_ps(x, _mm256_setzero_ps()),
+                                        _mm256_cmp_ps(x, _mm256_set1_ps(-88.72f), _CMP_LT_OQ));
+      store8(out + r * n + i, _mm256_mul_ps(round_to(s, g), load8(g + n + i, n - i)), n - i);
+    }
+  }
+}
+
+template <typename T>
+void rope(T* x, const float* cos, const float* sin, const int64_t* positions, int64_t tokens,
+          int64_t heads, int64_t head_dim, int64_t token_stride) {
+  const int64_t half = head_dim / 2;
+#pragma omp parallel for schedule(static) if (tokens * heads * head_dim >= 65536)
+  for (int64_t t = 0; t < tokens; ++t) {
+    const float* ct = cos + positions[t] * head_dim;
+    const float* st = sin + positions[t] * head_dim;
+    for (int64_t i = 0; i < half; i += 8) {
+      const int64_t m = half - i;
+      const __m256 c1 = round_to(load8(ct + i, m), x), c2 = round_to(load8(ct + half + i, m), x);
+      const __m256 s1 = round_to(load8(st + i, m), x), s2 = round_to(load8(st + half + i, m), x);
+      for (int64_t h = 0; h < heads; ++h) {
+        T* row = x + t * token_stride + h * head_dim;
+        const __m256 x1 = load8(row + i, m), x2 = load8(row + half + i, m);
+        const __m256 a = round_to(_mm256_mul_ps(x1, c1), x);
+        const __m256 b = round_to(_mm256_mul_ps(x2, s1), x);
+        const __m256 c = round_to(_mm256_mul_ps(x2, c2), x);
+        const __m256 d = round_to(_mm256_mul_ps(x1, s2), x);
+        store8(row + i, _mm256_sub_ps(a, b), m);
+        store8(row + half + i, _mm256_add_ps(c, d), m);
+      }
+    }
+  }
+}
+
+// Dot products of weight rows with x rows, a step of `step` columns: float32 8; bfloat16 16, one
+// load of each and their even columns widened by a shift, their odd ones by a mask (2
+// instructions for 16, where widening 8 at a time took 2 for 8)
+template <typename T>
+struct Dot;
+template <>
+struct Dot<float> {
+  static constexpr int64_t step = 8;
+  struct X {
+    __m256 v;
+  };
+  static X load_x(const float* p) { return {_mm256_loadu_ps(p)}; }
+  static void fma(__m256& acc, const X& x, const float* w) {
+    acc = _mm256_fmadd_ps(x.v, _mm256_loadu_ps(w), acc);
+  }
+};
+template <>
+struct Dot<uint16_t> {
+  static constexpr int64_t step = 16;
+  struct X {
+    __m256 even, odd;
+  };
+  static __m256 even(__m256i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
+  static __m256 odd(__m256i v) {
+    return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(~0xFFFF)));
+  }
+  static X load_x(const uint16_t* p) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return {even(v), odd(v)};
+  }
+  static void fma(__m256& acc, const X& x, const uint16_t* w) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+    acc = _mm256_fmadd_ps(x.even, even(v), acc);
+    acc = _mm256_fmadd_ps(x.odd, odd(v), acc);
+  }
+};
+
+// y[m, n0 + r] = x[m] . w[n0 + r] (+ bias) for M rows of x and R weight rows from n0 (the last
+// group re-reads row n - 1 for the rows past the end and stores only the rows that exist); the
+// columns past the last whole step in plain loops. Prefetch: as the AVX-512 kernel's.
+template <typename T, int M, int R, bool Prefetch = false>
+void linear_group(const T* x, int64_t x_stride, const T* w, const T* bias, T* y, int64_t n,
+                  int64_t k, int64_t n0) {
+  using D = Dot<T>;
+  const T* wr[R];
+  for (int r = 0; r < R; ++r) wr[r] = w + std::min<int64_t>(n0 + r, n - 1) * k;
+  __m256 acc[M][R];
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_ps();
+  const int64_t whole = k / D::step * D::step;
+  for (int64_t i = 0; i < whole; i += D::step) {
+    typename D::X xv[M];
+    for (int m = 0; m < M; ++m) xv[m] = D::load_x(x + m * x_stride + i);
+    for (int r = 0; r < R; ++r) {
+      if constexpr (Prefetch) {  // the same line of the next group's row, into L2
+        if ((i * static_cast<int64_t>(sizeof(T))) % 64 == 0) {
+          const uintptr_t next = reinterpret_cast<uintptr_t>(wr[r] + i) + R * k * sizeof(T);
+          _mm_prefetch(reinterpret_cast<const char*>(next), _MM_HINT_T1);
+        }
+      }
+      for (int m = 0; m < M; ++m) D::fma(acc[m][r], xv[m], wr[r] + i);
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R && n0 + r < n; ++r) {
+      float sum = hsum8(acc[m][r]);
+      for (int64_t i = whole; i < k; ++i)
+        sum += to_float(x[m * x_stride + i]) * to_float(wr[r][i]);
+      const float out = bias != nullptr ? sum + to_float(bias[n0 + r]) : sum;
+      store8(y + m * n + n0 + r, _mm256_set1_ps(out), 1);
+    }
+}
+
+// the weight rows of a task by the x rows it multiplies (1, 2, 3, 4 or more): as many as the
+// accumulators and x's vectors leave of the 16 registers
+constexpr int group_rows(int m) { return m == 1 ? 8 : (m == 2 ? 4 : 2); }
+
+template <typename T>
+void add_(T* x, const T* y, int64_t n) {
+  for (int64_t i = 0; i < n; i += 8)
+    store8(x + i, _mm256_add_ps(load8(x + i, n - i), load8(y + i, n - i)), n - i);
+}
+
+// acc += y * w (float32 sums of the experts' outputs), out = T(acc)
+template <typename T>
+void add_scaled(float* acc, const T* y, float w, int64_t n) {
+  const __m256 wv = _mm256_set1_ps(w);
+  for (int64_t i = 0; i < n; i += 8)
+    store8(acc + i, _mm256_add_ps(load8(acc + i, n - i), _mm256_mul_ps(load8(y + i, n - i), wv)),
+           n - i);
+}
+template <typename T>
+void store_rounded(T* out, const float* acc, int64_t n) {
+  for (int64_t i = 0; i < n; i += 8) store8(out + i, load8(acc + i, n - i), n - i);
+}
+
+#endif  // AVX-512 / AVX2
+
 // Each task takes R weight rows at a time and multiplies them with the x rows: one pass for one
 // to three rows (M = rows), else four x rows at a time (M = 4), the weight rows coming from
 // memory once and then from L1/L2 for the next four. The tasks are handed out guided, as
@@ -262,27 +540,18 @@ void linear_groups(const T* x, int64_t x_stride, const T* w, const T* bias, T* y
   }
 }
 
-// y [rows, n] = x [rows, k] @ w [n, k]^T (+ bias [n]). R weight rows per task: as many as the
-// accumulators (M * R) and the M x vectors leave of the 32 registers.
+// y [rows, n] = x [rows, k] @ w [n, k]^T (+ bias [n]). R weight rows per task: group_rows.
 template <typename T>
 void linear(const T* x, int64_t x_stride, const T* w, const T* bias, T* y, int64_t rows,
             int64_t n, int64_t k) {
   switch (rows) {
-    case 1: linear_groups<T, 1, 16>(x, x_stride, w, bias, y, rows, n, k); break;
-    case 2: linear_groups<T, 2, 12>(x, x_stride, w, bias, y, rows, n, k); break;
-    case 3: linear_groups<T, 3, 8>(x, x_stride, w, bias, y, rows, n, k); break;
-    default: linear_groups<T, 4, 6>(x, x_stride, w, bias, y, rows, n, k); break;
+    case 1: linear_groups<T, 1, group_rows(1)>(x, x_stride, w, bias, y, rows, n, k); break;
+    case 2: linear_groups<T, 2, group_rows(2)>(x, x_stride, w, bias, y, rows, n, k); break;
+    case 3: linear_groups<T, 3, group_rows(3)>(x, x_stride, w, bias, y, rows, n, k); break;
+    default: linear_groups<T, 4, group_rows(4)>(x, x_stride, w, bias, y, rows, n, k); break;
   }
 }
 
-// x += y, rounded to T as torch's add of two T tensors rounds
-template <typename T>
-void add_(T* x, const T* y, int64_t n) {
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = lanes(n - i);
-    store(x + i, _mm512_add_ps(load(x + i, m), load(y + i, m)), m);
-  }
-}
 
 // y [rows, n] = x [rows, k] @ w[n0 : n0 + R]^T for one group of R weight rows, four x rows at a
 // time (then the one to three left): one task of the experts' products below.
@@ -309,26 +578,27 @@ void experts_linear(const T* x, const T* w, T* y, const std::vector<int64_t>& st
                     int64_t k) {
   struct Task {
     int64_t expert, n0;
-    int r;
+    int m;  // the expert's rows, up to 4: its tasks' weight rows are group_rows(m)
   };
   std::vector<Task> tasks;
   const int64_t experts = static_cast<int64_t>(start.size()) - 1;
+  constexpr int kRows[5] = {0, group_rows(1), group_rows(2), group_rows(3), group_rows(4)};
   for (int64_t e = 0; e < experts; ++e) {
     const int64_t rows = start[e + 1] - start[e];
     if (rows == 0) continue;
-    const int r = rows >= 4 ? 6 : rows == 3 ? 8 : rows == 2 ? 12 : 16;
-    for (int64_t n0 = 0; n0 < n; n0 += r) tasks.push_back({e, n0, r});
+    const int m = static_cast<int>(std::min<int64_t>(rows, 4));
+    for (int64_t n0 = 0; n0 < n; n0 += kRows[m]) tasks.push_back({e, n0, m});
   }
 #pragma omp parallel for schedule(static)
   for (size_t i = 0; i < tasks.size(); ++i) {
     const Task t = tasks[i];
     const int64_t s = start[t.expert], rows = start[t.expert + 1] - s;
     const T* we = w + t.expert * n * k;
-    switch (t.r) {
-      case 16: rows_group<T, 16>(x + s * k, k, we, y + s * n, rows, n, k, t.n0); break;
-      case 12: rows_group<T, 12>(x + s * k, k, we, y + s * n, rows, n, k, t.n0); break;
-      case 8: rows_group<T, 8>(x + s * k, k, we, y + s * n, rows, n, k, t.n0); break;
-      default: rows_group<T, 6>(x + s * k, k, we, y + s * n, rows, n, k, t.n0); break;
+    switch (t.m) {
+      case 1: rows_group<T, kRows[1]>(x + s * k, k, we, y + s * n, rows, n, k, t.n0); break;
+      case 2: rows_group<T, kRows[2]>(x + s * k, k, we, y + s * n, rows, n, k, t.n0); break;
+      case 3: rows_group<T, kRows[3]>(x + s * k, k, we, y + s * n, rows, n, k, t.n0); break;
+      default: rows_group<T, kRows[4]>(x + s * k, k, we, y + s * n, rows, n, k, t.n0); break;
     }
   }
 }
@@ -363,29 +633,12 @@ int moe_experts(const T* x, int64_t rows, int64_t hidden, int64_t inter, const i
   silu_mul(gu.data(), act.data(), n, inter, 2 * inter);
   experts_linear(act.data(), down, ys.data(), start, hidden, inter);
   std::vector<float> sum(rows * hidden, 0.0f);
-  for (int64_t i = 0; i < n; ++i) {  // in expert order: each row's terms add up as torch's do
-    float* acc = sum.data() + order[i] / top_k * hidden;
-    const __m512 wv = _mm512_set1_ps(weights[order[i]]);
-    const T* y = ys.data() + i * hidden;
-    for (int64_t h = 0; h < hidden; h += 16) {
-      const __mmask16 m = lanes(hidden - h);
-      store(acc + h, _mm512_add_ps(load(acc + h, m), _mm512_mul_ps(load(y + h, m), wv)), m);
-    }
-  }
+  for (int64_t i = 0; i < n; ++i)  // in expert order: each row's terms add up as torch's do
+    add_scaled(sum.data() + order[i] / top_k * hidden, ys.data() + i * hidden,
+               weights[order[i]], hidden);
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t h = 0; h < hidden; h += 16) {
-      const __mmask16 m = lanes(hidden - h);
-      store(out + r * hidden + h, load(sum.data() + r * hidden + h, m), m);
-    }
+    store_rounded(out + r * hidden, sum.data() + r * hidden, hidden);
   return 0;
-}
-
-inline float to_float(float x) { return x; }
-inline float to_float(uint16_t x) {  // bfloat16: the high half of a float32
-  uint32_t bits = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
 }
 
 // A router's choice for each of `rows` rows of `experts` logits: the softmax (float32) over the

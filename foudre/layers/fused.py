@@ -1,5 +1,5 @@
 """Fused CPU versions of the layers' elementwise chains (``cpu_ops.cpp``): RMSNorm, SiLU(gate) *
-up and RoPE, for float32 and bfloat16 tensors on an AVX-512 CPU; ``linear``, the
+up and RoPE, for float32 and bfloat16 tensors on an AVX-512 or AVX2 CPU; ``linear``, the
 decode-sized matrix product that ``layers/linear.py`` routes to; and ``moe_experts``, the routed
 experts of a mixture-of-experts layer at decode sizes (``layers/moe.py``).
 
@@ -64,7 +64,7 @@ def _library() -> ctypes.CDLL | None:
         return None
     dll = native.load(SOURCE)
     if dll is None or not dll.foudre_cpu_ops_available():
-        return None  # no compiler, or a CPU without AVX-512
+        return None  # no compiler, or a CPU with neither AVX-512 nor AVX2
     for name, argtypes in _SIGNATURES.items():
         for dtype, suffix in _SUFFIX.items():
             fn = getattr(dll, f"{name}_{suffix}")

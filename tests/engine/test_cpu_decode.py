@@ -33,7 +33,7 @@ from tests.quant.test_cpu_qmatmul import quant_module
 
 pytestmark = pytest.mark.skipif(
     fused.decode_layers_fn(torch.float32) is None or not cpu_paged.available(),
-    reason="no AVX-512 or no C++ compiler",
+    reason="neither AVX-512 nor AVX2, or no C++ compiler",
 )
 
 QWEN3_MOE: dict[str, Any] = {  # sparse, dense, sparse layers: 6 experts, top-2
@@ -321,8 +321,8 @@ def test_native_decode_with_a_quantized_lm_head(
     rows than the head's ``native_rows``, rows asking no logit) run the layers natively and
     the head in Python; a hook on the head, its layout dropped or the head replaced after the
     build send the head alone back to Python."""
-    if cpu_qmatmul.path() not in ("vnni", "avx512"):
-        pytest.skip("quantized projections run natively with AVX-512 only")
+    if cpu_qmatmul.path() not in cpu_qmatmul.NATIVE_PATHS:
+        pytest.skip("quantized projections run natively with AVX-512 or AVX2 only")
     runner = make_runner(tmp_path, dtype, arch, vocab_size=300)
     model = runner.model
     float_head = model.lm_head
@@ -436,8 +436,8 @@ def test_native_decode_runs_quantized_projections(
     and without zero points and groups of 16, Q6_K's 6 bits) run inside the native step, and
     its logits and KV pool equal the Python path's bit for bit; a Qwen2 bias is added after the
     kernel."""
-    if cpu_qmatmul.path() not in ("vnni", "avx512"):
-        pytest.skip("quantized projections run natively with AVX-512 only")
+    if cpu_qmatmul.path() not in cpu_qmatmul.NATIVE_PATHS:
+        pytest.skip("quantized projections run natively with AVX-512 or AVX2 only")
     runner = make_runner(tmp_path, dtype, arch)
     model = runner.model
     layers = "model.layers.*"
@@ -498,8 +498,8 @@ def test_native_decode_refuses_quantized_projections_it_cannot_run(tmp_path: Pat
     """A projection whose forward scales, permutes or casts its input first, or that is
     replaced after the build, keeps (or sends back) the step in Python; with quantized
     projections the step stops below the rows where ``QuantLinear`` turns to its GEMM."""
-    if cpu_qmatmul.path() not in ("vnni", "avx512"):
-        pytest.skip("quantized projections run natively with AVX-512 only")
+    if cpu_qmatmul.path() not in cpu_qmatmul.NATIVE_PATHS:
+        pytest.skip("quantized projections run natively with AVX-512 or AVX2 only")
     runner = make_runner(tmp_path, "float32")
     model, backend, caches = runner.model, runner.backend, runner.kv_caches
     quantize_(model, Int8WeightOnly(), skip=("lm_head",))

@@ -16,7 +16,8 @@ from foudre.layers.rotary import RotaryEmbedding, _rotate_half
 from tests.engine.march import run_built_for
 
 pytestmark = pytest.mark.skipif(
-    fused._library() is None, reason="no C++ compiler or no AVX-512: the torch ops run instead"
+    fused._library() is None,
+    reason="no C++ compiler, or neither AVX-512 nor AVX2: the torch ops run instead",
 )
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -164,9 +165,27 @@ def test_linear_rejects_what_the_kernel_cannot_read() -> None:
     assert not fused.enabled(x, w.bfloat16()) and fused.enabled(x, w, None)
 
 
+def check_ops() -> None:
+    """Every op's test above, and the linear kernel's, through this build."""
+    for dtype in DTYPES:
+        for rows, n in [(1, 1536), (70, 96), (3, 40), (3, 45)]:
+            test_rms_norm(dtype, rows, n)
+        for rows, n in [(1, 4096), (33, 50), (2, 7)]:
+            test_silu_mul(dtype, rows, n)
+        for adjacent in (True, False):
+            test_rope_in_place_equals_torch(dtype, adjacent)
+    check_linear()
+
+
 def test_linear_without_avx512_bf16(tmp_path: Path) -> None:
     """The bfloat16 path that widens to float32 FMAs, built for a CPU without AVX512-BF16."""
     run_built_for("skylake-avx512", "tests.engine.test_cpu_ops:check_linear", "cpu_ops", tmp_path)
+
+
+def test_ops_built_for_avx2(tmp_path: Path) -> None:
+    """The AVX2 build (8 float32 lanes; a CPU without AVX-512): every op and the linear kernel,
+    partial last vectors included."""
+    run_built_for("haswell", "tests.engine.test_cpu_ops:check_ops", "cpu_ops", tmp_path)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
