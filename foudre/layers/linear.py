@@ -12,9 +12,16 @@ streamed from DRAM). More rows than ``MAX_ROWS`` go to torch, as do inputs under
 (whose dtype rules the kernel does not apply) and anything autograd records. In float32, torch's
 GEMM gets the wide weights in chunks of output features up to ``FP32_CHUNK_ROWS`` rows, where
 MKL runs them faster (a 128-token float32 prefill of the 500M model: 12.6% less time).
+On a CPU without bfloat16 arithmetic (no AVX512-BF16 nor AMX: AMD Zen 2 and 3, Intel's client
+cores) oneDNN's bfloat16 GEMM widens as it goes and ran at 11-20 GFLOP/s where MKL's float32
+GEMM ran at 86-117 (a Zen 3 host, 2 threads, 16-512 rows): there a bfloat16 product of more rows
+runs in float32 (``gemm_dtype``), the weight widened ``BF16_CHUNK`` output features at a time
+(cache-sized), the result rounded once to bfloat16.
 """
 
 from __future__ import annotations
+
+from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +37,20 @@ MAX_ROWS = {torch.float32: 64, torch.bfloat16: 16}
 # on this project's 2-core host; no gain at 2048 rows, a loss for oneDNN's bfloat16)
 FP32_CHUNK = 1024
 FP32_CHUNK_ROWS = 1024
+# output features widened to float32 at a time where bfloat16 GEMMs run in float32 (gemm_dtype):
+# a few MiB, inside the last-level cache
+BF16_CHUNK = 256
+
+
+@cache
+def gemm_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype torch's CPU GEMM should compute a ``dtype`` product in: float32 for bfloat16 on
+    a CPU without bfloat16 arithmetic (no AVX512-BF16, no AMX), where oneDNN's bfloat16 GEMM is
+    5-8x slower than MKL's float32 one; else ``dtype`` itself."""
+    if dtype != torch.bfloat16:
+        return dtype
+    fast = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    return dtype if fast else torch.float32
 
 
 class Linear(nn.Linear):
@@ -61,7 +82,32 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
         and not torch.is_autocast_enabled("cpu")
     ):
         return _chunked(x, w, b)
+    if (
+        x.dtype == torch.bfloat16
+        and gemm_dtype(x.dtype) == torch.float32
+        and x.dim() == 2
+        and x.is_cpu
+        and w.dtype == torch.bfloat16
+        and not fused.records_grad(x, w, b)
+        and not torch.is_autocast_enabled("cpu")
+    ):
+        return _widened(x, w, b)
     return F.linear(x, w, b)
+
+
+def _widened(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, w, b)`` for bfloat16 tensors in float32 (``gemm_dtype``): x widened once, the
+    weight ``BF16_CHUNK`` output features at a time, each chunk's product (and bias) rounded
+    once into its columns of the bfloat16 output."""
+    x32 = x.float()
+    y = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
+    for a in range(0, w.shape[0], BF16_CHUNK):
+        z = min(a + BF16_CHUNK, w.shape[0])
+        part = torch.mm(x32, w[a:z].float().t())
+        if b is not None:
+            part += b[a:z].float()
+        y[:, a:z] = part
+    return y
 
 
 def _chunked(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:

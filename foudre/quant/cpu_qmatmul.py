@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from foudre.layers import native
+from foudre.layers.linear import gemm_dtype
 
 SOURCE = Path(__file__).with_name("cpu_qmatmul.cpp")
 PATHS = ("portable", "avx512", "vnni", "avx2")
@@ -357,18 +358,22 @@ def _dequantize_into(dll: ctypes.CDLL, packed: Packed, n0: int, n1: int, out: to
 def matmul_dequantized(x: torch.Tensor, packed: Packed) -> torch.Tensor:
     """``matmul``'s product for large batches: the weight dequantized to x's dtype a few rows
     at a time (``foudre_dequantize_*``: ``(q - z) s`` in float32, as ``QuantLinear.dequantize``,
-    then rounded to x's dtype) and multiplied by torch's GEMM, which outruns the integer kernel
-    when the batch makes the step compute-bound (prefill chunks). As ``forward_reference``
-    computes, up to the GEMM's summation order."""
+    then rounded to x's dtype; bfloat16 x where torch's bfloat16 GEMM is slow: kept in float32,
+    ``layers.linear.gemm_dtype``, the result rounded) and multiplied by torch's GEMM, which
+    outruns the integer kernel when the batch makes the step compute-bound (prefill chunks). As
+    ``forward_reference`` computes, up to the GEMM's summation order."""
     dll, x = _prepared(x, packed)
     k, n = packed.k, packed.w.shape[0]
     if n == 0 or x.shape[0] == 0:
         return torch.zeros(x.shape[0], n, dtype=x.dtype)
-    rows = max(16, DEQUANTIZED_CHUNK_BYTES // (k * x.element_size()) // 16 * 16)
-    w = torch.empty(min(rows, n), k, dtype=x.dtype)
+    # (bfloat16 in float32 where torch's bfloat16 GEMM is slow: layers.linear.gemm_dtype)
+    dtype = gemm_dtype(x.dtype)
+    xg = x.to(dtype)
+    rows = max(16, DEQUANTIZED_CHUNK_BYTES // (k * xg.element_size()) // 16 * 16)
+    w = torch.empty(min(rows, n), k, dtype=dtype)
     parts = []
     for n0 in range(0, n, rows):
         n1 = min(n, n0 + rows)
         _dequantize_into(dll, packed, n0, n1, w[: n1 - n0])
-        parts.append(F.linear(x, w[: n1 - n0]))
+        parts.append(F.linear(xg, w[: n1 - n0]).to(x.dtype))
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
