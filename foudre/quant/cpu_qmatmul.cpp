@@ -1372,6 +1372,52 @@ void avx2_matmul(Args<T> a) {
   for_tiles<Avx2<T, K>::template Tile, 1, 2>(a);
 }
 
+// the codes of columns c .. c + 7 of a row as float32 (c a multiple of 8): dequantize's
+inline __m128i nibbles8(const uint8_t* p) {  // 4 bytes: the low and high nibbles in column order
+  int32_t u;
+  std::memcpy(&u, p, 4);
+  const __m128i b = _mm_cvtsi32_si128(u), low = _mm_set1_epi8(15);
+  return _mm_unpacklo_epi8(_mm_and_si128(b, low), _mm_and_si128(_mm_srli_epi16(b, 4), low));
+}
+template <Kind K>
+inline __m256 codes8(const uint8_t* row, int64_t c) {
+  if constexpr (K == Kind::Int4) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(nibbles8(row + c / 2)));
+  } else if constexpr (K == Kind::Int6) {  // as codes16: the 8 columns' top bits in 4 bytes
+    const uint8_t* b = int6_block(row, c);
+    __m128i lo, hi;
+    {
+      int32_t u;
+      std::memcpy(&u, b + (c % 128) / 2, 4);
+      const __m128i v = _mm_cvtsi32_si128(u), low = _mm_set1_epi8(15);
+      lo = _mm_and_si128(v, low);
+      hi = _mm_and_si128(_mm_srli_epi16(v, 4), low);
+    }
+    int32_t tu;
+    std::memcpy(&tu, b + kInt6Tops + (c % 64) / 2, 4);
+    const __m128i t = _mm_cvtsi32_si128(tu), three = _mm_set1_epi8(3);
+    const __m128i shift = _mm_cvtsi32_si128(int6_top_shift(c));  // column c is even
+    const __m128i shift_odd = _mm_cvtsi32_si128(int6_top_shift(c) + 4);
+    lo = _mm_or_si128(lo, _mm_slli_epi16(_mm_and_si128(_mm_srl_epi16(t, shift), three), 4));
+    hi = _mm_or_si128(hi, _mm_slli_epi16(_mm_and_si128(_mm_srl_epi16(t, shift_odd), three), 4));
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)));
+  } else {
+    return _mm256_cvtepi32_ps(
+        _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + c))));
+  }
+}
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(uint16_t* p, __m256 v) {  // to bfloat16 as torch rounds (as store16)
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r =
+      _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0),
+                         _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), _MM_SHUFFLE(3, 1, 2, 0));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
+
 #endif  // FOUDRE_AVX2
 
 template <typename T, Kind K>
@@ -1416,6 +1462,10 @@ void dequantize(const Args<T>& a, int64_t n0, int64_t n1, T* out) {
       const __m512 vs = _mm512_set1_ps(s), vz = _mm512_set1_ps(z);
       for (int64_t c = c0; c < end; c += 16)
         store16(o + c, _mm512_mul_ps(_mm512_sub_ps(codes16<K>(row, c), vz), vs));
+#elif defined(FOUDRE_AVX2)  // (spans of 16 columns or more, multiples of 8)
+      const __m256 vs = _mm256_set1_ps(s), vz = _mm256_set1_ps(z);
+      for (int64_t c = c0; c < end; c += 8)
+        store8(o + c, _mm256_mul_ps(_mm256_sub_ps(codes8<K>(row, c), vz), vs));
 #else
       for (int64_t c = c0; c < end; ++c)
         store1(o + c, (static_cast<float>(code<K>(row, c)) - z) * s);
