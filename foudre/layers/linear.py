@@ -81,42 +81,36 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
         and not fused.records_grad(x, w, b)
         and not torch.is_autocast_enabled("cpu")
     ):
-        return _chunked(x, w, b)
+        return _chunked(x, w, b, FP32_CHUNK, x.dtype)
     if (
-        x.dtype == torch.bfloat16
-        and gemm_dtype(x.dtype) == torch.float32
+        gemm_dtype(x.dtype) != x.dtype
         and x.dim() == 2
         and x.is_cpu
         and w.dtype == torch.bfloat16
         and not fused.records_grad(x, w, b)
         and not torch.is_autocast_enabled("cpu")
     ):
-        return _widened(x, w, b)
+        return _chunked(x, w, b, BF16_CHUNK, gemm_dtype(x.dtype))
     return F.linear(x, w, b)
 
 
-def _widened(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear(x, w, b)`` for bfloat16 tensors in float32 (``gemm_dtype``): x widened once, the
-    weight ``BF16_CHUNK`` output features at a time, each chunk's product (and bias) rounded
-    once into its columns of the bfloat16 output."""
-    x32 = x.float()
+def _chunked(
+    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, chunk: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """``F.linear(x, w, b)``, ``chunk`` output features per GEMM, each into its columns of one
+    output: in x's dtype, MKL writing at the output's row stride (no copy); in a wider ``dtype``
+    (``gemm_dtype``), x widened once and each chunk of the weight as its GEMM comes, the chunk's
+    product (and bias) rounded once into its columns."""
     y = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
-    for a in range(0, w.shape[0], BF16_CHUNK):
-        z = min(a + BF16_CHUNK, w.shape[0])
-        part = torch.mm(x32, w[a:z].float().t())
-        if b is not None:
-            part += b[a:z].float()
-        y[:, a:z] = part
-    return y
-
-
-def _chunked(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear(x, w, b)``, ``FP32_CHUNK`` output features per GEMM, each into its columns of
-    one output (MKL writes at the output's row stride: no copy)."""
-    y = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
-    for a in range(0, w.shape[0], FP32_CHUNK):
-        z = a + FP32_CHUNK
-        if b is None:
+    xg = x.to(dtype)
+    for a in range(0, w.shape[0], chunk):
+        z = a + chunk
+        if dtype != x.dtype:
+            part = torch.mm(xg, w[a:z].to(dtype).t())
+            if b is not None:
+                part += b[a:z].to(dtype)
+            y[:, a:z] = part
+        elif b is None:
             torch.mm(x, w[a:z].t(), out=y[:, a:z])
         else:
             torch.addmm(b[a:z], x, w[a:z].t(), out=y[:, a:z])
