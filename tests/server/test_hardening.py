@@ -209,6 +209,15 @@ def test_disconnect_while_sending_the_body_is_no_error(
 
 def test_request_timeout_aborts_and_frees() -> None:
     s = start_in_process(request_timeout=0.3, engine={"max_num_seqs": 4})
+    # Paced so that 480 tokens take over a second on any host (unpaced, a fast one finished
+    # them inside the timeout), while two tokens still take a few milliseconds.
+    step = s.llm.engine.step
+
+    def paced_step() -> Any:
+        time.sleep(0.002)
+        return step()
+
+    s.llm.engine.step = paced_step  # type: ignore[method-assign]
     try:
         body = {"prompt": "Once", "max_tokens": 480, "ignore_eos": True}
         with httpx.Client(base_url=s.url, timeout=60) as http:
