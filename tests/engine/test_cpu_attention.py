@@ -1,7 +1,7 @@
 """The CPU paged-attention kernel (``attention_backend="cpu"``) against the SDPA backend.
 
-The kernel's three paths (AVX512-BF16, AVX-512, portable) are each compiled and checked: the one
-this machine takes in-process, the others in subprocesses built with ``FOUDRE_KERNEL_MARCH``.
+The kernel's four paths (AVX512-BF16, AVX-512, AVX2, portable) are each compiled and checked: the
+one this machine takes in-process, the others in subprocesses built with ``FOUDRE_KERNEL_MARCH``.
 """
 
 from __future__ import annotations
@@ -103,9 +103,10 @@ def test_kernel_matches_sdpa_on_this_cpu() -> None:
     check_all_dtypes()
 
 
-@pytest.mark.parametrize("march", ["x86-64", "skylake-avx512"])
+@pytest.mark.parametrize("march", ["x86-64", "haswell", "skylake-avx512"])
 def test_other_paths_match_sdpa(march: str, tmp_path: Path) -> None:
-    """The portable path and the AVX-512 one without AVX512-BF16, built for another -march."""
+    """The portable path, the AVX2 one and the AVX-512 one without AVX512-BF16, built for
+    another -march."""
     run_built_for(
         march, "tests.engine.test_cpu_attention:check_all_dtypes", "cpu_paged_decode", tmp_path
     )
@@ -130,7 +131,7 @@ def test_kernel_reads_a_quantized_cache_on_this_cpu() -> None:
     check_quantized_decode()
 
 
-@pytest.mark.parametrize("march", ["x86-64", "skylake-avx512"])
+@pytest.mark.parametrize("march", ["x86-64", "haswell", "skylake-avx512"])
 def test_other_paths_read_a_quantized_cache(march: str, tmp_path: Path) -> None:
     run_built_for(
         march,

@@ -327,9 +327,10 @@ def test_other_cpu_paths_read_a_quantized_cache(march: str, tmp_path: Path) -> N
 
 
 @needs_kernels
-@pytest.mark.parametrize("march", ["x86-64", "skylake-avx512"])
+@pytest.mark.parametrize("march", ["x86-64", "haswell", "skylake-avx512"])
 def test_other_cpu_paths_match_masked_sdpa(march: str, tmp_path: Path) -> None:
-    """The portable path and the AVX-512 one without AVX512-BF16, built for another -march."""
+    """The portable path, the AVX2 one (decode) and the AVX-512 one without AVX512-BF16, built
+    for another -march."""
     run_built_for(
         march,
         "tests.engine.test_prefill_attention:check_cpu_kernels",
