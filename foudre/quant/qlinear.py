@@ -2,12 +2,12 @@
 ``foudre.quant.packing`` (8-bit per channel or group-wise with optional zero points, 4-bit
 group-wise, 6-bit as GGUF's Q6_K). On a CPU with AVX-512 or AVX2 our kernels (``cpu_qmatmul``) read
 those buffers as they are: batches below ``dequantized_gemm_rows`` (64; 32 for group-wise
-8-bit, GGUF's forms) through the integer kernel, larger ones (prefill chunks, larger decode
-batches) as the weight dequantized a few rows at a time into torch's GEMM; elsewhere torch's
-packed kernels (``kernels``; group-wise 8-bit and 6-bit there run ``forward_reference``). On
-CUDA the Triton kernels (``triton_kernels``: a split-K GEMV at one row, dequantizing tiles in
-registers above; 6-bit: ``forward_reference``, the GGUF loader keeps Q6_K there in group-wise
-8 bits).
+8-bit, GGUF's forms; on AVX2 64-512) through the integer kernel, larger ones (prefill chunks,
+larger decode batches) as the weight dequantized a few rows at a time into torch's GEMM;
+elsewhere torch's packed kernels (``kernels``; group-wise 8-bit and 6-bit there run
+``forward_reference``). On CUDA the Triton kernels (``triton_kernels``: a split-K GEMV at one
+row, dequantizing tiles in registers above; 6-bit: ``forward_reference``, the GGUF loader keeps
+Q6_K there in group-wise 8 bits).
 
 With AVX512-VNNI (and on AVX2) the integer kernel rounds the activations to int8 per block
 (``cpu_qmatmul.activation_block``): ``cpu_qmatmul.error_bound`` bounds the difference from
@@ -81,10 +81,27 @@ DEQUANTIZED_GEMM_ROWS = 64
 GROUPED8_GEMM_ROWS = 32
 
 
+# On the AVX2 path (no AVX-512, where torch's bfloat16 GEMM runs in float32:
+# layers.linear.gemm_dtype) the integer kernel leads far longer, once its tiles take x's rows a
+# panel at a time (cpu_qmatmul.cpp's kPanelBytes). Measured on a 2-core Zen 3, 8192 x 1536, bf16
+# x, the dequantized GEMM's time over ours: int8 per channel and int4 g128 1.5x at 64 rows, 1.2x
+# at 128, 1.07-1.16x at 256-1024 (1536 x 4096 int8: 0.93x at 512); int4 g64 1.08x at 128, 0.95x
+# at 256; int4 g32 (Q4_0) 1.24x at 64, 0.99x at 128; 8-bit g32 (Q8_0) 1.35x at 32, 0.97x at 64.
+# 6 bits, unmeasured there, keep the other paths' rows.
+AVX2_GEMM_ROWS = {"wide": 512, "int4": 128, "grouped8": 64}
+
+
 def dequantized_gemm_rows(bits: int, group_size: int | None) -> int:
     """The rows from which ``QuantLinear``'s CPU forward (and the native decode step's limit)
-    turns to ``cpu_qmatmul.matmul_dequantized`` for a ``bits``-bit layout in ``group_size``."""
-    return GROUPED8_GEMM_ROWS if bits == 8 and group_size is not None else DEQUANTIZED_GEMM_ROWS
+    turns to ``cpu_qmatmul.matmul_dequantized`` for a ``bits``-bit layout in ``group_size``
+    (``AVX2_GEMM_ROWS`` on the AVX2 path)."""
+    grouped8 = bits == 8 and group_size is not None
+    if bits in (4, 8) and cpu_qmatmul.path() == "avx2":
+        if grouped8:
+            return AVX2_GEMM_ROWS["grouped8"]
+        wide = bits == 8 or (group_size or 0) >= 128
+        return AVX2_GEMM_ROWS["wide" if wide else "int4"]
+    return GROUPED8_GEMM_ROWS if grouped8 else DEQUANTIZED_GEMM_ROWS
 
 
 class QuantLinear(nn.Module):
