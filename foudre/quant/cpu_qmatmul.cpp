@@ -239,8 +239,9 @@ template <typename T>
 // how many tasks ahead for_tiles prefetches the scales (tasks of RM rows, or at batch 1 of R1)
 constexpr int64_t kTaskScalesAhead = 2;
 
-// x's rows a pass over the weights takes: each task's tiles read every row of its panel, which
-// must stay in the core's L2 (at 512 rows x 1536 columns, 768 KiB of int8 codes read again from
+// x's rows a pass over the weights takes on the AVX2 path (the others, whose engine batches stay
+// under 64 rows, take x whole): each task's tiles read every row of its panel, which must stay
+// in the core's L2 (at 512 rows x 1536 columns, 768 KiB of int8 codes read again from
 // L3 by every task, the AVX2 kernel fell from 181 GFLOP/s at 64 rows to 146): 128 KiB of codes,
 // 32 to 64 rows (with 32 rows or more the products are compute-bound, and reading the weights
 // once a panel costs little beside them; fewer would multiply a batch's weight reads)
@@ -263,7 +264,11 @@ void for_tiles(const A& a) {
     }
     return;
   }
+#if defined(FOUDRE_AVX2)
   const int64_t panel = std::max<int64_t>(32, std::min<int64_t>(64, kPanelBytes / a.k / 4 * 4));
+#else
+  const int64_t panel = a.m;  // (measured on AVX2 only, whose batches reach 512 rows)
+#endif
   for (int64_t p0 = 0; p0 < a.m; p0 += panel) {  // (one pass over the weights a panel)
     const int64_t p1 = std::min(a.m, p0 + panel);
 #pragma omp parallel for schedule(guided)

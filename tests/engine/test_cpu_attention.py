@@ -81,6 +81,7 @@ CASES = [
     (28, 4, 128, [1] * 3, [31, 64, 333]),  # GQA 7: head groups of 4 and 3
     (10, 2, 80, [1] * 3, [2, 50, 99]),  # GQA 5, head_dim 80 (a partial 32-lane chunk)
     (12, 4, 256, [1] * 2, [7, 300]),  # head_dim 256: the runtime chunk count
+    (6, 3, 20, [1] * 2, [5, 41]),  # head_dim 20: AVX2's 8-lane rows with a scalar tail
 ]
 
 

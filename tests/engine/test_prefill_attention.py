@@ -6,8 +6,9 @@ Each case is one step of several rows: a prompt chunk of 1-512 tokens after a ca
 1-8, head dims 64/80/128, block sizes 8/16/32, and no window, a window shorter than the chunk
 or one longer. The kernels run on a pool where every slot they must not read holds NaN: blocks
 of no row, the tails past each row's length and, with a window, the blocks wholly before the
-first key a row's queries see. The CPU kernel's three paths are each checked (the other two in
-subprocesses built for another ``-march``); the Triton kernels run in Triton's interpreter.
+first key a row's queries see. The CPU kernels' paths are each checked (the others in
+subprocesses built for another ``-march``: portable, AVX2 for decode, AVX-512 without
+AVX512-BF16); the Triton kernels run in Triton's interpreter.
 """
 
 from __future__ import annotations
@@ -315,9 +316,10 @@ def test_cpu_kernels_read_a_quantized_cache() -> None:
 
 
 @needs_kernels
-@pytest.mark.parametrize("march", ["x86-64", "skylake-avx512"])
+@pytest.mark.parametrize("march", ["x86-64", "haswell", "skylake-avx512"])
 def test_other_cpu_paths_read_a_quantized_cache(march: str, tmp_path: Path) -> None:
-    """The portable path and the AVX-512 one without AVX512-BF16 over quantized caches."""
+    """The portable path, the AVX2 one (decode) and the AVX-512 one without AVX512-BF16 over
+    quantized caches."""
     run_built_for(
         march,
         "tests.engine.test_prefill_attention:check_cpu_quantized",

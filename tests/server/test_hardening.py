@@ -209,8 +209,8 @@ def test_disconnect_while_sending_the_body_is_no_error(
 
 def test_request_timeout_aborts_and_frees() -> None:
     s = start_in_process(request_timeout=0.3, engine={"max_num_seqs": 4})
-    # Paced so that 480 tokens take over a second on any host (unpaced, a fast one finished
-    # them inside the timeout), while two tokens still take a few milliseconds.
+    # Paced so that 480 tokens take about a second on any host (unpaced, a fast one finished
+    # them inside the 0.3 s timeout), while two tokens still take a few milliseconds.
     step = s.llm.engine.step
 
     def paced_step() -> Any:

@@ -3,7 +3,7 @@
 ``cpu_paged_decode.cpp`` is the CPU twin of the Triton decode kernel: it walks each decode row's
 block table with an online softmax and reads K/V where they lie in the pool, so a decode step no
 longer gathers every request's blocks into padded tensors for SDPA (a quarter of a bfloat16
-decode step at 16 rows on the 2-core benchmark machine). Three paths, chosen at compile time:
+decode step at 16 rows on the 2-core benchmark machine). Four paths, chosen at compile time:
 
 - AVX512-BF16 (bfloat16 caches): ``vdpbf16ps`` dot products on the stored bf16 values, 16-token
   score tiles summed across lanes by a shuffle tree, P·V over interleaved token pairs, and the
@@ -11,6 +11,8 @@ decode step at 16 rows on the 2-core benchmark machine). Three paths, chosen at 
   the cache at the machine's streaming bandwidth (about 20 GB/s on the 2-core box, where
   gather + SDPA managed 6).
 - AVX-512 (float32, float16, and bfloat16 without AVX512-BF16): the same walk with float32 FMAs.
+- AVX2 (no AVX-512: AMD Zen 2 and 3, Intel's client cores): the same walk on 8 lanes, each
+  tile's K and V rows of a KV head converted once to float32 for all its query heads.
 - portable C++ for other CPUs (vectorized by the compiler).
 
 A quantized KV cache (``kv_cache_dtype`` int8 / fp8: 8-bit codes and one float32 scale per token

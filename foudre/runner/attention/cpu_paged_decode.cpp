@@ -689,7 +689,9 @@ void paged_decode_avx2(const T* q, const C* k_cache, const C* v_cache, const flo
   // a task's state: acc [G, width], m [G], l [G], a cache line apart from the next
   const int64_t state_floats = (G * width + 2 * G + 15) / 16 * 16;
   const int64_t tasks = rows * num_kv_heads * kSplit;
-  std::unique_ptr<float[]> states(new float[tasks * state_floats]);
+  std::unique_ptr<float[]> buffer(new float[tasks * state_floats + 16]);
+  float* const states = reinterpret_cast<float*>(
+      (reinterpret_cast<uintptr_t>(buffer.get()) + 63) / 64 * 64);  // 64-byte aligned
   const int64_t row_lines = (D * static_cast<int64_t>(sizeof(C)) + 63) / 64;  // a head's K row
 #pragma omp parallel
   {
@@ -698,7 +700,7 @@ void paged_decode_avx2(const T* q, const C* k_cache, const C* v_cache, const flo
     for (int64_t task = 0; task < tasks; ++task) {
       const int64_t part = task % kSplit, h = task / kSplit % num_kv_heads;
       const int64_t r = task / kSplit / num_kv_heads;
-      float* acc = states.get() + task * state_floats;
+      float* acc = states + task * state_floats;
       float* m = acc + G * width;
       float* l = m + G;
       const int64_t tok = tokens[r], len = seq_lens[r];
@@ -781,7 +783,7 @@ void paged_decode_avx2(const T* q, const C* k_cache, const C* v_cache, const flo
       const int64_t r = rh / num_kv_heads, h = rh % num_kv_heads;
       const float* part_state[kSplit];
       for (int64_t part = 0; part < kSplit; ++part)
-        part_state[part] = states.get() + (rh * kSplit + part) * state_floats;
+        part_state[part] = states + (rh * kSplit + part) * state_floats;
       for (int64_t g = 0; g < G; ++g) {
         float mx = -FLT_MAX;
         for (const float* st : part_state) mx = std::max(mx, st[G * width + g]);
