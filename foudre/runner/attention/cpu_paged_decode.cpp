@@ -51,6 +51,18 @@ constexpr float kUnit = 1.0f;
 template <>
 constexpr float kUnit<Fp8> = 256.0f;
 
+// The keys [lo, hi) of part `part` of `parts` of a row of `len` keys in blocks of BS: its share
+// of the blocks from the first key it sees (a sliding window's, else 0) to the last, whole
+// blocks each (the first part the smaller; empty for a row of one block). They depend on the
+// row's length alone: a row's result is the same bits in any batch and on any threads.
+inline void part_keys(int64_t len, int64_t window, int64_t BS, int64_t part, int64_t parts,
+                      int64_t& lo, int64_t& hi) {
+  const int64_t start = window > 0 && len > window ? len - window : 0;
+  const int64_t first_block = start / BS, blocks = (len - 1) / BS - first_block + 1;
+  lo = std::max(start, (first_block + blocks * part / parts) * BS);
+  hi = std::min(len, (first_block + blocks * (part + 1) / parts) * BS);
+}
+
 
 // T: the queries' and outputs' type; C: the cache's (T, or int8_t / Fp8 codes whose scales are
 // k_scale / v_scale, laid out as the codes without head_dim: the code offset / head_dim)
@@ -434,12 +446,10 @@ void paged_decode_rows(const typename Ops::Elem* q, const C* k_cache, const C* v
       }
       loaded = r;
       std::fill(acc, acc + part_stride, 0.0f);
-      // a sliding window starts the walk at the first key it sees: earlier blocks are not read
-      const int64_t start = window > 0 && len > window ? len - window : 0;
-      // this part's keys [lo, hi): its share of the blocks from start's to the last
-      const int64_t first_block = start / BS, blocks = (len - 1) / BS - first_block + 1;
-      const int64_t lo = std::max(start, (first_block + blocks * part / kSplit) * BS);
-      const int64_t hi = std::min(len, (first_block + blocks * (part + 1) / kSplit) * BS);
+      // this part's keys (a sliding window's walk starts at the first key it sees: earlier
+      // blocks are not read)
+      int64_t lo, hi;
+      part_keys(len, window, BS, part, kSplit, lo, hi);
       for (int64_t pos = lo, nt = 0; pos < hi; pos += nt) {
         const int64_t b = pos / BS, j0 = pos % BS;
         const int64_t blk = block_tables[r * table_width + b];
@@ -710,11 +720,8 @@ void paged_decode_avx2(const T* q, const C* k_cache, const C* v_cache, const flo
         l[g] = 0.0f;
       }
       std::fill(acc, acc + G * width, 0.0f);
-      // this part's keys [lo, hi) as the AVX-512 path's (from a sliding window's first key)
-      const int64_t start = window > 0 && len > window ? len - window : 0;
-      const int64_t first_block = start / BS, blocks = (len - 1) / BS - first_block + 1;
-      const int64_t lo = std::max(start, (first_block + blocks * part / kSplit) * BS);
-      const int64_t hi = std::min(len, (first_block + blocks * (part + 1) / kSplit) * BS);
+      int64_t lo, hi;  // this part's keys
+      part_keys(len, window, BS, part, kSplit, lo, hi);
       for (int64_t pos = lo, nt = 0; pos < hi; pos += nt) {
         const int64_t b = pos / BS, j0 = pos % BS;
         const int64_t blk = block_tables[r * table_width + b];
