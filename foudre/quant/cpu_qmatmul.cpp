@@ -1083,7 +1083,6 @@ template <typename T, bool Nibbles>
 void quantize_rows8(const T* x, int64_t m, int64_t k, int64_t block, int8_t* xq, float* dl,
                     float* hsum) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
-  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   // 16 positions from column c0: consecutive columns, or (nibbles) every other one, from the
   // 32 columns of c0's pair on
   const auto sixteen = [](const T* xr, int64_t c0, __m256& lo, __m256& hi) {

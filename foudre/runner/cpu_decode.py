@@ -23,15 +23,14 @@ projection quantized, ``MAX_ROWS`` does not apply), and with sliding windows whi
 context fits the narrowest window (its layers attend to every key); other steps, and models it
 cannot run (another dtype, quantized experts, another attention backend, hooks on a module, a
 shared expert, OLMoE's attention, a vocabulary-parallel embedding), take the model's
-``forward``. Quantized projections
-(``QuantLinear`` on ``quant/cpu_qmatmul``: int8, GGUF's group-wise 8-bit, int4, int6) run the
-same kernel from C++, their bias added after, as ``QuantLinear.forward`` does. A quantized KV
-cache (int8 / fp8) is read as stored by the paged kernel's codes variant, and the new tokens' K/V
-are quantized on write in C++ to the codes and scales of ``layers/kv_quant.py``'s
-``quantize_kv``, bit for bit. Like CUDA graphs, it holds addresses: every step checks that the
-weights, RoPE tables, KV caches and expert counts it was built on are still the modules' and the
-runner's, at the same addresses, and that no hook or autocast asks for the Python path;
-otherwise the step goes back to Python.
+``forward``. Quantized projections (``QuantLinear`` on ``quant/cpu_qmatmul``: int8, GGUF's
+group-wise 8-bit, int4, int6) run the same kernel from C++, their bias added after, as
+``QuantLinear.forward`` does. A quantized KV cache (int8 / fp8) is read as stored by the paged
+kernel's codes variant, and the new tokens' K/V are quantized on write in C++ to the codes and
+scales of ``layers/kv_quant.py``'s ``quantize_kv``, bit for bit. Like CUDA graphs, it holds
+addresses: every step checks that the weights, RoPE tables, KV caches and expert counts it
+was built on are still the modules' and the runner's, at the same addresses, and that no hook
+or autocast asks for the Python path; otherwise the step goes back to Python.
 """
 
 from __future__ import annotations

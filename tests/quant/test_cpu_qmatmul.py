@@ -64,7 +64,7 @@ CASES = [
     (6, 16, False, 16, 1024, torch.float32),
     (6, 16, False, 33, 520, torch.bfloat16),
 ]
-ROWS = (1, 2, 3, 16, 64, 150)  # 150: x in panels of 64 rows (kPanelBytes), the last of 22
+ROWS = (1, 2, 3, 16, 64, 150)  # 150: on AVX2 x in panels of 64 rows (kPanelBytes), the last 22
 
 
 def quant_module(bits: int, group: int | None, zero: bool | str, w: torch.Tensor) -> QuantLinear:

@@ -667,7 +667,7 @@ inline float reduce8(__m256 v, bool max) {
 }
 
 // acc[g] = acc[g] * corr[g] + sum_j p[g][j] V[j] for GS query heads (V: nt float32 rows of
-// width nc * 8)
+// `width` values)
 template <int GS>
 inline void pv8(float* acc, int64_t width, const float* corr, const float* pp, const float* vf,
                 int64_t nt) {
@@ -730,12 +730,13 @@ void paged_decode_avx2(const T* q, const C* k_cache, const C* v_cache, const flo
         // ahead of their use)
         if ((pos == lo || j0 == 0) && (b + 1) * BS < hi) {
           const int64_t next = block_tables[r * table_width + b + 1];
-          for (int64_t j = 0; j < BS; ++j)
+          for (int64_t j = 0; j < BS; ++j) {
+            const int64_t at = next * block_stride + j * token_stride + h * D;
             for (int64_t line = 0; line < row_lines; ++line) {
-              const int64_t at = next * block_stride + j * token_stride + h * D;
               _mm_prefetch(reinterpret_cast<const char*>(k_cache + at) + 64 * line, _MM_HINT_T1);
               _mm_prefetch(reinterpret_cast<const char*>(v_cache + at) + 64 * line, _MM_HINT_T1);
             }
+          }
         }
         const int64_t off = blk * block_stride + j0 * token_stride + h * D;
         for (int64_t j = 0; j < nt; ++j) {
