@@ -3,12 +3,12 @@ backend, against SDPA with an explicit mask over the dense K/V.
 
 Each case is one step of several rows: a prompt chunk of 1-512 tokens after a cached prefix of
 0-3 blocks (plus a partial block), a decode row and a short chunk beside it, for GQA groups of
-1-8, head dims 64/80/128, block sizes 8/16/32, and no window, a window shorter than the chunk
+1-8, head dims 64/80/128/20, block sizes 8/16/32, and no window, a window shorter than the chunk
 or one longer. The kernels run on a pool where every slot they must not read holds NaN: blocks
 of no row, the tails past each row's length and, with a window, the blocks wholly before the
 first key a row's queries see. The CPU kernels' paths are each checked (the others in
-subprocesses built for another ``-march``: portable, AVX2 for decode, AVX-512 without
-AVX512-BF16); the Triton kernels run in Triton's interpreter.
+subprocesses built for another ``-march``: portable, AVX2, AVX-512 without AVX512-BF16); the
+Triton kernels run in Triton's interpreter.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def cases(every: int = 1) -> list[tuple[int, int, int, int, list[tuple[int, int]
                 continue
             group = (1, 2, 3, 4, 8)[(i + blocks) % 5]
             kv_heads = 1 if group == 8 else 2
-            head_dim = (64, 80, 128)[(i + 2 * blocks) % 3]
+            head_dim = (64, 80, 128, 20)[(i + 2 * blocks) % 4]  # 20: a tail past 8 lanes
             bs = (8, 16, 32)[(i + blocks) % 3]
             window = (None, max(1, chunk // 3), chunk + bs + 7)[(i + blocks) % 3]
             prefix = blocks * bs + (3 if (i + blocks) % 2 else 0)
@@ -318,8 +318,8 @@ def test_cpu_kernels_read_a_quantized_cache() -> None:
 @needs_kernels
 @pytest.mark.parametrize("march", ["x86-64", "haswell", "skylake-avx512"])
 def test_other_cpu_paths_read_a_quantized_cache(march: str, tmp_path: Path) -> None:
-    """The portable path, the AVX2 one (decode) and the AVX-512 one without AVX512-BF16 over
-    quantized caches."""
+    """The portable path, the AVX2 one and the AVX-512 one without AVX512-BF16 over quantized
+    caches."""
     run_built_for(
         march,
         "tests.engine.test_prefill_attention:check_cpu_quantized",
@@ -331,8 +331,8 @@ def test_other_cpu_paths_read_a_quantized_cache(march: str, tmp_path: Path) -> N
 @needs_kernels
 @pytest.mark.parametrize("march", ["x86-64", "haswell", "skylake-avx512"])
 def test_other_cpu_paths_match_masked_sdpa(march: str, tmp_path: Path) -> None:
-    """The portable path, the AVX2 one (decode) and the AVX-512 one without AVX512-BF16, built
-    for another -march."""
+    """The portable path, the AVX2 one and the AVX-512 one without AVX512-BF16, built for
+    another -march."""
     run_built_for(
         march,
         "tests.engine.test_prefill_attention:check_cpu_kernels",

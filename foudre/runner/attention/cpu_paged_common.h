@@ -1,6 +1,7 @@
 // Helpers shared by the paged-attention kernels (cpu_paged_decode.cpp, cpu_paged_prefill.cpp):
 // the storage types' scalar loads and stores, float8 e4m3fn codes, exp over non-positive
-// inputs, and their AVX-512 forms. Each kernel is its own library: internal linkage here.
+// inputs, and their AVX-512 and AVX2 forms. FOUDRE_AVX512 or FOUDRE_AVX2 names the vector
+// path the compiler targets (cpu_paged.py builds with -march=native). Each kernel is its own library: internal linkage here.
 // (foudre/layers/native.py hashes this header with the sources that include it.)
 
 #pragma once
@@ -9,7 +10,12 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define FOUDRE_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define FOUDRE_AVX2 1
+#endif
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -43,6 +49,12 @@ const Fp8Table kFp8;
 inline float load(int8_t x) { return static_cast<float>(x); }
 inline float load(Fp8 x) { return kFp8.value[x.bits]; }
 
+// what the vector loads' values are to be multiplied by: e4m3 codes load as 2^-8 their values
+template <typename C>
+constexpr float kUnit = 1.0f;
+template <>
+constexpr float kUnit<Fp8> = 256.0f;
+
 inline void store(float* p, float x) { *p = x; }
 inline void store(uint16_t* p, float x) {  // round to nearest even, as torch converts
   uint32_t u;
@@ -69,7 +81,7 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#if defined(FOUDRE_AVX512)
 
 inline __mmask16 lanes(int64_t n) {
   return n >= 16 ? __mmask16(0xFFFFu) : n > 0 ? static_cast<__mmask16>((1u << n) - 1) : 0;
@@ -103,5 +115,49 @@ inline __m512 exp16(__m512 x) {  // exp_nonpositive on 16 lanes
 }
 
 #endif  // AVX-512
+
+#if defined(FOUDRE_AVX2)
+
+// 8 values as float32: int8 codes exactly, e4m3 as 2^-8 times its value (as load16)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline __m256 load8(const _Float16* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m256 load8(const Fp8* p) {
+  const __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i sign = _mm_and_si128(_mm_slli_epi16(w, 8), _mm_set1_epi16(-0x8000));
+  const __m128i rest = _mm_and_si128(_mm_slli_epi16(w, 7), _mm_set1_epi16(0x3F80));
+  return _mm256_cvtph_ps(_mm_or_si128(sign, rest));
+}
+
+// head_dim values into a float32 row of width (a multiple of 8; zeros past head_dim)
+template <typename C>
+inline void convert_row8(float* dst, const C* src, int64_t D, int64_t width) {
+  const int64_t whole = D / 8 * 8;
+  for (int64_t d = 0; d < whole; d += 8) _mm256_storeu_ps(dst + d, load8(src + d));
+  for (int64_t d = whole; d < width; ++d) dst[d] = d < D ? load(src[d]) / kUnit<C> : 0.0f;
+}
+
+inline __m256 exp8(__m256 x) {  // exp_nonpositive on 8 lanes (as exp16)
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_mul_ps(_mm256_sub_ps(t, n), _mm256_set1_ps(0.693147180559945309f));
+  __m256 p = _mm256_set1_ps(1.0f / 720);
+  for (const float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f})
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(c));
+  const __m256i e =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+#endif  // AVX2
 
 }  // namespace

@@ -39,17 +39,7 @@
 
 #include "cpu_paged_common.h"
 
-#if defined(__AVX512F__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
-
 namespace {
-
-// what the vector loads' values are to be multiplied by: e4m3 codes load as 2^-8 their values
-template <typename C>
-constexpr float kUnit = 1.0f;
-template <>
-constexpr float kUnit<Fp8> = 256.0f;
 
 // The keys [lo, hi) of part `part` of `parts` of a row of `len` keys in blocks of BS: its share
 // of the blocks from the first key it sees (a sliding window's, else 0) to the last, whole
@@ -149,8 +139,7 @@ void paged_decode(const T* q, const C* k_cache, const C* v_cache, const float* k
   }
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#define FOUDRE_AVX512 1
+#if defined(FOUDRE_AVX512)
 // The AVX-512 paths: each decode row's keys in two parts of its blocks, merged after (one task a
 // part below as many rows as threads, else one a row: paged_decode_rows), each part walking its
 // blocks in order in tiles of <= 16 tokens, each tile for every KV head in turn, so that a
@@ -598,8 +587,7 @@ void paged_decode_avx512(const typename Ops::Elem* q, const C* k, const C* v, co
 }
 #endif  // AVX-512
 
-#if !defined(FOUDRE_AVX512) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define FOUDRE_AVX2 1
+#if defined(FOUDRE_AVX2)
 // The AVX2 path (AMD Zen 2 and 3, Intel's client cores): the AVX-512 path's walk on 8 float32
 // lanes. Tasks of (row, KV head, part): each row's keys in two parts of whole blocks as there,
 // and one task for each KV head's query heads, so that a batch-1 step runs on every thread; each
@@ -610,46 +598,6 @@ void paged_decode_avx512(const typename Ops::Elem* q, const C* k, const C* v, co
 // vector, the online-softmax update, P·V for up to 4 heads in registers. (The portable path,
 // one dot product per key and query head and each K row converted per query head, took 87 us a
 // layer of the 494.7M Llama at 256 keys, 9% of its int8 decode step.)
-
-// 8 values as float32: int8 codes exactly, e4m3 as 2^-8 times its value (as load16)
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const uint16_t* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-inline __m256 load8(const _Float16* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-inline __m256 load8(const int8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-}
-inline __m256 load8(const Fp8* p) {
-  const __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  const __m128i sign = _mm_and_si128(_mm_slli_epi16(w, 8), _mm_set1_epi16(-0x8000));
-  const __m128i rest = _mm_and_si128(_mm_slli_epi16(w, 7), _mm_set1_epi16(0x3F80));
-  return _mm256_cvtph_ps(_mm_or_si128(sign, rest));
-}
-
-// head_dim values into a float32 row of width (a multiple of 8; zeros past head_dim)
-template <typename C>
-inline void convert_row8(float* dst, const C* src, int64_t D, int64_t width) {
-  const int64_t whole = D / 8 * 8;
-  for (int64_t d = 0; d < whole; d += 8) _mm256_storeu_ps(dst + d, load8(src + d));
-  for (int64_t d = whole; d < width; ++d) dst[d] = d < D ? load(src[d]) / kUnit<C> : 0.0f;
-}
-
-inline __m256 exp8(__m256 x) {  // exp_nonpositive on 8 lanes (as exp16)
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
-  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m256 f = _mm256_mul_ps(_mm256_sub_ps(t, n), _mm256_set1_ps(0.693147180559945309f));
-  __m256 p = _mm256_set1_ps(1.0f / 720);
-  for (const float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f})
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(c));
-  const __m256i e =
-      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
 
 // lane j of the result: the sum of v[j]'s lanes
 inline __m256 sum8(const __m256* v) {
