@@ -1170,34 +1170,55 @@ struct Avx2 {
         steps<MT, R, false, kBF16>(a, m0, wr, nr, acc);
       else
         steps<MT, R, false, kF32>(a, m0, wr, nr, acc);
-      const bool offsets = K != Kind::Int8 && K != Kind::Int6 && (a.z || a.zc != 0.0f);
+      float rest[MT][R] = {};
+      if (K != Kind::Int8 && K != Kind::Int6 && (a.z || a.zc != 0.0f))
+        take_offsets<MT, R>(a, m0, nr, acc, rest);
       for (int mi = 0; mi < MT; ++mi)
         for (int r = 0; r < R && n0 + r < a.n; ++r) {
-          float sum = hsum8(acc[mi][r]);
+          float sum = hsum8(acc[mi][r]) - rest[mi][r];
           if constexpr (K == Kind::Int8) sum *= scale_at(a.s, nr[r], a.st);
-          if (offsets) sum -= offset(a, m0 + mi, nr[r]);
           store1(a.y + (m0 + mi) * a.n + n0 + r, sum);
         }
     }
   };
 
-  // sum over groups g of s_g z_g corr_g: the zero points' part of row nr's dot with x row i
-  // (8 groups a step: a scalar loop over a row's groups of 32 took longer than its codes)
-  static float offset(const Args<T>& a, int64_t i, int64_t nr) {
-    const float* corr = a.corr + i * a.groups;
-    const int64_t base = nr * a.s_stride;
-    __m256 v = _mm256_setzero_ps();
-    int64_t g = 0;
-    for (; g + 8 <= a.groups; g += 8) {
-      const __m256 z = a.z ? scales8(a.z, base + g, a.st) : _mm256_set1_ps(a.zc);
-      v = _mm256_fmadd_ps(_mm256_mul_ps(scales8(a.s, base + g, a.st), z),
-                          _mm256_loadu_ps(corr + g), v);
+  // The zero points' part of row nr[r]'s dot with x row m0 + mi, the sum over groups g of
+  // s_g z_g corr_g: taken off acc[mi][r] lane-wise (8 groups a step, each row's s_g z_g read
+  // once for the tile's x rows, summed apart from acc, whose chain of FMAs bounds a short row)
+  // and, for the groups past a multiple of 8, summed into rest[mi][r] (scalars: gathered into a
+  // vector through memory, they cost more than the lanes saved). (Summed per pair of an x row
+  // and a weight row, the zero points took a fifth of a 4 x 2 int4 g128 tile at 1536 columns.)
+  template <int MT, int R>
+  static void take_offsets(const Args<T>& a, int64_t m0, const int64_t* nr,
+                           __m256 (&acc)[MT][R], float (&rest)[MT][R]) {
+    const int64_t whole = a.groups / 8 * 8;
+    const float* corr = a.corr + m0 * a.groups;
+    __m256 off[MT][R];
+    for (auto& row : off)
+      for (auto& v : row) v = _mm256_setzero_ps();
+    for (int64_t g = 0; g < whole; g += 8) {
+      __m256 sz[R];
+      for (int r = 0; r < R; ++r) {
+        const int64_t at = nr[r] * a.s_stride + g;
+        sz[r] = _mm256_mul_ps(scales8(a.s, at, a.st),
+                              a.z ? scales8(a.z, at, a.st) : _mm256_set1_ps(a.zc));
+      }
+      for (int mi = 0; mi < MT; ++mi) {
+        const __m256 c = _mm256_loadu_ps(corr + mi * a.groups + g);
+        for (int r = 0; r < R; ++r) off[mi][r] = _mm256_fmadd_ps(sz[r], c, off[mi][r]);
+      }
     }
-    float sum = hsum8(v);
-    for (; g < a.groups; ++g)
-      sum += scale_at(a.s, base + g, a.st) * (a.z ? scale_at(a.z, base + g, a.st) : a.zc) *
-             corr[g];
-    return sum;
+    for (int mi = 0; mi < MT; ++mi)
+      for (int r = 0; r < R; ++r) {
+        acc[mi][r] = _mm256_sub_ps(acc[mi][r], off[mi][r]);
+        rest[mi][r] = 0.0f;
+      }
+    for (int64_t g = whole; g < a.groups; ++g)
+      for (int r = 0; r < R; ++r) {
+        const int64_t at = nr[r] * a.s_stride + g;
+        const float sz = scale_at(a.s, at, a.st) * (a.z ? scale_at(a.z, at, a.st) : a.zc);
+        for (int mi = 0; mi < MT; ++mi) rest[mi][r] += sz * corr[mi * a.groups + g];
+      }
   }
 
   // the 8 scales from p + i as float32

@@ -87,8 +87,10 @@ GROUPED8_GEMM_ROWS = 32
 # x, the dequantized GEMM's time over ours: int8 per channel and int4 g128 1.5x at 64 rows, 1.2x
 # at 128, 1.07-1.16x at 256-1024 (1536 x 4096 int8: 0.93x at 512); int4 g64 1.08x at 128, 0.95x
 # at 256; int4 g32 (Q4_0) 1.24x at 64, 0.99x at 128; 8-bit g32 (Q8_0) 1.35x at 32, 0.97x at 64.
+# Since the tiles take their zero points off lane-wise (Avx2::take_offsets): Q4_0 1.08x at 128,
+# 1.00x at 192, 0.96x at 256; int4 g32 with zero points 1.09x at 128, 1.0x at 192-256.
 # 6 bits, unmeasured there, keep the other paths' rows.
-AVX2_GEMM_ROWS = {"wide": 512, "int4": 128, "grouped8": 64}
+AVX2_GEMM_ROWS = {"wide": 512, "int4": 192, "grouped8": 64}
 
 
 def dequantized_gemm_rows(bits: int, group_size: int | None) -> int:
