@@ -615,20 +615,32 @@ inline float reduce8(__m256 v, bool max) {
 }
 
 // acc[g] = acc[g] * corr[g] + sum_j p[g][j] V[j] for GS query heads (V: nt float32 rows of
-// `width` values)
+// `width` values), CW vectors of head_dim at a time (each weight's broadcast serves CW FMAs)
+template <int GS, int CW>
+inline void pv8_columns(float* acc, int64_t width, int64_t c, const float* corr, const float* pp,
+                        const float* vf, int64_t nt) {
+  __m256 a[GS][CW];
+  for (int g = 0; g < GS; ++g)
+    for (int w = 0; w < CW; ++w)
+      a[g][w] = _mm256_mul_ps(_mm256_loadu_ps(acc + g * width + c + 8 * w),
+                              _mm256_set1_ps(corr[g]));
+  for (int64_t j = 0; j < nt; ++j) {
+    __m256 v[CW];
+    for (int w = 0; w < CW; ++w) v[w] = _mm256_loadu_ps(vf + j * width + c + 8 * w);
+    for (int g = 0; g < GS; ++g) {
+      const __m256 p = _mm256_set1_ps(pp[g * 8 + j]);
+      for (int w = 0; w < CW; ++w) a[g][w] = _mm256_fmadd_ps(p, v[w], a[g][w]);
+    }
+  }
+  for (int g = 0; g < GS; ++g)
+    for (int w = 0; w < CW; ++w) _mm256_storeu_ps(acc + g * width + c + 8 * w, a[g][w]);
+}
 template <int GS>
 inline void pv8(float* acc, int64_t width, const float* corr, const float* pp, const float* vf,
                 int64_t nt) {
-  for (int64_t c = 0; c < width; c += 8) {
-    __m256 a[GS];
-    for (int g = 0; g < GS; ++g)
-      a[g] = _mm256_mul_ps(_mm256_loadu_ps(acc + g * width + c), _mm256_set1_ps(corr[g]));
-    for (int64_t j = 0; j < nt; ++j) {
-      const __m256 v = _mm256_loadu_ps(vf + j * width + c);
-      for (int g = 0; g < GS; ++g) a[g] = _mm256_fmadd_ps(_mm256_set1_ps(pp[g * 8 + j]), v, a[g]);
-    }
-    for (int g = 0; g < GS; ++g) _mm256_storeu_ps(acc + g * width + c, a[g]);
-  }
+  int64_t c = 0;
+  for (; c + 16 <= width; c += 16) pv8_columns<GS, 2>(acc, width, c, corr, pp, vf, nt);
+  if (c < width) pv8_columns<GS, 1>(acc, width, c, corr, pp, vf, nt);
 }
 
 template <typename T, typename C>
