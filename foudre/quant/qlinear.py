@@ -2,7 +2,7 @@
 ``foudre.quant.packing`` (8-bit per channel or group-wise with optional zero points, 4-bit
 group-wise, 6-bit as GGUF's Q6_K). On a CPU with AVX-512 or AVX2 our kernels (``cpu_qmatmul``) read
 those buffers as they are: batches below ``dequantized_gemm_rows`` (64; 32 for group-wise
-8-bit, GGUF's forms; on AVX2 64-512) through the integer kernel, larger ones (prefill chunks,
+8-bit, GGUF's forms; on AVX2 64-2048) through the integer kernel, larger ones (prefill chunks,
 larger decode batches) as the weight dequantized a few rows at a time into torch's GEMM;
 elsewhere torch's packed kernels (``kernels``; group-wise 8-bit and 6-bit there run
 ``forward_reference``). On CUDA the Triton kernels (``triton_kernels``: a split-K GEMV at one
@@ -88,9 +88,11 @@ GROUPED8_GEMM_ROWS = 32
 # at 128, 1.07-1.16x at 256-1024 (1536 x 4096 int8: 0.93x at 512); int4 g64 1.08x at 128, 0.95x
 # at 256; int4 g32 (Q4_0) 1.24x at 64, 0.99x at 128; 8-bit g32 (Q8_0) 1.35x at 32, 0.97x at 64.
 # Since the tiles take their zero points off lane-wise (Avx2::take_offsets): Q4_0 1.08x at 128,
-# 1.00x at 192, 0.96x at 256; int4 g32 with zero points 1.09x at 128, 1.0x at 192-256.
+# 1.00x at 192, 0.96x at 256; int4 g32 with zero points 1.09x at 128, 1.0x at 192-256; int4 g128
+# 1.12-1.27x at 512-1024 rows (8192 x 1536, 1536 x 4096, 2304 x 1536), 1.11-1.23x at 2048;
+# int8 per channel 1.06-1.17x at 512, 1.02-1.17x at 1024, 0.97-1.06x at 2048.
 # 6 bits, unmeasured there, keep the other paths' rows.
-AVX2_GEMM_ROWS = {"wide": 512, "int4": 192, "grouped8": 64}
+AVX2_GEMM_ROWS = {"wide": 2048, "int4": 192, "grouped8": 64}
 
 
 def dequantized_gemm_rows(bits: int, group_size: int | None) -> int:
