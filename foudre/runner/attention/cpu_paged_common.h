@@ -1,8 +1,9 @@
 // Helpers shared by the paged-attention kernels (cpu_paged_decode.cpp, cpu_paged_prefill.cpp):
 // the storage types' scalar loads and stores, float8 e4m3fn codes, exp over non-positive
 // inputs, and their AVX-512 and AVX2 forms. FOUDRE_AVX512 or FOUDRE_AVX2 names the vector
-// path the compiler targets (cpu_paged.py builds with -march=native). Each kernel is its own library: internal linkage here.
-// (foudre/layers/native.py hashes this header with the sources that include it.)
+// path the compiler targets (cpu_paged.py builds with -march=native). Each kernel is its own
+// library: internal linkage here. (foudre/layers/native.py hashes this header with the sources
+// that include it.)
 
 #pragma once
 
@@ -128,7 +129,8 @@ inline __m256 load8(const _Float16* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 inline __m256 load8(const int8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  const __m128i codes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes));
 }
 inline __m256 load8(const Fp8* p) {
   const __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));

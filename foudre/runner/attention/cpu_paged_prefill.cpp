@@ -23,11 +23,12 @@
 // unchanged (rescaled by exp(0) = 1, plus zero).
 //
 // Four paths, by what the compiler targets (cpu_paged.py builds with -march=native):
-//   prefill_portable        portable C++ (loops over lanes for the vectorizer), float32 math
-//   prefill_avx2            AVX2 + FMA: the float32 path below on 8 lanes
-//   prefill_avx512<F32Ops>  AVX-512 FMAs, any storage type converted to float32 when packed
-//   prefill_avx512<Bf16Ops> AVX512-BF16 on bfloat16 caches; the softmax weights are rounded to
-//                           bfloat16 for P·V, as FlashAttention does (and the decode kernel)
+//   prefill_f32<PortableTile>  portable C++ (loops over lanes for the vectorizer), float32 math
+//   prefill_f32<Avx2Tile>      AVX2 + FMA: the same tiles on 8 lanes, a register-blocked kernel
+//   prefill_avx512<F32Ops>     AVX-512 FMAs, any storage type converted to float32 when packed
+//   prefill_avx512<Bf16Ops>    AVX512-BF16 on bfloat16 caches; the softmax weights are rounded
+//                              to bfloat16 for P·V, as FlashAttention does (and the decode
+//                              kernel)
 //
 // A quantized cache (kv_cache_dtype int8 / fp8: 8-bit codes, one float32 scale per token and KV
 // head) is read as it lies: a tile's codes are converted when packed (AVX-512: int8 by vpmovsxbd
@@ -91,126 +92,6 @@ std::vector<Task> make_tasks(const std::vector<Seq>& seqs, const Shape& sh) {
     return a.k_end - a.k_first > b.k_end - b.k_first;
   });
   return tasks;
-}
-
-inline int64_t kv_offset(const Seq& s, int64_t j, int64_t h, const Shape& sh) {
-  const int64_t blk = s.table[j / sh.block_size];
-  return blk * sh.block_stride + (j % sh.block_size) * sh.token_stride + h * sh.head_dim;
-}
-
-// ---------------------------------------------------------------------------------------------
-// Portable path: the same tasks and tiles in plain loops, float32 throughout.
-
-// T: the queries' and outputs' type; C: the cache's (T, or int8_t / Fp8 codes with scales)
-template <typename T, typename C>
-void prefill_portable(const T* q, const C* k_cache, const C* v_cache, T* out,
-                      const std::vector<Seq>& seqs, const Shape& sh) {
-  constexpr bool quantized = !std::is_same_v<T, C>;
-  const std::vector<Task> tasks = make_tasks(seqs, sh);
-  const int64_t G = sh.num_heads / sh.num_kv_heads, D = sh.head_dim;
-#pragma omp parallel
-  {
-    std::vector<float> qf(G * D * BQ), acc(G * D * BQ), m(G * BQ), l(G * BQ);
-    std::vector<float> kf(BK * D), vf(BK * D), s(BK * BQ);
-    std::vector<float> kmul(BK, sh.scale), vmul(BK, 1.0f);  // per key: scale (x its scales)
-    std::vector<int64_t> qpos(BQ);
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t t = 0; t < static_cast<int64_t>(tasks.size()); ++t) {
-      const Task& task = tasks[t];
-      const Seq& sq = seqs[task.seq];
-      const int64_t first = sq.ctx - sq.q_len + task.q0;
-      for (int64_t i = 0; i < BQ; ++i) qpos[i] = i < task.nq ? first + i : -1;
-      std::fill(qf.begin(), qf.end(), 0.0f);
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t i = 0; i < task.nq; ++i) {
-          const T* qr = q + (sq.q_tok + task.q0 + i) * sh.q_stride + (task.head * G + g) * D;
-          for (int64_t d = 0; d < D; ++d) qf[(g * D + d) * BQ + i] = load(qr[d]);
-        }
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      std::fill(m.begin(), m.end(), -FLT_MAX);
-      std::fill(l.begin(), l.end(), 0.0f);
-      for (int64_t j0 = task.k_begin(); j0 < task.k_end; j0 += BK) {
-        // rows [lo, nk) of the tile are keys the queries may see; the others (before the
-        // window, past the last query) are zeros, never read: they may hold anything
-        const int64_t nk = std::min<int64_t>(BK, task.k_end - j0);
-        const int64_t lo = std::max<int64_t>(0, task.k_first - j0);
-        for (int64_t jj = 0; jj < nk; ++jj) {
-          if (jj < lo) {
-            std::fill(&kf[jj * D], &kf[(jj + 1) * D], 0.0f);
-            std::fill(&vf[jj * D], &vf[(jj + 1) * D], 0.0f);
-            continue;
-          }
-          const int64_t off = kv_offset(sq, j0 + jj, task.head, sh);
-          const C* kr = k_cache + off;
-          const C* vr = v_cache + off;
-          if constexpr (quantized) {
-            kmul[jj] = sh.scale * sh.k_scale[off / D];
-            vmul[jj] = sh.v_scale[off / D];
-          }
-          for (int64_t d = 0; d < D; ++d) {
-            kf[jj * D + d] = load(kr[d]);
-            vf[jj * D + d] = load(vr[d]);
-          }
-        }
-        for (int64_t g = 0; g < G; ++g) {
-          float* mg = &m[g * BQ];
-          float* lg = &l[g * BQ];
-          float mx[BQ], alpha[BQ], sum[BQ];
-          for (int64_t i = 0; i < BQ; ++i) mx[i] = mg[i];
-          for (int64_t jj = 0; jj < nk; ++jj) {
-            float* sr = &s[jj * BQ];
-            for (int64_t i = 0; i < BQ; ++i) sr[i] = 0.0f;
-            for (int64_t d = 0; d < D; ++d) {
-              const float kd = kf[jj * D + d];
-              const float* qd = &qf[(g * D + d) * BQ];
-#pragma omp simd
-              for (int64_t i = 0; i < BQ; ++i) sr[i] += kd * qd[i];
-            }
-            const int64_t j = j0 + jj;
-            for (int64_t i = 0; i < BQ; ++i) {
-              const bool ok =
-                  j <= qpos[i] && (sh.window <= 0 || qpos[i] - j < sh.window);
-              sr[i] = ok ? sr[i] * kmul[jj] : -INFINITY;
-              mx[i] = sr[i] > mx[i] ? sr[i] : mx[i];
-            }
-          }
-          for (int64_t i = 0; i < BQ; ++i) {
-            alpha[i] = exp_nonpositive(mg[i] - mx[i]);
-            sum[i] = 0.0f;
-          }
-          for (int64_t jj = 0; jj < nk; ++jj) {
-            float* sr = &s[jj * BQ];
-            for (int64_t i = 0; i < BQ; ++i) {
-              sr[i] = sr[i] == -INFINITY ? 0.0f : exp_nonpositive(sr[i] - mx[i]);
-              sum[i] += sr[i];
-              if constexpr (quantized) sr[i] *= vmul[jj];
-            }
-          }
-          for (int64_t i = 0; i < BQ; ++i) {
-            lg[i] = lg[i] * alpha[i] + sum[i];
-            mg[i] = mx[i];
-          }
-          for (int64_t d = 0; d < D; ++d) {
-            float* ad = &acc[(g * D + d) * BQ];
-#pragma omp simd
-            for (int64_t i = 0; i < BQ; ++i) ad[i] *= alpha[i];
-            for (int64_t jj = 0; jj < nk; ++jj) {
-              const float vd = vf[jj * D + d];
-              const float* pr = &s[jj * BQ];
-#pragma omp simd
-              for (int64_t i = 0; i < BQ; ++i) ad[i] += vd * pr[i];
-            }
-          }
-        }
-      }
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t i = 0; i < task.nq; ++i) {
-          T* orow = out + (sq.q_tok + task.q0 + i) * sh.o_stride + (task.head * G + g) * D;
-          const float inv = 1.0f / l[g * BQ + i];
-          for (int64_t d = 0; d < D; ++d) store(orow + d, acc[(g * D + d) * BQ + i] * inv);
-        }
-    }
-  }
 }
 
 #if defined(FOUDRE_AVX512)
@@ -517,20 +398,81 @@ void prefill_avx512(const typename Ops::Elem* q, const C* k_cache, const C* v_ca
 }
 #endif  // AVX-512
 
-#if defined(FOUDRE_AVX2)
 // ---------------------------------------------------------------------------------------------
-// AVX2 path (no AVX-512: AMD Zen 2 and 3, Intel's client cores): the AVX-512 float32 path on 8
-// lanes. Tiles of float32 values, each K and V row converted once (convert_row8; zeros past
-// head_dim and for the rows a tile's queries do not see):
+// Paths without AVX-512: the AVX-512 float32 path's tasks and tiles, float32 values throughout,
+// each K and V row converted once (zeros past head_dim and for the rows a tile's queries do not
+// see; e4m3 codes as 2^-8 their values, kUnit, the factor folded into the scales):
 //   Q [G][Dp][BQ], K and V [BK][Dp], S [BK][BQ] (scores, then weights), O [G][Dp][BQ]
-// Both products are gemm8: NR8 broadcast rows against the MV8 vectors of a tile row, 8
-// accumulators of 16 ymm registers. (The portable loops, which store every partial score, took
-// 16% of a 1024-token prefill of the 494.7M Llama in int4 on a Zen 3.)
-constexpr int MV8 = BQ / 8;  // lane vectors per tile row
-constexpr int NR8 = 2;       // broadcast rows per call (divides BK and Dp)
+// and where a tile is not seen whole, lane masks M [BK][BQ] (all ones: the query sees the key).
+// A Tile computes one query head's part of a tile (S, the online softmax, O): PortableTile in
+// plain loops for the vectorizer, Avx2Tile on 8 lanes with a register-blocked micro-kernel.
+// (The portable loops, which store every partial score, took 16% of a 1024-token prefill of the
+// 494.7M Llama in int4 on a Zen 3; Avx2Tile 9%.)
 
-// C[n][.] (+)= sum_k A[n * a_n + k * a_k] B[k][.] for NR8 rows of C (row stride BQ); with ACC
-// C is loaded and scaled lane-wise by alpha first (the online softmax's rescaling)
+struct PortableTile {
+  template <typename C>
+  static void row(float* dst, const C* src, int64_t D, int64_t Dp) {
+    for (int64_t d = 0; d < Dp; ++d) dst[d] = d < D ? load(src[d]) / kUnit<C> : 0.0f;
+  }
+  // kmul: each key's factor of its score (the softmax scale, times its scale for codes); vmul:
+  // of its weight (codes: its value scale); valid: null where every lane sees every key
+  template <bool Quantized>
+  static void step(const float* kt, const float* vt, const float* qg, int64_t Dp, float* st,
+                   float* ag, float* mg, float* lg, const uint32_t* valid, const float* kmul,
+                   const float* vmul) {
+    float mx[BQ], alpha[BQ], sum[BQ];
+    for (int64_t i = 0; i < BQ; ++i) mx[i] = mg[i];
+    for (int64_t jj = 0; jj < BK; ++jj) {
+      float* sr = &st[jj * BQ];
+      for (int64_t i = 0; i < BQ; ++i) sr[i] = 0.0f;
+      for (int64_t d = 0; d < Dp; ++d) {
+        const float kd = kt[jj * Dp + d];
+        const float* qd = &qg[d * BQ];
+#pragma omp simd
+        for (int64_t i = 0; i < BQ; ++i) sr[i] += kd * qd[i];
+      }
+      for (int64_t i = 0; i < BQ; ++i) {
+        sr[i] = valid == nullptr || valid[jj * BQ + i] ? sr[i] * kmul[jj] : -INFINITY;
+        mx[i] = sr[i] > mx[i] ? sr[i] : mx[i];
+      }
+    }
+    for (int64_t i = 0; i < BQ; ++i) {
+      alpha[i] = exp_nonpositive(mg[i] - mx[i]);
+      sum[i] = 0.0f;
+    }
+    for (int64_t jj = 0; jj < BK; ++jj) {
+      float* sr = &st[jj * BQ];
+      for (int64_t i = 0; i < BQ; ++i) {
+        sr[i] = valid == nullptr || valid[jj * BQ + i] ? exp_nonpositive(sr[i] - mx[i]) : 0.0f;
+        sum[i] += sr[i];
+        if constexpr (Quantized) sr[i] *= vmul[jj];
+      }
+    }
+    for (int64_t i = 0; i < BQ; ++i) {
+      lg[i] = lg[i] * alpha[i] + sum[i];
+      mg[i] = mx[i];
+    }
+    for (int64_t d = 0; d < Dp; ++d) {
+      float* ad = &ag[d * BQ];
+#pragma omp simd
+      for (int64_t i = 0; i < BQ; ++i) ad[i] *= alpha[i];
+      for (int64_t jj = 0; jj < BK; ++jj) {
+        const float vd = vt[jj * Dp + d];
+        const float* pr = &st[jj * BQ];
+#pragma omp simd
+        for (int64_t i = 0; i < BQ; ++i) ad[i] += vd * pr[i];
+      }
+    }
+  }
+};
+
+#if defined(FOUDRE_AVX2)
+constexpr int MV8 = BQ / 8;  // lane vectors per tile row
+constexpr int NR8 = 2;       // broadcast rows per micro-kernel call (divides BK and Dp)
+
+// C[n][.] (+)= sum_k A[n * a_n + k * a_k] B[k][.] for NR8 rows of C (row stride BQ): NR8
+// broadcasts against the MV8 vectors of a row of B, 8 accumulators of the 16 ymm registers; with
+// ACC, C is loaded and scaled lane-wise by alpha first (the online softmax's rescaling)
 template <bool ACC>
 inline void gemm8(float* C, const __m256* alpha, const float* A, int64_t a_n, int64_t a_k,
                   const float* B, int64_t K) {
@@ -555,36 +497,75 @@ inline void gemm8(float* C, const __m256* alpha, const float* A, int64_t a_n, in
     for (int v = 0; v < MV8; ++v) _mm256_storeu_ps(C + n * BQ + v * 8, c[n][v]);
 }
 
-template <typename T, typename C>
-void prefill_avx2(const T* q, const C* k_cache, const C* v_cache, T* out,
-                  const std::vector<Seq>& seqs, const Shape& sh) {
+struct Avx2Tile {
+  template <typename C>
+  static void row(float* dst, const C* src, int64_t D, int64_t Dp) {
+    convert_row8(dst, src, D, Dp);
+  }
+  template <bool Quantized>
+  static void step(const float* kt, const float* vt, const float* qg, int64_t Dp, float* st,
+                   float* ag, float* mg, float* lg, const uint32_t* valid, const float* kmul,
+                   const float* vmul) {
+    for (int64_t n = 0; n < BK; n += NR8)  // S = K · Q^T
+      gemm8<false>(&st[n * BQ], nullptr, &kt[n * Dp], Dp, 1, qg, Dp);
+    __m256 alpha[MV8];  // the online softmax, lane-wise: scores -> weights in place in st
+    for (int v = 0; v < MV8; ++v) {
+      const auto ok = [&](int64_t jj) {
+        return _mm256_castsi256_ps(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(valid + jj * BQ + v * 8)));
+      };
+      const __m256 m_old = _mm256_loadu_ps(mg + v * 8);
+      __m256 mx = m_old;
+      for (int64_t jj = 0; jj < BK; ++jj) {
+        float* at = &st[jj * BQ + v * 8];
+        __m256 s = _mm256_mul_ps(_mm256_loadu_ps(at), _mm256_set1_ps(kmul[jj]));
+        if (valid != nullptr) s = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s, ok(jj));
+        _mm256_storeu_ps(at, s);
+        mx = _mm256_max_ps(mx, s);
+      }
+      alpha[v] = exp8(_mm256_sub_ps(m_old, mx));
+      __m256 sum = _mm256_setzero_ps();
+      for (int64_t jj = 0; jj < BK; ++jj) {
+        float* at = &st[jj * BQ + v * 8];
+        __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(at), mx));
+        if (valid != nullptr) p = _mm256_and_ps(p, ok(jj));
+        sum = _mm256_add_ps(sum, p);
+        if constexpr (Quantized) p = _mm256_mul_ps(p, _mm256_set1_ps(vmul[jj]));
+        _mm256_storeu_ps(at, p);
+      }
+      _mm256_storeu_ps(lg + v * 8, _mm256_fmadd_ps(_mm256_loadu_ps(lg + v * 8), alpha[v], sum));
+      _mm256_storeu_ps(mg + v * 8, mx);
+    }
+    for (int64_t d = 0; d < Dp; d += NR8)  // O^T = O^T * alpha + V^T · P^T
+      gemm8<true>(ag + d * BQ, alpha, &vt[d], 1, Dp, st, BK);
+  }
+};
+#define FOUDRE_F32_TILE Avx2Tile
+#else
+#define FOUDRE_F32_TILE PortableTile
+#endif  // AVX2
+
+// T: the queries' and outputs' type; C: the cache's (T, or int8_t / Fp8 codes with scales)
+template <typename T, typename C, class Tile>
+void prefill_f32(const T* q, const C* k_cache, const C* v_cache, T* out,
+                 const std::vector<Seq>& seqs, const Shape& sh) {
   constexpr bool quantized = !std::is_same_v<T, C>;
   const std::vector<Task> tasks = make_tasks(seqs, sh);
   const int64_t G = sh.num_heads / sh.num_kv_heads, D = sh.head_dim, Dp = (D + 7) / 8 * 8;
-  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  const __m256 scale = _mm256_set1_ps(sh.scale);
   const int64_t window = sh.window;
 #pragma omp parallel
   {
     std::vector<float> qp(G * Dp * BQ), kt(BK * Dp), vt(BK * Dp), st(BK * BQ);
     std::vector<float> acc(G * Dp * BQ), m(G * BQ), l(G * BQ);
-    std::vector<__m256> valid(BK * MV8);  // all-ones lanes: the query sees the key
-    // per key: its score's factor, the softmax scale times (codes) its scale, and (codes) its
-    // weight's, its value scale; kUnit: e4m3 codes convert to 2^-8 their values
-    std::vector<float> kmul(BK, sh.scale), vmul(BK, 1.0f);
+    std::vector<uint32_t> valid(BK * BQ);
+    std::vector<float> kmul(BK, sh.scale), vmul(BK, 1.0f);  // per key (codes: x its scales)
+    int64_t qpos[BQ];  // each lane's position, -1 past the row's queries (sees nothing)
 #pragma omp for schedule(dynamic, 1)
     for (int64_t t = 0; t < static_cast<int64_t>(tasks.size()); ++t) {
       const Task& task = tasks[t];
       const Seq& sq = seqs[task.seq];
       const int64_t first = sq.ctx - sq.q_len + task.q0, last = first + task.nq - 1;
-      __m256i qpos[MV8];  // each lane's position, -1 past the row's queries (sees nothing)
-      for (int v = 0; v < MV8; ++v) {
-        const __m256i at = _mm256_add_epi32(lane, _mm256_set1_epi32(v * 8));
-        const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(task.nq)), at);
-        qpos[v] = _mm256_blendv_epi8(
-            _mm256_set1_epi32(-1),
-            _mm256_add_epi32(at, _mm256_set1_epi32(static_cast<int32_t>(first))), live);
-      }
+      for (int64_t i = 0; i < BQ; ++i) qpos[i] = i < task.nq ? first + i : -1;
       std::fill(qp.begin(), qp.end(), 0.0f);
       for (int64_t g = 0; g < G; ++g)
         for (int64_t i = 0; i < task.nq; ++i) {
@@ -595,7 +576,8 @@ void prefill_avx2(const T* q, const C* k_cache, const C* v_cache, T* out,
       std::fill(m.begin(), m.end(), -FLT_MAX);
       std::fill(l.begin(), l.end(), 0.0f);
       for (int64_t j0 = task.k_begin(); j0 < task.k_end; j0 += BK) {
-        // rows [lo, nk) of the tile are keys the queries may see; the others are zeros
+        // rows [lo, nk) of the tile are keys the queries may see; the others (before the
+        // window, past the last query) are zeros, never read: they may hold anything
         const int64_t nk = std::min<int64_t>(BK, task.k_end - j0);
         const int64_t lo = std::max<int64_t>(0, task.k_first - j0);
         int64_t b = (j0 + lo) / sh.block_size, at = (j0 + lo) % sh.block_size;
@@ -607,8 +589,8 @@ void prefill_avx2(const T* q, const C* k_cache, const C* v_cache, T* out,
           }
           const int64_t off =
               sq.table[b] * sh.block_stride + at * sh.token_stride + task.head * D;
-          convert_row8(&kt[jj * Dp], k_cache + off, D, Dp);
-          convert_row8(&vt[jj * Dp], v_cache + off, D, Dp);
+          Tile::row(&kt[jj * Dp], k_cache + off, D, Dp);
+          Tile::row(&vt[jj * Dp], v_cache + off, D, Dp);
           if constexpr (quantized) {
             kmul[jj] = sh.scale * sh.k_scale[off / D] * kUnit<C>;
             vmul[jj] = sh.v_scale[off / D] * kUnit<C>;
@@ -623,55 +605,16 @@ void prefill_avx2(const T* q, const C* k_cache, const C* v_cache, T* out,
                           (window <= 0 || last - j0 < window);
         if (!full)
           for (int64_t jj = 0; jj < BK; ++jj) {
-            const __m256i j = _mm256_set1_epi32(static_cast<int32_t>(j0 + jj));
-            for (int v = 0; v < MV8; ++v) {
-              __m256i ok = _mm256_xor_si256(_mm256_cmpgt_epi32(j, qpos[v]),
-                                            _mm256_set1_epi32(-1));  // j <= qpos
-              if (window > 0)
-                ok = _mm256_and_si256(
-                    ok, _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(window)),
-                                           _mm256_sub_epi32(qpos[v], j)));
-              valid[jj * MV8 + v] = jj < nk ? _mm256_castsi256_ps(ok) : _mm256_setzero_ps();
-            }
+            const int64_t j = j0 + jj;
+            for (int64_t i = 0; i < BQ; ++i)
+              valid[jj * BQ + i] =
+                  jj < nk && j <= qpos[i] && (window <= 0 || qpos[i] - j < window) ? ~0u : 0u;
           }
-        for (int64_t g = 0; g < G; ++g) {
-          // S = K · Q^T for the BK keys
-          for (int64_t n = 0; n < BK; n += NR8)
-            gemm8<false>(&st[n * BQ], nullptr, &kt[n * Dp], Dp, 1, &qp[g * Dp * BQ], Dp);
-          // the online softmax, lane-wise: scores -> weights in place in st
-          __m256 alpha[MV8];
-          for (int v = 0; v < MV8; ++v) {
-            float* mv = &m[g * BQ + v * 8];
-            float* lv = &l[g * BQ + v * 8];
-            const __m256 m_old = _mm256_loadu_ps(mv);
-            __m256 mx = m_old;
-            for (int64_t jj = 0; jj < BK; ++jj) {
-              float* at = &st[jj * BQ + v * 8];
-              __m256 s = _mm256_mul_ps(_mm256_loadu_ps(at),
-                                       quantized ? _mm256_set1_ps(kmul[jj]) : scale);
-              if (!full)
-                s = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s, valid[jj * MV8 + v]);
-              _mm256_storeu_ps(at, s);
-              mx = _mm256_max_ps(mx, s);
-            }
-            alpha[v] = exp8(_mm256_sub_ps(m_old, mx));
-            __m256 sum = _mm256_setzero_ps();
-            for (int64_t jj = 0; jj < BK; ++jj) {
-              float* at = &st[jj * BQ + v * 8];
-              __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(at), mx));
-              if (!full) p = _mm256_and_ps(p, valid[jj * MV8 + v]);
-              sum = _mm256_add_ps(sum, p);
-              if constexpr (quantized) p = _mm256_mul_ps(p, _mm256_set1_ps(vmul[jj]));
-              _mm256_storeu_ps(at, p);
-            }
-            _mm256_storeu_ps(lv, _mm256_fmadd_ps(_mm256_loadu_ps(lv), alpha[v], sum));
-            _mm256_storeu_ps(mv, mx);
-          }
-          // O^T = O^T * alpha + V^T · P^T
-          float* ag = &acc[g * Dp * BQ];
-          for (int64_t d = 0; d < Dp; d += NR8)
-            gemm8<true>(ag + d * BQ, alpha, &vt[d], 1, Dp, st.data(), BK);
-        }
+        for (int64_t g = 0; g < G; ++g)
+          Tile::template step<quantized>(kt.data(), vt.data(), &qp[g * Dp * BQ], Dp, st.data(),
+                                         &acc[g * Dp * BQ], &m[g * BQ], &l[g * BQ],
+                                         full ? nullptr : valid.data(), kmul.data(),
+                                         vmul.data());
       }
       for (int64_t g = 0; g < G; ++g) {
         const float* ag = &acc[g * Dp * BQ];
@@ -684,7 +627,6 @@ void prefill_avx2(const T* q, const C* k_cache, const C* v_cache, T* out,
     }
   }
 }
-#endif  // AVX2
 
 template <typename T, typename C, class Fast>
 void prefill(const void* q, const void* k, const void* v, void* out, const int32_t* q_starts,
@@ -699,10 +641,8 @@ void prefill(const void* q, const void* k, const void* v, void* out, const int32
   T* ot = static_cast<T*>(out);
 #if defined(FOUDRE_AVX512)
   prefill_avx512<Fast, C>(qt, kt, vt, ot, seqs, sh);
-#elif defined(FOUDRE_AVX2)
-  prefill_avx2<T, C>(qt, kt, vt, ot, seqs, sh);
 #else
-  prefill_portable<T, C>(qt, kt, vt, ot, seqs, sh);
+  prefill_f32<T, C, FOUDRE_F32_TILE>(qt, kt, vt, ot, seqs, sh);
 #endif
 }
 
