@@ -267,7 +267,7 @@ void for_tiles(const A& a) {
 #if defined(FOUDRE_AVX2)
   const int64_t panel = std::max<int64_t>(32, std::min<int64_t>(64, kPanelBytes / a.k / 4 * 4));
 #else
-  const int64_t panel = a.m;  // (measured on AVX2 only, whose batches reach 512 rows)
+  const int64_t panel = a.m;  // (measured on AVX2 only, whose batches reach 2047 rows)
 #endif
   for (int64_t p0 = 0; p0 < a.m; p0 += panel) {  // (one pass over the weights a panel)
     const int64_t p1 = std::min(a.m, p0 + panel);
@@ -1185,9 +1185,10 @@ struct Avx2 {
   // The zero points' part of row nr[r]'s dot with x row m0 + mi, the sum over groups g of
   // s_g z_g corr_g: taken off acc[mi][r] lane-wise (8 groups a step, each row's s_g z_g read
   // once for the tile's x rows, summed apart from acc, whose chain of FMAs bounds a short row)
-  // and, for the groups past a multiple of 8, summed into rest[mi][r] (scalars: gathered into a
-  // vector through memory, they cost more than the lanes saved). (Summed per pair of an x row
-  // and a weight row, the zero points took a fifth of a 4 x 2 int4 g128 tile at 1536 columns.)
+  // and, for the groups past a multiple of 8, added to rest[mi][r] (zeros before; scalars:
+  // gathered into a vector through memory, they cost more than the lanes saved). (Summed per
+  // pair of an x row and a weight row, the zero points took a fifth of a 4 x 2 int4 g128 tile
+  // at 1536 columns.)
   template <int MT, int R>
   static void take_offsets(const Args<T>& a, int64_t m0, const int64_t* nr,
                            __m256 (&acc)[MT][R], float (&rest)[MT][R]) {
@@ -1209,10 +1210,7 @@ struct Avx2 {
       }
     }
     for (int mi = 0; mi < MT; ++mi)
-      for (int r = 0; r < R; ++r) {
-        acc[mi][r] = _mm256_sub_ps(acc[mi][r], off[mi][r]);
-        rest[mi][r] = 0.0f;
-      }
+      for (int r = 0; r < R; ++r) acc[mi][r] = _mm256_sub_ps(acc[mi][r], off[mi][r]);
     for (int64_t g = whole; g < a.groups; ++g)
       for (int r = 0; r < R; ++r) {
         const int64_t at = nr[r] * a.s_stride + g;

@@ -90,7 +90,8 @@ GROUPED8_GEMM_ROWS = 32
 # Since the tiles take their zero points off lane-wise (Avx2::take_offsets): Q4_0 1.08x at 128,
 # 1.00x at 192, 0.96x at 256; int4 g32 with zero points 1.09x at 128, 1.0x at 192-256; int4 g128
 # 1.12-1.27x at 512-1024 rows (8192 x 1536, 1536 x 4096, 2304 x 1536), 1.11-1.23x at 2048;
-# int8 per channel 1.06-1.17x at 512, 1.02-1.17x at 1024, 0.97-1.06x at 2048.
+# int8 per channel 1.06-1.17x at 512, 1.02-1.17x at 1024, 0.97-1.06x at 2048. (So there prompt
+# chunks under 2048 tokens round their activations to int8 too, within cpu_qmatmul.error_bound.)
 # 6 bits, unmeasured there, keep the other paths' rows.
 AVX2_GEMM_ROWS = {"wide": 2048, "int4": 192, "grouped8": 64}
 

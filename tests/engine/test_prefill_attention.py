@@ -352,14 +352,27 @@ def test_sdpa_backend_window_matches_masked_sdpa() -> None:
         assert err < 2e-5, (case, err)
 
 
-@needs_kernels
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_prefill_is_batch_invariant(dtype: torch.dtype) -> None:
+def check_batch_invariance() -> None:
     """A query's output is the same bits whether its prompt is computed whole, in chunks, or
-    beside other rows: lanes never mix and the key tiles lie on a fixed grid."""
+    beside other rows: lanes never mix and the key tiles lie on a fixed grid. float32 and
+    bfloat16, head_dim 64 and 20 (a tail past the vectors), a plain and an fp8 cache, with and
+    without a window (tiles whose first keys the window hides)."""
+    for dtype in (torch.float32, torch.bfloat16):
+        for dim in (64, 20):
+            for kind in (None, "fp8"):
+                _check_batch_invariance(dtype, dim, kind)
+
+
+def _check_batch_invariance(dtype: torch.dtype, dim: int, kind: str | None) -> None:
     g = torch.Generator().manual_seed(1)
-    heads, kv_heads, dim, bs, ctx = 8, 2, 64, 16, 150
-    cache = torch.randn(2, 20, bs, kv_heads, dim, generator=g).to(dtype)
+    heads, kv_heads, bs, ctx = 8, 2, 16, 150
+    cache: torch.Tensor | QuantizedKVCache
+    if kind is None:
+        cache = torch.randn(2, 20, bs, kv_heads, dim, generator=g).to(dtype)
+    else:
+        cache = QuantizedKVCache(20, bs, kv_heads, dim, kind, dtype, torch.device("cpu"))
+        every = torch.arange(20 * bs)
+        cache.write(every, *(torch.randn(len(every), kv_heads, dim, generator=g) for _ in "kv"))
     q = torch.randn(ctx, heads, dim, generator=g).to(dtype)
     table = list(range(10))
     backend = cpu_paged.CPUPagedBackend()
@@ -380,14 +393,33 @@ def test_cpu_prefill_is_batch_invariant(dtype: torch.dtype) -> None:
         layout = BatchLayout(lens, seqs, tables, slots, bs)
         meta = backend.build_metadata(layout, torch.device("cpu"))
         k = torch.zeros(len(flat), kv_heads, dim, dtype=dtype)
-        out = backend.forward(flat, k, k, cache.clone(), meta, dim**-0.5, window=window)
+        pool = copy.deepcopy(cache)
+        out = backend.forward(flat, k, k, pool, meta, dim**-0.5, window=window)
         return out[7:] if other else out
 
     for window in (None, 40):
         whole = attend([(0, ctx)], False, window)
         chunked = torch.cat([attend([(0, 37)], False, window), attend([(37, ctx)], True, window)])
         batched = attend([(0, 90), (90, ctx)], True, window)
-        assert torch.equal(whole, chunked) and torch.equal(whole, batched), window
+        same = torch.equal(whole, chunked) and torch.equal(whole, batched)
+        assert same, (dtype, dim, kind, window)
+
+
+@needs_kernels
+def test_cpu_prefill_is_batch_invariant() -> None:
+    check_batch_invariance()
+
+
+@needs_kernels
+@pytest.mark.parametrize("march", ["x86-64", "haswell", "skylake-avx512"])
+def test_other_cpu_paths_are_batch_invariant(march: str, tmp_path: Path) -> None:
+    """The portable path, the AVX2 one and the AVX-512 one without AVX512-BF16."""
+    run_built_for(
+        march,
+        "tests.engine.test_prefill_attention:check_batch_invariance",
+        "cpu_paged_prefill",
+        tmp_path,
+    )
 
 
 _TRITON_CHECK = """

@@ -346,10 +346,11 @@ def test_a_row_does_not_depend_on_its_batch() -> None:
     """Each row's result is the same bit for bit alone as in any batch (its quantization, sums
     and their order are its own), so an engine's output never depends on the other requests."""
     torch.manual_seed(7)
-    # (one zero point, Q8_0's none and Q4_0's 8, and 6 bits: the offsets in the lanes' sums)
+    # (one zero point, Q8_0's none and Q4_0's 8, and 6 bits: the offsets in the lanes' sums;
+    # int4 g32 with zero points: 10 groups, a vector of 8 and two past it, in the AVX2 tiles)
     # (batch 1 sums 16 weight rows at a time, a batch each row alone: 70 rows, a last strip of 6)
     for bits, group, zero in ((8, None, False), (4, 64, True), (4, 128, True), (8, 32, False),
-                              (4, 32, "const"), (6, 16, False)):  # fmt: skip
+                              (4, 32, "const"), (4, 32, True), (6, 16, False)):  # fmt: skip
         mod = quant_module(bits, group, zero, torch.randn(70, 300))
         packed = cpu_qmatmul.layout(mod.qweight, mod.scales, mod.zeros, mod.group_size, bits)
         for dtype in (torch.bfloat16, torch.float32):

@@ -119,7 +119,7 @@ inline __m512 exp16(__m512 x) {  // exp_nonpositive on 16 lanes
 
 #if defined(FOUDRE_AVX2)
 
-// 8 values as float32: int8 codes exactly, e4m3 as 2^-8 times its value (as load16)
+// 8 values as float32: int8 codes exactly, e4m3 as 2^-8 times its value (kUnit)
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const uint16_t* p) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));

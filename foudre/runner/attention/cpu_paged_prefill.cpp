@@ -12,14 +12,14 @@
 // GQA group share each K/V tile, packed once.
 //
 // Layout: a query position is a SIMD lane. Scores are computed transposed, S^T[key][lane] =
-// K · Q^T, by broadcasting a key's values against vectors of 16 query lanes, so the softmax's
-// max and sum over keys are vertical (lane-wise) operations, and P·V as O^T[d][lane] +=
-// V[key][d] · P^T[key][lane], again a broadcast against query lanes. Both products are one
-// micro-kernel (gemm below) over packed tiles of 32-bit words: float32 values (FMA), or pairs
-// of bfloat16 (vdpbf16ps, AVX512-BF16), where a pair runs along head_dim for Q and K and along
-// the keys for P and V. Each lane's arithmetic is independent of the other lanes and the key
-// tiles lie on a fixed grid, so a query's output does not depend on the chunk or the batch it
-// is computed in. Masked scores are exact zeros; tiles a lane does not see leave its state
+// K · Q^T, by broadcasting a key's values against vectors of 16 query lanes (8 with AVX2), so
+// the softmax's max and sum over keys are vertical (lane-wise) operations, and P·V as
+// O^T[d][lane] += V[key][d] · P^T[key][lane], again a broadcast against query lanes. Both
+// products are one micro-kernel (gemm below) over packed tiles of 32-bit words: float32 values
+// (FMA), or pairs of bfloat16 (vdpbf16ps, AVX512-BF16), where a pair runs along head_dim for Q
+// and K and along the keys for P and V. Each lane's arithmetic is independent of the other
+// lanes and the key tiles lie on a fixed grid, so a query's output does not depend on the
+// chunk or the batch it is computed in. Masked scores are exact zeros; tiles a lane does not see leave its state
 // unchanged (rescaled by exp(0) = 1, plus zero).
 //
 // Four paths, by what the compiler targets (cpu_paged.py builds with -march=native):
