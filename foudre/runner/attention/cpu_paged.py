@@ -26,8 +26,8 @@ FlashAttention-2 counterpart: one task per (sequence, KV head, 32 query position
 its queries see in tiles of 32 straight from the blocks, with an online softmax in float32, the
 causal limit and the sliding window applied by tile bounds (no mask tensor, no gather). With
 AVX512-BF16 the two products are ``vdpbf16ps`` on bf16 pairs; AVX-512 float32 FMAs otherwise,
-float32 FMAs on 8 lanes with AVX2, and a portable loop without either. Both kernels take a sliding window and never read the
-blocks outside it.
+float32 FMAs on 8 lanes with AVX2, and a portable loop without either. Both kernels take a
+sliding window and never read the blocks outside it.
 
 The sources ship with the package and are compiled on first use (``foudre.layers.native``).
 Where no compiler works, ``attention_backend="auto"`` keeps the SDPA backend.
