@@ -19,8 +19,8 @@
 // (FMA), or pairs of bfloat16 (vdpbf16ps, AVX512-BF16), where a pair runs along head_dim for Q
 // and K and along the keys for P and V. Each lane's arithmetic is independent of the other
 // lanes and the key tiles lie on a fixed grid, so a query's output does not depend on the
-// chunk or the batch it is computed in. Masked scores are exact zeros; tiles a lane does not see leave its state
-// unchanged (rescaled by exp(0) = 1, plus zero).
+// chunk or the batch it is computed in. Masked scores are exact zeros; tiles a lane does not
+// see leave its state unchanged (rescaled by exp(0) = 1, plus zero).
 //
 // Four paths, by what the compiler targets (cpu_paged.py builds with -march=native):
 //   prefill_f32<PortableTile>  portable C++ (loops over lanes for the vectorizer), float32 math
