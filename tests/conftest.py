@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,20 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
 STORIES = SHARED / "models" / "stories260K"
+
+
+@pytest.fixture(scope="session")
+def march_cache(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """``march -> directory``: one kernel cache per ``-march`` for the session, shared by the
+    checks of that build (``tests/engine/march.py``'s ``run_built_for``)."""
+    dirs: dict[str, Path] = {}
+
+    def cache(march: str) -> Path:
+        if march not in dirs:
+            dirs[march] = tmp_path_factory.mktemp(f"kernels-{march}")
+        return dirs[march]
+
+    return cache
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,8 @@
 """Checks of the native kernels' other code paths: a fresh interpreter whose kernels are built
-for another ``-march`` (``FOUDRE_KERNEL_MARCH``) into a private cache runs a check function."""
+for another ``-march`` (``FOUDRE_KERNEL_MARCH``) into a cache of that build's own runs a check
+function. The ``march_cache`` fixture (tests/conftest.py) gives each ``-march`` one cache for the
+whole session, so the checks of one build share its libraries (each takes 4-12 s to compile on
+2 cores; a private cache per test compiled cpu_paged_prefill for haswell three times)."""
 
 from __future__ import annotations
 
@@ -15,10 +18,10 @@ from foudre.layers import native
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_built_for(march: str, check: str, library: str, tmp_path: Path) -> None:
-    """Call ``check`` (``"module:function"``) with the kernels built for ``march``; assert that
-    it passed and that the ``library`` (a source's stem) was built for it. Skips where this CPU
-    cannot run that code."""
+def run_built_for(march: str, check: str, library: str, cache: Path) -> None:
+    """Call ``check`` (``"module:function"``) with the kernels built for ``march`` in ``cache``
+    (``march_cache(march)``); assert that it passed and that the ``library`` (a source's stem)
+    is built there. Skips where this CPU cannot run that code."""
     if os.uname().machine != "x86_64":
         pytest.skip("x86 -march values")
     if "avx512" in march and "avx512bw" not in native.cpu_flags():
@@ -26,10 +29,10 @@ def run_built_for(march: str, check: str, library: str, tmp_path: Path) -> None:
     if march == "haswell" and not {"avx2", "fma", "f16c"} <= set(native.cpu_flags().split()):
         pytest.skip("this CPU cannot run AVX2 code")
     module, function = check.split(":")
-    env = dict(os.environ, FOUDRE_KERNEL_MARCH=march, FOUDRE_CACHE=str(tmp_path))
+    env = dict(os.environ, FOUDRE_KERNEL_MARCH=march, FOUDRE_CACHE=str(cache))
     script = f"from {module} import {function}\n{function}()\nprint('ok')\n"
     out = subprocess.run(
         [sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True
     )
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
-    assert any(p.name.startswith(f"{library}-") for p in (tmp_path / "kernels").iterdir())
+    assert any(p.name.startswith(f"{library}-") for p in (cache / "kernels").iterdir())

@@ -6,6 +6,7 @@ one this machine takes in-process, the others in subprocesses built with ``FOUDR
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -105,11 +106,14 @@ def test_kernel_matches_sdpa_on_this_cpu() -> None:
 
 
 @pytest.mark.parametrize("march", ["x86-64", "haswell", "skylake-avx512"])
-def test_other_paths_match_sdpa(march: str, tmp_path: Path) -> None:
+def test_other_paths_match_sdpa(march: str, march_cache: Callable[[str], Path]) -> None:
     """The portable path, the AVX2 one and the AVX-512 one without AVX512-BF16, built for
     another -march."""
     run_built_for(
-        march, "tests.engine.test_cpu_attention:check_all_dtypes", "cpu_paged_decode", tmp_path
+        march,
+        "tests.engine.test_cpu_attention:check_all_dtypes",
+        "cpu_paged_decode",
+        march_cache(march),
     )
 
 
@@ -133,12 +137,12 @@ def test_kernel_reads_a_quantized_cache_on_this_cpu() -> None:
 
 
 @pytest.mark.parametrize("march", ["x86-64", "haswell", "skylake-avx512"])
-def test_other_paths_read_a_quantized_cache(march: str, tmp_path: Path) -> None:
+def test_other_paths_read_a_quantized_cache(march: str, march_cache: Callable[[str], Path]) -> None:
     run_built_for(
         march,
         "tests.engine.test_cpu_attention:check_quantized_decode",
         "cpu_paged_decode",
-        tmp_path,
+        march_cache(march),
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -177,15 +178,22 @@ def check_ops() -> None:
     check_linear()
 
 
-def test_linear_without_avx512_bf16(tmp_path: Path) -> None:
+def test_linear_without_avx512_bf16(march_cache: Callable[[str], Path]) -> None:
     """The bfloat16 path that widens to float32 FMAs, built for a CPU without AVX512-BF16."""
-    run_built_for("skylake-avx512", "tests.engine.test_cpu_ops:check_linear", "cpu_ops", tmp_path)
+    run_built_for(
+        "skylake-avx512",
+        "tests.engine.test_cpu_ops:check_linear",
+        "cpu_ops",
+        march_cache("skylake-avx512"),
+    )
 
 
-def test_ops_built_for_avx2(tmp_path: Path) -> None:
+def test_ops_built_for_avx2(march_cache: Callable[[str], Path]) -> None:
     """The AVX2 build (8 float32 lanes; a CPU without AVX-512): every op and the linear kernel,
     partial last vectors included."""
-    run_built_for("haswell", "tests.engine.test_cpu_ops:check_ops", "cpu_ops", tmp_path)
+    run_built_for(
+        "haswell", "tests.engine.test_cpu_ops:check_ops", "cpu_ops", march_cache("haswell")
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

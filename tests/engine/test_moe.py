@@ -3,6 +3,7 @@ native decode kernel and the Triton kernel against a per-token loop, quantized e
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -156,15 +157,22 @@ def test_native_block_has_the_step_by_step_bits() -> None:
 
 
 @NATIVE
-def test_native_kernel_without_avx512_bf16(tmp_path: Path) -> None:
+def test_native_kernel_without_avx512_bf16(march_cache: Callable[[str], Path]) -> None:
     for check in ("check_native_kernel", "check_native_block"):
-        run_built_for("skylake-avx512", f"tests.engine.test_moe:{check}", "cpu_ops", tmp_path)
+        run_built_for(
+            "skylake-avx512",
+            f"tests.engine.test_moe:{check}",
+            "cpu_ops",
+            march_cache("skylake-avx512"),
+        )
 
 
 @NATIVE
-def test_native_kernel_built_for_avx2(tmp_path: Path) -> None:
+def test_native_kernel_built_for_avx2(march_cache: Callable[[str], Path]) -> None:
     for check in ("check_native_kernel", "check_native_block"):
-        run_built_for("haswell", f"tests.engine.test_moe:{check}", "cpu_ops", tmp_path)
+        run_built_for(
+            "haswell", f"tests.engine.test_moe:{check}", "cpu_ops", march_cache("haswell")
+        )
 
 
 @NATIVE

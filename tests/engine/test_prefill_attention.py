@@ -14,6 +14,7 @@ Triton kernels run in Triton's interpreter.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -317,27 +318,29 @@ def test_cpu_kernels_read_a_quantized_cache() -> None:
 
 @needs_kernels
 @pytest.mark.parametrize("march", ["x86-64", "haswell", "skylake-avx512"])
-def test_other_cpu_paths_read_a_quantized_cache(march: str, tmp_path: Path) -> None:
+def test_other_cpu_paths_read_a_quantized_cache(
+    march: str, march_cache: Callable[[str], Path]
+) -> None:
     """The portable path, the AVX2 one and the AVX-512 one without AVX512-BF16 over quantized
     caches."""
     run_built_for(
         march,
         "tests.engine.test_prefill_attention:check_cpu_quantized",
         "cpu_paged_prefill",
-        tmp_path,
+        march_cache(march),
     )
 
 
 @needs_kernels
 @pytest.mark.parametrize("march", ["x86-64", "haswell", "skylake-avx512"])
-def test_other_cpu_paths_match_masked_sdpa(march: str, tmp_path: Path) -> None:
+def test_other_cpu_paths_match_masked_sdpa(march: str, march_cache: Callable[[str], Path]) -> None:
     """The portable path, the AVX2 one and the AVX-512 one without AVX512-BF16, built for
     another -march."""
     run_built_for(
         march,
         "tests.engine.test_prefill_attention:check_cpu_kernels",
         "cpu_paged_prefill",
-        tmp_path,
+        march_cache(march),
     )
 
 
@@ -410,13 +413,15 @@ def test_cpu_prefill_is_batch_invariant() -> None:
 
 @needs_kernels
 @pytest.mark.parametrize("march", ["x86-64", "haswell", "skylake-avx512"])
-def test_other_cpu_paths_are_batch_invariant(march: str, tmp_path: Path) -> None:
+def test_other_cpu_paths_are_batch_invariant(
+    march: str, march_cache: Callable[[str], Path]
+) -> None:
     """The portable path, the AVX2 one and the AVX-512 one without AVX512-BF16."""
     run_built_for(
         march,
         "tests.engine.test_prefill_attention:check_batch_invariance",
         "cpu_paged_prefill",
-        tmp_path,
+        march_cache(march),
     )
 
 

@@ -13,6 +13,7 @@ x to its block's int8 grid, ``|x - d q| <= d / 2`` with ``d = max|x| / 127`` ove
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -186,13 +187,13 @@ def test_kernels_match_dequantized_matmul_on_this_cpu() -> None:
 @pytest.mark.parametrize(
     "march,check", [("skylake-avx512", "avx512"), ("haswell", "avx2"), ("x86-64", "portable")]
 )
-def test_other_paths_match(march: str, check: str, tmp_path: Path) -> None:
+def test_other_paths_match(march: str, check: str, march_cache: Callable[[str], Path]) -> None:
     """The AVX-512 float path (no VNNI), the AVX2 one and the portable one, built for another
     -march (where this build is not already that path: its own tests run it)."""
     if cpu_qmatmul.path() == check:
         pytest.skip(f"this build is the {check} path")
     run_built_for(
-        march, f"tests.quant.test_cpu_qmatmul:check_path_{check}", "cpu_qmatmul", tmp_path
+        march, f"tests.quant.test_cpu_qmatmul:check_path_{check}", "cpu_qmatmul", march_cache(march)
     )
 
 

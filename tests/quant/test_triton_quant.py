@@ -1,7 +1,7 @@
 """The Triton GEMV / split-K / tiled dequantize-matmul kernels against dequantize-then-matmul.
 
 Without a GPU the kernels run under ``TRITON_INTERPRET=1`` on CPU tensors, in a subprocess (the
-variable must be set before Triton is imported), one per weight layout; with a GPU the same
+variable must be set before Triton is imported), one for every weight layout; with a GPU the same
 script runs them for real. Each layout is checked at M = 1, 3, 16 and 64 rows, on shapes whose N
 and K are not multiples of the tiles, with fixed tile configs (single and split K, sub-tiles
 inside one group and several groups per step) and with ``choose_config``'s, in float32 and in a
@@ -33,8 +33,7 @@ import torch
 from foudre.quant import triton_kernels as tk
 from foudre.quant.packing import pack_int4, quantize_int4, quantize_int8, quantize_int8_grouped
 
-kind, group = sys.argv[1], int(sys.argv[2]) or None
-device = torch.device(sys.argv[3])
+device = torch.device(sys.argv[1])
 C = tk.KernelConfig
 CONFIGS = {  # fixed tiles; None: choose_config's
     1: [C(1, 16, 32, 1), C(1, 8, 64, 3), None],
@@ -70,31 +69,35 @@ def layout(n, k, g):
 
 
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
-failures, cases = [], 0
-g = torch.Generator().manual_seed(0)
-for n, k in ((37, 200), (70, 171)):
-    q, s, z, gs, deq = layout(n, k, g)
-    bias = torch.randn(n, generator=g)
-    for m, configs in CONFIGS.items():
-        for cfg in configs:
-            # bf16 through tl.dot on a GPU only (the interpreter's bf16 tl.dot is wrong)
-            half = torch.bfloat16 if m == 1 or device == "cuda" else torch.float16
-            dtypes = [torch.float32, half]
-            for dtype in dtypes:
-                x = torch.randn(m, k, generator=g).to(dtype)
-                b = bias if m != 3 else None
-                y = tk.quant_matmul(
-                    x.to(device), q.to(device), s.to(device),
-                    None if z is None else z.to(device), gs,
-                    None if b is None else b.to(device), cfg,
-                )
-                ref = x.double() @ deq.t() + (0 if b is None else b.double())
-                err = (y.cpu().double() - ref).abs().max().item()
-                bound = TOL[dtype] * ref.abs().max().item() + 1e-5
-                cases += 1
-                if not (y.dtype == dtype and y.shape == (m, n) and err <= bound):
-                    failures.append([n, k, m, repr(cfg), str(dtype), err, bound])
-print(json.dumps({"cases": cases, "failures": failures}))
+results = {}
+for kind, group in (arg.split(":") for arg in sys.argv[2:]):
+    group = int(group) or None
+    failures, cases = [], 0
+    g = torch.Generator().manual_seed(0)
+    for n, k in ((37, 200), (70, 171)):
+        q, s, z, gs, deq = layout(n, k, g)
+        bias = torch.randn(n, generator=g)
+        for m, configs in CONFIGS.items():
+            for cfg in configs:
+                # bf16 through tl.dot on a GPU only (the interpreter's bf16 tl.dot is wrong)
+                half = torch.bfloat16 if m == 1 or device == "cuda" else torch.float16
+                dtypes = [torch.float32, half]
+                for dtype in dtypes:
+                    x = torch.randn(m, k, generator=g).to(dtype)
+                    b = bias if m != 3 else None
+                    y = tk.quant_matmul(
+                        x.to(device), q.to(device), s.to(device),
+                        None if z is None else z.to(device), gs,
+                        None if b is None else b.to(device), cfg,
+                    )
+                    ref = x.double() @ deq.t() + (0 if b is None else b.double())
+                    err = (y.cpu().double() - ref).abs().max().item()
+                    bound = TOL[dtype] * ref.abs().max().item() + 1e-5
+                    cases += 1
+                    if not (y.dtype == dtype and y.shape == (m, n) and err <= bound):
+                        failures.append([n, k, m, repr(cfg), str(dtype), err, bound])
+    results[f"{kind}:{group or 0}"] = {"cases": cases, "failures": failures}
+print(json.dumps(results))
 """
 
 KINDS = [
@@ -112,28 +115,38 @@ KINDS = [
 ]
 
 
-def _run(kind: str, group: int) -> dict[str, object]:
+def _fp8_unsupported() -> bool:
+    return HAS_CUDA and torch.cuda.get_device_capability() < (8, 9)
+
+
+@pytest.fixture(scope="module")
+def checked() -> dict[str, dict[str, object]]:
+    """Every layout's cases in one interpreter (its start and Triton's import, ~3 s, once and
+    not once a layout): ``"kind:group" -> {"cases", "failures"}``."""
     pytest.importorskip("triton", reason="triton is not installed")
     env = dict(os.environ)
     if not HAS_CUDA:
         env["TRITON_INTERPRET"] = "1"
+    kinds = [f"{k}:{g}" for k, g in KINDS if not (k == "fp8" and _fp8_unsupported())]
     out = subprocess.run(
-        [sys.executable, "-c", _CHECK, kind, str(group), "cuda" if HAS_CUDA else "cpu"],
+        [sys.executable, "-c", _CHECK, "cuda" if HAS_CUDA else "cpu", *kinds],
         env=env,
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=1200,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("kind,group", KINDS, ids=[f"{k}-g{g}" for k, g in KINDS])
-def test_kernels_match_dequantize_reference(kind: str, group: int) -> None:
-    if kind == "fp8" and HAS_CUDA and torch.cuda.get_device_capability() < (8, 9):
+def test_kernels_match_dequantize_reference(
+    kind: str, group: int, checked: dict[str, dict[str, object]]
+) -> None:
+    if kind == "fp8" and _fp8_unsupported():
         pytest.skip("Triton's float8 e4m3 needs compute capability 8.9")
-    result = _run(kind, group)
+    result = checked[f"{kind}:{group}"]
     assert result["cases"] == 2 * 11 * 2  # shapes x configs x dtypes
     assert result["failures"] == [], result["failures"]
 
