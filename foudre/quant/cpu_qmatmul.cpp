@@ -252,9 +252,9 @@ constexpr int64_t kPanelBytes = 128 << 10;
 // left); Tile<MT, R>::run(a, m0, n0) computes y[m0 : m0 + MT, n0 : n0 + R]. One x row: tasks of
 // R1 rows (the VNNI kernels 1, where their strips of 16 would leave threads idle: one
 // sequential stream a thread, where 8 rows interleaved, each a short stream of its own, ran
-// 0.8x as fast; the AVX2 kernels 8, summed one row after another; the float paths 8, which
-// share each x load among them); more: tasks of RM
-// rows (4; the AVX2 kernels 2, whose 16 registers hold 4 x 2 accumulators).
+// 0.8x as fast; the AVX2 kernels 8, summed one row after another, or 1 where their strips
+// would leave threads idle; the float paths 8, which share each x load among them); more:
+// tasks of RM rows (4; the AVX2 kernels 2, whose 16 registers hold 4 x 2 accumulators).
 // The tasks are handed out guided (see guided tasks above).
 template <template <int, int> class Tile, int R1, int RM = 4, typename A>
 void for_tiles(const A& a) {
@@ -1226,8 +1226,10 @@ struct Avx2 {
       store8(a.y + n0, sum);
     }
 
-    // acc[mi][r] - rest[mi][r], summed across lanes (and for int8 times the row's scale): y at
-    // (m0 + mi, nr[r])
+    // The sums of x rows m0 .. m0 + MT - 1 with weight rows n0 .. n0 + R - 1 (row pointers
+    // clamped to the last row: nr): y at (m0 + mi, nr[r]) is acc[mi][r] summed across lanes,
+    // minus rest[mi][r] (zero points past a multiple of 8 groups), for int8 times the row's
+    // scale
     [[gnu::always_inline]] static void sums(const Args<T>& a, int64_t m0, int64_t n0,
                                             int64_t* nr, __m256 (&acc)[MT][R],
                                             float (&rest)[MT][R]) {
@@ -1519,7 +1521,17 @@ void avx2_matmul(Args<T> a) {
         corr[i * a.groups + (column_of<K>(h * 16) >> a.gshift)] += hsum[i * halves + h];
     a.corr = corr.data();
   }
-  for_tiles<Avx2<T, K>::template Tile, 8, 2>(a);
+  // batch 1: strips of 8 rows where there are as many as threads (else a row a task), as
+  // vnni_tiles decides
+#if defined(_OPENMP)
+  const bool strips = a.n >= 8 * static_cast<int64_t>(omp_get_max_threads());
+#else
+  const bool strips = true;
+#endif
+  if (strips || a.m > 1)
+    for_tiles<Avx2<T, K>::template Tile, 8, 2>(a);
+  else
+    for_tiles<Avx2<T, K>::template Tile, 1, 2>(a);
 }
 
 // the codes of columns c .. c + 7 of a row as float32 (c a multiple of 8): dequantize's

@@ -4,17 +4,16 @@ channel, int8 group-wise with a scale and an optional zero point per group of 16
 (GGUF's Q8_0, Q5_0, Q5_1 and Q5_K as QuantLinear holds them), int4 group-wise and int6
 (GGUF's Q6_K, ``packing.pack_int6``); x float32 or bfloat16, y in x's dtype.
 
-Each task streams its weight rows (one, for one row of x) once for every row of x. With
+Each task streams its weight rows once for every row of x (for one row of x, 16 rows on the
+VNNI path and 8 on the AVX2 one, one after another, 8 at once on the float paths). With
 AVX512-VNNI, and on AVX2 CPUs without AVX-512 (``vpmaddubsw``, ``vpmaddwd``), the activations
-are quantized to int8 per block (``activation_block``: 32 columns
-for group-wise int8, as llama.cpp's Q8_0, 64 or 128 for int4 and per-channel int8, 128 for
-int6) and
-multiplied by vpdpbusd, so
-results differ from dequantize-then-matmul by that rounding (each x within half its block's
-``max|x| / 127``); the AVX-512 path without VNNI and the portable one multiply in float32.
-``layout`` is the kernels' view of ``QuantLinear``'s buffers (the buffers themselves, no copy,
-for the usual shapes); ``matmul`` runs it. ``path()`` names the path the library was built
-with, None where it did not build.
+are quantized to int8 per block (``activation_block``: 32 columns for group-wise int8, as
+llama.cpp's Q8_0, 64 or 128 for int4 and per-channel int8, 128 for int6) and multiplied by
+vpdpbusd (AVX2: vpmaddubsw), so results differ from dequantize-then-matmul by that rounding
+(each x within half its block's ``max|x| / 127``); the AVX-512 path without VNNI and the
+portable one multiply in float32. ``layout`` is the kernels' view of ``QuantLinear``'s buffers
+(the buffers themselves, no copy, for the usual shapes); ``matmul`` runs it. ``path()`` names
+the path the library was built with, None where it did not build.
 """
 
 from __future__ import annotations

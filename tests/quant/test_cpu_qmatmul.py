@@ -173,6 +173,9 @@ def check_path_avx2() -> None:
     from tests.quant.test_gguf_quantized import test_vnni_grouped_int8_is_the_q8_0_dot
 
     test_vnni_grouped_int8_is_the_q8_0_dot()
+    # batch 1's strips of 8 rows (reduce8) against the batches' tiles (hsum8), bit for bit
+    test_a_row_does_not_depend_on_its_batch()
+    test_a_row_does_not_depend_on_the_threads()
 
 
 def check_path_portable() -> None:
@@ -349,7 +352,8 @@ def test_a_row_does_not_depend_on_its_batch() -> None:
     torch.manual_seed(7)
     # (one zero point, Q8_0's none and Q4_0's 8, and 6 bits: the offsets in the lanes' sums;
     # int4 g32 with zero points: 10 groups, a vector of 8 and two past it, in the AVX2 tiles)
-    # (batch 1 sums 16 weight rows at a time, a batch each row alone: 70 rows, a last strip of 6)
+    # (batch 1 sums 16 weight rows at a time (VNNI) or 8 (AVX2), reduced together, a batch
+    # each row alone: 70 rows, strips and a last 6 rows on their own)
     for bits, group, zero in ((8, None, False), (4, 64, True), (4, 128, True), (8, 32, False),
                               (4, 32, "const"), (4, 32, True), (6, 16, False)):  # fmt: skip
         mod = quant_module(bits, group, zero, torch.randn(70, 300))
@@ -364,10 +368,11 @@ def test_a_row_does_not_depend_on_its_batch() -> None:
 
 def test_a_row_does_not_depend_on_the_threads() -> None:
     """The tasks are handed out guided (any thread may take any rows) and batch 1 takes strips
-    of 16 rows only where there are as many strips as threads (else one row a task): each row's
-    result is the same bits on 1, 2 and 3 threads, at batch 1 (40 rows: strips on up to two
-    threads, one row a task on three), 3 and 37, for every kind (the scales prefetched ahead up
-    to the last row)."""
+    (16 rows on the VNNI path, 8 on the AVX2 one) only where there are as many strips as
+    threads (else one row a task): each row's result is the same bits on 1, 2 and 3 threads, at
+    batch 1 (40 rows: VNNI strips on up to two threads, one row a task on three; AVX2's five
+    strips on all three), 3 and 37, for every kind (the scales prefetched ahead up to the last
+    row)."""
     torch.manual_seed(11)
     threads = torch.get_num_threads()
     cases = ((8, None, False), (4, 128, True), (4, 32, "const"), (8, 32, True), (6, 16, False))
