@@ -248,6 +248,15 @@ constexpr int64_t kTaskScalesAhead = 2;
 // once a panel costs little beside them; fewer would multiply a batch's weight reads)
 constexpr int64_t kPanelBytes = 128 << 10;
 
+// the threads a parallel loop runs on (torch's OpenMP setting; 1 without OpenMP)
+inline int64_t threads() {
+#if defined(_OPENMP)
+  return omp_get_max_threads();
+#else
+  return 1;
+#endif
+}
+
 // The parallel loop: tasks of R weight rows, x's rows in tiles of four (then the one to three
 // left); Tile<MT, R>::run(a, m0, n0) computes y[m0 : m0 + MT, n0 : n0 + R]. One x row: tasks of
 // R1 rows (the VNNI kernels 1, where their strips of 16 would leave threads idle: one
@@ -994,11 +1003,7 @@ std::vector<int32_t> lane_offsets(const int8_t* xq, int64_t m, int64_t k, int32_
 // tasks at batch 1)
 template <typename Kernel, typename T>
 void vnni_tiles(const Args<T>& a) {
-#if defined(_OPENMP)
-  const bool strips = a.m == 1 && a.n >= 16 * static_cast<int64_t>(omp_get_max_threads());
-#else
-  const bool strips = a.m == 1;
-#endif
+  const bool strips = a.m == 1 && a.n >= 16 * threads();
   if (!strips) {
     for_tiles<Kernel::template Tile, 1>(a);
     return;
@@ -1201,11 +1206,12 @@ struct Avx2 {
     }
 
     // One x row (batch 1): 8 weight rows one after another (one stream), their sums reduced
-    // and stored 8 at once, where a task a row set each row up apart (a for_tiles iteration, a
-    // call, its pointers, a reduction, a scalar store and rounding: about a fifth of a row of
-    // 1536 int8 codes' instructions). In turns in one process, weights in the caches (2048 x
-    // 1536, two threads): int8 1.16-1.19x the speed, Q4_0 1.12x, int4 g128 1.00-1.04x; chains
-    // of cold weights in an hour of low bandwidth (~25 GB/s) 1.00x and 1.03x
+    // and stored 8 at once, where each row had been a task of its own, set up apart (a
+    // for_tiles iteration, a call, its pointers, a reduction, a scalar store and rounding:
+    // about a fifth of a row of 1536 int8 codes' instructions). In turns in one process,
+    // weights in the caches (2048 x 1536, two threads): int8 1.16-1.19x the speed, Q4_0
+    // 1.12x, int4 g128 1.00-1.04x; chains of cold weights in hours of low bandwidth (25-31
+    // GB/s) int8 1.00-1.04x, int4 1.00-1.03x
     static void strip(const Args<T>& a, int64_t n0) {
       if (a.n - n0 < 8) {
         for (int64_t r = n0; r < a.n; ++r) Tile<1, 1>::run(a, 0, r);
@@ -1521,17 +1527,12 @@ void avx2_matmul(Args<T> a) {
         corr[i * a.groups + (column_of<K>(h * 16) >> a.gshift)] += hsum[i * halves + h];
     a.corr = corr.data();
   }
-  // batch 1: strips of 8 rows where there are as many as threads (else a row a task), as
-  // vnni_tiles decides
-#if defined(_OPENMP)
-  const bool strips = a.n >= 8 * static_cast<int64_t>(omp_get_max_threads());
-#else
-  const bool strips = true;
-#endif
-  if (strips || a.m > 1)
-    for_tiles<Avx2<T, K>::template Tile, 8, 2>(a);
-  else
+  // batch 1: strips of 8 rows where there are as many as threads, else a row a task (as
+  // vnni_tiles decides)
+  if (a.m == 1 && a.n < 8 * threads())
     for_tiles<Avx2<T, K>::template Tile, 1, 2>(a);
+  else
+    for_tiles<Avx2<T, K>::template Tile, 8, 2>(a);
 }
 
 // the codes of columns c .. c + 7 of a row as float32 (c a multiple of 8): dequantize's
