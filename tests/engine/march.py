@@ -20,8 +20,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def run_built_for(march: str, check: str, library: str, cache: Path) -> None:
     """Call ``check`` (``"module:function"``) with the kernels built for ``march`` in ``cache``
-    (``march_cache(march)``); assert that it passed and that the ``library`` (a source's stem)
-    is built there. Skips where this CPU cannot run that code."""
+    (``march_cache(march)``); assert that it passed and that its process loaded the ``library``
+    (a source's stem) built there. Skips where this CPU cannot run that code."""
     if os.uname().machine != "x86_64":
         pytest.skip("x86 -march values")
     if "avx512" in march and "avx512bw" not in native.cpu_flags():
@@ -30,9 +30,15 @@ def run_built_for(march: str, check: str, library: str, cache: Path) -> None:
         pytest.skip("this CPU cannot run AVX2 code")
     module, function = check.split(":")
     env = dict(os.environ, FOUDRE_KERNEL_MARCH=march, FOUDRE_CACHE=str(cache))
-    script = f"from {module} import {function}\n{function}()\nprint('ok')\n"
+    # the check's process must have loaded the library of this build (from this cache), not
+    # one it found elsewhere: a built library of that name in the cache would not show it
+    built = f"{os.path.realpath(cache)}/kernels/{library}-"
+    script = (
+        f"from {module} import {function}\n{function}()\n"
+        f"assert {built!r} in open('/proc/self/maps').read(), 'not loaded: {library}'\n"
+        "print('ok')\n"
+    )
     out = subprocess.run(
         [sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True
     )
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
-    assert any(p.name.startswith(f"{library}-") for p in (cache / "kernels").iterdir())
