@@ -35,6 +35,7 @@ or autocast asks for the Python path; otherwise the step goes back to Python.
 
 from __future__ import annotations
 
+import array
 import ctypes
 import itertools
 import operator
@@ -194,8 +195,18 @@ class NativeDecode:
         self.ends = (embed.weight.data_ptr(), norm.weight.data_ptr())
         hold(embed, "weight", passed=False)
         hold(norm, "weight", passed=False)
+        # the runner's list of caches (each step: the same caches in it), and each cache's
+        # tensors where they are (a quantized cache's codes and scales held as its attributes)
         self.cache_list = kv_caches
-        self.caches = [(c, _addresses(c)) for c in kv_caches]
+        self.caches = tuple(kv_caches)
+        for cache in kv_caches:
+            if isinstance(cache, QuantizedKVCache):
+                for name in ("codes", "scales"):
+                    checks.entry(cache.__dict__, name)
+                    tensor = getattr(cache, name)
+                    checks.addresses.append((tensor, tensor.data_ptr()))
+            else:
+                checks.addresses.append((cache, cache.data_ptr()))
         shape = _stored(kv_caches[0]).shape  # [2, blocks, block_size, heads, head_dim]
         self.block_size = shape[2]
         self.num_slots = shape[1] * self.block_size
@@ -361,6 +372,12 @@ class NativeDecode:
             and self._counting_alike()
         )
 
+    @property
+    def counts_moe_rows(self) -> bool:
+        """Whether the model has sparse layers (as built: ``can_run`` checked nothing was
+        replaced since), whose routers count the step's rows."""
+        return bool(self.blocks)
+
     def _counting_alike(self) -> bool:
         """Whether every sparse layer counts the same rows (one ``counted`` for the call): the
         same ``counting`` and ``count_rows``, as ``count_moe_rows`` and ``moe_counting`` set."""
@@ -372,12 +389,12 @@ class NativeDecode:
         )
 
     def _unchanged(self) -> bool:
-        if not self.checks.unchanged(self.dtype) or len(self.cache_list) != len(self.caches):
-            return False
-        for now, (cache, addresses) in zip(self.cache_list, self.caches, strict=True):
-            if now is not cache or _addresses(now) != addresses:
-                return False
-        return True
+        now = self.cache_list
+        return (
+            len(now) == len(self.caches)
+            and all(map(operator.is_, now, self.caches))
+            and self.checks.unchanged(self.dtype)
+        )
 
     def _counted(self, rows: int) -> int:
         """How many of the step's rows the sparse layers count: ``SparseMoeBlock.forward``'s
@@ -417,7 +434,7 @@ class NativeDecode:
         hidden, heads, kv_heads, head_dim, intermediate = self.dims
         out = torch.empty(rows, hidden, dtype=self.dtype)
         head = 0 if logits is None or self.head is None else self.head.data_ptr()
-        at64, at32 = longs.data_ptr(), ints.data_ptr()
+        at64, at32 = longs.buffer_info()[0], ints.buffer_info()[0]
         embed, norm = self.ends
         failed = self.fn(
             out.data_ptr(),
@@ -460,13 +477,14 @@ class NativeDecode:
             raise IndexError(f"token id outside the vocabulary of {self.vocab}")
         return out
 
-    def _inputs(self, step: ForwardStep) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """The step's inputs for the C++ layers in two tensors made from Python lists: int64
+    def _inputs(self, step: ForwardStep) -> tuple[array.array[int], array.array[int], int]:
+        """The step's inputs for the C++ layers in two arrays made from Python lists: int64
         token ids, positions and KV slots (``rows`` each); int32 flat token indices, context
         lengths (``rows`` each) and block tables (``rows x width``, zero-padded); and ``width``.
         What the runner's ``flatten`` and the backend's metadata hold for a decode step, built
         without their dozen tensor ops a row (a third of a millisecond a step when the weights'
-        stream has left the caches cold)."""
+        stream has left the caches cold), in ``array.array``s: made from the lists in ~25 us
+        cold, where two ``torch.tensor`` calls took ~70-140."""
         bs = self.block_size
         tables, starts = step.block_tables, step.starts
         if not len(tables) == len(starts) == len(step.token_ids):
@@ -483,7 +501,7 @@ class NativeDecode:
         for t in tables:
             ints += t
             ints += [0] * (width - len(t))
-        return torch.tensor(longs, dtype=torch.int64), torch.tensor(ints, dtype=torch.int32), width
+        return array.array("q", longs), array.array("i", ints), width
 
 
 class _Checks:
@@ -616,12 +634,6 @@ def _stored(cache: torch.Tensor | QuantizedKVCache) -> torch.Tensor:
 def _codes_dtype(cache: torch.Tensor | QuantizedKVCache) -> torch.dtype | None:
     """A quantized cache's codes as the kernels view them (int8, float8_e4m3fn); None if float."""
     return STORAGE_DTYPES[cache.kind] if isinstance(cache, QuantizedKVCache) else None
-
-
-def _addresses(cache: torch.Tensor | QuantizedKVCache) -> tuple[int, ...]:
-    if isinstance(cache, QuantizedKVCache):
-        return cache.codes.data_ptr(), cache.scales.data_ptr()
-    return (cache.data_ptr(),)
 
 
 # the C++ layers' kind of KV cache (KVCodes in layers/cpu_ops.cpp), by quantized kind

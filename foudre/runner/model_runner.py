@@ -209,14 +209,17 @@ class ModelRunner:
         layers) runs there; the rest runs the model op by op."""
         step = ForwardStep(block_tables, starts, token_ids, num_logits)
         real = token_ids[: len(token_ids) - num_padding_rows]
-        self.model.count_moe_rows(sum(len(ids) for ids in real))
+        rows = sum(len(ids) for ids in real)
         path = self.decode_path
         if path is not None and path.can_run(step):
+            if path.counts_moe_rows:
+                self.model.count_moe_rows(rows)
             logits = path.run_logits(step)
             if logits is not None:
                 return logits
             hidden = path.run(step)
         else:
+            self.model.count_moe_rows(rows)
             self.flatten(step)
             assert step.input_ids is not None and step.positions is not None
             hidden = self.forward_hidden(step.input_ids, step.positions, step.metadata)

@@ -266,6 +266,40 @@ def test_native_decode_takes_only_what_it_can_run(tmp_path: Path) -> None:
             native.run(ForwardStep([[0], [1]], [4, 4], [[5]], [1]))
 
 
+@pytest.mark.parametrize("kv", ["auto", "int8"])
+def test_native_decode_holds_its_caches_where_they_are(tmp_path: Path, kv: str) -> None:
+    """A cache's storage moved after the build (``.data =``), or a quantized cache's codes or
+    scales replaced: steps go back to Python until it is back (the call holds their addresses)."""
+    path = make_hf_model(tmp_path / "llama", "llama")
+    llm = LLM(
+        str(path), dtype="bfloat16", skip_tokenizer_init=True, num_kv_blocks=64, kv_cache_dtype=kv
+    )
+    runner = llm.engine.runner
+    assert runner.decode_path is not None
+    calls = counted(runner)
+
+    def decode() -> None:
+        runner.forward([[1]], [4], [[9]], [1])
+
+    runner.forward([[1]], [0], [[5, 6, 7, 8]], [1])
+    cache = runner.kv_caches[-1]
+    tensors = [cache.codes, cache.scales] if isinstance(cache, QuantizedKVCache) else [cache]
+    for tensor in tensors:
+        before = tensor.data
+        tensor.data = before.clone()
+        decode()
+        tensor.data = before
+    if isinstance(cache, QuantizedKVCache):
+        for name in ("codes", "scales"):
+            before = getattr(cache, name)
+            setattr(cache, name, before.clone())
+            decode()
+            setattr(cache, name, before)
+    assert calls == []
+    decode()
+    assert calls == [1]
+
+
 def test_native_decode_is_off_where_it_cannot_run(tmp_path: Path) -> None:
     path = make_hf_model(tmp_path / "m", "llama")
 
