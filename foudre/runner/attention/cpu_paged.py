@@ -11,8 +11,9 @@ decode step at 16 rows on the 2-core benchmark machine). Four paths, chosen at c
   the cache at the machine's streaming bandwidth (about 20 GB/s on the 2-core box, where
   gather + SDPA managed 6).
 - AVX-512 (float32, float16, and bfloat16 without AVX512-BF16): the same walk with float32 FMAs.
-- AVX2 (no AVX-512: AMD Zen 2 and 3, Intel's client cores): the same walk on 8 lanes, each
-  tile's K and V rows of a KV head converted once to float32 for all its query heads.
+- AVX2 (no AVX-512: AMD Zen 2 and 3, Intel's client cores): the same walk on 8 lanes, in tiles
+  of 16 tokens, K and V read into registers 16 values at a time (bfloat16 split into its even
+  and odd positions by a shift and a mask: no conversion pass).
 - portable C++ for other CPUs (vectorized by the compiler).
 
 A quantized KV cache (``kv_cache_dtype`` int8 / fp8: 8-bit codes and one float32 scale per token

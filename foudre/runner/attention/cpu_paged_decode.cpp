@@ -12,8 +12,8 @@
 //   paged_decode_avx512     AVX-512: a row's keys in two parts (below), head_dim in 16-lane
 //                           float32 chunks
 //   paged_decode_bf16_dot   AVX512-BF16, bfloat16 caches: the same parts, vdpbf16ps (below)
-//   paged_decode_avx2       AVX2 + FMA + F16C (no AVX-512): the same parts, tiles of 8 tokens,
-//                           every tile's K and V converted once to float32 (below)
+//   paged_decode_avx2       AVX2 + FMA + F16C (no AVX-512): the same parts, tiles of 16 tokens,
+//                           K and V read into registers 16 values at a time (below)
 //
 // A quantized cache (kv_cache_dtype int8 / fp8: 8-bit codes with one float32 scale per token and
 // KV head, layers/kv_quant.py) is read as it lies: codes are converted to float32 as they are
@@ -592,12 +592,17 @@ void paged_decode_avx512(const typename Ops::Elem* q, const C* k, const C* v, co
 // lanes. Tasks of (row, KV head, part): each row's keys in two parts of whole blocks as there,
 // and one task for each KV head's query heads, so that a batch-1 step runs on every thread; each
 // task's running max, sum and accumulators in a shared buffer, merged after (a row's result is
-// the same bits on any threads and in any batch). Tiles of <= 8 tokens inside a block: the
-// tile's K and V rows of the head converted once into float32 scratch rows (zeros past
-// head_dim), which the products of all its query heads read; per query head 8 scores in one
-// vector, the online-softmax update, P·V for up to 4 heads in registers. (The portable path,
-// one dot product per key and query head and each K row converted per query head, took 87 us a
-// layer of the 494.7M Llama at 256 keys, 9% of its int8 decode step.)
+// the same bits on any threads and in any batch). Tiles of <= 16 tokens inside a block. K and V
+// are read where they lie, 16 values at a time into two float32 vectors in registers
+// (load16x), each load serving every query head of the KV head: bfloat16 pairs split by a shift
+// and a mask into the even and the odd positions (queries and accumulators kept in that order,
+// undone as the output is written), other types in order. Per query head 8 scores at a time
+// (qk16), the online softmax on the tile's 16 scores of a head, P·V 16 values of head_dim at a
+// time for up to 4 query heads in registers (pv16). Head sizes 64, 80, 96 and 128 are compiled
+// as such (dispatch_nc). Before, each 8-token tile's K and V rows were converted into float32
+// scratch rows, which cost more than the products: one thread, a 96-wide head, GQA 4, 512 keys
+// in L2, 1.35-1.45x the time of this; two threads at 2048 keys 1.7x, cold (the cache read from
+// memory, as in a decode step) 1.35x.
 
 // lane j of the result: the sum of v[j]'s lanes
 inline __m256 sum8(const __m256* v) {
@@ -614,33 +619,122 @@ inline float reduce8(__m256 v, bool max) {
   return _mm_cvtss_f32(max ? _mm_max_ss(q, r) : _mm_add_ss(q, r));
 }
 
-// acc[g] = acc[g] * corr[g] + sum_j p[g][j] V[j] for GS query heads (V: nt float32 rows of
-// `width` values), CW vectors of head_dim at a time (each weight's broadcast serves CW FMAs)
-template <int GS, int CW>
-inline void pv8_columns(float* acc, int64_t width, int64_t c, const float* corr, const float* pp,
-                        const float* vf, int64_t nt) {
-  __m256 a[GS][CW];
-  for (int g = 0; g < GS; ++g)
-    for (int w = 0; w < CW; ++w)
-      a[g][w] = _mm256_mul_ps(_mm256_loadu_ps(acc + g * width + c + 8 * w),
-                              _mm256_set1_ps(corr[g]));
-  for (int64_t j = 0; j < nt; ++j) {
-    __m256 v[CW];
-    for (int w = 0; w < CW; ++w) v[w] = _mm256_loadu_ps(vf + j * width + c + 8 * w);
-    for (int g = 0; g < GS; ++g) {
-      const __m256 p = _mm256_set1_ps(pp[g * 8 + j]);
-      for (int w = 0; w < CW; ++w) a[g][w] = _mm256_fmadd_ps(p, v[w], a[g][w]);
+// 16 values from p as float32 (int8 codes exactly, e4m3 as 2^-8 times their values): lane i of
+// lo and hi holds position position16<C>(i) and position16<C>(8 + i)
+template <typename C>
+inline void load16x(const C* p, __m256& lo, __m256& hi) {
+  lo = load8(p);
+  hi = load8(p + 8);
+}
+template <>
+inline void load16x(const uint16_t* p, __m256& lo, __m256& hi) {  // bfloat16: even, odd
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  lo = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+  hi = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(-65536)));
+}
+template <typename C>
+constexpr int64_t position16(int64_t i) {
+  return i;
+}
+template <>
+constexpr int64_t position16<uint16_t>(int64_t i) {
+  return i < 8 ? 2 * i : 2 * (i - 8) + 1;
+}
+
+// A row's chunks of 16 values (the last zero-padded past head_dim, through a copy: the row's
+// end may be the pool's) as load16x reads them
+template <typename C>
+struct Row16 {
+  const C* p;
+  int64_t full;  // whole chunks
+  int64_t tail;  // values in the last, partial chunk (0: none)
+  [[gnu::always_inline]] void load(int64_t c, __m256& lo, __m256& hi) const {
+    if (c < full) {
+      load16x(p + 16 * c, lo, hi);
+    } else {
+      C buf[16] = {};
+      std::memcpy(buf, p + 16 * c, tail * sizeof(C));
+      load16x(buf, lo, hi);
     }
   }
-  for (int g = 0; g < GS; ++g)
-    for (int w = 0; w < CW; ++w) _mm256_storeu_ps(acc + g * width + c + 8 * w, a[g][w]);
+};
+
+// The scores of GS query heads (qv: their rows of nc chunks of 16 floats, in load16x's order)
+// against the tile's nt keys (rows kb, token_stride apart): sc[g * 16 + j]; a head's 8 tokens at
+// a time in 8 accumulators, summed across lanes together (sum8; rows past nt read row nt - 1
+// again, their lanes left out after). GS a constant: the heads' loop compiled for groups of 4
+// ran 1.4x as fast as one over G at run time.
+template <typename C, int GS, int NC>
+inline void qk16(const float* qv, int64_t qstride, const C* kb, int64_t token_stride,
+                 int64_t nt, int64_t nc, int64_t full, int64_t tail, float* sc) {
+  for (int g = 0; g < GS; ++g) {
+    for (int64_t t0 = 0; t0 < nt; t0 += 8) {
+      Row16<C> k[8];
+      for (int t = 0; t < 8; ++t)
+        k[t] = {kb + std::min<int64_t>(t0 + t, nt - 1) * token_stride, full, tail};
+      __m256 a[8];
+      for (auto& x : a) x = _mm256_setzero_ps();
+      for (int64_t c = 0; c < (NC ? NC : nc); ++c) {
+        const float* qc = qv + g * qstride + 16 * c;
+        const __m256 ql = _mm256_loadu_ps(qc), qh = _mm256_loadu_ps(qc + 8);
+        for (int t = 0; t < 8; ++t) {
+          __m256 lo, hi;
+          if constexpr (NC > 0)
+            load16x(k[t].p + 16 * c, lo, hi);
+          else
+            k[t].load(c, lo, hi);
+          a[t] = _mm256_fmadd_ps(ql, lo, a[t]);
+          a[t] = _mm256_fmadd_ps(qh, hi, a[t]);
+        }
+      }
+      _mm256_storeu_ps(sc + g * 16 + t0, sum8(a));
+    }
+  }
 }
-template <int GS>
-inline void pv8(float* acc, int64_t width, const float* corr, const float* pp, const float* vf,
-                int64_t nt) {
-  int64_t c = 0;
-  for (; c + 16 <= width; c += 16) pv8_columns<GS, 2>(acc, width, c, corr, pp, vf, nt);
-  if (c < width) pv8_columns<GS, 1>(acc, width, c, corr, pp, vf, nt);
+
+// acc[g] = acc[g] * corr[g] + sum_j p[g][j] V[j] for GS query heads (acc rows of nc chunks, in
+// load16x's order; pp: 16 weights a head), a chunk of 16 values at a time in registers
+template <typename C, int GS, int NC>
+inline void pv16(float* acc, int64_t astride, const float* corr, const float* pp, const C* vb,
+                 int64_t token_stride, int64_t nt, int64_t nc, int64_t full, int64_t tail) {
+  for (int64_t c = 0; c < (NC ? NC : nc); ++c) {
+    __m256 a[GS][2];
+    for (int g = 0; g < GS; ++g) {
+      const __m256 cr = _mm256_set1_ps(corr[g]);
+      a[g][0] = _mm256_mul_ps(_mm256_loadu_ps(acc + g * astride + 16 * c), cr);
+      a[g][1] = _mm256_mul_ps(_mm256_loadu_ps(acc + g * astride + 16 * c + 8), cr);
+    }
+    for (int64_t j = 0; j < nt; ++j) {
+      __m256 lo, hi;
+      if constexpr (NC > 0)
+        load16x(vb + j * token_stride + 16 * c, lo, hi);
+      else
+        Row16<C>{vb + j * token_stride, full, tail}.load(c, lo, hi);
+      for (int g = 0; g < GS; ++g) {
+        const __m256 p = _mm256_set1_ps(pp[g * 16 + j]);
+        a[g][0] = _mm256_fmadd_ps(p, lo, a[g][0]);
+        a[g][1] = _mm256_fmadd_ps(p, hi, a[g][1]);
+      }
+    }
+    for (int g = 0; g < GS; ++g) {
+      _mm256_storeu_ps(acc + g * astride + 16 * c, a[g][0]);
+      _mm256_storeu_ps(acc + g * astride + 16 * c + 8, a[g][1]);
+    }
+  }
+}
+
+// f(std::integral_constant<int, NC>) with NC = head_dim / 16 for the common head sizes (64, 80,
+// 96, 128: whole chunks, their loops unrolled), else NC = 0 (chunks counted at run time, a
+// partial last one)
+template <typename F>
+inline void dispatch_nc(int64_t D, const F& f) {
+  switch (D) {
+    case 64: f(std::integral_constant<int, 4>{}); break;
+    case 80: f(std::integral_constant<int, 5>{}); break;
+    case 96: f(std::integral_constant<int, 6>{}); break;
+    case 128: f(std::integral_constant<int, 8>{}); break;
+    default: f(std::integral_constant<int, 0>{});
+  }
 }
 
 template <typename T, typename C>
@@ -654,7 +748,8 @@ void paged_decode_avx2(const T* q, const C* k_cache, const C* v_cache, const flo
   constexpr bool quantized = !std::is_same_v<T, C>;
   constexpr int64_t kSplit = 2;
   const int64_t G = num_heads / num_kv_heads, D = head_dim, BS = block_size;
-  const int64_t width = (D + 7) / 8 * 8;
+  const int64_t nc = (D + 15) / 16, full = D / 16, tail = D % 16;
+  const int64_t width = 16 * nc;  // a head's accumulators (and queries): nc chunks of 16
   const int64_t scale_token_stride = token_stride / D;
   // a task's state: acc [G, width], m [G], l [G], a cache line apart from the next
   const int64_t state_floats = (G * width + 2 * G + 15) / 16 * 16;
@@ -665,7 +760,7 @@ void paged_decode_avx2(const T* q, const C* k_cache, const C* v_cache, const flo
   const int64_t row_lines = (D * static_cast<int64_t>(sizeof(C)) + 63) / 64;  // a head's K row
 #pragma omp parallel
   {
-    std::vector<float> qv(G * width), kf(8 * width), vf(8 * width), pp(G * 8), corr(G);
+    std::vector<float> qv(G * width), sc(G * 16), pp(G * 16), corr(G);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < tasks; ++task) {
       const int64_t part = task % kSplit, h = task / kSplit % num_kv_heads;
@@ -674,8 +769,12 @@ void paged_decode_avx2(const T* q, const C* k_cache, const C* v_cache, const flo
       float* m = acc + G * width;
       float* l = m + G;
       const int64_t tok = tokens[r], len = seq_lens[r];
-      for (int64_t g = 0; g < G; ++g) {
-        convert_row8(&qv[g * width], q + tok * q_stride + (h * G + g) * D, D, width);
+      for (int64_t g = 0; g < G; ++g) {  // the queries in load16x's order, zeros past D
+        const T* qr = q + tok * q_stride + (h * G + g) * D;
+        for (int64_t i = 0; i < width; ++i) {
+          const int64_t d = i / 16 * 16 + position16<C>(i % 16);
+          qv[g * width + i] = d < D ? load(qr[d]) : 0.0f;
+        }
         m[g] = -FLT_MAX;
         l[g] = 0.0f;
       }
@@ -685,7 +784,7 @@ void paged_decode_avx2(const T* q, const C* k_cache, const C* v_cache, const flo
       for (int64_t pos = lo, nt = 0; pos < hi; pos += nt) {
         const int64_t b = pos / BS, j0 = pos % BS;
         const int64_t blk = block_tables[r * table_width + b];
-        nt = std::min<int64_t>({8, hi - pos, BS - j0});
+        nt = std::min<int64_t>({16, hi - pos, BS - j0});
         // as a block begins, the next block's rows of this head into L2 (a block's products
         // ahead of their use)
         if ((pos == lo || j0 == 0) && (b + 1) * BS < hi) {
@@ -699,48 +798,68 @@ void paged_decode_avx2(const T* q, const C* k_cache, const C* v_cache, const flo
           }
         }
         const int64_t off = blk * block_stride + j0 * token_stride + h * D;
-        for (int64_t j = 0; j < nt; ++j) {
-          convert_row8(&kf[j * width], k_cache + off + j * token_stride, D, width);
-          convert_row8(&vf[j * width], v_cache + off + j * token_stride, D, width);
+        alignas(32) float kmul[16], vmul[16];  // what a token's score and weight are scaled by
+        for (int64_t j = 0; j < 16; ++j) {
+          kmul[j] = scale;
+          vmul[j] = 1.0f;
         }
-        __m256 k_mul = _mm256_set1_ps(scale), v_mul = _mm256_set1_ps(1.0f);
         if constexpr (quantized) {  // a token's scales multiply its score and its weight
-          alignas(32) float ks[8] = {}, vs[8] = {};
           for (int64_t j = 0; j < nt; ++j) {
-            ks[j] = k_scale[off / D + j * scale_token_stride];
-            vs[j] = v_scale[off / D + j * scale_token_stride];
+            kmul[j] = k_scale[off / D + j * scale_token_stride] * (scale * kUnit<C>);
+            vmul[j] = v_scale[off / D + j * scale_token_stride] * kUnit<C>;
           }
-          k_mul = _mm256_mul_ps(_mm256_load_ps(ks), _mm256_set1_ps(scale * kUnit<C>));
-          v_mul = _mm256_mul_ps(_mm256_load_ps(vs), _mm256_set1_ps(kUnit<C>));
-        }
-        const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(
-            _mm256_set1_epi32(static_cast<int32_t>(nt)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
-        for (int64_t g = 0; g < G; ++g) {
-          // 8 tokens' products, head_dim 8 lanes at a time (rows past nt: ignored lanes)
-          __m256 v[8];
-          for (auto& x : v) x = _mm256_setzero_ps();
-          for (int64_t c = 0; c < width; c += 8) {
-            const __m256 qc = _mm256_loadu_ps(&qv[g * width + c]);
-            for (int j = 0; j < 8; ++j)
-              v[j] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(&kf[j * width + c]), v[j]);
-          }
-          const __m256 sc = _mm256_mul_ps(sum8(v), k_mul);
-          const float mx =
-              std::max(m[g], reduce8(_mm256_blendv_ps(_mm256_set1_ps(-FLT_MAX), sc, valid), true));
-          const __m256 p = _mm256_and_ps(valid, exp8(_mm256_sub_ps(sc, _mm256_set1_ps(mx))));
-          corr[g] = exp_nonpositive(m[g] - mx);
-          l[g] = l[g] * corr[g] + reduce8(p, false);
-          m[g] = mx;
-          _mm256_storeu_ps(&pp[g * 8], quantized ? _mm256_mul_ps(p, v_mul) : p);
         }
         for (int64_t g0 = 0; g0 < G; g0 += 4) {  // query heads 4 at a time: in registers
+          const float* qg = &qv[g0 * width];
+          float* sg = &sc[g0 * 16];
+          const int64_t gs = std::min<int64_t>(4, G - g0);
+          const C* kb = k_cache + off;
+          dispatch_nc(D, [&](auto nc_c) {
+            constexpr int N = decltype(nc_c)::value;
+            switch (gs) {
+              case 4: qk16<C, 4, N>(qg, width, kb, token_stride, nt, nc, full, tail, sg); break;
+              case 3: qk16<C, 3, N>(qg, width, kb, token_stride, nt, nc, full, tail, sg); break;
+              case 2: qk16<C, 2, N>(qg, width, kb, token_stride, nt, nc, full, tail, sg); break;
+              default: qk16<C, 1, N>(qg, width, kb, token_stride, nt, nc, full, tail, sg);
+            }
+          });
+        }
+        const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        const __m256 valid0 = _mm256_castsi256_ps(
+            _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(nt)), lane));
+        const __m256 valid1 = _mm256_castsi256_ps(
+            _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(nt - 8)), lane));
+        const __m256 none = _mm256_set1_ps(-FLT_MAX);
+        for (int64_t g = 0; g < G; ++g) {
+          const __m256 s0 = _mm256_mul_ps(_mm256_loadu_ps(&sc[g * 16]), _mm256_load_ps(kmul));
+          const __m256 s1 = _mm256_mul_ps(_mm256_loadu_ps(&sc[g * 16 + 8]), _mm256_load_ps(kmul + 8));
+          const __m256 top = _mm256_max_ps(_mm256_blendv_ps(none, s0, valid0),
+                                           _mm256_blendv_ps(none, s1, valid1));
+          const float mx = std::max(m[g], reduce8(top, true));
+          const __m256 x = _mm256_set1_ps(mx);
+          const __m256 p0 = _mm256_and_ps(valid0, exp8(_mm256_sub_ps(s0, x)));
+          const __m256 p1 = _mm256_and_ps(valid1, exp8(_mm256_sub_ps(s1, x)));
+          corr[g] = exp_nonpositive(m[g] - mx);
+          l[g] = l[g] * corr[g] + reduce8(_mm256_add_ps(p0, p1), false);
+          m[g] = mx;
+          _mm256_storeu_ps(&pp[g * 16], _mm256_mul_ps(p0, _mm256_load_ps(vmul)));
+          _mm256_storeu_ps(&pp[g * 16 + 8], _mm256_mul_ps(p1, _mm256_load_ps(vmul + 8)));
+        }
+        for (int64_t g0 = 0; g0 < G; g0 += 4) {
           float* a = acc + g0 * width;
-          switch (std::min<int64_t>(4, G - g0)) {
-            case 4: pv8<4>(a, width, &corr[g0], &pp[g0 * 8], vf.data(), nt); break;
-            case 3: pv8<3>(a, width, &corr[g0], &pp[g0 * 8], vf.data(), nt); break;
-            case 2: pv8<2>(a, width, &corr[g0], &pp[g0 * 8], vf.data(), nt); break;
-            default: pv8<1>(a, width, &corr[g0], &pp[g0 * 8], vf.data(), nt);
-          }
+          const C* vb = v_cache + off;
+          const int64_t gs = std::min<int64_t>(4, G - g0);
+          const float* cr = &corr[g0];
+          const float* p = &pp[g0 * 16];
+          dispatch_nc(D, [&](auto nc_c) {
+            constexpr int N = decltype(nc_c)::value;
+            switch (gs) {
+              case 4: pv16<C, 4, N>(a, width, cr, p, vb, token_stride, nt, nc, full, tail); break;
+              case 3: pv16<C, 3, N>(a, width, cr, p, vb, token_stride, nt, nc, full, tail); break;
+              case 2: pv16<C, 2, N>(a, width, cr, p, vb, token_stride, nt, nc, full, tail); break;
+              default: pv16<C, 1, N>(a, width, cr, p, vb, token_stride, nt, nc, full, tail);
+            }
+          });
         }
       }
     }
@@ -761,12 +880,15 @@ void paged_decode_avx2(const T* q, const C* k_cache, const C* v_cache, const flo
           const float l = st[G * width + G + g];
           if (l == 0.0f) continue;
           const float f = exp_nonpositive(st[G * width + g] - mx);
-          for (int64_t d = 0; d < width; ++d) merged[d] += st[g * width + d] * f;
+          for (int64_t i = 0; i < width; ++i) merged[i] += st[g * width + i] * f;
           sum += l * f;
         }
         T* orow = out + tokens[r] * o_stride + (h * G + g) * D;
         const float inv = 1.0f / sum;
-        for (int64_t d = 0; d < D; ++d) store(orow + d, merged[d] * inv);
+        for (int64_t i = 0; i < width; ++i) {
+          const int64_t d = i / 16 * 16 + position16<C>(i % 16);
+          if (d < D) store(orow + d, merged[i] * inv);
+        }
       }
     }
   }
