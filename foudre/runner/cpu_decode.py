@@ -522,10 +522,11 @@ class _Checks:
     address the call takes, the parameters it assumes absent (the biases the C++ does not add),
     and what a quantized projection's forward reads to choose its kernel (``_feeds_kernel``'s
     buffers and attributes, its cpu_qmatmul layout: invalidate_layouts, a move or
-    load_state_dict drops it). ``addresses``: (tensor, address) of every tensor the call reads,
-    whose storage a ``set_`` or ``.data =`` could move under the same object (a quantized
-    layout's codes and scales too: before, only the module's holding the layout was checked),
-    and their dtypes. ``quantized``: the quantized projections and their layouts."""
+    load_state_dict drops it; and a quantized KV cache's ``codes`` and ``scales`` attributes).
+    ``addresses``: (tensor, address) of every tensor the call reads, whose storage a ``set_`` or
+    ``.data =`` could move under the same object (a quantized layout's codes and scales too:
+    before, only the module's holding the layout was checked; the KV caches' tensors), and their
+    dtypes. ``quantized``: the quantized projections and their layouts."""
 
     def __init__(self) -> None:
         self.empty: list[dict[Any, Any]] = []

@@ -594,15 +594,16 @@ void paged_decode_avx512(const typename Ops::Elem* q, const C* k, const C* v, co
 // task's running max, sum and accumulators in a shared buffer, merged after (a row's result is
 // the same bits on any threads and in any batch). Tiles of <= 16 tokens inside a block. K and V
 // are read where they lie, 16 values at a time into two float32 vectors in registers
-// (load16x), each load serving every query head of the KV head: bfloat16 pairs split by a shift
-// and a mask into the even and the odd positions (queries and accumulators kept in that order,
-// undone as the output is written), other types in order. Per query head 8 scores at a time
-// (qk16), the online softmax on the tile's 16 scores of a head, P·V 16 values of head_dim at a
-// time for up to 4 query heads in registers (pv16). Head sizes 64, 80, 96 and 128 are compiled
-// as such (dispatch_nc). Before, each 8-token tile's K and V rows were converted into float32
-// scratch rows, which cost more than the products: one thread, a 96-wide head, GQA 4, 512 keys
-// in L2, 1.35-1.45x the time of this; two threads at 2048 keys 1.7x, cold (the cache read from
-// memory, as in a decode step) 1.35x.
+// (load16x): bfloat16 pairs split by a shift and a mask into the even and the odd positions
+// (queries and accumulators kept in that order, undone as the output is written), other types
+// in order. Per query head 8 scores at a time (qk16: each K load serves one head; the tile's
+// rows are in L1 after the first), the online softmax on the tile's 16 scores of a head, P·V
+// 16 values of head_dim at a time for up to 4 query heads in registers (pv16: each V load
+// serves them all). Head sizes 64, 80, 96 and 128 are compiled as such (dispatch). Before,
+// each 8-token tile's K and V rows were converted into float32 scratch rows, which cost more
+// than the products: one thread, a 96-wide head, GQA 4, 512 keys in L2, 1.35-1.45x the time of
+// this; two threads at 2048 keys 1.7x, cold (the cache read from memory, as in a decode step)
+// 1.35x.
 
 // lane j of the result: the sum of v[j]'s lanes
 inline __m256 sum8(const __m256* v) {
@@ -639,6 +640,11 @@ constexpr int64_t position16(int64_t i) {
 template <>
 constexpr int64_t position16<uint16_t>(int64_t i) {
   return i < 8 ? 2 * i : 2 * (i - 8) + 1;
+}
+// the head_dim position of element i of a row of chunks in load16x's order
+template <typename C>
+constexpr int64_t dim_of(int64_t i) {
+  return i / 16 * 16 + position16<C>(i % 16);
 }
 
 // A row's chunks of 16 values (the last zero-padded past head_dim, through a copy: the row's
@@ -723,17 +729,25 @@ inline void pv16(float* acc, int64_t astride, const float* corr, const float* pp
   }
 }
 
-// f(std::integral_constant<int, NC>) with NC = head_dim / 16 for the common head sizes (64, 80,
-// 96, 128: whole chunks, their loops unrolled), else NC = 0 (chunks counted at run time, a
-// partial last one)
+// f(std::integral_constant<int, GS>{}, std::integral_constant<int, NC>{}) for a group of
+// gs <= 4 query heads, with NC = head_dim / 16 for the common head sizes (64, 80, 96, 128: whole
+// chunks, their loops unrolled), else NC = 0 (chunks counted at run time, a partial last one)
 template <typename F>
-inline void dispatch_nc(int64_t D, const F& f) {
+inline void dispatch(int64_t gs, int64_t D, const F& f) {
+  const auto heads = [&](auto nc) {
+    switch (gs) {
+      case 4: f(std::integral_constant<int, 4>{}, nc); break;
+      case 3: f(std::integral_constant<int, 3>{}, nc); break;
+      case 2: f(std::integral_constant<int, 2>{}, nc); break;
+      default: f(std::integral_constant<int, 1>{}, nc);
+    }
+  };
   switch (D) {
-    case 64: f(std::integral_constant<int, 4>{}); break;
-    case 80: f(std::integral_constant<int, 5>{}); break;
-    case 96: f(std::integral_constant<int, 6>{}); break;
-    case 128: f(std::integral_constant<int, 8>{}); break;
-    default: f(std::integral_constant<int, 0>{});
+    case 64: heads(std::integral_constant<int, 4>{}); break;
+    case 80: heads(std::integral_constant<int, 5>{}); break;
+    case 96: heads(std::integral_constant<int, 6>{}); break;
+    case 128: heads(std::integral_constant<int, 8>{}); break;
+    default: heads(std::integral_constant<int, 0>{});
   }
 }
 
@@ -772,7 +786,7 @@ void paged_decode_avx2(const T* q, const C* k_cache, const C* v_cache, const flo
       for (int64_t g = 0; g < G; ++g) {  // the queries in load16x's order, zeros past D
         const T* qr = q + tok * q_stride + (h * G + g) * D;
         for (int64_t i = 0; i < width; ++i) {
-          const int64_t d = i / 16 * 16 + position16<C>(i % 16);
+          const int64_t d = dim_of<C>(i);
           qv[g * width + i] = d < D ? load(qr[d]) : 0.0f;
         }
         m[g] = -FLT_MAX;
@@ -809,21 +823,12 @@ void paged_decode_avx2(const T* q, const C* k_cache, const C* v_cache, const flo
             vmul[j] = v_scale[off / D + j * scale_token_stride] * kUnit<C>;
           }
         }
-        for (int64_t g0 = 0; g0 < G; g0 += 4) {  // query heads 4 at a time: in registers
-          const float* qg = &qv[g0 * width];
-          float* sg = &sc[g0 * 16];
-          const int64_t gs = std::min<int64_t>(4, G - g0);
-          const C* kb = k_cache + off;
-          dispatch_nc(D, [&](auto nc_c) {
-            constexpr int N = decltype(nc_c)::value;
-            switch (gs) {
-              case 4: qk16<C, 4, N>(qg, width, kb, token_stride, nt, nc, full, tail, sg); break;
-              case 3: qk16<C, 3, N>(qg, width, kb, token_stride, nt, nc, full, tail, sg); break;
-              case 2: qk16<C, 2, N>(qg, width, kb, token_stride, nt, nc, full, tail, sg); break;
-              default: qk16<C, 1, N>(qg, width, kb, token_stride, nt, nc, full, tail, sg);
-            }
+        for (int64_t g0 = 0; g0 < G; g0 += 4)  // query heads 4 at a time
+          dispatch(std::min<int64_t>(4, G - g0), D, [&](auto gs, auto n) {
+            qk16<C, decltype(gs)::value, decltype(n)::value>(
+                &qv[g0 * width], width, k_cache + off, token_stride, nt, nc, full, tail,
+                &sc[g0 * 16]);
           });
-        }
         const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
         const __m256 valid0 = _mm256_castsi256_ps(
             _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(nt)), lane));
@@ -832,7 +837,8 @@ void paged_decode_avx2(const T* q, const C* k_cache, const C* v_cache, const flo
         const __m256 none = _mm256_set1_ps(-FLT_MAX);
         for (int64_t g = 0; g < G; ++g) {
           const __m256 s0 = _mm256_mul_ps(_mm256_loadu_ps(&sc[g * 16]), _mm256_load_ps(kmul));
-          const __m256 s1 = _mm256_mul_ps(_mm256_loadu_ps(&sc[g * 16 + 8]), _mm256_load_ps(kmul + 8));
+          const __m256 s1 =
+              _mm256_mul_ps(_mm256_loadu_ps(&sc[g * 16 + 8]), _mm256_load_ps(kmul + 8));
           const __m256 top = _mm256_max_ps(_mm256_blendv_ps(none, s0, valid0),
                                            _mm256_blendv_ps(none, s1, valid1));
           const float mx = std::max(m[g], reduce8(top, true));
@@ -845,22 +851,12 @@ void paged_decode_avx2(const T* q, const C* k_cache, const C* v_cache, const flo
           _mm256_storeu_ps(&pp[g * 16], _mm256_mul_ps(p0, _mm256_load_ps(vmul)));
           _mm256_storeu_ps(&pp[g * 16 + 8], _mm256_mul_ps(p1, _mm256_load_ps(vmul + 8)));
         }
-        for (int64_t g0 = 0; g0 < G; g0 += 4) {
-          float* a = acc + g0 * width;
-          const C* vb = v_cache + off;
-          const int64_t gs = std::min<int64_t>(4, G - g0);
-          const float* cr = &corr[g0];
-          const float* p = &pp[g0 * 16];
-          dispatch_nc(D, [&](auto nc_c) {
-            constexpr int N = decltype(nc_c)::value;
-            switch (gs) {
-              case 4: pv16<C, 4, N>(a, width, cr, p, vb, token_stride, nt, nc, full, tail); break;
-              case 3: pv16<C, 3, N>(a, width, cr, p, vb, token_stride, nt, nc, full, tail); break;
-              case 2: pv16<C, 2, N>(a, width, cr, p, vb, token_stride, nt, nc, full, tail); break;
-              default: pv16<C, 1, N>(a, width, cr, p, vb, token_stride, nt, nc, full, tail);
-            }
+        for (int64_t g0 = 0; g0 < G; g0 += 4)  // in registers
+          dispatch(std::min<int64_t>(4, G - g0), D, [&](auto gs, auto n) {
+            pv16<C, decltype(gs)::value, decltype(n)::value>(
+                acc + g0 * width, width, &corr[g0], &pp[g0 * 16], v_cache + off, token_stride, nt,
+                nc, full, tail);
           });
-        }
       }
     }
     // each (row, KV head)'s parts merged (an empty part adds nothing), then written out
@@ -886,7 +882,7 @@ void paged_decode_avx2(const T* q, const C* k_cache, const C* v_cache, const flo
         T* orow = out + tokens[r] * o_stride + (h * G + g) * D;
         const float inv = 1.0f / sum;
         for (int64_t i = 0; i < width; ++i) {
-          const int64_t d = i / 16 * 16 + position16<C>(i % 16);
+          const int64_t d = dim_of<C>(i);
           if (d < D) store(orow + d, merged[i] * inv);
         }
       }
