@@ -174,14 +174,15 @@ def run_child(script: str, *args: str, what: str) -> dict[str, Any]:
 
 
 def llama_bench(
-    bench: Path, gguf: Path, prompt: int = 0, generate: int = 0, repeats: int = 1
+    bench: Path, gguf: Path, prompt: int = 0, generate: int = 0, repeats: int = 1, depth: int = 0
 ) -> float:
     """``llama-bench``'s tokens/s on ``gguf`` with flash attention, on every core: prefill of a
-    ``prompt``-token prompt (pp) or ``generate`` tokens of decode (tg), one of the two."""
+    ``prompt``-token prompt (pp) or ``generate`` tokens of decode (tg), one of the two, after
+    ``depth`` tokens already in the context (``-d``: tg at 2048 keys, say)."""
     threads = os.cpu_count() or 1
     proc = subprocess.run(
         [str(bench), "-m", str(gguf), "-p", str(prompt), "-n", str(generate), "-fa", "1",
-         "-t", str(threads), "-r", str(repeats), "-o", "json"],
+         "-t", str(threads), "-r", str(repeats), "-d", str(depth), "-o", "json"],
         capture_output=True,
         text=True,
         check=True,

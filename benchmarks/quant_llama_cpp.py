@@ -12,13 +12,15 @@ minutes on 2 cores). Each foudre configuration runs in a fresh process:
 - gguf Q8_0 / Q4_0: llama.cpp's quantized files, kept quantized (group-wise 8-bit, int4 g32).
 
 and measures batch-1 decode (a 128-token prompt, 128 greedy tokens, each step timed after a
-warm-up request), prefill (TTFT of one 128- and one 1024-token prompt), the throughput of 32
-concurrent requests (128 + 128 tokens, ignore_eos), the weight bytes a decode step reads and
-the process's resident memory; then, for int8 and int4, one more process holds our
+warm-up request; and 64 tokens after a 2048-token prompt, where attention reads 2048 keys a
+layer: llama.cpp's ``-d 2048``), prefill (TTFT of one 128- and one 1024-token prompt), the
+throughput of 32 concurrent requests (128 + 128 tokens, ignore_eos), the weight bytes a decode
+step reads and the process's resident memory; then, for int8 and int4, one more process holds our
 quantization and the GGUF file together and decodes with them in turns (six passes of 64 tokens
 each, ABBA), so the file's speed against ours is also read from neighbouring passes (single
 pairs still read 0.6-1.25x on this host; the median of all pairs is the target's figure).
-llama.cpp: ``llama-bench -fa 1 -t <cores>``, ``-n 128`` (tg) and ``-p 128`` / ``-p 1024`` (pp).
+llama.cpp: ``llama-bench -fa 1 -t <cores>``, ``-n 128`` (tg), ``-n 64 -d 2048`` (tg at depth)
+and ``-p 128`` / ``-p 1024`` (pp).
 The roofline of a decode step is the measured bandwidth
 (``common.measure_bandwidth``: the fastest of a plain read, ``torch.mv`` and our matrix-vector
 kernel over 512 MiB; best of the whole run: the start, the end and each foudre process) over its
@@ -52,6 +54,7 @@ PRECISIONS = {"bf16": "bf16", "int8": "Q8_0", "int4": "Q4_0"}  # ours -> llama.c
 TARGET_DECODE, TARGET_ROOFLINE, TARGET_GGUF = 1.15, 0.85, 0.90
 PAIR_PASSES = 6  # decode passes of each model in the process that compares a GGUF file with ours
 DECODE_PASSES = 3  # batch-1 decodes of 128 tokens per foudre process, probes of bandwidth between
+DEPTH = 2048  # the context of the long decode (one pass of 64 tokens after a prompt this long)
 
 
 def child(args: argparse.Namespace) -> None:
@@ -81,6 +84,7 @@ def child(args: argparse.Namespace) -> None:
     for key in ("decode_tps", "ttft_ms", "tpot_median_ms"):
         out[key] = statistics.median(p[key] for p in passes)
     out["decode_bandwidth"] = max(probes)
+    out["decode_2048_tps"] = decode_speed(llm, DEPTH, 64, seed=4)["decode_tps"]
     out["paired_roofline"] = statistics.median(
         p["decode_tps"] * out["weight_bytes"] / p["bandwidth"] for p in passes
     )
@@ -140,6 +144,7 @@ def llama_cpp_run(bench: Path, gguf: Path) -> dict[str, Any]:
         "decode_tps": llama_bench(bench, gguf, generate=128),
         "prefill_128_tps": llama_bench(bench, gguf, prompt=128),
         "prefill_1024_tps": llama_bench(bench, gguf, prompt=1024),
+        "decode_2048_tps": llama_bench(bench, gguf, generate=64, depth=DEPTH),
     }
 
 
@@ -182,6 +187,7 @@ def main() -> None:
         extra = f", 32 requests {r['throughput_tps']:.0f} tok/s" if "throughput_tps" in r else ""
         print(
             f"round {rnd} {precision:>4} {who:>10}: decode {r['decode_tps']:6.1f} tok/s, "
+            f"at {DEPTH} keys {r['decode_2048_tps']:6.1f}, "
             f"prefill 128 {r['prefill_128_tps']:6.0f}, 1024 {r['prefill_1024_tps']:6.0f}{extra}",
             flush=True,
         )
@@ -238,8 +244,9 @@ def report(
         f"Bandwidth (the fastest read of 512 MiB, best of the run): {bandwidth / 1e9:.1f} GB/s",
         "",
         "| precision | who | decode tok/s | vs llama.cpp | of roofline | of paired roofline "
+        f"| decode at {DEPTH} keys tok/s "
         "| prefill 128 tok/s | prefill 1024 tok/s | 32 requests tok/s | weight MB | RSS MB |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     targets: list[dict[str, Any]] = []
 
@@ -263,10 +270,12 @@ def report(
             if who == "foudre-gguf":
                 label = f"foudre on {peer} GGUF"
             tp = med(precision, who, "throughput_tps")
+            deep, deep_ref = (med(precision, w, "decode_2048_tps") for w in (who, "llama.cpp"))
             cells = [
                 precision, label, f"{decode:.1f}", f"{decode / ref:.2f}x",
                 "" if roof != roof else f"{roof:.0%}",
                 "" if paired != paired else f"{paired:.0%}",
+                "" if deep != deep else f"{deep:.1f} ({deep / deep_ref:.2f}x)",
                 f"{med(precision, who, 'prefill_128_tps'):.0f}",
                 f"{med(precision, who, 'prefill_1024_tps'):.0f}",
                 "" if tp != tp else f"{tp:.0f} ({tp / bf16_tp:.2f}x bf16)",
