@@ -647,48 +647,45 @@ constexpr int64_t dim_of(int64_t i) {
   return i / 16 * 16 + position16<C>(i % 16);
 }
 
-// A row's chunks of 16 values (the last zero-padded past head_dim, through a copy: the row's
-// end may be the pool's) as load16x reads them
-template <typename C>
-struct Row16 {
-  const C* p;
-  int64_t full;  // whole chunks
-  int64_t tail;  // values in the last, partial chunk (0: none)
-  [[gnu::always_inline]] void load(int64_t c, __m256& lo, __m256& hi) const {
-    if (c < full) {
-      load16x(p + 16 * c, lo, hi);
-    } else {
-      C buf[16] = {};
-      std::memcpy(buf, p + 16 * c, tail * sizeof(C));
-      load16x(buf, lo, hi);
-    }
+// Chunk c of a row of D values as load16x reads it: straight from the row where NC > 0 (D is
+// 16 NC) or the chunk is whole, else through a copy zero-padded past D (the row's end may be
+// the pool's); a row has NC chunks, or (NC = 0) D / 16 rounded up
+template <typename C, int NC>
+[[gnu::always_inline]] inline void load_chunk(const C* row, int64_t c, int64_t D, __m256& lo,
+                                              __m256& hi) {
+  if (NC > 0 || 16 * c + 16 <= D) {
+    load16x(row + 16 * c, lo, hi);
+    return;
   }
-};
+  C buf[16] = {};
+  std::memcpy(buf, row + 16 * c, (D - 16 * c) * sizeof(C));
+  load16x(buf, lo, hi);
+}
+template <int NC>
+constexpr int64_t chunks(int64_t D) {
+  return NC > 0 ? NC : (D + 15) / 16;
+}
 
-// The scores of GS query heads (qv: their rows of nc chunks of 16 floats, in load16x's order)
+// The scores of GS query heads (qv: their rows of chunks of 16 floats, in load16x's order)
 // against the tile's nt keys (rows kb, token_stride apart): sc[g * 16 + j]; a head's 8 tokens at
 // a time in 8 accumulators, summed across lanes together (sum8; rows past nt read row nt - 1
 // again, their lanes left out after). GS a constant: the heads' loop compiled for groups of 4
 // ran 1.4x as fast as one over G at run time.
 template <typename C, int GS, int NC>
 inline void qk16(const float* qv, int64_t qstride, const C* kb, int64_t token_stride,
-                 int64_t nt, int64_t nc, int64_t full, int64_t tail, float* sc) {
+                 int64_t nt, int64_t D, float* sc) {
   for (int g = 0; g < GS; ++g) {
     for (int64_t t0 = 0; t0 < nt; t0 += 8) {
-      Row16<C> k[8];
-      for (int t = 0; t < 8; ++t)
-        k[t] = {kb + std::min<int64_t>(t0 + t, nt - 1) * token_stride, full, tail};
+      const C* k[8];
+      for (int t = 0; t < 8; ++t) k[t] = kb + std::min<int64_t>(t0 + t, nt - 1) * token_stride;
       __m256 a[8];
       for (auto& x : a) x = _mm256_setzero_ps();
-      for (int64_t c = 0; c < (NC ? NC : nc); ++c) {
+      for (int64_t c = 0; c < chunks<NC>(D); ++c) {
         const float* qc = qv + g * qstride + 16 * c;
         const __m256 ql = _mm256_loadu_ps(qc), qh = _mm256_loadu_ps(qc + 8);
         for (int t = 0; t < 8; ++t) {
           __m256 lo, hi;
-          if constexpr (NC > 0)
-            load16x(k[t].p + 16 * c, lo, hi);
-          else
-            k[t].load(c, lo, hi);
+          load_chunk<C, NC>(k[t], c, D, lo, hi);
           a[t] = _mm256_fmadd_ps(ql, lo, a[t]);
           a[t] = _mm256_fmadd_ps(qh, hi, a[t]);
         }
@@ -698,12 +695,12 @@ inline void qk16(const float* qv, int64_t qstride, const C* kb, int64_t token_st
   }
 }
 
-// acc[g] = acc[g] * corr[g] + sum_j p[g][j] V[j] for GS query heads (acc rows of nc chunks, in
+// acc[g] = acc[g] * corr[g] + sum_j p[g][j] V[j] for GS query heads (acc rows of chunks, in
 // load16x's order; pp: 16 weights a head), a chunk of 16 values at a time in registers
 template <typename C, int GS, int NC>
 inline void pv16(float* acc, int64_t astride, const float* corr, const float* pp, const C* vb,
-                 int64_t token_stride, int64_t nt, int64_t nc, int64_t full, int64_t tail) {
-  for (int64_t c = 0; c < (NC ? NC : nc); ++c) {
+                 int64_t token_stride, int64_t nt, int64_t D) {
+  for (int64_t c = 0; c < chunks<NC>(D); ++c) {
     __m256 a[GS][2];
     for (int g = 0; g < GS; ++g) {
       const __m256 cr = _mm256_set1_ps(corr[g]);
@@ -712,10 +709,7 @@ inline void pv16(float* acc, int64_t astride, const float* corr, const float* pp
     }
     for (int64_t j = 0; j < nt; ++j) {
       __m256 lo, hi;
-      if constexpr (NC > 0)
-        load16x(vb + j * token_stride + 16 * c, lo, hi);
-      else
-        Row16<C>{vb + j * token_stride, full, tail}.load(c, lo, hi);
+      load_chunk<C, NC>(vb + j * token_stride, c, D, lo, hi);
       for (int g = 0; g < GS; ++g) {
         const __m256 p = _mm256_set1_ps(pp[g * 16 + j]);
         a[g][0] = _mm256_fmadd_ps(p, lo, a[g][0]);
@@ -762,8 +756,7 @@ void paged_decode_avx2(const T* q, const C* k_cache, const C* v_cache, const flo
   constexpr bool quantized = !std::is_same_v<T, C>;
   constexpr int64_t kSplit = 2;
   const int64_t G = num_heads / num_kv_heads, D = head_dim, BS = block_size;
-  const int64_t nc = (D + 15) / 16, full = D / 16, tail = D % 16;
-  const int64_t width = 16 * nc;  // a head's accumulators (and queries): nc chunks of 16
+  const int64_t width = 16 * chunks<0>(D);  // a head's accumulators (and queries): its chunks
   const int64_t scale_token_stride = token_stride / D;
   // a task's state: acc [G, width], m [G], l [G], a cache line apart from the next
   const int64_t state_floats = (G * width + 2 * G + 15) / 16 * 16;
@@ -825,9 +818,9 @@ void paged_decode_avx2(const T* q, const C* k_cache, const C* v_cache, const flo
         }
         for (int64_t g0 = 0; g0 < G; g0 += 4)  // query heads 4 at a time
           dispatch(std::min<int64_t>(4, G - g0), D, [&](auto gs, auto n) {
-            qk16<C, decltype(gs)::value, decltype(n)::value>(
-                &qv[g0 * width], width, k_cache + off, token_stride, nt, nc, full, tail,
-                &sc[g0 * 16]);
+            qk16<C, decltype(gs)::value, decltype(n)::value>(&qv[g0 * width], width,
+                                                             k_cache + off, token_stride, nt, D,
+                                                             &sc[g0 * 16]);
           });
         const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
         const __m256 valid0 = _mm256_castsi256_ps(
@@ -855,7 +848,7 @@ void paged_decode_avx2(const T* q, const C* k_cache, const C* v_cache, const flo
           dispatch(std::min<int64_t>(4, G - g0), D, [&](auto gs, auto n) {
             pv16<C, decltype(gs)::value, decltype(n)::value>(
                 acc + g0 * width, width, &corr[g0], &pp[g0 * 16], v_cache + off, token_stride, nt,
-                nc, full, tail);
+                D);
           });
       }
     }
