@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -18,10 +19,11 @@ from foudre.layers import native
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_built_for(march: str, check: str, library: str, cache: Path) -> None:
-    """Call ``check`` (``"module:function"``) with the kernels built for ``march`` in ``cache``
-    (``march_cache(march)``); assert that it passed and that its process loaded the ``library``
-    (a source's stem) built there. Skips where this CPU cannot run that code."""
+def run_built_for(march: str, check: str, library: str, march_cache: Callable[[str], Path]) -> None:
+    """Call ``check`` (``"module:function"``) with the kernels built for ``march`` in that
+    build's cache (``march_cache(march)``, the fixture); assert that it passed and that its
+    process loaded the ``library`` (a source's stem) built there. Skips where this CPU cannot run
+    that code."""
     if os.uname().machine != "x86_64":
         pytest.skip("x86 -march values")
     if "avx512" in march and "avx512bw" not in native.cpu_flags():
@@ -29,6 +31,7 @@ def run_built_for(march: str, check: str, library: str, cache: Path) -> None:
     if march == "haswell" and not {"avx2", "fma", "f16c"} <= set(native.cpu_flags().split()):
         pytest.skip("this CPU cannot run AVX2 code")
     module, function = check.split(":")
+    cache = march_cache(march)
     env = dict(os.environ, FOUDRE_KERNEL_MARCH=march, FOUDRE_CACHE=str(cache))
     # the check's process must have loaded the library of this build (from this cache), not
     # one it found elsewhere: a built library of that name in the cache would not show it

@@ -113,7 +113,7 @@ def test_other_paths_match_sdpa(march: str, march_cache: Callable[[str], Path]) 
         march,
         "tests.engine.test_cpu_attention:check_all_dtypes",
         "cpu_paged_decode",
-        march_cache(march),
+        march_cache,
     )
 
 
@@ -142,7 +142,7 @@ def test_other_paths_read_a_quantized_cache(march: str, march_cache: Callable[[s
         march,
         "tests.engine.test_cpu_attention:check_quantized_decode",
         "cpu_paged_decode",
-        march_cache(march),
+        march_cache,
     )
 
 

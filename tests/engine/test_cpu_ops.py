@@ -184,16 +184,14 @@ def test_linear_without_avx512_bf16(march_cache: Callable[[str], Path]) -> None:
         "skylake-avx512",
         "tests.engine.test_cpu_ops:check_linear",
         "cpu_ops",
-        march_cache("skylake-avx512"),
+        march_cache,
     )
 
 
 def test_ops_built_for_avx2(march_cache: Callable[[str], Path]) -> None:
     """The AVX2 build (8 float32 lanes; a CPU without AVX-512): every op and the linear kernel,
     partial last vectors included."""
-    run_built_for(
-        "haswell", "tests.engine.test_cpu_ops:check_ops", "cpu_ops", march_cache("haswell")
-    )
+    run_built_for("haswell", "tests.engine.test_cpu_ops:check_ops", "cpu_ops", march_cache)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -327,7 +327,7 @@ def test_other_cpu_paths_read_a_quantized_cache(
         march,
         "tests.engine.test_prefill_attention:check_cpu_quantized",
         "cpu_paged_prefill",
-        march_cache(march),
+        march_cache,
     )
 
 
@@ -340,7 +340,7 @@ def test_other_cpu_paths_match_masked_sdpa(march: str, march_cache: Callable[[st
         march,
         "tests.engine.test_prefill_attention:check_cpu_kernels",
         "cpu_paged_prefill",
-        march_cache(march),
+        march_cache,
     )
 
 
@@ -421,7 +421,7 @@ def test_other_cpu_paths_are_batch_invariant(
         march,
         "tests.engine.test_prefill_attention:check_batch_invariance",
         "cpu_paged_prefill",
-        march_cache(march),
+        march_cache,
     )
 
 

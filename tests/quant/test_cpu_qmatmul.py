@@ -196,7 +196,7 @@ def test_other_paths_match(march: str, check: str, march_cache: Callable[[str], 
     if cpu_qmatmul.path() == check:
         pytest.skip(f"this build is the {check} path")
     run_built_for(
-        march, f"tests.quant.test_cpu_qmatmul:check_path_{check}", "cpu_qmatmul", march_cache(march)
+        march, f"tests.quant.test_cpu_qmatmul:check_path_{check}", "cpu_qmatmul", march_cache
     )
 
 
