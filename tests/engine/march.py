@@ -2,7 +2,9 @@
 for another ``-march`` (``FOUDRE_KERNEL_MARCH``) into a cache of that build's own runs a check
 function. The ``march_cache`` fixture (tests/conftest.py) gives each ``-march`` one cache for the
 whole session, so the checks of one build share its libraries (each takes 4-12 s to compile on
-2 cores; a private cache per test compiled cpu_paged_prefill for haswell three times)."""
+2 cores; a private cache per test compiled cpu_paged_prefill for haswell three times). A check
+is skipped where this CPU's own build takes the same code paths as the other ``-march`` (an
+AVX2 CPU and haswell): the tests of this build run them."""
 
 from __future__ import annotations
 
@@ -18,6 +20,27 @@ from foudre.layers import native
 
 ROOT = Path(__file__).resolve().parents[2]
 
+# the code paths that the kernels' sources choose between at compile time (their #if's), of
+# each -march that the tests build for
+MARCH_PATHS = {
+    "x86-64": frozenset(),
+    "haswell": frozenset({"avx2"}),
+    "skylake-avx512": frozenset({"avx2", "avx512"}),
+}
+
+
+def native_paths() -> frozenset[str]:
+    """``MARCH_PATHS``' names of the paths that this CPU's own build (``-march=native``) takes."""
+    flags = set(native.cpu_flags().split())
+    avx512 = {"avx512f", "avx512bw", "avx512vl"} <= flags
+    paths = {
+        "avx2": {"avx2", "fma", "f16c"} <= flags,
+        "avx512": avx512,
+        "avx512bf16": avx512 and "avx512_bf16" in flags,
+        "avx512vnni": avx512 and "avx512_vnni" in flags,
+    }
+    return frozenset(name for name, taken in paths.items() if taken)
+
 
 def run_built_for(march: str, check: str, library: str, march_cache: Callable[[str], Path]) -> None:
     """Call ``check`` (``"module:function"``) with the kernels built for ``march`` in that
@@ -30,6 +53,8 @@ def run_built_for(march: str, check: str, library: str, march_cache: Callable[[s
         pytest.skip("this CPU cannot run AVX-512 code")
     if march == "haswell" and not {"avx2", "fma", "f16c"} <= set(native.cpu_flags().split()):
         pytest.skip("this CPU cannot run AVX2 code")
+    if MARCH_PATHS[march] == native_paths():
+        pytest.skip(f"this CPU's own build takes {march}'s paths: its tests run them")
     module, function = check.split(":")
     cache = march_cache(march)
     env = dict(os.environ, FOUDRE_KERNEL_MARCH=march, FOUDRE_CACHE=str(cache))

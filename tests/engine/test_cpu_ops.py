@@ -38,7 +38,7 @@ def _inputs(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows,n", [(1, 1536), (70, 96), (3, 40)])  # 40: a masked tail
+@pytest.mark.parametrize("rows,n", [(1, 1536), (70, 96), (3, 40), (3, 45)])  # masked tails
 def test_rms_norm(dtype: torch.dtype, rows: int, n: int) -> None:
     x, w = _inputs((rows, n), dtype), _inputs((n,), dtype).flip(0)
     h = x.float()
@@ -51,7 +51,7 @@ def test_rms_norm(dtype: torch.dtype, rows: int, n: int) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows,n", [(1, 4096), (33, 50)])
+@pytest.mark.parametrize("rows,n", [(1, 4096), (33, 50), (2, 7)])
 def test_silu_mul(dtype: torch.dtype, rows: int, n: int) -> None:
     gu = _inputs((rows, 2 * n), dtype)
     gate, up = gu.split(n, dim=-1)

@@ -14,7 +14,7 @@ Triton kernels run in Triton's interpreter.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -30,7 +30,13 @@ from foudre.runner.attention.kv_quant import QuantizedKVCache
 from foudre.runner.attention.torch_sdpa import TorchSDPABackend
 from tests.conftest import make_hf_model
 from tests.engine.march import run_built_for
-from tests.triton_check import run_triton_check
+from tests.triton_check import (
+    Checks,
+    run_triton_check,
+    selected,
+    start_triton_checks,
+    wait_triton_check,
+)
 
 CHUNKS = [1, 2, 5, 16, 31, 32, 33, 100, 255, 512]
 
@@ -433,16 +439,40 @@ print("ok")
 """
 
 
-def _interpreted(script: str, *args: str) -> None:
-    run_triton_check(script, *args)
+@pytest.fixture(scope="module")
+def interpreted(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Checks]:
+    """The module's interpreter checks that this session runs, started together at the first
+    of them, two processes at a time, the longest first (``start_triton_checks``): test name
+    -> its process. The engine checks share one model: a Mistral with a window of 12."""
+    path = str(make_hf_model(tmp_path_factory.mktemp("m"), "mistral", sliding_window=12))
+    checks = {
+        "test_triton_kernels_interpreted": (_TRITON_CHECK, "3", "4"),
+        "test_triton_kernels_read_a_quantized_cache_interpreted": (_TRITON_QUANTIZED,),
+        "test_graphs_over_a_quantized_cache_interpreted[fp8]": (_GRAPHS_CHECK, path, "fp8"),
+        "test_graphs_over_a_quantized_cache_interpreted[int8]": (_GRAPHS_CHECK, path, "int8"),
+        "test_graphs_of_verification_and_mixed_steps_interpreted": (_GRAPHS_CHECK, path),
+        "test_windowed_engine_with_triton_interpreted": (_TRITON_ENGINE, path),
+        "test_graph_buffers_step_by_step_interpreted": (_GRAPH_STEPS, path),
+    }
+    run = selected(request)
+    started = start_triton_checks({name: check for name, check in checks.items() if name in run})
+    yield started
+    for future in started.values():  # (an interrupted session: none left to start)
+        future.cancel()
+
+
+def _interpreted(request: pytest.FixtureRequest, interpreted: Checks) -> None:
+    wait_triton_check(interpreted[request.node.name])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs the Triton kernels for real")
-def test_triton_kernels_interpreted() -> None:
+def test_triton_kernels_interpreted(request: pytest.FixtureRequest, interpreted: Checks) -> None:
     """The varlen prefill kernel (every row of a step with a chunk, decode rows included, in one
     launch) and the windowed decode kernel, in Triton's interpreter. The interpreter rounds
     float32 to 16-bit floats towards zero where a GPU rounds to nearest: a wider slack."""
-    _interpreted(_TRITON_CHECK, "3", "4")
+    _interpreted(request, interpreted)
 
 
 _TRITON_QUANTIZED = """
@@ -453,11 +483,13 @@ print("ok")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs the Triton kernels for real")
-def test_triton_kernels_read_a_quantized_cache_interpreted() -> None:
+def test_triton_kernels_read_a_quantized_cache_interpreted(
+    request: pytest.FixtureRequest, interpreted: Checks
+) -> None:
     """Both Triton kernels over int8 and fp8 codes and scales read as stored (mixed steps,
     decode-only steps, windows, GQA 1-8, block sizes 8-32), in the interpreter, against masked
     SDPA over the dequantized cache."""
-    _interpreted(_TRITON_QUANTIZED)
+    _interpreted(request, interpreted)
 
 
 def test_layer_windows_from_the_config() -> None:
@@ -609,11 +641,12 @@ print("ok")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests run the engine for real")
-def test_windowed_engine_with_triton_interpreted(tmp_path: Path) -> None:
+def test_windowed_engine_with_triton_interpreted(
+    request: pytest.FixtureRequest, interpreted: Checks
+) -> None:
     """Mixed steps (chunks beside decode rows) through the varlen kernel, decode steps through
     the windowed decode kernel, in the interpreter: the SDPA backend's greedy tokens."""
-    path = make_hf_model(tmp_path / "m", "mistral", sliding_window=12)
-    _interpreted(_TRITON_ENGINE, str(path))
+    _interpreted(request, interpreted)
 
 
 _GRAPHS_CHECK = """
@@ -661,22 +694,24 @@ print("ok")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests run the engine for real")
-def test_graphs_of_verification_and_mixed_steps_interpreted(tmp_path: Path) -> None:
+def test_graphs_of_verification_and_mixed_steps_interpreted(
+    request: pytest.FixtureRequest, interpreted: Checks
+) -> None:
     """Speculative verification and chunked prefill beside decode rows replayed over the
     static buffers of the token-bucket graphs (decode-only steps over the row-bucket ones), in
     the interpreter, with a sliding window: the eager SDPA engine's greedy tokens."""
-    path = make_hf_model(tmp_path / "m", "mistral", sliding_window=12)
-    _interpreted(_GRAPHS_CHECK, str(path))
+    _interpreted(request, interpreted)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests run the engine for real")
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
-def test_graphs_over_a_quantized_cache_interpreted(tmp_path: Path, kind: str) -> None:
+def test_graphs_over_a_quantized_cache_interpreted(
+    request: pytest.FixtureRequest, interpreted: Checks, kind: str
+) -> None:
     """The CUDA-graph path (decode, verification and mixed steps replayed over the static
     buffers) over an int8 / fp8 cache that the Triton kernels read as stored: the greedy tokens
     of the eager SDPA engine over the same cache, dequantized."""
-    path = make_hf_model(tmp_path / "m", "mistral", sliding_window=12)
-    _interpreted(_GRAPHS_CHECK, str(path), kind)
+    _interpreted(request, interpreted)
 
 
 _GRAPH_STEPS = """
@@ -762,14 +797,15 @@ print("ok")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests run the engine for real")
-def test_graph_buffers_step_by_step_interpreted(tmp_path: Path) -> None:
+def test_graph_buffers_step_by_step_interpreted(
+    request: pytest.FixtureRequest, interpreted: Checks
+) -> None:
     """The token-bucket and row-bucket graphs' static buffers (rows, tiles, the padding row
     and its slots, tables narrower than the last step's, buckets filled exactly), replayed
     step after step in the interpreter, against the same model over the same cache through
     masked SDPA; steps the buffers cannot hold run eagerly; a short ``max_model_len`` keeps
     the padding row's positions inside it."""
-    path = make_hf_model(tmp_path / "m", "mistral", sliding_window=12)
-    _interpreted(_GRAPH_STEPS, str(path))
+    _interpreted(request, interpreted)
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")

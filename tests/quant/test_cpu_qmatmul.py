@@ -22,7 +22,7 @@ import torch
 from foudre.quant import cpu_qmatmul
 from foudre.quant.packing import pack_int6, quantize_int6, unpack_int4, unpack_int6
 from foudre.quant.qlinear import NATIVE_MAX_ROWS, QuantLinear, uses_native_kernels
-from tests.engine.march import run_built_for
+from tests.engine.march import native_paths, run_built_for
 
 pytestmark = pytest.mark.skipif(cpu_qmatmul.path() is None, reason="no C++ compiler")
 
@@ -187,14 +187,28 @@ def test_kernels_match_dequantized_matmul_on_this_cpu() -> None:
     check_kernels()
 
 
+def test_the_march_checks_know_this_build() -> None:
+    """``run_built_for`` skips a -march whose code paths this CPU's own build takes (its model of
+    the sources' #if's from the CPU's flags): it names the path this library says it built."""
+    paths = native_paths()
+    built = (
+        "vnni"
+        if "avx512vnni" in paths
+        else "avx512"
+        if "avx512" in paths
+        else "avx2"
+        if "avx2" in paths
+        else "portable"
+    )
+    assert cpu_qmatmul.path() == built
+
+
 @pytest.mark.parametrize(
     "march,check", [("skylake-avx512", "avx512"), ("haswell", "avx2"), ("x86-64", "portable")]
 )
 def test_other_paths_match(march: str, check: str, march_cache: Callable[[str], Path]) -> None:
     """The AVX-512 float path (no VNNI), the AVX2 one and the portable one, built for another
     -march (where this build is not already that path: its own tests run it)."""
-    if cpu_qmatmul.path() == check:
-        pytest.skip(f"this build is the {check} path")
     run_built_for(
         march, f"tests.quant.test_cpu_qmatmul:check_path_{check}", "cpu_qmatmul", march_cache
     )

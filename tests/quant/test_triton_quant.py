@@ -13,18 +13,13 @@ the same activations with the weight dequantized in the test (``(q - zero) * sca
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from foudre.quant.packing import pack_int4, quantize_int4, quantize_int8
-from tests.triton_check import run_triton_check
+from tests.triton_check import run_triton_check, start_triton_checks
 
-ROOT = Path(__file__).resolve().parents[2]
 HAS_CUDA = torch.cuda.is_available()
 
 _CHECK = """
@@ -121,23 +116,18 @@ def _fp8_unsupported() -> bool:
 
 @pytest.fixture(scope="module")
 def checked() -> dict[str, dict[str, object]]:
-    """Every layout's cases in one interpreter (its start and Triton's import, ~3 s, once and
-    not once a layout): ``"kind:group" -> {"cases", "failures"}``."""
-    pytest.importorskip("triton", reason="triton is not installed")
-    env = dict(os.environ)
-    if not HAS_CUDA:
-        env["TRITON_INTERPRET"] = "1"
+    """Every layout's cases, in two interpreters side by side (a process's start and Triton's
+    import, ~3 s, once a half and not once a layout): ``"kind:group" -> {"cases",
+    "failures"}``."""
     kinds = [f"{k}:{g}" for k, g in KINDS if not (k == "fp8" and _fp8_unsupported())]
-    out = subprocess.run(
-        [sys.executable, "-c", _CHECK, "cuda" if HAS_CUDA else "cpu", *kinds],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=1200,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    device = "cuda" if HAS_CUDA else "cpu"
+    halves = {str(i): (_CHECK, device, *kinds[i::2]) for i in range(2)}
+    results: dict[str, dict[str, object]] = {}
+    for out in start_triton_checks(halves, interpret=not HAS_CUDA, timeout=1200).values():
+        done = out.result()
+        assert done.returncode == 0, done.stderr[-3000:]
+        results |= json.loads(done.stdout.strip().splitlines()[-1])
+    return results
 
 
 @pytest.mark.parametrize("kind,group", KINDS, ids=[f"{k}-g{g}" for k, g in KINDS])
