@@ -56,6 +56,8 @@ _SIGNATURES = {
 
 
 _RETURNS_INT = ("foudre_decode_layers", "foudre_moe_experts", "foudre_moe_block")
+# x, x_stride, w, bias, y, rows, n, k (bfloat16 only; -1 where the build has none)
+_GEMM_BF16: list[Any] = [_P, _I64, _P, _P, _P, _I64, _I64, _I64]
 
 
 @lru_cache(maxsize=1)
@@ -71,6 +73,9 @@ def _library() -> ctypes.CDLL | None:
             fn.argtypes = argtypes
             fn.restype = ctypes.c_int if name in _RETURNS_INT else None
             _FNS[name, dtype] = fn
+    dll.foudre_gemm_bf16.argtypes = _GEMM_BF16
+    dll.foudre_gemm_bf16.restype = ctypes.c_int
+    _FNS["foudre_gemm", torch.bfloat16] = dll.foudre_gemm_bf16
     return dll
 
 
@@ -184,6 +189,38 @@ def linear_unchecked(
     y = torch.empty(rows, n, dtype=x.dtype)
     if rows:
         _FNS["foudre_linear", x.dtype](
+            x.data_ptr(),
+            x.stride(0),
+            weight.data_ptr(),
+            None if bias is None else bias.data_ptr(),
+            y.data_ptr(),
+            rows,
+            n,
+            weight.shape[1],
+        )
+    return y
+
+
+@lru_cache(maxsize=1)
+def has_gemm() -> bool:
+    """Whether this build has the bfloat16 GEMM of a prefill (``gemm_unchecked``): the AVX2
+    build, for CPUs without bfloat16 arithmetic (asked once: a call with no rows)."""
+    if _library() is None:
+        return False
+    return _FNS["foudre_gemm", torch.bfloat16](None, 0, None, None, None, 0, 0, 0) == 0
+
+
+def gemm_unchecked(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for many rows of bfloat16 (a prefill's) where ``has_gemm``:
+    float32 products and sums, one rounding. ``x`` ``[rows, k]`` with unit column stride,
+    ``weight`` ``[n, k]`` and ``bias`` ``[n]`` contiguous, bfloat16 CPU tensors that ``enabled``
+    accepts; anything else reads out of bounds."""
+    rows, n = x.shape[0], weight.shape[0]
+    y = torch.empty(rows, n, dtype=x.dtype)
+    if rows:
+        _FNS["foudre_gemm", x.dtype](
             x.data_ptr(),
             x.stride(0),
             weight.data_ptr(),

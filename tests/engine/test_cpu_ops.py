@@ -166,8 +166,42 @@ def test_linear_rejects_what_the_kernel_cannot_read() -> None:
     assert not fused.enabled(x, w.bfloat16()) and fused.enabled(x, w, None)
 
 
+def check_gemm() -> None:
+    """The AVX2 build's bfloat16 GEMM (``fused.gemm_unchecked``) against float64: x rows in
+    tiles of three and the one or two left, weight rows in tiles and one at a time, columns past
+    the last 16 (a plain loop), a strided x, with and without bias; each row's result the same
+    bits computed alone (its sums do not depend on the tile it falls in), on 1 and 2 threads."""
+    g = torch.Generator().manual_seed(11)
+    threads = torch.get_num_threads()
+    try:
+        for rows, n, k in [(17, 50, 96), (22, 7, 33), (31, 97, 100), (64, 200, 7), (19, 1, 16)]:
+            wide = torch.randn(rows, k + 5, generator=g).bfloat16()
+            x = wide[:, 2 : 2 + k]  # rows k + 5 apart
+            w = torch.randn(n, k, generator=g).bfloat16()
+            for b in (None, torch.randn(n, generator=g).bfloat16()):
+                out = fused.gemm_unchecked(x, w, b)
+                assert out.shape == (rows, n) and out.dtype == torch.bfloat16
+                ref = x.double() @ w.double().T + (0 if b is None else b.double())
+                scale = x.double().abs() @ w.double().abs().T
+                bound = k * 2.0**-24 * scale + 2.0**-8 * ref.abs() + 1e-30
+                assert ((out.double() - ref).abs() <= bound).all(), (rows, n, k)
+                torch.set_num_threads(1)
+                assert torch.equal(fused.gemm_unchecked(x, w, b), out)
+                torch.set_num_threads(threads)
+                for i in (0, 1, rows - 2, rows - 1):
+                    assert torch.equal(fused.gemm_unchecked(x[i : i + 1], w, b)[0], out[i])
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.skipif(not fused.has_gemm(), reason="this build has no bfloat16 GEMM (AVX2 only)")
+def test_gemm_matches_float64() -> None:
+    check_gemm()
+
+
 def check_ops() -> None:
-    """Every op's test above, and the linear kernel's, through this build."""
+    """Every op's test above, the linear kernel's and the bfloat16 GEMM's, through this
+    build."""
     for dtype in DTYPES:
         for rows, n in [(1, 1536), (70, 96), (3, 40), (3, 45)]:
             test_rms_norm(dtype, rows, n)
@@ -176,6 +210,7 @@ def check_ops() -> None:
         for adjacent in (True, False):
             test_rope_in_place_equals_torch(dtype, adjacent)
     check_linear()
+    check_gemm()
 
 
 def test_linear_without_avx512_bf16(march_cache: Callable[[str], Path]) -> None:

@@ -7,23 +7,35 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from foudre.layers import fused
 from foudre.layers import linear as linear_mod
 from foudre.quant import cpu_qmatmul
 from foudre.quant.qlinear import QuantLinear
 
 
+@pytest.mark.parametrize("gemm", [True, False])  # the AVX2 build's GEMM, or MKL's over chunks
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("n", [300, 40])  # a partial last chunk of BF16_CHUNK, and one chunk
-def test_bfloat16_rows_in_float32(bias: bool, n: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bfloat16_rows_in_float32(
+    gemm: bool, bias: bool, n: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Widened: the float32 product (and bias) rounded once to bfloat16, whatever this CPU
-    has; not widened where bfloat16 GEMMs are fast: torch's own bfloat16 GEMM."""
+    has, through the AVX2 build's GEMM up to ``GEMM_ROWS`` rows where it has one, else MKL's
+    over widened chunks; not widened where bfloat16 GEMMs are fast: torch's own bfloat16 GEMM."""
+    if gemm and not fused.has_gemm():
+        pytest.skip("this build has no bfloat16 GEMM (AVX2 only)")
     g = torch.Generator().manual_seed(n)
     x = torch.randn(70, 96, generator=g).bfloat16()
     w = torch.randn(n, 96, generator=g).bfloat16()
     b = torch.randn(n, generator=g).bfloat16() if bias else None
     ref = F.linear(x.float(), w.float(), None if b is None else b.float())
     monkeypatch.setattr(linear_mod, "gemm_dtype", lambda dtype: torch.float32)
+    monkeypatch.setattr(linear_mod, "GEMM_ROWS", 70 if gemm else 69)
+    calls: list[int] = []
+    kernel = fused.gemm_unchecked
+    monkeypatch.setattr(fused, "gemm_unchecked", lambda x, *a: calls.append(1) or kernel(x, *a))
     y = linear_mod.linear(x, w, b)
+    assert calls == ([1] if gemm else [])
     assert y.dtype == torch.bfloat16 and y.shape == (70, n)
     # float32 sums in another order than ref's, then one rounding: within a bf16 ulp
     assert bool(((y.float() - ref).abs() <= ref.abs() * 2**-7 + 1e-5).all())
