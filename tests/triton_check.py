@@ -32,7 +32,6 @@ def _run(
     env = dict(os.environ) | (env or {})
     if interpret:
         env |= {"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-        env.setdefault("OMP_NUM_THREADS", "1")  # one core each: they run side by side
     return subprocess.run(
         [sys.executable, "-c", script, *args],
         env=env,
@@ -70,8 +69,9 @@ def start_triton_checks(
     for ``wait_triton_check``."""
     pytest.importorskip("triton", reason="triton is not installed")
     pool = ThreadPoolExecutor(PARALLEL, thread_name_prefix="triton-check")
+    one_core = {"OMP_NUM_THREADS": "1"}  # side by side: a core each
     futures = {
-        name: pool.submit(_run, script, tuple(args), interpret, timeout, None)
+        name: pool.submit(_run, script, tuple(args), interpret, timeout, one_core)
         for name, (script, *args) in checks.items()
     }
     pool.shutdown(wait=False)  # its threads end with the last script
@@ -86,4 +86,8 @@ def wait_triton_check(future: Future[subprocess.CompletedProcess[str]]) -> None:
 def selected(request: pytest.FixtureRequest) -> set[str]:
     """The names (with parameters) of the tests of the requesting module that this session
     runs: a module fixture starts the checks of those only."""
-    return {item.name for item in request.session.items if item.module is request.module}
+    return {
+        item.name
+        for item in request.session.items
+        if getattr(item, "module", None) is request.module
+    }

@@ -12,6 +12,9 @@
 // path reads at 60-80% of its speed, MKL's float32 path at two to 64 rows at a quarter to a
 // third.
 //
+// A prefill's bfloat16 GEMM on CPUs without bfloat16 arithmetic (gemm_bf16, the AVX2 build):
+// the weight widened in registers where torch's path widens it in memory for MKL.
+//
 // The routed experts of a mixture-of-experts layer at decode sizes (moe_experts, moe_block):
 // the (token, expert) pairs sorted by expert, each chosen expert's rows through the linear
 // kernel, so only the chosen experts' weights are read; with the router and the routing too in
@@ -29,6 +32,7 @@
 #include <cstring>
 #include <initializer_list>
 #include <memory>
+#include <new>
 #include <type_traits>
 #include <vector>
 
@@ -566,12 +570,19 @@ void gemm_rows(const float* xw, int64_t xw_stride, const uint16_t* w, int64_t k,
     gemm_tile<MT, 1>(xw, xw_stride, w + n * k, k, whole, out + (n - n0), out_stride);
 }
 
-void gemm_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* w, const uint16_t* bias,
-               uint16_t* y, int64_t rows, int64_t n, int64_t k) {
+// 0, or -2 where x's float32 copy could not be allocated
+int gemm_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* w, const uint16_t* bias,
+              uint16_t* y, int64_t rows, int64_t n, int64_t k) {
   const int64_t whole = k / 16 * 16;  // the columns past it in plain loops
-  // x widened, each 16-column step's even columns then its odd ones
+  // x widened, each 16-column step's even columns then its odd ones (kept for the next call:
+  // the largest x a calling thread has passed, up to GEMM_ROWS x the widest k: 14 MiB at 256 x
+  // 14336)
   thread_local std::vector<float> widened;
-  widened.resize(static_cast<size_t>(rows * whole));
+  try {
+    widened.resize(static_cast<size_t>(rows * whole));
+  } catch (const std::bad_alloc&) {
+    return -2;
+  }
   float* xw = widened.data();
   for (int64_t m = 0; m < rows; ++m)
     for (int64_t i = 0; i < whole; i += 16) {
@@ -605,6 +616,7 @@ void gemm_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* w, const uin
       }
     }
   }
+  return 0;
 }
 #define FOUDRE_GEMM_BF16 1
 
@@ -1098,13 +1110,12 @@ int foudre_cpu_ops_available() { return 1; }
 FOUDRE_OPS(f32, float)
 FOUDRE_OPS(bf16, uint16_t)
 
-// 0, or -1 where this build has no such GEMM (AVX-512: torch's path)
+// 0; -1 where this build has no such GEMM (AVX-512: torch's path); -2 out of memory
 int foudre_gemm_bf16(const void* x, int64_t x_stride, const void* w, const void* bias, void* y,
                      int64_t rows, int64_t n, int64_t k) {
 #if defined(FOUDRE_GEMM_BF16)
-  gemm_bf16(static_cast<const uint16_t*>(x), x_stride, static_cast<const uint16_t*>(w),
-            static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(y), rows, n, k);
-  return 0;
+  return gemm_bf16(static_cast<const uint16_t*>(x), x_stride, static_cast<const uint16_t*>(w),
+                   static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(y), rows, n, k);
 #else
   (void)x, (void)x_stride, (void)w, (void)bias, (void)y, (void)rows, (void)n, (void)k;
   return -1;

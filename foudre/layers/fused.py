@@ -1,7 +1,9 @@
 """Fused CPU versions of the layers' elementwise chains (``cpu_ops.cpp``): RMSNorm, SiLU(gate) *
 up and RoPE, for float32 and bfloat16 tensors on an AVX-512 or AVX2 CPU; ``linear``, the
-decode-sized matrix product that ``layers/linear.py`` routes to; and ``moe_experts``, the routed
-experts of a mixture-of-experts layer at decode sizes (``layers/moe.py``).
+decode-sized matrix product that ``layers/linear.py`` routes to; ``gemm_unchecked``, the AVX2
+build's bfloat16 GEMM for a prefill's rows where the CPU has no bfloat16 arithmetic; and
+``moe_experts``, the routed experts of a mixture-of-experts layer at decode sizes
+(``layers/moe.py``).
 
 Each replaces several torch ops (RMSNorm alone is eight, each a pass over memory and a dispatch)
 and rounds where those ops round (RoPE bit for bit, the others within a few float32 ulps before
@@ -185,10 +187,20 @@ def linear_unchecked(
     """``linear`` without its checks, for callers that made them (``Linear.forward``): ``x``
     ``[rows, k]`` with unit column stride, ``weight`` ``[n, k]`` and ``bias`` ``[n]`` contiguous,
     all CPU tensors of one dtype that ``enabled`` accepts. Anything else reads out of bounds."""
+    return _product("foudre_linear", x, weight, bias)[0]
+
+
+def _product(
+    name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, int]:
+    """y = the library's product ``name`` (``foudre_linear``'s arguments) of ``x``, ``weight``
+    and ``bias`` into a new tensor, and the status it returned (0 where it returns none or there
+    are no rows)."""
     rows, n = x.shape[0], weight.shape[0]
     y = torch.empty(rows, n, dtype=x.dtype)
+    status = None
     if rows:
-        _FNS["foudre_linear", x.dtype](
+        status = _FNS[name, x.dtype](
             x.data_ptr(),
             x.stride(0),
             weight.data_ptr(),
@@ -198,7 +210,7 @@ def linear_unchecked(
             n,
             weight.shape[1],
         )
-    return y
+    return y, status or 0
 
 
 @lru_cache(maxsize=1)
@@ -217,19 +229,11 @@ def gemm_unchecked(
     float32 products and sums, one rounding. ``x`` ``[rows, k]`` with unit column stride,
     ``weight`` ``[n, k]`` and ``bias`` ``[n]`` contiguous, bfloat16 CPU tensors that ``enabled``
     accepts; anything else reads out of bounds."""
-    rows, n = x.shape[0], weight.shape[0]
-    y = torch.empty(rows, n, dtype=x.dtype)
-    if rows:
-        _FNS["foudre_gemm", x.dtype](
-            x.data_ptr(),
-            x.stride(0),
-            weight.data_ptr(),
-            None if bias is None else bias.data_ptr(),
-            y.data_ptr(),
-            rows,
-            n,
-            weight.shape[1],
-        )
+    y, status = _product("foudre_gemm", x, weight, bias)
+    if status == -2:
+        raise MemoryError(f"gemm: no memory for x's {x.shape[0]} x {x.shape[1]} float32 copy")
+    if status:
+        raise RuntimeError("gemm: this build has no bfloat16 GEMM (has_gemm() is False)")
     return y
 
 

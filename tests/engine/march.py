@@ -29,8 +29,20 @@ MARCH_PATHS = {
 }
 
 
-def native_paths() -> frozenset[str]:
-    """``MARCH_PATHS``' names of the paths that this CPU's own build (``-march=native``) takes."""
+# the feature macros that the kernels' sources test in their #if's (what native_paths models;
+# tests/quant/test_cpu_qmatmul.py checks that no source tests another)
+MODELED_MACROS = frozenset(
+    {"AVX2", "FMA", "F16C", "AVX512F", "AVX512BW", "AVX512VL", "AVX512VNNI", "AVX512BF16"}
+)
+
+
+def native_paths() -> frozenset[str] | None:
+    """``MARCH_PATHS``' names of the paths that this process's own build takes: this CPU's
+    (``-march=native``), or those of the ``-march`` that ``FOUDRE_KERNEL_MARCH`` names (None
+    where the tests do not know that one)."""
+    own = os.environ.get("FOUDRE_KERNEL_MARCH", "native")
+    if own != "native":
+        return MARCH_PATHS.get(own)
     flags = set(native.cpu_flags().split())
     avx512 = {"avx512f", "avx512bw", "avx512vl"} <= flags
     paths = {

@@ -170,7 +170,8 @@ def check_gemm() -> None:
     """The AVX2 build's bfloat16 GEMM (``fused.gemm_unchecked``) against float64: x rows in
     tiles of three and the one or two left, weight rows in tiles and one at a time, columns past
     the last 16 (a plain loop), a strided x, with and without bias; each row's result the same
-    bits computed alone (its sums do not depend on the tile it falls in), on 1 and 2 threads."""
+    bits computed alone (its sums do not depend on the tile it falls in), on 1 and 2 threads,
+    and as the decode kernel's (``fused.linear``)."""
     g = torch.Generator().manual_seed(11)
     threads = torch.get_num_threads()
     try:
@@ -190,6 +191,9 @@ def check_gemm() -> None:
                 torch.set_num_threads(threads)
                 for i in (0, 1, rows - 2, rows - 1):
                     assert torch.equal(fused.gemm_unchecked(x[i : i + 1], w, b)[0], out[i])
+                # the decode kernel's sums in the same order: the same bits either side of
+                # MAX_ROWS
+                assert torch.equal(fused.linear(x, w, b), out)
     finally:
         torch.set_num_threads(threads)
 
