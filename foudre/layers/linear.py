@@ -71,11 +71,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     if (
         x.dim() == 2
         and x.shape[0] <= MAX_ROWS.get(x.dtype, 0)
-        and fused.enabled(x, w, b)
-        and x.shape[1] == w.shape[1]
-        and x.stride(1) == 1
-        and w.is_contiguous()
-        and (b is None or (b.shape == (w.shape[0],) and b.is_contiguous()))
+        and _kernels_read(x, w, b)
         and not torch.is_autocast_enabled("cpu")
     ):
         return fused.linear_unchecked(x, w, b)
@@ -97,18 +93,23 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
         and not fused.records_grad(x, w, b)
         and not torch.is_autocast_enabled("cpu")
     ):
-        if (
-            x.shape[0] <= GEMM_ROWS
-            and fused.enabled(x, w, b)
-            and fused.has_gemm()
-            and x.shape[1] == w.shape[1]
-            and x.stride(1) == 1
-            and w.is_contiguous()
-            and (b is None or (b.shape == (w.shape[0],) and b.is_contiguous()))
-        ):
+        if x.shape[0] <= GEMM_ROWS and _kernels_read(x, w, b) and fused.has_gemm():
             return fused.gemm_unchecked(x, w, b)
         return _chunked(x, w, b, BF16_CHUNK, gemm_dtype(x.dtype))
     return F.linear(x, w, b)
+
+
+def _kernels_read(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bool:
+    """Whether the library's products (``fused.linear_unchecked``, ``fused.gemm_unchecked``)
+    can read a 2-D ``x``, ``w`` and ``b`` as they lie: the fused path on for them, matching
+    shapes, unit column stride, a contiguous weight and bias."""
+    return (
+        fused.enabled(x, w, b)
+        and x.shape[1] == w.shape[1]
+        and x.stride(1) == 1
+        and w.is_contiguous()
+        and (b is None or (b.shape == (w.shape[0],) and b.is_contiguous()))
+    )
 
 
 def _chunked(

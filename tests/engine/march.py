@@ -41,8 +41,12 @@ def native_paths() -> frozenset[str] | None:
     (``-march=native``), or those of the ``-march`` that ``FOUDRE_KERNEL_MARCH`` names (None
     where the tests do not know that one)."""
     own = os.environ.get("FOUDRE_KERNEL_MARCH", "native")
-    if own != "native":
-        return MARCH_PATHS.get(own)
+    return cpu_paths() if own == "native" else MARCH_PATHS.get(own)
+
+
+def cpu_paths() -> frozenset[str]:
+    """``MARCH_PATHS``' names of the paths that a build for this CPU takes (from its flags):
+    also the code it can run."""
     flags = set(native.cpu_flags().split())
     avx512 = {"avx512f", "avx512bw", "avx512vl"} <= flags
     paths = {
@@ -61,10 +65,8 @@ def run_built_for(march: str, check: str, library: str, march_cache: Callable[[s
     that code."""
     if os.uname().machine != "x86_64":
         pytest.skip("x86 -march values")
-    if "avx512" in march and "avx512bw" not in native.cpu_flags():
-        pytest.skip("this CPU cannot run AVX-512 code")
-    if march == "haswell" and not {"avx2", "fma", "f16c"} <= set(native.cpu_flags().split()):
-        pytest.skip("this CPU cannot run AVX2 code")
+    if not MARCH_PATHS[march] <= cpu_paths():
+        pytest.skip(f"this CPU cannot run {march}'s code")
     if MARCH_PATHS[march] == native_paths():
         pytest.skip(f"this CPU's own build takes {march}'s paths: its tests run them")
     module, function = check.split(":")
