@@ -92,8 +92,13 @@ GROUPED8_GEMM_ROWS = 32
 # 1.12-1.27x at 512-1024 rows (8192 x 1536, 1536 x 4096, 2304 x 1536), 1.11-1.23x at 2048;
 # int8 per channel 1.06-1.17x at 512, 1.02-1.17x at 1024, 0.97-1.06x at 2048. (So there prompt
 # chunks under 2048 tokens round their activations to int8 too, within cpu_qmatmul.error_bound.)
-# 6 bits, unmeasured there, keep the other paths' rows.
-AVX2_GEMM_ROWS = {"wide": 2048, "int4": 192, "grouped8": 64}
+# Since the group-wise int8 loops take their scales' spread as a constant (cpu_qmatmul.cpp's
+# two_scales; 1.10-1.17x the speed), Q8_0's dequantized GEMM over ours: 1.07-1.9x at 64 rows,
+# 1.24-1.29x at 128, 0.86-1.07x at 192, 0.86-0.99x at 256; with zero points (Q5_1) 1.19-1.28x
+# at 128, 1.01-1.02x at 192 (a 494.7M Llama's Q8_0 file prefilled 128 tokens 1.18x as fast
+# as through the dequantized GEMM, in turns in one process). 6 bits, unmeasured there, keep the
+# other paths' rows.
+AVX2_GEMM_ROWS = {"wide": 2048, "int4": 192, "grouped8": 192}
 
 
 def dequantized_gemm_rows(bits: int, group_size: int | None) -> int:
