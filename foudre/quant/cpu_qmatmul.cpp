@@ -134,8 +134,8 @@ struct Args {
   T* y;        // [m, n]
   int64_t m, n, k;
   // VNNI, AVX2: x quantized ([m, k] int8, int4 and int6: in nibble order), d per 4 codes
-  // ([m, k / 4]; VNNI's group-wise int8: per 8, [m, k / 8]), the sums d q per row (int8) or per group ([m] or
-  // [m, groups])
+  // ([m, k / 4]; group-wise int8: VNNI per 8, [m, k / 8], AVX2 per 32, [m, k / 32]), the sums
+  // d q per row (int8) or per group ([m] or [m, groups])
   const int8_t* xq;
   const float* dl;
   const float* corr;
@@ -1297,7 +1297,11 @@ struct Avx2 {
       }
   }
 
-  // the 8 scales from p + i as float32
+  // the 8 scales from p + i as float32 (of the type ST)
+  template <int ST>
+  static __m256 scales8(const void* p, int64_t i) {
+    return scales8(p, i, ST);
+  }
   static __m256 scales8(const void* p, int64_t i, int st) {
     if (st == kF32) return _mm256_loadu_ps(static_cast<const float*>(p) + i);
     const auto* h16 = static_cast<const uint16_t*>(p) + i;
@@ -1380,21 +1384,49 @@ struct Avx2 {
       for (int64_t c = 0; c < whole; c += 128) block(c, std::integral_constant<int, 4>{});
       if (whole < k) block(whole, std::integral_constant<int, 2>{});
     } else if constexpr (K == Kind::Int8Grouped) {
-      // steps of 32 columns (x's block): one group, or two of 16 (two: a loop of its own)
+      // steps of 32 columns (x's block, one d: d32 [m, k / 32]): one group, or two of 16 (two:
+      // a loop of its own). In groups of 32 (GGUF's Q8_0 and Q5 types) the products d * s of 8
+      // steps are formed at once (x's 8 d's times the row's 8 scales, stored) and each step
+      // broadcasts its own, where each step had read its scale (a 16-bit load, a conversion, a
+      // broadcast), broadcast x's d and multiplied them (the same products, the same bits;
+      // 4096 x 1536 and 1536 x 4096, two threads, in turns: batch 1 with the weights in L3
+      // 1.14-1.32x the speed, 4-128 rows 1.05-1.13x)
+      const float* d32 = a.dl + m0 * (k / 32);
       const auto run = [&](auto two) __attribute__((always_inline)) {
-        for (int64_t c = 0; c < k; c += 32) {
+        constexpr bool kTwo = decltype(two)::value;
+        const auto step = [&](int64_t c, int r, int mi, __m256i w, __m256i mag, __m256 f)
+                              __attribute__((always_inline)) {
+          const __m256i xs = _mm256_sign_epi8(load32(xq + mi * k + c), w);
+          const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(mag, xs), ones);
+          acc[mi][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), f, acc[mi][r]);
+        };
+        int64_t c = 0;
+        if (!kTwo && a.group == 32) {
+          alignas(32) float f[MT][R][8];
+          for (; c + 256 <= k; c += 256) {
+            for (int r = 0; r < R; ++r) {
+              const __m256 s8 = scales8<ST>(srow[r], c >> gshift);
+              for (int mi = 0; mi < MT; ++mi)
+                _mm256_store_ps(f[mi][r],
+                                _mm256_mul_ps(_mm256_loadu_ps(d32 + mi * (k / 32) + c / 32), s8));
+            }
+            for (int j = 0; j < 8; ++j) {
+              for (int r = 0; r < R; ++r) {
+                if (j % 2 == 0) prefetch_ahead<kStream>(wr[r] + c + 32 * j, kAhead);
+                const __m256i w = load32(wr[r] + c + 32 * j), mag = _mm256_abs_epi8(w);
+                for (int mi = 0; mi < MT; ++mi)
+                  step(c + 32 * j, r, mi, w, mag, _mm256_broadcast_ss(&f[mi][r][j]));
+              }
+            }
+          }
+        }
+        for (; c < k; c += 32) {
           for (int r = 0; r < R; ++r) {
             if (c % 64 == 0) prefetch_ahead<kStream>(wr[r] + c, kAhead);
             const __m256i w = load32(wr[r] + c), mag = _mm256_abs_epi8(w);
-            const __m256 s = two_scales<ST, decltype(two)::value>(srow[r], c >> gshift);
-            for (int mi = 0; mi < MT; ++mi) {
-              const __m256i xs = _mm256_sign_epi8(load32(xq + mi * k + c), w);
-              const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(mag, xs), ones);
-              acc[mi][r] =
-                  _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
-                                  _mm256_mul_ps(_mm256_set1_ps(dl[mi * (k / 4) + c / 4]), s),
-                                  acc[mi][r]);
-            }
+            const __m256 s = two_scales<ST, kTwo>(srow[r], c >> gshift);
+            for (int mi = 0; mi < MT; ++mi)
+              step(c, r, mi, w, mag, _mm256_mul_ps(_mm256_set1_ps(d32[mi * (k / 32) + c / 32]), s));
           }
         }
       };
@@ -1522,6 +1554,12 @@ void avx2_matmul(Args<T> a) {
                              dl.data(), hsum.data());
   a.xq = xq.data();
   a.dl = dl.data();
+  std::vector<float> d32;
+  if constexpr (K == Kind::Int8Grouped) {  // one d per 32 columns (x's block), [m, k / 32]
+    d32.resize(a.m * a.k / 32);
+    for (int64_t i = 0; i < a.m * a.k / 32; ++i) d32[i] = dl[8 * i];
+    a.dl = d32.data();
+  }
   std::vector<float> corr;
   std::vector<int16_t> xo;
   if constexpr (K == Kind::Int6) {
