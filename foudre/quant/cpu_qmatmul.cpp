@@ -1349,7 +1349,8 @@ struct Avx2 {
     const int64_t k = a.k;
     const int gshift = a.gshift, st = a.st;
     const int8_t* xq = a.xq + m0 * k;
-    const float* dl = a.dl + m0 * (k / 4);
+    // x's d per 4 codes (group-wise int8: per 32, d32 below)
+    const float* dl = K == Kind::Int8Grouped ? nullptr : a.dl + m0 * (k / 4);
     const void* srow[R];
     const int64_t size = st == kF32 ? 4 : 2;
     for (int r = 0; r < R; ++r)
@@ -1387,10 +1388,10 @@ struct Avx2 {
       // steps of 32 columns (x's block, one d: d32 [m, k / 32]): one group, or two of 16 (two:
       // a loop of its own). In groups of 32 (GGUF's Q8_0 and Q5 types) the products d * s of 8
       // steps are formed at once (x's 8 d's times the row's 8 scales, stored) and each step
-      // broadcasts its own, where each step had read its scale (a 16-bit load, a conversion, a
-      // broadcast), broadcast x's d and multiplied them (the same products, the same bits;
-      // 4096 x 1536 and 1536 x 4096, two threads, in turns: batch 1 with the weights in L3
-      // 1.14-1.32x the speed, 4-128 rows 1.05-1.13x)
+      // broadcasts its own, where each step had read its scale (16-bit scales: a load, a
+      // conversion, a broadcast), broadcast x's d and multiplied them (the same products, the
+      // same bits; 4096 x 1536 and 1536 x 4096, two threads, in turns: batch 1 with the weights
+      // in L3 1.14-1.32x the speed, 4-128 rows 1.05-1.13x)
       const float* d32 = a.dl + m0 * (k / 32);
       const auto run = [&](auto two) __attribute__((always_inline)) {
         constexpr bool kTwo = decltype(two)::value;

@@ -96,9 +96,10 @@ GROUPED8_GEMM_ROWS = 32
 # two_scales; 1.10-1.17x the speed), Q8_0's dequantized GEMM over ours: 1.07-1.9x at 64 rows,
 # 1.24-1.29x at 128, 0.86-1.07x at 192, 0.86-0.99x at 256; with zero points (Q5_1) 1.19-1.28x
 # at 128, 1.01-1.02x at 192 (a 494.7M Llama's Q8_0 file prefilled 128 tokens 1.18x as fast
-# as through the dequantized GEMM, in turns in one process). 6 bits, unmeasured there, keep the
+# as through the dequantized GEMM, in turns in one process); in groups of 16 (two scales a step)
+# 1.11-1.20x at 64 rows, 0.87-0.93x at 128 ("grouped8_16"). 6 bits, unmeasured there, keep the
 # other paths' rows.
-AVX2_GEMM_ROWS = {"wide": 2048, "int4": 192, "grouped8": 192}
+AVX2_GEMM_ROWS = {"wide": 2048, "int4": 192, "grouped8": 192, "grouped8_16": 96}
 
 
 def dequantized_gemm_rows(bits: int, group_size: int | None) -> int:
@@ -108,7 +109,7 @@ def dequantized_gemm_rows(bits: int, group_size: int | None) -> int:
     grouped8 = bits == 8 and group_size is not None
     if bits in (4, 8) and cpu_qmatmul.path() == "avx2":
         if grouped8:
-            return AVX2_GEMM_ROWS["grouped8"]
+            return AVX2_GEMM_ROWS["grouped8" if (group_size or 0) >= 32 else "grouped8_16"]
         wide = bits == 8 or (group_size or 0) >= 128
         return AVX2_GEMM_ROWS["wide" if wide else "int4"]
     return GROUPED8_GEMM_ROWS if grouped8 else DEQUANTIZED_GEMM_ROWS

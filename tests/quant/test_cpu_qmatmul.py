@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from foudre.quant import cpu_qmatmul
+from foudre.quant import cpu_qmatmul, qlinear
 from foudre.quant.packing import pack_int6, quantize_int6, unpack_int4, unpack_int6
 from foudre.quant.qlinear import NATIVE_MAX_ROWS, QuantLinear, uses_native_kernels
 from tests.engine.march import MODELED_MACROS, native_paths, run_built_for
@@ -472,3 +472,21 @@ def test_paired_scales_change_no_result() -> None:
     odd = dataclasses.replace(own, z=own.z.contiguous())
     with pytest.raises(ValueError, match="row stride"):
         cpu_qmatmul.matmul(torch.randn(1, 384), odd)
+
+
+def test_the_avx2_path_hands_each_layout_its_own_gemm_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the AVX2 path each layout leaves the integer kernel at its own measured crossing
+    (``qlinear.AVX2_GEMM_ROWS``): group-wise 8 bits in groups of 16, whose steps scale two
+    groups a step, well before those of 32 or more; elsewhere the shared rows apply."""
+    rows = qlinear.AVX2_GEMM_ROWS
+    monkeypatch.setattr(cpu_qmatmul, "path", lambda: "avx2")
+    layouts = {
+        (8, None): "wide", (4, 128): "wide", (4, 256): "wide", (4, 32): "int4", (4, 64): "int4",
+        (8, 32): "grouped8", (8, 128): "grouped8", (8, 16): "grouped8_16",
+    }  # fmt: skip
+    for (bits, group), key in layouts.items():
+        assert qlinear.dequantized_gemm_rows(bits, group) == rows[key], (bits, group)
+    assert rows["grouped8_16"] < rows["grouped8"]
+    monkeypatch.setattr(cpu_qmatmul, "path", lambda: "vnni")
+    assert qlinear.dequantized_gemm_rows(8, 16) == qlinear.GROUPED8_GEMM_ROWS
+    assert qlinear.dequantized_gemm_rows(4, 32) == qlinear.DEQUANTIZED_GEMM_ROWS
