@@ -1247,7 +1247,8 @@ struct Avx2 {
       // scales' type, as the VNNI path's: read through a runtime type, Q4_0's ran 1.2x as long)
       // (int4 in groups of 128 or more: Wide; its steps, and int6's, read a scale each, compiled
       // for its type too: read through scale_at's runtime type, one thread on int4 g128 rows of
-      // 1536 columns with bfloat16 scales ran 0.9x its speed with float32 ones)
+      // 1536 columns with bfloat16 scales ran 0.9x its speed with float32 ones; int8 per
+      // channel reads its row's scale after the steps)
       constexpr bool kWide = K == Kind::Int4;
       const bool wide = K == Kind::Int4 && a.group >= 128;
       if constexpr (K == Kind::Int8)

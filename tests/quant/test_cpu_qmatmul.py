@@ -57,6 +57,7 @@ CASES = [
     (4, 64, True, 13, 384, torch.bfloat16),
     (4, 128, True, 16, 1024, torch.bfloat16),
     (4, 256, True, 33, 300, torch.float16),
+    (4, 128, True, 11, 640, torch.float32),  # (groups of 128 or more: a loop per scale type)
     (4, 32, "const", 37, 300, torch.float32),
     (4, 128, "const", 19, 384, torch.bfloat16),
     (4, 64, "half", 21, 256, torch.float32),
