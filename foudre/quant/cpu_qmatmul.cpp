@@ -1249,22 +1249,21 @@ struct Avx2 {
       // for its type too: read through scale_at's runtime type, one thread on int4 g128 rows of
       // 1536 columns with bfloat16 scales ran 0.9x its speed with float32 ones; int8 per
       // channel reads its row's scale after the steps)
-      constexpr bool kWide = K == Kind::Int4;
-      const bool wide = K == Kind::Int4 && a.group >= 128;
+      const auto typed = [&](auto wide) __attribute__((always_inline)) {
+        constexpr bool kWide = decltype(wide)::value;
+        if (a.st == kF16)
+          steps<MT, R, kWide, kF16>(a, m0, wr, nr, acc);
+        else if (a.st == kBF16)
+          steps<MT, R, kWide, kBF16>(a, m0, wr, nr, acc);
+        else
+          steps<MT, R, kWide, kF32>(a, m0, wr, nr, acc);
+      };
       if constexpr (K == Kind::Int8)
         steps<MT, R, false, -1>(a, m0, wr, nr, acc);
-      else if (wide && a.st == kF16)
-        steps<MT, R, kWide, kF16>(a, m0, wr, nr, acc);
-      else if (wide && a.st == kBF16)
-        steps<MT, R, kWide, kBF16>(a, m0, wr, nr, acc);
-      else if (wide)
-        steps<MT, R, kWide, kF32>(a, m0, wr, nr, acc);
-      else if (a.st == kF16)
-        steps<MT, R, false, kF16>(a, m0, wr, nr, acc);
-      else if (a.st == kBF16)
-        steps<MT, R, false, kBF16>(a, m0, wr, nr, acc);
+      else if (K == Kind::Int4 && a.group >= 128)
+        typed(std::bool_constant<K == Kind::Int4>{});
       else
-        steps<MT, R, false, kF32>(a, m0, wr, nr, acc);
+        typed(std::false_type{});
       if (K != Kind::Int8 && K != Kind::Int6 && (a.z || a.zc != 0.0f))
         take_offsets<MT, R>(a, m0, nr, acc, rest);
     }
@@ -1307,11 +1306,7 @@ struct Avx2 {
       }
   }
 
-  // the 8 scales from p + i as float32 (of the type ST)
-  template <int ST>
-  static __m256 scales8(const void* p, int64_t i) {
-    return scales8(p, i, ST);
-  }
+  // the 8 scales from p + i as float32
   static __m256 scales8(const void* p, int64_t i, int st) {
     if (st == kF32) return _mm256_loadu_ps(static_cast<const float*>(p) + i);
     const auto* h16 = static_cast<const uint16_t*>(p) + i;
@@ -1416,7 +1411,7 @@ struct Avx2 {
           alignas(32) float f[MT][R][8];
           for (; c + 256 <= k; c += 256) {
             for (int r = 0; r < R; ++r) {
-              const __m256 s8 = scales8<ST>(srow[r], c >> gshift);
+              const __m256 s8 = scales8(srow[r], c >> gshift, ST);
               for (int mi = 0; mi < MT; ++mi)
                 _mm256_store_ps(f[mi][r],
                                 _mm256_mul_ps(_mm256_loadu_ps(d32 + mi * (k / 32) + c / 32), s8));
