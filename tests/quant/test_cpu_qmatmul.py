@@ -347,7 +347,7 @@ def test_quant_linear_matches_reference(
     bits: int, group: int | None, m: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``QuantLinear`` (ours up to 32 rows, aten's at 48, our dequantized GEMM from 64; 6 bits
-    ours up to 63) against ``forward_reference``, with bias, input scale and an act-order
+    ours below 64 rows) against ``forward_reference``, with bias, input scale and an act-order
     permutation; switched off, 6 bits run the reference itself (aten has no kernel for them)."""
     monkeypatch.setitem(NATIVE_MAX_ROWS, bits, 32)
     torch.manual_seed(m + bits)
@@ -372,7 +372,9 @@ def test_quant_linear_matches_reference(
     tol = cpu_qmatmul.error_bound(xp, mod.dequantize(), bits, group).reshape(2, m, n) + 1e-5
     assert bool(((y - ref).abs() <= tol).all())
     if bits == 6:  # switched off: the reference itself, not the kernel (which rounds x on VNNI)
-        assert not cpu_qmatmul.rounds_activations() or not torch.equal(y, ref)
+        # (2 m rows from dequantized_gemm_rows on run the dequantized GEMM, which need not differ)
+        integer = 2 * m < qlinear.dequantized_gemm_rows(6, 16)
+        assert not (integer and cpu_qmatmul.rounds_activations()) or not torch.equal(y, ref)
         monkeypatch.setenv("FOUDRE_NATIVE_QMATMUL", "0")
         assert torch.equal(mod(x), ref)
 
