@@ -168,16 +168,18 @@ void row_ptrs(const Args<T>& a, int64_t n0, const uint8_t** wr, int64_t* nr) {
 
 // prefetch the line `ahead` bytes past p, which may lie past the buffer (a prefetch never
 // faults; the address is formed as an integer, not as a pointer past the object). Stream: the
-// rows of a batch-1 task (one at a time), each line read once, as non-temporal (prefetchnta;
-// against T0 at the same 8 KiB, chains of cold 4096 x 1536 weights: 1.00-1.01x where the
-// host's bandwidth was high, int8 1.025x and int4 1.02x where low); else (tasks of several
-// rows, whose tiles read their rows again from the caches, and the float path's 8 rows a task,
-// more lines in flight than an L1 holds) into every level (T0)
+// rows of a batch-1 task (one at a time), each line read once, into L2 (prefetcht1). It had been
+// non-temporal (prefetchnta: on Zen 4 1.00-1.025x T0), which on an Intel Xeon (AMX, 480 MB L3)
+// read cold 4096 x 1536 weights at batch 1 at half the speed: two threads, int8 10.5 GB/s
+// against 24-25 with T1 (T0 23-24, none 21; a plain read 31), Q8_0 10.8 / 20-22, int4 g128
+// 11.4 / 18-21, Q4_0 9.2 / 14. Else (tasks of several rows, whose tiles read their rows again
+// from the caches, and the float path's 8 rows a task, more lines in flight than an L1 holds)
+// into every level (T0)
 template <bool Stream>
 [[gnu::always_inline]] inline void prefetch_ahead(const void* p, int64_t ahead) {
 #if defined(__GNUC__)
   const auto* line = reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(p) + ahead);
-  __builtin_prefetch(line, 0, Stream ? 0 : 3);
+  __builtin_prefetch(line, 0, Stream ? 2 : 3);
 #else
   (void)p;
   (void)ahead;
