@@ -26,6 +26,7 @@ __all__ = [
     "build_llama_cpp",
     "gguf_of",
     "llama_bench",
+    "llama_bench_runs",
     "machine",
     "measure_bandwidth",
     "random_llama",
@@ -98,12 +99,23 @@ def with_llama2_tokenizer(model: Path) -> Path:
 LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
 
 
-def build_llama_cpp(root: Path, targets: tuple[str, ...] = ("llama-bench",)) -> Path:
-    """The directory of llama.cpp's programs built under ``root`` (``root/build/bin``): the
-    ``targets`` missing there are built from llama-cpp-python's sdist (downloaded with pip,
-    its vendored llama.cpp moved to ``root/src``), ``-DGGML_NATIVE=ON``, about 6 minutes on
-    2 cores for ``llama-bench`` and ``llama-quantize``."""
-    bin_dir = root / "build" / "bin"
+# llama.cpp's AMX kernels (its extra buffer type for Q4_0, Q8_0 and the K types, chosen at build
+# time where -march=native has AMX) died with SIGILL on an Intel Xeon VM whose AMX works for
+# oneDNN and for a plain tile program (2026-12-03: tilezero in tinygemm_kernel_amx, the first
+# prompt of a Q8_0 file); there the peer is built again without them, with its AVX-512 kernels
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+
+
+def build_llama_cpp(
+    root: Path, targets: tuple[str, ...] = ("llama-bench",), amx: bool = True
+) -> Path:
+    """The directory of llama.cpp's programs built under ``root`` (``root/build/bin``; without
+    AMX, ``amx=False``: ``root/build-noamx/bin``): the ``targets`` missing there are built from
+    llama-cpp-python's sdist (downloaded with pip, its vendored llama.cpp moved to
+    ``root/src``), ``-DGGML_NATIVE=ON``, about 6 minutes on 2 cores for ``llama-bench`` and
+    ``llama-quantize``."""
+    build = root / ("build" if amx else "build-noamx")
+    bin_dir = build / "bin"
     missing = [t for t in targets if not (bin_dir / t).exists()]
     if not missing:
         return bin_dir
@@ -121,12 +133,12 @@ def build_llama_cpp(root: Path, targets: tuple[str, ...] = ("llama-bench",)) -> 
             tar.extractall(dl, filter="data")
         vendored = next(dl.glob("llama_cpp_python-*/vendor/llama.cpp"))
         shutil.move(str(vendored), src)
-    build = root / "build"
     if not (build / "build.ninja").exists():
+        flags = [] if amx else [f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"]
         subprocess.run(
             ["cmake", "-S", str(src), "-B", str(build), "-G", "Ninja", "-DGGML_NATIVE=ON",
              "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
-             "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF"],
+             "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF", *flags],
             check=True,
         )  # fmt: skip
     subprocess.run(["ninja", "-C", str(build), *missing], check=True)
@@ -171,6 +183,16 @@ def run_child(script: str, *args: str, what: str) -> dict[str, Any]:
     if proc.returncode:
         raise SystemExit(f"{what} failed:\n{proc.stderr[-3000:]}")
     return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+def llama_bench_runs(bench: Path, gguf: Path) -> bool:
+    """Whether ``bench`` (llama-bench) gets through a 32-token prompt of ``gguf`` (False where it
+    dies, as its AMX kernels do on some hosts: ``NO_AMX``)."""
+    proc = subprocess.run(
+        [str(bench), "-m", str(gguf), "-p", "32", "-n", "0", "-r", "1", "-o", "json"],
+        capture_output=True,
+    )  # fmt: skip
+    return proc.returncode == 0
 
 
 def llama_bench(

@@ -5,7 +5,9 @@ The model is the medium random Llama (494.7M parameters, ``common.random_llama("
 bfloat16). llama.cpp converts it with its own converter (``convert_hf_to_gguf.py``, bf16) and
 quantizes that with ``llama-quantize`` to Q8_0 and Q4_0; ``--build`` builds ``llama-bench`` and
 ``llama-quantize`` from llama-cpp-python's sdist first (``common.build_llama_cpp``, about 6
-minutes on 2 cores). Each foudre configuration runs in a fresh process:
+minutes on 2 cores; where its AMX kernels die on a prompt, as on one Intel Xeon host, built
+again without AMX, ``common.NO_AMX``: each llama.cpp measurement that dies runs on that build,
+and the record lists which). Each foudre configuration runs in a fresh process:
 
 - bf16: the safetensors checkpoint, ``dtype="bfloat16"``;
 - int8 / int4: the same with ``quantization="int8"`` (per channel) / ``"int4"`` (groups of 128);
@@ -44,7 +46,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
+import subprocess
 import sys
 from datetime import date
 from pathlib import Path
@@ -141,15 +145,30 @@ def foudre_run(model: Path, quantization: str) -> dict[str, Any]:
     return run_child(__file__, *args, what=f"foudre {model.name} {quantization}")
 
 
-def llama_cpp_run(bench: Path, gguf: Path) -> dict[str, Any]:
+def llama_cpp_run(bench: Path, gguf: Path, fallback: Path | None = None) -> dict[str, Any]:
+    """llama-bench's figures for ``gguf``; a measurement that dies with SIGILL (its AMX kernels on
+    some hosts: ``common.NO_AMX``) runs again on ``fallback`` (the build without AMX), and
+    ``"no_amx"`` lists those measurements."""
     from common import llama_bench
 
-    return {
-        "decode_tps": llama_bench(bench, gguf, generate=128),
-        "prefill_128_tps": llama_bench(bench, gguf, prompt=128, repeats=PREFILL_PROMPTS),
-        "prefill_1024_tps": llama_bench(bench, gguf, prompt=1024, repeats=PREFILL_PROMPTS),
-        "decode_2048_tps": llama_bench(bench, gguf, generate=64, depth=DEPTH),
+    no_amx: list[str] = []
+
+    def bench_tps(name: str, **kw: int) -> float:
+        try:
+            return llama_bench(bench, gguf, **kw)
+        except subprocess.CalledProcessError as e:
+            if fallback is None or e.returncode != -signal.SIGILL:
+                raise
+            no_amx.append(name)
+            return llama_bench(fallback, gguf, **kw)
+
+    r: dict[str, Any] = {
+        "decode_tps": bench_tps("decode", generate=128),
+        "prefill_128_tps": bench_tps("prefill 128", prompt=128, repeats=PREFILL_PROMPTS),
+        "prefill_1024_tps": bench_tps("prefill 1024", prompt=1024, repeats=PREFILL_PROMPTS),
+        "decode_2048_tps": bench_tps(f"decode at {DEPTH}", generate=64, depth=DEPTH),
     }
+    return r | {"no_amx": no_amx}
 
 
 def main() -> None:
@@ -170,7 +189,14 @@ def main() -> None:
         return
 
     import torch
-    from common import build_llama_cpp, gguf_of, machine, measure_bandwidth, random_llama
+    from common import (
+        build_llama_cpp,
+        gguf_of,
+        llama_bench_runs,
+        machine,
+        measure_bandwidth,
+        random_llama,
+    )
 
     root = args.llama_cpp.expanduser()
     programs = ("llama-bench", "llama-quantize")
@@ -181,6 +207,14 @@ def main() -> None:
         raise SystemExit(f"no llama-bench / llama-quantize in {bin_dir}: run with --build")
     model = random_llama("medium", torch.bfloat16)
     ggufs = {q: gguf_of(model, root, q) for q in PRECISIONS.values()}
+    fallback = None  # llama-bench without AMX, where the default build dies on a prompt
+    if not all(llama_bench_runs(bin_dir / "llama-bench", g) for g in ggufs.values()):
+        no_amx = root / "build-noamx" / "bin"
+        if args.build:
+            no_amx = build_llama_cpp(root, programs, amx=False)
+        fallback = no_amx / "llama-bench"
+        if not fallback.exists():
+            raise SystemExit("llama-bench died on a prompt here: run with --build (no AMX)")
     print(machine(), flush=True)
     bandwidth = [measure_bandwidth()]
     runs: list[dict[str, Any]] = []
@@ -207,7 +241,10 @@ def main() -> None:
                 runs.append(pair | {"round": rnd, "precision": precision, "who": "pair"})
                 ratios = ", ".join(f"{r:.2f}" for r in pair["gguf_over_own"])
                 print(f"round {rnd} {precision:>4} GGUF / own in one process: {ratios}", flush=True)
-            record(rnd, precision, "llama.cpp", llama_cpp_run(bin_dir / "llama-bench", ggufs[peer]))
+            peer_run = llama_cpp_run(bin_dir / "llama-bench", ggufs[peer], fallback)
+            record(rnd, precision, "llama.cpp", peer_run)
+            if peer_run["no_amx"]:
+                print(f"  (llama.cpp without AMX, where it died: {', '.join(peer_run['no_amx'])})")
     bandwidth.append(measure_bandwidth())
     paired = [r[key] for r in runs for key in ("bandwidth", "decode_bandwidth") if key in r]
     bw = max(bandwidth + paired)
@@ -230,6 +267,12 @@ def main() -> None:
         (args.out / "results.json").write_text(json.dumps(rec, indent=1) + "\n")
         head = f"# Quantized kernels against llama.cpp ({rec['date']})\n\n{rec['machine']}\n\n"
         head += f"Command: `{rec['command']}`\n\n" + (f"{args.note}\n\n" if args.note else "")
+        died = sorted({f"{r['precision']} {m}" for r in runs for m in r.get("no_amx", [])})
+        if died:
+            head += (
+                "llama.cpp's default build (AMX) died with SIGILL here on: "
+                + ", ".join(died) + "; those ran on its build without AMX (common.NO_AMX)\n\n"
+            )  # fmt: skip
         (args.out / "results.md").write_text(head + table + "\n")
 
 
