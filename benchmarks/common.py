@@ -25,8 +25,8 @@ __all__ = [
     "SMALL",
     "build_llama_cpp",
     "gguf_of",
+    "has_amx",
     "llama_bench",
-    "llama_bench_runs",
     "machine",
     "measure_bandwidth",
     "random_llama",
@@ -100,9 +100,10 @@ LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
 
 
 # llama.cpp's AMX kernels (its extra buffer type for Q4_0, Q8_0 and the K types, chosen at build
-# time where -march=native has AMX) died with SIGILL on an Intel Xeon VM whose AMX works for
-# oneDNN and for a plain tile program (2026-12-03: tilezero in tinygemm_kernel_amx, the first
-# prompt of a Q8_0 file); there the peer is built again without them, with its AVX-512 kernels
+# time where -march=native has AMX) died on prompts of a Q8_0 file on an Intel Xeon VM whose AMX
+# works for oneDNN and for a plain tile program (2026-12-03: SIGILL at tilezero in
+# tinygemm_kernel_amx, or SIGSEGV, not every run); a benchmark's measurement that dies runs
+# again on a build without them, with its AVX-512 kernels
 NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 
 
@@ -185,14 +186,13 @@ def run_child(script: str, *args: str, what: str) -> dict[str, Any]:
     return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
 
 
-def llama_bench_runs(bench: Path, gguf: Path) -> bool:
-    """Whether ``bench`` (llama-bench) gets through a 32-token prompt of ``gguf`` (False where it
-    dies, as its AMX kernels do on some hosts: ``NO_AMX``)."""
-    proc = subprocess.run(
-        [str(bench), "-m", str(gguf), "-p", "32", "-n", "0", "-r", "1", "-o", "json"],
-        capture_output=True,
-    )  # fmt: skip
-    return proc.returncode == 0
+def has_amx() -> bool:
+    """Whether this CPU reports AMX's int8 tiles (where llama.cpp's native build takes its AMX
+    kernels: ``NO_AMX``)."""
+    try:
+        return " amx_int8" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
 
 
 def llama_bench(

@@ -5,9 +5,9 @@ The model is the medium random Llama (494.7M parameters, ``common.random_llama("
 bfloat16). llama.cpp converts it with its own converter (``convert_hf_to_gguf.py``, bf16) and
 quantizes that with ``llama-quantize`` to Q8_0 and Q4_0; ``--build`` builds ``llama-bench`` and
 ``llama-quantize`` from llama-cpp-python's sdist first (``common.build_llama_cpp``, about 6
-minutes on 2 cores; where its AMX kernels die on a prompt, as on one Intel Xeon host, built
-again without AMX, ``common.NO_AMX``: each llama.cpp measurement that dies runs on that build,
-and the record lists which). Each foudre configuration runs in a fresh process:
+minutes on 2 cores; on a CPU with AMX also a build without it, ``common.NO_AMX``: where its AMX
+kernels die on a prompt, as on one Intel Xeon host, that llama.cpp measurement runs on this
+build, and the record lists which). Each foudre configuration runs in a fresh process:
 
 - bf16: the safetensors checkpoint, ``dtype="bfloat16"``;
 - int8 / int4: the same with ``quantization="int8"`` (per channel) / ``"int4"`` (groups of 128);
@@ -46,7 +46,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -145,10 +144,10 @@ def foudre_run(model: Path, quantization: str) -> dict[str, Any]:
     return run_child(__file__, *args, what=f"foudre {model.name} {quantization}")
 
 
-def llama_cpp_run(bench: Path, gguf: Path, fallback: Path | None = None) -> dict[str, Any]:
-    """llama-bench's figures for ``gguf``; a measurement that dies with SIGILL (its AMX kernels on
-    some hosts: ``common.NO_AMX``) runs again on ``fallback`` (the build without AMX), and
-    ``"no_amx"`` lists those measurements."""
+def llama_cpp_run(bench: Path, gguf: Path, fallback: Path) -> dict[str, Any]:
+    """llama-bench's figures for ``gguf``; a measurement that dies of a signal (its AMX kernels
+    on some hosts: ``common.NO_AMX``) runs again on ``fallback`` (the build without AMX, where it
+    exists), and ``"no_amx"`` lists those measurements."""
     from common import llama_bench
 
     no_amx: list[str] = []
@@ -157,7 +156,7 @@ def llama_cpp_run(bench: Path, gguf: Path, fallback: Path | None = None) -> dict
         try:
             return llama_bench(bench, gguf, **kw)
         except subprocess.CalledProcessError as e:
-            if fallback is None or e.returncode != -signal.SIGILL:
+            if e.returncode >= 0 or not fallback.exists():
                 raise
             no_amx.append(name)
             return llama_bench(fallback, gguf, **kw)
@@ -192,7 +191,7 @@ def main() -> None:
     from common import (
         build_llama_cpp,
         gguf_of,
-        llama_bench_runs,
+        has_amx,
         machine,
         measure_bandwidth,
         random_llama,
@@ -207,14 +206,10 @@ def main() -> None:
         raise SystemExit(f"no llama-bench / llama-quantize in {bin_dir}: run with --build")
     model = random_llama("medium", torch.bfloat16)
     ggufs = {q: gguf_of(model, root, q) for q in PRECISIONS.values()}
-    fallback = None  # llama-bench without AMX, where the default build dies on a prompt
-    if not all(llama_bench_runs(bin_dir / "llama-bench", g) for g in ggufs.values()):
-        no_amx = root / "build-noamx" / "bin"
-        if args.build:
-            no_amx = build_llama_cpp(root, programs, amx=False)
-        fallback = no_amx / "llama-bench"
-        if not fallback.exists():
-            raise SystemExit("llama-bench died on a prompt here: run with --build (no AMX)")
+    # llama-bench without AMX, for the measurements the default build dies on (common.NO_AMX)
+    fallback = root / "build-noamx" / "bin" / "llama-bench"
+    if args.build and has_amx():
+        build_llama_cpp(root, programs, amx=False)
     print(machine(), flush=True)
     bandwidth = [measure_bandwidth()]
     runs: list[dict[str, Any]] = []
@@ -270,7 +265,7 @@ def main() -> None:
         died = sorted({f"{r['precision']} {m}" for r in runs for m in r.get("no_amx", [])})
         if died:
             head += (
-                "llama.cpp's default build (AMX) died with SIGILL here on: "
+                "llama.cpp's default build (AMX) died here on: "
                 + ", ".join(died) + "; those ran on its build without AMX (common.NO_AMX)\n\n"
             )  # fmt: skip
         (args.out / "results.md").write_text(head + table + "\n")
