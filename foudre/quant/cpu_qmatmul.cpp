@@ -67,6 +67,12 @@
 #define FOUDRE_AVX512 1
 #if defined(__AVX512VNNI__)
 #define FOUDRE_VNNI 1
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#include <cstdlib>
+#define FOUDRE_AMX 1
+#endif
 #endif
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -1020,6 +1026,122 @@ void vnni_tiles(const Args<T>& a) {
 // quantize x, then the tiles; the codes' offsets taken off in the lanes' dots (xs) where they
 // are one integer (int6's 32; groups under 128 whose zero points are all zc), else at the end
 // through corr = the sums of a row's 16-code sums: per row (int8), per group (grouped)
+#if defined(FOUDRE_AMX)
+
+// -- AMX: int8 per channel ---------------------------------------------------------------------
+//
+// Where the CPU has AMX's int8 tiles and Linux lets this process use them (arch_prctl: the
+// tiles' 8 KiB of state is granted on request; FOUDRE_AMX=0 declines it), per-channel int8 runs
+// on them from kAmxRows x rows (a row's result there depends on no other row, but differs from
+// the VNNI kernel's in its float rounding: the sums' order is not the same). x is quantized as on the VNNI path (per 128 columns, signed codes); a
+// tile product (tdpbssd: signed by signed, no offset) takes 16 weight rows x 64 columns straight
+// from the row-major codes (A, rows row_bytes apart) and 16 x rows packed 4 bytes a column group
+// (B), summing each (weight row, x row) pair's 64 products in int32; two such products make a
+// block of 128 columns, whose int32 sums are converted once and multiplied by x's d of the block
+// into float32 accumulators (one vector per weight row, its lanes the x rows); at the end y = s
+// times that. Each task takes 16 weight rows (one tile of A) for every 16 x rows.
+
+// the fewest x rows that run on the tiles (fewer, the VNNI kernel is faster: 4096 x 1536 and
+// 1536 x 4096 weights from memory, two threads, in turns: 1 row 0.89x, 2 0.95x, 4 1.05x,
+// 32 2.28x)
+constexpr int64_t kAmxRows = 4;
+
+// whether this process may use AMX's tiles (asked once)
+inline bool amx_ready() {
+  static const bool ok = [] {
+    const char* env = std::getenv("FOUDRE_AMX");
+    if (env && env[0] == '0') return false;
+    constexpr long kReqPerm = 0x1023, kXTileData = 18;  // ARCH_REQ_XCOMP_PERM, XTILEDATA
+    return syscall(SYS_arch_prctl, kReqPerm, kXTileData) == 0;
+  }();
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+template <typename T>
+void amx_int8(const Args<T>& a) {
+  const int64_t m = a.m, n = a.n, k = a.k;
+  const int64_t chunks = k / 64, blocks = (k + 127) / 128, xtiles = (m + 15) / 16;
+  // B: per x tile and 64 columns, 16 lines of 64 bytes: line j holds columns 4 j .. 4 j + 3 of
+  // the tile's 16 rows (rows past m zero); d: per x tile and block, the 16 rows' d
+  std::vector<int32_t> xb(xtiles * chunks * 256, 0);
+  std::vector<float> dt(xtiles * blocks * 16, 0.0f);
+  const auto* xq32 = reinterpret_cast<const int32_t*>(a.xq);
+  for (int64_t i = 0; i < m; ++i) {
+    const int64_t jt = i / 16, ii = i % 16;
+    for (int64_t c = 0; c < chunks; ++c)
+      for (int64_t j = 0; j < 16; ++j)
+        xb[(jt * chunks + c) * 256 + j * 16 + ii] = xq32[i * (k / 4) + c * 16 + j];
+    for (int64_t b = 0; b < blocks; ++b)
+      dt[(jt * blocks + b) * 16 + ii] = a.dl[i * (k / 4) + b * 32];
+  }
+  const int64_t tasks = (n + 15) / 16;
+#pragma omp parallel
+  {
+    TileConfig cfg;  // C: tile 0, A: 1 and 2, B: 3 and 4
+    for (int t = 0; t < 5; ++t) {
+      cfg.rows[t] = 16;
+      cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+    std::vector<int8_t> pad;  // the last task's rows past n: zero
+    alignas(64) int32_t sums[16][16];
+    alignas(64) float out[16][16];
+#pragma omp for schedule(static)
+    for (int64_t task = 0; task < tasks; ++task) {
+      const int64_t n0 = task * 16, rows = std::min<int64_t>(16, n - n0);
+      const int8_t* w = reinterpret_cast<const int8_t*>(a.w) + n0 * a.row_bytes;
+      int64_t stride = a.row_bytes;
+      if (rows < 16) {
+        pad.assign(16 * k, 0);
+        for (int64_t r = 0; r < rows; ++r) std::memcpy(&pad[r * k], w + r * a.row_bytes, k);
+        w = pad.data();
+        stride = k;
+      }
+      for (int64_t jt = 0; jt < xtiles; ++jt) {
+        __m512 acc[16];
+        for (auto& v : acc) v = _mm512_setzero_ps();
+        for (int64_t b = 0; b < blocks; ++b) {
+          const int64_t c0 = b * 128;
+          if (jt == 0 && rows == 16)  // the same columns of the next task's rows, into L2
+            for (int r = 0; r < 16; ++r) {
+              const uintptr_t next = reinterpret_cast<uintptr_t>(w + (16 + r) * stride + c0);
+              prefetch_l2(next);
+              prefetch_l2(next + 64);
+            }
+          _tile_zero(0);
+          _tile_loadd(1, w + c0, stride);
+          _tile_loadd(3, &xb[(jt * chunks + c0 / 64) * 256], 64);
+          _tile_dpbssd(0, 1, 3);
+          if (c0 + 64 < k) {
+            _tile_loadd(2, w + c0 + 64, stride);
+            _tile_loadd(4, &xb[(jt * chunks + c0 / 64 + 1) * 256], 64);
+            _tile_dpbssd(0, 2, 4);
+          }
+          _tile_stored(0, sums, 64);
+          const __m512 d = _mm512_loadu_ps(&dt[(jt * blocks + b) * 16]);
+          for (int r = 0; r < 16; ++r)
+            acc[r] = _mm512_fmadd_ps(
+                _mm512_cvtepi32_ps(_mm512_load_si512(sums[r])), d, acc[r]);
+        }
+        for (int64_t r = 0; r < rows; ++r)
+          _mm512_store_ps(out[r], _mm512_mul_ps(acc[r], _mm512_set1_ps(scale_at(a.s, n0 + r, a.st))));
+        for (int64_t ii = 0; ii < std::min<int64_t>(16, m - jt * 16); ++ii)
+          for (int64_t r = 0; r < rows; ++r) store1(a.y + (jt * 16 + ii) * n + n0 + r, out[r][ii]);
+      }
+    }
+    _tile_release();
+  }
+}
+
+#endif  // FOUDRE_AMX
+
 template <typename T, Kind K>
 void vnni_matmul(Args<T> a) {
   constexpr bool grouped = K != Kind::Int8;
@@ -1031,6 +1153,14 @@ void vnni_matmul(Args<T> a) {
                             hsum.data());
   a.xq = xq.data();
   a.dl = dl.data();
+#if defined(FOUDRE_AMX)
+  if constexpr (K == Kind::Int8) {
+    if (a.m >= kAmxRows && amx_ready()) {
+      amx_int8(a);
+      return;
+    }
+  }
+#endif
   std::vector<float> dl8;
   if constexpr (K == Kind::Int8Grouped) {  // one d per 8 columns (a lane after the pair sums)
     dl8.resize(a.m * a.k / 8);
@@ -1743,6 +1873,15 @@ int foudre_qmm_path() {
   return 1;
 #elif defined(FOUDRE_AVX2)
   return 3;
+#else
+  return 0;
+#endif
+}
+
+// the fewest x rows that per-channel int8 runs on AMX's tiles with; 0 where it never does
+int foudre_qmm_amx_rows() {
+#if defined(FOUDRE_AMX)
+  return amx_ready() ? static_cast<int>(kAmxRows) : 0;
 #else
   return 0;
 #endif

@@ -61,6 +61,15 @@ def function(dtype: torch.dtype) -> int | None:
 
 
 @lru_cache(maxsize=1)
+def amx_rows() -> int:
+    """The fewest rows from which per-channel int8 runs on AMX's int8 tiles (where the CPU has
+    them and Linux grants this process their state; ``FOUDRE_AMX=0`` declines them), rounding
+    differently from the VNNI kernel below them; 0 where it never does."""
+    dll = _library()
+    return 0 if dll is None else int(dll.foudre_qmm_amx_rows())
+
+
+@lru_cache(maxsize=1)
 def path() -> str | None:
     """``"vnni"``, ``"avx2"``, ``"avx512"`` or ``"portable"``: the path the library was built
     for; None where it did not build (asked every decode step: one library, one answer)."""

@@ -101,12 +101,22 @@ GROUPED8_GEMM_ROWS = 32
 # other paths' rows.
 AVX2_GEMM_ROWS = {"wide": 2048, "int4": 192, "grouped8": 192, "grouped8_16": 96}
 
+# Where per-channel int8 runs on AMX's int8 tiles (cpu_qmatmul.amx_rows()), their kernel leads
+# the dequantized GEMM (oneDNN's bfloat16 one on AMX) at every batch: 12 weights of 4096 x 1536
+# and 1536 x 4096 on an Intel Xeon (2 threads, bf16 x) took 9.8 / 17.0 / 33.8 / 64.5 ms at 64 /
+# 128 / 256 / 512 rows against 25.8 / 35.5 / 45.0 / 84.5 (its time grows by ~0.13 ms a row,
+# the dequantized GEMM's by ~0.15 past its dequantization). So there they take every row.
+AMX_GEMM_ROWS = 1 << 30
+
 
 def dequantized_gemm_rows(bits: int, group_size: int | None) -> int:
     """The rows from which ``QuantLinear``'s CPU forward (and the native decode step's limit)
     turns to ``cpu_qmatmul.matmul_dequantized`` for a ``bits``-bit layout in ``group_size``
-    (``AVX2_GEMM_ROWS`` on the AVX2 path)."""
+    (``AVX2_GEMM_ROWS`` on the AVX2 path; per-channel int8 on AMX's tiles: never,
+    ``AMX_GEMM_ROWS``)."""
     grouped8 = bits == 8 and group_size is not None
+    if bits == 8 and group_size is None and cpu_qmatmul.amx_rows():
+        return AMX_GEMM_ROWS
     if bits in (4, 8) and cpu_qmatmul.path() == "avx2":
         if grouped8:
             return AVX2_GEMM_ROWS["grouped8" if (group_size or 0) >= 32 else "grouped8_16"]

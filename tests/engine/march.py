@@ -33,6 +33,7 @@ MARCH_PATHS = {
 # tests/quant/test_cpu_qmatmul.py checks that no source tests another)
 MODELED_MACROS = frozenset(
     {"AVX2", "FMA", "F16C", "AVX512F", "AVX512BW", "AVX512VL", "AVX512VNNI", "AVX512BF16"}
+    | {"AMX_TILE", "AMX_INT8"}
 )
 
 
@@ -54,6 +55,8 @@ def cpu_paths() -> frozenset[str]:
         "avx512": avx512,
         "avx512bf16": avx512 and "avx512_bf16" in flags,
         "avx512vnni": avx512 and "avx512_vnni" in flags,
+        # (the VNNI path beneath it: tests/quant/test_cpu_qmatmul.py runs it with FOUDRE_AMX=0)
+        "amx": avx512 and {"avx512_vnni", "amx_tile", "amx_int8"} <= flags,
     }
     return frozenset(name for name, taken in paths.items() if taken)
 

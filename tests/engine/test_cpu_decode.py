@@ -18,6 +18,7 @@ from foudre.layers.linear import MAX_ROWS, Linear
 from foudre.quant import cpu_qmatmul, set_compute_dtype
 from foudre.quant.api import Int4WeightOnly, Int8WeightOnly, matches, quantize_
 from foudre.quant.qlinear import (
+    AMX_GEMM_ROWS,
     DEQUANTIZED_GEMM_ROWS,
     GROUPED8_GEMM_ROWS,
     QuantLinear,
@@ -513,7 +514,10 @@ def test_native_decode_runs_quantized_projections(
         assert isinstance(first, QuantLinear)
         gemm = dequantized_gemm_rows(first.bits, first.group_size)
         grouped8 = first.bits == 8 and first.group_size is not None
-        if cpu_qmatmul.path() != "avx2":
+        amx = first.bits == 8 and not grouped8 and cpu_qmatmul.amx_rows()
+        if amx:  # per-channel int8 on AMX's tiles: every row
+            assert gemm == AMX_GEMM_ROWS
+        elif cpu_qmatmul.path() != "avx2":
             assert gemm == (GROUPED8_GEMM_ROWS if grouped8 else DEQUANTIZED_GEMM_ROWS)
         assert native.max_rows == gemm - 1
         many = min(20, gemm - 1)
@@ -521,8 +525,10 @@ def test_native_decode_runs_quantized_projections(
         new = [[i + 1] for i in range(many)]
         got, ref = both_paths(runner, tables, [3] * many, new, [1] * many)
         assert torch.equal(got, ref), (got - ref).abs().max()
-        wide = gemm  # QuantLinear's GEMM from here: Python's step
-        assert not native.can_run(ForwardStep([[1]] * wide, [3] * wide, [[1]] * wide, [1] * wide))
+        if not amx:
+            wide = gemm  # QuantLinear's GEMM from here: Python's step
+            step = ForwardStep([[1]] * wide, [3] * wide, [[1]] * wide, [1] * wide)
+            assert not native.can_run(step)
     assert calls == [1, 3, many]
     # writing a projection's buffers drops its view: the next step goes back to Python
     first.invalidate_layouts()

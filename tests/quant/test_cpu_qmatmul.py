@@ -13,7 +13,10 @@ x to its block's int8 grid, ``|x - d q| <= d / 2`` with ``d = max|x| / 127`` ove
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -187,6 +190,29 @@ def check_path_portable() -> None:
 
 def test_kernels_match_dequantized_matmul_on_this_cpu() -> None:
     check_kernels()
+
+
+def check_path_vnni_without_amx() -> None:
+    assert cpu_qmatmul.path() == "vnni" and cpu_qmatmul.amx_rows() == 0
+    check_kernels()
+    test_a_row_does_not_depend_on_its_batch()
+
+
+def test_the_vnni_kernel_beneath_amx() -> None:
+    """Where per-channel int8 runs on AMX's tiles from ``amx_rows()`` rows, the VNNI kernel that
+    they replace there (``FOUDRE_AMX=0``, in a fresh process: the library asks once)."""
+    if cpu_qmatmul.amx_rows() == 0:
+        pytest.skip("no AMX tiles here: this build's own tests run the VNNI kernel")
+    script = (
+        "from tests.quant.test_cpu_qmatmul import check_path_vnni_without_amx as check\n"
+        "check()\nprint('ok')\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, FOUDRE_AMX="0")
+    out = subprocess.run(
+        [sys.executable, "-c", script], env=env, cwd=root, capture_output=True, text=True
+    )
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
 
 
 def test_the_march_checks_know_this_build() -> None:
@@ -391,12 +417,23 @@ def test_a_row_does_not_depend_on_its_batch() -> None:
                               (4, 32, "const"), (4, 32, True), (6, 16, False)):  # fmt: skip
         mod = quant_module(bits, group, zero, torch.randn(70, 300))
         packed = cpu_qmatmul.layout(mod.qweight, mod.scales, mod.zeros, mod.group_size, bits)
+        # (per-channel int8 on AMX's tiles from amx_rows() rows: the same bits among batches
+        # from there, and among batches below them, the VNNI kernel's)
+        amx = cpu_qmatmul.amx_rows() if bits == 8 and group is None else 0
         for dtype in (torch.bfloat16, torch.float32):
             x = torch.randn(37, 300).to(dtype)
             batch = cpu_qmatmul.matmul(x, packed)
             for i in (0, 5, 36):
-                assert torch.equal(cpu_qmatmul.matmul(x[i : i + 1], packed), batch[i : i + 1])
-                assert torch.equal(cpu_qmatmul.matmul(x[i : i + 3], packed)[0], batch[i])
+                alone = cpu_qmatmul.matmul(x[i : i + 1], packed)
+                assert torch.equal(cpu_qmatmul.matmul(x[i : i + 3], packed)[0], alone[0])
+                if amx:
+                    lo = min(i, 37 - amx)
+                    tiles = cpu_qmatmul.matmul(x[lo : lo + amx], packed)
+                    assert torch.equal(tiles[i - lo], batch[i])
+                    if dtype == torch.float32:  # (the tiles ran: another rounding)
+                        assert not torch.equal(alone[0], batch[i])
+                else:
+                    assert torch.equal(alone, batch[i : i + 1])
 
 
 def test_a_row_does_not_depend_on_the_threads() -> None:
@@ -482,6 +519,7 @@ def test_the_avx2_path_hands_each_layout_its_own_gemm_rows(monkeypatch: pytest.M
     (``qlinear.AVX2_GEMM_ROWS``): group-wise 8 bits in groups of 16, whose steps scale two
     groups a step, well before those of 32 or more; elsewhere the shared rows apply."""
     rows = qlinear.AVX2_GEMM_ROWS
+    monkeypatch.setattr(cpu_qmatmul, "amx_rows", lambda: 0)
     monkeypatch.setattr(cpu_qmatmul, "path", lambda: "avx2")
     layouts = {
         (8, None): "wide", (4, 128): "wide", (4, 256): "wide", (4, 32): "int4", (4, 64): "int4",
@@ -493,3 +531,8 @@ def test_the_avx2_path_hands_each_layout_its_own_gemm_rows(monkeypatch: pytest.M
     monkeypatch.setattr(cpu_qmatmul, "path", lambda: "vnni")
     assert qlinear.dequantized_gemm_rows(8, 16) == qlinear.GROUPED8_GEMM_ROWS
     assert qlinear.dequantized_gemm_rows(4, 32) == qlinear.DEQUANTIZED_GEMM_ROWS
+    assert qlinear.dequantized_gemm_rows(8, None) == qlinear.DEQUANTIZED_GEMM_ROWS
+    # per-channel int8 on AMX's tiles: every row, the other layouts as before
+    monkeypatch.setattr(cpu_qmatmul, "amx_rows", lambda: 4)
+    assert qlinear.dequantized_gemm_rows(8, None) == qlinear.AMX_GEMM_ROWS
+    assert qlinear.dequantized_gemm_rows(8, 32) == qlinear.GROUPED8_GEMM_ROWS
