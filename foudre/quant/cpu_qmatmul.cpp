@@ -29,7 +29,8 @@
 // to them: 27 GB/s and 40-43 (Zen 4, 4 KiB ahead then; a 64-projection int4 decode step's
 // products 1.10x, int8's 1.04-1.13x, in interleaved pairs).
 //
-// Four paths, by what the compiler targets (built with -march=native):
+// Four paths, by what the compiler targets (built with -march=native), and AMX's tiles beside
+// the first:
 //   VNNI      (AVX512-VNNI): x quantized to int8 per block (d = max|x| / 127; 32 columns for
 //             group-wise int8, as llama.cpp's Q8_0; 128 per channel, for int6 and for int4 in
 //             groups of 128 or more, 64 for smaller int4 groups: their steps sum two 64-code
@@ -46,6 +47,9 @@
 //             then the odd ones), so one AND (low) or shift and AND (high) of 64 code bytes lines
 //             them up with 64 of x's. The loops of groups under 128 are compiled for their
 //             scales' type.
+//   AMX       (beside VNNI, where the CPU has AMX's int8 tiles and Linux grants them): int8 per
+//             channel from 4 x rows and int4 in groups of 128 or more from 8 on tile products
+//             of 16 weight rows by 16 x rows (see "-- AMX --" below); x rounded as for VNNI.
 //   AVX-512   the codes widened to float32, dequantized, multiplied with x in float32: no
 //             activation rounding.
 //   AVX2      (without AVX-512; with FMA and F16C): the VNNI path's arithmetic on 8 lanes (see
@@ -1023,16 +1027,13 @@ void vnni_tiles(const Args<T>& a) {
   }
 }
 
-// quantize x, then the tiles; the codes' offsets taken off in the lanes' dots (xs) where they
-// are one integer (int6's 32; groups under 128 whose zero points are all zc), else at the end
-// through corr = the sums of a row's 16-code sums: per row (int8), per group (grouped)
 #if defined(FOUDRE_AMX)
 
-// -- AMX: int8 per channel ---------------------------------------------------------------------
+// -- AMX: int8 per channel, int4 in groups of 128 or more --------------------------------------
 //
 // Where the CPU has AMX's int8 tiles and Linux lets this process use them (arch_prctl: the
 // tiles' 8 KiB of state is granted on request; FOUDRE_AMX=0 declines it), per-channel int8 runs
-// on them from kAmxRows x rows (a row's result there depends on no other row, but differs from
+// on them from kAmxRows x rows (int4 g128+: amx_int4, below) (a row's result there depends on no other row, but differs from
 // the VNNI kernel's in its float rounding: the sums' order is not the same). x is quantized as on the VNNI path (per 128 columns, signed codes); a
 // tile product (tdpbssd: signed by signed, no offset) takes 16 weight rows x 64 columns straight
 // from the row-major codes (A, rows row_bytes apart) and 16 x rows packed 4 bytes a column group
@@ -1041,10 +1042,10 @@ void vnni_tiles(const Args<T>& a) {
 // into float32 accumulators (one vector per weight row, its lanes the x rows); at the end y = s
 // times that. Each task takes 16 weight rows (one tile of A) for every 16 x rows.
 
-// the fewest x rows that run on the tiles (fewer, the VNNI kernel is faster: 4096 x 1536 and
-// 1536 x 4096 weights from memory, two threads, in turns: 1 row 0.89x, 2 0.95x, 4 1.05x,
-// 32 2.28x)
-constexpr int64_t kAmxRows = 4;
+// the fewest x rows that run on the tiles (fewer, the VNNI kernel is faster; 4096 x 1536 and
+// 1536 x 4096 weights from memory, two threads, in turns: int8 1 row 0.89x, 2 0.95x, 4 1.05x,
+// 32 2.28x; int4 g128 4 rows 0.67x, 8 1.19x, 16 2.1x, 32 2.8x)
+constexpr int64_t kAmxRows = 4, kAmxRowsInt4 = 8;
 
 // whether this process may use AMX's tiles (asked once)
 inline bool amx_ready() {
@@ -1056,6 +1057,10 @@ inline bool amx_ready() {
   }();
   return ok;
 }
+
+// GCC's tile loads declare no memory operand: before one reads a buffer just written, the
+// compiler must have stored it
+[[gnu::always_inline]] inline void tile_reads_memory() { asm volatile("" ::: "memory"); }
 
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0;
@@ -1072,12 +1077,11 @@ void amx_int8(const Args<T>& a) {
   // the tile's 16 rows (rows past m zero); d: per x tile and block, the 16 rows' d
   std::vector<int32_t> xb(xtiles * chunks * 256, 0);
   std::vector<float> dt(xtiles * blocks * 16, 0.0f);
-  const auto* xq32 = reinterpret_cast<const int32_t*>(a.xq);
   for (int64_t i = 0; i < m; ++i) {
     const int64_t jt = i / 16, ii = i % 16;
     for (int64_t c = 0; c < chunks; ++c)
       for (int64_t j = 0; j < 16; ++j)
-        xb[(jt * chunks + c) * 256 + j * 16 + ii] = xq32[i * (k / 4) + c * 16 + j];
+        std::memcpy(&xb[(jt * chunks + c) * 256 + j * 16 + ii], a.xq + i * k + c * 64 + 4 * j, 4);
     for (int64_t b = 0; b < blocks; ++b)
       dt[(jt * blocks + b) * 16 + ii] = a.dl[i * (k / 4) + b * 32];
   }
@@ -1103,6 +1107,7 @@ void amx_int8(const Args<T>& a) {
         for (int64_t r = 0; r < rows; ++r) std::memcpy(&pad[r * k], w + r * a.row_bytes, k);
         w = pad.data();
         stride = k;
+        tile_reads_memory();
       }
       for (int64_t jt = 0; jt < xtiles; ++jt) {
         __m512 acc[16];
@@ -1111,7 +1116,7 @@ void amx_int8(const Args<T>& a) {
           const int64_t c0 = b * 128;
           if (jt == 0 && rows == 16)  // the same columns of the next task's rows, into L2
             for (int r = 0; r < 16; ++r) {
-              const uintptr_t next = reinterpret_cast<uintptr_t>(w + (16 + r) * stride + c0);
+              const uintptr_t next = reinterpret_cast<uintptr_t>(w) + (16 + r) * stride + c0;
               prefetch_l2(next);
               prefetch_l2(next + 64);
             }
@@ -1140,8 +1145,99 @@ void amx_int8(const Args<T>& a) {
   }
 }
 
+// int4 in groups of 128 or more: x in the VNNI path's nibble order (per 128 columns the even
+// ones, then the odd ones), so that a block's 64 code bytes of a weight row, their low nibbles
+// then their high ones, unpacked to bytes (two A tiles, through a buffer), meet x's two halves
+// as packed for int8 (the same B); tdpbusd (the codes unsigned) sums q x per pair and block,
+// and each block adds s (d sum - z sum(d q over the block)) of its group. A task unpacks its 16
+// rows' block once for every x tile (blocks outside, x tiles inside).
+template <typename T>
+void amx_int4(const Args<T>& a, const float* hsum) {
+  const int64_t m = a.m, n = a.n, k = a.k;
+  const int64_t chunks = k / 64, blocks = k / 128, xtiles = (m + 15) / 16;
+  std::vector<int32_t> xb(xtiles * chunks * 256, 0);
+  // per x tile and block: the 16 rows' d, and their sums d q over the block
+  std::vector<float> dt(xtiles * blocks * 16, 0.0f), ht(xtiles * blocks * 16, 0.0f);
+  for (int64_t i = 0; i < m; ++i) {
+    const int64_t jt = i / 16, ii = i % 16;
+    for (int64_t c = 0; c < chunks; ++c)
+      for (int64_t j = 0; j < 16; ++j)
+        std::memcpy(&xb[(jt * chunks + c) * 256 + j * 16 + ii], a.xq + i * k + c * 64 + 4 * j, 4);
+    for (int64_t b = 0; b < blocks; ++b) {
+      dt[(jt * blocks + b) * 16 + ii] = a.dl[i * (k / 4) + b * 32];
+      float h = 0.0f;
+      for (int64_t q = 0; q < 8; ++q) h += hsum[i * (k / 16) + b * 8 + q];
+      ht[(jt * blocks + b) * 16 + ii] = h;
+    }
+  }
+  const int64_t tasks = (n + 15) / 16, per_group = a.group / 128;
+#pragma omp parallel
+  {
+    TileConfig cfg;  // as amx_int8's
+    for (int t = 0; t < 5; ++t) {
+      cfg.rows[t] = 16;
+      cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+    alignas(64) uint8_t lo[16][64], hi[16][64];
+    alignas(64) int32_t sums[16][16];
+    alignas(64) float out[16][16];
+    std::vector<__m512> acc(xtiles * 16);
+    const __m512i low = _mm512_set1_epi8(15);
+#pragma omp for schedule(static)
+    for (int64_t task = 0; task < tasks; ++task) {
+      const int64_t n0 = task * 16, rows = std::min<int64_t>(16, n - n0);
+      for (auto& v : acc) v = _mm512_setzero_ps();
+      for (int64_t b = 0; b < blocks; ++b) {
+        __m512 s[16], sz[16];  // the rows' scale, and scale times zero point, of b's group
+        for (int64_t r = 0; r < 16; ++r) {
+          const int64_t nr = std::min(n0 + r, n - 1);
+          const uint8_t* row = a.w + nr * a.row_bytes + b * 64;
+          if (rows == 16) prefetch_l2(reinterpret_cast<uintptr_t>(row) + 16 * a.row_bytes);
+          const __m512i v = r < rows ? _mm512_loadu_si512(row) : _mm512_setzero_si512();
+          _mm512_store_si512(lo[r], _mm512_and_si512(v, low));
+          _mm512_store_si512(hi[r], _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+          const int64_t g = nr * a.s_stride + b / per_group;
+          const float sc = scale_at(a.s, g, a.st);
+          const float z = a.z ? scale_at(a.z, g, a.st) : a.zc;
+          s[r] = _mm512_set1_ps(sc);
+          sz[r] = _mm512_set1_ps(sc * z);
+        }
+        tile_reads_memory();
+        _tile_loadd(1, lo, 64);
+        _tile_loadd(2, hi, 64);
+        for (int64_t jt = 0; jt < xtiles; ++jt) {
+          _tile_zero(0);
+          _tile_loadd(3, &xb[(jt * chunks + 2 * b) * 256], 64);
+          _tile_dpbusd(0, 1, 3);
+          _tile_loadd(4, &xb[(jt * chunks + 2 * b + 1) * 256], 64);
+          _tile_dpbusd(0, 2, 4);
+          _tile_stored(0, sums, 64);
+          const __m512 d = _mm512_loadu_ps(&dt[(jt * blocks + b) * 16]);
+          const __m512 h = _mm512_loadu_ps(&ht[(jt * blocks + b) * 16]);
+          __m512* av = &acc[jt * 16];
+          for (int r = 0; r < 16; ++r) {
+            const __m512 p = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums[r])), d);
+            av[r] = _mm512_fnmadd_ps(sz[r], h, _mm512_fmadd_ps(p, s[r], av[r]));
+          }
+        }
+      }
+      for (int64_t jt = 0; jt < xtiles; ++jt) {
+        for (int64_t r = 0; r < rows; ++r) _mm512_store_ps(out[r], acc[jt * 16 + r]);
+        for (int64_t ii = 0; ii < std::min<int64_t>(16, m - jt * 16); ++ii)
+          for (int64_t r = 0; r < rows; ++r) store1(a.y + (jt * 16 + ii) * n + n0 + r, out[r][ii]);
+      }
+    }
+    _tile_release();
+  }
+}
+
 #endif  // FOUDRE_AMX
 
+// quantize x, then the tiles (AMX's, where they take the layout and the rows); the codes'
+// offsets taken off in the lanes' dots (xs) where they are one integer (int6's 32; groups under
+// 128 whose zero points are all zc), else at the end through corr = the sums of a row's 16-code
+// sums: per row (int8), per group (grouped)
 template <typename T, Kind K>
 void vnni_matmul(Args<T> a) {
   constexpr bool grouped = K != Kind::Int8;
@@ -1157,6 +1253,11 @@ void vnni_matmul(Args<T> a) {
   if constexpr (K == Kind::Int8) {
     if (a.m >= kAmxRows && amx_ready()) {
       amx_int8(a);
+      return;
+    }
+  } else if constexpr (K == Kind::Int4) {
+    if (a.group >= 128 && a.m >= kAmxRowsInt4 && amx_ready()) {
+      amx_int4(a, hsum.data());
       return;
     }
   }
@@ -1878,11 +1979,14 @@ int foudre_qmm_path() {
 #endif
 }
 
-// the fewest x rows that per-channel int8 runs on AMX's tiles with; 0 where it never does
-int foudre_qmm_amx_rows() {
+// the fewest x rows that a kind (0: int8 per channel, 2: int4 in groups of 128 or more) runs
+// on AMX's tiles with; 0 where it never does
+int foudre_qmm_amx_rows(int kind) {
 #if defined(FOUDRE_AMX)
-  return amx_ready() ? static_cast<int>(kAmxRows) : 0;
+  if (!amx_ready()) return 0;
+  return static_cast<int>(kind == 0 ? kAmxRows : (kind == 2 ? kAmxRowsInt4 : 0));
 #else
+  (void)kind;
   return 0;
 #endif
 }

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache, lru_cache
 from pathlib import Path
 
 import torch
@@ -60,13 +60,20 @@ def function(dtype: torch.dtype) -> int | None:
     return ctypes.cast(getattr(dll, f"foudre_qmm_{DTYPES[dtype]}"), ctypes.c_void_p).value
 
 
-@lru_cache(maxsize=1)
-def amx_rows() -> int:
-    """The fewest rows from which per-channel int8 runs on AMX's int8 tiles (where the CPU has
-    them and Linux grants this process their state; ``FOUDRE_AMX=0`` declines them), rounding
-    differently from the VNNI kernel below them; 0 where it never does."""
+@cache
+def amx_rows(bits: int = 8, group_size: int | None = None) -> int:
+    """The fewest rows from which a layout runs on AMX's int8 tiles (where the CPU has them and
+    Linux grants this process their state; ``FOUDRE_AMX=0`` declines them), rounding differently
+    from the VNNI kernel below them: int8 per channel, and int4 in groups of 128 or more; 0
+    where it never does."""
     dll = _library()
-    return 0 if dll is None else int(dll.foudre_qmm_amx_rows())
+    if dll is None:
+        return 0
+    if bits == 8 and group_size is None:
+        return int(dll.foudre_qmm_amx_rows(KINDS["int8"]))
+    if bits == 4 and (group_size or 0) >= 128:
+        return int(dll.foudre_qmm_amx_rows(KINDS["int4"]))
+    return 0
 
 
 @lru_cache(maxsize=1)

@@ -2,7 +2,8 @@
 ``foudre.quant.packing`` (8-bit per channel or group-wise with optional zero points, 4-bit
 group-wise, 6-bit as GGUF's Q6_K). On a CPU with AVX-512 or AVX2 our kernels (``cpu_qmatmul``) read
 those buffers as they are: batches below ``dequantized_gemm_rows`` (64; 32 for group-wise
-8-bit, GGUF's forms; on AVX2 96-2048) through the integer kernel, larger ones (prefill chunks,
+8-bit, GGUF's forms; on AVX2 96-2048; 1024 for the layouts on AMX's tiles) through the integer
+kernel, larger ones (prefill chunks,
 larger decode batches) as the weight dequantized a few rows at a time into torch's GEMM;
 elsewhere torch's packed kernels (``kernels``; group-wise 8-bit and 6-bit there run
 ``forward_reference``). On CUDA the Triton kernels (``triton_kernels``: a split-K GEMV at one
@@ -101,21 +102,23 @@ GROUPED8_GEMM_ROWS = 32
 # other paths' rows.
 AVX2_GEMM_ROWS = {"wide": 2048, "int4": 192, "grouped8": 192, "grouped8_16": 96}
 
-# Where per-channel int8 runs on AMX's int8 tiles (cpu_qmatmul.amx_rows()), their kernel leads
-# the dequantized GEMM (oneDNN's bfloat16 one on AMX) at every batch: 12 weights of 4096 x 1536
-# and 1536 x 4096 on an Intel Xeon (2 threads, bf16 x) took 9.8 / 17.0 / 33.8 / 64.5 ms at 64 /
-# 128 / 256 / 512 rows against 25.8 / 35.5 / 45.0 / 84.5 (its time grows by ~0.13 ms a row,
-# the dequantized GEMM's by ~0.15 past its dequantization). So there they take every row.
-AMX_GEMM_ROWS = 1 << 30
+# Where per-channel int8 and int4 in groups of 128 or more run on AMX's int8 tiles
+# (cpu_qmatmul.amx_rows), their kernels lead the dequantized GEMM (oneDNN's bfloat16 one on AMX)
+# at every batch: 12 weights of 4096 x 1536 and 1536 x 4096 on an Intel Xeon (2 threads, bf16
+# x), int8 9.8 / 17.0 / 33.8 / 64.5 ms at 64 / 128 / 256 / 512 rows against 25.8 / 35.5 / 45.0
+# / 84.5, int4 g128 9.9 / 19.9 / 28.6 / 64.1 against 25.2 / 34.8 / 36.8 / 77.2 (the tiles'
+# time grows by ~0.13 ms a row, the dequantized GEMM's by ~0.15 past its dequantization), but
+# not at 1024 (int8 0.94x, int4 0.88x; 2048 rows 0.49x / 0.51x: each task reads all of x's
+# packed rows again). So there they take up to 1023 rows.
+AMX_GEMM_ROWS = 1024
 
 
 def dequantized_gemm_rows(bits: int, group_size: int | None) -> int:
     """The rows from which ``QuantLinear``'s CPU forward (and the native decode step's limit)
     turns to ``cpu_qmatmul.matmul_dequantized`` for a ``bits``-bit layout in ``group_size``
-    (``AVX2_GEMM_ROWS`` on the AVX2 path; per-channel int8 on AMX's tiles: never,
-    ``AMX_GEMM_ROWS``)."""
+    (``AVX2_GEMM_ROWS`` on the AVX2 path, ``AMX_GEMM_ROWS`` for the layouts on AMX's tiles)."""
     grouped8 = bits == 8 and group_size is not None
-    if bits == 8 and group_size is None and cpu_qmatmul.amx_rows():
+    if cpu_qmatmul.amx_rows(bits, group_size):
         return AMX_GEMM_ROWS
     if bits in (4, 8) and cpu_qmatmul.path() == "avx2":
         if grouped8:

@@ -514,8 +514,8 @@ def test_native_decode_runs_quantized_projections(
         assert isinstance(first, QuantLinear)
         gemm = dequantized_gemm_rows(first.bits, first.group_size)
         grouped8 = first.bits == 8 and first.group_size is not None
-        amx = first.bits == 8 and not grouped8 and cpu_qmatmul.amx_rows()
-        if amx:  # per-channel int8 on AMX's tiles: every row
+        amx = cpu_qmatmul.amx_rows(first.bits, first.group_size)
+        if amx:  # on AMX's tiles
             assert gemm == AMX_GEMM_ROWS
         elif cpu_qmatmul.path() != "avx2":
             assert gemm == (GROUPED8_GEMM_ROWS if grouped8 else DEQUANTIZED_GEMM_ROWS)
@@ -525,10 +525,8 @@ def test_native_decode_runs_quantized_projections(
         new = [[i + 1] for i in range(many)]
         got, ref = both_paths(runner, tables, [3] * many, new, [1] * many)
         assert torch.equal(got, ref), (got - ref).abs().max()
-        if not amx:
-            wide = gemm  # QuantLinear's GEMM from here: Python's step
-            step = ForwardStep([[1]] * wide, [3] * wide, [[1]] * wide, [1] * wide)
-            assert not native.can_run(step)
+        wide = gemm  # QuantLinear's GEMM from here: Python's step
+        assert not native.can_run(ForwardStep([[1]] * wide, [3] * wide, [[1]] * wide, [1] * wide))
     assert calls == [1, 3, many]
     # writing a projection's buffers drops its view: the next step goes back to Python
     first.invalidate_layouts()

@@ -26,7 +26,7 @@ import torch
 from foudre.quant import cpu_qmatmul, qlinear
 from foudre.quant.packing import pack_int6, quantize_int6, unpack_int4, unpack_int6
 from foudre.quant.qlinear import NATIVE_MAX_ROWS, QuantLinear, uses_native_kernels
-from tests.engine.march import MODELED_MACROS, native_paths, run_built_for
+from tests.engine.march import MODELED_MACROS, cpu_paths, native_paths, run_built_for
 
 pytestmark = pytest.mark.skipif(cpu_qmatmul.path() is None, reason="no C++ compiler")
 
@@ -193,15 +193,28 @@ def test_kernels_match_dequantized_matmul_on_this_cpu() -> None:
 
 
 def check_path_vnni_without_amx() -> None:
-    assert cpu_qmatmul.path() == "vnni" and cpu_qmatmul.amx_rows() == 0
+    assert cpu_qmatmul.path() == "vnni"
+    assert cpu_qmatmul.amx_rows(8) == cpu_qmatmul.amx_rows(4, 128) == 0
     check_kernels()
     test_a_row_does_not_depend_on_its_batch()
 
 
+def test_amx_is_taken_where_the_cpu_has_it() -> None:
+    """A CPU with AMX's int8 tiles (and a build for it) runs int8 per channel and int4 g128 on
+    them unless told not to: else the AMX tests would skip there and pass without the tiles."""
+    if "amx" not in cpu_paths() or native_paths() != cpu_paths():
+        pytest.skip("no AMX tiles in this build")
+    if os.environ.get("FOUDRE_AMX", "1").startswith("0"):
+        assert cpu_qmatmul.amx_rows(8) == 0
+    else:
+        assert cpu_qmatmul.amx_rows(8) == 4 and cpu_qmatmul.amx_rows(4, 128) == 8
+
+
 def test_the_vnni_kernel_beneath_amx() -> None:
-    """Where per-channel int8 runs on AMX's tiles from ``amx_rows()`` rows, the VNNI kernel that
-    they replace there (``FOUDRE_AMX=0``, in a fresh process: the library asks once)."""
-    if cpu_qmatmul.amx_rows() == 0:
+    """Where int8 per channel and int4 g128+ run on AMX's tiles from ``amx_rows`` rows, the VNNI
+    kernel that they replace there (``FOUDRE_AMX=0``, in a fresh process: the library asks
+    once)."""
+    if cpu_qmatmul.amx_rows(8) == 0:
         pytest.skip("no AMX tiles here: this build's own tests run the VNNI kernel")
     script = (
         "from tests.quant.test_cpu_qmatmul import check_path_vnni_without_amx as check\n"
@@ -407,7 +420,10 @@ def test_quant_linear_matches_reference(
 
 def test_a_row_does_not_depend_on_its_batch() -> None:
     """Each row's result is the same bit for bit alone as in any batch (its quantization, sums
-    and their order are its own), so an engine's output never depends on the other requests."""
+    and their order are its own), so an engine's output does not depend on the other requests;
+    where a layout runs on AMX's tiles from ``amx_rows`` rows (at batch 1 the VNNI kernel is
+    faster), within the batches on each side of that (the tiles round their sums differently),
+    as within those below the dequantized GEMM's rows."""
     torch.manual_seed(7)
     # (one zero point, Q8_0's none and Q4_0's 8, and 6 bits: the offsets in the lanes' sums;
     # int4 g32 with zero points: 10 groups, a vector of 8 and two past it, in the AVX2 tiles)
@@ -417,15 +433,16 @@ def test_a_row_does_not_depend_on_its_batch() -> None:
                               (4, 32, "const"), (4, 32, True), (6, 16, False)):  # fmt: skip
         mod = quant_module(bits, group, zero, torch.randn(70, 300))
         packed = cpu_qmatmul.layout(mod.qweight, mod.scales, mod.zeros, mod.group_size, bits)
-        # (per-channel int8 on AMX's tiles from amx_rows() rows: the same bits among batches
-        # from there, and among batches below them, the VNNI kernel's)
-        amx = cpu_qmatmul.amx_rows() if bits == 8 and group is None else 0
+        # (int8 per channel and int4 g128+ on AMX's tiles from amx_rows() rows: the same bits
+        # among batches from there, and among batches below them, the VNNI kernel's)
+        amx = cpu_qmatmul.amx_rows(bits, group)
         for dtype in (torch.bfloat16, torch.float32):
             x = torch.randn(37, 300).to(dtype)
             batch = cpu_qmatmul.matmul(x, packed)
             for i in (0, 5, 36):
                 alone = cpu_qmatmul.matmul(x[i : i + 1], packed)
-                assert torch.equal(cpu_qmatmul.matmul(x[i : i + 3], packed)[0], alone[0])
+                few = min(3, amx - 1) if amx else 3
+                assert torch.equal(cpu_qmatmul.matmul(x[i : i + few], packed)[0], alone[0])
                 if amx:
                     lo = min(i, 37 - amx)
                     tiles = cpu_qmatmul.matmul(x[lo : lo + amx], packed)
@@ -519,7 +536,7 @@ def test_the_avx2_path_hands_each_layout_its_own_gemm_rows(monkeypatch: pytest.M
     (``qlinear.AVX2_GEMM_ROWS``): group-wise 8 bits in groups of 16, whose steps scale two
     groups a step, well before those of 32 or more; elsewhere the shared rows apply."""
     rows = qlinear.AVX2_GEMM_ROWS
-    monkeypatch.setattr(cpu_qmatmul, "amx_rows", lambda: 0)
+    monkeypatch.setattr(cpu_qmatmul, "amx_rows", lambda bits, group: 0)
     monkeypatch.setattr(cpu_qmatmul, "path", lambda: "avx2")
     layouts = {
         (8, None): "wide", (4, 128): "wide", (4, 256): "wide", (4, 32): "int4", (4, 64): "int4",
@@ -532,7 +549,13 @@ def test_the_avx2_path_hands_each_layout_its_own_gemm_rows(monkeypatch: pytest.M
     assert qlinear.dequantized_gemm_rows(8, 16) == qlinear.GROUPED8_GEMM_ROWS
     assert qlinear.dequantized_gemm_rows(4, 32) == qlinear.DEQUANTIZED_GEMM_ROWS
     assert qlinear.dequantized_gemm_rows(8, None) == qlinear.DEQUANTIZED_GEMM_ROWS
-    # per-channel int8 on AMX's tiles: every row, the other layouts as before
-    monkeypatch.setattr(cpu_qmatmul, "amx_rows", lambda: 4)
+    # the layouts on AMX's tiles: every row, the others as before
+    monkeypatch.setattr(cpu_qmatmul, "amx_rows", lambda bits, group: 4 if group != 32 else 0)
     assert qlinear.dequantized_gemm_rows(8, None) == qlinear.AMX_GEMM_ROWS
     assert qlinear.dequantized_gemm_rows(8, 32) == qlinear.GROUPED8_GEMM_ROWS
+    assert qlinear.dequantized_gemm_rows(4, 32) == qlinear.DEQUANTIZED_GEMM_ROWS
+    # and where each is: int8 per channel and int4 in groups of 128 or more, or none
+    monkeypatch.undo()
+    if cpu_qmatmul.amx_rows(8):
+        assert cpu_qmatmul.amx_rows(4, 128) and cpu_qmatmul.amx_rows(4, 256)
+    assert cpu_qmatmul.amx_rows(8, 32) == cpu_qmatmul.amx_rows(4, 64) == 0
