@@ -1032,15 +1032,17 @@ void vnni_tiles(const Args<T>& a) {
 // -- AMX: int8 per channel, int4 in groups of 128 or more --------------------------------------
 //
 // Where the CPU has AMX's int8 tiles and Linux lets this process use them (arch_prctl: the
-// tiles' 8 KiB of state is granted on request; FOUDRE_AMX=0 declines it), per-channel int8 runs
-// on them from kAmxRows x rows (int4 g128+: amx_int4, below) (a row's result there depends on no other row, but differs from
-// the VNNI kernel's in its float rounding: the sums' order is not the same). x is quantized as on the VNNI path (per 128 columns, signed codes); a
-// tile product (tdpbssd: signed by signed, no offset) takes 16 weight rows x 64 columns straight
-// from the row-major codes (A, rows row_bytes apart) and 16 x rows packed 4 bytes a column group
-// (B), summing each (weight row, x row) pair's 64 products in int32; two such products make a
-// block of 128 columns, whose int32 sums are converted once and multiplied by x's d of the block
-// into float32 accumulators (one vector per weight row, its lanes the x rows); at the end y = s
-// times that. Each task takes 16 weight rows (one tile of A) for every 16 x rows.
+// tiles' 8 KiB of state is granted on request; FOUDRE_AMX=0 declines it), int8 per channel runs
+// on them from kAmxRows x rows, int4 in groups of 128 or more from kAmxRowsInt4 (amx_int4,
+// below). A row's result there depends on no other row, but differs from the VNNI kernel's in
+// its float rounding (the sums' order is not the same). x is quantized as on the VNNI path (per
+// 128 columns, signed codes); for int8 a tile product (tdpbssd: signed by signed, no offset)
+// takes 16 weight rows x 64 columns straight from the row-major codes (A, rows row_bytes apart)
+// and 16 x rows packed 4 bytes a column group (B), summing each (weight row, x row) pair's 64
+// products in int32; two such products make a block of 128 columns, whose int32 sums are
+// converted once and multiplied by x's d of the block into float32 accumulators (one vector per
+// weight row, its lanes the x rows); at the end y = s times that. Each task takes 16 weight rows
+// (one tile of A) for every 16 x rows.
 
 // the fewest x rows that run on the tiles (fewer, the VNNI kernel is faster; 4096 x 1536 and
 // 1536 x 4096 weights from memory, two threads, in turns: int8 1 row 0.89x, 2 0.95x, 4 1.05x,
@@ -1150,7 +1152,7 @@ void amx_int8(const Args<T>& a) {
 // then their high ones, unpacked to bytes (two A tiles, through a buffer), meet x's two halves
 // as packed for int8 (the same B); tdpbusd (the codes unsigned) sums q x per pair and block,
 // and each block adds s (d sum - z sum(d q over the block)) of its group. A task unpacks its 16
-// rows' block once for every x tile (blocks outside, x tiles inside).
+// rows' block once, for all the x tiles (blocks outside, x tiles inside).
 template <typename T>
 void amx_int4(const Args<T>& a, const float* hsum) {
   const int64_t m = a.m, n = a.n, k = a.k;

@@ -103,13 +103,13 @@ GROUPED8_GEMM_ROWS = 32
 AVX2_GEMM_ROWS = {"wide": 2048, "int4": 192, "grouped8": 192, "grouped8_16": 96}
 
 # Where per-channel int8 and int4 in groups of 128 or more run on AMX's int8 tiles
-# (cpu_qmatmul.amx_rows), their kernels lead the dequantized GEMM (oneDNN's bfloat16 one on AMX)
-# at every batch: 12 weights of 4096 x 1536 and 1536 x 4096 on an Intel Xeon (2 threads, bf16
-# x), int8 9.8 / 17.0 / 33.8 / 64.5 ms at 64 / 128 / 256 / 512 rows against 25.8 / 35.5 / 45.0
-# / 84.5, int4 g128 9.9 / 19.9 / 28.6 / 64.1 against 25.2 / 34.8 / 36.8 / 77.2 (the tiles'
-# time grows by ~0.13 ms a row, the dequantized GEMM's by ~0.15 past its dequantization), but
-# not at 1024 (int8 0.94x, int4 0.88x; 2048 rows 0.49x / 0.51x: each task reads all of x's
-# packed rows again). So there they take up to 1023 rows.
+# (cpu_qmatmul.amx_rows), their kernels lead the dequantized GEMM (oneDNN's bfloat16 one on AMX) at
+# every batch measured up to 512 rows: 12 weights of 4096 x 1536 and 1536 x 4096 on an Intel Xeon (2
+# threads, bf16 x), int8 9.8 / 17.0 / 33.8 / 64.5 ms at 64 / 128 / 256 / 512 rows against 25.8 /
+# 35.5 / 45.0 / 84.5, int4 g128 9.9 / 19.9 / 28.6 / 64.1 against 25.2 / 34.8 / 36.8 / 77.2 (the
+# tiles' time grows by ~0.13 ms a row, the dequantized GEMM's by ~0.15 past its dequantization), but
+# not at 1024 (int8 0.94x, int4 0.88x; 2048 rows 0.49x / 0.51x: each task reads all of x's packed
+# rows again). So there they take up to 1023 rows.
 AMX_GEMM_ROWS = 1024
 
 
