@@ -1071,31 +1071,60 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
+// tiles 0-4 as 16 rows of 64 bytes (C: 0, A: 1 and 2, B: 3 and 4), for this thread
+inline void configure_tiles() {
+  TileConfig cfg;
+  for (int t = 0; t < 5; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// x's codes as the tiles take them: B per x tile (16 rows; those past m zero) and 64 columns,
+// 16 lines of 64 bytes, line j holding columns 4 j .. 4 j + 3 of the tile's rows; per x tile
+// and block of 128 columns the 16 rows' d, and (given hsum) their sums d q over the block
+struct AmxX {
+  int64_t chunks, blocks, xtiles;
+  std::vector<int32_t> codes;
+  std::vector<float> d, h;
+  template <typename T>
+  AmxX(const Args<T>& a, const float* hsum)
+      : chunks(a.k / 64), blocks((a.k + 127) / 128), xtiles((a.m + 15) / 16),
+        codes(xtiles * chunks * 256, 0), d(xtiles * blocks * 16, 0.0f),
+        h(hsum ? xtiles * blocks * 16 : 0, 0.0f) {
+    const int64_t k = a.k;
+    for (int64_t i = 0; i < a.m; ++i) {
+      const int64_t jt = i / 16, ii = i % 16;
+      for (int64_t c = 0; c < chunks; ++c)
+        for (int64_t j = 0; j < 16; ++j)
+          std::memcpy(&codes[(jt * chunks + c) * 256 + j * 16 + ii],
+                      a.xq + i * k + c * 64 + 4 * j, 4);
+      for (int64_t b = 0; b < blocks; ++b) {
+        d[(jt * blocks + b) * 16 + ii] = a.dl[i * (k / 4) + b * 32];
+        if (!hsum) continue;
+        float sum = 0.0f;
+        for (int64_t q = 0; q < 8; ++q) sum += hsum[i * (k / 16) + b * 8 + q];
+        h[(jt * blocks + b) * 16 + ii] = sum;
+      }
+    }
+  }
+  const int32_t* tile(int64_t jt, int64_t chunk) const {
+    return &codes[(jt * chunks + chunk) * 256];
+  }
+  __m512 dv(int64_t jt, int64_t b) const { return _mm512_loadu_ps(&d[(jt * blocks + b) * 16]); }
+  __m512 hv(int64_t jt, int64_t b) const { return _mm512_loadu_ps(&h[(jt * blocks + b) * 16]); }
+};
+
 template <typename T>
 void amx_int8(const Args<T>& a) {
   const int64_t m = a.m, n = a.n, k = a.k;
-  const int64_t chunks = k / 64, blocks = (k + 127) / 128, xtiles = (m + 15) / 16;
-  // B: per x tile and 64 columns, 16 lines of 64 bytes: line j holds columns 4 j .. 4 j + 3 of
-  // the tile's 16 rows (rows past m zero); d: per x tile and block, the 16 rows' d
-  std::vector<int32_t> xb(xtiles * chunks * 256, 0);
-  std::vector<float> dt(xtiles * blocks * 16, 0.0f);
-  for (int64_t i = 0; i < m; ++i) {
-    const int64_t jt = i / 16, ii = i % 16;
-    for (int64_t c = 0; c < chunks; ++c)
-      for (int64_t j = 0; j < 16; ++j)
-        std::memcpy(&xb[(jt * chunks + c) * 256 + j * 16 + ii], a.xq + i * k + c * 64 + 4 * j, 4);
-    for (int64_t b = 0; b < blocks; ++b)
-      dt[(jt * blocks + b) * 16 + ii] = a.dl[i * (k / 4) + b * 32];
-  }
+  const AmxX xt(a, nullptr);
+  const int64_t blocks = xt.blocks, xtiles = xt.xtiles;
   const int64_t tasks = (n + 15) / 16;
 #pragma omp parallel
   {
-    TileConfig cfg;  // C: tile 0, A: 1 and 2, B: 3 and 4
-    for (int t = 0; t < 5; ++t) {
-      cfg.rows[t] = 16;
-      cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
+    configure_tiles();
     std::vector<int8_t> pad;  // the last task's rows past n: zero
     alignas(64) int32_t sums[16][16];
     alignas(64) float out[16][16];
@@ -1124,15 +1153,15 @@ void amx_int8(const Args<T>& a) {
             }
           _tile_zero(0);
           _tile_loadd(1, w + c0, stride);
-          _tile_loadd(3, &xb[(jt * chunks + c0 / 64) * 256], 64);
+          _tile_loadd(3, xt.tile(jt, c0 / 64), 64);
           _tile_dpbssd(0, 1, 3);
           if (c0 + 64 < k) {
             _tile_loadd(2, w + c0 + 64, stride);
-            _tile_loadd(4, &xb[(jt * chunks + c0 / 64 + 1) * 256], 64);
+            _tile_loadd(4, xt.tile(jt, c0 / 64 + 1), 64);
             _tile_dpbssd(0, 2, 4);
           }
           _tile_stored(0, sums, 64);
-          const __m512 d = _mm512_loadu_ps(&dt[(jt * blocks + b) * 16]);
+          const __m512 d = xt.dv(jt, b);
           for (int r = 0; r < 16; ++r)
             acc[r] = _mm512_fmadd_ps(
                 _mm512_cvtepi32_ps(_mm512_load_si512(sums[r])), d, acc[r]);
@@ -1156,31 +1185,12 @@ void amx_int8(const Args<T>& a) {
 template <typename T>
 void amx_int4(const Args<T>& a, const float* hsum) {
   const int64_t m = a.m, n = a.n, k = a.k;
-  const int64_t chunks = k / 64, blocks = k / 128, xtiles = (m + 15) / 16;
-  std::vector<int32_t> xb(xtiles * chunks * 256, 0);
-  // per x tile and block: the 16 rows' d, and their sums d q over the block
-  std::vector<float> dt(xtiles * blocks * 16, 0.0f), ht(xtiles * blocks * 16, 0.0f);
-  for (int64_t i = 0; i < m; ++i) {
-    const int64_t jt = i / 16, ii = i % 16;
-    for (int64_t c = 0; c < chunks; ++c)
-      for (int64_t j = 0; j < 16; ++j)
-        std::memcpy(&xb[(jt * chunks + c) * 256 + j * 16 + ii], a.xq + i * k + c * 64 + 4 * j, 4);
-    for (int64_t b = 0; b < blocks; ++b) {
-      dt[(jt * blocks + b) * 16 + ii] = a.dl[i * (k / 4) + b * 32];
-      float h = 0.0f;
-      for (int64_t q = 0; q < 8; ++q) h += hsum[i * (k / 16) + b * 8 + q];
-      ht[(jt * blocks + b) * 16 + ii] = h;
-    }
-  }
+  const AmxX xt(a, hsum);
+  const int64_t blocks = xt.blocks, xtiles = xt.xtiles;
   const int64_t tasks = (n + 15) / 16, per_group = a.group / 128;
 #pragma omp parallel
   {
-    TileConfig cfg;  // as amx_int8's
-    for (int t = 0; t < 5; ++t) {
-      cfg.rows[t] = 16;
-      cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
+    configure_tiles();
     alignas(64) uint8_t lo[16][64], hi[16][64];
     alignas(64) int32_t sums[16][16];
     alignas(64) float out[16][16];
@@ -1210,13 +1220,12 @@ void amx_int4(const Args<T>& a, const float* hsum) {
         _tile_loadd(2, hi, 64);
         for (int64_t jt = 0; jt < xtiles; ++jt) {
           _tile_zero(0);
-          _tile_loadd(3, &xb[(jt * chunks + 2 * b) * 256], 64);
+          _tile_loadd(3, xt.tile(jt, 2 * b), 64);
           _tile_dpbusd(0, 1, 3);
-          _tile_loadd(4, &xb[(jt * chunks + 2 * b + 1) * 256], 64);
+          _tile_loadd(4, xt.tile(jt, 2 * b + 1), 64);
           _tile_dpbusd(0, 2, 4);
           _tile_stored(0, sums, 64);
-          const __m512 d = _mm512_loadu_ps(&dt[(jt * blocks + b) * 16]);
-          const __m512 h = _mm512_loadu_ps(&ht[(jt * blocks + b) * 16]);
+          const __m512 d = xt.dv(jt, b), h = xt.hv(jt, b);
           __m512* av = &acc[jt * 16];
           for (int r = 0; r < 16; ++r) {
             const __m512 p = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums[r])), d);
