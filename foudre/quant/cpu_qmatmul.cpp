@@ -1166,8 +1166,10 @@ void amx_int8(const Args<T>& a) {
             acc[r] = _mm512_fmadd_ps(
                 _mm512_cvtepi32_ps(_mm512_load_si512(sums[r])), d, acc[r]);
         }
-        for (int64_t r = 0; r < rows; ++r)
-          _mm512_store_ps(out[r], _mm512_mul_ps(acc[r], _mm512_set1_ps(scale_at(a.s, n0 + r, a.st))));
+        for (int64_t r = 0; r < rows; ++r) {
+          const __m512 s = _mm512_set1_ps(scale_at(a.s, n0 + r, a.st));
+          _mm512_store_ps(out[r], _mm512_mul_ps(acc[r], s));
+        }
         for (int64_t ii = 0; ii < std::min<int64_t>(16, m - jt * 16); ++ii)
           for (int64_t r = 0; r < rows; ++r) store1(a.y + (jt * 16 + ii) * n + n0 + r, out[r][ii]);
       }
