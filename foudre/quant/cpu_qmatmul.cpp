@@ -1060,6 +1060,13 @@ inline bool amx_ready() {
   return ok;
 }
 
+// the fewest x rows from which a layout runs on the tiles; 0: never
+inline int64_t amx_rows(Kind kind, int64_t group) {
+  if (!amx_ready()) return 0;
+  if (kind == Kind::Int8) return kAmxRows;
+  return kind == Kind::Int4 && group >= 128 ? kAmxRowsInt4 : 0;
+}
+
 // GCC's tile loads declare no memory operand: before one reads a buffer just written, the
 // compiler must have stored it
 [[gnu::always_inline]] inline void tile_reads_memory() { asm volatile("" ::: "memory"); }
@@ -1116,9 +1123,17 @@ struct AmxX {
   __m512 hv(int64_t jt, int64_t b) const { return _mm512_loadu_ps(&h[(jt * blocks + b) * 16]); }
 };
 
+// y [16 jt + i, n0 + r] = out[r][i] for x tile jt's rows and a task's `rows` weight rows
+template <typename T>
+void store_amx_tile(const Args<T>& a, int64_t jt, int64_t n0, int64_t rows,
+                    const float (&out)[16][16]) {
+  for (int64_t i = 0; i < std::min<int64_t>(16, a.m - jt * 16); ++i)
+    for (int64_t r = 0; r < rows; ++r) store1(a.y + (jt * 16 + i) * a.n + n0 + r, out[r][i]);
+}
+
 template <typename T>
 void amx_int8(const Args<T>& a) {
-  const int64_t m = a.m, n = a.n, k = a.k;
+  const int64_t n = a.n, k = a.k;
   const AmxX xt(a, nullptr);
   const int64_t blocks = xt.blocks, xtiles = xt.xtiles;
   const int64_t tasks = (n + 15) / 16;
@@ -1170,8 +1185,7 @@ void amx_int8(const Args<T>& a) {
           const __m512 s = _mm512_set1_ps(scale_at(a.s, n0 + r, a.st));
           _mm512_store_ps(out[r], _mm512_mul_ps(acc[r], s));
         }
-        for (int64_t ii = 0; ii < std::min<int64_t>(16, m - jt * 16); ++ii)
-          for (int64_t r = 0; r < rows; ++r) store1(a.y + (jt * 16 + ii) * n + n0 + r, out[r][ii]);
+        store_amx_tile(a, jt, n0, rows, out);
       }
     }
     _tile_release();
@@ -1186,7 +1200,7 @@ void amx_int8(const Args<T>& a) {
 // rows' block once, for all the x tiles (blocks outside, x tiles inside).
 template <typename T>
 void amx_int4(const Args<T>& a, const float* hsum) {
-  const int64_t m = a.m, n = a.n, k = a.k;
+  const int64_t n = a.n;
   const AmxX xt(a, hsum);
   const int64_t blocks = xt.blocks, xtiles = xt.xtiles;
   const int64_t tasks = (n + 15) / 16, per_group = a.group / 128;
@@ -1237,8 +1251,7 @@ void amx_int4(const Args<T>& a, const float* hsum) {
       }
       for (int64_t jt = 0; jt < xtiles; ++jt) {
         for (int64_t r = 0; r < rows; ++r) _mm512_store_ps(out[r], acc[jt * 16 + r]);
-        for (int64_t ii = 0; ii < std::min<int64_t>(16, m - jt * 16); ++ii)
-          for (int64_t r = 0; r < rows; ++r) store1(a.y + (jt * 16 + ii) * n + n0 + r, out[r][ii]);
+        store_amx_tile(a, jt, n0, rows, out);
       }
     }
     _tile_release();
@@ -1263,14 +1276,13 @@ void vnni_matmul(Args<T> a) {
   a.xq = xq.data();
   a.dl = dl.data();
 #if defined(FOUDRE_AMX)
-  if constexpr (K == Kind::Int8) {
-    if (a.m >= kAmxRows && amx_ready()) {
-      amx_int8(a);
-      return;
-    }
-  } else if constexpr (K == Kind::Int4) {
-    if (a.group >= 128 && a.m >= kAmxRowsInt4 && amx_ready()) {
-      amx_int4(a, hsum.data());
+  if constexpr (K == Kind::Int8 || K == Kind::Int4) {
+    const int64_t from = amx_rows(K, a.group);
+    if (from && a.m >= from) {
+      if constexpr (K == Kind::Int8)
+        amx_int8(a);
+      else
+        amx_int4(a, hsum.data());
       return;
     }
   }
@@ -1992,14 +2004,14 @@ int foudre_qmm_path() {
 #endif
 }
 
-// the fewest x rows that a kind (0: int8 per channel, 2: int4 in groups of 128 or more) runs
-// on AMX's tiles with; 0 where it never does
-int foudre_qmm_amx_rows(int kind) {
+// the fewest x rows from which a layout (kind as foudre_qmm's, its group) runs on AMX's tiles;
+// 0 where it never does
+int foudre_qmm_amx_rows(int kind, int64_t group) {
 #if defined(FOUDRE_AMX)
-  if (!amx_ready()) return 0;
-  return static_cast<int>(kind == 0 ? kAmxRows : (kind == 2 ? kAmxRowsInt4 : 0));
+  return static_cast<int>(amx_rows(static_cast<Kind>(kind), group));
 #else
   (void)kind;
+  (void)group;
   return 0;
 #endif
 }

@@ -48,6 +48,7 @@ def _library() -> ctypes.CDLL | None:
         # kind, q, s, z, zc, ..., out, n0, n1, k
         dequantize = [ctypes.c_int, _P, _P, _P, ctypes.c_float, *grouping, _P, _I64, _I64, _I64]
         getattr(dll, f"foudre_dequantize_{suffix}").argtypes = dequantize
+    dll.foudre_qmm_amx_rows.argtypes = [ctypes.c_int, _I64]  # kind, group
     return dll
 
 
@@ -69,11 +70,8 @@ def amx_rows(bits: int = 8, group_size: int | None = None) -> int:
     dll = _library()
     if dll is None:
         return 0
-    if bits == 8 and group_size is None:
-        return int(dll.foudre_qmm_amx_rows(KINDS["int8"]))
-    if bits == 4 and (group_size or 0) >= 128:
-        return int(dll.foudre_qmm_amx_rows(KINDS["int4"]))
-    return 0
+    kind = {8: "int8" if group_size is None else "int8g", 4: "int4", 6: "int6"}.get(bits)
+    return 0 if kind is None else int(dll.foudre_qmm_amx_rows(KINDS[kind], group_size or 0))
 
 
 @lru_cache(maxsize=1)
