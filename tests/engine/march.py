@@ -72,17 +72,21 @@ def run_built_for(march: str, check: str, library: str, march_cache: Callable[[s
         pytest.skip(f"this CPU cannot run {march}'s code")
     if MARCH_PATHS[march] == native_paths():
         pytest.skip(f"this CPU's own build takes {march}'s paths: its tests run them")
-    module, function = check.split(":")
     cache = march_cache(march)
     env = dict(os.environ, FOUDRE_KERNEL_MARCH=march, FOUDRE_CACHE=str(cache))
     # the check's process must have loaded the library of this build (from this cache), not
     # one it found elsewhere: a built library of that name in the cache would not show it
     built = f"{os.path.realpath(cache)}/kernels/{library}-"
-    script = (
-        f"from {module} import {function}\n{function}()\n"
-        f"assert {built!r} in open('/proc/self/maps').read(), 'not loaded: {library}'\n"
-        "print('ok')\n"
+    run_check(
+        check, env, f"assert {built!r} in open('/proc/self/maps').read(), 'not loaded: {library}'\n"
     )
+
+
+def run_check(check: str, env: dict[str, str], after: str = "") -> None:
+    """Call ``check`` (``"module:function"``) in a fresh interpreter with the environment
+    ``env`` (then the lines ``after``); assert that it passed."""
+    module, function = check.split(":")
+    script = f"from {module} import {function}\n{function}()\n{after}print('ok')\n"
     out = subprocess.run(
         [sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True
     )

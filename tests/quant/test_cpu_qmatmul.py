@@ -15,8 +15,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,7 +24,13 @@ import torch
 from foudre.quant import cpu_qmatmul, qlinear
 from foudre.quant.packing import pack_int6, quantize_int6, unpack_int4, unpack_int6
 from foudre.quant.qlinear import NATIVE_MAX_ROWS, QuantLinear, uses_native_kernels
-from tests.engine.march import MODELED_MACROS, cpu_paths, native_paths, run_built_for
+from tests.engine.march import (
+    MODELED_MACROS,
+    cpu_paths,
+    native_paths,
+    run_built_for,
+    run_check,
+)
 
 pytestmark = pytest.mark.skipif(cpu_qmatmul.path() is None, reason="no C++ compiler")
 
@@ -218,16 +222,8 @@ def test_the_vnni_kernel_beneath_amx() -> None:
     once)."""
     if cpu_qmatmul.amx_rows(8) == 0:
         pytest.skip("no AMX tiles here: this build's own tests run the VNNI kernel")
-    script = (
-        "from tests.quant.test_cpu_qmatmul import check_path_vnni_without_amx as check\n"
-        "check()\nprint('ok')\n"
-    )
-    root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, FOUDRE_AMX="0")
-    out = subprocess.run(
-        [sys.executable, "-c", script], env=env, cwd=root, capture_output=True, text=True
-    )
-    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
+    run_check("tests.quant.test_cpu_qmatmul:check_path_vnni_without_amx", env)
 
 
 def test_the_march_checks_know_this_build() -> None:
