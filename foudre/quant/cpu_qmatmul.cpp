@@ -154,6 +154,8 @@ struct Args {
   // the sum of x's codes over the lane's columns, per step and lane ([m, k / 8] int6 and int4,
   // [m, k / 4] int8); else null
   const int32_t* xs;
+  // VNNI, group-wise int8 in groups of 32: x's d per 32 columns ([m, k / 32]); else null
+  const float* d32;
   // AVX2, int6: 32 times the sums of x's codes per pair of positions and the pair 64 on ([m, k / 4])
   const int16_t* xo;
 };
@@ -405,6 +407,15 @@ inline __m512 load_scales(const void* p, int64_t i, int st, __mmask16 mask) {
   const __m256i h = _mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(p) + i);
   if (st == kF16) return _mm512_cvtph_ps(h);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// the 16 scales of type ST from p + i as float32 lanes
+template <int ST>
+inline __m512 load_scales16(const void* p, int64_t i) {
+  if constexpr (ST == kF32) return _mm512_loadu_ps(static_cast<const float*>(p) + i);
+  const auto* h = reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(p) + i);
+  if constexpr (ST == kF16) return _mm512_cvtph_ps(_mm256_loadu_si256(h));
+  return load16(static_cast<const uint16_t*>(p) + i);  // bfloat16
 }
 
 // the `span` scales of type ST from p + i as float32 lanes 0..span - 1 (the others undefined),
@@ -780,8 +791,10 @@ struct Vnni {
       srow[r] = static_cast<const uint8_t*>(a.s) + nr[r] * a.s_stride * size;
     }
     // a step at column c; a tail (int8 where K = 64 mod 128) has its first half only
-    const auto step = [&](int64_t c, auto tail_c) {
+    // (chunk: nullptr, or a step of a chunk of four, below: its lanes' scales given)
+    const auto step = [&](int64_t c, auto tail_c, const auto& chunk) {
       constexpr bool kBoth = !decltype(tail_c)::value;
+      constexpr bool kChunk = !std::is_same_v<std::decay_t<decltype(chunk)>, std::nullptr_t>;
       const int64_t bytes = K == Kind::Int4 ? c / 2 : c;
       const int64_t g0 = c >> gshift;  // the step's first group
       __m512i xv[MT], xh[MT], start[MT], start_h[MT];
@@ -798,6 +811,8 @@ struct Vnni {
         if constexpr (kBoth) xh[mi] = _mm512_loadu_si512(xq + mi * k + c + 64);
         if constexpr (Uniform)
           d1[mi] = dl[mi * (k / 4) + c / 4];
+        else if constexpr (kChunk)
+          ;  // (the chunk's products)
         else if constexpr (kPairs && !kBoth)  // (a tail: the d of its 8 lanes)
           d[mi] = _mm512_maskz_loadu_ps(0x00FF, dl + mi * (k / kDColumns) + c / kDColumns);
         else
@@ -823,7 +838,7 @@ struct Vnni {
         float s1 = 0.0f;
         if constexpr (Uniform) {
           s1 = scale_at(srow[r], g0, st);
-        } else if constexpr (kGrouped) {
+        } else if constexpr (kGrouped && !kChunk) {
           // (a tail: the groups of its 64 columns)
           const int64_t count = kBoth ? span : std::max<int64_t>(1, span / 2);
           const __m512 gs = load_few<ST>(srow[r], g0, count);
@@ -843,6 +858,8 @@ struct Vnni {
           __m512 scale;
           if constexpr (Uniform)
             scale = _mm512_set1_ps(d1[mi] * s1);
+          else if constexpr (kChunk)
+            scale = _mm512_permutexvar_ps(chunk.index, chunk.ds[mi][r]);
           else if constexpr (kPairs && !kBoth)  // (lanes 8-15 of sv: undefined)
             scale = _mm512_maskz_mul_ps(0x00FF, d[mi], sv);
           else
@@ -851,10 +868,37 @@ struct Vnni {
         }
       }
     };
+    int64_t c = 0;
+    if constexpr (kPairs && ST >= 0) {
+      // groups of 32 (Q8_0, Q5_x): four steps' scales (512 columns, 16 groups) read and
+      // converted at once and multiplied by x's d of each group (a.d32: x's blocks are 32
+      // columns too), then each step's lanes one permutation of those products (lane j of
+      // step t: group 4 t + j / 4): the products the steps form one by one, so the same bits
+      // (batch 1 from the caches, 1024 x 1536 on the AMX Xeon: 1.11x as fast; from memory
+      // 1.00-1.02x; 4 to 16 rows 1.04-1.06x)
+      if (a.d32 && a.group == 32) {
+        struct {
+          __m512 ds[MT][R];
+          __m512i index;
+        } chunk;
+        const float* d32 = a.d32 + m0 * (k / 32);
+        for (; c + 512 <= k; c += 512) {
+          for (int mi = 0; mi < MT; ++mi) {
+            const __m512 dv = _mm512_loadu_ps(d32 + mi * (k / 32) + c / 32);
+            for (int r = 0; r < R; ++r)
+              chunk.ds[mi][r] = _mm512_mul_ps(dv, load_scales16<ST>(srow[r], c / 32));
+          }
+          for (int t = 0; t < 4; ++t) {
+            chunk.index = _mm512_add_epi32(lane_group, _mm512_set1_epi32(4 * t));
+            step(c + 128 * t, std::false_type{}, chunk);
+          }
+        }
+      }
+    }
     const int64_t whole = k / kStepCodes * kStepCodes;
-    for (int64_t c = 0; c < whole; c += kStepCodes) step(c, std::false_type{});
+    for (; c < whole; c += kStepCodes) step(c, std::false_type{}, nullptr);
     if constexpr (K != Kind::Int4)  // (int4's K: a multiple of 128)
-      if (whole < k) step(whole, std::true_type{});  // K = 64 mod 128: the first half only
+      if (whole < k) step(whole, std::true_type{}, nullptr);  // K = 64 mod 128: a half
   }
 
   // grouped: acc -= the offsets, where the steps did not take them off in the lanes' dots
@@ -1292,6 +1336,12 @@ void vnni_matmul(Args<T> a) {
     dl8.resize(a.m * a.k / 8);
     for (int64_t i = 0; i < a.m * a.k / 8; ++i) dl8[i] = dl[2 * i];
     a.dl = dl8.data();
+  }
+  std::vector<float> d32;
+  if (K == Kind::Int8Grouped && a.group == 32) {  // one d per 32 columns (Vnni::steps' chunks)
+    d32.resize(a.m * a.k / 32);
+    for (int64_t i = 0; i < a.m * a.k / 32; ++i) d32[i] = dl[8 * i];
+    a.d32 = d32.data();
   }
   std::vector<int32_t> xs;
   const float offset = K == Kind::Int6 ? 32.0f : a.zc + (K == Kind::Int4 ? 0.0f : 128.0f);
@@ -1952,7 +2002,7 @@ Args<T> args(int kind, const void* x, const void* q, const void* s, const void* 
   const int64_t row_bytes = kind == 2 ? k / 2 : (kind == 3 ? k / 16 * 13 : k);
   return {static_cast<const T*>(x), static_cast<const uint8_t*>(q), row_bytes, s, z, zc, st,
           groups, group, s_stride, gshift, static_cast<T*>(y), m, n, k, nullptr, nullptr,
-          nullptr, nullptr, nullptr};
+          nullptr, nullptr, nullptr, nullptr};
 }
 
 template <typename T>

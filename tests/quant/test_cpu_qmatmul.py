@@ -40,7 +40,9 @@ pytestmark = pytest.mark.skipif(cpu_qmatmul.path() is None, reason="no C++ compi
 # groups of 16 / 32 / 64 for 8 bits; 4, 2: 32 / 64 for 4 bits; one for larger groups, float16
 # and float32 for 8 bits); 8-bit K = 64 mod 128 once padded (a last step of one half: 192, 300,
 # 310, 320, 448, 520 columns) in groups of 16 to 256, with and without zero points; 6 bits
-# (GGUF's Q6_K: codes 0..63, an int8 sub-scale per 16 columns, a d per 256) with each dtype of d
+# (GGUF's Q6_K: codes 0..63, an int8 sub-scale per 16 columns, a d per 256) with each dtype of d;
+# 8 bits in groups of 32 over chunks of 512 columns (Vnni::steps reads their scales at once)
+# with each dtype, then a step and a half (704) or a half (1600)
 CASES = [
     (8, None, False, 37, 100, torch.float32),
     (8, None, False, 33, 520, torch.bfloat16),
@@ -69,6 +71,9 @@ CASES = [
     (4, 128, "const", 19, 384, torch.bfloat16),
     (4, 64, "half", 21, 256, torch.float32),
     (8, 32, "half", 13, 128, torch.float16),
+    (8, 32, False, 21, 704, torch.bfloat16),
+    (8, 32, True, 7, 1600, torch.float32),
+    (8, 32, False, 5, 1536, torch.float16),
     (6, 16, False, 37, 300, torch.float16),
     (6, 16, "raw", 21, 512, torch.float16),
     (6, 16, False, 16, 1024, torch.float32),
