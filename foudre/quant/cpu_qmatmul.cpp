@@ -1091,7 +1091,7 @@ void vnni_tiles(const Args<T>& a) {
 // the fewest x rows that run on the tiles (fewer, the VNNI kernel is faster; 4096 x 1536 and
 // 1536 x 4096 weights from memory, two threads, in turns: int8 1 row 0.89x, 2 0.95x, 4 1.05x,
 // 32 2.28x; int4 g128 4 rows 0.67x, 8 1.19x, 16 2.1x, 32 2.8x)
-constexpr int64_t kAmxRows = 4, kAmxRowsInt4 = 8;
+constexpr int64_t kAmxRows = 4, kAmxRowsInt4 = 8, kAmxRowsGroups32 = 8;
 
 // whether this process may use AMX's tiles (asked once)
 inline bool amx_ready() {
@@ -1108,6 +1108,7 @@ inline bool amx_ready() {
 inline int64_t amx_rows(Kind kind, int64_t group) {
   if (!amx_ready()) return 0;
   if (kind == Kind::Int8) return kAmxRows;
+  if (kind == Kind::Int8Grouped) return group == 32 ? kAmxRowsGroups32 : 0;
   return kind == Kind::Int4 && group >= 128 ? kAmxRowsInt4 : 0;
 }
 
@@ -1122,26 +1123,29 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// tiles 0-4 as 16 rows of 64 bytes (C: 0, A: 1 and 2, B: 3 and 4), for this thread
-inline void configure_tiles() {
+// tiles 0-5 as 16 rows of 64 bytes (C: 0 and 5, A: 1 and 2, B: 3 and 4), for this thread;
+// with `columns` 32 (a product over 32 columns) A's rows of 32 bytes and B's 8 rows
+inline void configure_tiles(int columns = 64) {
   TileConfig cfg;
-  for (int t = 0; t < 5; ++t) {
-    cfg.rows[t] = 16;
-    cfg.colsb[t] = 64;
+  for (int t = 0; t < 6; ++t) {
+    const bool a = t == 1 || t == 2, b = t == 3 || t == 4;
+    cfg.rows[t] = static_cast<uint8_t>(b ? columns / 4 : 16);
+    cfg.colsb[t] = static_cast<uint16_t>(a ? columns : 64);
   }
   _tile_loadconfig(&cfg);
 }
 
 // x's codes as the tiles take them: B per x tile (16 rows; those past m zero) and 64 columns,
-// 16 lines of 64 bytes, line j holding columns 4 j .. 4 j + 3 of the tile's rows; per x tile
-// and block of 128 columns the 16 rows' d, and (given hsum) their sums d q over the block
+// 16 lines of 64 bytes, line j holding columns 4 j .. 4 j + 3 of the tile's rows (a product
+// over 32 columns: 8 of those lines, half_tile); per x tile and block of `block` columns (x's
+// blocks: 128, or 32 for group-wise int8) the 16 rows' d, and (given hsum) their sums d q
 struct AmxX {
-  int64_t chunks, blocks, xtiles;
+  int64_t chunks, block, blocks, xtiles;
   std::vector<int32_t> codes;
   std::vector<float> d, h;
   template <typename T>
-  AmxX(const Args<T>& a, const float* hsum)
-      : chunks(a.k / 64), blocks((a.k + 127) / 128), xtiles((a.m + 15) / 16),
+  AmxX(const Args<T>& a, const float* hsum, int64_t block_ = 128)
+      : chunks(a.k / 64), block(block_), blocks((a.k + block - 1) / block), xtiles((a.m + 15) / 16),
         codes(xtiles * chunks * 256, 0), d(xtiles * blocks * 16, 0.0f),
         h(hsum ? xtiles * blocks * 16 : 0, 0.0f) {
     const int64_t k = a.k;
@@ -1152,16 +1156,20 @@ struct AmxX {
           std::memcpy(&codes[(jt * chunks + c) * 256 + j * 16 + ii],
                       a.xq + i * k + c * 64 + 4 * j, 4);
       for (int64_t b = 0; b < blocks; ++b) {
-        d[(jt * blocks + b) * 16 + ii] = a.dl[i * (k / 4) + b * 32];
+        d[(jt * blocks + b) * 16 + ii] = a.dl[i * (k / 4) + b * (block / 4)];
         if (!hsum) continue;
         float sum = 0.0f;
-        for (int64_t q = 0; q < 8; ++q) sum += hsum[i * (k / 16) + b * 8 + q];
+        for (int64_t q = 0; q < std::min(block, k - b * block) / 16; ++q)
+          sum += hsum[i * (k / 16) + b * (block / 16) + q];
         h[(jt * blocks + b) * 16 + ii] = sum;
       }
     }
   }
   const int32_t* tile(int64_t jt, int64_t chunk) const {
     return &codes[(jt * chunks + chunk) * 256];
+  }
+  const int32_t* half_tile(int64_t jt, int64_t c32) const {  // columns 32 c32 .. 32 c32 + 31
+    return tile(jt, c32 / 2) + (c32 % 2) * 128;
   }
   __m512 dv(int64_t jt, int64_t b) const { return _mm512_loadu_ps(&d[(jt * blocks + b) * 16]); }
   __m512 hv(int64_t jt, int64_t b) const { return _mm512_loadu_ps(&h[(jt * blocks + b) * 16]); }
@@ -1302,6 +1310,102 @@ void amx_int4(const Args<T>& a, const float* hsum) {
   }
 }
 
+// group-wise int8 in groups of 32 (GGUF's Q8_0, Q5_0, Q5_1 and Q5_K as QuantLinear holds them),
+// x quantized per 32 columns as on the VNNI path: a tile product (tdpbssd) a group, 16 weight
+// rows x 32 columns from the row-major codes (A, rows of 32 bytes) by 16 x rows (B, 8 lines
+// of AmxX's), whose int32 sums are converted, multiplied by x's d of the group and by each
+// weight row's scale into float32 accumulators (with zero points: minus s z times x's sums d q
+// over the group). A task converts its 16 rows' scales (and s z) once, for all the x tiles.
+template <typename T>
+void amx_int8g(const Args<T>& a, const float* hsum) {
+  const int64_t n = a.n, k = a.k, groups = k / 32;
+  const bool offsets = a.z != nullptr || a.zc != 0.0f;
+  const AmxX xt(a, offsets ? hsum : nullptr, 32);
+  const int64_t xtiles = xt.xtiles, tasks = (n + 15) / 16;
+#pragma omp parallel
+  {
+    configure_tiles(32);
+    std::vector<int8_t> pad;  // the last task's rows past n: zero
+    std::vector<float> sf(16 * groups), szf(offsets ? 16 * groups : 0);  // [row][group]
+    alignas(64) int32_t sums[2][16][16];
+    alignas(64) float out[16][16];
+#pragma omp for schedule(static)
+    for (int64_t task = 0; task < tasks; ++task) {
+      const int64_t n0 = task * 16, rows = std::min<int64_t>(16, n - n0);
+      prefetch_scale_rows(a, n0 + 16, 16);
+      for (int64_t r = 0; r < 16; ++r)
+        for (int64_t g = 0; g < groups; g += 16) {
+          // (rows past n: zero scales)
+          const auto valid =
+              static_cast<__mmask16>(groups - g >= 16 ? 0xFFFF : (1u << (groups - g)) - 1);
+          const auto mask = static_cast<__mmask16>(r < rows ? valid : 0);
+          const int64_t at = (n0 + std::min(r, rows - 1)) * a.s_stride + g;
+          const __m512 sv = load_scales(a.s, at, a.st, mask);
+          _mm512_mask_storeu_ps(&sf[r * groups + g], valid, sv);
+          if (!offsets) continue;
+          const __m512 z = a.z ? load_scales(a.z, at, a.st, mask) : _mm512_set1_ps(a.zc);
+          _mm512_mask_storeu_ps(&szf[r * groups + g], valid, _mm512_mul_ps(sv, z));
+        }
+      const int8_t* w = reinterpret_cast<const int8_t*>(a.w) + n0 * a.row_bytes;
+      int64_t stride = a.row_bytes;
+      if (rows < 16) {
+        pad.assign(16 * k, 0);
+        for (int64_t r = 0; r < rows; ++r) std::memcpy(&pad[r * k], w + r * a.row_bytes, k);
+        w = pad.data();
+        stride = k;
+        tile_reads_memory();
+      }
+      for (int64_t jt = 0; jt < xtiles; ++jt) {
+        __m512 acc[16];
+        for (auto& v : acc) v = _mm512_setzero_ps();
+        // group g's product into C tile 0 or 5 and sums[g % 2], group g - 1's sums scaled
+        // meanwhile (its tile store long done by the time they are read)
+        const auto scale = [&](int64_t g) __attribute__((always_inline)) {
+          const __m512 d = xt.dv(jt, g);
+          const float* s = &sf[g];
+          for (int r = 0; r < 16; ++r) {
+            const __m512 p =
+                _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums[g % 2][r])), d);
+            acc[r] = _mm512_fmadd_ps(p, _mm512_set1_ps(s[r * groups]), acc[r]);
+          }
+          if (offsets) {
+            const __m512 h = xt.hv(jt, g);
+            for (int r = 0; r < 16; ++r)
+              acc[r] = _mm512_fnmadd_ps(_mm512_set1_ps(szf[r * groups + g]), h, acc[r]);
+          }
+        };
+        for (int64_t g = 0; g < groups; ++g) {
+          const int64_t c0 = g * 32;
+          if (jt == 0 && rows == 16 && c0 % 128 == 0)  // the next task's rows, into L2
+            for (int r = 0; r < 16; ++r) {
+              const uintptr_t next = reinterpret_cast<uintptr_t>(w) + (16 + r) * stride + c0;
+              prefetch_l2(next);
+              prefetch_l2(next + 64);
+            }
+          if (g % 2 == 0) {
+            _tile_zero(0);
+            _tile_loadd(1, w + c0, stride);
+            _tile_loadd(3, xt.half_tile(jt, g), 64);
+            _tile_dpbssd(0, 1, 3);
+            _tile_stored(0, sums[0], 64);
+          } else {
+            _tile_zero(5);
+            _tile_loadd(2, w + c0, stride);
+            _tile_loadd(4, xt.half_tile(jt, g), 64);
+            _tile_dpbssd(5, 2, 4);
+            _tile_stored(5, sums[1], 64);
+          }
+          if (g > 0) scale(g - 1);
+        }
+        scale(groups - 1);
+        for (int64_t r = 0; r < rows; ++r) _mm512_store_ps(out[r], acc[r]);
+        store_amx_tile(a, jt, n0, rows, out);
+      }
+    }
+    _tile_release();
+  }
+}
+
 #endif  // FOUDRE_AMX
 
 // quantize x, then the tiles (AMX's, where they take the layout and the rows); the codes'
@@ -1320,13 +1424,15 @@ void vnni_matmul(Args<T> a) {
   a.xq = xq.data();
   a.dl = dl.data();
 #if defined(FOUDRE_AMX)
-  if constexpr (K == Kind::Int8 || K == Kind::Int4) {
+  if constexpr (K != Kind::Int6) {
     const int64_t from = amx_rows(K, a.group);
     if (from && a.m >= from) {
       if constexpr (K == Kind::Int8)
         amx_int8(a);
-      else
+      else if constexpr (K == Kind::Int4)
         amx_int4(a, hsum.data());
+      else
+        amx_int8g(a, hsum.data());
       return;
     }
   }

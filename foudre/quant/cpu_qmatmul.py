@@ -65,8 +65,8 @@ def function(dtype: torch.dtype) -> int | None:
 def amx_rows(bits: int = 8, group_size: int | None = None) -> int:
     """The fewest rows from which a layout runs on AMX's int8 tiles (where the CPU has them and
     Linux grants this process their state; ``FOUDRE_AMX=0`` declines them), rounding differently
-    from the VNNI kernel below them: int8 per channel, and int4 in groups of 128 or more; 0
-    where it never does."""
+    from the VNNI kernel below them: int8 per channel, int4 in groups of 128 or more, and
+    group-wise int8 in groups of 32 (GGUF's Q8_0, Q5_x); 0 where it never does."""
     dll = _library()
     if dll is None:
         return 0

@@ -204,27 +204,30 @@ def test_kernels_match_dequantized_matmul_on_this_cpu() -> None:
 
 def check_path_vnni_without_amx() -> None:
     assert cpu_qmatmul.path() == "vnni"
-    assert cpu_qmatmul.amx_rows(8) == cpu_qmatmul.amx_rows(4, 128) == 0
+    assert (
+        cpu_qmatmul.amx_rows(8) == cpu_qmatmul.amx_rows(4, 128) == cpu_qmatmul.amx_rows(8, 32) == 0
+    )
     check_kernels()
     test_a_row_does_not_depend_on_its_batch()
 
 
 def test_amx_is_taken_where_the_cpu_has_it() -> None:
-    """A CPU with AMX's int8 tiles (and a build for it) runs int8 per channel and int4 g128 on
-    them unless told not to: else the AMX tests would skip there and pass without the tiles."""
+    """A CPU with AMX's int8 tiles (and a build for it) runs int8 per channel, int4 g128 and
+    group-wise int8 in groups of 32 on them unless told not to: else the AMX tests would skip
+    there and pass without the tiles."""
     if "amx" not in cpu_paths() or native_paths() != cpu_paths():
         pytest.skip("no AMX tiles in this build")
     if os.environ.get("FOUDRE_AMX", "1").startswith("0"):
         assert cpu_qmatmul.amx_rows(8) == 0
     else:  # (0: the compiler defined no __AMX_INT8__, or Linux (before 5.16) refused the tiles)
-        rows = (cpu_qmatmul.amx_rows(8), cpu_qmatmul.amx_rows(4, 128))
-        assert rows == (4, 8), f"AMX on this CPU not taken: amx_rows {rows}"
+        rows = (cpu_qmatmul.amx_rows(8), cpu_qmatmul.amx_rows(4, 128), cpu_qmatmul.amx_rows(8, 32))
+        assert rows == (4, 8, 8), f"AMX on this CPU not taken: amx_rows {rows}"
 
 
 def test_the_vnni_kernel_beneath_amx() -> None:
-    """Where int8 per channel and int4 g128+ run on AMX's tiles from ``amx_rows`` rows, the VNNI
-    kernel that they replace there (``FOUDRE_AMX=0``, in a fresh process: the library asks
-    once)."""
+    """Where int8 per channel, int4 g128+ and int8 g32 run on AMX's tiles from ``amx_rows``
+    rows, the VNNI kernel that they replace there (``FOUDRE_AMX=0``, in a fresh process: the
+    library asks once)."""
     if cpu_qmatmul.amx_rows(8) == 0:
         pytest.skip("no AMX tiles here: this build's own tests run the VNNI kernel")
     env = dict(os.environ, FOUDRE_AMX="0")
@@ -437,8 +440,8 @@ def test_a_row_does_not_depend_on_its_batch() -> None:
                               (4, 32, "const"), (4, 32, True), (6, 16, False)):  # fmt: skip
         mod = quant_module(bits, group, zero, torch.randn(70, 300))
         packed = cpu_qmatmul.layout(mod.qweight, mod.scales, mod.zeros, mod.group_size, bits)
-        # (int8 per channel and int4 g128+ on AMX's tiles from amx_rows() rows: the same bits
-        # among batches from there, and among batches below them, the VNNI kernel's)
+        # (int8 per channel, int4 g128+ and int8 g32 on AMX's tiles from amx_rows() rows: the
+        # same bits among batches from there, and among batches below them, the VNNI kernel's)
         amx = cpu_qmatmul.amx_rows(bits, group)
         for dtype in (torch.bfloat16, torch.float32):
             x = torch.randn(37, 300).to(dtype)
@@ -553,13 +556,19 @@ def test_the_avx2_path_hands_each_layout_its_own_gemm_rows(monkeypatch: pytest.M
     assert qlinear.dequantized_gemm_rows(8, 16) == qlinear.GROUPED8_GEMM_ROWS
     assert qlinear.dequantized_gemm_rows(4, 32) == qlinear.DEQUANTIZED_GEMM_ROWS
     assert qlinear.dequantized_gemm_rows(8, None) == qlinear.DEQUANTIZED_GEMM_ROWS
-    # the layouts on AMX's tiles: up to AMX_GEMM_ROWS, the others as before
-    monkeypatch.setattr(cpu_qmatmul, "amx_rows", lambda bits, group: 4 if group != 32 else 0)
+    # the layouts on AMX's tiles: up to AMX_GEMM_ROWS (group-wise 8 bits AMX_GROUPED8_GEMM_ROWS),
+    # the others as before
+    amx = {(8, None), (4, 128), (8, 32)}
+    monkeypatch.setattr(cpu_qmatmul, "amx_rows", lambda bits, group: 4 * ((bits, group) in amx))
     assert qlinear.dequantized_gemm_rows(8, None) == qlinear.AMX_GEMM_ROWS
-    assert qlinear.dequantized_gemm_rows(8, 32) == qlinear.GROUPED8_GEMM_ROWS
+    assert qlinear.dequantized_gemm_rows(8, 32) == qlinear.AMX_GROUPED8_GEMM_ROWS
+    assert qlinear.dequantized_gemm_rows(8, 16) == qlinear.GROUPED8_GEMM_ROWS
     assert qlinear.dequantized_gemm_rows(4, 32) == qlinear.DEQUANTIZED_GEMM_ROWS
-    # and where each is: int8 per channel and int4 in groups of 128 or more, or none
+    # and where each is: int8 per channel, int4 in groups of 128 or more, int8 in groups of
+    # 32, or none
     monkeypatch.undo()
     if cpu_qmatmul.amx_rows(8):
         assert cpu_qmatmul.amx_rows(4, 128) and cpu_qmatmul.amx_rows(4, 256)
-    assert cpu_qmatmul.amx_rows(8, 32) == cpu_qmatmul.amx_rows(4, 64) == 0
+        assert cpu_qmatmul.amx_rows(8, 32)
+    assert cpu_qmatmul.amx_rows(8, 16) == cpu_qmatmul.amx_rows(8, 64) == 0
+    assert cpu_qmatmul.amx_rows(4, 64) == 0
