@@ -18,8 +18,9 @@ or not, no shared expert) runs ``moe_block``, the native call ``layers/moe.py`` 
 decode sizes, and adds to the block's ``expert_tokens`` what its Python path would (``_counted``).
 It takes a step when every row is a decode row (one token each, no prefill chunk, no drafts), of at
 most ``Linear``'s ``MAX_ROWS`` and below the rows where a ``QuantLinear`` turns to its dequantized
-GEMM (``dequantized_gemm_rows``: 64, 32 for group-wise 8 bits, 96-2048 on AVX2, 1024 on AMX's tiles;
-with every projection quantized, ``MAX_ROWS`` does not apply), and with sliding windows while every
+GEMM (``dequantized_gemm_rows``: 64, 32 for group-wise 8 bits, 96-2048 on AVX2, 1024 on AMX's
+tiles, 160 for group-wise 8 bits there; with every projection quantized, ``MAX_ROWS`` does not
+apply), and with sliding windows while every
 row's context fits the narrowest window (its layers attend to every key); other steps, and models it
 cannot run (another dtype, quantized experts, another attention backend, hooks on a module, a shared
 expert, OLMoE's attention, a vocabulary-parallel embedding), take the model's
