@@ -426,7 +426,7 @@ inline __m512 load_scales16(const void* p, int64_t i) {
 // 0.43 ms); the cause was not isolated. One switch per type: a case of 32 bytes in a switch
 // shared by all three made Q8_0 and Q4_0 1.08x slower (one thread, from the caches).
 template <int ST>
-inline __m512 load_few(const void* p, int64_t i, int64_t span) {
+[[gnu::always_inline]] inline __m512 load_few(const void* p, int64_t i, int64_t span) {
   static_assert(ST >= 0, "the scales' type compiled in");
   if constexpr (ST == kF32) {
     const float* f = static_cast<const float*>(p) + i;
@@ -792,7 +792,8 @@ struct Vnni {
     }
     // a step at column c; a tail (int8 where K = 64 mod 128) has its first half only
     // (chunk: nullptr, or a step of a chunk of four, below: its lanes' scales given)
-    const auto step = [&](int64_t c, auto tail_c, const auto& chunk) {
+    const auto step = [&](int64_t c, auto tail_c,
+                          const auto& chunk) __attribute__((always_inline)) {
       constexpr bool kBoth = !decltype(tail_c)::value;
       constexpr bool kChunk = !std::is_same_v<std::decay_t<decltype(chunk)>, std::nullptr_t>;
       const int64_t bytes = K == Kind::Int4 ? c / 2 : c;
@@ -1398,7 +1399,8 @@ void amx_int8g(const Args<T>& a, const float* hsum) {
           if (g > 0) scale(g - 1);
         }
         scale(groups - 1);
-        for (int64_t r = 0; r < rows; ++r) _mm512_store_ps(out[r], acc[r]);
+#pragma GCC unroll 16
+        for (int r = 0; r < 16; ++r) _mm512_store_ps(out[r], acc[r]);  // (rows of them stored)
         store_amx_tile(a, jt, n0, rows, out);
       }
     }
