@@ -48,8 +48,9 @@
 //             them up with 64 of x's. The loops of groups under 128 are compiled for their
 //             scales' type.
 //   AMX       (beside VNNI, where the CPU has AMX's int8 tiles and Linux grants them): int8 per
-//             channel from 4 x rows and int4 in groups of 128 or more from 8 on tile products
-//             of 16 weight rows by 16 x rows (see "-- AMX --" below); x rounded as for VNNI.
+//             channel from 4 x rows, int4 in groups of 128 or more and int8 in groups of 32
+//             from 8, on tile products of 16 weight rows by 16 x rows (see "-- AMX --" below);
+//             x rounded as for VNNI.
 //   AVX-512   the codes widened to float32, dequantized, multiplied with x in float32: no
 //             activation rounding.
 //   AVX2      (without AVX-512; with FMA and F16C): the VNNI path's arithmetic on 8 lanes (see
@@ -1074,14 +1075,15 @@ void vnni_tiles(const Args<T>& a) {
 
 #if defined(FOUDRE_AMX)
 
-// -- AMX: int8 per channel, int4 in groups of 128 or more --------------------------------------
+// -- AMX: int8 per channel, int4 in groups of 128 or more, int8 in groups of 32 -----------------
 //
 // Where the CPU has AMX's int8 tiles and Linux lets this process use them (arch_prctl: the
 // tiles' 8 KiB of state is granted on request; FOUDRE_AMX=0 declines it), int8 per channel runs
 // on them from kAmxRows x rows, int4 in groups of 128 or more from kAmxRowsInt4 (amx_int4,
-// below). A row's result there depends on no other row, but differs from the VNNI kernel's in
-// its float rounding (the sums' order is not the same). x is quantized as on the VNNI path (per
-// 128 columns, signed codes); for int8 a tile product (tdpbssd: signed by signed, no offset)
+// below), group-wise int8 in groups of 32 from kAmxRowsGroups32 (amx_int8g, below). A row's
+// result there depends on no other row, but differs from the VNNI kernel's in its float rounding
+// (the sums' order is not the same). x is quantized as on the VNNI path (per 128 columns, signed
+// codes; per 32 for groups of 32); for int8 a tile product (tdpbssd: signed by signed, no offset)
 // takes 16 weight rows x 64 columns straight from the row-major codes (A, rows row_bytes apart)
 // and 16 x rows packed 4 bytes a column group (B), summing each (weight row, x row) pair's 64
 // products in int32; two such products make a block of 128 columns, whose int32 sums are
@@ -1091,7 +1093,8 @@ void vnni_tiles(const Args<T>& a) {
 
 // the fewest x rows that run on the tiles (fewer, the VNNI kernel is faster; 4096 x 1536 and
 // 1536 x 4096 weights from memory, two threads, in turns: int8 1 row 0.89x, 2 0.95x, 4 1.05x,
-// 32 2.28x; int4 g128 4 rows 0.67x, 8 1.19x, 16 2.1x, 32 2.8x)
+// 32 2.28x; int4 g128 4 rows 0.67x, 8 1.19x, 16 2.1x, 32 2.8x; Q8_0 (4096 x 1536) 4 rows 0.75x,
+// 8 1.39x, 16 2.5x, 31 2.65x)
 constexpr int64_t kAmxRows = 4, kAmxRowsInt4 = 8, kAmxRowsGroups32 = 8;
 
 // whether this process may use AMX's tiles (asked once)

@@ -187,7 +187,7 @@ def check_path_avx2() -> None:
         test_vnni_int6_is_x_rounded_per_128_times_the_weight(768, m)
     from tests.quant.test_gguf_quantized import test_vnni_grouped_int8_is_the_q8_0_dot
 
-    test_vnni_grouped_int8_is_the_q8_0_dot()
+    test_vnni_grouped_int8_is_the_q8_0_dot(5)
     # batch 1's strips of 8 rows (reduce8) against the batches' tiles (hsum8), bit for bit
     test_a_row_does_not_depend_on_its_batch()
     test_a_row_does_not_depend_on_the_threads()

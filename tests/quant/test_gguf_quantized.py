@@ -95,15 +95,16 @@ def _grouped(group: int, n: int, k: int) -> QuantLinear:
 
 
 @needs_kernels
-def test_vnni_grouped_int8_is_the_q8_0_dot() -> None:
+@pytest.mark.parametrize("m", [5, 17])
+def test_vnni_grouped_int8_is_the_q8_0_dot(m: int) -> None:
     """On the VNNI path each block of 32 is llama.cpp's Q8_0 x Q8_0 dot: the integer dot of the
     weight's and the activation's codes times both scales (the activation's scale kept in
     float32, where ggml stores a float16). Checked to float32 summation order, far inside the
-    rounding bound."""
+    rounding bound; at 17 rows on AMX's tiles where the CPU has them (a tile product a block)."""
     if not cpu_qmatmul.rounds_activations():
         pytest.skip("this build multiplies in float32")
     mod = _grouped(32, 45, 320)
-    x = torch.randn(5, 320) * 3
+    x = torch.randn(m, 320) * 3
     y = cpu_qmatmul.matmul(x, cpu_qmatmul.layout(mod.qweight, mod.scales, None, 32))
     xr = cpu_qmatmul.round_like_kernel(x, 8, 32).double()  # llama.cpp's quantize_row_q8_0
     wd = mod.dequantize().double()
