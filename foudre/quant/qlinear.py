@@ -4,10 +4,10 @@ group-wise, 6-bit as GGUF's Q6_K). On a CPU with AVX-512 or AVX2 our kernels (``
 read those buffers as they are: batches below ``dequantized_gemm_rows`` (64; 32 for group-wise
 8-bit, GGUF's forms; on AVX2 96-2048; 1024 for the layouts on AMX's tiles, 160 for group-wise
 8-bit there) through the integer kernel, larger ones (prefill chunks, larger decode batches) as
-the weight dequantized a few rows at a time into torch's GEMM; elsewhere torch's packed kernels (``kernels``; group-wise 8-bit and
-6-bit there run ``forward_reference``). On CUDA the Triton kernels (``triton_kernels``: a
-split-K GEMV at one row, dequantizing tiles in registers above; 6-bit: ``forward_reference``,
-the GGUF loader keeps Q6_K there in group-wise 8 bits).
+the weight dequantized a few rows at a time into torch's GEMM; elsewhere torch's packed kernels
+(``kernels``; group-wise 8-bit and 6-bit there run ``forward_reference``). On CUDA the Triton
+kernels (``triton_kernels``: a split-K GEMV at one row, dequantizing tiles in registers above;
+6-bit: ``forward_reference``, the GGUF loader keeps Q6_K there in group-wise 8 bits).
 
 With AVX512-VNNI (and on AVX2) the integer kernel rounds the activations to int8 per block
 (``cpu_qmatmul.activation_block``): ``cpu_qmatmul.error_bound`` bounds the difference from
