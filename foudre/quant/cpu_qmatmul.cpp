@@ -1187,6 +1187,21 @@ void store_amx_tile(const Args<T>& a, int64_t jt, int64_t n0, int64_t rows,
     for (int64_t r = 0; r < rows; ++r) store1(a.y + (jt * 16 + i) * a.n + n0 + r, out[r][i]);
 }
 
+// a task's 16 weight rows of int8 codes as an A tile reads them (stride: their distance): the
+// rows themselves, or where fewer than 16 are left (the last task) a copy in `pad`, zero past them
+template <typename T>
+const int8_t* task_rows(const Args<T>& a, int64_t n0, int64_t rows, std::vector<int8_t>& pad,
+                        int64_t& stride) {
+  const int8_t* w = reinterpret_cast<const int8_t*>(a.w) + n0 * a.row_bytes;
+  stride = a.row_bytes;
+  if (rows == 16) return w;
+  pad.assign(16 * a.k, 0);
+  for (int64_t r = 0; r < rows; ++r) std::memcpy(&pad[r * a.k], w + r * a.row_bytes, a.k);
+  stride = a.k;
+  tile_reads_memory();
+  return pad.data();
+}
+
 template <typename T>
 void amx_int8(const Args<T>& a) {
   const int64_t n = a.n, k = a.k;
@@ -1202,15 +1217,8 @@ void amx_int8(const Args<T>& a) {
 #pragma omp for schedule(static)
     for (int64_t task = 0; task < tasks; ++task) {
       const int64_t n0 = task * 16, rows = std::min<int64_t>(16, n - n0);
-      const int8_t* w = reinterpret_cast<const int8_t*>(a.w) + n0 * a.row_bytes;
-      int64_t stride = a.row_bytes;
-      if (rows < 16) {
-        pad.assign(16 * k, 0);
-        for (int64_t r = 0; r < rows; ++r) std::memcpy(&pad[r * k], w + r * a.row_bytes, k);
-        w = pad.data();
-        stride = k;
-        tile_reads_memory();
-      }
+      int64_t stride;
+      const int8_t* w = task_rows(a, n0, rows, pad, stride);
       for (int64_t jt = 0; jt < xtiles; ++jt) {
         __m512 acc[16];
         for (auto& v : acc) v = _mm512_setzero_ps();
@@ -1350,15 +1358,8 @@ void amx_int8g(const Args<T>& a, const float* hsum) {
           const __m512 z = a.z ? load_scales(a.z, at, a.st, mask) : _mm512_set1_ps(a.zc);
           _mm512_mask_storeu_ps(&szf[r * groups + g], valid, _mm512_mul_ps(sv, z));
         }
-      const int8_t* w = reinterpret_cast<const int8_t*>(a.w) + n0 * a.row_bytes;
-      int64_t stride = a.row_bytes;
-      if (rows < 16) {
-        pad.assign(16 * k, 0);
-        for (int64_t r = 0; r < rows; ++r) std::memcpy(&pad[r * k], w + r * a.row_bytes, k);
-        w = pad.data();
-        stride = k;
-        tile_reads_memory();
-      }
+      int64_t stride;
+      const int8_t* w = task_rows(a, n0, rows, pad, stride);
       for (int64_t jt = 0; jt < xtiles; ++jt) {
         __m512 acc[16];
         for (auto& v : acc) v = _mm512_setzero_ps();
