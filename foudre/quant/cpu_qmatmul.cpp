@@ -48,8 +48,8 @@
 //             them up with 64 of x's. The loops of groups under 128 are compiled for their
 //             scales' type.
 //   AMX       (beside VNNI, where the CPU has AMX's int8 tiles and Linux grants them): int8 per
-//             channel from 4 x rows, int4 in groups of 128 or more and int8 in groups of 32
-//             from 8, on tile products of 16 weight rows by 16 x rows (see "-- AMX --" below);
+//             channel from 4 x rows, int4 in groups of 128 or more from 8, int8 in groups of
+//             32 from 6, on tile products of 16 weight rows by 16 x rows (see "-- AMX --" below);
 //             x rounded as for VNNI.
 //   AVX-512   the codes widened to float32, dequantized, multiplied with x in float32: no
 //             activation rounding.
@@ -1093,9 +1093,9 @@ void vnni_tiles(const Args<T>& a) {
 
 // the fewest x rows that run on the tiles (fewer, the VNNI kernel is faster; 4096 x 1536 and
 // 1536 x 4096 weights from memory, two threads, in turns: int8 1 row 0.89x, 2 0.95x, 4 1.05x,
-// 32 2.28x; int4 g128 4 rows 0.67x, 8 1.19x, 16 2.1x, 32 2.8x; Q8_0 (4096 x 1536) 4 rows 0.75x,
-// 8 1.39x, 16 2.5x, 31 2.65x)
-constexpr int64_t kAmxRows = 4, kAmxRowsInt4 = 8, kAmxRowsGroups32 = 8;
+// 32 2.28x; int4 g128 4 rows 0.67x, 8 1.19x, 16 2.1x, 32 2.8x; Q8_0 4 rows 0.75x, 5 0.93-1.04x,
+// 6 1.11-1.12x, 7 1.21-1.28x, 8 1.25-1.40x, 16 2.5x, 31 2.65x)
+constexpr int64_t kAmxRows = 4, kAmxRowsInt4 = 8, kAmxRowsGroups32 = 6;
 
 // whether this process may use AMX's tiles (asked once)
 inline bool amx_ready() {

@@ -221,7 +221,7 @@ def test_amx_is_taken_where_the_cpu_has_it() -> None:
         assert cpu_qmatmul.amx_rows(8) == 0
     else:  # (0: the compiler defined no __AMX_INT8__, or Linux (before 5.16) refused the tiles)
         rows = (cpu_qmatmul.amx_rows(8), cpu_qmatmul.amx_rows(4, 128), cpu_qmatmul.amx_rows(8, 32))
-        assert rows == (4, 8, 8), f"AMX on this CPU not taken: amx_rows {rows}"
+        assert rows == (4, 8, 6), f"AMX on this CPU not taken: amx_rows {rows}"
 
 
 def test_the_vnni_kernel_beneath_amx() -> None:
