@@ -1095,7 +1095,7 @@ void vnni_tiles(const Args<T>& a) {
 // 1536 x 4096 weights from memory, two threads, in turns: int8 1 row 0.89x, 2 0.95x, 4 1.05x,
 // 32 2.28x; int4 g128 4 rows 0.67x, 8 1.19x, 16 2.1x, 32 2.8x; Q8_0 4 rows 0.75x, 5 0.93-1.04x,
 // 6 1.11-1.12x, 7 1.21-1.28x, 8 1.25-1.40x, 16 2.5x, 31 2.65x)
-constexpr int64_t kAmxRows = 4, kAmxRowsInt4 = 8, kAmxRowsGroups32 = 6;
+constexpr int64_t kAmxRows = 4, kAmxRowsInt4 = 8, kAmxRowsGroups32 = 6, kAmxRowsInt4Groups32 = 12;
 
 // whether this process may use AMX's tiles (asked once)
 inline bool amx_ready() {
@@ -1113,6 +1113,7 @@ inline int64_t amx_rows(Kind kind, int64_t group) {
   if (!amx_ready()) return 0;
   if (kind == Kind::Int8) return kAmxRows;
   if (kind == Kind::Int8Grouped) return group == 32 ? kAmxRowsGroups32 : 0;
+  if (kind == Kind::Int4 && group == 32) return kAmxRowsInt4Groups32;
   return kind == Kind::Int4 && group >= 128 ? kAmxRowsInt4 : 0;
 }
 
@@ -1328,8 +1329,12 @@ void amx_int4(const Args<T>& a, const float* hsum) {
 // of AmxX's), whose int32 sums are converted, multiplied by x's d of the group and by each
 // weight row's scale into float32 accumulators (with zero points: minus s z times x's sums d q
 // over the group). A task converts its 16 rows' scales (and s z) once, for all the x tiles.
-template <typename T>
-void amx_int8g(const Args<T>& a, const float* hsum) {
+// Int4 in groups of 32 (GGUF's Q4_0, Q4_1, Q4_K; Nibbles): the same, x quantized as on the
+// VNNI path (one d per 64 columns, so one a group) but in the columns' order, not the nibbles',
+// each task's 16 rows unpacked once to one code byte a column (a row's 16 bytes a group: low
+// nibbles the even columns, high the odd), tdpbusd for the unsigned codes.
+template <typename T, bool Nibbles>
+void amx_groups32(const Args<T>& a, const float* hsum) {
   const int64_t n = a.n, k = a.k, groups = k / 32;
   const bool offsets = a.z != nullptr || a.zc != 0.0f;
   const AmxX xt(a, offsets ? hsum : nullptr, 32);
@@ -1359,7 +1364,34 @@ void amx_int8g(const Args<T>& a, const float* hsum) {
           _mm512_mask_storeu_ps(&szf[r * groups + g], valid, _mm512_mul_ps(sv, z));
         }
       int64_t stride;
-      const int8_t* w = task_rows(a, n0, rows, pad, stride);
+      const int8_t* w;
+      if constexpr (Nibbles) {
+        // 128 columns at a time: the bytes' low and high nibbles interleaved within each 16-byte
+        // lane (32 columns: its first 16 in unpacklo's lane, the rest in unpackhi's), the lanes
+        // then put in order
+        pad.resize(16 * k);
+        const __m512i low = _mm512_set1_epi8(15);
+        const __m512i first = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
+        const __m512i second = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
+        for (int64_t r = 0; r < 16; ++r) {
+          const uint8_t* row = a.w + std::min(n0 + r, n - 1) * a.row_bytes;
+          int8_t* out = &pad[r * k];
+          for (int64_t c = 0; c < k; c += 128) {
+            if (rows == 16) prefetch_l2(reinterpret_cast<uintptr_t>(row + c / 2) + 16 * a.row_bytes);
+            const __m512i v = r < rows ? _mm512_loadu_si512(row + c / 2) : _mm512_setzero_si512();
+            const __m512i lo = _mm512_and_si512(v, low);
+            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            const __m512i a0 = _mm512_unpacklo_epi8(lo, hi), a1 = _mm512_unpackhi_epi8(lo, hi);
+            _mm512_storeu_si512(out + c, _mm512_permutex2var_epi64(a0, first, a1));
+            _mm512_storeu_si512(out + c + 64, _mm512_permutex2var_epi64(a0, second, a1));
+          }
+        }
+        w = pad.data();
+        stride = k;
+        tile_reads_memory();
+      } else {
+        w = task_rows(a, n0, rows, pad, stride);
+      }
       for (int64_t jt = 0; jt < xtiles; ++jt) {
         __m512 acc[16];
         for (auto& v : acc) v = _mm512_setzero_ps();
@@ -1381,7 +1413,7 @@ void amx_int8g(const Args<T>& a, const float* hsum) {
         };
         for (int64_t g = 0; g < groups; ++g) {
           const int64_t c0 = g * 32;
-          if (jt == 0 && rows == 16 && c0 % 128 == 0)  // the next task's rows, into L2
+          if (!Nibbles && jt == 0 && rows == 16 && c0 % 128 == 0)  // the next task's rows
             for (int r = 0; r < 16; ++r) {
               const uintptr_t next = reinterpret_cast<uintptr_t>(w) + (16 + r) * stride + c0;
               prefetch_l2(next);
@@ -1391,13 +1423,19 @@ void amx_int8g(const Args<T>& a, const float* hsum) {
             _tile_zero(0);
             _tile_loadd(1, w + c0, stride);
             _tile_loadd(3, xt.half_tile(jt, g), 64);
-            _tile_dpbssd(0, 1, 3);
+            if constexpr (Nibbles)
+              _tile_dpbusd(0, 1, 3);
+            else
+              _tile_dpbssd(0, 1, 3);
             _tile_stored(0, sums[0], 64);
           } else {
             _tile_zero(5);
             _tile_loadd(2, w + c0, stride);
             _tile_loadd(4, xt.half_tile(jt, g), 64);
-            _tile_dpbssd(5, 2, 4);
+            if constexpr (Nibbles)
+              _tile_dpbusd(5, 2, 4);
+            else
+              _tile_dpbssd(5, 2, 4);
             _tile_stored(5, sums[1], 64);
           }
           if (g > 0) scale(g - 1);
@@ -1435,10 +1473,16 @@ void vnni_matmul(Args<T> a) {
     if (from && a.m >= from) {
       if constexpr (K == Kind::Int8)
         amx_int8(a);
-      else if constexpr (K == Kind::Int4)
-        amx_int4(a, hsum.data());
-      else
-        amx_int8g(a, hsum.data());
+      else if constexpr (K == Kind::Int4) {
+        if (a.group >= 128) {
+          amx_int4(a, hsum.data());
+        } else {  // groups of 32: x again in its columns' order (the same blocks of 64, d)
+          quantize_rows<T, false>(a.x, a.m, a.k, 64, xq.data(), dl.data(), hsum.data());
+          amx_groups32<T, true>(a, hsum.data());
+        }
+      } else {
+        amx_groups32<T, false>(a, hsum.data());
+      }
       return;
     }
   }

@@ -2,12 +2,13 @@
 ``foudre.quant.packing`` (8-bit per channel or group-wise with optional zero points, 4-bit
 group-wise, 6-bit as GGUF's Q6_K). On a CPU with AVX-512 or AVX2 our kernels (``cpu_qmatmul``)
 read those buffers as they are: batches below ``dequantized_gemm_rows`` (64; 32 for group-wise
-8-bit, GGUF's forms; on AVX2 96-2048; 1024 for the layouts on AMX's tiles, 160 for group-wise
-8-bit there) through the integer kernel, larger ones (prefill chunks, larger decode batches) as
-the weight dequantized a few rows at a time into torch's GEMM; elsewhere torch's packed kernels
-(``kernels``; group-wise 8-bit and 6-bit there run ``forward_reference``). On CUDA the Triton
-kernels (``triton_kernels``: a split-K GEMV at one row, dequantizing tiles in registers above;
-6-bit: ``forward_reference``, the GGUF loader keeps Q6_K there in group-wise 8 bits).
+8-bit, GGUF's forms; on AVX2 96-2048; 1024 for the layouts on AMX's tiles, 160 and 128 for 8 and
+4 bits in groups of 32 there) through the integer kernel, larger ones (prefill chunks, larger
+decode batches) as the weight dequantized a few rows at a time into torch's GEMM; elsewhere
+torch's packed kernels (``kernels``; group-wise 8-bit and 6-bit there run
+``forward_reference``). On CUDA the Triton kernels (``triton_kernels``: a split-K GEMV at one
+row, dequantizing tiles in registers above; 6-bit: ``forward_reference``, the GGUF loader keeps
+Q6_K there in group-wise 8 bits).
 
 With AVX512-VNNI (and on AVX2) the integer kernel rounds the activations to int8 per block
 (``cpu_qmatmul.activation_block``): ``cpu_qmatmul.error_bound`` bounds the difference from
@@ -110,21 +111,24 @@ AVX2_GEMM_ROWS = {"wide": 2048, "int4": 192, "grouped8": 192, "grouped8_16": 96}
 # not at 1024 (int8 0.94x, int4 0.88x; 2048 rows 0.49x / 0.51x: each task reads all of x's packed
 # rows again). So there they take up to 1023 rows.
 AMX_GEMM_ROWS = 1024
-# ... group-wise int8 in groups of 32 (GGUF's Q8_0, Q5_x) on the tiles (a tile product and its
-# float scaling every 32 columns) up to 159 rows: the same 12 weights, float16 scales, its time
-# over the dequantized GEMM's 0.25x at 8 rows, 0.39x at 32, 0.54x at 64, 0.86x at 128, 1.02x at
-# 160, 1.18x at 192 (the VNNI kernel before: from 32 rows the dequantized GEMM).
-AMX_GROUPED8_GEMM_ROWS = 160
+# ... groups of 32 on the tiles (a tile product and its float scaling every 32 columns): group-wise
+# int8 (GGUF's Q8_0, Q5_x) up to 159 rows: the same 12 weights, float16 scales, its time over the
+# dequantized GEMM's 0.25x at 8 rows, 0.39x at 32, 0.54x at 64, 0.86x at 128, 1.02x at 160, 1.18x
+# at 192 (the VNNI kernel before: from 32 rows the dequantized GEMM); int4 (Q4_0, Q4_1, Q4_K, its
+# rows unpacked to bytes a task) up to 127: 0.39x at 16, 0.55x at 32, 0.74x at 64, 1.02x at 128,
+# 1.29x at 192 (the VNNI kernel before: from 64 rows the dequantized GEMM).
+AMX_GROUPS32_GEMM_ROWS = {8: 160, 4: 128}
 
 
 def dequantized_gemm_rows(bits: int, group_size: int | None) -> int:
     """The rows from which ``QuantLinear``'s CPU forward (and the native decode step's limit)
     turns to ``cpu_qmatmul.matmul_dequantized`` for a ``bits``-bit layout in ``group_size``
     (``AVX2_GEMM_ROWS`` on the AVX2 path; ``AMX_GEMM_ROWS`` for the layouts on AMX's tiles,
-    ``AMX_GROUPED8_GEMM_ROWS`` for group-wise 8 bits there)."""
+    ``AMX_GROUPS32_GEMM_ROWS`` for groups of 32 there)."""
     grouped8 = bits == 8 and group_size is not None
     if cpu_qmatmul.amx_rows(bits, group_size):
-        return AMX_GROUPED8_GEMM_ROWS if grouped8 else AMX_GEMM_ROWS
+        small = group_size is not None and group_size < 128  # (groups of 32)
+        return AMX_GROUPS32_GEMM_ROWS[bits] if small else AMX_GEMM_ROWS
     if bits in (4, 8) and cpu_qmatmul.path() == "avx2":
         if grouped8:
             return AVX2_GEMM_ROWS["grouped8" if (group_size or 0) >= 32 else "grouped8_16"]

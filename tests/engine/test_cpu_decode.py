@@ -19,7 +19,7 @@ from foudre.quant import cpu_qmatmul, set_compute_dtype
 from foudre.quant.api import Int4WeightOnly, Int8WeightOnly, matches, quantize_
 from foudre.quant.qlinear import (
     AMX_GEMM_ROWS,
-    AMX_GROUPED8_GEMM_ROWS,
+    AMX_GROUPS32_GEMM_ROWS,
     DEQUANTIZED_GEMM_ROWS,
     GROUPED8_GEMM_ROWS,
     QuantLinear,
@@ -517,7 +517,8 @@ def test_native_decode_runs_quantized_projections(
         grouped8 = first.bits == 8 and first.group_size is not None
         amx = cpu_qmatmul.amx_rows(first.bits, first.group_size)
         if amx:  # on AMX's tiles
-            assert gemm == (AMX_GROUPED8_GEMM_ROWS if grouped8 else AMX_GEMM_ROWS)
+            small = first.group_size is not None and first.group_size < 128
+            assert gemm == (AMX_GROUPS32_GEMM_ROWS[first.bits] if small else AMX_GEMM_ROWS)
         elif cpu_qmatmul.path() != "avx2":
             assert gemm == (GROUPED8_GEMM_ROWS if grouped8 else DEQUANTIZED_GEMM_ROWS)
         assert native.max_rows == gemm - 1

@@ -204,24 +204,23 @@ def test_kernels_match_dequantized_matmul_on_this_cpu() -> None:
 
 def check_path_vnni_without_amx() -> None:
     assert cpu_qmatmul.path() == "vnni"
-    assert (
-        cpu_qmatmul.amx_rows(8) == cpu_qmatmul.amx_rows(4, 128) == cpu_qmatmul.amx_rows(8, 32) == 0
-    )
+    for bits, group in ((8, None), (4, 128), (8, 32), (4, 32)):
+        assert cpu_qmatmul.amx_rows(bits, group) == 0
     check_kernels()
     test_a_row_does_not_depend_on_its_batch()
 
 
 def test_amx_is_taken_where_the_cpu_has_it() -> None:
     """A CPU with AMX's int8 tiles (and a build for it) runs int8 per channel, int4 g128 and
-    group-wise int8 in groups of 32 on them unless told not to: else the AMX tests would skip
+    int8 and int4 in groups of 32 on them unless told not to: else the AMX tests would skip
     there and pass without the tiles."""
     if "amx" not in cpu_paths() or native_paths() != cpu_paths():
         pytest.skip("no AMX tiles in this build")
     if os.environ.get("FOUDRE_AMX", "1").startswith("0"):
         assert cpu_qmatmul.amx_rows(8) == 0
     else:  # (0: the compiler defined no __AMX_INT8__, or Linux (before 5.16) refused the tiles)
-        rows = (cpu_qmatmul.amx_rows(8), cpu_qmatmul.amx_rows(4, 128), cpu_qmatmul.amx_rows(8, 32))
-        assert rows == (4, 8, 6), f"AMX on this CPU not taken: amx_rows {rows}"
+        rows = tuple(cpu_qmatmul.amx_rows(b, g) for b, g in ((8, None), (4, 128), (8, 32), (4, 32)))
+        assert rows == (4, 8, 6, 12), f"AMX on this CPU not taken: amx_rows {rows}"
 
 
 def test_the_vnni_kernel_beneath_amx() -> None:
@@ -556,19 +555,20 @@ def test_the_avx2_path_hands_each_layout_its_own_gemm_rows(monkeypatch: pytest.M
     assert qlinear.dequantized_gemm_rows(8, 16) == qlinear.GROUPED8_GEMM_ROWS
     assert qlinear.dequantized_gemm_rows(4, 32) == qlinear.DEQUANTIZED_GEMM_ROWS
     assert qlinear.dequantized_gemm_rows(8, None) == qlinear.DEQUANTIZED_GEMM_ROWS
-    # the layouts on AMX's tiles: up to AMX_GEMM_ROWS (group-wise 8 bits AMX_GROUPED8_GEMM_ROWS),
+    # the layouts on AMX's tiles: up to AMX_GEMM_ROWS (groups of 32 AMX_GROUPS32_GEMM_ROWS),
     # the others as before
-    amx = {(8, None), (4, 128), (8, 32)}
+    amx = {(8, None), (4, 128), (8, 32), (4, 32)}
     monkeypatch.setattr(cpu_qmatmul, "amx_rows", lambda bits, group: 4 * ((bits, group) in amx))
     assert qlinear.dequantized_gemm_rows(8, None) == qlinear.AMX_GEMM_ROWS
-    assert qlinear.dequantized_gemm_rows(8, 32) == qlinear.AMX_GROUPED8_GEMM_ROWS
+    assert qlinear.dequantized_gemm_rows(8, 32) == qlinear.AMX_GROUPS32_GEMM_ROWS[8]
+    assert qlinear.dequantized_gemm_rows(4, 32) == qlinear.AMX_GROUPS32_GEMM_ROWS[4]
     assert qlinear.dequantized_gemm_rows(8, 16) == qlinear.GROUPED8_GEMM_ROWS
-    assert qlinear.dequantized_gemm_rows(4, 32) == qlinear.DEQUANTIZED_GEMM_ROWS
+    assert qlinear.dequantized_gemm_rows(4, 64) == qlinear.DEQUANTIZED_GEMM_ROWS
     # and where each is: int8 per channel, int4 in groups of 128 or more, int8 in groups of
     # 32, or none
     monkeypatch.undo()
     if cpu_qmatmul.amx_rows(8):
         assert cpu_qmatmul.amx_rows(4, 128) and cpu_qmatmul.amx_rows(4, 256)
-        assert cpu_qmatmul.amx_rows(8, 32)
+        assert cpu_qmatmul.amx_rows(8, 32) and cpu_qmatmul.amx_rows(4, 32)
     assert cpu_qmatmul.amx_rows(8, 16) == cpu_qmatmul.amx_rows(8, 64) == 0
     assert cpu_qmatmul.amx_rows(4, 64) == 0
