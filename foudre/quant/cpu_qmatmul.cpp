@@ -49,8 +49,8 @@
 //             scales' type.
 //   AMX       (beside VNNI, where the CPU has AMX's int8 tiles and Linux grants them): int8 per
 //             channel from 4 x rows, int4 in groups of 128 or more from 8, int8 in groups of
-//             32 from 6, on tile products of 16 weight rows by 16 x rows (see "-- AMX --" below);
-//             x rounded as for VNNI.
+//             32 from 6, int4 in groups of 32 from 12, on tile products of 16 weight rows by
+//             16 x rows (see "-- AMX --" below); x rounded as for VNNI.
 //   AVX-512   the codes widened to float32, dequantized, multiplied with x in float32: no
 //             activation rounding.
 //   AVX2      (without AVX-512; with FMA and F16C): the VNNI path's arithmetic on 8 lanes (see
@@ -1075,12 +1075,13 @@ void vnni_tiles(const Args<T>& a) {
 
 #if defined(FOUDRE_AMX)
 
-// -- AMX: int8 per channel, int4 in groups of 128 or more, int8 in groups of 32 -----------------
+// -- AMX: int8 per channel, int4 in groups of 128 or more, int8 and int4 in groups of 32 --------
 //
 // Where the CPU has AMX's int8 tiles and Linux lets this process use them (arch_prctl: the
 // tiles' 8 KiB of state is granted on request; FOUDRE_AMX=0 declines it), int8 per channel runs
 // on them from kAmxRows x rows, int4 in groups of 128 or more from kAmxRowsInt4 (amx_int4,
-// below), group-wise int8 in groups of 32 from kAmxRowsGroups32 (amx_int8g, below). A row's
+// below), int8 and int4 in groups of 32 from kAmxRowsGroups32 and kAmxRowsInt4Groups32
+// (amx_groups32, below). A row's
 // result there depends on no other row, but differs from the VNNI kernel's in its float rounding
 // (the sums' order is not the same). x is quantized as on the VNNI path (per 128 columns, signed
 // codes; per 32 for groups of 32); for int8 a tile product (tdpbssd: signed by signed, no offset)
@@ -1094,7 +1095,8 @@ void vnni_tiles(const Args<T>& a) {
 // the fewest x rows that run on the tiles (fewer, the VNNI kernel is faster; 4096 x 1536 and
 // 1536 x 4096 weights from memory, two threads, in turns: int8 1 row 0.89x, 2 0.95x, 4 1.05x,
 // 32 2.28x; int4 g128 4 rows 0.67x, 8 1.19x, 16 2.1x, 32 2.8x; Q8_0 4 rows 0.75x, 5 0.93-1.04x,
-// 6 1.11-1.12x, 7 1.21-1.28x, 8 1.25-1.40x, 16 2.5x, 31 2.65x)
+// 6 1.11-1.12x, 7 1.21-1.28x, 8 1.25-1.40x, 16 2.5x, 31 2.65x; Q4_0 8 rows 0.73-0.86x, 10
+// 0.88-1.02x, 12 1.02-1.17x, 16 1.7x)
 constexpr int64_t kAmxRows = 4, kAmxRowsInt4 = 8, kAmxRowsGroups32 = 6, kAmxRowsInt4Groups32 = 12;
 
 // whether this process may use AMX's tiles (asked once)
@@ -1377,7 +1379,8 @@ void amx_groups32(const Args<T>& a, const float* hsum) {
           const uint8_t* row = a.w + std::min(n0 + r, n - 1) * a.row_bytes;
           int8_t* out = &pad[r * k];
           for (int64_t c = 0; c < k; c += 128) {
-            if (rows == 16) prefetch_l2(reinterpret_cast<uintptr_t>(row + c / 2) + 16 * a.row_bytes);
+            const uintptr_t next = reinterpret_cast<uintptr_t>(row + c / 2) + 16 * a.row_bytes;
+            if (rows == 16) prefetch_l2(next);  // the next task's rows
             const __m512i v = r < rows ? _mm512_loadu_si512(row + c / 2) : _mm512_setzero_si512();
             const __m512i lo = _mm512_and_si512(v, low);
             const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);

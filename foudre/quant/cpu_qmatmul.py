@@ -66,7 +66,8 @@ def amx_rows(bits: int = 8, group_size: int | None = None) -> int:
     """The fewest rows from which a layout runs on AMX's int8 tiles (where the CPU has them and
     Linux grants this process their state; ``FOUDRE_AMX=0`` declines them), rounding differently
     from the VNNI kernel below them: int8 per channel, int4 in groups of 128 or more, and
-    group-wise int8 in groups of 32 (GGUF's Q8_0, Q5_x); 0 where it never does."""
+    int8 and int4 in groups of 32 (GGUF's Q8_0, Q5_x; Q4_0, Q4_1, Q4_K); 0 where it never
+    does."""
     dll = _library()
     if dll is None:
         return 0

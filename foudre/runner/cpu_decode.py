@@ -11,27 +11,26 @@ about 15% of a bfloat16 step, several times what it costs warm.
 (``layers/cpu_ops.cpp``): the same fused kernels (RMSNorm, the linear kernel, RoPE, SiLU * up) and
 the same paged-attention kernel (``attention/cpu_paged_decode.cpp``), in the order and with the
 roundings of ``models/llama.py``'s path through them, so the hidden states are the same bits
-(tests/engine/test_cpu_decode.py checks that), from the embedding rows to the final norm, and on
-to the logits where the model's head is quantized (``run_logits``; a float head's logits stay in
-Python). A sparse layer (a mixture of experts: router and top-k experts, renormalised
-or not, no shared expert) runs ``moe_block``, the native call ``layers/moe.py`` makes for it at
-decode sizes, and adds to the block's ``expert_tokens`` what its Python path would (``_counted``).
-It takes a step when every row is a decode row (one token each, no prefill chunk, no drafts), of at
-most ``Linear``'s ``MAX_ROWS`` and below the rows where a ``QuantLinear`` turns to its dequantized
-GEMM (``dequantized_gemm_rows``: 64, 32 for group-wise 8 bits, 96-2048 on AVX2, 1024 on AMX's
-tiles, 160 for group-wise 8 bits there; with every projection quantized, ``MAX_ROWS`` does not
-apply), and with sliding windows while every
-row's context fits the narrowest window (its layers attend to every key); other steps, and models it
-cannot run (another dtype, quantized experts, another attention backend, hooks on a module, a shared
-expert, OLMoE's attention, a vocabulary-parallel embedding), take the model's
-``forward``. Quantized projections (``QuantLinear`` on ``quant/cpu_qmatmul``: int8, GGUF's
-group-wise 8-bit, int4, int6) run the same kernel from C++, their bias added after, as
-``QuantLinear.forward`` does. A quantized KV cache (int8 / fp8) is read as stored by the paged
-kernel's codes variant, and the new tokens' K/V are quantized on write in C++ to the codes and
-scales of ``layers/kv_quant.py``'s ``quantize_kv``, bit for bit. Like CUDA graphs, it holds
-addresses: every step checks that the weights, RoPE tables, KV caches and expert counts it
-was built on are still the modules' and the runner's, at the same addresses, and that no hook
-or autocast asks for the Python path; otherwise the step goes back to Python.
+(tests/engine/test_cpu_decode.py checks that), from the embedding rows to the final norm, and on to
+the logits where the model's head is quantized (``run_logits``; a float head's logits stay in
+Python). A sparse layer (a mixture of experts: router and top-k experts, renormalised or not, no
+shared expert) runs ``moe_block``, the native call ``layers/moe.py`` makes for it at decode sizes,
+and adds to the block's ``expert_tokens`` what its Python path would (``_counted``). It takes a step
+when every row is a decode row (one token each, no prefill chunk, no drafts), of at most
+``Linear``'s ``MAX_ROWS`` and below the rows where a ``QuantLinear`` turns to its dequantized GEMM
+(``dequantized_gemm_rows``: 64, 32 for group-wise 8 bits, 96-2048 on AVX2, 1024 on AMX's tiles, 160
+and 128 for 8 and 4 bits in groups of 32 there; with every projection quantized, ``MAX_ROWS`` does
+not apply), and with sliding windows while every row's context fits the narrowest window (its layers
+attend to every key); other steps, and models it cannot run (another dtype, quantized experts,
+another attention backend, hooks on a module, a shared expert, OLMoE's attention, a
+vocabulary-parallel embedding), take the model's ``forward``. Quantized projections (``QuantLinear``
+on ``quant/cpu_qmatmul``: int8, GGUF's group-wise 8-bit, int4, int6) run the same kernel from C++,
+their bias added after, as ``QuantLinear.forward`` does. A quantized KV cache (int8 / fp8) is read
+as stored by the paged kernel's codes variant, and the new tokens' K/V are quantized on write in C++
+to the codes and scales of ``layers/kv_quant.py``'s ``quantize_kv``, bit for bit. Like CUDA graphs,
+it holds addresses: every step checks that the weights, RoPE tables, KV caches and expert counts it
+was built on are still the modules' and the runner's, at the same addresses, and that no hook or
+autocast asks for the Python path; otherwise the step goes back to Python.
 """
 
 from __future__ import annotations
