@@ -1077,20 +1077,19 @@ void vnni_tiles(const Args<T>& a) {
 
 // -- AMX: int8 per channel, int4 in groups of 128 or more, int8 and int4 in groups of 32 --------
 //
-// Where the CPU has AMX's int8 tiles and Linux lets this process use them (arch_prctl: the
-// tiles' 8 KiB of state is granted on request; FOUDRE_AMX=0 declines it), int8 per channel runs
-// on them from kAmxRows x rows, int4 in groups of 128 or more from kAmxRowsInt4 (amx_int4,
-// below), int8 and int4 in groups of 32 from kAmxRowsGroups32 and kAmxRowsInt4Groups32
-// (amx_groups32, below). A row's
+// Where the CPU has AMX's int8 tiles and Linux lets this process use them (arch_prctl: the tiles' 8
+// KiB of state is granted on request; FOUDRE_AMX=0 declines it), int8 per channel runs on them from
+// kAmxRows x rows, int4 in groups of 128 or more from kAmxRowsInt4 (amx_int4, below), int8 and int4
+// in groups of 32 from kAmxRowsGroups32 and kAmxRowsInt4Groups32 (amx_groups32, below). A row's
 // result there depends on no other row, but differs from the VNNI kernel's in its float rounding
 // (the sums' order is not the same). x is quantized as on the VNNI path (per 128 columns, signed
-// codes; per 32 for groups of 32); for int8 a tile product (tdpbssd: signed by signed, no offset)
-// takes 16 weight rows x 64 columns straight from the row-major codes (A, rows row_bytes apart)
-// and 16 x rows packed 4 bytes a column group (B), summing each (weight row, x row) pair's 64
-// products in int32; two such products make a block of 128 columns, whose int32 sums are
-// converted once and multiplied by x's d of the block into float32 accumulators (one vector per
-// weight row, its lanes the x rows); at the end y = s times that. Each task takes 16 weight rows
-// (one tile of A) for every 16 x rows.
+// codes; per 32 for group-wise int8, per 64 in the columns' order for int4 g32); for int8 a tile
+// product (tdpbssd: signed by signed, no offset) takes 16 weight rows x 64 columns straight from
+// the row-major codes (A, rows row_bytes apart) and 16 x rows packed 4 bytes a column group (B),
+// summing each (weight row, x row) pair's 64 products in int32; two such products make a block of
+// 128 columns, whose int32 sums are converted once and multiplied by x's d of the block into
+// float32 accumulators (one vector per weight row, its lanes the x rows); at the end y = s times
+// that. Each task takes 16 weight rows (one tile of A) for every 16 x rows.
 
 // the fewest x rows that run on the tiles (fewer, the VNNI kernel is faster; 4096 x 1536 and
 // 1536 x 4096 weights from memory, two threads, in turns: int8 1 row 0.89x, 2 0.95x, 4 1.05x,
@@ -1145,7 +1144,8 @@ inline void configure_tiles(int columns = 64) {
 // x's codes as the tiles take them: B per x tile (16 rows; those past m zero) and 64 columns,
 // 16 lines of 64 bytes, line j holding columns 4 j .. 4 j + 3 of the tile's rows (a product
 // over 32 columns: 8 of those lines, half_tile); per x tile and block of `block` columns (x's
-// blocks: 128, or 32 for group-wise int8) the 16 rows' d, and (given hsum) their sums d q
+// blocks: 128; 32 for the groups of 32, int4's d then the same for two) the 16 rows' d, and
+// (given hsum) their sums d q
 struct AmxX {
   int64_t chunks, block, blocks, xtiles;
   std::vector<int32_t> codes;
@@ -1327,7 +1327,7 @@ void amx_int4(const Args<T>& a, const float* hsum) {
 
 // group-wise int8 in groups of 32 (GGUF's Q8_0, Q5_0, Q5_1 and Q5_K as QuantLinear holds them),
 // x quantized per 32 columns as on the VNNI path: a tile product (tdpbssd) a group, 16 weight
-// rows x 32 columns from the row-major codes (A, rows of 32 bytes) by 16 x rows (B, 8 lines
+// rows x 32 columns (A, rows of 32 bytes: the row-major codes themselves) by 16 x rows (B, 8 lines
 // of AmxX's), whose int32 sums are converted, multiplied by x's d of the group and by each
 // weight row's scale into float32 accumulators (with zero points: minus s z times x's sums d q
 // over the group). A task converts its 16 rows' scales (and s z) once, for all the x tiles.
@@ -1344,7 +1344,8 @@ void amx_groups32(const Args<T>& a, const float* hsum) {
 #pragma omp parallel
   {
     configure_tiles(32);
-    std::vector<int8_t> pad;  // the last task's rows past n: zero
+    // the last task's rows, zero past n (int4: every task's rows, unpacked)
+    std::vector<int8_t> pad;
     std::vector<float> sf(16 * groups), szf(offsets ? 16 * groups : 0);  // [row][group]
     alignas(64) int32_t sums[2][16][16];
     alignas(64) float out[16][16];
@@ -1377,7 +1378,7 @@ void amx_groups32(const Args<T>& a, const float* hsum) {
         const __m512i second = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
         for (int64_t r = 0; r < 16; ++r) {
           const uint8_t* row = a.w + std::min(n0 + r, n - 1) * a.row_bytes;
-          int8_t* out = &pad[r * k];
+          int8_t* bytes = &pad[r * k];
           for (int64_t c = 0; c < k; c += 128) {
             const uintptr_t next = reinterpret_cast<uintptr_t>(row + c / 2) + 16 * a.row_bytes;
             if (rows == 16) prefetch_l2(next);  // the next task's rows
@@ -1385,8 +1386,8 @@ void amx_groups32(const Args<T>& a, const float* hsum) {
             const __m512i lo = _mm512_and_si512(v, low);
             const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
             const __m512i a0 = _mm512_unpacklo_epi8(lo, hi), a1 = _mm512_unpackhi_epi8(lo, hi);
-            _mm512_storeu_si512(out + c, _mm512_permutex2var_epi64(a0, first, a1));
-            _mm512_storeu_si512(out + c + 64, _mm512_permutex2var_epi64(a0, second, a1));
+            _mm512_storeu_si512(bytes + c, _mm512_permutex2var_epi64(a0, first, a1));
+            _mm512_storeu_si512(bytes + c + 64, _mm512_permutex2var_epi64(a0, second, a1));
           }
         }
         w = pad.data();

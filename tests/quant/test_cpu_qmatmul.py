@@ -224,9 +224,9 @@ def test_amx_is_taken_where_the_cpu_has_it() -> None:
 
 
 def test_the_vnni_kernel_beneath_amx() -> None:
-    """Where int8 per channel, int4 g128+ and int8 g32 run on AMX's tiles from ``amx_rows``
-    rows, the VNNI kernel that they replace there (``FOUDRE_AMX=0``, in a fresh process: the
-    library asks once)."""
+    """Where int8 per channel, int4 g128+ and int8 and int4 g32 run on AMX's tiles from
+    ``amx_rows`` rows, the VNNI kernel that they replace there (``FOUDRE_AMX=0``, in a fresh
+    process: the library asks once)."""
     if cpu_qmatmul.amx_rows(8) == 0:
         pytest.skip("no AMX tiles here: this build's own tests run the VNNI kernel")
     env = dict(os.environ, FOUDRE_AMX="0")
@@ -391,7 +391,8 @@ def test_quant_linear_matches_reference(
     bits: int, group: int | None, m: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``QuantLinear`` (ours up to 32 rows, aten's at 48, our dequantized GEMM from 64 (on AMX's
-    tiles int8 and int4 g128 leave ours at 1024: aten's from 33); 6 bits ours below 64) against
+    tiles int8 and int4 g128 leave ours at 1024, int4 g32 at 128: aten's from 33); 6 bits ours
+    below 64) against
     ``forward_reference``, with bias, input scale and an act-order permutation; switched off, 6 bits
     run the reference itself (aten has no kernel for them)."""
     monkeypatch.setitem(NATIVE_MAX_ROWS, bits, 32)
@@ -439,8 +440,8 @@ def test_a_row_does_not_depend_on_its_batch() -> None:
                               (4, 32, "const"), (4, 32, True), (6, 16, False)):  # fmt: skip
         mod = quant_module(bits, group, zero, torch.randn(70, 300))
         packed = cpu_qmatmul.layout(mod.qweight, mod.scales, mod.zeros, mod.group_size, bits)
-        # (int8 per channel, int4 g128+ and int8 g32 on AMX's tiles from amx_rows() rows: the
-        # same bits among batches from there, and among batches below them, the VNNI kernel's)
+        # (int8 per channel, int4 g128+, int8 and int4 g32 on AMX's tiles from amx_rows() rows:
+        # the same bits among batches from there, and among batches below them, the VNNI kernel's)
         amx = cpu_qmatmul.amx_rows(bits, group)
         for dtype in (torch.bfloat16, torch.float32):
             x = torch.randn(37, 300).to(dtype)
@@ -560,12 +561,13 @@ def test_the_avx2_path_hands_each_layout_its_own_gemm_rows(monkeypatch: pytest.M
     amx = {(8, None), (4, 128), (8, 32), (4, 32)}
     monkeypatch.setattr(cpu_qmatmul, "amx_rows", lambda bits, group: 4 * ((bits, group) in amx))
     assert qlinear.dequantized_gemm_rows(8, None) == qlinear.AMX_GEMM_ROWS
+    assert qlinear.dequantized_gemm_rows(4, 128) == qlinear.AMX_GEMM_ROWS
     assert qlinear.dequantized_gemm_rows(8, 32) == qlinear.AMX_GROUPS32_GEMM_ROWS[8]
     assert qlinear.dequantized_gemm_rows(4, 32) == qlinear.AMX_GROUPS32_GEMM_ROWS[4]
     assert qlinear.dequantized_gemm_rows(8, 16) == qlinear.GROUPED8_GEMM_ROWS
     assert qlinear.dequantized_gemm_rows(4, 64) == qlinear.DEQUANTIZED_GEMM_ROWS
-    # and where each is: int8 per channel, int4 in groups of 128 or more, int8 in groups of
-    # 32, or none
+    # and where each is: int8 per channel, int4 in groups of 128 or more, int8 and int4 in
+    # groups of 32, or none
     monkeypatch.undo()
     if cpu_qmatmul.amx_rows(8):
         assert cpu_qmatmul.amx_rows(4, 128) and cpu_qmatmul.amx_rows(4, 256)
