@@ -1467,23 +1467,32 @@ void vnni_matmul(Args<T> a) {
   const int64_t halves = a.k / 16;
   std::vector<int8_t> xq(a.m * a.k);
   std::vector<float> dl(a.m * a.k / 4), hsum(a.m * halves);
-  quantize_rows<T, nibbles>(a.x, a.m, a.k, activation_block<K>(a.group), xq.data(), dl.data(),
-                            hsum.data());
   a.xq = xq.data();
   a.dl = dl.data();
+  bool tiles = false;  // AMX's
 #if defined(FOUDRE_AMX)
   if constexpr (K != Kind::Int6) {
     const int64_t from = amx_rows(K, a.group);
-    if (from && a.m >= from) {
-      if constexpr (K == Kind::Int8)
+    tiles = from && a.m >= from;
+  }
+#endif
+  // int4 in groups of 32 on the tiles: x in its columns' order (the same blocks, the same d)
+  if (K == Kind::Int4 && tiles && a.group < 128)
+    quantize_rows<T, false>(a.x, a.m, a.k, activation_block<K>(a.group), xq.data(), dl.data(),
+                            hsum.data());
+  else
+    quantize_rows<T, nibbles>(a.x, a.m, a.k, activation_block<K>(a.group), xq.data(), dl.data(),
+                              hsum.data());
+#if defined(FOUDRE_AMX)
+  if constexpr (K != Kind::Int6) {
+    if (tiles) {
+      if constexpr (K == Kind::Int8) {
         amx_int8(a);
-      else if constexpr (K == Kind::Int4) {
-        if (a.group >= 128) {
+      } else if constexpr (K == Kind::Int4) {
+        if (a.group >= 128)
           amx_int4(a, hsum.data());
-        } else {  // groups of 32: x again in its columns' order (the same blocks of 64, d)
-          quantize_rows<T, false>(a.x, a.m, a.k, 64, xq.data(), dl.data(), hsum.data());
+        else
           amx_groups32<T, true>(a, hsum.data());
-        }
       } else {
         amx_groups32<T, false>(a, hsum.data());
       }
