@@ -500,7 +500,7 @@ def _rope_heads(config: ModelConfig, hf: str) -> int | None:
 
 def _fill(mod: nn.Module, rows: slice, c: Codes) -> None:
     """Copy codes (unpacked), scales and zeros into the rows ``rows`` of ``mod``'s buffers."""
-    assert isinstance(mod, QuantLinear)
+    assert isinstance(mod, QuantLinear) and not mod.interleaved  # (rows, written in place)
     q = c.codes
     if mod.bits == 6:
         assert c.subs is not None

@@ -5,6 +5,9 @@
 //   int4 group-wise            w = (q - z[g]) * s[g]   (codes 0..15, groups of 32 or more)
 //   int6 (GGUF's Q6_K)         w = (q - 32) * d[b] * sc[j]  (codes 0..63, an int8 sc per 16
 //                                                       columns, a d per block b of 256)
+//   int8 in blocks of 16 rows  w = (q - zc) * s[g]      (group-wise int8 in groups of 32 with
+//                                                       one integer zero point, Q8_0 and Q5_0,
+//                                                       repacked at load: x16_codes, -- Int8x16 --)
 // x and y float32 or bfloat16. Bound by reading the weight: each task takes R weight rows (for
 // one x row on the VNNI path 16 and on the AVX2 path 8, one after another, so that a thread
 // reads one sequential stream: Vnni::strip, Avx2's Tile<1, 8>::strip; 4 for more, 2 on the
@@ -49,8 +52,11 @@
 //             scales' type.
 //   AMX       (beside VNNI, where the CPU has AMX's int8 tiles and Linux grants them): int8 per
 //             channel from 4 x rows, int4 in groups of 128 or more from 8, int8 in groups of
-//             32 from 6, int4 in groups of 32 from 12, on tile products of 16 weight rows by
-//             16 x rows (see "-- AMX --" below); x rounded as for VNNI.
+//             32 from 6 (in 16-row blocks too: amx_x16), int4 in groups of 32 from 12, on tile
+//             products of 16 weight rows by 16 x rows (see "-- AMX --" below); x rounded as for
+//             VNNI.
+//   (int8 in 16-row blocks, repacked where VNNI serves them: its own kernels, "-- Int8x16 --";
+//   without VNNI the float paths' arithmetic over its dequantized rows, x not rounded)
 //   AVX-512   the codes widened to float32, dequantized, multiplied with x in float32: no
 //             activation rounding.
 //   AVX2      (without AVX-512; with FMA and F16C): the VNNI path's arithmetic on 8 lanes (see
@@ -86,7 +92,7 @@
 
 namespace {
 
-enum class Kind { Int8, Int8Grouped, Int4, Int6 };
+enum class Kind { Int8, Int8Grouped, Int4, Int6, Int8x16 };
 enum ScaleType { kF32 = 0, kF16 = 1, kBF16 = 2 };
 
 inline float to_float(float x) { return x; }
@@ -155,7 +161,9 @@ struct Args {
   // the sum of x's codes over the lane's columns, per step and lane ([m, k / 8] int6 and int4,
   // [m, k / 4] int8); else null
   const int32_t* xs;
-  // VNNI, group-wise int8 in groups of 32: x's d per 32 columns ([m, k / 32]); else null
+  // VNNI, group-wise int8 in groups of 32: x's d per 32 columns ([m, k / 32]; in 16-row blocks
+  // with xs as -(zc + 128) times the sums of x's codes per 32 columns, both [m, k / 32], their
+  // rows padded to 16 where the tiles run); else null
   const float* d32;
   // AVX2, int6: 32 times the sums of x's codes per pair of positions and the pair 64 on ([m, k / 4])
   const int16_t* xo;
@@ -320,6 +328,35 @@ inline const uint8_t* int6_block(const uint8_t* row, int64_t c) {
   return row + c / 128 * kInt6Block;
 }
 inline int int6_top_shift(int64_t c) { return 2 * ((c % 128) / 64) + 4 * (c & 1); }
+
+// Group-wise int8 in 16-row blocks (Kind::Int8x16; GGUF's Q8_0 and Q5_0 as cpu_qmatmul.interleave
+// repacks them at load: groups of 32 columns, every zero point one integer zc): per block of 16
+// weight rows (rows past n zero) and group, kX16Codes bytes of codes, line j (64 bytes) holding
+// columns 4 j .. 4 j + 3 of the 16 rows (row r's four at 4 r), each code + 128 (unsigned); two
+// groups' codes, then their 16 rows' scales (type st, group by group): a block one sequential
+// stream, each group's codes whole cache lines (a pair of groups 17 lines with 16-bit scales),
+// a vpdpbusd operand or an AMX B tile as they lie, x's 4 codes broadcast against 16 rows at once.
+// row_bytes: a block's.
+constexpr int64_t kX16Codes = 512;
+constexpr int64_t x16_scale_bytes(int st) { return 16 * (st == kF32 ? 4 : 2); }
+// group g's codes and scales in the block at p
+inline const uint8_t* x16_codes(const uint8_t* p, int64_t g, int64_t scale_bytes) {
+  return p + g / 2 * 2 * (kX16Codes + scale_bytes) + g % 2 * kX16Codes;
+}
+inline const uint8_t* x16_scales(const uint8_t* p, int64_t g, int64_t scale_bytes) {
+  return p + g / 2 * 2 * (kX16Codes + scale_bytes) + 2 * kX16Codes + g % 2 * scale_bytes;
+}
+// the code (q, before the zero point) of row nr, column c, and the scale of its group
+template <typename A>
+inline int x16_code(const A& a, int64_t nr, int64_t c) {
+  const uint8_t* codes = x16_codes(a.w + nr / 16 * a.row_bytes, c / 32, x16_scale_bytes(a.st));
+  return codes[64 * (c % 32 / 4) + 4 * (nr % 16) + c % 4] - 128;
+}
+template <typename A>
+inline float x16_scale(const A& a, int64_t nr, int64_t g) {
+  return scale_at(x16_scales(a.w + nr / 16 * a.row_bytes, g, x16_scale_bytes(a.st)), nr % 16,
+                  a.st);
+}
 
 // the code of column c of a weight row
 template <Kind K>
@@ -1097,6 +1134,8 @@ void vnni_tiles(const Args<T>& a) {
 // 6 1.11-1.12x, 7 1.21-1.28x, 8 1.25-1.40x, 16 2.5x, 31 2.65x; Q4_0 8 rows 0.73-0.86x, 10
 // 0.88-1.02x, 12 1.02-1.17x, 16 1.7x)
 constexpr int64_t kAmxRows = 4, kAmxRowsInt4 = 8, kAmxRowsGroups32 = 6, kAmxRowsInt4Groups32 = 12;
+constexpr int64_t kAmxRowsX16 = 6;  // (blocks of 16 rows: 4 rows 0.9x, 5 0.84-1.01x, 6 0.95-1.02x,
+                                    // 7 1.09-1.10x, 8 1.03-1.11x, 12 1.3-1.4x)
 
 // whether this process may use AMX's tiles (asked once)
 inline bool amx_ready() {
@@ -1114,6 +1153,7 @@ inline int64_t amx_rows(Kind kind, int64_t group) {
   if (!amx_ready()) return 0;
   if (kind == Kind::Int8) return kAmxRows;
   if (kind == Kind::Int8Grouped) return group == 32 ? kAmxRowsGroups32 : 0;
+  if (kind == Kind::Int8x16) return kAmxRowsX16;
   if (kind == Kind::Int4 && group == 32) return kAmxRowsInt4Groups32;
   return kind == Kind::Int4 && group >= 128 ? kAmxRowsInt4 : 0;
 }
@@ -1532,6 +1572,169 @@ void vnni_matmul(Args<T> a) {
     a.corr = corr.data();
     vnni_tiles<Vnni<T, K>>(a);
   }
+}
+
+// -- Int8x16 (group-wise int8 in 16-row blocks, see x16_codes) --------------------------------
+//
+// x quantized per 32 columns as for group-wise int8 (the same codes and d); a group's 16 rows at
+// once: vpdpbusd of each of its 8 code lines (16 rows x 4 columns, unsigned) with x's 4 codes of
+// those columns broadcast, on top of -(zc + 128) times the group's sum of x's codes (xs), so the
+// int32 lanes hold the 16 rows' sums of q x; converted, times the rows' scales times x's d into
+// float32 lanes, one per weight row: no pairing, permutes or reduction of lanes. One x row's
+// result is the same bits at any batch, on AMX's tiles too (amx_x16: the same int32 sums, the
+// same float products in the same order).
+
+template <typename T, int ST>
+struct X16 {
+  // y [m0 .. m0 + MT, block b's rows]
+  template <int MT>
+  static void tile(const Args<T>& a, int64_t m0, int64_t b) {
+    constexpr int64_t kScales = x16_scale_bytes(ST);
+    const int64_t k = a.k, groups = k / 32;
+    const uint8_t* block = a.w + b * a.row_bytes;
+    const int32_t* xw = reinterpret_cast<const int32_t*>(a.xq + m0 * k);  // 4 codes a dword
+    const float* d = a.d32 + m0 * groups;
+    const int32_t* xs = a.xs + m0 * groups;
+    __m512 acc[MT];
+    for (auto& v : acc) v = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* p = x16_codes(block, g, kScales);
+      constexpr bool kStream = MT == 1;  // (else the block is read again for the next x rows)
+      for (int line = 0; line < 8; ++line) prefetch_ahead<kStream>(p + 64 * line, kAhead);
+      prefetch_ahead<kStream>(x16_scales(block, g, kScales), kAhead);  // (16-bit: g's pair's)
+      __m512i dot[MT];
+      for (int mi = 0; mi < MT; ++mi) dot[mi] = _mm512_set1_epi32(xs[mi * groups + g]);
+      for (int j = 0; j < 8; ++j) {
+        const __m512i w = _mm512_loadu_si512(p + 64 * j);
+        for (int mi = 0; mi < MT; ++mi)
+          dot[mi] = _mm512_dpbusd_epi32(dot[mi], w, _mm512_set1_epi32(xw[mi * (k / 4) + 8 * g + j]));
+      }
+      const __m512 s = load_scales16<ST>(x16_scales(block, g, kScales), 0);
+      for (int mi = 0; mi < MT; ++mi)
+        acc[mi] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[mi]),
+                                  _mm512_mul_ps(s, _mm512_set1_ps(d[mi * groups + g])), acc[mi]);
+    }
+    const int64_t rows = std::min<int64_t>(16, a.n - 16 * b);
+    for (int mi = 0; mi < MT; ++mi) store_strip(a, (m0 + mi) * a.n + 16 * b, rows, acc[mi]);
+  }
+};
+
+#if defined(FOUDRE_AMX)
+// on the tiles: a tile product a group (tdpbsud: x's 16 rows x 32 columns, signed, A, the rows of
+// xq themselves; the group's 512 code bytes, unsigned, B as they lie), its int32 sums (C: x rows
+// by weight rows) plus xs, then scaled as X16's; the next group's product in a second C tile
+// meanwhile (as amx_groups32)
+template <typename T, int ST>
+void amx_x16(const Args<T>& a) {
+  const int64_t n = a.n, k = a.k, groups = k / 32, xtiles = (a.m + 15) / 16;
+  constexpr int64_t kScales = x16_scale_bytes(ST);
+  const int64_t tasks = (n + 15) / 16;
+#pragma omp parallel
+  {
+    configure_tiles(32);
+    alignas(64) int32_t sums[2][16][16];
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < tasks; ++b) {
+      const uint8_t* p = a.w + b * a.row_bytes;
+      const int64_t rows = std::min<int64_t>(16, n - 16 * b);
+      for (int64_t jt = 0; jt < xtiles; ++jt) {
+        const int8_t* x = a.xq + 16 * jt * k;
+        const float* d = a.d32 + 16 * jt * groups;
+        const int32_t* xs = a.xs + 16 * jt * groups;
+        __m512 acc[16];
+        for (auto& v : acc) v = _mm512_setzero_ps();
+        const auto scale = [&](int64_t g) __attribute__((always_inline)) {
+          const __m512 s = load_scales16<ST>(x16_scales(p, g, kScales), 0);
+          for (int i = 0; i < 16; ++i) {
+            const __m512i dot = _mm512_add_epi32(_mm512_load_si512(sums[g % 2][i]),
+                                                 _mm512_set1_epi32(xs[i * groups + g]));
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
+                                     _mm512_mul_ps(s, _mm512_set1_ps(d[i * groups + g])), acc[i]);
+          }
+        };
+        for (int64_t g = 0; g < groups; ++g) {
+          const uint8_t* w = x16_codes(p, g, kScales);
+          if (jt == 0) {  // the next block's group, into L2
+            for (int line = 0; line < 8; ++line)
+              prefetch_l2(reinterpret_cast<uintptr_t>(w) + a.row_bytes + 64 * line);
+            prefetch_l2(reinterpret_cast<uintptr_t>(x16_scales(p, g, kScales)) + a.row_bytes);
+          }
+          if (g % 2 == 0) {
+            _tile_zero(0);
+            _tile_loadd(1, x + 32 * g, k);
+            _tile_loadd(3, w, 64);
+            _tile_dpbsud(0, 1, 3);
+            _tile_stored(0, sums[0], 64);
+          } else {
+            _tile_zero(5);
+            _tile_loadd(2, x + 32 * g, k);
+            _tile_loadd(4, w, 64);
+            _tile_dpbsud(5, 2, 4);
+            _tile_stored(5, sums[1], 64);
+          }
+          if (g > 0) scale(g - 1);
+        }
+        scale(groups - 1);
+        for (int64_t i = 0; i < std::min<int64_t>(16, a.m - 16 * jt); ++i)
+          store_strip(a, (16 * jt + i) * n + 16 * b, rows, acc[i]);
+      }
+    }
+    _tile_release();
+  }
+}
+#endif  // FOUDRE_AMX
+
+// x quantized (its rows padded to a multiple of 16 for the tiles: zero), then X16's tiles (or
+// AMX's, from amx_rows) over blocks, x's rows four at a time
+template <typename T, int ST>
+void x16_tiles(const Args<T>& a) {
+#if defined(FOUDRE_AMX)
+  const int64_t from = amx_rows(Kind::Int8x16, 32);
+  if (from && a.m >= from) {
+    amx_x16<T, ST>(a);
+    return;
+  }
+#endif
+  const int64_t blocks = (a.n + 15) / 16;
+#pragma omp parallel for schedule(guided)
+  for (int64_t b = 0; b < blocks; ++b)
+    for (int64_t m0 = 0; m0 < a.m; m0 += 4) switch (std::min<int64_t>(a.m - m0, 4)) {
+        case 1: X16<T, ST>::template tile<1>(a, m0, b); break;
+        case 2: X16<T, ST>::template tile<2>(a, m0, b); break;
+        case 3: X16<T, ST>::template tile<3>(a, m0, b); break;
+        default: X16<T, ST>::template tile<4>(a, m0, b); break;
+      }
+}
+
+template <typename T>
+void x16_matmul(Args<T> a) {
+  int64_t padded = a.m;  // (the tiles read x's rows 16 at a time)
+#if defined(FOUDRE_AMX)
+  const int64_t from = amx_rows(Kind::Int8x16, 32);
+  if (from && a.m >= from) padded = (a.m + 15) / 16 * 16;
+#endif
+  const int64_t k = a.k, groups = k / 32;
+  std::vector<int8_t> xq(padded * k, 0);
+  std::vector<float> dl(a.m * k / 4), hsum(a.m * k / 16), d32(padded * groups, 0.0f);
+  std::vector<int32_t> xs(padded * groups, 0);
+  quantize_rows<T, false>(a.x, a.m, k, 32, xq.data(), dl.data(), hsum.data());
+  const int32_t offset = static_cast<int32_t>(a.zc) + 128;
+  for (int64_t i = 0; i < a.m; ++i)
+    for (int64_t g = 0; g < groups; ++g) {
+      int32_t sum = 0;
+      for (int64_t c = 32 * g; c < 32 * g + 32; ++c) sum += xq[i * k + c];
+      xs[i * groups + g] = -offset * sum;
+      d32[i * groups + g] = dl[i * (k / 4) + 8 * g];
+    }
+  a.xq = xq.data();
+  a.d32 = d32.data();
+  a.xs = xs.data();
+  if (a.st == kF16)
+    x16_tiles<T, kF16>(a);
+  else if (a.st == kBF16)
+    x16_tiles<T, kBF16>(a);
+  else
+    x16_tiles<T, kF32>(a);
 }
 
 #endif  // FOUDRE_VNNI
@@ -2163,12 +2366,63 @@ void dequantize(const Args<T>& a, int64_t n0, int64_t n1, T* out) {
   }
 }
 
+// Int8x16: rows n0 .. n1 dequantized, (q - zc) s in float32 as dequantize's; and without VNNI
+// the product of those floats with x (the float paths' arithmetic: the layout is built where
+// VNNI serves it, cpu_qmatmul.interleaves, but runs anywhere)
+template <typename T>
+void dequantize_x16(const Args<T>& a, int64_t n0, int64_t n1, T* out) {
+#pragma omp parallel for schedule(static)
+  for (int64_t nr = n0; nr < n1; ++nr)
+    for (int64_t g = 0; g < a.k / 32; ++g) {
+      const float s = x16_scale(a, nr, g);
+      T* o = out + (nr - n0) * a.k + g * 32;
+#if defined(FOUDRE_AVX512)
+      const uint8_t* p =
+          x16_codes(a.w + nr / 16 * a.row_bytes, g, x16_scale_bytes(a.st)) + 4 * (nr % 16);
+      const __m256i lines = _mm256_setr_epi32(0, 64, 128, 192, 256, 320, 384, 448);
+      const __m256i u = _mm256_i32gather_epi32(reinterpret_cast<const int*>(p), lines, 1);
+      const __m512i q = _mm512_sub_epi16(_mm512_cvtepu8_epi16(u), _mm512_set1_epi16(128));
+      const __m512 vs = _mm512_set1_ps(s), vz = _mm512_set1_ps(a.zc);
+      for (int h = 0; h < 2; ++h) {
+        const __m256i half = h ? _mm512_extracti64x4_epi64(q, 1) : _mm512_castsi512_si256(q);
+        const __m512 c = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(half));
+        store16(o + 16 * h, _mm512_mul_ps(_mm512_sub_ps(c, vz), vs));
+      }
+#else
+      for (int64_t c = 0; c < 32; ++c)
+        store1(o + c, (static_cast<float>(x16_code(a, nr, g * 32 + c)) - a.zc) * s);
+#endif
+    }
+}
+
+inline float as_float(float v) { return v; }
+inline float as_float(uint16_t v) { return to_float(v); }
+
+template <typename T>
+void x16_float_matmul(const Args<T>& a) {
+#pragma omp parallel for schedule(static)
+  for (int64_t nr = 0; nr < a.n; ++nr) {
+    std::vector<float> w(a.k);
+    dequantize_x16<float>(Args<float>{nullptr, a.w, a.row_bytes, a.s, a.z, a.zc, a.st, a.groups,
+                                      a.group, a.s_stride, a.gshift, nullptr, 0, a.n, a.k},
+                          nr, nr + 1, w.data());
+    for (int64_t i = 0; i < a.m; ++i) {
+      float sum = 0.0f;
+      for (int64_t c = 0; c < a.k; ++c) sum += as_float(a.x[i * a.k + c]) * w[c];
+      store1(a.y + i * a.n + nr, sum);
+    }
+  }
+}
+
 template <typename T>
 Args<T> args(int kind, const void* x, const void* q, const void* s, const void* z, float zc,
              int st, int64_t groups, int64_t group, int64_t s_stride, void* y, int64_t m,
              int64_t n, int64_t k) {
   const int gshift = group > 0 ? __builtin_ctzll(static_cast<uint64_t>(group)) : 0;
-  const int64_t row_bytes = kind == 2 ? k / 2 : (kind == 3 ? k / 16 * 13 : k);
+  const int64_t row_bytes = kind == 2   ? k / 2
+                            : kind == 3 ? k / 16 * 13
+                            : kind == 4 ? k / 32 * (kX16Codes + x16_scale_bytes(st))
+                                        : k;
   return {static_cast<const T*>(x), static_cast<const uint8_t*>(q), row_bytes, s, z, zc, st,
           groups, group, s_stride, gshift, static_cast<T*>(y), m, n, k, nullptr, nullptr,
           nullptr, nullptr, nullptr, nullptr};
@@ -2179,7 +2433,13 @@ void run(int kind, const void* x, const void* q, const void* s, const void* z, f
          int64_t groups, int64_t group, int64_t s_stride, void* y, int64_t m, int64_t n,
          int64_t k) {
   const Args<T> a = args<T>(kind, x, q, s, z, zc, st, groups, group, s_stride, y, m, n, k);
-  if (kind == 0)
+  if (kind == 4)
+#if defined(FOUDRE_VNNI)
+    x16_matmul(a);
+#else
+    x16_float_matmul(a);
+#endif
+  else if (kind == 0)
     matmul<T, Kind::Int8>(a);
   else if (kind == 1)
     matmul<T, Kind::Int8Grouped>(a);
@@ -2196,7 +2456,9 @@ void run_dequantize(int kind, const void* q, const void* s, const void* z, float
   const Args<T> a =
       args<T>(kind, nullptr, q, s, z, zc, st, groups, group, s_stride, nullptr, 0, n1, k);
   T* o = static_cast<T*>(out);
-  if (kind == 0)
+  if (kind == 4)
+    dequantize_x16(a, n0, n1, o);
+  else if (kind == 0)
     dequantize<T, Kind::Int8>(a, n0, n1, o);
   else if (kind == 1)
     dequantize<T, Kind::Int8Grouped>(a, n0, n1, o);

@@ -13,12 +13,15 @@ vpdpbusd (AVX2: vpmaddubsw), so results differ from dequantize-then-matmul by th
 (each x within half its block's ``max|x| / 127``); the AVX-512 path without VNNI and the
 portable one multiply in float32. ``layout`` is the kernels' view of ``QuantLinear``'s buffers
 (the buffers themselves, no copy, for the usual shapes); ``matmul`` runs it. ``path()`` names
-the path the library was built with, None where it did not build.
+the path the library was built with, None where it did not build. On the VNNI path GGUF's Q8_0
+and Q5_0 (int8 in groups of 32, one zero point) are repacked in blocks of 16 rows
+(``interleave``): the same bytes, read faster.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 from dataclasses import dataclass
 from functools import cache, lru_cache
 from pathlib import Path
@@ -93,7 +96,7 @@ def rounds_activations() -> bool:
     return path() in ROUNDING_PATHS
 
 
-KINDS = {"int8": 0, "int8g": 1, "int4": 2, "int6": 3}
+KINDS = {"int8": 0, "int8g": 1, "int4": 2, "int6": 3, "int8x16": 4}
 SCALE_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
@@ -105,7 +108,9 @@ class Packed:
     in one dtype (float32, float16 or bfloat16), ``z`` None where every zero point is ``zc``
     (0 for symmetric int8, 8 for GGUF's Q4_0: the kernels then read no zero points); ``k`` the
     input features (padded). ``s`` and ``z`` rows may be further apart than their length, by
-    one stride (``pair_scales``)."""
+    one stride (``pair_scales``). ``"int8x16"``: group-wise int8 in groups of 32 repacked in
+    blocks of 16 rows (``interleave``), ``w`` the blocks ``[ceil(N / 16), K / 32 * (512 + 16
+    size)]`` with the scales inside, ``s`` an empty tensor of their dtype, ``n`` the rows N."""
 
     kind: str
     w: torch.Tensor
@@ -114,10 +119,18 @@ class Packed:
     group: int | None
     k: int
     zc: float = 0.0
+    n: int | None = None  # the weight's rows (None: w's)
+
+    @property
+    def rows(self) -> int:
+        """The weight's rows N (the product's output features)."""
+        return self.w.shape[0] if self.n is None else self.n
 
     def arguments(self) -> tuple[int, float, int, int, int, int]:
         """The kernels' arguments from the zero points to the scales' row stride: ``z``'s
         address (0: none), ``zc``, the scale type, groups, group, the stride."""
+        if self.kind == "int8x16":
+            return 0, self.zc, SCALE_TYPES[self.s.dtype], self.k // 32, 32, 0
         grouped = self.kind != "int8"
         return (
             0 if self.z is None else self.z.data_ptr(), self.zc, SCALE_TYPES[self.s.dtype],
@@ -166,6 +179,69 @@ def layout(
         k += pad
     group = None if per_channel else group_size
     return Packed(kind, qweight.contiguous(), scales, zeros, group, k, zc)
+
+
+X16_CODES = 512  # a block's code bytes per group of 32 columns (16 rows x 32)
+
+
+def interleaves(packed: Packed) -> bool:
+    """Whether ``interleave`` repacks ``packed`` (where the kernels read its blocks faster than
+    its rows): group-wise int8 in groups of 32 whose zero points are one integer (GGUF's Q8_0
+    and Q5_0), on the VNNI path (the other paths have no kernel of their own for the blocks),
+    unless ``FOUDRE_REPACK=0``."""
+    return (
+        packed.kind == "int8g"
+        and packed.group == 32
+        and packed.z is None
+        and float(packed.zc).is_integer()
+        and -128 <= packed.zc <= 127
+        and path() == "vnni"
+        and os.environ.get("FOUDRE_REPACK", "1") != "0"
+    )
+
+
+def interleave(packed: Packed) -> Packed:
+    """``packed`` (group-wise int8, groups of 32, one zero point) repacked in blocks of 16 rows
+    (``"int8x16"``, cpu_qmatmul.cpp's ``x16_codes``): per block and group the 16 rows' 32 codes
+    plus 128 as unsigned bytes, four columns of each row in turn (line j, 64 bytes: columns
+    4 j .. 4 j + 3 of rows 0 .. 15), two groups' codes then their scales (16 rows each, group by
+    group), rows past N zero. The same bytes as the rows and their scales, in one stream a
+    block, each group's codes whole cache lines: at batch 1 the kernel broadcasts x's 4 codes
+    against 16 rows (no lane pairing or reduction), and AMX's tiles read a group's codes as they
+    lie. ``deinterleave`` gives the rows back."""
+    if packed.kind != "int8g" or packed.group != 32 or packed.z is not None or packed.k % 64:
+        raise ValueError(f"interleave takes int8 in groups of 32 with one zero point: {packed}")
+    q, s, k = packed.w, packed.s, packed.k
+    n, pairs, size = q.shape[0], k // 64, s.element_size()
+    blocks = -(-n // 16)
+    codes = (F.pad(q, (0, 0, 0, blocks * 16 - n)).view(torch.uint8) ^ 128).view(
+        blocks, 16, pairs, 2, 8, 4
+    )
+    scales = F.pad(s[:, : 2 * pairs].contiguous(), (0, 0, 0, blocks * 16 - n))
+    scales = scales.view(blocks, 16, pairs, 2).permute(0, 2, 3, 1).contiguous()
+    # (a tensor of its own, not a view: huge_pages.place_in_huge_pages moves only storages
+    # that their tensors alone hold)
+    w = torch.empty(blocks, pairs * 2 * (X16_CODES + 16 * size), dtype=torch.uint8)
+    parts = w.view(blocks, pairs, -1)
+    parts[..., : 2 * X16_CODES].view(blocks, pairs, 2, 8, 16, 4).copy_(
+        codes.permute(0, 2, 3, 4, 1, 5)
+    )
+    parts[..., 2 * X16_CODES :].copy_(scales.view(torch.uint8).view(blocks, pairs, -1))
+    del parts
+    return Packed("int8x16", w, s.new_empty(0), None, 32, k, packed.zc, n)
+
+
+def deinterleave(packed: Packed) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int8 codes ``[N, K]`` and scales ``[N, K / 32]`` of an ``interleave``d weight."""
+    n, pairs, size = packed.rows, packed.k // 64, packed.s.element_size()
+    blocks = packed.w.shape[0]
+    parts = packed.w.view(blocks, pairs, 2 * (X16_CODES + 16 * size))
+    codes = parts[..., : 2 * X16_CODES].reshape(blocks, pairs, 2, 8, 16, 4)
+    codes = codes.permute(0, 4, 1, 2, 3, 5).reshape(blocks * 16, packed.k)
+    q = (codes[:n] ^ 128).view(torch.int8).clone()
+    scales = parts[..., 2 * X16_CODES :].contiguous().view(packed.s.dtype)
+    scales = scales.view(blocks, pairs, 2, 16).permute(0, 3, 1, 2).reshape(blocks * 16, -1)
+    return q, scales[:n].clone()
 
 
 def _zero_point(zeros: torch.Tensor | None) -> tuple[float, torch.Tensor | None]:
@@ -259,6 +335,23 @@ def _check_layout(packed: Packed) -> None:
     """``ValueError`` unless ``packed`` is what the kernels read: K a multiple of 64 (128 for
     int4, 256 for int6) that the codes hold, and a group-wise layout's groups a power of two,
     at least 16 columns (32 for int4), covering the padded columns (int6: one d per 256)."""
+    if packed.kind == "int8x16":
+        k, w, size = packed.k, packed.w, packed.s.element_size()
+        shape = (-(-packed.rows // 16), k // 32 * (X16_CODES + 16 * size))
+        if (
+            k % 64
+            or tuple(w.shape) != shape
+            or w.dtype != torch.uint8
+            or not w.is_contiguous()
+            or packed.group != 32
+            or packed.z is not None
+        ):
+            raise ValueError(
+                f"int8x16 blocks {tuple(w.shape)} for {packed.rows} x {k}: the kernels take "
+                f"{shape} contiguous uint8, K a multiple of 64, groups of 32, one zero point "
+                "(interleave)"
+            )
+        return
     if packed.kind == "int6":
         s, k, w = packed.s, packed.k, packed.w
         n = w.shape[0] if w.dim() == 2 else -1
@@ -336,7 +429,7 @@ def matmul(x: torch.Tensor, packed: Packed) -> torch.Tensor:
     """``x [M, K] @ W^T`` (no bias) for a ``layout``; ``x`` float32 or bfloat16 on the CPU.
     ``[M, N]`` in x's dtype."""
     dll, x = _prepared(x, packed)
-    k, m, n = packed.k, x.shape[0], packed.w.shape[0]
+    k, m, n = packed.k, x.shape[0], packed.rows
     y = torch.empty(m, n, dtype=x.dtype)
     if m == 0:
         return y
@@ -377,7 +470,7 @@ def matmul_dequantized(x: torch.Tensor, packed: Packed) -> torch.Tensor:
     outruns the integer kernel when the batch makes the step compute-bound (prefill chunks). As
     ``forward_reference`` computes, up to the GEMM's summation order."""
     dll, x = _prepared(x, packed)
-    k, n = packed.k, packed.w.shape[0]
+    k, n = packed.k, packed.rows
     if n == 0 or x.shape[0] == 0:
         return torch.zeros(x.shape[0], n, dtype=x.dtype)
     # (bfloat16 in float32 where torch's bfloat16 GEMM is slow: layers.linear.gemm_dtype)

@@ -461,6 +461,7 @@ def _five_bit_with_zeros(mod: nn.Module, group: int) -> QuantLinear:
         ("llama", "int4"),
         ("qwen2", "int4"),
         ("qwen2", "q5"),
+        ("llama", "q8"),
         ("llama", "g16"),
         ("qwen2", "int6"),
     ],
@@ -469,7 +470,8 @@ def test_native_decode_runs_quantized_projections(
     tmp_path: Path, dtype: str, arch: str, scheme: str
 ) -> None:
     """Quantized projections (int8 per channel, int4 groups, GGUF's 8-bit group-wise forms with
-    and without zero points and groups of 16, Q6_K's 6 bits) run inside the native step, and
+    and without zero points (Q8_0's: in blocks of 16 rows on the VNNI path) and groups of 16,
+    Q6_K's 6 bits) run inside the native step, and
     its logits and KV pool equal the Python path's bit for bit; a Qwen2 bias is added after the
     kernel."""
     if cpu_qmatmul.path() not in cpu_qmatmul.NATIVE_PATHS:
@@ -482,7 +484,7 @@ def test_native_decode_runs_quantized_projections(
     elif scheme == "int4":
         quantize_(model, Int4WeightOnly(group_size=32), skip=("lm_head",))
     else:
-        bits, group = {"q5": (8, 32), "g16": (8, 16), "int6": (6, 16)}[scheme]
+        bits, group = {"q5": (8, 32), "q8": (8, 32), "g16": (8, 16), "int6": (6, 16)}[scheme]
         for name, mod in list(model.named_modules()):
             if matches(name, layers) and isinstance(mod, Linear):
                 q = _five_bit_with_zeros(mod, group) if scheme == "q5" else None
@@ -497,6 +499,9 @@ def test_native_decode_runs_quantized_projections(
     native = NativeDecode.build(model, runner.backend, runner.kv_caches)
     assert native is not None
     assert len(native.checks.quantized) == 4 * len(model.model.layers)
+    if scheme == "q8":  # (the step built the layouts: cpu_qmatmul.interleave)
+        interleaved = model.model.layers[0].self_attn.o_proj.interleaved  # type: ignore[union-attr]
+        assert interleaved == (cpu_qmatmul.path() == "vnni")
     runner.decode_path = native
     calls = counted(runner)
     with torch.inference_mode():

@@ -156,6 +156,26 @@ def test_moves_inference_tensors_in_inference_mode() -> None:
 
 
 @needs_thp
+def test_interleaved_q8_0_blocks_move() -> None:
+    """GGUF's Q8_0 form, repacked in blocks of 16 rows when its layout is built
+    (``cpu_qmatmul.interleave``: a tensor of its own, no view), moves into the map and the
+    kernels' layout reads it there."""
+    if cpu_qmatmul.path() != "vnni":
+        pytest.skip("blocks of 16 rows are built on the VNNI path only")
+    torch.manual_seed(0)
+    w = torch.randn(48, 256)
+    net = nn.Sequential(QuantLinear.from_float(w, None, 8, 32).to(torch.float16))
+    mod = net[0]
+    x = torch.randn(3, 256)
+    mod._native_layout()  # (as prepare_for_cpu builds it)
+    assert mod.interleaved
+    before = mod(x)
+    assert huge_pages.place_in_huge_pages(net) > 0
+    assert _in_advised_map([mod.qweight])
+    assert mod._native_layout().w is mod.qweight and torch.equal(mod(x), before)
+
+
+@needs_thp
 @pytest.mark.parametrize("quantization", [None, "int4"])
 def test_engine_weights_in_huge_pages_same_logits(
     quantization: str | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch

@@ -74,6 +74,7 @@ CASES = [
     (8, 32, False, 21, 704, torch.bfloat16),
     (8, 32, True, 7, 1600, torch.float32),
     (8, 32, False, 5, 1536, torch.float16),
+    (8, 32, "const", 19, 288, torch.float16),  # (K a multiple of 32, not 64: blocks padded)
     (6, 16, False, 37, 300, torch.float16),
     (6, 16, "raw", 21, 512, torch.float16),
     (6, 16, False, 16, 1024, torch.float32),
@@ -146,30 +147,46 @@ def check_kernels() -> None:
                 assert torch.equal(cpu_qmatmul.matmul(x, paired), cpu_qmatmul.matmul(x, packed))
             got = cpu_qmatmul.dequantize_rows(paired, 1, n, torch.float32)
             assert torch.equal(got, cpu_qmatmul.dequantize_rows(packed, 1, n, torch.float32))
-        for m in ROWS:
-            for dtype in (torch.float32, torch.bfloat16):
-                x = (torch.randn(m, k) * torch.rand(m, 1) * 4).to(dtype)
-                y = cpu_qmatmul.matmul(x, packed)
-                assert y.dtype == dtype and y.shape == (m, n)
-                ref = x.float() @ wd.t()
-                tol = cpu_qmatmul.error_bound(x.float(), wd, bits, group)
-                if dtype == torch.bfloat16:
-                    tol = tol + ref.abs() * 2**-8
-                err = (y.float() - ref).abs()
-                assert bool((err <= tol).all()), (bits, group, n, k, m, dtype, (err - tol).max())
-        # large batches: the weight dequantized (QuantLinear.dequantize's values) into a GEMM
-        wq = cpu_qmatmul.dequantize_rows(packed, 0, n, torch.float32)[:, :k]
-        assert torch.equal(wq, wd), (bits, group, n, k)
-        wb = cpu_qmatmul.dequantize_rows(packed, 1, n, torch.bfloat16)[:, :k]
-        assert torch.equal(wb, wd[1:].bfloat16())
-        x = torch.randn(70, k)
-        y = cpu_qmatmul.matmul_dequantized(x, packed)
-        ref = x @ wq.t()
-        assert bool(((y - ref).abs() <= 1e-5 * (x.abs() @ wq.abs().t()) + 1e-6).all())
-        yb = cpu_qmatmul.matmul_dequantized(x.bfloat16(), packed)
-        assert yb.dtype == torch.bfloat16
-        bound = 2**-7 * (x.abs() @ wq.abs().t()) + ref.abs() * 2**-7 + 1e-3
-        assert bool(((yb.float() - ref).abs() <= bound).all())
+        check_layout(packed, wd, bits, group)
+        if bits == 8 and group == 32 and zero in (False, "const"):  # (Q8_0, Q5_0)
+            # in blocks of 16 rows (served where interleaves says; every path runs them)
+            blocks = cpu_qmatmul.interleave(packed)
+            assert blocks.kind == "int8x16" and blocks.rows == n
+            q, s = cpu_qmatmul.deinterleave(blocks)
+            assert torch.equal(q, packed.w) and torch.equal(s, packed.s)
+            check_layout(blocks, wd, bits, group)
+
+
+def check_layout(
+    packed: cpu_qmatmul.Packed, wd: torch.Tensor, bits: int, group: int | None
+) -> None:
+    """``packed`` (of the dequantized weight ``wd``) against the reference at each of ``ROWS``,
+    in both dtypes; its dequantized rows and its large batches' GEMM."""
+    n, k = wd.shape
+    for m in ROWS:
+        for dtype in (torch.float32, torch.bfloat16):
+            x = (torch.randn(m, k) * torch.rand(m, 1) * 4).to(dtype)
+            y = cpu_qmatmul.matmul(x, packed)
+            assert y.dtype == dtype and y.shape == (m, n)
+            ref = x.float() @ wd.t()
+            tol = cpu_qmatmul.error_bound(x.float(), wd, bits, group)
+            if dtype == torch.bfloat16:
+                tol = tol + ref.abs() * 2**-8
+            err = (y.float() - ref).abs()
+            assert bool((err <= tol).all()), (bits, group, n, k, m, dtype, (err - tol).max())
+    # large batches: the weight dequantized (QuantLinear.dequantize's values) into a GEMM
+    wq = cpu_qmatmul.dequantize_rows(packed, 0, n, torch.float32)[:, :k]
+    assert torch.equal(wq, wd), (bits, group, n, k)
+    wb = cpu_qmatmul.dequantize_rows(packed, 1, n, torch.bfloat16)[:, :k]
+    assert torch.equal(wb, wd[1:].bfloat16())
+    x = torch.randn(70, k)
+    y = cpu_qmatmul.matmul_dequantized(x, packed)
+    ref = x @ wq.t()
+    assert bool(((y - ref).abs() <= 1e-5 * (x.abs() @ wq.abs().t()) + 1e-6).all())
+    yb = cpu_qmatmul.matmul_dequantized(x.bfloat16(), packed)
+    assert yb.dtype == torch.bfloat16
+    bound = 2**-7 * (x.abs() @ wq.abs().t()) + ref.abs() * 2**-7 + 1e-3
+    assert bool(((yb.float() - ref).abs() <= bound).all())
 
 
 def check_path_avx512() -> None:
@@ -458,6 +475,71 @@ def test_a_row_does_not_depend_on_its_batch() -> None:
                         assert not torch.equal(alone[0], batch[i])
                 else:
                     assert torch.equal(alone, batch[i : i + 1])
+
+
+def test_interleaved_rows_do_not_depend_on_batch_or_threads() -> None:
+    """Q8_0 and Q5_0 in blocks of 16 rows (``interleave``): a row's result is the same bits
+    alone as in a batch of any size, on either side of ``amx_rows`` too (the VNNI kernel and
+    AMX's tiles form the same int32 sums and scale them in one order), and on 1 or 3
+    threads."""
+    torch.manual_seed(13)
+    threads = torch.get_num_threads()
+    try:
+        for zero in (False, "const"):
+            mod = quant_module(8, 32, zero, torch.randn(70, 300))
+            packed = cpu_qmatmul.layout(mod.qweight, mod.scales, mod.zeros, 32, 8)
+            blocks = cpu_qmatmul.interleave(packed)
+            for dtype in (torch.bfloat16, torch.float32):
+                x = torch.randn(37, 300).to(dtype)
+                batch = cpu_qmatmul.matmul(x, blocks)
+                for i in (0, 5, 36):
+                    for few in (1, 2, 3, 5, 6, 7, 17):
+                        lo = min(i, 37 - few)
+                        part = cpu_qmatmul.matmul(x[lo : lo + few], blocks)
+                        assert torch.equal(part[i - lo], batch[i]), (zero, dtype, i, few)
+                for n in (1, 3):
+                    torch.set_num_threads(n)
+                    for m in (1, 37):
+                        assert torch.equal(cpu_qmatmul.matmul(x[:m], blocks), batch[:m])
+                torch.set_num_threads(threads)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_q8_0_modules_interleave_once_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ``QuantLinear`` of Q8_0's form (and Q5_0's, one zero point) becomes blocks of 16 rows
+    when its layout is built on the VNNI path: the same values (``dequantize``), its products
+    within the kernels' bound, its ``state_dict`` the rows, which ``load_state_dict`` and a
+    move (``_apply``) give back to the buffers; ``FOUDRE_REPACK=0`` keeps the rows."""
+    if cpu_qmatmul.path() != "vnni":
+        pytest.skip("blocks of 16 rows are built on the VNNI path only")
+    torch.manual_seed(5)
+    for zero, k in ((False, 300), ("const", 280)):  # (280: 288 columns, the blocks 320)
+        mod = quant_module(8, 32, zero, torch.randn(40, k)).to(torch.float16)
+        rows = {name: t.clone() for name, t in mod.state_dict().items()}
+        wd = mod.dequantize()
+        assert not mod.interleaved
+        mod._native_layout()
+        assert mod.interleaved and mod.qweight.dtype == torch.uint8
+        assert mod.scales.numel() == 0 and mod.scales.dtype == torch.float16
+        assert mod._native_layout().kind == "int8x16"
+        assert torch.equal(mod.dequantize(), wd)
+        x = torch.randn(5, k)
+        tol = cpu_qmatmul.error_bound(x, wd, 8, 32) + 1e-5
+        assert bool(((mod(x) - x @ wd.t()).abs() <= tol).all())
+        saved = mod.state_dict()
+        assert saved.keys() == rows.keys()
+        assert all(torch.equal(saved[name], rows[name]) for name in rows), zero
+        other = quant_module(8, 32, zero, torch.randn(40, k)).to(torch.float16)
+        other._native_layout()
+        other.load_state_dict(rows)
+        assert not other.interleaved and torch.equal(other.dequantize(), wd)
+        mod.float()  # a move: rows again (float32 scales now)
+        assert not mod.interleaved and torch.equal(mod.qweight, rows["qweight"])
+        assert torch.equal(mod.dequantize(), wd)
+    monkeypatch.setenv("FOUDRE_REPACK", "0")
+    mod = quant_module(8, 32, False, torch.randn(40, 300))
+    assert mod._native_layout().kind == "int8g" and not mod.interleaved
 
 
 def test_a_row_does_not_depend_on_the_threads() -> None:

@@ -76,6 +76,7 @@ KEPT = {
 }
 CODES = {4: torch.uint8, 6: torch.uint8, 8: torch.int8}  # qweight's dtype by bits
 EXACT = ("Q8_0", "Q4_0", "Q5_0", "Q6_K")  # no mins: bit for bit
+VNNI = cpu_qmatmul.path() == "vnni"  # (where Q8_0 and Q5_0 are repacked: cpu_qmatmul.interleaves)
 needs_kernels = pytest.mark.skipif(cpu_qmatmul.path() is None, reason="no C++ compiler")
 
 
@@ -171,15 +172,16 @@ def _term_sizes(mod: QuantLinear) -> torch.Tensor:
     s = d sc), which its float32 rounding scales with; at least ``|w|``."""
     assert mod.group_size is not None
     z: torch.Tensor | int = 0
+    rows = mod.state_dict()  # (the buffers as rows where they are interleaved)
     if mod.bits == 6:
-        q, subs = unpack_int6(mod.qweight)
-        d = mod.scales.float().repeat_interleave(INT6_BLOCK // 16, 1)
+        q, subs = unpack_int6(rows["qweight"])
+        d = rows["scales"].float().repeat_interleave(INT6_BLOCK // 16, 1)
         s, z = (d * subs.float()).repeat_interleave(16, 1), 32
         return ((q.float() + z + 256) * s.abs())[:, : mod.in_features]
-    q = mod.qweight if mod.bits == 8 else unpack_int4(mod.qweight)
-    s = mod.scales.float().repeat_interleave(mod.group_size, 1)
+    q = rows["qweight"] if mod.bits == 8 else unpack_int4(rows["qweight"])
+    s = rows["scales"].float().repeat_interleave(mod.group_size, 1)
     if mod.zeros is not None:
-        z = mod.zeros.float().abs().repeat_interleave(mod.group_size, 1)
+        z = rows["zeros"].float().abs().repeat_interleave(mod.group_size, 1)
     return ((q.float().abs() + z + 256) * s.abs())[:, : mod.in_features]
 
 
@@ -305,7 +307,9 @@ def test_kept_types_load_as_quant_linear(qtype: str, llama_dir: Path, tmp_path: 
     bits, group, zero_point = KEPT[qtype]
     for mod in linears.values():
         assert (mod.bits, mod.group_size, mod.zeros is not None) == (bits, group, zero_point)
-        assert mod.qweight.dtype == CODES[bits]  # codes, not floats
+        # codes, not floats (Q8_0 and Q5_0 on the VNNI path: in blocks of 16 rows, uint8)
+        assert mod.interleaved == (group == 32 and not zero_point and bits == 8 and VNNI)
+        assert mod.qweight.dtype == (torch.uint8 if mod.interleaved else CODES[bits])
         half = qtype in ("Q4_0", "Q5_0", "Q8_0") or bits == 6  # the file's float16 d, exactly
         assert mod.scales.dtype == (torch.float16 if half else torch.float32)
         assert _exact(mod) == (qtype in EXACT)
