@@ -8,6 +8,8 @@
 //   int8 in blocks of 16 rows  w = (q - zc) * s[g]      (group-wise int8 in groups of 32 with
 //                                                       one integer zero point, Q8_0 and Q5_0,
 //                                                       repacked at load: x16_codes, -- Int8x16 --)
+//   int4 in blocks of 16 rows  w = (q - z[g]) * s[g]    (int4 in groups of 128 or more, repacked
+//                                                       at load: x4_group, -- Int4x16 --)
 // x and y float32 or bfloat16. Bound by reading the weight: each task takes R weight rows (for
 // one x row on the VNNI path 16 and on the AVX2 path 8, one after another, so that a thread
 // reads one sequential stream: Vnni::strip, Avx2's Tile<1, 8>::strip; 4 for more, 2 on the
@@ -52,11 +54,13 @@
 //             scales' type.
 //   AMX       (beside VNNI, where the CPU has AMX's int8 tiles and Linux grants them): int8 per
 //             channel from 4 x rows, int4 in groups of 128 or more from 8, int8 in groups of
-//             32 from 6 (in 16-row blocks too: amx_x16), int4 in groups of 32 from 12, on tile
+//             32 from 6 (in 16-row blocks too: amx_x16), int4 in groups of 32 from 12 (int4 in
+//             16-row blocks from 8: amx_x4), on tile
 //             products of 16 weight rows by 16 x rows (see "-- AMX --" below); x rounded as for
 //             VNNI.
-//   (int8 in 16-row blocks, repacked where VNNI serves them: its own kernels, "-- Int8x16 --";
-//   without VNNI the float paths' arithmetic over its dequantized rows, x not rounded)
+//   (the 16-row blocks, repacked where VNNI serves them: their own kernels, "-- Int8x16 --" and
+//   "-- Int4x16 --"; without VNNI the float paths' arithmetic over their dequantized rows, x not
+//   rounded)
 //   AVX-512   the codes widened to float32, dequantized, multiplied with x in float32: no
 //             activation rounding.
 //   AVX2      (without AVX-512; with FMA and F16C): the VNNI path's arithmetic on 8 lanes (see
@@ -92,7 +96,7 @@
 
 namespace {
 
-enum class Kind { Int8, Int8Grouped, Int4, Int6, Int8x16 };
+enum class Kind { Int8, Int8Grouped, Int4, Int6, Int8x16, Int4x16 };
 enum ScaleType { kF32 = 0, kF16 = 1, kBF16 = 2 };
 
 inline float to_float(float x) { return x; }
@@ -356,6 +360,29 @@ template <typename A>
 inline float x16_scale(const A& a, int64_t nr, int64_t g) {
   return scale_at(x16_scales(a.w + nr / 16 * a.row_bytes, g, x16_scale_bytes(a.st)), nr % 16,
                   a.st);
+}
+
+// Int4 in blocks of 16 rows (Kind::Int4x16; int4 in groups of 128 or more, as cpu_qmatmul.interleave
+// repacks them): per block and group, per 128 columns 16 lines of 64 bytes, line j holding 4 bytes
+// of each of the 16 rows (row r's at 4 r), their low nibbles columns 8 j .. 8 j + 3 and their high
+// ones 8 j + 4 .. 8 j + 7; after the group's lines the 16 rows' scales, then their zero points
+// (type st): 8 group + 32 size bytes a group (a group of 128 with 16-bit scales 17 cache lines).
+constexpr int64_t x4_group_bytes(int64_t group, int st) { return 8 * group + 32 * (st == kF32 ? 4 : 2); }
+template <typename A>
+inline const uint8_t* x4_group(const A& a, int64_t nr, int64_t g) {
+  return a.w + nr / 16 * a.row_bytes + g * x4_group_bytes(a.group, a.st);
+}
+template <typename A>
+inline int x4_code(const A& a, int64_t nr, int64_t c) {
+  const int64_t cg = c & (a.group - 1);  // the column within its group
+  const uint8_t byte = x4_group(a, nr, c >> a.gshift)[64 * (cg / 8) + 4 * (nr % 16) + cg % 4];
+  return cg % 8 < 4 ? byte & 15 : byte >> 4;
+}
+// the scale (zero: 0) or zero point (1) of row nr's group g
+template <typename A>
+inline float x4_param(const A& a, int64_t nr, int64_t g, int which) {
+  const uint8_t* p = x4_group(a, nr, g) + 8 * a.group + which * 16 * (a.st == kF32 ? 4 : 2);
+  return scale_at(p, nr % 16, a.st);
 }
 
 // the code of column c of a weight row
@@ -1134,6 +1161,7 @@ void vnni_tiles(const Args<T>& a) {
 // 6 1.11-1.12x, 7 1.21-1.28x, 8 1.25-1.40x, 16 2.5x, 31 2.65x; Q4_0 8 rows 0.73-0.86x, 10
 // 0.88-1.02x, 12 1.02-1.17x, 16 1.7x)
 constexpr int64_t kAmxRows = 4, kAmxRowsInt4 = 8, kAmxRowsGroups32 = 6, kAmxRowsInt4Groups32 = 12;
+constexpr int64_t kAmxRowsInt4x16 = 8;
 constexpr int64_t kAmxRowsX16 = 6;  // (blocks of 16 rows: 4 rows 0.9x, 5 0.84-1.01x, 6 0.95-1.02x,
                                     // 7 1.09-1.10x, 8 1.03-1.11x, 12 1.3-1.4x)
 
@@ -1154,6 +1182,7 @@ inline int64_t amx_rows(Kind kind, int64_t group) {
   if (kind == Kind::Int8) return kAmxRows;
   if (kind == Kind::Int8Grouped) return group == 32 ? kAmxRowsGroups32 : 0;
   if (kind == Kind::Int8x16) return kAmxRowsX16;
+  if (kind == Kind::Int4x16) return kAmxRowsInt4x16;
   if (kind == Kind::Int4 && group == 32) return kAmxRowsInt4Groups32;
   return kind == Kind::Int4 && group >= 128 ? kAmxRowsInt4 : 0;
 }
@@ -1735,6 +1764,183 @@ void x16_matmul(Args<T> a) {
     x16_tiles<T, kBF16>(a);
   else
     x16_tiles<T, kF32>(a);
+}
+
+// -- Int4x16 (int4 in groups of 128 or more, in 16-row blocks, see x4_group) -----------------
+//
+// x quantized per 128 columns as for int4 in groups of 128 (the same codes and d), in the
+// columns' order; per 128 columns of a block, each of its 16 lines: the low nibbles (columns
+// 8 j .. 8 j + 3 of the 16 rows) and the high ones (8 j + 4 ..) each a vpdpbusd with x's 4 codes
+// of those columns broadcast, summed in int32 (two chains, added), converted and scaled by the
+// rows' scales times x's d into float lanes, one per weight row; per group minus the rows' s z
+// times x's sum d q over the group (corr). As Int8x16, a row's result is the same bits at any
+// batch and on AMX's tiles (amx_x4: the same int32 sums, the same float steps in one order).
+
+template <typename T, int ST>
+struct X4 {
+  template <int MT>
+  static void tile(const Args<T>& a, int64_t m0, int64_t b) {
+    constexpr int64_t kScales = 16 * (ST == kF32 ? 4 : 2);
+    const int64_t k = a.k, group = a.group, groups = k / group, chunks = k / 128;
+    const uint8_t* p = a.w + b * a.row_bytes;
+    const int32_t* xw = reinterpret_cast<const int32_t*>(a.xq + m0 * k);  // 4 codes a dword
+    const float* d = a.d32 + m0 * chunks;
+    const float* corr = a.corr + m0 * groups;
+    const __m512i low = _mm512_set1_epi8(15);
+    constexpr bool kStream = MT == 1;  // (else the block is read again for the next x rows)
+    __m512 acc[MT];
+    for (auto& v : acc) v = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g, p += 8 * group + 2 * kScales) {
+      const __m512 s = load_scales16<ST>(p + 8 * group, 0);
+      for (int64_t c = 0; c < group; c += 128) {
+        const uint8_t* lines = p + 8 * c;
+        const int64_t chunk = (g * group + c) / 128;
+        __m512i lo_dot[MT], hi_dot[MT];
+        for (int mi = 0; mi < MT; ++mi) lo_dot[mi] = hi_dot[mi] = _mm512_setzero_si512();
+        for (int j = 0; j < 16; ++j) {
+          prefetch_ahead<kStream>(lines + 64 * j, kAhead);
+          const __m512i v = _mm512_loadu_si512(lines + 64 * j);
+          const __m512i lo = _mm512_and_si512(v, low);
+          const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+          for (int mi = 0; mi < MT; ++mi) {
+            const int32_t* x4 = xw + mi * (k / 4) + 32 * chunk + 2 * j;
+            lo_dot[mi] = _mm512_dpbusd_epi32(lo_dot[mi], lo, _mm512_set1_epi32(x4[0]));
+            hi_dot[mi] = _mm512_dpbusd_epi32(hi_dot[mi], hi, _mm512_set1_epi32(x4[1]));
+          }
+        }
+        for (int mi = 0; mi < MT; ++mi) {
+          const __m512i dot = _mm512_add_epi32(lo_dot[mi], hi_dot[mi]);
+          acc[mi] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
+                                    _mm512_mul_ps(s, _mm512_set1_ps(d[mi * chunks + chunk])),
+                                    acc[mi]);
+        }
+      }
+      for (int64_t line = 0; line < 2 * kScales; line += 64)
+        prefetch_ahead<kStream>(p + 8 * group + line, kAhead);
+      const __m512 sz = _mm512_mul_ps(s, load_scales16<ST>(p + 8 * group + kScales, 0));
+      for (int mi = 0; mi < MT; ++mi)
+        acc[mi] = _mm512_fnmadd_ps(sz, _mm512_set1_ps(corr[mi * groups + g]), acc[mi]);
+    }
+    const int64_t rows = std::min<int64_t>(16, a.n - 16 * b);
+    for (int mi = 0; mi < MT; ++mi) store_strip(a, (m0 + mi) * a.n + 16 * b, rows, acc[mi]);
+  }
+};
+
+#if defined(FOUDRE_AMX)
+// on the tiles: per 128 columns of a block its 16 lines unpacked once (a line's low nibbles then
+// its high ones: 32 lines of 64 bytes, the B tiles of 64 columns each, unsigned), for every 16 x
+// rows (A, their quantized rows themselves) tdpbsud twice into one C (x rows by weight rows),
+// then each x row scaled as X4's
+template <typename T, int ST>
+void amx_x4(const Args<T>& a) {
+  constexpr int64_t kScales = 16 * (ST == kF32 ? 4 : 2);
+  const int64_t n = a.n, k = a.k, group = a.group, groups = k / group, chunks = k / 128;
+  const int64_t xtiles = (a.m + 15) / 16, tasks = (n + 15) / 16;
+#pragma omp parallel
+  {
+    configure_tiles();
+    alignas(64) uint8_t unpacked[32][64];
+    alignas(64) int32_t sums[16][16];
+    std::vector<__m512> acc(xtiles * 16);
+    const __m512i low = _mm512_set1_epi8(15);
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < tasks; ++b) {
+      const uint8_t* p = a.w + b * a.row_bytes;
+      const int64_t rows = std::min<int64_t>(16, n - 16 * b);
+      for (auto& v : acc) v = _mm512_setzero_ps();
+      for (int64_t g = 0; g < groups; ++g, p += 8 * group + 2 * kScales) {
+        const __m512 s = load_scales16<ST>(p + 8 * group, 0);
+        for (int64_t c = 0; c < group; c += 128) {
+          const uint8_t* lines = p + 8 * c;
+          const int64_t chunk = (g * group + c) / 128;
+          for (int j = 0; j < 16; ++j) {
+            prefetch_l2(reinterpret_cast<uintptr_t>(lines) + 64 * j + a.row_bytes);  // next block
+            const __m512i v = _mm512_loadu_si512(lines + 64 * j);
+            _mm512_store_si512(unpacked[2 * j], _mm512_and_si512(v, low));
+            _mm512_store_si512(unpacked[2 * j + 1],
+                               _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+          }
+          tile_reads_memory();
+          _tile_loadd(3, unpacked[0], 64);
+          _tile_loadd(4, unpacked[16], 64);
+          for (int64_t jt = 0; jt < xtiles; ++jt) {
+            const int8_t* x = a.xq + 16 * jt * k + 128 * chunk;
+            _tile_zero(0);
+            _tile_loadd(1, x, k);
+            _tile_dpbsud(0, 1, 3);
+            _tile_loadd(2, x + 64, k);
+            _tile_dpbsud(0, 2, 4);
+            _tile_stored(0, sums, 64);
+            const float* d = a.d32 + 16 * jt * chunks + chunk;
+            __m512* av = &acc[jt * 16];
+            for (int i = 0; i < 16; ++i)
+              av[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums[i])),
+                                      _mm512_mul_ps(s, _mm512_set1_ps(d[i * chunks])), av[i]);
+          }
+        }
+        prefetch_l2(reinterpret_cast<uintptr_t>(p) + 8 * group + a.row_bytes);
+        const __m512 sz = _mm512_mul_ps(s, load_scales16<ST>(p + 8 * group + kScales, 0));
+        for (int64_t jt = 0; jt < xtiles; ++jt)
+          for (int i = 0; i < 16; ++i)
+            acc[jt * 16 + i] = _mm512_fnmadd_ps(
+                sz, _mm512_set1_ps(a.corr[(16 * jt + i) * groups + g]), acc[jt * 16 + i]);
+      }
+      for (int64_t jt = 0; jt < xtiles; ++jt)
+        for (int64_t i = 0; i < std::min<int64_t>(16, a.m - 16 * jt); ++i)
+          store_strip(a, (16 * jt + i) * n + 16 * b, rows, acc[jt * 16 + i]);
+    }
+    _tile_release();
+  }
+}
+#endif  // FOUDRE_AMX
+
+template <typename T, int ST>
+void x4_tiles(const Args<T>& a) {
+#if defined(FOUDRE_AMX)
+  const int64_t from = amx_rows(Kind::Int4x16, a.group);
+  if (from && a.m >= from) {
+    amx_x4<T, ST>(a);
+    return;
+  }
+#endif
+  const int64_t blocks = (a.n + 15) / 16;
+#pragma omp parallel for schedule(guided)
+  for (int64_t b = 0; b < blocks; ++b)
+    for (int64_t m0 = 0; m0 < a.m; m0 += 4) switch (std::min<int64_t>(a.m - m0, 4)) {
+        case 1: X4<T, ST>::template tile<1>(a, m0, b); break;
+        case 2: X4<T, ST>::template tile<2>(a, m0, b); break;
+        case 3: X4<T, ST>::template tile<3>(a, m0, b); break;
+        default: X4<T, ST>::template tile<4>(a, m0, b); break;
+      }
+}
+
+// x quantized per 128 columns in the columns' order (rows padded to 16 for the tiles), x's d per
+// 128 columns (d32's place) and its sums d q per group (corr's)
+template <typename T>
+void x4_matmul(Args<T> a) {
+  int64_t padded = a.m;
+#if defined(FOUDRE_AMX)
+  const int64_t from = amx_rows(Kind::Int4x16, a.group);
+  if (from && a.m >= from) padded = (a.m + 15) / 16 * 16;
+#endif
+  const int64_t k = a.k, groups = k / a.group, chunks = k / 128;
+  std::vector<int8_t> xq(padded * k, 0);
+  std::vector<float> dl(a.m * k / 4), hsum(a.m * k / 16), d(padded * chunks, 0.0f);
+  std::vector<float> corr(padded * groups, 0.0f);
+  quantize_rows<T, false>(a.x, a.m, k, 128, xq.data(), dl.data(), hsum.data());
+  for (int64_t i = 0; i < a.m; ++i) {
+    for (int64_t c = 0; c < chunks; ++c) d[i * chunks + c] = dl[i * (k / 4) + 32 * c];
+    for (int64_t h = 0; h < k / 16; ++h) corr[i * groups + (h * 16 >> a.gshift)] += hsum[i * (k / 16) + h];
+  }
+  a.xq = xq.data();
+  a.d32 = d.data();
+  a.corr = corr.data();
+  if (a.st == kF16)
+    x4_tiles<T, kF16>(a);
+  else if (a.st == kBF16)
+    x4_tiles<T, kBF16>(a);
+  else
+    x4_tiles<T, kF32>(a);
 }
 
 #endif  // FOUDRE_VNNI
@@ -2373,25 +2579,68 @@ template <typename T>
 void dequantize_x16(const Args<T>& a, int64_t n0, int64_t n1, T* out) {
 #pragma omp parallel for schedule(static)
   for (int64_t nr = n0; nr < n1; ++nr)
-    for (int64_t g = 0; g < a.k / 32; ++g) {
-      const float s = x16_scale(a, nr, g);
+    for (int64_t g = 0; g < a.k / 32; g += 2) {  // a pair of groups (K: a multiple of 64)
       T* o = out + (nr - n0) * a.k + g * 32;
 #if defined(FOUDRE_AVX512)
+      // the row's 4 bytes of each of the pair's 16 lines (its 64 columns in order), one gather
       const uint8_t* p =
           x16_codes(a.w + nr / 16 * a.row_bytes, g, x16_scale_bytes(a.st)) + 4 * (nr % 16);
-      const __m256i lines = _mm256_setr_epi32(0, 64, 128, 192, 256, 320, 384, 448);
-      const __m256i u = _mm256_i32gather_epi32(reinterpret_cast<const int*>(p), lines, 1);
-      const __m512i q = _mm512_sub_epi16(_mm512_cvtepu8_epi16(u), _mm512_set1_epi16(128));
-      const __m512 vs = _mm512_set1_ps(s), vz = _mm512_set1_ps(a.zc);
-      for (int h = 0; h < 2; ++h) {
-        const __m256i half = h ? _mm512_extracti64x4_epi64(q, 1) : _mm512_castsi512_si256(q);
-        const __m512 c = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(half));
-        store16(o + 16 * h, _mm512_mul_ps(_mm512_sub_ps(c, vz), vs));
+      const __m512i lines = _mm512_setr_epi32(0, 64, 128, 192, 256, 320, 384, 448, 512, 576,
+                                              640, 704, 768, 832, 896, 960);
+      const __m512i u = _mm512_xor_si512(_mm512_i32gather_epi32(lines, p, 1),
+                                         _mm512_set1_epi8(static_cast<char>(0x80)));
+      alignas(64) int8_t codes[64];
+      _mm512_store_si512(codes, u);
+      const __m512 vz = _mm512_set1_ps(a.zc);
+      for (int q = 0; q < 4; ++q) {
+        const __m512 vs = _mm512_set1_ps(x16_scale(a, nr, g + q / 2));
+        const auto* b = reinterpret_cast<const __m128i*>(codes + 16 * q);
+        const __m512 c = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(b)));
+        store16(o + 16 * q, _mm512_mul_ps(_mm512_sub_ps(c, vz), vs));
       }
 #else
-      for (int64_t c = 0; c < 32; ++c)
-        store1(o + c, (static_cast<float>(x16_code(a, nr, g * 32 + c)) - a.zc) * s);
+      for (int64_t c = 0; c < 64; ++c)
+        store1(o + c,
+               (static_cast<float>(x16_code(a, nr, g * 32 + c)) - a.zc) * x16_scale(a, nr, g + c / 32));
 #endif
+    }
+}
+
+template <typename T>
+void dequantize_x4(const Args<T>& a, int64_t n0, int64_t n1, T* out) {
+#pragma omp parallel for schedule(static)
+  for (int64_t nr = n0; nr < n1; ++nr)
+    for (int64_t g = 0; g < a.k / a.group; ++g) {
+      const float s = x4_param(a, nr, g, 0), z = x4_param(a, nr, g, 1);
+      for (int64_t c = 0; c < a.group; c += 128) {
+        T* o = out + (nr - n0) * a.k + g * a.group + c;
+#if defined(FOUDRE_AVX512)
+        // the row's 4 bytes of each of the chunk's 16 lines; low and high nibbles put in the
+        // columns' order (per 128-bit lane two lines' 8 columns each), then the lanes
+        const uint8_t* p = x4_group(a, nr, g) + 8 * c + 4 * (nr % 16);
+        const __m512i lines = _mm512_setr_epi32(0, 64, 128, 192, 256, 320, 384, 448, 512, 576,
+                                                640, 704, 768, 832, 896, 960);
+        const __m512i v = _mm512_i32gather_epi32(lines, p, 1), low = _mm512_set1_epi8(15);
+        const __m512i lo = _mm512_and_si512(v, low);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        const __m512i a0 = _mm512_unpacklo_epi32(lo, hi), a1 = _mm512_unpackhi_epi32(lo, hi);
+        const __m512i halves[2] = {
+            _mm512_permutex2var_epi64(a0, _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11), a1),
+            _mm512_permutex2var_epi64(a0, _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15), a1)};
+        const __m512 vs = _mm512_set1_ps(s), vz = _mm512_set1_ps(z);
+        alignas(64) uint8_t bytes[2][64];
+        for (int h = 0; h < 2; ++h) _mm512_store_si512(bytes[h], halves[h]);
+        for (int h = 0; h < 2; ++h)
+          for (int q = 0; q < 4; ++q) {
+            const auto* b = reinterpret_cast<const __m128i*>(bytes[h] + 16 * q);
+            const __m512 codes = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128(b)));
+            store16(o + 64 * h + 16 * q, _mm512_mul_ps(_mm512_sub_ps(codes, vz), vs));
+          }
+#else
+        for (int64_t j = 0; j < 128; ++j)
+          store1(o + j, (static_cast<float>(x4_code(a, nr, g * a.group + c + j)) - z) * s);
+#endif
+      }
     }
 }
 
@@ -2399,13 +2648,16 @@ inline float as_float(float v) { return v; }
 inline float as_float(uint16_t v) { return to_float(v); }
 
 template <typename T>
-void x16_float_matmul(const Args<T>& a) {
+void x16_float_matmul(const Args<T>& a, bool int4) {
 #pragma omp parallel for schedule(static)
   for (int64_t nr = 0; nr < a.n; ++nr) {
     std::vector<float> w(a.k);
-    dequantize_x16<float>(Args<float>{nullptr, a.w, a.row_bytes, a.s, a.z, a.zc, a.st, a.groups,
-                                      a.group, a.s_stride, a.gshift, nullptr, 0, a.n, a.k},
-                          nr, nr + 1, w.data());
+    const Args<float> f{nullptr, a.w,       a.row_bytes, a.s,      a.z,    a.zc, a.st, a.groups,
+                        a.group, a.s_stride, a.gshift,    nullptr, 0,      a.n,  a.k};
+    if (int4)
+      dequantize_x4<float>(f, nr, nr + 1, w.data());
+    else
+      dequantize_x16<float>(f, nr, nr + 1, w.data());
     for (int64_t i = 0; i < a.m; ++i) {
       float sum = 0.0f;
       for (int64_t c = 0; c < a.k; ++c) sum += as_float(a.x[i * a.k + c]) * w[c];
@@ -2422,6 +2674,7 @@ Args<T> args(int kind, const void* x, const void* q, const void* s, const void* 
   const int64_t row_bytes = kind == 2   ? k / 2
                             : kind == 3 ? k / 16 * 13
                             : kind == 4 ? k / 32 * (kX16Codes + x16_scale_bytes(st))
+                            : kind == 5 ? k / group * x4_group_bytes(group, st)
                                         : k;
   return {static_cast<const T*>(x), static_cast<const uint8_t*>(q), row_bytes, s, z, zc, st,
           groups, group, s_stride, gshift, static_cast<T*>(y), m, n, k, nullptr, nullptr,
@@ -2433,11 +2686,11 @@ void run(int kind, const void* x, const void* q, const void* s, const void* z, f
          int64_t groups, int64_t group, int64_t s_stride, void* y, int64_t m, int64_t n,
          int64_t k) {
   const Args<T> a = args<T>(kind, x, q, s, z, zc, st, groups, group, s_stride, y, m, n, k);
-  if (kind == 4)
+  if (kind == 4 || kind == 5)
 #if defined(FOUDRE_VNNI)
-    x16_matmul(a);
+    kind == 4 ? x16_matmul(a) : x4_matmul(a);
 #else
-    x16_float_matmul(a);
+    x16_float_matmul(a, kind == 5);
 #endif
   else if (kind == 0)
     matmul<T, Kind::Int8>(a);
@@ -2458,6 +2711,8 @@ void run_dequantize(int kind, const void* q, const void* s, const void* z, float
   T* o = static_cast<T*>(out);
   if (kind == 4)
     dequantize_x16(a, n0, n1, o);
+  else if (kind == 5)
+    dequantize_x4(a, n0, n1, o);
   else if (kind == 0)
     dequantize<T, Kind::Int8>(a, n0, n1, o);
   else if (kind == 1)

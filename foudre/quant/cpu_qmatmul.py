@@ -96,7 +96,7 @@ def rounds_activations() -> bool:
     return path() in ROUNDING_PATHS
 
 
-KINDS = {"int8": 0, "int8g": 1, "int4": 2, "int6": 3, "int8x16": 4}
+KINDS = {"int8": 0, "int8g": 1, "int4": 2, "int6": 3, "int8x16": 4, "int4x16": 5}
 SCALE_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
@@ -129,8 +129,9 @@ class Packed:
     def arguments(self) -> tuple[int, float, int, int, int, int]:
         """The kernels' arguments from the zero points to the scales' row stride: ``z``'s
         address (0: none), ``zc``, the scale type, groups, group, the stride."""
-        if self.kind == "int8x16":
-            return 0, self.zc, SCALE_TYPES[self.s.dtype], self.k // 32, 32, 0
+        if self.kind in BLOCKS:
+            group = self.group or 0
+            return 0, self.zc, SCALE_TYPES[self.s.dtype], self.k // group, group, 0
         grouped = self.kind != "int8"
         return (
             0 if self.z is None else self.z.data_ptr(), self.zc, SCALE_TYPES[self.s.dtype],
@@ -184,19 +185,24 @@ def layout(
 X16_CODES = 512  # a block's code bytes per group of 32 columns (16 rows x 32)
 
 
+BLOCKS = ("int8x16", "int4x16")  # the layouts in blocks of 16 rows (interleave)
+
+
 def interleaves(packed: Packed) -> bool:
     """Whether ``interleave`` repacks ``packed`` (where the kernels read its blocks faster than
     its rows): group-wise int8 in groups of 32 whose zero points are one integer (GGUF's Q8_0
-    and Q5_0), on the VNNI path (the other paths have no kernel of their own for the blocks),
-    unless ``FOUDRE_REPACK=0``."""
+    and Q5_0), and int4 in groups of 128 or more (ours: ``int4``, GPTQ, AWQ), on the VNNI path
+    (the other paths have no kernel of their own for the blocks), unless ``FOUDRE_REPACK=0``."""
+    if path() != "vnni" or os.environ.get("FOUDRE_REPACK", "1") == "0":
+        return False
+    if packed.kind == "int4":
+        return (packed.group or 0) >= 128
     return (
         packed.kind == "int8g"
         and packed.group == 32
         and packed.z is None
         and float(packed.zc).is_integer()
         and -128 <= packed.zc <= 127
-        and path() == "vnni"
-        and os.environ.get("FOUDRE_REPACK", "1") != "0"
     )
 
 
@@ -209,8 +215,13 @@ def interleave(packed: Packed) -> Packed:
     block, each group's codes whole cache lines: at batch 1 the kernel broadcasts x's 4 codes
     against 16 rows (no lane pairing or reduction), and AMX's tiles read a group's codes as they
     lie. ``deinterleave`` gives the rows back."""
+    if packed.kind == "int4" and (packed.group or 0) >= 128:
+        return _interleave_int4(packed)
     if packed.kind != "int8g" or packed.group != 32 or packed.z is not None or packed.k % 64:
-        raise ValueError(f"interleave takes int8 in groups of 32 with one zero point: {packed}")
+        raise ValueError(
+            f"interleave takes int8 in groups of 32 with one zero point or int4 in groups of 128 "
+            f"or more: {packed}"
+        )
     q, s, k = packed.w, packed.s, packed.k
     n, pairs, size = q.shape[0], k // 64, s.element_size()
     blocks = -(-n // 16)
@@ -231,8 +242,40 @@ def interleave(packed: Packed) -> Packed:
     return Packed("int8x16", w, s.new_empty(0), None, 32, k, packed.zc, n)
 
 
-def deinterleave(packed: Packed) -> tuple[torch.Tensor, torch.Tensor]:
-    """The int8 codes ``[N, K]`` and scales ``[N, K / 32]`` of an ``interleave``d weight."""
+def _interleave_int4(packed: Packed) -> Packed:
+    """int4 in blocks of 16 rows (``"int4x16"``, cpu_qmatmul.cpp's ``x4_group``): per block and
+    group, per 128 columns 16 lines of 64 bytes, line j 4 bytes of each row (row r's at 4 r: low
+    nibbles its columns 8 j .. 8 j + 3, high nibbles 8 j + 4 .. 8 j + 7), then the group's 16
+    scales and 16 zero points (``zc`` where there are none)."""
+    q, s, k, group = packed.w, packed.s, packed.k, packed.group or 0
+    n, groups, size = q.shape[0], k // group, s.element_size()
+    blocks, pad = -(-n // 16), -n % 16
+    codes = torch.stack([q & 15, q >> 4], dim=-1).view(n, k)  # pack_int4's nibbles, unpacked
+    codes = F.pad(codes, (0, 0, 0, pad)).view(blocks, 16, groups, group // 8, 2, 4)
+    nibbles = codes[..., 0, :] | (codes[..., 1, :] << 4)  # [blocks, 16, groups, lines, 4]
+    z = packed.z if packed.z is not None else torch.full_like(s, packed.zc)
+    params = torch.stack([s[:, :groups], z[:, :groups]], dim=-1)  # [n, groups, 2]
+    params = F.pad(params, (0, 0, 0, 0, 0, pad)).view(blocks, 16, groups, 2)
+    params = (
+        params.permute(0, 2, 3, 1).contiguous().view(torch.uint8)
+    )  # [blocks, groups, 2, 16 size]
+    w = torch.empty(blocks, groups * (8 * group + 32 * size), dtype=torch.uint8)
+    parts = w.view(blocks, groups, -1)
+    parts[..., : 8 * group].view(blocks, groups, group // 8, 16, 4).copy_(
+        nibbles.permute(0, 2, 3, 1, 4)
+    )
+    parts[..., 8 * group :].copy_(params.view(blocks, groups, -1))
+    del parts
+    return Packed("int4x16", w, s.new_empty(0), None, group, k, packed.zc, n)
+
+
+def deinterleave(
+    packed: Packed,
+) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rows of an ``interleave``d weight: int8 codes ``[N, K]`` and scales ``[N, K / 32]``;
+    int4: ``pack_int4``'s bytes ``[N, K / 2]``, scales and zero points ``[N, K / group]``."""
+    if packed.kind == "int4x16":
+        return _deinterleave_int4(packed)
     n, pairs, size = packed.rows, packed.k // 64, packed.s.element_size()
     blocks = packed.w.shape[0]
     parts = packed.w.view(blocks, pairs, 2 * (X16_CODES + 16 * size))
@@ -242,6 +285,19 @@ def deinterleave(packed: Packed) -> tuple[torch.Tensor, torch.Tensor]:
     scales = parts[..., 2 * X16_CODES :].contiguous().view(packed.s.dtype)
     scales = scales.view(blocks, pairs, 2, 16).permute(0, 3, 1, 2).reshape(blocks * 16, -1)
     return q, scales[:n].clone()
+
+
+def _deinterleave_int4(packed: Packed) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    n, k, group, size = packed.rows, packed.k, packed.group or 0, packed.s.element_size()
+    blocks, groups = packed.w.shape[0], k // group
+    parts = packed.w.view(blocks, groups, 8 * group + 32 * size)
+    nibbles = parts[..., : 8 * group].reshape(blocks, groups, group // 8, 16, 4)
+    nibbles = nibbles.permute(0, 3, 1, 2, 4)  # [blocks, 16, groups, lines, 4]
+    codes = torch.stack([nibbles & 15, nibbles >> 4], dim=-2).reshape(blocks * 16, k)[:n]
+    q = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()  # pack_int4's bytes
+    params = parts[..., 8 * group :].contiguous().view(packed.s.dtype).view(blocks, groups, 2, 16)
+    params = params.permute(0, 3, 1, 2).reshape(blocks * 16, groups, 2)[:n]
+    return q, params[..., 0].contiguous(), params[..., 1].contiguous()
 
 
 def _zero_point(zeros: torch.Tensor | None) -> tuple[float, torch.Tensor | None]:
@@ -335,21 +391,24 @@ def _check_layout(packed: Packed) -> None:
     """``ValueError`` unless ``packed`` is what the kernels read: K a multiple of 64 (128 for
     int4, 256 for int6) that the codes hold, and a group-wise layout's groups a power of two,
     at least 16 columns (32 for int4), covering the padded columns (int6: one d per 256)."""
-    if packed.kind == "int8x16":
+    if packed.kind in BLOCKS:
         k, w, size = packed.k, packed.w, packed.s.element_size()
-        shape = (-(-packed.rows // 16), k // 32 * (X16_CODES + 16 * size))
+        group = packed.group or 0
+        per_group = X16_CODES + 16 * size if packed.kind == "int8x16" else 8 * group + 32 * size
+        shape = (-(-packed.rows // 16), k // max(group, 1) * per_group)
         if (
             k % 64
             or tuple(w.shape) != shape
             or w.dtype != torch.uint8
             or not w.is_contiguous()
-            or packed.group != 32
+            or packed.group != (32 if packed.kind == "int8x16" else max(group, 128))
+            or group & (group - 1)
             or packed.z is not None
         ):
             raise ValueError(
-                f"int8x16 blocks {tuple(w.shape)} for {packed.rows} x {k}: the kernels take "
-                f"{shape} contiguous uint8, K a multiple of 64, groups of 32, one zero point "
-                "(interleave)"
+                f"{packed.kind} blocks {tuple(w.shape)} for {packed.rows} x {k}: the kernels take "
+                f"{shape} contiguous uint8, K a multiple of 64 (of the group for int4), groups of "
+                "32 (int4: a power of two from 128), no z tensor (interleave)"
             )
         return
     if packed.kind == "int6":

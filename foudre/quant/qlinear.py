@@ -148,9 +148,10 @@ class QuantLinear(nn.Module):
     256 columns) ``w = (q - 32) * d * sc``, codes 0..63, an int8 ``sc`` per 16 columns.
 
     Where the CPU kernels serve it on the VNNI path, 8-bit in groups of 32 with one zero point
-    (GGUF's Q8_0, Q5_0) is repacked in blocks of 16 rows when its layout is built
-    (``interleaved``: ``qweight`` then holds ``cpu_qmatmul.interleave``'s uint8 blocks with the
-    scales inside, ``scales`` and ``zeros`` empty; ``state_dict`` and moves see rows).
+    (GGUF's Q8_0, Q5_0) and 4-bit in groups of 128 or more are repacked in blocks of 16 rows when
+    their layout is built (``interleaved``: ``qweight`` then holds ``cpu_qmatmul.interleave``'s
+    uint8 blocks with the scales and zero points inside, ``scales`` and ``zeros`` empty;
+    ``state_dict`` and moves see rows).
 
     ``forward`` returns what ``forward_reference`` (dequantize, then ``F.linear``) returns, to
     within the rounding of the activation dtype (or of int8 activations, see the module's
@@ -238,9 +239,10 @@ class QuantLinear(nn.Module):
         # aten's kernel layouts by (device, activation dtype), and cpu_qmatmul's (any dtype)
         self._packed: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, ...]] = {}
         self._native: cpu_qmatmul.Packed | None = None
-        # (K, zc) where qweight holds cpu_qmatmul.interleave's blocks (scales inside them,
-        # ``scales`` and ``zeros`` then empty): set by _native_layout, undone by _restore
-        self._interleaved: tuple[int, float] | None = None
+        # (kind, K, zc) where qweight holds cpu_qmatmul.interleave's blocks (scales and zero
+        # points inside them, ``scales`` and ``zeros`` then empty): set by _native_layout,
+        # undone by _restore
+        self._interleaved: tuple[str, int, float] | None = None
         # activations are cast to this dtype for the CPU kernels and the result cast back
         # (None: the input's dtype). torch 2.13's float32 packed kernels are several times
         # slower than its bfloat16 ones; see set_compute_dtype.
@@ -411,9 +413,9 @@ class QuantLinear(nn.Module):
         if self._native is not None:
             return self._native
         if self._interleaved is not None:
-            k, zc = self._interleaved
+            kind, k, zc = self._interleaved
             self._native = cpu_qmatmul.Packed(
-                "int8x16", self.qweight, self.scales, None, 32, k, zc, self.out_features
+                kind, self.qweight, self.scales, None, self.group_size, k, zc, self.out_features
             )
             return self._native
         if self.group_size is not None and self.bits != 6:
@@ -424,35 +426,40 @@ class QuantLinear(nn.Module):
             self.qweight, self.scales, self.zeros, self.group_size, self.bits
         )
         if cpu_qmatmul.interleaves(packed):
-            # GGUF's Q8_0 and Q5_0 in blocks of 16 rows, in place of the rows (the same bytes;
-            # the kernels 1.05x as fast at batch 1 from memory, 1.3x from the caches, 1.1-1.25x
-            # at 2-64 rows): the buffers become the blocks (scales and zeros empty)
+            # GGUF's Q8_0 and Q5_0, and int4 in groups of 128 or more, in blocks of 16 rows in
+            # place of the rows (the same bytes; batch 1 1.04-1.08x as fast from memory,
+            # 1.2-1.5x from the caches, 1.1-1.4x at 2-64 rows): the buffers become the blocks
+            # (scales and zeros empty)
             with torch.inference_mode(False):
                 packed = cpu_qmatmul.interleave(packed)
             self._buffers["qweight"], self._buffers["scales"] = packed.w, packed.s
             if self.zeros is not None:
                 self._buffers["zeros"] = self.zeros.new_empty(0)
-            self._interleaved = (packed.k, packed.zc)
+            self._interleaved = (packed.kind, packed.k, packed.zc)
         self._native = packed
         return packed
 
     @property
     def interleaved(self) -> bool:
-        """Whether ``qweight`` holds ``cpu_qmatmul.interleave``'s blocks (uint8, the scales
-        inside; ``scales`` and ``zeros`` empty): GGUF's Q8_0 and Q5_0 once their layout is built
-        on the VNNI path (``prepare_for_cpu``). A move, ``load_state_dict`` or ``state_dict``
-        see rows."""
+        """Whether ``qweight`` holds ``cpu_qmatmul.interleave``'s blocks (uint8, the scales and
+        zero points inside; ``scales`` and ``zeros`` empty): GGUF's Q8_0 and Q5_0, and int4 in
+        groups of 128 or more, once their layout is built on the VNNI path (``prepare_for_cpu``).
+        A move, ``load_state_dict`` or ``state_dict`` see rows."""
         return self._interleaved is not None
 
     def _canonical(self) -> dict[str, torch.Tensor]:
         """An interleaved module's buffers as rows again: qweight, scales (and zeros)."""
-        assert self._interleaved is not None
-        q, scales = cpu_qmatmul.deinterleave(self._native_layout())
-        kp = padded_k(self.in_features, 32)  # (the blocks' K may be padded further, to 64)
-        out = {"qweight": q[:, :kp].contiguous(), "scales": scales[:, : kp // 32].contiguous()}
+        assert self._interleaved is not None and self.group_size is not None
+        rows = cpu_qmatmul.deinterleave(self._native_layout())
+        group = self.group_size
+        kp = padded_k(self.in_features, group)  # (the blocks' K may be padded further)
+        width = kp // 2 if self.bits == 4 else kp
+        out = {"qweight": rows[0][:, :width].contiguous()}
+        out["scales"] = rows[1][:, : kp // group].contiguous()
         if self.zeros is not None:
-            shape = out["scales"].shape
-            out["zeros"] = torch.full(shape, self._interleaved[1], dtype=self.zeros.dtype)
+            shape, dtype = out["scales"].shape, self.zeros.dtype
+            zeros = rows[2] if len(rows) == 3 else torch.full(shape, self._interleaved[2])
+            out["zeros"] = zeros[:, : kp // group].to(dtype).contiguous()
         return out
 
     def _restore(self) -> None:

@@ -460,6 +460,7 @@ def _five_bit_with_zeros(mod: nn.Module, group: int) -> QuantLinear:
         ("llama", "int8"),
         ("llama", "int4"),
         ("qwen2", "int4"),
+        ("llama", "int4g128"),
         ("qwen2", "q5"),
         ("llama", "q8"),
         ("llama", "g16"),
@@ -469,8 +470,9 @@ def _five_bit_with_zeros(mod: nn.Module, group: int) -> QuantLinear:
 def test_native_decode_runs_quantized_projections(
     tmp_path: Path, dtype: str, arch: str, scheme: str
 ) -> None:
-    """Quantized projections (int8 per channel, int4 groups, GGUF's 8-bit group-wise forms with
-    and without zero points (Q8_0's: in blocks of 16 rows on the VNNI path) and groups of 16,
+    """Quantized projections (int8 per channel, int4 groups (of 128: in blocks of 16 rows on the
+    VNNI path), GGUF's 8-bit group-wise forms with and without zero points (Q8_0's: in blocks)
+    and groups of 16,
     Q6_K's 6 bits) run inside the native step, and
     its logits and KV pool equal the Python path's bit for bit; a Qwen2 bias is added after the
     kernel."""
@@ -481,8 +483,9 @@ def test_native_decode_runs_quantized_projections(
     layers = "model.layers.*"
     if scheme == "int8":
         quantize_(model, Int8WeightOnly(), skip=("lm_head",))
-    elif scheme == "int4":
-        quantize_(model, Int4WeightOnly(group_size=32), skip=("lm_head",))
+    elif scheme in ("int4", "int4g128"):  # (g128: in blocks of 16 rows on the VNNI path)
+        group = 128 if scheme == "int4g128" else 32
+        quantize_(model, Int4WeightOnly(group_size=group), skip=("lm_head",))
     else:
         bits, group = {"q5": (8, 32), "q8": (8, 32), "g16": (8, 16), "int6": (6, 16)}[scheme]
         for name, mod in list(model.named_modules()):
@@ -499,7 +502,7 @@ def test_native_decode_runs_quantized_projections(
     native = NativeDecode.build(model, runner.backend, runner.kv_caches)
     assert native is not None
     assert len(native.checks.quantized) == 4 * len(model.model.layers)
-    if scheme == "q8":  # (the step built the layouts: cpu_qmatmul.interleave)
+    if scheme in ("q8", "int4g128"):  # (the step built the layouts: cpu_qmatmul.interleave)
         interleaved = model.model.layers[0].self_attn.o_proj.interleaved  # type: ignore[union-attr]
         assert interleaved == (cpu_qmatmul.path() == "vnni")
     runner.decode_path = native

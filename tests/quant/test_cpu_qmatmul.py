@@ -148,12 +148,18 @@ def check_kernels() -> None:
             got = cpu_qmatmul.dequantize_rows(paired, 1, n, torch.float32)
             assert torch.equal(got, cpu_qmatmul.dequantize_rows(packed, 1, n, torch.float32))
         check_layout(packed, wd, bits, group)
-        if bits == 8 and group == 32 and zero in (False, "const"):  # (Q8_0, Q5_0)
+        q8 = bits == 8 and group == 32 and zero in (False, "const")  # (Q8_0, Q5_0)
+        if q8 or (bits == 4 and (group or 0) >= 128):
             # in blocks of 16 rows (served where interleaves says; every path runs them)
             blocks = cpu_qmatmul.interleave(packed)
-            assert blocks.kind == "int8x16" and blocks.rows == n
-            q, s = cpu_qmatmul.deinterleave(blocks)
-            assert torch.equal(q, packed.w) and torch.equal(s, packed.s)
+            assert blocks.kind == ("int8x16" if q8 else "int4x16") and blocks.rows == n
+            rows = cpu_qmatmul.deinterleave(blocks)
+            assert torch.equal(rows[0], packed.w)
+            groups = rows[1].shape[1]
+            assert torch.equal(rows[1], packed.s[:, :groups])
+            if not q8:  # (int4: zero points stored, zc where one serves all)
+                z = packed.z if packed.z is not None else torch.full_like(rows[2], packed.zc)
+                assert torch.equal(rows[2], z[:, :groups])
             check_layout(blocks, wd, bits, group)
 
 
@@ -478,16 +484,16 @@ def test_a_row_does_not_depend_on_its_batch() -> None:
 
 
 def test_interleaved_rows_do_not_depend_on_batch_or_threads() -> None:
-    """Q8_0 and Q5_0 in blocks of 16 rows (``interleave``): a row's result is the same bits
-    alone as in a batch of any size, on either side of ``amx_rows`` too (the VNNI kernel and
-    AMX's tiles form the same int32 sums and scale them in one order), and on 1 or 3
+    """Q8_0, Q5_0 and int4 g128 in blocks of 16 rows (``interleave``): a row's result is the
+    same bits alone as in a batch of any size, on either side of ``amx_rows`` too (the VNNI
+    kernel and AMX's tiles form the same int32 sums and scale them in one order), and on 1 or 3
     threads."""
     torch.manual_seed(13)
     threads = torch.get_num_threads()
     try:
-        for zero in (False, "const"):
-            mod = quant_module(8, 32, zero, torch.randn(70, 300))
-            packed = cpu_qmatmul.layout(mod.qweight, mod.scales, mod.zeros, 32, 8)
+        for bits, group, zero in ((8, 32, False), (8, 32, "const"), (4, 128, True)):
+            mod = quant_module(bits, group, zero, torch.randn(70, 300))
+            packed = cpu_qmatmul.layout(mod.qweight, mod.scales, mod.zeros, group, bits)
             blocks = cpu_qmatmul.interleave(packed)
             for dtype in (torch.bfloat16, torch.float32):
                 x = torch.randn(37, 300).to(dtype)
@@ -496,7 +502,7 @@ def test_interleaved_rows_do_not_depend_on_batch_or_threads() -> None:
                     for few in (1, 2, 3, 5, 6, 7, 17):
                         lo = min(i, 37 - few)
                         part = cpu_qmatmul.matmul(x[lo : lo + few], blocks)
-                        assert torch.equal(part[i - lo], batch[i]), (zero, dtype, i, few)
+                        assert torch.equal(part[i - lo], batch[i]), (bits, zero, dtype, i, few)
                 for n in (1, 3):
                     torch.set_num_threads(n)
                     for m in (1, 37):
@@ -506,31 +512,33 @@ def test_interleaved_rows_do_not_depend_on_batch_or_threads() -> None:
         torch.set_num_threads(threads)
 
 
-def test_q8_0_modules_interleave_once_built(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A ``QuantLinear`` of Q8_0's form (and Q5_0's, one zero point) becomes blocks of 16 rows
-    when its layout is built on the VNNI path: the same values (``dequantize``), its products
-    within the kernels' bound, its ``state_dict`` the rows, which ``load_state_dict`` and a
-    move (``_apply``) give back to the buffers; ``FOUDRE_REPACK=0`` keeps the rows."""
+def test_modules_interleave_once_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ``QuantLinear`` of Q8_0's form (and Q5_0's, one zero point), or of int4 in groups of
+    128, becomes blocks of 16 rows when its layout is built on the VNNI path: the same values
+    (``dequantize``), its products within the kernels' bound, its ``state_dict`` the rows, which
+    ``load_state_dict`` and a move (``_apply``) give back to the buffers; ``FOUDRE_REPACK=0``
+    keeps the rows."""
     if cpu_qmatmul.path() != "vnni":
         pytest.skip("blocks of 16 rows are built on the VNNI path only")
     torch.manual_seed(5)
-    for zero, k in ((False, 300), ("const", 280)):  # (280: 288 columns, the blocks 320)
-        mod = quant_module(8, 32, zero, torch.randn(40, k)).to(torch.float16)
+    # (280: 288 columns, the Q5_0 blocks 320; int4 g128: 300 columns, 384, zero points stored)
+    for bits, group, zero, k in ((8, 32, False, 300), (8, 32, "const", 280), (4, 128, True, 300)):
+        mod = quant_module(bits, group, zero, torch.randn(40, k)).to(torch.float16)
         rows = {name: t.clone() for name, t in mod.state_dict().items()}
         wd = mod.dequantize()
         assert not mod.interleaved
         mod._native_layout()
         assert mod.interleaved and mod.qweight.dtype == torch.uint8
         assert mod.scales.numel() == 0 and mod.scales.dtype == torch.float16
-        assert mod._native_layout().kind == "int8x16"
+        assert mod._native_layout().kind == ("int8x16" if bits == 8 else "int4x16")
         assert torch.equal(mod.dequantize(), wd)
         x = torch.randn(5, k)
-        tol = cpu_qmatmul.error_bound(x, wd, 8, 32) + 1e-5
+        tol = cpu_qmatmul.error_bound(x, wd, bits, group) + 1e-5
         assert bool(((mod(x) - x @ wd.t()).abs() <= tol).all())
         saved = mod.state_dict()
         assert saved.keys() == rows.keys()
-        assert all(torch.equal(saved[name], rows[name]) for name in rows), zero
-        other = quant_module(8, 32, zero, torch.randn(40, k)).to(torch.float16)
+        assert all(torch.equal(saved[name], rows[name]) for name in rows), (bits, zero)
+        other = quant_module(bits, group, zero, torch.randn(40, k)).to(torch.float16)
         other._native_layout()
         other.load_state_dict(rows)
         assert not other.interleaved and torch.equal(other.dequantize(), wd)
