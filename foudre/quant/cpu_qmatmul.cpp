@@ -362,15 +362,19 @@ inline float x16_scale(const A& a, int64_t nr, int64_t g) {
                   a.st);
 }
 
-// Int4 in blocks of 16 rows (Kind::Int4x16; int4 in groups of 128 or more, as cpu_qmatmul.interleave
-// repacks them): per block and group, per 128 columns 16 lines of 64 bytes, line j holding 4 bytes
-// of each of the 16 rows (row r's at 4 r), their low nibbles columns 8 j .. 8 j + 3 and their high
-// ones 8 j + 4 .. 8 j + 7; after the group's lines the 16 rows' scales, then their zero points
-// (type st): 8 group + 32 size bytes a group (a group of 128 with 16-bit scales 17 cache lines).
-constexpr int64_t x4_group_bytes(int64_t group, int st) { return 8 * group + 32 * (st == kF32 ? 4 : 2); }
+// Int4 in blocks of 16 rows (Kind::Int4x16; int4 in any group, as cpu_qmatmul.interleave repacks
+// it): per block and group, per 8 columns a line of 64 bytes, line j holding 4 bytes of each of
+// the 16 rows (row r's at 4 r), their low nibbles columns 8 j .. 8 j + 3 and their high ones
+// 8 j + 4 .. 8 j + 7; after the group's lines the 16 rows' scales, then (where they are stored:
+// s_stride 1; else every zero point is zc, as Q4_0's 8) their zero points (type st): 8 group +
+// 16 size (+ 16 size) bytes a group (a group of 128 with 16-bit scales and zero points 17 cache
+// lines; Q4_0's 32 columns 4.5, 18 bytes a row as in its file).
+constexpr int64_t x4_group_bytes(int64_t group, int st, bool zeros) {
+  return 8 * group + (zeros ? 32 : 16) * (st == kF32 ? 4 : 2);
+}
 template <typename A>
 inline const uint8_t* x4_group(const A& a, int64_t nr, int64_t g) {
-  return a.w + nr / 16 * a.row_bytes + g * x4_group_bytes(a.group, a.st);
+  return a.w + nr / 16 * a.row_bytes + g * x4_group_bytes(a.group, a.st, a.s_stride != 0);
 }
 template <typename A>
 inline int x4_code(const A& a, int64_t nr, int64_t c) {
@@ -378,9 +382,10 @@ inline int x4_code(const A& a, int64_t nr, int64_t c) {
   const uint8_t byte = x4_group(a, nr, c >> a.gshift)[64 * (cg / 8) + 4 * (nr % 16) + cg % 4];
   return cg % 8 < 4 ? byte & 15 : byte >> 4;
 }
-// the scale (zero: 0) or zero point (1) of row nr's group g
+// the scale (which: 0) or zero point (1) of row nr's group g
 template <typename A>
 inline float x4_param(const A& a, int64_t nr, int64_t g, int which) {
+  if (which == 1 && a.s_stride == 0) return a.zc;
   const uint8_t* p = x4_group(a, nr, g) + 8 * a.group + which * 16 * (a.st == kF32 ? 4 : 2);
   return scale_at(p, nr % 16, a.st);
 }
@@ -1182,7 +1187,7 @@ inline int64_t amx_rows(Kind kind, int64_t group) {
   if (kind == Kind::Int8) return kAmxRows;
   if (kind == Kind::Int8Grouped) return group == 32 ? kAmxRowsGroups32 : 0;
   if (kind == Kind::Int8x16) return kAmxRowsX16;
-  if (kind == Kind::Int4x16) return kAmxRowsInt4x16;
+  if (kind == Kind::Int4x16) return group >= 128 ? kAmxRowsInt4x16 : kAmxRowsInt4Groups32;
   if (kind == Kind::Int4 && group == 32) return kAmxRowsInt4Groups32;
   return kind == Kind::Int4 && group >= 128 ? kAmxRowsInt4 : 0;
 }
@@ -1781,29 +1786,34 @@ struct X4 {
   template <int MT>
   static void tile(const Args<T>& a, int64_t m0, int64_t b) {
     constexpr int64_t kScales = 16 * (ST == kF32 ? 4 : 2);
-    const int64_t k = a.k, group = a.group, groups = k / group, chunks = k / 128;
+    const int64_t k = a.k, group = a.group, groups = k / group;
+    const int64_t chunk = std::min<int64_t>(group, 128), xblock = group >= 128 ? 128 : 64;
+    const int64_t xblocks = k / xblock;
+    const bool zeros = a.s_stride != 0;
+    const int64_t step = 8 * group + (zeros ? 2 : 1) * kScales;
     const uint8_t* p = a.w + b * a.row_bytes;
     const int32_t* xw = reinterpret_cast<const int32_t*>(a.xq + m0 * k);  // 4 codes a dword
-    const float* d = a.d32 + m0 * chunks;
+    const float* d = a.d32 + m0 * xblocks;
     const float* corr = a.corr + m0 * groups;
     const __m512i low = _mm512_set1_epi8(15);
+    const __m512 zc = _mm512_set1_ps(a.zc);
     constexpr bool kStream = MT == 1;  // (else the block is read again for the next x rows)
     __m512 acc[MT];
     for (auto& v : acc) v = _mm512_setzero_ps();
-    for (int64_t g = 0; g < groups; ++g, p += 8 * group + 2 * kScales) {
+    for (int64_t g = 0; g < groups; ++g, p += step) {
       const __m512 s = load_scales16<ST>(p + 8 * group, 0);
-      for (int64_t c = 0; c < group; c += 128) {
+      for (int64_t c = 0; c < group; c += chunk) {
         const uint8_t* lines = p + 8 * c;
-        const int64_t chunk = (g * group + c) / 128;
+        const int64_t col = g * group + c;
         __m512i lo_dot[MT], hi_dot[MT];
         for (int mi = 0; mi < MT; ++mi) lo_dot[mi] = hi_dot[mi] = _mm512_setzero_si512();
-        for (int j = 0; j < 16; ++j) {
+        for (int64_t j = 0; j < chunk / 8; ++j) {
           prefetch_ahead<kStream>(lines + 64 * j, kAhead);
           const __m512i v = _mm512_loadu_si512(lines + 64 * j);
           const __m512i lo = _mm512_and_si512(v, low);
           const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
           for (int mi = 0; mi < MT; ++mi) {
-            const int32_t* x4 = xw + mi * (k / 4) + 32 * chunk + 2 * j;
+            const int32_t* x4 = xw + mi * (k / 4) + col / 4 + 2 * j;
             lo_dot[mi] = _mm512_dpbusd_epi32(lo_dot[mi], lo, _mm512_set1_epi32(x4[0]));
             hi_dot[mi] = _mm512_dpbusd_epi32(hi_dot[mi], hi, _mm512_set1_epi32(x4[1]));
           }
@@ -1811,13 +1821,14 @@ struct X4 {
         for (int mi = 0; mi < MT; ++mi) {
           const __m512i dot = _mm512_add_epi32(lo_dot[mi], hi_dot[mi]);
           acc[mi] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
-                                    _mm512_mul_ps(s, _mm512_set1_ps(d[mi * chunks + chunk])),
+                                    _mm512_mul_ps(s, _mm512_set1_ps(d[mi * xblocks + col / xblock])),
                                     acc[mi]);
         }
       }
-      for (int64_t line = 0; line < 2 * kScales; line += 64)
-        prefetch_ahead<kStream>(p + 8 * group + line, kAhead);
-      const __m512 sz = _mm512_mul_ps(s, load_scales16<ST>(p + 8 * group + kScales, 0));
+      for (int64_t line = 8 * group; line < step; line += 64)
+        prefetch_ahead<kStream>(p + line, kAhead);
+      const __m512 z = zeros ? load_scales16<ST>(p + 8 * group + kScales, 0) : zc;
+      const __m512 sz = _mm512_mul_ps(s, z);
       for (int mi = 0; mi < MT; ++mi)
         acc[mi] = _mm512_fnmadd_ps(sz, _mm512_set1_ps(corr[mi * groups + g]), acc[mi]);
     }
@@ -1827,20 +1838,24 @@ struct X4 {
 };
 
 #if defined(FOUDRE_AMX)
-// on the tiles: per 128 columns of a block its 16 lines unpacked once (a line's low nibbles then
-// its high ones: 32 lines of 64 bytes, the B tiles of 64 columns each, unsigned), for every 16 x
-// rows (A, their quantized rows themselves) tdpbsud twice into one C (x rows by weight rows),
-// then each x row scaled as X4's
+// on the tiles: per 128 columns of a block (a group, under 128) its lines unpacked once (each
+// line's low nibbles then its high ones: lines of 64 bytes, B tiles of 64 columns each, or one of
+// 32 for groups of 32; unsigned), for every 16 x rows (A, their quantized rows themselves)
+// tdpbsud into one C (x rows by weight rows), then each x row scaled as X4's
 template <typename T, int ST>
 void amx_x4(const Args<T>& a) {
   constexpr int64_t kScales = 16 * (ST == kF32 ? 4 : 2);
-  const int64_t n = a.n, k = a.k, group = a.group, groups = k / group, chunks = k / 128;
+  const int64_t n = a.n, k = a.k, group = a.group, groups = k / group;
+  const int64_t chunk = std::min<int64_t>(group, 128), xblock = group >= 128 ? 128 : 64;
+  const int64_t unit = std::min<int64_t>(group, 64), xblocks = k / xblock;
+  const bool zeros = a.s_stride != 0;
+  const int64_t step = 8 * group + (zeros ? 2 : 1) * kScales;
   const int64_t xtiles = (a.m + 15) / 16, tasks = (n + 15) / 16;
 #pragma omp parallel
   {
-    configure_tiles();
+    configure_tiles(static_cast<int>(unit));
     alignas(64) uint8_t unpacked[32][64];
-    alignas(64) int32_t sums[16][16];
+    alignas(64) int32_t sums[2][16][16];
     std::vector<__m512> acc(xtiles * 16);
     const __m512i low = _mm512_set1_epi8(15);
 #pragma omp for schedule(static)
@@ -1848,12 +1863,15 @@ void amx_x4(const Args<T>& a) {
       const uint8_t* p = a.w + b * a.row_bytes;
       const int64_t rows = std::min<int64_t>(16, n - 16 * b);
       for (auto& v : acc) v = _mm512_setzero_ps();
-      for (int64_t g = 0; g < groups; ++g, p += 8 * group + 2 * kScales) {
+      for (int64_t g = 0; g < groups; ++g, p += step) {
         const __m512 s = load_scales16<ST>(p + 8 * group, 0);
-        for (int64_t c = 0; c < group; c += 128) {
+        const __m512 z =
+            zeros ? load_scales16<ST>(p + 8 * group + kScales, 0) : _mm512_set1_ps(a.zc);
+        const __m512 sz = _mm512_mul_ps(s, z);
+        for (int64_t c = 0; c < group; c += chunk) {
           const uint8_t* lines = p + 8 * c;
-          const int64_t chunk = (g * group + c) / 128;
-          for (int j = 0; j < 16; ++j) {
+          const int64_t col = g * group + c;
+          for (int64_t j = 0; j < chunk / 8; ++j) {
             prefetch_l2(reinterpret_cast<uintptr_t>(lines) + 64 * j + a.row_bytes);  // next block
             const __m512i v = _mm512_loadu_si512(lines + 64 * j);
             _mm512_store_si512(unpacked[2 * j], _mm512_and_si512(v, low));
@@ -1862,28 +1880,47 @@ void amx_x4(const Args<T>& a) {
           }
           tile_reads_memory();
           _tile_loadd(3, unpacked[0], 64);
-          _tile_loadd(4, unpacked[16], 64);
-          for (int64_t jt = 0; jt < xtiles; ++jt) {
-            const int8_t* x = a.xq + 16 * jt * k + 128 * chunk;
-            _tile_zero(0);
-            _tile_loadd(1, x, k);
-            _tile_dpbsud(0, 1, 3);
-            _tile_loadd(2, x + 64, k);
-            _tile_dpbsud(0, 2, 4);
-            _tile_stored(0, sums, 64);
-            const float* d = a.d32 + 16 * jt * chunks + chunk;
+          if (chunk > unit) _tile_loadd(4, unpacked[unit / 4], 64);
+          const bool last = c + chunk == group;  // (then the group's zero points too)
+          // x tile jt's sums scaled (the group's zero points taken off after its last chunk)
+          const auto scale = [&](int64_t jt) __attribute__((always_inline)) {
+            const float* d = a.d32 + 16 * jt * xblocks + col / xblock;
+            const float* h = a.corr + 16 * jt * groups + g;
             __m512* av = &acc[jt * 16];
-            for (int i = 0; i < 16; ++i)
-              av[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums[i])),
-                                      _mm512_mul_ps(s, _mm512_set1_ps(d[i * chunks])), av[i]);
+            for (int i = 0; i < 16; ++i) {
+              av[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums[jt % 2][i])),
+                                      _mm512_mul_ps(s, _mm512_set1_ps(d[i * xblocks])), av[i]);
+              if (last) av[i] = _mm512_fnmadd_ps(sz, _mm512_set1_ps(h[i * groups]), av[i]);
+            }
+          };
+          // x tile jt's product into C tile 0 or 5 (sums[jt % 2]), tile jt - 1's scaled meanwhile
+          for (int64_t jt = 0; jt < xtiles; ++jt) {
+            const int8_t* x = a.xq + 16 * jt * k + col;
+            if (jt % 2 == 0) {
+              _tile_zero(0);
+              _tile_loadd(1, x, k);
+              _tile_dpbsud(0, 1, 3);
+              if (chunk > unit) {
+                _tile_loadd(2, x + unit, k);
+                _tile_dpbsud(0, 2, 4);
+              }
+              _tile_stored(0, sums[0], 64);
+            } else {
+              _tile_zero(5);
+              _tile_loadd(1, x, k);
+              _tile_dpbsud(5, 1, 3);
+              if (chunk > unit) {
+                _tile_loadd(2, x + unit, k);
+                _tile_dpbsud(5, 2, 4);
+              }
+              _tile_stored(5, sums[1], 64);
+            }
+            if (jt > 0) scale(jt - 1);
           }
+          scale(xtiles - 1);
         }
-        prefetch_l2(reinterpret_cast<uintptr_t>(p) + 8 * group + a.row_bytes);
-        const __m512 sz = _mm512_mul_ps(s, load_scales16<ST>(p + 8 * group + kScales, 0));
-        for (int64_t jt = 0; jt < xtiles; ++jt)
-          for (int i = 0; i < 16; ++i)
-            acc[jt * 16 + i] = _mm512_fnmadd_ps(
-                sz, _mm512_set1_ps(a.corr[(16 * jt + i) * groups + g]), acc[jt * 16 + i]);
+        for (int64_t line = 8 * group; line < step; line += 64)
+          prefetch_l2(reinterpret_cast<uintptr_t>(p) + line + a.row_bytes);
       }
       for (int64_t jt = 0; jt < xtiles; ++jt)
         for (int64_t i = 0; i < std::min<int64_t>(16, a.m - 16 * jt); ++i)
@@ -1914,8 +1951,9 @@ void x4_tiles(const Args<T>& a) {
       }
 }
 
-// x quantized per 128 columns in the columns' order (rows padded to 16 for the tiles), x's d per
-// 128 columns (d32's place) and its sums d q per group (corr's)
+// x quantized per block (activation_block: 128 columns, 64 for groups under 128) in the columns'
+// order (rows padded to 16 for the tiles), x's d per block (d32's place) and its sums d q per
+// group (corr's)
 template <typename T>
 void x4_matmul(Args<T> a) {
   int64_t padded = a.m;
@@ -1923,14 +1961,16 @@ void x4_matmul(Args<T> a) {
   const int64_t from = amx_rows(Kind::Int4x16, a.group);
   if (from && a.m >= from) padded = (a.m + 15) / 16 * 16;
 #endif
-  const int64_t k = a.k, groups = k / a.group, chunks = k / 128;
+  const int64_t k = a.k, groups = k / a.group, xblock = a.group >= 128 ? 128 : 64;
+  const int64_t xblocks = k / xblock;
   std::vector<int8_t> xq(padded * k, 0);
-  std::vector<float> dl(a.m * k / 4), hsum(a.m * k / 16), d(padded * chunks, 0.0f);
+  std::vector<float> dl(a.m * k / 4), hsum(a.m * k / 16), d(padded * xblocks, 0.0f);
   std::vector<float> corr(padded * groups, 0.0f);
-  quantize_rows<T, false>(a.x, a.m, k, 128, xq.data(), dl.data(), hsum.data());
+  quantize_rows<T, false>(a.x, a.m, k, xblock, xq.data(), dl.data(), hsum.data());
   for (int64_t i = 0; i < a.m; ++i) {
-    for (int64_t c = 0; c < chunks; ++c) d[i * chunks + c] = dl[i * (k / 4) + 32 * c];
-    for (int64_t h = 0; h < k / 16; ++h) corr[i * groups + (h * 16 >> a.gshift)] += hsum[i * (k / 16) + h];
+    for (int64_t c = 0; c < xblocks; ++c) d[i * xblocks + c] = dl[i * (k / 4) + c * (xblock / 4)];
+    for (int64_t h = 0; h < k / 16; ++h)
+      corr[i * groups + (h * 16 >> a.gshift)] += hsum[i * (k / 16) + h];
   }
   a.xq = xq.data();
   a.d32 = d.data();
@@ -2610,37 +2650,44 @@ template <typename T>
 void dequantize_x4(const Args<T>& a, int64_t n0, int64_t n1, T* out) {
 #pragma omp parallel for schedule(static)
   for (int64_t nr = n0; nr < n1; ++nr)
-    for (int64_t g = 0; g < a.k / a.group; ++g) {
-      const float s = x4_param(a, nr, g, 0), z = x4_param(a, nr, g, 1);
-      for (int64_t c = 0; c < a.group; c += 128) {
-        T* o = out + (nr - n0) * a.k + g * a.group + c;
+    for (int64_t c0 = 0; c0 < a.k; c0 += 128) {  // (K: a multiple of 128)
+      T* o = out + (nr - n0) * a.k + c0;
 #if defined(FOUDRE_AVX512)
-        // the row's 4 bytes of each of the chunk's 16 lines; low and high nibbles put in the
-        // columns' order (per 128-bit lane two lines' 8 columns each), then the lanes
-        const uint8_t* p = x4_group(a, nr, g) + 8 * c + 4 * (nr % 16);
-        const __m512i lines = _mm512_setr_epi32(0, 64, 128, 192, 256, 320, 384, 448, 512, 576,
-                                                640, 704, 768, 832, 896, 960);
-        const __m512i v = _mm512_i32gather_epi32(lines, p, 1), low = _mm512_set1_epi8(15);
-        const __m512i lo = _mm512_and_si512(v, low);
-        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-        const __m512i a0 = _mm512_unpacklo_epi32(lo, hi), a1 = _mm512_unpackhi_epi32(lo, hi);
-        const __m512i halves[2] = {
-            _mm512_permutex2var_epi64(a0, _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11), a1),
-            _mm512_permutex2var_epi64(a0, _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15), a1)};
-        const __m512 vs = _mm512_set1_ps(s), vz = _mm512_set1_ps(z);
-        alignas(64) uint8_t bytes[2][64];
-        for (int h = 0; h < 2; ++h) _mm512_store_si512(bytes[h], halves[h]);
-        for (int h = 0; h < 2; ++h)
-          for (int q = 0; q < 4; ++q) {
-            const auto* b = reinterpret_cast<const __m128i*>(bytes[h] + 16 * q);
-            const __m512 codes = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128(b)));
-            store16(o + 64 * h + 16 * q, _mm512_mul_ps(_mm512_sub_ps(codes, vz), vs));
-          }
-#else
-        for (int64_t j = 0; j < 128; ++j)
-          store1(o + j, (static_cast<float>(x4_code(a, nr, g * a.group + c + j)) - z) * s);
-#endif
+      // the row's 4 bytes of each of the 16 lines of these 128 columns (one gather; in groups
+      // under 128 the lines of several groups), their low and high nibbles put in the columns'
+      // order (per 128-bit lane two lines' 8 columns each), then the lanes
+      const uint8_t* block = a.w + nr / 16 * a.row_bytes + 4 * (nr % 16);
+      const int64_t gbytes = x4_group_bytes(a.group, a.st, a.s_stride != 0);
+      alignas(64) int32_t at[16];
+      for (int t = 0; t < 16; ++t) {
+        const int64_t c = c0 + 8 * t;
+        at[t] = static_cast<int32_t>((c >> a.gshift) * gbytes + 64 * ((c & (a.group - 1)) / 8));
       }
+      const __m512i v = _mm512_i32gather_epi32(_mm512_load_si512(at), block, 1);
+      const __m512i low = _mm512_set1_epi8(15);
+      const __m512i lo = _mm512_and_si512(v, low);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      const __m512i a0 = _mm512_unpacklo_epi32(lo, hi), a1 = _mm512_unpackhi_epi32(lo, hi);
+      alignas(64) uint8_t bytes[2][64];
+      _mm512_store_si512(bytes[0],
+                         _mm512_permutex2var_epi64(a0, _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11), a1));
+      _mm512_store_si512(bytes[1], _mm512_permutex2var_epi64(
+                                       a0, _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15), a1));
+      for (int q = 0; q < 8; ++q) {  // 16 columns, in one group
+        const int64_t g = (c0 + 16 * q) >> a.gshift;
+        const __m512 vs = _mm512_set1_ps(x4_param(a, nr, g, 0));
+        const __m512 vz = _mm512_set1_ps(x4_param(a, nr, g, 1));
+        const auto* b = reinterpret_cast<const __m128i*>(bytes[q / 4] + 16 * (q % 4));
+        const __m512 codes = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128(b)));
+        store16(o + 16 * q, _mm512_mul_ps(_mm512_sub_ps(codes, vz), vs));
+      }
+#else
+      for (int64_t j = 0; j < 128; ++j) {
+        const int64_t g = (c0 + j) >> a.gshift;
+        const float s = x4_param(a, nr, g, 0), z = x4_param(a, nr, g, 1);
+        store1(o + j, (static_cast<float>(x4_code(a, nr, c0 + j)) - z) * s);
+      }
+#endif
     }
 }
 
@@ -2674,7 +2721,7 @@ Args<T> args(int kind, const void* x, const void* q, const void* s, const void* 
   const int64_t row_bytes = kind == 2   ? k / 2
                             : kind == 3 ? k / 16 * 13
                             : kind == 4 ? k / 32 * (kX16Codes + x16_scale_bytes(st))
-                            : kind == 5 ? k / group * x4_group_bytes(group, st)
+                            : kind == 5 ? k / group * x4_group_bytes(group, st, s_stride != 0)
                                         : k;
   return {static_cast<const T*>(x), static_cast<const uint8_t*>(q), row_bytes, s, z, zc, st,
           groups, group, s_stride, gshift, static_cast<T*>(y), m, n, k, nullptr, nullptr,
@@ -2759,7 +2806,9 @@ int foudre_qmm_amx_rows(int kind, int64_t group) {
 // [n, 13 k / 16] (k a multiple of 256), s the d [n, k / 256] (group 256), z null and zc 32. z
 // null: every zero point is zc. st: the type of s and z (0 float32, 1 float16, 2 bfloat16);
 // s_stride: the elements between two rows of s (and of z), groups or more
-// (cpu_qmatmul.pair_scales: a row's scales then its zero points, one stream).
+// (cpu_qmatmul.pair_scales: a row's scales then its zero points, one stream). 4: int8 in blocks of
+// 16 rows (x16_codes; groups of 32, z null, zc, s_stride 0), 5: int4 in blocks of 16 rows
+// (x4_group; s_stride 1 where the blocks hold zero points, else 0 and zc): q the blocks, s null.
 #define FOUDRE_QMM(SUFFIX, T)                                                                   \
   void foudre_qmm_##SUFFIX(int kind, const void* x, const void* q, const void* s, const void* z, \
                            float zc, int st, int64_t groups, int64_t group, int64_t s_stride,    \

@@ -14,8 +14,8 @@ vpdpbusd (AVX2: vpmaddubsw), so results differ from dequantize-then-matmul by th
 portable one multiply in float32. ``layout`` is the kernels' view of ``QuantLinear``'s buffers
 (the buffers themselves, no copy, for the usual shapes); ``matmul`` runs it. ``path()`` names
 the path the library was built with, None where it did not build. On the VNNI path GGUF's Q8_0
-and Q5_0 (int8 in groups of 32, one zero point) are repacked in blocks of 16 rows
-(``interleave``): the same bytes, read faster.
+and Q5_0 (int8 in groups of 32, one zero point) and int4 (ours, GPTQ, AWQ, GGUF's Q4_x) are
+repacked in blocks of 16 rows (``interleave``): the same codes and scales, read faster.
 """
 
 from __future__ import annotations
@@ -108,9 +108,10 @@ class Packed:
     in one dtype (float32, float16 or bfloat16), ``z`` None where every zero point is ``zc``
     (0 for symmetric int8, 8 for GGUF's Q4_0: the kernels then read no zero points); ``k`` the
     input features (padded). ``s`` and ``z`` rows may be further apart than their length, by
-    one stride (``pair_scales``). ``"int8x16"``: group-wise int8 in groups of 32 repacked in
-    blocks of 16 rows (``interleave``), ``w`` the blocks ``[ceil(N / 16), K / 32 * (512 + 16
-    size)]`` with the scales inside, ``s`` an empty tensor of their dtype, ``n`` the rows N."""
+    one stride (``pair_scales``). ``"int8x16"`` and ``"int4x16"``: group-wise int8 in groups of
+    32, or int4, repacked in blocks of 16 rows (``interleave``), ``w`` the blocks ``[ceil(N /
+    16), bytes]`` with the scales (and zero points) inside, ``s`` an empty tensor of their dtype,
+    ``z`` None or (int4, its zero points stored in the blocks) an empty one, ``n`` the rows N."""
 
     kind: str
     w: torch.Tensor
@@ -129,9 +130,9 @@ class Packed:
     def arguments(self) -> tuple[int, float, int, int, int, int]:
         """The kernels' arguments from the zero points to the scales' row stride: ``z``'s
         address (0: none), ``zc``, the scale type, groups, group, the stride."""
-        if self.kind in BLOCKS:
-            group = self.group or 0
-            return 0, self.zc, SCALE_TYPES[self.s.dtype], self.k // group, group, 0
+        if self.kind in BLOCKS:  # (the stride's place: 1 where the blocks hold zero points)
+            group, stored = self.group or 0, int(self.z is not None)
+            return 0, self.zc, SCALE_TYPES[self.s.dtype], self.k // group, group, stored
         grouped = self.kind != "int8"
         return (
             0 if self.z is None else self.z.data_ptr(), self.zc, SCALE_TYPES[self.s.dtype],
@@ -191,12 +192,12 @@ BLOCKS = ("int8x16", "int4x16")  # the layouts in blocks of 16 rows (interleave)
 def interleaves(packed: Packed) -> bool:
     """Whether ``interleave`` repacks ``packed`` (where the kernels read its blocks faster than
     its rows): group-wise int8 in groups of 32 whose zero points are one integer (GGUF's Q8_0
-    and Q5_0), and int4 in groups of 128 or more (ours: ``int4``, GPTQ, AWQ), on the VNNI path
+    and Q5_0), and int4 (ours: ``int4``, GPTQ, AWQ; GGUF's Q4_0, Q4_1, Q4_K), on the VNNI path
     (the other paths have no kernel of their own for the blocks), unless ``FOUDRE_REPACK=0``."""
     if path() != "vnni" or os.environ.get("FOUDRE_REPACK", "1") == "0":
         return False
-    if packed.kind == "int4":
-        return (packed.group or 0) >= 128
+    if packed.kind == "int4":  # (layout pads K to 128: groups of 256 may not divide it)
+        return packed.k % max(packed.group or 0, 128) == 0
     return (
         packed.kind == "int8g"
         and packed.group == 32
@@ -207,20 +208,20 @@ def interleaves(packed: Packed) -> bool:
 
 
 def interleave(packed: Packed) -> Packed:
-    """``packed`` (group-wise int8, groups of 32, one zero point) repacked in blocks of 16 rows
-    (``"int8x16"``, cpu_qmatmul.cpp's ``x16_codes``): per block and group the 16 rows' 32 codes
-    plus 128 as unsigned bytes, four columns of each row in turn (line j, 64 bytes: columns
-    4 j .. 4 j + 3 of rows 0 .. 15), two groups' codes then their scales (16 rows each, group by
-    group), rows past N zero. The same bytes as the rows and their scales, in one stream a
-    block, each group's codes whole cache lines: at batch 1 the kernel broadcasts x's 4 codes
-    against 16 rows (no lane pairing or reduction), and AMX's tiles read a group's codes as they
-    lie. ``deinterleave`` gives the rows back."""
-    if packed.kind == "int4" and (packed.group or 0) >= 128:
+    """``packed`` repacked in blocks of 16 rows: int4 as ``_interleave_int4`` lays it out;
+    group-wise int8 in groups of 32 with one zero point as ``"int8x16"`` (cpu_qmatmul.cpp's
+    ``x16_codes``): per block and group the 16 rows' 32 codes plus 128 as unsigned bytes, four
+    columns of each row in turn (line j, 64 bytes: columns 4 j .. 4 j + 3 of rows 0 .. 15), two
+    groups' codes then their scales (16 rows each, group by group), rows past N zero. The same
+    codes and scales, in one stream a block, each group's codes whole cache lines: at batch 1
+    the kernel broadcasts x's 4 codes against 16 rows (no lane pairing or reduction), and AMX's
+    tiles read a group's codes as they lie. ``deinterleave`` gives the rows back."""
+    if packed.kind == "int4" and packed.k % max(packed.group or 0, 128) == 0:
         return _interleave_int4(packed)
     if packed.kind != "int8g" or packed.group != 32 or packed.z is not None or packed.k % 64:
         raise ValueError(
-            f"interleave takes int8 in groups of 32 with one zero point or int4 in groups of 128 "
-            f"or more: {packed}"
+            f"interleave takes int8 in groups of 32 with one zero point, or int4 whose groups "
+            f"divide K: {packed}"
         )
     q, s, k = packed.w, packed.s, packed.k
     n, pairs, size = q.shape[0], k // 64, s.element_size()
@@ -244,29 +245,29 @@ def interleave(packed: Packed) -> Packed:
 
 def _interleave_int4(packed: Packed) -> Packed:
     """int4 in blocks of 16 rows (``"int4x16"``, cpu_qmatmul.cpp's ``x4_group``): per block and
-    group, per 128 columns 16 lines of 64 bytes, line j 4 bytes of each row (row r's at 4 r: low
-    nibbles its columns 8 j .. 8 j + 3, high nibbles 8 j + 4 .. 8 j + 7), then the group's 16
-    scales and 16 zero points (``zc`` where there are none)."""
+    group, per 8 columns a line of 64 bytes, 4 bytes of each row (row r's at 4 r: low nibbles its
+    columns 8 j .. 8 j + 3, high nibbles 8 j + 4 .. 8 j + 7), then the group's 16 scales and,
+    where they are not all ``zc`` (Q4_0's 8), 16 zero points (the Packed's ``z`` then an empty
+    tensor: stored)."""
     q, s, k, group = packed.w, packed.s, packed.k, packed.group or 0
     n, groups, size = q.shape[0], k // group, s.element_size()
     blocks, pad = -(-n // 16), -n % 16
     codes = torch.stack([q & 15, q >> 4], dim=-1).view(n, k)  # pack_int4's nibbles, unpacked
     codes = F.pad(codes, (0, 0, 0, pad)).view(blocks, 16, groups, group // 8, 2, 4)
     nibbles = codes[..., 0, :] | (codes[..., 1, :] << 4)  # [blocks, 16, groups, lines, 4]
-    z = packed.z if packed.z is not None else torch.full_like(s, packed.zc)
-    params = torch.stack([s[:, :groups], z[:, :groups]], dim=-1)  # [n, groups, 2]
-    params = F.pad(params, (0, 0, 0, 0, 0, pad)).view(blocks, 16, groups, 2)
-    params = (
-        params.permute(0, 2, 3, 1).contiguous().view(torch.uint8)
-    )  # [blocks, groups, 2, 16 size]
-    w = torch.empty(blocks, groups * (8 * group + 32 * size), dtype=torch.uint8)
-    parts = w.view(blocks, groups, -1)
+    kept = [s[:, :groups]] + ([] if packed.z is None else [packed.z[:, :groups]])
+    params = F.pad(torch.stack(kept, dim=-1), (0, 0, 0, 0, 0, pad))  # [n + pad, groups, 1 or 2]
+    params = params.view(blocks, 16, groups, len(kept)).permute(0, 2, 3, 1).contiguous()
+    per_group = 8 * group + 16 * size * len(kept)
+    w = torch.empty(blocks, groups * per_group, dtype=torch.uint8)
+    parts = w.view(blocks, groups, per_group)
     parts[..., : 8 * group].view(blocks, groups, group // 8, 16, 4).copy_(
         nibbles.permute(0, 2, 3, 1, 4)
     )
-    parts[..., 8 * group :].copy_(params.view(blocks, groups, -1))
+    parts[..., 8 * group :].copy_(params.view(torch.uint8).view(blocks, groups, -1))
     del parts
-    return Packed("int4x16", w, s.new_empty(0), None, group, k, packed.zc, n)
+    stored = None if packed.z is None else s.new_empty(0)
+    return Packed("int4x16", w, s.new_empty(0), stored, group, k, packed.zc, n)
 
 
 def deinterleave(
@@ -289,15 +290,17 @@ def deinterleave(
 
 def _deinterleave_int4(packed: Packed) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     n, k, group, size = packed.rows, packed.k, packed.group or 0, packed.s.element_size()
-    blocks, groups = packed.w.shape[0], k // group
-    parts = packed.w.view(blocks, groups, 8 * group + 32 * size)
+    blocks, groups, kept = packed.w.shape[0], k // group, 1 + (packed.z is not None)
+    parts = packed.w.view(blocks, groups, 8 * group + 16 * size * kept)
     nibbles = parts[..., : 8 * group].reshape(blocks, groups, group // 8, 16, 4)
     nibbles = nibbles.permute(0, 3, 1, 2, 4)  # [blocks, 16, groups, lines, 4]
     codes = torch.stack([nibbles & 15, nibbles >> 4], dim=-2).reshape(blocks * 16, k)[:n]
     q = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()  # pack_int4's bytes
-    params = parts[..., 8 * group :].contiguous().view(packed.s.dtype).view(blocks, groups, 2, 16)
-    params = params.permute(0, 3, 1, 2).reshape(blocks * 16, groups, 2)[:n]
-    return q, params[..., 0].contiguous(), params[..., 1].contiguous()
+    params = parts[..., 8 * group :].contiguous().view(packed.s.dtype)
+    params = params.view(blocks, groups, kept, 16).permute(0, 3, 1, 2).reshape(-1, groups, kept)
+    scales = params[:n, :, 0].contiguous()
+    zeros = params[:n, :, 1].contiguous() if kept == 2 else torch.full_like(scales, packed.zc)
+    return q, scales, zeros
 
 
 def _zero_point(zeros: torch.Tensor | None) -> tuple[float, torch.Tensor | None]:
@@ -394,21 +397,26 @@ def _check_layout(packed: Packed) -> None:
     if packed.kind in BLOCKS:
         k, w, size = packed.k, packed.w, packed.s.element_size()
         group = packed.group or 0
-        per_group = X16_CODES + 16 * size if packed.kind == "int8x16" else 8 * group + 32 * size
+        stored = 1 + (packed.z is not None)
+        per_group = (
+            X16_CODES + 16 * size if packed.kind == "int8x16" else 8 * group + 16 * size * stored
+        )
         shape = (-(-packed.rows // 16), k // max(group, 1) * per_group)
         if (
             k % 64
+            or (packed.kind == "int4x16" and k % max(group, 128))
             or tuple(w.shape) != shape
             or w.dtype != torch.uint8
             or not w.is_contiguous()
-            or packed.group != (32 if packed.kind == "int8x16" else max(group, 128))
+            or packed.group != (32 if packed.kind == "int8x16" else max(group, 32))
             or group & (group - 1)
-            or packed.z is not None
+            or (packed.z is not None and (packed.kind == "int8x16" or packed.z.numel()))
         ):
             raise ValueError(
                 f"{packed.kind} blocks {tuple(w.shape)} for {packed.rows} x {k}: the kernels take "
-                f"{shape} contiguous uint8, K a multiple of 64 (of the group for int4), groups of "
-                "32 (int4: a power of two from 128), no z tensor (interleave)"
+                f"{shape} contiguous uint8, K a multiple of 64 (of 128 for int4), groups of "
+                "32 (int4: a power of two from 32), z None (int4: or an empty tensor, zero "
+                "points stored) (interleave)"
             )
         return
     if packed.kind == "int6":

@@ -148,8 +148,8 @@ class QuantLinear(nn.Module):
     256 columns) ``w = (q - 32) * d * sc``, codes 0..63, an int8 ``sc`` per 16 columns.
 
     Where the CPU kernels serve it on the VNNI path, 8-bit in groups of 32 with one zero point
-    (GGUF's Q8_0, Q5_0) and 4-bit in groups of 128 or more are repacked in blocks of 16 rows when
-    their layout is built (``interleaved``: ``qweight`` then holds ``cpu_qmatmul.interleave``'s
+    (GGUF's Q8_0, Q5_0) and 4-bit (GGUF's Q4_0, Q4_1, Q4_K too) are repacked in blocks of 16 rows
+    when their layout is built (``interleaved``: ``qweight`` then holds ``cpu_qmatmul.interleave``'s
     uint8 blocks with the scales and zero points inside, ``scales`` and ``zeros`` empty;
     ``state_dict`` and moves see rows).
 
@@ -242,7 +242,7 @@ class QuantLinear(nn.Module):
         # (kind, K, zc) where qweight holds cpu_qmatmul.interleave's blocks (scales and zero
         # points inside them, ``scales`` and ``zeros`` then empty): set by _native_layout,
         # undone by _restore
-        self._interleaved: tuple[str, int, float] | None = None
+        self._interleaved: tuple[str, int, float, bool] | None = None  # (.., zero points in)
         # activations are cast to this dtype for the CPU kernels and the result cast back
         # (None: the input's dtype). torch 2.13's float32 packed kernels are several times
         # slower than its bfloat16 ones; see set_compute_dtype.
@@ -402,7 +402,10 @@ class QuantLinear(nn.Module):
         key = (self.qweight.device, dtype)
         layout = self._packed.get(key)
         if layout is None:
-            layout = kernels.cpu_layout(self.qweight, self.scales, self.zeros, dtype)
+            rows = self._canonical() if self._interleaved is not None else {}  # (blocks: rows)
+            qweight, scales = rows.get("qweight", self.qweight), rows.get("scales", self.scales)
+            zeros = rows.get("zeros", self.zeros)
+            layout = kernels.cpu_layout(qweight, scales, zeros, dtype)
             self._packed[key] = layout
         return layout
 
@@ -413,9 +416,10 @@ class QuantLinear(nn.Module):
         if self._native is not None:
             return self._native
         if self._interleaved is not None:
-            kind, k, zc = self._interleaved
+            kind, k, zc, stored = self._interleaved
+            z = self.scales.new_empty(0) if stored else None  # (int4: its zero points stored)
             self._native = cpu_qmatmul.Packed(
-                kind, self.qweight, self.scales, None, self.group_size, k, zc, self.out_features
+                kind, self.qweight, self.scales, z, self.group_size, k, zc, self.out_features
             )
             return self._native
         if self.group_size is not None and self.bits != 6:
@@ -426,24 +430,24 @@ class QuantLinear(nn.Module):
             self.qweight, self.scales, self.zeros, self.group_size, self.bits
         )
         if cpu_qmatmul.interleaves(packed):
-            # GGUF's Q8_0 and Q5_0, and int4 in groups of 128 or more, in blocks of 16 rows in
-            # place of the rows (the same bytes; batch 1 1.04-1.08x as fast from memory,
-            # 1.2-1.5x from the caches, 1.1-1.4x at 2-64 rows): the buffers become the blocks
-            # (scales and zeros empty)
+            # GGUF's Q8_0 and Q5_0, and int4 (GGUF's Q4_x too), in blocks of 16 rows in place
+            # of the rows (the same codes and scales, rows padded to 16; batch 1 1.04-1.13x as
+            # fast from memory, 1.2-1.5x from the caches, 1.1-1.4x at 2-64 rows): the buffers
+            # become the blocks (scales and zeros empty)
             with torch.inference_mode(False):
                 packed = cpu_qmatmul.interleave(packed)
             self._buffers["qweight"], self._buffers["scales"] = packed.w, packed.s
             if self.zeros is not None:
                 self._buffers["zeros"] = self.zeros.new_empty(0)
-            self._interleaved = (packed.kind, packed.k, packed.zc)
+            self._interleaved = (packed.kind, packed.k, packed.zc, packed.z is not None)
         self._native = packed
         return packed
 
     @property
     def interleaved(self) -> bool:
         """Whether ``qweight`` holds ``cpu_qmatmul.interleave``'s blocks (uint8, the scales and
-        zero points inside; ``scales`` and ``zeros`` empty): GGUF's Q8_0 and Q5_0, and int4 in
-        groups of 128 or more, once their layout is built on the VNNI path (``prepare_for_cpu``).
+        zero points inside; ``scales`` and ``zeros`` empty): GGUF's Q8_0 and Q5_0, and int4
+        (GGUF's Q4_x too), once their layout is built on the VNNI path (``prepare_for_cpu``).
         A move, ``load_state_dict`` or ``state_dict`` see rows."""
         return self._interleaved is not None
 

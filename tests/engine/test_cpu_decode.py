@@ -470,8 +470,8 @@ def _five_bit_with_zeros(mod: nn.Module, group: int) -> QuantLinear:
 def test_native_decode_runs_quantized_projections(
     tmp_path: Path, dtype: str, arch: str, scheme: str
 ) -> None:
-    """Quantized projections (int8 per channel, int4 groups (of 128: in blocks of 16 rows on the
-    VNNI path), GGUF's 8-bit group-wise forms with and without zero points (Q8_0's: in blocks)
+    """Quantized projections (int8 per channel, int4 groups (in blocks of 16 rows on the VNNI
+    path), GGUF's 8-bit group-wise forms with and without zero points (Q8_0's: in blocks)
     and groups of 16,
     Q6_K's 6 bits) run inside the native step, and
     its logits and KV pool equal the Python path's bit for bit; a Qwen2 bias is added after the
@@ -502,7 +502,7 @@ def test_native_decode_runs_quantized_projections(
     native = NativeDecode.build(model, runner.backend, runner.kv_caches)
     assert native is not None
     assert len(native.checks.quantized) == 4 * len(model.model.layers)
-    if scheme in ("q8", "int4g128"):  # (the step built the layouts: cpu_qmatmul.interleave)
+    if scheme in ("q8", "int4", "int4g128"):  # (the step built them: cpu_qmatmul.interleave)
         interleaved = model.model.layers[0].self_attn.o_proj.interleaved  # type: ignore[union-attr]
         assert interleaved == (cpu_qmatmul.path() == "vnni")
     runner.decode_path = native

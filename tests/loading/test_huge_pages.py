@@ -196,7 +196,10 @@ def test_engine_weights_in_huge_pages_same_logits(
     assert not any(_in_advised_map([w]) for w in plain.parameters())
     if quantization is not None:
         linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
-        assert any(m.zeros is not None for m in linears)  # int4's zero points, paired
+        # int4's zero points: paired with the scales, or inside the blocks of 16 rows
+        assert any(m.zeros is not None for m in linears)
+        vnni = cpu_qmatmul.path() == "vnni"  # (the head: 6 bits, rows)
+        assert all(m.interleaved == (vnni and m.bits == 4) for m in linears)
         for m in linears:
             # (in blocks of 16 rows, scales and zeros are empty: cpu_qmatmul.interleave)
             held = [t for t in (m.qweight, m.scales, m.zeros) if t is not None and t.numel()]

@@ -149,13 +149,14 @@ def check_kernels() -> None:
             assert torch.equal(got, cpu_qmatmul.dequantize_rows(packed, 1, n, torch.float32))
         check_layout(packed, wd, bits, group)
         q8 = bits == 8 and group == 32 and zero in (False, "const")  # (Q8_0, Q5_0)
-        if q8 or (bits == 4 and (group or 0) >= 128):
+        if q8 or bits == 4:
             # in blocks of 16 rows (served where interleaves says; every path runs them)
             blocks = cpu_qmatmul.interleave(packed)
             assert blocks.kind == ("int8x16" if q8 else "int4x16") and blocks.rows == n
             rows = cpu_qmatmul.deinterleave(blocks)
             assert torch.equal(rows[0], packed.w)
-            groups = rows[1].shape[1]
+            groups = packed.k // (group or 1)
+            assert all(r.shape == (n, groups) for r in rows[1:])
             assert torch.equal(rows[1], packed.s[:, :groups])
             if not q8:  # (int4: zero points stored, zc where one serves all)
                 z = packed.z if packed.z is not None else torch.full_like(rows[2], packed.zc)
@@ -484,15 +485,17 @@ def test_a_row_does_not_depend_on_its_batch() -> None:
 
 
 def test_interleaved_rows_do_not_depend_on_batch_or_threads() -> None:
-    """Q8_0, Q5_0 and int4 g128 in blocks of 16 rows (``interleave``): a row's result is the
-    same bits alone as in a batch of any size, on either side of ``amx_rows`` too (the VNNI
-    kernel and AMX's tiles form the same int32 sums and scale them in one order), and on 1 or 3
-    threads."""
+    """Q8_0, Q5_0 and int4 (Q4_0's form too) in blocks of 16 rows (``interleave``): a row's
+    result is the same bits alone as in a batch of any size, on either side of ``amx_rows`` too
+    (the VNNI kernel and AMX's tiles form the same int32 sums and scale them in one order), and
+    on 1 or 3 threads."""
     torch.manual_seed(13)
     threads = torch.get_num_threads()
     try:
-        for bits, group, zero in ((8, 32, False), (8, 32, "const"), (4, 128, True)):
-            mod = quant_module(bits, group, zero, torch.randn(70, 300))
+        cases = ((8, 32, False), (8, 32, "const"), (4, 128, True), (4, 32, "const"), (4, 64, True),
+                 (4, 256, True))  # fmt: skip
+        for bits, group, zero in cases:
+            mod = quant_module(bits, group, zero, torch.randn(70, 300))  # (300: 512 for g256)
             packed = cpu_qmatmul.layout(mod.qweight, mod.scales, mod.zeros, group, bits)
             blocks = cpu_qmatmul.interleave(packed)
             for dtype in (torch.bfloat16, torch.float32):
@@ -513,16 +516,18 @@ def test_interleaved_rows_do_not_depend_on_batch_or_threads() -> None:
 
 
 def test_modules_interleave_once_built(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A ``QuantLinear`` of Q8_0's form (and Q5_0's, one zero point), or of int4 in groups of
-    128, becomes blocks of 16 rows when its layout is built on the VNNI path: the same values
+    """A ``QuantLinear`` of Q8_0's form (and Q5_0's, one zero point), or of int4 (Q4_0's form
+    too), becomes blocks of 16 rows when its layout is built on the VNNI path: the same values
     (``dequantize``), its products within the kernels' bound, its ``state_dict`` the rows, which
     ``load_state_dict`` and a move (``_apply``) give back to the buffers; ``FOUDRE_REPACK=0``
     keeps the rows."""
     if cpu_qmatmul.path() != "vnni":
         pytest.skip("blocks of 16 rows are built on the VNNI path only")
     torch.manual_seed(5)
-    # (280: 288 columns, the Q5_0 blocks 320; int4 g128: 300 columns, 384, zero points stored)
-    for bits, group, zero, k in ((8, 32, False, 300), (8, 32, "const", 280), (4, 128, True, 300)):
+    # (280: 288 columns, the Q5_0 blocks 320; int4: 300 columns, 384, zero points stored, or
+    # Q4_0's one 8)
+    cases = ((8, 32, False, 300), (8, 32, "const", 280), (4, 128, True, 300), (4, 32, "const", 300))
+    for bits, group, zero, k in cases:
         mod = quant_module(bits, group, zero, torch.randn(40, k)).to(torch.float16)
         rows = {name: t.clone() for name, t in mod.state_dict().items()}
         wd = mod.dequantize()
@@ -545,6 +550,11 @@ def test_modules_interleave_once_built(monkeypatch: pytest.MonkeyPatch) -> None:
         mod.float()  # a move: rows again (float32 scales now)
         assert not mod.interleaved and torch.equal(mod.qweight, rows["qweight"])
         assert torch.equal(mod.dequantize(), wd)
+        if bits == 4:  # aten's kernels (float16 x, or too many rows) from the rows again
+            mod._native_layout()
+            before = mod(x.half())
+            assert mod.interleaved and before.dtype == torch.float16
+            assert bool(((before.float() - x @ wd.t()).abs() <= 2 * tol + 1e-2).all())
     monkeypatch.setenv("FOUDRE_REPACK", "0")
     mod = quant_module(8, 32, False, torch.randn(40, 300))
     assert mod._native_layout().kind == "int8g" and not mod.interleaved

@@ -76,7 +76,7 @@ KEPT = {
 }
 CODES = {4: torch.uint8, 6: torch.uint8, 8: torch.int8}  # qweight's dtype by bits
 EXACT = ("Q8_0", "Q4_0", "Q5_0", "Q6_K")  # no mins: bit for bit
-VNNI = cpu_qmatmul.path() == "vnni"  # (where Q8_0 and Q5_0 are repacked: cpu_qmatmul.interleaves)
+VNNI = cpu_qmatmul.path() == "vnni"  # (where Q8_0, Q5_0, Q4_x are repacked: interleaves)
 needs_kernels = pytest.mark.skipif(cpu_qmatmul.path() is None, reason="no C++ compiler")
 
 
@@ -272,7 +272,8 @@ def _check_logits(kept: LlamaForCausalLM, ref: LlamaForCausalLM, ids: list[int] 
 def _exact(mod: QuantLinear) -> bool:
     """Whether ``mod`` holds its file's values bit for bit: no zero points, or integer ones
     (Q4_0's 8), so that ``(q - z) s`` rounds once, as ``d (q - 8)``."""
-    return mod.zeros is None or torch.equal(mod.zeros, mod.zeros.round())
+    zeros = mod.state_dict().get("zeros")  # (rows: interleaved buffers are empty)
+    return zeros is None or torch.equal(zeros, zeros.round())
 
 
 def _same(got: torch.Tensor, want: torch.Tensor, exact: bool) -> bool:
@@ -307,8 +308,10 @@ def test_kept_types_load_as_quant_linear(qtype: str, llama_dir: Path, tmp_path: 
     bits, group, zero_point = KEPT[qtype]
     for mod in linears.values():
         assert (mod.bits, mod.group_size, mod.zeros is not None) == (bits, group, zero_point)
-        # codes, not floats (Q8_0 and Q5_0 on the VNNI path: in blocks of 16 rows, uint8)
-        assert mod.interleaved == (group == 32 and not zero_point and bits == 8 and VNNI)
+        # codes, not floats (Q8_0, Q5_0 and the Q4 types on the VNNI path: in blocks of 16
+        # rows, uint8)
+        blocks = bits == 4 or (bits, group, zero_point) == (8, 32, False)
+        assert mod.interleaved == (blocks and VNNI)
         assert mod.qweight.dtype == (torch.uint8 if mod.interleaved else CODES[bits])
         half = qtype in ("Q4_0", "Q5_0", "Q8_0") or bits == 6  # the file's float16 d, exactly
         assert mod.scales.dtype == (torch.float16 if half else torch.float32)
