@@ -1608,6 +1608,44 @@ void vnni_matmul(Args<T> a) {
   }
 }
 
+// whether the rows of x run on AMX's tiles for this layout (amx_rows)
+template <typename T>
+bool on_tiles(const Args<T>& a, Kind kind) {
+#if defined(FOUDRE_AMX)
+  const int64_t from = amx_rows(kind, a.group);
+  return from && a.m >= from;
+#else
+  (void)a;
+  (void)kind;
+  return false;
+#endif
+}
+
+// f(std::integral_constant<int, ST>{}) for the scales' type st
+template <typename F>
+void by_scale_type(int st, F&& f) {
+  if (st == kF16)
+    f(std::integral_constant<int, kF16>{});
+  else if (st == kBF16)
+    f(std::integral_constant<int, kBF16>{});
+  else
+    f(std::integral_constant<int, kF32>{});
+}
+
+// a blocks layout's tasks (16 weight rows), x's rows four at a time: Kernel::tile<MT>
+template <typename Kernel, typename T>
+void blocks_by_four(const Args<T>& a) {
+  const int64_t blocks = (a.n + 15) / 16;
+#pragma omp parallel for schedule(guided)
+  for (int64_t b = 0; b < blocks; ++b)
+    for (int64_t m0 = 0; m0 < a.m; m0 += 4) switch (std::min<int64_t>(a.m - m0, 4)) {
+        case 1: Kernel::template tile<1>(a, m0, b); break;
+        case 2: Kernel::template tile<2>(a, m0, b); break;
+        case 3: Kernel::template tile<3>(a, m0, b); break;
+        default: Kernel::template tile<4>(a, m0, b); break;
+      }
+}
+
 // -- Int8x16 (group-wise int8 in 16-row blocks, see x16_codes) --------------------------------
 //
 // x quantized per 32 columns as for group-wise int8 (the same codes and d); a group's 16 rows at
@@ -1719,34 +1757,11 @@ void amx_x16(const Args<T>& a) {
 #endif  // FOUDRE_AMX
 
 // x quantized (its rows padded to a multiple of 16 for the tiles: zero), then X16's tiles (or
-// AMX's, from amx_rows) over blocks, x's rows four at a time
-template <typename T, int ST>
-void x16_tiles(const Args<T>& a) {
-#if defined(FOUDRE_AMX)
-  const int64_t from = amx_rows(Kind::Int8x16, 32);
-  if (from && a.m >= from) {
-    amx_x16<T, ST>(a);
-    return;
-  }
-#endif
-  const int64_t blocks = (a.n + 15) / 16;
-#pragma omp parallel for schedule(guided)
-  for (int64_t b = 0; b < blocks; ++b)
-    for (int64_t m0 = 0; m0 < a.m; m0 += 4) switch (std::min<int64_t>(a.m - m0, 4)) {
-        case 1: X16<T, ST>::template tile<1>(a, m0, b); break;
-        case 2: X16<T, ST>::template tile<2>(a, m0, b); break;
-        case 3: X16<T, ST>::template tile<3>(a, m0, b); break;
-        default: X16<T, ST>::template tile<4>(a, m0, b); break;
-      }
-}
-
+// AMX's, from amx_rows) over blocks
 template <typename T>
 void x16_matmul(Args<T> a) {
-  int64_t padded = a.m;  // (the tiles read x's rows 16 at a time)
-#if defined(FOUDRE_AMX)
-  const int64_t from = amx_rows(Kind::Int8x16, 32);
-  if (from && a.m >= from) padded = (a.m + 15) / 16 * 16;
-#endif
+  const bool tiles = on_tiles(a, Kind::Int8x16);
+  const int64_t padded = tiles ? (a.m + 15) / 16 * 16 : a.m;  // (the tiles: 16 x rows at a time)
   const int64_t k = a.k, groups = k / 32;
   std::vector<int8_t> xq(padded * k, 0);
   std::vector<float> dl(a.m * k / 4), hsum(a.m * k / 16), d32(padded * groups, 0.0f);
@@ -1763,12 +1778,12 @@ void x16_matmul(Args<T> a) {
   a.xq = xq.data();
   a.d32 = d32.data();
   a.xs = xs.data();
-  if (a.st == kF16)
-    x16_tiles<T, kF16>(a);
-  else if (a.st == kBF16)
-    x16_tiles<T, kBF16>(a);
-  else
-    x16_tiles<T, kF32>(a);
+  by_scale_type(a.st, [&](auto st) {
+#if defined(FOUDRE_AMX)
+    if (tiles) return amx_x16<T, decltype(st)::value>(a);
+#endif
+    blocks_by_four<X16<T, decltype(st)::value>>(a);
+  });
 }
 
 // -- Int4x16 (int4 in groups of 128 or more, in 16-row blocks, see x4_group) -----------------
@@ -1931,36 +1946,13 @@ void amx_x4(const Args<T>& a) {
 }
 #endif  // FOUDRE_AMX
 
-template <typename T, int ST>
-void x4_tiles(const Args<T>& a) {
-#if defined(FOUDRE_AMX)
-  const int64_t from = amx_rows(Kind::Int4x16, a.group);
-  if (from && a.m >= from) {
-    amx_x4<T, ST>(a);
-    return;
-  }
-#endif
-  const int64_t blocks = (a.n + 15) / 16;
-#pragma omp parallel for schedule(guided)
-  for (int64_t b = 0; b < blocks; ++b)
-    for (int64_t m0 = 0; m0 < a.m; m0 += 4) switch (std::min<int64_t>(a.m - m0, 4)) {
-        case 1: X4<T, ST>::template tile<1>(a, m0, b); break;
-        case 2: X4<T, ST>::template tile<2>(a, m0, b); break;
-        case 3: X4<T, ST>::template tile<3>(a, m0, b); break;
-        default: X4<T, ST>::template tile<4>(a, m0, b); break;
-      }
-}
-
 // x quantized per block (activation_block: 128 columns, 64 for groups under 128) in the columns'
 // order (rows padded to 16 for the tiles), x's d per block (d32's place) and its sums d q per
 // group (corr's)
 template <typename T>
 void x4_matmul(Args<T> a) {
-  int64_t padded = a.m;
-#if defined(FOUDRE_AMX)
-  const int64_t from = amx_rows(Kind::Int4x16, a.group);
-  if (from && a.m >= from) padded = (a.m + 15) / 16 * 16;
-#endif
+  const bool tiles = on_tiles(a, Kind::Int4x16);
+  const int64_t padded = tiles ? (a.m + 15) / 16 * 16 : a.m;
   const int64_t k = a.k, groups = k / a.group, xblock = a.group >= 128 ? 128 : 64;
   const int64_t xblocks = k / xblock;
   std::vector<int8_t> xq(padded * k, 0);
@@ -1975,12 +1967,12 @@ void x4_matmul(Args<T> a) {
   a.xq = xq.data();
   a.d32 = d.data();
   a.corr = corr.data();
-  if (a.st == kF16)
-    x4_tiles<T, kF16>(a);
-  else if (a.st == kBF16)
-    x4_tiles<T, kBF16>(a);
-  else
-    x4_tiles<T, kF32>(a);
+  by_scale_type(a.st, [&](auto st) {
+#if defined(FOUDRE_AMX)
+    if (tiles) return amx_x4<T, decltype(st)::value>(a);
+#endif
+    blocks_by_four<X4<T, decltype(st)::value>>(a);
+  });
 }
 
 #endif  // FOUDRE_VNNI
