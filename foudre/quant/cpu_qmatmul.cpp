@@ -1786,10 +1786,11 @@ void x16_matmul(Args<T> a) {
   });
 }
 
-// -- Int4x16 (int4 in groups of 128 or more, in 16-row blocks, see x4_group) -----------------
+// -- Int4x16 (int4 in 16-row blocks, see x4_group) -------------------------------------------
 //
-// x quantized per 128 columns as for int4 in groups of 128 (the same codes and d), in the
-// columns' order; per 128 columns of a block, each of its 16 lines: the low nibbles (columns
+// x quantized as for int4 on rows (the same codes and d: per 128 columns, per 64 in groups under
+// 128), in the columns' order; per 128 columns of a block (a group, under 128), each of its lines:
+// the low nibbles (columns
 // 8 j .. 8 j + 3 of the 16 rows) and the high ones (8 j + 4 ..) each a vpdpbusd with x's 4 codes
 // of those columns broadcast, summed in int32 (two chains, added), converted and scaled by the
 // rows' scales times x's d into float lanes, one per weight row; per group minus the rows' s z

@@ -70,7 +70,8 @@ def amx_rows(bits: int = 8, group_size: int | None = None) -> int:
     Linux grants this process their state; ``FOUDRE_AMX=0`` declines them), rounding differently
     from the VNNI kernel below them: int8 per channel, int4 in groups of 128 or more, and
     int8 and int4 in groups of 32 (GGUF's Q8_0, Q5_x; Q4_0, Q4_1, Q4_K); 0 where it never
-    does."""
+    does. (Where the VNNI path repacks them in blocks of 16 rows, ``interleave``, the blocks take
+    the tiles from the same rows, but int4 in groups of 64 from 12.)"""
     dll = _library()
     if dll is None:
         return 0

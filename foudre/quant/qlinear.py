@@ -242,7 +242,8 @@ class QuantLinear(nn.Module):
         # (kind, K, zc) where qweight holds cpu_qmatmul.interleave's blocks (scales and zero
         # points inside them, ``scales`` and ``zeros`` then empty): set by _native_layout,
         # undone by _restore
-        self._interleaved: tuple[str, int, float, bool] | None = None  # (.., zero points in)
+        # (.., zero points stored in the blocks, the scales' dtype as the module held them)
+        self._interleaved: tuple[str, int, float, bool, torch.dtype] | None = None
         # activations are cast to this dtype for the CPU kernels and the result cast back
         # (None: the input's dtype). torch 2.13's float32 packed kernels are several times
         # slower than its bfloat16 ones; see set_compute_dtype.
@@ -416,7 +417,7 @@ class QuantLinear(nn.Module):
         if self._native is not None:
             return self._native
         if self._interleaved is not None:
-            kind, k, zc, stored = self._interleaved
+            kind, k, zc, stored, _ = self._interleaved
             z = self.scales.new_empty(0) if stored else None  # (int4: its zero points stored)
             self._native = cpu_qmatmul.Packed(
                 kind, self.qweight, self.scales, z, self.group_size, k, zc, self.out_features
@@ -429,6 +430,7 @@ class QuantLinear(nn.Module):
         packed = cpu_qmatmul.layout(
             self.qweight, self.scales, self.zeros, self.group_size, self.bits
         )
+        scale_dtype = self.scales.dtype  # (layout casts them to float32 beside other zeros)
         if cpu_qmatmul.interleaves(packed):
             # GGUF's Q8_0 and Q5_0, and int4 (GGUF's Q4_x too), in blocks of 16 rows in place
             # of the rows (the same codes and scales, rows padded to 16; batch 1 1.04-1.13x as
@@ -439,7 +441,8 @@ class QuantLinear(nn.Module):
             self._buffers["qweight"], self._buffers["scales"] = packed.w, packed.s
             if self.zeros is not None:
                 self._buffers["zeros"] = self.zeros.new_empty(0)
-            self._interleaved = (packed.kind, packed.k, packed.zc, packed.z is not None)
+            stored = packed.z is not None
+            self._interleaved = (packed.kind, packed.k, packed.zc, stored, scale_dtype)
         self._native = packed
         return packed
 
@@ -459,10 +462,11 @@ class QuantLinear(nn.Module):
         kp = padded_k(self.in_features, group)  # (the blocks' K may be padded further)
         width = kp // 2 if self.bits == 4 else kp
         out = {"qweight": rows[0][:, :width].contiguous()}
-        out["scales"] = rows[1][:, : kp // group].contiguous()
-        if self.zeros is not None:
+        _, _, zc, stored, scale_dtype = self._interleaved
+        out["scales"] = rows[1][:, : kp // group].to(scale_dtype).contiguous()
+        if self.zeros is not None:  # (zc exactly where the blocks hold none: not via scales)
             shape, dtype = out["scales"].shape, self.zeros.dtype
-            zeros = rows[2] if len(rows) == 3 else torch.full(shape, self._interleaved[2])
+            zeros = rows[-1] if stored else torch.full(shape, zc)  # (stored: int4's third)
             out["zeros"] = zeros[:, : kp // group].to(dtype).contiguous()
         return out
 

@@ -22,7 +22,13 @@ import pytest
 import torch
 
 from foudre.quant import cpu_qmatmul, qlinear
-from foudre.quant.packing import pack_int6, quantize_int6, unpack_int4, unpack_int6
+from foudre.quant.packing import (
+    pack_int6,
+    quantize_int4,
+    quantize_int6,
+    unpack_int4,
+    unpack_int6,
+)
 from foudre.quant.qlinear import NATIVE_MAX_ROWS, QuantLinear, uses_native_kernels
 from tests.engine.march import (
     MODELED_MACROS,
@@ -558,6 +564,27 @@ def test_modules_interleave_once_built(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FOUDRE_REPACK", "0")
     mod = quant_module(8, 32, False, torch.randn(40, 300))
     assert mod._native_layout().kind == "int8g" and not mod.interleaved
+
+
+def test_interleaved_rows_keep_their_dtypes() -> None:
+    """Blocks of 16 rows give back the module's rows as they were: float16 scales beside float32
+    zero points (which the layout casts to float32 together), and a zero point of one value not
+    held in the blocks (zc) exactly, not rounded through the scales' dtype."""
+    if cpu_qmatmul.path() != "vnni":
+        pytest.skip("blocks of 16 rows are built on the VNNI path only")
+    torch.manual_seed(1)
+    q, s, z = quantize_int4(torch.randn(40, 256), 32)
+    for zeros in (torch.full_like(s, 7.3), z + 0.3):  # (one value: zc; several: stored)
+        mod = QuantLinear.from_codes(q, s.half(), zeros, None, 4, 32, 256, scale_dtype=torch.half)
+        mod._buffers["zeros"] = zeros.float()  # (wider than the scales)
+        rows = {name: t.clone() for name, t in mod.state_dict().items()}
+        mod._native_layout()
+        assert mod.interleaved
+        saved = mod.state_dict()
+        assert all(saved[n].dtype == t.dtype and torch.equal(saved[n], t) for n, t in rows.items())
+        mod._restore()
+        assert torch.equal(mod.scales, rows["scales"]) and mod.scales.dtype == torch.half
+        assert torch.equal(mod.zeros, rows["zeros"]) and mod.zeros.dtype == torch.float32
 
 
 def test_a_row_does_not_depend_on_the_threads() -> None:
