@@ -2605,88 +2605,33 @@ void dequantize(const Args<T>& a, int64_t n0, int64_t n1, T* out) {
   }
 }
 
-// Int8x16: rows n0 .. n1 dequantized, (q - zc) s in float32 as dequantize's; and without VNNI
-// the product of those floats with x (the float paths' arithmetic: the layout is built where
-// VNNI serves it, cpu_qmatmul.interleaves, but runs anywhere)
+// The blocks' rows n0 .. n1 dequantized, (q - z) s in float32 as dequantize's, one code at a
+// time (without AVX-512; with it dequantize_blocks, below); and without VNNI the product of those
+// floats with x (the float paths' arithmetic: the blocks are built where VNNI serves them,
+// cpu_qmatmul.interleaves, but run anywhere)
 template <typename T>
 void dequantize_x16(const Args<T>& a, int64_t n0, int64_t n1, T* out) {
 #pragma omp parallel for schedule(static)
   for (int64_t nr = n0; nr < n1; ++nr)
-    for (int64_t g = 0; g < a.k / 32; g += 2) {  // a pair of groups (K: a multiple of 64)
-      T* o = out + (nr - n0) * a.k + g * 32;
-#if defined(FOUDRE_AVX512)
-      // the row's 4 bytes of each of the pair's 16 lines (its 64 columns in order), one gather
-      const uint8_t* p =
-          x16_codes(a.w + nr / 16 * a.row_bytes, g, x16_scale_bytes(a.st)) + 4 * (nr % 16);
-      const __m512i lines = _mm512_setr_epi32(0, 64, 128, 192, 256, 320, 384, 448, 512, 576,
-                                              640, 704, 768, 832, 896, 960);
-      const __m512i u = _mm512_xor_si512(_mm512_i32gather_epi32(lines, p, 1),
-                                         _mm512_set1_epi8(static_cast<char>(0x80)));
-      alignas(64) int8_t codes[64];
-      _mm512_store_si512(codes, u);
-      const __m512 vz = _mm512_set1_ps(a.zc);
-      for (int q = 0; q < 4; ++q) {
-        const __m512 vs = _mm512_set1_ps(x16_scale(a, nr, g + q / 2));
-        const auto* b = reinterpret_cast<const __m128i*>(codes + 16 * q);
-        const __m512 c = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(b)));
-        store16(o + 16 * q, _mm512_mul_ps(_mm512_sub_ps(c, vz), vs));
-      }
-#else
-      for (int64_t c = 0; c < 64; ++c)
-        store1(o + c,
-               (static_cast<float>(x16_code(a, nr, g * 32 + c)) - a.zc) * x16_scale(a, nr, g + c / 32));
-#endif
-    }
+    for (int64_t c = 0; c < a.k; ++c)
+      store1(out + (nr - n0) * a.k + c,
+             (static_cast<float>(x16_code(a, nr, c)) - a.zc) * x16_scale(a, nr, c / 32));
 }
 
 template <typename T>
 void dequantize_x4(const Args<T>& a, int64_t n0, int64_t n1, T* out) {
 #pragma omp parallel for schedule(static)
   for (int64_t nr = n0; nr < n1; ++nr)
-    for (int64_t c0 = 0; c0 < a.k; c0 += 128) {  // (K: a multiple of 128)
-      T* o = out + (nr - n0) * a.k + c0;
-#if defined(FOUDRE_AVX512)
-      // the row's 4 bytes of each of the 16 lines of these 128 columns (one gather; in groups
-      // under 128 the lines of several groups), their low and high nibbles put in the columns'
-      // order (per 128-bit lane two lines' 8 columns each), then the lanes
-      const uint8_t* block = a.w + nr / 16 * a.row_bytes + 4 * (nr % 16);
-      const int64_t gbytes = x4_group_bytes(a.group, a.st, a.s_stride != 0);
-      alignas(64) int32_t at[16];
-      for (int t = 0; t < 16; ++t) {
-        const int64_t c = c0 + 8 * t;
-        at[t] = static_cast<int32_t>((c >> a.gshift) * gbytes + 64 * ((c & (a.group - 1)) / 8));
-      }
-      const __m512i v = _mm512_i32gather_epi32(_mm512_load_si512(at), block, 1);
-      const __m512i low = _mm512_set1_epi8(15);
-      const __m512i lo = _mm512_and_si512(v, low);
-      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-      const __m512i a0 = _mm512_unpacklo_epi32(lo, hi), a1 = _mm512_unpackhi_epi32(lo, hi);
-      alignas(64) uint8_t bytes[2][64];
-      _mm512_store_si512(bytes[0],
-                         _mm512_permutex2var_epi64(a0, _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11), a1));
-      _mm512_store_si512(bytes[1], _mm512_permutex2var_epi64(
-                                       a0, _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15), a1));
-      for (int q = 0; q < 8; ++q) {  // 16 columns, in one group
-        const int64_t g = (c0 + 16 * q) >> a.gshift;
-        const __m512 vs = _mm512_set1_ps(x4_param(a, nr, g, 0));
-        const __m512 vz = _mm512_set1_ps(x4_param(a, nr, g, 1));
-        const auto* b = reinterpret_cast<const __m128i*>(bytes[q / 4] + 16 * (q % 4));
-        const __m512 codes = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128(b)));
-        store16(o + 16 * q, _mm512_mul_ps(_mm512_sub_ps(codes, vz), vs));
-      }
-#else
-      for (int64_t j = 0; j < 128; ++j) {
-        const int64_t g = (c0 + j) >> a.gshift;
-        const float s = x4_param(a, nr, g, 0), z = x4_param(a, nr, g, 1);
-        store1(o + j, (static_cast<float>(x4_code(a, nr, c0 + j)) - z) * s);
-      }
-#endif
+    for (int64_t c = 0; c < a.k; ++c) {
+      const int64_t g = c >> a.gshift;
+      const float s = x4_param(a, nr, g, 0), z = x4_param(a, nr, g, 1);
+      store1(out + (nr - n0) * a.k + c, (static_cast<float>(x4_code(a, nr, c)) - z) * s);
     }
 }
 
 #if defined(FOUDRE_AVX512)
-// the blocks' rows n0 .. n1 dequantized a block at a time (dequantize_x16 and dequantize_x4
-// gather a row's 4 bytes from each line: 1.6-2.6x as long): per 8 columns of the 16 rows (an
+// the blocks' rows n0 .. n1 dequantized a block at a time (a row's 4 bytes gathered from each
+// line had taken 1.6-2.6x as long): per 8 columns of the 16 rows (an
 // int4 line's low and high nibbles, or two int8 lines) their dwords interleaved (unpacklo /
 // unpackhi: per 128-bit lane two rows' 8 columns each), widened, (q - z) s by each row's pair of
 // parameters, stored row by row
@@ -2747,25 +2692,35 @@ void dequantize_blocks(const Args<T>& a, int64_t n0, int64_t n1, T* out) {
 }
 #endif
 
+// kind 4 (int8) or 5 (int4) blocks' rows n0 .. n1 into out
+template <typename T>
+void dequantize_rows_of_blocks(const Args<T>& a, bool int4, int64_t n0, int64_t n1, T* out) {
+#if defined(FOUDRE_AVX512)
+  int4 ? dequantize_blocks<T, true>(a, n0, n1, out) : dequantize_blocks<T, false>(a, n0, n1, out);
+#else
+  int4 ? dequantize_x4(a, n0, n1, out) : dequantize_x16(a, n0, n1, out);
+#endif
+}
+
 inline float as_float(float v) { return v; }
 inline float as_float(uint16_t v) { return to_float(v); }
 
 template <typename T>
 void x16_float_matmul(const Args<T>& a, bool int4) {
+  const Args<float> f{nullptr, a.w,       a.row_bytes, a.s,      a.z,    a.zc, a.st, a.groups,
+                      a.group, a.s_stride, a.gshift,    nullptr, 0,      a.n,  a.k};
 #pragma omp parallel for schedule(static)
-  for (int64_t nr = 0; nr < a.n; ++nr) {
-    std::vector<float> w(a.k);
-    const Args<float> f{nullptr, a.w,       a.row_bytes, a.s,      a.z,    a.zc, a.st, a.groups,
-                        a.group, a.s_stride, a.gshift,    nullptr, 0,      a.n,  a.k};
-    if (int4)
-      dequantize_x4<float>(f, nr, nr + 1, w.data());
-    else
-      dequantize_x16<float>(f, nr, nr + 1, w.data());
-    for (int64_t i = 0; i < a.m; ++i) {
-      float sum = 0.0f;
-      for (int64_t c = 0; c < a.k; ++c) sum += as_float(a.x[i * a.k + c]) * w[c];
-      store1(a.y + i * a.n + nr, sum);
-    }
+  for (int64_t n0 = 0; n0 < a.n; n0 += 16) {  // a block's rows at a time
+    const int64_t n1 = std::min(a.n, n0 + 16);
+    std::vector<float> w((n1 - n0) * a.k);
+    dequantize_rows_of_blocks(f, int4, n0, n1, w.data());
+    for (int64_t nr = n0; nr < n1; ++nr)
+      for (int64_t i = 0; i < a.m; ++i) {
+        float sum = 0.0f;
+        for (int64_t c = 0; c < a.k; ++c)
+          sum += as_float(a.x[i * a.k + c]) * w[(nr - n0) * a.k + c];
+        store1(a.y + i * a.n + nr, sum);
+      }
   }
 }
 
@@ -2813,11 +2768,7 @@ void run_dequantize(int kind, const void* q, const void* s, const void* z, float
       args<T>(kind, nullptr, q, s, z, zc, st, groups, group, s_stride, nullptr, 0, n1, k);
   T* o = static_cast<T*>(out);
   if (kind == 4 || kind == 5)
-#if defined(FOUDRE_AVX512)
-    kind == 5 ? dequantize_blocks<T, true>(a, n0, n1, o) : dequantize_blocks<T, false>(a, n0, n1, o);
-#else
-    kind == 5 ? dequantize_x4(a, n0, n1, o) : dequantize_x16(a, n0, n1, o);
-#endif
+    dequantize_rows_of_blocks(a, kind == 5, n0, n1, o);
   else if (kind == 0)
     dequantize<T, Kind::Int8>(a, n0, n1, o);
   else if (kind == 1)

@@ -197,12 +197,20 @@ def interleaves(packed: Packed) -> bool:
     (the other paths have no kernel of their own for the blocks), unless ``FOUDRE_REPACK=0``."""
     if path() != "vnni" or os.environ.get("FOUDRE_REPACK", "1") == "0":
         return False
-    if packed.kind == "int4":  # (layout pads K to 128: groups of 256 may not divide it)
+    return _has_blocks(packed)
+
+
+def _has_blocks(packed: Packed) -> bool:
+    """Whether ``packed`` has a form in blocks of 16 rows: int4 whose groups divide K (layout
+    pads K to 128: groups of 256 may not), int8 in groups of 32 whose zero points are one
+    integer."""
+    if packed.kind == "int4":
         return packed.k % max(packed.group or 0, 128) == 0
     return (
         packed.kind == "int8g"
         and packed.group == 32
         and packed.z is None
+        and packed.k % 64 == 0
         and float(packed.zc).is_integer()
         and -128 <= packed.zc <= 127
     )
@@ -217,13 +225,13 @@ def interleave(packed: Packed) -> Packed:
     codes and scales, in one stream a block, each group's codes whole cache lines: at batch 1
     the kernel broadcasts x's 4 codes against 16 rows (no lane pairing or reduction), and AMX's
     tiles read a group's codes as they lie. ``deinterleave`` gives the rows back."""
-    if packed.kind == "int4" and packed.k % max(packed.group or 0, 128) == 0:
-        return _interleave_int4(packed)
-    if packed.kind != "int8g" or packed.group != 32 or packed.z is not None or packed.k % 64:
+    if not _has_blocks(packed):
         raise ValueError(
-            f"interleave takes int8 in groups of 32 with one zero point, or int4 whose groups "
-            f"divide K: {packed}"
+            f"interleave takes int8 in groups of 32 with one integer zero point, or int4 whose "
+            f"groups divide K: {packed}"
         )
+    if packed.kind == "int4":
+        return _interleave_int4(packed)
     q, s, k = packed.w, packed.s, packed.k
     n, pairs, size = q.shape[0], k // 64, s.element_size()
     blocks = -(-n // 16)

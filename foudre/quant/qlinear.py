@@ -239,10 +239,10 @@ class QuantLinear(nn.Module):
         # aten's kernel layouts by (device, activation dtype), and cpu_qmatmul's (any dtype)
         self._packed: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, ...]] = {}
         self._native: cpu_qmatmul.Packed | None = None
-        # (kind, K, zc) where qweight holds cpu_qmatmul.interleave's blocks (scales and zero
-        # points inside them, ``scales`` and ``zeros`` then empty): set by _native_layout,
-        # undone by _restore
-        # (.., zero points stored in the blocks, the scales' dtype as the module held them)
+        # (kind, K, zc, zero points stored in the blocks, the scales' dtype as the module held
+        # them) where qweight holds cpu_qmatmul.interleave's blocks (scales and zero points
+        # inside them, ``scales`` and ``zeros`` then empty): set by _native_layout, undone by
+        # _restore
         self._interleaved: tuple[str, int, float, bool, torch.dtype] | None = None
         # activations are cast to this dtype for the CPU kernels and the result cast back
         # (None: the input's dtype). torch 2.13's float32 packed kernels are several times
