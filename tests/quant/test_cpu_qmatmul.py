@@ -415,6 +415,46 @@ def test_bad_input_is_refused() -> None:
             cpu_qmatmul.matmul(torch.randn(2, 32), dataclasses.replace(packed, k=k))
 
 
+def test_blocks_refuse_what_they_cannot_hold() -> None:
+    """``interleave`` refuses the layouts with no form in blocks of 16 rows (int8 per channel,
+    in groups of 64, with zero points per group or one that is not an integer; int4 whose
+    groups do not divide K), naming the layout; the kernels refuse blocks that are not as
+    ``interleave`` lays them out (their shape, rows, group, dtype, contiguity)."""
+    torch.manual_seed(2)
+    w = torch.randn(20, 300)
+    refused = [(8, None, False), (8, 64, False), (8, 32, True), (8, 32, "half"), (4, 256, True)]
+    for bits, group, zero in refused:
+        mod = quant_module(bits, group, zero, w)
+        packed = cpu_qmatmul.layout(mod.qweight, mod.scales, mod.zeros, group, bits)
+        if bits == 4:  # (K 512 in groups of 256: 384 columns, as a file's could be)
+            packed = dataclasses.replace(packed, k=384, w=packed.w[:, :192].contiguous())
+        with pytest.raises(ValueError, match="interleave takes") as info:
+            cpu_qmatmul.interleave(packed)
+        assert packed.kind in str(info.value), (bits, group, zero)
+    for bits, group, zero in ((8, 32, False), (4, 128, True), (4, 32, "const")):
+        mod = quant_module(bits, group, zero, w)
+        blocks = cpu_qmatmul.interleave(
+            cpu_qmatmul.layout(mod.qweight, mod.scales, mod.zeros, group, bits)
+        )
+        x = torch.randn(2, 300)
+        cpu_qmatmul.matmul(x, blocks)  # as laid out: taken
+        wide = torch.zeros(blocks.w.shape[0], 2 * blocks.w.shape[1], dtype=torch.uint8)
+        wrong = {
+            "rows": dataclasses.replace(blocks, n=blocks.rows + 16),
+            "group": dataclasses.replace(blocks, group=64 if bits == 8 else 16),
+            "k": dataclasses.replace(blocks, k=blocks.k + 128),
+            "dtype": dataclasses.replace(blocks, w=blocks.w.view(torch.int8)),
+            "strides": dataclasses.replace(blocks, w=wide[:, ::2]),
+            "zero points": dataclasses.replace(
+                blocks, z=None if blocks.z is not None else torch.ones(1)
+            ),
+        }
+        for what, bad in wrong.items():
+            with pytest.raises(ValueError, match=f"{blocks.kind} blocks"):
+                cpu_qmatmul.matmul(x, bad)
+                pytest.fail(f"{blocks.kind} blocks with other {what} taken")
+
+
 @pytest.mark.parametrize("bits,group", [(8, None), (4, 32), (4, 128), (6, 16)])
 @pytest.mark.parametrize("m", [1, 3, 16, 48, 64])
 def test_quant_linear_matches_reference(
