@@ -6,9 +6,10 @@
 Workloads (fixed seed):
 - batch 1: a 128-token prompt, 128 greedy tokens; decode tokens/s and the fraction of the
   memory-bandwidth roofline (weight bytes per step / step time / bandwidth, where the bandwidth
-  is measured here by an fp32 matrix-vector product over 512 MiB, larger than the L3 cache or
-  the GPU's L2, on the device under test, before and after each round; and, on the CPU,
-  paired: each decode step against one matvec run right after it, the median ratio);
+  is measured here by an fp32 matrix-vector product over ``roofline.probe_mib()`` MiB, four
+  times the CPU's last-level cache (512 MiB at least, and on the GPU), on the device under
+  test, before and after each round; and, on the CPU, paired: each decode step against one
+  matvec run right after it, the median ratio);
 - throughput: 64 requests with 128-token prompts and output lengths uniform in 16..256; useful
   output tokens/s. HF runs them as one padded static batch (its standard ``generate``), foudre
   through ``LLM.generate`` (continuous batching). Both run on ``--device``.

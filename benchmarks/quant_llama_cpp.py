@@ -26,7 +26,8 @@ llama.cpp: ``llama-bench -fa 1 -t <cores>``, ``-n 128`` (tg), ``-n 64 -d 2048`` 
 and ``-p 128`` / ``-p 1024`` (pp).
 The roofline of a decode step is the measured bandwidth
 (``common.measure_bandwidth``: the fastest of a plain read, ``torch.mv`` and our matrix-vector
-kernel over 512 MiB; best of the whole run: the start, the end and each foudre process) over its
+kernel over ``roofline.probe_mib()`` MiB, four times the L3 and 512 MiB at least; best of the
+whole run: the start, the end and each foudre process) over its
 weight bytes; the paired roofline pairs each of a process's three decode passes (their median
 is its decode figure) with the bandwidth measured right before and after it (the better of the
 two), the median of the three fractions, as this host's bandwidth drifts by up to 1.5-2x
@@ -72,7 +73,7 @@ def child(args: argparse.Namespace) -> None:
     from common import measure_bandwidth, weight_bytes
 
     from foudre import LLM
-    from foudre.bench.offline import peak_rss_bytes, random_prompts, timed_batch
+    from foudre.bench.offline import peak_rss_bytes, random_prompts, reset_peak_rss, timed_batch
     from foudre.bench.quant import batch_throughput, decode_speed
 
     torch.manual_seed(0)
@@ -80,12 +81,19 @@ def child(args: argparse.Namespace) -> None:
     llm = LLM(args.model, dtype="bfloat16", quantization=quantization, skip_tokenizer_init=True)
     engine = llm.engine
     out: dict[str, Any] = {"weight_bytes": weight_bytes(engine.runner.model)}
+    loaded = peak_rss_bytes()  # (the probes' matrices, gigabytes, freed: no part of the peak)
+
+    def probe() -> float:
+        bandwidth = measure_bandwidth(repeats=4)
+        reset_peak_rss()
+        return bandwidth
+
     # decode passes between bandwidth probes: each pass paired with the better probe beside it
-    probes = [measure_bandwidth(repeats=4)]
+    probes = [probe()]
     passes = []
     for i in range(DECODE_PASSES):
         passes.append(decode_speed(llm, 128, 128, seed=1 + i))
-        probes.append(measure_bandwidth(repeats=4))
+        probes.append(probe())
         passes[-1]["bandwidth"] = max(probes[-2:])
     out["decode_passes"] = passes
     for key in ("decode_tps", "ttft_ms", "tpot_median_ms"):
@@ -100,7 +108,7 @@ def child(args: argparse.Namespace) -> None:
         ttfts = [timed_batch(engine, [prompt], 1)[0][0] for prompt in prompts]
         out[f"prefill_{n}_tps"] = n / statistics.median(ttfts)
     out |= batch_throughput(llm, 32, 128, 128, seed=3)
-    out["rss_mb"] = peak_rss_bytes() / 2**20
+    out["rss_mb"] = max(loaded, peak_rss_bytes()) / 2**20
     out["bandwidth"] = measure_bandwidth()
     print(json.dumps(out), flush=True)
 
@@ -282,8 +290,11 @@ def report(
         ]
         return statistics.median(values) if values else float("nan")
 
+    from foudre.bench.roofline import probe_mib
+
     lines = [
-        f"Bandwidth (the fastest read of 512 MiB, best of the run): {bandwidth / 1e9:.1f} GB/s",
+        f"Bandwidth (the fastest read of {probe_mib()} MiB, best of the run): "
+        f"{bandwidth / 1e9:.1f} GB/s",
         "",
         "| precision | who | decode tok/s | vs llama.cpp | of roofline | of paired roofline "
         f"| decode at {DEPTH} keys tok/s "

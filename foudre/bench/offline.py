@@ -60,8 +60,8 @@ class ReplayResult:
     """What ``replay`` measured. ``results`` and ``arrivals`` follow the workload's order; times
     are seconds from the start of the run. ``duration`` runs from the start to the last token.
 
-    ``peak_rss_bytes`` is the process's peak resident memory so far (``getrusage``), which never
-    decreases within a process: it bounds this run's peak from above.
+    ``peak_rss_bytes`` is the process's peak resident memory so far (``peak_rss_bytes``), which
+    only ``reset_peak_rss`` lowers: it bounds this run's peak from above.
     """
 
     results: list[RequestResult]
@@ -83,9 +83,27 @@ class ReplayResult:
 
 
 def peak_rss_bytes() -> int:
-    """The peak resident set size of this process so far, in bytes."""
+    """The peak resident set size of this process so far (since ``reset_peak_rss``), in bytes:
+    Linux's ``VmHWM``, else ``getrusage``'s."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+def reset_peak_rss() -> bool:
+    """Set ``peak_rss_bytes`` to what the process holds now (Linux: ``clear_refs``), so that
+    memory held a while and freed (a bandwidth probe's matrix) leaves no peak; whether it could
+    (elsewhere the peak keeps counting it)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
 
 
 def replay(
@@ -405,8 +423,9 @@ def add_latency_args(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         metavar="GB/S",
-        help="memory bandwidth for the roofline (default: the fastest read of a 512 MiB fp32 "
-        "matrix on the engine's device: a sum or a matrix-vector product)",
+        help="memory bandwidth for the roofline (default: the fastest read of an fp32 matrix "
+        "several times the last-level cache, 512 MiB at least, on the engine's device: a sum or "
+        "a matrix-vector product)",
     )
     parser.add_argument("--save-result", default=None, metavar="FILE.json")
 

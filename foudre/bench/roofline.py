@@ -63,17 +63,54 @@ def _buffer_bytes(module: torch.nn.Module) -> int:
     return total
 
 
+def last_level_cache_bytes() -> int:
+    """The size of the CPU's largest cache level (Linux's sysfs: cpu0's caches), 0 where it
+    cannot be read."""
+    best_level, size = 0, 0
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            level = int((index / "level").read_text())
+            text = (index / "size").read_text().strip()
+        except (OSError, ValueError):
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        digits = text.rstrip("KMG")
+        if level > best_level and digits.isdigit():
+            best_level, size = level, int(digits) * units.get(text[len(digits) :], 1)
+    return size
+
+
+# The probe reads at least this many times the last-level cache: read again and again, a
+# matrix not much larger than that cache is partly read from it. On an Intel Xeon whose L3 is
+# 480 MiB (2 cores of it lent), the fastest of the three reads over 256 / 512 / 1024 / 2048 MiB:
+# 41.7 / 36.2 / 34.6 / 33.3 GB/s (our kernel's 41.7 / 35.0 / 32.6 / 31.0); later, over 512 /
+# 1024 / 2048 / 4096 MiB, 35.0 / 34.3 / 34.0 / 33.7 (the kernel's 35.0 / 32.1 / 31.0 / 31.3):
+# from four times the cache the figures no longer fall.
+CACHE_MULTIPLE = 4
+PROBE_MIB = 512  # the least (and the GPU's: 512 MiB is several times any GPU's L2)
+
+
+def probe_mib(device: torch.device | str | None = None) -> int:
+    """The MiB ``measure_bandwidth`` reads by default: ``PROBE_MIB``, or on the CPU
+    ``CACHE_MULTIPLE`` times its last-level cache where that is more."""
+    if torch.device(device or "cpu").type != "cpu":
+        return PROBE_MIB
+    return max(PROBE_MIB, -(-CACHE_MULTIPLE * last_level_cache_bytes() // (1 << 20)))
+
+
 def _matvec_samplers(mib: int, dev: torch.device) -> list[Callable[[], float]]:
     """One function per way of reading one ``mib`` MiB fp32 matrix on ``dev``: each reads it
     once and returns the bytes/s. A plain read (``torch.sum``: no product, what any kernel's
     stream at best reaches) first, then the matrix-vector products: ``torch.mv``, then foudre's
-    kernel (``fused.linear``) on a CPU where it builds (the last)."""
+    kernel (``fused.linear``) on a CPU where it builds (the last). (The matrix holds one value:
+    what it holds changes no read's speed, and filling gigabytes with random numbers took
+    seconds a probe.)"""
     cols = 4096
     rows = max(1, mib * (1 << 20) // (4 * cols))
     if dev.type == "cpu":  # in 2 MiB pages where the OS gives them, as the engine's weights
-        w = huge_pages.empty(rows * cols * 4).view(torch.float32).view(rows, cols).normal_()
+        w = huge_pages.empty(rows * cols * 4).view(torch.float32).view(rows, cols).fill_(0.5)
     else:
-        w = torch.randn(rows, cols, device=dev)
+        w = torch.full((rows, cols), 0.5, device=dev)
     x = torch.randn(cols, device=dev)
     products: list[Callable[[], object]] = [lambda: w.sum(), lambda: torch.mv(w, x)]
     if dev.type == "cpu" and fused.enabled(w):
@@ -93,28 +130,31 @@ def _matvec_samplers(mib: int, dev: torch.device) -> list[Callable[[], float]]:
 
 
 def measure_bandwidth(
-    mib: int = 512, repeats: int = 8, device: torch.device | str | None = None
+    mib: int | None = None, repeats: int = 8, device: torch.device | str | None = None
 ) -> float:
-    """Bytes/s of reading an fp32 matrix of ``mib`` MiB (larger than the last-level cache: the
-    CPU's L3 or the GPU's L2): the best of ``repeats`` timed runs after one warm-up, on
+    """Bytes/s of reading an fp32 matrix of ``mib`` MiB (by default ``probe_mib``: several
+    times the last-level cache, the CPU's L3 or the GPU's L2, so that it is read from memory):
+    the best of ``repeats`` timed runs after one warm-up, on
     ``device`` (the CPU by default), of a plain read (``torch.sum``), ``torch.mv`` and, on a CPU
     where it builds, foudre's decode kernel (``fused.linear``), the fastest counting: a roofline
     below what any of them reaches would flatter every fraction measured against it (the kernel
     reads at up to twice ``torch.mv``'s speed here; a plain read at times 1.1-1.2x the
     kernel's, and as fast as our int8 one)."""
     best = 0.0
-    for sample in _matvec_samplers(mib, torch.device(device or "cpu")):
+    dev = torch.device(device or "cpu")
+    for sample in _matvec_samplers(mib or probe_mib(dev), dev):
         sample()  # warm-up
         best = max([best, *(sample() for _ in range(repeats))])
     return best
 
 
-def matvec_probe(mib: int = 512) -> Callable[[], float]:
-    """A function that runs one fp32 matrix-vector product over ``mib`` MiB on the CPU (foudre's
-    kernel where it builds, else ``torch.mv``) and returns its bytes/s: one sample of the
+def matvec_probe(mib: int | None = None) -> Callable[[], float]:
+    """A function that runs one fp32 matrix-vector product over ``mib`` MiB (``probe_mib``) on
+    the CPU (foudre's kernel where it builds, else ``torch.mv``) and returns its bytes/s: one
+    sample of the
     bandwidth, to pair with a decode step measured right beside it on a host whose bandwidth
     drifts (``benchmarks/core_throughput.py``)."""
-    sample = _matvec_samplers(mib, torch.device("cpu"))[-1]  # the kernel where it builds
+    sample = _matvec_samplers(mib or probe_mib(), torch.device("cpu"))[-1]  # (the kernel's)
     sample()  # warm-up
     return sample
 

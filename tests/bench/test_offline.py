@@ -165,3 +165,45 @@ def test_timed_batch_pairs_each_decode_step_with_a_probe(stories_paths: tuple[st
     assert len(ttfts) == 2 and len(decode) == 6  # 7 tokens: the first from prefill
     assert len(samples) == len(decode) and all(s > 0 for s in samples)
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
+def test_the_probe_reads_past_the_last_level_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The bandwidth probe's matrix is four times the CPU's largest cache (sysfs), 512 MiB at
+    least, and 512 MiB on a GPU."""
+    from foudre.bench import roofline
+
+    size = roofline.last_level_cache_bytes()
+    assert roofline.probe_mib() == max(512, -(-4 * size // 2**20))
+    assert roofline.probe_mib("cuda") == 512
+    monkeypatch.setattr(roofline, "last_level_cache_bytes", lambda: 480 << 20)
+    assert roofline.probe_mib() == 1920
+    monkeypatch.setattr(roofline, "last_level_cache_bytes", lambda: 32 << 20)
+    assert roofline.probe_mib() == 512
+    monkeypatch.undo()
+    fake = tmp_path / "cache"  # cpu0's caches as sysfs lists them: the highest level counts
+    for index, level, text in ((0, 1, "48K"), (2, 2, "2048K"), (3, 3, "491520K"), (4, 2, "1M")):
+        (fake / f"index{index}").mkdir(parents=True)
+        (fake / f"index{index}" / "level").write_text(f"{level}\n")
+        (fake / f"index{index}" / "size").write_text(f"{text}\n")
+    real = roofline.Path
+    sysfs = "/sys/devices/system/cpu/cpu0/cache"
+    monkeypatch.setattr(roofline, "Path", lambda p: fake if p == sysfs else real(p))
+    assert roofline.last_level_cache_bytes() == 480 << 20
+
+
+def test_the_peak_resident_memory_can_be_reset() -> None:
+    """A buffer held and freed (a bandwidth probe's matrix, a map of its own) leaves the peak
+    once it is reset."""
+    from foudre.bench.offline import peak_rss_bytes, reset_peak_rss
+    from foudre.layers import huge_pages
+
+    if not reset_peak_rss():
+        pytest.skip("no /proc/self/clear_refs")
+    before = peak_rss_bytes()
+    buffer = huge_pages.empty(256 << 20).fill_(1)  # 256 MiB, every page touched
+    assert peak_rss_bytes() >= before + (200 << 20)
+    del buffer
+    assert reset_peak_rss()
+    assert peak_rss_bytes() < before + (100 << 20)
