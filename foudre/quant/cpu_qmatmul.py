@@ -65,17 +65,19 @@ def function(dtype: torch.dtype) -> int | None:
 
 
 @cache
-def amx_rows(bits: int = 8, group_size: int | None = None) -> int:
+def amx_rows(bits: int = 8, group_size: int | None = None, blocks: bool = False) -> int:
     """The fewest rows from which a layout runs on AMX's int8 tiles (where the CPU has them and
     Linux grants this process their state; ``FOUDRE_AMX=0`` declines them), rounding differently
     from the VNNI kernel below them: int8 per channel, int4 in groups of 128 or more, and
     int8 and int4 in groups of 32 (GGUF's Q8_0, Q5_x; Q4_0, Q4_1, Q4_K); 0 where it never
-    does. (Where the VNNI path repacks them in blocks of 16 rows, ``interleave``, the blocks take
-    the tiles from the same rows, but int4 in groups of 64 from 12.)"""
+    does. ``blocks``: the layout in blocks of 16 rows (``interleave``: group-wise int8 and int4),
+    which take the tiles from the same rows, and int4 in groups of 64 too (from 12)."""
     dll = _library()
     if dll is None:
         return 0
     kind = {8: "int8" if group_size is None else "int8g", 4: "int4", 6: "int6"}.get(bits)
+    if blocks and kind in ("int8g", "int4"):
+        kind = "int8x16" if kind == "int8g" else "int4x16"
     return 0 if kind is None else int(dll.foudre_qmm_amx_rows(KINDS[kind], group_size or 0))
 
 
@@ -195,9 +197,13 @@ def interleaves(packed: Packed) -> bool:
     its rows): group-wise int8 in groups of 32 whose zero points are one integer (GGUF's Q8_0
     and Q5_0), and int4 (ours: ``int4``, GPTQ, AWQ; GGUF's Q4_0, Q4_1, Q4_K), on the VNNI path
     (the other paths have no kernel of their own for the blocks), unless ``FOUDRE_REPACK=0``."""
-    if path() != "vnni" or os.environ.get("FOUDRE_REPACK", "1") == "0":
-        return False
-    return _has_blocks(packed)
+    return repacks() and _has_blocks(packed)
+
+
+def repacks() -> bool:
+    """Whether layouts that have a form in blocks of 16 rows are repacked to it (``interleaves``):
+    on the VNNI path, unless ``FOUDRE_REPACK=0``."""
+    return path() == "vnni" and os.environ.get("FOUDRE_REPACK", "1") != "0"
 
 
 def _has_blocks(packed: Packed) -> bool:

@@ -118,17 +118,27 @@ AMX_GEMM_ROWS = 1024
 # rows unpacked to bytes a task) up to 127: 0.39x at 16, 0.55x at 32, 0.74x at 64, 1.02x at 128,
 # 1.29x at 192 (the VNNI kernel before: from 64 rows the dequantized GEMM).
 AMX_GROUPS32_GEMM_ROWS = {8: 160, 4: 128}
+# ... int4 in groups of 64, on the tiles only in blocks of 16 rows (cpu_qmatmul.interleave; rows
+# of it have no tile kernel), up to 255: six weights of 4096 x 1536 and 1536 x 4096 (2 threads,
+# bf16 x, in turns), their time over the dequantized GEMM's 0.23x at 32 rows, 0.35x at 64, 0.42x
+# at 128, 0.73-0.76x at 192, 0.91-1.01x at 256, 1.15x at 320-384 (before, from 64 rows the
+# dequantized GEMM: 2.5-3x as long at 64-128 rows). (Groups of 32 in blocks: 0.85x at 128, 1.09x
+# at 160: AMX_GROUPS32_GEMM_ROWS's 128 holds.)
+AMX_BLOCKS64_GEMM_ROWS = 256
 
 
 def dequantized_gemm_rows(bits: int, group_size: int | None) -> int:
     """The rows from which ``QuantLinear``'s CPU forward (and the native decode step's limit)
     turns to ``cpu_qmatmul.matmul_dequantized`` for a ``bits``-bit layout in ``group_size``
     (``AVX2_GEMM_ROWS`` on the AVX2 path; ``AMX_GEMM_ROWS`` for the layouts on AMX's tiles,
-    ``AMX_GROUPS32_GEMM_ROWS`` for groups of 32 there)."""
+    ``AMX_GROUPS32_GEMM_ROWS`` for groups of 32 there, ``AMX_BLOCKS64_GEMM_ROWS`` for int4 in
+    groups of 64, which take them in blocks of 16 rows)."""
     grouped8 = bits == 8 and group_size is not None
     if cpu_qmatmul.amx_rows(bits, group_size):
         small = group_size is not None and group_size < 128  # (groups of 32)
         return AMX_GROUPS32_GEMM_ROWS[bits] if small else AMX_GEMM_ROWS
+    if bits == 4 and cpu_qmatmul.repacks() and cpu_qmatmul.amx_rows(4, group_size, blocks=True):
+        return AMX_BLOCKS64_GEMM_ROWS  # (groups of 64: only their blocks take the tiles)
     if bits in (4, 8) and cpu_qmatmul.path() == "avx2":
         if grouped8:
             return AVX2_GEMM_ROWS["grouped8" if (group_size or 0) >= 32 else "grouped8_16"]

@@ -19,7 +19,8 @@ and adds to the block's ``expert_tokens`` what its Python path would (``_counted
 when every row is a decode row (one token each, no prefill chunk, no drafts), of at most
 ``Linear``'s ``MAX_ROWS`` and below the rows where a ``QuantLinear`` turns to its dequantized GEMM
 (``dequantized_gemm_rows``: 64, 32 for group-wise 8 bits, 96-2048 on AVX2, 1024 on AMX's tiles, 160
-and 128 for 8 and 4 bits in groups of 32 there; with every projection quantized, ``MAX_ROWS`` does
+and 128 for 8 and 4 bits in groups of 32 there, 256 for int4 in groups of 64 in blocks of 16 rows;
+with every projection quantized, ``MAX_ROWS`` does
 not apply), and with sliding windows while every row's context fits the narrowest window (its layers
 attend to every key); other steps, and models it cannot run (another dtype, quantized experts,
 another attention backend, hooks on a module, a shared expert, OLMoE's attention, a

@@ -455,14 +455,14 @@ def test_blocks_refuse_what_they_cannot_hold() -> None:
                 pytest.fail(f"{blocks.kind} blocks with other {what} taken")
 
 
-@pytest.mark.parametrize("bits,group", [(8, None), (4, 32), (4, 128), (6, 16)])
+@pytest.mark.parametrize("bits,group", [(8, None), (4, 32), (4, 64), (4, 128), (6, 16)])
 @pytest.mark.parametrize("m", [1, 3, 16, 48, 64])
 def test_quant_linear_matches_reference(
     bits: int, group: int | None, m: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``QuantLinear`` (ours up to 32 rows, aten's at 48, our dequantized GEMM from 64 (on AMX's
-    tiles int8 and int4 g128 leave ours at 1024, int4 g32 at 128: aten's from 33); 6 bits ours
-    below 64) against
+    tiles int8 and int4 g128 leave ours at 1024, int4 g32 at 128, int4 g64's blocks at 256:
+    aten's from 33); 6 bits ours below 64) against
     ``forward_reference``, with bias, input scale and an act-order permutation; switched off, 6 bits
     run the reference itself (aten has no kernel for them)."""
     monkeypatch.setitem(NATIVE_MAX_ROWS, bits, 32)
@@ -710,7 +710,7 @@ def test_the_avx2_path_hands_each_layout_its_own_gemm_rows(monkeypatch: pytest.M
     (``qlinear.AVX2_GEMM_ROWS``): group-wise 8 bits in groups of 16, whose steps scale two
     groups a step, well before those of 32 or more; elsewhere the shared rows apply."""
     rows = qlinear.AVX2_GEMM_ROWS
-    monkeypatch.setattr(cpu_qmatmul, "amx_rows", lambda bits, group: 0)
+    monkeypatch.setattr(cpu_qmatmul, "amx_rows", lambda bits, group, blocks=False: 0)
     monkeypatch.setattr(cpu_qmatmul, "path", lambda: "avx2")
     layouts = {
         (8, None): "wide", (4, 128): "wide", (4, 256): "wide", (4, 32): "int4", (4, 64): "int4",
@@ -723,10 +723,16 @@ def test_the_avx2_path_hands_each_layout_its_own_gemm_rows(monkeypatch: pytest.M
     assert qlinear.dequantized_gemm_rows(8, 16) == qlinear.GROUPED8_GEMM_ROWS
     assert qlinear.dequantized_gemm_rows(4, 32) == qlinear.DEQUANTIZED_GEMM_ROWS
     assert qlinear.dequantized_gemm_rows(8, None) == qlinear.DEQUANTIZED_GEMM_ROWS
-    # the layouts on AMX's tiles: up to AMX_GEMM_ROWS (groups of 32 AMX_GROUPS32_GEMM_ROWS),
-    # the others as before
+    # the layouts on AMX's tiles: up to AMX_GEMM_ROWS (groups of 32 AMX_GROUPS32_GEMM_ROWS;
+    # int4 in groups of 64 in blocks of 16 rows AMX_BLOCKS64_GEMM_ROWS), the others as before
     amx = {(8, None), (4, 128), (8, 32), (4, 32)}
-    monkeypatch.setattr(cpu_qmatmul, "amx_rows", lambda bits, group: 4 * ((bits, group) in amx))
+
+    def amx_rows(bits: int, group: int | None, blocks: bool = False) -> int:
+        return 4 * ((bits, group) in amx or (blocks and (bits, group) == (4, 64)))
+
+    monkeypatch.setattr(cpu_qmatmul, "amx_rows", amx_rows)
+    assert qlinear.dequantized_gemm_rows(4, 64) == qlinear.AMX_BLOCKS64_GEMM_ROWS
+    monkeypatch.setenv("FOUDRE_REPACK", "0")  # (rows: no tiles for groups of 64)
     assert qlinear.dequantized_gemm_rows(8, None) == qlinear.AMX_GEMM_ROWS
     assert qlinear.dequantized_gemm_rows(4, 128) == qlinear.AMX_GEMM_ROWS
     assert qlinear.dequantized_gemm_rows(8, 32) == qlinear.AMX_GROUPS32_GEMM_ROWS[8]
@@ -734,10 +740,12 @@ def test_the_avx2_path_hands_each_layout_its_own_gemm_rows(monkeypatch: pytest.M
     assert qlinear.dequantized_gemm_rows(8, 16) == qlinear.GROUPED8_GEMM_ROWS
     assert qlinear.dequantized_gemm_rows(4, 64) == qlinear.DEQUANTIZED_GEMM_ROWS
     # and where each is: int8 per channel, int4 in groups of 128 or more, int8 and int4 in
-    # groups of 32, or none
+    # groups of 32 (their blocks too, and int4's in groups of 64), or none
     monkeypatch.undo()
     if cpu_qmatmul.amx_rows(8):
         assert cpu_qmatmul.amx_rows(4, 128) and cpu_qmatmul.amx_rows(4, 256)
         assert cpu_qmatmul.amx_rows(8, 32) and cpu_qmatmul.amx_rows(4, 32)
+        assert all(cpu_qmatmul.amx_rows(4, g, blocks=True) for g in (32, 64, 128, 256))
+        assert cpu_qmatmul.amx_rows(8, 32, blocks=True)
     assert cpu_qmatmul.amx_rows(8, 16) == cpu_qmatmul.amx_rows(8, 64) == 0
     assert cpu_qmatmul.amx_rows(4, 64) == 0
