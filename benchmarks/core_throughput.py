@@ -144,6 +144,8 @@ def main() -> None:
     prompts, lens = workload(args.num_requests)
     rows: list[dict[str, Any]] = []
     print(f"machine: {machine(device)}; fp32 matvec bandwidth {bandwidth / 1e9:.1f} GB/s")
+    # (one probe for the run: its matrix, four times the L3, is gigabytes on a large-cache CPU)
+    probe = matvec_probe() if device.type == "cpu" else None
     for dtype_name in args.dtypes:
         dtype = getattr(torch, dtype_name)
         row: dict[str, Any] = {"dtype": dtype_name}
@@ -171,7 +173,6 @@ def main() -> None:
         # The machine's speed drifts by 10-20% over minutes (a shared host): HF and foudre are
         # measured in turns. Batch 1: three rounds, medians. Throughput: foudre, HF, foudre, the
         # two foudre runs averaged (each on a cold prefix cache), so a steady drift cancels.
-        probe = matvec_probe() if device.type == "cpu" else None
         b1: dict[str, list[float]] = {
             k: [] for k in ("hf_ttft", "hf", "ttft", "tps", "step", "frac", "bw", "paired")
         }

@@ -28,12 +28,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from foudre.bench.roofline import last_level_cache_bytes
 from foudre.quant import cpu_qmatmul, kernels
 from foudre.quant.qlinear import QuantLinear
 
 SHAPES = [(4096, 4096), (1024, 2816)]  # (out, in)
 BATCHES = [1, 16]
-COLD_BYTES = 96 << 20  # each kernel's weights rotate over this much: 3x this host's L3
+# each kernel's weights rotate over this much: three times the L3 (96 MiB at least)
+COLD_BYTES = max(96 << 20, 3 * last_level_cache_bytes())
 
 
 def timed(fn: Callable[[], object], min_s: float = 0.2) -> float:

@@ -102,15 +102,18 @@ def _matvec_samplers(mib: int, dev: torch.device) -> list[Callable[[], float]]:
     """One function per way of reading one ``mib`` MiB fp32 matrix on ``dev``: each reads it
     once and returns the bytes/s. A plain read (``torch.sum``: no product, what any kernel's
     stream at best reaches) first, then the matrix-vector products: ``torch.mv``, then foudre's
-    kernel (``fused.linear``) on a CPU where it builds (the last). (The matrix holds one value:
-    what it holds changes no read's speed, and filling gigabytes with random numbers took
-    seconds a probe.)"""
+    kernel (``fused.linear``) on a CPU where it builds (the last). (The matrix holds one value
+    but for one element a 4 KiB page, each page's own, so that no two pages are alike for a
+    kernel to merge: what it holds changes no read's speed, and filling gigabytes with random
+    numbers took seconds a probe.)"""
     cols = 4096
     rows = max(1, mib * (1 << 20) // (4 * cols))
     if dev.type == "cpu":  # in 2 MiB pages where the OS gives them, as the engine's weights
         w = huge_pages.empty(rows * cols * 4).view(torch.float32).view(rows, cols).fill_(0.5)
     else:
         w = torch.full((rows, cols), 0.5, device=dev)
+    flat = w.view(-1)
+    flat[::1024] = torch.arange(flat[::1024].numel(), device=dev, dtype=torch.float32)
     x = torch.randn(cols, device=dev)
     products: list[Callable[[], object]] = [lambda: w.sum(), lambda: torch.mv(w, x)]
     if dev.type == "cpu" and fused.enabled(w):

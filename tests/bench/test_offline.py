@@ -170,27 +170,49 @@ def test_timed_batch_pairs_each_decode_step_with_a_probe(stories_paths: tuple[st
 def test_the_probe_reads_past_the_last_level_cache(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The bandwidth probe's matrix is four times the CPU's largest cache (sysfs), 512 MiB at
-    least, and 512 MiB on a GPU."""
+    """The bandwidth probe's matrix is four times the CPU's largest cache (sysfs: the highest
+    level whose size reads), 512 MiB at least, and 512 MiB on a GPU; ``measure_bandwidth`` and
+    ``matvec_probe`` read that much unless told otherwise."""
     from foudre.bench import roofline
 
-    size = roofline.last_level_cache_bytes()
-    assert roofline.probe_mib() == max(512, -(-4 * size // 2**20))
+    assert roofline.probe_mib() >= 512
+    assert roofline.probe_mib() << 20 >= 4 * roofline.last_level_cache_bytes()
     assert roofline.probe_mib("cuda") == 512
     monkeypatch.setattr(roofline, "last_level_cache_bytes", lambda: 480 << 20)
     assert roofline.probe_mib() == 1920
-    monkeypatch.setattr(roofline, "last_level_cache_bytes", lambda: 32 << 20)
+    monkeypatch.setattr(roofline, "last_level_cache_bytes", lambda: (32 << 20) + 1)
     assert roofline.probe_mib() == 512
+    monkeypatch.setattr(roofline, "last_level_cache_bytes", lambda: (300 << 20) + 1)
+    assert roofline.probe_mib() == 1201  # (rounded up)
+    sizes: list[int] = []
+    real_samplers = roofline._matvec_samplers
+    monkeypatch.setattr(roofline, "probe_mib", lambda device=None: 4)
+    monkeypatch.setattr(
+        roofline, "_matvec_samplers", lambda mib, dev: sizes.append(mib) or real_samplers(mib, dev)
+    )
+    assert roofline.measure_bandwidth(repeats=1) > 0 and roofline.matvec_probe()() > 0
+    assert roofline.measure_bandwidth(2, repeats=1) > 0
+    assert sizes == [4, 4, 2]
     monkeypatch.undo()
-    fake = tmp_path / "cache"  # cpu0's caches as sysfs lists them: the highest level counts
-    for index, level, text in ((0, 1, "48K"), (2, 2, "2048K"), (3, 3, "491520K"), (4, 2, "1M")):
-        (fake / f"index{index}").mkdir(parents=True)
-        (fake / f"index{index}" / "level").write_text(f"{level}\n")
-        (fake / f"index{index}" / "size").write_text(f"{text}\n")
-    real = roofline.Path
-    sysfs = "/sys/devices/system/cpu/cpu0/cache"
-    monkeypatch.setattr(roofline, "Path", lambda p: fake if p == sysfs else real(p))
-    assert roofline.last_level_cache_bytes() == 480 << 20
+
+    def caches(*entries: tuple[int, int, str]) -> int:
+        fake = tmp_path / f"cache{len(list(tmp_path.iterdir()))}"
+        for index, level, text in entries:
+            (fake / f"index{index}").mkdir(parents=True)
+            (fake / f"index{index}" / "level").write_text(f"{level}\n")
+            (fake / f"index{index}" / "size").write_text(f"{text}\n")
+        real = roofline.Path
+        sysfs = "/sys/devices/system/cpu/cpu0/cache"
+        with monkeypatch.context() as m:
+            m.setattr(roofline, "Path", lambda p: fake if p == sysfs else real(p))
+            return roofline.last_level_cache_bytes()
+
+    # cpu0's caches as sysfs lists them, in any order: the highest level counts
+    assert caches((0, 1, "48K"), (2, 2, "2048K"), (3, 3, "491520K"), (4, 2, "1M")) == 480 << 20
+    assert caches((3, 3, "32M"), (0, 1, "32K"), (2, 2, "1M")) == 32 << 20
+    assert caches((1, 2, "2M"), (3, 4, "1G")) == 1 << 30
+    assert caches((0, 2, "2M"), (1, 3, "unknown")) == 2 << 20  # (an L3 whose size does not read)
+    assert caches() == 0
 
 
 def test_the_peak_resident_memory_can_be_reset() -> None:
