@@ -154,9 +154,8 @@ def measure_bandwidth(
 def matvec_probe(mib: int | None = None) -> Callable[[], float]:
     """A function that runs one fp32 matrix-vector product over ``mib`` MiB (``probe_mib``) on
     the CPU (foudre's kernel where it builds, else ``torch.mv``) and returns its bytes/s: one
-    sample of the
-    bandwidth, to pair with a decode step measured right beside it on a host whose bandwidth
-    drifts (``benchmarks/core_throughput.py``)."""
+    sample of the bandwidth, to pair with a decode step measured right beside it on a host whose
+    bandwidth drifts (``benchmarks/core_throughput.py``)."""
     sample = _matvec_samplers(mib or probe_mib(), torch.device("cpu"))[-1]  # (the kernel's)
     sample()  # warm-up
     return sample
