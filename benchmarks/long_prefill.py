@@ -9,7 +9,7 @@ random tokens with ``max_tokens=1`` (the time to its first token):
 - old: ``attention_backend="torch"``, the path every prefill took before: each chunk gathers
   its request's whole context out of the blocks and runs SDPA with a dense chunk x context mask;
 - new: ``attention_backend="cpu"``, the paged FlashAttention kernel
-  (``runner/attention/cpu_paged_prefill.cpp``): no gather, no mask;
+  (``native/cpu_paged_prefill.cpp``): no gather, no mask;
 - llama.cpp: ``llama-bench -p N -n 0 -fa 1 -t <cores>`` on the same weights converted to GGUF
   (bf16), when ``--llama-cpp DIR`` names a build (``DIR/build/bin/llama-bench``); with
   ``--build`` the script downloads llama-cpp-python's sdist and builds its vendored llama.cpp

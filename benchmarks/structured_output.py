@@ -36,11 +36,11 @@ import torch
 from common import machine, random_llama
 
 from foudre import LLM, SamplingParams
-from foudre.layers.sampler import grammar_masks
-from foudre.layers.structured import GrammarCompiler, GrammarMatcher, fill_masks
 from foudre.loading.loader import shared_dir
 from foudre.loading.tokenizer import SentencePieceTokenizer
+from foudre.sample.sampler import grammar_masks
 from foudre.sampling_params import StructuredOutput
+from foudre.structured.grammar import GrammarCompiler, GrammarMatcher, fill_masks
 
 # the schemas of tests/engine/test_structured.py, a pydantic model's and a tools grammar's
 SCHEMAS: dict[str, Any] = {

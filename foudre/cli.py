@@ -284,7 +284,7 @@ def add_compress_parsers(sub: Any) -> None:
     ppl.add_argument("--data", required=True)
     ppl.add_argument("--max-length", type=int, default=None)
     ppl.add_argument("--split", choices=("all", "train", "heldout"), default="all")
-    from foudre.layers.kv_quant import KV_CACHE_DTYPES
+    from foudre.attention.kv_quant import KV_CACHE_DTYPES
     from foudre.quant.api import METHODS
 
     ppl.add_argument("--quantization", default=None, choices=METHODS)

@@ -5,12 +5,14 @@ Layers, bottom to top (``docs/architecture.md`` draws them)::
 
     errors                                       typed errors
     config, sampling_params, outputs             plain data
-    layers, metrics                              building blocks, statistics
+    native                                       C++ sources, their build, huge pages
+    attention, structured                        attention backends, grammars
+    layers, metrics, sample                      building blocks, statistics, samplers
     models                                       model definitions
     quant                                        weight schemes (they quantize models)
     loading                                      files in and out, checkpoints written
     runner                                       one forward per step
-    spec                                         proposers
+    speculative                                  proposers
     distributed                                  process groups, shards, workers
     engine                                       requests, blocks, scheduling, the step
     compress, server                             applications of the engine
@@ -35,12 +37,14 @@ ROOT = Path(__file__).resolve().parent.parent / "foudre"
 LAYERS: list[tuple[str, ...]] = [
     ("errors",),
     ("config", "sampling_params", "outputs"),
-    ("layers", "metrics"),
+    ("native",),
+    ("attention", "structured"),
+    ("layers", "metrics", "sample"),
     ("models",),
     ("quant",),
     ("loading",),
     ("runner",),
-    ("spec",),
+    ("speculative",),
     ("distributed",),
     ("engine",),
     ("compress", "server"),
@@ -72,8 +76,10 @@ def imported_modules(path: Path, root: Path) -> Iterable[str]:
                 module = ".".join([*base, *([node.module] if node.module else [])])
             else:
                 module = node.module or ""
-            targets = [f"{module}.{alias.name}" for alias in node.names]
-            targets = [t if _exists(t, root) else module for t in targets]
+            named = [f"{module}.{alias.name}" for alias in node.names]
+            # ``from package import submodule`` reads the package's ``__init__`` too: both count
+            targets = [module, *(t for t in named if _exists(t, root))]
+            targets = [t for t in targets if t != this]
         else:
             continue
         for target in targets:
@@ -167,13 +173,10 @@ def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
 
 
 def module_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """Circles between modules, a package's ``__init__`` re-exporting its own modules aside: it
-    imports them, they never need it."""
-    trimmed = {
-        m: {t for t in targets if not (t != m and m.startswith(t + "."))}
-        for m, targets in graph.items()
-    }
-    return cycles(trimmed)
+    """Circles between modules, a package's ``__init__`` included: a module that imports its own
+    package (``from foudre.quant import cpu_qmatmul`` inside ``foudre.quant``) closes a circle
+    when that ``__init__`` imports the module back."""
+    return cycles(graph)
 
 
 def test_every_import_goes_down_a_layer() -> None:

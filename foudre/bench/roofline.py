@@ -14,8 +14,9 @@ from pathlib import Path
 
 import torch
 
-from foudre.layers import fused, huge_pages
+from foudre.layers import fused
 from foudre.layers.moe import SparseMoeBlock
+from foudre.native import huge_pages
 
 _WEIGHT_BUFFER_MARKS = ("weight", "scale", "zero")
 

@@ -2,7 +2,7 @@
 directory is ``foudre.loading.writer`` (``save_hf``).
 
 The inference model runs over a paged KV cache; for training and evaluation the same modules
-run through ``CausalBackend`` (``foudre/layers/attention/causal.py``), which attends causally
+run through ``CausalBackend`` (``foudre/attention/causal.py``), which attends causally
 within each row of a ``[B, T]`` batch and keeps no cache. The forward therefore has exactly the
 weights and numerics of the served model.
 """

@@ -30,11 +30,11 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
+from foudre.attention import get_backend
 from foudre.config import EngineConfig
 from foudre.distributed.errors import WorkerFailedError
 from foudre.distributed.groups import Groups
 from foudre.models.llama import LlamaForCausalLM
-from foudre.runner.attention import get_backend
 from foudre.runner.model_runner import ModelRunner
 from foudre.runner.step import ForwardStep, SchedulerOutput
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from foudre.attention import get_backend
 from foudre.config import EngineConfig
 from foudre.distributed.errors import WorkerFailedError
 from foudre.distributed.executor import Executor, ParallelExecutor, start_parallel
@@ -26,19 +27,18 @@ from foudre.engine.policies import make_policy
 from foudre.engine.request import Cohort, Request, RequestStatus
 from foudre.engine.scheduler import Scheduler
 from foudre.errors import InvalidParameterError, PromptTooLongError
-from foudre.layers.structured import GrammarCompiler
 from foudre.loading.detokenizer import IncrementalDetokenizer
 from foudre.loading.loader import LoadedModel, default_model, load_model, load_tokenizer_for
 from foudre.loading.tokenizer import Tokenizer
 from foudre.models.config import ModelConfig
 from foudre.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from foudre.runner.attention import get_backend
 from foudre.runner.host_memory import keep_freed_host_memory
 from foudre.runner.model_runner import ModelRunner, kv_bytes_per_block, num_kv_blocks
 from foudre.runner.step import StepOutput
 from foudre.sampling_params import BeamSearchParams, SamplingParams
-from foudre.spec.proposers import Proposer
-from foudre.spec.registry import ProposerContext, make_proposer
+from foudre.speculative.proposers import Proposer
+from foudre.speculative.registry import ProposerContext, make_proposer
+from foudre.structured.grammar import GrammarCompiler
 
 logger = logging.getLogger("foudre")
 

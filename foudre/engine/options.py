@@ -62,12 +62,12 @@ def check_config(config: EngineConfig, device: torch.device) -> None:
     """``ValueError`` naming the field if a name in ``config`` is not one its owner knows (or
     cannot run on ``device``); checked before any model is loaded."""
     # imported here: the command line builds its parser from this module without loading torch
+    from foudre.attention import resolve_backend
+    from foudre.attention.kv_quant import KV_CACHE_DTYPES
     from foudre.engine.policies import POLICIES
-    from foudre.layers.kv_quant import KV_CACHE_DTYPES
     from foudre.loading.loader import parse_dtype
     from foudre.quant.api import METHODS
-    from foudre.runner.attention import resolve_backend
-    from foudre.spec.registry import PROPOSERS
+    from foudre.speculative.registry import PROPOSERS
 
     named = [
         ("scheduling_policy", config.scheduling_policy, POLICIES),

@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from foudre.layers.structured import GrammarMatcher
 from foudre.sampling_params import SamplingParams
+from foudre.structured.grammar import GrammarMatcher
 
 
 class RequestStatus(enum.Enum):

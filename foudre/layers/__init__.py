@@ -1,2 +1,3 @@
-"""Building blocks shared by the models: linear layers, norms, rotary embeddings, gated MLPs and
-mixtures of experts, sampling."""
+"""Neural-network layers shared by the models: linear layers (plain, quantized through
+``quant``, parallel), norms, rotary embeddings, gated MLPs, mixtures of experts, and their fused
+CPU kernels."""

@@ -20,14 +20,13 @@ from __future__ import annotations
 import ctypes
 import os
 from functools import lru_cache
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from foudre.layers import native
+from foudre.native import build as native
 
-SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+SOURCE = native.SOURCES / "cpu_ops.cpp"
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _P, _I64, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {

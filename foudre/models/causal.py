@@ -1,12 +1,12 @@
 """A model's forward over whole sequences without a KV cache (training, evaluation,
-quantization calibration), through ``CausalBackend`` (``foudre/layers/attention/causal.py``)."""
+quantization calibration), through ``CausalBackend`` (``foudre/attention/causal.py``)."""
 
 from __future__ import annotations
 
 import torch
 
-from foudre.layers.attention.causal import CausalBackend
-from foudre.layers.kv_quant import KV_CACHE_DTYPES
+from foudre.attention.causal import CausalBackend
+from foudre.attention.kv_quant import KV_CACHE_DTYPES
 from foudre.models.llama import LlamaForCausalLM
 
 _BACKENDS = {kind: CausalBackend(kind) for kind in KV_CACHE_DTYPES}

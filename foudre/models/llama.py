@@ -17,7 +17,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from foudre.layers.attention import AttentionBackend
+from foudre.attention import AttentionBackend
 from foudre.layers.linear import Linear
 from foudre.layers.mlp import GatedMLP
 from foudre.layers.moe import SparseMoeBlock

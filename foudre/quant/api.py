@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+import foudre.quant.awq as awq_mod
 from foudre.layers.moe import Experts
 from foudre.models.llama import LlamaForCausalLM
-from foudre.quant import awq as awq_mod
 from foudre.quant.calib import capture_inputs, default_calibration
 from foudre.quant.experts import QuantExperts
 from foudre.quant.fp8 import Fp8Linear

@@ -24,15 +24,14 @@ import ctypes
 import os
 from dataclasses import dataclass
 from functools import cache, lru_cache
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from foudre.layers import native
 from foudre.layers.linear import gemm_dtype
+from foudre.native import build as native
 
-SOURCE = Path(__file__).with_name("cpu_qmatmul.cpp")
+SOURCE = native.SOURCES / "cpu_qmatmul.cpp"
 PATHS = ("portable", "avx512", "vnni", "avx2")
 DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64

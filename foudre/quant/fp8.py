@@ -149,7 +149,7 @@ class Fp8Linear(nn.Module):
             if self.bias is not None:
                 y = y + self.bias.to(y.dtype)
         elif x.device.type == "cuda" and _triton_fp8(x.device):
-            from foudre.quant import triton_kernels
+            import foudre.quant.triton_kernels as triton_kernels
 
             y = triton_kernels.quant_matmul(
                 x2, self.weight, self.weight_scale, None, None, self.bias

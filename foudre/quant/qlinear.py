@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from foudre.quant import cpu_qmatmul, kernels
+import foudre.quant.cpu_qmatmul as cpu_qmatmul
+import foudre.quant.kernels as kernels
 from foudre.quant.packing import (
     INT4_GROUP_SIZES,
     INT6_BLOCK,
@@ -534,7 +535,7 @@ class QuantLinear(nn.Module):
             _warn_dequantizing(self, "CUDA (no 6-bit Triton kernel)")
             return self.forward_reference(x)
         try:
-            from foudre.quant import triton_kernels
+            import foudre.quant.triton_kernels as triton_kernels
         except ImportError:
             return self.forward_reference(x)
         x2, lead = self._flat(x)

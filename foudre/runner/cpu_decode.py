@@ -8,7 +8,7 @@ some thirty ops and module calls per layer) runs from DRAM. Measured in place, t
 about 15% of a bfloat16 step, several times what it costs warm.
 
 ``NativeDecode`` runs the decoder layers of such a step in ``foudre_decode_layers``
-(``layers/cpu_ops.cpp``): the same fused kernels (RMSNorm, the linear kernel, RoPE, SiLU * up) and
+(``native/cpu_ops.cpp``): the same fused kernels (RMSNorm, the linear kernel, RoPE, SiLU * up) and
 the same paged-attention kernel (``attention/cpu_paged_decode.cpp``), in the order and with the
 roundings of ``models/llama.py``'s path through them, so the hidden states are the same bits
 (tests/engine/test_cpu_decode.py checks that), from the embedding rows to the final norm, and on to
@@ -28,7 +28,7 @@ vocabulary-parallel embedding), take the model's ``forward``. Quantized projecti
 on ``quant/cpu_qmatmul``: int8, GGUF's group-wise 8-bit, int4, int6) run the same kernel from C++,
 their bias added after, as ``QuantLinear.forward`` does. A quantized KV cache (int8 / fp8) is read
 as stored by the paged kernel's codes variant, and the new tokens' K/V are quantized on write in C++
-to the codes and scales of ``layers/kv_quant.py``'s ``quantize_kv``, bit for bit. Like CUDA graphs,
+to the codes and scales of ``attention.kv_quant.quantize_kv``, bit for bit. Like CUDA graphs,
 it holds addresses: every step checks that the weights, RoPE tables, KV caches and expert counts it
 was built on are still the modules' and the runner's, at the same addresses, and that no hook or
 autocast asks for the Python path; otherwise the step goes back to Python.
@@ -49,8 +49,10 @@ from torch import nn
 from torch.nn.modules import module as nn_module
 from torch.utils.hooks import RemovableHandle
 
+from foudre.attention import cpu_paged
+from foudre.attention.kv_quant import STORAGE_DTYPES
+from foudre.attention.quantized_cache import QuantizedKVCache
 from foudre.layers import fused
-from foudre.layers.kv_quant import STORAGE_DTYPES
 from foudre.layers.linear import MAX_ROWS, Linear
 from foudre.layers.mlp import GatedMLP
 from foudre.layers.moe import Experts, SparseMoeBlock
@@ -58,13 +60,11 @@ from foudre.layers.norm import RMSNorm
 from foudre.layers.rotary import RotaryEmbedding
 from foudre.quant import cpu_qmatmul
 from foudre.quant.qlinear import QuantLinear, uses_native_kernels
-from foudre.runner.attention import cpu_paged
-from foudre.runner.attention.kv_quant import QuantizedKVCache
 from foudre.runner.step import ForwardStep
 
 if TYPE_CHECKING:
+    from foudre.attention import AttentionBackend
     from foudre.models.llama import DecoderLayer, LlamaForCausalLM
-    from foudre.runner.attention import AttentionBackend
 
 
 class NativeDecode:
@@ -639,7 +639,7 @@ def _codes_dtype(cache: torch.Tensor | QuantizedKVCache) -> torch.dtype | None:
     return STORAGE_DTYPES[cache.kind] if isinstance(cache, QuantizedKVCache) else None
 
 
-# the C++ layers' kind of KV cache (KVCodes in layers/cpu_ops.cpp), by quantized kind
+# the C++ layers' kind of KV cache (KVCodes in native/cpu_ops.cpp), by quantized kind
 _KV_CODES = {"int8": 1, "fp8": 2}
 
 

@@ -37,7 +37,7 @@ from collections.abc import Callable
 
 import torch
 
-from foudre.runner.attention.paged import PagedMetadata, PrefillRows
+from foudre.attention.paged import PagedMetadata, PrefillRows
 from foudre.runner.step import ForwardStep
 
 logger = logging.getLogger("foudre")

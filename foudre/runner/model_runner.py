@@ -13,17 +13,17 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from foudre.attention import AttentionBackend, BatchLayout
+from foudre.attention.paged import PagedBackend
+from foudre.attention.quantized_cache import QuantizedKVCache, kv_bytes_per_token_head
 from foudre.config import EngineConfig
-from foudre.layers import huge_pages
-from foudre.layers.rejection import DraftRow, verify
-from foudre.layers.sampler import sample
 from foudre.models.llama import LlamaForCausalLM
-from foudre.runner.attention import AttentionBackend, BatchLayout
-from foudre.runner.attention.kv_quant import QuantizedKVCache, kv_bytes_per_token_head
-from foudre.runner.attention.paged import PagedBackend
+from foudre.native import huge_pages
 from foudre.runner.cpu_decode import NativeDecode
 from foudre.runner.cuda_graphs import DecodeGraphs
 from foudre.runner.step import DecodePath, ForwardStep, SchedulerOutput, StepOutput
+from foudre.sample.rejection import DraftRow, verify
+from foudre.sample.sampler import sample
 
 _CPU_DEFAULT_KV_BYTES = 2 << 30
 

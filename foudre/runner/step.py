@@ -10,7 +10,7 @@ A row is "compute ``token_ids`` at positions ``start...`` of request ``request_i
 lives in ``block_ids``, and sample from the last ``num_logits`` of them": 0 while a prompt is
 still being chunked in, 1 for a row that samples its next token, 1 + drafts for a row that
 verifies speculative tokens. What sampling reads of the request (its parameters, its output so
-far, its drafts) comes as ``sampler``, a ``DraftRow`` (``layers/rejection.py``).
+far, its drafts) comes as ``sampler``, a ``DraftRow`` (``sample/rejection.py``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import torch
 
-from foudre.layers.rejection import DraftRow
+from foudre.sample.rejection import DraftRow
 
 
 @dataclass(slots=True)

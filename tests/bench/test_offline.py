@@ -219,7 +219,7 @@ def test_the_peak_resident_memory_can_be_reset() -> None:
     """A buffer held and freed (a bandwidth probe's matrix, a map of its own) leaves the peak
     once it is reset."""
     from foudre.bench.offline import peak_rss_bytes, reset_peak_rss
-    from foudre.layers import huge_pages
+    from foudre.native import huge_pages
 
     if not reset_peak_rss():
         pytest.skip("no /proc/self/clear_refs")

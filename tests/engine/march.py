@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from foudre.layers import native
+from foudre.native import build as native
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from foudre import LLM, SamplingParams
-from foudre.runner.attention import BatchLayout, cpu_paged, resolve_backend
-from foudre.runner.attention.torch_sdpa import TorchSDPABackend
+from foudre.attention import BatchLayout, cpu_paged, resolve_backend
+from foudre.attention.torch_sdpa import TorchSDPABackend
 from tests.conftest import make_hf_model
 from tests.engine.march import run_built_for
 

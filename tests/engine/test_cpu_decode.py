@@ -13,6 +13,8 @@ import torch
 from torch import nn
 
 from foudre import LLM, SamplingParams
+from foudre.attention import cpu_paged
+from foudre.attention.quantized_cache import QuantizedKVCache
 from foudre.layers import fused
 from foudre.layers.linear import MAX_ROWS, Linear
 from foudre.quant import cpu_qmatmul, set_compute_dtype
@@ -25,8 +27,6 @@ from foudre.quant.qlinear import (
     QuantLinear,
     dequantized_gemm_rows,
 )
-from foudre.runner.attention import cpu_paged
-from foudre.runner.attention.kv_quant import QuantizedKVCache
 from foudre.runner.cpu_decode import NativeDecode
 from foudre.runner.model_runner import ModelRunner
 from foudre.runner.step import ForwardStep

@@ -1,4 +1,4 @@
-"""The fused CPU ops (``foudre/layers/cpu_ops.cpp``) against the torch chains they replace."""
+"""The fused CPU ops (``foudre/native/cpu_ops.cpp``) against the torch chains they replace."""
 
 from __future__ import annotations
 

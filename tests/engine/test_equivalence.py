@@ -132,7 +132,7 @@ def test_shared_data_present() -> None:
 def test_decode_bands_of_context_lengths(stories: tuple[str, str]) -> None:
     """Decode rows whose contexts span 2 to ~400 tokens run as several attention calls (bands
     within a factor of two); each request gets the tokens it gets alone."""
-    from foudre.runner.attention.torch_sdpa import decode_groups
+    from foudre.attention.torch_sdpa import decode_groups
 
     lens = [3, 400, 5, 9, 17, 33, 65, 129, 257, 4, 6, 8, 10, 12, 14, 16, 18, 20, 200, 300]
     bands = decode_groups(list(range(len(lens))), lens, min_rows=4)

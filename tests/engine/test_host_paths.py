@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from foudre.layers.attention.base import gather_blocks
+from foudre.attention.base import gather_blocks
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8])

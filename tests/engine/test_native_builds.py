@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from foudre.layers import fused, native
+from foudre.attention import cpu_paged
+from foudre.layers import fused
+from foudre.native import build as native
 from foudre.quant import cpu_qmatmul
-from foudre.runner.attention import cpu_paged
 
 SOURCES = [fused.SOURCE, cpu_paged.SOURCE, cpu_paged.PREFILL_SOURCE, cpu_qmatmul.SOURCE]
 needs_compiler = pytest.mark.skipif(native.compiler() is None, reason="no C++ compiler")

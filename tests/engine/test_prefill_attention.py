@@ -22,12 +22,11 @@ import torch
 import torch.nn.functional as F
 
 from foudre import LLM, SamplingParams
-from foudre.layers.attention import AttentionBackend
-from foudre.layers.kv_quant import STORAGE_DTYPES, dequantize_kv
+from foudre.attention import AttentionBackend, BatchLayout, cpu_paged
+from foudre.attention.kv_quant import STORAGE_DTYPES, dequantize_kv
+from foudre.attention.quantized_cache import QuantizedKVCache
+from foudre.attention.torch_sdpa import TorchSDPABackend
 from foudre.models.config import ModelConfig
-from foudre.runner.attention import BatchLayout, cpu_paged
-from foudre.runner.attention.kv_quant import QuantizedKVCache
-from foudre.runner.attention.torch_sdpa import TorchSDPABackend
 from tests.conftest import make_hf_model
 from tests.engine.march import run_built_for
 from tests.triton_check import (
@@ -161,7 +160,7 @@ def errors(
 
 def check_backend(make: str, every: int = 1, slack: float = 2.0, device: str = "cpu") -> None:
     """Every case of ``cases(every)`` through the backend ``make`` names, in each dtype."""
-    from foudre.runner.attention import get_backend
+    from foudre.attention import get_backend
 
     backend = get_backend(make, torch.device(device))
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
@@ -245,7 +244,7 @@ def check_quantized(
     device: str = "cpu",
 ) -> None:
     """Every case through the backend ``make`` names over int8 and fp8 caches, in each dtype."""
-    from foudre.runner.attention import get_backend
+    from foudre.attention import get_backend
 
     backend = get_backend(make, torch.device(device))
     for kind in ("int8", "fp8"):
@@ -260,7 +259,7 @@ def check_every_code(make: str, device: str = "cpu") -> None:
     """Each code value read exactly, by the decode and the prefill kernel: rows whose first key
     has every byte as V codes (e4m3's NaN aside) with scale 1. A query that sees that key alone
     gets weight 1, so its output is the codes' values, which float32 and bfloat16 hold."""
-    from foudre.runner.attention import get_backend
+    from foudre.attention import get_backend
 
     backend = get_backend(make, torch.device(device))
     dim, bs = 128, 8
@@ -723,8 +722,8 @@ _GRAPH_STEPS = """
 import sys
 import torch
 from foudre import LLM
-from foudre.layers.attention import BatchLayout
-from foudre.runner.attention.torch_sdpa import TorchSDPABackend
+from foudre.attention import BatchLayout
+from foudre.attention.torch_sdpa import TorchSDPABackend
 from foudre.runner.cuda_graphs import DecodeGraphs
 from foudre.runner.step import ForwardStep
 
@@ -865,7 +864,7 @@ import inspect
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from foudre.runner.attention import triton_paged as tp
+from foudre.attention import triton_paged as tp
 
 def compile_for(fn, types, consts):
     names = inspect.signature(fn.fn).parameters

@@ -1,4 +1,4 @@
-"""Unit tests of ``foudre.layers.sampler`` and ``SamplingParams`` validation.
+"""Unit tests of ``foudre.sample.sampler`` and ``SamplingParams`` validation.
 
 Distribution tests are χ² goodness-of-fit tests against probabilities computed independently in
 float64 from the definitions (softmax(logits / T), renormalised top-k set, top-p nucleus, min-p).
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from foudre.engine.request import Request
-from foudre.layers.sampler import apply_penalties, sample
+from foudre.sample.sampler import apply_penalties, sample
 from foudre.sampling_params import SamplingParams
 
 P_REJECT = 1e-3

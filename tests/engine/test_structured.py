@@ -15,15 +15,15 @@ import torch
 
 from foudre import LLM, SamplingParams
 from foudre.errors import InvalidParameterError
-from foudre.layers import sampler as sampler_module
-from foudre.layers.structured import (
+from foudre.sample import sampler as sampler_module
+from foudre.sampling_params import StructuredOutput
+from foudre.structured.grammar import (
     GrammarCompiler,
     choice_grammar,
     fill_masks,
     unsupported_schema_features,
 )
-from foudre.sampling_params import StructuredOutput
-from tests.spec.test_rejection import P_THRESHOLD
+from tests.speculative.test_rejection import P_THRESHOLD
 
 PROMPT = "Once upon a time"
 SCHEMAS: dict[str, dict[str, Any]] = {

@@ -25,9 +25,9 @@ HAS_CUDA = torch.cuda.is_available()
 _KERNEL_CHECK = """
 import sys
 import torch
-from foudre.runner.attention import BatchLayout
-from foudre.runner.attention.torch_sdpa import TorchSDPABackend
-from foudre.runner.attention.triton_paged import TritonPagedBackend
+from foudre.attention import BatchLayout
+from foudre.attention.torch_sdpa import TorchSDPABackend
+from foudre.attention.triton_paged import TritonPagedBackend
 
 device = torch.device(sys.argv[1])
 
@@ -129,7 +129,7 @@ def test_engine_with_triton_backend_interpreted(tmp_path: Path) -> None:
 
 
 def test_backend_choice_and_errors() -> None:
-    from foudre.runner.attention import resolve_backend
+    from foudre.attention import resolve_backend
 
     cpu = torch.device("cpu")
     assert resolve_backend("auto", cpu) in ("cpu", "torch")  # cpu: where the kernel builds

@@ -1,4 +1,4 @@
-"""Weights moved into 2 MiB pages at load (``foudre.layers.huge_pages``): the same tensors, values
+"""Weights moved into 2 MiB pages at load (``foudre.native.huge_pages``): the same tensors, values
 and strides in one advised map; what else holds a storage keeps it where it is."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from torch import nn
 
 from foudre import LLM
 from foudre.compress.model import causal_logits
-from foudre.layers import huge_pages
 from foudre.loading.loader import load_model
+from foudre.native import huge_pages
 from foudre.quant import Int4WeightOnly, cpu_qmatmul, quantize_
 from foudre.quant.qlinear import QuantLinear, prepare_for_cpu
 from foudre.runner.cpu_decode import NativeDecode

@@ -11,15 +11,16 @@ import pytest
 import torch
 
 from foudre import LLM, SamplingParams
+from foudre.attention import cpu_paged
+from foudre.attention.kv_quant import dequantize_kv, quantize_kv
+from foudre.attention.quantized_cache import QuantizedKVCache
 from foudre.compress.data import read_documents
 from foudre.compress.eval import perplexity
 from foudre.compress.model import load_for_eval
-from foudre.layers import fused, native
-from foudre.layers.kv_quant import dequantize_kv, quantize_kv
+from foudre.layers import fused
 from foudre.layers.linear import MAX_ROWS
 from foudre.loading.loader import default_model
-from foudre.runner.attention import cpu_paged
-from foudre.runner.attention.kv_quant import QuantizedKVCache
+from foudre.native import build as native
 from foudre.runner.cpu_decode import NativeDecode
 from foudre.runner.model_runner import ModelRunner
 from tests.conftest import SHARED, make_hf_model

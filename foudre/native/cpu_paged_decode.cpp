@@ -16,7 +16,7 @@
 //                           K and V read into registers 16 values at a time (below)
 //
 // A quantized cache (kv_cache_dtype int8 / fp8: 8-bit codes with one float32 scale per token and
-// KV head, layers/kv_quant.py) is read as it lies: codes are converted to float32 as they are
+// KV head, attention/kv_quant.py) is read as it lies: codes are converted to float32 as they are
 // used and the scales never touch a code, since q · (c s) = (q · c) s and p (c s) = (p s) c: a
 // key's scale multiplies its score, a value's scale its softmax weight (after the weight joined
 // the running sum). The AVX-512 path converts a tile's codes once per KV head into an L1 scratch

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import torch
 
+from foudre.attention import get_backend
 from foudre.config import EngineConfig
 from foudre.loading.loader import default_model, load_model
-from foudre.runner.attention import get_backend
-from foudre.spec.proposers import BlockManager, DraftModelProposer, NgramProposer, Proposer
+from foudre.speculative.proposers import BlockManager, DraftModelProposer, NgramProposer, Proposer
 
 
 @dataclass(slots=True)

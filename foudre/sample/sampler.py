@@ -5,7 +5,7 @@ batch is warped in a handful of vectorised ops. Sampling uses the exponential ra
 (``argmax(p / E)`` with ``E ~ Exp(1)``), which draws exactly from ``p`` and lets a seeded request
 take its noise from its own generator: the same seed gives the same tokens whatever the batch.
 
-The stages are separate so that speculative verification (``foudre/spec``) warps the target's
+The stages are separate so that speculative verification (``foudre/speculative``) warps the target's
 logits exactly as plain sampling does: ``process_logits`` (grammar masks, min_tokens,
 penalties) -> ``warp_probs`` (temperature, top-k, top-p, min-p) -> ``draw``.
 """
@@ -18,8 +18,8 @@ from typing import Protocol
 
 import torch
 
-from foudre.layers.structured import GrammarMasks, GrammarMatcher, fill_masks
 from foudre.sampling_params import SamplingParams
+from foudre.structured.grammar import GrammarMasks, GrammarMatcher, fill_masks
 
 
 class SamplingRow(Protocol):

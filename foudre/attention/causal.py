@@ -13,8 +13,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from foudre.layers.attention.base import AttentionBackend, BatchLayout
-from foudre.layers.kv_quant import fake_quantize_kv
+from foudre.attention.base import AttentionBackend, BatchLayout
+from foudre.attention.kv_quant import fake_quantize_kv
 
 
 class CausalBackend(AttentionBackend):

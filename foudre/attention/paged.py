@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from foudre.layers.attention import AttentionBackend, BatchLayout
-from foudre.runner.attention.kv_quant import QuantizedKVCache
-from foudre.runner.attention.torch_sdpa import split_rows, store_kv
+from foudre.attention.base import AttentionBackend, BatchLayout
+from foudre.attention.quantized_cache import QuantizedKVCache
+from foudre.attention.torch_sdpa import split_rows, store_kv
 
 
 @dataclass(slots=True)

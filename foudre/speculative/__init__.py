@@ -5,5 +5,5 @@
 - ``registry.py``: ``PROPOSERS``, the proposer for each ``speculative_method``, built from the
   engine's configuration.
 - The rejection sampler that keeps the target's output distribution exactly, and ``verify``,
-  are samplers: ``layers/rejection.py``.
+  are samplers: ``foudre.sample.rejection``.
 """

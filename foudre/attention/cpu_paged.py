@@ -30,7 +30,7 @@ AVX512-BF16 the two products are ``vdpbf16ps`` on bf16 pairs; AVX-512 float32 FM
 float32 FMAs on 8 lanes with AVX2, and a portable loop without either. Both kernels take a
 sliding window and never read the blocks outside it.
 
-The sources ship with the package and are compiled on first use (``foudre.layers.native``).
+The sources ship with the package and are compiled on first use (``foudre.native.build``).
 Where no compiler works, ``attention_backend="auto"`` keeps the SDPA backend.
 """
 
@@ -38,16 +38,15 @@ from __future__ import annotations
 
 import ctypes
 from functools import lru_cache
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from foudre.layers import native
-from foudre.runner.attention.paged import PagedBackend, PrefillRows
+from foudre.attention.paged import PagedBackend, PrefillRows
+from foudre.native import build as native
 
-SOURCE = Path(__file__).with_name("cpu_paged_decode.cpp")
-PREFILL_SOURCE = Path(__file__).with_name("cpu_paged_prefill.cpp")
+SOURCE = native.SOURCES / "cpu_paged_decode.cpp"
+PREFILL_SOURCE = native.SOURCES / "cpu_paged_prefill.cpp"
 _SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 _SYMBOLS = {dtype: f"paged_decode_{suffix}" for dtype, suffix in _SUFFIXES.items()}
 # a quantized cache's codes, by the dtype its codes are viewed as (QuantizedKVCache.stored)
@@ -63,7 +62,7 @@ _PREFILL_CODES_ARGTYPES = [ctypes.c_void_p] * 10 + [_I64] * 11 + [ctypes.c_float
 
 @lru_cache(maxsize=1)
 def load_library() -> ctypes.CDLL | None:
-    """The compiled decode kernel library (see ``foudre.layers.native``), or None."""
+    """The compiled decode kernel library (see ``foudre.native.build``), or None."""
     dll = native.load(SOURCE)
     if dll is not None:
         for symbol in _SYMBOLS.values():

@@ -20,7 +20,7 @@
 // kernel, so only the chosen experts' weights are read; with the router and the routing too in
 // moe_block, a sparse layer is one call.
 //
-// Built by foudre/layers/native.py with -march=native; the ops exist where AVX-512 or AVX2 (with
+// Built by foudre/native/build.py with -march=native; the ops exist where AVX-512 or AVX2 (with
 // FMA) does (foudre_cpu_ops_available() says which), and foudre/layers/fused.py falls back to
 // torch elsewhere. The AVX2 build (AMD Zen 2 and 3, Intel's client cores) runs the same ops on 8
 // float32 lanes: its own elementwise ops and linear kernel (a bfloat16 weight step takes 16
@@ -625,7 +625,7 @@ int gemm_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* w, const uint
 // Each task takes R weight rows at a time and multiplies them with the x rows: one pass for one
 // to three rows (M = rows), else four x rows at a time (M = 4), the weight rows coming from
 // memory once and then from L1/L2 for the next four. The tasks are handed out guided, as
-// quant/cpu_qmatmul.cpp's (where it says why): a bf16 494.7M Llama's batch-1 decode layers took
+// native/cpu_qmatmul.cpp's (where it says why): a bf16 494.7M Llama's batch-1 decode layers took
 // 0.965x the time of equal static shares, interleaved.
 template <typename T, int M, int R>
 void linear_groups(const T* x, int64_t x_stride, const T* w, const T* bias, T* y, int64_t rows,
@@ -806,7 +806,7 @@ int moe_block(const T* x, int64_t rows, int64_t hidden, int64_t inter, const T* 
                      experts, out);
 }
 
-// The paged-attention decode kernel (runner/attention/cpu_paged_decode.cpp), passed by address
+// The paged-attention decode kernel (native/cpu_paged_decode.cpp), passed by address
 using PagedDecode = void (*)(const void* q, const void* k, const void* v, void* out,
                              const int32_t* tokens, const int32_t* tables, const int32_t* lens,
                              int64_t rows, int64_t num_heads, int64_t num_kv_heads,
@@ -825,7 +825,7 @@ using PagedDecodeCodes = void (*)(const void* q, const void* k, const void* v,
                                   int64_t block_stride, int64_t token_stride, float scale,
                                   int64_t window);
 
-// A quantized projection (quant/cpu_qmatmul.cpp's foudre_qmm_f32 / _bf16, passed by address in
+// A quantized projection (native/cpu_qmatmul.cpp's foudre_qmm_f32 / _bf16, passed by address in
 // its descriptor): kind, x, codes, scales, zero points, scale type, groups, group, the scales'
 // row stride, y, m, n, k
 using QuantMatmul = void (*)(int kind, const void* x, const void* q, const void* s, const void* z,
@@ -892,7 +892,7 @@ inline uint8_t to_e4m3(float f) {
   return code | static_cast<uint8_t>(sign >> 24);
 }
 
-// The K/V codes of layers/kv_quant.py's quantize_kv, bit for bit, for n heads of D values at x:
+// The K/V codes of attention/kv_quant.py's quantize_kv, bit for bit, for n heads of D values at x:
 // per head s = max(max|x|, 1e-8) / qmax, codes x / s rounded to nearest even, as int8 clamped
 // to +-127 (qmax 127) or as e4m3 (qmax 448); codes [n, D] bytes, scales [n]. Exported as
 // foudre_quantize_kv_* for the tests that compare the two.

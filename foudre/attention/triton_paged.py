@@ -45,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from foudre.runner.attention.paged import PagedBackend, PagedMetadata, PrefillRows
+from foudre.attention.paged import PagedBackend, PagedMetadata, PrefillRows
 
 __all__ = ["PagedMetadata", "TritonPagedBackend", "paged_decode", "paged_prefill"]
 

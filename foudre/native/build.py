@@ -28,6 +28,8 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
+SOURCES = Path(__file__).parent  # every C++ source and header of the package
+
 FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", "-fPIC", "-shared"]
 
 

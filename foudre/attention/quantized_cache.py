@@ -1,5 +1,5 @@
 """The paged KV cache in 8 bits: K and V stored with one scale per (token, KV head), rounded by
-``foudre.layers.kv_quant``.
+``foudre.attention.kv_quant``.
 
 A block costs ``head_dim + 4`` bytes per token and head instead of ``2 * head_dim`` (bf16) or
 ``4 * head_dim`` (fp32): 1.9x (bf16) to 3.8x (fp32) more tokens in the same memory. The paged
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from foudre.layers.attention.base import gather_blocks
-from foudre.layers.kv_quant import KV_CACHE_DTYPES, STORAGE_DTYPES, dequantize_kv, quantize_kv
+from foudre.attention.base import gather_blocks
+from foudre.attention.kv_quant import KV_CACHE_DTYPES, STORAGE_DTYPES, dequantize_kv, quantize_kv
 
 
 def kv_bytes_per_token_head(head_dim: int, kind: str, dtype: torch.dtype) -> int:

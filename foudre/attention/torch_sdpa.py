@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from foudre.layers.attention.base import AttentionBackend, BatchLayout, gather_blocks
-from foudre.runner.attention.kv_quant import QuantizedKVCache
+from foudre.attention.base import AttentionBackend, BatchLayout, gather_blocks
+from foudre.attention.quantized_cache import QuantizedKVCache
 
 
 @dataclass(slots=True)

@@ -2,7 +2,7 @@
 // the storage types' scalar loads and stores, float8 e4m3fn codes, exp over non-positive
 // inputs, and their AVX-512 and AVX2 forms. FOUDRE_AVX512 or FOUDRE_AVX2 names the vector
 // path the compiler targets (cpu_paged.py builds with -march=native). Each kernel is its own
-// library: internal linkage here. (foudre/layers/native.py hashes this header with the sources
+// library: internal linkage here. (foudre/native/build.py hashes this header with the sources
 // that include it.)
 
 #pragma once

@@ -19,10 +19,10 @@ import numpy as np
 import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
-from foudre.layers.sampler import SamplingRow, draw, warp_probs
+from foudre.attention import AttentionBackend
 from foudre.models.llama import LlamaForCausalLM
-from foudre.runner.attention import AttentionBackend
 from foudre.runner.model_runner import ModelRunner
+from foudre.sample.sampler import SamplingRow, draw, warp_probs
 
 
 class SpecRequest(SamplingRow, Protocol):

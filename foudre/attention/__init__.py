@@ -1,4 +1,8 @@
-"""Attention backends behind one interface (``foudre.layers.attention.AttentionBackend``)."""
+"""Attention: the interface the models call (``base.AttentionBackend``, ``BatchLayout``), every
+backend behind it (``torch_sdpa``, the C++ paged kernels ``cpu_paged``, Triton's
+``triton_paged``, over the shared paged cache in ``paged``), KV cache quantization
+(``kv_quant``, ``quantized_cache``), and dense causal attention without a cache (``causal``) for
+training, evaluation and calibration."""
 
 from __future__ import annotations
 
@@ -7,10 +11,10 @@ import os
 
 import torch
 
-from foudre.layers.attention import AttentionBackend, BatchLayout
-from foudre.layers.kv_quant import KV_CACHE_DTYPES
-from foudre.runner.attention import cpu_paged
-from foudre.runner.attention.torch_sdpa import TorchSDPABackend
+from foudre.attention import cpu_paged
+from foudre.attention.base import AttentionBackend, BatchLayout
+from foudre.attention.kv_quant import KV_CACHE_DTYPES
+from foudre.attention.torch_sdpa import TorchSDPABackend
 
 __all__ = ["AttentionBackend", "BatchLayout", "TorchSDPABackend", "get_backend", "resolve_backend"]
 
@@ -61,7 +65,7 @@ def get_backend(
     ``ValueError`` for an unknown one."""
     name = resolve_backend(name, device or torch.device("cpu"), kv_cache_dtype)
     if name == "triton":
-        from foudre.runner.attention.triton_paged import TritonPagedBackend
+        from foudre.attention.triton_paged import TritonPagedBackend
 
         return TritonPagedBackend()
     if name == "cpu":

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from foudre.layers.rejection import rejection_sample
+from foudre.sample.rejection import rejection_sample
 
 P_THRESHOLD = 1e-3
 

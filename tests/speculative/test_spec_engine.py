@@ -11,9 +11,9 @@ import torch
 
 from foudre import LLM, SamplingParams
 from foudre.cli import main as cli_main
-from foudre.spec.proposers import NgramProposer
+from foudre.speculative.proposers import NgramProposer
 from tests.conftest import make_hf_model
-from tests.spec.test_rejection import P_THRESHOLD, chi2_pvalue
+from tests.speculative.test_rejection import P_THRESHOLD, chi2_pvalue
 
 STORY = (
     "Once upon a time, there was a little girl named Lily. She loved to play in the park with "

@@ -3,9 +3,9 @@
 ``--kv-cache-dtype int8`` stores ``round(x / s)`` in int8 with ``s = max|x| / 127`` over the
 head's ``head_dim`` values; ``fp8`` stores ``x / s`` as float8 e4m3 with ``s = max|x| / 448``.
 These are the rounding functions; the paged cache that stores the codes is
-``foudre.runner.attention.kv_quant.QuantizedKVCache``, and ``fake_quantize_kv`` gives what it
+``foudre.attention.quantized_cache.QuantizedKVCache``, and ``fake_quantize_kv`` gives what it
 reads back (how ``CausalBackend`` measures the quality cost without a cache). The native CPU
-decode step quantizes its new K/V in C++ (``quantize_kv`` in ``layers/cpu_ops.cpp``) to the same
+decode step quantizes its new K/V in C++ (``quantize_kv`` in ``native/cpu_ops.cpp``) to the same
 codes and scales, bit for bit; the paged attention kernels read the codes and scales as stored.
 """
 

@@ -21,7 +21,7 @@ from typing import Protocol
 
 import torch
 
-from foudre.layers.sampler import (
+from foudre.sample.sampler import (
     SamplingRow,
     exponential_noise,
     gather_logprobs,
@@ -29,8 +29,8 @@ from foudre.layers.sampler import (
     process_logits,
     warp_probs,
 )
-from foudre.layers.structured import GrammarMatcher
 from foudre.sampling_params import SamplingParams
+from foudre.structured.grammar import GrammarMatcher
 
 
 class DraftRow(SamplingRow, Protocol):
