@@ -6,7 +6,7 @@ import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from foudre.errors import InvalidParameterError
 
@@ -108,6 +108,11 @@ class StructuredOutput:
         return kind, value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
 
+DEFAULT_TEMPERATURE = 1.0  # the OpenAI APIs' default; `foudre generate` is greedy (0)
+DEFAULT_MAX_TOKENS = 16  # the OpenAI completions default, for sampling and beams alike
+MAX_LOGPROBS = 20  # top log-probabilities a request may ask for beside the sampled token
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """Sampling and stopping parameters of one request.
@@ -121,7 +126,7 @@ class SamplingParams:
     # sample best_of sequences (forked from one prompt computation), return the n of highest
     # cumulative log-probability; None: n
     best_of: int | None = None
-    temperature: float = 1.0
+    temperature: float = DEFAULT_TEMPERATURE
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: disabled
     min_p: float = 0.0
@@ -129,7 +134,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: int | None = None
-    max_tokens: int | None = 16  # None: until max_model_len
+    max_tokens: int | None = DEFAULT_MAX_TOKENS  # None: until max_model_len
     min_tokens: int = 0
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -142,6 +147,8 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None  # sample only among these
     # constrained decoding: the output follows this JSON schema, regex, choice or grammar
     structured_output: StructuredOutput | None = None
+
+    MAX_LOGPROBS: ClassVar[int] = MAX_LOGPROBS
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -175,7 +182,11 @@ class SamplingParams:
             ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "must be in [-2, 2]"),
             ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, "must be at least 1"),
             ("min_tokens", self.min_tokens >= 0, "must be non-negative"),
-            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "must be in [0, 20]"),
+            (
+                "logprobs",
+                self.logprobs is None or 0 <= self.logprobs <= self.MAX_LOGPROBS,
+                f"must be in [0, {self.MAX_LOGPROBS}]",
+            ),
         ]
         for name, ok, why in checks:
             if not ok:
@@ -269,7 +280,7 @@ class BeamSearchParams:
     Greedy only (``temperature`` 0)."""
 
     beam_width: int
-    max_tokens: int = 16
+    max_tokens: int = DEFAULT_MAX_TOKENS
     length_penalty: float = 1.0
     early_stopping: bool | str = False
     ignore_eos: bool = False
