@@ -22,6 +22,7 @@ from foudre.compress.data import SEPARATOR, Split, fixed_batches, read_split, to
 from foudre.compress.model import causal_logits, load_trainable, new_model, num_parameters
 from foudre.compress.train import (
     LossFn,
+    RunConfig,
     TrainConfig,
     TrainResult,
     evaluate_loss,
@@ -180,59 +181,39 @@ def generate_documents(
     return [t for t in texts if t]
 
 
-def distill(
-    teacher: str,
-    data: list[str],
-    output: str | Path,
-    *,
-    teacher_tokenizer: str | None = None,
-    student: str | None = None,
-    student_config: str | None = None,
-    config: str | None = None,
-    tokenizer: str | None = None,
-    train_tokenizer_vocab: int | None = None,
-    alpha: float = 0.5,
-    temperature: float = 2.0,
-    mode: str = "auto",
-    num_samples: int = 2000,
-    gen_max_tokens: int = 256,
-    gen_temperature: float = 1.0,
-    gen_workers: int = 1,
-    steps: int | None = None,
-    resume: bool = False,
-    progress: bool = True,
-) -> dict[str, float | int | str | None]:
-    """``foudre distill``: train a student (new from ``student_config``, or ``student``) from
-    ``teacher``, writing it to ``output`` as a Hugging Face directory.
-
-    ``mode="logits"`` matches the teacher's logits (needs one vocabulary); ``"sequence"`` trains
-    on ``num_samples`` teacher samples plus the training part of ``data``; ``"auto"`` picks
-    logits when the vocabularies agree. Returns a summary (mode, KL before/after in logits mode,
-    held-out losses).
-    """
-    from foudre.compress.tokenizer_train import train_tokenizer
-
-    if (student is None) == (student_config is None):
-        raise ValueError("give exactly one of --student DIR and --student-config CONFIG")
-    if not 0.0 <= alpha <= 1.0 or temperature <= 0:
-        raise ValueError("need 0 <= alpha <= 1 and temperature > 0")
-    out = Path(output)
-    out.mkdir(parents=True, exist_ok=True)
+def _load_teacher(teacher: str, teacher_tokenizer: str | None) -> tuple[LlamaForCausalLM, str]:
+    """The frozen teacher and the path of its tokenizer."""
     teacher_model, teacher_tok_path = load_trainable(teacher, teacher_tokenizer)
     teacher_model.eval().requires_grad_(False)
     if teacher_tok_path is None:
         raise ValueError(f"{teacher}: no teacher tokenizer found; pass --teacher-tokenizer")
-    teacher_tok = load_tokenizer(teacher_tok_path)
+    return teacher_model, teacher_tok_path
 
-    run = load_run_config(student_config) if student_config else None
+
+def _train_config(run: RunConfig | None, config: str | None, steps: int | None) -> TrainConfig:
+    """The student config's training section (or the defaults), replaced by ``config``'s when
+    given, with ``steps`` overriding its step count."""
     train_cfg = run.train if run else TrainConfig()
     if config is not None:
         train_cfg = load_run_config(config).train
     if steps is not None:
         train_cfg = dataclasses.replace(train_cfg, steps=steps)
-    split = read_split(data) if data else Split([], [])
+    return train_cfg
 
-    # The student's tokenizer: its own, a given one, a trained one, or else the teacher's.
+
+def _prepare_student(
+    out: Path,
+    student: str | None,
+    tokenizer: str | None,
+    train_tokenizer_vocab: int | None,
+    teacher_tok_path: str,
+    split: Split,
+    resume: bool,
+) -> LlamaForCausalLM | None:
+    """Put the student's tokenizer in ``out``: its own, a given one, a trained one, or else the
+    teacher's. Returns the loaded student when ``student`` names one (else None: a new one)."""
+    from foudre.compress.tokenizer_train import train_tokenizer
+
     student_model: LlamaForCausalLM | None = None
     if student is not None:
         student_model, student_tok_path = load_trainable(student, tokenizer)
@@ -246,43 +227,78 @@ def distill(
             train_tokenizer(split.train, train_tokenizer_vocab, out)
     else:
         copy_tokenizer(teacher_tok_path, out)
-    student_tok = load_tokenizer(out)
-    shared = same_vocabulary(teacher_tok, student_tok)
+    return student_model
+
+
+def _new_student(
+    run: RunConfig | None, student_tok: Tokenizer, train_cfg: TrainConfig
+) -> LlamaForCausalLM:
+    """A freshly initialised student of the student config's shape, for ``student_tok``."""
+    assert run is not None
+    return new_model(
+        model_config_from(run.model, student_tok, train_cfg.seq_len), seed=train_cfg.seed
+    )
+
+
+def _resolve_mode(mode: str, shared: bool) -> str:
+    """``"auto"`` becomes logits when the vocabularies agree (``shared``), else sequence."""
     if mode == "auto":
         mode = "logits" if shared else "sequence"
     if mode == "logits" and not shared:
         raise ValueError("logit distillation needs teacher and student to share a vocabulary")
     if mode not in ("logits", "sequence"):
         raise ValueError(f"unknown distillation mode {mode!r}")
+    return mode
 
-    if mode == "sequence":
-        samples_path = out / "teacher_samples.txt"
-        if resume and samples_path.is_file():
-            samples = samples_path.read_text(encoding="utf-8").split(SEPARATOR)
-            samples = [s.strip() for s in samples if s.strip()]
-        else:
-            samples = generate_documents(
-                teacher,
-                teacher_tokenizer,
-                num_samples,
-                gen_max_tokens,
-                gen_temperature,
-                train_cfg.seed,
-                gen_workers,
-            )
-            samples_path.write_text(
-                "".join(f"{s}\n{SEPARATOR}\n" for s in samples), encoding="utf-8"
-            )
-        log.info("teacher wrote %d samples", len(samples))
-        split = Split(train=split.train + samples, heldout=split.heldout)
-    if not split.train:
-        raise ValueError("no training documents: give --data")
 
-    if student_model is None:
-        assert run is not None
-        student_model = new_model(
-            model_config_from(run.model, student_tok, train_cfg.seq_len), seed=train_cfg.seed
+def _teacher_samples(
+    out: Path,
+    resume: bool,
+    teacher: str,
+    teacher_tokenizer: str | None,
+    num_samples: int,
+    gen_max_tokens: int,
+    gen_temperature: float,
+    seed: int,
+    gen_workers: int,
+) -> list[str]:
+    """The teacher's samples for sequence distillation, written to (or, on resume, read back
+    from) ``out/teacher_samples.txt``."""
+    samples_path = out / "teacher_samples.txt"
+    if resume and samples_path.is_file():
+        samples = samples_path.read_text(encoding="utf-8").split(SEPARATOR)
+        samples = [s.strip() for s in samples if s.strip()]
+    else:
+        samples = generate_documents(
+            teacher,
+            teacher_tokenizer,
+            num_samples,
+            gen_max_tokens,
+            gen_temperature,
+            seed,
+            gen_workers,
         )
+        samples_path.write_text("".join(f"{s}\n{SEPARATOR}\n" for s in samples), encoding="utf-8")
+    log.info("teacher wrote %d samples", len(samples))
+    return samples
+
+
+def _train_student(
+    teacher_model: LlamaForCausalLM,
+    student_model: LlamaForCausalLM,
+    student_tok: Tokenizer,
+    split: Split,
+    mode: str,
+    train_cfg: TrainConfig,
+    out: Path,
+    *,
+    alpha: float,
+    temperature: float,
+    resume: bool,
+    progress: bool,
+) -> dict[str, float | int | str | None]:
+    """Train the student in ``mode`` on ``split``, save it and its log in ``out``, and return
+    ``distill``'s summary (the KL before and after around the training in logits mode)."""
     log.info("student: %s parameters", f"{num_parameters(student_model):,}")
     train_stream = token_stream(student_tok, split.train)
     heldout_stream = token_stream(student_tok, split.heldout) if split.heldout else None
@@ -314,3 +330,84 @@ def distill(
     report = {**summary, "alpha": alpha, "temperature": temperature, "history": result.history}
     (out / "distill_log.json").write_text(json.dumps(report, indent=1) + "\n")
     return summary
+
+
+def distill(
+    teacher: str,
+    data: list[str],
+    output: str | Path,
+    *,
+    teacher_tokenizer: str | None = None,
+    student: str | None = None,
+    student_config: str | None = None,
+    config: str | None = None,
+    tokenizer: str | None = None,
+    train_tokenizer_vocab: int | None = None,
+    alpha: float = 0.5,
+    temperature: float = 2.0,
+    mode: str = "auto",
+    num_samples: int = 2000,
+    gen_max_tokens: int = 256,
+    gen_temperature: float = 1.0,
+    gen_workers: int = 1,
+    steps: int | None = None,
+    resume: bool = False,
+    progress: bool = True,
+) -> dict[str, float | int | str | None]:
+    """``foudre distill``: train a student (new from ``student_config``, or ``student``) from
+    ``teacher``, writing it to ``output`` as a Hugging Face directory.
+
+    ``mode="logits"`` matches the teacher's logits (needs one vocabulary); ``"sequence"`` trains
+    on ``num_samples`` teacher samples plus the training part of ``data``; ``"auto"`` picks
+    logits when the vocabularies agree. Returns a summary (mode, KL before/after in logits mode,
+    held-out losses).
+    """
+    if (student is None) == (student_config is None):
+        raise ValueError("give exactly one of --student DIR and --student-config CONFIG")
+    if not 0.0 <= alpha <= 1.0 or temperature <= 0:
+        raise ValueError("need 0 <= alpha <= 1 and temperature > 0")
+    out = Path(output)
+    out.mkdir(parents=True, exist_ok=True)
+    teacher_model, teacher_tok_path = _load_teacher(teacher, teacher_tokenizer)
+    teacher_tok = load_tokenizer(teacher_tok_path)
+
+    run = load_run_config(student_config) if student_config else None
+    train_cfg = _train_config(run, config, steps)
+    split = read_split(data) if data else Split([], [])
+
+    student_model = _prepare_student(
+        out, student, tokenizer, train_tokenizer_vocab, teacher_tok_path, split, resume
+    )
+    student_tok = load_tokenizer(out)
+    mode = _resolve_mode(mode, same_vocabulary(teacher_tok, student_tok))
+    if mode == "sequence":
+        samples = _teacher_samples(
+            out,
+            resume,
+            teacher,
+            teacher_tokenizer,
+            num_samples,
+            gen_max_tokens,
+            gen_temperature,
+            train_cfg.seed,
+            gen_workers,
+        )
+        split = Split(train=split.train + samples, heldout=split.heldout)
+    if not split.train:
+        raise ValueError("no training documents: give --data")
+
+    if student_model is None:
+        student_model = _new_student(run, student_tok, train_cfg)
+    return _train_student(
+        teacher_model,
+        student_model,
+        student_tok,
+        split,
+        mode,
+        train_cfg,
+        out,
+        alpha=alpha,
+        temperature=temperature,
+        resume=resume,
+        progress=progress,
+    )

@@ -245,6 +245,115 @@ class TrainResult:
     validation_tokens: int = 0  # carved from the end of the training stream for keep_best
 
 
+def _resume_state(
+    ckpt: Path, model: LlamaForCausalLM, optimizer: torch.optim.Optimizer, resume: bool
+) -> tuple[int, list[dict[str, float]]]:
+    """The step and loss history to start from: a checkpoint's (its weights and optimiser state
+    loaded) with ``resume`` and a checkpoint in ``ckpt``, else a fresh start."""
+    if resume and (ckpt / "state.json").is_file():
+        state = load_checkpoint_weights(ckpt, model)
+        opt_state = torch.load(ckpt / "optimizer.pt", weights_only=True)
+        optimizer.load_state_dict(opt_state)
+        log.info("resumed from %s at step %d", ckpt, int(state["step"]))
+        return int(state["step"]), list(state["history"])
+    return 0, []
+
+
+def _carve_validation(
+    train_stream: torch.Tensor, cfg: TrainConfig
+) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]], int]:
+    """``(train_stream, val_batches, n_val)``: with ``keep_best``, validation windows carved
+    from the last ``n_val`` tokens of the training stream (at most a tenth of it), which are
+    then not trained on.
+
+    keep_best picks a checkpoint on these, never on the held-out split the results are
+    reported on."""
+    val_batches: list[tuple[torch.Tensor, torch.Tensor]] = []
+    n_val = 0
+    if cfg.keep_best:
+        n_val = min(cfg.eval_batches * cfg.batch_size * cfg.seq_len + 1, len(train_stream) // 10)
+        if n_val > cfg.seq_len:
+            val_batches = fixed_batches(
+                train_stream[-n_val:], cfg.batch_size, cfg.seq_len, cfg.eval_batches
+            )
+            train_stream = train_stream[:-n_val]
+    return train_stream, val_batches, n_val
+
+
+def _train_step(
+    model: LlamaForCausalLM,
+    optimizer: torch.optim.Optimizer,
+    cfg: TrainConfig,
+    train_stream: torch.Tensor,
+    step: int,
+    loss_fn: LossFn,
+) -> dict[str, float]:
+    """One optimiser step (index ``step``) on the batch of ``(seed, step)``; its history record."""
+    t0 = time.perf_counter()
+    lr = cfg.lr_at(step)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    x, y = random_batch(train_stream, cfg.batch_size, cfg.seq_len, cfg.seed * 1_000_003 + step)
+    with autocast_context(cfg.autocast):
+        loss = loss_fn(model, x, y)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
+    optimizer.step()
+    dt = time.perf_counter() - t0
+    return {
+        "step": step + 1,
+        "loss": float(loss.detach()),
+        "lr": lr,
+        "grad_norm": grad_norm,
+        "tokens_per_s": cfg.batch_size * cfg.seq_len / dt,
+    }
+
+
+def _evaluate_windows(
+    model: LlamaForCausalLM,
+    cfg: TrainConfig,
+    eval_fn: LossFn,
+    eval_batches: list[tuple[torch.Tensor, torch.Tensor]],
+    val_batches: list[tuple[torch.Tensor, torch.Tensor]],
+) -> dict[str, float]:
+    """``heldout_loss`` and ``val_loss`` over the windows there are."""
+    losses: dict[str, float] = {}
+    if eval_batches:
+        losses["heldout_loss"] = evaluate_loss(model, eval_batches, cfg.autocast, eval_fn)
+    if val_batches:
+        losses["val_loss"] = evaluate_loss(model, val_batches, cfg.autocast, eval_fn)
+    return losses
+
+
+def _save_best(ckpt: Path, model: LlamaForCausalLM) -> None:
+    """Keep the weights of the best validation loss so far beside the checkpoint."""
+    ckpt.mkdir(parents=True, exist_ok=True)
+    save_file(_weights(model), str(ckpt / "best.safetensors.tmp"))
+    (ckpt / "best.safetensors.tmp").replace(ckpt / "best.safetensors")
+
+
+def _restore_best(
+    ckpt: Path,
+    model: LlamaForCausalLM,
+    cfg: TrainConfig,
+    history: list[dict[str, float]],
+    done: int,
+    heldout: float | None,
+) -> float | None:
+    """With ``keep_best`` and every step done, load the weights of the best validation loss
+    back into ``model`` unless the last evaluation was the best; the held-out loss to report."""
+    best_path = ckpt / "best.safetensors"
+    finished = done == cfg.steps and best_path.is_file()
+    evals = [r for r in history if "val_loss" in r]
+    kept = min(evals, key=lambda r: r["val_loss"]) if evals else None
+    if cfg.keep_best and finished and kept is not None and kept is not evals[-1]:
+        log.info("keeping the model of the best validation loss (%.4f)", kept["val_loss"])
+        model.load_state_dict(load_file(str(ckpt / "best.safetensors")), strict=False)
+        heldout = kept.get("heldout_loss")
+    return heldout
+
+
 def run_training(
     model: LlamaForCausalLM,
     cfg: TrainConfig,
@@ -274,31 +383,14 @@ def run_training(
     """
     ckpt = output / "checkpoint"
     optimizer = _optimizer(model, cfg)
-    start, history = 0, []
-    if resume and (ckpt / "state.json").is_file():
-        state = load_checkpoint_weights(ckpt, model)
-        opt_state = torch.load(ckpt / "optimizer.pt", weights_only=True)
-        optimizer.load_state_dict(opt_state)
-        start, history = int(state["step"]), list(state["history"])
-        log.info("resumed from %s at step %d", ckpt, start)
+    start, history = _resume_state(ckpt, model, optimizer, resume)
     eval_batches = (
         fixed_batches(heldout_stream, cfg.batch_size, cfg.seq_len, cfg.eval_batches)
         if heldout_stream is not None and len(heldout_stream) > cfg.seq_len
         else []
     )
-    # keep_best picks a checkpoint on validation windows carved from the end of the training
-    # stream (at most a tenth of it), never on the held-out split the results are reported on
-    val_batches: list[tuple[torch.Tensor, torch.Tensor]] = []
-    n_val = 0
-    if cfg.keep_best:
-        n_val = min(cfg.eval_batches * cfg.batch_size * cfg.seq_len + 1, len(train_stream) // 10)
-        if n_val > cfg.seq_len:
-            val_batches = fixed_batches(
-                train_stream[-n_val:], cfg.batch_size, cfg.seq_len, cfg.eval_batches
-            )
-            train_stream = train_stream[:-n_val]
+    train_stream, val_batches, n_val = _carve_validation(train_stream, cfg)
     model.train()
-    tokens_per_step = cfg.batch_size * cfg.seq_len
     bar = tqdm(
         total=cfg.steps, initial=start, disable=not progress, unit="step", dynamic_ncols=True
     )
@@ -308,40 +400,16 @@ def run_training(
     done = start
     last = cfg.steps if stop_at is None else min(stop_at, cfg.steps)
     for step in range(start, last):
-        t0 = time.perf_counter()
-        lr = cfg.lr_at(step)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        x, y = random_batch(train_stream, cfg.batch_size, cfg.seq_len, cfg.seed * 1_000_003 + step)
-        with autocast_context(cfg.autocast):
-            loss = loss_fn(model, x, y)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
-        optimizer.step()
-        dt = time.perf_counter() - t0
-        tps = tokens_per_step / dt
+        record = _train_step(model, optimizer, cfg, train_stream, step, loss_fn)
+        tps = record["tokens_per_s"]
         smoothed_tps = tps if smoothed_tps == 0 else 0.9 * smoothed_tps + 0.1 * tps
-        record: dict[str, float] = {
-            "step": step + 1,
-            "loss": float(loss.detach()),
-            "lr": lr,
-            "grad_norm": grad_norm,
-            "tokens_per_s": tps,
-        }
         done = step + 1
         if done % cfg.eval_every == 0 or done == cfg.steps:
-            if eval_batches:
-                heldout = evaluate_loss(model, eval_batches, cfg.autocast, eval_fn)
-                record["heldout_loss"] = heldout
-            if val_batches:
-                val = evaluate_loss(model, val_batches, cfg.autocast, eval_fn)
-                record["val_loss"] = val
-                if val < best:
-                    best = val
-                    ckpt.mkdir(parents=True, exist_ok=True)
-                    save_file(_weights(model), str(ckpt / "best.safetensors.tmp"))
-                    (ckpt / "best.safetensors.tmp").replace(ckpt / "best.safetensors")
+            record.update(_evaluate_windows(model, cfg, eval_fn, eval_batches, val_batches))
+            heldout = record.get("heldout_loss", heldout)
+            if "val_loss" in record and record["val_loss"] < best:
+                best = record["val_loss"]
+                _save_best(ckpt, model)
         history.append(record)
         postfix = {"loss": f"{record['loss']:.3f}", "tok/s": f"{smoothed_tps:,.0f}"}
         if heldout is not None:
@@ -352,14 +420,7 @@ def run_training(
             save_checkpoint(ckpt, model, optimizer, done, cfg, history)
     bar.close()
     model.eval()
-    best_path = ckpt / "best.safetensors"
-    finished = done == cfg.steps and best_path.is_file()
-    evals = [r for r in history if "val_loss" in r]
-    kept = min(evals, key=lambda r: r["val_loss"]) if evals else None
-    if cfg.keep_best and finished and kept is not None and kept is not evals[-1]:
-        log.info("keeping the model of the best validation loss (%.4f)", kept["val_loss"])
-        model.load_state_dict(load_file(str(ckpt / "best.safetensors")), strict=False)
-        heldout = kept.get("heldout_loss")
+    heldout = _restore_best(ckpt, model, cfg, history, done, heldout)
     return TrainResult(
         step=done,
         history=history,
