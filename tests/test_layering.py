@@ -77,8 +77,10 @@ def imported_modules(path: Path, root: Path) -> Iterable[str]:
             else:
                 module = node.module or ""
             named = [f"{module}.{alias.name}" for alias in node.names]
-            # ``from package import submodule`` reads the package's ``__init__`` too: both count
-            targets = [module, *(t for t in named if _exists(t, root))]
+            # ``from package import submodule`` runs the package's ``__init__`` too: both count
+            # (an ``__init__`` that imports nothing cannot close a circle)
+            subs = [t for t in named if _exists(t, root)]
+            targets = [module, *subs] if not subs or _imports(module, root) else subs
             targets = [t for t in targets if t != this]
         else:
             continue
@@ -91,6 +93,15 @@ def _exists(module: str, root: Path) -> bool:
     rel = Path(*module.split(".")[1:])
     base = root / rel
     return base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()
+
+
+def _imports(package: str, root: Path) -> bool:
+    """Whether ``package``'s ``__init__`` imports anything."""
+    init = root / Path(*package.split(".")[1:]) / "__init__.py"
+    if not init.is_file():
+        return False
+    tree = ast.parse(init.read_text(), str(init))
+    return any(isinstance(node, ast.Import | ast.ImportFrom) for node in ast.walk(tree))
 
 
 def _deepest(module: str, root: Path) -> str:
@@ -250,4 +261,22 @@ def test_a_planted_circle_is_found(tmp_path: Path) -> None:
     )
     graph = import_graph(root)
     assert upward_imports(graph) == []
-    assert module_cycles(graph) == [["foudre.engine.a", "foudre.engine.b", "foudre.engine.c"]]
+    # ``from . import c`` runs ``engine/__init__``, which imports ``a``: the package is in it
+    assert module_cycles(graph) == [
+        ["foudre.engine", "foudre.engine.a", "foudre.engine.b", "foudre.engine.c"]
+    ]
+
+
+def test_a_module_importing_its_own_package_closes_a_circle(tmp_path: Path) -> None:
+    """``quant/__init__`` -> ``api`` -> ``from foudre.quant import kernels`` is a circle through
+    the package's ``__init__``; ``import foudre.quant.kernels as kernels`` is not."""
+    files = {
+        "__init__.py": "",
+        "quant/__init__.py": "from foudre.quant.api import f\n",
+        "quant/api.py": "from foudre.quant import kernels\nf = 1\n",
+        "quant/kernels.py": "",
+    }
+    graph = import_graph(_plant(tmp_path, files))
+    assert module_cycles(graph) == [["foudre.quant", "foudre.quant.api"]]
+    files["quant/api.py"] = "import foudre.quant.kernels as kernels\nf = 1\n"
+    assert module_cycles(import_graph(_plant(tmp_path / "fixed", files))) == []
