@@ -3,11 +3,9 @@
 A decode step multiplies every weight matrix by one row per running request. At a few rows its
 time is the time to read the weights. ``fused.linear`` (``cpu_ops.cpp``) reads them at the
 speed of the fastest matrix-vector product we measure here; oneDNN's bfloat16 path reads at
-60-80% of it, and MKL's float32 path at two to 64 rows at a quarter to a third. Batch-1 decode
-of the 500M benchmark model went from 14.0 to 33.4 tokens/s in bfloat16 and from 7.5 to 15.8
-in float32 with it (``benchmarks/results/core-medium-2026-11-30.md``). At more rows the kernel
-is bound by its multiply-adds; it stays ahead of oneDNN's bfloat16 GEMM up to about 16 rows and
-of MKL's float32 GEMM to 64 (this project's 2-core AVX-512 host, all 16 layers' weights
+60-80% of it, and MKL's float32 path at two to 64 rows at a quarter to a third (the figures:
+``docs/performance.md``). At more rows the kernel is bound by its multiply-adds; it stays
+ahead of oneDNN's bfloat16 GEMM up to about 16 rows and of MKL's float32 GEMM to 64 (this project's 2-core AVX-512 host, all 16 layers' weights
 streamed from DRAM). More rows than ``MAX_ROWS`` go to torch, as do inputs under autocast
 (whose dtype rules the kernel does not apply) and anything autograd records. In float32, torch's
 GEMM gets the wide weights in chunks of output features up to ``FP32_CHUNK_ROWS`` rows, where
