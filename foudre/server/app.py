@@ -14,7 +14,7 @@ import re
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
@@ -45,6 +45,9 @@ from foudre.server.protocol import (
     TokenizeResponse,
 )
 from foudre.server.serving import DEFAULT_MAX_N, OpenAIServing
+from foudre.server.serving_chat import OpenAIServingChat
+from foudre.server.serving_completions import OpenAIServingCompletions
+from foudre.server.serving_tokenization import OpenAIServingTokenization
 
 logger = logging.getLogger("foudre.server")
 
@@ -223,7 +226,6 @@ def build_app(
     )
     prometheus = PrometheusMetrics(llm.metrics)
     llm.add_observer(prometheus.observe)
-    created = int(time.time())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -236,6 +238,19 @@ def build_app(
     app.state.llm = llm
     app.state.serving = serving
     app.state.prometheus = prometheus
+    _add_error_handlers(app)
+    app.add_middleware(_CatchAll)
+    app.add_middleware(_RequestId)  # outermost: 500s from _CatchAll carry the id too
+    auth = [Depends(_authenticator(api_key))]
+    _add_generation_routes(app, serving, auth, max_request_bytes)
+    _add_model_routes(app, serving, prometheus, auth)
+    _add_tokenization_routes(app, serving, auth, max_request_bytes)
+    _declare_schemas(app, _REQUEST_BODIES, _RESPONSE_BODIES)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error, raised by a route or by FastAPI itself, in the OpenAI shape."""
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
@@ -251,8 +266,10 @@ def build_app(
         err = OpenAIError(exc.status_code, str(exc.detail), type=kind)
         return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)
 
-    app.add_middleware(_CatchAll)
-    app.add_middleware(_RequestId)  # outermost: 500s from _CatchAll carry the id too
+
+def _authenticator(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
+    """A route dependency: 401 unless the request carries ``Authorization: Bearer <api_key>``
+    (every request passes when ``api_key`` is None)."""
 
     async def authenticate(request: Request) -> None:
         if api_key is None:
@@ -269,31 +286,49 @@ def build_app(
                 code="invalid_api_key",
             )
 
-    auth = [Depends(authenticate)]
+    return authenticate
 
-    def respond(result: dict[str, Any] | AsyncIterator[str]) -> Response:
-        if isinstance(result, dict):
-            return JSONResponse(result)
-        return StreamingResponse(
-            result,
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
+
+def _respond(result: dict[str, Any] | AsyncIterator[str]) -> Response:
+    """A JSON body, or an SSE stream."""
+    if isinstance(result, dict):
+        return JSONResponse(result)
+    return StreamingResponse(
+        result,
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+
+
+def _add_generation_routes(
+    app: FastAPI, serving: OpenAIServing, auth: list[Any], max_bytes: int
+) -> None:
+    """/v1/completions and /v1/chat/completions."""
+    completion = OpenAIServingCompletions(serving)
+    chat = OpenAIServingChat(serving)
 
     @app.post("/v1/completions", dependencies=auth)
     async def completions(request: Request) -> Response:
-        req = await parse_body(request, CompletionRequest, max_request_bytes)
-        return respond(await serving.completions(req, request.receive))
+        req = await parse_body(request, CompletionRequest, max_bytes)
+        return _respond(await completion.create(req, request.receive))
 
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat_completions(request: Request) -> Response:
-        req = await parse_body(request, ChatCompletionRequest, max_request_bytes)
-        return respond(await serving.chat(req, request.receive))
+        req = await parse_body(request, ChatCompletionRequest, max_bytes)
+        return _respond(await chat.create(req, request.receive))
+
+
+def _add_model_routes(
+    app: FastAPI, serving: OpenAIServing, prometheus: PrometheusMetrics, auth: list[Any]
+) -> None:
+    """/v1/models (authenticated); /health and /metrics (open)."""
+    llm = serving.llm
+    created = int(time.time())
 
     @app.get("/v1/models", dependencies=auth)
     async def models() -> dict[str, Any]:
         card = {
-            "id": served_model_name,
+            "id": serving.model_name,
             "object": "model",
             "created": created,
             "owned_by": "foudre",
@@ -316,58 +351,39 @@ def build_app(
     async def metrics() -> Response:
         return Response(prometheus.render(), media_type=CONTENT_TYPE)
 
+
+def _add_tokenization_routes(
+    app: FastAPI, serving: OpenAIServing, auth: list[Any], max_bytes: int
+) -> None:
+    """/tokenize and /detokenize."""
+    tokenization = OpenAIServingTokenization(serving)
+
     @app.post("/tokenize", dependencies=auth)
     async def tokenize(request: Request) -> dict[str, Any]:
-        req = await parse_body(request, TokenizeRequest, max_request_bytes)
-        serving.check_model(req.model)
-        tok = serving.tokenizer
-        if tok is None:
-            raise OpenAIError(400, "this server has no tokenizer")
-        if (req.prompt is None) == (req.messages is None):
-            raise OpenAIError(400, "give exactly one of prompt and messages", param="prompt")
-        if req.messages is not None:
-            msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
-            serving.check_text("".join(m["content"] for m in msgs), "messages")
-            text = await serving.render_chat(msgs, True)
-            has_bos = bool(tok.bos_token) and text.startswith(tok.bos_token or "")
-            ids = await serving.encode(text, req.add_special_tokens and not has_bos, "messages")
-        else:
-            ids = await serving.encode(req.prompt or "", req.add_special_tokens)
-        return {"tokens": ids, "count": len(ids), "max_model_len": llm.max_model_len}
+        req = await parse_body(request, TokenizeRequest, max_bytes)
+        return await tokenization.tokenize(req)
 
     @app.post("/detokenize", dependencies=auth)
     async def detokenize(request: Request) -> dict[str, Any]:
-        req = await parse_body(request, DetokenizeRequest, max_request_bytes)
-        serving.check_model(req.model)
-        tok = serving.tokenizer
-        if tok is None:
-            raise OpenAIError(400, "this server has no tokenizer")
-        vocab = tok.vocab_size
-        bad = [t for t in req.tokens if not 0 <= t < vocab]
-        if bad:
-            raise OpenAIError(
-                400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="tokens"
-            )
-        return {"prompt": await serving.off_loop(tok.decode, req.tokens)}
+        req = await parse_body(request, DetokenizeRequest, max_bytes)
+        return await tokenization.detokenize(req)
 
-    _declare_schemas(
-        app,
-        requests={
-            "/v1/completions": CompletionRequest,
-            "/v1/chat/completions": ChatCompletionRequest,
-            "/tokenize": TokenizeRequest,
-            "/detokenize": DetokenizeRequest,
-        },
-        responses={
-            ("/v1/completions", "post"): CompletionResponse,
-            ("/v1/chat/completions", "post"): ChatCompletionResponse,
-            ("/tokenize", "post"): TokenizeResponse,
-            ("/detokenize", "post"): DetokenizeResponse,
-            ("/v1/models", "get"): ModelList,
-            ("/health", "get"): HealthResponse,
-        },
-    )
-    return app
+
+# the bodies the OpenAPI schema declares (the routes parse their own: see _declare_schemas)
+_REQUEST_BODIES: dict[str, type[BaseModel]] = {
+    "/v1/completions": CompletionRequest,
+    "/v1/chat/completions": ChatCompletionRequest,
+    "/tokenize": TokenizeRequest,
+    "/detokenize": DetokenizeRequest,
+}
+_RESPONSE_BODIES: dict[tuple[str, str], type[BaseModel]] = {
+    ("/v1/completions", "post"): CompletionResponse,
+    ("/v1/chat/completions", "post"): ChatCompletionResponse,
+    ("/tokenize", "post"): TokenizeResponse,
+    ("/detokenize", "post"): DetokenizeResponse,
+    ("/v1/models", "get"): ModelList,
+    ("/health", "get"): HealthResponse,
+}
 
 
 def _declare_schemas(

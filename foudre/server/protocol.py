@@ -1,7 +1,7 @@
 """Request and error shapes of the OpenAI-compatible API.
 
 Requests are pydantic models that ignore unknown fields; responses are built as plain dicts in
-``serving.py`` (they are only ever serialised).
+``serving_*.py`` (they are only ever serialised).
 """
 
 from __future__ import annotations
@@ -195,7 +195,7 @@ class DetokenizeRequest(_Request):
     tokens: list[int]
 
 
-# -- response shapes (for the OpenAPI schema; responses are built as dicts in serving.py) -------
+# -- response shapes (for the OpenAPI schema; responses are built as dicts in serving_*.py) ---
 class _Response(BaseModel):
     model_config = ConfigDict(extra="allow")
 

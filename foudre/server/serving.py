@@ -1,5 +1,9 @@
-"""Completions and chat completions over ``AsyncLLM``: requests in, OpenAI-shaped dicts or SSE
-streams out.
+"""What every OpenAI protocol shares over ``AsyncLLM``: the served model, one request's
+parameters and submission, errors mapped to OpenAI's, and a submitted request's stream run to
+its end or sent as server-sent events.
+
+Each protocol (``serving_completions.py``, ``serving_chat.py``) turns its request into a
+``Submission`` and its outputs into its own response shape; everything between is here.
 
 Text deltas come from the engine's detokenizer, which only releases valid UTF-8 and never a
 partial stop string, so a stream never shows text that the final answer would not contain.
@@ -8,11 +12,8 @@ partial stop string, so a stream never shows text that the final answer would no
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import math
-import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,14 +32,8 @@ from foudre.errors import InvalidParameterError, PromptTooLongError
 from foudre.loading.tokenizer import InvalidTextError
 from foudre.outputs import CompletionOutput, RequestOutput
 from foudre.sampling_params import BeamSearchParams, SamplingParams, StructuredOutput
-from foudre.server.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    OpenAIError,
-    _SamplingFields,
-)
-from foudre.server.structured import structured_output
-from foudre.server.tools import PARSERS, ToolPlan, template_messages
+from foudre.server.protocol import OpenAIError, _SamplingFields
+from foudre.server.tools import PARSERS
 from foudre.server.workers import PoolFullError, WorkerPool
 
 Json = dict[str, Any]
@@ -54,11 +49,12 @@ def sse(obj: Json | str) -> str:
     return f"data: {data}\n\n"
 
 
-def _finite(x: float) -> float:
+def finite(x: float) -> float:
+    """``x``, or -9999 for a log-probability JSON cannot carry (-inf)."""
     return x if math.isfinite(x) else -9999.0
 
 
-def _top(entry: dict[int, float], n: int) -> list[tuple[int, float]]:
+def top_entries(entry: dict[int, float], n: int) -> list[tuple[int, float]]:
     """The ``n`` most likely tokens of a step (the sampler gives the sampled one plus the top-n,
     so sorting and cutting drops the sampled one when it is not among them)."""
     if n <= 0:
@@ -74,6 +70,33 @@ async def _watch_disconnect(receive: Receive, stream: RequestStream) -> None:
         if message["type"] == "http.disconnect":
             stream.abort()
             return
+
+
+@dataclass(slots=True)
+class Submission:
+    """One request of any protocol, as the engine takes it.
+
+    ``prompt_param``: the API field that holds the prompt (``"prompt"``, ``"messages"``), which
+    an error about the prompt names; ``rename``: other engine parameter names -> the API field
+    that set them (``logprobs`` -> ``top_logprobs``)."""
+
+    prompts: list[Prompt]
+    params: SamplingParams | BeamSearchParams
+    request_id: str
+    prompt_param: str = "prompt"
+    cache_salt: str | None = None
+    rename: dict[str, str] = field(default_factory=dict)
+
+
+def invalid_parameter(
+    e: InvalidParameterError, prompt_param: str = "prompt", rename: dict[str, str] | None = None
+) -> OpenAIError:
+    """The 400 of a parameter that ``SamplingParams`` or the engine refused, naming the API
+    field (``context_length_exceeded`` for a prompt too long)."""
+    if isinstance(e, PromptTooLongError):
+        return OpenAIError(400, str(e), param=prompt_param, code="context_length_exceeded")
+    name = prompt_param if e.param == "prompt" else (rename or {}).get(e.param, e.param)
+    return OpenAIError(400, str(e), param=name)
 
 
 @dataclass(slots=True)
@@ -114,7 +137,8 @@ def _failure(out: RequestOutput, request_id: str) -> OpenAIError | None:
 
 
 class OpenAIServing:
-    """The OpenAI endpoints' logic for one served model.
+    """What the OpenAI endpoints of one served model share: the engine, the tokenizer (off the
+    event loop), one request's parameters, its submission and its stream.
 
     ``max_n``: the most choices (``n``) one request may ask for. ``request_timeout``: seconds
     after which a request is aborted (its blocks freed) and answered 408, or an error event.
@@ -154,7 +178,6 @@ class OpenAIServing:
             return None
         return asyncio.get_running_loop().time() + self.request_timeout
 
-    # -- shared helpers ------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise OpenAIError(
@@ -222,8 +245,7 @@ class OpenAIServing:
                 structured_output=structured,
             )
         except InvalidParameterError as e:
-            param = (rename or {}).get(e.param, e.param)
-            raise OpenAIError(400, str(e), param=param) from None
+            raise invalid_parameter(e, rename=rename) from None
 
     def check_fits(self, prompt_len: int, max_tokens: int | None, param: str) -> None:
         """400 when the prompt, or the prompt plus ``max_tokens``, exceeds ``max_model_len``."""
@@ -252,17 +274,12 @@ class OpenAIServing:
                 400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param=param
             )
 
-    async def submit(
-        self,
-        prompts: list[Prompt],
-        params: SamplingParams | BeamSearchParams,
-        request_id: str,
-        param: str,
-        cache_salt: str | None = None,
-        rename: dict[str, str] | None = None,
-    ) -> RequestStream:
+    async def submit(self, sub: Submission) -> RequestStream:
+        """The stream of ``sub`` once the engine has accepted it; 400 for what the engine
+        refuses (a prompt too long, out of the vocabulary, a parameter it cannot serve), 503
+        when its queue is full or it is stopping."""
         queue_limit = self.llm.max_queue
-        total = sequences_per_prompt(params) * len(prompts)
+        total = sequences_per_prompt(sub.params) * len(sub.prompts)
         if queue_limit is not None and total > queue_limit:
             raise OpenAIError(
                 400,
@@ -271,14 +288,13 @@ class OpenAIServing:
                 param="n",
             )
         try:
-            return await self.llm.add_requests(prompts, params, request_id, cache_salt)
-        except PromptTooLongError as e:
-            raise OpenAIError(400, str(e), param=param, code="context_length_exceeded") from None
+            return await self.llm.add_requests(
+                sub.prompts, sub.params, sub.request_id, sub.cache_salt
+            )
         except InvalidParameterError as e:
-            name = param if e.param == "prompt" else (rename or {}).get(e.param, e.param)
-            raise OpenAIError(400, str(e), param=name) from None
+            raise invalid_parameter(e, sub.prompt_param, sub.rename) from None
         except ValueError as e:  # text the tokenizer refuses
-            raise OpenAIError(400, str(e), param=param) from None
+            raise OpenAIError(400, str(e), param=sub.prompt_param) from None
         except QueueFullError as e:
             raise OpenAIError(
                 503, str(e), type="server_overloaded", headers={"Retry-After": "1"}
@@ -402,214 +418,6 @@ class OpenAIServing:
             watcher.cancel()
             stream.abort()
 
-    # -- /v1/completions -----------------------------------------------------------------------
-    async def completions(
-        self, req: CompletionRequest, receive: Receive
-    ) -> Json | AsyncIterator[str]:
-        self.check_model(req.model)
-        structured, field = structured_output(req)
-        rename = {"structured_output": field or "structured_output"}
-        params = self.sampling_params(req, req.max_tokens, req.logprobs, rename, structured)
-        search = self.beam_search_params(req)
-        if search is not None and structured is not None:
-            message = "beam search does not take a grammar (response_format, guided_*)"
-            raise OpenAIError(400, message, param="use_beam_search")
-        if req.best_of is not None and search is None:
-            if req.best_of > self.max_n:
-                raise OpenAIError(400, f"best_of must be at most {self.max_n}", param="best_of")
-            if req.stream and req.best_of > req.n:
-                raise OpenAIError(400, "best_of > n cannot stream", param="best_of")
-            try:
-                params = dataclasses.replace(params, best_of=req.best_of)
-            except InvalidParameterError as e:
-                raise OpenAIError(400, str(e), param=e.param) from None
-        raw = req.prompt
-        items: list[str | list[int]]
-        if isinstance(raw, str):
-            items = [raw]
-        elif raw and all(isinstance(t, int) for t in raw):
-            items = [list(raw)]  # type: ignore[arg-type]
-        else:
-            items = list(raw)  # type: ignore[arg-type]
-        if not items:
-            raise OpenAIError(400, "prompt must not be empty", param="prompt")
-        deadline = self.deadline()
-        prompts: list[Prompt] = []
-        texts: list[str] = []
-        tok = self.tokenizer
-        for item in items:
-            if isinstance(item, str):
-                texts.append(item)
-                if tok is None:
-                    self.check_text(item, "prompt")
-                    prompts.append(item)
-                    continue
-                ids = await self.encode(item)
-            else:
-                ids = list(item)
-                self.check_token_ids(ids, "prompt")
-                texts.append(await self.off_loop(tok.decode, ids) if req.echo and tok else "")
-            self.check_fits(len(ids), params.max_tokens, "prompt")
-            prompts.append(ids)
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        created = int(time.time())
-        if search is not None:
-            return await self._beam_search(req, prompts, texts, search, rid, receive, deadline)
-        stream = await self.submit(prompts, params, rid, "prompt", req.cache_salt, rename)
-        n = params.n
-        base: Json = {
-            "id": rid,
-            "object": "text_completion",
-            "created": created,
-            "model": self.model_name,
-        }
-        want_lp = req.logprobs
-
-        if not req.stream:
-            finals, usage = await self.collect(stream, receive, params.n, deadline)
-            choices = []
-            for i in sorted(finals):
-                comp = finals[i]
-                prefix = texts[i // n] if req.echo else ""
-                lp = None
-                if want_lp is not None:
-                    lp, _ = self._completion_logprobs(
-                        comp.token_ids, comp.logprobs or [], want_lp, len(prefix)
-                    )
-                choices.append(
-                    {
-                        "index": i,
-                        "text": prefix + comp.text,
-                        "logprobs": lp,
-                        "finish_reason": comp.finish_reason,
-                        "stop_reason": comp.stop_reason,
-                    }
-                )
-            return {**base, "choices": choices, "usage": usage.as_dict()}
-
-        echoed: set[int] = set()
-        offsets: dict[int, int] = {}
-
-        def chunk(comp: CompletionOutput) -> Json | None:
-            i = comp.index
-            text = comp.delta_text
-            if req.echo and i not in echoed:
-                echoed.add(i)
-                text = texts[i // n] + text
-                offsets[i] = len(texts[i // n])
-            lp = None
-            if want_lp is not None and comp.delta_token_ids:
-                k = len(comp.delta_token_ids)
-                lp, offsets[i] = self._completion_logprobs(
-                    comp.delta_token_ids, (comp.logprobs or [])[-k:], want_lp, offsets.get(i, 0)
-                )
-            if not text and lp is None and not comp.finished:
-                return None
-            choice = {
-                "index": i,
-                "text": text,
-                "logprobs": lp,
-                "finish_reason": comp.finish_reason,
-                "stop_reason": comp.stop_reason,
-            }
-            return {**base, "choices": [choice]}
-
-        def usage_chunk(usage: Json) -> Json:
-            return {**base, "choices": [], "usage": usage}
-
-        return self.stream_sse(
-            stream, receive, n, [], chunk, usage_chunk if req.include_usage else None, deadline
-        )
-
-    def beam_search_params(self, req: CompletionRequest) -> BeamSearchParams | None:
-        """``use_beam_search``: ``best_of`` (or ``n``) beams; 400 for what it cannot do."""
-        if not req.use_beam_search:
-            return None
-        width = req.best_of if req.best_of is not None else req.n
-        if req.stream:
-            message = "beam search returns its beams at the end: no stream"
-            raise OpenAIError(400, message, param="stream")
-        if width > self.max_n:
-            raise OpenAIError(400, f"best_of (beams) must be at most {self.max_n}", param="best_of")
-        if req.n > width:
-            message = f"n ({req.n}) exceeds the number of beams ({width})"
-            raise OpenAIError(400, message, param="n")
-        if req.logprobs is not None:
-            message = "logprobs are not returned with beam search"
-            raise OpenAIError(400, message, param="logprobs")
-        try:
-            return BeamSearchParams(
-                beam_width=width,
-                max_tokens=req.max_tokens if req.max_tokens is not None else 16,
-                length_penalty=req.length_penalty,
-                early_stopping=req.early_stopping,
-                ignore_eos=req.ignore_eos,
-                temperature=req.temperature or 0.0,
-            )
-        except InvalidParameterError as e:
-            raise OpenAIError(400, str(e), param=e.param) from None
-
-    async def _beam_search(
-        self,
-        req: CompletionRequest,
-        prompts: list[Prompt],
-        texts: list[str],
-        search: BeamSearchParams,
-        rid: str,
-        receive: Receive,
-        deadline: float | None,
-    ) -> Json:
-        """A beam search per prompt; the ``n`` best beams of each are its choices."""
-        stream = await self.submit(prompts, search, rid, "prompt", req.cache_salt)
-        width = search.beam_width
-        finals, usage = await self.collect(stream, receive, width, deadline)
-        choices = []
-        usage.completion.clear()  # the returned beams' tokens, as for any choice
-        for index in sorted(finals):
-            prompt, rank = divmod(index, width)
-            if rank >= req.n:
-                continue
-            comp = finals[index]
-            choices.append(
-                {
-                    "index": prompt * req.n + rank,
-                    "text": (texts[prompt] if req.echo else "") + comp.text,
-                    "logprobs": None,
-                    "finish_reason": comp.finish_reason,
-                    "stop_reason": None,
-                }
-            )
-            usage.completion[prompt * req.n + rank] = len(comp.token_ids)
-        return {
-            "id": rid,
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": self.model_name,
-            "choices": choices,
-            "usage": usage.as_dict(),
-        }
-
-    def _completion_logprobs(
-        self, token_ids: list[int], entries: list[dict[int, float]], top_n: int, offset: int
-    ) -> tuple[Json, int]:
-        """Legacy completions logprobs of ``token_ids``, text offsets starting at ``offset``;
-        also returns the offset after the last token."""
-        tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
-        for tid, entry in zip(token_ids, entries):
-            text = self.piece(tid)
-            tokens.append(text)
-            token_logprobs.append(_finite(entry[tid]) if tid in entry else None)
-            top_logprobs.append({self.piece(t): _finite(v) for t, v in _top(entry, top_n)})
-            text_offset.append(offset)
-            offset += len(text)
-        lp = {
-            "tokens": tokens,
-            "token_logprobs": token_logprobs,
-            "top_logprobs": top_logprobs,
-            "text_offset": text_offset,
-        }
-        return lp, offset
-
     async def render_chat(
         self,
         messages: list[dict[str, Any]],
@@ -631,146 +439,3 @@ class OpenAIServing:
             message = f"cannot apply the chat template: {e}"
             raise OpenAIError(400, message, param="messages") from None
         return rendered
-
-    # -- /v1/chat/completions ------------------------------------------------------------------
-    async def chat(self, req: ChatCompletionRequest, receive: Receive) -> Json | AsyncIterator[str]:
-        self.check_model(req.model)
-        tok = self.tokenizer
-        if tok is None:
-            raise OpenAIError(400, "chat needs a tokenizer; this server has none")
-        if req.top_logprobs is not None and not req.logprobs:
-            message = "top_logprobs requires logprobs to be true"
-            raise OpenAIError(400, message, param="top_logprobs")
-        top_n = (req.top_logprobs or 0) if req.logprobs else None
-        max_tokens = (
-            req.max_completion_tokens if req.max_completion_tokens is not None else (req.max_tokens)
-        )
-        plan = ToolPlan.of(req, tok, self.tool_call_parser)
-        structured, field = structured_output(req)
-        if plan.structured_output is not None:  # tool_choice "required" or a named function
-            if structured is not None:
-                raise OpenAIError(
-                    400, f"{field} cannot be combined with a forced tool_choice", param=field
-                )
-            structured, field = plan.structured_output, "tools"
-        rename = {"logprobs": "top_logprobs", "structured_output": field or "structured_output"}
-        params = self.sampling_params(req, max_tokens, top_n, rename, structured)
-        deadline = self.deadline()
-        messages = template_messages(req.messages)
-        self.check_text("".join(m["content"] for m in messages), "messages")
-        rendered = await self.render_chat(messages, req.add_generation_prompt, plan.tools)
-        bos = tok.bos_token
-        has_bos = bool(bos) and rendered.startswith(bos or "")
-        prompt_ids = await self.encode(rendered, not has_bos, "messages")
-        self.check_fits(len(prompt_ids), params.max_tokens, "messages")
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        created = int(time.time())
-        stream = await self.submit([prompt_ids], params, rid, "messages", req.cache_salt, rename)
-        base: Json = {"id": rid, "created": created, "model": self.model_name}
-
-        if not req.stream:
-            finals, usage = await self.collect(stream, receive, params.n, deadline)
-            choices = []
-            for i in sorted(finals):
-                comp = finals[i]
-                lp = None
-                if top_n is not None:
-                    lp = {
-                        "content": self._chat_logprobs(comp.token_ids, comp.logprobs or [], top_n)
-                    }
-                reply, called = plan.message(comp.text)
-                choices.append(
-                    {
-                        "index": i,
-                        "message": reply,
-                        "logprobs": lp,
-                        "finish_reason": plan.finish_reason(comp.finish_reason, called),
-                        "stop_reason": comp.stop_reason,
-                    }
-                )
-            return {
-                **base,
-                "object": "chat.completion",
-                "choices": choices,
-                "usage": usage.as_dict(),
-            }
-
-        base = {**base, "object": "chat.completion.chunk"}
-        prelude = [
-            {
-                **base,
-                "choices": [
-                    {
-                        "index": i,
-                        "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                ],
-            }
-            for i in range(params.n)
-        ]
-
-        streamers = {i: plan.streamer() for i in range(params.n)} if plan.parses else {}
-
-        def chunk(comp: CompletionOutput) -> Json | None:
-            lp = None
-            if top_n is not None and comp.delta_token_ids:
-                k = len(comp.delta_token_ids)
-                entries = (comp.logprobs or [])[-k:]
-                lp = {"content": self._chat_logprobs(comp.delta_token_ids, entries, top_n)}
-            text = comp.delta_text
-            delta: Json = {"content": text} if text else {}
-            finish = comp.finish_reason
-            streamer = streamers.get(comp.index)
-            if streamer is not None:  # tool calls: content held back while it may be a call
-                delta = streamer.feed(text)
-                if comp.finished:
-                    last = streamer.close()
-                    if "content" in last:
-                        delta["content"] = delta.get("content", "") + last["content"]
-                    if "tool_calls" in last:
-                        delta["tool_calls"] = delta.get("tool_calls", []) + last["tool_calls"]
-                    finish = plan.finish_reason(finish, streamer.num_calls > 0)
-            if not delta and lp is None and not comp.finished:
-                return None
-            choice = {
-                "index": comp.index,
-                "delta": delta,
-                "logprobs": lp,
-                "finish_reason": finish,
-            }
-            return {**base, "choices": [choice]}
-
-        def usage_chunk(usage: Json) -> Json:
-            return {**base, "choices": [], "usage": usage}
-
-        return self.stream_sse(
-            stream,
-            receive,
-            params.n,
-            prelude,
-            chunk,
-            usage_chunk if req.include_usage else None,
-            deadline,
-        )
-
-    def _chat_logprobs(
-        self, token_ids: list[int], entries: list[dict[int, float]], top_n: int
-    ) -> list[Json]:
-        content = []
-        for tid, entry in zip(token_ids, entries):
-            text = self.piece(tid)
-            top = []
-            for t, v in _top(entry, top_n):
-                s = self.piece(t)
-                top.append({"token": s, "logprob": _finite(v), "bytes": list(s.encode())})
-            content.append(
-                {
-                    "token": text,
-                    "logprob": _finite(entry.get(tid, -math.inf)),
-                    "bytes": list(text.encode()),
-                    "top_logprobs": top,
-                }
-            )
-        return content

@@ -1,0 +1,268 @@
+"""``/v1/completions``: one or more prompts (text or token ids) continued, with ``n`` /
+``best_of`` samples or vLLM's beam search, legacy logprobs and ``echo``."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from starlette.types import Receive
+
+from foudre.engine.async_llm import Prompt, RequestStream
+from foudre.errors import InvalidParameterError
+from foudre.outputs import CompletionOutput
+from foudre.sampling_params import BeamSearchParams, SamplingParams
+from foudre.server.protocol import CompletionRequest, OpenAIError
+from foudre.server.serving import (
+    Json,
+    OpenAIServing,
+    Submission,
+    finite,
+    invalid_parameter,
+    top_entries,
+)
+from foudre.server.structured import structured_output
+
+
+class OpenAIServingCompletions:
+    """The completions endpoint over the shared request handling of ``serving``."""
+
+    def __init__(self, serving: OpenAIServing) -> None:
+        self.serving = serving
+
+    async def create(self, req: CompletionRequest, receive: Receive) -> Json | AsyncIterator[str]:
+        """The response to ``req``: a ``text_completion`` dict, or its SSE stream."""
+        serving = self.serving
+        serving.check_model(req.model)
+        params, search, rename = self._params(req)
+        deadline = serving.deadline()
+        prompts, texts = await self._prompts(req, params)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        if search is not None:
+            return await self._beam_search(req, prompts, texts, search, rid, receive, deadline)
+        sub = Submission(prompts, params, rid, "prompt", req.cache_salt, rename)
+        stream = await serving.submit(sub)
+        base: Json = {
+            "id": rid,
+            "object": "text_completion",
+            "created": created,
+            "model": serving.model_name,
+        }
+        if not req.stream:
+            finals, usage = await serving.collect(stream, receive, params.n, deadline)
+            choices = [self._choice(req, finals[i], texts[i // params.n]) for i in sorted(finals)]
+            return {**base, "choices": choices, "usage": usage.as_dict()}
+        return self._stream(req, stream, receive, params.n, texts, base, deadline)
+
+    def _params(
+        self, req: CompletionRequest
+    ) -> tuple[SamplingParams, BeamSearchParams | None, dict[str, str]]:
+        """The request's sampling parameters, its beam search (None without one) and the
+        engine parameter names that map to other API fields."""
+        serving = self.serving
+        structured, field = structured_output(req)
+        rename = {"structured_output": field or "structured_output"}
+        params = serving.sampling_params(req, req.max_tokens, req.logprobs, rename, structured)
+        search = self._beam_search_params(req)
+        if search is not None and structured is not None:
+            message = "beam search does not take a grammar (response_format, guided_*)"
+            raise OpenAIError(400, message, param="use_beam_search")
+        if req.best_of is not None and search is None:
+            if req.best_of > serving.max_n:
+                raise OpenAIError(400, f"best_of must be at most {serving.max_n}", param="best_of")
+            if req.stream and req.best_of > req.n:
+                raise OpenAIError(400, "best_of > n cannot stream", param="best_of")
+            try:
+                params = dataclasses.replace(params, best_of=req.best_of)
+            except InvalidParameterError as e:
+                raise invalid_parameter(e) from None
+        return params, search, rename
+
+    async def _prompts(
+        self, req: CompletionRequest, params: SamplingParams
+    ) -> tuple[list[Prompt], list[str]]:
+        """The prompts as the engine takes them (token ids, or text without a tokenizer) and
+        the text of each that ``echo`` repeats ("" when it does not)."""
+        serving = self.serving
+        raw = req.prompt
+        items: list[str | list[int]]
+        if isinstance(raw, str):
+            items = [raw]
+        elif raw and all(isinstance(t, int) for t in raw):
+            items = [list(raw)]  # type: ignore[arg-type]
+        else:
+            items = list(raw)  # type: ignore[arg-type]
+        if not items:
+            raise OpenAIError(400, "prompt must not be empty", param="prompt")
+        prompts: list[Prompt] = []
+        texts: list[str] = []
+        tok = serving.tokenizer
+        for item in items:
+            if isinstance(item, str):
+                texts.append(item)
+                if tok is None:
+                    serving.check_text(item, "prompt")
+                    prompts.append(item)
+                    continue
+                ids = await serving.encode(item)
+            else:
+                ids = list(item)
+                serving.check_token_ids(ids, "prompt")
+                texts.append(await serving.off_loop(tok.decode, ids) if req.echo and tok else "")
+            serving.check_fits(len(ids), params.max_tokens, "prompt")
+            prompts.append(ids)
+        return prompts, texts
+
+    def _choice(self, req: CompletionRequest, comp: CompletionOutput, prompt_text: str) -> Json:
+        prefix = prompt_text if req.echo else ""
+        lp = None
+        if req.logprobs is not None:
+            lp, _ = self._logprobs(comp.token_ids, comp.logprobs or [], req.logprobs, len(prefix))
+        return {
+            "index": comp.index,
+            "text": prefix + comp.text,
+            "logprobs": lp,
+            "finish_reason": comp.finish_reason,
+            "stop_reason": comp.stop_reason,
+        }
+
+    def _stream(
+        self,
+        req: CompletionRequest,
+        stream: RequestStream,
+        receive: Receive,
+        n: int,
+        texts: list[str],
+        base: Json,
+        deadline: float | None,
+    ) -> AsyncIterator[str]:
+        """The SSE body: each choice's deltas (its prompt first with ``echo``)."""
+        echoed: set[int] = set()
+        offsets: dict[int, int] = {}
+        want_lp = req.logprobs
+
+        def chunk(comp: CompletionOutput) -> Json | None:
+            i = comp.index
+            text = comp.delta_text
+            if req.echo and i not in echoed:
+                echoed.add(i)
+                text = texts[i // n] + text
+                offsets[i] = len(texts[i // n])
+            lp = None
+            if want_lp is not None and comp.delta_token_ids:
+                k = len(comp.delta_token_ids)
+                lp, offsets[i] = self._logprobs(
+                    comp.delta_token_ids, (comp.logprobs or [])[-k:], want_lp, offsets.get(i, 0)
+                )
+            if not text and lp is None and not comp.finished:
+                return None
+            choice = {
+                "index": i,
+                "text": text,
+                "logprobs": lp,
+                "finish_reason": comp.finish_reason,
+                "stop_reason": comp.stop_reason,
+            }
+            return {**base, "choices": [choice]}
+
+        def usage_chunk(usage: Json) -> Json:
+            return {**base, "choices": [], "usage": usage}
+
+        return self.serving.stream_sse(
+            stream, receive, n, [], chunk, usage_chunk if req.include_usage else None, deadline
+        )
+
+    def _beam_search_params(self, req: CompletionRequest) -> BeamSearchParams | None:
+        """``use_beam_search``: ``best_of`` (or ``n``) beams; 400 for what it cannot do."""
+        if not req.use_beam_search:
+            return None
+        max_n = self.serving.max_n
+        width = req.best_of if req.best_of is not None else req.n
+        if req.stream:
+            message = "beam search returns its beams at the end: no stream"
+            raise OpenAIError(400, message, param="stream")
+        if width > max_n:
+            raise OpenAIError(400, f"best_of (beams) must be at most {max_n}", param="best_of")
+        if req.n > width:
+            message = f"n ({req.n}) exceeds the number of beams ({width})"
+            raise OpenAIError(400, message, param="n")
+        if req.logprobs is not None:
+            message = "logprobs are not returned with beam search"
+            raise OpenAIError(400, message, param="logprobs")
+        try:
+            return BeamSearchParams(
+                beam_width=width,
+                max_tokens=req.max_tokens if req.max_tokens is not None else 16,
+                length_penalty=req.length_penalty,
+                early_stopping=req.early_stopping,
+                ignore_eos=req.ignore_eos,
+                temperature=req.temperature or 0.0,
+            )
+        except InvalidParameterError as e:
+            raise invalid_parameter(e) from None
+
+    async def _beam_search(
+        self,
+        req: CompletionRequest,
+        prompts: list[Prompt],
+        texts: list[str],
+        search: BeamSearchParams,
+        rid: str,
+        receive: Receive,
+        deadline: float | None,
+    ) -> Json:
+        """A beam search per prompt; the ``n`` best beams of each are its choices."""
+        serving = self.serving
+        stream = await serving.submit(Submission(prompts, search, rid, "prompt", req.cache_salt))
+        width = search.beam_width
+        finals, usage = await serving.collect(stream, receive, width, deadline)
+        choices = []
+        usage.completion.clear()  # the returned beams' tokens, as for any choice
+        for index in sorted(finals):
+            prompt, rank = divmod(index, width)
+            if rank >= req.n:
+                continue
+            comp = finals[index]
+            choices.append(
+                {
+                    "index": prompt * req.n + rank,
+                    "text": (texts[prompt] if req.echo else "") + comp.text,
+                    "logprobs": None,
+                    "finish_reason": comp.finish_reason,
+                    "stop_reason": None,
+                }
+            )
+            usage.completion[prompt * req.n + rank] = len(comp.token_ids)
+        return {
+            "id": rid,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": serving.model_name,
+            "choices": choices,
+            "usage": usage.as_dict(),
+        }
+
+    def _logprobs(
+        self, token_ids: list[int], entries: list[dict[int, float]], top_n: int, offset: int
+    ) -> tuple[Json, int]:
+        """Legacy completions logprobs of ``token_ids``, text offsets starting at ``offset``;
+        also returns the offset after the last token."""
+        piece = self.serving.piece
+        tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
+        for tid, entry in zip(token_ids, entries):
+            text = piece(tid)
+            tokens.append(text)
+            token_logprobs.append(finite(entry[tid]) if tid in entry else None)
+            top_logprobs.append({piece(t): finite(v) for t, v in top_entries(entry, top_n)})
+            text_offset.append(offset)
+            offset += len(text)
+        lp = {
+            "tokens": tokens,
+            "token_logprobs": token_logprobs,
+            "top_logprobs": top_logprobs,
+            "text_offset": text_offset,
+        }
+        return lp, offset
