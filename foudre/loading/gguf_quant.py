@@ -322,35 +322,36 @@ def _module_of(hf: str) -> tuple[str, str | None, str]:
     return ".".join([*path, proj]), None, leaf
 
 
-def plan_gguf_quantized(
-    f: GGUFFile, model: nn.Module, grouped8: bool = True, six_bit: bool = False
-) -> GGUFQuantPlan:
-    """Which linears and experts of ``model`` (built for ``f``'s config) are kept quantized, and
-    which quantized tensors are dequantized and why. Everything is dequantized when
-    ``FOUDRE_GGUF_DEQUANTIZE=1``; layouts of group-wise 8 bits (Q8_0, Q5_*, Q6_K) unless
-    ``grouped8`` (our CPU kernels build with AVX-512 or AVX2, or CUDA's Triton kernels):
-    elsewhere they have no kernel and would be dequantized at every call. Modules all of Q6_K in
-    6 bits where ``six_bit`` (our CPU kernels), else in 8 bits."""
-    no_kernel = "group-wise 8-bit (no kernel on this CPU: dequantized once, at load)"
-    plan = GGUFQuantPlan()
-    if os.environ.get(ENV, "0") not in ("", "0"):
-        return plan
+_NO_KERNEL = "group-wise 8-bit (no kernel on this CPU: dequantized once, at load)"
 
-    def dequantized(reason: str, tensor: GGUFTensor) -> None:
-        if tensor.type not in _FLOATS:
-            plan.dequantized.setdefault(reason, []).append(tensor.name)
+# module -> part of a fused module (None: not fused) -> (HF name, tensor)
+_Parts = dict[str, dict[str | None, tuple[str, GGUFTensor]]]
 
-    def refuse(tensors: list[GGUFTensor], together: str) -> None:
-        unkept = "/".join(sorted({t.type_name for t in tensors if t.type not in KEPT_TYPES}))
-        for t in tensors:
-            if t.type not in KEPT_TYPES:
-                dequantized(f"{t.type_name} (no kept-quantized kernel)", t)
-            else:
-                dequantized(f"{together} {unkept or 'another layout'}", t)
 
-    modules = dict(model.named_modules())
-    weights: dict[str, dict[str | None, tuple[str, GGUFTensor]]] = {}
-    biases: dict[str, dict[str | None, tuple[str, GGUFTensor]]] = {}
+def _dequantize(plan: GGUFQuantPlan, reason: str, tensor: GGUFTensor) -> None:
+    """Record that ``tensor`` is dequantized at load for ``reason`` (float tensors need not)."""
+    if tensor.type not in _FLOATS:
+        plan.dequantized.setdefault(reason, []).append(tensor.name)
+
+
+def _refuse(plan: GGUFQuantPlan, tensors: list[GGUFTensor], together: str) -> None:
+    """Dequantize a module's ``tensors``: those of a type with no kept kernel for that, the
+    others for being ``together`` with them (or with another layout)."""
+    unkept = "/".join(sorted({t.type_name for t in tensors if t.type not in KEPT_TYPES}))
+    for t in tensors:
+        if t.type not in KEPT_TYPES:
+            _dequantize(plan, f"{t.type_name} (no kept-quantized kernel)", t)
+        else:
+            _dequantize(plan, f"{together} {unkept or 'another layout'}", t)
+
+
+def _sort_tensors(
+    f: GGUFFile, modules: dict[str, nn.Module], plan: GGUFQuantPlan
+) -> tuple[_Parts, _Parts, dict[str, dict[str, GGUFTensor]]]:
+    """``(weights, biases, experts)``: the file's tensors that may be kept, by module (stacked
+    experts by projection); the others are recorded in ``plan`` as dequantized."""
+    weights: _Parts = {}
+    biases: _Parts = {}
     experts: dict[str, dict[str, GGUFTensor]] = {}
     for tensor in f.tensors.values():
         hf = _hf_name(tensor.name)
@@ -361,75 +362,116 @@ def plan_gguf_quantized(
         if stacked is not None:
             experts.setdefault(stacked.group(1), {})[stacked.group(2)] = tensor
         elif ".experts." in hf:
-            dequantized("one tensor per expert (older files)", tensor)
+            _dequantize(plan, "one tensor per expert (older files)", tensor)
         elif module.endswith(_ROUTERS):
-            dequantized("routers (kept in float)", tensor)
+            _dequantize(plan, "routers (kept in float)", tensor)
         elif not isinstance(modules.get(module), nn.Linear):
             embedding = module.endswith("embed_tokens")
-            dequantized("the embedding table" if embedding else "not a linear", tensor)
+            _dequantize(plan, "the embedding table" if embedding else "not a linear", tensor)
         else:
             target = weights if leaf == "weight" else biases
             target.setdefault(module, {})[part] = (hf, tensor)
+    return weights, biases, experts
+
+
+def _plan_linear(
+    plan: GGUFQuantPlan,
+    module: str,
+    lin: nn.Linear,
+    parts: dict[str | None, tuple[str, GGUFTensor]],
+    bias_parts: dict[str | None, tuple[str, GGUFTensor]],
+    grouped8: bool,
+    six_bit: bool,
+) -> None:
+    """Keep the (fused) linear ``module`` quantized when its parts fit it and have a kernel."""
+    order = _FUSED.get(module.rpartition(".")[2], (None,))
+    found = [parts[p] for p in order if p in parts]
+    found_bias = [bias_parts[p] for p in order if p in bias_parts]
+    tensors = [t for _, t in found]
+    if (
+        len(found) != len(order)
+        or len(found_bias) != (len(order) if lin.bias is not None else 0)
+        or sum(t.shape[0] for t in tensors) != lin.out_features
+        or any(len(t.shape) != 2 or t.shape[1] != lin.in_features for t in tensors)
+        or any(t.type not in KEPT_TYPES for t in tensors)
+    ):  # dequantized; load_weights reports missing or misshapen parts
+        _refuse(plan, tensors, "fused with")
+        return
+    layout = module_layout(tensors, six_bit)
+    dtype = _scale_dtype(tensors, layout)
+    if layout.bits == 8 and not grouped8:
+        for t in tensors:
+            _dequantize(plan, _NO_KERNEL, t)
+        return
+    plan.kept.append(KeptLinear(module, found, found_bias, layout, dtype))
+
+
+def _plan_experts(
+    plan: GGUFQuantPlan,
+    module: str,
+    ex: nn.Module | None,
+    stack: dict[str, GGUFTensor],
+    grouped8: bool,
+    six_bit: bool,
+) -> None:
+    """Keep the stacked experts ``module`` quantized when they fit it and have a kernel."""
+    gate, up, down = (stack.get(p) for p in ("gate_proj", "up_proj", "down_proj"))
+    tensors = [t for t in (gate, up, down) if t is not None]
+    if (
+        not isinstance(ex, Experts)
+        or gate is None
+        or up is None
+        or down is None
+        or len(gate.shape) != 3
+        or gate.shape != up.shape
+        or (gate.shape[0], 2 * gate.shape[1], gate.shape[2]) != tuple(ex.gate_up_proj.shape)
+        or down.shape != tuple(ex.down_proj.shape)
+        or any(t.type not in KEPT_TYPES for t in tensors)
+    ):  # dequantized; load_weights reports missing or misshapen experts
+        _refuse(plan, tensors, "experts with")
+        return
+    gate_up_layout, down_layout = (
+        module_layout([gate, up], six_bit),
+        module_layout([down], six_bit),
+    )
+    if not grouped8 and 8 in (gate_up_layout.bits, down_layout.bits):
+        for t in tensors:
+            _dequantize(plan, _NO_KERNEL, t)
+        return
+    plan.experts.append(
+        KeptExperts(
+            module,
+            gate,
+            up,
+            down,
+            gate_up_layout,
+            down_layout,
+            _scale_dtype([gate, up], gate_up_layout),
+            _scale_dtype([down], down_layout),
+        )
+    )
+
+
+def plan_gguf_quantized(
+    f: GGUFFile, model: nn.Module, grouped8: bool = True, six_bit: bool = False
+) -> GGUFQuantPlan:
+    """Which linears and experts of ``model`` (built for ``f``'s config) are kept quantized, and
+    which quantized tensors are dequantized and why. Everything is dequantized when
+    ``FOUDRE_GGUF_DEQUANTIZE=1``; layouts of group-wise 8 bits (Q8_0, Q5_*, Q6_K) unless
+    ``grouped8`` (our CPU kernels build with AVX-512 or AVX2, or CUDA's Triton kernels):
+    elsewhere they have no kernel and would be dequantized at every call. Modules all of Q6_K in
+    6 bits where ``six_bit`` (our CPU kernels), else in 8 bits."""
+    plan = GGUFQuantPlan()
+    if os.environ.get(ENV, "0") not in ("", "0"):
+        return plan
+    modules = dict(model.named_modules())
+    weights, biases, experts = _sort_tensors(f, modules, plan)
     for module, parts in weights.items():
         lin = modules[module]
         assert isinstance(lin, nn.Linear)
-        order = _FUSED.get(module.rpartition(".")[2], (None,))
-        found = [parts[p] for p in order if p in parts]
-        found_bias = [biases[module][p] for p in order if p in biases.get(module, {})]
-        tensors = [t for _, t in found]
-        if (
-            len(found) != len(order)
-            or len(found_bias) != (len(order) if lin.bias is not None else 0)
-            or sum(t.shape[0] for t in tensors) != lin.out_features
-            or any(len(t.shape) != 2 or t.shape[1] != lin.in_features for t in tensors)
-            or any(t.type not in KEPT_TYPES for t in tensors)
-        ):  # dequantized; load_weights reports missing or misshapen parts
-            refuse(tensors, "fused with")
-            continue
-        layout = module_layout(tensors, six_bit)
-        dtype = _scale_dtype(tensors, layout)
-        if layout.bits == 8 and not grouped8:
-            for t in tensors:
-                dequantized(no_kernel, t)
-            continue
-        plan.kept.append(KeptLinear(module, found, found_bias, layout, dtype))
+        _plan_linear(plan, module, lin, parts, biases.get(module, {}), grouped8, six_bit)
     for module, stack in experts.items():
-        ex = modules.get(module)
-        gate, up, down = (stack.get(p) for p in ("gate_proj", "up_proj", "down_proj"))
-        tensors = [t for t in (gate, up, down) if t is not None]
-        if (
-            not isinstance(ex, Experts)
-            or gate is None
-            or up is None
-            or down is None
-            or len(gate.shape) != 3
-            or gate.shape != up.shape
-            or (gate.shape[0], 2 * gate.shape[1], gate.shape[2]) != tuple(ex.gate_up_proj.shape)
-            or down.shape != tuple(ex.down_proj.shape)
-            or any(t.type not in KEPT_TYPES for t in tensors)
-        ):  # dequantized; load_weights reports missing or misshapen experts
-            refuse(tensors, "experts with")
-            continue
-        gate_up_layout, down_layout = (
-            module_layout([gate, up], six_bit),
-            module_layout([down], six_bit),
-        )
-        if not grouped8 and 8 in (gate_up_layout.bits, down_layout.bits):
-            for t in tensors:
-                dequantized(no_kernel, t)
-            continue
-        plan.experts.append(
-            KeptExperts(
-                module,
-                gate,
-                up,
-                down,
-                gate_up_layout,
-                down_layout,
-                _scale_dtype([gate, up], gate_up_layout),
-                _scale_dtype([down], down_layout),
-            )
-        )
+        _plan_experts(plan, module, modules.get(module), stack, grouped8, six_bit)
     return plan
 
 
