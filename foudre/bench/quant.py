@@ -670,16 +670,8 @@ def find_tokenizer(model: str | None, tokenizer: str | None) -> Any | None:
         return None
 
 
-def run_quant(args: argparse.Namespace, argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
-    """``foudre bench quant``: measure the selected schemes, print the report and write
-    ``quant.md``, ``quant.json`` and ``quant.png`` into ``--output``."""
-    from foudre.bench.roofline import machine
-    from foudre.compress.data import document_ids, read_documents, read_split
-    from foudre.engine.options import engine_config_from
-    from foudre.loading.loader import shared_dir
-
-    start = time.perf_counter()
-    load_average = " ".join(f"{x:.2f}" for x in os.getloadavg())
+def _check_schemes(args: argparse.Namespace) -> list[str]:
+    """The schemes of ``--schemes``, once the flags are checked."""
     schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
     unknown = [s for s in schemes if s not in SCHEMES]
     if unknown or not schemes:
@@ -688,14 +680,24 @@ def run_quant(args: argparse.Namespace, argv: Sequence[str] | None = None) -> li
         raise ValueError("--input-len, --output-len and --batch-size must be positive")
     if args.quantization is not None or args.kv_cache_dtype != "auto":
         raise ValueError("the schemes set --quantization and --kv-cache-dtype; do not pass them")
+    return schemes
+
+
+def _size_engine(args: argparse.Namespace) -> None:
+    """Size the engine flags left unset for the speed runs' requests."""
     if args.max_model_len is None:
         args.max_model_len = args.input_len + args.output_len
     if args.num_kv_blocks is None:  # every concurrent request's KV, plus one spare sequence
         per_seq = -(-args.max_model_len // args.block_size)
         args.num_kv_blocks = (args.batch_size + 1) * per_seq
     args.max_num_seqs = max(args.max_num_seqs, args.batch_size)
-    base = engine_config_from(args)
-    data = Path(args.data) if args.data else shared_dir() / "data" / _DEFAULT_DATA
+
+
+def _quality_docs(args: argparse.Namespace, data: Path) -> tuple[Any | None, list[str]]:
+    """``(tokenizer, held-out documents)`` for bits per byte; none with ``--skip-quality``, or
+    without a tokenizer or data (said on stderr)."""
+    from foudre.compress.data import read_documents
+
     tokenizer = None
     docs: list[str] = []
     if not args.skip_quality:
@@ -706,6 +708,16 @@ def run_quant(args: argparse.Namespace, argv: Sequence[str] | None = None) -> li
             _log("no tokenizer: bits per byte skipped (use --kl)")
         else:
             _log(f"{data}: not found; bits per byte skipped")
+    return tokenizer, docs
+
+
+def _calibration_ids(
+    args: argparse.Namespace, schemes: list[str], tokenizer: Any | None, data: Path
+) -> tuple[Any | None, list[list[int]] | None]:
+    """``(tokenizer, calibration)``: with ``--calibration-docs`` and a calibrated scheme, the
+    first train documents of ``data`` as token ids (the tokenizer found for them if need be)."""
+    from foudre.compress.data import document_ids, read_split
+
     calibration = None
     if args.calibration_docs > 0 and any(s in CALIBRATED for s in schemes):
         if tokenizer is None:
@@ -714,7 +726,11 @@ def run_quant(args: argparse.Namespace, argv: Sequence[str] | None = None) -> li
             raise ValueError("--calibration-docs needs a tokenizer and --data")
         train = read_split([data]).train[: args.calibration_docs]
         calibration = [document_ids(tokenizer, d)[:256] for d in train]
-    opts = Options(
+    return tokenizer, calibration
+
+
+def _options(args: argparse.Namespace, schemes: list[str]) -> Options:
+    return Options(
         schemes=schemes,
         input_len=args.input_len,
         output_len=args.output_len,
@@ -728,10 +744,22 @@ def run_quant(args: argparse.Namespace, argv: Sequence[str] | None = None) -> li
         calibration_docs=args.calibration_docs,
         seed=args.seed,
     )
-    rows = run_quant_bench(
-        base, opts, tokenizer=tokenizer, docs=docs, calibration=calibration, log=_log
-    )
-    targets = check_targets(rows)
+
+
+def _report_meta(
+    args: argparse.Namespace,
+    argv: Sequence[str] | None,
+    opts: Options,
+    rows: list[dict[str, Any]],
+    docs: list[str],
+    data: Path,
+    calibration: list[list[int]] | None,
+    load_average: str,
+    start: float,
+) -> dict[str, Any]:
+    """The report's header: what ran, where, on which workload, and how long it took."""
+    from foudre.bench.roofline import machine
+
     quality = []
     if docs:
         n_bytes = rows[0].get("eval_bytes", 0)
@@ -743,7 +771,7 @@ def run_quant(args: argparse.Namespace, argv: Sequence[str] | None = None) -> li
             f"KL(fp32 || scheme) of next-token distributions, mean over {opts.kl_seqs} random "
             f"sequences x {opts.kl_len} tokens"
         )
-    meta = {
+    return {
         "model": args.model or "the embedded model",
         "date": datetime.now().astimezone().isoformat(timespec="seconds"),
         "machine": machine(),
@@ -765,7 +793,16 @@ def run_quant(args: argparse.Namespace, argv: Sequence[str] | None = None) -> li
         ),
         "total_s": time.perf_counter() - start,
     }
-    out = Path(args.output)
+
+
+def _write_report(
+    out: Path,
+    base: EngineConfig,
+    rows: list[dict[str, Any]],
+    targets: list[dict[str, Any]],
+    meta: dict[str, Any],
+) -> None:
+    """Write ``quant.md``, ``quant.json`` and ``quant.png`` into ``out`` and print the report."""
     out.mkdir(parents=True, exist_ok=True)
     md = format_markdown(rows, targets, meta)
     (out / "quant.md").write_text(md)
@@ -777,6 +814,29 @@ def run_quant(args: argparse.Namespace, argv: Sequence[str] | None = None) -> li
     for t in targets:
         verdict = "PASS" if t["passed"] else "n/a" if t["passed"] is None else "FAIL"
         print(f"target: {t['target']}: {t['shown']} {verdict}")
+
+
+def run_quant(args: argparse.Namespace, argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    """``foudre bench quant``: measure the selected schemes, print the report and write
+    ``quant.md``, ``quant.json`` and ``quant.png`` into ``--output``."""
+    from foudre.engine.options import engine_config_from
+    from foudre.loading.loader import shared_dir
+
+    start = time.perf_counter()
+    load_average = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    schemes = _check_schemes(args)
+    _size_engine(args)
+    base = engine_config_from(args)
+    data = Path(args.data) if args.data else shared_dir() / "data" / _DEFAULT_DATA
+    tokenizer, docs = _quality_docs(args, data)
+    tokenizer, calibration = _calibration_ids(args, schemes, tokenizer, data)
+    opts = _options(args, schemes)
+    rows = run_quant_bench(
+        base, opts, tokenizer=tokenizer, docs=docs, calibration=calibration, log=_log
+    )
+    targets = check_targets(rows)
+    meta = _report_meta(args, argv, opts, rows, docs, data, calibration, load_average, start)
+    _write_report(Path(args.output), base, rows, targets, meta)
     return rows
 
 
