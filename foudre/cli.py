@@ -301,7 +301,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="foudre", description="fast LLM inference")
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
+    add_generate_parsers(sub)
+    add_serve_parser(sub)
+    add_bench_parser(sub)
+    add_compress_parsers(sub)
 
+    from foudre.compress.quantize import add_quantize_args, cmd_quantize
+
+    quant = sub.add_parser("quantize", help="quantize a model's weights and save the checkpoint")
+    add_quantize_args(quant)
+    quant.set_defaults(func=cmd_quantize)
+    return parser
+
+
+def add_generate_parsers(sub: Any) -> None:
+    """The offline subcommands: generate, chat."""
     gen = sub.add_parser("generate", help="complete one prompt (stdin when --prompt is absent)")
     add_engine_args(gen)
     add_sampling_args(gen)
@@ -318,6 +332,9 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None)
     chat.set_defaults(func=cmd_chat)
 
+
+def add_serve_parser(sub: Any) -> None:
+    """``serve``: the OpenAI-compatible server."""
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_engine_args(serve)
     serve.add_argument("--host", default="127.0.0.1", help="(default: 127.0.0.1)")
@@ -364,6 +381,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.set_defaults(func=cmd_serve, profile_fields=[])
 
+
+def add_bench_parser(sub: Any) -> None:
+    """``bench`` and its subcommands: serve, throughput, latency, ablate, sweep, quant."""
     bench = sub.add_parser(
         "bench", help="benchmarks: serve, throughput, latency, ablate, sweep, quant"
     )
@@ -378,14 +398,6 @@ def build_parser() -> argparse.ArgumentParser:
     from foudre.bench.commands import add_bench_commands
 
     add_bench_commands(bench_sub, add_engine_args)  # throughput, latency, ablate, sweep, quant
-    add_compress_parsers(sub)
-
-    from foudre.compress.quantize import add_quantize_args, cmd_quantize
-
-    quant = sub.add_parser("quantize", help="quantize a model's weights and save the checkpoint")
-    add_quantize_args(quant)
-    quant.set_defaults(func=cmd_quantize)
-    return parser
 
 
 def _apply_profile(parser: argparse.ArgumentParser, argv: list[str]) -> None:
