@@ -294,6 +294,81 @@ def _moe(raw: dict[str, Any], arch: str, path: Path) -> dict[str, Any]:
     )
 
 
+def _required_int(raw: dict[str, Any], path: Path, key: str) -> int:
+    value = raw.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ModelLoadError(f"{path}: {key} must be a positive int, got {value!r}", path)
+    return value
+
+
+def _optional_int(raw: dict[str, Any], path: Path, key: str, default: int) -> int:
+    if raw.get(key) is None:
+        return default
+    return _required_int(raw, path, key)
+
+
+def _check_mlp(raw: dict[str, Any], path: Path) -> None:
+    """The MLP must be SiLU-gated, without bias."""
+    if raw.get("hidden_act", "silu") not in ("silu", "swish"):
+        raise ModelLoadError(
+            f"{path}: unsupported hidden_act {raw['hidden_act']!r}; only silu", path
+        )
+    if raw.get("mlp_bias"):
+        raise ModelLoadError(f"{path}: mlp_bias=true is not supported", path)
+
+
+def _head_dim(
+    raw: dict[str, Any], path: Path, defaults: dict[str, Any], hidden: int, heads: int
+) -> int:
+    """The config's head_dim, else its model type's default, else hidden_size / heads."""
+    head_dim = _optional_int(raw, path, "head_dim", defaults.get("head_dim", hidden // heads))
+    if "head_dim" not in defaults and raw.get("head_dim") is None and hidden % heads != 0:
+        raise ModelLoadError(
+            f"{path}: hidden_size={hidden} is not a multiple of num_attention_heads={heads}", path
+        )
+    return head_dim
+
+
+def _positive_number(path: Path, key: str, value: Any) -> None:
+    if not isinstance(value, int | float) or value <= 0:
+        raise ModelLoadError(f"{path}: {key} must be a positive number, got {value!r}", path)
+
+
+def _special_ids(raw: dict[str, Any], model_dir: Path, path: Path) -> tuple[list[int], list[int]]:
+    """``(bos ids, eos ids)``: the config's EOS ids followed by any new ones from
+    ``generation_config.json``; BOS from the config, else from the generation config."""
+    generation = load_generation_config(model_dir)
+    eos = _token_ids(raw.get("eos_token_id"), "eos_token_id", path)
+    for token in _token_ids(generation.get("eos_token_id"), "eos_token_id", path.parent):
+        if token not in eos:
+            eos.append(token)
+    bos_ids = _token_ids(
+        raw.get("bos_token_id", generation.get("bos_token_id")), "bos_token_id", path
+    )
+    return bos_ids, eos
+
+
+def _sliding_layers(
+    raw: dict[str, Any], arch: str, path: Path
+) -> tuple[int | None, tuple[str, ...] | None]:
+    """``(sliding window, layer types)``, both None when no layer slides."""
+    window = _sliding_window(raw, arch)
+    layer_types = _layer_types(raw, arch, _required_int(raw, path, "num_hidden_layers"), window)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        window, layer_types = None, None  # no layer slides
+    return window, layer_types
+
+
+def _attention_bias(raw: dict[str, Any], arch: str) -> bool:
+    """Qwen2's q/k/v always carry a bias (Qwen2-MoE's unless qkv_bias is false); the others
+    follow the config (HF modeling code)."""
+    return (
+        arch == "qwen2"
+        or (arch == "qwen2_moe" and bool(raw.get("qkv_bias", True)))
+        or bool(raw.get("attention_bias", False))
+    )
+
+
 def load_hf_config(model_dir: Path) -> ModelConfig:
     """Parse ``config.json`` (and ``generation_config.json``'s EOS ids) into a ``ModelConfig``.
 
@@ -307,76 +382,38 @@ def load_hf_config(model_dir: Path) -> ModelConfig:
     raw = _read_json(path)
     arch = _architecture(raw, path)
     defaults = _HF_DEFAULTS[arch]
-
-    def required_int(key: str) -> int:
-        value = raw.get(key)
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ModelLoadError(f"{path}: {key} must be a positive int, got {value!r}", path)
-        return value
-
-    def optional_int(key: str, default: int) -> int:
-        if raw.get(key) is None:
-            return default
-        return required_int(key)
-
-    hidden = required_int("hidden_size")
-    heads = required_int("num_attention_heads")
-    if raw.get("hidden_act", "silu") not in ("silu", "swish"):
-        raise ModelLoadError(
-            f"{path}: unsupported hidden_act {raw['hidden_act']!r}; only silu", path
-        )
-    if raw.get("mlp_bias"):
-        raise ModelLoadError(f"{path}: mlp_bias=true is not supported", path)
-    head_dim = optional_int("head_dim", defaults.get("head_dim", hidden // heads))
-    if "head_dim" not in defaults and raw.get("head_dim") is None and hidden % heads != 0:
-        raise ModelLoadError(
-            f"{path}: hidden_size={hidden} is not a multiple of num_attention_heads={heads}", path
-        )
-    max_positions = optional_int("max_position_embeddings", defaults["max_position_embeddings"])
+    hidden = _required_int(raw, path, "hidden_size")
+    heads = _required_int(raw, path, "num_attention_heads")
+    _check_mlp(raw, path)
+    head_dim = _head_dim(raw, path, defaults, hidden, heads)
+    max_positions = _optional_int(
+        raw, path, "max_position_embeddings", defaults["max_position_embeddings"]
+    )
     rope_theta, rope_scaling = _rope(raw, max_positions, path)
     eps = raw.get("rms_norm_eps", 1e-6)
-    if not isinstance(eps, int | float) or eps <= 0:
-        raise ModelLoadError(f"{path}: rms_norm_eps must be a positive number, got {eps!r}", path)
-
+    _positive_number(path, "rms_norm_eps", eps)
     moe = _moe(raw, arch, path)
     clip = raw.get("clip_qkv") if arch == "olmoe" else None
-    if clip is not None and (not isinstance(clip, int | float) or clip <= 0):
-        raise ModelLoadError(f"{path}: clip_qkv must be a positive number, got {clip!r}", path)
-
-    generation = load_generation_config(model_dir)
-    eos = _token_ids(raw.get("eos_token_id"), "eos_token_id", path)
-    for token in _token_ids(generation.get("eos_token_id"), "eos_token_id", path.parent):
-        if token not in eos:
-            eos.append(token)
-    bos_ids = _token_ids(
-        raw.get("bos_token_id", generation.get("bos_token_id")), "bos_token_id", path
-    )
-
-    window = _sliding_window(raw, arch)
-    layer_types = _layer_types(raw, arch, required_int("num_hidden_layers"), window)
-    if layer_types is not None and "sliding_attention" not in layer_types:
-        window, layer_types = None, None  # no layer slides
-
+    if clip is not None:
+        _positive_number(path, "clip_qkv", clip)
+    bos_ids, eos = _special_ids(raw, model_dir, path)
+    window, layer_types = _sliding_layers(raw, arch, path)
     try:
         return ModelConfig(
             architecture=arch,
-            vocab_size=required_int("vocab_size"),
+            vocab_size=_required_int(raw, path, "vocab_size"),
             hidden_size=hidden,
-            intermediate_size=required_int("intermediate_size"),
-            num_hidden_layers=required_int("num_hidden_layers"),
+            intermediate_size=_required_int(raw, path, "intermediate_size"),
+            num_hidden_layers=_required_int(raw, path, "num_hidden_layers"),
             num_attention_heads=heads,
-            num_key_value_heads=optional_int("num_key_value_heads", heads),
+            num_key_value_heads=_optional_int(raw, path, "num_key_value_heads", heads),
             head_dim=head_dim,
             max_position_embeddings=max_positions,
             rms_norm_eps=float(eps),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            # Qwen2's q/k/v always carry a bias (Qwen2-MoE's unless qkv_bias is false); the
-            # others follow the config (HF modeling code).
-            attention_bias=arch == "qwen2"
-            or (arch == "qwen2_moe" and bool(raw.get("qkv_bias", True)))
-            or bool(raw.get("attention_bias", False)),
+            attention_bias=_attention_bias(raw, arch),
             qk_norm=arch in ("qwen3", "qwen3_moe", "olmoe"),
             qk_norm_over_heads=arch == "olmoe",
             clip_qkv=None if clip is None else float(clip),
