@@ -1,24 +1,23 @@
 """The models' linear layer: ``nn.Linear`` with the CPU kernel for decode-sized batches.
 
-A decode step multiplies every weight matrix by one row per running request. At a few rows its
-time is the time to read the weights. ``fused.linear`` (``cpu_ops.cpp``) reads them at the
-speed of the fastest matrix-vector product we measure here; oneDNN's bfloat16 path reads at
-60-80% of it, and MKL's float32 path at two to 64 rows at a quarter to a third (the figures:
-``docs/performance.md``). At more rows the kernel is bound by its multiply-adds; it stays
-ahead of oneDNN's bfloat16 GEMM up to about 16 rows and of MKL's float32 GEMM to 64 (this project's 2-core AVX-512 host, all 16 layers' weights
-streamed from DRAM). More rows than ``MAX_ROWS`` go to torch, as do inputs under autocast
+A decode step multiplies every weight matrix by one row per running request. At a few rows its time
+is the time to read the weights. ``fused.linear`` (``cpu_ops.cpp``) reads them at the speed of the
+fastest matrix-vector product we measure here; oneDNN's bfloat16 path reads at 60-80% of it, and
+MKL's float32 path at two to 64 rows at a quarter to a third (the figures: ``docs/performance.md``).
+At more rows the kernel is bound by its multiply-adds; it stays ahead of oneDNN's bfloat16 GEMM up
+to about 16 rows and of MKL's float32 GEMM to 64 (this project's 2-core AVX-512 host, all 16 layers'
+weights streamed from DRAM). More rows than ``MAX_ROWS`` go to torch, as do inputs under autocast
 (whose dtype rules the kernel does not apply) and anything autograd records. In float32, torch's
-GEMM gets the wide weights in chunks of output features up to ``FP32_CHUNK_ROWS`` rows, where
-MKL runs them faster (a 128-token float32 prefill of the 500M model: 12.6% less time).
-On a CPU without bfloat16 arithmetic (no AVX512-BF16 nor AMX: AMD Zen 2 and 3, Intel's client
-cores) oneDNN's bfloat16 GEMM widens as it goes and ran at 11-20 GFLOP/s where MKL's float32
-GEMM ran at 86-117 (a Zen 3 host, 2 threads, 16-512 rows): there a bfloat16 product of more rows
-runs in float32 (``gemm_dtype``): up to ``GEMM_ROWS`` rows in the AVX2 build's own GEMM
-(``fused.gemm_unchecked``), which widens the weight in registers (a 494.7M Llama's 128-token
-prefill 1.32x as fast; its 32-request decode steps, which had widened every weight each step,
-1.4-2.4x), past them in MKL's, the weight widened ``BF16_CHUNK`` output features at a time
-(cache-sized); the result rounded once to bfloat16.
-"""
+GEMM gets the wide weights in chunks of output features up to ``FP32_CHUNK_ROWS`` rows, where MKL
+runs them faster (a 128-token float32 prefill of the 500M model: 12.6% less time). On a CPU without
+bfloat16 arithmetic (no AVX512-BF16 nor AMX: AMD Zen 2 and 3, Intel's client cores) oneDNN's
+bfloat16 GEMM widens as it goes and ran at 11-20 GFLOP/s where MKL's float32 GEMM ran at 86-117 (a
+Zen 3 host, 2 threads, 16-512 rows): there a bfloat16 product of more rows runs in float32
+(``gemm_dtype``): up to ``GEMM_ROWS`` rows in the AVX2 build's own GEMM (``fused.gemm_unchecked``),
+which widens the weight in registers (a 494.7M Llama's 128-token prefill 1.32x as fast; its
+32-request decode steps, which had widened every weight each step, 1.4-2.4x), past them in MKL's,
+the weight widened ``BF16_CHUNK`` output features at a time (cache-sized); the result rounded once
+to bfloat16."""
 
 from __future__ import annotations
 
