@@ -221,13 +221,9 @@ _FUSED = {
 _QUANT_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")
 
 
-def _load_hf_int4(
-    model: LlamaForCausalLM,
-    model_dir: Path,
-    qc: dict[str, Any],
-    select: SliceSelector | None = None,
-    prepare: WeightsFilter | None = None,
-) -> None:
+def _int4_format(model_dir: Path, qc: dict[str, Any]) -> tuple[int, int]:
+    """``(group_size, zero_offset)`` of a GPTQ / AWQ ``quantization_config``, checked to be
+    a layout we read (4 bits; AWQ's GEMM)."""
     method = qc["quant_method"]
     bits = int(qc.get("bits", qc.get("w_bit", 4)))
     group_size = int(qc.get("group_size", qc.get("q_group_size", 128)))
@@ -236,6 +232,14 @@ def _load_hf_int4(
     if method == "awq" and str(qc.get("version", "gemm")).lower() != "gemm":
         raise ValueError(f"{model_dir}: only the AWQ GEMM layout is supported")
     zero_offset = 0 if qc.get("checkpoint_format") == "gptq_v2" else 1
+    return group_size, zero_offset
+
+
+def _read_int4_tensors(
+    model_dir: Path, select: SliceSelector | None
+) -> tuple[list[tuple[str, torch.Tensor]], dict[str, dict[str, torch.Tensor]]]:
+    """``(floats, parts)``: the checkpoint's float tensors (this shard's slices with
+    ``select``), and its packed ones by linear (``qweight``, ``qzeros``, ``scales``, ...)."""
     floats: list[tuple[str, torch.Tensor]] = []
     parts: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in iter_safetensors_weights(model_dir):
@@ -247,6 +251,19 @@ def _load_hf_int4(
         elif (chosen := select(name, tuple(tensor.shape))) is not None:
             new_name, index = chosen
             floats.append((new_name, tensor if index is None else tensor[index].contiguous()))
+    return floats, parts
+
+
+def _decode_int4(
+    parts: dict[str, dict[str, torch.Tensor]],
+    method: str,
+    group_size: int,
+    zero_offset: int,
+    select: SliceSelector | None,
+    floats: list[tuple[str, torch.Tensor]],
+) -> dict[str, Int4Codes]:
+    """Each linear's codes by module name (this shard's slice with ``select``), its dequantized
+    weight appended to ``floats`` (only that, where a slice is not in whole groups)."""
     codes: dict[str, Int4Codes] = {}
     for prefix, t in parts.items():
         try:
@@ -271,9 +288,11 @@ def _load_hf_int4(
             c = cut
         codes[name.removesuffix(".weight")] = c
         floats.append((name, c.dequantize()))
-    # validates names and shapes; quantized ones as dequantized
-    model.load_weights(floats if prepare is None else prepare(floats))
-    # rebuild each (fused) linear from its exact codes where the parts share one layout
+    return codes
+
+
+def _swap_in_int4(model: LlamaForCausalLM, codes: dict[str, Int4Codes]) -> None:
+    """Rebuild each (fused) linear from its exact codes where the parts share one layout."""
     targets: dict[str, list[tuple[int, Int4Codes]]] = {}
     for prefix, c in codes.items():
         parent, _, leaf = prefix.rpartition(".")
@@ -309,6 +328,21 @@ def _load_hf_int4(
             dtype=lin.weight.dtype,
         ).to(device=lin.weight.device)
         _set_module(model, name, new)
+
+
+def _load_hf_int4(
+    model: LlamaForCausalLM,
+    model_dir: Path,
+    qc: dict[str, Any],
+    select: SliceSelector | None = None,
+    prepare: WeightsFilter | None = None,
+) -> None:
+    group_size, zero_offset = _int4_format(model_dir, qc)
+    floats, parts = _read_int4_tensors(model_dir, select)
+    codes = _decode_int4(parts, qc["quant_method"], group_size, zero_offset, select, floats)
+    # validates names and shapes; quantized ones as dequantized
+    model.load_weights(floats if prepare is None else prepare(floats))
+    _swap_in_int4(model, codes)
 
 
 def _cut_codes(c: Int4Codes, index: tuple[slice, ...]) -> Int4Codes | None:
