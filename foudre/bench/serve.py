@@ -422,9 +422,8 @@ def parse_slos(items: Sequence[str] | None) -> dict[str, float]:
     return slos
 
 
-def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
-    """Add the flags of ``foudre bench serve`` to ``parser``."""
-    p = parser
+def _add_target_args(p: argparse.ArgumentParser) -> None:
+    """The server and the model asked."""
     p.add_argument(
         "--base-url",
         required=True,
@@ -432,6 +431,10 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--model", required=True, help="model name sent in each request")
     p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
+
+
+def _add_workload_args(p: argparse.ArgumentParser) -> None:
+    """The requests: how many, how fast, of what lengths, from which prompts."""
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument(
         "--request-rate",
@@ -469,6 +472,10 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
         help="without --tokenizer, random token ids are drawn below this",
     )
     p.add_argument("--seed", type=int, default=0)
+
+
+def _add_output_args(p: argparse.ArgumentParser) -> None:
+    """Where the result goes."""
     p.add_argument(
         "--save-result",
         default=None,
@@ -476,6 +483,10 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
         help="write the result as JSON, and a markdown summary beside it (.md)",
     )
     p.add_argument("--plot", default=None, metavar="FILE.png", help="write a summary figure")
+
+
+def _add_slo_args(p: argparse.ArgumentParser) -> None:
+    """Service-level objectives, goodput and the search of the highest rate meeting them."""
     p.add_argument(
         "--slo",
         action="append",
@@ -496,6 +507,10 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
         help="fraction of requests that must meet the SLOs (default: 0.9)",
     )
     p.add_argument("--search-steps", type=int, default=4, help="bisection steps of --find-max-rate")
+
+
+def _add_client_args(p: argparse.ArgumentParser) -> None:
+    """How the client talks to the server and counts tokens."""
     p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
     p.add_argument(
         "--tokenizer",
@@ -510,6 +525,15 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
         help="seconds to wait for any byte of a response before failing it",
     )
     p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+
+
+def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
+    """Add the flags of ``foudre bench serve`` to ``parser``."""
+    _add_target_args(parser)
+    _add_workload_args(parser)
+    _add_output_args(parser)
+    _add_slo_args(parser)
+    _add_client_args(parser)
 
 
 def _build_requests(args: argparse.Namespace, tokenizer: Tokenizer | None) -> list[SampledRequest]:
@@ -641,32 +665,20 @@ def _find_max_rate(
     return 0 if best is not None else 1
 
 
-def run_bench_serve(args: argparse.Namespace) -> int:
-    """Run ``foudre bench serve`` with parsed ``args`` (see ``add_bench_serve_args``).
+def _check_args(args: argparse.Namespace) -> dict[str, float]:
+    """The SLOs of ``--slo``, once the flags are checked (``ValueError`` names the first bad)."""
+    slos = parse_slos(args.slo)
+    if args.num_prompts < 1:
+        raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    if not (args.burstiness > 0 and math.isfinite(args.burstiness)):
+        raise ValueError(f"--burstiness must be a positive number, got {args.burstiness}")
+    return slos
 
-    Prints the summary block to stdout (progress to stderr) and writes the optional JSON,
-    markdown and PNG outputs. Returns 0 when at least one request succeeded, 1 when none did,
-    2 for invalid arguments or inputs (reported on stderr).
-    """
-    try:
-        slos = parse_slos(args.slo)
-        if args.num_prompts < 1:
-            raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
-        if args.max_concurrency is not None and args.max_concurrency < 1:
-            raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
-        if not (args.burstiness > 0 and math.isfinite(args.burstiness)):
-            raise ValueError(f"--burstiness must be a positive number, got {args.burstiness}")
-        tokenizer = None
-        if args.tokenizer:
-            from foudre.loading.loader import load_tokenizer
 
-            tokenizer = load_tokenizer(args.tokenizer)
-        requests = _build_requests(args, tokenizer)
-    except (ValueError, OSError) as exc:
-        print(f"foudre bench serve: error: {exc}", file=sys.stderr)
-        return 2
-
-    config = BenchConfig(
+def _bench_config(args: argparse.Namespace) -> BenchConfig:
+    return BenchConfig(
         base_url=args.base_url,
         model=args.model,
         endpoint=args.endpoint,
@@ -678,24 +690,13 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         request_timeout_s=args.request_timeout,
         progress=not args.disable_tqdm,
     )
-    print(
-        f"Benchmarking {config.url} ({args.model}): {len(requests)} prompts, "
-        f"rate {config.request_rate} req/s, burstiness {config.burstiness}, "
-        f"max concurrency {config.max_concurrency or 'unlimited'}",
-        file=sys.stderr,
-    )
-    if args.find_max_rate:
-        return _find_max_rate(args, requests, config, tokenizer, slos)
-    spec_before = scrape_spec_counters(args.base_url)
-    results, duration = asyncio.run(run_benchmark(requests, config, tokenizer))
-    metrics = compute_metrics(results, duration, slos)
-    spec_after = scrape_spec_counters(args.base_url) if spec_before is not None else None
-    if spec_before is not None and spec_after is not None:
-        metrics.update(spec_figures(spec_before, spec_after))
-    arrays = request_arrays(results)
-    print(format_summary(metrics, arrays["errors"]))
 
-    meta: dict[str, Any] = {
+
+def _run_meta(
+    args: argparse.Namespace, config: BenchConfig, slos: dict[str, float]
+) -> dict[str, Any]:
+    """What a result records of the run besides its metrics."""
+    return {
         "date": datetime.now().astimezone().isoformat(timespec="seconds"),
         "base_url": args.base_url,
         "model": args.model,
@@ -712,6 +713,17 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         "tokenizer": args.tokenizer,
         "slos": slos,
     }
+
+
+def _write_outputs(
+    args: argparse.Namespace,
+    config: BenchConfig,
+    meta: dict[str, Any],
+    results: Sequence[RequestResult],
+    metrics: dict[str, Any],
+    arrays: dict[str, Any],
+) -> None:
+    """The JSON result and its markdown summary (``--save-result``), the figure (``--plot``)."""
     if args.save_result:
         path = Path(args.save_result)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -725,5 +737,44 @@ def run_bench_serve(args: argparse.Namespace) -> int:
             f"burstiness {config.burstiness} · concurrency {config.max_concurrency or '∞'}"
         )
         Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
-        plot_benchmark(results, metrics, args.plot, title=title, slos=slos)
+        plot_benchmark(results, metrics, args.plot, title=title, slos=meta["slos"])
+
+
+def run_bench_serve(args: argparse.Namespace) -> int:
+    """Run ``foudre bench serve`` with parsed ``args`` (see ``add_bench_serve_args``).
+
+    Prints the summary block to stdout (progress to stderr) and writes the optional JSON,
+    markdown and PNG outputs. Returns 0 when at least one request succeeded, 1 when none did,
+    2 for invalid arguments or inputs (reported on stderr).
+    """
+    try:
+        slos = _check_args(args)
+        tokenizer = None
+        if args.tokenizer:
+            from foudre.loading.loader import load_tokenizer
+
+            tokenizer = load_tokenizer(args.tokenizer)
+        requests = _build_requests(args, tokenizer)
+    except (ValueError, OSError) as exc:
+        print(f"foudre bench serve: error: {exc}", file=sys.stderr)
+        return 2
+
+    config = _bench_config(args)
+    print(
+        f"Benchmarking {config.url} ({args.model}): {len(requests)} prompts, "
+        f"rate {config.request_rate} req/s, burstiness {config.burstiness}, "
+        f"max concurrency {config.max_concurrency or 'unlimited'}",
+        file=sys.stderr,
+    )
+    if args.find_max_rate:
+        return _find_max_rate(args, requests, config, tokenizer, slos)
+    spec_before = scrape_spec_counters(args.base_url)
+    results, duration = asyncio.run(run_benchmark(requests, config, tokenizer))
+    metrics = compute_metrics(results, duration, slos)
+    spec_after = scrape_spec_counters(args.base_url) if spec_before is not None else None
+    if spec_before is not None and spec_after is not None:
+        metrics.update(spec_figures(spec_before, spec_after))
+    arrays = request_arrays(results)
+    print(format_summary(metrics, arrays["errors"]))
+    _write_outputs(args, config, _run_meta(args, config, slos), results, metrics, arrays)
     return 0 if metrics["completed"] else 1
