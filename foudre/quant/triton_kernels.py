@@ -271,25 +271,17 @@ def _check_group(group_size: int) -> None:
         raise ValueError(f"group_size must be a power of two, got {group_size}")
 
 
-def quant_matmul(
+def _check_operands(
     x: torch.Tensor,
     qweight: torch.Tensor,
     scales: torch.Tensor,
     zeros: torch.Tensor | None,
     group_size: int | None,
-    bias: torch.Tensor | None = None,
-    config: KernelConfig | None = None,
-) -> torch.Tensor:
-    """``x [M, K] @ W.T + bias`` in x's dtype for the canonical buffers of a weight ``[N, ...]``:
-    int8 ``qweight`` per channel (``group_size`` None) or group-wise (``zeros`` optional),
-    uint8 ``qweight`` 4-bit packed (``zeros`` required), float8 e4m3 ``qweight`` per channel.
-    ``config`` fixes the tiles (default ``choose_config``)."""
-    if qweight.dtype not in (torch.int8, torch.uint8, torch.float8_e4m3fn) or qweight.dim() != 2:
-        raise ValueError(f"qweight must be 2-D int8, uint8 or float8_e4m3fn, got {qweight.dtype}")
-    x, qweight, scales = x.contiguous(), qweight.contiguous(), scales.contiguous()
-    zeros = zeros.contiguous() if zeros is not None else None  # indexed as the scales are
-    bias = bias.contiguous() if bias is not None else None
-    m, k = x.shape
+    bias: torch.Tensor | None,
+) -> tuple[int, int, int]:
+    """``(bits, group_b, columns)``: the weight's bits, its group in bytes (0 per channel) and
+    its columns padded to the groups, once ``x`` and the buffers are checked against it."""
+    _, k = x.shape
     n, kb = qweight.shape
     bits = 4 if qweight.dtype == torch.uint8 else 8
     group_b = 0
@@ -309,20 +301,23 @@ def quant_matmul(
             raise ValueError(f"{name} has shape {tuple(t.shape)}, the weight needs {want}")
     if bias is not None and tuple(bias.shape) != (n,):
         raise ValueError(f"bias has shape {tuple(bias.shape)}, the weight needs ({n},)")
-    if m == 0 or n == 0:
-        return torch.zeros(m, n, dtype=x.dtype, device=x.device)
-    # the kernels' offsets are int32: cut a batch whose [M, N] or [M, K] would overflow them
-    rows = (2**31 - 1) // max(n, columns)
-    if m > rows:
-        return torch.cat(
-            [
-                quant_matmul(x[i : i + rows], qweight, scales, zeros, group_size, bias, config)
-                for i in range(0, m, rows)
-            ]
-        )
-    cfg = config or choose_config(m, n, kb, x.device)
-    if cfg.block_m == 1 and m != 1:
-        raise ValueError(f"the GEMV config (block_m 1) takes one row, got {m}")
+    return bits, group_b, columns
+
+
+def _launch(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    bits: int,
+    group_b: int,
+    cfg: KernelConfig,
+) -> torch.Tensor:
+    """Run the GEMV (``block_m`` 1) or GEMM kernel with ``cfg``'s tiles, and the reduction of
+    the split-K partial sums when K is split."""
+    m, k = x.shape
+    n, kb = qweight.shape
     gt = cfg.block_kb if group_b == 0 else min(group_b, cfg.block_kb)
     tiles = triton.cdiv(triton.cdiv(kb, cfg.block_kb), cfg.split_k)
     split = triton.cdiv(triton.cdiv(kb, cfg.block_kb), tiles)  # no empty slices
@@ -358,3 +353,40 @@ def quant_matmul(
             p, b, y, m, n, y.stride(0), split, HAS_BIAS=bias is not None, BLOCK=block
         )
     return y
+
+
+def quant_matmul(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    group_size: int | None,
+    bias: torch.Tensor | None = None,
+    config: KernelConfig | None = None,
+) -> torch.Tensor:
+    """``x [M, K] @ W.T + bias`` in x's dtype for the canonical buffers of a weight ``[N, ...]``:
+    int8 ``qweight`` per channel (``group_size`` None) or group-wise (``zeros`` optional),
+    uint8 ``qweight`` 4-bit packed (``zeros`` required), float8 e4m3 ``qweight`` per channel.
+    ``config`` fixes the tiles (default ``choose_config``)."""
+    if qweight.dtype not in (torch.int8, torch.uint8, torch.float8_e4m3fn) or qweight.dim() != 2:
+        raise ValueError(f"qweight must be 2-D int8, uint8 or float8_e4m3fn, got {qweight.dtype}")
+    x, qweight, scales = x.contiguous(), qweight.contiguous(), scales.contiguous()
+    zeros = zeros.contiguous() if zeros is not None else None  # indexed as the scales are
+    bias = bias.contiguous() if bias is not None else None
+    bits, group_b, columns = _check_operands(x, qweight, scales, zeros, group_size, bias)
+    m, n, kb = x.shape[0], qweight.shape[0], qweight.shape[1]
+    if m == 0 or n == 0:
+        return torch.zeros(m, n, dtype=x.dtype, device=x.device)
+    # the kernels' offsets are int32: cut a batch whose [M, N] or [M, K] would overflow them
+    rows = (2**31 - 1) // max(n, columns)
+    if m > rows:
+        return torch.cat(
+            [
+                quant_matmul(x[i : i + rows], qweight, scales, zeros, group_size, bias, config)
+                for i in range(0, m, rows)
+            ]
+        )
+    cfg = config or choose_config(m, n, kb, x.device)
+    if cfg.block_m == 1 and m != 1:
+        raise ValueError(f"the GEMV config (block_m 1) takes one row, got {m}")
+    return _launch(x, qweight, scales, zeros, bias, bits, group_b, cfg)
