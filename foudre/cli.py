@@ -14,22 +14,28 @@ from typing import Any
 
 from foudre.engine.options import PROFILES, add_engine_args, engine_config_from, profile_defaults
 from foudre.loading.errors import ModelLoadError
+from foudre.sampling_params import BeamSearchParams, SamplingParams
+
+# `foudre generate` and `foudre chat` decode greedily unless told otherwise (the same command
+# prints the same text), and write more than the API's default max_tokens: a command line asks
+# for a continuation to read. Every other default is SamplingParams'.
+CLI_TEMPERATURE = 0.0
+CLI_MAX_TOKENS = 128
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--min-p", type=float, default=0.0)
-    parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    defaults = SamplingParams()
+    parser.add_argument("--max-tokens", type=int, default=CLI_MAX_TOKENS)
+    parser.add_argument("--temperature", type=float, default=CLI_TEMPERATURE)
+    parser.add_argument("--top-p", type=float, default=defaults.top_p)
+    parser.add_argument("--top-k", type=int, default=defaults.top_k)
+    parser.add_argument("--min-p", type=float, default=defaults.min_p)
+    parser.add_argument("--repetition-penalty", type=float, default=defaults.repetition_penalty)
     parser.add_argument("--stop", action="append", default=[])
     parser.add_argument("--ignore-eos", action="store_true")
 
 
-def _sampling_params(args: argparse.Namespace, seed: int | None) -> Any:
-    from foudre.sampling_params import SamplingParams
-
+def _sampling_params(args: argparse.Namespace, seed: int | None) -> SamplingParams:
     return SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -49,8 +55,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     llm = LLM.from_config(engine_config_from(args))
     if args.beam_width is not None:
-        from foudre.sampling_params import BeamSearchParams
-
         params = BeamSearchParams(
             beam_width=args.beam_width,
             max_tokens=args.max_tokens,
@@ -323,7 +327,10 @@ def add_generate_parsers(sub: Any) -> None:
     gen.add_argument(
         "--beam-width", type=int, default=None, help="beam search: print the N best sequences"
     )
-    gen.add_argument("--length-penalty", type=float, default=1.0, help="beam search scoring")
+    length_penalty = BeamSearchParams(beam_width=1).length_penalty
+    gen.add_argument(
+        "--length-penalty", type=float, default=length_penalty, help="beam search scoring"
+    )
     gen.set_defaults(func=cmd_generate)
 
     chat = sub.add_parser("chat", help="interactive chat with the model's chat template")

@@ -6,9 +6,18 @@ Requests are pydantic models that ignore unknown fields; responses are built as 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from foudre.sampling_params import BeamSearchParams, SamplingParams
+
+
+def _default(params: type[SamplingParams] | type[BeamSearchParams], name: str) -> Any:
+    """The default of one of ``params``' fields: a field the API shares with the engine takes
+    the engine's default (one source for both)."""
+    return next(f.default for f in dataclasses.fields(params) if f.name == name)
 
 
 class OpenAIError(Exception):
@@ -70,7 +79,8 @@ class _SamplingFields(_Request):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
-    n: int = 1
+    n: int = _default(SamplingParams, "n")
+    # None: SamplingParams' default (serving.py passes only the values a request gives)
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -81,10 +91,10 @@ class _SamplingFields(_Request):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
-    min_tokens: int = 0
-    ignore_eos: bool = False
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
+    min_tokens: int = _default(SamplingParams, "min_tokens")
+    ignore_eos: bool = _default(SamplingParams, "ignore_eos")
+    include_stop_str_in_output: bool = _default(SamplingParams, "include_stop_str_in_output")
+    skip_special_tokens: bool = _default(SamplingParams, "skip_special_tokens")
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -109,14 +119,14 @@ PromptField = str | list[str] | list[int] | list[list[int]]
 
 class CompletionRequest(_SamplingFields):
     prompt: PromptField
-    max_tokens: int | None = 16
+    max_tokens: int | None = _default(SamplingParams, "max_tokens")  # null: until max_model_len
     logprobs: int | None = None
     echo: bool = False
     best_of: int | None = None  # sample best_of, return the n most likely
     # vLLM's beam search fields: best_of (or n) beams, the n best returned as choices
     use_beam_search: bool = False
-    length_penalty: float = 1.0
-    early_stopping: bool | Literal["never"] = False
+    length_penalty: float = _default(BeamSearchParams, "length_penalty")
+    early_stopping: bool | Literal["never"] = _default(BeamSearchParams, "early_stopping")
 
 
 class ContentPart(_Request):

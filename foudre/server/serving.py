@@ -206,11 +206,8 @@ class OpenAIServing:
         rename: dict[str, str] | None = None,
         structured: StructuredOutput | None = None,
     ) -> SamplingParams:
-        """``SamplingParams`` of a request; an invalid value is a 400 naming its field."""
-
-        def pick(value: Any, default: Any) -> Any:
-            return default if value is None else value
-
+        """``SamplingParams`` of a request; an invalid value is a 400 naming its field. A field
+        the request leaves out (None) takes ``SamplingParams``' default."""
         if req.n > self.max_n:
             raise OpenAIError(400, f"n must be at most {self.max_n}, got {req.n}", param="n")
         logit_bias = None
@@ -221,16 +218,20 @@ class OpenAIServing:
                 raise OpenAIError(
                     400, "logit_bias keys must be token ids (integers)", param="logit_bias"
                 ) from None
+        optional: dict[str, Any] = {
+            "temperature": req.temperature,
+            "top_p": req.top_p,
+            "top_k": req.top_k,
+            "min_p": req.min_p,
+            "repetition_penalty": req.repetition_penalty,
+            "presence_penalty": req.presence_penalty,
+            "frequency_penalty": req.frequency_penalty,
+        }
+        given = {name: value for name, value in optional.items() if value is not None}
         try:
             return SamplingParams(
                 n=req.n,
-                temperature=pick(req.temperature, 1.0),
-                top_p=pick(req.top_p, 1.0),
-                top_k=pick(req.top_k, 0),
-                min_p=pick(req.min_p, 0.0),
-                repetition_penalty=pick(req.repetition_penalty, 1.0),
-                presence_penalty=pick(req.presence_penalty, 0.0),
-                frequency_penalty=pick(req.frequency_penalty, 0.0),
+                **given,
                 seed=req.seed,
                 max_tokens=max_tokens,
                 min_tokens=req.min_tokens,
@@ -247,32 +248,25 @@ class OpenAIServing:
         except InvalidParameterError as e:
             raise invalid_parameter(e, rename=rename) from None
 
-    def check_fits(self, prompt_len: int, max_tokens: int | None, param: str) -> None:
-        """400 when the prompt, or the prompt plus ``max_tokens``, exceeds ``max_model_len``."""
+    def check_room(self, prompt_lens: list[int], max_tokens: int | None) -> None:
+        """400 naming ``max_tokens`` when a prompt leaves no room for ``max_tokens`` more tokens
+        within ``max_model_len``, as OpenAI's API refuses it (the engine alone would stop at
+        ``max_model_len``). From the first prompt over ``max_model_len`` on, nothing is checked:
+        the engine refuses that prompt when it is submitted."""
         limit = self.llm.max_model_len
-        if prompt_len > limit:
-            raise OpenAIError(
-                400,
-                str(PromptTooLongError(prompt_len, limit)),
-                param=param,
-                code="context_length_exceeded",
-            )
-        if max_tokens is not None and prompt_len + max_tokens > limit:
-            raise OpenAIError(
-                400,
-                f"max_tokens {max_tokens} plus the prompt's {prompt_len} tokens exceed the "
-                f"maximum context length (max_model_len) of {limit} tokens",
-                param="max_tokens",
-                code="context_length_exceeded",
-            )
-
-    def check_token_ids(self, ids: list[int], param: str) -> None:
-        vocab = self.llm.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise OpenAIError(
-                400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param=param
-            )
+        if max_tokens is None:
+            return
+        for prompt_len in prompt_lens:
+            if prompt_len > limit:
+                return
+            if prompt_len + max_tokens > limit:
+                raise OpenAIError(
+                    400,
+                    f"max_tokens {max_tokens} plus the prompt's {prompt_len} tokens exceed the "
+                    f"maximum context length (max_model_len) of {limit} tokens",
+                    param="max_tokens",
+                    code="context_length_exceeded",
+                )
 
     async def submit(self, sub: Submission) -> RequestStream:
         """The stream of ``sub`` once the engine has accepted it; 400 for what the engine

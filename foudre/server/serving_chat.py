@@ -46,7 +46,7 @@ class OpenAIServingChat:
         bos = tok.bos_token
         has_bos = bool(bos) and rendered.startswith(bos or "")
         prompt_ids = await serving.encode(rendered, not has_bos, "messages")
-        serving.check_fits(len(prompt_ids), params.max_tokens, "messages")
+        serving.check_room([len(prompt_ids)], params.max_tokens)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         sub = Submission([prompt_ids], params, rid, "messages", req.cache_salt, rename)

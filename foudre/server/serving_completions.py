@@ -7,6 +7,7 @@ import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 from starlette.types import Receive
 
@@ -38,13 +39,16 @@ class OpenAIServingCompletions:
         serving.check_model(req.model)
         params, search, rename = self._params(req)
         deadline = serving.deadline()
-        prompts, texts = await self._prompts(req, params)
+        prompts, texts = await self._prompts(req)
+        serving.check_room([len(p) for p in prompts if isinstance(p, list)], params.max_tokens)
         rid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        if search is not None:
-            return await self._beam_search(req, prompts, texts, search, rid, receive, deadline)
-        sub = Submission(prompts, params, rid, "prompt", req.cache_salt, rename)
+        asked = params if search is None else search
+        sub = Submission(prompts, asked, rid, "prompt", req.cache_salt, rename)
         stream = await serving.submit(sub)
+        echoed = await self._echoed(req, prompts, texts, stream)
+        if search is not None:
+            return await self._beam_search(req, stream, echoed, search, rid, receive, deadline)
         base: Json = {
             "id": rid,
             "object": "text_completion",
@@ -53,9 +57,9 @@ class OpenAIServingCompletions:
         }
         if not req.stream:
             finals, usage = await serving.collect(stream, receive, params.n, deadline)
-            choices = [self._choice(req, finals[i], texts[i // params.n]) for i in sorted(finals)]
+            choices = [self._choice(req, finals[i], echoed[i // params.n]) for i in sorted(finals)]
             return {**base, "choices": choices, "usage": usage.as_dict()}
-        return self._stream(req, stream, receive, params.n, texts, base, deadline)
+        return self._stream(req, stream, receive, params.n, echoed, base, deadline)
 
     def _params(
         self, req: CompletionRequest
@@ -81,11 +85,10 @@ class OpenAIServingCompletions:
                 raise invalid_parameter(e) from None
         return params, search, rename
 
-    async def _prompts(
-        self, req: CompletionRequest, params: SamplingParams
-    ) -> tuple[list[Prompt], list[str]]:
-        """The prompts as the engine takes them (token ids, or text without a tokenizer) and
-        the text of each that ``echo`` repeats ("" when it does not)."""
+    async def _prompts(self, req: CompletionRequest) -> tuple[list[Prompt], list[str | None]]:
+        """The prompts as the engine takes them (token ids, or text without a tokenizer), and
+        the text of each given as text (None for token ids). The engine checks them: not
+        empty, in the vocabulary, within ``max_model_len``."""
         serving = self.serving
         raw = req.prompt
         items: list[str | list[int]]
@@ -95,29 +98,46 @@ class OpenAIServingCompletions:
             items = [list(raw)]  # type: ignore[arg-type]
         else:
             items = list(raw)  # type: ignore[arg-type]
-        if not items:
-            raise OpenAIError(400, "prompt must not be empty", param="prompt")
         prompts: list[Prompt] = []
-        texts: list[str] = []
-        tok = serving.tokenizer
+        texts: list[str | None] = []
         for item in items:
             if isinstance(item, str):
                 texts.append(item)
-                if tok is None:
+                if serving.tokenizer is None:
                     serving.check_text(item, "prompt")
                     prompts.append(item)
-                    continue
-                ids = await serving.encode(item)
+                else:
+                    prompts.append(await serving.encode(item))
             else:
-                ids = list(item)
-                serving.check_token_ids(ids, "prompt")
-                texts.append(await serving.off_loop(tok.decode, ids) if req.echo and tok else "")
-            serving.check_fits(len(ids), params.max_tokens, "prompt")
-            prompts.append(ids)
+                texts.append(None)
+                prompts.append(list(item))
         return prompts, texts
 
-    def _choice(self, req: CompletionRequest, comp: CompletionOutput, prompt_text: str) -> Json:
-        prefix = prompt_text if req.echo else ""
+    async def _echoed(
+        self,
+        req: CompletionRequest,
+        prompts: list[Prompt],
+        texts: list[str | None],
+        stream: RequestStream,
+    ) -> list[str]:
+        """What ``echo`` puts before each prompt's choices ("" without it): the prompt's text,
+        token ids decoded once the engine has accepted them (ids outside the vocabulary are
+        refused there, not decoded here)."""
+        tok = self.serving.tokenizer
+        if not req.echo:
+            return [""] * len(prompts)
+        echoed = []
+        try:
+            for prompt, text in zip(prompts, texts):
+                if text is None and tok is not None and isinstance(prompt, list):
+                    text = await self.serving.off_loop(tok.decode, prompt)
+                echoed.append(text or "")
+        except BaseException:
+            stream.abort()
+            raise
+        return echoed
+
+    def _choice(self, req: CompletionRequest, comp: CompletionOutput, prefix: str) -> Json:
         lp = None
         if req.logprobs is not None:
             lp, _ = self._logprobs(comp.token_ids, comp.logprobs or [], req.logprobs, len(prefix))
@@ -135,22 +155,22 @@ class OpenAIServingCompletions:
         stream: RequestStream,
         receive: Receive,
         n: int,
-        texts: list[str],
+        echoed: list[str],
         base: Json,
         deadline: float | None,
     ) -> AsyncIterator[str]:
         """The SSE body: each choice's deltas (its prompt first with ``echo``)."""
-        echoed: set[int] = set()
+        started: set[int] = set()
         offsets: dict[int, int] = {}
         want_lp = req.logprobs
 
         def chunk(comp: CompletionOutput) -> Json | None:
             i = comp.index
             text = comp.delta_text
-            if req.echo and i not in echoed:
-                echoed.add(i)
-                text = texts[i // n] + text
-                offsets[i] = len(texts[i // n])
+            if req.echo and i not in started:
+                started.add(i)
+                text = echoed[i // n] + text
+                offsets[i] = len(echoed[i // n])
             lp = None
             if want_lp is not None and comp.delta_token_ids:
                 k = len(comp.delta_token_ids)
@@ -192,14 +212,15 @@ class OpenAIServingCompletions:
         if req.logprobs is not None:
             message = "logprobs are not returned with beam search"
             raise OpenAIError(400, message, param="logprobs")
+        optional: dict[str, Any] = {"max_tokens": req.max_tokens, "temperature": req.temperature}
+        given = {name: value for name, value in optional.items() if value is not None}
         try:
             return BeamSearchParams(
                 beam_width=width,
-                max_tokens=req.max_tokens if req.max_tokens is not None else 16,
                 length_penalty=req.length_penalty,
                 early_stopping=req.early_stopping,
                 ignore_eos=req.ignore_eos,
-                temperature=req.temperature or 0.0,
+                **given,
             )
         except InvalidParameterError as e:
             raise invalid_parameter(e) from None
@@ -207,8 +228,8 @@ class OpenAIServingCompletions:
     async def _beam_search(
         self,
         req: CompletionRequest,
-        prompts: list[Prompt],
-        texts: list[str],
+        stream: RequestStream,
+        echoed: list[str],
         search: BeamSearchParams,
         rid: str,
         receive: Receive,
@@ -216,7 +237,6 @@ class OpenAIServingCompletions:
     ) -> Json:
         """A beam search per prompt; the ``n`` best beams of each are its choices."""
         serving = self.serving
-        stream = await serving.submit(Submission(prompts, search, rid, "prompt", req.cache_salt))
         width = search.beam_width
         finals, usage = await serving.collect(stream, receive, width, deadline)
         choices = []
@@ -229,7 +249,7 @@ class OpenAIServingCompletions:
             choices.append(
                 {
                     "index": prompt * req.n + rank,
-                    "text": (texts[prompt] if req.echo else "") + comp.text,
+                    "text": echoed[prompt] + comp.text,
                     "logprobs": None,
                     "finish_reason": comp.finish_reason,
                     "stop_reason": None,

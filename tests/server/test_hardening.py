@@ -130,6 +130,47 @@ def test_echo_with_token_ids_outside_the_vocabulary(http: httpx.Client) -> None:
         _error(http.post("/v1/completions", json=body), 400, "prompt")
 
 
+def test_the_engine_checks_prompts_and_the_server_names_the_field(
+    srv: InProcessServer, http: httpx.Client
+) -> None:
+    """The engine refuses an empty prompt, token ids outside the vocabulary and a prompt over
+    max_model_len (the server keeps no copy of these checks); the answer names the API field."""
+    for body in (
+        {"prompt": [1, 10**30]},
+        {"prompt": [[1, 2], [1, 600]], "echo": True},
+        {"prompt": [1, 600], "use_beam_search": True, "n": 2, "echo": True},
+    ):
+        assert "outside the vocabulary" in _error(_post(http, body), 400, "prompt")["message"]
+    for prompt in ([], [[]], [[1, 2], []]):
+        assert "empty" in _error(_post(http, {"prompt": prompt}), 400, "prompt")["message"]
+    long = list(range(1, 501)) * 2  # 1000 ids, max_model_len 512
+    for body in ({"prompt": long}, {"prompt": [[1, 2], long]}, {"prompt": long, "max_tokens": 8}):
+        err = _error(_post(http, body), 400, "prompt")
+        assert err["code"] == "context_length_exceeded" and "512" in err["message"]
+    chat = {"messages": [{"role": "user", "content": "once " * 600}]}
+    assert _error(_post(http, chat, "/v1/chat/completions"), 400, "messages")["code"] == (
+        "context_length_exceeded"
+    )
+    # a prompt that fits but leaves no room for max_tokens: the server's own (OpenAI's) rule
+    err = _error(_post(http, {"prompt": list(range(1, 501)), "max_tokens": 20}), 400, "max_tokens")
+    assert err["code"] == "context_length_exceeded"
+    assert srv.llm.metrics()["num_unfinished_requests"] == 0
+
+
+def test_echo_of_token_ids(http: httpx.Client) -> None:
+    ids = http.post("/tokenize", json={"prompt": "Once upon a time"}).json()["tokens"]
+    text = http.post("/detokenize", json={"tokens": ids}).json()["prompt"]
+    for search in (False, True):
+        body = {"prompt": [ids, ids], "echo": True, "max_tokens": 3, "temperature": 0}
+        body |= {"use_beam_search": True, "n": 1, "best_of": 2} if search else {}
+        choices = _post(http, body).json()["choices"]
+        assert len(choices) == 2 and all(c["text"].startswith(text) for c in choices)
+
+
+def _post(http: httpx.Client, body: dict[str, Any], path: str = "/v1/completions") -> Any:
+    return http.post(path, json={"max_tokens": 2, **body})
+
+
 def test_long_prompts_are_refused_before_tokenizing(http: httpx.Client) -> None:
     huge = "Once upon a time " * 120_000  # 2M characters
     t0 = time.monotonic()
