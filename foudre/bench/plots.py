@@ -55,6 +55,69 @@ def _cdf_panel(ax: Any, values_ms: np.ndarray, name: str, color: str, slo_ms: fl
     ax.grid(alpha=0.3)
 
 
+def _itl_panel(ax: Any, ok: Sequence[RequestResult]) -> None:
+    """Histogram of the inter-token gaps of the successful requests, with p50/p99 markers."""
+    itl = np.array([g for r in ok for g in r.itls]) * 1000.0
+    if itl.size:
+        # a few stalls must not squash the bulk of the distribution into one bin
+        upper = min(float(itl.max()), 3.0 * float(np.percentile(itl, 99))) or 1.0
+        hidden = int(np.sum(itl > upper))
+        bins = min(60, max(10, itl.size // 20))
+        ax.hist(itl, bins=bins, range=(0.0, upper), color="tab:green", alpha=0.8)
+        for q, style in ((50, "--"), (99, ":")):
+            v = float(np.percentile(itl, q))
+            ax.axvline(v, color="0.3", linestyle=style, linewidth=1.0, label=f"p{q} {v:.1f} ms")
+        if hidden:
+            ax.plot([], [], " ", label=f"{hidden} gaps > {upper:.0f} ms not shown")
+        ax.legend(fontsize=8)
+        ax.set_yscale("log")
+    else:
+        ax.text(0.5, 0.5, "no inter-token gaps", ha="center", va="center", transform=ax.transAxes)
+    ax.set_title(f"Inter-token latency (n={itl.size})")
+    ax.set_xlabel("ms")
+    ax.set_ylabel("gaps")
+    ax.grid(alpha=0.3)
+
+
+def _throughput_panel(ax: Any, results: Sequence[RequestResult], duration: float) -> None:
+    """Output tokens/s over the run in bins of 0.1 s (at most 60), with requests in flight."""
+    times, weights = chunk_timeline(results)
+    num_bins = int(np.clip(duration / 0.1, 1, 60))
+    edges = np.linspace(0.0, duration, num_bins + 1)
+    width = edges[1] - edges[0]
+    tokens, _ = np.histogram(np.clip(times, 0.0, duration), bins=edges, weights=weights)
+    ax.bar(
+        edges[:-1],
+        tokens / width,
+        width=width,
+        align="edge",
+        color="tab:orange",
+        alpha=0.85,
+        label="output tok/s",
+    )
+    ax.set_xlabel("time since start (s)")
+    ax.set_ylabel("output tokens / s")
+    ax.set_xlim(0.0, duration)
+    ax.grid(alpha=0.3)
+    starts = np.array([r.start for r in results])
+    ends = np.array([r.start + r.latency for r in results])
+    mids = (edges[:-1] + edges[1:]) / 2.0
+    in_flight = [(np.sum((starts <= t) & (ends > t))) for t in mids]
+    twin = ax.twinx()
+    twin.plot(mids, in_flight, color="0.2", linewidth=1.2, label="requests in flight")
+    twin.set_ylabel("requests in flight")
+    twin.set_ylim(bottom=0)
+    handles = ax.get_legend_handles_labels()
+    twin_handles = twin.get_legend_handles_labels()
+    ax.legend(
+        handles[0] + twin_handles[0],
+        handles[1] + twin_handles[1],
+        fontsize=8,
+        loc="upper right",
+    )
+    ax.set_title("Throughput over the run")
+
+
 def plot_benchmark(
     results: Sequence[RequestResult],
     metrics: Mapping[str, Any],
@@ -75,69 +138,8 @@ def plot_benchmark(
         e2el = np.array([r.latency for r in ok]) * 1000.0
         _cdf_panel(axes[0, 0], ttft, "Time to first token", "tab:blue", slos.get("ttft_ms"))
         _cdf_panel(axes[0, 1], e2el, "End-to-end latency", "tab:purple", slos.get("e2el_ms"))
-
-        ax = axes[1, 0]
-        itl = np.array([g for r in ok for g in r.itls]) * 1000.0
-        if itl.size:
-            # a few stalls must not squash the bulk of the distribution into one bin
-            upper = min(float(itl.max()), 3.0 * float(np.percentile(itl, 99))) or 1.0
-            hidden = int(np.sum(itl > upper))
-            bins = min(60, max(10, itl.size // 20))
-            ax.hist(itl, bins=bins, range=(0.0, upper), color="tab:green", alpha=0.8)
-            for q, style in ((50, "--"), (99, ":")):
-                v = float(np.percentile(itl, q))
-                ax.axvline(v, color="0.3", linestyle=style, linewidth=1.0, label=f"p{q} {v:.1f} ms")
-            if hidden:
-                ax.plot([], [], " ", label=f"{hidden} gaps > {upper:.0f} ms not shown")
-            ax.legend(fontsize=8)
-            ax.set_yscale("log")
-        else:
-            ax.text(
-                0.5, 0.5, "no inter-token gaps", ha="center", va="center", transform=ax.transAxes
-            )
-        ax.set_title(f"Inter-token latency (n={itl.size})")
-        ax.set_xlabel("ms")
-        ax.set_ylabel("gaps")
-        ax.grid(alpha=0.3)
-
-        ax = axes[1, 1]
-        duration = float(metrics["duration"])
-        times, weights = chunk_timeline(results)
-        num_bins = int(np.clip(duration / 0.1, 1, 60))
-        edges = np.linspace(0.0, duration, num_bins + 1)
-        width = edges[1] - edges[0]
-        tokens, _ = np.histogram(np.clip(times, 0.0, duration), bins=edges, weights=weights)
-        ax.bar(
-            edges[:-1],
-            tokens / width,
-            width=width,
-            align="edge",
-            color="tab:orange",
-            alpha=0.85,
-            label="output tok/s",
-        )
-        ax.set_xlabel("time since start (s)")
-        ax.set_ylabel("output tokens / s")
-        ax.set_xlim(0.0, duration)
-        ax.grid(alpha=0.3)
-        starts = np.array([r.start for r in results])
-        ends = np.array([r.start + r.latency for r in results])
-        mids = (edges[:-1] + edges[1:]) / 2.0
-        in_flight = [(np.sum((starts <= t) & (ends > t))) for t in mids]
-        twin = ax.twinx()
-        twin.plot(mids, in_flight, color="0.2", linewidth=1.2, label="requests in flight")
-        twin.set_ylabel("requests in flight")
-        twin.set_ylim(bottom=0)
-        handles = ax.get_legend_handles_labels()
-        twin_handles = twin.get_legend_handles_labels()
-        ax.legend(
-            handles[0] + twin_handles[0],
-            handles[1] + twin_handles[1],
-            fontsize=8,
-            loc="upper right",
-        )
-        ax.set_title("Throughput over the run")
-
+        _itl_panel(axes[1, 0], ok)
+        _throughput_panel(axes[1, 1], results, float(metrics["duration"]))
         out = save_figure(fig, path, f"{title}\n{_key_figures(metrics)}", fontsize=12)
     finally:
         plt.close(fig)
