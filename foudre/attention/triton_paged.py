@@ -183,6 +183,39 @@ def paged_decode(
 
 
 @triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    """``tl.dot(a, b)``, in IEEE float32 (not TF32) where ``IEEE``."""
+    if IEEE:
+        c = tl.dot(a, b, input_precision="ieee")
+    else:
+        c = tl.dot(a, b)
+    return c
+
+
+@triton.jit
+def _kv_tile(ptr, at, d, kv_mask, q_ptr, CODES: tl.constexpr):
+    """The K or V rows of a tile of keys (``at``: each key's offset in the cache): as stored in a
+    float cache; a quantized cache's codes converted to the queries' dtype (exact)."""
+    if CODES == 0:
+        x = tl.load(ptr + at[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    else:
+        x = tl.load(ptr + at[:, None] + d[None, :], mask=kv_mask, other=0)
+        x = _code_values(x, CODES).to(q_ptr.dtype.element_ty)
+    return x
+
+
+@triton.jit
+def _key_range(first, ctx, window, POS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``(k_first, k_lo, k_hi)`` of a tile whose first query is at position ``first`` of a row of
+    ``ctx`` keys: the first key any query of the tile sees (0 without a window: earlier blocks
+    are not read), that rounded down to ``BLOCK_N``, and the key after the tile's last query."""
+    k_hi = tl.minimum(first + POS, ctx)
+    k_first = tl.maximum(first - tl.where(window > 0, window, first + 1) + 1, 0)
+    k_lo = k_first // BLOCK_N * BLOCK_N
+    return k_first, k_lo, k_hi
+
+
+@triton.jit
 def _paged_prefill(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, tile_ptr, n_tiles, qs_ptr, ql_ptr, len_ptr,
     bt_ptr, scale, window,
@@ -212,12 +245,7 @@ def _paged_prefill(
         q = tl.load(q_at, mask=live[:, None] & dmask[None, :], other=0.0)
         if UPCAST:
             q = q.to(tl.float32)
-        first = ctx - q_len + q0
-        k_hi = tl.minimum(first + POS, ctx)  # after the tile's last query
-        # the first key any query of the tile sees (0 without a window): earlier blocks are not
-        # read
-        k_first = tl.maximum(first - tl.where(window > 0, window, first + 1) + 1, 0)
-        k_lo = k_first // BLOCK_N * BLOCK_N
+        k_first, k_lo, k_hi = _key_range(ctx - q_len + q0, ctx, window, POS, BLOCK_N)
         m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: fully masked rows stay at 0
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM_P2], tl.float32)
@@ -228,25 +256,16 @@ def _paged_prefill(
             blk = tl.load(bt_ptr + row * stride_bt + n // BLOCK_SIZE, mask=n_ok, other=0)
             at = blk.to(tl.int64) * stride_kb + (n % BLOCK_SIZE) * stride_ks + kvh * stride_kh
             kv_mask = n_ok[:, None] & dmask[None, :]
-            if CODES == 0:
-                k = tl.load(k_ptr + at[:, None] + d[None, :], mask=kv_mask, other=0.0)
-                v = tl.load(v_ptr + at[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            else:  # codes to the queries' dtype (exact), scales by key
-                k = tl.load(k_ptr + at[:, None] + d[None, :], mask=kv_mask, other=0)
-                v = tl.load(v_ptr + at[:, None] + d[None, :], mask=kv_mask, other=0)
-                k = _code_values(k, CODES).to(q_ptr.dtype.element_ty)
-                v = _code_values(v, CODES).to(q_ptr.dtype.element_ty)
+            k = _kv_tile(k_ptr, at, d, kv_mask, q_ptr, CODES)
+            v = _kv_tile(v_ptr, at, d, kv_mask, q_ptr, CODES)
+            if CODES != 0:  # scales by key
                 s_at = blk.to(tl.int64) * stride_sb + (n % BLOCK_SIZE) * stride_ss + kvh
                 k_scale = tl.load(ks_ptr + s_at, mask=n_ok, other=0.0)
                 v_scale = tl.load(vs_ptr + s_at, mask=n_ok, other=0.0)
             p_type = v.dtype
             if UPCAST:
                 k, v = k.to(tl.float32), v.to(tl.float32)
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            s = s * scale
+            s = _dot(q, tl.trans(k), IEEE) * scale
             if CODES != 0:
                 s = s * k_scale[None, :]
             seen = live[:, None] & n_ok[None, :] & (n[None, :] <= qpos[:, None])
@@ -261,11 +280,7 @@ def _paged_prefill(
             p = p.to(p_type)  # the weights rounded as the values are stored, as FA2 does
             if UPCAST:
                 p = p.to(tl.float32)
-            if IEEE:
-                pv = tl.dot(p, v, input_precision="ieee")
-            else:
-                pv = tl.dot(p, v)
-            acc = acc * alpha[:, None] + pv
+            acc = acc * alpha[:, None] + _dot(p, v, IEEE)
             m_i = m_new
         out = acc / tl.where(live, l_i, 1.0)[:, None]
         o_at = o_ptr + (q_start + qi)[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :]
