@@ -6,6 +6,7 @@ Engine flags map one to one onto ``EngineConfig`` fields (``--max-num-seqs`` -> 
 from __future__ import annotations
 
 import argparse
+import itertools
 import logging
 import os
 import sys
@@ -50,6 +51,8 @@ def _sampling_params(args: argparse.Namespace, seed: int | None) -> SamplingPara
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    """Print the prompt, then its continuation as it is generated (with ``--beam-width``, each
+    beam's prompt and continuation on its own line)."""
     from foudre.engine.llm import LLM
 
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
@@ -63,9 +66,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         )
         [out] = llm.beam_search([prompt], params)
         for i, seq in enumerate(out.sequences):
-            print(f"[{i}] score {seq.score:.4f} ({seq.finish_reason}): {seq.text}")
+            print(f"[{i}] score {seq.score:.4f} ({seq.finish_reason}): {prompt}{seq.text}")
         return 0
-    for piece in llm.stream(prompt, _sampling_params(args, args.seed)):
+    pieces = llm.stream(prompt, _sampling_params(args, args.seed))
+    first = next(pieces, "")  # the engine has accepted the prompt: nothing printed for a refusal
+    for piece in itertools.chain([prompt, first], pieces):
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")

@@ -1,4 +1,5 @@
-"""``foudre generate``: the completion alone on stdout, errors as one line on stderr."""
+"""``foudre generate``: the prompt then its completion on stdout, errors as one line on
+stderr."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def _run(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[st
     )
 
 
-def test_generate_prints_only_the_completion(stories_paths: tuple[str, str]) -> None:
+def test_generate_prints_the_prompt_then_its_completion(stories_paths: tuple[str, str]) -> None:
     model, tok = stories_paths
     proc = _run(
         "generate",
@@ -40,7 +41,7 @@ def test_generate_prints_only_the_completion(stories_paths: tuple[str, str]) -> 
     assert proc.returncode == 0, proc.stderr
     llm = LLM(model, tokenizer=tok)
     expected = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=30))
-    assert proc.stdout == expected[0].outputs[0].text + "\n"
+    assert proc.stdout == "Once upon a time" + expected[0].outputs[0].text + "\n"
 
 
 def test_generate_reads_stdin_and_defaults_to_a_builtin_model(
@@ -48,7 +49,23 @@ def test_generate_reads_stdin_and_defaults_to_a_builtin_model(
 ) -> None:
     proc = _run("generate", "--max-tokens", "12", stdin="Once upon a time")
     assert proc.returncode == 0, proc.stderr
-    assert len(proc.stdout.strip()) > 0
+    assert proc.stdout.startswith("Once upon a time")
+    assert len(proc.stdout.strip()) > len("Once upon a time")
+
+
+def test_generate_output_starts_with_the_prompt(stories_paths: tuple[str, str]) -> None:
+    model, tok = stories_paths
+    flags = ["--model", model, "--tokenizer", tok, "--prompt", "Tom had a dog", "--max-tokens"]
+    proc = _run("generate", *flags, "8", "--temperature", "0.8", "--seed", "1")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("Tom had a dog") and len(proc.stdout) > len("Tom had a dog\n")
+    beams = _run("generate", *flags, "6", "--beam-width", "2")
+    assert beams.returncode == 0, beams.stderr
+    lines = beams.stdout.splitlines()
+    assert len(lines) == 2 and all("): Tom had a dog" in line for line in lines)
+    refused = _run("generate", *flags, "4", "--prompt", "once " * 600)
+    assert refused.returncode == 2 and refused.stdout == ""  # the engine refused: nothing printed
+    assert "max_model_len" in refused.stderr
 
 
 def test_generate_reports_bad_input_in_one_line(stories_paths: tuple[str, str], tmp_path) -> None:
