@@ -493,15 +493,9 @@ def _default_dtype(f: GGUFFile) -> str:
     return "bfloat16"
 
 
-def gguf_config(f: GGUFFile) -> ModelConfig:
-    """The ``ModelConfig`` described by the metadata (and tensor list) of ``f``.
-
-    Raises ``ModelLoadError`` naming the file for an unsupported architecture or feature
-    (partial RoPE, RoPE scaling other than linear / Llama 3, a mixture-of-experts routing other
-    than softmax then top-k), a missing or invalid key, a missing expert tensor, and for any
-    tensor of a type foudre cannot dequantize or with no place in the model, so that nothing is
-    built for a file that cannot load.
-    """
+def _check_tensors(f: GGUFFile) -> tuple[str, GGUFTensor]:
+    """``(architecture, token embedding)`` of ``f``, once its architecture is one foudre has
+    and each of its tensors has a type foudre dequantizes and a place in the model."""
     path = f.path
     arch = f.metadata.get("general.architecture")
     if arch not in ARCHITECTURES:
@@ -520,7 +514,12 @@ def gguf_config(f: GGUFFile) -> ModelConfig:
     embed = f.tensors.get("token_embd.weight")
     if embed is None or len(embed.shape) != 2:
         raise ModelLoadError(f"{path}: no 2-D token_embd.weight tensor", path)
-    hidden = _meta_int(f, f"{arch}.embedding_length")
+    return arch, embed
+
+
+def _attention_heads(f: GGUFFile, arch: str, hidden: int) -> tuple[int, int, int]:
+    """``(heads, KV heads, head_dim)``; keys, values and RoPE must share head_dim."""
+    path = f.path
     heads = _meta_int(f, f"{arch}.attention.head_count")
     kv_heads = _meta_int(f, f"{arch}.attention.head_count_kv", heads)
     if heads == 0 or kv_heads == 0:
@@ -534,22 +533,48 @@ def gguf_config(f: GGUFFile) -> ModelConfig:
             f"rope.dimension_count={rope_dim} must be equal (no partial RoPE)",
             path,
         )
-    theta = _meta_float(f, f"{arch}.rope.freq_base", 10000.0)
-    n_layers = _meta_int(f, f"{arch}.block_count")
-    moe = _gguf_moe(f, arch, n_layers)
+    return heads, kv_heads, head_dim
+
+
+def _architecture_name(f: GGUFFile, arch: str, moe: dict[str, Any]) -> str:
+    """foudre's architecture for GGUF's ``arch``: a Llama with experts is a Mixtral."""
     if arch == "llama" and moe:
-        arch_name = "mixtral"
-    elif arch in ("qwen2moe", "qwen3moe", "olmoe") and not moe:
-        raise ModelLoadError(f"{path}: a {arch} file without expert_count and routers", path)
-    else:
-        arch_name = ARCHITECTURES[arch]
-    clip = f.metadata.get(f"{arch}.attention.clamp_kqv")
-    vocab = embed.shape[0]
+        return "mixtral"
+    if arch in ("qwen2moe", "qwen3moe", "olmoe") and not moe:
+        raise ModelLoadError(f"{f.path}: a {arch} file without expert_count and routers", f.path)
+    return ARCHITECTURES[arch]
+
+
+def _eos_ids(f: GGUFFile, vocab: int) -> list[int]:
+    """The EOS, EOT and EOM token ids the file names (in the vocabulary), without duplicates."""
     eos: list[int] = []
     for key in ("eos", "eot", "eom"):
         token = f.metadata.get(f"tokenizer.ggml.{key}_token_id")
         if isinstance(token, int) and 0 <= token < vocab and token not in eos:
             eos.append(token)
+    return eos
+
+
+def gguf_config(f: GGUFFile) -> ModelConfig:
+    """The ``ModelConfig`` described by the metadata (and tensor list) of ``f``.
+
+    Raises ``ModelLoadError`` naming the file for an unsupported architecture or feature
+    (partial RoPE, RoPE scaling other than linear / Llama 3, a mixture-of-experts routing other
+    than softmax then top-k), a missing or invalid key, a missing expert tensor, and for any
+    tensor of a type foudre cannot dequantize or with no place in the model, so that nothing is
+    built for a file that cannot load.
+    """
+    path = f.path
+    arch, embed = _check_tensors(f)
+    hidden = _meta_int(f, f"{arch}.embedding_length")
+    heads, kv_heads, head_dim = _attention_heads(f, arch, hidden)
+    theta = _meta_float(f, f"{arch}.rope.freq_base", 10000.0)
+    n_layers = _meta_int(f, f"{arch}.block_count")
+    moe = _gguf_moe(f, arch, n_layers)
+    arch_name = _architecture_name(f, arch, moe)
+    clip = f.metadata.get(f"{arch}.attention.clamp_kqv")
+    vocab = embed.shape[0]
+    eos = _eos_ids(f, vocab)
     bos = f.metadata.get("tokenizer.ggml.bos_token_id")
     try:
         return ModelConfig(
