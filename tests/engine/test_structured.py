@@ -285,7 +285,7 @@ def test_no_tokenizer_no_structured_output() -> None:
 
 
 def test_compiled_grammars_are_cached_by_spec(llm: LLM) -> None:
-    compiler = llm.engine._grammars()
+    compiler = llm.engine.inputs.grammars()
     spec = {"type": "object", "properties": {"cached": {"type": "boolean"}}}
     before = compiler.num_compiled
     for _ in range(3):

@@ -1,0 +1,131 @@
+"""How an engine is put together from its configuration: the device, the model, the KV-cache
+manager, the scheduler, the model runner and the proposer. Plain functions: ``LLMEngine`` calls
+them once and keeps what they build."""
+
+from __future__ import annotations
+
+import torch
+
+from foudre.attention import get_backend
+from foudre.config import EngineConfig
+from foudre.engine.kv_cache import KVCacheManager
+from foudre.engine.policies import make_policy
+from foudre.engine.scheduler import Scheduler
+from foudre.loading.loader import LoadedModel, default_model, load_model
+from foudre.models.config import ModelConfig
+from foudre.models.llama import LlamaForCausalLM
+from foudre.runner.model_runner import ModelRunner
+from foudre.speculative.proposers import Proposer
+from foudre.speculative.registry import ProposerContext, make_proposer
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_max_model_len(config: EngineConfig, mcfg: ModelConfig) -> int:
+    """``max_model_len`` as given or the model's (a sliding window does not limit it: every
+    attention backend computes the window). ``ValueError`` above the model's positions."""
+    max_len = config.max_model_len or mcfg.max_position_embeddings
+    if max_len > mcfg.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len {max_len} exceeds the model's "
+            f"max_position_embeddings {mcfg.max_position_embeddings}"
+        )
+    return max_len
+
+
+def load(config: EngineConfig, device: torch.device) -> tuple[str, LoadedModel]:
+    """The model named by ``config`` (the embedded default when none is), and its name."""
+    model, default_tok = (config.model, None) if config.model else default_model()
+    loaded = load_model(
+        model,
+        config.tokenizer or default_tok,
+        config.dtype,
+        device,
+        None,
+        config.revision,
+        config.quantization,
+    )
+    return model, loaded
+
+
+def check_capacity(num_blocks: int, config: EngineConfig, max_model_len: int) -> None:
+    if num_blocks * config.block_size < max_model_len:
+        raise ValueError(
+            f"the KV cache holds {num_blocks * config.block_size} tokens, fewer than "
+            f"max_model_len {max_model_len}; give more KV memory or a smaller max_model_len"
+        )
+
+
+def block_manager(config: EngineConfig, num_blocks: int, max_model_len: int) -> KVCacheManager:
+    contiguous = config.kv_allocation == "contiguous"
+    return KVCacheManager(
+        num_blocks,
+        config.block_size,
+        config.enable_prefix_caching,
+        reserve_tokens=max_model_len if contiguous else None,
+        copy_on_write=config.copy_on_write,
+    )
+
+
+def scheduler(config: EngineConfig, kv: KVCacheManager, max_model_len: int) -> Scheduler:
+    max_batched = config.max_num_batched_tokens
+    if not config.enable_chunked_prefill:
+        max_batched = max(max_batched, max_model_len)
+    return Scheduler(
+        kv,
+        max_batched,
+        config.max_num_seqs,
+        max_model_len,
+        config.enable_chunked_prefill,
+        make_policy(config.scheduling_policy, config.max_num_seqs, config.batch_wait_ms),
+    )
+
+
+def runner(
+    config: EngineConfig,
+    model: LlamaForCausalLM,
+    num_blocks: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_model_len: int,
+) -> ModelRunner:
+    return ModelRunner(
+        model,
+        get_backend(config.attention_backend, device, config.kv_cache_dtype),
+        num_blocks,
+        config.block_size,
+        device,
+        dtype,
+        config.seed,
+        config.kv_cache_dtype,
+        decode_graphs=not config.enforce_eager,
+        max_num_seqs=config.max_num_seqs,
+        max_model_len=max_model_len,
+    )
+
+
+def proposer(
+    config: EngineConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    vocab_size: int,
+    max_model_len: int,
+    num_blocks: int,
+) -> Proposer | None:
+    """The speculative proposer ``config`` asks for (a draft model gets a KV cache of its own,
+    as many blocks as the target's), or None."""
+    return make_proposer(
+        ProposerContext(
+            config,
+            device,
+            dtype,
+            vocab_size,
+            max_model_len,
+            num_blocks,
+            lambda: KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching),
+        )
+    )
