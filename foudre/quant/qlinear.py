@@ -50,81 +50,56 @@ from foudre.quant.packing import (
 
 log = logging.getLogger(__name__)
 
-# Rows up to which the CPU forward runs cpu_qmatmul rather than aten's packed kernels, by bits.
-# Measured on one Zen 4 thread (benchmarks/quant_kernels_cpu.py and 2048x2048 at 4 to 1024 rows,
-# bf16 activations): ours int8 1.7x aten's speed at one row with the weights read from memory,
-# 1.25-1.9x at 16 and 1.4-1.6x at 512-2048 rows; ours int4 (reading pack_int4's nibbles
-# directly, two vpdpbusd summed per 128 columns) 2.6x aten's at 4 rows, 1.1x at 16, 1.6-4x at
-# 64-1024: every batch below DEQUANTIZED_GEMM_ROWS, for both (int4 weights then need no second,
-# aten-packed copy); tests lower it to reach aten's kernels.
+# Where each CPU kernel leads: the crossings below were measured with
+# benchmarks/quant_kernels_cpu.py (weights of a few thousand rows and columns, bf16 activations,
+# ours against the other path in turns); the figures are in docs/architecture.md ("Quantized
+# weights"), which says what to rerun when a kernel changes.
+
+# Rows up to which the CPU forward runs cpu_qmatmul rather than aten's packed kernels, by bits:
+# ours lead aten's at every batch below DEQUANTIZED_GEMM_ROWS, for int8 and for int4 (reading
+# pack_int4's nibbles directly, two vpdpbusd summed per 128 columns), so int4 weights need no
+# second, aten-packed copy; tests lower it to reach aten's kernels.
 NATIVE_MAX_ROWS: dict[int, float] = {8: math.inf, 4: math.inf}
 # Rows from which the CPU forward dequantizes the weight a few rows at a time into x's dtype and
 # runs torch's GEMM (cpu_qmatmul.matmul_dequantized): at prefill sizes the step is compute-bound
 # and a bf16 GEMM does more per cycle than the integer kernel's int8 products with their
-# per-block scaling. Measured on one Zen 4 thread, 2048 x 2048, bf16 (ours / dequantized + GEMM,
-# int4 g128): 16 rows 0.46 / 0.82 ms, 32 rows 1.17 / 1.12, 64 rows 1.77 / 1.62, 256 rows 9.4 / 5.0,
-# 1024 rows 40 / 19 (bf16 weights: 18.4).
+# per-block scaling.
 DEQUANTIZED_GEMM_ROWS = 64
 # ... from 32 rows for group-wise 8-bit layouts (GGUF's Q8_0, Q5_x, and Q6_K beside other
-# types), whose kernel steps multiply every lane by its group's scale. Measured again once the
-# steps summed two halves' lanes in pairs and the dequantization read a group's scale once
-# (8192 x 1536, 2 threads, bf16, ours / dequantized + GEMM): Q8_0 16 rows 1.65 / 1.97 ms, 24
-# rows 2.36 / 2.09, 32 rows 3.12 / 2.39; int8 g16 with float32 scales 16 rows 1.33 / 1.68, 24
-# rows 2.00 / 1.94, 32 rows 2.56 / 2.22: the crossing near 24, 32 kept (the native decode step's
-# bound). Before (each loop compiled for its scales' type): int8 g32 16 rows 1.89 /
-# 2.39 ms, 24 rows 2.73 / 3.17, 28 rows 3.33 / 3.65, 32 rows 3.63 / 2.81; int8 g16 with float32
-# scales 16 rows 2.91 / 3.70, 24 rows 4.20 / 4.28, 32 rows 4.95 / 4.90 (before that compiled
-# loop the crossing was at 16 rows: a Q8_0 file's 32 requests 124-137 -> 161-177 tok/s in turns).
-# int4 g32 (24 rows 2.71 / 2.93, 32 rows 3.73 / 3.04) gained nothing end to end (its steps then
-# leave the native decode step) and keeps 64, as 6 bits do (Q6_K: 48 rows 3.95 / 4.52 ms, 64
-# rows 4.77 / 5.70, 96 rows 7.74 / 6.80: the crossing near 80, the native decode step's bound
-# kept). Measured with bf16 activations on the VNNI path; float32 activations and the AVX-512
-# float path take the same rows, unmeasured.
+# types), whose kernel steps multiply every lane by its group's scale: their crossing lies near
+# 24 rows, and 32 is kept as the native decode step's bound. int4 in groups of 32 gained nothing
+# end to end from a lower bound (its steps then leave the native decode step) and keeps 64, as
+# 6 bits do (their crossing lies near 80 rows, the native decode step's bound kept). Measured with
+# bf16 activations on the VNNI path; float32 activations and the AVX-512 float path take the
+# same rows, unmeasured.
 GROUPED8_GEMM_ROWS = 32
 
 
 # On the AVX2 path (no AVX-512, where torch's bfloat16 GEMM runs in float32:
 # layers.linear.gemm_dtype) the integer kernel leads far longer, once its tiles take x's rows a
-# panel at a time (cpu_qmatmul.cpp's kPanelBytes). Measured on a 2-core Zen 3, 8192 x 1536, bf16
-# x, the dequantized GEMM's time over ours: int8 per channel and int4 g128 1.5x at 64 rows, 1.2x
-# at 128, 1.07-1.16x at 256-1024 (1536 x 4096 int8: 0.93x at 512); int4 g64 1.08x at 128, 0.95x
-# at 256; int4 g32 (Q4_0) 1.24x at 64, 0.99x at 128; 8-bit g32 (Q8_0) 1.35x at 32, 0.97x at 64.
-# Since the tiles take their zero points off lane-wise (Avx2::take_offsets): Q4_0 1.08x at 128,
-# 1.00x at 192, 0.96x at 256; int4 g32 with zero points 1.09x at 128, 1.0x at 192-256; int4 g128
-# 1.12-1.27x at 512-1024 rows (8192 x 1536, 1536 x 4096, 2304 x 1536), 1.11-1.23x at 2048;
-# int8 per channel 1.06-1.17x at 512, 1.02-1.17x at 1024, 0.97-1.06x at 2048. (So there prompt
-# chunks under 2048 tokens round their activations to int8 too, within cpu_qmatmul.error_bound.)
-# Since the group-wise int8 loops take their scales' spread as a constant (cpu_qmatmul.cpp's
-# two_scales; 1.10-1.17x the speed), Q8_0's dequantized GEMM over ours: 1.07-1.9x at 64 rows,
-# 1.24-1.29x at 128, 0.86-1.07x at 192, 0.86-0.99x at 256; with zero points (Q5_1) 1.19-1.28x
-# at 128, 1.01-1.02x at 192 (a 494.7M Llama's Q8_0 file prefilled 128 tokens 1.18x as fast
-# as through the dequantized GEMM, in turns in one process); in groups of 16 (two scales a step)
-# 1.11-1.20x at 64 rows, 0.87-0.93x at 128 ("grouped8_16"). 6 bits, unmeasured there, keep the
-# other paths' rows.
+# panel at a time (cpu_qmatmul.cpp's kPanelBytes), and takes its zero points off lane-wise
+# (Avx2::take_offsets): int8 per channel and int4 in groups of 128 up to 2048 rows (so there
+# prompt chunks under 2048 tokens round their activations to int8 too, within
+# cpu_qmatmul.error_bound); int4 in smaller groups and group-wise int8 (whose loops take their
+# scales' spread as a constant: cpu_qmatmul.cpp's two_scales) up to 192; group-wise int8 in
+# groups of 16 (two scales a step) up to 96. 6 bits, unmeasured there, keep the other paths'
+# rows.
 AVX2_GEMM_ROWS = {"wide": 2048, "int4": 192, "grouped8": 192, "grouped8_16": 96}
 
 # Where per-channel int8 and int4 in groups of 128 or more run on AMX's int8 tiles
-# (cpu_qmatmul.amx_rows), their kernels lead the dequantized GEMM (oneDNN's bfloat16 one on AMX) at
-# every batch measured up to 512 rows: 12 weights of 4096 x 1536 and 1536 x 4096 on an Intel Xeon (2
-# threads, bf16 x), int8 9.8 / 17.0 / 33.8 / 64.5 ms at 64 / 128 / 256 / 512 rows against 25.8 /
-# 35.5 / 45.0 / 84.5, int4 g128 9.9 / 19.9 / 28.6 / 64.1 against 25.2 / 34.8 / 36.8 / 77.2 (the
-# tiles' time grows by ~0.13 ms a row, the dequantized GEMM's by ~0.15 past its dequantization), but
-# not at 1024 (int8 0.94x, int4 0.88x; 2048 rows 0.49x / 0.51x: each task reads all of x's packed
-# rows again). So there they take up to 1023 rows.
+# (cpu_qmatmul.amx_rows), their kernels lead the dequantized GEMM (oneDNN's bfloat16 one on AMX)
+# at every batch measured up to 512 rows (the tiles' time grows more slowly with the rows than
+# the dequantized GEMM's past its dequantization), but not at 1024, where each task reads all of
+# x's packed rows again. So there they take up to 1023 rows.
 AMX_GEMM_ROWS = 1024
-# ... groups of 32 on the tiles (a tile product and its float scaling every 32 columns): group-wise
-# int8 (GGUF's Q8_0, Q5_x) up to 159 rows: the same 12 weights, float16 scales, its time over the
-# dequantized GEMM's 0.25x at 8 rows, 0.39x at 32, 0.54x at 64, 0.86x at 128, 1.02x at 160, 1.18x
-# at 192 (the VNNI kernel before: from 32 rows the dequantized GEMM); int4 (Q4_0, Q4_1, Q4_K, its
-# rows unpacked to bytes a task) up to 127: 0.39x at 16, 0.55x at 32, 0.74x at 64, 1.02x at 128,
-# 1.29x at 192 (the VNNI kernel before: from 64 rows the dequantized GEMM).
+# ... groups of 32 on the tiles (a tile product and its float scaling every 32 columns):
+# group-wise int8 (GGUF's Q8_0, Q5_x) up to 159 rows, int4 (Q4_0, Q4_1, Q4_K, its rows unpacked
+# to bytes a task) up to 127, where each crossing lies (the VNNI kernel before them: the
+# dequantized GEMM from 32 and 64 rows).
 AMX_GROUPS32_GEMM_ROWS = {8: 160, 4: 128}
 # ... int4 in groups of 64, on the tiles only in blocks of 16 rows (cpu_qmatmul.interleave; rows
-# of it have no tile kernel), up to 255: six weights of 4096 x 1536 and 1536 x 4096 (2 threads,
-# bf16 x, in turns), their time over the dequantized GEMM's 0.23x at 32 rows, 0.35x at 64, 0.42x
-# at 128, 0.73-0.76x at 192, 0.91-1.01x at 256, 1.15x at 320-384 (before, from 64 rows the
-# dequantized GEMM: 2.5-3x as long at 64-128 rows). (Groups of 32 in blocks: 0.85x at 128, 1.09x
-# at 160: AMX_GROUPS32_GEMM_ROWS's 128 holds.)
+# of it have no tile kernel), up to 255, where the crossing lies (groups of 32 in blocks cross
+# near 128: AMX_GROUPS32_GEMM_ROWS's 128 holds).
 AMX_BLOCKS64_GEMM_ROWS = 256
 
 
@@ -146,6 +121,20 @@ def dequantized_gemm_rows(bits: int, group_size: int | None) -> int:
         wide = bits == 8 or (group_size or 0) >= 128
         return AVX2_GEMM_ROWS["wide" if wide else "int4"]
     return GROUPED8_GEMM_ROWS if grouped8 else DEQUANTIZED_GEMM_ROWS
+
+
+def _check_format(bits: int, group_size: int | None, zero_point: bool) -> None:
+    """A ``QuantLinear``'s bits, group size and zero point must name a layout it has."""
+    if bits not in (4, 6, 8):
+        raise ValueError(f"bits must be 4, 6 or 8, got {bits}")
+    sizes = {4: INT4_GROUP_SIZES, 6: (16,), 8: INT8_GROUP_SIZES}[bits]
+    if (bits != 8 or group_size is not None) and group_size not in sizes:
+        raise ValueError(
+            f"{bits}-bit group_size must be one of {sizes}"
+            f"{' or None' if bits == 8 else ''}, got {group_size}"
+        )
+    if zero_point and (bits != 8 or group_size is None):
+        raise ValueError("zero_point is for group-wise 8-bit weights (4-bit always has one)")
 
 
 class QuantLinear(nn.Module):
@@ -192,21 +181,44 @@ class QuantLinear(nn.Module):
         zero_point: bool = False,
     ) -> None:
         super().__init__()
-        if bits not in (4, 6, 8):
-            raise ValueError(f"bits must be 4, 6 or 8, got {bits}")
-        sizes = {4: INT4_GROUP_SIZES, 6: (16,), 8: INT8_GROUP_SIZES}[bits]
-        if (bits != 8 or group_size is not None) and group_size not in sizes:
-            raise ValueError(
-                f"{bits}-bit group_size must be one of {sizes}"
-                f"{' or None' if bits == 8 else ''}, got {group_size}"
-            )
-        if zero_point and (bits != 8 or group_size is None):
-            raise ValueError("zero_point is for group-wise 8-bit weights (4-bit always has one)")
+        _check_format(bits, group_size, zero_point)
         self.in_features, self.out_features = in_features, out_features
         self.bits = bits
         self.group_size = group_size
         n, k = out_features, in_features
         sdtype = scale_dtype or dtype  # GGUF's scales keep their exact float16 / float32 values
+        self._register_codes(n, k, sdtype, device, zero_point)
+        self.register_buffer("bias", torch.zeros(n, dtype=dtype, device=device) if bias else None)
+        self.register_buffer(
+            "input_scale", torch.ones(k, dtype=dtype, device=device) if input_scale else None
+        )
+        self.register_buffer(
+            "perm", torch.arange(k, dtype=torch.long, device=device) if perm else None
+        )
+        # aten's kernel layouts by (device, activation dtype), and cpu_qmatmul's (any dtype)
+        self._packed: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, ...]] = {}
+        self._native: cpu_qmatmul.Packed | None = None
+        # (kind, K, zc, zero points stored in the blocks, the scales' dtype as the module held
+        # them) where qweight holds cpu_qmatmul.interleave's blocks (scales and zero points
+        # inside them, ``scales`` and ``zeros`` then empty): set by _native_layout, undone by
+        # _restore
+        self._interleaved: tuple[str, int, float, bool, torch.dtype] | None = None
+        # activations are cast to this dtype for the CPU kernels and the result cast back
+        # (None: the input's dtype). torch's float32 packed kernels are much slower than its
+        # bfloat16 ones; see set_compute_dtype.
+        self.compute_dtype: torch.dtype | None = None
+
+    def _register_codes(
+        self,
+        n: int,
+        k: int,
+        sdtype: torch.dtype,
+        device: torch.device | str | None,
+        zero_point: bool,
+    ) -> None:
+        """The buffers of the codes, their scales and zero points, in the layout of
+        ``self.bits`` and ``self.group_size`` for a weight ``[n, k]``."""
+        bits, group_size = self.bits, self.group_size
         if bits == 8 and group_size is None:
             self.register_buffer("qweight", torch.zeros(n, k, dtype=torch.int8, device=device))
             self.register_buffer("scales", torch.ones(n, dtype=sdtype, device=device))
@@ -240,25 +252,6 @@ class QuantLinear(nn.Module):
             self.register_buffer(
                 "zeros", torch.zeros(n, kp // group_size, dtype=sdtype, device=device)
             )
-        self.register_buffer("bias", torch.zeros(n, dtype=dtype, device=device) if bias else None)
-        self.register_buffer(
-            "input_scale", torch.ones(k, dtype=dtype, device=device) if input_scale else None
-        )
-        self.register_buffer(
-            "perm", torch.arange(k, dtype=torch.long, device=device) if perm else None
-        )
-        # aten's kernel layouts by (device, activation dtype), and cpu_qmatmul's (any dtype)
-        self._packed: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, ...]] = {}
-        self._native: cpu_qmatmul.Packed | None = None
-        # (kind, K, zc, zero points stored in the blocks, the scales' dtype as the module held
-        # them) where qweight holds cpu_qmatmul.interleave's blocks (scales and zero points
-        # inside them, ``scales`` and ``zeros`` then empty): set by _native_layout, undone by
-        # _restore
-        self._interleaved: tuple[str, int, float, bool, torch.dtype] | None = None
-        # activations are cast to this dtype for the CPU kernels and the result cast back
-        # (None: the input's dtype). torch 2.13's float32 packed kernels are several times
-        # slower than its bfloat16 ones; see set_compute_dtype.
-        self.compute_dtype: torch.dtype | None = None
 
     # -- construction --------------------------------------------------------------------
 
@@ -444,9 +437,9 @@ class QuantLinear(nn.Module):
         scale_dtype = self.scales.dtype  # (layout casts them to float32 beside other zeros)
         if cpu_qmatmul.interleaves(packed):
             # GGUF's Q8_0 and Q5_0, and int4 (GGUF's Q4_x too), in blocks of 16 rows in place
-            # of the rows (the same codes and scales, rows padded to 16; batch 1 1.04-1.13x as
-            # fast from memory, 1.2-1.5x from the caches, 1.1-1.4x at 2-64 rows): the buffers
-            # become the blocks (scales and zeros empty)
+            # of the rows (the same codes and scales, rows padded to 16; faster at batch 1 and
+            # at 2-64 rows: docs/architecture.md, "Quantized weights"): the buffers become the
+            # blocks (scales and zeros empty)
             with torch.inference_mode(False):
                 packed = cpu_qmatmul.interleave(packed)
             self._buffers["qweight"], self._buffers["scales"] = packed.w, packed.s
