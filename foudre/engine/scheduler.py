@@ -17,11 +17,6 @@ their K/V written.
 The scheduler owns ``num_computed_tokens``: admission sets it to the prefix-cache hit,
 preemption resets it, and ``update`` (after the runner's forward) advances it by the tokens the
 step computed and rolls back the drafts the target rejected. Nothing else writes it.
-
-It also tells the runner's persistent batch who enters it (admitted, resumed or forked requests,
-as ``NewRequest``) and who leaves it (finished or preempted ids): the deltas since the last step
-that ran, carried by the next ``SchedulerOutput`` that has rows (a step without rows does not
-reach the runner, so its deltas wait).
 """
 
 from __future__ import annotations
@@ -34,7 +29,7 @@ from collections.abc import Callable
 from foudre.engine.kv_cache import KVCacheManager
 from foudre.engine.policies import ContinuousPolicy, SchedulingPolicy
 from foudre.engine.request import Cohort, Request, RequestStatus
-from foudre.runner.step import NewRequest, ScheduledRow, SchedulerOutput, StepOutput
+from foudre.runner.step import ScheduledRow, SchedulerOutput, StepOutput
 
 
 class Scheduler:
@@ -60,9 +55,6 @@ class Scheduler:
         self.quarantined: set[str] = set()
         self.num_preemptions = 0
         self.on_free: Callable[[Request], None] | None = None  # e.g. the draft model's cache
-        # the runner's batch deltas not yet sent: entering requests (by id), leaving ids
-        self._entering: dict[str, Request] = {}
-        self._leaving: list[str] = []
 
     # -- queue management ----------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -89,7 +81,6 @@ class Scheduler:
         child.num_computed_tokens = parent.num_computed_tokens
         child.status = RequestStatus.RUNNING
         self.running.append(child)
-        self._entering[child.request_id] = child
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -121,8 +112,6 @@ class Scheduler:
         request.fork_children = []
 
     def _free(self, request: Request, uncache: bool = False) -> None:
-        self._entering.pop(request.request_id, None)
-        self._leaving.append(request.request_id)
         request.clear_spec()
         self.kv.free(request, uncache)
         if self.on_free is not None:
@@ -230,16 +219,11 @@ class Scheduler:
                 budget -= admitted
 
         out = SchedulerOutput(
-            [],
+            [self._row(req, n) for req, n in scheduled],
             [r.request_id for r in preempted],
             self.policy.num_padding_rows if scheduled else 0,
             self.kv.take_copies() if scheduled else [],  # else they wait for a step that runs
         )
-        if scheduled:  # the batch's deltas, else they wait for a step that runs
-            out.removed, self._leaving = self._leaving, []
-            out.new_requests = [new_request(r) for r in self._entering.values()]
-            self._entering = {}
-            out.rows = [self._row(req, n, out.new_requests) for req, n in scheduled]
         assert out.total_tokens <= self.max_num_batched_tokens
         assert self._occupied_seats() <= self.max_num_seqs
         return out
@@ -287,7 +271,6 @@ class Scheduler:
                 req.first_scheduled_time = now
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            self._entering[req.request_id] = req
             if num_new:
                 scheduled.append((req, num_new))
         return budget - left
@@ -342,32 +325,21 @@ class Scheduler:
         self.waiting.remove(probe)
         self.waiting.appendleft(probe)
 
-    def _row(self, req: Request, num_new: int, entering: list[NewRequest]) -> ScheduledRow:
-        """The row of ``req`` computing ``num_new`` tokens; the samples forking from it at
-        this step enter the runner's batch (``entering``) to draw from its logits."""
+    def _row(self, req: Request, num_new: int) -> ScheduledRow:
         start = req.num_computed_tokens
         end = start + num_new
         # a request samples once it reaches its last token; every draft adds one position
         num_logits = end - req.num_tokens + 1 if end >= req.num_tokens else 0
-        if not num_logits:
-            return ScheduledRow(
-                req.request_id,
-                start,
-                req.input_token_ids(start, end),
-                self.kv.block_ids(req.request_id),
-                0,
-            )
-        assert num_logits == len(req.spec_token_ids) + 1, "drafts scheduled partially"
-        forks = [c for c in req.fork_children if not c.is_finished]
-        entering += [new_request(c) for c in forks]
+        assert num_logits in (0, len(req.spec_token_ids) + 1), "drafts scheduled partially"
+        forks = [c for c in req.fork_children if not c.is_finished] if num_logits else []
         return ScheduledRow(
             req.request_id,
             start,
             req.input_token_ids(start, end),
             self.kv.block_ids(req.request_id),
             num_logits,
-            req.spec_token_ids,
-            req.spec_probs,
+            req if num_logits else None,
+            forks,  # type: ignore[arg-type]
             [c.request_id for c in forks],
         )
 
@@ -404,16 +376,3 @@ class Scheduler:
             self.kv.num_free_blocks,
             self.kv.num_blocks,
         )
-
-
-def new_request(req: Request) -> NewRequest:
-    """What the runner's batch keeps of ``req`` (its token lists copied: the engine appends)."""
-    return NewRequest(
-        req.request_id,
-        list(req.prompt_token_ids),
-        list(req.output_token_ids),
-        req.sampling_params,
-        req.eos_token_ids,
-        req.generator,
-        req.grammar,
-    )
