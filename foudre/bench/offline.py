@@ -106,6 +106,137 @@ def reset_peak_rss() -> bool:
     return True
 
 
+class _Replay:
+    """The driver's state over one ``replay``: the requests still pending, and what each of the
+    workload's requests got (lists in the workload's order)."""
+
+    def __init__(self, engine: LLMEngine, workload: Sequence[WorkItem], temperature: float):
+        self.engine = engine
+        self.workload = workload
+        self.temperature = temperature
+        n = len(workload)
+        self.pending = sorted(range(n), key=lambda i: workload[i].arrival)
+        self.ids = [f"replay-{id(workload)}-{i}" for i in range(n)]
+        self.index = {rid: i for i, rid in enumerate(self.ids)}
+        self.arrivals = [math.nan] * n
+        self.chunk_times: list[list[float]] = [[] for _ in range(n)]
+        self.num_tokens = [0] * n
+        self.input_lens = [len(w.prompt) if not isinstance(w.prompt, str) else 0 for w in workload]
+        self.released: set[int] = set()  # requests whose after_tokens condition was dropped
+        self.finished = [False] * n
+        self.triggered: dict[int, float] = {}  # after_tokens threshold -> time first reached
+        self.produced = 0
+        self.max_running = 0
+        self.peak_kv = 0.0  # after each step; the engine's own peak (mid-step) is used when it rose
+        self.step_times: list[float] = []
+        self.base = engine.metrics()
+        self.added: list[str] = []
+        self.start = time.monotonic()
+
+    def admit(self, now: float) -> None:
+        """Add every pending request due at ``now``: its arrival time passed, and its
+        ``after_tokens`` condition met (its clock then starts no earlier) or dropped."""
+        from foudre.sampling_params import SamplingParams
+
+        still: list[int] = []
+        for i in self.pending:
+            item = self.workload[i]
+            due = self.start + item.arrival
+            if item.after_tokens > 0 and i not in self.released:
+                if self.produced < item.after_tokens:
+                    still.append(i)
+                    continue
+                due = max(due, self.triggered.setdefault(item.after_tokens, now))
+            if due > now:
+                still.append(i)
+                continue
+            params = SamplingParams(
+                temperature=self.temperature,
+                max_tokens=item.output_len,
+                ignore_eos=item.ignore_eos,
+                seed=i if self.temperature > 0 else None,
+            )
+            self.engine.add_request(item.prompt, params, request_id=self.ids[i], arrival_time=due)
+            self.added.append(self.ids[i])
+            self.arrivals[i] = due - self.start
+        self.pending = still
+
+    def held_by_tokens_only(self) -> bool:
+        """Whether every pending request waits for the run's own tokens (none for a time)."""
+        return all(
+            self.workload[i].after_tokens > 0 and i not in self.released for i in self.pending
+        )
+
+    def step(self) -> None:
+        """One engine step, timed, with its batch's figures and its outputs' tokens recorded."""
+        engine = self.engine
+        t0 = time.perf_counter()
+        outputs = engine.step()
+        self.step_times.append(time.perf_counter() - t0)
+        # the batch of this step (including requests it finished) and what still runs
+        figs = engine.metrics()
+        running_now = max(int(figs["num_scheduled_last_step"]), int(figs["num_running"]))
+        self.max_running = max(self.max_running, running_now)
+        self.peak_kv = max(self.peak_kv, float(figs["kv_cache_usage"]))
+        for out in outputs:
+            i = self.index[out.request_id]
+            comp = out.outputs[0]
+            if comp.delta_token_ids:
+                stamp = out.metrics.last_token_time if out.metrics else None
+                self.chunk_times[i].append(stamp if stamp is not None else time.monotonic())
+                self.produced += len(comp.delta_token_ids)
+            self.num_tokens[i] = len(comp.token_ids)
+            self.input_lens[i] = len(out.prompt_token_ids)
+            if out.finished:
+                self.finished[i] = comp.finish_reason != "abort"
+        if engine.stalled and not outputs:
+            time.sleep(IDLE_SLEEP_S)
+
+    def request_results(self) -> list[RequestResult]:
+        """Each request's trace, timed from its scheduled arrival; unfinished ones failed."""
+        results = []
+        for i in range(len(self.workload)):
+            r = RequestResult(input_len=self.input_lens[i])
+            r.start = self.arrivals[i]
+            times = self.chunk_times[i]
+            if self.finished[i] and times:
+                sched = self.start + self.arrivals[i]
+                r.ttft = times[0] - sched
+                r.itls = np.diff(times).tolist()
+                r.latency = times[-1] - sched
+                r.output_len = self.num_tokens[i]
+                r.success = True
+            else:
+                r.error = "did not finish"
+            results.append(r)
+        return results
+
+    def result(self) -> ReplayResult:
+        """The run's ``ReplayResult``: the engine's counters as their change over the run."""
+        end = max((t[-1] for t in self.chunk_times if t), default=time.monotonic())
+        results = self.request_results()
+        metrics, base = self.engine.metrics(), self.base
+        return ReplayResult(
+            results=results,
+            arrivals=self.arrivals,
+            tags=[w.tag for w in self.workload],
+            duration=max(end - self.start, 1e-9),
+            num_steps=len(self.step_times),
+            peak_kv_usage=(
+                float(metrics["peak_kv_cache_usage"])
+                if metrics["peak_kv_cache_usage"] > base["peak_kv_cache_usage"]
+                else self.peak_kv
+            ),
+            num_preemptions=int(metrics["num_preemptions"]) - int(base["num_preemptions"]),
+            max_running=self.max_running,
+            prefix_cache_hits=int(metrics["prefix_cache_hits"]) - int(base["prefix_cache_hits"]),
+            prefix_cache_queries=int(metrics["prefix_cache_queries"])
+            - int(base["prefix_cache_queries"]),
+            peak_rss_bytes=peak_rss_bytes(),
+            step_times=self.step_times,
+        )
+
+
 def replay(
     engine: LLMEngine, workload: Sequence[WorkItem], *, temperature: float = 0.0
 ) -> ReplayResult:
@@ -119,123 +250,26 @@ def replay(
     timed request has been added, the engine's batching policy is told that no more will come
     (as ``LLM.generate`` does), so a static batch that can never fill still runs.
     """
-    from foudre.sampling_params import SamplingParams
-
     if engine.has_unfinished_requests():
         raise ValueError("replay needs an idle engine")
-    n = len(workload)
-    order = sorted(range(n), key=lambda i: workload[i].arrival)
-    pending = list(order)
-    ids = [f"replay-{id(workload)}-{i}" for i in range(n)]
-    index = {rid: i for i, rid in enumerate(ids)}
-    arrivals = [math.nan] * n
-    chunk_times: list[list[float]] = [[] for _ in range(n)]
-    num_tokens = [0] * n
-    input_lens = [len(w.prompt) if not isinstance(w.prompt, str) else 0 for w in workload]
-    released: set[int] = set()  # requests whose after_tokens condition was dropped
-    finished = [False] * n
-    triggered: dict[int, float] = {}  # after_tokens threshold -> time it was first reached
-    produced = 0
-    max_running = 0
-    peak_kv = 0.0  # after each step; the engine's own peak (mid-step) is used when it rose
-    step_times: list[float] = []
-    base = engine.metrics()
-    added: list[str] = []
-    start = time.monotonic()
+    run = _Replay(engine, workload, temperature)
     try:
-        while pending or engine.has_unfinished_requests():
-            now = time.monotonic()
-            still: list[int] = []
-            for i in pending:
-                item = workload[i]
-                due = start + item.arrival
-                if item.after_tokens > 0 and i not in released:
-                    if produced < item.after_tokens:
-                        still.append(i)
-                        continue
-                    due = max(due, triggered.setdefault(item.after_tokens, now))
-                if due > now:
-                    still.append(i)
-                    continue
-                params = SamplingParams(
-                    temperature=temperature,
-                    max_tokens=item.output_len,
-                    ignore_eos=item.ignore_eos,
-                    seed=i if temperature > 0 else None,
-                )
-                engine.add_request(item.prompt, params, request_id=ids[i], arrival_time=due)
-                added.append(ids[i])
-                arrivals[i] = due - start
-            pending = still
-            if all(workload[i].after_tokens > 0 and i not in released for i in pending):
+        while run.pending or engine.has_unfinished_requests():
+            run.admit(time.monotonic())
+            if run.held_by_tokens_only():
                 # only the run's own tokens can bring more requests: batches must not wait
                 engine.set_draining(True)
             if not engine.has_unfinished_requests():
-                released |= _wait_for_next(pending, workload, start, released)
+                run.released |= _wait_for_next(run.pending, workload, run.start, run.released)
                 continue
-            t0 = time.perf_counter()
-            outputs = engine.step()
-            step_times.append(time.perf_counter() - t0)
-            # the batch of this step (including requests it finished) and what still runs
-            figs = engine.metrics()
-            running_now = max(int(figs["num_scheduled_last_step"]), int(figs["num_running"]))
-            max_running = max(max_running, running_now)
-            peak_kv = max(peak_kv, float(figs["kv_cache_usage"]))
-            for out in outputs:
-                i = index[out.request_id]
-                comp = out.outputs[0]
-                if comp.delta_token_ids:
-                    stamp = out.metrics.last_token_time if out.metrics else None
-                    chunk_times[i].append(stamp if stamp is not None else time.monotonic())
-                    produced += len(comp.delta_token_ids)
-                num_tokens[i] = len(comp.token_ids)
-                input_lens[i] = len(out.prompt_token_ids)
-                if out.finished:
-                    finished[i] = comp.finish_reason != "abort"
-            if engine.stalled and not outputs:
-                time.sleep(IDLE_SLEEP_S)
+            run.step()
     except BaseException:
-        for rid in added:
+        for rid in run.added:
             engine.abort_request(rid)
         raise
     finally:
         engine.set_draining(False)
-    end = max((t[-1] for t in chunk_times if t), default=time.monotonic())
-    results = []
-    for i in range(n):
-        r = RequestResult(input_len=input_lens[i])
-        r.start = arrivals[i]
-        times = chunk_times[i]
-        if finished[i] and times:
-            sched = start + arrivals[i]
-            r.ttft = times[0] - sched
-            r.itls = np.diff(times).tolist()
-            r.latency = times[-1] - sched
-            r.output_len = num_tokens[i]
-            r.success = True
-        else:
-            r.error = "did not finish"
-        results.append(r)
-    metrics = engine.metrics()
-    return ReplayResult(
-        results=results,
-        arrivals=arrivals,
-        tags=[w.tag for w in workload],
-        duration=max(end - start, 1e-9),
-        num_steps=len(step_times),
-        peak_kv_usage=(
-            float(metrics["peak_kv_cache_usage"])
-            if metrics["peak_kv_cache_usage"] > base["peak_kv_cache_usage"]
-            else peak_kv
-        ),
-        num_preemptions=int(metrics["num_preemptions"]) - int(base["num_preemptions"]),
-        max_running=max_running,
-        prefix_cache_hits=int(metrics["prefix_cache_hits"]) - int(base["prefix_cache_hits"]),
-        prefix_cache_queries=int(metrics["prefix_cache_queries"])
-        - int(base["prefix_cache_queries"]),
-        peak_rss_bytes=peak_rss_bytes(),
-        step_times=step_times,
-    )
+    return run.result()
 
 
 def _wait_for_next(
