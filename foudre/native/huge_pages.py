@@ -10,11 +10,9 @@ aligned to 2 MiB and advised before its first touch, so that every page of it is
 faulted in as a huge page (where the kernel has them to give: otherwise it stays on 4 KiB pages,
 as before).
 
-Measured on the 2-core EPYC (Zen 4) of the benchmarks, one process holding two copies of the
-494.7M Llama and stepping them in turns: the decode step took 0.958x and 0.972x the time with
-the weights in huge pages (int4, two runs), 0.942x (int8), 0.973x (bf16); a plain read of 512
-MiB ran 1.07x as fast (so the roofline's probe reads a buffer of ``empty`` too:
-``foudre.bench.roofline``).
+A decode step with its weights in huge pages takes a few percent less time, on every
+precision, and a plain read of a large buffer runs faster too (so the roofline's probe reads a
+buffer of ``empty``: ``foudre.bench.roofline``); the figures are in ``docs/performance.md``.
 
 Switched off with ``FOUDRE_HUGE_PAGES=0``; elsewhere than Linux it does nothing.
 """
