@@ -12,7 +12,7 @@ as before).
 
 A decode step with its weights in huge pages takes a few percent less time, on every
 precision, and a plain read of a large buffer runs faster too (so the roofline's probe reads a
-buffer of ``empty``: ``foudre.bench.roofline``); the figures are in ``docs/performance.md``.
+buffer of ``empty``: ``foudre.bench.roofline``); the figures are in ``docs/architecture.md``.
 
 Switched off with ``FOUDRE_HUGE_PAGES=0``; elsewhere than Linux it does nothing.
 """
