@@ -39,6 +39,7 @@ from foudre.server.protocol import (
     DetokenizeResponse,
     ErrorResponse,
     HealthResponse,
+    ModelCard,
     ModelList,
     OpenAIError,
     TokenizeRequest,
@@ -321,21 +322,27 @@ def _add_generation_routes(
 def _add_model_routes(
     app: FastAPI, serving: OpenAIServing, prometheus: PrometheusMetrics, auth: list[Any]
 ) -> None:
-    """/v1/models (authenticated); /health and /metrics (open)."""
+    """/v1/models and /v1/models/{id} (authenticated); /health and /metrics (open)."""
     llm = serving.llm
     created = int(time.time())
 
+    card = {
+        "id": serving.model_name,
+        "object": "model",
+        "created": created,
+        "owned_by": "foudre",
+        "root": llm.engine.model_name,
+        "max_model_len": llm.max_model_len,
+    }
+
     @app.get("/v1/models", dependencies=auth)
     async def models() -> dict[str, Any]:
-        card = {
-            "id": serving.model_name,
-            "object": "model",
-            "created": created,
-            "owned_by": "foudre",
-            "root": llm.engine.model_name,
-            "max_model_len": llm.max_model_len,
-        }
         return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model_id:path}", dependencies=auth)
+    async def model(model_id: str) -> dict[str, Any]:
+        serving.check_model(model_id)  # 404 model_not_found for any other id
+        return card
 
     @app.get("/health")
     async def health() -> Response:
@@ -382,6 +389,7 @@ _RESPONSE_BODIES: dict[tuple[str, str], type[BaseModel]] = {
     ("/tokenize", "post"): TokenizeResponse,
     ("/detokenize", "post"): DetokenizeResponse,
     ("/v1/models", "get"): ModelList,
+    ("/v1/models/{model_id}", "get"): ModelCard,
     ("/health", "get"): HealthResponse,
 }
 
