@@ -28,7 +28,12 @@ from typing import Any
 
 from foudre.loading.tokenizer import Tokenizer
 from foudre.sampling_params import StructuredOutput
-from foudre.server.protocol import ChatCompletionRequest, ChatMessage, OpenAIError
+from foudre.server.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    OpenAIError,
+    ToolDefinition,
+)
 
 Json = dict[str, Any]
 
@@ -159,8 +164,60 @@ def template_messages(messages: list[ChatMessage]) -> list[Json]:
     return out
 
 
-def _parameters(schema: dict[str, Any] | None) -> dict[str, Any]:
+def _parameters(name: str, schema: dict[str, Any] | None) -> dict[str, Any]:
     return schema if schema is not None else {"type": "object", "properties": {}}
+
+
+# keywords whose values are data, not schemas: their "$ref" keys are not references
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+
+
+def _relocated(schema: Any, pointer: str) -> Any:
+    """``schema`` with its local references (``#``, ``#/$defs/...``) rewritten for a schema
+    moved to ``pointer`` inside another one (``#/items/properties/parameters``), so that its
+    ``$defs`` still resolve once it is wrapped."""
+    if isinstance(schema, list):
+        return [_relocated(item, pointer) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = pointer + value[1:]
+        elif key in _DATA_KEYWORDS:
+            out[key] = value
+        else:
+            out[key] = _relocated(value, pointer)
+    return out
+
+
+def required_calls_schema(tools: list[ToolDefinition], parallel: bool) -> Json:
+    """The JSON schema of ``tool_choice "required"``: an array of ``{"name", "parameters"}``
+    objects (at most one without ``parallel``), one variant per tool, each tool's parameter
+    schema moved in with its references kept resolving."""
+    at = "#/items" if len(tools) == 1 else "#/items/anyOf/{}"
+    variants = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": t.function.name},
+                "parameters": _relocated(
+                    _parameters(t.function.name, t.function.parameters),
+                    at.format(i) + "/properties/parameters",
+                ),
+            },
+            "required": ["name", "parameters"],
+        }
+        for i, t in enumerate(tools)
+    ]
+    schema: Json = {
+        "type": "array",
+        "items": variants[0] if len(variants) == 1 else {"anyOf": variants},
+        "minItems": 1,
+    }
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
 
 
 @dataclass(slots=True)
@@ -209,24 +266,7 @@ class ToolPlan:
             plan.mode = "none"
         elif choice == "required":
             plan.mode = "required"
-            variants = [
-                {
-                    "type": "object",
-                    "properties": {
-                        "name": {"const": t.function.name},
-                        "parameters": _parameters(t.function.parameters),
-                    },
-                    "required": ["name", "parameters"],
-                }
-                for t in req.tools
-            ]
-            schema: Json = {
-                "type": "array",
-                "items": variants[0] if len(variants) == 1 else {"anyOf": variants},
-                "minItems": 1,
-            }
-            if not req.parallel_tool_calls:
-                schema["maxItems"] = 1
+            schema = required_calls_schema(req.tools, req.parallel_tool_calls)
             plan.structured_output = StructuredOutput(json_schema=schema)
         else:
             assert not isinstance(choice, str)
@@ -240,9 +280,8 @@ class ToolPlan:
                 )
             plan.mode = "named"
             plan.function = choice.function.name
-            plan.structured_output = StructuredOutput(
-                json_schema=_parameters(match[0].function.parameters)
-            )
+            parameters = _parameters(plan.function, match[0].function.parameters)
+            plan.structured_output = StructuredOutput(json_schema=parameters)
         return plan
 
     @property

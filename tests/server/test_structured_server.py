@@ -504,3 +504,31 @@ def test_streamer_matches_the_parser(parser: str) -> None:
             (c.name, c.arguments) for c in calls
         ]
         assert [c["index"] for c in streamed_calls] == list(range(len(calls)))
+
+
+class Item(BaseModel):
+    sku: Literal["A1", "B2"]
+    count: int = Field(ge=1, le=9)
+
+
+class Order(BaseModel):
+    item: Item
+    size: Literal["small", "large"]
+
+
+def test_required_with_a_schema_that_uses_defs(tools_server: InProcessServer) -> None:
+    """``openai.pydantic_function_tool`` of a model with a nested model and enums: its schema
+    refers to its own ``$defs``, which must still resolve once wrapped for "required"."""
+    client = _client(tools_server)
+    order = openai.pydantic_function_tool(Order)
+    assert "$defs" in json.dumps(order)
+    for tools in ([order], [order, CLOCK]):
+        done = client.chat.completions.create(
+            model="tools", messages=[{"role": "user", "content": "Order"}], tools=tools,
+            tool_choice="required", max_tokens=300, seed=3,
+        )  # fmt: skip
+        calls = done.choices[0].message.tool_calls or []
+        assert calls, done.choices[0].message.content
+        for call in calls:
+            if call.function.name == "Order":
+                Order.model_validate_json(call.function.arguments)
