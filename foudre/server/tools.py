@@ -165,7 +165,21 @@ def template_messages(messages: list[ChatMessage]) -> list[Json]:
 
 
 def _parameters(name: str, schema: dict[str, Any] | None) -> dict[str, Any]:
-    return schema if schema is not None else {"type": "object", "properties": {}}
+    """The JSON schema of a function's arguments, always an object's (never ``true``, ``null``
+    or a list): none, ``{}`` or a bare ``{"type": "object"}`` declare no parameters, as
+    OpenAI reads them (the arguments are ``{}``); a schema without a ``type`` is an object's;
+    400 naming ``tools`` for a schema of another type."""
+    if not schema or schema == {"type": "object"}:
+        return {"type": "object", "properties": {}, "additionalProperties": False}
+    kind = schema.get("type", "object")
+    if kind != "object":
+        raise OpenAIError(
+            400,
+            f"the parameters of function {name!r} must be a JSON schema of type 'object', "
+            f"got type {kind!r}",
+            param="tools",
+        )
+    return {**schema, "type": "object"}
 
 
 # keywords whose values are data, not schemas: their "$ref" keys are not references

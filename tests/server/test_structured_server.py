@@ -382,7 +382,7 @@ def test_auto_parses_hermes_calls_streamed_and_not(tools_server: InProcessServer
                 "tool_choice": "required",
             },
             "tools",
-            "invalid JSON schema",
+            "of type 'object'",
         ),
         (
             {
@@ -532,3 +532,29 @@ def test_required_with_a_schema_that_uses_defs(tools_server: InProcessServer) ->
         for call in calls:
             if call.function.name == "Order":
                 Order.model_validate_json(call.function.arguments)
+
+
+def test_parameters_of_an_empty_schema_are_an_object(tools_server: InProcessServer) -> None:
+    """``"parameters": {}`` (or none) admits any arguments object, never ``true``, ``null`` or a
+    list; a schema of another type is a 400 naming ``tools``."""
+    client = _client(tools_server)
+    ping = {"type": "function", "function": {"name": "ping", "parameters": {}}}
+    bare = {"type": "function", "function": {"name": "bare"}}
+    named = {"type": "function", "function": {"name": "ping"}}
+    for choice in ("required", named):
+        for seed in range(4):
+            done = client.chat.completions.create(
+                model="tools", messages=[{"role": "user", "content": "Ping"}], tools=[ping, bare],
+                tool_choice=choice, max_tokens=60, seed=seed,  # type: ignore[arg-type]
+            )  # fmt: skip
+            message = done.choices[0].message
+            assert message.content is None and message.tool_calls, message
+            for call in message.tool_calls:
+                assert isinstance(json.loads(call.function.arguments), dict)
+    scalar = {"type": "function", "function": {"name": "s", "parameters": {"type": "string"}}}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model="tools", messages=[{"role": "user", "content": "x"}], tools=[scalar],  # type: ignore[list-item]
+            tool_choice="required", max_tokens=5,
+        )  # fmt: skip
+    assert info.value.param == "tools"
