@@ -140,9 +140,20 @@ def _arguments_object(arguments: str | dict[str, Any]) -> Any:
 
 def template_messages(messages: list[ChatMessage]) -> list[Json]:
     """The messages as chat templates read them: ``role`` and ``content`` (text), plus an
-    assistant's ``tool_calls`` (arguments as objects) and a tool result's ``tool_call_id``."""
+    assistant's ``tool_calls`` (arguments as objects) and a tool result's ``tool_call_id``.
+    400 naming ``messages`` for a content part that is not text (an image, audio): the models
+    served read text only, and answering without the part would mislead."""
     out = []
-    for m in messages:
+    for i, m in enumerate(messages):
+        if isinstance(m.content, list):
+            for j, part in enumerate(m.content):
+                if part.type != "text":
+                    raise OpenAIError(
+                        400,
+                        f"messages[{i}].content[{j}] is a {part.type!r} part; this model reads "
+                        "text only (send the content as text parts)",
+                        param="messages",
+                    )
         msg: Json = {"role": m.role, "content": m.text()}
         if m.name is not None:
             msg["name"] = m.name

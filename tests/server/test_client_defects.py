@@ -6,6 +6,7 @@ chat, non-text content parts, ``/tokenize`` of tool conversations, the context-w
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import openai
@@ -36,3 +37,20 @@ def test_models_retrieve(stories: InProcessServer) -> None:
     assert info.value.code == "model_not_found"
     schema = httpx.get(stories.url + "/openapi.json").json()
     assert "/v1/models/{model_id}" in schema["paths"]
+
+
+@pytest.mark.parametrize(
+    "part",
+    [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}},
+        {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}},
+    ],
+)
+def test_non_text_content_is_a_400(stories: InProcessServer, part: dict[str, Any]) -> None:
+    """An image or audio part sent to a text-only model is refused, not silently dropped."""
+    content = [{"type": "text", "text": "What is in this picture?"}, part]
+    messages: Any = [{"role": "user", "content": content}]
+    with pytest.raises(openai.BadRequestError) as info:
+        _client(stories).chat.completions.create(model="stories", messages=messages)
+    assert info.value.param == "messages"
+    assert "messages[0].content[1]" in info.value.message and part["type"] in info.value.message
