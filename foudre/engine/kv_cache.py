@@ -191,6 +191,8 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.req_blocks: dict[str, list[Block]] = {}
         self.req_hashes: dict[str, list[int]] = {}  # hashes of the request's full final blocks
+        self.req_block_ids: dict[str, list[int]] = {}  # req_blocks' ids, kept beside them
+        self.req_num_cached: dict[str, int] = {}  # leading blocks known to be in the cache
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
         self.copy_on_write = copy_on_write
@@ -211,7 +213,9 @@ class KVCacheManager:
         return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
 
     def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+        """The request's block table (the manager's own list, valid until its next change:
+        read it, do not keep it)."""
+        return self.req_block_ids.get(request_id, [])
 
     # -- prefix cache --------------------------------------------------------------------------
     @staticmethod
@@ -293,6 +297,7 @@ class KVCacheManager:
             for b in blocks:
                 self.pool.touch(b)
             self.req_blocks[child.request_id] = list(blocks)
+            self.req_num_cached[child.request_id] = self.req_num_cached.get(parent.request_id, 0)
         else:
             if len(blocks) > self.pool.num_free_blocks:
                 raise MemoryError("no free blocks to copy the parent's")
@@ -300,6 +305,9 @@ class KVCacheManager:
             self._copies += [(b.block_id, c.block_id) for b, c in zip(blocks, copies, strict=True)]
             self.num_copies += len(copies)
             self.req_blocks[child.request_id] = copies
+        self.req_block_ids[child.request_id] = [
+            b.block_id for b in self.req_blocks[child.request_id]
+        ]
         self.req_hashes[child.request_id] = list(self.req_hashes.get(parent.request_id, []))
 
     def can_fork(self, parent: Request) -> bool:
@@ -344,10 +352,15 @@ class KVCacheManager:
         already share them: their K/V is written before any attention reads it.
         """
         computed_blocks = computed_blocks or []
+        if not computed_blocks and self._fits(request, num_new_tokens):
+            self._cache_new_blocks(request, num_new_tokens, num_final_tokens)
+            return True
         if not self.can_allocate(request, num_new_tokens, computed_blocks):
             return False
         need = self.num_blocks_needed(request, num_new_tokens, len(computed_blocks))
-        blocks = self.req_blocks.setdefault(request.request_id, [])
+        rid = request.request_id
+        blocks = self.req_blocks.setdefault(rid, [])
+        ids = self.req_block_ids.setdefault(rid, [])
         for i in self._shared_written(request, num_new_tokens):
             shared = blocks[i]
             [copy] = self.pool.allocate(1)
@@ -355,11 +368,40 @@ class KVCacheManager:
             self.num_copies += 1
             self.pool.release([shared])
             blocks[i] = copy
+            ids[i] = copy.block_id
             need -= 1
         for b in computed_blocks:
             self.pool.touch(b)
-        blocks.extend(computed_blocks)
-        blocks.extend(self.pool.allocate(need))
+        fresh = self.pool.allocate(need)
+        blocks += computed_blocks
+        blocks += fresh
+        ids += [b.block_id for b in computed_blocks]
+        ids += [b.block_id for b in fresh]
+        self._cache_new_blocks(request, num_new_tokens, num_final_tokens, computed_blocks)
+        return True
+
+    def _fits(self, request: Request, num_new_tokens: int) -> bool:
+        """Whether the request's blocks already hold ``num_new_tokens`` more tokens, none of
+        them shared (the common decode step: nothing to allocate nor copy)."""
+        blocks = self.req_blocks.get(request.request_id)
+        if not blocks or self.reserve_tokens is not None:
+            return False
+        bs = self.block_size
+        end = request.num_computed_tokens + num_new_tokens
+        if end > len(blocks) * bs:
+            return False
+        return all(
+            blocks[i].ref_cnt == 1 for i in range(request.num_computed_tokens // bs, -(-end // bs))
+        )
+
+    def _cache_new_blocks(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_final_tokens: int | None,
+        computed_blocks: list[Block] | None = None,
+    ) -> None:
+        """Hash the blocks that this step fills with final tokens (see ``allocate_slots``)."""
         if self.enable_prefix_caching:
             end = request.num_computed_tokens + num_new_tokens
             if computed_blocks:
@@ -367,13 +409,17 @@ class KVCacheManager:
             if num_final_tokens is not None:
                 end = min(end, num_final_tokens)
             self._cache_full_blocks(request, min(end, request.num_tokens))
-        return True
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
-        hashes = self._hash_blocks(request, num_tokens)
-        blocks = self.req_blocks[request.request_id]
         bs = self.block_size
-        for i in range(num_tokens // bs):
+        rid = request.request_id
+        done = self.req_num_cached.get(rid, 0)
+        if num_tokens // bs <= done:
+            return
+        hashes = self._hash_blocks(request, num_tokens)
+        blocks = self.req_blocks[rid]
+        self.req_num_cached[rid] = num_tokens // bs
+        for i in range(done, num_tokens // bs):
             if blocks[i].block_hash is None:
                 parent = hashes[i - 1] if i else self._root(request)
                 key = (parent, tuple(request.token_ids_range(i * bs, (i + 1) * bs)))
@@ -384,6 +430,8 @@ class KVCacheManager:
         ``uncache``: also drop the hashes of those that no other request holds (their K/V may
         not have been written, e.g. by a step that failed)."""
         blocks = self.req_blocks.pop(request.request_id, [])
+        self.req_block_ids.pop(request.request_id, None)
+        self.req_num_cached.pop(request.request_id, None)
         self.pool.release(blocks[::-1])
         self.req_hashes.pop(request.request_id, None)
         if uncache:
