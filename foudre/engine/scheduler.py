@@ -17,6 +17,11 @@ their K/V written.
 The scheduler owns ``num_computed_tokens``: admission sets it to the prefix-cache hit,
 preemption resets it, and ``update`` (after the runner's forward) advances it by the tokens the
 step computed and rolls back the drafts the target rejected. Nothing else writes it.
+
+It also tells the runner's persistent batch who enters it (admitted, resumed or forked requests,
+as ``NewRequest``) and who leaves it (finished or preempted ids): the deltas since the last step
+that ran, carried by the next ``SchedulerOutput`` that has rows (a step without rows does not
+reach the runner, so its deltas wait).
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from collections.abc import Callable
 from foudre.engine.kv_cache import KVCacheManager
 from foudre.engine.policies import ContinuousPolicy, SchedulingPolicy
 from foudre.engine.request import Cohort, Request, RequestStatus
-from foudre.runner.step import ScheduledRow, SchedulerOutput, StepOutput
+from foudre.runner.step import NewRequest, ScheduledRow, SchedulerOutput, StepOutput
 
 
 class Scheduler:
@@ -55,6 +60,9 @@ class Scheduler:
         self.quarantined: set[str] = set()
         self.num_preemptions = 0
         self.on_free: Callable[[Request], None] | None = None  # e.g. the draft model's cache
+        # the runner's batch deltas not yet sent: entering requests (by id), leaving ids
+        self._entering: dict[str, Request] = {}
+        self._leaving: list[str] = []
 
     # -- queue management ----------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -81,6 +89,7 @@ class Scheduler:
         child.num_computed_tokens = parent.num_computed_tokens
         child.status = RequestStatus.RUNNING
         self.running.append(child)
+        self._entering[child.request_id] = child
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -112,6 +121,8 @@ class Scheduler:
         request.fork_children = []
 
     def _free(self, request: Request, uncache: bool = False) -> None:
+        self._entering.pop(request.request_id, None)
+        self._leaving.append(request.request_id)
         request.clear_spec()
         self.kv.free(request, uncache)
         if self.on_free is not None:
@@ -170,9 +181,11 @@ class Scheduler:
             if probe is not None and req is not probe:
                 i += 1
                 continue
-            lacking = req.num_tokens - req.num_computed_tokens
-            num_new = min(lacking + len(req.spec_token_ids), budget)
-            if num_new < lacking + len(req.spec_token_ids):  # keep the drafts that fit
+            num_tokens = req.num_tokens
+            lacking = num_tokens - req.num_computed_tokens
+            wanted = lacking + len(req.spec_token_ids)
+            num_new = min(wanted, budget)
+            if num_new < wanted:  # keep the drafts that fit
                 keep = max(num_new - lacking, 0)
                 req.spec_token_ids = req.spec_token_ids[:keep]
                 if req.spec_probs is not None:
@@ -180,7 +193,7 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
-            while not self.kv.allocate_slots(req, num_new, num_final_tokens=req.num_tokens):
+            while not self.kv.allocate_slots(req, num_new, num_final_tokens=num_tokens):
                 earlier = {id(r) for r in self.running[:i]}
                 victims = self._preempt_newest({id(r) for r, _ in scheduled})
                 preempted += victims
@@ -219,11 +232,16 @@ class Scheduler:
                 budget -= admitted
 
         out = SchedulerOutput(
-            [self._row(req, n) for req, n in scheduled],
+            [],
             [r.request_id for r in preempted],
             self.policy.num_padding_rows if scheduled else 0,
             self.kv.take_copies() if scheduled else [],  # else they wait for a step that runs
         )
+        if scheduled:  # the batch's deltas, else they wait for a step that runs
+            out.removed, self._leaving = self._leaving, []
+            out.new_requests = [new_request(r) for r in self._entering.values()]
+            self._entering = {}
+            out.rows = [self._row(req, n, out.new_requests) for req, n in scheduled]
         assert out.total_tokens <= self.max_num_batched_tokens
         assert self._occupied_seats() <= self.max_num_seqs
         return out
@@ -271,6 +289,7 @@ class Scheduler:
                 req.first_scheduled_time = now
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            self._entering[req.request_id] = req
             if num_new:
                 scheduled.append((req, num_new))
         return budget - left
@@ -325,23 +344,52 @@ class Scheduler:
         self.waiting.remove(probe)
         self.waiting.appendleft(probe)
 
-    def _row(self, req: Request, num_new: int) -> ScheduledRow:
+    def _row(self, req: Request, num_new: int, entering: list[NewRequest]) -> ScheduledRow:
+        """The row of ``req`` computing ``num_new`` tokens; the samples forking from it at
+        this step enter the runner's batch (``entering``) to draw from its logits."""
         start = req.num_computed_tokens
         end = start + num_new
+        num_tokens = req.num_tokens
+        if end == num_tokens and num_new == 1 and req.output_token_ids:  # a decode row
+            return ScheduledRow(
+                req.request_id,
+                start,
+                [req.output_token_ids[-1]],
+                self.kv.block_ids(req.request_id),
+                1,
+                req.spec_token_ids,
+                None,
+                [c.request_id for c in self._forks(req, entering)] if req.fork_children else [],
+            )
         # a request samples once it reaches its last token; every draft adds one position
-        num_logits = end - req.num_tokens + 1 if end >= req.num_tokens else 0
-        assert num_logits in (0, len(req.spec_token_ids) + 1), "drafts scheduled partially"
-        forks = [c for c in req.fork_children if not c.is_finished] if num_logits else []
+        num_logits = end - num_tokens + 1 if end >= num_tokens else 0
+        if not num_logits:
+            return ScheduledRow(
+                req.request_id,
+                start,
+                req.input_token_ids(start, end),
+                self.kv.block_ids(req.request_id),
+                0,
+            )
+        assert num_logits == len(req.spec_token_ids) + 1, "drafts scheduled partially"
+        forks = self._forks(req, entering)
         return ScheduledRow(
             req.request_id,
             start,
             req.input_token_ids(start, end),
             self.kv.block_ids(req.request_id),
             num_logits,
-            req if num_logits else None,
-            forks,  # type: ignore[arg-type]
+            req.spec_token_ids,
+            req.spec_probs,
             [c.request_id for c in forks],
         )
+
+    @staticmethod
+    def _forks(req: Request, entering: list[NewRequest]) -> list[Request]:
+        """The samples that fork from ``req`` at this step, entering the runner's batch."""
+        forks = [c for c in req.fork_children if not c.is_finished]
+        entering += [new_request(c) for c in forks]
+        return forks
 
     def update(self, scheduled: SchedulerOutput, result: StepOutput) -> list[Request]:
         """Account for a step the runner computed: every scheduled request advances by its new
@@ -376,3 +424,16 @@ class Scheduler:
             self.kv.num_free_blocks,
             self.kv.num_blocks,
         )
+
+
+def new_request(req: Request) -> NewRequest:
+    """What the runner's batch keeps of ``req`` (its token lists copied: the engine appends)."""
+    return NewRequest(
+        req.request_id,
+        list(req.prompt_token_ids),
+        list(req.output_token_ids),
+        req.sampling_params,
+        req.eos_token_ids,
+        req.generator,
+        req.grammar,
+    )

@@ -21,8 +21,9 @@ from foudre.models.llama import LlamaForCausalLM
 from foudre.native import huge_pages
 from foudre.runner.cpu_decode import NativeDecode
 from foudre.runner.cuda_graphs import DecodeGraphs
+from foudre.runner.input_batch import InputBatch, SamplingRows
 from foudre.runner.step import DecodePath, ForwardStep, SchedulerOutput, StepOutput
-from foudre.sample.rejection import DraftRow, verify
+from foudre.sample.rejection import verify
 from foudre.sample.sampler import sample
 
 _CPU_DEFAULT_KV_BYTES = 2 << 30
@@ -114,6 +115,7 @@ class ModelRunner:
                 for _ in range(cfg.num_hidden_layers)
             ]
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.input_batch = InputBatch(cfg.vocab_size, device, max_num_seqs)
         self._decode_path_args = (max_num_seqs, max_model_len or cfg.max_position_embeddings)
         self._decode_graphs = decode_graphs
         self.decode_path: DecodePath | None = self._make_decode_path()
@@ -153,26 +155,32 @@ class ModelRunner:
         (each token's cache slot ``block_id * block_size + offset``, lengths, block tables)."""
         bs = self.block_size
         input_ids: list[int] = []
-        positions: list[torch.Tensor] = []
-        slots: list[torch.Tensor] = []
+        positions: list[int] = []
+        slots: list[int] = []
         seq_lens: list[int] = []
+        query_lens: list[int] = []
         for table, start, ids in zip(step.block_tables, step.starts, step.token_ids, strict=True):
-            end = start + len(ids)
-            input_ids.extend(ids)
-            pos = torch.arange(start, end)
-            slots.append(torch.tensor(table)[pos // bs] * bs + pos % bs)
-            positions.append(pos)
-            seq_lens.append(end)
+            n = len(ids)
+            input_ids += ids
+            if n == 1:
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                span = range(start, start + n)
+                positions += span
+                slots += [table[p // bs] * bs + p % bs for p in span]
+            seq_lens.append(start + n)
+            query_lens.append(n)
         layout = BatchLayout(
-            query_lens=[len(ids) for ids in step.token_ids],
+            query_lens=query_lens,
             seq_lens=seq_lens,
             block_tables=list(step.block_tables),
-            slot_mapping=torch.cat(slots),
+            slot_mapping=torch.tensor(slots, dtype=torch.long),
             block_size=bs,
         )
         step.metadata = self.backend.build_metadata(layout, self.device)
         step.input_ids = torch.tensor(input_ids, device=self.device)
-        step.positions = torch.cat(positions).to(self.device)
+        step.positions = torch.tensor(positions, device=self.device)
 
     def forward_hidden(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: object
@@ -230,6 +238,8 @@ class ModelRunner:
     ) -> torch.Tensor | None:
         """Float32 logits of the last ``num_logits[i]`` tokens of each row, from the final
         hidden states of the rows' tokens flattened in order (None when none are asked)."""
+        if len(num_logits) == hidden.shape[0] and all(n == 1 for n in num_logits):
+            return self.model.compute_logits(hidden)  # one token a row, each sampling
         rows: list[int] = []
         end = 0
         for ids, n_logits in zip(token_ids, num_logits, strict=True):
@@ -245,46 +255,48 @@ class ModelRunner:
     def execute(self, scheduled: SchedulerOutput) -> StepOutput:
         """Compute the scheduled tokens; return the rows that sampled and their tokens.
 
+        First the persistent batch takes the step's deltas (requests leaving, then entering).
         ``num_padding_rows`` throw-away rows (one token each, logits included, K/V written to
         the scratch block) are added to the batch, as a rectangular batch computes the rows of
         its finished members; their results are dropped.
         """
+        self.input_batch.remove(scheduled.removed)
+        self.input_batch.add(scheduled.new_requests)
         self.copy_blocks(scheduled.block_copies)
         rows = scheduled.rows
         pad = scheduled.num_padding_rows
-        tables = [r.block_ids for r in rows] + [[self.padding_block]] * pad
-        starts = [r.start for r in rows] + [0] * pad
-        tokens = [r.token_ids for r in rows] + [[0]] * pad
-        num_logits = [r.num_logits for r in rows] + [1] * pad
-        samplers: list[DraftRow] = []
-        ids: list[str] = []
-        logit_rows: list[int] = []  # the logits row each sampler draws from
-        for r in rows:
-            if r.num_logits:
-                assert r.sampler is not None
-                assert r.num_logits == len(r.sampler.spec_token_ids) + 1, "drafts cut"
-                samplers.append(r.sampler)
-                ids.append(r.request_id)
-                first = len(logit_rows) and logit_rows[-1] + 1
-                logit_rows.extend(range(first, first + r.num_logits))
-                for fork, fork_id in zip(r.forks, r.fork_ids, strict=True):
-                    samplers.append(fork)
-                    ids.append(fork_id)
-                    logit_rows.append(logit_rows[-1])
+        tables = [r.block_ids for r in rows]
+        starts = [r.start for r in rows]
+        tokens = [r.token_ids for r in rows]
+        num_logits = [r.num_logits for r in rows]
+        if pad:
+            tables += [[self.padding_block]] * pad
+            starts += [0] * pad
+            tokens += [[0]] * pad
+            num_logits += [1] * pad
+        sampling = self.input_batch.sampling_rows(rows)
         logits = self.forward(tables, starts, tokens, num_logits, pad)
         if logits is not None and pad:
             logits = logits[: logits.shape[0] - pad]
         if logits is None or logits.shape[0] == 0:
             return StepOutput()
-        if len(logit_rows) != logits.shape[0]:  # forked samplers share their parent's row
-            logits = logits[torch.tensor(logit_rows, device=logits.device)]
-        if not any(s.spec_token_ids for s in samplers):
-            out = sample(logits, samplers, self.generator)
-            lps = [None if lp is None else [lp] for lp in out.logprobs]
-            zeros = [0] * len(samplers)
-            return StepOutput(ids, [[t] for t in out.token_ids], lps, zeros, zeros)
-        v = verify(logits, samplers, self.generator)
-        return StepOutput(ids, v.token_ids, v.logprobs, v.num_draft_tokens, v.num_accepted)
+        return self.sample(logits, sampling)
+
+    def sample(self, logits: torch.Tensor, rows: SamplingRows) -> StepOutput:
+        """Sample (or verify drafts) from the logits of the step's sampling rows, in order."""
+        if rows.has_drafts:
+            batch = self.input_batch.sampling_batch(rows)
+            v = verify(logits, batch, self.input_batch.draft_rows(rows), self.generator)
+            self.input_batch.accept_drafts(rows, v.num_accepted)
+            return StepOutput(
+                rows.request_ids, v.token_ids, v.logprobs, v.num_draft_tokens, v.num_accepted
+            )
+        if len(rows.logit_rows) != logits.shape[0]:  # forked samplers share their parent's row
+            logits = logits[torch.tensor(rows.logit_rows, device=logits.device)]
+        out = sample(logits, self.input_batch.sampling_batch(rows), self.generator)
+        lps = [None if lp is None else [lp] for lp in out.logprobs]
+        zeros = [0] * len(rows.slots)
+        return StepOutput(rows.request_ids, [[t] for t in out.token_ids], lps, zeros, zeros)
 
 
 def _graphs(runner: ModelRunner, max_num_seqs: int, max_model_len: int) -> DecodePath | None:

@@ -9,8 +9,17 @@ records, so the runner needs nothing from ``engine``::
 A row is "compute ``token_ids`` at positions ``start...`` of request ``request_id``, whose K/V
 lives in ``block_ids``, and sample from the last ``num_logits`` of them": 0 while a prompt is
 still being chunked in, 1 for a row that samples its next token, 1 + drafts for a row that
-verifies speculative tokens. What sampling reads of the request (its parameters, its output so
-far, its drafts) comes as ``sampler``, a ``DraftRow`` (``sample/rejection.py``).
+verifies speculative tokens (the last ``len(spec_token_ids)`` of ``token_ids``).
+
+The runner keeps what sampling needs of each request in its persistent batch
+(``runner/input_batch.py``), updated by the deltas a ``SchedulerOutput`` carries: requests that
+enter it (``new_requests``: admitted, resumed after a preemption, forked; each with its tokens so
+far, parameters, seed generator and grammar state) and requests that leave it (``removed``:
+finished or preempted). No engine ``Request`` crosses into the runner, and a step costs no
+per-request work beyond its rows' tokens::
+
+    schedule():  rows + new_requests + removed --> execute(): batch.remove(removed),
+                                                      batch.add(new_requests), forward, sample
 """
 
 from __future__ import annotations
@@ -21,20 +30,37 @@ from typing import Any, Protocol
 
 import torch
 
-from foudre.sample.rejection import DraftRow
+from foudre.sampling_params import SamplingParams
+from foudre.structured.grammar import GrammarMatcher
+
+
+@dataclass(slots=True)
+class NewRequest:
+    """A request entering the runner's persistent batch: its tokens so far (prompt and output:
+    the history its penalties count), how to sample it, and the objects it samples with (its
+    seeded generator, its grammar's state: shared with the engine, which advances them)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    generator: torch.Generator | None = None
+    grammar: GrammarMatcher | None = None
 
 
 @dataclass(slots=True)
 class ScheduledRow:
     request_id: str
     start: int  # position of token_ids[0]; the first `start` tokens have K/V in the cache
-    token_ids: list[int]
+    token_ids: list[int]  # prompt / output tokens, then the drafts to verify
     block_ids: list[int]
     num_logits: int  # 0, 1 or 1 + drafts
-    sampler: DraftRow | None = None  # set when num_logits > 0
-    # sequences forked from this one at this step (the other samples of its prompt): each draws
-    # its own token from the same last logits, then holds the row's blocks as its own
-    forks: list[DraftRow] = field(default_factory=list)
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts (the end of token_ids)
+    spec_probs: torch.Tensor | None = None  # the proposer's [k, vocab]; None: one-hot
+    # sequences forked from this one at this step (the other samples of its prompt, entering
+    # the batch in this step): each draws its own token from the same last logits, then holds
+    # the row's blocks as its own
     fork_ids: list[str] = field(default_factory=list)
 
     @property
@@ -51,6 +77,9 @@ class SchedulerOutput:
     num_padding_rows: int = 0  # static / dynamic batching: rows of finished members
     # copy-on-write: (source, destination) block ids to copy before the forward, in order
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # the persistent batch's deltas, applied before the rows: leaving, then entering
+    removed: list[str] = field(default_factory=list)
+    new_requests: list[NewRequest] = field(default_factory=list)
 
     @property
     def total_tokens(self) -> int:

@@ -15,31 +15,17 @@ n-gram proposer has no distribution: ``q_j = one-hot(d_j)``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
 from foudre.sample.sampler import (
-    SamplingRow,
+    SamplingBatch,
     exponential_noise,
     gather_logprobs,
-    grammar_masks,
     process_logits,
-    warp_probs,
+    warp,
 )
-from foudre.sampling_params import SamplingParams
-from foudre.structured.grammar import GrammarMatcher
-
-
-class DraftRow(SamplingRow, Protocol):
-    """A sampling row that may carry draft tokens to verify (``Request`` is one)."""
-
-    @property
-    def spec_token_ids(self) -> list[int]: ...
-    @property
-    def spec_probs(self) -> torch.Tensor | None: ...
 
 
 def rejection_sample(
@@ -82,43 +68,6 @@ def rejection_sample(
 
 
 @dataclass(slots=True)
-class _DraftView:
-    """A request as if its first ``j`` draft tokens were already output (for penalties and
-    min_tokens at draft position ``j``)."""
-
-    request: DraftRow
-    extra: list[int]
-
-    @property
-    def sampling_params(self) -> SamplingParams:
-        return self.request.sampling_params
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.request.output_token_ids + self.extra
-
-    @property
-    def eos_token_ids(self) -> frozenset[int]:
-        return self.request.eos_token_ids
-
-    @property
-    def num_tokens(self) -> int:
-        return self.request.num_tokens + len(self.extra)
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.request.all_token_ids + self.extra
-
-    @property
-    def generator(self) -> torch.Generator | None:
-        return self.request.generator
-
-    @property
-    def grammar(self) -> GrammarMatcher | None:
-        return self.request.grammar
-
-
-@dataclass(slots=True)
 class VerifyOutput:
     token_ids: list[list[int]]  # per request: accepted drafts then one target token
     logprobs: list[list[dict[int, float]] | None]
@@ -126,58 +75,68 @@ class VerifyOutput:
     num_accepted: list[int]
 
 
+@dataclass(slots=True)
+class DraftRows:
+    """The requests of a verification, one entry each: its draft tokens (possibly none), the
+    proposer's distributions they were drawn from (``[k, vocab]``; None: one-hot), its own
+    generator (a seed), whether it is greedy, and the logprobs it asks for (None: none)."""
+
+    drafts: list[list[int]]
+    draft_probs: list[torch.Tensor | None]
+    generators: list[torch.Generator | None]
+    greedy: list[bool]
+    logprobs: list[int | None]
+
+
 def verify(
     logits: torch.Tensor,
-    requests: Sequence[DraftRow],
+    batch: SamplingBatch,
+    rows: DraftRows,
     generator: torch.Generator | None = None,
 ) -> VerifyOutput:
-    """Accept or reject each request's ``spec_token_ids`` against the target's ``logits``.
+    """Accept or reject each request's drafts against the target's ``logits``.
 
-    ``logits`` holds ``len(spec_token_ids) + 1`` consecutive rows per request (the positions of
-    the last computed token and of each draft). Requests without drafts simply sample one token.
-    A constrained request's position ``j`` is masked by its grammar after drafts ``1..j-1``.
+    ``logits`` holds ``len(drafts) + 1`` consecutive rows per request (the positions of the
+    last computed token and of each draft); ``batch`` their parameters, one row per position (a
+    draft position's penalties, min_tokens and grammar mask count the drafts before it).
+    Requests without drafts simply sample one token.
     """
     device = logits.device
-    counts = [len(r.spec_token_ids) for r in requests]
+    counts = [len(d) for d in rows.drafts]
     k = max(counts)
-    views: list[SamplingRow] = []
-    for r, n in zip(requests, counts, strict=True):
-        views.extend(r if j == 0 else _DraftView(r, r.spec_token_ids[:j]) for j in range(n + 1))
-    params = [v.sampling_params for v in views]
-    want_logprobs = any(p.logprobs is not None for p in params)
-    raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
-    grammars = grammar_masks(logits, requests, [r.spec_token_ids for r in requests])
-    logits = process_logits(logits, views, grammars)
+    raw_logprobs = logits.log_softmax(dim=-1) if batch.logprobs is not None else None
+    logits = process_logits(logits, batch)
     vocab = logits.shape[-1]
-    greedy = torch.tensor([p.greedy for p in params], device=device).view(-1, 1)
     one_hot = torch.zeros_like(logits).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
-    if all(p.greedy for p in params):
+    if batch.all_greedy:
         probs = one_hot
     else:
-        probs = torch.where(greedy, one_hot, warp_probs(logits, params))
+        probs = torch.where(batch.greedy.view(-1, 1), one_hot, warp(logits, batch))
 
-    b = len(requests)
+    b = len(counts)
     target = torch.zeros(b, k + 1, vocab, device=device)
     draft = torch.zeros(b, k, vocab, device=device)
     draft_ids = torch.zeros(b, k, dtype=torch.long, device=device)
     uniform = torch.zeros(b, k, device=device)
     start = 0
-    for i, (r, n) in enumerate(zip(requests, counts, strict=True)):
+    for i, n in enumerate(counts):
         target[i, : n + 1] = probs[start : start + n + 1]
         start += n + 1
         if n == 0:
             continue
-        ids = torch.tensor(r.spec_token_ids, device=device)
+        ids = torch.tensor(rows.drafts[i], device=device)
         draft_ids[i, :n] = ids
-        if r.spec_probs is None or r.sampling_params.greedy:
+        spec_probs = rows.draft_probs[i]
+        if spec_probs is None or rows.greedy[i]:
             draft[i, :n] = torch.zeros(n, vocab, device=device).scatter_(1, ids.view(-1, 1), 1.0)
         else:
-            draft[i, :n] = r.spec_probs[:, :vocab].to(device)
-        if r.generator is not None:
-            uniform[i, :n] = torch.rand(n, generator=r.generator).to(device)
+            draft[i, :n] = spec_probs[:, :vocab].to(device)
+        own = rows.generators[i]
+        if own is not None:
+            uniform[i, :n] = torch.rand(n, generator=own).to(device)
         else:
             uniform[i, :n] = torch.rand(n, generator=generator, device=device)
-    noise = exponential_noise((b, vocab), [r.generator for r in requests], device, generator)
+    noise = exponential_noise((b, vocab), rows.generators, device, generator)
     tokens, accepted = rejection_sample(
         target, draft, draft_ids, torch.tensor(counts, device=device), uniform, noise
     )
@@ -187,11 +146,12 @@ def verify(
     out_logprobs: list[list[dict[int, float]] | None] = [None] * b
     if raw_logprobs is not None:
         start = 0
-        for i, (r, n) in enumerate(zip(requests, counts, strict=True)):
+        for i, n in enumerate(counts):
             toks = out_tokens[i]
-            if r.sampling_params.logprobs is not None:
-                rows = raw_logprobs[start : start + len(toks)]
-                entries = gather_logprobs(rows, toks, [r.sampling_params] * len(toks))
+            wanted = rows.logprobs[i]
+            if wanted is not None:
+                lp_rows = raw_logprobs[start : start + len(toks)]
+                entries = gather_logprobs(lp_rows, toks, [wanted] * len(toks))
                 out_logprobs[i] = [e for e in entries if e is not None]
             start += n + 1
     return VerifyOutput(out_tokens, out_logprobs, counts, accepted_list)

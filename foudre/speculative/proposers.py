@@ -243,7 +243,7 @@ class DraftModelProposer(Proposer):
         probs: torch.Tensor | None = None
         if not all(p.greedy for p in params):
             probs = warp_probs(logits, params)
-            sampled = draw(probs, reqs, self.generator)
+            sampled = draw(probs, [r.generator for r in reqs], self.generator)
             is_greedy = torch.tensor([p.greedy for p in params], device=logits.device)
             tokens = torch.where(is_greedy, tokens, sampled)
         rows = [None if p.greedy or probs is None else probs[i] for i, p in enumerate(params)]

@@ -98,6 +98,7 @@ def test_logits_and_greedy_match_transformers(tmp_path: Path, case: str) -> None
 def _last_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
     """Run one prompt through the engine's own model, KV cache and backend; last logits."""
     from foudre.engine.request import Request
+    from foudre.engine.scheduler import new_request
     from foudre.runner.step import ScheduledRow, SchedulerOutput
 
     engine = llm.engine
@@ -114,8 +115,9 @@ def _last_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
 
     runner.model.compute_logits = spy  # type: ignore[method-assign]
     try:
-        row = ScheduledRow("probe", 0, list(prompt), engine.kv.block_ids("probe"), 1, req)
-        runner.execute(SchedulerOutput([row]))
+        row = ScheduledRow("probe", 0, list(prompt), engine.kv.block_ids("probe"), 1)
+        runner.execute(SchedulerOutput([row], removed=["probe"], new_requests=[new_request(req)]))
+        runner.input_batch.remove(["probe"])
     finally:
         runner.model.compute_logits = original  # type: ignore[method-assign]
         engine.kv.free(req)
