@@ -112,92 +112,35 @@ class NativeDecode:
         # rotary module replaced: the call holds the built ones' tables)
         owners = [model.model, *(m for m in modules if m._modules)]
         checks.children = [(m._modules, dict(m._modules)) for m in owners]
-        keep = checks.keep
-        pointers: list[int] = []
-
-        def hold(module: nn.Module | None, name: str, passed: bool = True) -> None:
-            tensor = None if module is None else module._parameters.get(name)
-            if module is not None:
-                keep(module._parameters, name, tensor, 0 if tensor is None else tensor.data_ptr())
-            if passed:
-                pointers.append(0 if tensor is None else tensor.data_ptr())
-
-        # the quantized projections: their cpu_qmatmul views (each step checks that the module
-        # still holds it: invalidate_layouts, a move or load_state_dict drops it) and their
-        # descriptors (cpu_ops.cpp's QuantSlot)
-        descriptors: list[list[int]] = []
-        patches: list[tuple[int, int]] = []  # (index in pointers, descriptor)
-        qmm = cpu_qmatmul.function(self.dtype)
-
-        def descriptor(module: QuantLinear, held: _Checks = checks) -> list[int]:
-            """A quantized projection's descriptor, its layout and bias held (in ``held``)."""
-            packed = module._native_layout()
-            bias = module.bias  # held absent too: one set after the build sends steps back
-            held.keep(module._buffers, "bias", bias, 0 if bias is None else bias.data_ptr())
-            held.quantize(module, packed)
-            z, zc, st, groups, group, s_stride = packed.arguments()
-            return [
-                qmm or 0, cpu_qmatmul.KINDS[packed.kind], packed.w.data_ptr(),
-                packed.s.data_ptr(), z, st, groups, group, 0 if bias is None else bias.data_ptr(),
-                packed.k, int.from_bytes(struct.pack("<f", zc), "little"), s_stride,
-            ]  # fmt: skip
-
-        def describe(module: nn.Module | None) -> None:
-            if not isinstance(module, QuantLinear):
-                pointers.append(0)
-                return
-            patches.append((len(pointers), len(descriptors)))
-            pointers.append(0)
-            descriptors.append(descriptor(module))
-
-        self.blocks: list[SparseMoeBlock] = []  # the sparse layers' MLPs, which count
+        layout = _Layout(checks, cpu_qmatmul.function(self.dtype))
         for layer, cache in zip(layers, kv_caches, strict=True):
-            attn, mlp = layer.self_attn, layer.mlp
-            dense = mlp if isinstance(mlp, GatedMLP) else None
-            sparse = mlp if isinstance(mlp, SparseMoeBlock) else None
-            experts = None if sparse is None else cast(Experts, sparse.experts)
-            hold(layer.input_layernorm, "weight")
-            hold(attn.qkv_proj, "weight")
-            hold(attn.qkv_proj, "bias")
-            hold(attn.o_proj, "weight")
-            hold(layer.post_attention_layernorm, "weight")
-            hold(None if dense is None else dense.gate_up_proj, "weight")
-            hold(None if dense is None else dense.down_proj, "weight")
-            hold(attn.q_norm, "weight")
-            hold(attn.k_norm, "weight")
-            hold(attn.o_proj, "bias", passed=False)
-            for module in (dense.gate_up_proj, dense.down_proj) if dense else ():
-                hold(module, "bias", passed=False)
-            pointers += _cache_pointers(cache)
-            for module in (attn.qkv_proj, attn.o_proj):
-                describe(module)
-            describe(None if dense is None else dense.gate_up_proj)
-            describe(None if dense is None else dense.down_proj)
-            # a sparse layer's router, experts and counts, then its integers (all 0 if dense)
-            hold(None if sparse is None else sparse.gate, "weight")
-            hold(experts, "gate_up_proj")
-            hold(experts, "down_proj")
-            if sparse is None or experts is None:
-                pointers += [0] * 5
-                continue
-            hold(sparse.gate, "bias", passed=False)
-            counts = sparse.expert_tokens
-            keep(sparse._buffers, "expert_tokens", counts, counts.data_ptr())
-            self.blocks.append(sparse)
-            pointers.append(counts.data_ptr())
-            renormalize = int(sparse.renormalize)
-            pointers += [sparse.num_experts, sparse.top_k, renormalize, experts.intermediate_size]
+            layout.layer(layer, cache)
+        self.blocks = layout.blocks  # the sparse layers' MLPs, which count
         for name in ("cos", "sin"):
             table = self.rotary._buffers[name]
             assert table is not None
-            keep(self.rotary._buffers, name, table, table.data_ptr())
+            checks.keep(self.rotary._buffers, name, table, table.data_ptr())
         # the embedding table and the final norm's weight, which the call reads too
         self.vocab = embed.weight.shape[0]
         self.ends = (embed.weight.data_ptr(), norm.weight.data_ptr())
-        hold(embed, "weight", passed=False)
-        hold(norm, "weight", passed=False)
-        # the runner's list of caches (each step: the same caches in it), and each cache's
-        # tensors where they are (a quantized cache's codes and scales held as its attributes)
+        layout.hold(embed, "weight", passed=False)
+        layout.hold(norm, "weight", passed=False)
+        self._hold_caches(kv_caches)
+        self.descriptors, self.layers = layout.tensors()
+        if checks.quantized:
+            # where QuantLinear's forward switches to its dequantized GEMM, so do the steps; with
+            # every projection quantized (and no experts) up to there, as the float kernel's
+            # limit then does not apply (32-row int8 steps: 5% more throughput than in Python)
+            all_quantized = len(checks.quantized) == 4 * len(layers) and not self.blocks
+            # (and where it turns to aten's kernels: QuantLinear.native_rows)
+            limit = min(m.native_rows() for m, _ in checks.quantized)
+            self.max_rows = limit if all_quantized else min(self.max_rows, limit)
+        self._hold_head(model, layout)
+
+    def _hold_caches(self, kv_caches: Sequence[torch.Tensor | QuantizedKVCache]) -> None:
+        """The runner's list of caches (each step: the same caches in it), and each cache's
+        tensors where they are (a quantized cache's codes and scales held as its attributes)."""
+        checks = self.checks
         self.cache_list = kv_caches
         self.caches = tuple(kv_caches)
         for cache in kv_caches:
@@ -211,18 +154,10 @@ class NativeDecode:
         shape = _stored(kv_caches[0]).shape  # [2, blocks, block_size, heads, head_dim]
         self.block_size = shape[2]
         self.num_slots = shape[1] * self.block_size
-        self.descriptors = torch.tensor(descriptors, dtype=torch.int64).reshape(-1, 12)
-        for at, row in patches:
-            pointers[at] = self.descriptors[row].data_ptr()
-        self.layers = torch.tensor(pointers, dtype=torch.int64)
-        if checks.quantized:
-            # where QuantLinear's forward switches to its dequantized GEMM, so do the steps; with
-            # every projection quantized (and no experts) up to there, as the float kernel's
-            # limit then does not apply (32-row int8 steps: 5% more throughput than in Python)
-            all_quantized = len(checks.quantized) == 4 * len(layers) and not self.blocks
-            # (and where it turns to aten's kernels: QuantLinear.native_rows)
-            limit = min(m.native_rows() for m, _ in checks.quantized)
-            self.max_rows = limit if all_quantized else min(self.max_rows, limit)
+
+    def _hold_head(self, model: LlamaForCausalLM, layout: _Layout) -> None:
+        """The model's head, computed in the call too where it is a QuantLinear on cpu_qmatmul
+        (``run_logits``)."""
         # The model's head, computed in the call too where it is a QuantLinear on cpu_qmatmul
         # (run_logits): for steps of rows it runs there (its native_rows) and each row's one
         # logit, while its own checks hold (a hook on it, say, sends the head alone back to
@@ -234,12 +169,12 @@ class NativeDecode:
         self.head_checks = _Checks()
         self.head_rows = self.head_features = 0
         if isinstance(head, QuantLinear) and _runs_quantized(
-            head, self.dtype, (cfg.hidden_size, head.out_features)
+            head, self.dtype, (model.config.hidden_size, head.out_features)
         ):
             self.head_features = head.out_features
             self.head_checks.watch(head)
             self.head_checks.children.append((model._modules, dict(model._modules)))
-            self.head = torch.tensor(descriptor(head, self.head_checks), dtype=torch.int64)
+            self.head = torch.tensor(layout.descriptor(head, self.head_checks), dtype=torch.int64)
             self.head_rows = head.native_rows()
 
     @classmethod
@@ -253,7 +188,7 @@ class NativeDecode:
         cannot run natively. What it checks here and not at each step (``_unchanged``): the
         modules' classes and settings (an RMSNorm's eps, the embedding's ``max_norm``, tensor
         parallelism), as for the layers' norms."""
-        from foudre.models.llama import Attention, DecoderLayer, LlamaForCausalLM
+        from foudre.models.llama import LlamaForCausalLM
 
         # the backend's own class: the step builds what its build_metadata would, so a
         # subclass that builds otherwise is not run here
@@ -266,96 +201,11 @@ class NativeDecode:
         fn = fused.decode_layers_fn(dtype)
         if fn is None or dtype not in MAX_ROWS or not kv_caches:
             return None
-        codes = _codes_dtype(kv_caches[0])
-        if cpu_paged.kernel(dtype, codes) is None:
+        if not _caches_supported(kv_caches, dtype, (cfg.num_key_value_heads, cfg.head_dim)):
             return None
-        hidden, heads, kv_heads, head_dim = (
-            cfg.hidden_size,
-            cfg.num_attention_heads,
-            cfg.num_key_value_heads,
-            cfg.head_dim,
-        )
-        cache_shape = (kv_heads, head_dim)
-        for c in kv_caches:
-            if not isinstance(c, torch.Tensor | QuantizedKVCache) or _codes_dtype(c) != codes:
-                return None  # caches of several kinds
-            stored = _stored(c)
-            if isinstance(c, QuantizedKVCache):
-                if c.dtype != dtype or not c.scales.is_contiguous() or not c.scales.is_cpu:
-                    return None
-            elif stored.dtype != dtype:
-                return None
-            if not stored.is_contiguous() or stored.dim() != 5 or not stored.is_cpu:
-                return None  # a layout the kernel does not read
-            if tuple(stored.shape[-2:]) != cache_shape:
-                return None
-        allowed = (
-            nn.ModuleList, DecoderLayer, Attention, GatedMLP, Linear, RMSNorm, RotaryEmbedding,
-            SparseMoeBlock, Experts, QuantLinear,
-        )  # fmt: skip
-        projections = _projections(model)
-        for module in model.model.layers.modules():
-            if type(module) not in allowed:
-                return None  # a replaced layer (quantized experts, a shared expert, ...)
-            if isinstance(module, QuantLinear) and (
-                module not in projections or not _runs_quantized(module, dtype, projections[module])
-            ):
-                return None
-            if module._forward_hooks or module._forward_pre_hooks:
-                return None  # someone watches the layers (calibration): keep them called
-            for p in module.parameters(recurse=False):
-                if p.dtype != dtype or not p.is_cpu or not p.is_contiguous():
-                    return None
-            if isinstance(module, RMSNorm) and module.eps != cfg.rms_norm_eps:
-                return None
-        qkv = (heads + 2 * kv_heads) * head_dim
-        expected = {
-            "input_layernorm.weight": (hidden,),
-            "post_attention_layernorm.weight": (hidden,),
-            "self_attn.qkv_proj.weight": (qkv, hidden),
-            "self_attn.qkv_proj.bias": (qkv,),
-            "self_attn.o_proj.weight": (hidden, heads * head_dim),
-            "self_attn.q_norm.weight": (head_dim,),
-            "self_attn.k_norm.weight": (head_dim,),
-            "mlp.gate_up_proj.weight": (2 * cfg.intermediate_size, hidden),
-            "mlp.down_proj.weight": (hidden, cfg.intermediate_size),
-        }
-        num_experts, inter = cfg.num_experts, cfg.moe_intermediate_size
-        expected |= {  # a sparse layer's router and routed experts
-            "mlp.gate.weight": (num_experts, hidden),
-            "mlp.experts.gate_up_proj": (num_experts, 2 * inter, hidden),
-            "mlp.experts.down_proj": (num_experts, hidden, inter),
-        }
-        for layer in cast("list[DecoderLayer]", list(model.model.layers)):
-            for name, p in layer.named_parameters():
-                if tuple(p.shape) != expected.get(name):
-                    return None  # a bias or shared expert the C++ lacks, or another shape
-            if layer.self_attn.scale != head_dim**-0.5:
-                return None
-            if isinstance(layer.mlp, SparseMoeBlock):  # the counts the C++ adds to
-                counts = layer.mlp.expert_tokens
-                if counts.dtype != torch.int64 or not counts.is_cpu or not counts.is_contiguous():
-                    return None
-                if counts.shape != (num_experts,):
-                    return None
-        embed, norm = model.model.embed_tokens, model.model.norm
-        if model.tp is not None or type(embed) is not nn.Embedding or embed.max_norm is not None:
-            return None  # a vocabulary-parallel or renormalising embedding
-        if type(norm) is not RMSNorm or norm.eps != cfg.rms_norm_eps:
+        if not (_modules_supported(model, dtype) and _shapes_supported(model)):
             return None
-        for module, shape in ((embed, (cfg.vocab_size, hidden)), (norm, (hidden,))):
-            w = module.weight
-            if module._forward_hooks or module._forward_pre_hooks or tuple(w.shape) != shape:
-                return None
-            if w.dtype != dtype or not w.is_cpu or not w.is_contiguous():
-                return None
-        rotary = model.model.rotary
-        for table in (rotary.cos, rotary.sin):
-            if table.dtype != torch.float32 or not table.is_contiguous() or table.dim() != 2:
-                return None
-            if table.shape[1] != head_dim or not table.is_cpu:
-                return None
-        if len(kv_caches) != len(model.model.layers):
+        if not _ends_supported(model, dtype) or len(kv_caches) != len(model.model.layers):
             return None
         return cls(model, kv_caches, fn)
 
@@ -506,6 +356,105 @@ class NativeDecode:
         return array.array("q", longs), array.array("i", ints), width
 
 
+class _Layout:
+    """What the C++ layers read, built layer by layer: ``pointers`` (per layer its weights'
+    addresses, caches, quantized projections' descriptors and a sparse layer's router, experts
+    and counts, in ``cpu_ops.cpp``'s order), the quantized projections' ``descriptors``
+    (``QuantSlot``), and every tensor held in ``checks`` as it was built."""
+
+    def __init__(self, checks: _Checks, qmm: int | None) -> None:
+        self.checks = checks
+        self.qmm = qmm
+        self.pointers: list[int] = []
+        self.descriptors: list[list[int]] = []
+        self.patches: list[tuple[int, int]] = []  # (index in pointers, descriptor)
+        self.blocks: list[SparseMoeBlock] = []
+
+    def hold(self, module: nn.Module | None, name: str, passed: bool = True) -> None:
+        """Hold ``module``'s parameter ``name`` (absent too); pass its address if ``passed``."""
+        tensor = None if module is None else module._parameters.get(name)
+        if module is not None:
+            address = 0 if tensor is None else tensor.data_ptr()
+            self.checks.keep(module._parameters, name, tensor, address)
+        if passed:
+            self.pointers.append(0 if tensor is None else tensor.data_ptr())
+
+    def descriptor(self, module: QuantLinear, held: _Checks | None = None) -> list[int]:
+        """A quantized projection's descriptor, its layout and bias held (in ``held``): its
+        cpu_qmatmul view (each step checks that the module still holds it: invalidate_layouts,
+        a move or load_state_dict drops it)."""
+        held = held or self.checks
+        packed = module._native_layout()
+        bias = module.bias  # held absent too: one set after the build sends steps back
+        held.keep(module._buffers, "bias", bias, 0 if bias is None else bias.data_ptr())
+        held.quantize(module, packed)
+        z, zc, st, groups, group, s_stride = packed.arguments()
+        return [
+            self.qmm or 0, cpu_qmatmul.KINDS[packed.kind], packed.w.data_ptr(),
+            packed.s.data_ptr(), z, st, groups, group, 0 if bias is None else bias.data_ptr(),
+            packed.k, int.from_bytes(struct.pack("<f", zc), "little"), s_stride,
+        ]  # fmt: skip
+
+    def describe(self, module: nn.Module | None) -> None:
+        """A projection's descriptor slot: 0 for a float one, else patched in ``tensors``."""
+        if not isinstance(module, QuantLinear):
+            self.pointers.append(0)
+            return
+        self.patches.append((len(self.pointers), len(self.descriptors)))
+        self.pointers.append(0)
+        self.descriptors.append(self.descriptor(module))
+
+    def layer(self, layer: DecoderLayer, cache: torch.Tensor | QuantizedKVCache) -> None:
+        """One decoder layer's entries."""
+        hold = self.hold
+        attn, mlp = layer.self_attn, layer.mlp
+        dense = mlp if isinstance(mlp, GatedMLP) else None
+        sparse = mlp if isinstance(mlp, SparseMoeBlock) else None
+        hold(layer.input_layernorm, "weight")
+        hold(attn.qkv_proj, "weight")
+        hold(attn.qkv_proj, "bias")
+        hold(attn.o_proj, "weight")
+        hold(layer.post_attention_layernorm, "weight")
+        hold(None if dense is None else dense.gate_up_proj, "weight")
+        hold(None if dense is None else dense.down_proj, "weight")
+        hold(attn.q_norm, "weight")
+        hold(attn.k_norm, "weight")
+        hold(attn.o_proj, "bias", passed=False)
+        for module in (dense.gate_up_proj, dense.down_proj) if dense else ():
+            hold(module, "bias", passed=False)
+        self.pointers += _cache_pointers(cache)
+        for module in (attn.qkv_proj, attn.o_proj):
+            self.describe(module)
+        self.describe(None if dense is None else dense.gate_up_proj)
+        self.describe(None if dense is None else dense.down_proj)
+        self._sparse(sparse)
+
+    def _sparse(self, sparse: SparseMoeBlock | None) -> None:
+        """A sparse layer's router, experts and counts, then its integers (all 0 if dense)."""
+        experts = None if sparse is None else cast(Experts, sparse.experts)
+        self.hold(None if sparse is None else sparse.gate, "weight")
+        self.hold(experts, "gate_up_proj")
+        self.hold(experts, "down_proj")
+        if sparse is None or experts is None:
+            self.pointers += [0] * 5
+            return
+        self.hold(sparse.gate, "bias", passed=False)
+        counts = sparse.expert_tokens
+        self.checks.keep(sparse._buffers, "expert_tokens", counts, counts.data_ptr())
+        self.blocks.append(sparse)
+        self.pointers.append(counts.data_ptr())
+        renormalize = int(sparse.renormalize)
+        self.pointers += [sparse.num_experts, sparse.top_k, renormalize, experts.intermediate_size]
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The descriptors ``[n, 12]`` and the pointers, each descriptor's address patched in."""
+        descriptors = torch.tensor(self.descriptors, dtype=torch.int64).reshape(-1, 12)
+        pointers = list(self.pointers)
+        for at, row in self.patches:
+            pointers[at] = descriptors[row].data_ptr()
+        return descriptors, torch.tensor(pointers, dtype=torch.int64)
+
+
 class _Checks:
     """What a native step checks is as it was built, each kind of check one pass of C loops
     (``map``, ``all``, ``any``) over tuples made once. What the checks cost is the cache misses
@@ -627,6 +576,123 @@ def _handles() -> int:
     have streamed through (some 300 dicts, ~30 us of a 5 ms int4 step, cold)."""
     count = getattr(RemovableHandle, "next_id", None)
     return count if isinstance(count, int) else -1
+
+
+def _caches_supported(
+    kv_caches: Sequence[Any], dtype: torch.dtype, cache_shape: tuple[int, int]
+) -> bool:
+    """Whether every cache is one the kernels read: one kind (float in ``dtype``, or codes
+    with scales), contiguous ``[2, blocks, block_size, kv_heads, head_dim]`` on the CPU."""
+    codes = _codes_dtype(kv_caches[0])
+    if cpu_paged.kernel(dtype, codes) is None:
+        return False
+    for c in kv_caches:
+        if not isinstance(c, torch.Tensor | QuantizedKVCache) or _codes_dtype(c) != codes:
+            return False  # caches of several kinds
+        stored = _stored(c)
+        if isinstance(c, QuantizedKVCache):
+            if c.dtype != dtype or not c.scales.is_contiguous() or not c.scales.is_cpu:
+                return False
+        elif stored.dtype != dtype:
+            return False
+        if not stored.is_contiguous() or stored.dim() != 5 or not stored.is_cpu:
+            return False  # a layout the kernel does not read
+        if tuple(stored.shape[-2:]) != cache_shape:
+            return False
+    return True
+
+
+def _modules_supported(model: LlamaForCausalLM, dtype: torch.dtype) -> bool:
+    """Whether every module of the decoder layers is one the C++ layers compute as its
+    ``forward`` does: the classes they know, quantized projections on ``cpu_qmatmul``, no hook,
+    parameters contiguous in ``dtype`` on the CPU, the model's norm epsilon."""
+    from foudre.models.llama import Attention, DecoderLayer
+
+    allowed = (
+        nn.ModuleList, DecoderLayer, Attention, GatedMLP, Linear, RMSNorm, RotaryEmbedding,
+        SparseMoeBlock, Experts, QuantLinear,
+    )  # fmt: skip
+    projections = _projections(model)
+    for module in model.model.layers.modules():
+        if type(module) not in allowed:
+            return False  # a replaced layer (quantized experts, a shared expert, ...)
+        if isinstance(module, QuantLinear) and (
+            module not in projections or not _runs_quantized(module, dtype, projections[module])
+        ):
+            return False
+        if module._forward_hooks or module._forward_pre_hooks:
+            return False  # someone watches the layers (calibration): keep them called
+        for p in module.parameters(recurse=False):
+            if p.dtype != dtype or not p.is_cpu or not p.is_contiguous():
+                return False
+        if isinstance(module, RMSNorm) and module.eps != model.config.rms_norm_eps:
+            return False
+    return True
+
+
+def _shapes_supported(model: LlamaForCausalLM) -> bool:
+    """Whether every layer holds exactly the parameters the C++ layers read, in their shapes
+    (a bias or shared expert the C++ lacks, or another shape: no), Llama's attention scale, and
+    a sparse layer's counts as int64 on the CPU."""
+    cfg = model.config
+    hidden, heads, kv_heads, head_dim = (
+        cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+    )  # fmt: skip
+    qkv = (heads + 2 * kv_heads) * head_dim
+    num_experts, inter = cfg.num_experts, cfg.moe_intermediate_size
+    expected = {
+        "input_layernorm.weight": (hidden,),
+        "post_attention_layernorm.weight": (hidden,),
+        "self_attn.qkv_proj.weight": (qkv, hidden),
+        "self_attn.qkv_proj.bias": (qkv,),
+        "self_attn.o_proj.weight": (hidden, heads * head_dim),
+        "self_attn.q_norm.weight": (head_dim,),
+        "self_attn.k_norm.weight": (head_dim,),
+        "mlp.gate_up_proj.weight": (2 * cfg.intermediate_size, hidden),
+        "mlp.down_proj.weight": (hidden, cfg.intermediate_size),
+        # a sparse layer's router and routed experts
+        "mlp.gate.weight": (num_experts, hidden),
+        "mlp.experts.gate_up_proj": (num_experts, 2 * inter, hidden),
+        "mlp.experts.down_proj": (num_experts, hidden, inter),
+    }
+    for layer in cast("list[DecoderLayer]", list(model.model.layers)):
+        for name, p in layer.named_parameters():
+            if tuple(p.shape) != expected.get(name):
+                return False
+        if layer.self_attn.scale != head_dim**-0.5:
+            return False
+        if isinstance(layer.mlp, SparseMoeBlock):  # the counts the C++ adds to
+            counts = layer.mlp.expert_tokens
+            if counts.dtype != torch.int64 or not counts.is_cpu or not counts.is_contiguous():
+                return False
+            if counts.shape != (num_experts,):
+                return False
+    return True
+
+
+def _ends_supported(model: LlamaForCausalLM, dtype: torch.dtype) -> bool:
+    """Whether the embedding, the final norm and the RoPE tables are what the call reads: a
+    plain embedding (not vocabulary-parallel nor renormalising), an RMSNorm of the model's
+    epsilon, no hook, ``dtype`` weights contiguous on the CPU, float32 tables."""
+    cfg = model.config
+    embed, norm = model.model.embed_tokens, model.model.norm
+    if model.tp is not None or type(embed) is not nn.Embedding or embed.max_norm is not None:
+        return False
+    if type(norm) is not RMSNorm or norm.eps != cfg.rms_norm_eps:
+        return False
+    for module, shape in ((embed, (cfg.vocab_size, cfg.hidden_size)), (norm, (cfg.hidden_size,))):
+        w = module.weight
+        if module._forward_hooks or module._forward_pre_hooks or tuple(w.shape) != shape:
+            return False
+        if w.dtype != dtype or not w.is_cpu or not w.is_contiguous():
+            return False
+    rotary = model.model.rotary
+    for table in (rotary.cos, rotary.sin):
+        if table.dtype != torch.float32 or not table.is_contiguous() or table.dim() != 2:
+            return False
+        if table.shape[1] != cfg.head_dim or not table.is_cpu:
+            return False
+    return True
 
 
 def _stored(cache: torch.Tensor | QuantizedKVCache) -> torch.Tensor:
