@@ -197,6 +197,8 @@ class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ToolDefinition] | None = None  # with messages: rendered as chat renders them
+    add_generation_prompt: bool = True
     add_special_tokens: bool = True
 
 

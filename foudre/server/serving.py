@@ -32,8 +32,8 @@ from foudre.errors import InvalidParameterError, PromptTooLongError
 from foudre.loading.tokenizer import InvalidTextError
 from foudre.outputs import CompletionOutput, RequestOutput
 from foudre.sampling_params import BeamSearchParams, SamplingParams, StructuredOutput
-from foudre.server.protocol import OpenAIError, _SamplingFields
-from foudre.server.tools import PARSERS
+from foudre.server.protocol import ChatMessage, OpenAIError, _SamplingFields
+from foudre.server.tools import PARSERS, template_messages
 from foudre.server.workers import PoolFullError, WorkerPool
 
 Json = dict[str, Any]
@@ -411,6 +411,26 @@ class OpenAIServing:
         finally:
             watcher.cancel()
             stream.abort()
+
+    async def chat_prompt(
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool,
+        tools: list[Json] | None,
+        add_special_tokens: bool = True,
+    ) -> list[int]:
+        """The token ids of a conversation as the model sees it: the messages (with their tool
+        calls and tool results) and the tools through the chat template, then encoded (no
+        second BOS when the template wrote one). What chat generates from and ``/tokenize``
+        counts are the same ids."""
+        tok = self.tokenizer
+        if tok is None:
+            raise OpenAIError(400, "chat needs a tokenizer; this server has none")
+        rendered_messages = template_messages(messages)
+        self.check_text("".join(m["content"] for m in rendered_messages), "messages")
+        rendered = await self.render_chat(rendered_messages, add_generation_prompt, tools)
+        has_bos = bool(tok.bos_token) and rendered.startswith(tok.bos_token or "")
+        return await self.encode(rendered, add_special_tokens and not has_bos, "messages")
 
     async def render_chat(
         self,

@@ -15,7 +15,7 @@ from foudre.sampling_params import SamplingParams
 from foudre.server.protocol import ChatCompletionRequest, OpenAIError
 from foudre.server.serving import Json, OpenAIServing, Submission, finite, top_entries
 from foudre.server.structured import structured_output
-from foudre.server.tools import ToolPlan, ToolStreamer, template_messages
+from foudre.server.tools import ToolPlan, ToolStreamer
 
 
 class OpenAIServingChat:
@@ -40,12 +40,7 @@ class OpenAIServingChat:
         plan = ToolPlan.of(req, tok, serving.tool_call_parser)
         params, rename = self._params(req, plan, top_n)
         deadline = serving.deadline()
-        messages = template_messages(req.messages)
-        serving.check_text("".join(m["content"] for m in messages), "messages")
-        rendered = await serving.render_chat(messages, req.add_generation_prompt, plan.tools)
-        bos = tok.bos_token
-        has_bos = bool(bos) and rendered.startswith(bos or "")
-        prompt_ids = await serving.encode(rendered, not has_bos, "messages")
+        prompt_ids = await serving.chat_prompt(req.messages, req.add_generation_prompt, plan.tools)
         serving.check_room([len(prompt_ids)], params.max_tokens)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())

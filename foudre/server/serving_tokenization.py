@@ -22,18 +22,17 @@ class OpenAIServingTokenization:
         return tok
 
     async def tokenize(self, req: TokenizeRequest) -> Json:
-        """The ids of ``req.prompt``, or of ``req.messages`` through the chat template (with
-        the generation prompt), as a chat completion would see them."""
+        """The ids of ``req.prompt``, or of ``req.messages`` (and ``req.tools``) through the chat
+        template, the same ids a chat completion of them is given."""
         serving = self.serving
-        tok = self._tokenizer(req.model)
+        self._tokenizer(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise OpenAIError(400, "give exactly one of prompt and messages", param="prompt")
         if req.messages is not None:
-            msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
-            serving.check_text("".join(m["content"] for m in msgs), "messages")
-            text = await serving.render_chat(msgs, True)
-            has_bos = bool(tok.bos_token) and text.startswith(tok.bos_token or "")
-            ids = await serving.encode(text, req.add_special_tokens and not has_bos, "messages")
+            tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+            ids = await serving.chat_prompt(
+                req.messages, req.add_generation_prompt, tools, req.add_special_tokens
+            )
         else:
             ids = await serving.encode(req.prompt or "", req.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": serving.llm.max_model_len}

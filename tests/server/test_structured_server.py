@@ -558,3 +558,40 @@ def test_parameters_of_an_empty_schema_are_an_object(tools_server: InProcessServ
             tool_choice="required", max_tokens=5,
         )  # fmt: skip
     assert info.value.param == "tools"
+
+
+def test_tokenize_counts_what_chat_sees(tools_server: InProcessServer) -> None:
+    """``/tokenize`` of messages with tools, tool calls and tool results gives the prompt a chat
+    completion of the same messages is given (``usage.prompt_tokens``)."""
+    messages: list[Any] = [
+        {"role": "user", "content": "Weather in Lima?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Lima", "days": 1}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees"},
+    ]
+    chat = _client(tools_server).chat.completions.create(
+        model="tools", messages=messages, tools=[WEATHER, CLOCK], max_tokens=1
+    )
+    assert chat.usage is not None
+    body = {"messages": messages, "tools": [WEATHER, CLOCK]}
+    r = httpx.post(tools_server.url + "/tokenize", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["count"] == chat.usage.prompt_tokens
+    bare = httpx.post(tools_server.url + "/tokenize", json={"messages": messages[:1]}, timeout=60)
+    assert bare.json()["count"] < r.json()["count"] - 100  # the tools are in the count
+    image = [{"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]
+    r = httpx.post(
+        tools_server.url + "/tokenize",
+        json={"messages": [{"role": "user", "content": image}]},
+        timeout=60,
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
