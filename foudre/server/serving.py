@@ -88,13 +88,25 @@ class Submission:
     rename: dict[str, str] = field(default_factory=dict)
 
 
+def context_length_exceeded(limit: int, detail: str, param: str) -> OpenAIError:
+    """The 400 of a request that does not fit the context, worded as OpenAI words it ("This
+    model's maximum context length is N tokens. ..."): client libraries recognise the error
+    by that sentence (``litellm``'s ``ContextWindowExceededError``), beside the code."""
+    message = f"This model's maximum context length is {limit} tokens. {detail}"
+    return OpenAIError(400, message, param=param, code="context_length_exceeded")
+
+
 def invalid_parameter(
     e: InvalidParameterError, prompt_param: str = "prompt", rename: dict[str, str] | None = None
 ) -> OpenAIError:
     """The 400 of a parameter that ``SamplingParams`` or the engine refused, naming the API
     field (``context_length_exceeded`` for a prompt too long)."""
     if isinstance(e, PromptTooLongError):
-        return OpenAIError(400, str(e), param=prompt_param, code="context_length_exceeded")
+        detail = (
+            f"However, your {prompt_param} resulted in {e.num_tokens} tokens. Please reduce "
+            f"the length of the {prompt_param}."
+        )
+        return context_length_exceeded(e.max_model_len, detail, prompt_param)
     name = prompt_param if e.param == "prompt" else (rename or {}).get(e.param, e.param)
     return OpenAIError(400, str(e), param=name)
 
@@ -260,13 +272,12 @@ class OpenAIServing:
             if prompt_len > limit:
                 return
             if prompt_len + max_tokens > limit:
-                raise OpenAIError(
-                    400,
-                    f"max_tokens {max_tokens} plus the prompt's {prompt_len} tokens exceed the "
-                    f"maximum context length (max_model_len) of {limit} tokens",
-                    param="max_tokens",
-                    code="context_length_exceeded",
+                detail = (
+                    f"However, you requested {prompt_len + max_tokens} tokens ({prompt_len} in "
+                    f"the prompt, {max_tokens} in the completion: max_tokens). Please reduce "
+                    "the length of the prompt or of the completion."
                 )
+                raise context_length_exceeded(limit, detail, "max_tokens")
 
     async def submit(self, sub: Submission) -> RequestStream:
         """The stream of ``sub`` once the engine has accepted it; 400 for what the engine
@@ -300,13 +311,11 @@ class OpenAIServing:
         """400 for a text that cannot fit ``max_model_len`` whatever its tokens (before any
         tokenization, whose cost grows with the text)."""
         if len(text) > self.max_prompt_chars:
-            raise OpenAIError(
-                400,
-                f"{param} has {len(text)} characters; at most {self.max_prompt_chars} can fit "
-                f"the maximum context length (max_model_len) of {self.llm.max_model_len} tokens",
-                param=param,
-                code="context_length_exceeded",
+            detail = (
+                f"However, your {param} has {len(text)} characters, and at most "
+                f"{self.max_prompt_chars} can fit. Please reduce the length of the {param}."
             )
+            raise context_length_exceeded(self.llm.max_model_len, detail, param)
 
     async def off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` on the worker pool; 503 when it is full."""

@@ -54,3 +54,23 @@ def test_non_text_content_is_a_400(stories: InProcessServer, part: dict[str, Any
         _client(stories).chat.completions.create(model="stories", messages=messages)
     assert info.value.param == "messages"
     assert "messages[0].content[1]" in info.value.message and part["type"] in info.value.message
+
+
+def test_litellm_maps_a_prompt_over_the_context(stories: InProcessServer) -> None:
+    """A prompt past ``max_model_len`` (or leaving no room for ``max_tokens``) is the 400 that
+    ``litellm`` recognises as ``ContextWindowExceededError``, streamed or not, chat or text."""
+    litellm = pytest.importorskip("litellm")
+    common: dict[str, Any] = dict(
+        model="openai/stories", api_base=stories.url + "/v1", api_key="unused", num_retries=0
+    )
+    long = "Once upon a time " * 400
+    with pytest.raises(litellm.ContextWindowExceededError):
+        litellm.completion(messages=[{"role": "user", "content": long}], **common)
+    with pytest.raises(litellm.ContextWindowExceededError):
+        litellm.completion(messages=[{"role": "user", "content": long}], stream=True, **common)
+    with pytest.raises(litellm.ContextWindowExceededError):
+        litellm.completion(messages=[{"role": "user", "content": "Hi"}], max_tokens=600, **common)
+    with pytest.raises(litellm.ContextWindowExceededError):
+        litellm.text_completion(prompt=[[1] * 600], **common)
+    ok = litellm.completion(messages=[{"role": "user", "content": "Hi"}], max_tokens=3, **common)
+    assert ok.choices[0].message.content is not None
