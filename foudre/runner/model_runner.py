@@ -284,7 +284,10 @@ class ModelRunner:
 
     def sample(self, logits: torch.Tensor, rows: SamplingRows) -> StepOutput:
         """Sample (or verify drafts) from the logits of the step's sampling rows, in order."""
-        if rows.has_drafts:
+        if rows.has_drafts:  # each row's positions: its last token's, then its drafts'
+            index = [r + j for r, d in zip(rows.logit_rows, rows.drafts) for j in range(len(d) + 1)]
+            if len(index) != logits.shape[0]:  # forked samplers share their parent's row
+                logits = logits[torch.tensor(index, device=logits.device)]
             batch = self.input_batch.sampling_batch(rows)
             v = verify(logits, batch, self.input_batch.draft_rows(rows), self.generator)
             self.input_batch.accept_drafts(rows, v.num_accepted)
