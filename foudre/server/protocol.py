@@ -117,16 +117,21 @@ class _SamplingFields(_Request):
 PromptField = str | list[str] | list[int] | list[list[int]]
 
 
-class CompletionRequest(_SamplingFields):
-    prompt: PromptField
-    max_tokens: int | None = _default(SamplingParams, "max_tokens")  # null: until max_model_len
-    logprobs: int | None = None
-    echo: bool = False
+class _SearchFields(_SamplingFields):
+    """``best_of`` and vLLM's beam search, shared by completions and chat completions."""
+
     best_of: int | None = None  # sample best_of, return the n most likely
     # vLLM's beam search fields: best_of (or n) beams, the n best returned as choices
     use_beam_search: bool = False
     length_penalty: float = _default(BeamSearchParams, "length_penalty")
     early_stopping: bool | Literal["never"] = _default(BeamSearchParams, "early_stopping")
+
+
+class CompletionRequest(_SearchFields):
+    prompt: PromptField
+    max_tokens: int | None = _default(SamplingParams, "max_tokens")  # null: until max_model_len
+    logprobs: int | None = None
+    echo: bool = False
 
 
 class ContentPart(_Request):
@@ -181,7 +186,7 @@ class ChatMessage(_Request):
         return "".join(p.text for p in self.content if p.type == "text")
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(_SearchFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None

@@ -12,6 +12,7 @@ partial stop string, so a stream never shows text that the final answer would no
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 from collections.abc import AsyncIterator, Callable
@@ -32,7 +33,7 @@ from foudre.errors import InvalidParameterError, PromptTooLongError
 from foudre.loading.tokenizer import InvalidTextError
 from foudre.outputs import CompletionOutput, RequestOutput
 from foudre.sampling_params import BeamSearchParams, SamplingParams, StructuredOutput
-from foudre.server.protocol import ChatMessage, OpenAIError, _SamplingFields
+from foudre.server.protocol import ChatMessage, OpenAIError, _SamplingFields, _SearchFields
 from foudre.server.tools import PARSERS, template_messages
 from foudre.server.workers import PoolFullError, WorkerPool
 
@@ -259,6 +260,81 @@ class OpenAIServing:
             )
         except InvalidParameterError as e:
             raise invalid_parameter(e, rename=rename) from None
+
+    def beam_search_params(
+        self,
+        req: _SearchFields,
+        max_tokens: int | None,
+        logprobs: str | None,
+        structured: StructuredOutput | None,
+    ) -> BeamSearchParams | None:
+        """vLLM's ``use_beam_search``: ``best_of`` (or ``n``) beams, the ``n`` best returned
+        (None without it); 400 naming the field for what beam search cannot do (a stream,
+        log-probabilities: ``logprobs`` names the field that asked for them, a grammar)."""
+        if not req.use_beam_search:
+            return None
+        width = req.best_of if req.best_of is not None else req.n
+        if req.stream:
+            message = "beam search returns its beams at the end: no stream"
+            raise OpenAIError(400, message, param="stream")
+        if width > self.max_n:
+            raise OpenAIError(400, f"best_of (beams) must be at most {self.max_n}", param="best_of")
+        if req.n > width:
+            message = f"n ({req.n}) exceeds the number of beams ({width})"
+            raise OpenAIError(400, message, param="n")
+        if logprobs is not None:
+            message = "logprobs are not returned with beam search"
+            raise OpenAIError(400, message, param=logprobs)
+        if structured is not None:
+            message = "beam search does not take a grammar (response_format, guided_*, tools)"
+            raise OpenAIError(400, message, param="use_beam_search")
+        optional: dict[str, Any] = {"max_tokens": max_tokens, "temperature": req.temperature}
+        given = {name: value for name, value in optional.items() if value is not None}
+        try:
+            return BeamSearchParams(
+                beam_width=width,
+                length_penalty=req.length_penalty,
+                early_stopping=req.early_stopping,
+                ignore_eos=req.ignore_eos,
+                **given,
+            )
+        except InvalidParameterError as e:
+            raise invalid_parameter(e) from None
+
+    def with_best_of(self, req: _SearchFields, params: SamplingParams) -> SamplingParams:
+        """``params`` sampling ``req.best_of`` and keeping the ``n`` most likely; 400 naming
+        ``best_of`` past ``max_n``, below ``n``, or with a stream that would show the others."""
+        if req.best_of is None:
+            return params
+        if req.best_of > self.max_n:
+            raise OpenAIError(400, f"best_of must be at most {self.max_n}", param="best_of")
+        if req.stream and req.best_of > req.n:
+            raise OpenAIError(400, "best_of > n cannot stream", param="best_of")
+        try:
+            return dataclasses.replace(params, best_of=req.best_of)
+        except InvalidParameterError as e:
+            raise invalid_parameter(e) from None
+
+    async def collect_beams(
+        self,
+        stream: RequestStream,
+        receive: Receive,
+        search: BeamSearchParams,
+        n: int,
+        deadline: float | None,
+    ) -> tuple[dict[int, CompletionOutput], _Usage]:
+        """Run a beam search per prompt to its end: the ``n`` best beams of each, by choice
+        index (prompt ``p``'s at ``p * n`` on), and the usage of those beams."""
+        width = search.beam_width
+        finals, usage = await self.collect(stream, receive, width, deadline)
+        beams: dict[int, CompletionOutput] = {}
+        usage.completion.clear()  # the returned beams' tokens, as for any choice
+        for index in sorted(finals):
+            prompt, rank = divmod(index, width)
+            if rank < n:
+                beams[prompt * n + rank] = finals[index]
+                usage.completion[prompt * n + rank] = len(finals[index].token_ids)
+        return beams, usage
 
     def check_room(self, prompt_lens: list[int], max_tokens: int | None) -> None:
         """400 naming ``max_tokens`` when a prompt leaves no room for ``max_tokens`` more tokens

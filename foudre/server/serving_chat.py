@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from starlette.types import Receive
 
 from foudre.outputs import CompletionOutput
-from foudre.sampling_params import SamplingParams
+from foudre.sampling_params import BeamSearchParams, SamplingParams
 from foudre.server.protocol import ChatCompletionRequest, OpenAIError
 from foudre.server.serving import Json, OpenAIServing, Submission, finite, top_entries
 from foudre.server.structured import structured_output
@@ -38,18 +38,24 @@ class OpenAIServingChat:
             raise OpenAIError(400, message, param="top_logprobs")
         top_n = (req.top_logprobs or 0) if req.logprobs else None
         plan = ToolPlan.of(req, tok, serving.tool_call_parser)
-        params, rename = self._params(req, plan, top_n)
+        params, search, rename = self._params(req, plan, top_n)
         deadline = serving.deadline()
         prompt_ids = await serving.chat_prompt(req.messages, req.add_generation_prompt, plan.tools)
         serving.check_room([len(prompt_ids)], params.max_tokens)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        sub = Submission([prompt_ids], params, rid, "messages", req.cache_salt, rename)
+        asked = params if search is None else search
+        sub = Submission([prompt_ids], asked, rid, "messages", req.cache_salt, rename)
         stream = await serving.submit(sub)
         base: Json = {"id": rid, "created": created, "model": serving.model_name}
         if not req.stream:
-            finals, usage = await serving.collect(stream, receive, params.n, deadline)
-            choices = [self._choice(finals[i], plan, top_n) for i in sorted(finals)]
+            if search is None:
+                finals, usage = await serving.collect(stream, receive, params.n, deadline)
+            else:
+                finals, usage = await serving.collect_beams(
+                    stream, receive, search, req.n, deadline
+                )
+            choices = [self._choice(finals[i], plan, top_n, i) for i in sorted(finals)]
             return {
                 **base,
                 "object": "chat.completion",
@@ -70,9 +76,10 @@ class OpenAIServingChat:
 
     def _params(
         self, req: ChatCompletionRequest, plan: ToolPlan, top_n: int | None
-    ) -> tuple[SamplingParams, dict[str, str]]:
-        """The request's sampling parameters (a forced tool call's grammar included) and the
-        engine parameter names that map to other API fields."""
+    ) -> tuple[SamplingParams, BeamSearchParams | None, dict[str, str]]:
+        """The request's sampling parameters (a forced tool call's grammar included; ``best_of``
+        samples), its beam search (None without one) and the engine parameter names that map
+        to other API fields."""
         max_tokens = (
             req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         )
@@ -84,16 +91,23 @@ class OpenAIServingChat:
                 )
             structured, field = plan.structured_output, "tools"
         rename = {"logprobs": "top_logprobs", "structured_output": field or "structured_output"}
-        params = self.serving.sampling_params(req, max_tokens, top_n, rename, structured)
-        return params, rename
+        serving = self.serving
+        params = serving.sampling_params(req, max_tokens, top_n, rename, structured)
+        logprobs = "logprobs" if req.logprobs else None
+        search = serving.beam_search_params(req, max_tokens, logprobs, structured)
+        if search is None:
+            params = serving.with_best_of(req, params)
+        return params, search, rename
 
-    def _choice(self, comp: CompletionOutput, plan: ToolPlan, top_n: int | None) -> Json:
+    def _choice(
+        self, comp: CompletionOutput, plan: ToolPlan, top_n: int | None, index: int
+    ) -> Json:
         lp = None
         if top_n is not None:
             lp = {"content": self.logprobs(comp.token_ids, comp.logprobs or [], top_n)}
         reply, called = plan.message(comp.text)
         return {
-            "index": comp.index,
+            "index": index,
             "message": reply,
             "logprobs": lp,
             "finish_reason": plan.finish_reason(comp.finish_reason, called),

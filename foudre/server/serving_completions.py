@@ -3,25 +3,21 @@
 
 from __future__ import annotations
 
-import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
 
 from starlette.types import Receive
 
 from foudre.engine.async_llm import Prompt, RequestStream
-from foudre.errors import InvalidParameterError
 from foudre.outputs import CompletionOutput
 from foudre.sampling_params import BeamSearchParams, SamplingParams
-from foudre.server.protocol import CompletionRequest, OpenAIError
+from foudre.server.protocol import CompletionRequest
 from foudre.server.serving import (
     Json,
     OpenAIServing,
     Submission,
     finite,
-    invalid_parameter,
     top_entries,
 )
 from foudre.server.structured import structured_output
@@ -70,19 +66,10 @@ class OpenAIServingCompletions:
         structured, field = structured_output(req)
         rename = {"structured_output": field or "structured_output"}
         params = serving.sampling_params(req, req.max_tokens, req.logprobs, rename, structured)
-        search = self._beam_search_params(req)
-        if search is not None and structured is not None:
-            message = "beam search does not take a grammar (response_format, guided_*)"
-            raise OpenAIError(400, message, param="use_beam_search")
-        if req.best_of is not None and search is None:
-            if req.best_of > serving.max_n:
-                raise OpenAIError(400, f"best_of must be at most {serving.max_n}", param="best_of")
-            if req.stream and req.best_of > req.n:
-                raise OpenAIError(400, "best_of > n cannot stream", param="best_of")
-            try:
-                params = dataclasses.replace(params, best_of=req.best_of)
-            except InvalidParameterError as e:
-                raise invalid_parameter(e) from None
+        logprobs = "logprobs" if req.logprobs is not None else None
+        search = serving.beam_search_params(req, req.max_tokens, logprobs, structured)
+        if search is None:
+            params = serving.with_best_of(req, params)
         return params, search, rename
 
     async def _prompts(self, req: CompletionRequest) -> tuple[list[Prompt], list[str | None]]:
@@ -195,36 +182,6 @@ class OpenAIServingCompletions:
             stream, receive, n, [], chunk, usage_chunk if req.include_usage else None, deadline
         )
 
-    def _beam_search_params(self, req: CompletionRequest) -> BeamSearchParams | None:
-        """``use_beam_search``: ``best_of`` (or ``n``) beams; 400 for what it cannot do."""
-        if not req.use_beam_search:
-            return None
-        max_n = self.serving.max_n
-        width = req.best_of if req.best_of is not None else req.n
-        if req.stream:
-            message = "beam search returns its beams at the end: no stream"
-            raise OpenAIError(400, message, param="stream")
-        if width > max_n:
-            raise OpenAIError(400, f"best_of (beams) must be at most {max_n}", param="best_of")
-        if req.n > width:
-            message = f"n ({req.n}) exceeds the number of beams ({width})"
-            raise OpenAIError(400, message, param="n")
-        if req.logprobs is not None:
-            message = "logprobs are not returned with beam search"
-            raise OpenAIError(400, message, param="logprobs")
-        optional: dict[str, Any] = {"max_tokens": req.max_tokens, "temperature": req.temperature}
-        given = {name: value for name, value in optional.items() if value is not None}
-        try:
-            return BeamSearchParams(
-                beam_width=width,
-                length_penalty=req.length_penalty,
-                early_stopping=req.early_stopping,
-                ignore_eos=req.ignore_eos,
-                **given,
-            )
-        except InvalidParameterError as e:
-            raise invalid_parameter(e) from None
-
     async def _beam_search(
         self,
         req: CompletionRequest,
@@ -237,25 +194,17 @@ class OpenAIServingCompletions:
     ) -> Json:
         """A beam search per prompt; the ``n`` best beams of each are its choices."""
         serving = self.serving
-        width = search.beam_width
-        finals, usage = await serving.collect(stream, receive, width, deadline)
-        choices = []
-        usage.completion.clear()  # the returned beams' tokens, as for any choice
-        for index in sorted(finals):
-            prompt, rank = divmod(index, width)
-            if rank >= req.n:
-                continue
-            comp = finals[index]
-            choices.append(
-                {
-                    "index": prompt * req.n + rank,
-                    "text": echoed[prompt] + comp.text,
-                    "logprobs": None,
-                    "finish_reason": comp.finish_reason,
-                    "stop_reason": None,
-                }
-            )
-            usage.completion[prompt * req.n + rank] = len(comp.token_ids)
+        beams, usage = await serving.collect_beams(stream, receive, search, req.n, deadline)
+        choices = [
+            {
+                "index": index,
+                "text": echoed[index // req.n] + comp.text,
+                "logprobs": None,
+                "finish_reason": comp.finish_reason,
+                "stop_reason": None,
+            }
+            for index, comp in beams.items()
+        ]
         return {
             "id": rid,
             "object": "text_completion",

@@ -74,3 +74,32 @@ def test_litellm_maps_a_prompt_over_the_context(stories: InProcessServer) -> Non
         litellm.text_completion(prompt=[[1] * 600], **common)
     ok = litellm.completion(messages=[{"role": "user", "content": "Hi"}], max_tokens=3, **common)
     assert ok.choices[0].message.content is not None
+
+
+def test_beam_search_and_best_of_on_chat(stories: InProcessServer) -> None:
+    """``use_beam_search`` and ``best_of`` on chat are honoured as on completions: the same
+    prompt ids give the same choices on both routes; what beam search cannot do is a 400."""
+    messages = [{"role": "user", "content": "Tell me a story"}]
+    with httpx.Client(base_url=stories.url, timeout=60) as http:
+        ids = http.post("/tokenize", json={"messages": messages}).json()["tokens"]
+        cases: list[dict[str, Any]] = [
+            {"use_beam_search": True, "best_of": 4, "n": 2, "max_tokens": 12},
+            {"best_of": 4, "n": 1, "max_tokens": 12, "temperature": 1.0, "seed": 7},
+        ]
+        for extra in cases:
+            chat = http.post("/v1/chat/completions", json={"messages": messages, **extra})
+            text = http.post("/v1/completions", json={"prompt": ids, **extra})
+            assert chat.status_code == 200 and text.status_code == 200, chat.text
+            got = [(c["index"], c["message"]["content"]) for c in chat.json()["choices"]]
+            assert got == [(c["index"], c["text"]) for c in text.json()["choices"]]
+            assert chat.json()["usage"] == text.json()["usage"]
+        beam = {"messages": messages, "use_beam_search": True, "max_tokens": 4}
+        bad = [
+            ({**beam, "stream": True}, "stream"),
+            ({**beam, "logprobs": True}, "logprobs"),
+            ({**beam, "guided_choice": ["a", "b"]}, "use_beam_search"),
+            ({"messages": messages, "best_of": 2, "n": 3}, "best_of"),
+        ]
+        for body, param in bad:
+            r = http.post("/v1/chat/completions", json=body)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
