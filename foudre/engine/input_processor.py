@@ -80,7 +80,9 @@ class InputProcessor:
     def check(self, params: SamplingParams) -> None:
         """What ``SamplingParams`` cannot check alone: token ids and ``top_k`` against the
         model's vocabulary (so that no request can make a step index out of range), and its
-        grammar, compiled (and cached) now or refused."""
+        grammar, compiled (and cached) now or refused, with ``allowed_token_ids`` that leave
+        it a first token (a grammar that the allowed tokens cannot begin would sample from
+        nothing at the first step)."""
         vocab = self.limits.vocab_size
         if params.top_k > vocab:
             raise InvalidParameterError(
@@ -91,8 +93,17 @@ class InputProcessor:
                 raise InvalidParameterError(
                     name, f"{name} names token id {token}, outside the vocabulary [0, {vocab})"
                 )
-        if params.structured_output is not None:
-            self.grammars().compile(params.structured_output)
+        spec = params.structured_output
+        if spec is not None:
+            self.grammars().compile(spec)
+            allowed = params.allowed_token_ids
+            stops = sorted({*self.eos_token_ids, *params.stop_token_ids})
+            if allowed is not None and not self.grammars().admits_first(spec, allowed, stops):
+                raise InvalidParameterError(
+                    "allowed_token_ids",
+                    "allowed_token_ids and structured_output conflict: none of the allowed "
+                    "tokens can begin an output that the structured_output grammar accepts",
+                )
 
     def grammars(self) -> GrammarCompiler:
         """The compiler of structured outputs for this model's vocabulary, built on first use

@@ -43,6 +43,10 @@ Json = dict[str, Any]
 # than max_model_len * CHARS_PER_TOKEN cannot fit: it is refused without being tokenized
 CHARS_PER_TOKEN = 32
 DEFAULT_MAX_N = 16
+# what a failed step says when a request's grammar admitted no token the request may sample
+# (its allowed tokens ran out mid-output; the engine refuses the conflict at admission when
+# it shows at the first token): the request's own error, not the server's
+GRAMMAR_DEAD_END = "does not continue the request's grammar"
 
 
 def sse(obj: Json | str) -> str:
@@ -108,8 +112,12 @@ def invalid_parameter(
             f"the length of the {prompt_param}."
         )
         return context_length_exceeded(e.max_model_len, detail, prompt_param)
-    name = prompt_param if e.param == "prompt" else (rename or {}).get(e.param, e.param)
-    return OpenAIError(400, str(e), param=name)
+    rename = rename or {}
+    name = prompt_param if e.param == "prompt" else rename.get(e.param, e.param)
+    message = str(e)
+    if "structured_output" in rename:  # an error naming the grammar names its API field
+        message = message.replace("structured_output", rename["structured_output"])
+    return OpenAIError(400, message, param=name)
 
 
 @dataclass(slots=True)
@@ -134,6 +142,13 @@ def _failure(out: RequestOutput, request_id: str) -> OpenAIError | None:
     """The error of an output that ended without an OpenAI finish reason: a failed step
     (``error``) or an abort at shutdown (a client that disconnected hears nothing)."""
     reason = out.outputs[0].finish_reason
+    if reason == "error" and GRAMMAR_DEAD_END in (out.error or ""):
+        return OpenAIError(
+            400,
+            f"request {request_id} stopped: its grammar admits none of the tokens that "
+            "allowed_token_ids and logit_bias leave at this point of the output",
+            param="allowed_token_ids",
+        )
     if reason == "error":
         return OpenAIError(
             500,

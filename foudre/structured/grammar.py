@@ -248,6 +248,17 @@ class GrammarCompiler:
             raise InvalidParameterError(PARAM, f"the {kind} admits no output at all")
         return compiled
 
+    def admits_first(
+        self, spec: StructuredOutput, token_ids: Iterable[int], stop_token_ids: Sequence[int]
+    ) -> bool:
+        """Whether ``spec``'s grammar admits some of ``token_ids`` as its first token (with
+        ``stop_token_ids`` the tokens that may end it): False when sampling only among
+        ``token_ids`` could not even begin an output the grammar accepts."""
+        bitmask = torch.zeros(1, (self.vocab_size + 31) // 32, dtype=torch.int32)
+        self.matcher(spec, stop_token_ids).fill(bitmask, 0)
+        words = bitmask[0].tolist()
+        return any(0 <= t < self.vocab_size and (words[t // 32] >> (t % 32)) & 1 for t in token_ids)
+
     def matcher(
         self, spec: StructuredOutput, stop_token_ids: Sequence[int] | None = None
     ) -> GrammarMatcher:

@@ -361,3 +361,23 @@ def test_unsupported_schema_features_and_choice_grammar() -> None:
     assert choice_grammar(['a"b', "\\", "é😀"]) == (
         'root ::= "a\\"b" | "\\\\" | "\\u00e9\\U0001f600"'
     )
+
+
+def test_allowed_tokens_that_cannot_begin_the_grammar_are_refused(llm: LLM) -> None:
+    """A grammar with ``allowed_token_ids`` that leave it no first token is refused at
+    admission, naming both fields; allowed tokens that can begin it are served."""
+    tok = llm.engine.tokenizer
+    assert tok is not None
+    no, yes = tok.encode("no", False), tok.encode("yes", False)
+    spec = StructuredOutput(choice=["yes"])
+    with pytest.raises(InvalidParameterError, match="structured_output") as info:
+        llm.generate([PROMPT], SamplingParams(structured_output=spec, allowed_token_ids=no))
+    assert info.value.param == "allowed_token_ids"
+    assert not llm.engine.has_unfinished_requests()
+    json_spec = StructuredOutput(json_object=True)
+    with pytest.raises(InvalidParameterError):
+        llm.generate([PROMPT], SamplingParams(structured_output=json_spec, allowed_token_ids=no))
+    stops = sorted(llm.engine.eos_token_ids)
+    params = SamplingParams(structured_output=spec, allowed_token_ids=[*yes, *stops], max_tokens=8)
+    [out] = llm.generate([PROMPT], params)
+    assert out.outputs[0].text == "yes"

@@ -103,3 +103,29 @@ def test_beam_search_and_best_of_on_chat(stories: InProcessServer) -> None:
         for body, param in bad:
             r = http.post("/v1/chat/completions", json=body)
             assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+
+
+def test_a_grammar_the_allowed_tokens_cannot_write_is_never_a_500(stories: InProcessServer) -> None:
+    """``guided_choice`` with ``allowed_token_ids`` that cannot begin it: a 400 naming both
+    fields at admission. Allowed tokens that begin it but cannot finish it (``"y"`` of
+    ``"yes"``, then nothing): the request ends with a 400-shaped error, streamed or not."""
+    y, lily = 124, 317  # b"y" and b" Lily" in tok512
+    body: dict[str, Any] = {"prompt": "Once", "guided_choice": ["yes"], "max_tokens": 5}
+    with httpx.Client(base_url=stories.url, timeout=60) as http:
+        for route, extra in (("/v1/completions", {}), ("/v1/chat/completions", {})):
+            payload = {**body, **extra, "allowed_token_ids": [lily]}
+            if route.endswith("chat/completions"):
+                payload["messages"] = [{"role": "user", "content": payload.pop("prompt")}]
+            r = http.post(route, json=payload)
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert error["param"] == "allowed_token_ids" and "guided_choice" in error["message"]
+        r = http.post("/v1/completions", json={**body, "allowed_token_ids": [y]})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["type"] == "invalid_request_error"
+        streamed = {**body, "allowed_token_ids": [y], "stream": True}
+        with http.stream("POST", "/v1/completions", json=streamed) as resp:
+            assert resp.status_code == 200
+            lines = [line for line in resp.iter_lines() if line.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]"
+        assert '"invalid_request_error"' in lines[-2], lines
