@@ -33,6 +33,7 @@ import torch
 
 from foudre.errors import InvalidParameterError
 from foudre.sampling_params import StructuredOutput
+from foudre.structured.utf8 import valid_utf8
 
 PARAM = "structured_output"
 DEFAULT_CACHE_SIZE = 256  # compiled grammars kept, least recently used evicted
@@ -223,21 +224,23 @@ class GrammarCompiler:
                 raise InvalidParameterError(
                     PARAM, f"the JSON schema uses what cannot be enforced: {'; '.join(bad[:5])}"
                 )
+        # every grammar goes through its EBNF text, made to admit valid UTF-8 only (utf8.py)
         try:
-            if kind == "json_schema":
-                compiled = self._json_compiler.compile_json_schema(
-                    json.dumps(spec.json_schema), any_whitespace=False, strict_mode=True
+            if kind in ("json_schema", "json_object"):
+                schema = spec.json_schema if kind == "json_schema" else {"type": "object"}
+                ebnf = str(
+                    xgr.Grammar.from_json_schema(
+                        json.dumps(schema), any_whitespace=False, strict_mode=kind == "json_schema"
+                    )
                 )
-            elif kind == "json_object":
-                compiled = self._json_compiler.compile_json_schema(
-                    '{"type": "object"}', any_whitespace=False, strict_mode=False
-                )
+                compiled = self._json_compiler.compile_grammar(valid_utf8(ebnf))
             elif kind == "regex":
-                compiled = self._compiler.compile_regex(spec.regex or "")
+                ebnf = str(xgr.Grammar.from_regex(spec.regex or ""))
+                compiled = self._compiler.compile_grammar(valid_utf8(ebnf))
             elif kind == "choice":
                 compiled = self._compiler.compile_grammar(choice_grammar(spec.choice or []))
             else:
-                compiled = self._compiler.compile_grammar(spec.grammar or "")
+                compiled = self._compiler.compile_grammar(valid_utf8(spec.grammar or ""))
         except (RuntimeError, ValueError, TypeError) as e:
             what = "JSON schema" if kind in ("json_schema", "json_object") else kind
             raise InvalidParameterError(PARAM, f"invalid {what}: {_message(e)}") from None

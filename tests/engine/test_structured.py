@@ -381,3 +381,51 @@ def test_allowed_tokens_that_cannot_begin_the_grammar_are_refused(llm: LLM) -> N
     params = SamplingParams(structured_output=spec, allowed_token_ids=[*yes, *stops], max_tokens=8)
     [out] = llm.generate([PROMPT], params)
     assert out.outputs[0].text == "yes"
+
+
+UTF8_CASES = [
+    # (spec, bytes after which the grammar is complete, valid UTF-8)
+    (StructuredOutput(json_schema={"type": "string", "maxLength": 4}), b'"\xed\xae\x9e"', False),
+    (
+        StructuredOutput(json_schema={"type": "string", "maxLength": 2}),
+        b'"\xe2\x82\xac\xf0\x9f\x98\x80"',
+        True,
+    ),
+    (
+        StructuredOutput(json_schema={"type": "string", "pattern": "[^x]+"}),
+        b'"\xed\xa0\x80"',
+        False,
+    ),
+    (
+        StructuredOutput(json_schema={"type": "string", "pattern": "^a.b$"}),
+        b'"a\xed\xbf\xbfb"',
+        False,
+    ),
+    (
+        StructuredOutput(json_schema={"type": "string", "pattern": "^a.b$"}),
+        b'"a\xc3\xa9b"',
+        True,
+    ),
+    (StructuredOutput(json_object=True), b'{"k": "\xed\xa0\x80"}', False),
+    (StructuredOutput(json_object=True), b'{"\xc3\xa9": "\xee\x80\x80"}', True),
+    (StructuredOutput(regex="a.+"), b"a\xed\xa0\x80", False),
+    (StructuredOutput(regex="[\\u0000-\\uffff]+"), b"\xed\x9f\xbf\xef\xbf\xbd", True),
+    (StructuredOutput(regex="[\\u0000-\\uffff]+"), b"\xed\xa0\x80", False),
+    (StructuredOutput(grammar="root ::= [^a]+"), b"\xed\xa0\x80", False),
+    (StructuredOutput(grammar='root ::= "[^a]" [^a]'), b"[^a]b", True),
+]
+
+
+@pytest.mark.parametrize(("spec", "output", "valid"), UTF8_CASES)
+def test_grammars_admit_only_valid_utf8(spec: StructuredOutput, output: bytes, valid: bool) -> None:
+    """A grammar over a byte vocabulary admits an output iff it is valid UTF-8 (xgrammar's
+    classes decode surrogates U+D800-U+DFFF like other code points: ``ED A0 80`` is not UTF-8
+    and decodes to replacement characters)."""
+    vocab = [bytes([b]) for b in range(256)] + [b"</s>"]
+    matcher = GrammarCompiler(vocab, [256], 257).matcher(spec)
+    accepted = all(matcher.accept(b) for b in output) and matcher.accept(256)
+    assert accepted == valid
+    try:
+        output.decode("utf-8")
+    except UnicodeDecodeError:
+        assert not valid
