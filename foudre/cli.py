@@ -126,6 +126,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             max_request_bytes=args.max_request_bytes,
             request_timeout=args.request_timeout,
             tool_call_parser=args.tool_call_parser,
+            shutdown_timeout=args.shutdown_timeout,
         )
     except ModelLoadError as e:
         print(f"foudre: error: {e}", file=sys.stderr)
@@ -377,6 +378,14 @@ def add_serve_parser(sub: Any) -> None:
         type=float,
         default=None,
         help="seconds before a request is aborted and answered 408 (default: none)",
+    )
+    serve.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests may run after the first SIGTERM/SIGINT (new ones get "
+        "503) before they end with finish_reason 'abort'; a second signal aborts at once "
+        "(default: 30)",
     )
     serve.add_argument(
         "--tool-call-parser",

@@ -157,6 +157,7 @@ class AsyncLLM:
         self._commands: list[_Add | _Abort] = []
         self._stopping = False
         self._stopped = False
+        self._draining = False  # admits nothing more; what is in flight runs on
         self._lock = threading.Lock()  # guards _num_unfinished
         self._num_unfinished = 0
         self._observers: list[OutputObserver] = []
@@ -196,7 +197,7 @@ class AsyncLLM:
         if total == 0:
             raise InvalidParameterError("prompt", "prompt must not be empty")
         with self._lock:
-            if self._stopping:
+            if self._stopping or self._draining:
                 raise EngineStoppedError("the engine is shutting down")
             if self.max_queue is not None and self._num_unfinished + total > self.max_queue:
                 raise QueueFullError(
@@ -234,6 +235,19 @@ class AsyncLLM:
         ignored."""
         self._submit(_Abort([request_id]))
 
+    def drain(self) -> None:
+        """Admit no more requests (``add_requests`` raises ``EngineStoppedError``, and
+        ``is_running`` turns False) while those in flight run on; thread-safe."""
+        with self._lock:
+            self._draining = True
+
+    @property
+    def num_unfinished(self) -> int:
+        """Sequences submitted and not finished yet (aborted ones count until their stream
+        has ended)."""
+        with self._lock:
+            return self._num_unfinished
+
     def abort_all(self) -> None:
         """Abort every request in flight (thread-safe; used on shutdown signals)."""
         self._submit(_Abort(None))
@@ -249,8 +263,11 @@ class AsyncLLM:
 
     @property
     def is_running(self) -> bool:
-        """The engine thread is alive, not stopping, and its engine can still step."""
-        return self._thread.is_alive() and not self._stopping and self._healthy
+        """The engine thread is alive, not stopping nor draining, and its engine can still
+        step."""
+        return (
+            self._thread.is_alive() and not self._stopping and not self._draining and self._healthy
+        )
 
     @property
     def _healthy(self) -> bool:

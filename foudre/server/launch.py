@@ -24,20 +24,30 @@ def default_served_name(model: str) -> str:
 # how long a server whose engine broke for good keeps answering (503 on /health, the error
 # events of the streams that were in flight) before it exits
 FATAL_GRACE_S = 1.0
+DEFAULT_SHUTDOWN_TIMEOUT = 30.0  # seconds in-flight requests may run after the first signal
 
 
 class _Server(uvicorn.Server):
-    """uvicorn, plus: abort in-flight requests at the first shutdown signal (so open streams
-    end at once instead of holding the graceful shutdown), exit with status 0 instead of
+    """uvicorn, plus: a drain at the first shutdown signal, an exit with status 0 instead of
     re-raising the signal, one ready line on stdout with the bound address, and an exit
     ``FATAL_GRACE_S`` after the engine broke for good (``LLMEngine.fatal_error``: a parallel
     engine lost a worker), so that a supervisor restarts the server rather than it answering
-    503 for ever."""
+    503 for ever.
 
-    def __init__(self, config: uvicorn.Config, llm: AsyncLLM, ready_line: str) -> None:
+    The drain: the first SIGTERM/SIGINT stops admitting (new requests get 503 with
+    ``Retry-After``, ``/health`` 503) while the requests in flight run on, for at most
+    ``shutdown_timeout`` seconds; what is left then ends with ``finish_reason "abort"`` (what
+    it generated, a last chunk, usage and ``[DONE]`` when streamed), and the server exits once
+    the responses are written. A second signal ends the drain at once the same way."""
+
+    def __init__(
+        self, config: uvicorn.Config, llm: AsyncLLM, ready_line: str, shutdown_timeout: float
+    ) -> None:
         super().__init__(config)
         self._llm = llm
         self._ready_line = ready_line
+        self._shutdown_timeout = shutdown_timeout
+        self._drain_deadline: float | None = None  # set by the first signal
         self.fatal_error: str | None = None
         self._fatal_since = 0.0
 
@@ -47,14 +57,31 @@ class _Server(uvicorn.Server):
             self.fatal_error, self._fatal_since = error, time.monotonic()
             print(f"foudre: error: the engine cannot step ({error}); exiting", file=sys.stderr)
         if self.fatal_error is not None and time.monotonic() - self._fatal_since >= FATAL_GRACE_S:
-            if not self.should_exit:
-                self._llm.abort_all()
-            self.should_exit = True
+            self._end_drain()
+        deadline = self._drain_deadline
+        draining = deadline is not None and not self.should_exit
+        if draining and (self._llm.num_unfinished == 0 or time.monotonic() >= (deadline or 0)):
+            self._end_drain()  # nothing left in flight, or the drain's time is up
         return await super().on_tick(counter)
 
+    def _end_drain(self) -> None:
+        """Abort what is still in flight (each response ends with ``finish_reason "abort"``)
+        and exit once the responses are written."""
+        if not self.should_exit:
+            self._llm.abort_all()
+        self.should_exit = True
+
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        self._llm.abort_all()
-        super().handle_exit(sig, frame)
+        if self._drain_deadline is None:
+            self._llm.drain()
+            self._drain_deadline = time.monotonic() + self._shutdown_timeout
+            print(
+                f"foudre: draining: in-flight requests may run {self._shutdown_timeout:g} s more; "
+                "signal again to stop now",
+                file=sys.stderr,
+            )
+        else:
+            self._end_drain()
         self._captured_signals.clear()
 
     async def startup(self, sockets: Any = None) -> None:
@@ -80,9 +107,13 @@ def run_server(
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     request_timeout: float | None = None,
     tool_call_parser: str | None = None,
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
 ) -> int:
-    """Serve until SIGINT/SIGTERM; returns 0 after a clean shutdown, 1 when the engine broke
-    for good (``LLMEngine.fatal_error``)."""
+    """Serve until SIGINT/SIGTERM, then drain (``_Server``) for at most ``shutdown_timeout``
+    seconds; returns 0 after a clean shutdown, 1 when the engine broke for good
+    (``LLMEngine.fatal_error``)."""
+    if shutdown_timeout < 0:
+        raise ValueError(f"shutdown_timeout must be at least 0, got {shutdown_timeout}")
     llm = AsyncLLM.from_config(config, max_queue=max_queue)
     try:
         engine = llm.engine
@@ -114,7 +145,7 @@ def run_server(
             timeout_keep_alive=75,
             lifespan="on",
         )
-        server = _Server(uv_config, llm, ready)
+        server = _Server(uv_config, llm, ready, shutdown_timeout)
         server.run()
         if not server.started:
             print(f"foudre: error: could not start the server on {host}:{port}", file=sys.stderr)

@@ -139,8 +139,9 @@ def _failure_timeout(request_id: str) -> OpenAIError:
 
 
 def _failure(out: RequestOutput, request_id: str) -> OpenAIError | None:
-    """The error of an output that ended without an OpenAI finish reason: a failed step
-    (``error``) or an abort at shutdown (a client that disconnected hears nothing)."""
+    """The error of an output that ended without an answer: a failed step (``error``). An
+    abort is an answer: what was generated, with ``finish_reason "abort"`` (a shutdown's
+    drain ran out of time; a client that disconnected hears nothing)."""
     reason = out.outputs[0].finish_reason
     if reason == "error" and GRAMMAR_DEAD_END in (out.error or ""):
         return OpenAIError(
@@ -154,12 +155,6 @@ def _failure(out: RequestOutput, request_id: str) -> OpenAIError | None:
             500,
             f"request {request_id} failed in the engine: {out.error}",
             type="internal_server_error",
-        )
-    if reason == "abort":
-        return OpenAIError(
-            503,
-            f"request {request_id} was aborted: the server is shutting down",
-            type="service_unavailable",
         )
     return None
 
@@ -396,7 +391,9 @@ class OpenAIServing:
                 503, str(e), type="server_overloaded", headers={"Retry-After": "1"}
             ) from None
         except EngineStoppedError as e:
-            raise OpenAIError(503, str(e), type="service_unavailable") from None
+            raise OpenAIError(
+                503, str(e), type="service_unavailable", headers={"Retry-After": "1"}
+            ) from None
 
     def check_text(self, text: str, param: str) -> None:
         """400 for a text that cannot fit ``max_model_len`` whatever its tokens (before any
@@ -475,9 +472,10 @@ class OpenAIServing:
         deadline: float | None = None,
     ) -> AsyncIterator[str]:
         """The SSE body: ``prelude``, one chunk per useful output, the usage chunk, ``[DONE]``.
-        A request that fails, times out or is aborted by a shutdown ends with an error event
-        (then ``[DONE]``) instead of a finish reason. The request is aborted when the client
-        disconnects or the body iterator is closed."""
+        A request that fails or times out ends with an error event (then ``[DONE]``) instead
+        of a finish reason; one that a shutdown cuts ends like any other, its last chunk with
+        ``finish_reason "abort"``. The request is aborted when the client disconnects or the
+        body iterator is closed."""
         watcher = asyncio.create_task(_watch_disconnect(receive, stream))
         usage = _Usage()
         try:
