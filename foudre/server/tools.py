@@ -364,22 +364,85 @@ def _held_back(text: str, marker: str) -> int:
     return 0
 
 
+# the head of a call object, up to where its arguments object begins: from then on the
+# arguments can be streamed as they are written
+_CALL_HEAD = re.compile(
+    r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)'
+)
+_ITEM_GAP = re.compile(r"\s*[\[,]?\s*")  # what comes before an array's next call object
+_OBJECT_END = re.compile(r"\s*\}")
+
+
+def _merged(deltas: list[Json]) -> list[Json]:
+    """Call deltas with one entry per call index (a header and its first arguments in one)."""
+    out: list[Json] = []
+    for d in deltas:
+        if out and out[-1]["index"] == d["index"]:
+            function = out[-1]["function"]
+            function["arguments"] = function.get("arguments", "") + d["function"]["arguments"]
+        else:
+            out.append(d)
+    return out
+
+
+def _name(quoted: str) -> str | None:
+    """A call's name from its JSON string body (None when it is not valid JSON)."""
+    try:
+        name = json.loads(f'"{quoted}"')
+    except json.JSONDecodeError:
+        return None
+    return name if isinstance(name, str) else None
+
+
+@dataclass(slots=True)
+class _OpenCall:
+    """A call whose header (id, name) has been streamed: where its arguments object starts in
+    the text it is read from, and how many of its characters were streamed."""
+
+    start: int
+    sent: int = 0
+
+    def delta(self, text: str, index: int, complete: bool) -> Json | None:
+        """The arguments delta of ``text`` (its arguments from ``start``): all of the object
+        when ``complete``, else what cannot be its closing braces; None when nothing is new."""
+        body = text[self.start :]
+        if complete:
+            try:
+                _, end = json.JSONDecoder().raw_decode(body)
+            except json.JSONDecodeError:
+                end = len(body)
+            body = body[:end]
+        else:
+            body = body.rstrip(" \t\r\n}")
+        if len(body) <= self.sent:
+            return None
+        piece, self.sent = body[self.sent :], len(body)
+        return {"index": index, "function": {"arguments": piece}}
+
+
 @dataclass(slots=True)
 class ToolStreamer:
-    """One choice's stream: text deltas in, chat deltas out (content as soon as it cannot be
-    part of a call, each call once complete)."""
+    """One choice's stream: text deltas in, chat deltas out: content as soon as it cannot be
+    part of a call; a call's header (id, name) as soon as its name is known, then its
+    arguments as they are written (``hermes``, ``required``, a named function; ``llama3_json``
+    calls once complete). The streamed arguments are the model's JSON text of the arguments
+    object (the complete answer carries the same object, its JSON normalised)."""
 
     plan: ToolPlan
     buffer: str = ""  # text received but not emitted
     in_calls: bool = False  # a call has begun: the rest is held for the parser
     num_calls: int = 0  # calls emitted (-1: a llama3_json output found to be plain text)
+    open: _OpenCall | None = None  # the call being streamed
+    pos: int = 0  # required: where the next call object may begin in the buffer
 
     def feed(self, text: str) -> Json:
         """The delta (``content`` and/or ``tool_calls``, possibly empty) for new text."""
         self.buffer += text
         plan = self.plan
-        if plan.mode in ("required", "named"):
-            return {}
+        if plan.mode == "named":
+            return self._named(False)
+        if plan.mode == "required":
+            return self._required(False)
         if plan.parser == "llama3_json":
             # the output is calls when it opens with "{" or the python tag: then hold it all
             if self.num_calls >= 0:
@@ -393,6 +456,53 @@ class ToolStreamer:
             text, self.buffer = self.buffer, ""
             return {"content": text}
         return self._hermes()
+
+    def _header(self, name: str) -> Json:
+        """A new call's first delta: its index, id and name, no arguments yet."""
+        return ToolCallOut(name, "").as_json(self.num_calls)
+
+    @staticmethod
+    def _calls(*deltas: Json | None) -> Json:
+        calls = _merged([d for d in deltas if d is not None])
+        return {"tool_calls": calls} if calls else {}
+
+    def _named(self, complete: bool) -> Json:
+        """A named function: the whole output is its arguments object."""
+        header = None
+        if self.open is None and (self.buffer or complete):
+            assert self.plan.function is not None
+            header, self.open = self._header(self.plan.function), _OpenCall(0)
+            self.num_calls = 1
+        if self.open is None:
+            return {}
+        return self._calls(header, self.open.delta(self.buffer, 0, complete))
+
+    def _required(self, complete: bool) -> Json:
+        """``tool_choice "required"``: a JSON array of ``{"name", "parameters"}`` objects, each
+        streamed as a call as soon as its name is known."""
+        deltas: list[Json | None] = []
+        while True:
+            if self.open is None:
+                gap = _ITEM_GAP.match(self.buffer, self.pos)
+                head = _CALL_HEAD.match(self.buffer, gap.end() if gap else self.pos)
+                name = None if head is None else _name(head.group(1))
+                if head is None or name is None:
+                    break
+                deltas.append(self._header(name))
+                self.open = _OpenCall(head.end())
+            try:
+                _, end = json.JSONDecoder().raw_decode(self.buffer, self.open.start)
+            except json.JSONDecodeError:
+                deltas.append(self.open.delta(self.buffer, self.num_calls, complete))
+                break
+            deltas.append(self.open.delta(self.buffer[:end], self.num_calls, True))
+            close = _OBJECT_END.match(self.buffer, end)
+            if close is None and not complete:
+                break  # the call object's own "}" is still to come
+            self.pos = close.end() if close else end
+            self.open = None
+            self.num_calls += 1
+        return self._calls(*deltas)
 
     def _hermes(self) -> Json:
         delta: Json = {}
@@ -413,19 +523,52 @@ class ToolStreamer:
                 self.in_calls = True
             end = self.buffer.find(_HERMES_CLOSE)
             if end < 0:
+                calls += self._hermes_partial()
                 break
             block = self.buffer[len(_HERMES_OPEN) : end]
             self.buffer = self.buffer[end + len(_HERMES_CLOSE) :]
             self.in_calls = False
-            call = self._parse_block(block)
-            if call is None:  # not a call: show it as text
-                delta["content"] = delta.get("content", "") + _HERMES_OPEN + block + _HERMES_CLOSE
-            elif self.plan.parallel or not self.num_calls:
-                calls.append(call.as_json(self.num_calls))
-                self.num_calls += 1
+            calls += self._hermes_block(block, delta)
         if calls:
-            delta["tool_calls"] = calls
+            delta["tool_calls"] = _merged(calls)
         return delta
+
+    def _streams(self) -> bool:
+        """Whether a new call may be streamed (one call at most without parallel calls)."""
+        return self.plan.parallel or not self.num_calls
+
+    def _hermes_partial(self) -> list[Json]:
+        """The deltas of a ``<tool_call>`` block still being written: its header once its
+        name is known, then its arguments (what may begin ``</tool_call>`` held back)."""
+        block = self.buffer[len(_HERMES_OPEN) :]
+        block = block[: len(block) - _held_back(block, _HERMES_CLOSE)]
+        out: list[Json] = []
+        if self.open is None:
+            head = _CALL_HEAD.match(block)
+            name = None if head is None else _name(head.group(1))
+            if head is None or name is None or not self._streams():
+                return out
+            out.append(self._header(name))
+            self.open = _OpenCall(head.end())
+        piece = self.open.delta(block, self.num_calls, False)
+        return out + ([piece] if piece is not None else [])
+
+    def _hermes_block(self, block: str, delta: Json) -> list[Json]:
+        """The deltas that complete a ``<tool_call>`` block: the rest of a streamed call's
+        arguments, or the whole call (text, when the block is not a call)."""
+        if self.open is not None:
+            piece = self.open.delta(block, self.num_calls, True)
+            self.open = None
+            self.num_calls += 1
+            return [piece] if piece is not None else []
+        call = self._parse_block(block)
+        if call is None:  # not a call: show it as text
+            delta["content"] = delta.get("content", "") + _HERMES_OPEN + block + _HERMES_CLOSE
+            return []
+        if not self._streams():
+            return []
+        self.num_calls += 1
+        return [call.as_json(self.num_calls - 1)]
 
     @staticmethod
     def _parse_block(block: str) -> ToolCallOut | None:
@@ -436,9 +579,13 @@ class ToolStreamer:
 
     def close(self) -> Json:
         """The last delta, once the output is complete."""
-        rest, self.buffer = self.buffer, ""
         plan = self.plan
-        if plan.mode in ("required", "named") or plan.parser == "llama3_json":
+        if plan.mode == "named":
+            return self._named(True)
+        if plan.mode == "required":
+            return self._required(True)
+        rest, self.buffer = self.buffer, ""
+        if plan.parser == "llama3_json":
             if not rest:
                 return {}
             if self.num_calls < 0:  # llama3_json output already streamed as text
@@ -452,8 +599,13 @@ class ToolStreamer:
                 self.num_calls = len(calls)
             return delta
         if self.in_calls:  # a call left open at the end of the output
-            call = self._parse_block(rest[len(_HERMES_OPEN) :])
-            if call is not None and (plan.parallel or not self.num_calls):
+            block = rest[len(_HERMES_OPEN) :]
+            if self.open is not None:
+                piece = self.open.delta(block, self.num_calls, True)
+                self.num_calls += 1
+                return self._calls(piece)
+            call = self._parse_block(block)
+            if call is not None and self._streams():
                 self.num_calls += 1
                 return {"tool_calls": [call.as_json(self.num_calls - 1)]}
         return {"content": rest} if rest and not self.num_calls else {}

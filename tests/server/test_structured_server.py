@@ -500,10 +500,7 @@ def test_streamer_matches_the_parser(parser: str) -> None:
         streamed = "".join(d.get("content", "") for d in deltas)
         streamed_calls = [c for d in deltas for c in d.get("tool_calls", [])]
         assert streamed.strip() == (content or "").strip(), text
-        assert [(c["function"]["name"], c["function"]["arguments"]) for c in streamed_calls] == [
-            (c.name, c.arguments) for c in calls
-        ]
-        assert [c["index"] for c in streamed_calls] == list(range(len(calls)))
+        assert _accumulated(streamed_calls) == [(c.name, json.loads(c.arguments)) for c in calls]
 
 
 class Item(BaseModel):
@@ -595,3 +592,74 @@ def test_tokenize_counts_what_chat_sees(tools_server: InProcessServer) -> None:
         timeout=60,
     )
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+
+
+def _accumulated(deltas: list[dict[str, Any]]) -> list[tuple[str, Any]]:
+    """Streamed call deltas put together as a client does, by index: (name, arguments)."""
+    calls: dict[int, dict[str, str]] = {}
+    for d in deltas:
+        call = calls.setdefault(d["index"], {"name": "", "arguments": ""})
+        assert ("id" in d) == (call["name"] == ""), d  # the id and name come first, once
+        call["name"] += d["function"].get("name", "")
+        call["arguments"] += d["function"].get("arguments", "")
+    assert sorted(calls) == list(range(len(calls)))
+    return [(calls[i]["name"], json.loads(calls[i]["arguments"])) for i in sorted(calls)]
+
+
+@pytest.mark.parametrize(
+    ("choice", "parser", "text"),
+    [
+        ("auto", "hermes", 'Sure <tool_call>\n{"name": "get_weather", "arguments": {"city": '
+         '"Lima", "days": 2}}\n</tool_call><tool_call>{"name": "get_time", "arguments": '
+         '{"zone": "UTC"}}</tool_call>'),
+        ("required", "hermes", '[{"name": "get_weather", "parameters": {"city": "Lima", '
+         '"days": 2}}, {"name": "get_time", "parameters": {"zone": "UTC"}}]'),
+        ({"type": "function", "function": {"name": "get_weather"}}, "hermes",
+         '{"city": "Lima", "days": 2}'),
+    ],
+)  # fmt: skip
+def test_streamed_calls_stream_their_arguments(choice: Any, parser: str, text: str) -> None:
+    """A call's header (id, name) comes as soon as its name is known, then its arguments in
+    several deltas as they are written (so partial-streaming clients see them grow), adding
+    up to the same calls as the complete output."""
+    from foudre.server.protocol import ChatCompletionRequest
+
+    req = ChatCompletionRequest.model_validate(
+        {
+            "messages": [{"role": "user", "content": "x"}],
+            "tools": [WEATHER, CLOCK],
+            "tool_choice": choice,
+        }
+    )
+
+    class Tok:
+        chat_template = "{{ tools }}"
+        chat_template_takes_tools = True
+
+    plan = ToolPlan.of(req, Tok(), parser)  # type: ignore[arg-type]
+    _, calls = plan.parse(text)
+    streamer = plan.streamer()
+    deltas = [streamer.feed(ch) for ch in text] + [streamer.close()]
+    streamed = [c for d in deltas for c in d.get("tool_calls", [])]
+    assert _accumulated(streamed) == [(c.name, json.loads(c.arguments)) for c in calls]
+    first = [c for c in streamed if c["index"] == 0]
+    assert len(first) > 5 and first[0]["function"]["name"] == "get_weather"
+    assert first[0]["function"]["arguments"] in ("", "{")  # the name before any argument
+    assert "".join(d.get("content", "") for d in deltas).strip() in ("", "Sure")
+
+
+def test_named_tool_call_streams_argument_deltas(tools_server: InProcessServer) -> None:
+    """Over HTTP: a forced call streams its arguments in many deltas (instructor's
+    ``create_partial`` reads them as they grow), adding up to a valid arguments object."""
+    client = _client(tools_server)
+    stream = client.chat.completions.create(
+        model="tools", messages=[{"role": "user", "content": "Weather?"}], tools=[WEATHER],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=60, seed=2, stream=True,
+    )  # fmt: skip
+    pieces = []
+    for chunk in stream:
+        for d in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            pieces.append(d.function.arguments if d.function else None)
+    assert len([p for p in pieces if p]) > 3, pieces
+    jsonschema.validate(json.loads("".join(p or "" for p in pieces)), PARAMS["get_weather"])
