@@ -15,7 +15,8 @@ Face's tool-calling templates); what the model writes back is read according to
 
 Calls come back as ``message.tool_calls`` (``finish_reason "tool_calls"``; ``"stop"`` for a
 named function, as OpenAI does) and, streamed, as ``delta.tool_calls``: content is streamed as
-it comes (holding back what could begin a call), each call once it is complete.
+it comes (holding back what could begin a call), each call's id and name as soon as they are
+known, then its arguments as they are written (``llama3_json`` calls once complete).
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ OPERATIONS = [
     ("/tokenize", "POST", 40),
     ("/detokenize", "POST", 40),
     ("/v1/models", "GET", 5),
+    ("/v1/models/{model_id}", "GET", 10),
     ("/health", "GET", 5),
 ]
 
