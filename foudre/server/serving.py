@@ -147,7 +147,7 @@ def _failure(out: RequestOutput, request_id: str) -> OpenAIError | None:
         return OpenAIError(
             400,
             f"request {request_id} stopped: its grammar admits none of the tokens that "
-            "allowed_token_ids and logit_bias leave at this point of the output",
+            "allowed_token_ids allows at this point of the output",
             param="allowed_token_ids",
         )
     if reason == "error":
