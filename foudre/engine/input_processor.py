@@ -21,6 +21,7 @@ from foudre.loading.tokenizer import Tokenizer
 from foudre.sampling_params import BeamSearchParams, SamplingParams
 from foudre.structured.grammar import GrammarCompiler
 
+FLOAT32_MAX = 3.4028234663852886e38  # sampling parameters become float32 tensors
 Prompt = str | list[int]
 Encoded = tuple[list[int], str | None]  # a prompt's token ids, and its text when it had one
 Plan = tuple[list[Tracked], list[str]]  # a prompt's requests (the first forks the others), ids
@@ -78,11 +79,15 @@ class InputProcessor:
         return ids, text
 
     def check(self, params: SamplingParams) -> None:
-        """What ``SamplingParams`` cannot check alone: token ids and ``top_k`` against the
-        model's vocabulary (so that no request can make a step index out of range), and its
+        """What ``SamplingParams`` cannot check alone: floats within float32 (what the step's
+        tensors hold), token ids and ``top_k`` against the model's vocabulary (so that no
+        request can make a step index out of range), and its
         grammar, compiled (and cached) now or refused, with ``allowed_token_ids`` that leave
         it a first token (a grammar that the allowed tokens cannot begin would sample from
         nothing at the first step)."""
+        for name in ("temperature", "repetition_penalty"):  # the only unbounded ones
+            if getattr(params, name) > FLOAT32_MAX:  # a step's float32 tensors cannot hold it
+                raise InvalidParameterError(name, f"{name} must be at most {FLOAT32_MAX:.4g}")
         vocab = self.limits.vocab_size
         if params.top_k > vocab:
             raise InvalidParameterError(

@@ -129,3 +129,14 @@ def test_a_grammar_the_allowed_tokens_cannot_write_is_never_a_500(stories: InPro
             lines = [line for line in resp.iter_lines() if line.startswith("data: ")]
         assert lines[-1] == "data: [DONE]"
         assert '"invalid_request_error"' in lines[-2], lines
+
+
+def test_sampling_floats_past_float32_are_400s(stories: InProcessServer) -> None:
+    """A temperature or repetition penalty that a float32 tensor cannot hold (found by
+    schemathesis: 1e204) is a 400 naming it, not a failed step's 500."""
+    for name in ("temperature", "repetition_penalty"):
+        body = {"prompt": "Once", "max_tokens": 2, name: 1.0975015346009676e204}
+        r = httpx.post(stories.url + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == name, r.text
+    ok = {"prompt": "Once", "max_tokens": 2, "temperature": 3e38}
+    assert httpx.post(stories.url + "/v1/completions", json=ok, timeout=30).status_code == 200
