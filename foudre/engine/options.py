@@ -20,8 +20,9 @@ if TYPE_CHECKING:
 # request runs (speculative_max_batch_size 1): drafting pays where a step reads the weights for
 # one token, not in a batch. The embedded draft is not turned on: with random prompts it
 # lowered the embedded model's batch-1 rate and its users within the SLO (the profiles'
-# record: docs/performance.md); --speculative-method draft turns it on. 512 tokens a step: at 256, arrivals queued for the budget (TTFT); at 1,024 and
-# more, a long prompt's step stalls the running requests (TPOT) on the larger models.
+# record: docs/performance.md); --speculative-method draft turns it on. 512 tokens a step:
+# at 256, arrivals queued for the budget (TTFT); at 1,024 and more, a long prompt's step
+# stalls the running requests (TPOT) on the larger models.
 # throughput: big batches and budget, prefix caching. edge: int4 weights and an int8 KV cache
 # in a small pool, few sequences, small steps (a small machine, memory first).
 PROFILES: dict[str, dict[str, Any]] = {
