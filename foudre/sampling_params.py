@@ -269,6 +269,14 @@ class SamplingParams:
         )
 
 
+class BeamStepParams(SamplingParams):
+    """What each beam of a beam search samples with: greedy, reporting its ``num_candidates``
+    best next tokens (which may exceed ``MAX_LOGPROBS``: beam search needs them all). Made by
+    the engine, never by a client."""
+
+    MAX_LOGPROBS: ClassVar[int] = 1 << 30
+
+
 @dataclass(slots=True)
 class BeamSearchParams:
     """Beam search, scored as Hugging Face ``transformers`` scores it: each step every live beam

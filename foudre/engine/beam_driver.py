@@ -2,7 +2,8 @@
 once every live beam of a search has reported its candidates, the driver applies the selection
 rule (``BeamSearch.advance``) through the scheduler's interface: a surviving beam takes its
 token, extra survivors are forked from their parent (sharing its KV blocks), pruned beams finish.
-The search's one output (its hypotheses, best first) leaves when it ends."""
+The search's one output (its hypotheses, best first) leaves when it ends. The driver is the
+``Owner`` of every beam: the core hands it their steps, aborts and failures."""
 
 from __future__ import annotations
 
@@ -23,18 +24,33 @@ class BeamDriver:
         self.outputs = outputs
         self.tokenizer = tokenizer
 
+    # -- the Owner of every beam: the core's calls ---------------------------------------------
+    def tokens(
+        self, tracked: Tracked, tokens: list[int], lps: list[dict[int, float]] | None
+    ) -> list[RequestOutput]:
+        """A beam's step reports its top next tokens with their log-probabilities (its sampled
+        token is not kept: the selection picks); the search's final output when it ends."""
+        search = tracked.beam
+        assert search is not None and lps is not None
+        if search.report(tracked.request, lps[0]):
+            return self.advance(search)
+        return []
+
+    def abort(self, tracked: Tracked) -> list[RequestOutput]:
+        assert tracked.beam is not None
+        return [self.end(tracked.beam, "abort")]
+
+    def fail(self, tracked: Tracked, message: str) -> list[RequestOutput]:
+        """A beam that fails fails its whole search."""
+        assert tracked.beam is not None
+        return [self.end(tracked.beam, "error", message)]
+
     def preempted(self, tracked: Tracked) -> None:
         """A preempted beam reports again once recomputed."""
         assert tracked.beam is not None
         tracked.beam.reported.pop(tracked.request.request_id, None)
 
-    def report(self, tracked: Tracked, top: dict[int, float]) -> list[RequestOutput]:
-        """A beam's next-token log-probabilities; the search's final output when it ends."""
-        search = tracked.beam
-        assert search is not None
-        if search.report(tracked.request, top):
-            return self.advance(search)
-        return []
+    # -- the search ----------------------------------------------------------------------------
 
     def advance(self, search: BeamSearch) -> list[RequestOutput]:
         """Every live beam has reported: select the next beams (forking and pruning requests),

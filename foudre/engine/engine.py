@@ -24,9 +24,9 @@ from foudre.engine.drafts import propose
 from foudre.engine.input_processor import InputProcessor, Limits, Prompt
 from foudre.engine.options import check_config
 from foudre.engine.output_processor import OutputProcessor
-from foudre.engine.request import Request, RequestStatus
+from foudre.engine.request import Request
 from foudre.engine.stats import EngineStats
-from foudre.engine.tracked import Tracked
+from foudre.engine.tracked import Owner, Tracked
 from foudre.errors import InvalidParameterError
 from foudre.loading.loader import LoadedModel, load_tokenizer_for
 from foudre.loading.tokenizer import Tokenizer
@@ -182,11 +182,7 @@ class LLMEngine:
         tracked = self.outputs.tracked.get(request_id)
         if tracked is None or tracked.request.is_finished:
             return []
-        if tracked.beam is not None:
-            return [self.beams.end(tracked.beam, "abort")]
-        self.scheduler.finish(tracked.request, RequestStatus.FINISHED_ABORTED)
-        self.outputs.retire(tracked)
-        return self.outputs.emit(tracked, self.outputs.output(tracked, [], ""))
+        return self._owner(tracked).abort(tracked)
 
     def abort_group(self, group_id: str) -> list[RequestOutput]:
         """Abort every unfinished member of a group (or the request of that id)."""
@@ -228,8 +224,8 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         for rid in sched.preempted:
             tracked = self.outputs.tracked.get(rid)
-            if tracked is not None and tracked.beam is not None:
-                self.beams.preempted(tracked)
+            if tracked is not None:
+                self._owner(tracked).preempted(tracked)
         self.stats.num_scheduled_last_step = len(sched.rows)
         if not sched.rows:
             return []
@@ -249,8 +245,8 @@ class LLMEngine:
         return self._update(sampled, result)
 
     def _update(self, sampled: list[Request], result: StepOutput) -> list[RequestOutput]:
-        """Hand each sampled request's new tokens to the output processor (a beam's to its
-        search); a request whose output cannot be processed fails alone."""
+        """Hand each sampled request's new tokens to its owner (the output processor, or for a
+        beam the beam driver); a request whose output cannot be processed fails alone."""
         now = time.monotonic()
         outputs = []
         for req, tokens, lps, n_draft, n_acc in zip(
@@ -270,11 +266,7 @@ class LLMEngine:
             if tracked is None:  # ended meanwhile (its beam search finished this step)
                 continue
             try:
-                if tracked.beam is not None:
-                    assert lps is not None
-                    outputs += self.beams.report(tracked, lps[0])
-                else:
-                    outputs += self.outputs.append(tracked, tokens, lps)
+                outputs += self._owner(tracked).tokens(tracked, tokens, lps)
             except Exception as e:
                 logger.exception("request %s: its new tokens failed", req.request_id)
                 outputs += self._fail_request(tracked, f"{type(e).__name__}: {e}")
@@ -340,29 +332,15 @@ class LLMEngine:
         return []
 
     def _fail_request(self, tracked: Tracked, message: str) -> list[RequestOutput]:
-        """Finish a request with ``finish_reason "error"``; its blocks leave the prefix cache
-        (a beam fails its whole search)."""
-        req = tracked.request
-        req.error = message
+        """Finish a request with ``finish_reason "error"`` (a beam fails its whole search)."""
+        tracked.request.error = message
         self.stats.num_failed_requests += 1
-        if tracked.beam is not None:
-            return [self.beams.end(tracked.beam, "error", message)]
-        # samples not forked yet share its prompt: they fail with it, not one by one later
-        out = self.outputs
-        unforked = [out.tracked[c.request_id] for c in req.fork_children if not c.is_finished]
-        req.fork_children = []
-        outputs = []
-        for child in unforked:
-            child.request.error = message
-            self.scheduler.finish(child.request, RequestStatus.FINISHED_ERROR)
-            out.retire(child)
-            outputs += out.emit(child, out.output(child, [], ""))
-        if not req.is_finished:
-            self.scheduler.finish(req, RequestStatus.FINISHED_ERROR, uncache=True)
-        else:  # it had finished before the failure: it fails all the same
-            req.status = RequestStatus.FINISHED_ERROR
-        out.retire(tracked)
-        return outputs + out.emit(tracked, out.output(tracked, [], ""))
+        return self._owner(tracked).fail(tracked, message)
+
+    def _owner(self, tracked: Tracked) -> Owner:
+        """Who handles a request's steps, aborts and failures: the beam driver for a beam, the
+        output processor for any other."""
+        return self.beams if tracked.beam is not None else self.outputs
 
     # -- introspection -------------------------------------------------------------------------
     def metrics(self) -> dict[str, Any]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import ClassVar
 
 from foudre.engine.beam import BeamSearch
 from foudre.engine.request import Cohort, Request
@@ -18,20 +17,13 @@ from foudre.engine.tracked import BestOf, Tracked
 from foudre.errors import InvalidParameterError, PromptTooLongError
 from foudre.loading.detokenizer import IncrementalDetokenizer
 from foudre.loading.tokenizer import Tokenizer
-from foudre.sampling_params import BeamSearchParams, SamplingParams
+from foudre.sampling_params import BeamSearchParams, BeamStepParams, SamplingParams
 from foudre.structured.grammar import GrammarCompiler
 
 FLOAT32_MAX = 3.4028234663852886e38  # sampling parameters become float32 tensors
 Prompt = str | list[int]
 Encoded = tuple[list[int], str | None]  # a prompt's token ids, and its text when it had one
 Plan = tuple[list[Tracked], list[str]]  # a prompt's requests (the first forks the others), ids
-
-
-class BeamStepParams(SamplingParams):
-    """What each beam samples with: greedy, reporting its ``num_candidates`` best next tokens
-    (which may exceed the API's 20 log-probabilities: beam search needs them all)."""
-
-    MAX_LOGPROBS: ClassVar[int] = 1 << 30
 
 
 @dataclass

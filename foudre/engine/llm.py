@@ -142,20 +142,21 @@ class LLM:
         """Queue one group per prompt, step until all are done; the final outputs by id and
         each group's output ids. Anything raised aborts what was queued."""
         engine = self.engine
+        group_ids: list[str] = []
         groups: list[list[str]] = []
         engine.set_draining(True)  # every request is queued: batches need not wait
         try:
             for prompt, p in zip(prompts, params, strict=True):
-                groups.append(engine.add_group(f"{prefix}-{next(self._ids)}", [prompt], p))
+                group_ids.append(f"{prefix}-{next(self._ids)}")
+                groups.append(engine.add_group(group_ids[-1], [prompt], p))
             final: dict[str, RequestOutput] = {}
             while engine.has_unfinished_requests():
                 for out in engine.step():
                     if out.finished:
                         final[out.request_id] = out
         except BaseException:
-            for ids in groups:
-                for rid in ids:
-                    engine.abort_request(rid)
+            for gid in group_ids:  # by group: beams and best_of samples run under other ids
+                engine.abort_group(gid)
             raise
         finally:
             engine.set_draining(False)
@@ -167,8 +168,11 @@ class LLM:
         params = params or SamplingParams()
         if params.n != 1:
             raise InvalidParameterError("n", f"stream() makes one completion; got n={params.n}")
+        if params.num_samples != 1:  # the best one is known only once all have finished
+            raise InvalidParameterError("best_of", "stream() cannot stream best_of samples")
         engine = self.engine
-        [rid] = engine.add_group(f"stream-{next(self._ids)}", [prompt], params)
+        gid = f"stream-{next(self._ids)}"
+        [rid] = engine.add_group(gid, [prompt], params)
         finished = False
         engine.set_draining(True)  # nothing else will arrive: a static batch need not wait
         try:
@@ -181,7 +185,7 @@ class LLM:
         finally:
             engine.set_draining(False)
             if not finished:
-                engine.abort_request(rid)
+                engine.abort_group(gid)
 
 
 def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -2,7 +2,9 @@
 request's grammar, decides whether it stops (``stop.check_stop``, then the detokenizer's stop
 strings), detokenizes incrementally, builds ``RequestOutput``s, and merges ``best_of`` samples
 into their ``n`` best. It also keeps the table of live requests (``tracked``) and of groups
-(``groups``: a submission's unfinished members), which the engine and the beam driver share."""
+(``groups``: a submission's unfinished members), which the engine and the beam driver share.
+It is the ``Owner`` of every request but beams: the core hands it their tokens, aborts and
+failures."""
 
 from __future__ import annotations
 
@@ -10,13 +12,13 @@ import dataclasses
 import time
 from collections.abc import Callable
 
-from foudre.engine.request import Request, RequestStatus
+from foudre.engine.request import RequestStatus
 from foudre.engine.stats import EngineStats
 from foudre.engine.stop import check_stop
 from foudre.engine.tracked import BestOf, Tracked
 from foudre.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
-Finish = Callable[[Request, RequestStatus], None]
+Finish = Callable[..., None]  # (request, status, uncache=False): the scheduler's finish
 
 
 class OutputProcessor:
@@ -43,7 +45,37 @@ class OutputProcessor:
         if not children:
             self.groups.pop(tracked.group_id, None)
 
-    def append(
+    def end(
+        self, tracked: Tracked, status: RequestStatus, uncache: bool = False
+    ) -> list[RequestOutput]:
+        """Finish a request now (its blocks return to the pool), retire it; its last output."""
+        if not tracked.request.is_finished:
+            self.finish(tracked.request, status, uncache=uncache)
+        self.retire(tracked)
+        return self.emit(tracked, self.output(tracked, [], ""))
+
+    def abort(self, tracked: Tracked) -> list[RequestOutput]:
+        return self.end(tracked, RequestStatus.FINISHED_ABORTED)
+
+    def fail(self, tracked: Tracked, message: str) -> list[RequestOutput]:
+        """Finish a request with ``finish_reason "error"``; its blocks leave the prefix cache.
+        Samples not forked from it yet share its prompt: they fail with it, not one by one
+        later. A request that had finished before the failure fails all the same."""
+        req = tracked.request
+        unforked = [self.tracked[c.request_id] for c in req.fork_children if not c.is_finished]
+        req.fork_children = []
+        outputs = []
+        for child in unforked:
+            child.request.error = message
+            outputs += self.end(child, RequestStatus.FINISHED_ERROR)
+        if req.is_finished:
+            req.status = RequestStatus.FINISHED_ERROR
+        return outputs + self.end(tracked, RequestStatus.FINISHED_ERROR, uncache=True)
+
+    def preempted(self, tracked: Tracked) -> None:
+        """Nothing to undo: its tokens stay, it is recomputed."""
+
+    def tokens(
         self, tracked: Tracked, tokens: list[int], lps: list[dict[int, float]] | None
     ) -> list[RequestOutput]:
         """Take a step's new tokens of one request (several after a verification); the outputs

@@ -4,6 +4,7 @@ group, and what it belongs to when its outputs are not its own (``best_of`` samp
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from foudre.engine.beam import BeamSearch
 from foudre.engine.request import Request
@@ -34,3 +35,20 @@ class Tracked:
     group_id: str | None = None
     best_of: BestOf | None = None
     beam: BeamSearch | None = None
+
+
+class Owner(Protocol):
+    """What the engine's core calls for a request, whoever handles its outputs: the output
+    processor for ordinary requests and samples, the beam driver for beams."""
+
+    def tokens(
+        self, tracked: Tracked, tokens: list[int], lps: list[dict[int, float]] | None
+    ) -> list[RequestOutput]:
+        """A step's new tokens (and their log-probabilities); the outputs to hand out."""
+        ...
+
+    def abort(self, tracked: Tracked) -> list[RequestOutput]: ...
+
+    def fail(self, tracked: Tracked, message: str) -> list[RequestOutput]: ...
+
+    def preempted(self, tracked: Tracked) -> None: ...
