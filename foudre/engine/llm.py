@@ -103,10 +103,9 @@ class LLM:
                 )
         final, groups = self._run(prompt_list, params_list, "gen")
         results = []
-        for ids in groups:
-            first = final[ids[0]]
-            first.outputs = [final[rid].outputs[0] for rid in ids]
-            results.append(first)
+        for ids in groups:  # a prompt's samples, in one output
+            samples = [final[rid].outputs[0] for rid in ids]
+            results.append(dataclasses.replace(final[ids[0]], outputs=samples))
         return results
 
     def beam_search(
