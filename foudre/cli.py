@@ -127,6 +127,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             request_timeout=args.request_timeout,
             tool_call_parser=args.tool_call_parser,
             shutdown_timeout=args.shutdown_timeout,
+            responses_store_size=args.responses_store_size,
         )
     except ModelLoadError as e:
         print(f"foudre: error: {e}", file=sys.stderr)
@@ -393,6 +394,13 @@ def add_serve_parser(sub: Any) -> None:
         default=None,
         help="how tool calls are read from the output with tool_choice 'auto' (default: the "
         "format the chat template uses)",
+    )
+    serve.add_argument(
+        "--responses-store-size",
+        type=int,
+        default=1024,
+        help="most responses /v1/responses keeps for GET and previous_response_id, the least "
+        "recently used evicted first; 0 keeps none (default: 1024)",
     )
     serve.add_argument(
         "--profile",

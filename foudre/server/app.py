@@ -45,9 +45,15 @@ from foudre.server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from foudre.server.protocol_responses import DeletedResponse, ResponseObject, ResponsesRequest
 from foudre.server.serving import DEFAULT_MAX_N, OpenAIServing
 from foudre.server.serving_chat import OpenAIServingChat
 from foudre.server.serving_completions import OpenAIServingCompletions
+from foudre.server.serving_responses import (
+    DEFAULT_STORE_SIZE,
+    OpenAIServingResponses,
+    ResponseStore,
+)
 from foudre.server.serving_tokenization import OpenAIServingTokenization
 
 logger = logging.getLogger("foudre.server")
@@ -211,6 +217,7 @@ def build_app(
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     request_timeout: float | None = None,
     tool_call_parser: str | None = None,
+    responses_store_size: int = DEFAULT_STORE_SIZE,
 ) -> FastAPI:
     """The OpenAI-compatible app over ``llm``.
 
@@ -218,7 +225,8 @@ def build_app(
     <key>`` (/health and /metrics stay open). ``shutdown_engine``: stop ``llm`` when the app's
     lifespan ends. ``max_n``: most choices per request; ``max_request_bytes``: larger bodies get
     413; ``request_timeout``: seconds before a request is aborted (408 or an error event);
-    ``tool_call_parser``: how tool calls are read with ``tool_choice`` "auto" (None: detected).
+    ``tool_call_parser``: how tool calls are read with ``tool_choice`` "auto" (None: detected);
+    ``responses_store_size``: most responses /v1/responses keeps (least recently used evicted).
     """
     if max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be positive, got {max_request_bytes}")
@@ -244,6 +252,7 @@ def build_app(
     app.add_middleware(_RequestId)  # outermost: 500s from _CatchAll carry the id too
     auth = [Depends(_authenticator(api_key))]
     _add_generation_routes(app, serving, auth, max_request_bytes)
+    _add_responses_routes(app, serving, auth, max_request_bytes, responses_store_size)
     _add_model_routes(app, serving, prometheus, auth)
     _add_tokenization_routes(app, serving, auth, max_request_bytes)
     _declare_schemas(app, _REQUEST_BODIES, _RESPONSE_BODIES)
@@ -319,6 +328,26 @@ def _add_generation_routes(
         return _respond(await chat.create(req, request.receive))
 
 
+def _add_responses_routes(
+    app: FastAPI, serving: OpenAIServing, auth: list[Any], max_bytes: int, store_size: int
+) -> None:
+    """/v1/responses, and GET and DELETE /v1/responses/{response_id}."""
+    responses = OpenAIServingResponses(OpenAIServingChat(serving), ResponseStore(store_size))
+
+    @app.post("/v1/responses", dependencies=auth)
+    async def create_response(request: Request) -> Response:
+        req = await parse_body(request, ResponsesRequest, max_bytes)
+        return _respond(await responses.create(req, request.receive))
+
+    @app.get("/v1/responses/{response_id}", dependencies=auth)
+    async def retrieve_response(response_id: str) -> dict[str, Any]:
+        return responses.retrieve(response_id)
+
+    @app.delete("/v1/responses/{response_id}", dependencies=auth)
+    async def delete_response(response_id: str) -> dict[str, Any]:
+        return responses.delete(response_id)
+
+
 def _add_model_routes(
     app: FastAPI, serving: OpenAIServing, prometheus: PrometheusMetrics, auth: list[Any]
 ) -> None:
@@ -382,6 +411,7 @@ _REQUEST_BODIES: dict[str, type[BaseModel]] = {
     "/v1/chat/completions": ChatCompletionRequest,
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
+    "/v1/responses": ResponsesRequest,
 }
 _RESPONSE_BODIES: dict[tuple[str, str], type[BaseModel]] = {
     ("/v1/completions", "post"): CompletionResponse,
@@ -391,6 +421,9 @@ _RESPONSE_BODIES: dict[tuple[str, str], type[BaseModel]] = {
     ("/v1/models", "get"): ModelList,
     ("/v1/models/{model_id}", "get"): ModelCard,
     ("/health", "get"): HealthResponse,
+    ("/v1/responses", "post"): ResponseObject,
+    ("/v1/responses/{response_id}", "get"): ResponseObject,
+    ("/v1/responses/{response_id}", "delete"): DeletedResponse,
 }
 
 
@@ -427,7 +460,7 @@ def _declare_schemas(
             }
         for (path, method), model in responses.items():
             content: dict[str, Any] = {"application/json": {"schema": ref(model)}}
-            if path in ("/v1/completions", "/v1/chat/completions"):
+            if path in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
                 content["text/event-stream"] = {"schema": {"type": "string"}}
             schema["paths"][path][method]["responses"] = {
                 "200": {"description": "success", "content": content},

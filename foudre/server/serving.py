@@ -15,7 +15,8 @@ import asyncio
 import dataclasses
 import json
 import math
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -121,7 +122,7 @@ def invalid_parameter(
 
 
 @dataclass(slots=True)
-class _Usage:
+class TokenUsage:
     """Token counts of a request: one prompt count per prompt, one output count per choice."""
 
     prompt: dict[int, int] = field(default_factory=dict)
@@ -332,7 +333,7 @@ class OpenAIServing:
         search: BeamSearchParams,
         n: int,
         deadline: float | None,
-    ) -> tuple[dict[int, CompletionOutput], _Usage]:
+    ) -> tuple[dict[int, CompletionOutput], TokenUsage]:
         """Run a beam search per prompt to its end: the ``n`` best beams of each, by choice
         index (prompt ``p``'s at ``p * n`` on), and the usage of those beams."""
         width = search.beam_width
@@ -433,11 +434,11 @@ class OpenAIServing:
 
     async def collect(
         self, stream: RequestStream, receive: Receive, n: int, deadline: float | None = None
-    ) -> tuple[dict[int, CompletionOutput], _Usage]:
+    ) -> tuple[dict[int, CompletionOutput], TokenUsage]:
         """Run ``stream`` to its end (aborting it if the client leaves or the deadline passes);
         final outputs by choice index, and the usage (``n`` choices per prompt)."""
         finals: dict[int, CompletionOutput] = {}
-        usage = _Usage()
+        usage = TokenUsage()
         watcher = asyncio.create_task(_watch_disconnect(receive, stream))
         try:
             async with asyncio.timeout_at(deadline):
@@ -461,6 +462,40 @@ class OpenAIServing:
             stream.abort()
         return finals, usage
 
+    async def outputs(
+        self,
+        stream: RequestStream,
+        receive: Receive,
+        n: int,
+        usage: TokenUsage,
+        deadline: float | None = None,
+    ) -> AsyncGenerator[CompletionOutput, None]:
+        """Each output of ``stream`` as it comes (``usage`` kept up to date; ``n`` choices per
+        prompt), ending with the request; ``OpenAIError`` for a request that fails or times
+        out. One that a shutdown cuts ends like any other, with ``finish_reason "abort"``. The
+        request is aborted when the client disconnects or the iterator is closed."""
+        watcher = asyncio.create_task(_watch_disconnect(receive, stream))
+        try:
+            async with asyncio.timeout_at(deadline):
+                async for out in stream:
+                    if out.finished:
+                        error = _failure(out, stream.request_id)
+                        if error is not None:
+                            raise error
+                    comp = out.outputs[0]
+                    usage.completion[comp.index] = len(comp.token_ids)
+                    usage.prompt[comp.index // n] = len(out.prompt_token_ids)
+                    yield comp
+        except TimeoutError:
+            raise _failure_timeout(stream.request_id) from None
+        except RuntimeError as e:  # the engine thread failed
+            raise OpenAIError(
+                500, f"request {stream.request_id}: {e}", type="internal_server_error"
+            ) from None
+        finally:
+            watcher.cancel()
+            stream.abort()
+
     async def stream_sse(
         self,
         stream: RequestStream,
@@ -476,38 +511,23 @@ class OpenAIServing:
         of a finish reason; one that a shutdown cuts ends like any other, its last chunk with
         ``finish_reason "abort"``. The request is aborted when the client disconnects or the
         body iterator is closed."""
-        watcher = asyncio.create_task(_watch_disconnect(receive, stream))
-        usage = _Usage()
+        usage = TokenUsage()
         try:
             for obj in prelude:
                 yield sse(obj)
-            error: OpenAIError | None = None
             try:
-                async with asyncio.timeout_at(deadline):
-                    async for out in stream:
-                        if out.finished:
-                            error = _failure(out, stream.request_id)
-                            if error is not None:
-                                break
-                        comp = out.outputs[0]
-                        usage.completion[comp.index] = len(comp.token_ids)
-                        usage.prompt[comp.index // n] = len(out.prompt_token_ids)
+                async with aclosing(self.outputs(stream, receive, n, usage, deadline)) as outputs:
+                    async for comp in outputs:
                         piece = chunk(comp)
                         if piece is not None:
                             yield sse(piece)
-            except TimeoutError:
-                error = _failure_timeout(stream.request_id)
-            except RuntimeError as e:  # the engine thread failed
-                error = OpenAIError(
-                    500, f"request {stream.request_id}: {e}", type="internal_server_error"
-                )
-            if error is not None:
+            except OpenAIError as error:
                 yield sse(error.body())
-            elif usage_chunk is not None:
-                yield sse(usage_chunk(usage.as_dict()))
+            else:
+                if usage_chunk is not None:
+                    yield sse(usage_chunk(usage.as_dict()))
             yield sse("[DONE]")
         finally:
-            watcher.cancel()
             stream.abort()
 
     async def chat_prompt(

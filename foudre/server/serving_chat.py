@@ -7,9 +7,11 @@ import math
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from starlette.types import Receive
 
+from foudre.engine.async_llm import RequestStream
 from foudre.outputs import CompletionOutput
 from foudre.sampling_params import BeamSearchParams, SamplingParams
 from foudre.server.protocol import ChatCompletionRequest, OpenAIError
@@ -18,16 +20,29 @@ from foudre.server.structured import structured_output
 from foudre.server.tools import ToolPlan, ToolStreamer
 
 
+@dataclass(slots=True)
+class ChatRun:
+    """One submitted chat request: its stream, and what reading its outputs needs (the tool
+    plan, the sampling or beam parameters, the logprobs asked, the deadline)."""
+
+    request_id: str
+    stream: RequestStream
+    plan: ToolPlan
+    params: SamplingParams
+    search: BeamSearchParams | None
+    top_n: int | None
+    deadline: float | None
+
+
 class OpenAIServingChat:
     """The chat completions endpoint over the shared request handling of ``serving``."""
 
     def __init__(self, serving: OpenAIServing) -> None:
         self.serving = serving
 
-    async def create(
-        self, req: ChatCompletionRequest, receive: Receive
-    ) -> Json | AsyncIterator[str]:
-        """The response to ``req``: a ``chat.completion`` dict, or its SSE stream."""
+    async def start(self, req: ChatCompletionRequest, id_prefix: str = "chatcmpl-") -> ChatRun:
+        """``req`` checked and submitted (its id ``<id_prefix><hex>``): its stream and how to
+        read its outputs. 400 naming the field for what is invalid; 503 when full."""
         serving = self.serving
         serving.check_model(req.model)
         tok = serving.tokenizer
@@ -42,18 +57,30 @@ class OpenAIServingChat:
         deadline = serving.deadline()
         prompt_ids = await serving.chat_prompt(req.messages, req.add_generation_prompt, plan.tools)
         serving.check_room([len(prompt_ids)], params.max_tokens)
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        created = int(time.time())
+        rid = f"{id_prefix}{uuid.uuid4().hex}"
         asked = params if search is None else search
         sub = Submission([prompt_ids], asked, rid, "messages", req.cache_salt, rename)
         stream = await serving.submit(sub)
-        base: Json = {"id": rid, "created": created, "model": serving.model_name}
+        return ChatRun(rid, stream, plan, params, search, top_n, deadline)
+
+    async def create(
+        self, req: ChatCompletionRequest, receive: Receive
+    ) -> Json | AsyncIterator[str]:
+        """The response to ``req``: a ``chat.completion`` dict, or its SSE stream."""
+        serving = self.serving
+        run = await self.start(req)
+        params, search, plan, top_n = run.params, run.search, run.plan, run.top_n
+        base: Json = {
+            "id": run.request_id,
+            "created": int(time.time()),
+            "model": serving.model_name,
+        }
         if not req.stream:
             if search is None:
-                finals, usage = await serving.collect(stream, receive, params.n, deadline)
+                finals, usage = await serving.collect(run.stream, receive, params.n, run.deadline)
             else:
                 finals, usage = await serving.collect_beams(
-                    stream, receive, search, req.n, deadline
+                    run.stream, receive, search, req.n, run.deadline
                 )
             choices = [self._choice(finals[i], plan, top_n, i) for i in sorted(finals)]
             return {
@@ -65,13 +92,13 @@ class OpenAIServingChat:
         base = {**base, "object": "chat.completion.chunk"}
         chunks = _ChatChunks(base, plan, top_n, params.n, self)
         return serving.stream_sse(
-            stream,
+            run.stream,
             receive,
             params.n,
             chunks.prelude(),
             chunks,
             chunks.usage if req.include_usage else None,
-            deadline,
+            run.deadline,
         )
 
     def _params(

@@ -23,6 +23,9 @@ OPERATIONS = [
     ("/v1/models", "GET", 5),
     ("/v1/models/{model_id}", "GET", 10),
     ("/health", "GET", 5),
+    ("/v1/responses", "POST", 80),
+    ("/v1/responses/{response_id}", "GET", 10),
+    ("/v1/responses/{response_id}", "DELETE", 10),
 ]
 
 
