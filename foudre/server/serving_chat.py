@@ -207,13 +207,8 @@ class _ChatChunks:
         finish = comp.finish_reason
         streamer = self.streamers.get(comp.index)
         if streamer is not None:  # tool calls: content held back while it may be a call
-            delta = streamer.feed(text)
+            delta = streamer.step(text, comp.finished)
             if comp.finished:
-                last = streamer.close()
-                if "content" in last:
-                    delta["content"] = delta.get("content", "") + last["content"]
-                if "tool_calls" in last:
-                    delta["tool_calls"] = delta.get("tool_calls", []) + last["tool_calls"]
                 finish = self.plan.finish_reason(finish, streamer.num_calls > 0)
         if not delta and lp is None and not comp.finished:
             return None

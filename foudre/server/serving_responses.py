@@ -21,7 +21,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.types import Receive
 
 from foudre.server.protocol import (
@@ -245,6 +245,10 @@ def assistant_message(output: list[Json]) -> ChatMessage:
     return ChatMessage(role="assistant", content=text, tool_calls=calls or None)
 
 
+def _dumped(model: BaseModel | None, default: Any) -> Any:
+    return default if model is None else model.model_dump()
+
+
 def _status(finish_reason: str | None) -> tuple[str, Json | None]:
     """A response's status and ``incomplete_details`` from its output's finish reason."""
     if finish_reason == "length":
@@ -340,9 +344,7 @@ class OpenAIServingResponses:
             "temperature": req.temperature,
             "top_p": req.top_p,
             "text": {"format": text_format},
-            "tool_choice": choice.model_dump()
-            if choice is not None and not isinstance(choice, str)
-            else (choice or "auto"),
+            "tool_choice": choice if isinstance(choice, str) else _dumped(choice, "auto"),
             "tools": [t.model_dump() for t in req.tools or []],
             "metadata": req.metadata or {},
             "user": req.user,
@@ -371,16 +373,10 @@ class OpenAIServingResponses:
                 finish = None
                 try:
                     async for comp in outputs:
-                        delta: Json = {"content": comp.delta_text}
-                        if streamer is not None:
-                            delta = streamer.feed(comp.delta_text)
-                            if comp.finished:
-                                last = streamer.close()
-                                delta = {
-                                    "content": delta.get("content", "") + last.get("content", ""),
-                                    "tool_calls": delta.get("tool_calls", [])
-                                    + last.get("tool_calls", []),
-                                }
+                        text = comp.delta_text
+                        delta: Json = {"content": text}
+                        if streamer is not None:  # tool calls: what may be a call held back
+                            delta = streamer.step(text, comp.finished)
                         for event in events.delta(delta):
                             yield event
                         finish = comp.finish_reason

@@ -458,6 +458,18 @@ class ToolStreamer:
             return {"content": text}
         return self._hermes()
 
+    def step(self, text: str, finished: bool) -> Json:
+        """``feed(text)``, with ``close()``'s last delta merged in when the output is
+        ``finished``."""
+        delta = self.feed(text)
+        if finished:
+            last = self.close()
+            if "content" in last:
+                delta["content"] = delta.get("content", "") + last["content"]
+            if "tool_calls" in last:
+                delta["tool_calls"] = delta.get("tool_calls", []) + last["tool_calls"]
+        return delta
+
     def _header(self, name: str) -> Json:
         """A new call's first delta: its index, id and name, no arguments yet."""
         return ToolCallOut(name, "").as_json(self.num_calls)

@@ -5,6 +5,7 @@ bounded store, and 4xx naming the parameter for bad input."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -353,3 +354,18 @@ def test_openapi_declares_the_responses_routes(stories: InProcessServer) -> None
         "/ResponsesRequest"
     )
     assert set(spec["paths"]["/v1/responses/{response_id}"]) == {"get", "delete"}
+
+
+def test_a_stream_closed_early_frees_its_request(stories: InProcessServer) -> None:
+    body = {"input": "Tell me a story.", "max_output_tokens": 400, "stream": True}
+    with httpx.stream("POST", stories.url + "/v1/responses", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        assert next(lines) == "event: response.created"
+        first = json.loads(next(lines).removeprefix("data: "))
+        assert first["type"] == "response.created" and first["sequence_number"] == 0
+        assert first["response"]["status"] == "in_progress"
+    deadline = time.monotonic() + 10
+    while stories.llm.metrics()["num_running"] or stories.llm.metrics()["kv_cache_usage"]:
+        assert time.monotonic() < deadline, "the request still runs after the client left"
+        time.sleep(0.05)
