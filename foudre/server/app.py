@@ -2,7 +2,8 @@
 
 Every error, ours or unexpected, leaves as ``{"error": {"message", "type", "param", "code"}}``
 with a meaningful status: 400 bad request (never 422), 401 bad key, 404 unknown model or route,
-503 overloaded (with ``Retry-After``), 500 anything else. The server never dies of a request.
+503 overloaded (with ``Retry-After``), 500 anything else; on Anthropic's /v1/messages routes
+as ``{"type": "error", "error": {"type", "message"}}``. The server never dies of a request.
 """
 
 from __future__ import annotations
@@ -45,10 +46,18 @@ from foudre.server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from foudre.server.protocol_anthropic import (
+    AnthropicError,
+    CountTokensRequest,
+    CountTokensResponse,
+    MessagesRequest,
+    MessagesResponse,
+)
 from foudre.server.protocol_responses import DeletedResponse, ResponseObject, ResponsesRequest
 from foudre.server.serving import DEFAULT_MAX_N, OpenAIServing
 from foudre.server.serving_chat import OpenAIServingChat
 from foudre.server.serving_completions import OpenAIServingCompletions
+from foudre.server.serving_messages import AnthropicServingMessages
 from foudre.server.serving_responses import (
     DEFAULT_STORE_SIZE,
     OpenAIServingResponses,
@@ -222,9 +231,10 @@ def build_app(
     """The OpenAI-compatible app over ``llm``.
 
     ``api_key``: when set, /v1/*, /tokenize and /detokenize require ``Authorization: Bearer
-    <key>`` (/health and /metrics stay open). ``shutdown_engine``: stop ``llm`` when the app's
-    lifespan ends. ``max_n``: most choices per request; ``max_request_bytes``: larger bodies get
-    413; ``request_timeout``: seconds before a request is aborted (408 or an error event);
+    <key>`` or ``x-api-key: <key>`` (/health and /metrics stay open). ``shutdown_engine``: stop
+    ``llm`` when the app's lifespan ends. ``max_n``: most choices per request;
+    ``max_request_bytes``: larger bodies get 413; ``request_timeout``: seconds before a request
+    is aborted (408 or an error event);
     ``tool_call_parser``: how tool calls are read with ``tool_choice`` "auto" (None: detected);
     ``responses_store_size``: most responses /v1/responses keeps (least recently used evicted).
     """
@@ -253,6 +263,9 @@ def build_app(
     auth = [Depends(_authenticator(api_key))]
     _add_generation_routes(app, serving, auth, max_request_bytes)
     _add_responses_routes(app, serving, auth, max_request_bytes, responses_store_size)
+    _add_messages_routes(
+        app, serving, [Depends(_authenticator(api_key, AnthropicError))], max_request_bytes
+    )
     _add_model_routes(app, serving, prometheus, auth)
     _add_tokenization_routes(app, serving, auth, max_request_bytes)
     _declare_schemas(app, _REQUEST_BODIES, _RESPONSE_BODIES)
@@ -277,21 +290,25 @@ def _add_error_handlers(app: FastAPI) -> None:
         return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)
 
 
-def _authenticator(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
-    """A route dependency: 401 unless the request carries ``Authorization: Bearer <api_key>``
-    (every request passes when ``api_key`` is None)."""
+def _authenticator(
+    api_key: str | None, error: type[OpenAIError] = OpenAIError
+) -> Callable[[Request], Awaitable[None]]:
+    """A route dependency: 401 (an ``error``) unless the request carries ``Authorization:
+    Bearer <api_key>`` or ``x-api-key: <api_key>`` (Anthropic's clients send the latter);
+    every request passes when ``api_key`` is None."""
 
     async def authenticate(request: Request) -> None:
         if api_key is None:
             return
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(
-            token.strip().encode(), api_key.encode()
-        ):
-            raise OpenAIError(
+        if scheme.lower() != "bearer":
+            token = request.headers.get("x-api-key", "")
+        if not secrets.compare_digest(token.strip().encode(), api_key.encode()):
+            raise error(
                 401,
-                "invalid or missing API key; send 'Authorization: Bearer <key>'",
+                "invalid or missing API key; send 'Authorization: Bearer <key>' or "
+                "'x-api-key: <key>'",
                 type="invalid_request_error",
                 code="invalid_api_key",
             )
@@ -346,6 +363,29 @@ def _add_responses_routes(
     @app.delete("/v1/responses/{response_id}", dependencies=auth)
     async def delete_response(response_id: str) -> dict[str, Any]:
         return responses.delete(response_id)
+
+
+def _add_messages_routes(
+    app: FastAPI, serving: OpenAIServing, auth: list[Any], max_bytes: int
+) -> None:
+    """Anthropic's /v1/messages and /v1/messages/count_tokens, errors in Anthropic's shape."""
+    messages = AnthropicServingMessages(OpenAIServingChat(serving))
+
+    @app.post("/v1/messages", dependencies=auth)
+    async def create_message(request: Request) -> Response:
+        try:
+            req = await parse_body(request, MessagesRequest, max_bytes)
+        except OpenAIError as e:
+            raise AnthropicError.of(e) from None
+        return _respond(await messages.create(req, request.receive))
+
+    @app.post("/v1/messages/count_tokens", dependencies=auth)
+    async def count_message_tokens(request: Request) -> dict[str, Any]:
+        try:
+            req = await parse_body(request, CountTokensRequest, max_bytes)
+        except OpenAIError as e:
+            raise AnthropicError.of(e) from None
+        return await messages.count_tokens(req)
 
 
 def _add_model_routes(
@@ -412,6 +452,8 @@ _REQUEST_BODIES: dict[str, type[BaseModel]] = {
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
     "/v1/responses": ResponsesRequest,
+    "/v1/messages": MessagesRequest,
+    "/v1/messages/count_tokens": CountTokensRequest,
 }
 _RESPONSE_BODIES: dict[tuple[str, str], type[BaseModel]] = {
     ("/v1/completions", "post"): CompletionResponse,
@@ -424,6 +466,8 @@ _RESPONSE_BODIES: dict[tuple[str, str], type[BaseModel]] = {
     ("/v1/responses", "post"): ResponseObject,
     ("/v1/responses/{response_id}", "get"): ResponseObject,
     ("/v1/responses/{response_id}", "delete"): DeletedResponse,
+    ("/v1/messages", "post"): MessagesResponse,
+    ("/v1/messages/count_tokens", "post"): CountTokensResponse,
 }
 
 
@@ -460,7 +504,7 @@ def _declare_schemas(
             }
         for (path, method), model in responses.items():
             content: dict[str, Any] = {"application/json": {"schema": ref(model)}}
-            if path in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
+            if path in ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages"):
                 content["text/event-stream"] = {"schema": {"type": "string"}}
             schema["paths"][path][method]["responses"] = {
                 "200": {"description": "success", "content": content},

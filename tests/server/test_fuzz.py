@@ -20,6 +20,8 @@ OPERATIONS = [
     ("/v1/chat/completions", "POST", 80),
     ("/tokenize", "POST", 40),
     ("/detokenize", "POST", 40),
+    ("/v1/messages", "POST", 80),
+    ("/v1/messages/count_tokens", "POST", 40),
     ("/v1/models", "GET", 5),
     ("/v1/models/{model_id}", "GET", 10),
     ("/health", "GET", 5),
