@@ -270,12 +270,8 @@ class _MessageEvents:
             events.append({"type": "message_start", "message": start})
         text = comp.delta_text
         delta: Json = {"content": text} if text else {}
-        if self.streamer is not None:
-            delta = self.streamer.feed(text)
-            if comp.finished:
-                last = self.streamer.close()
-                delta["content"] = delta.get("content", "") + last.get("content", "")
-                delta["tool_calls"] = delta.get("tool_calls", []) + last.get("tool_calls", [])
+        if self.streamer is not None:  # tool calls: what may be a call held back
+            delta = self.streamer.step(text, comp.finished)
         if delta.get("content"):
             events += self._text(delta["content"])
         for call in delta.get("tool_calls", []):
