@@ -1,7 +1,16 @@
-"""Shared fixtures: paths to ../shared and random Hugging Face models built from small configs."""
+"""Shared fixtures: paths to ../shared and random Hugging Face models built from small configs.
+
+The tests run torch on one thread per process (``OMP_NUM_THREADS=1``, inherited by the processes
+they start), and pytest-xdist runs two such processes (``-n 2``, one module per worker at a time:
+``--dist loadscope``): the tiny models are bound by Python, not by their matrix products, and a
+thread pool's barriers on a loaded 2-core host cost several times the work (a check of the CPU
+attention kernel over quantized caches: 14.6 CPU-s on two threads, 1.6 on one). Tests of what
+does not depend on the thread count set the counts they compare themselves
+(``torch.set_num_threads``); set ``OMP_NUM_THREADS`` to run the rest on more."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -13,17 +22,35 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
 STORIES = SHARED / "models" / "stories260K"
 
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+# fixtures of tests that must stay slow: builds of the kernels for other -march values (4-12 s a
+# library on 2 cores, then their checks in fresh processes), Triton's interpreter in subprocesses
+SLOW_FIXTURES = frozenset({"march_cache", "interpreted"})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark ``slow`` the tests that use ``SLOW_FIXTURES`` (``-m "not slow"`` leaves them out)."""
+    for item in items:
+        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
 
 @pytest.fixture(scope="session")
 def march_cache(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """``march -> directory``: one kernel cache per ``-march`` for the session, shared by the
-    checks of that build (``tests/engine/march.py``'s ``run_built_for``)."""
-    dirs: dict[str, Path] = {}
+    checks of that build (``tests/engine/march.py``'s ``run_built_for``) in every pytest-xdist
+    worker (their temporary directories' parent: the builds land atomically)."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
 
     def cache(march: str) -> Path:
-        if march not in dirs:
-            dirs[march] = tmp_path_factory.mktemp(f"kernels-{march}")
-        return dirs[march]
+        path = root / f"kernels-{march}"
+        path.mkdir(exist_ok=True)
+        return path
 
     return cache
 

@@ -8,6 +8,7 @@ AVX2 CPU and haswell): the tests of this build run them."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -61,33 +62,109 @@ def cpu_paths() -> frozenset[str]:
     return frozenset(name for name, taken in paths.items() if taken)
 
 
-def run_built_for(march: str, check: str, library: str, march_cache: Callable[[str], Path]) -> None:
-    """Call ``check`` (``"module:function"``) with the kernels built for ``march`` in that
-    build's cache (``march_cache(march)``, the fixture); assert that it passed and that its
-    process loaded the ``library`` (a source's stem) built there. Skips where this CPU cannot run
-    that code."""
+def _runnable(march: str) -> None:
+    """Skip where this CPU cannot run ``march``'s code, or where its own build takes the same
+    paths (the tests of this build run them)."""
     if os.uname().machine != "x86_64":
         pytest.skip("x86 -march values")
     if not MARCH_PATHS[march] <= cpu_paths():
         pytest.skip(f"this CPU cannot run {march}'s code")
     if MARCH_PATHS[march] == native_paths():
         pytest.skip(f"this CPU's own build takes {march}'s paths: its tests run them")
+
+
+def _built(march: str, march_cache: Callable[[str], Path]) -> tuple[dict[str, str], str]:
+    """The environment of a process whose kernels are built for ``march`` into that build's
+    cache, and the prefix of the paths of the libraries built there."""
     cache = march_cache(march)
     env = dict(os.environ, FOUDRE_KERNEL_MARCH=march, FOUDRE_CACHE=str(cache))
+    return env, f"{os.path.realpath(cache)}/kernels/"
+
+
+def run_built_for(
+    march: str, check: str | list[str], library: str, march_cache: Callable[[str], Path]
+) -> None:
+    """Call ``check`` (``"module:function"``, or several in turn in one process) with the kernels
+    built for ``march`` in that build's cache (``march_cache(march)``, the fixture); assert that
+    it passed and that its process loaded the ``library`` (a source's stem) built there. Skips
+    where this CPU cannot run that code."""
+    _runnable(march)
+    env, kernels = _built(march, march_cache)
     # the check's process must have loaded the library of this build (from this cache), not
     # one it found elsewhere: a built library of that name in the cache would not show it
-    built = f"{os.path.realpath(cache)}/kernels/{library}-"
+    built = f"{kernels}{library}-"
     run_check(
         check, env, f"assert {built!r} in open('/proc/self/maps').read(), 'not loaded: {library}'\n"
     )
 
 
-def run_check(check: str, env: dict[str, str], after: str = "") -> None:
-    """Call ``check`` (``"module:function"``) in a fresh interpreter with the environment
-    ``env`` (then the lines ``after``); assert that it passed."""
-    module, function = check.split(":")
-    script = f"from {module} import {function}\n{function}()\n{after}print('ok')\n"
+def run_check(check: str | list[str], env: dict[str, str], after: str = "") -> None:
+    """Call ``check`` (``"module:function"``, or several in turn) in a fresh interpreter with the
+    environment ``env`` (then the lines ``after``); assert that it passed."""
+    script = ""
+    for one in [check] if isinstance(check, str) else check:
+        module, function = one.split(":")
+        script += f"from {module} import {function}\n{function}()\n"
     out = subprocess.run(
-        [sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True
+        [sys.executable, "-c", f"{script}{after}print('ok')\n"],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
     )
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
+
+
+_MERGED = """
+import importlib, json, sys, traceback
+checks, library = json.loads(sys.argv[1]), sys.argv[2]
+results = {}
+for check in checks:
+    module, function = check.split(":")
+    try:
+        getattr(importlib.import_module(module), function)()
+        results[check] = ""
+    except BaseException:
+        results[check] = traceback.format_exc()[-3000:]
+if library not in open("/proc/self/maps").read():  # this build's library, not one found elsewhere
+    results = {check: error or "not loaded: " + library for check, error in results.items()}
+print(json.dumps(results))
+"""
+
+
+class MarchChecks:
+    """A module's checks with the kernels built for other ``-march`` values, one process per
+    ``-march``: at the first test of a ``-march``, every check that this session's tests of the
+    module run for it (a process's start and imports cost ~2 s each, once a build and not once a
+    test), each caught on its own; each test then asserts its own check's result. ``tests``: a
+    test function's name (parametrized by ``march`` alone) -> its check (``"module:function"``);
+    ``library``: the source stem that the process must have loaded from the build's cache;
+    ``names``: the names of the module's tests that this session runs (``selected``)."""
+
+    def __init__(
+        self,
+        tests: dict[str, str],
+        library: str,
+        names: set[str],
+        march_cache: Callable[[str], Path],
+    ) -> None:
+        self.tests, self.library, self.names, self.march_cache = tests, library, names, march_cache
+        self.results: dict[str, dict[str, str]] = {}
+
+    def run(self, test: str, march: str) -> None:
+        _runnable(march)
+        if march not in self.results:
+            env, kernels = _built(march, self.march_cache)
+            run = self.names | {f"{test}[{march}]"}
+            checks = [c for t, c in self.tests.items() if f"{t}[{march}]" in run]
+            out = subprocess.run(
+                [sys.executable, "-c", _MERGED, json.dumps(checks), f"{kernels}{self.library}-"],
+                env=env,
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+            )
+            assert out.returncode == 0, out.stderr[-3000:]
+            self.results[march] = json.loads(out.stdout.strip().splitlines()[-1])
+        error = self.results[march][self.tests[test]]
+        assert error == "", error

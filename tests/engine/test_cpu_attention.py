@@ -16,7 +16,8 @@ from foudre import LLM, SamplingParams
 from foudre.attention import BatchLayout, cpu_paged, resolve_backend
 from foudre.attention.torch_sdpa import TorchSDPABackend
 from tests.conftest import make_hf_model
-from tests.engine.march import run_built_for
+from tests.engine.march import MarchChecks
+from tests.triton_check import selected
 
 pytestmark = pytest.mark.skipif(not cpu_paged.available(), reason="no C++ compiler")
 
@@ -105,16 +106,25 @@ def test_kernel_matches_sdpa_on_this_cpu() -> None:
     check_all_dtypes()
 
 
+@pytest.fixture(scope="module")
+def other_marches(
+    request: pytest.FixtureRequest, march_cache: Callable[[str], Path]
+) -> MarchChecks:
+    """The checks of the kernel's other paths: one process per -march runs them all."""
+    tests = {
+        "test_other_paths_match_sdpa": "tests.engine.test_cpu_attention:check_all_dtypes",
+        "test_other_paths_read_a_quantized_cache": (
+            "tests.engine.test_cpu_attention:check_quantized_decode"
+        ),
+    }
+    return MarchChecks(tests, "cpu_paged_decode", selected(request), march_cache)
+
+
 @pytest.mark.parametrize("march", ["x86-64", "haswell", "skylake-avx512"])
-def test_other_paths_match_sdpa(march: str, march_cache: Callable[[str], Path]) -> None:
+def test_other_paths_match_sdpa(march: str, other_marches: MarchChecks) -> None:
     """The portable path, the AVX2 one and the AVX-512 one without AVX512-BF16, built for
     another -march."""
-    run_built_for(
-        march,
-        "tests.engine.test_cpu_attention:check_all_dtypes",
-        "cpu_paged_decode",
-        march_cache,
-    )
+    other_marches.run("test_other_paths_match_sdpa", march)
 
 
 def check_quantized_decode() -> None:
@@ -137,13 +147,8 @@ def test_kernel_reads_a_quantized_cache_on_this_cpu() -> None:
 
 
 @pytest.mark.parametrize("march", ["x86-64", "haswell", "skylake-avx512"])
-def test_other_paths_read_a_quantized_cache(march: str, march_cache: Callable[[str], Path]) -> None:
-    run_built_for(
-        march,
-        "tests.engine.test_cpu_attention:check_quantized_decode",
-        "cpu_paged_decode",
-        march_cache,
-    )
+def test_other_paths_read_a_quantized_cache(march: str, other_marches: MarchChecks) -> None:
+    other_marches.run("test_other_paths_read_a_quantized_cache", march)
 
 
 def test_auto_picks_the_kernel_on_cpu() -> None:
@@ -217,11 +222,12 @@ def test_decode_rows_are_the_same_bits_in_any_batch_and_threads(head_dim: int) -
                        meta.seq_lens, head_dim**-0.5, None)  # fmt: skip
         return out
 
-    batch = attend(list(range(len(lens))))
-    for r in range(len(lens)):
-        assert torch.equal(attend([r])[0], batch[r]), f"row {r} alone"
     threads = torch.get_num_threads()
     try:
+        torch.set_num_threads(2)
+        batch = attend(list(range(len(lens))))
+        for r in range(len(lens)):
+            assert torch.equal(attend([r])[0], batch[r]), f"row {r} alone"
         torch.set_num_threads(1)
         one = attend(list(range(len(lens))))
     finally:

@@ -156,21 +156,21 @@ def test_native_block_has_the_step_by_step_bits() -> None:
     check_native_block()
 
 
+# the native kernel's checks, run by one process of another build
+NATIVE_CHECKS = [
+    "tests.engine.test_moe:check_native_kernel",
+    "tests.engine.test_moe:check_native_block",
+]
+
+
 @NATIVE
 def test_native_kernel_without_avx512_bf16(march_cache: Callable[[str], Path]) -> None:
-    for check in ("check_native_kernel", "check_native_block"):
-        run_built_for(
-            "skylake-avx512",
-            f"tests.engine.test_moe:{check}",
-            "cpu_ops",
-            march_cache,
-        )
+    run_built_for("skylake-avx512", NATIVE_CHECKS, "cpu_ops", march_cache)
 
 
 @NATIVE
 def test_native_kernel_built_for_avx2(march_cache: Callable[[str], Path]) -> None:
-    for check in ("check_native_kernel", "check_native_block"):
-        run_built_for("haswell", f"tests.engine.test_moe:{check}", "cpu_ops", march_cache)
+    run_built_for("haswell", NATIVE_CHECKS, "cpu_ops", march_cache)
 
 
 @NATIVE

@@ -28,7 +28,7 @@ from foudre.attention.quantized_cache import QuantizedKVCache
 from foudre.attention.torch_sdpa import TorchSDPABackend
 from foudre.models.config import ModelConfig
 from tests.conftest import make_hf_model
-from tests.engine.march import run_built_for
+from tests.engine.march import MarchChecks
 from tests.triton_check import (
     Checks,
     run_triton_check,
@@ -308,6 +308,20 @@ def check_triton_quantized() -> None:
 needs_kernels = pytest.mark.skipif(not cpu_paged.available(), reason="no C++ compiler")
 
 
+@pytest.fixture(scope="module")
+def other_marches(
+    request: pytest.FixtureRequest, march_cache: Callable[[str], Path]
+) -> MarchChecks:
+    """The checks of the prefill kernel's other paths: one process per -march runs them all."""
+    module = "tests.engine.test_prefill_attention"
+    tests = {
+        "test_other_cpu_paths_match_masked_sdpa": f"{module}:check_cpu_kernels",
+        "test_other_cpu_paths_read_a_quantized_cache": f"{module}:check_cpu_quantized",
+        "test_other_cpu_paths_are_batch_invariant": f"{module}:check_batch_invariance",
+    }
+    return MarchChecks(tests, "cpu_paged_prefill", selected(request), march_cache)
+
+
 @needs_kernels
 def test_cpu_kernels_match_masked_sdpa() -> None:
     check_cpu_kernels()
@@ -323,30 +337,18 @@ def test_cpu_kernels_read_a_quantized_cache() -> None:
 
 @needs_kernels
 @pytest.mark.parametrize("march", ["x86-64", "haswell", "skylake-avx512"])
-def test_other_cpu_paths_read_a_quantized_cache(
-    march: str, march_cache: Callable[[str], Path]
-) -> None:
+def test_other_cpu_paths_read_a_quantized_cache(march: str, other_marches: MarchChecks) -> None:
     """The portable path, the AVX2 one and the AVX-512 one without AVX512-BF16 over quantized
     caches."""
-    run_built_for(
-        march,
-        "tests.engine.test_prefill_attention:check_cpu_quantized",
-        "cpu_paged_prefill",
-        march_cache,
-    )
+    other_marches.run("test_other_cpu_paths_read_a_quantized_cache", march)
 
 
 @needs_kernels
 @pytest.mark.parametrize("march", ["x86-64", "haswell", "skylake-avx512"])
-def test_other_cpu_paths_match_masked_sdpa(march: str, march_cache: Callable[[str], Path]) -> None:
+def test_other_cpu_paths_match_masked_sdpa(march: str, other_marches: MarchChecks) -> None:
     """The portable path, the AVX2 one and the AVX-512 one without AVX512-BF16, built for
     another -march."""
-    run_built_for(
-        march,
-        "tests.engine.test_prefill_attention:check_cpu_kernels",
-        "cpu_paged_prefill",
-        march_cache,
-    )
+    other_marches.run("test_other_cpu_paths_match_masked_sdpa", march)
 
 
 def test_sdpa_backend_window_matches_masked_sdpa() -> None:
@@ -418,16 +420,9 @@ def test_cpu_prefill_is_batch_invariant() -> None:
 
 @needs_kernels
 @pytest.mark.parametrize("march", ["x86-64", "haswell", "skylake-avx512"])
-def test_other_cpu_paths_are_batch_invariant(
-    march: str, march_cache: Callable[[str], Path]
-) -> None:
+def test_other_cpu_paths_are_batch_invariant(march: str, other_marches: MarchChecks) -> None:
     """The portable path, the AVX2 one and the AVX-512 one without AVX512-BF16."""
-    run_built_for(
-        march,
-        "tests.engine.test_prefill_attention:check_batch_invariance",
-        "cpu_paged_prefill",
-        march_cache,
-    )
+    other_marches.run("test_other_cpu_paths_are_batch_invariant", march)
 
 
 _TRITON_CHECK = """
@@ -894,6 +889,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow
 def test_triton_kernels_compile_for_the_gpu() -> None:
     """The interpreter does not type-check like the compiler: both kernels compiled to sm_90
     code (Triton's own ptxas, no GPU needed), for the dtypes and GQA groups the engine uses,

@@ -117,11 +117,13 @@ def _interpreted(script: str, *args: str) -> None:
     run_triton_check(script, *args, timeout=300)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(HAS_CUDA, reason="runs for real on the GPU instead")
 def test_paged_decode_kernel_interpreted() -> None:
     _interpreted(_KERNEL_CHECK, "cpu")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(HAS_CUDA, reason="runs for real on the GPU instead")
 def test_engine_with_triton_backend_interpreted(tmp_path: Path) -> None:
     path = make_hf_model(tmp_path / "m", "llama")

@@ -130,6 +130,7 @@ def checked() -> dict[str, dict[str, object]]:
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,group", KINDS, ids=[f"{k}-g{g}" for k, g in KINDS])
 def test_kernels_match_dequantize_reference(
     kind: str, group: int, checked: dict[str, dict[str, object]]
