@@ -29,7 +29,9 @@ functions or a weight scale are refused, naming the key.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import mmap
 import re
 import struct
 from collections.abc import Collection, Iterator
@@ -44,6 +46,7 @@ from gguf.quants import dequantize
 
 from foudre.layers.rotary import rope_inv_freq
 from foudre.loading.errors import ModelLoadError
+from foudre.loading.memory import release_freed
 from foudre.loading.tokenizer import HFTokenizer, SentencePieceTokenizer, Tokenizer
 from foudre.models.config import ModelConfig
 
@@ -68,6 +71,9 @@ ARCHITECTURES = {
 # llama.cpp's graphs: whether each architecture renormalises its top-k expert weights
 _NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False}
 _GATING_SOFTMAX = 1  # llama_expert_gating_func_type: 1 softmax, 2 sigmoid, 3 softmax of weights
+
+# bytes of float32 values a quantized tensor is decoded in at a time (whole rows)
+CHUNK_BYTES = 8 << 20
 
 _MAGIC = b"GGUF"
 _U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
@@ -158,6 +164,20 @@ class GGUFFile:
     metadata: dict[str, Any]
     tensors: dict[str, GGUFTensor]
     data: np.ndarray
+
+    def release(self, tensor: GGUFTensor) -> None:
+        """Drop the pages of ``tensor``'s bytes (and of its neighbours' on the same pages) from
+        this process's resident memory once read: the map is read-only and shared, so they stay
+        in the page cache and a later read maps them again; loading a file thus holds no more
+        than one tensor's pages at a time besides what it builds."""
+        mapping = getattr(self.data, "_mmap", None)
+        if mapping is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        start = tensor.offset - tensor.offset % mmap.PAGESIZE
+        end = min(tensor.offset + tensor.nbytes, len(mapping))
+        if end > start:
+            with contextlib.suppress(OSError, ValueError):
+                mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
 def is_gguf_file(path: str | Path) -> bool:
@@ -312,24 +332,41 @@ def _check_type(f: GGUFFile, tensor: GGUFTensor) -> None:
         )
 
 
-def dequantize_tensor(f: GGUFFile, tensor: GGUFTensor) -> torch.Tensor:
-    """The values of ``tensor`` (float32, or the file's own float16 / bfloat16), in a new tensor.
+def dequantize_tensor(
+    f: GGUFFile, tensor: GGUFTensor, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """The values of ``tensor`` (float32, or the file's own float16 / bfloat16), in a new tensor;
+    quantized tensors in ``dtype`` when given (the float32 values rounded to it, as a copy into
+    a tensor of that dtype rounds them).
 
-    Raises ``ModelLoadError`` naming the tensor and its type for a type not in
+    Quantized tensors are decoded a few megabytes of rows at a time from the file's map (each
+    row's values are its own blocks'), so no float32 copy of a whole tensor is ever held; the
+    pages read are then dropped from this process (``GGUFFile.release``). Raises
+    ``ModelLoadError`` naming the tensor and its type for a type not in
     ``SUPPORTED_TENSOR_TYPES``.
     """
     _check_type(f, tensor)
     raw = f.data[tensor.offset : tensor.offset + tensor.nbytes]
     qtype = GGMLQuantizationType(tensor.type)
-    if qtype == _QT.F32:
-        return torch.from_numpy(np.array(raw.view(np.float32).reshape(tensor.shape)))
-    if qtype == _QT.F16:
-        return torch.from_numpy(np.array(raw.view(np.float16).reshape(tensor.shape)))
-    if qtype == _QT.BF16:
-        bits = np.array(raw.view(np.int16).reshape(tensor.shape))
-        return torch.from_numpy(bits).view(torch.bfloat16)
-    blocks = np.asarray(raw).reshape(*tensor.shape[:-1], -1)
-    return torch.from_numpy(np.ascontiguousarray(dequantize(blocks, qtype), dtype=np.float32))
+    try:
+        if qtype == _QT.F32:
+            return torch.from_numpy(np.array(raw.view(np.float32).reshape(tensor.shape)))
+        if qtype == _QT.F16:
+            return torch.from_numpy(np.array(raw.view(np.float16).reshape(tensor.shape)))
+        if qtype == _QT.BF16:
+            bits = np.array(raw.view(np.int16).reshape(tensor.shape))
+            return torch.from_numpy(bits).view(torch.bfloat16)
+        rows = math.prod(tensor.shape[:-1])
+        blocks = np.asarray(raw).reshape(rows, -1)
+        out = torch.empty(rows, tensor.shape[-1], dtype=dtype or torch.float32)
+        step = max(1, CHUNK_BYTES // max(1, 4 * tensor.shape[-1]))
+        for r in range(0, rows, step):
+            part = dequantize(blocks[r : r + step], qtype)
+            out[r : r + step].copy_(torch.from_numpy(np.ascontiguousarray(part, np.float32)))
+        return out.reshape(tensor.shape)
+    finally:
+        f.release(tensor)
+        release_freed()
 
 
 def _hf_name(name: str) -> str | None:
@@ -365,12 +402,17 @@ def _unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def iter_gguf_weights(
-    f: GGUFFile, config: ModelConfig, skip: Collection[str] = frozenset()
+    f: GGUFFile,
+    config: ModelConfig,
+    skip: Collection[str] = frozenset(),
+    dtype: torch.dtype | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(Hugging Face name, tensor)`` for every weight of ``f`` but those named in
     ``skip`` (GGUF names: what ``gguf_quant`` keeps quantized), one tensor at a time.
 
-    Quantized tensors come dequantized to float32; q/k of ``llama`` files come un-permuted.
+    Quantized tensors come dequantized to float32 (to ``dtype`` when given: what copying the
+    float32 values into a tensor of that dtype gives, without the float32 copy of the whole
+    tensor); q/k of ``llama`` files come un-permuted.
     ``rope_freqs.weight`` is not yielded (``load_gguf`` turned it into ``rope_scaling``).
     """
     for tensor in f.tensors.values():
@@ -383,7 +425,7 @@ def iter_gguf_weights(
                 f"{config.architecture} model",
                 f.path,
             )
-        w = dequantize_tensor(f, tensor)
+        w = dequantize_tensor(f, tensor, dtype)
         if "{}" in hf:  # stacked experts: one tensor per expert, as Hugging Face names them
             for e, expert in enumerate(w):
                 yield hf.format(e), expert

@@ -57,12 +57,14 @@ from torch import nn
 from foudre.layers.moe import Experts
 from foudre.loading.gguf import (
     _ROPE_FREQS,
+    CHUNK_BYTES,
     GGUFFile,
     GGUFTensor,
     _hf_name,
     _unpermute_rope,
     dequantize_tensor,
 )
+from foudre.loading.memory import release_freed
 from foudre.models.config import ModelConfig
 from foudre.quant.experts import QuantExperts
 from foudre.quant.packing import pack_int6
@@ -279,16 +281,22 @@ def _zero_points(codes: np.ndarray, s: np.ndarray, c: np.ndarray, group: int) ->
     )
 
 
-def decode_codes(f: GGUFFile, tensor: GGUFTensor, layout: Layout) -> Codes:
+def decode_codes(
+    f: GGUFFile, tensor: GGUFTensor, layout: Layout, rows: slice | None = None
+) -> Codes:
     """The codes, scales and zeros of a tensor of a ``KEPT_TYPES`` type in ``layout`` (its own,
     or a fused module's: ``module_layout``), its leading dimensions flattened into rows (stacked
-    experts: ``[experts * rows, cols]``); vectorised over every block of the tensor, read from
-    the file's memory map."""
+    experts: ``[experts * rows, cols]``), of the rows ``rows`` only when given (a row's codes are
+    its own blocks'); vectorised over every block of them, read from the file's memory map."""
     if tensor.type not in KEPT_TYPES:
         raise ValueError(f"tensor {tensor.name!r}: {tensor.type_name} is not kept quantized")
     k = tensor.shape[-1]
-    n = math.prod(tensor.shape[:-1])
-    raw = np.asarray(f.data[tensor.offset : tensor.offset + tensor.nbytes]).reshape(n, -1)
+    total = math.prod(tensor.shape[:-1])
+    first, last, _ = (rows or slice(0, total)).indices(total)
+    n = last - first
+    row_bytes = tensor.nbytes // total
+    start = tensor.offset + first * row_bytes
+    raw = np.asarray(f.data[start : start + n * row_bytes]).reshape(n, -1)
     if layout.bits == 6:
         if tensor.type != _QT.Q6_K:
             raise ValueError(f"tensor {tensor.name!r}: 6 bits are Q6_K's, not {tensor.type_name}")
@@ -560,51 +568,76 @@ def _fill(mod: nn.Module, rows: slice, c: Codes) -> None:
     mod.invalidate_layouts()
 
 
-@torch.no_grad()
-def load_gguf_quantized(
-    f: GGUFFile, config: ModelConfig, model: nn.Module, plan: GGUFQuantPlan
-) -> None:
-    """Fill the modules ``swap_in_quantized`` made (now allocated) from the file's codes, and
-    log which quantized tensors were dequantized instead, and why."""
-    for kept in plan.kept:
-        mod = model.get_submodule(kept.module)
-        assert isinstance(mod, QuantLinear)
-        start = 0
-        for hf, tensor in kept.weights:
-            c = decode_codes(f, tensor, kept.layout)
-            heads = _rope_heads(config, hf)
+def _row_chunks(tensor: GGUFTensor, whole: bool) -> list[slice]:
+    """The rows of ``tensor`` (leading dimensions flattened) in pieces of about
+    ``CHUNK_BYTES`` of codes (one piece where ``whole``), so that decoding holds only a piece's
+    temporaries at a time."""
+    total = math.prod(tensor.shape[:-1])
+    step = total if whole else max(1, CHUNK_BYTES // max(1, tensor.shape[-1]))
+    return [slice(r, min(r + step, total)) for r in range(0, total, step)]
+
+
+def _load_kept(f: GGUFFile, config: ModelConfig, mod: QuantLinear, kept: KeptLinear) -> None:
+    """Fill the (fused) linear ``mod`` from its tensors, a few megabytes of rows at a time (q/k
+    of llama files whole: their rows are un-permuted), each tensor's pages then released."""
+    start = 0
+    for hf, tensor in kept.weights:
+        heads = _rope_heads(config, hf)
+        for rows in _row_chunks(tensor, whole=heads is not None):
+            c = decode_codes(f, tensor, kept.layout, rows)
             if heads is not None:
                 zeros = None if c.zeros is None else _unpermute_rope(c.zeros, heads)
                 subs = None if c.subs is None else _unpermute_rope(c.subs, heads)
                 c = Codes(_unpermute_rope(c.codes, heads), _unpermute_rope(c.scales, heads), zeros,
                           subs)  # fmt: skip
-            _fill(mod, slice(start, start + tensor.shape[0]), c)
-            start += tensor.shape[0]
-        start = 0
-        for hf, tensor in kept.biases:
-            assert mod.bias is not None
-            b = dequantize_tensor(f, tensor)
-            heads = _rope_heads(config, hf)
-            b = b if heads is None else _unpermute_rope(b, heads)
-            mod.bias[start : start + b.shape[0]].copy_(b)
-            start += b.shape[0]
+            _fill(mod, slice(start + rows.start, start + rows.stop), c)
+            del c
+        f.release(tensor)
+        release_freed()
+        start += tensor.shape[0]
+    start = 0
+    for hf, tensor in kept.biases:
+        assert mod.bias is not None
+        b = dequantize_tensor(f, tensor)
+        heads = _rope_heads(config, hf)
+        b = b if heads is None else _unpermute_rope(b, heads)
+        mod.bias[start : start + b.shape[0]].copy_(b)
+        start += b.shape[0]
+
+
+def _load_experts(f: GGUFFile, qe: QuantExperts, ke: KeptExperts) -> None:
+    """Fill the experts ``qe`` from their stacked tensors, one expert's rows at a time."""
+    inter = ke.gate.shape[1]
+    for tensor, linears, first, layout in (
+        (ke.gate, qe.gate_up, 0, ke.gate_up_layout),
+        (ke.up, qe.gate_up, inter, ke.gate_up_layout),
+        (ke.down, qe.down, 0, ke.down_layout),
+    ):
+        rows = tensor.shape[1]
+        for e, lin in enumerate(linears):
+            c = decode_codes(f, tensor, layout, slice(e * rows, (e + 1) * rows))
+            _fill(lin, slice(first, first + rows), c)
+            del c
+        f.release(tensor)
+        release_freed()
+
+
+@torch.no_grad()
+def load_gguf_quantized(
+    f: GGUFFile, config: ModelConfig, model: nn.Module, plan: GGUFQuantPlan
+) -> None:
+    """Fill the modules ``swap_in_quantized`` made (now allocated) from the file's codes, and
+    log which quantized tensors were dequantized instead, and why. The file is read a piece of
+    a tensor at a time, each tensor's pages dropped from the process once read
+    (``GGUFFile.release``)."""
+    for kept in plan.kept:
+        mod = model.get_submodule(kept.module)
+        assert isinstance(mod, QuantLinear)
+        _load_kept(f, config, mod, kept)
     for ke in plan.experts:
         qe = model.get_submodule(ke.module)
         assert isinstance(qe, QuantExperts)
-        inter = ke.gate.shape[1]
-        for tensor, linears, first, layout in (
-            (ke.gate, qe.gate_up, 0, ke.gate_up_layout),
-            (ke.up, qe.gate_up, inter, ke.gate_up_layout),
-            (ke.down, qe.down, 0, ke.down_layout),
-        ):
-            c = decode_codes(f, tensor, layout)  # [experts * rows, cols]
-            rows = tensor.shape[1]
-            for e, lin in enumerate(linears):
-                part = slice(e * rows, (e + 1) * rows)
-                zeros = None if c.zeros is None else c.zeros[part]
-                subs = None if c.subs is None else c.subs[part]
-                c_e = Codes(c.codes[part], c.scales[part], zeros, subs)
-                _fill(lin, slice(first, first + rows), c_e)
+        _load_experts(f, qe, ke)
     if plan.dequantized or plan.kept or plan.experts:
         reasons = "; ".join(
             f"{reason}: {', '.join(names[:3])}"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import struct
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -489,6 +490,61 @@ def iter_safetensors_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tenso
     return iter_safetensors_slices(model_dir, lambda name, shape: (name, None))
 
 
+# safetensors' dtype names -> torch's, for the tensors read whole with a plain read
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+}  # fmt: skip
+
+
+def _spans(path: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] | None:
+    """``name -> (dtype, shape, first byte, end byte)`` of the tensors of the safetensors file at
+    ``path`` (already opened, so checked, by ``safe_open``) of the dtypes above; None when the
+    header cannot be read so (``safe_open`` reads every tensor then)."""
+    try:
+        with path.open("rb") as fh:
+            (size,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(size))
+    except (OSError, ValueError, struct.error):
+        return None
+    spans = {}
+    for name, info in header.items():
+        if name == "__metadata__" or info.get("dtype") not in _SAFETENSORS_DTYPES:
+            continue
+        first, end = info["data_offsets"]
+        spans[name] = (_SAFETENSORS_DTYPES[info["dtype"]], tuple(info["shape"]), 8 + size + first,
+                       8 + size + end)  # fmt: skip
+    return spans
+
+
+def _read_whole(
+    path: Path, spans: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] | None, name: str
+) -> torch.Tensor | None:
+    """Tensor ``name`` read from the file straight into a new tensor (the values
+    ``safe_open.get_tensor`` gives, without mapping the file: the pages read stay in the page
+    cache, not in this process's resident memory, so a load holds one tensor's copy at a time
+    besides the model); None where ``spans`` does not place it."""
+    span = None if spans is None else spans.get(name)
+    if span is None:
+        return None
+    dtype, shape, first, end = span
+    out = torch.empty(shape, dtype=dtype)
+    if end - first != out.nbytes:
+        return None
+    if out.nbytes:
+        with path.open("rb", buffering=0) as fh:
+            fh.seek(first)
+            view = out.reshape(-1).view(torch.uint8).numpy().data
+            got = 0
+            while got < len(view):
+                n = fh.readinto(view[got:])
+                if not n:
+                    return None
+                got += n
+    return out
+
+
 # what to read of one stored tensor, given its name and shape: None to skip it, else the name
 # to yield it under and the index of the part to read (None: all of it)
 SliceSelector = Callable[[str, tuple[int, ...]], tuple[str, tuple[slice, ...] | None] | None]
@@ -505,6 +561,7 @@ def iter_safetensors_slices(
     for path, expected in _safetensors_files(model_dir):
         try:
             with safe_open(str(path), framework="pt") as f:
+                spans = _spans(path)
                 names = list(f.keys())
                 if expected is not None and not expected <= set(names):
                     missing = sorted(expected - set(names))
@@ -522,7 +579,12 @@ def iter_safetensors_slices(
                     if chosen is None:
                         continue
                     new_name, index = chosen
-                    yield new_name, f.get_tensor(name) if index is None else part[index]
+                    if index is not None:
+                        yield new_name, part[index]
+                        continue
+                    whole = _read_whole(path, spans, name)
+                    yield new_name, f.get_tensor(name) if whole is None else whole
+                    del whole
         except (SafetensorError, OSError) as exc:
             raise ModelLoadError(
                 f"{path}: corrupt or truncated safetensors file: {exc}", path

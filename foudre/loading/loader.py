@@ -33,6 +33,7 @@ from foudre.loading.hf import (
     resolve_model_path,
 )
 from foudre.loading.llama2c import load_llama2c
+from foudre.loading.memory import release_freed, releasing
 from foudre.loading.quantized import is_quantized_checkpoint, load_quantized
 from foudre.loading.tokenizer import (
     HFTokenizer,
@@ -164,7 +165,7 @@ def load_model(
             grouped8 = device.type == "cuda" or six_bit
             plan = plan_gguf_quantized(gguf, net, grouped8, six_bit)
             swap_in_quantized(net, plan)
-        weights = iter_gguf_weights(gguf, cfg, skip=plan.consumed)
+        weights = iter_gguf_weights(gguf, cfg, skip=plan.consumed, dtype=torch_dtype)
     net = net.to_empty(device=device)
     net.model.rotary.init_tables(device)  # the tables built under "meta" hold no values
     net.reset_moe_stats()  # nor do the routers' counters
@@ -174,7 +175,7 @@ def load_model(
         if not path.is_file() and is_quantized_checkpoint(path):
             load_quantized(net, path)  # foudre, GPTQ or AWQ checkpoint: no re-quantization
         else:
-            net.load_weights(weights)
+            net.load_weights(releasing(weights))
             if gguf is not None:
                 load_gguf_quantized(gguf, cfg, net, plan)
             if quantization is not None:
@@ -182,6 +183,7 @@ def load_model(
     except ValueError as e:
         raise ModelLoadError(f"{path}: {e}") from None
     prepare_for_cpu(net)
+    release_freed()
     net.eval()
     return LoadedModel(net, cfg, tok, gen, model)
 

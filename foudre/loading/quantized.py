@@ -26,6 +26,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from foudre.loading.hf import SliceSelector, iter_safetensors_weights, load_hf_config
+from foudre.loading.memory import releasing
 from foudre.loading.writer import copy_tokenizer, hf_config_dict
 from foudre.models.llama import LlamaForCausalLM
 from foudre.quant.hf_import import Int4Codes, awq_codes, gptq_codes
@@ -190,7 +191,7 @@ def _load_foudre(model: LlamaForCausalLM, model_dir: Path, qc: dict[str, Any]) -
         _set_module(model, name, new)
     state = model.state_dict()
     loaded: set[str] = set()
-    for name, tensor in iter_safetensors_weights(model_dir):
+    for name, tensor in releasing(iter_safetensors_weights(model_dir)):
         dest = state.get(name)
         if dest is None:
             raise ValueError(f"{model_dir}: unexpected tensor {name!r}")

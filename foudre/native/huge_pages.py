@@ -141,7 +141,9 @@ def place_in_huge_pages(module: torch.nn.Module) -> int:
     target, base = arena.untyped_storage(), arena.storage_offset()  # bytes: uint8
     pos = 0
     with torch.no_grad():
-        for tensors, nbytes in movable:
+        for i, (tensors, nbytes) in enumerate(movable):
+            if i:  # the last old copy given back before the next is made: a peak of one copy
+                _trim()
             source = torch.empty(0, dtype=torch.uint8).set_(tensors[0].untyped_storage())
             arena[pos : pos + nbytes].copy_(source)
             del source

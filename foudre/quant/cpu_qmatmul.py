@@ -186,6 +186,7 @@ def layout(
 
 
 X16_CODES = 512  # a block's code bytes per group of 32 columns (16 rows x 32)
+INTERLEAVE_BYTES = 4 << 20  # bytes of codes ``interleave`` repacks at a time
 
 
 BLOCKS = ("int8x16", "int4x16")  # the layouts in blocks of 16 rows (interleave)
@@ -235,29 +236,48 @@ def interleave(packed: Packed) -> Packed:
             f"interleave takes int8 in groups of 32 with one integer zero point, or int4 whose "
             f"groups divide K: {packed}"
         )
-    if packed.kind == "int4":
-        return _interleave_int4(packed)
     q, s, k = packed.w, packed.s, packed.k
-    n, pairs, size = q.shape[0], k // 64, s.element_size()
+    n = q.shape[0]
+    int4 = packed.kind == "int4"
+    if int4:
+        groups, size, kept = k // (packed.group or 1), s.element_size(), 1 + (packed.z is not None)
+        width = groups * (8 * (packed.group or 0) + 16 * size * kept)
+    else:
+        width = k // 64 * 2 * (X16_CODES + 16 * s.element_size())
+    # (a tensor of its own, not a view: huge_pages.place_in_huge_pages moves only storages
+    # that their tensors alone hold)
+    w = torch.empty(-(-n // 16), width, dtype=torch.uint8)
+    # a few megabytes of rows at a time (whole blocks of 16): each block is its rows' alone, so
+    # the temporaries of one piece are all that is held besides the result
+    step = 16 * max(1, INTERLEAVE_BYTES // (16 * max(1, q.shape[1])))
+    for r in range(0, n, step):
+        z = None if packed.z is None else packed.z[r : r + step]
+        part = Packed(packed.kind, q[r : r + step], s[r : r + step], z, packed.group, k, packed.zc)
+        (_interleave_int4 if int4 else _interleave_int8)(part, w[r // 16 : (r + step) // 16])
+    if int4:
+        stored = None if packed.z is None else s.new_empty(0)
+        return Packed("int4x16", w, s.new_empty(0), stored, packed.group, k, packed.zc, n)
+    return Packed("int8x16", w, s.new_empty(0), None, 32, k, packed.zc, n)
+
+
+def _interleave_int8(packed: Packed, w: torch.Tensor) -> None:
+    """Group-wise int8 ``packed`` in ``"int8x16"`` blocks, written into ``w`` (its blocks)."""
+    q, s, k = packed.w, packed.s, packed.k
+    n, pairs = q.shape[0], k // 64
     blocks = -(-n // 16)
     codes = (F.pad(q, (0, 0, 0, blocks * 16 - n)).view(torch.uint8) ^ 128).view(
         blocks, 16, pairs, 2, 8, 4
     )
     scales = F.pad(s[:, : 2 * pairs].contiguous(), (0, 0, 0, blocks * 16 - n))
     scales = scales.view(blocks, 16, pairs, 2).permute(0, 2, 3, 1).contiguous()
-    # (a tensor of its own, not a view: huge_pages.place_in_huge_pages moves only storages
-    # that their tensors alone hold)
-    w = torch.empty(blocks, pairs * 2 * (X16_CODES + 16 * size), dtype=torch.uint8)
     parts = w.view(blocks, pairs, -1)
     parts[..., : 2 * X16_CODES].view(blocks, pairs, 2, 8, 16, 4).copy_(
         codes.permute(0, 2, 3, 4, 1, 5)
     )
     parts[..., 2 * X16_CODES :].copy_(scales.view(torch.uint8).view(blocks, pairs, -1))
-    del parts
-    return Packed("int8x16", w, s.new_empty(0), None, 32, k, packed.zc, n)
 
 
-def _interleave_int4(packed: Packed) -> Packed:
+def _interleave_int4(packed: Packed, w: torch.Tensor) -> None:
     """int4 in blocks of 16 rows (``"int4x16"``, cpu_qmatmul.cpp's ``x4_group``): per block and
     group, per 8 columns a line of 64 bytes, 4 bytes of each row (row r's at 4 r: low nibbles its
     columns 8 j .. 8 j + 3, high nibbles 8 j + 4 .. 8 j + 7), then the group's 16 scales and,
@@ -273,15 +293,11 @@ def _interleave_int4(packed: Packed) -> Packed:
     params = F.pad(torch.stack(kept, dim=-1), (0, 0, 0, 0, 0, pad))  # [n + pad, groups, 1 or 2]
     params = params.view(blocks, 16, groups, len(kept)).permute(0, 2, 3, 1).contiguous()
     per_group = 8 * group + 16 * size * len(kept)
-    w = torch.empty(blocks, groups * per_group, dtype=torch.uint8)
     parts = w.view(blocks, groups, per_group)
     parts[..., : 8 * group].view(blocks, groups, group // 8, 16, 4).copy_(
         nibbles.permute(0, 2, 3, 1, 4)
     )
     parts[..., 8 * group :].copy_(params.view(torch.uint8).view(blocks, groups, -1))
-    del parts
-    stored = None if packed.z is None else s.new_empty(0)
-    return Packed("int4x16", w, s.new_empty(0), stored, group, k, packed.zc, n)
 
 
 def deinterleave(

@@ -21,6 +21,8 @@ imported GPTQ checkpoints; the kernel sees ``x[..., perm]``).
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
 import math
 import os
@@ -595,8 +597,16 @@ def prepare_for_cpu(model: nn.Module) -> None:
     if uses_native_kernels(params.dtype):
         for mod in quantized:
             mod._native_layout()
+            _release_freed()  # the rows each layout replaced, not kept resident by the heap
     elif params.dtype == torch.float32 and quantized:
         set_compute_dtype(model, torch.bfloat16)
+
+
+def _release_freed() -> None:
+    """Ask glibc's allocator to return the memory freed since to the system (nothing
+    elsewhere): freed buffers stay resident in its heap otherwise."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).malloc_trim(0)
 
 
 def set_compute_dtype(model: nn.Module, dtype: torch.dtype | None) -> None:
