@@ -227,8 +227,10 @@ def test_function_tool_round_trip(tools_server: InProcessServer) -> None:
         input="What is the weather in Paris?",
         tools=[WEATHER],  # type: ignore[list-item]
         tool_choice="required",
+        parallel_tool_calls=False,  # one call: a bounded output
         max_output_tokens=200,
     )
+    assert first.status == "completed"
     calls = [item for item in first.output if item.type == "function_call"]
     assert calls and all(c.name == "get_weather" for c in calls)
     call = calls[0]
@@ -369,3 +371,62 @@ def test_a_stream_closed_early_frees_its_request(stories: InProcessServer) -> No
     while stories.llm.metrics()["num_running"] or stories.llm.metrics()["kv_cache_usage"]:
         assert time.monotonic() < deadline, "the request still runs after the client left"
         time.sleep(0.05)
+
+
+def test_the_sdk_stream_helper_accumulates_our_events(
+    stories: InProcessServer, tools_server: InProcessServer
+) -> None:
+    with _client(stories).responses.stream(
+        model="stories",
+        input="Describe a pet.",
+        max_output_tokens=300,
+        temperature=0,
+        text_format=Pet,
+    ) as stream:
+        texts = [e.delta for e in stream if e.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert "".join(texts) == final.output_text
+    assert isinstance(final.output_parsed, Pet)
+    with _client(tools_server).responses.stream(
+        model="tools",
+        input="Weather?",
+        tools=[WEATHER],  # type: ignore[list-item]
+        tool_choice="required",
+        parallel_tool_calls=False,  # one call: a bounded output
+        max_output_tokens=200,
+    ) as stream:
+        for _ in stream:
+            pass
+        final = stream.get_final_response()
+    assert [item.type for item in final.output] == ["function_call"]
+    call = final.output[0]
+    assert call.call_id.startswith("call_")  # type: ignore[union-attr]
+    jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])  # type: ignore[union-attr]
+
+
+def test_a_timeout_is_a_408_or_an_error_event_then_failed() -> None:
+    s = start_in_process(request_timeout=0.3)
+    step = s.llm.engine.step
+
+    def paced_step() -> Any:  # 30 tokens at most before the timeout, on any host
+        time.sleep(0.01)
+        return step()
+
+    s.llm.engine.step = paced_step  # type: ignore[method-assign]
+    try:
+        client = _client(s)
+        with pytest.raises(openai.APIStatusError) as err:
+            client.responses.create(model="stories", input="Once", max_output_tokens=400)
+        assert err.value.status_code == 408
+        events = list(
+            client.responses.create(
+                model="stories", input="Once", max_output_tokens=400, temperature=0, stream=True
+            )
+        )
+        assert [e.type for e in events[-2:]] == ["error", "response.failed"]
+        assert events[-2].code == "timeout"  # type: ignore[union-attr]
+        failed = events[-1].response  # type: ignore[union-attr]
+        assert failed.status == "failed" and failed.error is not None
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+    finally:
+        stop_in_process(s)
