@@ -14,9 +14,8 @@ import httpx
 import jsonschema
 import pytest
 
-from tests.conftest import make_hf_model
 from tests.server.conftest import InProcessServer, start_in_process, stop_in_process
-from tests.server.test_structured_server import EMBEDDED_TOKENIZER, HERMES_TEMPLATE
+from tests.server.test_structured_server import tools_model  # noqa: F401
 
 anthropic = pytest.importorskip("anthropic")
 
@@ -55,24 +54,9 @@ def stories() -> Iterator[InProcessServer]:
 
 
 @pytest.fixture(scope="module")
-def tools(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessServer]:
-    """A random-weight Qwen2 with the embedded byte-level tokenizer and a Hermes template."""
-    path: Path = make_hf_model(
-        tmp_path_factory.mktemp("qwen2-messages"),
-        "qwen2",
-        vocab_size=2048,
-        bos_token_id=0,
-        eos_token_id=0,
-        max_position_embeddings=1024,
-    )
-    (path / "tokenizer.json").write_bytes(EMBEDDED_TOKENIZER.read_bytes())
-    config = {
-        "bos_token": "<|endoftext|>",
-        "eos_token": "<|endoftext|>",
-        "add_bos_token": False,
-        "chat_template": HERMES_TEMPLATE,
-    }
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
+def tools(tools_model: Path) -> Iterator[InProcessServer]:  # noqa: F811
+    """``test_structured_server``'s random Qwen2 with a Hermes template, served in process."""
+    path = tools_model
     srv = start_in_process(engine={"model": str(path), "tokenizer": None, "max_model_len": 1024})
     try:
         yield srv
