@@ -1,7 +1,8 @@
 """Loading by memory map: peak resident growth and time to first token of ``LLM(...)`` per format.
 
-One random Llama (``--size``: ``bench``, 199M parameters, by default; ``test``, a few tens of MB,
-what ``tests/loading/test_load_memory.py`` loads) written once as bfloat16 safetensors, as a
+One random Llama (``--size``: ``bench``, 199M parameters, by default; ``medium``, the 494.7M
+model of the llama.cpp comparisons; ``test``, 49M, what ``tests/loading/test_load_memory.py``
+loads) written once as bfloat16 safetensors, as a
 foudre int8 and int4 checkpoint (``save_quantized``) and as Q8_0 and Q4_0 GGUF files (the
 ``gguf`` package's writer and quantizer; every 2-D tensor in the type, norms in float32). Each
 format loads in a fresh process (``--child``), which prints one JSON line:
@@ -44,6 +45,14 @@ SIZES: dict[str, dict[str, Any]] = {
         hidden_size=1024,
         intermediate_size=2816,
         num_hidden_layers=12,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+    ),
+    "medium": dict(  # common.MEDIUM, the 494.7M Llama of the llama.cpp comparisons
+        vocab_size=32000,
+        hidden_size=1536,
+        intermediate_size=4096,
+        num_hidden_layers=16,
         num_attention_heads=16,
         num_key_value_heads=4,
     ),

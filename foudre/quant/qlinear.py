@@ -595,11 +595,20 @@ def prepare_for_cpu(model: nn.Module) -> None:
         return
     quantized = [m for m in model.modules() if isinstance(m, QuantLinear)]
     if uses_native_kernels(params.dtype):
+        replaced = 0
         for mod in quantized:
+            replaced += mod.qweight.nbytes
             mod._native_layout()
-            _release_freed()  # the rows each layout replaced, not kept resident by the heap
+            if replaced >= _TRIM_BYTES:  # the rows the layouts replaced given back to the system
+                _release_freed()
+                replaced = 0
     elif params.dtype == torch.float32 and quantized:
         set_compute_dtype(model, torch.bfloat16)
+
+
+# bytes of rows replaced by layouts between asking the allocator to return them: a load's peak
+# holds at most this much of them, while the memory freed in between is reused without faults
+_TRIM_BYTES = 32 << 20
 
 
 def _release_freed() -> None:
