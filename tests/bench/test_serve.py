@@ -170,8 +170,10 @@ def test_completions_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert (res["total_input_tokens"], res["total_output_tokens"]) == (56, 42)
     assert all(len(res["itls"][i]) == 2 for i in ok)
     ttfts = [res["ttfts"][i] for i in ok]
-    assert all(TTFT_S * 0.95 <= t < TTFT_S + 1.0 for t in ttfts)
-    assert TTFT_S * 0.95 <= res["median_ttft_ms"] / 1000.0 < TTFT_S + 0.5
+    # from the request, not from the keep-alive comment; the upper bounds only catch nonsense
+    # (a loaded 2-core host delays the fake server's first chunk by seconds at times)
+    assert all(TTFT_S * 0.95 <= t < TTFT_S + 10.0 for t in ttfts)
+    assert TTFT_S * 0.95 <= res["median_ttft_ms"] / 1000.0 < TTFT_S + 5.0
     assert res["duration"] >= TTFT_S + 2 * ITL_S
     assert res["request_throughput"] == pytest.approx(7 / res["duration"])
     assert res["goodput"] == pytest.approx(res["request_throughput"])
