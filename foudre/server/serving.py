@@ -128,6 +128,11 @@ class TokenUsage:
     prompt: dict[int, int] = field(default_factory=dict)
     completion: dict[int, int] = field(default_factory=dict)
 
+    def count(self, comp: CompletionOutput, prompt_len: int, n: int) -> None:
+        """Record choice ``comp``'s tokens and its prompt's (``n`` choices per prompt)."""
+        self.completion[comp.index] = len(comp.token_ids)
+        self.prompt[comp.index // n] = prompt_len
+
     def as_dict(self) -> Json:
         p, c = sum(self.prompt.values()), sum(self.completion.values())
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
@@ -439,27 +444,11 @@ class OpenAIServing:
         final outputs by choice index, and the usage (``n`` choices per prompt)."""
         finals: dict[int, CompletionOutput] = {}
         usage = TokenUsage()
-        watcher = asyncio.create_task(_watch_disconnect(receive, stream))
-        try:
-            async with asyncio.timeout_at(deadline):
-                async for out in stream:
-                    if out.finished:
-                        error = _failure(out, stream.request_id)
-                        if error is not None:
-                            raise error
-                        for comp in out.outputs:  # a beam search's: every hypothesis
-                            finals[comp.index] = comp
-                            usage.completion[comp.index] = len(comp.token_ids)
-                            usage.prompt[comp.index // n] = len(out.prompt_token_ids)
-        except TimeoutError:
-            raise _failure_timeout(stream.request_id) from None
-        except RuntimeError as e:  # the engine thread failed
-            raise OpenAIError(
-                500, f"request {stream.request_id}: {e}", type="internal_server_error"
-            ) from None
-        finally:
-            watcher.cancel()
-            stream.abort()
+        async with aclosing(self._request_outputs(stream, receive, deadline)) as outs:
+            async for out in outs:
+                for comp in out.outputs if out.finished else []:  # a beam search: every one
+                    finals[comp.index] = comp
+                    usage.count(comp, len(out.prompt_token_ids), n)
         return finals, usage
 
     async def outputs(
@@ -474,6 +463,17 @@ class OpenAIServing:
         prompt), ending with the request; ``OpenAIError`` for a request that fails or times
         out. One that a shutdown cuts ends like any other, with ``finish_reason "abort"``. The
         request is aborted when the client disconnects or the iterator is closed."""
+        async with aclosing(self._request_outputs(stream, receive, deadline)) as outs:
+            async for out in outs:
+                comp = out.outputs[0]
+                usage.count(comp, len(out.prompt_token_ids), n)
+                yield comp
+
+    async def _request_outputs(
+        self, stream: RequestStream, receive: Receive, deadline: float | None
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """``stream``'s outputs, a failed or timed-out request raised as ``OpenAIError``; the
+        request is aborted when the client disconnects, the deadline passes or this ends."""
         watcher = asyncio.create_task(_watch_disconnect(receive, stream))
         try:
             async with asyncio.timeout_at(deadline):
@@ -482,10 +482,7 @@ class OpenAIServing:
                         error = _failure(out, stream.request_id)
                         if error is not None:
                             raise error
-                    comp = out.outputs[0]
-                    usage.completion[comp.index] = len(comp.token_ids)
-                    usage.prompt[comp.index // n] = len(out.prompt_token_ids)
-                    yield comp
+                    yield out
         except TimeoutError:
             raise _failure_timeout(stream.request_id) from None
         except RuntimeError as e:  # the engine thread failed
