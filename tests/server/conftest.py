@@ -22,6 +22,9 @@ import uvicorn
 
 from tests.conftest import REPO, STORIES
 
+# litellm reads its model cost map from the network at import unless told to use its own copy
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+
 MODEL = STORIES / "stories260K.bin"
 TOKENIZER = STORIES / "tok512.bin"
 GREEDY = ", there was a little girl named Lily. She loved to play outside in the park."
