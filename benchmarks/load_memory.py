@@ -36,7 +36,17 @@ import time
 from pathlib import Path
 from typing import Any
 
+from common import MEDIUM
+
 HERE = Path(__file__).resolve().parent
+_SHAPE = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+)
 FORMATS = ("bf16", "int8", "int4", "Q8_0", "Q4_0")
 MB = 1 << 20
 SIZES: dict[str, dict[str, Any]] = {
@@ -48,14 +58,8 @@ SIZES: dict[str, dict[str, Any]] = {
         num_attention_heads=16,
         num_key_value_heads=4,
     ),
-    "medium": dict(  # common.MEDIUM, the 494.7M Llama of the llama.cpp comparisons
-        vocab_size=32000,
-        hidden_size=1536,
-        intermediate_size=4096,
-        num_hidden_layers=16,
-        num_attention_heads=16,
-        num_key_value_heads=4,
-    ),
+    # the 494.7M Llama of the llama.cpp comparisons (its shape; build_models sets the rest)
+    "medium": {k: v for k, v in MEDIUM.items() if k in _SHAPE},
     "tiny": dict(  # loaded first in each process, so that imports and libraries are not counted
         vocab_size=256,
         hidden_size=64,
