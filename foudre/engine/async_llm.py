@@ -152,7 +152,6 @@ class AsyncLLM:
         self.max_queue = max_queue
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
-        self.vocab_size = engine.model_config.vocab_size
         self._cv = threading.Condition()
         self._commands: list[_Add | _Abort] = []
         self._stopping = False
