@@ -49,6 +49,7 @@ from foudre.loading.quantized import (
 )
 from foudre.models.config import ModelConfig
 from foudre.models.llama import DecoderLayer, LlamaForCausalLM
+from foudre.models.registry import build_model
 from foudre.quant import quantize_model
 from foudre.quant.qlinear import prepare_for_cpu
 
@@ -158,7 +159,7 @@ def _build(cfg: ModelConfig, plan: ParallelPlan, dtype: torch.dtype) -> LlamaFor
     with torch.device("meta"), warnings.catch_warnings():
         # the zero-row stand-ins have nothing to initialise, and torch says so
         warnings.filterwarnings("ignore", message="Initializing zero-element tensors")
-        net = LlamaForCausalLM(local)
+        net = build_model(local)
         net.first_layer = first_layer
         if not plan.is_first_stage:
             net.model.embed_tokens = nn.Embedding(0, cfg.hidden_size)

@@ -44,6 +44,7 @@ from foudre.loading.tokenizer import (
 )
 from foudre.models.config import ModelConfig
 from foudre.models.llama import LlamaForCausalLM
+from foudre.models.registry import build_model
 from foudre.quant import quantize_model
 from foudre.quant.qlinear import prepare_for_cpu, uses_native_kernels
 
@@ -156,7 +157,7 @@ def load_model(
         gen = load_generation_config(path)
     torch_dtype = parse_dtype(cfg.torch_dtype if dtype == "auto" else dtype)
     with torch.device("meta"):
-        net = LlamaForCausalLM(cfg, max_positions)
+        net = build_model(cfg, max_positions)
     net = net.to(torch_dtype)  # still on meta: nothing is allocated before the swaps below
     plan = GGUFQuantPlan()
     if gguf is not None:

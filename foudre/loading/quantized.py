@@ -29,6 +29,7 @@ from foudre.loading.hf import SliceSelector, iter_safetensors_weights, load_hf_c
 from foudre.loading.memory import releasing
 from foudre.loading.writer import copy_tokenizer, hf_config_dict
 from foudre.models.llama import LlamaForCausalLM
+from foudre.models.registry import build_model
 from foudre.quant.hf_import import Int4Codes, awq_codes, gptq_codes
 from foudre.quant.packing import INT4_GROUP_SIZES
 from foudre.quant.qlinear import QuantLinear
@@ -373,7 +374,7 @@ def build_quantized_model(
     cfg = load_hf_config(Path(model_dir))
     device = torch.device(device)
     with torch.device("meta"):
-        net = LlamaForCausalLM(cfg)
+        net = build_model(cfg)
     net = net.to_empty(device=device).to(dtype)
     net.model.rotary.init_tables(device)
     net.reset_moe_stats()

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from foudre.loading import ModelLoadError, load_generation_config, load_hf_config
+from foudre.models.config import ModelConfig
 
 BASE: dict[str, Any] = {
     "vocab_size": 1000,
@@ -161,3 +162,14 @@ def test_generation_config(tmp_path: Path) -> None:
     (tmp_path / "generation_config.json").write_text("[")
     with pytest.raises(ModelLoadError, match=r"generation_config.json"):
         load_generation_config(tmp_path)
+
+
+def test_every_supported_architecture_has_a_model_class() -> None:
+    from foudre.models.config import SUPPORTED_ARCHITECTURES
+    from foudre.models.registry import MODEL_CLASSES, model_class
+
+    assert set(MODEL_CLASSES) == set(SUPPORTED_ARCHITECTURES)
+    cfg = ModelConfig("llama", 32, 16, 32, 1, 2, 2, 8)
+    cfg.architecture = "no-such-family"  # past __post_init__'s check, as a stale config would be
+    with pytest.raises(ValueError, match="no-such-family"):
+        model_class(cfg)

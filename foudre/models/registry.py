@@ -1,0 +1,37 @@
+"""Which model class runs each architecture.
+
+A model family is a file of its own in this package (``llama.py`` holds the Llama family and
+its mixtures of experts); it registers its architectures here. Every place that builds a model
+from a ``ModelConfig`` (the loader, quantized checkpoints, parallel shards, compression) asks
+``model_class`` rather than naming a class.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from foudre.models.config import ModelConfig
+from foudre.models.llama import LlamaForCausalLM
+
+MODEL_CLASSES: dict[str, type[nn.Module]] = {
+    arch: LlamaForCausalLM
+    for arch in ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+}
+
+
+def model_class(cfg: ModelConfig) -> type[nn.Module]:
+    """The class whose ``__init__(cfg, max_positions)`` builds ``cfg``'s model."""
+    try:
+        return MODEL_CLASSES[cfg.architecture]
+    except KeyError:
+        raise ValueError(
+            f"no model class for architecture {cfg.architecture!r}; "
+            f"registered: {', '.join(MODEL_CLASSES)}"
+        ) from None
+
+
+def build_model(cfg: ModelConfig, max_positions: int | None = None) -> LlamaForCausalLM:
+    """``cfg``'s model (on the current default device). Every family's class offers the
+    interface of ``LlamaForCausalLM`` that the runner uses (``forward``, ``compute_logits``,
+    ``load_weights``, ``model.rotary``, the MoE statistics), so it is typed as that."""
+    return model_class(cfg)(cfg, max_positions)  # type: ignore[return-value]
