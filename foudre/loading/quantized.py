@@ -27,7 +27,7 @@ from torch import nn
 
 from foudre.loading.hf import SliceSelector, iter_safetensors_weights, load_hf_config
 from foudre.loading.memory import releasing
-from foudre.loading.writer import copy_tokenizer, hf_config_dict
+from foudre.loading.writer import copy_tokenizer, float_dtype, hf_config_dict, write_configs
 from foudre.models.llama import LlamaForCausalLM
 from foudre.models.registry import build_model
 from foudre.quant.hf_import import Int4Codes, awq_codes, gptq_codes
@@ -116,15 +116,9 @@ def save_quantized(
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
     cfg = model.config
-    raw = hf_config_dict(cfg)
+    raw = hf_config_dict(cfg, float_dtype(model))
     raw["quantization_config"] = quantization_config(model, scheme)
-    (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
-    generation: dict[str, Any] = {"bos_token_id": cfg.bos_token_id}
-    if cfg.eos_token_ids:
-        generation["eos_token_id"] = (
-            cfg.eos_token_ids[0] if len(cfg.eos_token_ids) == 1 else list(cfg.eos_token_ids)
-        )
-    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    write_configs(out, raw, cfg)
     state = {}
     seen: set[int] = set()
     for name, tensor in model.state_dict().items():

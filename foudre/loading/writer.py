@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from safetensors.torch import save_file
+from torch import nn
 
 from foudre.models.config import ModelConfig
 from foudre.models.llama import LlamaForCausalLM
@@ -39,13 +40,14 @@ TOKENIZER_FILES = (
 def hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
     """The weights under Hugging Face names: fused q|k|v and gate|up split back, no tied head,
     experts one tensor per expert and projection (Mixtral's ``block_sparse_moe.experts.{e}.w1``
-    names, the others' ``mlp.experts.{e}.gate_proj``), as transformers writes them."""
+    names, the others' ``mlp.experts.{e}.gate_proj``), as transformers writes them, in the
+    model's own dtypes."""
     cfg = model.config
     out: dict[str, torch.Tensor] = {}
     mixtral = cfg.architecture == "mixtral"
     parts = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
     for name, tensor in model.state_dict().items():
-        t = tensor.detach().float().contiguous()
+        t = tensor.detach().contiguous()
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         if mixtral:
@@ -76,8 +78,9 @@ def hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
     return out
 
 
-def hf_config_dict(cfg: ModelConfig) -> dict[str, Any]:
-    """``config.json`` content that transformers and foudre both read as ``cfg``."""
+def hf_config_dict(cfg: ModelConfig, dtype: torch.dtype | None = None) -> dict[str, Any]:
+    """``config.json`` content that transformers and foudre both read as ``cfg``, its
+    ``torch_dtype`` the float type of the weights written (``cfg``'s when not given)."""
     eos: int | list[int] | None = cfg.eos_token_ids
     if isinstance(eos, list) and len(eos) == 1:
         eos = eos[0]
@@ -106,7 +109,7 @@ def hf_config_dict(cfg: ModelConfig) -> dict[str, Any]:
         "use_cache": True,
         "bos_token_id": cfg.bos_token_id,
         "eos_token_id": eos,
-        "torch_dtype": "float32",
+        "torch_dtype": cfg.torch_dtype if dtype is None else str(dtype).removeprefix("torch."),
     }
     if cfg.rope_scaling:
         raw["rope_parameters"] = {**cfg.rope_scaling, "rope_theta": cfg.rope_theta}
@@ -157,18 +160,26 @@ def save_hf(
     or a single tokenizer file copied under its standard name). Returns the directory."""
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
-    cfg = model.config
-    (out / "config.json").write_text(json.dumps(hf_config_dict(cfg), indent=2) + "\n")
-    generation: dict[str, Any] = {"bos_token_id": cfg.bos_token_id}
-    if cfg.eos_token_ids:
-        generation["eos_token_id"] = (
-            cfg.eos_token_ids[0] if len(cfg.eos_token_ids) == 1 else list(cfg.eos_token_ids)
-        )
-    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    write_configs(out, hf_config_dict(model.config, float_dtype(model)), model.config)
     save_file(hf_state_dict(model), str(out / "model.safetensors"), metadata={"format": "pt"})
     if tokenizer_source is not None:
         copy_tokenizer(tokenizer_source, out)
     return out
+
+
+def float_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype of ``model``'s floating-point parameters (float32 when it has none)."""
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+
+
+def write_configs(out: Path, raw: dict[str, Any], cfg: ModelConfig) -> None:
+    """``config.json`` (``raw``) and ``generation_config.json`` (``cfg``'s BOS and EOS ids)."""
+    (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    generation: dict[str, Any] = {"bos_token_id": cfg.bos_token_id}
+    if cfg.eos_token_ids:
+        eos = cfg.eos_token_ids
+        generation["eos_token_id"] = eos[0] if len(eos) == 1 else list(eos)
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
 
 
 def copy_tokenizer(source: str | Path, output: Path) -> None:

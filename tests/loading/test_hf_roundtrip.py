@@ -82,3 +82,20 @@ def test_moe_checkpoint_written_back_as_transformers_writes_it(
         a = transformers.AutoModelForCausalLM.from_pretrained(src)(ids).logits
         b = transformers.AutoModelForCausalLM.from_pretrained(out)(ids).logits
     assert torch.equal(a, b)
+
+
+def test_save_hf_names_the_dtype_it_writes(tmp_path: Path) -> None:
+    """A bfloat16 model is written as bfloat16 and says so: loading it back with dtype "auto"
+    keeps bfloat16 (the config used to claim float32 whatever was written)."""
+    from foudre.loading.loader import load_model
+    from foudre.loading.writer import save_hf
+    from tests.conftest import make_hf_model
+
+    src = make_hf_model(tmp_path / "src", "llama")
+    cpu = torch.device("cpu")
+    model = load_model(str(src), None, "bfloat16", cpu, None).model
+    out = save_hf(model, tmp_path / "out")
+    assert load_hf_config(out).torch_dtype == "bfloat16"
+    assert {t.dtype for _, t in iter_safetensors_weights(out)} == {torch.bfloat16}
+    again = load_model(str(out), None, "auto", cpu, None).model
+    assert next(again.parameters()).dtype == torch.bfloat16
