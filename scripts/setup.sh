@@ -4,6 +4,17 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
+# The tools tests/native/test_cross.py builds and runs the kernels with (an aarch64 cross
+# compiler, qemu-user, clang), from the distribution's packages where this is root on Debian;
+# without them those tests skip.
+if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ] &&
+  ! { command -v qemu-aarch64 && command -v aarch64-linux-gnu-g++ && command -v clang++; } >/dev/null; then
+  pkgs="g++-aarch64-linux-gnu qemu-user clang"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get install -y -q $pkgs >/dev/null 2>&1 ||
+    { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q $pkgs >/dev/null 2>&1; } ||
+    echo "setup: could not install $pkgs; the cross-architecture kernel tests will skip" >&2
+fi
 stamp=.venv/.foudre-installed
 if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ]; then exit 0; fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv

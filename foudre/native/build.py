@@ -6,7 +6,9 @@ else ``g++``, ``c++`` or ``clang++``; a few seconds) with ``-O3 -march=native -f
 (and the headers beside it that it includes), the compiler, the flags and the CPU's feature
 flags, so an edit or another machine rebuilds it.
 No PyTorch headers or build tools beyond the compiler are needed. The libraries' OpenMP calls
-resolve to the libgomp that torch already loaded, so kernels and torch share one thread pool.
+resolve to the libgomp that torch already loaded, so kernels and torch share one thread pool. A
+compiler without OpenMP (clang without libomp, Apple's) builds them without it: single-threaded
+loops, logged once.
 ``FOUDRE_KERNEL_MARCH`` builds for another ``-march`` (how the tests check the paths that this
 machine would not take). Where nothing builds, ``load`` returns None and callers fall back to
 torch.
@@ -33,8 +35,9 @@ SOURCES = Path(__file__).parent  # every C++ source and header of the package
 FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", "-fPIC", "-shared"]
 
 
-def flags() -> list[str]:
-    return [*FLAGS, "-std=c++17", f"-march={os.environ.get('FOUDRE_KERNEL_MARCH', 'native')}"]
+def flags(openmp: bool = True) -> list[str]:
+    base = FLAGS if openmp else [f for f in FLAGS if f != "-fopenmp"]
+    return [*base, "-std=c++17", f"-march={os.environ.get('FOUDRE_KERNEL_MARCH', 'native')}"]
 
 
 def cpu_flags() -> str:
@@ -56,6 +59,27 @@ def compiler() -> str | None:
     return None
 
 
+@cache
+def has_openmp(cxx: str) -> bool:
+    """Whether ``cxx`` compiles and links OpenMP code (clang without libomp, or Apple's, does
+    not: the kernels then build without it, their loops on one thread)."""
+    probe = '#include <omp.h>\nextern "C" int threads() { return omp_get_max_threads(); }\n'
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "probe.cpp"
+        src.write_text(probe)
+        try:
+            done = subprocess.run(
+                [cxx, *flags(), str(src), "-o", str(Path(tmp) / "probe.so")],
+                capture_output=True,
+                timeout=120,
+            )
+        except (OSError, subprocess.SubprocessError):
+            return False
+    if done.returncode != 0:
+        log.warning("%s has no OpenMP: the kernels are built without it (one thread)", cxx)
+    return done.returncode == 0
+
+
 def _headers(source: Path) -> list[bytes]:
     """The headers beside ``source`` that it includes (``#include "name"``): part of what the
     library is built from, so part of its cache key."""
@@ -73,30 +97,40 @@ def load(source: Path) -> ctypes.CDLL | None:
         log.info("no C++ compiler found: %s is not built, torch ops are used instead", source.name)
         return None
     text = source.read_bytes() + b"".join(_headers(source))
-    key = hashlib.sha256(
-        text + " ".join([cxx, *flags(), platform.machine(), cpu_flags()]).encode()
-    ).hexdigest()[:16]
-    cache = Path(os.environ.get("FOUDRE_CACHE", Path.home() / ".cache" / "foudre")) / "kernels"
-    lib = cache / f"{source.stem}-{key}.so"
-    if not lib.is_file():
-        try:
-            cache.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=cache) as tmp:
-                built = Path(tmp) / lib.name
-                subprocess.run(
-                    [cxx, *flags(), str(source), "-o", str(built)],
-                    check=True,
-                    capture_output=True,
-                    text=True,
-                    timeout=300,
-                )
-                built.replace(lib)  # atomic: a concurrent build never loads a partial file
-        except (OSError, subprocess.SubprocessError) as e:
-            detail = getattr(e, "stderr", "") or str(e)
-            log.warning("building %s failed: %s", source.name, detail.strip())
-            return None
+    lib = _built(source, cxx, flags(has_openmp(cxx)), text)
+    if lib is None:
+        return None
     try:
         return ctypes.CDLL(str(lib))
     except OSError as e:
         log.warning("loading %s failed: %s", lib, e)
         return None
+
+
+def _built(source: Path, cxx: str, build_flags: list[str], text: bytes) -> Path | None:
+    """The library compiled from ``source`` (``text``: it and its headers) with ``build_flags``,
+    from the cache or built now; None with the compiler's complaint logged where it fails."""
+    key = hashlib.sha256(
+        text + " ".join([cxx, *build_flags, platform.machine(), cpu_flags()]).encode()
+    ).hexdigest()[:16]
+    cache = Path(os.environ.get("FOUDRE_CACHE", Path.home() / ".cache" / "foudre")) / "kernels"
+    lib = cache / f"{source.stem}-{key}.so"
+    if lib.is_file():
+        return lib
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=cache) as tmp:
+            built = Path(tmp) / lib.name
+            subprocess.run(
+                [cxx, *build_flags, str(source), "-o", str(built)],
+                check=True,
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+            built.replace(lib)  # atomic: a concurrent build never loads a partial file
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", "") or str(e)
+        log.warning("building %s failed: %s", source.name, detail.strip())
+        return None
+    return lib

@@ -19,8 +19,28 @@
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
 
 namespace {
+
+// float16 storage: GCC's C++ has _Float16 on x86 only; on Arm, __fp16 (a storage type whose
+// arithmetic is float32's, which is all the kernels ask of it)
+#if defined(__aarch64__) || defined(__arm__)
+using Half = __fp16;
+#else
+using Half = _Float16;
+#endif
+
+// the threads a parallel loop runs on (one where the build has no OpenMP)
+inline int max_threads() {
+#if defined(_OPENMP)
+  return omp_get_max_threads();
+#else
+  return 1;
+#endif
+}
 
 inline float load(float x) { return x; }
 inline float load(uint16_t x) {  // bfloat16: the high half of a float32
@@ -29,7 +49,7 @@ inline float load(uint16_t x) {  // bfloat16: the high half of a float32
   std::memcpy(&f, &u, 4);
   return f;
 }
-inline float load(_Float16 x) { return static_cast<float>(x); }
+inline float load(Half x) { return static_cast<float>(x); }
 
 // The quantized cache's codes: int8, and float8 e4m3fn (sign, 4 exponent bits with bias 7, 3
 // mantissa bits; no infinities), whose 256 values a table holds.
@@ -63,7 +83,7 @@ inline void store(uint16_t* p, float x) {  // round to nearest even, as torch co
   u += 0x7FFFu + ((u >> 16) & 1u);
   *p = static_cast<uint16_t>(u >> 16);
 }
-inline void store(_Float16* p, float x) { *p = static_cast<_Float16>(x); }
+inline void store(Half* p, float x) { *p = static_cast<Half>(x); }
 
 // exp(x) for x <= 0: 2^n * e^f with n = round(x / ln 2) and |f| <= ln(2) / 2, e^f by its
 // degree-6 Taylor polynomial (relative error below 2e-7); inputs under -87 give ~0.

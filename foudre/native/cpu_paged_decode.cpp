@@ -26,7 +26,9 @@
 // vdpbf16ps path (Bf16DotOps) on the codes' values rounded to bfloat16, which is exact (8
 // significant bits hold every int8 and e4m3 value).
 
+#if defined(_OPENMP)
 #include <omp.h>
+#endif
 
 #include <algorithm>
 #include <cfloat>
@@ -405,7 +407,7 @@ void paged_decode_rows(const typename Ops::Elem* q, const C* k_cache, const C* v
   constexpr int64_t kSplit = 2;
   const int64_t part_stride = num_heads * acc_stride;
   const int64_t part_floats = (part_stride + 2 * num_heads + 15) / 16 * 16;  // acc, m, l
-  const bool task_a_part = rows < omp_get_max_threads();
+  const bool task_a_part = rows < max_threads();
   std::unique_ptr<float[]> shared(new float[task_a_part ? rows * kSplit * part_floats + 16 : 0]);
   float* const states = reinterpret_cast<float*>(
       (reinterpret_cast<uintptr_t>(shared.get()) + 63) / 64 * 64);  // 64-byte aligned
@@ -929,7 +931,7 @@ void paged_decode_avx2(const T* q, const C* k_cache, const C* v_cache, const flo
 
 FOUDRE_PAGED_DECODE(paged_decode_f32, FmaOps<float>, float)
 FOUDRE_PAGED_DECODE(paged_decode_bf16, FOUDRE_BF16_OPS, uint16_t)
-FOUDRE_PAGED_DECODE(paged_decode_f16, FmaOps<_Float16>, _Float16)
+FOUDRE_PAGED_DECODE(paged_decode_f16, FmaOps<Half>, Half)
 
 // A quantized cache: k / v hold the codes (C: int8_t or Fp8), k_scale / v_scale their scales,
 // laid out as the codes without head_dim; queries and outputs of type T. The window as above
@@ -951,7 +953,7 @@ FOUDRE_PAGED_DECODE(paged_decode_f16, FmaOps<_Float16>, _Float16)
 
 #if defined(FOUDRE_AVX512)
 using F32CodesOps = FmaOps<float, float>;  // (aliases: a macro argument holds no comma)
-using F16CodesOps = FmaOps<_Float16, float>;
+using F16CodesOps = FmaOps<Half, float>;
 #define FOUDRE_F32_CODES_OPS F32CodesOps
 #define FOUDRE_F16_CODES_OPS F16CodesOps
 #if defined(FOUDRE_BF16_DOT)
@@ -968,7 +970,7 @@ using Bf16CodesOps = FmaOps<uint16_t, float>;
 
 FOUDRE_PAGED_DECODE_CODES(paged_decode_f32_int8, FOUDRE_F32_CODES_OPS, float, int8_t)
 FOUDRE_PAGED_DECODE_CODES(paged_decode_bf16_int8, FOUDRE_BF16_CODES_OPS, uint16_t, int8_t)
-FOUDRE_PAGED_DECODE_CODES(paged_decode_f16_int8, FOUDRE_F16_CODES_OPS, _Float16, int8_t)
+FOUDRE_PAGED_DECODE_CODES(paged_decode_f16_int8, FOUDRE_F16_CODES_OPS, Half, int8_t)
 FOUDRE_PAGED_DECODE_CODES(paged_decode_f32_fp8, FOUDRE_F32_CODES_OPS, float, Fp8)
 FOUDRE_PAGED_DECODE_CODES(paged_decode_bf16_fp8, FOUDRE_BF16_CODES_OPS, uint16_t, Fp8)
-FOUDRE_PAGED_DECODE_CODES(paged_decode_f16_fp8, FOUDRE_F16_CODES_OPS, _Float16, Fp8)
+FOUDRE_PAGED_DECODE_CODES(paged_decode_f16_fp8, FOUDRE_F16_CODES_OPS, Half, Fp8)

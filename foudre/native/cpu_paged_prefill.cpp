@@ -650,7 +650,7 @@ void prefill(const void* q, const void* k, const void* v, void* out, const int32
 
 #if defined(FOUDRE_AVX512)
 #define FOUDRE_F32_OPS F32Ops<float>
-#define FOUDRE_F16_OPS F32Ops<_Float16>
+#define FOUDRE_F16_OPS F32Ops<Half>
 #if defined(FOUDRE_BF16_DOT)
 #define FOUDRE_BF16_OPS Bf16Ops
 #else
@@ -679,7 +679,7 @@ void prefill(const void* q, const void* k, const void* v, void* out, const int32
 
 FOUDRE_PAGED_PREFILL(paged_prefill_f32, float, FOUDRE_F32_OPS)
 FOUDRE_PAGED_PREFILL(paged_prefill_bf16, uint16_t, FOUDRE_BF16_OPS)
-FOUDRE_PAGED_PREFILL(paged_prefill_f16, _Float16, FOUDRE_F16_OPS)
+FOUDRE_PAGED_PREFILL(paged_prefill_f16, Half, FOUDRE_F16_OPS)
 
 // A quantized cache: k / v hold the codes (C: int8_t or Fp8), k_scale / v_scale their scales,
 // laid out as the codes without head_dim; queries and outputs of type T.
@@ -698,7 +698,7 @@ FOUDRE_PAGED_PREFILL(paged_prefill_f16, _Float16, FOUDRE_F16_OPS)
 
 FOUDRE_PAGED_PREFILL_CODES(paged_prefill_f32_int8, float, int8_t, FOUDRE_F32_OPS)
 FOUDRE_PAGED_PREFILL_CODES(paged_prefill_bf16_int8, uint16_t, int8_t, FOUDRE_BF16_OPS)
-FOUDRE_PAGED_PREFILL_CODES(paged_prefill_f16_int8, _Float16, int8_t, FOUDRE_F16_OPS)
+FOUDRE_PAGED_PREFILL_CODES(paged_prefill_f16_int8, Half, int8_t, FOUDRE_F16_OPS)
 FOUDRE_PAGED_PREFILL_CODES(paged_prefill_f32_fp8, float, Fp8, FOUDRE_F32_OPS)
 FOUDRE_PAGED_PREFILL_CODES(paged_prefill_bf16_fp8, uint16_t, Fp8, FOUDRE_BF16_OPS)
-FOUDRE_PAGED_PREFILL_CODES(paged_prefill_f16_fp8, _Float16, Fp8, FOUDRE_F16_OPS)
+FOUDRE_PAGED_PREFILL_CODES(paged_prefill_f16_fp8, Half, Fp8, FOUDRE_F16_OPS)

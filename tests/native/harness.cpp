@@ -1,0 +1,112 @@
+// A driver for the native kernels on a machine without Python: built together with the kernel
+// sources for another architecture (aarch64) and run under qemu-user by tests/native/
+// test_cross.py, which writes each call's inputs, runs this, and compares the outputs with the
+// references computed on the host, as the host's own kernel tests do.
+//
+// stdin: the kernel's name (a line), then the call: int64 P, P float64 parameters, int64 A, and
+// A arrays (int64 byte count, then the bytes). stdout: the output array's bytes.
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+extern "C" {
+int foudre_qmm_path();
+void foudre_qmm_f32(int kind, const void* x, const void* q, const void* s, const void* z,
+                    float zc, int st, int64_t groups, int64_t group, int64_t s_stride, void* y,
+                    int64_t m, int64_t n, int64_t k);
+void foudre_qmm_bf16(int kind, const void* x, const void* q, const void* s, const void* z,
+                     float zc, int st, int64_t groups, int64_t group, int64_t s_stride, void* y,
+                     int64_t m, int64_t n, int64_t k);
+void paged_decode_f32_window(const void* q, const void* k, const void* v, void* out,
+                             const int32_t* tokens, const int32_t* tables, const int32_t* lens,
+                             int64_t rows, int64_t num_heads, int64_t num_kv_heads,
+                             int64_t head_dim, int64_t block_size, int64_t table_width,
+                             int64_t q_stride, int64_t o_stride, int64_t block_stride,
+                             int64_t token_stride, float scale, int64_t window);
+}
+
+namespace {
+
+bool read_exact(void* p, size_t n) { return std::fread(p, 1, n, stdin) == n; }
+
+int64_t read_i64() {
+  int64_t v = 0;
+  if (!read_exact(&v, sizeof v)) throw std::string("truncated input");
+  return v;
+}
+
+struct Call {
+  std::vector<double> p;
+  std::vector<std::vector<uint64_t>> arrays;  // (8-byte aligned storage)
+  std::vector<int64_t> sizes;
+  const void* a(size_t i) const { return sizes[i] ? arrays[i].data() : nullptr; }
+  int64_t i(size_t j) const { return static_cast<int64_t>(p[j]); }
+};
+
+Call read_call() {
+  Call c;
+  c.p.resize(read_i64());
+  if (!c.p.empty() && !read_exact(c.p.data(), c.p.size() * sizeof(double)))
+    throw std::string("truncated parameters");
+  int64_t n = read_i64();
+  for (int64_t j = 0; j < n; ++j) {
+    int64_t bytes = read_i64();
+    c.arrays.emplace_back((bytes + 7) / 8);
+    c.sizes.push_back(bytes);
+    if (bytes && !read_exact(c.arrays.back().data(), bytes)) throw std::string("truncated array");
+  }
+  return c;
+}
+
+void write(const void* p, size_t n) { std::fwrite(p, 1, n, stdout); }
+
+}  // namespace
+
+int main() {
+  char line[64] = {0};
+  if (!std::fgets(line, sizeof line, stdin)) return 2;
+  std::string name(line);
+  name.erase(name.find_last_not_of("\r\n") + 1);
+  try {
+    if (name == "path") {
+      int path = foudre_qmm_path();
+      write(&path, sizeof path);
+      return 0;
+    }
+    Call c = read_call();
+    if (name == "qmm_f32" || name == "qmm_bf16") {
+      // p: kind, zc, st, groups, group, s_stride, m, n, k; arrays: x, q, s, z
+      int64_t m = c.i(6), n = c.i(7), k = c.i(8);
+      size_t elem = name == "qmm_f32" ? 4 : 2;
+      std::vector<uint8_t> y(m * n * elem);
+      auto fn = name == "qmm_f32" ? foudre_qmm_f32 : foudre_qmm_bf16;
+      fn(static_cast<int>(c.p[0]), c.a(0), c.a(1), c.a(2), c.a(3), static_cast<float>(c.p[1]),
+         static_cast<int>(c.p[2]), c.i(3), c.i(4), c.i(5), y.data(), m, n, k);
+      write(y.data(), y.size());
+    } else if (name == "paged_decode_f32") {
+      // p: rows, heads, kv_heads, head_dim, block_size, table_width, scale, window;
+      // arrays: q [rows, heads, d], cache [2, blocks, block_size, kv_heads, d], tables, lens
+      int64_t rows = c.i(0), heads = c.i(1), kvh = c.i(2), d = c.i(3), bs = c.i(4);
+      int64_t half = c.sizes[1] / 2 / 4;  // floats in K (then V)
+      const float* k = static_cast<const float*>(c.a(1));
+      std::vector<float> out(rows * heads * d);
+      std::vector<int32_t> tokens(rows);  // row r: query and output r
+      for (int64_t r = 0; r < rows; ++r) tokens[r] = static_cast<int32_t>(r);
+      paged_decode_f32_window(c.a(0), k, k + half, out.data(), tokens.data(),
+                              static_cast<const int32_t*>(c.a(2)),
+                              static_cast<const int32_t*>(c.a(3)), rows, heads, kvh, d, bs,
+                              c.i(5), heads * d, heads * d, bs * kvh * d, kvh * d,
+                              static_cast<float>(c.p[6]), c.i(7));
+      write(out.data(), out.size() * 4);
+    } else {
+      std::fprintf(stderr, "unknown kernel %s\n", name.c_str());
+      return 2;
+    }
+  } catch (const std::string& e) {
+    std::fprintf(stderr, "%s\n", e.c_str());
+    return 2;
+  }
+  return 0;
+}
