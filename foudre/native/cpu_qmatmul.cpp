@@ -34,7 +34,7 @@
 // to them: 27 GB/s and 40-43 (Zen 4, 4 KiB ahead then; a 64-projection int4 decode step's
 // products 1.10x, int8's 1.04-1.13x, in interleaved pairs).
 //
-// Four paths, by what the compiler targets (built with -march=native), and AMX's tiles beside
+// Five paths, by what the compiler targets (built with -march=native), and AMX's tiles beside
 // the first:
 //   VNNI      (AVX512-VNNI): x quantized to int8 per block (d = max|x| / 127; 32 columns for
 //             group-wise int8, as llama.cpp's Q8_0; 128 per channel, for int6 and for int4 in
@@ -65,6 +65,7 @@
 //             activation rounding.
 //   AVX2      (without AVX-512; with FMA and F16C): the VNNI path's arithmetic on 8 lanes (see
 //             "-- AVX2 --" below); x rounded as there.
+//   NEON      (Arm, aarch64): the AVX-512 float path's arithmetic on 4 lanes (int6: portable).
 //   portable  the same in plain loops.
 
 #include <algorithm>
@@ -92,6 +93,9 @@
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define FOUDRE_AVX2 1
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+#include <arm_neon.h>
+#define FOUDRE_NEON 1
 #endif
 
 namespace {
@@ -2551,6 +2555,89 @@ inline __m256 codes8(const uint8_t* row, int64_t c) {
 }
 #endif  // FOUDRE_AVX2
 
+// -- NEON (Arm) --------------------------------------------------------------------------------
+// The AVX-512 float path's arithmetic on 4 lanes: 16 codes a step widened to float32 and
+// dequantized ((q s - z s) per group), multiplied with x in float32 (no activation rounding),
+// per (x row, weight row) one accumulator of 4 lanes summed at the end. Int6 takes the portable
+// loops.
+#if defined(FOUDRE_NEON)
+
+struct F32x16 {
+  float32x4_t v[4];
+};
+
+inline F32x16 load16(const float* p) {
+  return {{vld1q_f32(p), vld1q_f32(p + 4), vld1q_f32(p + 8), vld1q_f32(p + 12)}};
+}
+inline F32x16 load16(const uint16_t* p) {  // bfloat16: the high halves of float32s
+  const uint16x8_t a = vld1q_u16(p), b = vld1q_u16(p + 8);
+  return {{vreinterpretq_f32_u32(vshll_n_u16(vget_low_u16(a), 16)),
+           vreinterpretq_f32_u32(vshll_n_u16(vget_high_u16(a), 16)),
+           vreinterpretq_f32_u32(vshll_n_u16(vget_low_u16(b), 16)),
+           vreinterpretq_f32_u32(vshll_n_u16(vget_high_u16(b), 16))}};
+}
+
+inline F32x16 widen16(int16x8_t lo, int16x8_t hi) {
+  return {{vcvtq_f32_s32(vmovl_s16(vget_low_s16(lo))), vcvtq_f32_s32(vmovl_s16(vget_high_s16(lo))),
+           vcvtq_f32_s32(vmovl_s16(vget_low_s16(hi))), vcvtq_f32_s32(vmovl_s16(vget_high_s16(hi)))}};
+}
+
+// the codes of columns c .. c + 15 of a row as float32 (int8, or int4 in column order)
+template <Kind K>
+inline F32x16 neon_codes16(const uint8_t* row, int64_t c) {
+  if constexpr (K == Kind::Int4) {
+    const uint8x8_t b = vld1_u8(row + c / 2);
+    const uint8x8_t lo = vand_u8(b, vdup_n_u8(15)), hi = vshr_n_u8(b, 4);
+    const uint8x16_t q = vcombine_u8(vzip1_u8(lo, hi), vzip2_u8(lo, hi));
+    return widen16(vreinterpretq_s16_u16(vmovl_u8(vget_low_u8(q))),
+                   vreinterpretq_s16_u16(vmovl_u8(vget_high_u8(q))));
+  } else {
+    const int8x16_t q = vld1q_s8(reinterpret_cast<const int8_t*>(row + c));
+    return widen16(vmovl_s8(vget_low_s8(q)), vmovl_s8(vget_high_s8(q)));
+  }
+}
+
+template <typename T, Kind K>
+struct Neon {
+  template <int MT, int R>
+  struct Tile {  // 16 columns at a time, all in one group (groups are multiples of 16)
+    static void run(const Args<T>& a, int64_t m0, int64_t n0) {
+      const uint8_t* wr[R];
+      int64_t nr[R];
+      row_ptrs<R>(a, n0, wr, nr);
+      float32x4_t acc[MT][R];
+      for (auto& row : acc)
+        for (auto& v : row) v = vdupq_n_f32(0.0f);
+      for (int64_t c = 0; c < a.k; c += 16) {
+        F32x16 xv[MT];
+        for (int mi = 0; mi < MT; ++mi) xv[mi] = load16(a.x + (m0 + mi) * a.k + c);
+        const int64_t line = K == Kind::Int4 ? c / 2 : c;  // the bytes read before this step
+        for (int r = 0; r < R; ++r) {
+          if (line % 64 == 0) prefetch_ahead<false>(wr[r] + line, kAhead);
+          F32x16 wv = neon_codes16<K>(wr[r], c);
+          if constexpr (K != Kind::Int8) {
+            const float sc = group_scale<K>(a, nr[r], wr[r], c);
+            const float sz =
+                sc * (a.z ? scale_at(a.z, nr[r] * a.s_stride + (c >> a.gshift), a.st) : a.zc);
+            const float32x4_t vs = vdupq_n_f32(sc), vz = vdupq_n_f32(sz);
+            for (auto& v : wv.v) v = vsubq_f32(vmulq_f32(v, vs), vz);
+          }
+          for (int mi = 0; mi < MT; ++mi)
+            for (int j = 0; j < 4; ++j) acc[mi][r] = vfmaq_f32(acc[mi][r], xv[mi].v[j], wv.v[j]);
+        }
+      }
+      for (int mi = 0; mi < MT; ++mi)
+        for (int r = 0; r < R && n0 + r < a.n; ++r) {
+          const float sum = vaddvq_f32(acc[mi][r]);
+          store1(a.y + (m0 + mi) * a.n + n0 + r,
+                 K == Kind::Int8 ? sum * scale_at(a.s, n0 + r, a.st) : sum);
+        }
+    }
+  };
+};
+
+#endif  // FOUDRE_NEON
+
 template <typename T, Kind K>
 void matmul(const Args<T>& a) {
 #if defined(FOUDRE_VNNI)
@@ -2559,6 +2646,11 @@ void matmul(const Args<T>& a) {
   for_tiles<Float512<T, K>::template Tile, 8>(a);
 #elif defined(FOUDRE_AVX2)
   avx2_matmul<T, K>(a);
+#elif defined(FOUDRE_NEON)
+  if constexpr (K == Kind::Int6)
+    for_tiles<Portable<T, K>::template Tile, 8>(a);
+  else
+    for_tiles<Neon<T, K>::template Tile, 8, 2>(a);
 #else
   for_tiles<Portable<T, K>::template Tile, 8>(a);
 #endif
@@ -2783,7 +2875,8 @@ void run_dequantize(int kind, const void* q, const void* s, const void* z, float
 
 extern "C" {
 
-// 2: VNNI (int8 activations), 1: AVX-512 float, 3: AVX2 (int8 activations), 0: portable
+// 2: VNNI (int8 activations), 1: AVX-512 float, 3: AVX2 (int8 activations), 4: NEON float,
+// 0: portable
 int foudre_qmm_path() {
 #if defined(FOUDRE_VNNI)
   return 2;
@@ -2791,6 +2884,8 @@ int foudre_qmm_path() {
   return 1;
 #elif defined(FOUDRE_AVX2)
   return 3;
+#elif defined(FOUDRE_NEON)
+  return 4;
 #else
   return 0;
 #endif

@@ -32,7 +32,7 @@ from foudre.layers.linear import gemm_dtype
 from foudre.native import build as native
 
 SOURCE = native.SOURCES / "cpu_qmatmul.cpp"
-PATHS = ("portable", "avx512", "vnni", "avx2")
+PATHS = ("portable", "avx512", "vnni", "avx2", "neon")
 DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
@@ -82,14 +82,16 @@ def amx_rows(bits: int = 8, group_size: int | None = None, blocks: bool = False)
 
 @lru_cache(maxsize=1)
 def path() -> str | None:
-    """``"vnni"``, ``"avx2"``, ``"avx512"`` or ``"portable"``: the path the library was built
-    for; None where it did not build (asked every decode step: one library, one answer)."""
+    """``"vnni"``, ``"avx2"``, ``"avx512"``, ``"neon"`` or ``"portable"``: the path the library
+    was built for; None where it did not build (asked every decode step: one library, one
+    answer)."""
     dll = _library()
     return None if dll is None else PATHS[dll.foudre_qmm_path()]
 
 
 ROUNDING_PATHS = ("vnni", "avx2")  # the paths that round x to int8 per block
-NATIVE_PATHS = ("vnni", "avx2", "avx512")  # the paths that serve models (not the portable one)
+# the paths that serve models (not the portable one)
+NATIVE_PATHS = ("vnni", "avx2", "avx512", "neon")
 
 
 def rounds_activations() -> bool:
