@@ -7,8 +7,10 @@ else ``g++``, ``c++`` or ``clang++``; a few seconds) with ``-O3 -march=native -f
 flags, so an edit or another machine rebuilds it.
 No PyTorch headers or build tools beyond the compiler are needed. The libraries' OpenMP calls
 resolve to the libgomp that torch already loaded, so kernels and torch share one thread pool. A
-compiler without OpenMP (clang without libomp, Apple's) builds them without it: single-threaded
-loops, logged once.
+clang without an OpenMP runtime (Apple's; clang without libomp) compiles the same pragmas
+(``-Xclang -fopenmp``) against foudre's own runtime, ``omp/runtime.cpp``, a thread pool linked
+into each library (``openmp_mode``: "runtime"); a compiler with neither builds the kernels
+single-threaded, logged once.
 ``FOUDRE_KERNEL_MARCH`` builds for another ``-march`` (how the tests check the paths that this
 machine would not take). Where nothing builds, ``load`` returns None and callers fall back to
 torch.
@@ -35,8 +37,16 @@ SOURCES = Path(__file__).parent  # every C++ source and header of the package
 FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", "-fPIC", "-shared"]
 
 
-def flags(openmp: bool = True) -> list[str]:
-    base = FLAGS if openmp else [f for f in FLAGS if f != "-fopenmp"]
+RUNTIME = SOURCES / "omp" / "runtime.cpp"  # foudre's OpenMP runtime (see omp/omp.h)
+
+
+def flags(openmp: str = "native") -> list[str]:
+    """The kernels' compiler flags, OpenMP as ``openmp`` says (``openmp_mode``)."""
+    base = [f for f in FLAGS if f != "-fopenmp"]
+    if openmp == "native":
+        base = FLAGS
+    elif openmp == "runtime":
+        base = [*base, "-Xclang", "-fopenmp", f"-I{RUNTIME.parent}"]
     return [*base, "-std=c++17", f"-march={os.environ.get('FOUDRE_KERNEL_MARCH', 'native')}"]
 
 
@@ -59,25 +69,40 @@ def compiler() -> str | None:
     return None
 
 
+_PROBE = """#include <omp.h>
+extern "C" int threads() {
+  int n = 0;
+#pragma omp parallel for schedule(dynamic, 1) reduction(+ : n)
+  for (int i = 0; i < 64; ++i) n += omp_get_num_threads() > 0;
+  return n + omp_get_max_threads();
+}
+"""
+
+
 @cache
-def has_openmp(cxx: str) -> bool:
-    """Whether ``cxx`` compiles and links OpenMP code (clang without libomp, or Apple's, does
-    not: the kernels then build without it, their loops on one thread)."""
-    probe = '#include <omp.h>\nextern "C" int threads() { return omp_get_max_threads(); }\n'
+def openmp_mode(cxx: str) -> str:
+    """How ``cxx`` builds the kernels' OpenMP loops: "native" (its own runtime: ``-fopenmp``),
+    "runtime" (clang's code generation against foudre's runtime, ``omp/runtime.cpp``, where
+    it has none of its own), or "none" (one thread)."""
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "probe.cpp"
-        src.write_text(probe)
-        try:
-            done = subprocess.run(
-                [cxx, *flags(), str(src), "-o", str(Path(tmp) / "probe.so")],
-                capture_output=True,
-                timeout=120,
-            )
-        except (OSError, subprocess.SubprocessError):
-            return False
-    if done.returncode != 0:
-        log.warning("%s has no OpenMP: the kernels are built without it (one thread)", cxx)
-    return done.returncode == 0
+        src.write_text(_PROBE)
+        for mode, extra in (("native", []), ("runtime", [str(RUNTIME)])):
+            command = [cxx, *flags(mode), str(src), *extra, "-o", str(Path(tmp) / "probe.so")]
+            try:
+                if subprocess.run(command, capture_output=True, timeout=300).returncode == 0:
+                    if mode == "runtime":
+                        log.info("%s has no OpenMP runtime: the kernels use foudre's", cxx)
+                    return mode
+            except (OSError, subprocess.SubprocessError):
+                pass
+    log.warning("%s has no OpenMP: the kernels are built without it (one thread)", cxx)
+    return "none"
+
+
+def has_openmp(cxx: str) -> bool:
+    """Whether ``cxx`` has an OpenMP runtime of its own."""
+    return openmp_mode(cxx) == "native"
 
 
 def _headers(source: Path) -> list[bytes]:
@@ -96,20 +121,30 @@ def load(source: Path) -> ctypes.CDLL | None:
     if cxx is None:
         log.info("no C++ compiler found: %s is not built, torch ops are used instead", source.name)
         return None
-    text = source.read_bytes() + b"".join(_headers(source))
-    lib = _built(source, cxx, flags(has_openmp(cxx)), text)
+    mode = openmp_mode(cxx)
+    extra = [RUNTIME] if mode == "runtime" else []
+    text = b"".join([source.read_bytes(), *_headers(source), *(p.read_bytes() for p in extra)])
+    lib = _built(source, cxx, flags(mode), text, extra)
     if lib is None:
         return None
     try:
-        return ctypes.CDLL(str(lib))
+        dll = ctypes.CDLL(str(lib))
     except OSError as e:
         log.warning("loading %s failed: %s", lib, e)
         return None
+    if mode == "runtime":  # its pool runs as many threads as torch's
+        import torch
+
+        dll.foudre_omp_set_num_threads(ctypes.c_int(torch.get_num_threads()))
+    return dll
 
 
-def _built(source: Path, cxx: str, build_flags: list[str], text: bytes) -> Path | None:
-    """The library compiled from ``source`` (``text``: it and its headers) with ``build_flags``,
-    from the cache or built now; None with the compiler's complaint logged where it fails."""
+def _built(
+    source: Path, cxx: str, build_flags: list[str], text: bytes, extra: list[Path]
+) -> Path | None:
+    """The library compiled from ``source`` and the ``extra`` sources (``text``: all of them
+    and the headers) with ``build_flags``, from the cache or built now; None with the
+    compiler's complaint logged where it fails."""
     key = hashlib.sha256(
         text + " ".join([cxx, *build_flags, platform.machine(), cpu_flags()]).encode()
     ).hexdigest()[:16]
@@ -122,7 +157,7 @@ def _built(source: Path, cxx: str, build_flags: list[str], text: bytes) -> Path 
         with tempfile.TemporaryDirectory(dir=cache) as tmp:
             built = Path(tmp) / lib.name
             subprocess.run(
-                [cxx, *build_flags, str(source), "-o", str(built)],
+                [cxx, *build_flags, str(source), *map(str, extra), "-o", str(built)],
                 check=True,
                 capture_output=True,
                 text=True,

@@ -14,6 +14,7 @@ The tools come from the distribution's packages (``g++-aarch64-linux-gnu``, ``qe
 from __future__ import annotations
 
 import dataclasses
+import os
 import shutil
 import struct
 import subprocess
@@ -24,6 +25,7 @@ import torch
 
 from foudre.native import build as native
 from foudre.quant import cpu_qmatmul
+from tests.engine.march import run_check
 from tests.quant.test_cpu_qmatmul import CASES, quant_module
 
 HERE = Path(__file__).parent
@@ -163,18 +165,45 @@ def test_paged_decode_on_aarch64_matches_the_host(
         torch.testing.assert_close(got[r], torch.einsum("ht,thd->hd", p, v), atol=2e-6, rtol=1e-5)
 
 
+needs_clang = pytest.mark.skipif(shutil.which("clang++") is None, reason="clang++ not installed")
+
+
 @pytest.mark.slow
-@pytest.mark.skipif(shutil.which("clang++") is None, reason="clang++ not installed")
+@needs_clang
 @pytest.mark.parametrize("source", sorted(native.SOURCES.glob("*.cpp")), ids=lambda p: p.name)
 def test_kernels_build_with_clang(source: Path, tmp_path: Path) -> None:
-    """Each source compiles with clang as with GCC, with OpenMP where clang has it and without
-    (its loops on one thread: Apple's clang ships none) otherwise."""
-    openmp = native.has_openmp("clang++")
-    flags = [f for f in native.flags(openmp) if f != "-O3"]  # (-O1: a third of the time)
-    command = ["clang++", *flags, "-O1", str(source), "-o", str(tmp_path / "lib.so")]
+    """Each source compiles with clang as with GCC: with clang's OpenMP where it has a runtime,
+    else against foudre's (omp/runtime.cpp), and with no OpenMP at all (one thread)."""
+    mode = native.openmp_mode("clang++")
+    assert mode in ("native", "runtime"), mode
+    extra = [str(native.RUNTIME)] if mode == "runtime" else []
+    flags = [f for f in native.flags(mode) if f != "-O3"]  # (-O1: a third of the time)
+    command = ["clang++", *flags, "-O1", str(source), *extra, "-o", str(tmp_path / "lib.so")]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    if openmp:  # and without OpenMP too
-        command = ["clang++", *native.flags(False), "-fsyntax-only", str(source)]
-        done = subprocess.run(command, capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, done.stderr[-3000:]
+    command = ["clang++", *native.flags("none"), "-fsyntax-only", str(source)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.mark.slow
+@needs_clang
+def test_kernels_run_on_foudres_openmp_runtime(tmp_path: Path) -> None:
+    """Where clang has no OpenMP runtime (as Apple's), the kernels built by it run their
+    parallel loops on foudre's pool (two threads here) and pass the host's kernel checks: the
+    quantized matmuls of every layout and the paged decode and prefill kernels."""
+    if native.openmp_mode("clang++") != "runtime":
+        pytest.skip("this clang has an OpenMP runtime of its own")
+    env = dict(os.environ, CXX="clang++", FOUDRE_CACHE=str(tmp_path), OMP_NUM_THREADS="2")
+    checks = [
+        "tests.quant.test_cpu_qmatmul:check_kernels",
+        "tests.engine.test_cpu_attention:check_all_dtypes",
+        "tests.engine.test_prefill_attention:check_cpu_kernels",
+    ]
+    loaded = (
+        "import torch\n"
+        "from foudre.quant import cpu_qmatmul\n"
+        "assert torch.get_num_threads() == 2\n"
+        f"assert {str(tmp_path)!r} in open('/proc/self/maps').read()\n"
+    )
+    run_check(checks, env, loaded)
