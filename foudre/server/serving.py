@@ -306,11 +306,12 @@ class OpenAIServing:
         if structured is not None:
             message = "beam search does not take a grammar (response_format, guided_*, tools)"
             raise OpenAIError(400, message, param="use_beam_search")
-        optional: dict[str, Any] = {"max_tokens": max_tokens, "temperature": req.temperature}
-        given = {name: value for name, value in optional.items() if value is not None}
+        # max_tokens as sampling takes it: None (chat's default) runs until max_model_len
+        given = {} if req.temperature is None else {"temperature": req.temperature}
         try:
             return BeamSearchParams(
                 beam_width=width,
+                max_tokens=max_tokens,
                 length_penalty=req.length_penalty,
                 early_stopping=req.early_stopping,
                 ignore_eos=req.ignore_eos,
