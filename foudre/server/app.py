@@ -59,6 +59,7 @@ from foudre.server.serving_chat import OpenAIServingChat
 from foudre.server.serving_completions import OpenAIServingCompletions
 from foudre.server.serving_messages import AnthropicServingMessages
 from foudre.server.serving_responses import (
+    DEFAULT_STORE_BYTES,
     DEFAULT_STORE_SIZE,
     OpenAIServingResponses,
     ResponseStore,
@@ -239,6 +240,7 @@ def build_app(
     request_timeout: float | None = None,
     tool_call_parser: str | None = None,
     responses_store_size: int = DEFAULT_STORE_SIZE,
+    responses_store_bytes: int = DEFAULT_STORE_BYTES,
 ) -> FastAPI:
     """The OpenAI-compatible app over ``llm``.
 
@@ -248,7 +250,8 @@ def build_app(
     ``max_request_bytes``: larger bodies get 413; ``request_timeout``: seconds before a request
     is aborted (408 or an error event);
     ``tool_call_parser``: how tool calls are read with ``tool_choice`` "auto" (None: detected);
-    ``responses_store_size``: most responses /v1/responses keeps (least recently used evicted).
+    ``responses_store_size``, ``responses_store_bytes``: most responses, and most bytes of
+    them, that /v1/responses keeps (least recently used evicted).
     """
     if max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be positive, got {max_request_bytes}")
@@ -274,7 +277,8 @@ def build_app(
     app.add_middleware(_RequestId)  # outermost: 500s from _CatchAll carry the id too
     auth = [Depends(_authenticator(api_key))]
     _add_generation_routes(app, serving, auth, max_request_bytes)
-    _add_responses_routes(app, serving, auth, max_request_bytes, responses_store_size)
+    store = ResponseStore(responses_store_size, responses_store_bytes)
+    _add_responses_routes(app, serving, auth, max_request_bytes, store)
     _add_messages_routes(
         app, serving, [Depends(_authenticator(api_key, AnthropicError))], max_request_bytes
     )
@@ -360,10 +364,10 @@ def _add_generation_routes(
 
 
 def _add_responses_routes(
-    app: FastAPI, serving: OpenAIServing, auth: list[Any], max_bytes: int, store_size: int
+    app: FastAPI, serving: OpenAIServing, auth: list[Any], max_bytes: int, store: ResponseStore
 ) -> None:
     """/v1/responses, and GET and DELETE /v1/responses/{response_id}."""
-    responses = OpenAIServingResponses(OpenAIServingChat(serving), ResponseStore(store_size))
+    responses = OpenAIServingResponses(OpenAIServingChat(serving), store)
 
     @app.post("/v1/responses", dependencies=auth)
     async def create_response(request: Request) -> Response:
