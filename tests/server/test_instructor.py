@@ -1,6 +1,6 @@
 """``instructor`` against a live foudre server: ``create`` with a pydantic response model in
 TOOLS, JSON_SCHEMA and JSON modes, ``create_partial`` (partial objects while the tool call's
-arguments stream) and ``create_iterable``.
+arguments stream) and ``create_iterable``; and ``from_anthropic`` over ``/v1/messages``.
 
 The server runs the random-weight Qwen2 with a Hermes tool template (``test_clients``'s): the
 tool call and the JSON schema are enforced by the server's grammar engine, so the objects
@@ -149,3 +149,17 @@ def test_create_iterable(server: InProcessServer) -> None:  # noqa: F811
     pets = list(client.chat.completions.create_iterable(response_model=Pet, seed=seed, **kw))
     assert all(isinstance(p, Pet) for p in pets)
     assert [p.model_dump() for p in pets] == listed
+
+
+def test_anthropic_tools_over_messages(server: InProcessServer) -> None:  # noqa: F811
+    """``instructor.from_anthropic`` (ANTHROPIC_TOOLS) over ``/v1/messages``: the forced
+    ``tool_use`` block's input, held to the schema by the grammar, parsed as a ``Pet``."""
+    anthropic = pytest.importorskip("anthropic")
+    raw = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
+    client = instructor.from_anthropic(raw, mode=instructor.Mode.ANTHROPIC_TOOLS)
+    pet, message = client.messages.create_with_completion(
+        model=SERVED, response_model=Pet, messages=ASK, max_tokens=200, max_retries=0
+    )
+    [use] = [b for b in message.content if b.type == "tool_use"]
+    assert use.name == "Pet" and message.stop_reason == "tool_use"
+    assert pet.model_dump() == Pet.model_validate(use.input).model_dump()
