@@ -128,6 +128,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             tool_call_parser=args.tool_call_parser,
             shutdown_timeout=args.shutdown_timeout,
             responses_store_size=args.responses_store_size,
+            responses_store_bytes=args.responses_store_bytes,
         )
     except ModelLoadError as e:
         print(f"foudre: error: {e}", file=sys.stderr)
@@ -401,6 +402,13 @@ def add_serve_parser(sub: Any) -> None:
         default=1024,
         help="most responses /v1/responses keeps for GET and previous_response_id, the least "
         "recently used evicted first; 0 keeps none (default: 1024)",
+    )
+    serve.add_argument(
+        "--responses-store-bytes",
+        type=int,
+        default=64 << 20,
+        help="most bytes of responses (their JSON, with the conversation they end) that "
+        "/v1/responses keeps, the least recently used evicted first (default: 64 MiB)",
     )
     serve.add_argument(
         "--profile",

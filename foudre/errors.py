@@ -1,6 +1,7 @@
 """Typed errors that callers (the server, the CLI) map to answers without reading message text.
 
-Both are ``ValueError``s, so code that catches bad input as ``ValueError`` keeps working.
+The parameter errors are ``ValueError``s, so code that catches bad input as ``ValueError``
+keeps working.
 """
 
 from __future__ import annotations
@@ -13,6 +14,20 @@ class InvalidParameterError(ValueError):
     def __init__(self, param: str, message: str) -> None:
         super().__init__(message)
         self.param = param
+
+
+class GrammarDeadEndError(RuntimeError):
+    """A request's grammar admits none of the tokens that its own parameters let it sample
+    (``allowed_token_ids`` that began the output but cannot go on with it): the request cannot
+    continue, by its own fault, not the engine's. ``params`` names the parameters in conflict
+    (``SamplingParams`` fields)."""
+
+    def __init__(self, token: int, params: tuple[str, ...]) -> None:
+        super().__init__(
+            f"token {token} does not continue the request's grammar: it admits none of the "
+            f"tokens that {' and '.join(params)} allow at this point"
+        )
+        self.params = params
 
 
 class PromptTooLongError(InvalidParameterError):

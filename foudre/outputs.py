@@ -3,6 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class ErrorCode(StrEnum):
+    """Why a request ended with ``finish_reason "error"`` (``RequestOutput.error_code``), so
+    that a caller maps the failure to its answer without reading the message."""
+
+    # its grammar admits none of the tokens its own parameters allow (``error_params`` names
+    # them): the request's fault, a client error
+    GRAMMAR_DEAD_END = "grammar_dead_end"
+    STEP_FAILED = "step_failed"  # the engine failed computing it: a server error
 
 
 @dataclass(slots=True)
@@ -70,3 +81,5 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     error: str | None = None  # with finish_reason "error": what failed
+    error_code: ErrorCode | None = None  # with finish_reason "error": the kind of failure
+    error_params: tuple[str, ...] = ()  # the request's parameters that caused it (if any)

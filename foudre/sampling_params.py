@@ -288,7 +288,7 @@ class BeamSearchParams:
     Greedy only (``temperature`` 0)."""
 
     beam_width: int
-    max_tokens: int = DEFAULT_MAX_TOKENS
+    max_tokens: int | None = DEFAULT_MAX_TOKENS  # None: until max_model_len, as SamplingParams
     length_penalty: float = 1.0
     early_stopping: bool | str = False
     ignore_eos: bool = False
@@ -299,7 +299,7 @@ class BeamSearchParams:
             raise InvalidParameterError(
                 "beam_width", f"beam_width must be at least 1, got {self.beam_width!r}"
             )
-        if self.max_tokens < 1:
+        if self.max_tokens is not None and self.max_tokens < 1:
             raise InvalidParameterError(
                 "max_tokens", f"max_tokens must be at least 1, got {self.max_tokens!r}"
             )

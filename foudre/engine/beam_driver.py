@@ -43,7 +43,9 @@ class BeamDriver:
     def fail(self, tracked: Tracked, message: str) -> list[RequestOutput]:
         """A beam that fails fails its whole search."""
         assert tracked.beam is not None
-        return [self.end(tracked.beam, "error", message)]
+        out = self.end(tracked.beam, "error", message)
+        out.error_code, out.error_params = tracked.request.error_code, tracked.request.error_params
+        return [out]
 
     def preempted(self, tracked: Tracked) -> None:
         """A preempted beam reports again once recomputed."""

@@ -27,10 +27,10 @@ from foudre.engine.output_processor import OutputProcessor
 from foudre.engine.request import Request
 from foudre.engine.stats import EngineStats
 from foudre.engine.tracked import Owner, Tracked
-from foudre.errors import InvalidParameterError
+from foudre.errors import GrammarDeadEndError, InvalidParameterError
 from foudre.loading.loader import LoadedModel, load_tokenizer_for
 from foudre.loading.tokenizer import Tokenizer
-from foudre.outputs import RequestOutput
+from foudre.outputs import ErrorCode, RequestOutput
 from foudre.runner.host_memory import keep_freed_host_memory
 from foudre.runner.model_runner import kv_bytes_per_block, num_kv_blocks
 from foudre.runner.step import StepOutput
@@ -267,6 +267,10 @@ class LLMEngine:
                 continue
             try:
                 outputs += self._owner(tracked).tokens(tracked, tokens, lps)
+            except GrammarDeadEndError as e:  # the request's own parameters: not logged as a bug
+                logger.info("request %s ends: %s", req.request_id, e)
+                code = ErrorCode.GRAMMAR_DEAD_END
+                outputs += self._fail_request(tracked, str(e), code, e.params)
             except Exception as e:
                 logger.exception("request %s: its new tokens failed", req.request_id)
                 outputs += self._fail_request(tracked, f"{type(e).__name__}: {e}")
@@ -331,9 +335,17 @@ class LLMEngine:
         self.scheduler.quarantine(request_ids)
         return []
 
-    def _fail_request(self, tracked: Tracked, message: str) -> list[RequestOutput]:
-        """Finish a request with ``finish_reason "error"`` (a beam fails its whole search)."""
-        tracked.request.error = message
+    def _fail_request(
+        self,
+        tracked: Tracked,
+        message: str,
+        code: ErrorCode = ErrorCode.STEP_FAILED,
+        params: tuple[str, ...] = (),
+    ) -> list[RequestOutput]:
+        """Finish a request with ``finish_reason "error"``, its output carrying ``code`` and
+        the ``params`` at fault (a beam fails its whole search)."""
+        req = tracked.request
+        req.error, req.error_code, req.error_params = message, code, params
         self.stats.num_failed_requests += 1
         return self._owner(tracked).fail(tracked, message)
 

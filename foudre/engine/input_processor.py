@@ -195,8 +195,9 @@ class InputProcessor:
             room = lim.max_model_len - len(ids)
             if room < 1:
                 raise PromptTooLongError(len(ids) + 1, lim.max_model_len)
+            budget = room if params.max_tokens is None else min(params.max_tokens, room)
             # the beams may diverge from the first token: each may need its own blocks
-            length = len(ids) + min(params.max_tokens, room)
+            length = len(ids) + budget
             worst = params.beam_width * -(-length // lim.block_size)
             if worst > lim.num_blocks:
                 raise InvalidParameterError(
@@ -206,9 +207,7 @@ class InputProcessor:
                 )
             vid = group_id if len(encoded) == 1 else f"{group_id}-{p}"
             cohort = Cohort(seats=params.beam_width)
-            search = BeamSearch(
-                vid, p, params, self.eos_token_ids, min(params.max_tokens, room), cohort
-            )
+            search = BeamSearch(vid, p, params, self.eos_token_ids, budget, cohort)
             sampling = BeamStepParams(
                 temperature=0.0,
                 max_tokens=None,

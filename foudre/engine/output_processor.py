@@ -16,7 +16,9 @@ from foudre.engine.request import RequestStatus
 from foudre.engine.stats import EngineStats
 from foudre.engine.stop import check_stop
 from foudre.engine.tracked import BestOf, Tracked
+from foudre.errors import GrammarDeadEndError
 from foudre.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from foudre.sampling_params import SamplingParams
 
 Finish = Callable[..., None]  # (request, status, uncache=False): the scheduler's finish
 
@@ -67,6 +69,7 @@ class OutputProcessor:
         outputs = []
         for child in unforked:
             child.request.error = message
+            child.request.error_code, child.request.error_params = req.error_code, req.error_params
             outputs += self.end(child, RequestStatus.FINISHED_ERROR)
         if req.is_finished:
             req.status = RequestStatus.FINISHED_ERROR
@@ -85,14 +88,14 @@ class OutputProcessor:
         status = None
         emitted: list[int] = []
         for i, token in enumerate(tokens):
+            if req.grammar is not None and not req.grammar.accept(token):  # kept out of the output
+                raise GrammarDeadEndError(token, grammar_conflict(req.sampling_params))
             req.output_token_ids.append(token)
             emitted.append(token)
             self.stats.generation_tokens += 1
             if lps is not None:
                 req.logprobs.append(lps[i])
                 req.cumulative_logprob += lps[i][token]
-            if req.grammar is not None and not req.grammar.accept(token):
-                raise RuntimeError(f"token {token} does not continue the request's grammar")
             stop = check_stop(req, token, self.max_model_len)
             if stop is not None:
                 status, req.stop_reason = stop
@@ -145,6 +148,8 @@ class OutputProcessor:
             metrics=metrics,
             num_cached_tokens=max(req.num_cached_tokens, 0),
             error=req.error,
+            error_code=req.error_code,
+            error_params=req.error_params,
         )
 
     def emit(self, tracked: Tracked, out: RequestOutput) -> list[RequestOutput]:
@@ -161,6 +166,14 @@ class OutputProcessor:
         if len(best.finals) < best.num_samples:
             return []
         return _best_of(best)
+
+
+def grammar_conflict(params: SamplingParams) -> tuple[str, ...]:
+    """The parameters that can leave a request's grammar no token to sample: the grammar, and
+    the allowed tokens (min_tokens' bans never do: the sampler lifts them when they would)."""
+    if params.allowed_token_ids is None:
+        return ("structured_output",)
+    return ("structured_output", "allowed_token_ids")
 
 
 def _best_of(best: BestOf) -> list[RequestOutput]:

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from foudre.outputs import ErrorCode
 from foudre.sampling_params import SamplingParams
 from foudre.structured.grammar import GrammarMatcher
 
@@ -70,6 +71,8 @@ class Request:
     user_data: Any = None
     cache_salt: str | None = None  # prefix-cache namespace (a tenant): no sharing across salts
     error: str | None = None  # why a request finished with FINISHED_ERROR
+    error_code: ErrorCode | None = None  # and its kind
+    error_params: tuple[str, ...] = ()  # the parameters that caused it (a client error)
     # structured output: the grammar's state after output_token_ids (None: unconstrained)
     grammar: GrammarMatcher | None = None
     # speculative decoding: draft tokens to verify this step, and the proposer's distributions

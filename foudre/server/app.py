@@ -59,6 +59,7 @@ from foudre.server.serving_chat import OpenAIServingChat
 from foudre.server.serving_completions import OpenAIServingCompletions
 from foudre.server.serving_messages import AnthropicServingMessages
 from foudre.server.serving_responses import (
+    DEFAULT_STORE_BYTES,
     DEFAULT_STORE_SIZE,
     OpenAIServingResponses,
     ResponseStore,
@@ -73,10 +74,22 @@ DEFAULT_MAX_REQUEST_BYTES = 8 << 20
 MAX_JSON_DEPTH = 64
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")  # printable ASCII, no spaces
+ANTHROPIC_ROUTES = "/v1/messages"  # this path and those under it answer in Anthropic's shape
 
 
-def _error_response(err: OpenAIError) -> JSONResponse:
+def _error_response(err: OpenAIError, path: str = "") -> JSONResponse:
+    """``err`` as a response, in the shape of the API that ``path`` belongs to."""
+    err = _shaped_for(path, err)
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+def _shaped_for(path: str, err: OpenAIError) -> OpenAIError:
+    """``err`` in the shape its route's clients read: Anthropic's on /v1/messages and below
+    (an unknown model, a wrong method, a malformed body, a server error alike), OpenAI's
+    elsewhere."""
+    if path == ANTHROPIC_ROUTES or path.startswith(ANTHROPIC_ROUTES + "/"):
+        return AnthropicError.of(err)
+    return err
 
 
 def _validation_error(errors: list[Any]) -> OpenAIError:
@@ -214,7 +227,7 @@ class _CatchAll:
                 f"internal error (request {rid}): {type(exc).__name__}: {exc}",
                 type="internal_server_error",
             )
-            await _error_response(err)(scope, receive, send)
+            await _error_response(err, scope.get("path", ""))(scope, receive, send)
 
 
 def build_app(
@@ -227,6 +240,7 @@ def build_app(
     request_timeout: float | None = None,
     tool_call_parser: str | None = None,
     responses_store_size: int = DEFAULT_STORE_SIZE,
+    responses_store_bytes: int = DEFAULT_STORE_BYTES,
 ) -> FastAPI:
     """The OpenAI-compatible app over ``llm``.
 
@@ -236,7 +250,8 @@ def build_app(
     ``max_request_bytes``: larger bodies get 413; ``request_timeout``: seconds before a request
     is aborted (408 or an error event);
     ``tool_call_parser``: how tool calls are read with ``tool_choice`` "auto" (None: detected);
-    ``responses_store_size``: most responses /v1/responses keeps (least recently used evicted).
+    ``responses_store_size``, ``responses_store_bytes``: most responses, and most bytes of
+    them, that /v1/responses keeps (least recently used evicted).
     """
     if max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be positive, got {max_request_bytes}")
@@ -262,7 +277,8 @@ def build_app(
     app.add_middleware(_RequestId)  # outermost: 500s from _CatchAll carry the id too
     auth = [Depends(_authenticator(api_key))]
     _add_generation_routes(app, serving, auth, max_request_bytes)
-    _add_responses_routes(app, serving, auth, max_request_bytes, responses_store_size)
+    store = ResponseStore(responses_store_size, responses_store_bytes)
+    _add_responses_routes(app, serving, auth, max_request_bytes, store)
     _add_messages_routes(
         app, serving, [Depends(_authenticator(api_key, AnthropicError))], max_request_bytes
     )
@@ -273,21 +289,23 @@ def build_app(
 
 
 def _add_error_handlers(app: FastAPI) -> None:
-    """Every error, raised by a route or by FastAPI itself, in the OpenAI shape."""
+    """Every error, raised by a route or by FastAPI itself, in the shape of its route's API
+    (``_shaped_for``)."""
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
-        return _error_response(exc)
+        return _error_response(exc, request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _request_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return _error_response(_validation_error(list(exc.errors())))
+        return _error_response(_validation_error(list(exc.errors())), request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        err = OpenAIError(exc.status_code, str(exc.detail), type=kind)
-        return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)
+        headers = dict(exc.headers) if exc.headers else None
+        err = OpenAIError(exc.status_code, str(exc.detail), type=kind, headers=headers)
+        return _error_response(err, request.url.path)
 
 
 def _authenticator(
@@ -346,10 +364,10 @@ def _add_generation_routes(
 
 
 def _add_responses_routes(
-    app: FastAPI, serving: OpenAIServing, auth: list[Any], max_bytes: int, store_size: int
+    app: FastAPI, serving: OpenAIServing, auth: list[Any], max_bytes: int, store: ResponseStore
 ) -> None:
     """/v1/responses, and GET and DELETE /v1/responses/{response_id}."""
-    responses = OpenAIServingResponses(OpenAIServingChat(serving), ResponseStore(store_size))
+    responses = OpenAIServingResponses(OpenAIServingChat(serving), store)
 
     @app.post("/v1/responses", dependencies=auth)
     async def create_response(request: Request) -> Response:
@@ -368,23 +386,18 @@ def _add_responses_routes(
 def _add_messages_routes(
     app: FastAPI, serving: OpenAIServing, auth: list[Any], max_bytes: int
 ) -> None:
-    """Anthropic's /v1/messages and /v1/messages/count_tokens, errors in Anthropic's shape."""
+    """Anthropic's /v1/messages and /v1/messages/count_tokens (their errors, and those of any
+    path under /v1/messages, in Anthropic's shape: ``_shaped_for``)."""
     messages = AnthropicServingMessages(OpenAIServingChat(serving))
 
     @app.post("/v1/messages", dependencies=auth)
     async def create_message(request: Request) -> Response:
-        try:
-            req = await parse_body(request, MessagesRequest, max_bytes)
-        except OpenAIError as e:
-            raise AnthropicError.of(e) from None
+        req = await parse_body(request, MessagesRequest, max_bytes)
         return _respond(await messages.create(req, request.receive))
 
     @app.post("/v1/messages/count_tokens", dependencies=auth)
     async def count_message_tokens(request: Request) -> dict[str, Any]:
-        try:
-            req = await parse_body(request, CountTokensRequest, max_bytes)
-        except OpenAIError as e:
-            raise AnthropicError.of(e) from None
+        req = await parse_body(request, CountTokensRequest, max_bytes)
         return await messages.count_tokens(req)
 
 

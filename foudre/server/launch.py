@@ -14,7 +14,7 @@ from foudre.config import EngineConfig
 from foudre.engine.async_llm import AsyncLLM
 from foudre.server.app import DEFAULT_MAX_REQUEST_BYTES, build_app
 from foudre.server.serving import DEFAULT_MAX_N
-from foudre.server.serving_responses import DEFAULT_STORE_SIZE
+from foudre.server.serving_responses import DEFAULT_STORE_BYTES, DEFAULT_STORE_SIZE
 
 
 def default_served_name(model: str) -> str:
@@ -110,6 +110,7 @@ def run_server(
     tool_call_parser: str | None = None,
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
     responses_store_size: int = DEFAULT_STORE_SIZE,
+    responses_store_bytes: int = DEFAULT_STORE_BYTES,
 ) -> int:
     """Serve until SIGINT/SIGTERM, then drain (``_Server``) for at most ``shutdown_timeout``
     seconds; returns 0 after a clean shutdown, 1 when the engine broke for good
@@ -135,6 +136,7 @@ def run_server(
             request_timeout=request_timeout,
             tool_call_parser=tool_call_parser,
             responses_store_size=responses_store_size,
+            responses_store_bytes=responses_store_bytes,
         )
         uv_config = uvicorn.Config(
             app,

@@ -33,7 +33,8 @@ class AnthropicError(OpenAIError):
     (the parameter, which that shape has no field for, is named in the message)."""
 
     def body(self) -> dict[str, Any]:
-        kind = _ERROR_TYPES.get(self.status, "api_error")
+        other = "invalid_request_error" if self.status < 500 else "api_error"
+        kind = _ERROR_TYPES.get(self.status, other)
         if self.param and self.param not in self.message:
             message = f"{self.param}: {self.message}"
         else:

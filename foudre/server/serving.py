@@ -32,7 +32,7 @@ from foudre.engine.async_llm import (
 )
 from foudre.errors import InvalidParameterError, PromptTooLongError
 from foudre.loading.tokenizer import InvalidTextError
-from foudre.outputs import CompletionOutput, RequestOutput
+from foudre.outputs import CompletionOutput, ErrorCode, RequestOutput
 from foudre.sampling_params import BeamSearchParams, SamplingParams, StructuredOutput
 from foudre.server.protocol import ChatMessage, OpenAIError, _SamplingFields, _SearchFields
 from foudre.server.tools import PARSERS, template_messages
@@ -44,10 +44,8 @@ Json = dict[str, Any]
 # than max_model_len * CHARS_PER_TOKEN cannot fit: it is refused without being tokenized
 CHARS_PER_TOKEN = 32
 DEFAULT_MAX_N = 16
-# what a failed step says when a request's grammar admitted no token the request may sample
-# (its allowed tokens ran out mid-output; the engine refuses the conflict at admission when
-# it shows at the first token): the request's own error, not the server's
-GRAMMAR_DEAD_END = "does not continue the request's grammar"
+# the API's names of the engine parameters a failed request's output blames (error_params)
+_API_NAMES = {"structured_output": "the grammar (response_format, guided_*, tools)"}
 
 
 def sse(obj: Json | str) -> str:
@@ -149,12 +147,16 @@ def _failure(out: RequestOutput, request_id: str) -> OpenAIError | None:
     abort is an answer: what was generated, with ``finish_reason "abort"`` (a shutdown's
     drain ran out of time; a client that disconnected hears nothing)."""
     reason = out.outputs[0].finish_reason
-    if reason == "error" and GRAMMAR_DEAD_END in (out.error or ""):
+    if reason == "error" and out.error_code is ErrorCode.GRAMMAR_DEAD_END:
+        # the allowed tokens began the grammar's output (else admission refused the request)
+        # but cannot go on with it: the request's own conflict, a 400 naming its parameters
+        named = [_API_NAMES.get(p, p) for p in out.error_params]
         return OpenAIError(
             400,
-            f"request {request_id} stopped: its grammar admits none of the tokens that "
-            "allowed_token_ids allows at this point of the output",
-            param="allowed_token_ids",
+            f"request {request_id} stopped: {' and '.join(named)} conflict: the grammar admits "
+            "none of the allowed tokens at this point of the output",
+            param="allowed_token_ids" if "allowed_token_ids" in out.error_params else None,
+            code="grammar_dead_end",
         )
     if reason == "error":
         return OpenAIError(
@@ -304,11 +306,12 @@ class OpenAIServing:
         if structured is not None:
             message = "beam search does not take a grammar (response_format, guided_*, tools)"
             raise OpenAIError(400, message, param="use_beam_search")
-        optional: dict[str, Any] = {"max_tokens": max_tokens, "temperature": req.temperature}
-        given = {name: value for name, value in optional.items() if value is not None}
+        # max_tokens as sampling takes it: None (chat's default) runs until max_model_len
+        given = {} if req.temperature is None else {"temperature": req.temperature}
         try:
             return BeamSearchParams(
                 beam_width=width,
+                max_tokens=max_tokens,
                 length_penalty=req.length_penalty,
                 early_stopping=req.early_stopping,
                 ignore_eos=req.ignore_eos,

@@ -44,6 +44,7 @@ from foudre.server.serving_chat import ChatRun, OpenAIServingChat
 from foudre.server.tools import ToolCallOut
 
 DEFAULT_STORE_SIZE = 1024
+DEFAULT_STORE_BYTES = 64 << 20
 # the chat fields an error may name -> the Responses field that set them
 _RENAME = {
     "messages": "input",
@@ -64,24 +65,37 @@ class StoredResponse:
 
 
 class ResponseStore:
-    """At most ``size`` responses, the least recently used evicted first (0: none kept)."""
+    """At most ``size`` responses and ``max_bytes`` bytes of them (their JSON: the response and
+    its conversation), the least recently used evicted first (0: none kept). A response
+    larger than ``max_bytes`` alone is not kept, and evicts nothing."""
 
-    def __init__(self, size: int = DEFAULT_STORE_SIZE) -> None:
+    def __init__(
+        self, size: int = DEFAULT_STORE_SIZE, max_bytes: int = DEFAULT_STORE_BYTES
+    ) -> None:
         if size < 0:
             raise ValueError(f"the responses store size must be at least 0, got {size}")
+        if max_bytes < 0:
+            raise ValueError(f"the responses store bytes must be at least 0, got {max_bytes}")
         self.size = size
+        self.max_bytes = max_bytes
+        self.nbytes = 0  # what the kept responses weigh
         self._items: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._weights: dict[str, int] = {}
 
     def __len__(self) -> int:
         return len(self._items)
 
     def put(self, rid: str, stored: StoredResponse) -> None:
-        if self.size == 0:
+        weight = _weight(stored)
+        if self.size == 0 or weight > self.max_bytes:
             return
+        self.delete(rid)
         self._items[rid] = stored
-        self._items.move_to_end(rid)
-        while len(self._items) > self.size:
-            self._items.popitem(last=False)
+        self._weights[rid] = weight
+        self.nbytes += weight
+        while len(self._items) > self.size or self.nbytes > self.max_bytes:
+            oldest, _ = self._items.popitem(last=False)
+            self.nbytes -= self._weights.pop(oldest)
 
     def get(self, rid: str) -> StoredResponse | None:
         stored = self._items.get(rid)
@@ -90,7 +104,16 @@ class ResponseStore:
         return stored
 
     def delete(self, rid: str) -> bool:
-        return self._items.pop(rid, None) is not None
+        if self._items.pop(rid, None) is None:
+            return False
+        self.nbytes -= self._weights.pop(rid)
+        return True
+
+
+def _weight(stored: StoredResponse) -> int:
+    """The bytes of a stored response's JSON: the response and its conversation."""
+    body = json.dumps(stored.body, ensure_ascii=False).encode()
+    return len(body) + sum(len(m.model_dump_json().encode()) for m in stored.messages)
 
 
 def _not_found(rid: str, param: str | None = None) -> OpenAIError:

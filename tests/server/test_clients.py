@@ -5,9 +5,7 @@ endpoint), ``langchain-openai`` (``ChatOpenAI``: invoke, stream, structured outp
 The server runs the random-weight Qwen2 with a Hermes tool template: plain text is compared
 with the ``openai`` client's greedy answer, and structured output and tool calls are
 enforced by the server's grammar engine, so they validate even on random weights.
-
-``instructor`` is not covered: every release (to 1.17.0) requires ``jiter<0.15``, and the
-``openai`` 3.x that the other tests use requires ``jiter>=0.16``."""
+``instructor`` has its own file (``test_instructor.py``) over the same server."""
 
 from __future__ import annotations
 
