@@ -14,7 +14,13 @@ from collections.abc import Callable, Sequence
 import torch
 
 from foudre.attention import AttentionBackend, BatchLayout
-from foudre.attention.cache_spec import CacheSpec, FullAttentionSpec, pages_of
+from foudre.attention.cache_spec import (
+    CacheSpec,
+    FullAttentionSpec,
+    LatentAttentionSpec,
+    element_size,
+    pages_of,
+)
 from foudre.attention.paged import PagedBackend
 from foudre.attention.quantized_cache import QuantizedKVCache, kv_bytes_per_token_head
 from foudre.config import EngineConfig
@@ -50,6 +56,27 @@ def kv_bytes_per_block(
     """Bytes of one KV block across all of ``model``'s layers (the sum of their specs)."""
     specs = model.kv_cache_specs()
     return block_size * sum(kv_bytes_per_token(s, dtype, kv_cache_dtype) for s in specs)
+
+
+def describe_kv_cache(
+    model: LlamaForCausalLM, dtype: torch.dtype, kv_cache_dtype: str, num_blocks: int
+) -> str:
+    """One line for the startup log: the pool's blocks and bytes per token over all layers;
+    for a latent cache, what plain K/V of every head would take instead."""
+    specs = model.kv_cache_specs()
+    per_token = sum(kv_bytes_per_token(s, dtype, kv_cache_dtype) for s in specs)
+    line = f"KV cache: {num_blocks} blocks, {per_token} bytes per token over {len(specs)} layers"
+    latent = [s for s in specs if isinstance(s, LatentAttentionSpec)]
+    if latent:
+        cfg = model.config
+        per_head = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim
+        plain = len(latent) * cfg.num_attention_heads * per_head * element_size(dtype)
+        own = sum(s.bytes_per_token(dtype) for s in latent)
+        line += (
+            f"; latent attention: {own} bytes per token where plain K/V of "
+            f"{cfg.num_attention_heads} heads would take {plain} ({plain / own:.1f}x)"
+        )
+    return line
 
 
 def allocate_kv_caches(
