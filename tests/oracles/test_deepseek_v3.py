@@ -154,6 +154,28 @@ def test_prefix_hits_preemption_and_chunked_prefill(tmp_path: Path) -> None:
     assert m["prefix_cache_hits"] > 0
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_ngram_speculation_matches_plain_greedy(tmp_path: Path, backend: str) -> None:
+    """Draft tokens verified in the same forward (multi-token rows over the latent cache),
+    rejected ones rolled back: transformers' greedy ids, and some drafts accepted."""
+    path, hf = _model(tmp_path, "q-lora-yarn-mscale")
+    try:
+        llm = LLM(
+            str(path),
+            dtype="float32",
+            skip_tokenizer_init=True,
+            num_kv_blocks=64,
+            attention_backend=backend,
+            speculative_method="ngram",
+            num_speculative_tokens=3,
+        )
+    except ValueError as e:  # no C++ compiler here
+        pytest.skip(str(e))
+    _check(llm, hf, [[*range(3, 13)] * 3, PROMPTS[0]], n=24)
+    m = llm.metrics()
+    assert m["spec_draft_tokens"] > 0 and m["spec_accepted_tokens"] > 0
+
+
 def test_latent_cache_holds_one_vector_per_token(tmp_path: Path, caplog: Any) -> None:
     path, _ = _model(tmp_path, "q-lora-yarn-mscale")
     with caplog.at_level(logging.INFO, logger="foudre"):
@@ -282,3 +304,38 @@ def test_multi_token_prediction_layers_are_skipped(tmp_path: Path, caplog: Any) 
         llm = LLM(str(path), dtype="float32", skip_tokenizer_init=True, num_kv_blocks=32)
     assert "skipped 1 multi-token-prediction layer(s)" in caplog.text
     _check(llm, hf, PROMPTS[:2], n=6)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="runs for real on the GPU instead")
+def test_triton_backend_and_graph_buffers_interpreted(tmp_path: Path) -> None:
+    """The Triton kernels (in Triton's interpreter) over the latent cache, and the CUDA-graph
+    decode path's static buffers (the capture replaced by re-running the forward), give the
+    SDPA backend's greedy ids."""
+    from tests.engine.test_triton_attention import _ENGINE_CHECK
+    from tests.triton_check import run_triton_check
+
+    path, _ = _model(tmp_path, "q-lora-yarn-mscale")
+    run_triton_check(_ENGINE_CHECK, str(path), timeout=600)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graphs_match_eager(tmp_path: Path) -> None:
+    """On a GPU: Triton + CUDA graphs over the latent cache against eager SDPA, and both
+    against transformers' greedy ids (float32)."""
+    path, hf = _model(tmp_path, "q-lora-yarn-mscale")
+    prompts = [[1, *range(3 + i, 6 + 5 * (i % 7) + i)] for i in range(9)]
+    outs = []
+    for kwargs in (dict(attention_backend="torch", enforce_eager=True), {}):
+        llm = LLM(str(path), dtype="float32", skip_tokenizer_init=True, num_kv_blocks=64, **kwargs)
+        params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+        if not kwargs:
+            graphs = llm.engine.runner.decode_path
+            assert graphs is not None and graphs.graphs  # type: ignore[attr-defined]
+    assert outs[0] == outs[1]
+    hf = hf.cuda()
+    for prompt, ids in zip(prompts, outs[1], strict=True):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt]).cuda(), max_new_tokens=10, do_sample=False)
+        assert ids == ref[0, len(prompt) :].tolist()
