@@ -24,6 +24,7 @@ from foudre.distributed.plan import check_parallel
 from foudre.layers.moe import route_grouped
 from foudre.loading.errors import ModelLoadError
 from foudre.loading.hf import load_hf_config
+from foudre.loading.writer import hf_config_dict
 from foudre.models.causal import causal_hidden
 from foudre.models.deepseek_v3 import DeepseekV3ForCausalLM, LatentAttention
 from foudre.quant.qlinear import QuantLinear
@@ -61,6 +62,8 @@ CASES: dict[str, dict[str, Any]] = {
         },
     },
     "no-q-lora-not-interleaved": {"q_lora_rank": None, "rope_interleave": False},
+    # the released models' latent width (512 + 64): the kernels' loops over a wide head
+    "latent-576": {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 32},
     "groups-4-no-norm-v-wider": {
         "n_group": 4,
         "topk_group": 2,
@@ -285,6 +288,8 @@ def test_refusals(tmp_path: Path) -> None:
     raw = json.loads((path / "config.json").read_text())
     raw["scoring_func"] = "softmax"
     (path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match="writing deepseek_v3 checkpoints is not supported"):
+        hf_config_dict(cfg)
     with pytest.raises(ModelLoadError, match="routing scoring_func='softmax'"):
         load_hf_config(path)
 
