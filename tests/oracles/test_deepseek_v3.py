@@ -179,6 +179,21 @@ def test_ngram_speculation_matches_plain_greedy(tmp_path: Path, backend: str) ->
     assert m["spec_draft_tokens"] > 0 and m["spec_accepted_tokens"] > 0
 
 
+def test_forked_samples_copy_latent_blocks(tmp_path: Path) -> None:
+    """n samples fork from one computation of the prompt: its last, partly filled block is
+    copied (copy-on-write of the one latent page tensor) and each sample matches a request
+    of its own with the same seed."""
+    path, _ = _model(tmp_path, "no-q-lora-not-interleaved")
+    llm = LLM(str(path), dtype="float32", skip_tokenizer_init=True, num_kv_blocks=64)
+    prompt = list(range(3, 26))  # 23 tokens: the second block is partly filled
+    forked = llm.generate([prompt], SamplingParams(n=3, temperature=0.9, seed=5, max_tokens=12))
+    assert llm.metrics()["num_cow_copies"] > 0
+    for i, sample in enumerate(forked[0].outputs):
+        params = SamplingParams(temperature=0.9, seed=5 + i, max_tokens=12)
+        alone = llm.generate([prompt], params)[0].outputs[0]
+        assert sample.token_ids == alone.token_ids
+
+
 def test_latent_cache_holds_one_vector_per_token(tmp_path: Path, caplog: Any) -> None:
     path, _ = _model(tmp_path, "q-lora-yarn-mscale")
     with caplog.at_level(logging.INFO, logger="foudre"):
