@@ -17,11 +17,15 @@ qk_rope_head_dim`` values per token and layer, where plain KV would keep ``num_h
 
 since ``q_nope[h] . (W_UK[h] c) = (q_nope[h] W_UK[h]) . c``. The absorbed form is plain
 multi-query attention with one KV head of ``kv_lora_rank + qk_rope_head_dim`` whose values are
-its keys, which every paged backend computes as it is (the cache spec aliases V to K); so every
-step through the paged cache (decode, prompt chunks, prefix hits, resumed preemptions) runs
-absorbed, reading only the latents. The expanded form runs where there is no cache (whole
-sequences through ``CausalBackend``: training, evaluation, calibration): the per-head keys and
-values, the smaller product for a whole prompt.
+its keys, which every paged backend computes as it is (the cache spec aliases V to K). A step
+over the paged cache (``attention/latent.LatentMetadata``) runs each row the cheaper way: a row
+whose context is all new (a prompt computed whole) in the expanded form among its own tokens,
+its latents stored for later; every other row (decode, later prompt chunks, prefix hits,
+resumed preemptions, speculative verification) absorbed, through the backend, reading only
+latents. For a long prompt the expanded form is the smaller product (per head and pair of
+tokens ``qk_head_dim + v_head_dim`` multiply-adds against ``2 kv_lora_rank +
+qk_rope_head_dim``); for one new token over a long context, reading latents is. Whole sequences
+without a cache (``CausalBackend``: training, evaluation, calibration) run expanded too.
 
 The softmax scale is ``qk_head_dim ** -0.5``, times YaRN's ``mscale(factor, mscale_all_dim)``
 squared where the config's rope scaling gives ``mscale_all_dim`` (the released models do).
@@ -46,6 +50,8 @@ from torch import nn
 
 from foudre.attention import AttentionBackend
 from foudre.attention.cache_spec import CacheSpec, LatentAttentionSpec
+from foudre.attention.causal import CausalBackend
+from foudre.attention.latent import LatentMetadata
 from foudre.layers.linear import Linear
 from foudre.layers.mlp import GatedMLP
 from foudre.layers.moe import SparseMoeBlock
@@ -56,6 +62,7 @@ from foudre.models.config import ModelConfig
 from foudre.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger("foudre")
+_CAUSAL = CausalBackend()  # the expanded form's attention among a row's own tokens
 
 
 def softmax_scale(cfg: ModelConfig) -> float:
@@ -140,11 +147,45 @@ class LatentAttention(nn.Module):
         metadata: Any,
     ) -> torch.Tensor:
         q_nope, q_rope, latent, k_rope = self.project(positions, x)
+        parts = (q_nope, q_rope, latent, k_rope)
         if kv_cache.numel() == 0:  # whole sequences without a cache
-            o = self.expanded(q_nope, q_rope, latent, k_rope, kv_cache, backend, metadata)
-        else:
-            o = self.absorbed(q_nope, q_rope, latent, k_rope, kv_cache, backend, metadata)
+            o = self.expanded(*parts, kv_cache, backend, metadata)
+        elif isinstance(metadata, LatentMetadata):
+            o = self.paged(*parts, kv_cache, backend, metadata)
+        else:  # a step laid out without the split (CUDA graphs' decode steps)
+            o = self.absorbed(*parts, kv_cache, backend, metadata)
         return self.o_proj(o.reshape(x.shape[0], self.num_heads * self.v_head_dim))
+
+    def paged(
+        self,
+        q_nope: torch.Tensor,
+        q_rope: torch.Tensor,
+        latent: torch.Tensor,
+        k_rope: torch.Tensor,
+        kv_cache: torch.Tensor,
+        backend: AttentionBackend,
+        metadata: LatentMetadata,
+    ) -> torch.Tensor:
+        """Attention outputs ``[T, H, v_head_dim]`` of a step over the latent cache: the rows
+        whose context is all new in the expanded form, among their own tokens (their latents
+        stored for later steps), the others absorbed through the backend."""
+        if not metadata.fresh:
+            return self.absorbed(q_nope, q_rope, latent, k_rope, kv_cache, backend, metadata.inner)
+        assert metadata.fresh_tokens is not None and metadata.fresh_slots is not None
+        fresh = metadata.fresh_tokens
+        kv = torch.cat([latent[fresh].unsqueeze(1), k_rope[fresh].to(latent.dtype)], dim=-1)
+        pages = kv_cache[0]  # [blocks, block_size, 1, D]: K, and V, of the latent cache
+        pages.view(-1, 1, pages.shape[-1]).index_copy_(0, metadata.fresh_slots, kv)
+        out = q_nope.new_empty(q_nope.shape[0], self.num_heads, self.v_head_dim)
+        for start, n in metadata.fresh:
+            rows = slice(start, start + n)
+            parts = (q_nope[rows], q_rope[rows], latent[rows], k_rope[rows])
+            out[rows] = self.expanded(*parts, kv_cache, _CAUSAL, (1, n))
+        if metadata.inner is not None and metadata.rest is not None:
+            rest = metadata.rest
+            parts = (q_nope[rest], q_rope[rest], latent[rest], k_rope[rest])
+            out[rest] = self.absorbed(*parts, kv_cache, backend, metadata.inner)
+        return out
 
     def absorbed(
         self,

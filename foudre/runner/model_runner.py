@@ -21,6 +21,7 @@ from foudre.attention.cache_spec import (
     element_size,
     pages_of,
 )
+from foudre.attention.latent import build_latent_metadata
 from foudre.attention.paged import PagedBackend
 from foudre.attention.quantized_cache import QuantizedKVCache, kv_bytes_per_token_head
 from foudre.config import EngineConfig
@@ -173,6 +174,7 @@ class ModelRunner:
         # one block past the pool, never handed out: the scratch K/V of padding rows
         self.padding_block = num_blocks
         self.cache_specs = model.kv_cache_specs()
+        self.latent_cache = any(isinstance(s, LatentAttentionSpec) for s in self.cache_specs)
         self.kv_caches: list[torch.Tensor] | list[QuantizedKVCache] = allocate_kv_caches(
             self.cache_specs, num_blocks + 1, block_size, dtype, device, kv_cache_dtype
         )
@@ -241,7 +243,10 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.long),
             block_size=bs,
         )
-        step.metadata = self.backend.build_metadata(layout, self.device)
+        if self.latent_cache:  # the rows whose context is all new apart (attention/latent.py)
+            step.metadata = build_latent_metadata(self.backend, layout, self.device)
+        else:
+            step.metadata = self.backend.build_metadata(layout, self.device)
         step.input_ids = torch.tensor(input_ids, device=self.device)
         step.positions = torch.tensor(positions, device=self.device)
 

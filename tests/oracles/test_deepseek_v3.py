@@ -135,9 +135,19 @@ def test_each_cpu_backend_reads_the_latent_cache(tmp_path: Path, backend: str) -
     _check(llm, hf, PROMPTS, n=12)
 
 
-def test_prefix_hits_preemption_and_chunked_prefill(tmp_path: Path) -> None:
+def test_prefix_hits_preemption_and_chunked_prefill(tmp_path: Path, monkeypatch: Any) -> None:
     """Shared prefixes (prefix hits), few blocks (preemptions) and a small token budget
-    (chunked prompts) give transformers' greedy ids."""
+    (chunked prompts) give transformers' greedy ids; prompts computed whole ran expanded,
+    the rest (decode, later chunks, rows after a prefix hit) absorbed, in the same steps."""
+    calls = {"expanded": 0, "absorbed": 0}
+    for form in calls:
+        original = getattr(LatentAttention, form)
+
+        def counted(*args: Any, _f: Any = original, _name: str = form) -> Any:
+            calls[_name] += 1
+            return _f(*args)
+
+        monkeypatch.setattr(LatentAttention, form, counted)
     path, hf = _model(tmp_path, "no-q-lora-not-interleaved")
     shared = list(range(3, 40))
     prompts = [[*shared, 50 + i, 60 + i] for i in range(4)] + [[7, 8, 9], shared[:20]]
@@ -155,6 +165,7 @@ def test_prefix_hits_preemption_and_chunked_prefill(tmp_path: Path) -> None:
     m = llm.metrics()
     assert m["num_preemptions"] > 0
     assert m["prefix_cache_hits"] > 0
+    assert calls["expanded"] > 0 and calls["absorbed"] > 0
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
