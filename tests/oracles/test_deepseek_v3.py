@@ -20,7 +20,6 @@ from foudre.attention import TorchSDPABackend
 from foudre.attention.cache_spec import LatentAttentionSpec, pages_of
 from foudre.attention.causal import CausalBackend
 from foudre.distributed.errors import ParallelConfigError
-from foudre.distributed.plan import check_parallel
 from foudre.layers.moe import route_grouped
 from foudre.loading.errors import ModelLoadError
 from foudre.loading.hf import load_hf_config
@@ -309,8 +308,15 @@ def test_refusals(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"kv_cache_dtype 'int8'.*LatentAttentionSpec"):
         LLM(str(path), dtype="float32", skip_tokenizer_init=True, kv_cache_dtype="int8")
     cfg = load_hf_config(path)
-    with pytest.raises(ParallelConfigError, match=r"deepseek_v3.*tensor and pipeline"):
-        check_parallel(cfg, 2, 1)
+    for tp, pp in ((2, 1), (1, 2)):  # refused before any worker starts
+        with pytest.raises(ParallelConfigError, match=r"deepseek_v3.*tensor and pipeline"):
+            LLM(
+                str(path),
+                dtype="float32",
+                skip_tokenizer_init=True,
+                tensor_parallel_size=tp,
+                pipeline_parallel_size=pp,
+            )
     raw = json.loads((path / "config.json").read_text())
     raw["scoring_func"] = "softmax"
     (path / "config.json").write_text(json.dumps(raw))
