@@ -325,6 +325,16 @@ class SparseMoeBlock(nn.Module):
             self.routed_scaling_factor,
         )
 
+    def _apply(self, fn: Any, recurse: bool = True) -> SparseMoeBlock:
+        """``nn.Module._apply`` (``to``, ``cuda``, ...), keeping ``e_score_correction_bias``
+        float32 whatever the model's dtype: the expert choice compares biased scores finer
+        than bfloat16 resolves a bias of several units (transformers keeps it float32 too)."""
+        super()._apply(fn, recurse)
+        bias = self.e_score_correction_bias
+        if bias is not None and bias.dtype != torch.float32:
+            bias.data = bias.data.float()
+        return self
+
     def reset_stats(self) -> None:
         """Zero ``expert_tokens`` (also what a model built on the meta device needs)."""
         self.expert_tokens.zero_()

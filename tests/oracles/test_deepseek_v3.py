@@ -258,6 +258,21 @@ def test_absorbed_equals_expanded(tmp_path: Path) -> None:
     torch.testing.assert_close(torch.cat(outs), expanded, rtol=1e-5, atol=1e-5)
 
 
+def test_bfloat16_keeps_the_selection_bias_in_float32(tmp_path: Path) -> None:
+    """In a bfloat16 model the routers' e_score_correction_bias stays float32, as stored."""
+    path, _ = _model(tmp_path, "q-lora-yarn-mscale")
+    stored = load_file(str(path / "model.safetensors"))
+    llm = LLM(str(path), dtype="bfloat16", skip_tokenizer_init=True, num_kv_blocks=64)
+    model = llm.engine.runner.model
+    assert next(model.parameters()).dtype == torch.bfloat16
+    for i, block in model.moe_blocks().items():
+        bias = block.e_score_correction_bias
+        assert bias is not None and bias.dtype == torch.float32
+        assert torch.equal(bias, stored[f"model.layers.{i}.mlp.gate.e_score_correction_bias"])
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    assert len(llm.generate([PROMPTS[1]], params)[0].outputs[0].token_ids) == 4
+
+
 def test_route_grouped_matches_transformers_router() -> None:
     from transformers import DeepseekV3Config
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
