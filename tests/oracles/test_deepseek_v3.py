@@ -50,6 +50,7 @@ BASE: dict[str, Any] = dict(
 )
 CASES: dict[str, dict[str, Any]] = {
     "q-lora-yarn-mscale": {
+        "attention_bias": True,  # q_a, kv_a (its RoPE part de-interleaved too) and o biases
         "rope_scaling": {
             "rope_type": "yarn",
             "factor": 4.0,
