@@ -342,6 +342,21 @@ def test_refusals(tmp_path: Path) -> None:
         load_hf_config(path)
 
 
+def test_kimi_k2_config_loads_as_deepseek_v3(tmp_path: Path) -> None:
+    """Kimi-K2's config.json names model_type kimi_k2 and the DeepseekV3ForCausalLM class;
+    keys it leaves out take DeepSeek-V3's defaults."""
+    path, _ = _model(tmp_path, "q-lora-yarn-mscale")
+    raw = json.loads((path / "config.json").read_text())
+    raw["model_type"] = "kimi_k2"
+    del raw["v_head_dim"]
+    raw["architectures"] = ["DeepseekV3ForCausalLM"]
+    (path / "config.json").write_text(json.dumps(raw))
+    cfg = load_hf_config(path)
+    assert cfg.architecture == "deepseek_v3"
+    assert (cfg.kv_lora_rank, cfg.v_head_dim, cfg.n_group, cfg.topk_group) == (32, 128, 2, 1)
+    assert cfg.mlp_only_layers == (0,) and cfg.shared_expert_intermediate_size == 32
+
+
 def test_multi_token_prediction_layers_are_skipped(tmp_path: Path, caplog: Any) -> None:
     """A checkpoint with a multi-token-prediction layer past num_hidden_layers (as the released
     models have) loads; that layer is skipped with a log line."""
