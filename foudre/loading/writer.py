@@ -77,15 +77,14 @@ def hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
 
 
 def hf_config_dict(cfg: ModelConfig) -> dict[str, Any]:
-    """``config.json`` content that transformers and foudre both read as ``cfg``.
-    ``ValueError`` for an architecture whose checkpoints are not written (DeepSeek-V3)."""
-    if cfg.architecture not in _HF_CLASSES:
-        raise ValueError(f"writing {cfg.architecture} checkpoints is not supported")
+    """``config.json`` content that transformers and foudre both read as ``cfg``."""
     eos: int | list[int] | None = cfg.eos_token_ids
     if isinstance(eos, list) and len(eos) == 1:
         eos = eos[0]
     elif not eos:
         eos = None
+    if cfg.architecture not in _HF_CLASSES:  # DeepSeek-V3's keys are not written
+        raise ValueError(f"writing {cfg.architecture} checkpoints is not supported")
     raw: dict[str, Any] = {
         "architectures": [_HF_CLASSES[cfg.architecture]],
         "model_type": cfg.architecture,
