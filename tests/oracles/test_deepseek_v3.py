@@ -357,6 +357,60 @@ def test_kimi_k2_config_loads_as_deepseek_v3(tmp_path: Path) -> None:
     assert cfg.mlp_only_layers == (0,) and cfg.shared_expert_intermediate_size == 32
 
 
+def _fp8_checkpoint(src: Path, out: Path, block: tuple[int, int]) -> Path:
+    """``src`` rewritten as DeepSeek-V3 is released: each linear weight (not the embedding,
+    head, routers) float8 e4m3 with a float32 ``weight_scale_inv`` per ``block``; returns a
+    float checkpoint of the weights that stands for (for transformers)."""
+    stored: dict[str, torch.Tensor] = {}
+    floats: dict[str, torch.Tensor] = {}
+    for name, w in load_file(str(src / "model.safetensors")).items():
+        skip = ("embed_tokens", "lm_head", "mlp.gate.weight")
+        if w.dim() != 2 or any(k in name for k in skip):
+            stored[name] = floats[name] = w
+            continue
+        (rows, cols), (bo, bi) = w.shape, block
+        nb = (-(-rows // bo), -(-cols // bi))
+        padded = torch.zeros(nb[0] * bo, nb[1] * bi)
+        padded[:rows, :cols] = w
+        tiles = padded.view(nb[0], bo, nb[1], bi)
+        scale = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
+        codes = (tiles / scale[:, None, :, None]).to(torch.float8_e4m3fn)
+        stored[name] = codes.view(nb[0] * bo, nb[1] * bi)[:rows, :cols].contiguous()
+        stored[name + "_scale_inv"] = scale
+        floats[name] = (codes.float() * scale[:, None, :, None]).view(padded.shape)[:rows, :cols]
+    raw = json.loads((src / "config.json").read_text())
+    qc = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(block)}
+    for target, state, config in ((out / "fp8", stored, qc), (out / "float", floats, None)):
+        target.mkdir(parents=True)
+        save_file({k: v.contiguous() for k, v in state.items()}, str(target / "model.safetensors"))
+        quantized = {} if config is None else {"quantization_config": config}
+        (target / "config.json").write_text(json.dumps({**raw, **quantized}))
+    return out / "float"
+
+
+def test_fp8_block_checkpoint_loads_dequantized(tmp_path: Path) -> None:
+    """A checkpoint in DeepSeek-V3's released form (float8 weights, a scale per block of
+    16 x 16 here: partial blocks at the edges) loads as the float weights it stands for:
+    transformers' logits and greedy ids on those weights. A missing scale is named."""
+    src, _ = _model(tmp_path, "q-lora-yarn-mscale")
+    hf = _hf_model(_fp8_checkpoint(src, tmp_path / "ckpt", (16, 16)))
+    hf.generation_config.eos_token_id = None
+    llm = LLM(str(tmp_path / "ckpt" / "fp8"), dtype="float32", skip_tokenizer_init=True,
+              num_kv_blocks=64)  # fmt: skip
+    for prompt in PROMPTS[:2]:
+        with torch.no_grad():
+            ref = hf(torch.tensor([prompt])).logits[0, -1].float()
+        torch.testing.assert_close(_last_logits(llm, prompt).cpu(), ref, rtol=1e-4, atol=1e-4)
+    _check(llm, hf, PROMPTS[:2], n=8)
+    fp8 = tmp_path / "ckpt" / "fp8"
+    state = load_file(str(fp8 / "model.safetensors"))
+    name = "model.layers.1.self_attn.o_proj.weight"
+    del state[name + "_scale_inv"]
+    save_file(state, str(fp8 / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=f"float8 weight '{name}' has no"):
+        LLM(str(fp8), dtype="float32", skip_tokenizer_init=True, num_kv_blocks=64)
+
+
 def test_multi_token_prediction_layers_are_skipped(tmp_path: Path, caplog: Any) -> None:
     """A checkpoint with a multi-token-prediction layer past num_hidden_layers (as the released
     models have) loads; that layer is skipped with a log line."""
