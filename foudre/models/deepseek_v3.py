@@ -23,8 +23,9 @@ whose context is all new (a prompt computed whole) in the expanded form among it
 its latents stored for later; every other row (decode, later prompt chunks, prefix hits,
 resumed preemptions, speculative verification) absorbed, through the backend, reading only
 latents. For a long prompt the expanded form is the smaller product (per head and pair of
-tokens ``qk_head_dim + v_head_dim`` multiply-adds against ``2 kv_lora_rank +
-qk_rope_head_dim``); for one new token over a long context, reading latents is. Whole sequences
+tokens ``qk_head_dim + v_head_dim`` multiply-adds against ``2 (kv_lora_rank +
+qk_rope_head_dim)``: 320 against 1152 in DeepSeek-V3); for one new token over a long context,
+reading the latents is the smaller read. Whole sequences
 without a cache (``CausalBackend``: training, evaluation, calibration) run expanded too.
 
 The softmax scale is ``qk_head_dim ** -0.5``, times YaRN's ``mscale(factor, mscale_all_dim)``
