@@ -80,6 +80,8 @@ def make_hf_model(path: Path, arch: str = "llama", seed: int = 0, **overrides: A
         bos_token_id=1,
         eos_token_id=2,
     )
+    if arch == "deepseek_v3":  # its keys are expanded per attention head: no KV grouping
+        base["num_key_value_heads"] = base["num_attention_heads"]
     base.update(overrides)
     cls = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
@@ -90,6 +92,7 @@ def make_hf_model(path: Path, arch: str = "llama", seed: int = 0, **overrides: A
         "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
         "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM),
+        "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),
     }[arch]
     torch.manual_seed(seed)
     config = cls[0](**base)
@@ -103,6 +106,9 @@ def make_hf_model(path: Path, arch: str = "llama", seed: int = 0, **overrides: A
                 p.normal_(0.0, 0.1)
             else:  # norms
                 p.uniform_(0.8, 1.2)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's selection bias
+                b.normal_(0.0, 0.1)
     model.save_pretrained(path, safe_serialization=True)
     return path
 

@@ -220,6 +220,12 @@ def check_parallel(
         raise ParallelConfigError(
             field, f"{cfg.architecture}'s q/k norm over all heads does not run tensor-parallel"
         )
+    if cfg.kv_lora_rank and t * p > 1:  # multi-head latent attention (DeepSeek-V3)
+        raise ParallelConfigError(
+            field if t > 1 else "pipeline_parallel_size",
+            f"{cfg.architecture} (multi-head latent attention) runs on one device only: "
+            "tensor and pipeline parallelism are not supported for it",
+        )
     if p > cfg.num_hidden_layers:
         raise ParallelConfigError(
             "pipeline_parallel_size",

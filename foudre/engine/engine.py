@@ -32,7 +32,7 @@ from foudre.loading.loader import LoadedModel, load_tokenizer_for
 from foudre.loading.tokenizer import Tokenizer
 from foudre.outputs import ErrorCode, RequestOutput
 from foudre.runner.host_memory import keep_freed_host_memory
-from foudre.runner.model_runner import kv_bytes_per_block, num_kv_blocks
+from foudre.runner.model_runner import describe_kv_cache, kv_bytes_per_block, num_kv_blocks
 from foudre.runner.step import StepOutput
 from foudre.sampling_params import BeamSearchParams, SamplingParams
 
@@ -78,6 +78,7 @@ class LLMEngine:
         else:
             num_blocks = num_kv_blocks(self.model, config, self.device, max_len)
         wiring.check_capacity(num_blocks, config, max_len)
+        logger.info(describe_kv_cache(self.model, self.dtype, config.kv_cache_dtype, num_blocks))
         self.kv = wiring.block_manager(config, num_blocks, max_len)
         self.scheduler = wiring.scheduler(config, self.kv, max_len)
         self.runner: Executor = self._parallel or wiring.runner(
@@ -365,6 +366,7 @@ class LLMEngine:
             "num_cow_copies": kv.num_copies,
             "num_total_blocks": kv.num_blocks,
             "block_size": kv.block_size,
+            "kv_bytes_per_token": self.kv_bytes_per_block // kv.block_size,
             "num_preemptions": self.scheduler.num_preemptions,
             "prefix_cache_queries": kv.prefix_cache_queries,
             "prefix_cache_hits": kv.prefix_cache_hits,

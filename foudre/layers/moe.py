@@ -10,6 +10,10 @@ uses (how many experts, top-k, renormalised or not, a shared expert and its gate
                                                            weights[t, j] * expert(ids[t, j], x[t])
     out += sigmoid(shared_expert_gate(x)) * shared_expert(x)     (Qwen2-MoE)
 
+DeepSeek-V3's variant (``scoring="sigmoid"``) routes by ``route_grouped`` instead: sigmoid
+scores, a per-expert bias added for the choice only, the choice limited to the best groups of
+experts, weights scaled by ``routed_scaling_factor``; its shared experts have no gate.
+
 ``Experts`` holds the routed experts' weights stacked (``gate_up_proj`` ``[E, 2I, hidden]``,
 ``down_proj`` ``[E, hidden, I]``, Hugging Face's fused layout) and never loops over tokens:
 
@@ -71,6 +75,39 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids
+
+
+def route_grouped(
+    logits: torch.Tensor,
+    bias: torch.Tensor,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    renormalize: bool,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weights, ids)``, both ``[T, top_k]``, DeepSeek-V3's routing: scores ``sigmoid(logits)``
+    (float32); each token chooses by ``scores + bias`` (``bias`` ``[E]``: the checkpoint's
+    ``e_score_correction_bias``), among the experts of its best ``topk_group`` of ``n_group``
+    equal groups only (a group ranked by the sum of its two best biased scores), the
+    ``top_k`` best, highest first (the lower index first among equal ones); their weights are
+    their unbiased scores, divided by their sum when ``renormalize``, times ``scaling``."""
+    scores = torch.sigmoid(logits.float())
+    choice = scores + bias.float()
+    t, e = choice.shape
+    if n_group > 1 and topk_group < n_group:
+        per_group = choice.view(t, n_group, e // n_group)
+        group_scores = per_group.topk(2, dim=-1).values.sum(dim=-1)  # [T, n_group]
+        best = torch.sort(group_scores, dim=-1, descending=True, stable=True).indices
+        keep = torch.zeros_like(group_scores, dtype=torch.bool)
+        keep.scatter_(1, best[:, :topk_group], True)
+        keep = keep.unsqueeze(-1).expand(t, n_group, e // n_group).reshape(t, e)
+        choice = choice.masked_fill(~keep, float("-inf"))
+    ids = torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scaling, ids
 
 
 def grouped_experts(
@@ -190,7 +227,11 @@ class SparseMoeBlock(nn.Module):
     """A mixture-of-experts MLP: the router ``gate`` (``[E, hidden]``, no bias), the routed
     ``experts``, and optionally a ``shared_expert`` every token goes through, scaled by
     ``sigmoid(shared_expert_gate(x))`` when ``shared_gate``. Parameter names are Hugging
-    Face's (Qwen2-MoE, Qwen3-MoE, OLMoE, and Mixtral's once renamed)."""
+    Face's (Qwen2-MoE, Qwen3-MoE, OLMoE, and Mixtral's once renamed).
+
+    ``scoring``: ``"softmax"`` (``route``), or ``"sigmoid"`` for DeepSeek-V3's routing
+    (``route_grouped`` with ``n_group``, ``topk_group``, ``routed_scaling_factor`` and the
+    parameter ``e_score_correction_bias`` ``[E]``, which only the sigmoid variant has)."""
 
     expert_tokens: torch.Tensor
 
@@ -203,10 +244,23 @@ class SparseMoeBlock(nn.Module):
         renormalize: bool,
         shared_intermediate_size: int = 0,
         shared_gate: bool = False,
+        scoring: str = "softmax",
+        n_group: int = 1,
+        topk_group: int = 1,
+        routed_scaling_factor: float = 1.0,
     ) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k={top_k} must be within 1..num_experts={num_experts}")
+        if scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"unknown expert scoring {scoring!r} (softmax, sigmoid)")
+        self.scoring = scoring
+        self.n_group, self.topk_group = n_group, topk_group
+        self.routed_scaling_factor = routed_scaling_factor
+        self.e_score_correction_bias: nn.Parameter | None = None
+        if scoring == "sigmoid":
+            bias = torch.zeros(num_experts, dtype=torch.float32)
+            self.e_score_correction_bias = nn.Parameter(bias, requires_grad=False)
         self.hidden_size = hidden_size
         self.top_k = top_k
         self.renormalize = renormalize
@@ -237,7 +291,8 @@ class SparseMoeBlock(nn.Module):
         decode-sized CPU batch, the plain router and experts, nothing autograd records."""
         experts, gate = self.experts, self.gate
         return (
-            x.shape[0] <= MAX_ROWS.get(x.dtype, 0)
+            self.scoring == "softmax"
+            and x.shape[0] <= MAX_ROWS.get(x.dtype, 0)
             and type(experts) is Experts
             and type(gate) is Linear
             and gate.bias is None
@@ -249,6 +304,36 @@ class SparseMoeBlock(nn.Module):
             and self.expert_tokens.is_cpu
             and not torch.is_autocast_enabled("cpu")
         )
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The routing ``(weights, ids)`` ``[T, top_k]`` of the rows ``x`` by this block's
+        variant."""
+        if self.e_score_correction_bias is None:
+            return route(self.gate(x), self.top_k, self.renormalize)
+        gate = self.gate
+        if type(gate) is Linear:  # as DeepSeek routes: logits in float32
+            logits = F.linear(x.float(), gate.weight.float())
+        else:
+            logits = gate(x)
+        return route_grouped(
+            logits,
+            self.e_score_correction_bias,
+            self.top_k,
+            self.n_group,
+            self.topk_group,
+            self.renormalize,
+            self.routed_scaling_factor,
+        )
+
+    def _apply(self, fn: Any, recurse: bool = True) -> SparseMoeBlock:
+        """``nn.Module._apply`` (``to``, ``cuda``, ...), keeping ``e_score_correction_bias``
+        float32 whatever the model's dtype: the expert choice compares biased scores finer
+        than bfloat16 resolves a bias of several units (transformers keeps it float32 too)."""
+        super()._apply(fn, recurse)
+        bias = self.e_score_correction_bias
+        if bias is not None and bias.dtype != torch.float32:
+            bias.data = bias.data.float()
+        return self
 
     def reset_stats(self) -> None:
         """Zero ``expert_tokens`` (also what a model built on the meta device needs)."""
@@ -284,7 +369,7 @@ class SparseMoeBlock(nn.Module):
                 counted,
             )
         else:
-            weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+            weights, ids = self.route(x)
             if self.counting:
                 self._count(ids)
             out = self.experts(x, weights, ids)

@@ -31,6 +31,7 @@ _ARCHITECTURE_CLASSES = {
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "OlmoeForCausalLM": "olmoe",
+    "DeepseekV3ForCausalLM": "deepseek_v3",  # Kimi-K2's model_type is kimi_k2
 }
 
 # Hugging Face's defaults per model type for keys a config.json may leave out
@@ -59,6 +60,25 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
         "moe_intermediate_size": 768,
     },
     "olmoe": {"max_position_embeddings": 4096, "num_experts": 64, "num_experts_per_tok": 8},
+    "deepseek_v3": {
+        "max_position_embeddings": 4096,
+        "n_routed_experts": 256,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 2048,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 3,
+        "n_group": 8,
+        "topk_group": 4,
+        "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True,
+        "kv_lora_rank": 512,
+        "q_lora_rank": 1536,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "rope_interleave": True,
+        "num_nextn_predict_layers": 1,
+    },
 }
 
 # Keys of other mixture-of-experts routers (DeepSeek's sigmoid scores, grouped top-k and scaled
@@ -237,8 +257,63 @@ def _layer_types(
     return tuple("sliding_attention" if i >= first else "full_attention" for i in range(num_layers))
 
 
+# DeepSeek-V3's routing keys and the values that mean its routing (sigmoid scores, the
+# selection bias, group-limited top-k): anything else is refused, naming the key.
+_DEEPSEEK_ROUTING_KEYS: dict[str, tuple[Any, ...]] = {
+    "scoring_func": ("sigmoid", None),
+    "topk_method": ("noaux_tc", None),
+}
+
+
+def _deepseek_v3(raw: dict[str, Any], path: Path) -> dict[str, Any]:
+    """DeepSeek-V3's (and Kimi-K2's) ``ModelConfig`` fields: latent attention and routing."""
+    defaults = _HF_DEFAULTS["deepseek_v3"]
+
+    def get(key: str) -> Any:
+        return raw[key] if key in raw else defaults[key]
+
+    def count(key: str, minimum: int = 1) -> int:
+        value = get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+            raise ModelLoadError(f"{path}: {key} must be an int >= {minimum}, got {value!r}", path)
+        return value
+
+    for key, accepted in _DEEPSEEK_ROUTING_KEYS.items():
+        if raw.get(key) not in accepted:
+            raise ModelLoadError(
+                f"{path}: unsupported mixture-of-experts routing {key}={raw[key]!r} for "
+                f"deepseek_v3 (supported: {accepted[0]!r})",
+                path,
+            )
+    scaling = get("routed_scaling_factor")
+    _positive_number(path, "routed_scaling_factor", scaling)
+    experts, inter = count("n_routed_experts"), count("moe_intermediate_size")
+    q_lora = get("q_lora_rank")
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=count("num_experts_per_tok"),
+        moe_intermediate_size=inter,
+        norm_topk_prob=bool(get("norm_topk_prob")),
+        moe_scoring_func="sigmoid",
+        shared_expert_intermediate_size=count("n_shared_experts", 0) * inter,
+        mlp_only_layers=tuple(range(count("first_k_dense_replace", 0))),
+        n_group=1 if raw.get("n_group", 0) is None else count("n_group"),
+        topk_group=1 if raw.get("topk_group", 0) is None else count("topk_group"),
+        routed_scaling_factor=float(scaling),
+        kv_lora_rank=count("kv_lora_rank"),
+        q_lora_rank=None if q_lora is None else count("q_lora_rank"),
+        qk_nope_head_dim=count("qk_nope_head_dim"),
+        qk_rope_head_dim=count("qk_rope_head_dim"),
+        v_head_dim=count("v_head_dim"),
+        rope_interleave=bool(get("rope_interleave")),
+        num_nextn_predict_layers=count("num_nextn_predict_layers", 0),
+    )
+
+
 def _moe(raw: dict[str, Any], arch: str, path: Path) -> dict[str, Any]:
     """The ``ModelConfig`` mixture-of-experts fields of a config.json (``{}`` for dense ones)."""
+    if arch == "deepseek_v3":
+        return _deepseek_v3(raw, path)
     if arch not in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe"):
         return {}
     defaults = _HF_DEFAULTS[arch]

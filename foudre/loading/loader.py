@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from foudre.loading.errors import ModelLoadError
+from foudre.loading.fp8_blocks import dequantize_fp8_blocks, fp8_block_size
 from foudre.loading.gguf import (
     GGUFFile,
     gguf_config,
@@ -34,7 +35,11 @@ from foudre.loading.hf import (
 )
 from foudre.loading.llama2c import load_llama2c
 from foudre.loading.memory import release_freed, releasing
-from foudre.loading.quantized import is_quantized_checkpoint, load_quantized
+from foudre.loading.quantized import (
+    is_quantized_checkpoint,
+    load_quantized,
+    read_quantization_config,
+)
 from foudre.loading.tokenizer import (
     HFTokenizer,
     Llama2cTokenizer,
@@ -153,6 +158,9 @@ def load_model(
     else:
         cfg = load_hf_config(path)
         weights = iter_safetensors_weights(path)
+        fp8_block = fp8_block_size(read_quantization_config(path), path)
+        if fp8_block is not None:  # DeepSeek-V3's release: float8 weights, block scales
+            weights = dequantize_fp8_blocks(weights, fp8_block)
         tok = tokenizer or str(path)
         gen = load_generation_config(path)
     torch_dtype = parse_dtype(cfg.torch_dtype if dtype == "auto" else dtype)

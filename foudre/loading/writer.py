@@ -86,6 +86,8 @@ def hf_config_dict(cfg: ModelConfig, dtype: torch.dtype | None = None) -> dict[s
         eos = eos[0]
     elif not eos:
         eos = None
+    if cfg.architecture not in _HF_CLASSES:  # DeepSeek-V3's keys are not written
+        raise ValueError(f"writing {cfg.architecture} checkpoints is not supported")
     raw: dict[str, Any] = {
         "architectures": [_HF_CLASSES[cfg.architecture]],
         "model_type": cfg.architecture,

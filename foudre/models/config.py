@@ -7,11 +7,13 @@ from typing import Any
 
 SUPPORTED_ARCHITECTURES = (
     "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
+    "deepseek_v3",
 )  # fmt: skip
 # How a mixture-of-experts router scores the experts before its top-k: a softmax over all of
-# them (Mixtral, Qwen-MoE, OLMoE). Other variants (sigmoid scores, grouped top-k, a bias on
-# the scores) are refused by the loaders, naming the variant.
-MOE_SCORING_FUNCS = ("softmax",)
+# them (Mixtral, Qwen-MoE, OLMoE), or DeepSeek-V3's sigmoid scores with a selection bias and a
+# group-limited top-k (``layers/moe.route_grouped``). Other variants are refused by the
+# loaders, naming the variant.
+MOE_SCORING_FUNCS = ("softmax", "sigmoid")
 
 
 @dataclass(slots=True)
@@ -64,6 +66,25 @@ class ModelConfig:
     shared_expert_gate: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    # DeepSeek-V3 (and Kimi-K2): multi-head latent attention (``kv_lora_rank > 0``). Queries
+    # come through a ``q_lora_rank`` bottleneck (None: one projection); keys and values are
+    # expanded from a ``kv_lora_rank`` latent per token, each head's key being
+    # ``qk_nope_head_dim`` values from the latent and ``qk_rope_head_dim`` rotated values
+    # shared by all heads (``rope_interleave``: the checkpoint's RoPE pairs are interleaved);
+    # values are ``v_head_dim`` per head. Its routers (``moe_scoring_func`` "sigmoid") choose
+    # among the best ``topk_group`` of ``n_group`` expert groups and scale the weights by
+    # ``routed_scaling_factor``; ``num_nextn_predict_layers`` multi-token-prediction layers in
+    # the checkpoint are skipped.
+    kv_lora_rank: int = 0
+    q_lora_rank: int | None = None
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    num_nextn_predict_layers: int = 0
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -112,6 +133,18 @@ class ModelConfig:
                 )
             if self.shared_expert_intermediate_size < 0:
                 raise ValueError("shared_expert_intermediate_size must be >= 0")
+            if self.n_group < 1 or self.num_experts % self.n_group:
+                raise ValueError(f"n_group={self.n_group} must divide num_experts")
+            if not 1 <= self.topk_group <= self.n_group:
+                raise ValueError(f"topk_group={self.topk_group} must be within 1..n_group")
+            if self.n_group > 1 and self.num_experts // self.n_group < 2:
+                raise ValueError("group-limited routing needs at least 2 experts per group")
+        if self.kv_lora_rank:
+            for name in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+                if getattr(self, name) <= 0:
+                    raise ValueError(f"{name} must be positive for latent attention")
+            if self.qk_rope_head_dim % 2:
+                raise ValueError("qk_rope_head_dim must be even (RoPE rotates pairs)")
 
     @property
     def is_moe(self) -> bool:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from foudre.attention import AttentionBackend
+from foudre.attention.cache_spec import CacheSpec, FullAttentionSpec
 from foudre.layers.linear import Linear
 from foudre.layers.mlp import GatedMLP
 from foudre.layers.moe import SparseMoeBlock
@@ -156,6 +157,12 @@ class LlamaForCausalLM(nn.Module):
         self.vocab_size = vocab_size
         for layer in self.model.layers:
             cast(DecoderLayer, layer).tp = tp
+
+    def kv_cache_specs(self) -> list[CacheSpec]:
+        """What each of this model's layers keeps per token in the paged cache: K and V of its
+        KV heads (with the layer's sliding window, if any)."""
+        attns = [cast(DecoderLayer, layer).self_attn for layer in self.model.layers]
+        return [FullAttentionSpec(a.num_kv_heads, a.head_dim, a.sliding_window) for a in attns]
 
     def forward(
         self,

@@ -14,6 +14,14 @@ from collections.abc import Callable, Sequence
 import torch
 
 from foudre.attention import AttentionBackend, BatchLayout
+from foudre.attention.cache_spec import (
+    CacheSpec,
+    FullAttentionSpec,
+    LatentAttentionSpec,
+    element_size,
+    pages_of,
+)
+from foudre.attention.latent import build_latent_metadata
 from foudre.attention.paged import PagedBackend
 from foudre.attention.quantized_cache import QuantizedKVCache, kv_bytes_per_token_head
 from foudre.config import EngineConfig
@@ -29,12 +37,77 @@ from foudre.sample.sampler import sample
 _CPU_DEFAULT_KV_BYTES = 2 << 30
 
 
+def kv_bytes_per_token(spec: CacheSpec, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+    """Bytes one token takes in a layer of ``spec`` (scales included when quantized).
+    ``ValueError`` for a quantized latent cache (only full attention's K/V are quantized)."""
+    if kv_cache_dtype == "auto":
+        return spec.bytes_per_token(dtype)
+    if not isinstance(spec, FullAttentionSpec):
+        raise ValueError(
+            f"kv_cache_dtype {kv_cache_dtype!r} quantizes full-attention K/V only; this model "
+            f"caches {type(spec).__name__} (multi-head latent attention): use kv_cache_dtype "
+            "'auto'"
+        )
+    return 2 * spec.num_kv_heads * kv_bytes_per_token_head(spec.head_dim, kv_cache_dtype, dtype)
+
+
 def kv_bytes_per_block(
     model: LlamaForCausalLM, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto"
 ) -> int:
-    cfg = model.config
-    per = kv_bytes_per_token_head(cfg.head_dim, kv_cache_dtype, dtype)
-    return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * per
+    """Bytes of one KV block across all of ``model``'s layers (the sum of their specs)."""
+    specs = model.kv_cache_specs()
+    return block_size * sum(kv_bytes_per_token(s, dtype, kv_cache_dtype) for s in specs)
+
+
+def describe_kv_cache(
+    model: LlamaForCausalLM, dtype: torch.dtype, kv_cache_dtype: str, num_blocks: int
+) -> str:
+    """One line for the startup log: the pool's blocks and bytes per token over all layers;
+    for a latent cache, what plain K/V of every head would take instead."""
+    specs = model.kv_cache_specs()
+    per_token = sum(kv_bytes_per_token(s, dtype, kv_cache_dtype) for s in specs)
+    line = f"KV cache: {num_blocks} blocks, {per_token} bytes per token over {len(specs)} layers"
+    latent = [s for s in specs if isinstance(s, LatentAttentionSpec)]
+    if latent:
+        cfg = model.config
+        per_head = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim
+        plain = len(latent) * cfg.num_attention_heads * per_head * element_size(dtype)
+        own = sum(s.bytes_per_token(dtype) for s in latent)
+        line += (
+            f"; latent attention: {own} bytes per token where plain K/V of "
+            f"{cfg.num_attention_heads} heads would take {plain} ({plain / own:.1f}x)"
+        )
+    return line
+
+
+def allocate_kv_caches(
+    specs: Sequence[CacheSpec],
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    kv_cache_dtype: str = "auto",
+) -> list[torch.Tensor] | list[QuantizedKVCache]:
+    """One cache per layer, ``num_blocks`` blocks each, laid out by the layer's spec as the
+    backends read it (``[2, blocks, block_size, heads, dim]``, or quantized K/V)."""
+    if kv_cache_dtype == "auto":
+        return [s.allocate(num_blocks, block_size, dtype, device) for s in specs]
+    quantized = []
+    for spec in specs:
+        kv_bytes_per_token(spec, dtype, kv_cache_dtype)  # refuses what cannot be quantized
+        assert isinstance(spec, FullAttentionSpec)
+        quantized.append(
+            QuantizedKVCache(
+                num_blocks,
+                block_size,
+                spec.num_kv_heads,
+                spec.head_dim,
+                kv_cache_dtype,
+                dtype,
+                device,
+            )
+        )
+    return quantized
 
 
 def device_memory(device: torch.device) -> int:
@@ -98,22 +171,13 @@ class ModelRunner:
         if device.type == "cpu":  # before anything holds their addresses
             huge_pages.place_in_huge_pages(model)
         cfg = model.config
-        heads, dim = cfg.num_key_value_heads, cfg.head_dim
         # one block past the pool, never handed out: the scratch K/V of padding rows
         self.padding_block = num_blocks
-        self.kv_caches: list[torch.Tensor] | list[QuantizedKVCache]
-        if kv_cache_dtype == "auto":
-            shape = (2, num_blocks + 1, block_size, heads, dim)
-            self.kv_caches = [
-                torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)
-            ]
-        else:
-            self.kv_caches = [
-                QuantizedKVCache(
-                    num_blocks + 1, block_size, heads, dim, kv_cache_dtype, dtype, device
-                )
-                for _ in range(cfg.num_hidden_layers)
-            ]
+        self.cache_specs = model.kv_cache_specs()
+        self.latent_cache = any(isinstance(s, LatentAttentionSpec) for s in self.cache_specs)
+        self.kv_caches: list[torch.Tensor] | list[QuantizedKVCache] = allocate_kv_caches(
+            self.cache_specs, num_blocks + 1, block_size, dtype, device, kv_cache_dtype
+        )
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.input_batch = InputBatch(cfg.vocab_size, device, max_num_seqs)
         self._decode_path_args = (max_num_seqs, max_model_len or cfg.max_position_embeddings)
@@ -148,7 +212,8 @@ class ModelRunner:
                 cache.codes[:, dst] = cache.codes[:, src]
                 cache.scales[:, dst] = cache.scales[:, src]
             else:
-                cache[:, dst] = cache[:, src]
+                for pages in pages_of(cache):  # a latent cache's K and V are one memory
+                    pages[dst] = pages[src]
 
     def flatten(self, step: ForwardStep) -> None:
         """Fill ``step``'s flattened tensors: token ids, positions, and the backend's metadata
@@ -178,7 +243,10 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.long),
             block_size=bs,
         )
-        step.metadata = self.backend.build_metadata(layout, self.device)
+        if self.latent_cache:  # the rows whose context is all new apart (attention/latent.py)
+            step.metadata = build_latent_metadata(self.backend, layout, self.device)
+        else:
+            step.metadata = self.backend.build_metadata(layout, self.device)
         step.input_ids = torch.tensor(input_ids, device=self.device)
         step.positions = torch.tensor(positions, device=self.device)
 
@@ -308,7 +376,8 @@ def _graphs(runner: ModelRunner, max_num_seqs: int, max_model_len: int) -> Decod
     cfg = runner.model.config
     tiles = None
     if isinstance(runner.backend, PagedBackend):  # verification and mixed steps in graphs too
-        tiles = runner.backend.tile_positions(cfg.num_attention_heads, cfg.num_key_value_heads)
+        kv_heads = runner.cache_specs[0].num_kv_heads_seen  # 1 for a latent cache
+        tiles = runner.backend.tile_positions(cfg.num_attention_heads, kv_heads)
     return DecodeGraphs(
         runner.graph_forward,
         runner.device,
