@@ -7,6 +7,7 @@ from typing import Any
 
 SUPPORTED_ARCHITECTURES = (
     "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
+    "gpt_oss",
 )  # fmt: skip
 # How a mixture-of-experts router scores the experts before its top-k: a softmax over all of
 # them (Mixtral, Qwen-MoE, OLMoE). Other variants (sigmoid scores, grouped top-k, a bias on
@@ -64,6 +65,11 @@ class ModelConfig:
     shared_expert_gate: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    # gpt-oss: its experts' clamped SwiGLU, (up + 1) * g * sigmoid(swiglu_alpha * g) with
+    # g = min(gate, swiglu_limit) and up clamped to +-swiglu_limit (layers/moe.py); its attention
+    # sinks, o_proj bias and router bias come with the architecture
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:

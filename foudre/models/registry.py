@@ -11,12 +11,14 @@ from __future__ import annotations
 from torch import nn
 
 from foudre.models.config import ModelConfig
+from foudre.models.gpt_oss import GptOssForCausalLM
 from foudre.models.llama import LlamaForCausalLM
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
     arch: LlamaForCausalLM
     for arch in ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 }
+MODEL_CLASSES["gpt_oss"] = GptOssForCausalLM
 
 
 def model_class(cfg: ModelConfig) -> type[nn.Module]:
