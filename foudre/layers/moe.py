@@ -176,6 +176,22 @@ class Experts(nn.Module):
         return f"num_experts={e}, hidden={h}, intermediate={two_i // 2}"
 
 
+def clamped_swiglu(
+    gate_up: torch.Tensor, alpha: float, limit: float, interleaved: bool = False
+) -> torch.Tensor:
+    """gpt-oss's activation ``[T, 2I] -> [T, I]``: ``(up + 1) * g * sigmoid(alpha * g)`` with
+    ``g = min(gate, limit)`` and ``up`` clamped to ``[-limit, limit]``; ``gate_up`` is ``[gate |
+    up]``, or with ``interleaved`` the checkpoint's order (gate in the even columns, up in the
+    odd ones: MXFP4 experts keep it)."""
+    if interleaved:
+        gate, up = gate_up[..., 0::2], gate_up[..., 1::2]
+    else:
+        gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(-limit, limit)
+    return (up + 1) * (gate * torch.sigmoid(alpha * gate))
+
+
 class ClampedSwiGLUExperts(nn.Module):
     """gpt-oss's experts: ``Experts``' stacked layout with biases (``gate_up_proj_bias`` ``[E,
     2I]``, ``down_proj_bias`` ``[E, hidden]``) and a clamped SwiGLU between the projections::
@@ -207,10 +223,7 @@ class ClampedSwiGLUExperts(nn.Module):
 
     def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
         """The clamped SwiGLU of ``gate_up = [gate | up]`` ``[T, 2I]``."""
-        gate, up = gate_up.chunk(2, dim=-1)
-        gate = gate.clamp(max=self.limit)
-        up = up.clamp(-self.limit, self.limit)
-        return (up + 1) * (gate * torch.sigmoid(self.alpha * gate))
+        return clamped_swiglu(gate_up, self.alpha, self.limit)
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert ``e`` over the rows ``x`` ``[n, hidden]``."""

@@ -313,6 +313,7 @@ def _moe(raw: dict[str, Any], arch: str, path: Path) -> dict[str, Any]:
             norm_topk_prob=True,
             swiglu_alpha=float(raw["swiglu_alpha"]),
             swiglu_limit=float(raw["swiglu_limit"]),
+            mxfp4_experts=_quant_method(raw) == "mxfp4",  # the experts' *_blocks, *_scales
         )
     if arch == "olmoe":  # every layer sparse, experts of intermediate_size
         return dict(
@@ -409,17 +410,15 @@ def _attention_bias(raw: dict[str, Any], arch: str) -> bool:
     )
 
 
+def _quant_method(raw: dict[str, Any]) -> str | None:
+    """The ``quantization_config``'s ``quant_method`` of a config.json, if any."""
+    qc = raw.get("quantization_config")
+    return qc.get("quant_method") if isinstance(qc, dict) else None
+
+
 def _gpt_oss_config(raw: dict[str, Any], path: Path) -> dict[str, Any]:
     """A gpt-oss config.json with transformers' defaults for the keys it leaves out (its RoPE
-    is YaRN with theta 150000 unless it says otherwise); ``ModelLoadError`` for MXFP4 expert
-    weights (``quantization_config`` mxfp4), which do not load yet."""
-    qc = raw.get("quantization_config")
-    if isinstance(qc, dict) and qc.get("quant_method") == "mxfp4":
-        raise ModelLoadError(
-            f"{path}: gpt-oss's MXFP4 expert weights (quantization_config mxfp4) do not load "
-            "yet; use a checkpoint with float experts",
-            path,
-        )
+    is YaRN with theta 150000 unless it says otherwise)."""
     given = {k: v for k, v in raw.items() if v is not None}
     raw = {**_GPT_OSS_KEYS, **given}
     if "rope_scaling" in given and "rope_parameters" not in given:

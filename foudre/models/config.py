@@ -70,6 +70,7 @@ class ModelConfig:
     # sinks, o_proj bias and router bias come with the architecture
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    mxfp4_experts: bool = False  # experts stored packed (quantization_config mxfp4)
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:

@@ -122,20 +122,22 @@ class GptOssForCausalLM(LlamaForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy transformers-named tensors into the model: q/k/v (weights and biases) into
-        ``qkv_proj``, ``mlp.router`` into ``mlp.gate``, the experts' interleaved ``gate_up_proj``
-        ``[E, hidden, 2I]`` de-interleaved and transposed into ``[E, 2I, hidden]`` (gate rows,
-        then up rows), ``down_proj`` ``[E, I, hidden]`` transposed. ``ValueError`` naming the
-        tensor for an unexpected name or shape, one given twice, or a parameter left
-        unloaded."""
+        ``qkv_proj``, ``mlp.router`` into ``mlp.gate``; float experts' interleaved
+        ``gate_up_proj`` ``[E, hidden, 2I]`` de-interleaved and transposed into ``[E, 2I,
+        hidden]`` (gate rows, then up rows), ``down_proj`` ``[E, I, hidden]`` transposed; MXFP4
+        experts (``*_blocks``, ``*_scales`` and biases, into the buffers of an ``MXFP4Experts``
+        the loader put in place) as stored. ``ValueError`` naming the tensor for an unexpected
+        name or shape, one given twice, or a parameter left unloaded."""
         cfg = self.config
-        params = dict(self.named_parameters())
+        params: dict[str, torch.Tensor] = dict(self.named_parameters())
+        params |= {n: b for n, b in self.named_buffers() if ".mlp.experts." in n}
         qkv = {"q_proj": (0, cfg.q_size), "k_proj": (cfg.q_size, cfg.kv_size)}
         qkv["v_proj"] = (cfg.q_size + cfg.kv_size, cfg.kv_size)
         loaded: dict[str, int] = {}
         for name, tensor in weights:
             if "rotary_emb" in name or (cfg.tie_word_embeddings and name == "lm_head.weight"):
                 continue
-            target, tensor, part = _destination(name, tensor)
+            target, tensor, part = _destination(name, tensor, cfg.mxfp4_experts)
             param = params.get(target)
             if param is None:
                 raise ValueError(f"unexpected weight {name!r} for {cfg.architecture}")
@@ -161,13 +163,17 @@ class GptOssForCausalLM(LlamaForCausalLM):
 _QKV = re.compile(r"^(.*\.self_attn)\.(q_proj|k_proj|v_proj)\.(weight|bias)$")
 
 
-def _destination(name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor, str | None]:
+def _destination(
+    name: str, tensor: torch.Tensor, packed: bool
+) -> tuple[str, torch.Tensor, str | None]:
     """(parameter name, the tensor in its layout, the part of qkv_proj or None) of a
-    transformers tensor name."""
+    transformers tensor name; ``packed``: MXFP4 experts, whose tensors load as stored."""
     m = _QKV.match(name)
     if m is not None:
         return f"{m.group(1)}.qkv_proj.{m.group(3)}", tensor, m.group(2)
     name = name.replace(".mlp.router.", ".mlp.gate.")
+    if packed:
+        return name, tensor, None
     if name.endswith(".mlp.experts.gate_up_proj") and tensor.dim() == 3:
         # [E, hidden, 2I], gate in the even columns, up in the odd: [E, 2I, hidden] gate | up
         tensor = torch.cat([tensor[..., 0::2], tensor[..., 1::2]], dim=-1).transpose(1, 2)

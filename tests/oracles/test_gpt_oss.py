@@ -19,7 +19,6 @@ from foudre import LLM, SamplingParams
 from foudre.attention import cpu_paged
 from foudre.distributed.errors import ParallelConfigError
 from foudre.distributed.plan import check_parallel
-from foudre.loading.errors import ModelLoadError
 from foudre.loading.hf import load_hf_config
 from foudre.models.gpt_oss import GptOssForCausalLM
 from tests.conftest import make_hf_model
@@ -134,6 +133,22 @@ def test_prefix_caching_preemption_and_chunked_prefill(model_dir: Path, backend:
     assert m["prefix_cache_hits"] > 0
 
 
+def test_ngram_speculation(model_dir: Path) -> None:
+    """Draft tokens from n-grams, verified in the same forward (multi-token rows through the
+    prefill kernel with sinks, rejected ones rolled back): the same greedy ids."""
+    llm = LLM(
+        str(model_dir),
+        dtype="float32",
+        skip_tokenizer_init=True,
+        num_kv_blocks=64,
+        speculative_method="ngram",
+        ngram_min=1,
+        ngram_max=3,
+    )
+    _check_greedy(llm, model_dir)
+    assert llm.metrics()["spec_draft_tokens"] > 0
+
+
 def test_int8_dense_linears(model_dir: Path) -> None:
     from foudre.quant.qlinear import QuantLinear
 
@@ -155,17 +170,78 @@ def test_int8_dense_linears(model_dir: Path) -> None:
     assert agree >= len(PROMPTS) - 1
 
 
-def test_parallel_and_mxfp4_are_refused(model_dir: Path, tmp_path: Path) -> None:
+def test_parallel_is_refused(model_dir: Path) -> None:
     cfg = load_hf_config(model_dir)
     with pytest.raises(ParallelConfigError, match="gpt-oss does not run parallel"):
         check_parallel(cfg, 2, 1)
     with pytest.raises(ParallelConfigError, match="gpt-oss does not run parallel"):
         check_parallel(cfg, 1, 2)
-    raw = json.loads((model_dir / "config.json").read_text())
-    raw["quantization_config"] = {"quant_method": "mxfp4"}
-    (tmp_path / "config.json").write_text(json.dumps(raw))
-    with pytest.raises(ModelLoadError, match="MXFP4"):
-        load_hf_config(tmp_path)
+
+
+def _mxfp4_checkpoint(src: Path, dst: Path) -> Path:
+    """``src``'s model with its experts quantized to MXFP4 and stored as the gpt-oss checkpoint
+    stores them: ``*_blocks`` ``[E, N, K / 32, 16]`` and ``*_scales`` ``[E, N, K / 32]`` of the
+    experts' ``[out, in]`` weights (gate|up rows interleaved as transformers' columns)."""
+    from safetensors.torch import load_file, save_file
+
+    from foudre.quant.mxfp4 import quantize_mxfp4
+
+    state = {}
+    for name, tensor in load_file(str(src / "model.safetensors")).items():
+        if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+            blocks, scales = quantize_mxfp4(tensor.transpose(1, 2).contiguous())
+            state[f"{name}_blocks"], state[f"{name}_scales"] = blocks, scales
+        else:
+            state[name] = tensor
+    dst.mkdir()
+    save_file(state, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    raw = json.loads((src / "config.json").read_text())
+    raw["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+    }
+    (dst / "config.json").write_text(json.dumps(raw))
+    return dst
+
+
+def test_mxfp4_experts_stay_packed(model_dir: Path, tmp_path: Path) -> None:
+    """An MXFP4 checkpoint (the experts' blocks and scales) loads packed, uint8 as stored,
+    and runs as transformers runs it dequantized (``Mxfp4Config(dequantize=True)``): logits
+    and greedy ids of the batch."""
+    import transformers
+
+    from foudre.quant.mxfp4 import MXFP4Experts
+
+    path = _mxfp4_checkpoint(model_dir, tmp_path / "mxfp4")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, quantization_config=transformers.Mxfp4Config(dequantize=True)
+    ).eval()
+    hf.generation_config.eos_token_id = None
+    llm = LLM(str(path), dtype="float32", skip_tokenizer_init=True, num_kv_blocks=64)
+    model = llm.engine.runner.model
+    for layer in model.model.layers:
+        experts = layer.mlp.experts
+        assert isinstance(experts, MXFP4Experts)
+        assert experts.gate_up_proj_blocks.dtype == experts.down_proj_scales.dtype == torch.uint8
+    cfg = model.config
+    float_expert_shapes = {(cfg.num_experts, 2 * cfg.moe_intermediate_size, cfg.hidden_size)}
+    assert not any(tuple(p.shape) in float_expert_shapes for p in model.parameters())
+    for prompt in PROMPTS:
+        with torch.no_grad():
+            ref = hf(torch.tensor([prompt])).logits[0, -1].float()
+        torch.testing.assert_close(_last_logits(llm, prompt).cpu(), ref, rtol=1e-4, atol=1e-4)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, params), strict=True):
+        with torch.no_grad():
+            ids = hf.generate(
+                torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0
+            )
+        assert out.outputs[0].token_ids == ids[0, len(prompt) :].tolist()
 
 
 def test_defaults_of_a_sparse_config(tmp_path: Path) -> None:
