@@ -133,6 +133,37 @@ def test_prefix_caching_preemption_and_chunked_prefill(model_dir: Path, backend:
     assert m["prefix_cache_hits"] > 0
 
 
+@pytest.mark.skipif(not cpu_paged.available(), reason="no C++ compiler")
+@pytest.mark.parametrize(
+    "dtype,kv_cache_dtype", [("float32", "int8"), ("bfloat16", "auto"), ("bfloat16", "fp8")]
+)
+def test_cpu_kernels_match_the_sdpa_backend(
+    model_dir: Path, dtype: str, kv_cache_dtype: str
+) -> None:
+    """The C++ kernels against the SDPA backend on the model in bfloat16 and over quantized KV
+    caches (both read the same stored codes): the same greedy ids in float32, most of them in
+    bfloat16 (their roundings differ)."""
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = {}
+    for backend in ("torch", "cpu"):
+        llm = LLM(
+            str(model_dir),
+            dtype=dtype,
+            skip_tokenizer_init=True,
+            num_kv_blocks=64,
+            block_size=8,
+            max_num_batched_tokens=16,
+            kv_cache_dtype=kv_cache_dtype,
+            attention_backend=backend,
+        )
+        outs[backend] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    if dtype == "float32":
+        assert outs["torch"] == outs["cpu"]
+    else:
+        same = sum(a == b for x, y in zip(outs["torch"], outs["cpu"]) for a, b in zip(x, y))
+        assert same >= 0.8 * MAX_TOKENS * len(PROMPTS), outs
+
+
 def test_ngram_speculation(model_dir: Path) -> None:
     """Draft tokens from n-grams, verified in the same forward (multi-token rows through the
     prefill kernel with sinks, rejected ones rolled back): the same greedy ids."""
