@@ -964,24 +964,27 @@ def compile_for(fn, types, consts):
     return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
                           target=GPUTarget("cuda", 90, 32))
 
-# (queries' dtype, the cache's: the same, or int8 / e4m3 codes read as bytes; CODES)
-for dt, cache, codes, groups in (("bf16", "bf16", 0, (1, 7)), ("fp32", "fp32", 0, (4,)),
-                                 ("bf16", "i8", 1, (4,)), ("bf16", "u8", 2, (4,)),
-                                 ("fp32", "u8", 2, (1,))):
+# (queries' dtype, the cache's: the same, or int8 / e4m3 codes read as bytes; CODES); attention
+# sinks (gpt-oss) in every other combination
+combos = (("bf16", "bf16", 0, (1, 7)), ("fp32", "fp32", 0, (4,)), ("bf16", "i8", 1, (4,)),
+          ("bf16", "u8", 2, (4,)), ("fp32", "u8", 2, (1,)))
+for i, (dt, cache, codes, groups) in enumerate(combos):
+    sinks = i % 2 == 0
     ptr = "*" + dt
     kv = "*" + cache
     scales = kv if codes == 0 else "*fp32"
     types = dict(q_ptr=ptr, k_ptr=kv, v_ptr=kv, ks_ptr=scales, vs_ptr=scales, o_ptr=ptr,
                  tok_ptr="*i32", bt_ptr="*i32", len_ptr="*i32", scale="fp32", tile_ptr="*i32",
-                 qs_ptr="*i32", ql_ptr="*i32")
+                 qs_ptr="*i32", ql_ptr="*i32", sinks_ptr="*fp32" if sinks else ptr)
     for per_kv in groups:
         positions, block_m = tp.prefill_tile(per_kv)
         compile_for(tp._paged_decode, types, dict(
             PER_KV=per_kv, PER_KV_P2=max(2, triton.next_power_of_2(per_kv)), HEAD_DIM=80,
-            HEAD_DIM_P2=128, BLOCK_SIZE=16, CODES=codes))
+            HEAD_DIM_P2=128, BLOCK_SIZE=16, CODES=codes, SINKS=sinks))
         compile_for(tp._paged_prefill, types, dict(
             PER_KV=per_kv, POS=positions, BLOCK_M=block_m, HEAD_DIM=80, HEAD_DIM_P2=128,
-            BLOCK_SIZE=16, BLOCK_N=32, IEEE=dt == "fp32", UPCAST=False, CODES=codes))
+            BLOCK_SIZE=16, BLOCK_N=32, IEEE=dt == "fp32", UPCAST=False, CODES=codes,
+            SINKS=sinks))
 print("ok")
 """
 
