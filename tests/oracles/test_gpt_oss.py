@@ -201,6 +201,21 @@ def test_int8_dense_linears(model_dir: Path) -> None:
     assert agree >= len(PROMPTS) - 1
 
 
+def test_written_checkpoint_loads_in_transformers(model_dir: Path, tmp_path: Path) -> None:
+    """``save_hf`` writes the loaded model back in transformers' names and layouts (q/k/v
+    split, the router, interleaved experts): transformers and foudre read it as the original."""
+    from foudre.loading.writer import save_hf
+
+    llm = LLM(str(model_dir), dtype="float32", skip_tokenizer_init=True, num_kv_blocks=64)
+    out = save_hf(llm.engine.runner.model, tmp_path / "written")
+    hf, _ = _reference(model_dir)
+    written = _hf_model(out)
+    ids = torch.tensor([PROMPTS[3]])
+    with torch.no_grad():
+        torch.testing.assert_close(written(ids).logits, hf(ids).logits, rtol=0, atol=1e-6)
+    _check_greedy(LLM(str(out), dtype="float32", skip_tokenizer_init=True), model_dir)
+
+
 def test_parallel_is_refused(model_dir: Path) -> None:
     cfg = load_hf_config(model_dir)
     with pytest.raises(ParallelConfigError, match="gpt-oss does not run parallel"):
