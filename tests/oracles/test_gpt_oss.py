@@ -310,3 +310,10 @@ def test_defaults_of_a_sparse_config(tmp_path: Path) -> None:
     assert cfg.sliding_window == 128 and cfg.head_dim == 64 and cfg.attention_bias
     assert cfg.layer_types == ("sliding_attention", "full_attention", "sliding_attention")
     assert cfg.num_experts_per_tok == 4 and cfg.rms_norm_eps == 1e-5
+    # transformers 4's layout, as openai/gpt-oss-20b's config.json has it
+    yarn = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0}
+    yarn |= {"truncate": False, "original_max_position_embeddings": 4096}
+    raw |= {"rope_scaling": yarn, "rope_theta": 150000, "sliding_window": 16, "head_dim": 8}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    cfg = load_hf_config(tmp_path)
+    assert cfg.rope_scaling == yarn and cfg.rope_theta == 150000.0 and cfg.sliding_window == 16
