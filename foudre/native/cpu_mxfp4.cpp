@@ -92,10 +92,14 @@ template <int R>
 inline void row_dot(const uint8_t* q, const uint8_t* s, const float* x, int64_t k, float* acc) {
   const int64_t nb = k / 32;
 #if defined(FOUDRE_MX_AVX512)
+  // A accumulators a row of x (the low and the high nibbles' products; for one or two rows
+  // also by even and odd block): FMA chains short of their latency
+  constexpr int A = R <= 2 ? 4 : 2;
   const __m512 table = _mm512_loadu_ps(kE2M1);
-  __m512 a[R];
-  for (int r = 0; r < R; ++r) a[r] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
+  __m512 a[R][A];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < A; ++i) a[r][i] = _mm512_setzero_ps();
+  auto step = [&](int64_t b, int i) {
     _mm_prefetch(reinterpret_cast<const char*>(q + 16 * b + kAhead), _MM_HINT_T0);
     const __m512 lut = _mm512_mul_ps(table, _mm512_set1_ps(kScales.v[s[b]]));
     const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * b)));
@@ -103,17 +107,29 @@ inline void row_dot(const uint8_t* q, const uint8_t* s, const float* x, int64_t 
     const __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), lut);
     for (int r = 0; r < R; ++r) {
       const float* xb = x + r * k + 32 * b;
-      a[r] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xb), a[r]);
-      a[r] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb + 16), a[r]);
+      a[r][i] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xb), a[r][i]);
+      a[r][i + 1] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb + 16), a[r][i + 1]);
     }
+  };
+  int64_t b = 0;
+  for (; b + 1 < nb; b += 2) {
+    step(b, 0);
+    step(b + 1, A - 2);
   }
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_reduce_add_ps(a[r]);
+  if (b < nb) step(b, 0);
+  for (int r = 0; r < R; ++r) {
+    __m512 sum = a[r][0];
+    for (int i = 1; i < A; ++i) sum = _mm512_add_ps(sum, a[r][i]);
+    acc[r] = _mm512_reduce_add_ps(sum);
+  }
 #elif defined(FOUDRE_MX_AVX2)
+  constexpr int A = R <= 2 ? 4 : 2;  // accumulators a row of x (FMA chains short of latency)
   const __m256 magnitudes = _mm256_loadu_ps(kE2M1);
   const __m128i low4 = _mm_set1_epi8(0x0F);
   const __m256i sign = _mm256_set1_epi32(static_cast<int>(0x80000000u));
-  __m256 a[R];
-  for (int r = 0; r < R; ++r) a[r] = _mm256_setzero_ps();
+  __m256 a[R][A];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < A; ++i) a[r][i] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     _mm_prefetch(reinterpret_cast<const char*>(q + 16 * b + kAhead), _MM_HINT_T0);
     const __m256 lut = _mm256_mul_ps(magnitudes, _mm256_set1_ps(kScales.v[s[b]]));
@@ -125,11 +141,15 @@ inline void row_dot(const uint8_t* q, const uint8_t* s, const float* x, int64_t 
         // vpermps reads the low 3 bits: the magnitude; bit 3, the sign, moved to bit 31
         const __m256 w = _mm256_xor_ps(_mm256_permutevar8x32_ps(lut, c),
                                        _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(c, 28), sign)));
-        for (int r = 0; r < R; ++r) a[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + r * k + 32 * b + 16 * h + 8 * part), a[r]);
+        const int i = (2 * h + part) % A;
+        for (int r = 0; r < R; ++r)
+          a[r][i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + r * k + 32 * b + 16 * h + 8 * part), a[r][i]);
       }
   }
   for (int r = 0; r < R; ++r) {
-    const __m128 v = _mm_add_ps(_mm256_castps256_ps128(a[r]), _mm256_extractf128_ps(a[r], 1));
+    __m256 sum = a[r][0];
+    for (int i = 1; i < A; ++i) sum = _mm256_add_ps(sum, a[r][i]);
+    const __m128 v = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
     const __m128 v2 = _mm_add_ps(v, _mm_movehl_ps(v, v));
     acc[r] = _mm_cvtss_f32(_mm_add_ss(v2, _mm_movehdup_ps(v2)));
   }
@@ -183,6 +203,15 @@ void matmul(const T* x, const uint8_t* blocks, const uint8_t* scales, const floa
   }
 }
 
+// an MXFP4 value (at most two significant bits) stored without rounding: bfloat16 holds it
+// exactly, its float32 bits' high half
+inline void exact(float* p, float v) { *p = v; }
+inline void exact(uint16_t* p, float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, 4);
+  *p = static_cast<uint16_t>(u >> 16);
+}
+
 template <typename T>
 void dequantize(const uint8_t* blocks, const uint8_t* scales, T* out, int64_t n0, int64_t n1,
                 int64_t k) {
@@ -193,8 +222,8 @@ void dequantize(const uint8_t* blocks, const uint8_t* scales, T* out, int64_t n0
     T* o = out + (row - n0) * k;
     for (int64_t j = 0; j < k / 2; ++j) {
       const float scale = kScales.v[s[j / 16]];
-      store1(o + 2 * j, kE2M1[q[j] & 15] * scale);
-      store1(o + 2 * j + 1, kE2M1[q[j] >> 4] * scale);
+      exact(o + 2 * j, kE2M1[q[j] & 15] * scale);
+      exact(o + 2 * j + 1, kE2M1[q[j] >> 4] * scale);
     }
   }
 }

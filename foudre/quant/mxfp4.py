@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from foudre.layers.linear import gemm_dtype
-from foudre.layers.moe import capturing, every_expert, grouped_experts, silu_mul
+from foudre.layers.moe import Experts, capturing, every_expert, grouped_experts, silu_mul
 from foudre.native import build as native
 
 BLOCK = 32  # columns a scale covers
@@ -314,9 +314,22 @@ class MXFP4Experts(nn.Module):
     (``grouped_experts``: each expert with tokens runs once over them, so decode reads only the
     chosen experts' bytes; while a CUDA graph is captured, ``every_expert``).
 
-    Loading a gpt-oss checkpoint: build it with the config's sizes and ``activation``, copy each
-    layer's ``mlp.experts.*`` tensors into the buffers of the same names (uint8 as stored).
-    Quantizing float experts: ``MXFP4Experts.from_float``."""
+    Loading a gpt-oss checkpoint (``foudre/models`` may not import ``foudre.quant``, a layer
+    above it: tests/test_layering.py; the loader, above both, swaps the module in, as quantized
+    checkpoints get ``QuantExperts``)::
+
+        experts = MXFP4Experts(cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size,
+                               bias=True, activation=the_model_experts_clamped_swiglu)
+        for name, buffer in experts.state_dict().items():   # gate_up_proj_blocks, ...
+            buffer.copy_(checkpoint[f"model.layers.{i}.mlp.experts.{name}"])  # uint8 as stored
+        layer.mlp.experts = experts        # (the model's float experts module replaced)
+
+    (build it on the CPU, or on ``device=``, not on the meta device: the loader copies into
+    its buffers.) A GGUF file's ``ffn_*_exps`` MXFP4 tensors: ``from_gguf`` gives the same
+    blocks and scales (llama.cpp's converter splits gate and up into two tensors: their rows
+    re-interleaved, gate row j at 2j and up row j at 2j + 1, give the checkpoint's gate_up).
+    Quantizing float experts: ``MXFP4Experts.from_float`` (``from_experts`` for
+    ``layers.moe.Experts``)."""
 
     gate_up_proj_blocks: torch.Tensor
     gate_up_proj_scales: torch.Tensor
@@ -380,6 +393,11 @@ class MXFP4Experts(nn.Module):
             mod.gate_up_proj_bias = gate_up_bias.detach().float().clone()
             mod.down_proj_bias = down_bias.detach().float().clone()
         return mod
+
+    @classmethod
+    def from_experts(cls, experts: Experts) -> MXFP4Experts:
+        """``layers.moe.Experts`` (``[gate | up]``, no biases, ``silu_mul``) quantized."""
+        return cls.from_float(experts.gate_up_proj, experts.down_proj)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """The float weights ``(gate_up [E, 2I, H], down [E, H, I])`` (for references)."""

@@ -288,6 +288,48 @@ def test_experts_match_transformers_gpt_oss(tokens: int) -> None:
     assert torch.allclose(got, expected, atol=1e-4, rtol=1e-4), (got - expected).abs().max()
 
 
+def test_experts_in_bfloat16() -> None:
+    """In a bfloat16 model (biases cast by ``.to``, bytes kept) the experts stay within
+    bfloat16's rounding of the float32 result over the same packed weights."""
+    hf = _hf_gpt_oss_experts(4, 64, 96)
+    act = _swiglu(hf.alpha, hf.limit)
+    args = (hf.gate_up_proj.transpose(1, 2), hf.down_proj.transpose(1, 2))
+    ours = MXFP4Experts.from_float(*args, hf.gate_up_proj_bias, hf.down_proj_bias, act)
+    x = torch.randn(6, 64)
+    ids = torch.stack([torch.randperm(4)[:2] for _ in range(6)])
+    weights = torch.softmax(torch.randn(6, 2), dim=-1)
+    with torch.no_grad():
+        expected = ours(x, weights, ids)
+        got = ours.to(torch.bfloat16)(x.bfloat16(), weights, ids)
+    assert got.dtype == torch.bfloat16 and ours.down_proj_blocks.dtype == torch.uint8
+    scale = expected.abs().max()
+    assert float((got.float() - expected).abs().max()) <= 0.05 * float(scale)
+
+
+def test_from_experts_matches_the_float_experts() -> None:
+    """``from_experts`` of ``layers.moe.Experts`` ([gate | up], SiLU): the same routed output
+    as those experts holding the dequantized weights."""
+    from foudre.layers.moe import Experts
+
+    torch.manual_seed(0)
+    float_experts = Experts(3, 64, 32)
+    with torch.no_grad():
+        float_experts.gate_up_proj.normal_(0, 0.3)
+        float_experts.down_proj.normal_(0, 0.3)
+    ours = MXFP4Experts.from_experts(float_experts)
+    assert ours.gate_up_proj_bias is None
+    gate_up, down = ours.dequantize()
+    with torch.no_grad():
+        float_experts.gate_up_proj.copy_(gate_up)
+        float_experts.down_proj.copy_(down)
+        x = torch.randn(5, 64)
+        ids = torch.tensor([[0, 1], [2, 0], [1, 2], [0, 2], [1, 0]])
+        weights = torch.softmax(torch.randn(5, 2), dim=-1)
+        expected = float_experts(x, weights, ids)
+        got = ours(x, weights, ids)
+    assert torch.allclose(got, expected, atol=1e-5, rtol=1e-4), (got - expected).abs().max()
+
+
 def test_experts_state_dict_uses_the_checkpoint_names() -> None:
     """The buffers carry gpt-oss's checkpoint names and shapes, uint8 kept through ``.to``."""
     mod = MXFP4Experts(4, 64, 96).to(torch.bfloat16)
