@@ -70,6 +70,11 @@ def check_product(fn: Callable[..., torch.Tensor], ms: tuple[int, ...] = (1, 7, 
 def _check_path(name: str) -> None:
     assert mxfp4.path() == name, mxfp4.path()
     check_product(mxfp4.native_matmul)
+    check_product(mxfp4.dequantized_matmul, ms=(1, 40))
+    blocks, scales = random_layout(5, 7, seed=3)
+    for dtype in (torch.float32, torch.bfloat16):
+        rows = mxfp4.dequantize_rows(blocks, scales, 1, 4, dtype)
+        assert torch.equal(rows, dequantize_mxfp4(blocks[1:4], scales[1:4], dtype))
 
 
 def check_path_avx512() -> None:
@@ -152,6 +157,18 @@ def test_reference_product() -> None:
 def test_native_kernel_of_this_build() -> None:
     """The path this CPU's build takes, M = 1, 7, 64, float32 and bfloat16, bias or none."""
     check_product(mxfp4.native_matmul)
+
+
+@native
+def test_native_dequantization_of_this_build() -> None:
+    """The native dequantizer (rows of the weight, for the GEMM path) gives the reference's
+    values, bit for bit, in float32 and bfloat16."""
+    blocks, scales = random_layout(9, 5, seed=4)
+    scales[0, 0], scales[1, 1] = 0, 255  # 2^-127 (subnormal) and +inf (NaN: 0 * inf)
+    for dtype in (torch.float32, torch.bfloat16):
+        rows = mxfp4.dequantize_rows(blocks, scales, 0, 9, dtype)
+        ref = dequantize_mxfp4(blocks, scales, dtype)  # (0 times +inf: NaN in both)
+        torch.testing.assert_close(rows, ref, rtol=0, atol=0, equal_nan=True)
 
 
 @native
