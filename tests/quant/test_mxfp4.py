@@ -347,6 +347,24 @@ def test_from_experts_matches_the_float_experts() -> None:
     assert torch.allclose(got, expected, atol=1e-5, rtol=1e-4), (got - expected).abs().max()
 
 
+def test_every_expert_path_matches() -> None:
+    """The path taken while a CUDA graph is captured (``every_expert``: every expert over every
+    row, weight 0 where not chosen) gives the grouped path's output."""
+    from foudre.layers.moe import every_expert
+
+    g = torch.Generator().manual_seed(5)
+    ours = MXFP4Experts.from_float(
+        torch.randn(3, 64, 32, generator=g), torch.randn(3, 32, 32, generator=g)
+    )
+    x = torch.randn(4, 32, generator=g)
+    ids = torch.tensor([[0, 2], [1, 0], [2, 1], [0, 1]])
+    weights = torch.softmax(torch.randn(4, 2, generator=g), dim=-1)
+    with torch.no_grad():
+        grouped = ours(x, weights, ids)
+        dense = every_expert(x, weights, ids, 3, ours.expert)
+    torch.testing.assert_close(dense, grouped, rtol=1e-5, atol=1e-5)
+
+
 def test_experts_state_dict_uses_the_checkpoint_names() -> None:
     """The buffers carry gpt-oss's checkpoint names and shapes, uint8 kept through ``.to``."""
     mod = MXFP4Experts(4, 64, 96).to(torch.bfloat16)
