@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import cache, lru_cache
 
 import numpy as np
@@ -340,16 +340,17 @@ class MXFP4Experts(nn.Module):
     above it: tests/test_layering.py; the loader, above both, swaps the module in, as quantized
     checkpoints get ``QuantExperts``)::
 
-        experts = MXFP4Experts(cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size,
-                               bias=True, activation=the_model_experts_clamped_swiglu)
-        for name, buffer in experts.state_dict().items():   # gate_up_proj_blocks, ...
-            buffer.copy_(checkpoint[f"model.layers.{i}.mlp.experts.{name}"])  # uint8 as stored
-        layer.mlp.experts = experts        # (the model's float experts module replaced)
+        prefix = f"model.layers.{i}.mlp.experts."
+        layer.mlp.experts = MXFP4Experts.from_tensors(   # the float experts module replaced
+            {k[len(prefix):]: v for k, v in checkpoint.items() if k.startswith(prefix)},
+            activation=the_model_experts_clamped_swiglu,
+        )                                  # the uint8 tensors held as they are, no copy
 
-    (build it on the CPU, or on ``device=``, not on the meta device: the loader copies into
-    its buffers.) A GGUF file's ``ffn_*_exps`` MXFP4 tensors: ``from_gguf`` gives the same
-    blocks and scales (llama.cpp's converter splits gate and up into two tensors: their rows
-    re-interleaved, gate row j at 2j and up row j at 2j + 1, give the checkpoint's gate_up).
+    or build ``MXFP4Experts(E, H, I, bias=True, activation=...)`` and copy each tensor into the
+    buffer of its name (its state_dict's keys). A GGUF file's ``ffn_*_exps`` MXFP4 tensors:
+    ``from_gguf`` gives the same blocks and scales (llama.cpp's converter splits gate and up
+    into two tensors: their rows re-interleaved, gate row j at 2j and up row j at 2j + 1, give
+    the checkpoint's gate_up).
     Quantizing float experts: ``MXFP4Experts.from_float`` (``from_experts`` for
     ``layers.moe.Experts``)."""
 
@@ -414,6 +415,49 @@ class MXFP4Experts(nn.Module):
         if gate_up_bias is not None and down_bias is not None:
             mod.gate_up_proj_bias = gate_up_bias.detach().float().clone()
             mod.down_proj_bias = down_bias.detach().float().clone()
+        return mod
+
+    @classmethod
+    def from_tensors(
+        cls, tensors: Mapping[str, torch.Tensor], activation: Activation | None = None
+    ) -> MXFP4Experts:
+        """The experts holding a checkpoint's tensors of one layer as they are (no copy, nothing
+        allocated besides), keyed by the buffers' names (``gate_up_proj_blocks``,
+        ``gate_up_proj_scales``, ``down_proj_blocks``, ``down_proj_scales``, and optionally
+        both biases: the checkpoint's ``model.layers.{i}.mlp.experts.`` names without that
+        prefix); the sizes read from their shapes. ``ValueError`` naming a missing tensor or a
+        shape that does not fit."""
+        names = ("gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks")
+        missing = [n for n in (*names, "down_proj_scales") if n not in tensors]
+        if missing:
+            raise ValueError(f"MXFP4 experts: missing {', '.join(missing)}")
+        gb, gs = tensors["gate_up_proj_blocks"], tensors["gate_up_proj_scales"]
+        db, ds = tensors["down_proj_blocks"], tensors["down_proj_scales"]
+        h, i = check_layout(gb, gs), check_layout(db, ds)
+        e = gb.shape[0]
+        if gb.dim() != 4 or tuple(gb.shape[:2]) != (e, 2 * i) or tuple(db.shape[:2]) != (e, h):
+            raise ValueError(
+                f"MXFP4 experts: gate_up_proj_blocks [E, 2I, H/32, 16] and down_proj_blocks "
+                f"[E, H, I/32, 16] do not fit: {tuple(gb.shape)}, {tuple(db.shape)}"
+            )
+        gu_bias, d_bias = tensors.get("gate_up_proj_bias"), tensors.get("down_proj_bias")
+        if (gu_bias is None) != (d_bias is None):
+            raise ValueError(
+                "MXFP4 experts: both biases (gate_up_proj_bias, down_proj_bias) or none"
+            )
+        if (
+            gu_bias is not None
+            and d_bias is not None
+            and (tuple(gu_bias.shape) != (e, 2 * i) or tuple(d_bias.shape) != (e, h))
+        ):
+            raise ValueError(
+                f"MXFP4 experts: biases [{e}, {2 * i}] and [{e}, {h}] expected, got "
+                f"{tuple(gu_bias.shape)} and {tuple(d_bias.shape)}"
+            )
+        mod = cls(e, h, i, gu_bias is not None, activation, device="meta")
+        mod.gate_up_proj_blocks, mod.gate_up_proj_scales = gb, gs
+        mod.down_proj_blocks, mod.down_proj_scales = db, ds
+        mod.gate_up_proj_bias, mod.down_proj_bias = gu_bias, d_bias
         return mod
 
     @classmethod

@@ -365,6 +365,32 @@ def test_every_expert_path_matches() -> None:
     torch.testing.assert_close(dense, grouped, rtol=1e-5, atol=1e-5)
 
 
+def test_from_tensors_holds_the_checkpoint_tensors() -> None:
+    """``from_tensors`` over a layer's checkpoint tensors holds them as they are (no copy) and
+    computes what ``from_float`` built them from; missing or misshapen tensors are named."""
+    g = torch.Generator().manual_seed(6)
+    source = MXFP4Experts.from_float(
+        torch.randn(2, 64, 64, generator=g),
+        torch.randn(2, 64, 32, generator=g),
+        torch.randn(2, 64, generator=g).bfloat16(),
+        torch.randn(2, 64, generator=g).bfloat16(),
+    )
+    tensors = source.state_dict()
+    ours = MXFP4Experts.from_tensors(tensors)
+    assert (ours.hidden_size, ours.intermediate_size, ours.num_experts) == (64, 32, 2)
+    assert ours.down_proj_blocks.data_ptr() == tensors["down_proj_blocks"].data_ptr()
+    x, ids, weights = torch.randn(3, 64), torch.tensor([[0, 1], [1, 0], [1, 0]]), torch.ones(3, 2)
+    with torch.no_grad():
+        assert torch.equal(ours(x, weights, ids), source(x, weights, ids))
+    with pytest.raises(ValueError, match="missing down_proj_scales"):
+        MXFP4Experts.from_tensors({k: v for k, v in tensors.items() if k != "down_proj_scales"})
+    half = {n: tensors[n][:, :32] for n in ("down_proj_blocks", "down_proj_scales")}
+    with pytest.raises(ValueError, match="do not fit"):
+        MXFP4Experts.from_tensors(tensors | half)
+    with pytest.raises(ValueError, match="both biases"):
+        MXFP4Experts.from_tensors({k: v for k, v in tensors.items() if k != "down_proj_bias"})
+
+
 def test_experts_state_dict_uses_the_checkpoint_names() -> None:
     """The buffers carry gpt-oss's checkpoint names and shapes, uint8 kept through ``.to``."""
     mod = MXFP4Experts(4, 64, 96).to(torch.bfloat16)
