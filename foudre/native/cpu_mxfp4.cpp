@@ -92,10 +92,14 @@ template <int R>
 inline void row_dot(const uint8_t* q, const uint8_t* s, const float* x, int64_t k, float* acc) {
   const int64_t nb = k / 32;
 #if defined(FOUDRE_MX_AVX512)
+  // A accumulators a row of x (the low and the high nibbles' products; for one or two rows
+  // also by even and odd block): FMA chains short of their latency
+  constexpr int A = R <= 2 ? 4 : 2;
   const __m512 table = _mm512_loadu_ps(kE2M1);
-  __m512 a[R];
-  for (int r = 0; r < R; ++r) a[r] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
+  __m512 a[R][A];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < A; ++i) a[r][i] = _mm512_setzero_ps();
+  auto step = [&](int64_t b, int i) {
     _mm_prefetch(reinterpret_cast<const char*>(q + 16 * b + kAhead), _MM_HINT_T0);
     const __m512 lut = _mm512_mul_ps(table, _mm512_set1_ps(kScales.v[s[b]]));
     const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * b)));
@@ -103,17 +107,29 @@ inline void row_dot(const uint8_t* q, const uint8_t* s, const float* x, int64_t 
     const __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), lut);
     for (int r = 0; r < R; ++r) {
       const float* xb = x + r * k + 32 * b;
-      a[r] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xb), a[r]);
-      a[r] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb + 16), a[r]);
+      a[r][i] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xb), a[r][i]);
+      a[r][i + 1] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb + 16), a[r][i + 1]);
     }
+  };
+  int64_t b = 0;
+  for (; b + 1 < nb; b += 2) {
+    step(b, 0);
+    step(b + 1, A - 2);
   }
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_reduce_add_ps(a[r]);
+  if (b < nb) step(b, 0);
+  for (int r = 0; r < R; ++r) {
+    __m512 sum = a[r][0];
+    for (int i = 1; i < A; ++i) sum = _mm512_add_ps(sum, a[r][i]);
+    acc[r] = _mm512_reduce_add_ps(sum);
+  }
 #elif defined(FOUDRE_MX_AVX2)
+  constexpr int A = R <= 2 ? 4 : 2;  // accumulators a row of x (FMA chains short of latency)
   const __m256 magnitudes = _mm256_loadu_ps(kE2M1);
   const __m128i low4 = _mm_set1_epi8(0x0F);
   const __m256i sign = _mm256_set1_epi32(static_cast<int>(0x80000000u));
-  __m256 a[R];
-  for (int r = 0; r < R; ++r) a[r] = _mm256_setzero_ps();
+  __m256 a[R][A];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < A; ++i) a[r][i] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     _mm_prefetch(reinterpret_cast<const char*>(q + 16 * b + kAhead), _MM_HINT_T0);
     const __m256 lut = _mm256_mul_ps(magnitudes, _mm256_set1_ps(kScales.v[s[b]]));
@@ -125,11 +141,15 @@ inline void row_dot(const uint8_t* q, const uint8_t* s, const float* x, int64_t 
         // vpermps reads the low 3 bits: the magnitude; bit 3, the sign, moved to bit 31
         const __m256 w = _mm256_xor_ps(_mm256_permutevar8x32_ps(lut, c),
                                        _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(c, 28), sign)));
-        for (int r = 0; r < R; ++r) a[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + r * k + 32 * b + 16 * h + 8 * part), a[r]);
+        const int i = (2 * h + part) % A;
+        for (int r = 0; r < R; ++r)
+          a[r][i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + r * k + 32 * b + 16 * h + 8 * part), a[r][i]);
       }
   }
   for (int r = 0; r < R; ++r) {
-    const __m128 v = _mm_add_ps(_mm256_castps256_ps128(a[r]), _mm256_extractf128_ps(a[r], 1));
+    __m256 sum = a[r][0];
+    for (int i = 1; i < A; ++i) sum = _mm256_add_ps(sum, a[r][i]);
+    const __m128 v = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
     const __m128 v2 = _mm_add_ps(v, _mm_movehl_ps(v, v));
     acc[r] = _mm_cvtss_f32(_mm_add_ss(v2, _mm_movehdup_ps(v2)));
   }
@@ -183,6 +203,70 @@ void matmul(const T* x, const uint8_t* blocks, const uint8_t* scales, const floa
   }
 }
 
+// an MXFP4 value (at most two significant bits) stored without rounding: bfloat16 holds it
+// exactly, its float32 bits' high half
+inline void exact(float* p, float v) { *p = v; }
+inline void exact(uint16_t* p, float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, 4);
+  *p = static_cast<uint16_t>(u >> 16);
+}
+
+#if defined(FOUDRE_MX_AVX512)
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(uint16_t* p, __m512 v) {  // exact: the high halves of the float32 bits
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
+}
+#elif defined(FOUDRE_MX_AVX2)
+inline void store8x2(float* p, __m256 a, __m256 b) {
+  _mm256_storeu_ps(p, a);
+  _mm256_storeu_ps(p + 8, b);
+}
+inline void store8x2(uint16_t* p, __m256 a, __m256 b) {  // exact: the float32 bits' high halves
+  const __m256i ha = _mm256_srli_epi32(_mm256_castps_si256(a), 16);
+  const __m256i hb = _mm256_srli_epi32(_mm256_castps_si256(b), 16);
+  // (packus pairs 128-bit lanes: a0-3 b0-3 a4-7 b4-7; the permute puts a's then b's)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_permute4x64_epi64(_mm256_packus_epi32(ha, hb), 0xD8));
+}
+#endif
+
+// one block's 32 values in column order at o
+template <typename T>
+inline void dequantize_block(const uint8_t* q, uint8_t s, T* o) {
+#if defined(FOUDRE_MX_AVX512)
+  const __m512 lut = _mm512_mul_ps(_mm512_loadu_ps(kE2M1), _mm512_set1_ps(kScales.v[s]));
+  const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+  const __m512 lo = _mm512_permutexvar_ps(codes, lut);  // the even columns
+  const __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), lut);  // the odd ones
+  const __m512i first = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
+  store16(o, _mm512_permutex2var_ps(lo, first, hi));
+  store16(o + 16, _mm512_permutex2var_ps(lo, second, hi));
+#elif defined(FOUDRE_MX_AVX2)
+  const __m256 lut = _mm256_mul_ps(_mm256_loadu_ps(kE2M1), _mm256_set1_ps(kScales.v[s]));
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  const __m256i sign = _mm256_set1_epi32(static_cast<int>(0x80000000u));
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+  const __m128i nibbles[2] = {_mm_and_si128(bytes, low4), _mm_and_si128(_mm_srli_epi16(bytes, 4), low4)};
+  auto values = [&](int h, int part) {
+    const __m256i c = _mm256_cvtepu8_epi32(part ? _mm_srli_si128(nibbles[h], 8) : nibbles[h]);
+    return _mm256_xor_ps(_mm256_permutevar8x32_ps(lut, c),
+                         _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(c, 28), sign)));
+  };
+  for (int part = 0; part < 2; ++part) {  // columns 16 part .. 16 part + 15
+    const __m256 e = values(0, part), od = values(1, part);
+    const __m256 ul = _mm256_unpacklo_ps(e, od), uh = _mm256_unpackhi_ps(e, od);
+    store8x2(o + 16 * part, _mm256_permute2f128_ps(ul, uh, 0x20), _mm256_permute2f128_ps(ul, uh, 0x31));
+  }
+#else
+  const float scale = kScales.v[s];
+  for (int j = 0; j < 16; ++j) {
+    exact(o + 2 * j, kE2M1[q[j] & 15] * scale);
+    exact(o + 2 * j + 1, kE2M1[q[j] >> 4] * scale);
+  }
+#endif
+}
+
 template <typename T>
 void dequantize(const uint8_t* blocks, const uint8_t* scales, T* out, int64_t n0, int64_t n1,
                 int64_t k) {
@@ -191,11 +275,7 @@ void dequantize(const uint8_t* blocks, const uint8_t* scales, T* out, int64_t n0
     const uint8_t* q = blocks + row * (k / 2);
     const uint8_t* s = scales + row * (k / 32);
     T* o = out + (row - n0) * k;
-    for (int64_t j = 0; j < k / 2; ++j) {
-      const float scale = kScales.v[s[j / 16]];
-      store1(o + 2 * j, kE2M1[q[j] & 15] * scale);
-      store1(o + 2 * j + 1, kE2M1[q[j] >> 4] * scale);
-    }
+    for (int64_t b = 0; b < k / 32; ++b) dequantize_block(q + 16 * b, s[b], o + 32 * b);
   }
 }
 

@@ -70,6 +70,11 @@ def check_product(fn: Callable[..., torch.Tensor], ms: tuple[int, ...] = (1, 7, 
 def _check_path(name: str) -> None:
     assert mxfp4.path() == name, mxfp4.path()
     check_product(mxfp4.native_matmul)
+    check_product(mxfp4.dequantized_matmul, ms=(1, 40))
+    blocks, scales = random_layout(5, 7, seed=3)
+    for dtype in (torch.float32, torch.bfloat16):
+        rows = mxfp4.dequantize_rows(blocks, scales, 1, 4, dtype)
+        assert torch.equal(rows, dequantize_mxfp4(blocks[1:4], scales[1:4], dtype))
 
 
 def check_path_avx512() -> None:
@@ -152,6 +157,18 @@ def test_reference_product() -> None:
 def test_native_kernel_of_this_build() -> None:
     """The path this CPU's build takes, M = 1, 7, 64, float32 and bfloat16, bias or none."""
     check_product(mxfp4.native_matmul)
+
+
+@native
+def test_native_dequantization_of_this_build() -> None:
+    """The native dequantizer (rows of the weight, for the GEMM path) gives the reference's
+    values, bit for bit, in float32 and bfloat16."""
+    blocks, scales = random_layout(9, 5, seed=4)
+    scales[0, 0], scales[1, 1] = 0, 255  # 2^-127 (subnormal) and +inf (NaN: 0 * inf)
+    for dtype in (torch.float32, torch.bfloat16):
+        rows = mxfp4.dequantize_rows(blocks, scales, 0, 9, dtype)
+        ref = dequantize_mxfp4(blocks, scales, dtype)  # (0 times +inf: NaN in both)
+        torch.testing.assert_close(rows, ref, rtol=0, atol=0, equal_nan=True)
 
 
 @native
@@ -286,6 +303,92 @@ def test_experts_match_transformers_gpt_oss(tokens: int) -> None:
         expected = hf(x, ids, weights)
         got = ours(x, weights, ids)
     assert torch.allclose(got, expected, atol=1e-4, rtol=1e-4), (got - expected).abs().max()
+
+
+def test_experts_in_bfloat16() -> None:
+    """In a bfloat16 model (biases cast by ``.to``, bytes kept) the experts stay within
+    bfloat16's rounding of the float32 result over the same packed weights."""
+    hf = _hf_gpt_oss_experts(4, 64, 96)
+    act = _swiglu(hf.alpha, hf.limit)
+    args = (hf.gate_up_proj.transpose(1, 2), hf.down_proj.transpose(1, 2))
+    ours = MXFP4Experts.from_float(*args, hf.gate_up_proj_bias, hf.down_proj_bias, act)
+    x = torch.randn(6, 64)
+    ids = torch.stack([torch.randperm(4)[:2] for _ in range(6)])
+    weights = torch.softmax(torch.randn(6, 2), dim=-1)
+    with torch.no_grad():
+        expected = ours(x, weights, ids)
+        got = ours.to(torch.bfloat16)(x.bfloat16(), weights, ids)
+    assert got.dtype == torch.bfloat16 and ours.down_proj_blocks.dtype == torch.uint8
+    scale = expected.abs().max()
+    assert float((got.float() - expected).abs().max()) <= 0.05 * float(scale)
+
+
+def test_from_experts_matches_the_float_experts() -> None:
+    """``from_experts`` of ``layers.moe.Experts`` ([gate | up], SiLU): the same routed output
+    as those experts holding the dequantized weights."""
+    from foudre.layers.moe import Experts
+
+    torch.manual_seed(0)
+    float_experts = Experts(3, 64, 32)
+    with torch.no_grad():
+        float_experts.gate_up_proj.normal_(0, 0.3)
+        float_experts.down_proj.normal_(0, 0.3)
+    ours = MXFP4Experts.from_experts(float_experts)
+    assert ours.gate_up_proj_bias is None
+    gate_up, down = ours.dequantize()
+    with torch.no_grad():
+        float_experts.gate_up_proj.copy_(gate_up)
+        float_experts.down_proj.copy_(down)
+        x = torch.randn(5, 64)
+        ids = torch.tensor([[0, 1], [2, 0], [1, 2], [0, 2], [1, 0]])
+        weights = torch.softmax(torch.randn(5, 2), dim=-1)
+        expected = float_experts(x, weights, ids)
+        got = ours(x, weights, ids)
+    assert torch.allclose(got, expected, atol=1e-5, rtol=1e-4), (got - expected).abs().max()
+
+
+def test_every_expert_path_matches() -> None:
+    """The path taken while a CUDA graph is captured (``every_expert``: every expert over every
+    row, weight 0 where not chosen) gives the grouped path's output."""
+    from foudre.layers.moe import every_expert
+
+    g = torch.Generator().manual_seed(5)
+    ours = MXFP4Experts.from_float(
+        torch.randn(3, 64, 32, generator=g), torch.randn(3, 32, 32, generator=g)
+    )
+    x = torch.randn(4, 32, generator=g)
+    ids = torch.tensor([[0, 2], [1, 0], [2, 1], [0, 1]])
+    weights = torch.softmax(torch.randn(4, 2, generator=g), dim=-1)
+    with torch.no_grad():
+        grouped = ours(x, weights, ids)
+        dense = every_expert(x, weights, ids, 3, ours.expert)
+    torch.testing.assert_close(dense, grouped, rtol=1e-5, atol=1e-5)
+
+
+def test_from_tensors_holds_the_checkpoint_tensors() -> None:
+    """``from_tensors`` over a layer's checkpoint tensors holds them as they are (no copy) and
+    computes what ``from_float`` built them from; missing or misshapen tensors are named."""
+    g = torch.Generator().manual_seed(6)
+    source = MXFP4Experts.from_float(
+        torch.randn(2, 64, 64, generator=g),
+        torch.randn(2, 64, 32, generator=g),
+        torch.randn(2, 64, generator=g).bfloat16(),
+        torch.randn(2, 64, generator=g).bfloat16(),
+    )
+    tensors = source.state_dict()
+    ours = MXFP4Experts.from_tensors(tensors)
+    assert (ours.hidden_size, ours.intermediate_size, ours.num_experts) == (64, 32, 2)
+    assert ours.down_proj_blocks.data_ptr() == tensors["down_proj_blocks"].data_ptr()
+    x, ids, weights = torch.randn(3, 64), torch.tensor([[0, 1], [1, 0], [1, 0]]), torch.ones(3, 2)
+    with torch.no_grad():
+        assert torch.equal(ours(x, weights, ids), source(x, weights, ids))
+    with pytest.raises(ValueError, match="missing down_proj_scales"):
+        MXFP4Experts.from_tensors({k: v for k, v in tensors.items() if k != "down_proj_scales"})
+    half = {n: tensors[n][:, :32] for n in ("down_proj_blocks", "down_proj_scales")}
+    with pytest.raises(ValueError, match="do not fit"):
+        MXFP4Experts.from_tensors(tensors | half)
+    with pytest.raises(ValueError, match="both biases"):
+        MXFP4Experts.from_tensors({k: v for k, v in tensors.items() if k != "down_proj_bias"})
 
 
 def test_experts_state_dict_uses_the_checkpoint_names() -> None:
