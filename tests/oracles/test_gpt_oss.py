@@ -29,7 +29,7 @@ CONFIG: dict[str, Any] = dict(
     num_local_experts=4,
     num_experts_per_tok=2,
     intermediate_size=32,
-    head_dim=16,
+    head_dim=24,  # q_size 96 over hidden 64: as gpt-oss, whose heads span more than hidden
     sliding_window=8,
     # YaRN over an original context of 32 positions: the ramp covers most frequencies
     rope_parameters={
