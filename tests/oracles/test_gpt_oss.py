@@ -164,6 +164,33 @@ def test_cpu_kernels_match_the_sdpa_backend(
         assert same >= 0.8 * MAX_TOKENS * len(PROMPTS), outs
 
 
+_TRITON_ENGINE = """
+import sys
+from foudre import LLM, SamplingParams
+from tests.oracles.test_hf_equivalence import PROMPTS
+
+params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+outs = {}
+for backend in ("torch", "triton"):
+    llm = LLM(sys.argv[1], dtype="float32", skip_tokenizer_init=True, num_kv_blocks=64,
+              block_size=8, max_num_batched_tokens=16, device="cpu", attention_backend=backend)
+    outs[backend] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+assert outs["torch"] == outs["triton"], outs
+print("ok")
+"""
+
+
+@pytest.mark.slow  # about a minute in the interpreter
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs the Triton kernels for real")
+def test_triton_backend_interpreted(model_dir: Path) -> None:
+    """The Triton kernels with the model's sinks and windows, in Triton's interpreter: chunks
+    beside decode rows through the varlen kernel, decode steps through the decode kernel; the
+    SDPA backend's greedy ids."""
+    from tests.triton_check import run_triton_check
+
+    run_triton_check(_TRITON_ENGINE, str(model_dir))
+
+
 def test_ngram_speculation(model_dir: Path) -> None:
     """Draft tokens from n-grams, verified in the same forward (multi-token rows through the
     prefill kernel with sinks, rejected ones rolled back): the same greedy ids."""
