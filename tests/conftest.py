@@ -93,6 +93,7 @@ def make_hf_model(path: Path, arch: str = "llama", seed: int = 0, **overrides: A
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
         "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM),
         "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),
+        "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
     }[arch]
     torch.manual_seed(seed)
     config = cls[0](**base)
@@ -102,6 +103,8 @@ def make_hf_model(path: Path, arch: str = "llama", seed: int = 0, **overrides: A
         for name, p in model.named_parameters():
             if p.dim() in (2, 3):  # 3-D: the stacked experts of MoE models
                 p.normal_(0.0, 0.08 if "embed" not in name else 1.0)
+            elif name.endswith(".sinks"):  # gpt-oss's attention sinks: large enough to matter
+                p.normal_(0.0, 1.0)
             elif "bias" in name:
                 p.normal_(0.0, 0.1)
             else:  # norms

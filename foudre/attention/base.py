@@ -12,6 +12,13 @@ written to the paged cache at ``slot_mapping`` before attention reads the whole 
 through the request's block table. A backend must therefore make every token attend causally to
 all earlier positions of its own request, and to nothing else; a layer with a sliding window
 ``W`` (``forward(..., window=W)``) to the last ``W`` positions only, its own included.
+
+Attention sinks (gpt-oss: ``forward(..., sinks=s)``, ``s`` ``[num_heads]``): head ``h``'s softmax
+takes one more logit, ``s[h]``, in its denominator, a key whose value is zero::
+
+    out = sum_j exp(x_j) v_j / (exp(s[h]) + sum_j exp(x_j))      x_j = scale * q . k_j
+
+so a head may attend to nothing. Every backend applies them (or raises ``ValueError``).
 """
 
 from __future__ import annotations
@@ -53,9 +60,24 @@ class AttentionBackend(ABC):
         metadata: Any,
         scale: float,
         window: int | None = None,
+        sinks: torch.Tensor | None = None,  # [num_heads]: each head's sink logit
     ) -> torch.Tensor:
         """Return attention outputs ``[T, num_heads, head_dim]``: a query at position ``p``
-        attends to keys ``0 .. p`` of its request, or ``p - window + 1 .. p``."""
+        attends to keys ``0 .. p`` of its request, or ``p - window + 1 .. p``; with ``sinks``,
+        each head's softmax denominator also holds ``exp(sinks[h])``."""
+
+
+def check_sinks(sinks: torch.Tensor | None, num_heads: int) -> torch.Tensor | None:
+    """``sinks`` as a contiguous float32 vector of ``num_heads`` (None stays None);
+    ``ValueError`` for another shape."""
+    if sinks is None:
+        return None
+    if tuple(sinks.shape) != (num_heads,):
+        raise ValueError(
+            f"attention sinks must have one value per query head ({num_heads}), "
+            f"got shape {tuple(sinks.shape)}"
+        )
+    return sinks.detach().to(torch.float32).contiguous()
 
 
 def gather_blocks(cache: torch.Tensor, tables: torch.Tensor, dim: int = 0) -> torch.Tensor:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from foudre.attention.base import AttentionBackend, BatchLayout
 from foudre.attention.kv_quant import fake_quantize_kv
+from foudre.attention.torch_sdpa import with_sinks
 
 
 class CausalBackend(AttentionBackend):
@@ -44,6 +45,7 @@ class CausalBackend(AttentionBackend):
         metadata: tuple[int, int],
         scale: float,
         window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         b, t = metadata
         if self.kv_cache_dtype != "auto":
@@ -56,7 +58,16 @@ class CausalBackend(AttentionBackend):
         if heads != kv_heads:
             kh = kh.repeat_interleave(heads // kv_heads, dim=1)
             vh = vh.repeat_interleave(heads // kv_heads, dim=1)
-        if window is None or window >= t:
+        if sinks is not None:  # (differentiable in the sinks too)
+            if tuple(sinks.shape) != (heads,):
+                raise ValueError(f"attention sinks must be [{heads}], got {tuple(sinks.shape)}")
+            i = torch.arange(t, device=q.device)
+            mask = i.view(-1, 1) >= i.view(1, -1)
+            if window is not None:
+                mask &= i.view(-1, 1) - i.view(1, -1) < window
+            kh, vh, bias = with_sinks(kh, vh, mask.view(1, 1, t, t), sinks.view(1, heads, 1))
+            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=bias, scale=scale)
+        elif window is None or window >= t:
             o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
         else:  # a sliding window: token i sees tokens i - window + 1 .. i
             i = torch.arange(t, device=q.device)

@@ -53,11 +53,13 @@ _SYMBOLS = {dtype: f"paged_decode_{suffix}" for dtype, suffix in _SUFFIXES.items
 _CODES = {torch.int8: "int8", torch.float8_e4m3fn: "fp8"}
 _I64 = ctypes.c_int64
 _ARGTYPES = [ctypes.c_void_p] * 7 + [_I64] * 10 + [ctypes.c_float]
-_WINDOW_ARGTYPES = [*_ARGTYPES, _I64]
-# with codes: the scales of K and V after the caches' pointers
+# NAME_window: the window and the sinks (a float32 pointer or None) after the scale
+_WINDOW_ARGTYPES = [*_ARGTYPES, _I64, ctypes.c_void_p]
+# with codes: the scales of K and V after the caches' pointers (NAME_sinks: and the sinks)
 _CODES_ARGTYPES = [ctypes.c_void_p] * 9 + [_I64] * 10 + [ctypes.c_float, _I64]
-_PREFILL_ARGTYPES = [ctypes.c_void_p] * 8 + [_I64] * 11 + [ctypes.c_float]
-_PREFILL_CODES_ARGTYPES = [ctypes.c_void_p] * 10 + [_I64] * 11 + [ctypes.c_float]
+_CODES_SINKS_ARGTYPES = [*_CODES_ARGTYPES, ctypes.c_void_p]
+_PREFILL_ARGTYPES = [ctypes.c_void_p] * 8 + [_I64] * 11 + [ctypes.c_float, ctypes.c_void_p]
+_PREFILL_CODES_ARGTYPES = [ctypes.c_void_p] * 10 + [_I64] * 11 + [ctypes.c_float, ctypes.c_void_p]
 
 
 @lru_cache(maxsize=1)
@@ -75,6 +77,9 @@ def load_library() -> ctypes.CDLL | None:
             for codes in _CODES.values():
                 fn = getattr(dll, f"{symbol}_{codes}")
                 fn.argtypes = _CODES_ARGTYPES
+                fn.restype = None
+                fn = getattr(dll, f"{symbol}_{codes}_sinks")
+                fn.argtypes = _CODES_SINKS_ARGTYPES
                 fn.restype = None
     return dll
 
@@ -157,9 +162,11 @@ def cpu_paged_decode(
     *,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """The decode rows of ``PagedBackend`` (see ``paged.py``) on CPU tensors; a quantized cache
-    as int8 / float8_e4m3fn codes with their scales ``[num_blocks, block_size, kv_heads]``."""
+    as int8 / float8_e4m3fn codes with their scales ``[num_blocks, block_size, kv_heads]``;
+    ``sinks``: float32 ``[num_heads]``, each head's sink logit in its softmax denominator."""
     dll = load_library()
     if dll is None:
         raise RuntimeError("the CPU paged-attention kernel is not available (no C++ compiler?)")
@@ -169,7 +176,7 @@ def cpu_paged_decode(
     tables = block_tables.to(torch.int32).contiguous()
     tokens = token_idx.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
-    symbol = _SYMBOLS[q.dtype] + (f"_{_CODES[k_cache.dtype]}" if scales else "_window")
+    symbol = _SYMBOLS[q.dtype] + (f"_{_CODES[k_cache.dtype]}_sinks" if scales else "_window")
     getattr(dll, symbol)(
         q.data_ptr(),
         k_cache.data_ptr(),
@@ -191,7 +198,17 @@ def cpu_paged_decode(
         k_cache.stride(1),
         scale,
         window or 0,
+        _sinks_pointer(sinks, num_heads),
     )
+
+
+def _sinks_pointer(sinks: torch.Tensor | None, num_heads: int) -> int | None:
+    """The address of ``sinks`` (float32 ``[num_heads]``, contiguous on the CPU), or None."""
+    if sinks is None:
+        return None
+    if sinks.dtype != torch.float32 or sinks.shape != (num_heads,) or not sinks.is_contiguous():
+        raise ValueError(f"sinks must be a contiguous float32 [{num_heads}], got {sinks.shape}")
+    return sinks.data_ptr()
 
 
 def cpu_paged_prefill(
@@ -205,12 +222,13 @@ def cpu_paged_prefill(
     *,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """The multi-token rows of ``PagedBackend`` (see ``paged.py``) on CPU tensors: row ``r``'s
     queries (``q[q_starts[r] : q_starts[r] + q_lens[r]]``, at the last positions of a context
     of ``seq_lens[r]``) attend causally to the keys of its blocks, the last ``window`` of them
-    with a sliding window; results into ``out`` at the same flat indices. A quantized cache as
-    in ``cpu_paged_decode``."""
+    with a sliding window; results into ``out`` at the same flat indices. A quantized cache and
+    ``sinks`` as in ``cpu_paged_decode``."""
     dll = load_prefill_library()
     if dll is None:
         raise RuntimeError("the CPU prefill attention kernel is not available (no C++ compiler?)")
@@ -244,6 +262,7 @@ def cpu_paged_prefill(
         k_cache.stride(1),
         window or 0,
         scale,
+        _sinks_pointer(sinks, num_heads),
     )
 
 

@@ -12,6 +12,9 @@ Two kernels, set by each subclass to its module's functions:
   tokens (``PrefillRows``: prompt chunks, speculative verification), FlashAttention-style: each
   query sees the keys of its own request up to its position (and within the window).
 
+Both take ``sinks`` (float32 ``[num_heads]`` or None): each head's sink logit joins its softmax
+denominator (``base.py``), which a kernel folds in as it normalizes its output.
+
 A backend with ``mixed_in_one`` (Triton) sends every row of a step that holds a multi-token
 row to ``prefill``, one launch; the others (the CPU) split decode rows from the rest.
 
@@ -28,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from foudre.attention.base import AttentionBackend, BatchLayout
+from foudre.attention.base import AttentionBackend, BatchLayout, check_sinks
 from foudre.attention.quantized_cache import QuantizedKVCache
 from foudre.attention.torch_sdpa import split_rows, store_kv
 
@@ -120,6 +123,7 @@ class PagedBackend(AttentionBackend):
         *,
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> None:
         raise NotImplementedError
 
@@ -135,6 +139,7 @@ class PagedBackend(AttentionBackend):
         *,
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> None:
         raise NotImplementedError
 
@@ -165,7 +170,9 @@ class PagedBackend(AttentionBackend):
         metadata: PagedMetadata,
         scale: float,
         window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        sinks = check_sinks(sinks, q.shape[1])
         k_scale = v_scale = None
         if isinstance(kv_cache, QuantizedKVCache):
             kv_cache.write(metadata.slot_mapping, k, v)
@@ -188,6 +195,7 @@ class PagedBackend(AttentionBackend):
                 window,
                 k_scale=k_scale,
                 v_scale=v_scale,
+                sinks=sinks,
             )
         if metadata.prefill is not None:
             self.prefill(
@@ -200,5 +208,6 @@ class PagedBackend(AttentionBackend):
                 window,
                 k_scale=k_scale,
                 v_scale=v_scale,
+                sinks=sinks,
             )
         return out

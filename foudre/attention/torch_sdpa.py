@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from foudre.attention.base import AttentionBackend, BatchLayout, gather_blocks
+from foudre.attention.base import AttentionBackend, BatchLayout, check_sinks, gather_blocks
 from foudre.attention.quantized_cache import QuantizedKVCache
 
 
@@ -160,10 +160,12 @@ class TorchSDPABackend(AttentionBackend):
         metadata: SDPAMetadata,
         scale: float,
         window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        sinks = check_sinks(sinks, q.shape[1])
         gather = write_kv(kv_cache, metadata.slot_mapping, k, v)
         out = torch.empty_like(q)
-        attend_groups(q, gather, metadata.groups_for(window), out, scale)
+        attend_groups(q, gather, metadata.groups_for(window), out, scale, sinks)
         return out
 
 
@@ -196,10 +198,36 @@ def write_kv(
     return lambda tables: (gather_blocks(k_cache, tables), gather_blocks(v_cache, tables))
 
 
+def with_sinks(
+    keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, sinks: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Keys, values and a float mask for SDPA that add each head's sink to its softmax
+    denominator: one more key and value of zeros (``[B, KV, L + 1, D]``), whose score is the
+    mask's last column, the sink of the query row's head (rows ``g * Q + i`` of
+    ``[B, KV, G * Q, L + 1]``: query head ``kv * G + g``); the boolean ``mask`` (True: attend)
+    becomes 0 / -inf before it."""
+    b, kv, _, d = keys.shape
+    rows = mask.shape[-2]
+    groups = sinks.numel() // kv
+    zero = keys.new_zeros(b, kv, 1, d)
+    keys, values = torch.cat([keys, zero], dim=2), torch.cat([values, zero], dim=2)
+    bias = torch.zeros(mask.shape, dtype=keys.dtype, device=keys.device)
+    bias = bias.masked_fill(~mask, float("-inf")).expand(b, kv, rows, -1)
+    sink = sinks.to(keys.dtype).view(1, kv, groups, 1).repeat_interleave(rows // groups, dim=2)
+    return keys, values, torch.cat([bias, sink.expand(b, kv, rows, 1)], dim=-1)
+
+
 def attend_groups(
-    q: torch.Tensor, gather: Gather, groups: list[_Group], out: torch.Tensor, scale: float
+    q: torch.Tensor,
+    gather: Gather,
+    groups: list[_Group],
+    out: torch.Tensor,
+    scale: float,
+    sinks: torch.Tensor | None = None,
 ) -> None:
-    """Attention of each group's queries over its gathered blocks, written into ``out``."""
+    """Attention of each group's queries over its gathered blocks, written into ``out`` (with
+    each head's sink logit in its softmax denominator where ``sinks`` ``[num_heads]`` is
+    given)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     for g in groups:
         b, max_q = g.token_idx.shape
@@ -212,7 +240,9 @@ def attend_groups(
         # attention per KV head, which CPU kernels run far faster than enable_gqa (8x in bf16).
         queries = q[g.token_idx].view(b, max_q, num_kv_heads, per_kv, head_dim)
         queries = queries.permute(0, 2, 3, 1, 4).reshape(b, num_kv_heads, per_kv * max_q, -1)
-        mask = g.mask if max_q == 1 else g.mask.repeat(1, 1, per_kv, 1)
+        mask = g.mask if max_q == 1 and sinks is None else g.mask.repeat(1, 1, per_kv, 1)
+        if sinks is not None:
+            keys, values, mask = with_sinks(keys, values, mask, sinks)
         o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale)
         o = o.view(b, num_kv_heads, per_kv, max_q, head_dim).permute(0, 3, 1, 2, 4)
         o = o.reshape(b, max_q, num_heads, head_dim)

@@ -21,7 +21,8 @@ KV head) stacks the tile's positions for every query head of the group into the 
 time, gathering each key's block from the table, and applies the causal limit (and the sliding
 window) as tile bounds plus a mask on the edge tiles. No K/V is gathered into a tensor and no
 dense mask exists. A sliding window also moves both kernels' first block: the blocks before the
-window are never read.
+window are never read. Attention sinks (gpt-oss: a logit per head in the softmax denominator)
+add ``exp(sink - m)`` to ``l`` before the division, in both kernels.
 
 A quantized KV cache (``kv_cache_dtype`` int8 / fp8) is read as stored by both kernels: the
 codes are loaded (a byte each) and converted in registers (int8 by a cast; float8 e4m3fn from
@@ -93,11 +94,13 @@ def _codes(
 
 @triton.jit
 def _paged_decode(
-    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, tok_ptr, bt_ptr, len_ptr, scale, window,
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, tok_ptr, bt_ptr, len_ptr, sinks_ptr, scale,
+    window,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_ot, stride_oh, stride_bt,
     stride_sb, stride_ss,
     PER_KV: tl.constexpr, PER_KV_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
     HEAD_DIM_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr, CODES: tl.constexpr,
+    SINKS: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -142,6 +145,8 @@ def _paged_decode(
             p = p * tl.load(vs_ptr + s_at, mask=valid, other=0.0)[None, :]
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
         m = m_new
+    if SINKS:  # each head's sink: one more term of its denominator, exp(sink - m)
+        l = l + tl.exp(tl.load(sinks_ptr + heads, mask=g < PER_KV, other=0.0) - m)  # noqa: E741
     out = acc / l[:, None]
     o_at = o_ptr + tok * stride_ot + heads[:, None] * stride_oh + d[None, :]
     tl.store(o_at, out.to(o_ptr.dtype.element_ty), mask=qmask)
@@ -160,12 +165,14 @@ def paged_decode(
     *,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Attention of the decode rows: row ``i`` is token ``token_idx[i]`` of ``q [T, H, D]``,
     seeing the first ``seq_lens[i]`` positions of its blocks ``block_tables[i]`` in the cache
     (``[num_blocks, block_size, kv_heads, D]``), the last ``window`` of them with a sliding
     window; the result goes to ``out[token_idx[i]]``. A quantized cache: int8 / float8_e4m3fn
-    codes with their scales ``k_scale`` / ``v_scale`` ``[num_blocks, block_size, kv_heads]``."""
+    codes with their scales ``k_scale`` / ``v_scale`` ``[num_blocks, block_size, kv_heads]``.
+    ``sinks``: float32 ``[H]``, each head's sink logit in its softmax denominator."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     per_kv = num_heads // num_kv_heads
@@ -174,11 +181,13 @@ def paged_decode(
     codes, k_cache, v_cache, ks, vs = _codes(q, k_cache, v_cache, k_scale, v_scale)
     grid = (token_idx.shape[0], num_kv_heads)
     _paged_decode[grid](
-        q, k_cache, v_cache, ks, vs, out, token_idx, block_tables, seq_lens, scale, window or 0,
+        q, k_cache, v_cache, ks, vs, out, token_idx, block_tables, seq_lens,
+        q if sinks is None else sinks, scale, window or 0,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1), block_tables.stride(0), ks.stride(0), ks.stride(1),
         PER_KV=per_kv, PER_KV_P2=max(2, triton.next_power_of_2(per_kv)), HEAD_DIM=head_dim,
         HEAD_DIM_P2=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size, CODES=codes,
+        SINKS=sinks is not None,
     )  # fmt: skip
 
 
@@ -218,12 +227,12 @@ def _key_range(first, ctx, window, POS: tl.constexpr, BLOCK_N: tl.constexpr):
 @triton.jit
 def _paged_prefill(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, tile_ptr, n_tiles, qs_ptr, ql_ptr, len_ptr,
-    bt_ptr, scale, window,
+    bt_ptr, sinks_ptr, scale, window,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_ot, stride_oh, stride_bt,
     stride_sb, stride_ss,
     PER_KV: tl.constexpr, POS: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
     HEAD_DIM_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    IEEE: tl.constexpr, UPCAST: tl.constexpr, CODES: tl.constexpr,
+    IEEE: tl.constexpr, UPCAST: tl.constexpr, CODES: tl.constexpr, SINKS: tl.constexpr,
 ):  # fmt: skip
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -282,6 +291,9 @@ def _paged_prefill(
                 p = p.to(tl.float32)
             acc = acc * alpha[:, None] + _dot(p, v, IEEE)
             m_i = m_new
+        if SINKS:  # each head's sink: one more term of its denominator, exp(sink - m)
+            sink = tl.load(sinks_ptr + heads, mask=live, other=0.0)
+            l_i = l_i + tl.where(live, tl.exp(sink - m_i), 0.0)
         out = acc / tl.where(live, l_i, 1.0)[:, None]
         o_at = o_ptr + (q_start + qi)[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :]
         tl.store(o_at, out.to(o_ptr.dtype.element_ty), mask=live[:, None] & dmask[None, :])
@@ -306,11 +318,12 @@ def paged_prefill(
     *,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Attention of ``rows`` (any number of new tokens each, see ``PrefillRows``): each query
     sees its request's keys up to its own position (the last ``window`` with a sliding
     window). ``tiles`` (``[2, n]``: row, first query; row -1 for padding) defaults to the rows'
-    own tiles. A quantized cache as in ``paged_decode``."""
+    own tiles. A quantized cache and ``sinks`` as in ``paged_decode``."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     per_kv = num_heads // num_kv_heads
@@ -327,13 +340,13 @@ def paged_prefill(
     grid = (n_tiles, num_kv_heads)
     _paged_prefill[grid](
         q, k_cache, v_cache, ks, vs, out, tiles, n_tiles, rows.q_starts, rows.q_lens,
-        rows.seq_lens, rows.block_tables, scale, window or 0,
+        rows.seq_lens, rows.block_tables, q if sinks is None else sinks, scale, window or 0,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1), rows.block_tables.stride(0), ks.stride(0), ks.stride(1),
         PER_KV=per_kv, POS=positions, BLOCK_M=block_m, HEAD_DIM=head_dim,
         HEAD_DIM_P2=head_dim_p2, BLOCK_SIZE=block_size, BLOCK_N=32,
         IEEE=q.dtype == torch.float32, UPCAST=_INTERPRETED and q.dtype != torch.float32,
-        CODES=codes,
+        CODES=codes, SINKS=sinks is not None,
     )  # fmt: skip
 
 

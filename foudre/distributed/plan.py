@@ -191,6 +191,12 @@ def check_parallel(
     """``ParallelConfigError`` naming the field when ``cfg`` cannot be split ``T x P`` ways."""
     t, p = tensor_parallel_size, pipeline_parallel_size
     field = "tensor_parallel_size"
+    if cfg.architecture == "gpt_oss" and t * p > 1:  # no shard of its sinks, biases, experts
+        raise ParallelConfigError(
+            field if t > 1 else "pipeline_parallel_size",
+            "gpt-oss does not run parallel yet (its attention sinks, o_proj bias and biased "
+            "experts have no shard plan); use tensor_parallel_size=1, pipeline_parallel_size=1",
+        )
     if cfg.num_attention_heads % t:
         raise ParallelConfigError(
             field,

@@ -213,6 +213,73 @@ class Experts(nn.Module):
         return f"num_experts={e}, hidden={h}, intermediate={two_i // 2}"
 
 
+def clamped_swiglu(
+    gate_up: torch.Tensor, alpha: float, limit: float, interleaved: bool = False
+) -> torch.Tensor:
+    """gpt-oss's activation ``[T, 2I] -> [T, I]``: ``(up + 1) * g * sigmoid(alpha * g)`` with
+    ``g = min(gate, limit)`` and ``up`` clamped to ``[-limit, limit]``; ``gate_up`` is ``[gate |
+    up]``, or with ``interleaved`` the checkpoint's order (gate in the even columns, up in the
+    odd ones: MXFP4 experts keep it)."""
+    if interleaved:
+        gate, up = gate_up[..., 0::2], gate_up[..., 1::2]
+    else:
+        gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(-limit, limit)
+    return (up + 1) * (gate * torch.sigmoid(alpha * gate))
+
+
+class ClampedSwiGLUExperts(nn.Module):
+    """gpt-oss's experts: ``Experts``' stacked layout with biases (``gate_up_proj_bias`` ``[E,
+    2I]``, ``down_proj_bias`` ``[E, hidden]``) and a clamped SwiGLU between the projections::
+
+        gate = min(gate, limit)    up = clamp(up, -limit, limit)
+        h = (up + 1) * gate * sigmoid(alpha * gate)
+
+    Run as ``grouped_experts`` (``every_expert`` while a CUDA graph is captured): the fused
+    kernels of ``Experts`` know neither the biases nor this activation."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        alpha: float,
+        limit: float,
+    ) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.intermediate_size = intermediate_size
+        self.alpha, self.limit = alpha, limit
+        self.gate_up_proj = nn.Parameter(
+            torch.empty(num_experts, 2 * intermediate_size, hidden_size)
+        )
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden_size))
+
+    def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The clamped SwiGLU of ``gate_up = [gate | up]`` ``[T, 2I]``."""
+        return clamped_swiglu(gate_up, self.alpha, self.limit)
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert ``e`` over the rows ``x`` ``[n, hidden]``."""
+        h = self.activation(linear(x, self.gate_up_proj[e], self.gate_up_proj_bias[e]))
+        return linear(h, self.down_proj[e], self.down_proj_bias[e])
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if capturing(x):
+            return every_expert(x, weights, ids, self.num_experts, self.expert)
+        return grouped_experts(x, weights, ids, self.num_experts, self.expert)
+
+    def extra_repr(self) -> str:
+        e, two_i, h = self.gate_up_proj.shape
+        return (
+            f"num_experts={e}, hidden={h}, intermediate={two_i // 2}, alpha={self.alpha}, "
+            f"limit={self.limit}"
+        )
+
+
 @cache
 def _triton_experts() -> Any:
     """``moe_triton.fused_experts``, or None where Triton does not import."""
@@ -224,10 +291,12 @@ def _triton_experts() -> Any:
 
 
 class SparseMoeBlock(nn.Module):
-    """A mixture-of-experts MLP: the router ``gate`` (``[E, hidden]``, no bias), the routed
-    ``experts``, and optionally a ``shared_expert`` every token goes through, scaled by
-    ``sigmoid(shared_expert_gate(x))`` when ``shared_gate``. Parameter names are Hugging
-    Face's (Qwen2-MoE, Qwen3-MoE, OLMoE, and Mixtral's once renamed).
+    """A mixture-of-experts MLP: the router ``gate`` (``[E, hidden]``, with a bias where
+    ``router_bias``: gpt-oss), the routed ``experts`` (``Experts`` unless another module of
+    its call is given: gpt-oss's ``ClampedSwiGLUExperts``), and optionally a ``shared_expert``
+    every token goes through, scaled by ``sigmoid(shared_expert_gate(x))`` when
+    ``shared_gate``. Parameter names are Hugging Face's (Qwen2-MoE, Qwen3-MoE, OLMoE, and
+    Mixtral's once renamed).
 
     ``scoring``: ``"softmax"`` (``route``), or ``"sigmoid"`` for DeepSeek-V3's routing
     (``route_grouped`` with ``n_group``, ``topk_group``, ``routed_scaling_factor`` and the
@@ -248,6 +317,8 @@ class SparseMoeBlock(nn.Module):
         n_group: int = 1,
         topk_group: int = 1,
         routed_scaling_factor: float = 1.0,
+        router_bias: bool = False,
+        experts: nn.Module | None = None,
     ) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
@@ -264,8 +335,10 @@ class SparseMoeBlock(nn.Module):
         self.hidden_size = hidden_size
         self.top_k = top_k
         self.renormalize = renormalize
-        self.gate = Linear(hidden_size, num_experts, bias=False)
-        self.experts: nn.Module = Experts(num_experts, hidden_size, intermediate_size)
+        self.gate = Linear(hidden_size, num_experts, bias=router_bias)
+        self.experts: nn.Module = (
+            Experts(num_experts, hidden_size, intermediate_size) if experts is None else experts
+        )
         self.shared_expert: GatedMLP | None = (
             GatedMLP(hidden_size, shared_intermediate_size) if shared_intermediate_size else None
         )

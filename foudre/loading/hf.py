@@ -32,6 +32,7 @@ _ARCHITECTURE_CLASSES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "OlmoeForCausalLM": "olmoe",
     "DeepseekV3ForCausalLM": "deepseek_v3",  # Kimi-K2's model_type is kimi_k2
+    "GptOssForCausalLM": "gpt_oss",
 }
 
 # Hugging Face's defaults per model type for keys a config.json may leave out
@@ -78,6 +79,29 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
         "v_head_dim": 128,
         "rope_interleave": True,
         "num_nextn_predict_layers": 1,
+    },
+    "gpt_oss": {
+        "max_position_embeddings": 131072,
+        "head_dim": 64,
+        "num_experts": 128,
+        "num_experts_per_tok": 4,
+    },
+}
+
+# gpt-oss: what transformers assumes for the keys a config.json leaves out (GptOssConfig)
+_GPT_OSS_KEYS: dict[str, Any] = {
+    "sliding_window": 128,
+    "attention_bias": True,
+    "rms_norm_eps": 1e-5,
+    "swiglu_alpha": 1.702,
+    "swiglu_limit": 7.0,
+    "rope_parameters": {
+        "rope_type": "yarn",
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 4096,
     },
 }
 
@@ -243,11 +267,15 @@ def _layer_types(
     Qwen3-MoE (None); for Qwen2 and Qwen3 the config's ``layer_types``, else the layers from
     ``max_window_layers`` on; for Qwen2-MoE its ``layer_types``, else the even-numbered layers
     below ``max_window_layers``."""
-    if window is None or arch not in ("qwen2", "qwen3", "qwen2_moe"):
+    if window is None or arch not in ("qwen2", "qwen3", "qwen2_moe", "gpt_oss"):
         return None
     given = raw.get("layer_types")
     if isinstance(given, list):
         return tuple(str(t) for t in given)
+    if arch == "gpt_oss":  # even layers slide, odd ones attend to everything
+        return tuple(
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)
+        )
     first = raw.get("max_window_layers", 28)
     if arch == "qwen2_moe":
         return tuple(
@@ -314,7 +342,7 @@ def _moe(raw: dict[str, Any], arch: str, path: Path) -> dict[str, Any]:
     """The ``ModelConfig`` mixture-of-experts fields of a config.json (``{}`` for dense ones)."""
     if arch == "deepseek_v3":
         return _deepseek_v3(raw, path)
-    if arch not in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe"):
+    if arch not in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss"):
         return {}
     defaults = _HF_DEFAULTS[arch]
 
@@ -349,6 +377,18 @@ def _moe(raw: dict[str, Any], arch: str, path: Path) -> dict[str, Any]:
             num_experts_per_tok=count("num_experts_per_tok"),
             moe_intermediate_size=inter,
             norm_topk_prob=True,
+        )
+    if arch == "gpt_oss":  # every layer sparse, top-k renormalised, the clamped SwiGLU
+        for key in ("swiglu_alpha", "swiglu_limit"):
+            _positive_number(path, key, raw[key])
+        return dict(
+            num_experts=num_experts,
+            num_experts_per_tok=count("num_experts_per_tok"),
+            moe_intermediate_size=count("intermediate_size"),
+            norm_topk_prob=True,
+            swiglu_alpha=float(raw["swiglu_alpha"]),
+            swiglu_limit=float(raw["swiglu_limit"]),
+            mxfp4_experts=_quant_method(raw) == "mxfp4",  # the experts' *_blocks, *_scales
         )
     if arch == "olmoe":  # every layer sparse, experts of intermediate_size
         return dict(
@@ -445,6 +485,25 @@ def _attention_bias(raw: dict[str, Any], arch: str) -> bool:
     )
 
 
+def _quant_method(raw: dict[str, Any]) -> str | None:
+    """The ``quantization_config``'s ``quant_method`` of a config.json, if any."""
+    qc = raw.get("quantization_config")
+    return qc.get("quant_method") if isinstance(qc, dict) else None
+
+
+def _gpt_oss_config(raw: dict[str, Any], path: Path) -> dict[str, Any]:
+    """A gpt-oss config.json with transformers' defaults for the keys it leaves out (its RoPE
+    is YaRN with theta 150000 unless it says otherwise)."""
+    given = {k: v for k, v in raw.items() if v is not None}
+    raw = {**_GPT_OSS_KEYS, **given}
+    if "rope_scaling" in given and "rope_parameters" not in given:
+        del raw["rope_parameters"]  # transformers 4's layout: rope_scaling and rope_theta
+    params = raw.get("rope_parameters") or raw.get("rope_scaling")
+    if isinstance(params, dict) and "rope_theta" not in params and "rope_theta" not in raw:
+        raw["rope_theta"] = 150000.0
+    return raw
+
+
 def load_hf_config(model_dir: Path) -> ModelConfig:
     """Parse ``config.json`` (and ``generation_config.json``'s EOS ids) into a ``ModelConfig``.
 
@@ -457,6 +516,8 @@ def load_hf_config(model_dir: Path) -> ModelConfig:
     path = model_dir / "config.json"
     raw = _read_json(path)
     arch = _architecture(raw, path)
+    if arch == "gpt_oss":
+        raw = _gpt_oss_config(raw, path)
     defaults = _HF_DEFAULTS[arch]
     hidden = _required_int(raw, path, "hidden_size")
     heads = _required_int(raw, path, "num_attention_heads")

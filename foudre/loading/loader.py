@@ -6,11 +6,14 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
+from torch import nn
 
+from foudre.layers.moe import SparseMoeBlock, clamped_swiglu
 from foudre.loading.errors import ModelLoadError
 from foudre.loading.fp8_blocks import dequantize_fp8_blocks, fp8_block_size
 from foudre.loading.gguf import (
@@ -51,6 +54,7 @@ from foudre.models.config import ModelConfig
 from foudre.models.llama import LlamaForCausalLM
 from foudre.models.registry import build_model
 from foudre.quant import quantize_model
+from foudre.quant.mxfp4 import MXFP4Experts
 from foudre.quant.qlinear import prepare_for_cpu, uses_native_kernels
 
 _DTYPES = {
@@ -166,6 +170,8 @@ def load_model(
     torch_dtype = parse_dtype(cfg.torch_dtype if dtype == "auto" else dtype)
     with torch.device("meta"):
         net = build_model(cfg, max_positions)
+        if cfg.mxfp4_experts:
+            _swap_in_mxfp4_experts(net, cfg)
     net = net.to(torch_dtype)  # still on meta: nothing is allocated before the swaps below
     plan = GGUFQuantPlan()
     if gguf is not None:
@@ -195,6 +201,20 @@ def load_model(
     release_freed()
     net.eval()
     return LoadedModel(net, cfg, tok, gen, model)
+
+
+def _swap_in_mxfp4_experts(net: nn.Module, cfg: ModelConfig) -> None:
+    """gpt-oss's experts as an MXFP4 checkpoint stores them: ``MXFP4Experts`` in every layer
+    (packed blocks and scales loaded as they are, never expanded; gate|up rows interleaved as
+    stored, the clamped SwiGLU reading them so)."""
+    activation = partial(
+        clamped_swiglu, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit, interleaved=True
+    )
+    for layer in cast(LlamaForCausalLM, net).model.layers:
+        block = cast(SparseMoeBlock, cast(Any, layer).mlp)
+        block.experts = MXFP4Experts(
+            cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, True, activation
+        )
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:

@@ -26,6 +26,7 @@ _HF_CLASSES = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "olmoe": "OlmoeForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -43,6 +44,8 @@ def hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
     names, the others' ``mlp.experts.{e}.gate_proj``), as transformers writes them, in the
     model's own dtypes."""
     cfg = model.config
+    if cfg.architecture == "gpt_oss":
+        return _gpt_oss_state_dict(model)
     out: dict[str, torch.Tensor] = {}
     mixtral = cfg.architecture == "mixtral"
     parts = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
@@ -75,6 +78,39 @@ def hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
             out[f"{base}up_proj.{leaf}"] = up.contiguous()
         else:
             out[name] = t
+    return out
+
+
+def _gpt_oss_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
+    """gpt-oss's weights as transformers names and lays them out: q|k|v split back (weights and
+    biases), the router under ``mlp.router``, the experts stacked with gate and up interleaved
+    in the columns of ``gate_up_proj`` ``[E, hidden, 2I]`` and ``down_proj`` ``[E, I,
+    hidden]``. ``ValueError`` for packed (MXFP4) or quantized experts."""
+    cfg = model.config
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in model.state_dict().items():
+        t = tensor.detach()
+        prefix, _, leaf = name.rpartition(".")
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        if prefix.endswith("qkv_proj"):
+            base = prefix.removesuffix("qkv_proj")
+            q, k, v = t.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=0)
+            for part, value in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
+                out[f"{base}{part}.{leaf}"] = value.contiguous()
+        elif prefix.endswith(".mlp.gate"):
+            out[f"{prefix.removesuffix('gate')}router.{leaf}"] = t.contiguous()
+        elif prefix.endswith(".experts"):
+            if leaf not in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"):
+                raise ValueError(f"{name}: packed or quantized experts are not written")
+            if leaf.startswith("gate_up_proj"):  # [gate | up] rows -> gate, up interleaved
+                gate, up = t.chunk(2, dim=1)
+                t = torch.stack([gate, up], dim=2).flatten(1, 2)
+            if leaf in ("gate_up_proj", "down_proj"):  # [E, out, in] -> [E, in, out]
+                t = t.transpose(1, 2)
+            out[name] = t.contiguous()
+        else:
+            out[name] = t.contiguous()
     return out
 
 
@@ -128,6 +164,14 @@ def hf_config_dict(cfg: ModelConfig, dtype: torch.dtype | None = None) -> dict[s
 
 def _moe_config(cfg: ModelConfig) -> dict[str, Any]:
     """The mixture-of-experts keys of ``config.json`` for ``cfg``'s architecture."""
+    if cfg.architecture == "gpt_oss":  # every layer sparse, its clamped SwiGLU
+        return {
+            "num_local_experts": cfg.num_experts,
+            "num_experts_per_tok": cfg.num_experts_per_tok,
+            "intermediate_size": cfg.moe_intermediate_size,
+            "swiglu_alpha": cfg.swiglu_alpha,
+            "swiglu_limit": cfg.swiglu_limit,
+        }
     raw: dict[str, Any] = {
         "num_experts": cfg.num_experts,
         "num_experts_per_tok": cfg.num_experts_per_tok,

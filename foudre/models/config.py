@@ -8,6 +8,7 @@ from typing import Any
 SUPPORTED_ARCHITECTURES = (
     "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
     "deepseek_v3",
+    "gpt_oss",
 )  # fmt: skip
 # How a mixture-of-experts router scores the experts before its top-k: a softmax over all of
 # them (Mixtral, Qwen-MoE, OLMoE), or DeepSeek-V3's sigmoid scores with a selection bias and a
@@ -85,6 +86,12 @@ class ModelConfig:
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     num_nextn_predict_layers: int = 0
+    # gpt-oss: its experts' clamped SwiGLU, (up + 1) * g * sigmoid(swiglu_alpha * g) with
+    # g = min(gate, swiglu_limit) and up clamped to +-swiglu_limit (layers/moe.py); its attention
+    # sinks, o_proj bias and router bias come with the architecture
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    mxfp4_experts: bool = False  # experts stored packed (quantization_config mxfp4)
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:

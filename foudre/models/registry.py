@@ -12,6 +12,7 @@ from torch import nn
 
 from foudre.models.config import ModelConfig
 from foudre.models.deepseek_v3 import DeepseekV3ForCausalLM
+from foudre.models.gpt_oss import GptOssForCausalLM
 from foudre.models.llama import LlamaForCausalLM
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
@@ -19,6 +20,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     for arch in ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 }
 MODEL_CLASSES["deepseek_v3"] = DeepseekV3ForCausalLM
+MODEL_CLASSES["gpt_oss"] = GptOssForCausalLM
 
 
 def model_class(cfg: ModelConfig) -> type[nn.Module]:

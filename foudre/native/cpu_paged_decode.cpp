@@ -55,6 +55,12 @@ inline void part_keys(int64_t len, int64_t window, int64_t BS, int64_t part, int
   hi = std::min(len, (first_block + blocks * (part + 1) / parts) * BS);
 }
 
+// An attention sink's term of head hg's softmax denominator, exp(sinks[hg] - m), for a running
+// max m of the same (scaled) scores: a key whose value is zero (0 without sinks). std::exp, as
+// the sink may exceed every score.
+inline float sink_weight(const float* sinks, int64_t hg, float m) {
+  return sinks == nullptr ? 0.0f : std::exp(sinks[hg] - m);
+}
 
 // T: the queries' and outputs' type; C: the cache's (T, or int8_t / Fp8 codes whose scales are
 // k_scale / v_scale, laid out as the codes without head_dim: the code offset / head_dim)
@@ -64,7 +70,7 @@ void paged_decode(const T* q, const C* k_cache, const C* v_cache, const float* k
                   const int32_t* block_tables, const int32_t* seq_lens, int64_t rows,
                   int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                   int64_t table_width, int64_t q_stride, int64_t o_stride, int64_t block_stride,
-                  int64_t token_stride, float scale, int64_t window) {
+                  int64_t token_stride, float scale, int64_t window, const float* sinks) {
   constexpr bool quantized = !std::is_same_v<T, C>;
   const int64_t G = num_heads / num_kv_heads;
   const int64_t D = head_dim;
@@ -134,7 +140,7 @@ void paged_decode(const T* q, const C* k_cache, const C* v_cache, const float* k
       }
       for (int64_t g = 0; g < G; ++g) {
         T* orow = out + tok * o_stride + (h * G + g) * D;
-        const float inv = 1.0f / l[g];
+        const float inv = 1.0f / (l[g] + sink_weight(sinks, h * G + g, m[g]));
         for (int64_t d = 0; d < D; ++d) store(orow + d, acc[g * D + d] * inv);
       }
     }
@@ -375,7 +381,8 @@ void paged_decode_rows(const typename Ops::Elem* q, const C* k_cache, const C* v
                        const int32_t* tokens, const int32_t* block_tables, const int32_t* seq_lens,
                        int64_t rows, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                        int64_t block_size, int64_t table_width, int64_t q_stride, int64_t o_stride,
-                       int64_t block_stride, int64_t token_stride, float scale, int64_t window) {
+                       int64_t block_stride, int64_t token_stride, float scale, int64_t window,
+                       const float* sinks) {
   using T = typename Ops::Elem;
   constexpr bool quantized = !std::is_same_v<C, typename Ops::Cache>;
   constexpr int W = Ops::W;
@@ -543,6 +550,7 @@ void paged_decode_rows(const typename Ops::Elem* q, const C* k_cache, const C* v
           for (int64_t d = 0; d < acc_stride; ++d) merged[d] += a[d] * f;
           sum += l * f;
         }
+        sum += sink_weight(sinks, hg, mx);
         Ops::write(out + tok * o_stride + hg * D, merged.data(), 1.0f / sum, D);
       }
     };
@@ -569,7 +577,7 @@ void paged_decode_avx512(const typename Ops::Elem* q, const C* k, const C* v, co
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                          int64_t block_size, int64_t table_width, int64_t q_stride,
                          int64_t o_stride, int64_t block_stride, int64_t token_stride,
-                         float scale, int64_t window) {
+                         float scale, int64_t window, const float* sinks) {
   auto f = paged_decode_rows<Ops, C, 0>;
   switch ((head_dim + Ops::W - 1) / Ops::W) {
     case 2:
@@ -585,7 +593,7 @@ void paged_decode_avx512(const typename Ops::Elem* q, const C* k, const C* v, co
       break;
   }
   f(q, k, v, ks, vs, out, tokens, tables, lens, rows, num_heads, num_kv_heads, head_dim,
-    block_size, table_width, q_stride, o_stride, block_stride, token_stride, scale, window);
+    block_size, table_width, q_stride, o_stride, block_stride, token_stride, scale, window, sinks);
 }
 #endif  // AVX-512
 
@@ -754,7 +762,7 @@ void paged_decode_avx2(const T* q, const C* k_cache, const C* v_cache, const flo
                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                        int64_t block_size, int64_t table_width, int64_t q_stride,
                        int64_t o_stride, int64_t block_stride, int64_t token_stride, float scale,
-                       int64_t window) {
+                       int64_t window, const float* sinks) {
   constexpr bool quantized = !std::is_same_v<T, C>;
   constexpr int64_t kSplit = 2;
   const int64_t G = num_heads / num_kv_heads, D = head_dim, BS = block_size;
@@ -874,6 +882,7 @@ void paged_decode_avx2(const T* q, const C* k_cache, const C* v_cache, const flo
           for (int64_t i = 0; i < width; ++i) merged[i] += st[g * width + i] * f;
           sum += l * f;
         }
+        sum += sink_weight(sinks, h * G + g, mx);
         T* orow = out + tokens[r] * o_stride + (h * G + g) * D;
         const float inv = 1.0f / sum;
         for (int64_t i = 0; i < width; ++i) {
@@ -904,19 +913,21 @@ void paged_decode_avx2(const T* q, const C* k_cache, const C* v_cache, const flo
 #endif
 
 // NAME: every key of a row (the signature cpu_ops.cpp's decoder layers call); NAME_window: a
-// sliding window, where a row of seq_len tokens sees its last `window` keys (0: all of them).
+// sliding window, where a row of seq_len tokens sees its last `window` keys (0: all of them),
+// and attention sinks: `sinks` (null: none) holds each query head's sink logit, which joins its
+// softmax denominator as a key of value zero (gpt-oss).
 #define FOUDRE_PAGED_DECODE(NAME, OPS, T)                                                       \
   extern "C" void NAME##_window(                                                                \
       const void* q, const void* k, const void* v, void* out, const int32_t* tokens,            \
       const int32_t* tables, const int32_t* lens, int64_t rows, int64_t num_heads,              \
       int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t table_width,          \
       int64_t q_stride, int64_t o_stride, int64_t block_stride, int64_t token_stride,           \
-      float scale, int64_t window) {                                                            \
+      float scale, int64_t window, const float* sinks) {                                        \
     FOUDRE_KERNEL(OPS, T, T)                                                                    \
     (static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v), nullptr,     \
      nullptr, static_cast<T*>(out), tokens, tables, lens, rows, num_heads, num_kv_heads,        \
      head_dim, block_size, table_width, q_stride, o_stride, block_stride, token_stride, scale,  \
-     window);                                                                                   \
+     window, sinks);                                                                            \
   }                                                                                             \
   extern "C" void NAME(const void* q, const void* k, const void* v, void* out,                  \
                        const int32_t* tokens, const int32_t* tables, const int32_t* lens,       \
@@ -926,7 +937,7 @@ void paged_decode_avx2(const T* q, const C* k_cache, const C* v_cache, const flo
                        float scale) {                                                           \
     NAME##_window(q, k, v, out, tokens, tables, lens, rows, num_heads, num_kv_heads, head_dim,  \
                   block_size, table_width, q_stride, o_stride, block_stride, token_stride,      \
-                  scale, 0);                                                                    \
+                  scale, 0, nullptr);                                                           \
   }
 
 FOUDRE_PAGED_DECODE(paged_decode_f32, FmaOps<float>, float)
@@ -935,8 +946,21 @@ FOUDRE_PAGED_DECODE(paged_decode_f16, FmaOps<Half>, Half)
 
 // A quantized cache: k / v hold the codes (C: int8_t or Fp8), k_scale / v_scale their scales,
 // laid out as the codes without head_dim; queries and outputs of type T. The window as above
-// (cpu_ops.cpp's decoder layers pass 0).
+// (cpu_ops.cpp's decoder layers pass 0); NAME_sinks also takes the sinks, as NAME_window.
 #define FOUDRE_PAGED_DECODE_CODES(NAME, OPS, T, C)                                              \
+  extern "C" void NAME##_sinks(                                                                 \
+      const void* q, const void* k, const void* v, const float* k_scale, const float* v_scale,  \
+      void* out, const int32_t* tokens, const int32_t* tables, const int32_t* lens,             \
+      int64_t rows, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,                  \
+      int64_t block_size, int64_t table_width, int64_t q_stride, int64_t o_stride,              \
+      int64_t block_stride, int64_t token_stride, float scale, int64_t window,                  \
+      const float* sinks) {                                                                     \
+    FOUDRE_KERNEL(OPS, T, C)                                                                    \
+    (static_cast<const T*>(q), static_cast<const C*>(k), static_cast<const C*>(v), k_scale,     \
+     v_scale, static_cast<T*>(out), tokens, tables, lens, rows, num_heads, num_kv_heads,        \
+     head_dim, block_size, table_width, q_stride, o_stride, block_stride, token_stride, scale,  \
+     window, sinks);                                                                            \
+  }                                                                                             \
   extern "C" void NAME(const void* q, const void* k, const void* v, const float* k_scale,       \
                        const float* v_scale, void* out, const int32_t* tokens,                  \
                        const int32_t* tables, const int32_t* lens, int64_t rows,                \
@@ -944,11 +968,9 @@ FOUDRE_PAGED_DECODE(paged_decode_f16, FmaOps<Half>, Half)
                        int64_t block_size, int64_t table_width, int64_t q_stride,               \
                        int64_t o_stride, int64_t block_stride, int64_t token_stride,            \
                        float scale, int64_t window) {                                           \
-    FOUDRE_KERNEL(OPS, T, C)                                                                    \
-    (static_cast<const T*>(q), static_cast<const C*>(k), static_cast<const C*>(v), k_scale,     \
-     v_scale, static_cast<T*>(out), tokens, tables, lens, rows, num_heads, num_kv_heads,        \
-     head_dim, block_size, table_width, q_stride, o_stride, block_stride, token_stride, scale,  \
-     window);                                                                                   \
+    NAME##_sinks(q, k, v, k_scale, v_scale, out, tokens, tables, lens, rows, num_heads,         \
+                 num_kv_heads, head_dim, block_size, table_width, q_stride, o_stride,           \
+                 block_stride, token_stride, scale, window, nullptr);                           \
   }
 
 #if defined(FOUDRE_AVX512)

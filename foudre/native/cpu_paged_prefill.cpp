@@ -73,7 +73,14 @@ struct Shape {
   float scale;
   const float* k_scale;  // a quantized cache's scales (else null): laid out as the codes
   const float* v_scale;  // without head_dim (a code's offset / head_dim)
+  const float* sinks;    // each query head's attention sink logit (null: none)
 };
+
+// The attention sink's term of query head hg's softmax denominator, exp(sinks[hg] - m), for a
+// lane's running max m of the same (scaled) scores: a key whose value is zero (0 without sinks).
+inline float sink_weight(const Shape& sh, int64_t hg, float m) {
+  return sh.sinks == nullptr ? 0.0f : std::exp(sh.sinks[hg] - m);
+}
 
 // The tasks of a step, longest key range first (dynamic scheduling then balances the cores).
 std::vector<Task> make_tasks(const std::vector<Seq>& seqs, const Shape& sh) {
@@ -387,6 +394,9 @@ void prefill_avx512(const typename Ops::Elem* q, const C* k_cache, const C* v_ca
         for (int v = 0; v < MV; ++v)
           _mm512_storeu_ps(inv + v * 16, _mm512_div_ps(_mm512_set1_ps(1.0f),
                                                        _mm512_loadu_ps(&l[g * BQ + v * 16])));
+        if (sh.sinks != nullptr)
+          for (int64_t i = 0; i < task.nq; ++i)
+            inv[i] = 1.0f / (l[g * BQ + i] + sink_weight(sh, task.head * G + g, m[g * BQ + i]));
         const float* ag = &acc[g * Dp * BQ];
         for (int64_t i = 0; i < task.nq; ++i) {
           T* orow = out + (sq.q_tok + task.q0 + i) * sh.o_stride + (task.head * G + g) * D;
@@ -620,7 +630,8 @@ void prefill_f32(const T* q, const C* k_cache, const C* v_cache, T* out,
         const float* ag = &acc[g * Dp * BQ];
         for (int64_t i = 0; i < task.nq; ++i) {
           T* orow = out + (sq.q_tok + task.q0 + i) * sh.o_stride + (task.head * G + g) * D;
-          const float inv = 1.0f / l[g * BQ + i];
+          const float inv =
+              1.0f / (l[g * BQ + i] + sink_weight(sh, task.head * G + g, m[g * BQ + i]));
           for (int64_t d = 0; d < D; ++d) store(orow + d, ag[d * BQ + i] * inv);
         }
       }
@@ -664,16 +675,18 @@ void prefill(const void* q, const void* k, const void* v, void* out, const int32
 
 // Row r computes q_lens[r] tokens, flat indices q_starts[r].., at the last positions of a
 // context of seq_lens[r] tokens held in blocks tables[r]; their K/V are already in the cache.
-// window > 0: a query at position p sees keys p - window + 1 .. p (else 0 .. p).
+// window > 0: a query at position p sees keys p - window + 1 .. p (else 0 .. p). sinks (null:
+// none): each query head's attention sink logit, a key of value zero in its softmax (gpt-oss).
 #define FOUDRE_PAGED_PREFILL(NAME, T, OPS)                                                        \
   extern "C" void NAME(const void* q, const void* k, const void* v, void* out,                   \
                        const int32_t* q_starts, const int32_t* q_lens, const int32_t* seq_lens,  \
                        const int32_t* tables, int64_t rows, int64_t num_heads,                   \
                        int64_t num_kv_heads, int64_t head_dim, int64_t block_size,               \
                        int64_t table_width, int64_t q_stride, int64_t o_stride,                  \
-                       int64_t block_stride, int64_t token_stride, int64_t window, float scale) { \
-    const Shape sh{num_heads,    num_kv_heads, head_dim,     block_size, q_stride, o_stride,     \
-                   block_stride, token_stride, window,       scale,      nullptr,  nullptr};     \
+                       int64_t block_stride, int64_t token_stride, int64_t window, float scale,  \
+                       const float* sinks) {                                                     \
+    const Shape sh{num_heads,    num_kv_heads, head_dim, block_size, q_stride, o_stride,         \
+                   block_stride, token_stride, window,   scale,      nullptr,  nullptr,  sinks}; \
     prefill<T, T, OPS>(q, k, v, out, q_starts, q_lens, seq_lens, tables, rows, table_width, sh); \
   }
 
@@ -690,9 +703,9 @@ FOUDRE_PAGED_PREFILL(paged_prefill_f16, Half, FOUDRE_F16_OPS)
                        int64_t rows, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,  \
                        int64_t block_size, int64_t table_width, int64_t q_stride,                \
                        int64_t o_stride, int64_t block_stride, int64_t token_stride,             \
-                       int64_t window, float scale) {                                            \
+                       int64_t window, float scale, const float* sinks) {                        \
     const Shape sh{num_heads,    num_kv_heads, head_dim, block_size, q_stride, o_stride,         \
-                   block_stride, token_stride, window,   scale,      k_scale,  v_scale};         \
+                   block_stride, token_stride, window,   scale,      k_scale,  v_scale,  sinks}; \
     prefill<T, C, OPS>(q, k, v, out, q_starts, q_lens, seq_lens, tables, rows, table_width, sh); \
   }
 

@@ -14,9 +14,15 @@ import pytest
 from foudre.attention import cpu_paged
 from foudre.layers import fused
 from foudre.native import build as native
-from foudre.quant import cpu_qmatmul
+from foudre.quant import cpu_qmatmul, mxfp4
 
-SOURCES = [fused.SOURCE, cpu_paged.SOURCE, cpu_paged.PREFILL_SOURCE, cpu_qmatmul.SOURCE]
+SOURCES = [
+    fused.SOURCE,
+    cpu_paged.SOURCE,
+    cpu_paged.PREFILL_SOURCE,
+    cpu_qmatmul.SOURCE,
+    mxfp4.SOURCE,
+]
 needs_compiler = pytest.mark.skipif(native.compiler() is None, reason="no C++ compiler")
 
 

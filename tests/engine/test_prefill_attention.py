@@ -67,8 +67,11 @@ def reference(
     rows: list[tuple[int, int]],
     bs: int,
     window: int | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """float32 SDPA over each row's dense K/V with an explicit causal (and window) mask."""
+    """float32 SDPA over each row's dense K/V with an explicit causal (and window) mask; with
+    ``sinks`` ``[heads]``, an explicit softmax over the scores and each head's sink logit (the
+    sink's weight dropped)."""
     out = torch.empty(q.shape, dtype=torch.float32)
     heads, kv_heads, dim = q.shape[1], cache.shape[3], cache.shape[4]
     start = 0
@@ -83,7 +86,12 @@ def reference(
         k = k.repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
         v = v.repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
         qr = q[start : start + q_len].float().transpose(0, 1)
-        o = F.scaled_dot_product_attention(qr, k, v, attn_mask=mask, scale=dim**-0.5)
+        if sinks is None:
+            o = F.scaled_dot_product_attention(qr, k, v, attn_mask=mask, scale=dim**-0.5)
+        else:
+            scores = (qr @ k.transpose(1, 2) * dim**-0.5).masked_fill(~mask, float("-inf"))
+            sink = sinks.float().view(-1, 1, 1).expand(heads, q_len, 1)
+            o = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1] @ v
         out[start : start + q_len] = o.transpose(0, 1)
         start += q_len
     return out
@@ -122,10 +130,12 @@ def errors(
     seed: int = 0,
     poison: bool = True,
     device: str = "cpu",
+    sinks: bool = False,
 ) -> tuple[float, float]:
     """Max errors against the float32 reference: of ``backend`` (on a pool poisoned with NaN
     wherever it must not read, zeros there without ``poison``), and of the SDPA backend in
-    ``dtype`` (the rounding yardstick; SDPA multiplies its padding by 0, NaN would stay)."""
+    ``dtype`` (the rounding yardstick; SDPA multiplies its padding by 0, NaN would stay). With
+    ``sinks``, random attention sinks (one per head) in all three."""
     g = torch.Generator().manual_seed(seed)
     nb, spare, tables, layout = scattered(rows, bs, g)
     clean = torch.randn(2, nb + 1, bs, kv_heads, head_dim, generator=g).to(dtype)
@@ -141,15 +151,18 @@ def errors(
     q, k, v = (
         torch.randn(total, h, head_dim, generator=g).to(dtype) for h in (heads, kv_heads, kv_heads)
     )
+    sink = 2 * torch.randn(heads, generator=g) if sinks else None
     written = clean.float().clone()
     for i, kv in enumerate((k, v)):
         written[i].view(-1, kv_heads, head_dim)[layout.slot_mapping] = kv.float()
-    ref = reference(q, written, tables, rows, bs, window)
+    ref = reference(q, written, tables, rows, bs, window, sink)
 
     def run(be: AttentionBackend, pool: torch.Tensor, dev: str) -> torch.Tensor:
         meta = be.build_metadata(layout, torch.device(dev))
         qd, kd, vd, cache = (x.to(dev) for x in (q, k, v, pool.clone()))
-        return be.forward(qd, kd, vd, cache, meta, head_dim**-0.5, window=window).float().cpu()
+        sd = None if sink is None else sink.to(dev)
+        out = be.forward(qd, kd, vd, cache, meta, head_dim**-0.5, window=window, sinks=sd)
+        return out.float().cpu()
 
     zeroed = torch.where(poisoned.isnan(), 0.0, poisoned)
     out = run(backend, poisoned if poison else zeroed, device)
@@ -158,14 +171,17 @@ def errors(
     return (out - ref).abs().max().item(), (sdpa - ref).abs().max().item()
 
 
-def check_backend(make: str, every: int = 1, slack: float = 2.0, device: str = "cpu") -> None:
-    """Every case of ``cases(every)`` through the backend ``make`` names, in each dtype."""
+def check_backend(
+    make: str, every: int = 1, slack: float = 2.0, device: str = "cpu", sinks: bool = False
+) -> None:
+    """Every case of ``cases(every)`` through the backend ``make`` names, in each dtype (with
+    random attention sinks where ``sinks``)."""
     from foudre.attention import get_backend
 
     backend = get_backend(make, torch.device(device))
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         for case in cases(every):
-            err, sdpa_err = errors(backend, *case, dtype, device=device)  # type: ignore[arg-type]
+            err, sdpa_err = errors(backend, *case, dtype, device=device, sinks=sinks)  # type: ignore[arg-type]
             # float32 to rounding; 16-bit types no worse than SDPA's own rounding (+ slack for
             # the 16-bit softmax weights of P·V) and never by more than a few output ulps
             bound = 2e-5 if dtype == torch.float32 else max(slack * sdpa_err, 1e-2)
@@ -188,12 +204,14 @@ def quantized_errors(
     kind: str,
     seed: int = 0,
     device: str = "cpu",
+    sinks: bool = False,
 ) -> tuple[float, float]:
     """``errors`` over a quantized cache (``kind`` int8 / fp8) that ``backend`` reads as stored,
     against float32 masked SDPA over the whole cache dequantized after the step's writes. The
     pool's codes are random bytes (every value, e4m3's subnormals included; not e4m3's NaN) with
     the scales of random K/V; the slots it must not read hold NaN scales. The SDPA backend over
-    the same cache (clean scales there) in ``dtype`` is the rounding yardstick."""
+    the same cache (clean scales there) in ``dtype`` is the rounding yardstick. ``sinks``: as
+    in ``errors``."""
     g = torch.Generator().manual_seed(seed)
     nb, spare, tables, layout = scattered(rows, bs, g)
     cache = QuantizedKVCache(nb + 1, bs, kv_heads, head_dim, kind, dtype, torch.device("cpu"))
@@ -216,6 +234,7 @@ def quantized_errors(
     q, k, v = (
         torch.randn(total, h, head_dim, generator=g).to(dtype) for h in (heads, kv_heads, kv_heads)
     )
+    sink = 2 * torch.randn(heads, generator=g) if sinks else None
 
     def run(be: AttentionBackend, dev: str) -> tuple[torch.Tensor, QuantizedKVCache]:
         pool = copy.deepcopy(cache)
@@ -224,14 +243,15 @@ def quantized_errors(
         pool.codes, pool.scales = pool.codes.to(dev), pool.scales.to(dev)
         meta = be.build_metadata(layout, torch.device(dev))
         qd, kd, vd = (x.to(dev) for x in (q, k, v))
-        out = be.forward(qd, kd, vd, pool, meta, head_dim**-0.5, window=window)
+        sd = None if sink is None else sink.to(dev)
+        out = be.forward(qd, kd, vd, pool, meta, head_dim**-0.5, window=window, sinks=sd)
         return out.float().cpu(), pool
 
     out, written = run(backend, device)
     assert not out.isnan().any(), "read a slot it must not"
     scales = torch.where(written.scales.cpu().isnan(), 1.0, written.scales.cpu())
     codes = written.codes.cpu().view(STORAGE_DTYPES[kind])
-    ref = reference(q, dequantize_kv(codes, scales, torch.float32), tables, rows, bs, window)
+    ref = reference(q, dequantize_kv(codes, scales, torch.float32), tables, rows, bs, window, sink)
     sdpa, _ = run(TorchSDPABackend(), "cpu")
     return (out - ref).abs().max().item(), (sdpa - ref).abs().max().item()
 
@@ -242,15 +262,24 @@ def check_quantized(
     dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16),
     slack: float = 2.0,
     device: str = "cpu",
+    sinks: bool = False,
 ) -> None:
-    """Every case through the backend ``make`` names over int8 and fp8 caches, in each dtype."""
+    """Every case through the backend ``make`` names over int8 and fp8 caches, in each dtype
+    (with random attention sinks where ``sinks``)."""
     from foudre.attention import get_backend
 
     backend = get_backend(make, torch.device(device))
     for kind in ("int8", "fp8"):
         for dtype in dtypes:
             for case in case_list:
-                err, sdpa_err = quantized_errors(backend, *case, dtype, kind, device=device)  # type: ignore[arg-type]
+                err, sdpa_err = quantized_errors(
+                    backend,
+                    *case,
+                    dtype,
+                    kind,
+                    device=device,
+                    sinks=sinks,  # type: ignore[arg-type]
+                )
                 bound = 2e-5 if dtype == torch.float32 else max(slack * sdpa_err, 1e-2)
                 assert err < bound, (make, kind, dtype, case, err, sdpa_err)
 
@@ -291,6 +320,16 @@ def check_cpu_quantized() -> None:
     check_quantized("cpu", cases(every=2))
 
 
+def check_sinks(make: str = "cpu", device: str = "cpu", slack: float = 2.0) -> None:
+    """Attention sinks (gpt-oss) through the backend ``make`` names: every third case (mixed
+    steps of decode rows and chunks, windows, GQA 1-8) over float caches in each dtype, and
+    every sixth plus the decode-only steps over int8 and fp8 caches, against the explicit
+    softmax with each head's sink logit in its denominator."""
+    check_backend(make, every=3, slack=slack, device=device, sinks=True)
+    dtypes = (torch.float32, torch.bfloat16)
+    check_quantized(make, [*cases(every=6), *DECODE_STEPS], dtypes, slack, device, sinks=True)
+
+
 # decode-only steps (the Triton backend's decode kernel; the others go to its prefill kernel)
 DECODE_STEPS = [
     (6, 2, 32, 16, [(1, 1), (1, 17), (1, 40), (1, 33)], None),
@@ -318,6 +357,7 @@ def other_marches(
         "test_other_cpu_paths_match_masked_sdpa": f"{module}:check_cpu_kernels",
         "test_other_cpu_paths_read_a_quantized_cache": f"{module}:check_cpu_quantized",
         "test_other_cpu_paths_are_batch_invariant": f"{module}:check_batch_invariance",
+        "test_other_cpu_paths_apply_attention_sinks": f"{module}:check_sinks",
     }
     return MarchChecks(tests, "cpu_paged_prefill", selected(request), march_cache)
 
@@ -349,6 +389,47 @@ def test_other_cpu_paths_match_masked_sdpa(march: str, other_marches: MarchCheck
     """The portable path, the AVX2 one and the AVX-512 one without AVX512-BF16, built for
     another -march."""
     other_marches.run("test_other_cpu_paths_match_masked_sdpa", march)
+
+
+@needs_kernels
+def test_cpu_kernels_apply_attention_sinks() -> None:
+    """The decode and prefill kernels with each head's sink logit in its softmax denominator,
+    over float and quantized caches."""
+    check_sinks("cpu")
+
+
+@needs_kernels
+@pytest.mark.parametrize("march", ["x86-64", "haswell", "skylake-avx512"])
+def test_other_cpu_paths_apply_attention_sinks(march: str, other_marches: MarchChecks) -> None:
+    """The portable path, the AVX2 one and the AVX-512 one without AVX512-BF16."""
+    other_marches.run("test_other_cpu_paths_apply_attention_sinks", march)
+
+
+def test_sdpa_and_causal_backends_apply_attention_sinks() -> None:
+    """The reference backend with sinks (an extra zero key whose score is the sink) against the
+    explicit softmax, in float32, with windows; and the dense causal backend (training,
+    evaluation) against the same over one row, differentiable in the sinks."""
+    for case in cases(every=3):
+        heads, kv_heads, head_dim, bs, rows, window = case
+        err, _ = errors(
+            TorchSDPABackend(), heads, kv_heads, head_dim, bs, rows, window, torch.float32,
+            0, False, sinks=True,
+        )  # fmt: skip
+        assert err < 2e-5, (case, err)
+    from foudre.attention.causal import CausalBackend
+
+    g = torch.Generator().manual_seed(5)
+    heads, kv_heads, dim, t = 6, 2, 16, 20
+    q, k, v = (torch.randn(2 * t, h, dim, generator=g) for h in (heads, kv_heads, kv_heads))
+    sinks = torch.randn(heads, generator=g).requires_grad_()
+    for window in (None, 7):
+        out = CausalBackend().forward(q, k, v, torch.empty(0), (2, t), dim**-0.5, window, sinks)
+        for b in range(2):
+            cache = torch.stack([k[b * t : (b + 1) * t], v[b * t : (b + 1) * t]]).unsqueeze(1)
+            ref = reference(q[b * t : (b + 1) * t], cache, [[0]], [(t, t)], t, window, sinks)
+            torch.testing.assert_close(out[b * t : (b + 1) * t], ref, atol=2e-5, rtol=0)
+    out.sum().backward()
+    assert sinks.grad is not None and sinks.grad.abs().sum() > 0
 
 
 def test_sdpa_backend_window_matches_masked_sdpa() -> None:
@@ -445,6 +526,7 @@ def interpreted(
     checks = {
         "test_triton_kernels_interpreted": (_TRITON_CHECK, "3", "4"),
         "test_triton_kernels_read_a_quantized_cache_interpreted": (_TRITON_QUANTIZED,),
+        "test_triton_kernels_apply_attention_sinks_interpreted": (_TRITON_SINKS,),
         "test_graphs_over_a_quantized_cache_interpreted[fp8]": (_GRAPHS_CHECK, model, "fp8"),
         "test_graphs_over_a_quantized_cache_interpreted[int8]": (_GRAPHS_CHECK, model, "int8"),
         "test_graphs_of_verification_and_mixed_steps_interpreted": (_GRAPHS_CHECK, model),
@@ -488,6 +570,21 @@ def test_triton_kernels_read_a_quantized_cache_interpreted(
     """Both Triton kernels over int8 and fp8 codes and scales read as stored (mixed steps,
     decode-only steps, windows, GQA 1-8, block sizes 8-32), in the interpreter, against masked
     SDPA over the dequantized cache."""
+    _interpreted(request, interpreted)
+
+
+_TRITON_SINKS = """
+from tests.engine.test_prefill_attention import check_sinks
+check_sinks("triton", slack=4.0)
+print("ok")
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs the Triton kernels for real")
+def test_triton_kernels_apply_attention_sinks_interpreted(
+    request: pytest.FixtureRequest, interpreted: Checks
+) -> None:
+    """Both Triton kernels with attention sinks (``check_sinks``), in the interpreter."""
     _interpreted(request, interpreted)
 
 
@@ -867,24 +964,27 @@ def compile_for(fn, types, consts):
     return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
                           target=GPUTarget("cuda", 90, 32))
 
-# (queries' dtype, the cache's: the same, or int8 / e4m3 codes read as bytes; CODES)
-for dt, cache, codes, groups in (("bf16", "bf16", 0, (1, 7)), ("fp32", "fp32", 0, (4,)),
-                                 ("bf16", "i8", 1, (4,)), ("bf16", "u8", 2, (4,)),
-                                 ("fp32", "u8", 2, (1,))):
+# (queries' dtype, the cache's: the same, or int8 / e4m3 codes read as bytes; CODES); attention
+# sinks (gpt-oss) in every other combination
+combos = (("bf16", "bf16", 0, (1, 7)), ("fp32", "fp32", 0, (4,)), ("bf16", "i8", 1, (4,)),
+          ("bf16", "u8", 2, (4,)), ("fp32", "u8", 2, (1,)))
+for i, (dt, cache, codes, groups) in enumerate(combos):
+    sinks = i % 2 == 0
     ptr = "*" + dt
     kv = "*" + cache
     scales = kv if codes == 0 else "*fp32"
     types = dict(q_ptr=ptr, k_ptr=kv, v_ptr=kv, ks_ptr=scales, vs_ptr=scales, o_ptr=ptr,
                  tok_ptr="*i32", bt_ptr="*i32", len_ptr="*i32", scale="fp32", tile_ptr="*i32",
-                 qs_ptr="*i32", ql_ptr="*i32")
+                 qs_ptr="*i32", ql_ptr="*i32", sinks_ptr="*fp32" if sinks else ptr)
     for per_kv in groups:
         positions, block_m = tp.prefill_tile(per_kv)
         compile_for(tp._paged_decode, types, dict(
             PER_KV=per_kv, PER_KV_P2=max(2, triton.next_power_of_2(per_kv)), HEAD_DIM=80,
-            HEAD_DIM_P2=128, BLOCK_SIZE=16, CODES=codes))
+            HEAD_DIM_P2=128, BLOCK_SIZE=16, CODES=codes, SINKS=sinks))
         compile_for(tp._paged_prefill, types, dict(
             PER_KV=per_kv, POS=positions, BLOCK_M=block_m, HEAD_DIM=80, HEAD_DIM_P2=128,
-            BLOCK_SIZE=16, BLOCK_N=32, IEEE=dt == "fp32", UPCAST=False, CODES=codes))
+            BLOCK_SIZE=16, BLOCK_N=32, IEEE=dt == "fp32", UPCAST=False, CODES=codes,
+            SINKS=sinks))
 print("ok")
 """
 
