@@ -90,6 +90,7 @@ def make_hf_model(path: Path, arch: str = "llama", seed: int = 0, **overrides: A
         "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
         "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM),
+        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
     }[arch]
     torch.manual_seed(seed)
     config = cls[0](**base)

@@ -78,7 +78,7 @@ class LLMEngine:
         else:
             num_blocks = num_kv_blocks(self.model, config, self.device, max_len)
         wiring.check_capacity(num_blocks, config, max_len)
-        self.kv = wiring.block_manager(config, num_blocks, max_len)
+        self.kv = wiring.block_manager(config, num_blocks, max_len, self.model)
         self.scheduler = wiring.scheduler(config, self.kv, max_len)
         self.runner: Executor = self._parallel or wiring.runner(
             config, self.model, num_blocks, self.device, self.dtype, max_len

@@ -12,11 +12,13 @@ from torch import nn
 
 from foudre.models.config import ModelConfig
 from foudre.models.llama import LlamaForCausalLM
+from foudre.models.phi3 import Phi3ForCausalLM
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
     arch: LlamaForCausalLM
     for arch in ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 }
+MODEL_CLASSES["phi3"] = Phi3ForCausalLM
 
 
 def model_class(cfg: ModelConfig) -> type[nn.Module]:

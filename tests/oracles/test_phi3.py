@@ -1,0 +1,260 @@
+"""Oracle: Phi-3 / Phi-4 (``Phi3ForCausalLM``) against transformers on random small configs.
+
+LongRoPE in transformers switches factors per sequence: a forward over a sequence of ``n``
+tokens rotates every position by the long factors when ``n > original_max_position_embeddings``,
+else by the short ones; and Phi-3's ``generate`` (its ``prepare_inputs_for_generation``) drops
+the KV cache the step a sequence first grows past the original context, so the whole sequence
+is recomputed with the long factors: no cached key keeps its short rotation once a sequence is
+long. foudre does the same (the scheduler frees the crossing request's blocks and recomputes
+it, ``Scheduler._recompute_rotated``), so greedy output matches ``generate`` token for token
+across the boundary; ``test_crossing_recomputes_the_cached_keys`` shows that keeping the
+short-rotated keys would not.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from foudre import LLM, SamplingParams
+from tests.conftest import make_hf_model
+
+ORIGINAL = 20  # the original context of the LongRoPE cases: prompts and outputs cross it
+
+
+def _longrope(rotary_dim: int) -> dict[str, Any]:
+    half = rotary_dim // 2
+    return {
+        "rope_type": "longrope",
+        "short_factor": [1.0 + 0.1 * i for i in range(half)],
+        "long_factor": [1.5 + 0.4 * i for i in range(half)],
+    }
+
+
+LONGROPE = {
+    "max_position_embeddings": 128,
+    "original_max_position_embeddings": ORIGINAL,
+    "rope_scaling": _longrope(16),
+}
+CASES: dict[str, dict[str, Any]] = {
+    "plain": {},
+    "partial-rotary": {"partial_rotary_factor": 0.75},
+    "longrope": LONGROPE,
+    # Phi-4-mini's shape: LongRoPE over 3/4 of each head
+    "longrope-partial": {**LONGROPE, "rope_scaling": _longrope(12), "partial_rotary_factor": 0.75},
+    "window-tied": {"sliding_window": 8, "tie_word_embeddings": True},
+}
+
+# lengths 5 and 18 grow past ORIGINAL while generating; 26 and 39 start past it
+PROMPTS = [
+    [1, 5, 9, 33, 7],
+    [1, *range(100, 117)],
+    [1, *range(120, 145)],
+    list(range(1, 40)),
+]
+MAX_TOKENS = 16
+
+
+def _phi3(tmp_path: Path, case: str) -> Path:
+    return make_hf_model(tmp_path / case, "phi3", pad_token_id=0, **CASES[case])
+
+
+def _hf(path: Path) -> Any:
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None  # our runs ignore EOS too
+    return hf
+
+
+def _hf_greedy(hf: Any, prompts: list[list[int]], max_tokens: int = MAX_TOKENS) -> list[list[int]]:
+    return [ids for ids, _ in _hf_scored(hf, prompts, max_tokens)]
+
+
+def _hf_scored(
+    hf: Any, prompts: list[list[int]], max_tokens: int = MAX_TOKENS
+) -> list[tuple[list[int], list[float]]]:
+    """Per prompt, ``generate``'s greedy ids and the log-probability of each."""
+    out = []
+    for prompt in prompts:
+        with torch.no_grad():
+            gen = hf.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                pad_token_id=0,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+        ids = gen.sequences[0, len(prompt) :].tolist()
+        lps = [
+            float(torch.log_softmax(step[0].float(), -1)[t])
+            for step, t in zip(gen.logits, ids, strict=True)
+        ]
+        out.append((ids, lps))
+    return out
+
+
+def _greedy(llm: LLM, prompts: list[list[int]], max_tokens: int = MAX_TOKENS) -> list[list[int]]:
+    return [ids for ids, _ in _scored(llm, prompts, max_tokens)]
+
+
+def _scored(
+    llm: LLM, prompts: list[list[int]], max_tokens: int = MAX_TOKENS
+) -> list[tuple[list[int], list[float]]]:
+    """Per prompt, our greedy ids and the log-probability of each."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+    out = []
+    for o in llm.generate(prompts, params):
+        ids = o.outputs[0].token_ids
+        lps = o.outputs[0].logprobs or []
+        out.append((ids, [lp[t] for lp, t in zip(lps, ids, strict=True)]))
+    return out
+
+
+def _assert_scored(
+    ours: list[tuple[list[int], list[float]]], ref: list[tuple[list[int], list[float]]]
+) -> None:
+    for (ids, lps), (ref_ids, ref_lps) in zip(ours, ref, strict=True):
+        assert ids == ref_ids
+        torch.testing.assert_close(torch.tensor(lps), torch.tensor(ref_lps), atol=1e-4, rtol=0)
+
+
+def _last_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
+    """One prompt through the engine's model, KV cache and backend, as the scheduler lays it
+    out (its RoPE position offset included); the last position's logits."""
+    from foudre.engine.request import Request
+    from foudre.engine.scheduler import new_request
+    from foudre.runner.step import ScheduledRow, SchedulerOutput
+
+    engine = llm.engine
+    req = Request("probe", list(prompt), SamplingParams(max_tokens=1))
+    assert engine.kv.allocate_slots(req, len(prompt))
+    runner = engine.runner
+    captured: list[torch.Tensor] = []
+    original = runner.model.compute_logits
+
+    def spy(hidden: torch.Tensor) -> torch.Tensor:
+        captured.append(original(hidden))
+        return captured[-1]
+
+    runner.model.compute_logits = spy  # type: ignore[method-assign]
+    try:
+        blocks = engine.kv.block_ids("probe")
+        offset = engine.kv.position_offset(req)
+        row = ScheduledRow("probe", 0, list(prompt), blocks, 1, position_offset=offset)
+        runner.execute(SchedulerOutput([row], removed=["probe"], new_requests=[new_request(req)]))
+        runner.input_batch.remove(["probe"])
+    finally:
+        runner.model.compute_logits = original  # type: ignore[method-assign]
+        engine.kv.free(req)
+    return captured[0][0]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_logits_and_greedy_match_transformers(tmp_path: Path, case: str) -> None:
+    path = _phi3(tmp_path, case)
+    hf = _hf(path)
+    llm = LLM(str(path), dtype="float32", skip_tokenizer_init=True, num_kv_blocks=64)
+    assert type(llm.engine.model).__name__ == "Phi3ForCausalLM"
+    for prompt in PROMPTS:
+        with torch.no_grad():
+            ref = hf(torch.tensor([prompt])).logits[0, -1].float()
+        torch.testing.assert_close(_last_logits(llm, prompt).cpu(), ref, rtol=1e-4, atol=1e-4)
+    _assert_scored(_scored(llm, PROMPTS), _hf_scored(hf, PROMPTS))
+    assert llm.metrics()["num_free_blocks"] == llm.metrics()["num_total_blocks"]
+
+
+def test_longrope_with_prefix_cache_preemption_and_chunked_prefill(tmp_path: Path) -> None:
+    """Small chunks, a KV pool too small for the batch (preemptions), and prompts that share
+    a prefix across the boundary: the 18-token prompt's blocks (short-rotated) must not serve
+    the 26-token prompt that starts with them (long-rotated throughout)."""
+    path = _phi3(tmp_path, "longrope-partial")
+    shared = [1, *range(100, 117)]
+    prompts = [shared, [*shared, *range(60, 68)], [1, 5, 9, 33, 7], list(range(1, 40)), shared]
+    expected = _hf_scored(_hf(path), prompts)
+    llm = LLM(
+        str(path),
+        dtype="float32",
+        skip_tokenizer_init=True,
+        block_size=4,
+        num_kv_blocks=16,
+        max_model_len=64,
+        max_num_batched_tokens=8,
+        enable_prefix_caching=True,
+    )
+    _assert_scored(_scored(llm, prompts), expected)
+    _assert_scored(_scored(llm, prompts), expected)  # again, from the prefix cache
+    metrics = llm.metrics()
+    assert metrics["num_free_blocks"] == metrics["num_total_blocks"]
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.kv.prefix_cache_hits > 0
+
+
+def test_longrope_speculative_and_int8(tmp_path: Path) -> None:
+    """n-gram drafts are verified only as far as the rotation holds (cut at the boundary);
+    int8 weights run the same model."""
+    path = _phi3(tmp_path, "longrope")
+    expected = _hf_greedy(_hf(path), PROMPTS, 24)
+    spec = LLM(
+        str(path),
+        dtype="float32",
+        skip_tokenizer_init=True,
+        num_kv_blocks=64,
+        speculative_method="ngram",
+    )
+    assert _greedy(spec, PROMPTS, 24) == expected
+    int8 = LLM(str(path), dtype="float32", skip_tokenizer_init=True, quantization="int8")
+    outs = _greedy(int8, PROMPTS, 24)
+    assert [len(o) for o in outs] == [24] * len(PROMPTS)
+    agree = sum(a == b for out, ref in zip(outs, expected, strict=True) for a, b in zip(out, ref))
+    assert agree >= len(PROMPTS) * 4  # the first tokens at least, as quantization allows
+
+
+def test_crossing_recomputes_the_cached_keys(tmp_path: Path) -> None:
+    """What happens to a sequence's cached keys when it grows past the original context:
+    transformers' generate recomputes them with the long factors, and so does foudre. A
+    forward loop that kept the short-rotated keys in the cache (the plain cached decode)
+    gives other tokens, which foudre does not follow."""
+    path = _phi3(tmp_path, "longrope")
+    hf = _hf(path)
+    prompt = [1, *range(100, 117)]  # 18 tokens: the third generated token crosses
+    llm = LLM(str(path), dtype="float32", skip_tokenizer_init=True, num_kv_blocks=64)
+    ours = _greedy(llm, [prompt])[0]
+    assert ours == _hf_greedy(hf, [prompt])[0]
+    kept: list[int] = []  # the same decode, never dropping the cache
+    with torch.no_grad():
+        out = hf(torch.tensor([prompt]), use_cache=True)
+        for _ in range(MAX_TOKENS):
+            kept.append(int(out.logits[0, -1].argmax()))
+            out = hf(torch.tensor([[kept[-1]]]), cache=out.past_key_values, use_cache=True)
+    assert kept[:3] == ours[:3]  # the same up to the boundary
+    assert kept != ours, "this config should tell the two apart; change its factors"
+    # the recompute is no preemption, and every block came back
+    assert llm.engine.scheduler.num_preemptions == 0
+    assert llm.metrics()["num_free_blocks"] == llm.metrics()["num_total_blocks"]
+
+
+def test_phi3_config_errors(tmp_path: Path) -> None:
+    """Bad LongRoPE keys name themselves; tensor parallelism is refused by name."""
+    import json
+
+    from foudre.loading.errors import ModelLoadError
+    from foudre.loading.hf import load_hf_config
+
+    path = _phi3(tmp_path, "longrope")
+    cfg = load_hf_config(path)
+    assert cfg.rope_scaling is not None and cfg.rope_scaling["factor"] == 128 / ORIGINAL
+    raw = json.loads((path / "config.json").read_text())
+    raw["rope_parameters"]["long_factor"] = "wide"
+    (path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ModelLoadError, match="long_factor"):
+        load_hf_config(path)
+
+    from foudre.distributed.plan import ParallelConfigError, check_parallel
+
+    with pytest.raises(ParallelConfigError, match="qkv_proj"):
+        check_parallel(load_hf_config(_phi3(tmp_path, "plain")), 2, 1)
