@@ -258,3 +258,37 @@ def test_phi3_config_errors(tmp_path: Path) -> None:
 
     with pytest.raises(ParallelConfigError, match="qkv_proj"):
         check_parallel(load_hf_config(_phi3(tmp_path, "plain")), 2, 1)
+
+
+@pytest.mark.parametrize("case", ["longrope-partial", "window-tied"])
+def test_gguf_from_the_converter_matches_the_safetensors(tmp_path: Path, case: str) -> None:
+    """A phi3 GGUF as llama.cpp's converter writes it (fused attn_qkv and ffn_up, LongRoPE
+    factors as rope_factors_long / rope_factors_short tensors, the rotated width, the window)
+    gives the logits of its safetensors source; Q8_0 weights run kept quantized."""
+    from foudre.loading.loader import load_model
+    from foudre.quant.calib import run_sequence
+    from tests.quant.test_gguf import write_gguf
+
+    src = _phi3(tmp_path, case)
+    out = tmp_path / f"{case}.gguf"
+    write_gguf(src, out, "F32")
+    cpu = torch.device("cpu")
+    loaded = load_model(str(out), None, "float32", cpu, None)
+    ref = load_model(str(src), None, "float32", cpu, None)
+    assert loaded.config.architecture == "phi3"
+    for field in ("partial_rotary_factor", "sliding_window", "tie_word_embeddings"):
+        assert getattr(loaded.config, field) == getattr(ref.config, field), field
+    ids = PROMPTS[3]  # longer than the original context: the long factors throughout
+    with torch.no_grad():
+        got = loaded.model.compute_logits(run_sequence(loaded.model, ids))
+        want = ref.model.compute_logits(run_sequence(ref.model, ids))
+        hf = _hf(src)(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    torch.testing.assert_close(want, hf, atol=1e-4, rtol=1e-4)  # the whole-sequence forward
+    write_gguf(src, out, "Q8_0")
+    quant = load_model(str(out), None, "float32", cpu, None).model
+    kept = type(quant.model.layers[0].self_attn.qkv_proj).__name__
+    assert kept != "Linear" and type(quant.model.layers[0].mlp.gate_up_proj).__name__ == kept
+    with torch.no_grad():
+        q = quant.compute_logits(run_sequence(quant, ids))
+    assert float((q - want).norm() / want.norm()) < 0.03
