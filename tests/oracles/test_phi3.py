@@ -328,3 +328,28 @@ def test_scheduler_cuts_drafts_and_recomputes_at_the_switch() -> None:
     row = sched.schedule().rows[0]
     assert (row.start, len(row.token_ids), row.position_offset) == (0, 21, 100)
     assert sched.num_preemptions == 0
+
+
+@pytest.mark.slow
+def test_longrope_pipeline_parallel(tmp_path: Path) -> None:
+    """Two pipeline stages (worker processes over gloo): the rows' RoPE offsets reach every
+    stage, micro-batched too; tensor parallelism is refused (see test_phi3_config_errors)."""
+    from foudre.distributed.executor import ParallelExecutor
+
+    path = _phi3(tmp_path, "longrope-partial")
+    expected = _hf_scored(_hf(path), PROMPTS)
+    llm = LLM(
+        str(path),
+        dtype="float32",
+        skip_tokenizer_init=True,
+        num_kv_blocks=64,
+        pipeline_parallel_size=2,
+    )
+    try:
+        runner = llm.engine.runner
+        assert isinstance(runner, ParallelExecutor)
+        runner.micro_batch_tokens = 1  # every step of several rows in micro-batches
+        _assert_scored(_scored(llm, PROMPTS), expected)
+        assert llm.metrics()["num_free_blocks"] == llm.metrics()["num_total_blocks"]
+    finally:
+        llm.shutdown()
