@@ -353,3 +353,50 @@ def test_longrope_pipeline_parallel(tmp_path: Path) -> None:
         assert llm.metrics()["num_free_blocks"] == llm.metrics()["num_total_blocks"]
     finally:
         llm.shutdown()
+
+
+def test_older_config_layout_reads_as_transformers_does(tmp_path: Path) -> None:
+    """A transformers-4 style config (Phi-3-mini-128k's "su" type, Phi-4-mini's top-level
+    partial_rotary_factor): the same factors, original context, rotated width and attention
+    factor as transformers' own reading of it."""
+    import json
+
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from foudre.layers.rotary import longrope_inv_freq, rope_attention_factor, rope_inv_freq
+    from foudre.loading.hf import load_hf_config
+
+    raw = {
+        "architectures": ["Phi3ForCausalLM"],
+        "model_type": "phi3",
+        "vocab_size": 320,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 131072,
+        "original_max_position_embeddings": 4096,
+        "partial_rotary_factor": 0.75,
+        "rope_theta": 10000.0,
+        "rope_scaling": {
+            "type": "su",
+            "short_factor": [1.0 + 0.05 * i for i in range(12)],
+            "long_factor": [1.0 + 2.5 * i for i in range(12)],
+        },
+        "sliding_window": 262144,
+        "tie_word_embeddings": True,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    cfg = load_hf_config(tmp_path)
+    hf = transformers.Phi3Config(**{k: v for k, v in raw.items() if k != "architectures"})
+    assert cfg.rotary_dim == 24 and cfg.sliding_window == 262144 and cfg.rms_norm_eps == 1e-5
+    assert cfg.rope_scaling is not None and cfg.rope_scaling["rope_type"] == "longrope"
+    short, factor = ROPE_INIT_FUNCTIONS["longrope"](hf)
+    long, _ = ROPE_INIT_FUNCTIONS["longrope"](hf, seq_len=4097)
+    ours_short = rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
+    ours_long = longrope_inv_freq(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling, long=True)
+    torch.testing.assert_close(ours_short, short, rtol=1e-6, atol=0)
+    torch.testing.assert_close(ours_long, long, rtol=1e-6, atol=0)
+    assert rope_attention_factor(cfg.rope_scaling) == pytest.approx(factor, rel=1e-12)
