@@ -220,12 +220,6 @@ def check_parallel(
         raise ParallelConfigError(
             field, f"{cfg.architecture}'s q/k norm over all heads does not run tensor-parallel"
         )
-    if t > 1 and cfg.architecture == "phi3":
-        raise ParallelConfigError(
-            field,
-            "phi3 checkpoints store qkv_proj and gate_up_proj fused, which the tensor-parallel "
-            "loader does not split yet (pipeline parallelism runs them)",
-        )
     if p > cfg.num_hidden_layers:
         raise ParallelConfigError(
             "pipeline_parallel_size",

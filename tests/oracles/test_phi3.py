@@ -241,7 +241,7 @@ def test_crossing_recomputes_the_cached_keys(tmp_path: Path) -> None:
 
 
 def test_phi3_config_errors(tmp_path: Path) -> None:
-    """Bad LongRoPE keys name themselves; tensor parallelism is refused by name."""
+    """Bad LongRoPE keys name themselves."""
     import json
 
     from foudre.loading.errors import ModelLoadError
@@ -255,11 +255,6 @@ def test_phi3_config_errors(tmp_path: Path) -> None:
     (path / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ModelLoadError, match="long_factor"):
         load_hf_config(path)
-
-    from foudre.distributed.plan import ParallelConfigError, check_parallel
-
-    with pytest.raises(ParallelConfigError, match="qkv_proj"):
-        check_parallel(load_hf_config(_phi3(tmp_path, "plain")), 2, 1)
 
 
 @pytest.mark.parametrize("case", ["longrope-partial", "window-tied"])
@@ -331,19 +326,27 @@ def test_scheduler_cuts_drafts_and_recomputes_at_the_switch() -> None:
 
 
 @pytest.mark.slow
-def test_longrope_pipeline_parallel(tmp_path: Path) -> None:
-    """Two pipeline stages (worker processes over gloo): the rows' RoPE offsets reach every
-    stage, micro-batched too; tensor parallelism is refused (see test_phi3_config_errors)."""
+@pytest.mark.parametrize(("source", "t", "p"), [("hf", 1, 2), ("hf", 2, 1), ("gguf", 2, 1)])
+def test_longrope_parallel(tmp_path: Path, source: str, t: int, p: int) -> None:
+    """Worker processes over gloo: two pipeline stages (the rows' RoPE offsets reach every
+    stage, micro-batched too), or two tensor-parallel ranks (the fused qkv_proj and
+    gate_up_proj of the safetensors or GGUF file cut into each rank's heads and rows)."""
     from foudre.distributed.executor import ParallelExecutor
+    from tests.quant.test_gguf import write_gguf
 
     path = _phi3(tmp_path, "longrope-partial")
     expected = _hf_scored(_hf(path), PROMPTS)
+    model = path
+    if source == "gguf":
+        model = tmp_path / "phi3.gguf"
+        write_gguf(path, model, "F32")
     llm = LLM(
-        str(path),
+        str(model),
         dtype="float32",
         skip_tokenizer_init=True,
         num_kv_blocks=64,
-        pipeline_parallel_size=2,
+        tensor_parallel_size=t,
+        pipeline_parallel_size=p,
     )
     try:
         runner = llm.engine.runner
