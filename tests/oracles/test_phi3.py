@@ -403,3 +403,18 @@ def test_older_config_layout_reads_as_transformers_does(tmp_path: Path) -> None:
     torch.testing.assert_close(ours_short, short, rtol=1e-6, atol=0)
     torch.testing.assert_close(ours_long, long, rtol=1e-6, atol=0)
     assert rope_attention_factor(cfg.rope_scaling) == pytest.approx(factor, rel=1e-12)
+
+
+@pytest.mark.parametrize("case", ["longrope-partial", "window-tied"])
+def test_written_checkpoint_reads_back_in_transformers(tmp_path: Path, case: str) -> None:
+    """``save_hf`` (compression, quantize's outputs) writes a phi3 directory transformers
+    loads to the same logits: fused tensors kept fused, Phi-3's keys in config.json."""
+    from foudre.loading.loader import load_model
+    from foudre.loading.writer import save_hf
+
+    src = _phi3(tmp_path, case)
+    model = load_model(str(src), None, "float32", torch.device("cpu"), None).model
+    out = save_hf(model, tmp_path / "written")
+    ids = torch.tensor([PROMPTS[3]])
+    with torch.no_grad():
+        torch.testing.assert_close(_hf(out)(ids).logits, _hf(src)(ids).logits, atol=1e-5, rtol=0)
