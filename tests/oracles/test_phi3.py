@@ -418,3 +418,28 @@ def test_written_checkpoint_reads_back_in_transformers(tmp_path: Path, case: str
     ids = torch.tensor([PROMPTS[3]])
     with torch.no_grad():
         torch.testing.assert_close(_hf(out)(ids).logits, _hf(src)(ids).logits, atol=1e-5, rtol=0)
+
+
+def test_longrope_beam_search_matches_transformers(tmp_path: Path) -> None:
+    """Beams (a cohort) cross the original context together and are recomputed together, as
+    transformers' beam search drops the cache of all its beams at once."""
+    from foudre import BeamSearchParams
+
+    path = _phi3(tmp_path, "longrope")
+    hf = _hf(path)
+    prompts = [[1, *range(100, 114)], list(range(1, 27))]  # 15 tokens: crosses; 26: past it
+    llm = LLM(str(path), dtype="float32", skip_tokenizer_init=True, num_kv_blocks=128)
+    params = BeamSearchParams(beam_width=2, max_tokens=10, ignore_eos=True)
+    outs = llm.beam_search(prompts, params)
+    for prompt, out in zip(prompts, outs, strict=True):
+        with torch.no_grad():
+            ref = hf.generate(
+                torch.tensor([prompt]),
+                num_beams=2,
+                num_return_sequences=2,
+                do_sample=False,
+                max_new_tokens=10,
+                pad_token_id=0,
+            )
+        assert [s.token_ids for s in out.sequences] == [r[len(prompt) :] for r in ref.tolist()]
+    assert llm.metrics()["num_free_blocks"] == llm.metrics()["num_total_blocks"]
