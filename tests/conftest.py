@@ -94,6 +94,7 @@ def make_hf_model(path: Path, arch: str = "llama", seed: int = 0, **overrides: A
         "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM),
         "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),
         "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
+        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
     }[arch]
     torch.manual_seed(seed)
     config = cls[0](**base)

@@ -18,6 +18,7 @@ from foudre.loading.tokenizer import Tokenizer
 from foudre.models.causal import causal_hidden
 from foudre.models.config import ModelConfig
 from foudre.models.llama import LlamaForCausalLM
+from foudre.models.registry import build_model
 
 
 def causal_logits(
@@ -40,7 +41,7 @@ def new_model(cfg: ModelConfig, seed: int = 0) -> LlamaForCausalLM:
     """A freshly initialised float32 model: N(0, 0.02) weights, residual outputs scaled by
     1/sqrt(2 * layers) (GPT-2's rule), unit norms. Deterministic for a given ``seed``."""
     generator = torch.Generator().manual_seed(seed)
-    model = LlamaForCausalLM(cfg)
+    model = build_model(cfg)  # the architecture's class (Phi-3's, not the exact Llama)
     std = 0.02
     with torch.no_grad():
         for name, p in model.named_parameters():

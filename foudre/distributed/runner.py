@@ -51,6 +51,7 @@ class StepMessage:
     num_padding_rows: int = 0
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     num_micro_batches: int = 1  # the engine's choice (ParallelExecutor.num_micro_batches)
+    position_offsets: list[int] | None = None  # per row, added to its RoPE positions
 
     @classmethod
     def heartbeat(cls) -> StepMessage:
@@ -66,6 +67,9 @@ class StepMessage:
     def of(cls, scheduled: SchedulerOutput, padding_block: int) -> StepMessage:
         """The message of a step, as ``ModelRunner.execute`` lays its forward out."""
         rows, pad = scheduled.rows, scheduled.num_padding_rows
+        offsets = None
+        if any(r.position_offset for r in rows):
+            offsets = [r.position_offset for r in rows] + [0] * pad
         return cls(
             [r.block_ids for r in rows] + [[padding_block]] * pad,
             [r.start for r in rows] + [0] * pad,
@@ -73,6 +77,7 @@ class StepMessage:
             [r.num_logits for r in rows] + [1] * pad,
             pad,
             list(scheduled.block_copies),
+            position_offsets=offsets,
         )
 
 
@@ -164,6 +169,7 @@ class ShardRunner(ModelRunner):
             message.token_ids,
             message.num_logits,
             message.num_padding_rows,
+            message.position_offsets,
         )
 
     @torch.inference_mode()
@@ -174,11 +180,14 @@ class ShardRunner(ModelRunner):
         token_ids: Sequence[list[int]],
         num_logits: Sequence[int],
         num_padding_rows: int = 0,
+        position_offsets: Sequence[int] | None = None,
     ) -> torch.Tensor | None:
         """``ModelRunner.forward`` across the ranks; any failure (a peer lost, a timeout) is a
         ``WorkerFailedError``: the ranks can no longer agree on where they are."""
         try:
-            return self._forward(block_tables, starts, token_ids, num_logits, num_padding_rows)
+            return self._forward(
+                block_tables, starts, token_ids, num_logits, num_padding_rows, position_offsets
+            )
         except Exception as e:
             raise WorkerFailedError(
                 f"rank {self.groups.plan.rank}: parallel step failed: {type(e).__name__}: {e}"
@@ -191,6 +200,7 @@ class ShardRunner(ModelRunner):
         token_ids: Sequence[list[int]],
         num_logits: Sequence[int],
         num_padding_rows: int,
+        position_offsets: Sequence[int] | None = None,
     ) -> torch.Tensor | None:
         model = self.model
         sizes = [len(ids) for ids in token_ids]
@@ -199,7 +209,11 @@ class ShardRunner(ModelRunner):
         sends = []
         for lo, hi in micro_batches(sizes, self.step_micro_batches):
             step = ForwardStep(
-                block_tables[lo:hi], starts[lo:hi], token_ids[lo:hi], num_logits[lo:hi]
+                block_tables[lo:hi],
+                starts[lo:hi],
+                token_ids[lo:hi],
+                num_logits[lo:hi],
+                None if position_offsets is None else position_offsets[lo:hi],
             )
             self.flatten(step)
             assert step.input_ids is not None and step.positions is not None

@@ -31,6 +31,7 @@ from foudre.loading.errors import ModelLoadError
 from foudre.loading.gguf import gguf_config, is_gguf_file, iter_gguf_weights, read_gguf
 from foudre.loading.hf import (
     iter_safetensors_slices,
+    iter_safetensors_weights,
     load_generation_config,
     load_hf_config,
     resolve_model_path,
@@ -116,7 +117,7 @@ def load_shard(
                 path.name,
                 cfg.torch_dtype,
             )
-        weights = _cut(iter_gguf_weights(gguf, cfg), plan, cfg)
+        weights = _cut(_unfused(iter_gguf_weights(gguf, cfg), cfg), plan, cfg)
     elif path.is_file():
         cfg, state = load_llama2c(path)
         tok = tokenizer or _find_llama2c_tokenizer(path)
@@ -124,7 +125,17 @@ def load_shard(
     else:
         cfg = load_hf_config(path)
         gen = load_generation_config(path)
-        weights = iter_safetensors_slices(path, partial(plan.select, cfg))
+        if _stores_fused(cfg) and plan.tensor_parallel_size > 1:
+            if is_quantized_checkpoint(path):
+                raise ParallelConfigError(
+                    "tensor_parallel_size",
+                    f"{cfg.architecture}'s quantized checkpoints store qkv_proj and "
+                    "gate_up_proj fused, which are not cut for tensor parallelism",
+                )
+            # each rank reads the fused tensors whole, one at a time, and keeps its slices
+            weights = _cut(_unfused(iter_safetensors_weights(path), cfg), plan, cfg)
+        else:
+            weights = iter_safetensors_slices(path, partial(plan.select, cfg))
     check_parallel(cfg, plan.tensor_parallel_size, plan.pipeline_parallel_size)
     net = _build(
         cfg, plan, parse_dtype(cfg.torch_dtype if config.dtype == "auto" else config.dtype)
@@ -184,6 +195,36 @@ def _cut(
         if chosen is not None:
             new_name, index = chosen
             yield new_name, tensor if index is None else tensor[index].contiguous()
+
+
+def _stores_fused(cfg: ModelConfig) -> bool:
+    """Whether ``cfg``'s checkpoints store q|k|v and gate|up fused (Phi-3 / Phi-4)."""
+    return cfg.architecture == "phi3"
+
+
+def _unfused(
+    weights: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The fused ``qkv_proj`` and ``gate_up_proj`` tensors of a checkpoint that stores them so,
+    as their parts (``q_proj``, ``k_proj``, ``v_proj``; ``gate_proj``, ``up_proj``: views), so
+    that ``ParallelPlan.select`` cuts each part by heads or rows as for the other families."""
+    if not _stores_fused(cfg):
+        yield from weights
+        return
+    qkv = {"q_proj": cfg.q_size, "k_proj": cfg.kv_size, "v_proj": cfg.kv_size}
+    for name, tensor in weights:
+        prefix, _, leaf = name.rpartition(".")
+        if prefix.endswith(".qkv_proj"):
+            stem = prefix.removesuffix("qkv_proj")
+            for part, rows in zip(qkv, tensor.split(list(qkv.values())), strict=True):
+                yield f"{stem}{part}.{leaf}", rows
+        elif prefix.endswith(".gate_up_proj"):
+            stem = prefix.removesuffix("gate_up_proj")
+            gate, up = tensor.chunk(2)
+            yield f"{stem}gate_proj.{leaf}", gate
+            yield f"{stem}up_proj.{leaf}", up
+        else:
+            yield name, tensor
 
 
 def _pad_vocab(

@@ -79,7 +79,7 @@ class LLMEngine:
             num_blocks = num_kv_blocks(self.model, config, self.device, max_len)
         wiring.check_capacity(num_blocks, config, max_len)
         logger.info(describe_kv_cache(self.model, self.dtype, config.kv_cache_dtype, num_blocks))
-        self.kv = wiring.block_manager(config, num_blocks, max_len)
+        self.kv = wiring.block_manager(config, num_blocks, max_len, self.model)
         self.scheduler = wiring.scheduler(config, self.kv, max_len)
         self.runner: Executor = self._parallel or wiring.runner(
             config, self.model, num_blocks, self.device, self.dtype, max_len

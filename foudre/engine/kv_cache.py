@@ -21,7 +21,7 @@ This module only manages block *ids*; the tensors live in the runner. Invariants
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from foudre.engine.request import Request
@@ -175,6 +175,7 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         reserve_tokens: int | None = None,
         copy_on_write: bool = True,
+        rope_offset: Callable[[int], int] | None = None,
     ):
         """``reserve_tokens`` turns paging off: each request reserves room for that many tokens
         (``max_model_len``) when first admitted, as a contiguous per-request buffer would. It is
@@ -198,6 +199,9 @@ class KVCacheManager:
         self.copy_on_write = copy_on_write
         self.num_copies = 0  # blocks copied for writers (or for forks, without copy-on-write)
         self._copies: list[tuple[int, int]] = []  # (source, destination) block ids, this step
+        # the model's RoPE position offset of a sequence of n tokens (RotaryEmbedding's
+        # position_offset; None: always 0): K/V rotated under different offsets never match
+        self.rope_offset = rope_offset
 
     # -- queries -------------------------------------------------------------------------------
     @property
@@ -218,11 +222,18 @@ class KVCacheManager:
         return self.req_block_ids.get(request_id, [])
 
     # -- prefix cache --------------------------------------------------------------------------
-    @staticmethod
-    def _root(request: Request) -> int | None:
-        """The parent of a request's first block: its cache salt, hashed (None without)."""
-        salt = request.cache_salt
-        return None if salt is None else hash(("cache_salt", salt))
+    def position_offset(self, request: Request) -> int:
+        """What the model shifts the RoPE positions of ``request``'s tokens by, as long as
+        it holds its present tokens: 0 but for LongRoPE past the original context."""
+        return 0 if self.rope_offset is None else self.rope_offset(request.num_tokens)
+
+    def _root(self, request: Request) -> int | None:
+        """The parent of a request's first block: its cache salt and its RoPE position offset
+        (the same tokens rotated otherwise hold other K/V), hashed (None without either)."""
+        salt, offset = request.cache_salt, self.position_offset(request)
+        if not offset:
+            return None if salt is None else hash(("cache_salt", salt))
+        return hash(("cache_salt", salt, "rope_offset", offset))
 
     def _hash_blocks(self, request: Request, num_tokens: int) -> list[int]:
         """Chained hashes of the request's full blocks within its first ``num_tokens`` tokens."""

@@ -82,6 +82,9 @@ class Request:
     # the other samples of this prompt, forked from it when it samples its first token
     fork_children: list[Request] = field(default_factory=list)
     cohort: Cohort | None = None  # requests admitted and preempted together (a beam search)
+    # what its K/V's RoPE positions were shifted by (KVCacheManager.position_offset, fixed at
+    # admission: LongRoPE past its original context), which every row of it passes on
+    position_offset: int = 0
 
     def __post_init__(self) -> None:
         if self.sampling_params.seed is not None:

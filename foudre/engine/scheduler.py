@@ -87,6 +87,7 @@ class Scheduler:
             return
         self.kv.fork(parent, child)
         child.num_computed_tokens = parent.num_computed_tokens
+        child.position_offset = parent.position_offset
         child.status = RequestStatus.RUNNING
         self.running.append(child)
         self._entering[child.request_id] = child
@@ -128,13 +129,42 @@ class Scheduler:
         if self.on_free is not None:
             self.on_free(request)
 
-    def _preempt(self, request: Request, uncache: bool = False) -> None:
+    def _preempt(self, request: Request, uncache: bool = False, count: bool = True) -> None:
         self._free(request, uncache)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
-        request.num_preemptions += 1
-        self.num_preemptions += 1
+        if count:
+            request.num_preemptions += 1
+            self.num_preemptions += 1
         self.waiting.appendleft(request)
+
+    def _recompute_rotated(self) -> list[Request]:
+        """Free and queue for recomputation (at the head of the queue, with their cohorts) the
+        running requests whose K/V was rotated for a sequence shorter than they now hold: a
+        LongRoPE model's request that grew past the original context (its offset changed, see
+        ``KVCacheManager.position_offset``). Transformers' ``generate`` does the same for
+        Phi-3: the step a sequence first exceeds ``original_max_position_embeddings`` it drops
+        the cache and recomputes the whole sequence with the long factors. Not counted as
+        preemptions. The drafts of the others are cut where accepting them would cross."""
+        offset_of = self.kv.rope_offset
+        assert offset_of is not None
+        stale = [r for r in self.running if offset_of(r.num_tokens) != r.position_offset]
+        for req in list(stale):
+            if req.cohort is not None:
+                stale += [m for m in req.cohort.members if m.status == RequestStatus.RUNNING]
+        victims = list(dict.fromkeys(stale))
+        for req in reversed(victims):  # each goes to the head: keep their order
+            self.running.remove(req)
+            self._preempt(req, count=False)
+        for req in self.running:  # logits past the switch would read the old rotation
+            keep = len(req.spec_token_ids)
+            while keep and offset_of(req.num_tokens + keep) != req.position_offset:
+                keep -= 1
+            if keep < len(req.spec_token_ids):
+                req.spec_token_ids = req.spec_token_ids[:keep]
+                if req.spec_probs is not None:
+                    req.spec_probs = req.spec_probs[:keep] if keep else None
+        return victims
 
     def quarantine(self, request_ids: list[str]) -> None:
         """The rows of a step that failed: preempt their requests (blocks freed, and dropped from
@@ -174,6 +204,8 @@ class Scheduler:
         preempted: list[Request] = []
         budget = self.max_num_batched_tokens
         probe = self._probe()
+        if self.kv.rope_offset is not None:
+            preempted += self._recompute_rotated()
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -283,6 +315,7 @@ class Scheduler:
             self.waiting.remove(req)
             self.kv.record_prefix_lookup(req.num_tokens, num_cached)
             req.num_computed_tokens = num_cached
+            req.position_offset = self.kv.position_offset(req)
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_cached
             if req.first_scheduled_time is None:
@@ -360,6 +393,7 @@ class Scheduler:
                 req.spec_token_ids,
                 None,
                 [c.request_id for c in self._forks(req, entering)] if req.fork_children else [],
+                req.position_offset,
             )
         # a request samples once it reaches its last token; every draft adds one position
         num_logits = end - num_tokens + 1 if end >= num_tokens else 0
@@ -370,6 +404,7 @@ class Scheduler:
                 req.input_token_ids(start, end),
                 self.kv.block_ids(req.request_id),
                 0,
+                position_offset=req.position_offset,
             )
         assert num_logits == len(req.spec_token_ids) + 1, "drafts scheduled partially"
         forks = self._forks(req, entering)
@@ -382,6 +417,7 @@ class Scheduler:
             req.spec_token_ids,
             req.spec_probs,
             [c.request_id for c in forks],
+            req.position_offset,
         )
 
     @staticmethod

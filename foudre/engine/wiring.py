@@ -60,14 +60,23 @@ def check_capacity(num_blocks: int, config: EngineConfig, max_model_len: int) ->
         )
 
 
-def block_manager(config: EngineConfig, num_blocks: int, max_model_len: int) -> KVCacheManager:
+def block_manager(
+    config: EngineConfig,
+    num_blocks: int,
+    max_model_len: int,
+    model: LlamaForCausalLM | None = None,
+) -> KVCacheManager:
+    """The KV-cache manager; ``model``'s rotary tells it the RoPE position offset of a
+    sequence (LongRoPE: see ``RotaryEmbedding``), which the scheduler passes on to the rows."""
     contiguous = config.kv_allocation == "contiguous"
+    rotary = None if model is None else model.model.rotary
     return KVCacheManager(
         num_blocks,
         config.block_size,
         config.enable_prefix_caching,
         reserve_tokens=max_model_len if contiguous else None,
         copy_on_write=config.copy_on_write,
+        rope_offset=rotary.position_offset if rotary and rotary.original is not None else None,
     )
 
 

@@ -67,6 +67,7 @@ ARCHITECTURES = {
     "qwen2moe": "qwen2_moe",
     "qwen3moe": "qwen3_moe",
     "olmoe": "olmoe",
+    "phi3": "phi3",
 }
 # llama.cpp's graphs: whether each architecture renormalises its top-k expert weights
 _NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False}
@@ -94,6 +95,7 @@ _BLOCK_NAMES = {
     "attn_q.weight": "self_attn.q_proj.weight",
     "attn_k.weight": "self_attn.k_proj.weight",
     "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",  # phi3: q|k|v rows, as foudre fuses them
     "attn_q.bias": "self_attn.q_proj.bias",
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
@@ -116,6 +118,9 @@ _STACKED = re.compile(r"^(ffn_gate|ffn_up|ffn_down)_exps\.weight$")
 _PER_EXPERT = re.compile(r"^(ffn_gate|ffn_up|ffn_down)\.(\d+)\.weight$")
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
 _ROPE_FREQS = "rope_freqs.weight"  # Llama 3 RoPE scaling, stored as per-frequency divisors
+# Phi-3's LongRoPE factors (llama.cpp's converter writes rope_scaling's lists as tensors)
+_ROPE_LONG, _ROPE_SHORT = "rope_factors_long.weight", "rope_factors_short.weight"
+_ROPE_TENSORS = (_ROPE_FREQS, _ROPE_LONG, _ROPE_SHORT)  # read into rope_scaling, not weights
 
 # tokenizer.ggml.token_type values; sentencepiece's ModelProto.SentencePiece.Type uses the same.
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
@@ -369,15 +374,17 @@ def dequantize_tensor(
         release_freed()
 
 
-def _hf_name(name: str) -> str | None:
-    """The Hugging Face name of a GGUF tensor; for stacked experts, with ``{}`` where the
-    expert's index goes."""
+def _hf_name(name: str, arch: str | None = None) -> str | None:
+    """The Hugging Face name of a GGUF tensor of a file of architecture ``arch``; for stacked
+    experts, with ``{}`` where the expert's index goes."""
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     m = _BLOCK.match(name)
     if m is None:
         return None
     layer, leaf = m.group(1), m.group(2)
+    if arch == "phi3" and leaf == "ffn_up.weight":  # gate|up rows, as foudre fuses them
+        return f"model.layers.{layer}.mlp.gate_up_proj.weight"
     if leaf in _BLOCK_NAMES:
         return f"model.layers.{layer}.{_BLOCK_NAMES[leaf]}"
     stacked, single = _STACKED.match(leaf), _PER_EXPERT.match(leaf)
@@ -415,10 +422,11 @@ def iter_gguf_weights(
     tensor); q/k of ``llama`` files come un-permuted.
     ``rope_freqs.weight`` is not yielded (``load_gguf`` turned it into ``rope_scaling``).
     """
+    arch = f.metadata.get("general.architecture")
     for tensor in f.tensors.values():
-        if tensor.name == _ROPE_FREQS or tensor.name in skip:
+        if tensor.name in _ROPE_TENSORS or tensor.name in skip:
             continue
-        hf = _hf_name(tensor.name)
+        hf = _hf_name(tensor.name, arch)
         if hf is None:
             raise ModelLoadError(
                 f"{f.path}: tensor {tensor.name!r} has no counterpart in foudre's "
@@ -504,7 +512,42 @@ def _llama3_rope_scaling(
     return scaling
 
 
-def _rope_scaling(f: GGUFFile, arch: str, head_dim: int, theta: float) -> dict[str, Any] | None:
+def _longrope_scaling(f: GGUFFile, arch: str, rope_dim: int) -> dict[str, Any]:
+    """Phi-3's LongRoPE ``rope_scaling`` from the factors llama.cpp's converter stores as
+    tensors, its original context and its attention factor."""
+    factors = {}
+    for key, name in (("long_factor", _ROPE_LONG), ("short_factor", _ROPE_SHORT)):
+        tensor = f.tensors.get(name)
+        if tensor is None:
+            raise ModelLoadError(f"{f.path}: {name} without its pair {_ROPE_LONG}", f.path)
+        values = dequantize_tensor(f, tensor).float().reshape(-1)
+        if values.numel() != rope_dim // 2 or not bool((values > 0).all()):
+            raise ModelLoadError(
+                f"{f.path}: {name} must hold {rope_dim // 2} positive factors, got "
+                f"{values.numel()}",
+                f.path,
+            )
+        factors[key] = values.tolist()
+    context = _meta_int(f, f"{arch}.context_length", 2048)
+    original = _meta_int(f, f"{arch}.rope.scaling.original_context_length", context)
+    scaling: dict[str, Any] = {
+        "rope_type": "longrope",
+        **factors,
+        "original_max_position_embeddings": original,
+        "factor": context / original,
+    }
+    if f"{arch}.rope.scaling.attn_factor" in f.metadata:
+        scaling["attention_factor"] = _meta_float(f, f"{arch}.rope.scaling.attn_factor")
+    return scaling
+
+
+def _rope_scaling(
+    f: GGUFFile, arch: str, head_dim: int, theta: float, rope_dim: int
+) -> dict[str, Any] | None:
+    if _ROPE_LONG in f.tensors or _ROPE_SHORT in f.tensors:
+        if arch != "phi3":
+            raise ModelLoadError(f"{f.path}: LongRoPE factors in a {arch} file", f.path)
+        return _longrope_scaling(f, arch, rope_dim)
     kind = f.metadata.get(f"{arch}.rope.scaling.type", "none")
     if _ROPE_FREQS in f.tensors:
         if kind not in ("none", "linear") or f.metadata.get(f"{arch}.rope.scaling.factor", 1) != 1:
@@ -548,7 +591,7 @@ def _check_tensors(f: GGUFFile) -> tuple[str, GGUFTensor]:
         )
     for tensor in f.tensors.values():
         _check_type(f, tensor)
-        if tensor.name != _ROPE_FREQS and _hf_name(tensor.name) is None:
+        if tensor.name not in _ROPE_TENSORS and _hf_name(tensor.name, arch) is None:
             raise ModelLoadError(
                 f"{path}: tensor {tensor.name!r} has no counterpart in foudre's {arch} model",
                 path,
@@ -559,8 +602,9 @@ def _check_tensors(f: GGUFFile) -> tuple[str, GGUFTensor]:
     return arch, embed
 
 
-def _attention_heads(f: GGUFFile, arch: str, hidden: int) -> tuple[int, int, int]:
-    """``(heads, KV heads, head_dim)``; keys, values and RoPE must share head_dim."""
+def _attention_heads(f: GGUFFile, arch: str, hidden: int) -> tuple[int, int, int, int]:
+    """``(heads, KV heads, head_dim, rotated dims)``; keys, values and RoPE share head_dim but
+    in phi3 files, whose RoPE may turn fewer (partial rotary)."""
     path = f.path
     heads = _meta_int(f, f"{arch}.attention.head_count")
     kv_heads = _meta_int(f, f"{arch}.attention.head_count_kv", heads)
@@ -569,13 +613,33 @@ def _attention_heads(f: GGUFFile, arch: str, hidden: int) -> tuple[int, int, int
     head_dim = _meta_int(f, f"{arch}.attention.key_length", hidden // heads)
     value_dim = _meta_int(f, f"{arch}.attention.value_length", head_dim)
     rope_dim = _meta_int(f, f"{arch}.rope.dimension_count", head_dim)
-    if value_dim != head_dim or rope_dim != head_dim:
+    partial = arch == "phi3" and 0 < rope_dim < head_dim
+    if value_dim != head_dim or (rope_dim != head_dim and not partial):
         raise ModelLoadError(
             f"{path}: key_length={head_dim}, value_length={value_dim} and "
             f"rope.dimension_count={rope_dim} must be equal (no partial RoPE)",
             path,
         )
-    return heads, kv_heads, head_dim
+    return heads, kv_heads, head_dim, rope_dim
+
+
+def _partial_rotary(f: GGUFFile, head_dim: int, rope_dim: int) -> float:
+    """The ``partial_rotary_factor`` whose rotated width is ``rope_dim``."""
+    factor = rope_dim / head_dim
+    if int(head_dim * factor) != rope_dim:
+        raise ModelLoadError(
+            f"{f.path}: rope.dimension_count={rope_dim} of head_dim={head_dim} is no "
+            "partial_rotary_factor",
+            f.path,
+        )
+    return factor
+
+
+def _window(f: GGUFFile, arch: str) -> int | None:
+    """A phi3 file's sliding window over every layer (0 or absent: none, as Phi-4's)."""
+    if arch != "phi3":
+        return None
+    return _meta_int(f, f"{arch}.attention.sliding_window", 0) or None
 
 
 def _architecture_name(f: GGUFFile, arch: str, moe: dict[str, Any]) -> str:
@@ -609,7 +673,7 @@ def gguf_config(f: GGUFFile) -> ModelConfig:
     path = f.path
     arch, embed = _check_tensors(f)
     hidden = _meta_int(f, f"{arch}.embedding_length")
-    heads, kv_heads, head_dim = _attention_heads(f, arch, hidden)
+    heads, kv_heads, head_dim, rope_dim = _attention_heads(f, arch, hidden)
     theta = _meta_float(f, f"{arch}.rope.freq_base", 10000.0)
     n_layers = _meta_int(f, f"{arch}.block_count")
     moe = _gguf_moe(f, arch, n_layers)
@@ -633,7 +697,7 @@ def gguf_config(f: GGUFFile) -> ModelConfig:
             max_position_embeddings=_meta_int(f, f"{arch}.context_length", 2048),
             rms_norm_eps=_meta_float(f, f"{arch}.attention.layer_norm_rms_epsilon"),
             rope_theta=theta,
-            rope_scaling=_rope_scaling(f, arch, head_dim, theta),
+            rope_scaling=_rope_scaling(f, arch, head_dim, theta, rope_dim),
             tie_word_embeddings="output.weight" not in f.tensors,
             attention_bias=arch == "qwen2" or "blk.0.attn_q.bias" in f.tensors,
             qk_norm=arch in ("qwen3", "qwen3moe", "olmoe"),
@@ -642,6 +706,8 @@ def gguf_config(f: GGUFFile) -> ModelConfig:
             torch_dtype=_default_dtype(f),
             bos_token_id=bos if isinstance(bos, int) and 0 <= bos < vocab else None,
             eos_token_ids=eos,
+            partial_rotary_factor=_partial_rotary(f, head_dim, rope_dim),
+            sliding_window=_window(f, arch),
             **moe,
         )
     except ValueError as exc:

@@ -362,7 +362,7 @@ def _sort_tensors(
     biases: _Parts = {}
     experts: dict[str, dict[str, GGUFTensor]] = {}
     for tensor in f.tensors.values():
-        hf = _hf_name(tensor.name)
+        hf = _hf_name(tensor.name, f.metadata.get("general.architecture"))
         if tensor.name == _ROPE_FREQS or hf is None:
             continue
         module, part, leaf = _module_of(hf)
@@ -392,7 +392,8 @@ def _plan_linear(
     six_bit: bool,
 ) -> None:
     """Keep the (fused) linear ``module`` quantized when its parts fit it and have a kernel."""
-    order = _FUSED.get(module.rpartition(".")[2], (None,))
+    # a fused module from its parts, or stored fused (phi3's qkv_proj, gate_up_proj)
+    order = (None,) if None in parts else _FUSED.get(module.rpartition(".")[2], (None,))
     found = [parts[p] for p in order if p in parts]
     found_bias = [bias_parts[p] for p in order if p in bias_parts]
     tensors = [t for _, t in found]

@@ -33,6 +33,7 @@ _ARCHITECTURE_CLASSES = {
     "OlmoeForCausalLM": "olmoe",
     "DeepseekV3ForCausalLM": "deepseek_v3",  # Kimi-K2's model_type is kimi_k2
     "GptOssForCausalLM": "gpt_oss",
+    "Phi3ForCausalLM": "phi3",
 }
 
 # Hugging Face's defaults per model type for keys a config.json may leave out
@@ -85,6 +86,11 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
         "head_dim": 64,
         "num_experts": 128,
         "num_experts_per_tok": 4,
+    },
+    "phi3": {
+        "max_position_embeddings": 4096,
+        "original_max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5,
     },
 }
 
@@ -214,7 +220,7 @@ def _token_ids(value: Any, key: str, path: Path) -> list[int]:
 
 
 def _rope(
-    raw: dict[str, Any], max_positions: int, path: Path
+    raw: dict[str, Any], max_positions: int, path: Path, arch: str = "llama"
 ) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, rope_scaling or None) from either the 4.x or the 5.x layout of config.json."""
     params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
@@ -224,8 +230,14 @@ def _rope(
     if not isinstance(theta, int | float) or theta <= 0:
         raise ModelLoadError(f"{path}: rope_theta must be a positive number, got {theta!r}", path)
     rope_type = params.get("rope_type", params.get("type", "default"))
+    if arch == "phi3" and rope_type in ("su", "yarn"):  # Phi-3's older names of LongRoPE
+        rope_type = "longrope"
     if rope_type == "default":
         return float(theta), None
+    if rope_type == "longrope" and arch != "phi3":
+        raise ModelLoadError(
+            f"{path}: rope_scaling 'longrope' is supported for phi3 models only, not {arch}", path
+        )
     scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "type")}
     scaling["rope_type"] = rope_type
     if rope_type in ("llama3", "yarn", "longrope"):  # as transformers' standardize_rope_params
@@ -235,7 +247,50 @@ def _rope(
         )
     if rope_type == "yarn" and scaling.get("factor") is None:  # DeepSeek's way: by the ratio
         scaling["factor"] = max_positions / scaling["original_max_position_embeddings"]
+    if rope_type == "longrope":
+        _longrope(raw, scaling, max_positions, path)
     return float(theta), scaling
+
+
+def _longrope(raw: dict[str, Any], scaling: dict[str, Any], max_positions: int, path: Path) -> None:
+    """Complete Phi-3's LongRoPE ``scaling`` as ``transformers`` reads it: the config's own
+    ``original_max_position_embeddings`` (4096 when absent) wins over the one in
+    ``rope_scaling``, and a missing ``factor`` is the ratio of the extended to the original
+    context (it sets the attention factor)."""
+    original = raw.get("original_max_position_embeddings", 4096)
+    if not isinstance(original, int) or isinstance(original, bool) or original <= 0:
+        raise ModelLoadError(
+            f"{path}: original_max_position_embeddings must be a positive int, got {original!r}",
+            path,
+        )
+    scaling["original_max_position_embeddings"] = original
+    if scaling.get("factor") is None:
+        scaling["factor"] = max_positions / original
+    for key in ("short_factor", "long_factor"):
+        factors = scaling.get(key)
+        if not isinstance(factors, list) or not all(
+            isinstance(f, int | float) and not isinstance(f, bool) and f > 0 for f in factors
+        ):
+            raise ModelLoadError(
+                f"{path}: rope_scaling 'longrope' needs {key} as a list of positive numbers, "
+                f"got {factors!r}",
+                path,
+            )
+
+
+def _partial_rotary(raw: dict[str, Any], arch: str, path: Path) -> float:
+    """The fraction of each head RoPE turns (Phi-3 / Phi-4; 1 for the other families)."""
+    if arch != "phi3":
+        return 1.0
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    value = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    if value is None:
+        return 1.0
+    if not isinstance(value, int | float) or isinstance(value, bool) or not 0 < value <= 1:
+        raise ModelLoadError(
+            f"{path}: partial_rotary_factor must be a number in (0, 1], got {value!r}", path
+        )
+    return float(value)
 
 
 def _dtype(raw: dict[str, Any], path: Path) -> str:
@@ -526,8 +581,8 @@ def load_hf_config(model_dir: Path) -> ModelConfig:
     max_positions = _optional_int(
         raw, path, "max_position_embeddings", defaults["max_position_embeddings"]
     )
-    rope_theta, rope_scaling = _rope(raw, max_positions, path)
-    eps = raw.get("rms_norm_eps", 1e-6)
+    rope_theta, rope_scaling = _rope(raw, max_positions, path, arch)
+    eps = raw.get("rms_norm_eps", defaults.get("rms_norm_eps", 1e-6))
     _positive_number(path, "rms_norm_eps", eps)
     moe = _moe(raw, arch, path)
     clip = raw.get("clip_qkv") if arch == "olmoe" else None
@@ -559,6 +614,7 @@ def load_hf_config(model_dir: Path) -> ModelConfig:
             torch_dtype=_dtype(raw, path),
             bos_token_id=bos_ids[0] if bos_ids else None,
             eos_token_ids=eos,
+            partial_rotary_factor=_partial_rotary(raw, arch, path),
             **moe,
         )
     except ValueError as exc:

@@ -99,7 +99,17 @@ class Tokenizer(ABC):
 
     @abstractmethod
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        """Text of ``ids``; invalid UTF-8 becomes U+FFFD. Special tokens are dropped if asked."""
+        """Text of ``ids``; invalid UTF-8 becomes U+FFFD. Special tokens are dropped if asked.
+        An id past the vocabulary (a model's padded rows: Phi-3's 32,064 over 32,011 pieces)
+        decodes to empty text, as in llama.cpp and vLLM (``_known``)."""
+
+    def _known(self, ids: Sequence[int]) -> Sequence[int]:
+        """``ids`` without those outside ``0 .. vocab_size - 1``: a model whose vocabulary is
+        padded past its tokenizer's can sample them, and they stand for no text."""
+        n = self.vocab_size
+        if not ids or (min(ids) >= 0 and max(ids) < n):
+            return ids
+        return [i for i in ids if 0 <= i < n]
 
     @property
     @abstractmethod
@@ -287,6 +297,7 @@ class HFTokenizer(Tokenizer):
         return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        ids = self._known(ids)
         return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
     @property
@@ -403,6 +414,7 @@ class SentencePieceTokenizer(Tokenizer):
         return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        ids = self._known(ids)
         if skip_special_tokens:
             return str(self._sp.decode([i for i in ids if i not in self._special_ids]))
         parts: list[str] = []
@@ -612,9 +624,7 @@ class Llama2cTokenizer(Tokenizer):
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         out = bytearray()
         prev = -1
-        for i in ids:
-            if not 0 <= i < len(self._pieces):
-                raise ValueError(f"token id {i} out of range [0, {len(self._pieces)})")
+        for i in self._known(ids):
             if not (skip_special_tokens and i in (self.UNK_ID, self.BOS_ID, self.EOS_ID)):
                 if prev == self.BOS_ID and self._pieces[i].startswith(b" "):
                     out += self._pieces[i][1:]  # run.c strips the space after BOS

@@ -27,6 +27,7 @@ _HF_CLASSES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "olmoe": "OlmoeForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -42,10 +43,12 @@ def hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
     """The weights under Hugging Face names: fused q|k|v and gate|up split back, no tied head,
     experts one tensor per expert and projection (Mixtral's ``block_sparse_moe.experts.{e}.w1``
     names, the others' ``mlp.experts.{e}.gate_proj``), as transformers writes them, in the
-    model's own dtypes."""
+    model's own dtypes; Phi-3's fused q|k|v and gate|up stay fused, as its checkpoints store
+    them."""
     cfg = model.config
     if cfg.architecture == "gpt_oss":
         return _gpt_oss_state_dict(model)
+    fused = cfg.architecture == "phi3"
     out: dict[str, torch.Tensor] = {}
     mixtral = cfg.architecture == "mixtral"
     parts = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
@@ -66,6 +69,8 @@ def hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
                     gate, up = w.split(w.shape[0] // 2, dim=0)
                     out[f"{prefix}.{e}.{parts[0]}.weight"] = gate.contiguous()
                     out[f"{prefix}.{e}.{parts[1]}.weight"] = up.contiguous()
+        elif fused:
+            out[name] = t
         elif prefix.endswith("qkv_proj"):
             base = prefix.removesuffix("qkv_proj")
             q, k, v = t.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=0)
@@ -159,6 +164,23 @@ def hf_config_dict(cfg: ModelConfig, dtype: torch.dtype | None = None) -> dict[s
             raw["layer_types"] = list(cfg.layer_types)
     if cfg.num_experts:
         raw.update(_moe_config(cfg))
+    if cfg.architecture == "phi3":
+        raw.update(_phi3_config(cfg))
+    return raw
+
+
+def _phi3_config(cfg: ModelConfig) -> dict[str, Any]:
+    """Phi-3's own keys: the rotated fraction, the original context of LongRoPE (at the top
+    level, where transformers reads it first), and no pad id (its default, 32000, may lie
+    past a small vocabulary)."""
+    raw: dict[str, Any] = {"partial_rotary_factor": cfg.partial_rotary_factor, "pad_token_id": None}
+    raw["rope_parameters"] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    raw["rope_parameters"]["partial_rotary_factor"] = cfg.partial_rotary_factor
+    if cfg.rope_scaling:
+        raw["rope_parameters"].update(cfg.rope_scaling)
+        original = cfg.rope_scaling.get("original_max_position_embeddings")
+        if original is not None:
+            raw["original_max_position_embeddings"] = original
     return raw
 
 

@@ -17,7 +17,9 @@ def causal_hidden(
 ) -> torch.Tensor:
     """Final hidden states ``[B, T, hidden]`` of ``ids`` ``[B, T]`` (each row from position 0)."""
     b, t = ids.shape
-    positions = torch.arange(t, device=ids.device).repeat(b)
+    # a LongRoPE sequence past the original context is rotated by the long factors throughout
+    offset = model.model.rotary.position_offset(t)
+    positions = (torch.arange(t, device=ids.device) + offset).repeat(b)
     caches = [torch.empty(0, device=ids.device)] * len(model.model.layers)
     hidden = model(ids.reshape(-1), positions, caches, _BACKENDS[kv_cache_dtype], (b, t))
     return hidden.view(b, t, -1)

@@ -9,6 +9,7 @@ SUPPORTED_ARCHITECTURES = (
     "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
     "deepseek_v3",
     "gpt_oss",
+    "phi3",
 )  # fmt: skip
 # How a mixture-of-experts router scores the experts before its top-k: a softmax over all of
 # them (Mixtral, Qwen-MoE, OLMoE), or DeepSeek-V3's sigmoid scores with a selection bias and a
@@ -92,6 +93,9 @@ class ModelConfig:
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
     mxfp4_experts: bool = False  # experts stored packed (quantization_config mxfp4)
+    # Phi-3 / Phi-4: RoPE turns only the first int(head_dim * partial_rotary_factor) dimensions
+    # of each head (Phi-4-mini: 0.75); its LongRoPE scaling lives in rope_scaling
+    partial_rotary_factor: float = 1.0
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -115,6 +119,11 @@ class ModelConfig:
                     f"layer_types must give 'full_attention' or 'sliding_attention' for each of "
                     f"the {self.num_hidden_layers} layers, got {list(self.layer_types)}"
                 )
+        if not 0.0 < self.partial_rotary_factor <= 1.0 or self.rotary_dim < 2:
+            raise ValueError(
+                f"partial_rotary_factor must be in (0, 1] and leave at least 2 rotated "
+                f"dimensions, got {self.partial_rotary_factor}"
+            )
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ValueError(f"sliding_window must be positive, got {self.sliding_window}")
         if self.num_experts < 0:
@@ -173,6 +182,11 @@ class ModelConfig:
             and index not in self.mlp_only_layers
             and (index + 1) % self.decoder_sparse_step == 0
         )
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many leading dimensions of each head RoPE rotates."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def q_size(self) -> int:

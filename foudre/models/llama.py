@@ -121,7 +121,7 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.rotary = rotary = RotaryEmbedding(
-            cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling
+            cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, cfg.rotary_dim
         )
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(

@@ -161,8 +161,11 @@ class DecodeGraphs:
         tables = [list(t) + [scratch] * (width - len(t)) for t in block_tables]
         tables += [[scratch] * width] * pad
         slots = [t[p // bs] * bs + p % bs for t, p in zip(block_tables, starts, strict=True)]
+        rope = starts
+        if step.position_offsets:
+            rope = [p + o for p, o in zip(starts, step.position_offsets, strict=True)]
         host = torch.tensor(
-            [[*tokens, *[0] * pad], [*starts, *[0] * pad], [*slots, *[scratch * bs] * pad]],
+            [[*tokens, *[0] * pad], [*rope, *[0] * pad], [*slots, *[scratch * bs] * pad]],
             dtype=torch.long,
         )
         self.input_ids[:size].copy_(host[0], non_blocking=True)
@@ -196,14 +199,17 @@ class DecodeGraphs:
         q_lens: list[int] = []
         lens: list[int] = []
         tables: list[list[int]] = []
-        for table, start, ids in zip(step.block_tables, step.starts, step.token_ids, strict=True):
+        offsets = step.position_offsets or [0] * len(step.starts)
+        for table, start, ids, offset in zip(
+            step.block_tables, step.starts, step.token_ids, offsets, strict=True
+        ):
             q_starts.append(len(tokens))
             q_lens.append(len(ids))
             lens.append(start + len(ids))
             tables.append(list(table))
             tokens.extend(ids)
             for p in range(start, start + len(ids)):
-                positions.append(p)
+                positions.append(p + offset)
                 slots.append(table[p // bs] * bs + p % bs)
         if pad:  # one padding row: positions 0.., K/V in the scratch block
             q_starts.append(n)

@@ -224,15 +224,18 @@ class ModelRunner:
         slots: list[int] = []
         seq_lens: list[int] = []
         query_lens: list[int] = []
-        for table, start, ids in zip(step.block_tables, step.starts, step.token_ids, strict=True):
+        offsets = step.position_offsets or [0] * len(step.starts)
+        for table, start, ids, offset in zip(
+            step.block_tables, step.starts, step.token_ids, offsets, strict=True
+        ):
             n = len(ids)
             input_ids += ids
             if n == 1:
-                positions.append(start)
+                positions.append(start + offset)
                 slots.append(table[start // bs] * bs + start % bs)
             else:
                 span = range(start, start + n)
-                positions += span
+                positions += range(start + offset, start + n + offset)
                 slots += [table[p // bs] * bs + p % bs for p in span]
             seq_lens.append(start + n)
             query_lens.append(n)
@@ -274,16 +277,18 @@ class ModelRunner:
         token_ids: Sequence[list[int]],
         num_logits: Sequence[int],
         num_padding_rows: int = 0,
+        position_offsets: Sequence[int] | None = None,
     ) -> torch.Tensor | None:
         """Compute ``token_ids[i]`` at positions ``starts[i]...`` of sequence ``i`` (writing
         their K/V through ``block_tables[i]``); return float32 logits of the last
         ``num_logits[i]`` tokens of each sequence, in order (None when none are asked). The
         last ``num_padding_rows`` sequences pad the batch: the routers of mixture-of-experts
-        layers do not count their tokens.
+        layers do not count their tokens. ``position_offsets[i]`` (None: all 0) is added to
+        the RoPE positions of row ``i`` (``ScheduledRow.position_offset``).
 
         A step that the decode path can run (a replayed CUDA graph, the native CPU decoder
         layers) runs there; the rest runs the model op by op."""
-        step = ForwardStep(block_tables, starts, token_ids, num_logits)
+        step = ForwardStep(block_tables, starts, token_ids, num_logits, position_offsets)
         real = token_ids[: len(token_ids) - num_padding_rows]
         rows = sum(len(ids) for ids in real)
         path = self.decode_path
@@ -337,13 +342,18 @@ class ModelRunner:
         starts = [r.start for r in rows]
         tokens = [r.token_ids for r in rows]
         num_logits = [r.num_logits for r in rows]
+        offsets: list[int] | None = [r.position_offset for r in rows]
+        if not any(offsets or ()):
+            offsets = None
         if pad:
             tables += [[self.padding_block]] * pad
             starts += [0] * pad
             tokens += [[0]] * pad
             num_logits += [1] * pad
+            if offsets is not None:
+                offsets += [0] * pad
         sampling = self.input_batch.sampling_rows(rows)
-        logits = self.forward(tables, starts, tokens, num_logits, pad)
+        logits = self.forward(tables, starts, tokens, num_logits, pad, offsets)
         if logits is not None and pad:
             logits = logits[: logits.shape[0] - pad]
         if logits is None or logits.shape[0] == 0:

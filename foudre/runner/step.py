@@ -62,6 +62,9 @@ class ScheduledRow:
     # the batch in this step): each draws its own token from the same last logits, then holds
     # the row's blocks as its own
     fork_ids: list[str] = field(default_factory=list)
+    # added to the RoPE position of each of its tokens (the rotary's position_offset: 0 but for
+    # LongRoPE past the original context); its K/V slots follow the plain positions
+    position_offset: int = 0
 
     @property
     def num_new_tokens(self) -> int:
@@ -109,6 +112,7 @@ class ForwardStep:
     starts: Sequence[int]
     token_ids: Sequence[list[int]]
     num_logits: Sequence[int]
+    position_offsets: Sequence[int] | None = None  # per row, added to its RoPE positions
     input_ids: torch.Tensor | None = None
     positions: torch.Tensor | None = None
     metadata: Any = None

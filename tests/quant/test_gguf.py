@@ -252,9 +252,12 @@ def write_gguf(
     all-zero blocks of another type; ``types`` writes the named 2-D tensors in another type."""
     cfg = json.loads((src / "config.json").read_text())
     state = load_file(str(src / "model.safetensors"))
-    arch = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}[
-        cfg["architectures"][0]
-    ]
+    arch = {
+        "LlamaForCausalLM": "llama",
+        "Qwen2ForCausalLM": "qwen2",
+        "Qwen3ForCausalLM": "qwen3",
+        "Phi3ForCausalLM": "phi3",
+    }[cfg["architectures"][0]]
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
@@ -282,6 +285,8 @@ def write_gguf(
         _add_bpe_vocab(w, bpe[0], bpe[1], cfg["vocab_size"])
     if rope.get("rope_type") == "llama3":
         w.add_tensor("rope_freqs.weight", _llama3_rope_factors(rope, head_dim, theta))
+    if arch == "phi3":
+        _add_phi3(w, cfg, rope)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], cfg["num_hidden_layers"])
     values: dict[str, np.ndarray] = {}
     for hf_name, tensor in state.items():
@@ -310,6 +315,23 @@ def write_gguf(
     w.write_tensors_to_file()
     w.close()
     return values
+
+
+def _add_phi3(w: gguf.GGUFWriter, cfg: dict[str, Any], rope: dict[str, Any]) -> None:
+    """What convert_hf_to_gguf.py's Phi3MiniModel adds: the rotated width, the original
+    context, the window (0: none), and LongRoPE's attention factor and factor tensors."""
+    heads = cfg["num_attention_heads"]
+    rot = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    w.add_rope_dimension_count(int(rot * cfg["hidden_size"]) // heads)
+    original = cfg["original_max_position_embeddings"]
+    w.add_rope_scaling_orig_ctx_len(original)
+    w.add_sliding_window(cfg.get("sliding_window") or 0)
+    if rope.get("rope_type") == "longrope":
+        scale = cfg["max_position_embeddings"] / original
+        attn = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
+        w.add_rope_scaling_attn_factors(attn)
+        w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], np.float32))
+        w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], np.float32))
 
 
 # ----------------------------------------------------------------------------- fixtures
