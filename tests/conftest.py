@@ -90,15 +90,18 @@ def make_hf_model(path: Path, arch: str = "llama", seed: int = 0, **overrides: A
         "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
         "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM),
+        "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
     }[arch]
     torch.manual_seed(seed)
     config = cls[0](**base)
     model = cls[1](config).to(torch.float32)
     # random init is tiny; scale up so that logits are far from uniform and greedy is decisive
+    # (Gemma multiplies its embeddings by sqrt(hidden): drawn smaller so that its layers count)
+    embed_std = base["hidden_size"] ** -0.5 if arch == "gemma3_text" else 1.0
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() in (2, 3):  # 3-D: the stacked experts of MoE models
-                p.normal_(0.0, 0.08 if "embed" not in name else 1.0)
+                p.normal_(0.0, 0.08 if "embed" not in name else embed_std)
             elif "bias" in name:
                 p.normal_(0.0, 0.1)
             else:  # norms

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from foudre.layers.rotary import init_rotary_tables
 from foudre.loading.errors import ModelLoadError
 from foudre.loading.gguf import (
     GGUFFile,
@@ -168,7 +169,7 @@ def load_model(
             swap_in_quantized(net, plan)
         weights = iter_gguf_weights(gguf, cfg, skip=plan.consumed, dtype=torch_dtype)
     net = net.to_empty(device=device)
-    net.model.rotary.init_tables(device)  # the tables built under "meta" hold no values
+    init_rotary_tables(net, device)  # the tables built under "meta" hold no values
     net.reset_moe_stats()  # nor do the routers' counters
     if cfg.tie_word_embeddings:
         net.lm_head.weight = net.model.embed_tokens.weight

@@ -7,6 +7,7 @@ from typing import Any
 
 SUPPORTED_ARCHITECTURES = (
     "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
+    "gemma3",
 )  # fmt: skip
 # How a mixture-of-experts router scores the experts before its top-k: a softmax over all of
 # them (Mixtral, Qwen-MoE, OLMoE). Other variants (sigmoid scores, grouped top-k, a bias on
@@ -64,6 +65,15 @@ class ModelConfig:
     shared_expert_gate: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    # Gemma 3 (``models/gemma3.py``): attention scores scaled by ``query_pre_attn_scalar**-0.5``
+    # (not ``head_dim**-0.5``); the sliding layers' RoPE has its own base and scaling
+    # (``rope_local_theta``, ``rope_local_scaling``; the global layers' are ``rope_theta`` and
+    # ``rope_scaling``); logits squashed to ``cap * tanh(logits / cap)`` when
+    # ``final_logit_softcapping`` is set.
+    query_pre_attn_scalar: float | None = None
+    rope_local_theta: float = 10000.0
+    rope_local_scaling: dict[str, Any] | None = None
+    final_logit_softcapping: float | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:

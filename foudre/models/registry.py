@@ -11,12 +11,14 @@ from __future__ import annotations
 from torch import nn
 
 from foudre.models.config import ModelConfig
+from foudre.models.gemma3 import Gemma3ForCausalLM
 from foudre.models.llama import LlamaForCausalLM
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
     arch: LlamaForCausalLM
     for arch in ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 }
+MODEL_CLASSES["gemma3"] = Gemma3ForCausalLM
 
 
 def model_class(cfg: ModelConfig) -> type[nn.Module]:

@@ -1,0 +1,276 @@
+"""Oracle: Gemma 3 (``foudre/models/gemma3.py``) against transformers' ``Gemma3ForCausalLM`` on
+the same random weights, float32: last-position logits and greedy tokens, for a batch of prompts
+most of them longer than the sliding window (6 layers: five sliding, one global, each kind its
+own RoPE base), through prefix caching, preemption and chunked prefill; the config layouts of
+transformers 4 and 5 and the multimodal checkpoint's language model; int8 and int4 weights close
+to the float model; what the engine does not compute refused by name."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from foudre import LLM, SamplingParams
+from foudre.loading.errors import ModelLoadError
+from foudre.loading.hf import load_hf_config
+from foudre.quant.qlinear import QuantLinear
+from tests.conftest import make_hf_model
+from tests.oracles.test_hf_equivalence import _last_logits
+
+WINDOW = 8
+SHAPE: dict[str, Any] = dict(
+    num_hidden_layers=6,
+    sliding_window=WINDOW,
+    head_dim=16,
+    query_pre_attn_scalar=24,
+    tie_word_embeddings=True,
+)
+CASES: dict[str, dict[str, Any]] = {
+    "tied": {},
+    # the global layers' RoPE scaled (linear), the logits soft-capped, lm_head its own
+    "softcap-scaled-untied": dict(
+        tie_word_embeddings=False,
+        final_logit_softcapping=2.5,
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 50_000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 500.0},
+        },
+    ),
+    # one global layer in three (layers 2 and 5), MQA
+    "pattern-3-mqa": dict(
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+        num_key_value_heads=1,
+    ),
+}
+PROMPTS = [
+    [1, 5, 9, 33, 7],
+    [1, 100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111, 112, 113, 114, 115, 116, 3],
+    [1, 42],
+    list(range(1, 40)),
+]
+MAX_TOKENS = 20
+
+
+def _model(path: Path, **overrides: Any) -> Path:
+    return make_hf_model(path, "gemma3_text", **{**SHAPE, **overrides})
+
+
+def _hf(path: Path) -> Any:
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None  # our runs ignore EOS too
+    return hf
+
+
+def _hf_greedy(hf: Any, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    with torch.no_grad():
+        return [
+            hf.generate(
+                torch.tensor([p]), max_new_tokens=max_tokens, do_sample=False, pad_token_id=0
+            )[0, len(p) :].tolist()
+            for p in prompts
+        ]
+
+
+def _greedy(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    m = llm.metrics()
+    assert m["num_free_blocks"] == m["num_total_blocks"]
+    llm.engine.scheduler.check_invariants()
+    return outs
+
+
+def _check_logits(llm: LLM, hf: Any, prompts: list[list[int]]) -> None:
+    for prompt in prompts:
+        with torch.no_grad():
+            ref = hf(torch.tensor([prompt])).logits[0, -1].float()
+        torch.testing.assert_close(_last_logits(llm, prompt).cpu(), ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_logits_and_greedy_match_transformers(tmp_path: Path, case: str) -> None:
+    path = _model(tmp_path / case, **CASES[case])
+    hf = _hf(path)
+    llm = LLM(str(path), dtype="float32", skip_tokenizer_init=True, num_kv_blocks=64)
+    model = llm.engine.model
+    assert type(model).__name__ == "Gemma3ForCausalLM"
+    assert model.config.layer_types == tuple(hf.config.layer_types)
+    _check_logits(llm, hf, PROMPTS)
+    assert _greedy(llm, PROMPTS, MAX_TOKENS) == _hf_greedy(hf, PROMPTS, MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[int]]]:
+    """A model, and prompts (two sharing a 24-token prefix) with transformers' greedy tokens."""
+    path = _model(tmp_path_factory.mktemp("gemma3"))
+    prompts = [[1, *range(10, 10 + k)] + [7] * (i + 1) for i, k in enumerate([30, 30, 12, 45, 3])]
+    prompts[1] = [*prompts[0][:25], 99, 98]
+    return path, prompts
+
+
+@pytest.fixture(scope="module")
+def expected(gemma: tuple[Path, list[list[int]]]) -> list[list[int]]:
+    path, prompts = gemma
+    return _hf_greedy(_hf(path), prompts, MAX_TOKENS)
+
+
+def test_prefix_caching_preemption_chunked_prefill(
+    gemma: tuple[Path, list[list[int]]], expected: list[list[int]]
+) -> None:
+    """A small pool (preemptions), 4-token blocks (prefix hits across and within batches), a
+    5-token step budget (every prompt chunked, across the window's edge), three seats."""
+    path, prompts = gemma
+    llm = LLM(
+        str(path),
+        dtype="float32",
+        skip_tokenizer_init=True,
+        max_model_len=96,
+        block_size=4,
+        num_kv_blocks=24,
+        max_num_batched_tokens=5,
+        max_num_seqs=3,
+    )
+    assert _greedy(llm, prompts, MAX_TOKENS) == expected
+    assert _greedy(llm, prompts, MAX_TOKENS) == expected  # warm: whole prompts hit
+    m = llm.metrics()
+    assert m["num_preemptions"] > 0 and m["prefix_cache_hits"] > 0
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_matches_transformers_on_its_weights(
+    gemma: tuple[Path, list[list[int]]], method: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """int8 / int4 weights on every dense linear (lm_head included, at int8 or 6 bits): with
+    each quantized linear computed by its definition (dequantize, then matmul) the logits and
+    greedy tokens are transformers' on the dequantized weights; our CPU kernels (which also
+    round activations to int8 by block, which this small random model with its post-norms
+    feels more than a Llama: about 9% of the logits' norm) stay close to that definition."""
+    path, prompts = gemma
+    # no prefix caching: the kernels' KV would serve the reference's prompts
+    llm = LLM(
+        str(path), dtype="float32", skip_tokenizer_init=True, num_kv_blocks=64,
+        quantization=method, enable_prefix_caching=False,
+    )  # fmt: skip
+    model = llm.engine.model
+    hf = _hf(path)
+    _load_dequantized(hf, model)
+    kernels = [_last_logits(llm, p) for p in prompts]
+    monkeypatch.setattr(QuantLinear, "forward", QuantLinear.forward_reference)
+    _check_logits(llm, hf, prompts)
+    assert _greedy(llm, prompts, 8) == _hf_greedy(hf, prompts, 8)
+    for prompt, got in zip(prompts, kernels, strict=True):
+        ref = _last_logits(llm, prompt)
+        assert ((got - ref).norm() / ref.norm()).item() < 0.2
+
+
+def _load_dequantized(hf: Any, model: torch.nn.Module) -> None:
+    """Copy each ``QuantLinear``'s dequantized weight into ``hf``'s unfused projections (the
+    head untied from the embedding, which stays float)."""
+    cfg = model.config
+    hf.lm_head.weight = torch.nn.Parameter(hf.lm_head.weight.detach().clone())
+    fused = {
+        "qkv_proj": (["q_proj", "k_proj", "v_proj"], [cfg.q_size, cfg.kv_size, cfg.kv_size]),
+        "gate_up_proj": (["gate_proj", "up_proj"], [cfg.intermediate_size] * 2),
+    }
+    modules = dict(hf.named_modules())
+    count = 0
+    for name, module in model.named_modules():
+        if not isinstance(module, QuantLinear):
+            continue
+        count += 1
+        weight = module.dequantize().float()
+        prefix, _, leaf = name.rpartition(".")
+        parts, sizes = fused.get(leaf, ([leaf], [weight.shape[0]]))
+        for part, piece in zip(parts, weight.split(sizes), strict=True):
+            target = modules[f"{prefix}.{part}" if prefix else part].weight
+            with torch.no_grad():
+                target.copy_(piece)
+    assert count == 4 * cfg.num_hidden_layers + 1
+
+
+def _as_transformers4(path: Path) -> None:
+    """Rewrite config.json as transformers 4 wrote Gemma 3's: ``sliding_window_pattern``,
+    ``rope_theta`` with ``rope_scaling`` for the global layers, ``rope_local_base_freq``."""
+    config = json.loads((path / "config.json").read_text())
+    for key in ("layer_types", "rope_parameters", "_sliding_window_pattern"):
+        config.pop(key, None)
+    config |= dict(
+        sliding_window_pattern=3,
+        rope_theta=20_000.0,
+        rope_local_base_freq=300.0,
+        rope_scaling={"rope_type": "linear", "factor": 2.0},
+    )
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def test_transformers4_config_layout(tmp_path: Path) -> None:
+    path = _model(tmp_path / "v4")
+    _as_transformers4(path)
+    cfg = load_hf_config(path)
+    assert cfg.layer_types == ("sliding_attention", "sliding_attention", "full_attention") * 2
+    assert (cfg.rope_theta, cfg.rope_scaling) == (20_000.0, {"rope_type": "linear", "factor": 2.0})
+    assert (cfg.rope_local_theta, cfg.rope_local_scaling) == (300.0, None)
+    hf = _hf(path)
+    assert hf.config.layer_types == list(cfg.layer_types)
+    llm = LLM(str(path), dtype="float32", skip_tokenizer_init=True, num_kv_blocks=64)
+    _check_logits(llm, hf, PROMPTS[1:2])
+    assert _greedy(llm, PROMPTS, 12) == _hf_greedy(hf, PROMPTS, 12)
+
+
+def test_multimodal_checkpoint_runs_its_language_model(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A ``gemma3`` (image-text) config.json with its ``text_config``, the weights under
+    ``model.language_model.`` beside a vision tower's: the text model's logits."""
+    text = _model(tmp_path / "text", tie_word_embeddings=False)
+    hf = _hf(text)
+    mm = tmp_path / "multimodal"
+    mm.mkdir()
+    text_config = json.loads((text / "config.json").read_text())
+    config = {
+        "model_type": "gemma3",
+        "architectures": ["Gemma3ForConditionalGeneration"],
+        "text_config": text_config,
+        "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 32},
+        "eos_token_id": [2, 106],
+        "tie_word_embeddings": False,
+    }
+    (mm / "config.json").write_text(json.dumps(config))
+    weights = {
+        name.replace("model.", "model.language_model.", 1): t
+        for name, t in load_file(text / "model.safetensors").items()
+    }
+    weights["model.vision_tower.vision_model.post_layernorm.weight"] = torch.ones(32)
+    weights["model.multi_modal_projector.mm_input_projection_weight"] = torch.zeros(32, 64)
+    save_file(weights, mm / "model.safetensors")
+    with caplog.at_level(logging.INFO):
+        llm = LLM(str(mm), dtype="float32", skip_tokenizer_init=True, num_kv_blocks=64)
+    assert "vision" in caplog.text
+    assert llm.engine.model.config.eos_token_ids == [2, 106]
+    _check_logits(llm, hf, PROMPTS[:2])
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("attn_logit_softcapping", 50.0),
+        ("use_bidirectional_attention", True),
+        ("hidden_activation", "gelu"),
+        ("attention_bias", True),
+    ],
+)
+def test_refuses_what_it_does_not_compute(tmp_path: Path, key: str, value: Any) -> None:
+    path = _model(tmp_path / "m", num_hidden_layers=2)
+    config = json.loads((path / "config.json").read_text())
+    config[key] = value
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=key):
+        load_hf_config(path)
