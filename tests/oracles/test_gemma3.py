@@ -19,6 +19,8 @@ from safetensors.torch import load_file, save_file
 from foudre import LLM, SamplingParams
 from foudre.loading.errors import ModelLoadError
 from foudre.loading.hf import load_hf_config
+from foudre.loading.quantized import save_quantized
+from foudre.loading.writer import save_hf
 from foudre.quant.qlinear import QuantLinear
 from tests.conftest import make_hf_model
 from tests.oracles.test_hf_equivalence import _last_logits
@@ -274,3 +276,22 @@ def test_refuses_what_it_does_not_compute(tmp_path: Path, key: str, value: Any) 
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match=key):
         load_hf_config(path)
+
+
+def test_written_checkpoints_load_back(tmp_path: Path) -> None:
+    """``save_hf`` writes a ``gemma3_text`` directory that transformers and foudre load as the
+    source model (its RoPE per layer type, window, score scale and soft-capping kept), and an
+    int8 checkpoint (``save_quantized``) loads back into the same quantized model."""
+    source = _model(tmp_path / "source", **CASES["softcap-scaled-untied"])
+    hf = _hf(source)
+    common: dict[str, Any] = dict(dtype="float32", skip_tokenizer_init=True, num_kv_blocks=64)
+    llm = LLM(str(source), **common)
+    written = save_hf(llm.engine.model, tmp_path / "written")
+    assert load_hf_config(written) == load_hf_config(source)
+    _check_logits(LLM(str(written), **common), hf, PROMPTS[1:2])
+    _check_logits(llm, _hf(written), PROMPTS[1:2])
+    quant = LLM(str(source), quantization="int8", **common)
+    saved = save_quantized(quant.engine.model, tmp_path / "int8", "int8")
+    again = LLM(str(saved), **common)
+    prompt = PROMPTS[3]
+    torch.testing.assert_close(_last_logits(again, prompt), _last_logits(quant, prompt))
