@@ -295,3 +295,40 @@ def test_written_checkpoints_load_back(tmp_path: Path) -> None:
     again = LLM(str(saved), **common)
     prompt = PROMPTS[3]
     torch.testing.assert_close(_last_logits(again, prompt), _last_logits(quant, prompt))
+
+
+@pytest.mark.parametrize(("t", "p"), [(2, 1), (1, 2)])
+def test_tensor_and_pipeline_parallel(tmp_path: Path, t: int, p: int) -> None:
+    """Sharded as Llama is (heads, MLP slices, a tied vocabulary of 251 rows that two ranks do
+    not divide; the post-norms see the summed outputs), or split in two stages (three layers
+    each, each stage its layers' kinds and both RoPE tables): transformers' greedy tokens, with
+    preemptions (20 blocks of 4) and prefix hits (the first two prompts share 25 tokens)."""
+    path = _model(tmp_path / "m", vocab_size=251)
+    prompts = [[1, *range(10, 10 + k)] + [7] * (i + 1) for i, k in enumerate([30, 30, 12, 45])]
+    prompts[1] = [*prompts[0][:25], 99, 98]
+    want = _hf_greedy(_hf(path), prompts, 12)
+    llm = LLM(
+        str(path), dtype="float32", skip_tokenizer_init=True, block_size=4, num_kv_blocks=20,
+        max_model_len=80, tensor_parallel_size=t, pipeline_parallel_size=p,
+    )  # fmt: skip
+    try:
+        assert _greedy(llm, prompts, 12) == want
+        m = llm.metrics()
+        assert m["num_preemptions"] > 0 and m["prefix_cache_hits"] > 0
+    finally:
+        llm.shutdown()
+
+
+def test_speculative_decoding(
+    gemma: tuple[Path, list[list[int]]], expected: list[list[int]]
+) -> None:
+    """n-gram drafts verified in the same forward (several logits a row, rejected tokens rolled
+    back across the window's edge): transformers' greedy tokens."""
+    path, prompts = gemma
+    llm = LLM(
+        str(path), dtype="float32", skip_tokenizer_init=True, num_kv_blocks=64,
+        speculative_method="ngram",
+    )  # fmt: skip
+    assert _greedy(llm, prompts, MAX_TOKENS) == expected
+    m = llm.metrics()
+    assert m["spec_draft_tokens"] > m["spec_accepted_tokens"] > 0
