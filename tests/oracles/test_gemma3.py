@@ -367,3 +367,82 @@ def test_awq_scales_keep_the_float_function(
     for prompt in prompts:
         ref, got = _last_logits(exact, prompt), _last_logits(scaled, prompt)
         assert ((got - ref).norm() / ref.norm()).item() < 0.2
+
+
+def _write_gguf(src: Path, out: Path, qtype: str = "F32") -> dict[str, torch.Tensor]:
+    """``src`` as llama.cpp's converter writes a ``gemma3`` file: its hyper-parameters (not the
+    local RoPE base, the layer pattern nor the score scale, which llama.cpp assumes), the norms
+    stored as ``1 + weight``, the 2-D weights in ``qtype`` (F32 or Q8_0). Returns the weights
+    as stored, by HF name (the norms as HF holds them)."""
+    import gguf
+    import numpy as np
+
+    from tests.quant.test_gguf import quantize
+
+    cfg = json.loads((src / "config.json").read_text())
+    n = cfg["num_hidden_layers"]
+    w = gguf.GGUFWriter(str(out), "gemma3")
+    w.add_block_count(n)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    w.add_rope_freq_base(cfg["rope_parameters"]["full_attention"]["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_sliding_window(cfg["sliding_window"])
+    if cfg.get("final_logit_softcapping"):
+        w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA3, n)
+    stored: dict[str, torch.Tensor] = {}
+    for hf_name, tensor in load_file(src / "model.safetensors").items():
+        name = names.get_name(hf_name, try_suffixes=(".weight",))
+        assert name is not None, hf_name
+        data = tensor.float().numpy()
+        if hf_name.endswith("norm.weight"):
+            w.add_tensor(name, (data + 1.0).astype(np.float32))
+            stored[hf_name] = torch.from_numpy((data + 1.0).astype(np.float32)) - 1.0
+        elif qtype == "F32":
+            w.add_tensor(name, data.astype(np.float32))
+            stored[hf_name] = torch.from_numpy(data)
+        else:
+            raw, values = quantize(data, qtype)
+            w.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType[qtype])
+            stored[hf_name] = torch.from_numpy(np.asarray(values, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return stored
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
+def test_gguf_matches_its_source(
+    tmp_path: Path, qtype: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A GGUF file written from the HF model gives transformers' logits and greedy tokens on
+    the weights it stores (Q8_0: as decoded, with ``FOUDRE_GGUF_DEQUANTIZE=1``; kept quantized
+    it runs too); ``ffn_norm`` is the MLP's input norm, the stored norms lose their 1."""
+    source = _model(tmp_path / "hf", query_pre_attn_scalar=16, final_logit_softcapping=4.0)
+    path = tmp_path / "model.gguf"
+    stored = _write_gguf(source, path, qtype)
+    hf = _hf(source)
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            param.copy_(stored[name])  # the tied head is the embedding
+    common: dict[str, Any] = dict(dtype="float32", skip_tokenizer_init=True, num_kv_blocks=64)
+    if qtype != "F32":
+        kept = LLM(str(path), **common)
+        assert "QuantLinear" in {type(m).__name__ for m in kept.engine.model.modules()}
+        assert len(_greedy(kept, PROMPTS, 8)[3]) == 8
+        monkeypatch.setenv("FOUDRE_GGUF_DEQUANTIZE", "1")
+    llm = LLM(str(path), **common)
+    cfg, want = llm.engine.model.config, load_hf_config(source)
+    keys = ["layer_types", "sliding_window", "rope_theta", "rope_local_theta"]
+    keys += ["query_pre_attn_scalar", "final_logit_softcapping", "tie_word_embeddings"]
+    for key in keys:
+        assert getattr(cfg, key) == getattr(want, key), key
+    _check_logits(llm, hf, PROMPTS)
+    assert _greedy(llm, PROMPTS, 12) == _hf_greedy(hf, PROMPTS, 12)
