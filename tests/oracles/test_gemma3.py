@@ -446,3 +446,21 @@ def test_gguf_matches_its_source(
         assert getattr(cfg, key) == getattr(want, key), key
     _check_logits(llm, hf, PROMPTS)
     assert _greedy(llm, PROMPTS, 12) == _hf_greedy(hf, PROMPTS, 12)
+
+
+def test_pruned_model_loads_in_transformers(tmp_path: Path) -> None:
+    """``prune_model`` (two layers, half the KV groups, a quarter of the MLP removed) builds a
+    Gemma 3 whose kept layers keep their kinds; written out, transformers computes its logits."""
+    from foudre.compress.prune import prune_model
+
+    source = _model(tmp_path / "source")
+    common: dict[str, Any] = dict(dtype="float32", skip_tokenizer_init=True, num_kv_blocks=64)
+    model = LLM(str(source), **common).engine.model
+    pruned = prune_model(model, heads=0.5, ffn=0.25, layers=2)
+    assert type(pruned) is type(model)
+    kinds = pruned.config.layer_types
+    assert kinds is not None and len(kinds) == 4 and "full_attention" in kinds
+    written = save_hf(pruned, tmp_path / "pruned")
+    hf = _hf(written)
+    assert hf.config.layer_types == list(kinds)
+    _check_logits(LLM(str(written), **common), hf, PROMPTS[1:2])
