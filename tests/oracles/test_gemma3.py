@@ -124,14 +124,17 @@ def expected(gemma: tuple[Path, list[list[int]]]) -> list[list[int]]:
     return _hf_greedy(_hf(path), prompts, MAX_TOKENS)
 
 
+@pytest.mark.parametrize("backend", ["auto", "torch"])
 def test_prefix_caching_preemption_chunked_prefill(
-    gemma: tuple[Path, list[list[int]]], expected: list[list[int]]
+    gemma: tuple[Path, list[list[int]]], expected: list[list[int]], backend: str
 ) -> None:
     """A small pool (preemptions), 4-token blocks (prefix hits across and within batches), a
-    5-token step budget (every prompt chunked, across the window's edge), three seats."""
+    5-token step budget (every prompt chunked, across the window's edge), three seats; through
+    the CPU kernels and through the SDPA backend."""
     path, prompts = gemma
     llm = LLM(
         str(path),
+        attention_backend=backend,
         dtype="float32",
         skip_tokenizer_init=True,
         max_model_len=96,
@@ -227,11 +230,14 @@ def test_transformers4_config_layout(tmp_path: Path) -> None:
     assert _greedy(llm, PROMPTS, 12) == _hf_greedy(hf, PROMPTS, 12)
 
 
+@pytest.mark.parametrize("layout", ["transformers5", "transformers4"])
 def test_multimodal_checkpoint_runs_its_language_model(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, layout: str
 ) -> None:
     """A ``gemma3`` (image-text) config.json with its ``text_config``, the weights under
-    ``model.language_model.`` beside a vision tower's: the text model's logits."""
+    ``model.language_model.`` (transformers 5) or ``language_model.model.`` and
+    ``language_model.lm_head.`` (transformers 4) beside a vision tower's: the text model's
+    logits."""
     text = _model(tmp_path / "text", tie_word_embeddings=False)
     hf = _hf(text)
     mm = tmp_path / "multimodal"
@@ -246,12 +252,17 @@ def test_multimodal_checkpoint_runs_its_language_model(
         "tie_word_embeddings": False,
     }
     (mm / "config.json").write_text(json.dumps(config))
-    weights = {
-        name.replace("model.", "model.language_model.", 1): t
-        for name, t in load_file(text / "model.safetensors").items()
-    }
-    weights["model.vision_tower.vision_model.post_layernorm.weight"] = torch.ones(32)
-    weights["model.multi_modal_projector.mm_input_projection_weight"] = torch.zeros(32, 64)
+    new = "model.language_model." if layout == "transformers5" else "language_model.model."
+    weights: dict[str, torch.Tensor] = {}
+    for name, t in load_file(text / "model.safetensors").items():
+        if name.startswith("model."):
+            name = new + name.removeprefix("model.")
+        elif layout == "transformers4":  # lm_head
+            name = "language_model." + name
+        weights[name] = t
+    vision = "model." if layout == "transformers5" else ""
+    weights[f"{vision}vision_tower.vision_model.post_layernorm.weight"] = torch.ones(32)
+    weights[f"{vision}multi_modal_projector.mm_input_projection_weight"] = torch.zeros(32, 64)
     save_file(weights, mm / "model.safetensors")
     with caplog.at_level(logging.INFO):
         llm = LLM(str(mm), dtype="float32", skip_tokenizer_init=True, num_kv_blocks=64)
