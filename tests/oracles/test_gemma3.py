@@ -7,6 +7,7 @@ to the float model; what the engine does not compute refused by name."""
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 from pathlib import Path
@@ -380,15 +381,18 @@ def test_awq_scales_keep_the_float_function(
         assert ((got - ref).norm() / ref.norm()).item() < 0.2
 
 
-def _write_gguf(src: Path, out: Path, qtype: str = "F32") -> dict[str, torch.Tensor]:
+def _write_gguf(
+    src: Path, out: Path, qtype: str = "F32", spm: bytes | None = None
+) -> dict[str, torch.Tensor]:
     """``src`` as llama.cpp's converter writes a ``gemma3`` file: its hyper-parameters (not the
     local RoPE base, the layer pattern nor the score scale, which llama.cpp assumes), the norms
-    stored as ``1 + weight``, the 2-D weights in ``qtype`` (F32 or Q8_0). Returns the weights
-    as stored, by HF name (the norms as HF holds them)."""
+    stored as ``1 + weight``, the 2-D weights in ``qtype`` (F32 or Q8_0), the sentencepiece
+    vocabulary ``spm`` without a space prefix, and a chat template. Returns the weights as
+    stored, by HF name (the norms as HF holds them)."""
     import gguf
     import numpy as np
 
-    from tests.quant.test_gguf import quantize
+    from tests.quant.test_gguf import _add_spm_vocab, quantize
 
     cfg = json.loads((src / "config.json").read_text())
     n = cfg["num_hidden_layers"]
@@ -406,6 +410,10 @@ def _write_gguf(src: Path, out: Path, qtype: str = "F32") -> dict[str, torch.Ten
     w.add_sliding_window(cfg["sliding_window"])
     if cfg.get("final_logit_softcapping"):
         w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+    if spm is not None:
+        _add_spm_vocab(w, spm, cfg["vocab_size"])
+        w.add_add_space_prefix(False)
+        w.add_chat_template(CHAT_TEMPLATE)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA3, n)
     stored: dict[str, torch.Tensor] = {}
     for hf_name, tensor in load_file(src / "model.safetensors").items():
@@ -427,6 +435,41 @@ def _write_gguf(src: Path, out: Path, qtype: str = "F32") -> dict[str, torch.Ten
     w.write_tensors_to_file()
     w.close()
     return stored
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<start_of_turn>{{ m['role'] }}\n{{ m['content'] }}<end_of_turn>\n"
+    "{% endfor %}<start_of_turn>model\n"
+)
+
+
+def test_gguf_tokenizer_and_chat_template(tmp_path: Path) -> None:
+    """A ``gemma3`` file is its own tokenizer (sentencepiece, no space prefix, as the converter
+    writes Gemma's) and chat template: text in, transformers' greedy tokens out."""
+    import sentencepiece
+
+    from tests.quant.test_gguf import CORPUS
+
+    buf = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(CORPUS.split(". ") * 4), model_writer=buf, model_type="bpe",
+        vocab_size=384, byte_fallback=True, normalization_rule_name="identity",
+        add_dummy_prefix=False, minloglevel=2,
+    )  # fmt: skip
+    spm = buf.getvalue()
+    source = _model(tmp_path / "hf", vocab_size=384, query_pre_attn_scalar=16)
+    path = tmp_path / "model.gguf"
+    _write_gguf(source, path, spm=spm)
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=64)
+    text = "The quick brown fox"
+    ids = sentencepiece.SentencePieceProcessor(model_proto=spm).encode(text)
+    prompt = [llm.engine.tokenizer.bos_token_id, *ids]
+    assert llm.engine.tokenizer.encode(text) == prompt
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    out = llm.generate([text], params)[0].outputs[0]
+    assert out.token_ids == _hf_greedy(_hf(source), [prompt], 10)[0]
+    rendered = llm.get_tokenizer().apply_chat_template([{"role": "user", "content": "hi"}])
+    assert rendered == "<start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model"
 
 
 @pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
