@@ -117,23 +117,15 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     where Gemma does not differ: the layer loop, tensor parallelism, weight loading)."""
 
     def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
-        nn.Module.__init__(self)  # Llama's __init__ would build Llama's modules
-        self.config = cfg
+        # Llama's __init__ sets what the engine reads (tensor parallelism, the vocabulary, the
+        # first layer's index); its modules, built on meta (nothing allocated), are replaced
+        with torch.device("meta"):
+            super().__init__(cfg, max_positions)
         self.model = Gemma3Model(cfg, max_positions or cfg.max_position_embeddings)  # type: ignore[assignment]
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.tp = None
-        self.vocab_size = cfg.vocab_size
-        self.first_layer = 0
         self.softcap = cfg.final_logit_softcapping
-
-    def set_tensor_parallel(self, tp: TensorParallel, vocab_size: int) -> None:
-        self.tp = tp
-        self.vocab_size = vocab_size
-        for layer in self.model.layers:
-            assert isinstance(layer, Gemma3DecoderLayer)
-            layer.tp = tp
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The token embeddings ``[T, hidden]`` of ``input_ids``, times ``sqrt(hidden)``."""
