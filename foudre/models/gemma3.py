@@ -155,17 +155,24 @@ def _text_weights(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     skipped = 0
     for name, tensor in weights:
-        for prefix, new in _LANGUAGE_MODEL_PREFIXES:
-            if name.startswith(prefix):
-                name = new + name[len(prefix) :]
-                break
-        else:
-            if name.startswith(_VISION_PREFIXES):
-                skipped += 1
-                continue
-        yield name, tensor
+        text = text_model_name(name)
+        if text is None:
+            skipped += 1
+            continue
+        yield text, tensor
     if skipped:
         logger.info("gemma3: %d vision tower and projector tensors skipped (text only)", skipped)
+
+
+def text_model_name(name: str) -> str | None:
+    """The text model's name for tensor ``name`` of a checkpoint: a multimodal one's language
+    model tensors renamed (``model.language_model.*``, ``language_model.model.*``,
+    ``language_model.lm_head.*``), None for its vision tower's and projector's, any other name
+    unchanged."""
+    for prefix, new in _LANGUAGE_MODEL_PREFIXES:
+        if name.startswith(prefix):
+            return new + name[len(prefix) :]
+    return None if name.startswith(_VISION_PREFIXES) else name
 
 
 _LANGUAGE_MODEL_PREFIXES = (

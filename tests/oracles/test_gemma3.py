@@ -231,18 +231,12 @@ def test_transformers4_config_layout(tmp_path: Path) -> None:
     assert _greedy(llm, PROMPTS, 12) == _hf_greedy(hf, PROMPTS, 12)
 
 
-@pytest.mark.parametrize("layout", ["transformers5", "transformers4"])
-def test_multimodal_checkpoint_runs_its_language_model(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, layout: str
-) -> None:
-    """A ``gemma3`` (image-text) config.json with its ``text_config``, the weights under
-    ``model.language_model.`` (transformers 5) or ``language_model.model.`` and
-    ``language_model.lm_head.`` (transformers 4) beside a vision tower's: the text model's
-    logits."""
-    text = _model(tmp_path / "text", tie_word_embeddings=False)
-    hf = _hf(text)
-    mm = tmp_path / "multimodal"
-    mm.mkdir()
+def _as_multimodal(text: Path, out: Path, layout: str = "transformers5") -> Path:
+    """The text model ``text`` as the language model of a ``gemma3`` (image-text) checkpoint:
+    a config.json with its ``text_config``, the weights under ``model.language_model.``
+    (transformers 5) or ``language_model.model.`` and ``language_model.lm_head.``
+    (transformers 4), beside a vision tower's and a projector's."""
+    out.mkdir()
     text_config = json.loads((text / "config.json").read_text())
     config = {
         "model_type": "gemma3",
@@ -250,9 +244,9 @@ def test_multimodal_checkpoint_runs_its_language_model(
         "text_config": text_config,
         "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 32},
         "eos_token_id": [2, 106],
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": text_config["tie_word_embeddings"],
     }
-    (mm / "config.json").write_text(json.dumps(config))
+    (out / "config.json").write_text(json.dumps(config))
     new = "model.language_model." if layout == "transformers5" else "language_model.model."
     weights: dict[str, torch.Tensor] = {}
     for name, t in load_file(text / "model.safetensors").items():
@@ -264,7 +258,19 @@ def test_multimodal_checkpoint_runs_its_language_model(
     vision = "model." if layout == "transformers5" else ""
     weights[f"{vision}vision_tower.vision_model.post_layernorm.weight"] = torch.ones(32)
     weights[f"{vision}multi_modal_projector.mm_input_projection_weight"] = torch.zeros(32, 64)
-    save_file(weights, mm / "model.safetensors")
+    save_file(weights, out / "model.safetensors")
+    return out
+
+
+@pytest.mark.parametrize("layout", ["transformers5", "transformers4"])
+def test_multimodal_checkpoint_runs_its_language_model(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, layout: str
+) -> None:
+    """A multimodal checkpoint (``_as_multimodal``) runs its text model: the same logits, the
+    top-level EOS ids, the skipped vision tower said in the log."""
+    text = _model(tmp_path / "text", tie_word_embeddings=False)
+    hf = _hf(text)
+    mm = _as_multimodal(text, tmp_path / "multimodal", layout)
     with caplog.at_level(logging.INFO):
         llm = LLM(str(mm), dtype="float32", skip_tokenizer_init=True, num_kv_blocks=64)
     assert "vision" in caplog.text
@@ -312,13 +318,16 @@ def test_written_checkpoints_load_back(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("t", "p"), [(2, 1), (1, 2)])
 def test_tensor_and_pipeline_parallel(tmp_path: Path, t: int, p: int) -> None:
     """Sharded as Llama is (heads, MLP slices, a tied vocabulary of 251 rows that two ranks do
-    not divide; the post-norms see the summed outputs), or split in two stages (three layers
-    each, each stage its layers' kinds and both RoPE tables): transformers' greedy tokens, with
-    preemptions (20 blocks of 4) and prefix hits (the first two prompts share 25 tokens)."""
+    not divide; the post-norms see the summed outputs), from a multimodal checkpoint's language
+    model, or split in two stages (three layers each, each stage its layers' kinds and both RoPE
+    tables): transformers' greedy tokens, with preemptions (20 blocks of 4) and prefix hits (the
+    first two prompts share 25 tokens)."""
     path = _model(tmp_path / "m", vocab_size=251)
     prompts = [[1, *range(10, 10 + k)] + [7] * (i + 1) for i, k in enumerate([30, 30, 12, 45])]
     prompts[1] = [*prompts[0][:25], 99, 98]
     want = _hf_greedy(_hf(path), prompts, 12)
+    if t > 1:
+        path = _as_multimodal(path, tmp_path / "multimodal")
     llm = LLM(
         str(path), dtype="float32", skip_tokenizer_init=True, block_size=4, num_kv_blocks=20,
         max_model_len=80, tensor_parallel_size=t, pipeline_parallel_size=p,
