@@ -527,3 +527,60 @@ def test_pruned_model_loads_in_transformers(tmp_path: Path) -> None:
     hf = _hf(written)
     assert hf.config.layer_types == list(kinds)
     _check_logits(LLM(str(written), **common), hf, PROMPTS[1:2])
+
+
+# the shapes of published configs: Gemma 3 1B (text only, transformers 4's layout) and 4B (image
+# and text, its text_config leaving most keys at their defaults)
+REAL_CONFIGS: dict[str, dict[str, Any]] = {
+    "1b": {
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+        "attention_bias": False, "attn_logit_softcapping": None, "bos_token_id": 2,
+        "eos_token_id": [1, 106], "final_logit_softcapping": None, "head_dim": 256,
+        "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 1152,
+        "intermediate_size": 6912, "max_position_embeddings": 32768,
+        "num_attention_heads": 4, "num_hidden_layers": 26, "num_key_value_heads": 1,
+        "pad_token_id": 0, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06,
+        "rope_local_base_freq": 10000, "rope_scaling": None, "rope_theta": 1000000,
+        "sliding_window": 512, "sliding_window_pattern": 6, "torch_dtype": "bfloat16",
+        "vocab_size": 262144,
+    },
+    "4b": {
+        "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+        "boi_token_index": 255999, "eoi_token_index": 256000, "eos_token_id": [1, 106],
+        "image_token_index": 262144, "mm_tokens_per_image": 256, "torch_dtype": "bfloat16",
+        "text_config": {
+            "hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+            "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+            "sliding_window": 1024,
+        },
+        "vision_config": {
+            "hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
+            "model_type": "siglip_vision_model", "num_attention_heads": 16,
+            "num_hidden_layers": 27, "patch_size": 14, "vision_use_head": False,
+        },
+    },
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(REAL_CONFIGS))
+def test_published_configs_read_as_transformers_reads_them(tmp_path: Path, name: str) -> None:
+    import transformers
+
+    (tmp_path / "config.json").write_text(json.dumps(REAL_CONFIGS[name]))
+    ours = load_hf_config(tmp_path)
+    theirs = transformers.AutoConfig.from_pretrained(tmp_path)
+    text = getattr(theirs, "text_config", theirs)
+    rope = text.rope_parameters
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
+                "max_position_embeddings", "sliding_window", "query_pre_attn_scalar",
+                "final_logit_softcapping"):  # fmt: skip
+        assert getattr(ours, key) == getattr(text, key), key
+    assert ours.layer_types == tuple(text.layer_types)
+    assert ours.tie_word_embeddings == theirs.tie_word_embeddings
+    assert ours.eos_token_ids == [1, 106]
+    full, local = rope["full_attention"], rope["sliding_attention"]
+    assert (ours.rope_theta, ours.rope_local_theta) == (full["rope_theta"], local["rope_theta"])
+    scaling = {k: v for k, v in full.items() if k != "rope_theta"}
+    assert (ours.rope_scaling or {"rope_type": "default"}) == scaling
+    assert ours.rope_local_scaling is None and local["rope_type"] == "default"
