@@ -584,3 +584,19 @@ def test_published_configs_read_as_transformers_reads_them(tmp_path: Path, name:
     scaling = {k: v for k, v in full.items() if k != "rope_theta"}
     assert (ours.rope_scaling or {"rope_type": "default"}) == scaling
     assert ours.rope_local_scaling is None and local["rope_type"] == "default"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_graphs_match_eager(gemma: tuple[Path, list[list[int]]]) -> None:
+    """The default GPU engine (Triton attention with each layer's window, CUDA graphs for
+    decode) against the eager SDPA engine on the GPU: the same greedy tokens (fp32)."""
+    path, prompts = gemma
+    outs = []
+    for kwargs in (dict(attention_backend="torch", enforce_eager=True), {}):
+        llm = LLM(
+            str(path), dtype="float32", skip_tokenizer_init=True, num_kv_blocks=256, **kwargs
+        )  # fmt: skip
+        outs.append(_greedy(llm, prompts, MAX_TOKENS))
+        graphs = llm.engine.runner.decode_path
+        assert (graphs is not None) == (not kwargs)
+    assert outs[0] == outs[1]
