@@ -95,15 +95,18 @@ def make_hf_model(path: Path, arch: str = "llama", seed: int = 0, **overrides: A
         "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),
         "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
         "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+        "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
     }[arch]
     torch.manual_seed(seed)
     config = cls[0](**base)
     model = cls[1](config).to(torch.float32)
     # random init is tiny; scale up so that logits are far from uniform and greedy is decisive
+    # (Gemma multiplies its embeddings by sqrt(hidden): drawn smaller so that its layers count)
+    embed_std = base["hidden_size"] ** -0.5 if arch == "gemma3_text" else 1.0
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() in (2, 3):  # 3-D: the stacked experts of MoE models
-                p.normal_(0.0, 0.08 if "embed" not in name else 1.0)
+                p.normal_(0.0, 0.08 if "embed" not in name else embed_std)
             elif name.endswith(".sinks"):  # gpt-oss's attention sinks: large enough to matter
                 p.normal_(0.0, 1.0)
             elif "bias" in name:

@@ -31,6 +31,7 @@ from foudre.loading.loader import load_tokenizer
 from foudre.loading.writer import hf_state_dict, save_hf
 from foudre.models.causal import causal_hidden
 from foudre.models.llama import DecoderLayer, LlamaForCausalLM
+from foudre.models.registry import build_model
 
 log = logging.getLogger(__name__)
 
@@ -189,8 +190,12 @@ def prune_model(
         intermediate_size=ffn_keep,
         head_dim=d,
         eos_token_ids=list(cfg.eos_token_ids),
+        # the kept layers keep their kinds (sliding or global)
+        layer_types=None
+        if cfg.layer_types is None
+        else tuple(cfg.layer_types[i] for i in kept_layers),
     )
-    pruned = LlamaForCausalLM(new_cfg, model.model.rotary.max_positions)
+    pruned = build_model(new_cfg, model.model.rotary.max_positions)
     pruned.load_weights(new_state.items())
     pruned.eval()
     log.info(

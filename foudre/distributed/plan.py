@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from foudre.distributed.errors import ParallelConfigError
 from foudre.layers.parallel import vocab_shard
 from foudre.models.config import ModelConfig
+from foudre.models.gemma3 import text_model_name
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^(mlp|block_sparse_moe)\.experts\.(\d+)\.(.+)$")
@@ -113,7 +114,13 @@ class ParallelPlan:
     ) -> tuple[str, Index | None] | None:
         """What this rank reads of the stored tensor ``name`` (a Hugging Face name, of shape
         ``shape``): None when it holds none of it, else its name in the shard and the slice.
-        Names it does not know pass whole, so that the shard's loader names them."""
+        Names it does not know pass whole, so that the shard's loader names them. A multimodal
+        checkpoint's language model is read under the text model's names, its vision tower not
+        at all."""
+        text = text_model_name(name)
+        if text is None:
+            return None
+        name = text
         first, last = self.is_first_stage, self.is_last_stage
         vocab = self._rows(vocab_shard(cfg.vocab_size, self.tensor_parallel_size), shape)
         if name == "model.embed_tokens.weight":

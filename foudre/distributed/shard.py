@@ -27,6 +27,7 @@ from foudre.distributed.plan import ParallelPlan, check_parallel
 from foudre.layers.linear import Linear
 from foudre.layers.moe import Experts, SparseMoeBlock
 from foudre.layers.parallel import TensorParallel
+from foudre.layers.rotary import init_rotary_tables
 from foudre.loading.errors import ModelLoadError
 from foudre.loading.gguf import gguf_config, is_gguf_file, iter_gguf_weights, read_gguf
 from foudre.loading.hf import (
@@ -141,7 +142,7 @@ def load_shard(
         cfg, plan, parse_dtype(cfg.torch_dtype if config.dtype == "auto" else config.dtype)
     )
     net = net.to_empty(device=device)
-    net.model.rotary.init_tables(device)
+    init_rotary_tables(net, device)
     net.reset_moe_stats()
     if net.config.tie_word_embeddings:
         net.lm_head.weight = net.model.embed_tokens.weight

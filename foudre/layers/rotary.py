@@ -241,3 +241,12 @@ def _heads_contiguous(x: torch.Tensor) -> bool:
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def init_rotary_tables(model: nn.Module, device: torch.device) -> None:
+    """``init_tables(device)`` on every ``RotaryEmbedding`` of ``model`` (a model built on
+    ``meta`` holds no values in any of them; Gemma 3 has two, for its sliding and its global
+    layers)."""
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.init_tables(device)

@@ -25,6 +25,14 @@ Mixtures of experts are read as llama.cpp writes them: ``llama`` (Mixtral), ``qw
 normalised follows llama.cpp's graphs (renormalised for ``llama`` and ``qwen3moe``, not for
 ``qwen2moe`` and ``olmoe``) unless ``expert_weights_norm`` says otherwise; other gating
 functions or a weight scale are refused, naming the key.
+
+Gemma 3 (``gemma3``) is read as llama.cpp's converter writes it: its norms stored as
+``1 + weight`` (the converter adds the one Gemma's norm adds at run time, so it is taken off
+here), ``ffn_norm`` the MLP's input norm (``pre_feedforward_layernorm``) with the post-norms
+``post_attention_norm`` and ``post_ffw_norm``, q/k unpermuted. What the converter leaves out, as
+llama.cpp's graph assumes it: the sliding layers' RoPE base (10000, unless ``rope.freq_base_swa``
+says), which layers slide (five in six, unless ``attention.sliding_window_pattern`` says), and
+the score scale (``head_dim**-0.5``; ``(hidden / heads)**-0.5`` for the 62-layer 27B).
 """
 
 from __future__ import annotations
@@ -68,6 +76,7 @@ ARCHITECTURES = {
     "qwen3moe": "qwen3_moe",
     "olmoe": "olmoe",
     "phi3": "phi3",
+    "gemma3": "gemma3",
 }
 # llama.cpp's graphs: whether each architecture renormalises its top-k expert weights
 _NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False}
@@ -111,6 +120,12 @@ _BLOCK_NAMES = {
     "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
     "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
     "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+}
+# Gemma 3's layer norms, where its names differ from the Llama family's (ffn_norm: the MLP's input)
+_GEMMA3_BLOCK_NAMES = {
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
 # stacked experts [experts, rows, cols], and the older files' one tensor per expert
 _EXPERT_NAMES = {"ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}
@@ -375,8 +390,8 @@ def dequantize_tensor(
 
 
 def _hf_name(name: str, arch: str | None = None) -> str | None:
-    """The Hugging Face name of a GGUF tensor of a file of architecture ``arch``; for stacked
-    experts, with ``{}`` where the expert's index goes."""
+    """The Hugging Face name of a GGUF tensor of a file of architecture ``arch`` (GGUF's name);
+    for stacked experts, with ``{}`` where the expert's index goes."""
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     m = _BLOCK.match(name)
@@ -385,6 +400,8 @@ def _hf_name(name: str, arch: str | None = None) -> str | None:
     layer, leaf = m.group(1), m.group(2)
     if arch == "phi3" and leaf == "ffn_up.weight":  # gate|up rows, as foudre fuses them
         return f"model.layers.{layer}.mlp.gate_up_proj.weight"
+    if arch == "gemma3" and leaf in _GEMMA3_BLOCK_NAMES:
+        return f"model.layers.{layer}.{_GEMMA3_BLOCK_NAMES[leaf]}"
     if leaf in _BLOCK_NAMES:
         return f"model.layers.{layer}.{_BLOCK_NAMES[leaf]}"
     stacked, single = _STACKED.match(leaf), _PER_EXPERT.match(leaf)
@@ -433,6 +450,10 @@ def iter_gguf_weights(
                 f"{config.architecture} model",
                 f.path,
             )
+        if arch == "gemma3" and hf.endswith("norm.weight"):  # stored as 1 + weight
+            w = (dequantize_tensor(f, tensor).float() - 1.0).to(dtype or torch.float32)
+            yield hf, w
+            continue
         w = dequantize_tensor(f, tensor, dtype)
         if "{}" in hf:  # stacked experts: one tensor per expert, as Hugging Face names them
             for e, expert in enumerate(w):
@@ -682,6 +703,7 @@ def gguf_config(f: GGUFFile) -> ModelConfig:
     vocab = embed.shape[0]
     eos = _eos_ids(f, vocab)
     bos = f.metadata.get("tokenizer.ggml.bos_token_id")
+    gemma3 = _gguf_gemma3(f, arch, n_layers, hidden // heads, head_dim)
     try:
         return ModelConfig(
             architecture=arch_name,
@@ -709,9 +731,53 @@ def gguf_config(f: GGUFFile) -> ModelConfig:
             partial_rotary_factor=_partial_rotary(f, head_dim, rope_dim),
             sliding_window=_window(f, arch),
             **moe,
+            **gemma3,
         )
     except ValueError as exc:
         raise ModelLoadError(f"{path}: {exc}", path) from exc
+
+
+def _gguf_gemma3(
+    f: GGUFFile, arch: str, n_layers: int, hidden_per_head: int, head_dim: int
+) -> dict[str, Any]:
+    """The ``ModelConfig`` Gemma 3 fields of a ``gemma3`` file (``{}`` for others), with
+    llama.cpp's values for what its converter does not write (the module's docstring)."""
+    if arch != "gemma3":
+        return {}
+    fields: dict[str, Any] = dict(
+        rope_local_theta=_meta_float(f, f"{arch}.rope.freq_base_swa", 10000.0),
+        query_pre_attn_scalar=float(hidden_per_head if n_layers == 62 else head_dim),
+    )
+    cap = f.metadata.get(f"{arch}.final_logit_softcapping")
+    if cap is not None:
+        fields["final_logit_softcapping"] = _meta_float(f, f"{arch}.final_logit_softcapping")
+    if f.metadata.get(f"{arch}.attn_logit_softcapping") is not None:
+        raise ModelLoadError(
+            f"{f.path}: gemma3 with {arch}.attn_logit_softcapping is not supported (the "
+            "attention backends do not soft-cap scores)",
+            f.path,
+        )
+    window = f.metadata.get(f"{arch}.attention.sliding_window")
+    if window is None:
+        return fields
+    window = _meta_int(f, f"{arch}.attention.sliding_window")
+    pattern = f.metadata.get(f"{arch}.attention.sliding_window_pattern", 6)
+    if isinstance(pattern, list | np.ndarray) and len(pattern) == n_layers:
+        slides = [bool(x) for x in pattern]  # per layer: whether it slides
+    elif isinstance(pattern, int) and not isinstance(pattern, bool) and pattern > 0:
+        slides = [(i + 1) % pattern != 0 for i in range(n_layers)]
+    else:
+        raise ModelLoadError(
+            f"{f.path}: {arch}.attention.sliding_window_pattern must be a positive int or one "
+            f"flag per layer, got {pattern!r}",
+            f.path,
+        )
+    if window and any(slides):
+        fields["sliding_window"] = window
+        fields["layer_types"] = tuple(
+            "sliding_attention" if s else "full_attention" for s in slides
+        )
+    return fields
 
 
 def _gguf_moe(f: GGUFFile, arch: str, n_layers: int) -> dict[str, Any]:

@@ -361,8 +361,9 @@ def _sort_tensors(
     weights: _Parts = {}
     biases: _Parts = {}
     experts: dict[str, dict[str, GGUFTensor]] = {}
+    arch = f.metadata.get("general.architecture")
     for tensor in f.tensors.values():
-        hf = _hf_name(tensor.name, f.metadata.get("general.architecture"))
+        hf = _hf_name(tensor.name, arch)
         if tensor.name == _ROPE_FREQS or hf is None:
             continue
         module, part, leaf = _module_of(hf)

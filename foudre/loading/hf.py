@@ -7,6 +7,7 @@ when loaded, so they are refused with a message that says how to convert them.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import struct
 from collections.abc import Callable, Iterator
@@ -18,6 +19,8 @@ from safetensors import SafetensorError, safe_open
 
 from foudre.loading.errors import ModelLoadError
 from foudre.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+
+logger = logging.getLogger(__name__)
 
 HUB_ALLOW_PATTERNS = ("*.json", "*.safetensors", "tokenizer.model", "*.txt", "*.jinja")
 
@@ -34,7 +37,11 @@ _ARCHITECTURE_CLASSES = {
     "DeepseekV3ForCausalLM": "deepseek_v3",  # Kimi-K2's model_type is kimi_k2
     "GptOssForCausalLM": "gpt_oss",
     "Phi3ForCausalLM": "phi3",
+    "Gemma3ForCausalLM": "gemma3",
+    "Gemma3ForConditionalGeneration": "gemma3",
 }
+# `model_type`s that name one of SUPPORTED_ARCHITECTURES otherwise
+_MODEL_TYPES = {"gemma3_text": "gemma3"}
 
 # Hugging Face's defaults per model type for keys a config.json may leave out
 # (transformers 5.x, models/<type>/configuration_<type>.py).
@@ -91,6 +98,27 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 4096,
         "original_max_position_embeddings": 4096,
         "rms_norm_eps": 1e-5,
+    },
+    # Gemma3TextConfig's defaults (a multimodal config's text_config leaves many out)
+    "gemma3": {
+        "vocab_size": 262_208,
+        "hidden_size": 2304,
+        "intermediate_size": 9216,
+        "num_hidden_layers": 26,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "max_position_embeddings": 131_072,
+        "rms_norm_eps": 1e-6,
+        "bos_token_id": 2,
+        "eos_token_id": 1,
+        "tie_word_embeddings": True,
+        "rope_theta": 1_000_000.0,
+        "rope_local_base_freq": 10_000.0,
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 4096,
+        "sliding_window_pattern": 6,
     },
 }
 
@@ -194,6 +222,7 @@ def load_generation_config(model_dir: Path) -> dict[str, Any]:
 
 def _architecture(raw: dict[str, Any], path: Path) -> str:
     model_type = raw.get("model_type")
+    model_type = _MODEL_TYPES.get(str(model_type), model_type)
     if model_type in SUPPORTED_ARCHITECTURES:
         return str(model_type)
     architectures = raw.get("architectures") or []
@@ -224,6 +253,8 @@ def _rope(
 ) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, rope_scaling or None) from either the 4.x or the 5.x layout of config.json."""
     params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    if isinstance(params, dict) and "full_attention" in params:  # per layer type (Gemma 3)
+        params = params["full_attention"] or {}
     if not isinstance(params, dict):
         raise ModelLoadError(f"{path}: rope_parameters must be an object, got {params!r}", path)
     theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
@@ -321,8 +352,9 @@ def _layer_types(
     """Which layers slide, as transformers decides it: every layer for Mistral, Mixtral and
     Qwen3-MoE (None); for Qwen2 and Qwen3 the config's ``layer_types``, else the layers from
     ``max_window_layers`` on; for Qwen2-MoE its ``layer_types``, else the even-numbered layers
-    below ``max_window_layers``."""
-    if window is None or arch not in ("qwen2", "qwen3", "qwen2_moe", "gpt_oss"):
+    below ``max_window_layers``; for Gemma 3 its ``layer_types``, else every layer but each
+    ``sliding_window_pattern``-th."""
+    if window is None or arch not in ("qwen2", "qwen3", "qwen2_moe", "gpt_oss", "gemma3"):
         return None
     given = raw.get("layer_types")
     if isinstance(given, list):
@@ -330,6 +362,11 @@ def _layer_types(
     if arch == "gpt_oss":  # even layers slide, odd ones attend to everything
         return tuple(
             "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)
+        )
+    if arch == "gemma3":
+        every = raw["sliding_window_pattern"]  # checked by _gemma3_text_config
+        return tuple(
+            "sliding_attention" if (i + 1) % every else "full_attention" for i in range(num_layers)
         )
     first = raw.get("max_window_layers", 28)
     if arch == "qwen2_moe":
@@ -478,9 +515,16 @@ def _optional_int(raw: dict[str, Any], path: Path, key: str, default: int) -> in
     return _required_int(raw, path, key)
 
 
-def _check_mlp(raw: dict[str, Any], path: Path) -> None:
-    """The MLP must be SiLU-gated, without bias."""
-    if raw.get("hidden_act", "silu") not in ("silu", "swish"):
+def _check_mlp(raw: dict[str, Any], arch: str, path: Path) -> None:
+    """The MLP must be SiLU-gated (Gemma 3: tanh-GELU-gated), without bias."""
+    if arch == "gemma3":
+        if raw.get("hidden_activation") != "gelu_pytorch_tanh":
+            raise ModelLoadError(
+                f"{path}: unsupported hidden_activation {raw.get('hidden_activation')!r} for "
+                "gemma3; only gelu_pytorch_tanh",
+                path,
+            )
+    elif raw.get("hidden_act", "silu") not in ("silu", "swish"):
         raise ModelLoadError(
             f"{path}: unsupported hidden_act {raw['hidden_act']!r}; only silu", path
         )
@@ -559,6 +603,59 @@ def _gpt_oss_config(raw: dict[str, Any], path: Path) -> dict[str, Any]:
     return raw
 
 
+def _gemma3_text_config(raw: dict[str, Any], path: Path) -> dict[str, Any]:
+    """A Gemma 3 config.json as one flat text config: a multimodal one's ``text_config`` (its
+    special ids, dtype and tying from the top level), keys left out at Gemma3TextConfig's
+    defaults. Refuses, naming the key, what the attention here does not compute."""
+    if raw.get("model_type") == "gemma3" or "text_config" in raw:
+        text = raw.get("text_config")
+        if not isinstance(text, dict):
+            raise ModelLoadError(f"{path}: a multimodal gemma3 config needs a text_config", path)
+        top = ("bos_token_id", "eos_token_id", "tie_word_embeddings", "dtype", "torch_dtype")
+        raw = {**text, **{k: raw[k] for k in top if raw.get(k) is not None}}
+        logger.info("%s: gemma3 with a vision tower: its language model only is run", path)
+    raw = {**_HF_DEFAULTS["gemma3"], **raw}
+    every = raw["sliding_window_pattern"]
+    if not isinstance(every, int) or isinstance(every, bool) or every <= 0:
+        raise ModelLoadError(f"{path}: sliding_window_pattern must be a positive int", path)
+    refused = {
+        "attn_logit_softcapping": "attention logit soft-capping",
+        "use_bidirectional_attention": "bidirectional attention",
+        "attention_bias": "attention biases",
+    }
+    for key, what in refused.items():
+        if raw.get(key):
+            raise ModelLoadError(
+                f"{path}: gemma3 with {key}={raw[key]!r} is not supported ({what}: the "
+                "attention backends do not compute it)",
+                path,
+            )
+    return raw
+
+
+def _gemma3(raw: dict[str, Any], arch: str, max_positions: int, path: Path) -> dict[str, Any]:
+    """The ``ModelConfig`` Gemma 3 fields of a config.json (``{}`` for other architectures): the
+    sliding layers' RoPE (``rope_parameters["sliding_attention"]`` of transformers 5, else
+    ``rope_local_base_freq`` unscaled), the score scale and the final soft-capping."""
+    if arch != "gemma3":
+        return {}
+    params = raw.get("rope_parameters")
+    local: dict[str, Any] = {"rope_theta": raw["rope_local_base_freq"]}
+    if isinstance(params, dict) and isinstance(params.get("sliding_attention"), dict):
+        local = {**local, "rope_parameters": params["sliding_attention"]}
+    local_theta, local_scaling = _rope(local, max_positions, path)
+    scalar, cap = raw["query_pre_attn_scalar"], raw.get("final_logit_softcapping")
+    _positive_number(path, "query_pre_attn_scalar", scalar)
+    if cap is not None:
+        _positive_number(path, "final_logit_softcapping", cap)
+    return dict(
+        query_pre_attn_scalar=float(scalar),
+        rope_local_theta=local_theta,
+        rope_local_scaling=local_scaling,
+        final_logit_softcapping=None if cap is None else float(cap),
+    )
+
+
 def load_hf_config(model_dir: Path) -> ModelConfig:
     """Parse ``config.json`` (and ``generation_config.json``'s EOS ids) into a ``ModelConfig``.
 
@@ -574,9 +671,11 @@ def load_hf_config(model_dir: Path) -> ModelConfig:
     if arch == "gpt_oss":
         raw = _gpt_oss_config(raw, path)
     defaults = _HF_DEFAULTS[arch]
+    if arch == "gemma3":
+        raw = _gemma3_text_config(raw, path)
     hidden = _required_int(raw, path, "hidden_size")
     heads = _required_int(raw, path, "num_attention_heads")
-    _check_mlp(raw, path)
+    _check_mlp(raw, arch, path)
     head_dim = _head_dim(raw, path, defaults, hidden, heads)
     max_positions = _optional_int(
         raw, path, "max_position_embeddings", defaults["max_position_embeddings"]
@@ -590,6 +689,7 @@ def load_hf_config(model_dir: Path) -> ModelConfig:
         _positive_number(path, "clip_qkv", clip)
     bos_ids, eos = _special_ids(raw, model_dir, path)
     window, layer_types = _sliding_layers(raw, arch, path)
+    gemma3 = _gemma3(raw, arch, max_positions, path)
     try:
         return ModelConfig(
             architecture=arch,
@@ -616,6 +716,7 @@ def load_hf_config(model_dir: Path) -> ModelConfig:
             eos_token_ids=eos,
             partial_rotary_factor=_partial_rotary(raw, arch, path),
             **moe,
+            **gemma3,
         )
     except ValueError as exc:
         raise ModelLoadError(f"{path}: {exc}", path) from exc

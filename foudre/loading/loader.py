@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from foudre.layers.moe import SparseMoeBlock, clamped_swiglu
+from foudre.layers.rotary import init_rotary_tables
 from foudre.loading.errors import ModelLoadError
 from foudre.loading.fp8_blocks import dequantize_fp8_blocks, fp8_block_size
 from foudre.loading.gguf import (
@@ -182,7 +183,7 @@ def load_model(
             swap_in_quantized(net, plan)
         weights = iter_gguf_weights(gguf, cfg, skip=plan.consumed, dtype=torch_dtype)
     net = net.to_empty(device=device)
-    net.model.rotary.init_tables(device)  # the tables built under "meta" hold no values
+    init_rotary_tables(net, device)  # the tables built under "meta" hold no values
     net.reset_moe_stats()  # nor do the routers' counters
     if cfg.tie_word_embeddings:
         net.lm_head.weight = net.model.embed_tokens.weight

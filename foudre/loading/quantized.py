@@ -25,6 +25,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from foudre.layers.rotary import init_rotary_tables
 from foudre.loading.hf import SliceSelector, iter_safetensors_weights, load_hf_config
 from foudre.loading.memory import releasing
 from foudre.loading.writer import copy_tokenizer, float_dtype, hf_config_dict, write_configs
@@ -370,7 +371,7 @@ def build_quantized_model(
     with torch.device("meta"):
         net = build_model(cfg)
     net = net.to_empty(device=device).to(dtype)
-    net.model.rotary.init_tables(device)
+    init_rotary_tables(net, device)
     net.reset_moe_stats()
     if cfg.tie_word_embeddings:
         net.lm_head.weight = net.model.embed_tokens.weight

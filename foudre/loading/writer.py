@@ -28,6 +28,7 @@ _HF_CLASSES = {
     "olmoe": "OlmoeForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -166,6 +167,8 @@ def hf_config_dict(cfg: ModelConfig, dtype: torch.dtype | None = None) -> dict[s
         raw.update(_moe_config(cfg))
     if cfg.architecture == "phi3":
         raw.update(_phi3_config(cfg))
+    if cfg.architecture == "gemma3":
+        _gemma3_config(cfg, raw)
     return raw
 
 
@@ -182,6 +185,41 @@ def _phi3_config(cfg: ModelConfig) -> dict[str, Any]:
         if original is not None:
             raw["original_max_position_embeddings"] = original
     return raw
+
+
+def _gemma3_config(cfg: ModelConfig, raw: dict[str, Any]) -> None:
+    """``raw`` made a ``gemma3_text`` config: its activation, score scale, soft-capping, and
+    RoPE per layer type as transformers 5 writes it; every layer's type given (none slides
+    without a window: Gemma3TextConfig's defaults would make five in six slide)."""
+    for key in ("hidden_act", "rope_theta", "rope_scaling", "use_sliding_window"):
+        raw.pop(key, None)
+    scalar = cfg.query_pre_attn_scalar or cfg.head_dim
+    layer_types = cfg.layer_types
+    if layer_types is None:  # one kind everywhere: the window's, or full attention
+        kind = "full_attention" if cfg.sliding_window is None else "sliding_attention"
+        layer_types = (kind,) * cfg.num_hidden_layers
+    raw.update(
+        model_type="gemma3_text",
+        hidden_activation="gelu_pytorch_tanh",
+        # transformers' config field is an int
+        query_pre_attn_scalar=int(scalar) if float(scalar).is_integer() else scalar,
+        final_logit_softcapping=cfg.final_logit_softcapping,
+        attn_logit_softcapping=None,
+        sliding_window=cfg.sliding_window,
+        layer_types=list(layer_types),
+        rope_parameters={
+            "full_attention": {
+                "rope_type": "default",
+                **(cfg.rope_scaling or {}),
+                "rope_theta": cfg.rope_theta,
+            },
+            "sliding_attention": {
+                "rope_type": "default",
+                **(cfg.rope_local_scaling or {}),
+                "rope_theta": cfg.rope_local_theta,
+            },
+        },
+    )
 
 
 def _moe_config(cfg: ModelConfig) -> dict[str, Any]:

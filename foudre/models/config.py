@@ -10,6 +10,7 @@ SUPPORTED_ARCHITECTURES = (
     "deepseek_v3",
     "gpt_oss",
     "phi3",
+    "gemma3",
 )  # fmt: skip
 # How a mixture-of-experts router scores the experts before its top-k: a softmax over all of
 # them (Mixtral, Qwen-MoE, OLMoE), or DeepSeek-V3's sigmoid scores with a selection bias and a
@@ -96,6 +97,15 @@ class ModelConfig:
     # Phi-3 / Phi-4: RoPE turns only the first int(head_dim * partial_rotary_factor) dimensions
     # of each head (Phi-4-mini: 0.75); its LongRoPE scaling lives in rope_scaling
     partial_rotary_factor: float = 1.0
+    # Gemma 3 (``models/gemma3.py``): attention scores scaled by ``query_pre_attn_scalar**-0.5``
+    # (not ``head_dim**-0.5``); the sliding layers' RoPE has its own base and scaling
+    # (``rope_local_theta``, ``rope_local_scaling``; the global layers' are ``rope_theta`` and
+    # ``rope_scaling``); logits squashed to ``cap * tanh(logits / cap)`` when
+    # ``final_logit_softcapping`` is set.
+    query_pre_attn_scalar: float | None = None
+    rope_local_theta: float = 10000.0
+    rope_local_scaling: dict[str, Any] | None = None
+    final_logit_softcapping: float | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:

@@ -12,6 +12,7 @@ from torch import nn
 
 from foudre.models.config import ModelConfig
 from foudre.models.deepseek_v3 import DeepseekV3ForCausalLM
+from foudre.models.gemma3 import Gemma3ForCausalLM
 from foudre.models.gpt_oss import GptOssForCausalLM
 from foudre.models.llama import LlamaForCausalLM
 from foudre.models.phi3 import Phi3ForCausalLM
@@ -23,6 +24,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
 MODEL_CLASSES["deepseek_v3"] = DeepseekV3ForCausalLM
 MODEL_CLASSES["gpt_oss"] = GptOssForCausalLM
 MODEL_CLASSES["phi3"] = Phi3ForCausalLM
+MODEL_CLASSES["gemma3"] = Gemma3ForCausalLM
 
 
 def model_class(cfg: ModelConfig) -> type[nn.Module]:

@@ -36,6 +36,7 @@ from torch import nn
 
 import foudre.quant.awq as awq_mod
 from foudre.layers.moe import Experts
+from foudre.layers.norm import RMSNorm
 from foudre.models.llama import LlamaForCausalLM
 from foudre.quant.calib import capture_inputs, default_calibration
 from foudre.quant.experts import QuantExperts
@@ -349,8 +350,10 @@ def _apply_awq(
     s = awq_mod.search_scale(lin.weight, x, cfg.bits, group, x_mean, cfg.grid)
     lin.weight.mul_(s.to(lin.weight.dtype)[None, :])
     inv = (1.0 / s).to(lin.weight.dtype)
-    if leaf in ("qkv_proj", "gate_up_proj"):
-        norm = "input_layernorm" if leaf == "qkv_proj" else "post_attention_layernorm"
+    norm = "input_layernorm" if leaf == "qkv_proj" else "post_attention_layernorm"
+    # the norm before q|k|v or gate|up, when it is Llama's (Gemma's norms around its sublayers
+    # multiply by 1 + weight, and its MLP's input norm is another: no fold there)
+    if leaf in ("qkv_proj", "gate_up_proj") and type(modules.get(f"{block}.{norm}")) is RMSNorm:
         norm_weight = modules[f"{block}.{norm}"].weight
         assert isinstance(norm_weight, torch.Tensor)
         norm_weight.mul_(inv)
