@@ -704,6 +704,7 @@ def gguf_config(f: GGUFFile) -> ModelConfig:
     eos = _eos_ids(f, vocab)
     bos = f.metadata.get("tokenizer.ggml.bos_token_id")
     gemma3 = _gguf_gemma3(f, arch, n_layers, hidden // heads, head_dim)
+    window = gemma3.pop("sliding_window", None) or _window(f, arch)  # (gemma3's, or phi3's)
     try:
         return ModelConfig(
             architecture=arch_name,
@@ -729,7 +730,7 @@ def gguf_config(f: GGUFFile) -> ModelConfig:
             bos_token_id=bos if isinstance(bos, int) and 0 <= bos < vocab else None,
             eos_token_ids=eos,
             partial_rotary_factor=_partial_rotary(f, head_dim, rope_dim),
-            sliding_window=_window(f, arch),
+            sliding_window=window,
             **moe,
             **gemma3,
         )
