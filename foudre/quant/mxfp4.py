@@ -309,6 +309,16 @@ def _triton_matmul() -> Callable[..., torch.Tensor] | None:
     return mxfp4_triton.matmul
 
 
+@cache
+def _triton_experts() -> Callable[..., torch.Tensor] | None:
+    """``mxfp4_triton.fused_experts``, or None where Triton does not import."""
+    try:
+        from foudre.quant import mxfp4_triton
+    except ImportError:
+        return None
+    return mxfp4_triton.fused_experts
+
+
 # ----------------------------------------------------------------------------- experts
 
 Activation = Callable[[torch.Tensor], torch.Tensor]
@@ -333,8 +343,9 @@ class MXFP4Experts(nn.Module):
     Called as ``layers.moe.Experts`` and ``quant.experts.QuantExperts`` are, ``experts(x,
     weights, ids)`` with ``x [T, H]`` and the routing ``weights``, ``ids`` ``[T, k]``: it returns
     ``out[t] = sum_j weights[t, j] * expert(ids[t, j], x[t])`` in x's dtype
-    (``grouped_experts``: each expert with tokens runs once over them, so decode reads only the
-    chosen experts' bytes; while a CUDA graph is captured, ``every_expert``).
+    (on CUDA, ``mxfp4_triton.fused_experts``: grouped Triton kernels over the pairs sorted on
+    the device, CUDA graphs capture them; elsewhere ``grouped_experts``: each expert with tokens
+    runs once over them, so decode reads only the chosen experts' bytes).
 
     Loading a gpt-oss checkpoint (``foudre/models`` may not import ``foudre.quant``, a layer
     above it: tests/test_layering.py; the loader, above both, swaps the module in, as quantized
@@ -487,6 +498,19 @@ class MXFP4Experts(nn.Module):
         )
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and not (torch.is_grad_enabled() and x.requires_grad):
+            fused = _triton_experts()
+            if fused is not None:  # grouped kernels, no host synchronisation
+                gate_up = (self.gate_up_proj_blocks, self.gate_up_proj_scales)
+                down = (self.down_proj_blocks, self.down_proj_scales)
+                return fused(
+                    x,
+                    (*gate_up, self.gate_up_proj_bias),
+                    (*down, self.down_proj_bias),
+                    weights,
+                    ids,
+                    self.activation,
+                )
         if capturing(x):  # a CUDA graph: no sort on the host
             return every_expert(x, weights, ids, self.num_experts, self.expert)
         return grouped_experts(x, weights, ids, self.num_experts, self.expert)

@@ -205,30 +205,87 @@ device = torch.device(sys.argv[1])
 n, k = 70, 160  # N not a multiple of the tiles, K / 2 not of BLOCK_C
 blocks, scales = random_layout(n, k // 32, seed=2)
 w = dequantize_mxfp4(blocks, scales, torch.float64)
-cases = [(gemv, m, dtype) for m in (1, 7, 64) for gemv, dtype in
-         [(True, torch.bfloat16), (True, torch.float32), (False, torch.float32),
-          (False, torch.float16)]]
-for gemv, m, dtype in cases:
-    for bias in (None, torch.randn(n)):
-        x = torch.randn(m, k).to(dtype)
-        y = mt.matmul(x.to(device), blocks.to(device), scales.to(device),
-                      None if bias is None else bias.to(device), gemv=gemv).cpu()
-        ref, tol = bound(x, w, bias, torch.bfloat16 if dtype != torch.float32 else dtype)
-        err = (y.double() - ref).abs()
-        assert y.dtype == dtype and bool((err <= tol).all()), (gemv, m, dtype, float(err.max()))
+cases = [  # (GEMV kernel, M, dtype, bias)
+    (True, 1, torch.bfloat16, True), (True, 1, torch.float32, False),
+    (True, 7, torch.bfloat16, False), (True, 7, torch.float32, True),
+    (False, 1, torch.float32, True), (False, 7, torch.float16, False),
+    (False, 64, torch.float32, False), (False, 64, torch.float16, True),
+]
+for gemv, m, dtype, with_bias in cases:
+    bias = torch.randn(n) if with_bias else None
+    x = torch.randn(m, k).to(dtype)
+    y = mt.matmul(x.to(device), blocks.to(device), scales.to(device),
+                  None if bias is None else bias.to(device), gemv=gemv).cpu()
+    ref, tol = bound(x, w, bias, torch.bfloat16 if dtype != torch.float32 else dtype)
+    err = (y.double() - ref).abs()
+    assert y.dtype == dtype and bool((err <= tol).all()), (gemv, m, dtype, float(err.max()))
 print("ok")
 """
 
 
 def test_triton_kernels_interpreted() -> None:
-    """The GEMV kernel (bfloat16, float32) and the tiled one (float32, float16: the
-    interpreter's bfloat16 ``tl.dot`` is wrong) at M = 1, 7, 64, with and without bias."""
+    """The GEMV kernel (bfloat16, float32; M = 1, 7) and the tiled one (float32, float16: the
+    interpreter's bfloat16 ``tl.dot`` is wrong; M = 1, 7, 64), with and without bias."""
     run_triton_check(_TRITON, "cpu", timeout=300)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
 def test_triton_kernels_on_gpu() -> None:
     run_triton_check(_TRITON, "cuda", interpret=False, timeout=300)
+
+
+_TRITON_EXPERTS = """
+import sys, torch
+from foudre.quant import mxfp4_triton as mt
+from foudre.quant.mxfp4 import MXFP4Experts
+
+device = torch.device(sys.argv[1])
+g = torch.Generator().manual_seed(7)
+e, h, i = 5, 64, 96
+
+
+def act(x):  # gpt-oss's clamped SwiGLU over the interleaved gate/up
+    gate, up = x[:, 0::2].clamp(max=7.0), x[:, 1::2].clamp(-7.0, 7.0)
+    return (up + 1) * gate * torch.sigmoid(gate * 1.702)
+
+
+for bias in (True, False):
+    ours = MXFP4Experts.from_float(
+        torch.randn(e, 2 * i, h, generator=g) * 0.3, torch.randn(e, h, i, generator=g) * 0.3,
+        torch.randn(e, 2 * i, generator=g) if bias else None,
+        torch.randn(e, h, generator=g) if bias else None, activation=act,
+    )
+    for t, dtype in ((1, torch.float32), (9, torch.float32), (40, torch.float16)):
+        x = torch.randn(t, h, generator=g)
+        ids = torch.stack([torch.randperm(e, generator=g)[:3] for _ in range(t)])
+        weights = torch.softmax(torch.randn(t, 3, generator=g), dim=-1)
+        with torch.no_grad():
+            expected = ours(x, weights, ids)  # the CPU's grouped path, float32
+            on = ours.to(device=device, dtype=dtype)
+            got = mt.fused_experts(
+                x.to(device, dtype),
+                (on.gate_up_proj_blocks, on.gate_up_proj_scales, on.gate_up_proj_bias),
+                (on.down_proj_blocks, on.down_proj_scales, on.down_proj_bias),
+                weights.to(device), ids.to(device), act,
+            ).cpu().float()
+            ours.to(device="cpu", dtype=torch.float32)
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        err = float((got - expected).abs().max())
+        assert err <= tol * float(expected.abs().max() + 1), (bias, t, dtype, err)
+print("ok")
+"""
+
+
+def test_triton_fused_experts_interpreted() -> None:
+    """``mxfp4_triton.fused_experts`` (``MXFP4Experts`` on CUDA: grouped kernels over the pairs
+    sorted on the device) against the grouped CPU path: 1, 9 and 40 tokens, top-3 of 5, with
+    and without biases, float32 and float16 (the interpreter's bfloat16 ``tl.dot`` is wrong)."""
+    run_triton_check(_TRITON_EXPERTS, "cpu", timeout=300)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
+def test_triton_fused_experts_on_gpu() -> None:
+    run_triton_check(_TRITON_EXPERTS, "cuda", interpret=False, timeout=300)
 
 
 # ----------------------------------------------------------------------------- GGUF
