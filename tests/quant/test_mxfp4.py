@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -27,6 +28,7 @@ from foudre.quant.mxfp4 import (
     quantize_mxfp4,
     to_gguf,
 )
+from tests.conftest import make_hf_model
 from tests.engine.march import run_built_for
 from tests.triton_check import run_triton_check
 
@@ -460,3 +462,67 @@ def test_experts_state_dict_uses_the_checkpoint_names() -> None:
         "gate_up_proj_bias": ((4, 192), torch.bfloat16),
         "down_proj_bias": ((4, 64), torch.bfloat16),
     }
+
+
+# ----------------------------------------------------------------------------- the engine
+
+PROMPTS = [[1, *range(10, 40)], [1, 5, 9], [1, *range(60, 75)]]
+
+
+@pytest.fixture(scope="module")
+def grid_moe(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    """A random Qwen2-MoE whose experts' weights lie on the MXFP4 grid (rounded through
+    ``quantize_mxfp4``, then saved): quantizing them again at load keeps every value, so
+    transformers' float model is the oracle of its MXFP4 run. Returns the path and the model."""
+    transformers = pytest.importorskip("transformers")
+    path = make_hf_model(
+        tmp_path_factory.mktemp("mxfp4_moe"),
+        "qwen2_moe",
+        num_hidden_layers=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=64,
+    )
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                p.copy_(dequantize_mxfp4(*quantize_mxfp4(p)))  # [E, out, in]: in last
+    hf.save_pretrained(path, safe_serialization=True)
+    hf.generation_config.eos_token_id = None  # our run ignores EOS too
+    return path, hf
+
+
+def test_llm_with_mxfp4_experts_matches_transformers(grid_moe: tuple[Path, Any]) -> None:
+    """``LLM(..., quantization="mxfp4")``: the experts become ``MXFP4Experts`` (the other
+    linears float) and the greedy continuations of a batch of prompts of different lengths are
+    transformers' token for token (float32); every block returns to the pool."""
+    from foudre import LLM, SamplingParams
+
+    path, hf = grid_moe
+    llm = LLM(
+        str(path), dtype="float32", skip_tokenizer_init=True, quantization="mxfp4",
+        num_kv_blocks=64, max_model_len=256,
+    )  # fmt: skip
+    model = llm.engine.runner.model
+    kinds = {type(m).__name__ for m in model.modules()}
+    assert "MXFP4Experts" in kinds and "QuantLinear" not in kinds
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        with torch.no_grad():
+            ref = hf.generate(
+                torch.tensor([prompt]), max_new_tokens=16, do_sample=False, pad_token_id=0
+            )[0, len(prompt) :].tolist()
+        assert out.outputs[0].token_ids == ref
+    m = llm.metrics()
+    assert m["num_free_blocks"] == m["num_total_blocks"]
+
+
+def test_mxfp4_method_refuses_a_model_without_experts(tmp_path: Path) -> None:
+    from foudre import LLM
+    from foudre.loading.errors import ModelLoadError
+
+    path = make_hf_model(tmp_path / "dense", "llama")
+    with pytest.raises(ModelLoadError, match="mxfp4 quantizes the routed experts"):
+        LLM(str(path), dtype="float32", skip_tokenizer_init=True, quantization="mxfp4")
