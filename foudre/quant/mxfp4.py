@@ -303,7 +303,7 @@ def mxfp4_matmul(
 def _triton_matmul() -> Callable[..., torch.Tensor] | None:
     """``mxfp4_triton.matmul``, or None where Triton does not import."""
     try:
-        from foudre.quant import mxfp4_triton
+        import foudre.quant.mxfp4_triton as mxfp4_triton
     except ImportError:
         return None
     return mxfp4_triton.matmul
@@ -313,7 +313,7 @@ def _triton_matmul() -> Callable[..., torch.Tensor] | None:
 def _triton_experts() -> Callable[..., torch.Tensor] | None:
     """``mxfp4_triton.fused_experts``, or None where Triton does not import."""
     try:
-        from foudre.quant import mxfp4_triton
+        import foudre.quant.mxfp4_triton as mxfp4_triton
     except ImportError:
         return None
     return mxfp4_triton.fused_experts
