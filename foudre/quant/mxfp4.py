@@ -128,20 +128,23 @@ def from_gguf(
     k = shape[-1]
     if k % BLOCK:
         raise ValueError(f"GGUF MXFP4 tensor of shape {shape}: K = {k} is not a multiple of 32")
-    data = torch.as_tensor(np.asarray(raw, dtype=np.uint8)) if isinstance(raw, np.ndarray) else raw
+    # (numpy: the file's map is read-only, and every array below is a new one)
+    data = np.asarray(raw.cpu().numpy() if isinstance(raw, torch.Tensor) else raw, np.uint8)
     rows, groups = math.prod(shape[:-1]), k // BLOCK
-    if data.numel() != rows * groups * 17:
+    if data.size != rows * groups * 17:
         raise ValueError(
             f"GGUF MXFP4 tensor of shape {shape}: {rows * groups * 17} bytes expected, got "
-            f"{data.numel()}"
+            f"{data.size}"
         )
     data = data.reshape(rows, groups, 17)
-    qs = data[..., 1:]
-    codes = torch.cat([qs & 15, qs >> 4], dim=-1)  # [rows, groups, 32] in column order
-    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    even, odd = data[..., 1::2], data[..., 2::2]  # ggml's code bytes 2j and 2j + 1
+    blocks = np.empty((rows, groups, 16), np.uint8)
+    # byte j: columns 2j and 2j + 1, their low nibbles; byte 8 + j: 16 + 2j, 17 + 2j, the high
+    blocks[..., :8] = (even & 15) | ((odd & 15) << 4)
+    blocks[..., 8:] = (even >> 4) | (odd & 0xF0)
     return (
-        blocks.reshape(*shape[:-1], groups, 16).contiguous(),
-        data[..., 0].reshape(*shape[:-1], groups).contiguous(),
+        torch.from_numpy(blocks).reshape(*shape[:-1], groups, 16),
+        torch.from_numpy(np.ascontiguousarray(data[..., 0])).reshape(*shape[:-1], groups),
     )
 
 

@@ -309,6 +309,30 @@ def test_gguf_tensor_reads_packed() -> None:
     assert torch.equal(to_gguf(blocks, scales), torch.from_numpy(raw).reshape(60, -1))
 
 
+def test_gguf_file_tensor_reads_packed(tmp_path: Path) -> None:
+    """An MXFP4 tensor of stacked experts written into a GGUF file (``gguf.GGUFWriter``) and
+    found by foudre's GGUF reader (``read_gguf``: its shape in PyTorch order, its bytes in the
+    map) reads as ``from_gguf``'s docstring says into the values gguf dequantizes."""
+    gguf = pytest.importorskip("gguf")
+    from foudre.loading.gguf import read_gguf
+
+    qt = gguf.GGMLQuantizationType.MXFP4
+    w = np.random.default_rng(1).standard_normal((2, 6, 64)).astype(np.float32)
+    raw = gguf.quants.quantize(w, qt)
+    writer = gguf.GGUFWriter(str(tmp_path / "x.gguf"), "gpt-oss")
+    writer.add_tensor("blk.0.ffn_down_exps.weight", raw, raw_dtype=qt)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    f = read_gguf(tmp_path / "x.gguf")
+    t = f.tensors["blk.0.ffn_down_exps.weight"]
+    assert t.shape == (2, 6, 64)
+    blocks, scales = from_gguf(f.data[t.offset : t.offset + t.nbytes], t.shape)
+    expected = torch.from_numpy(gguf.quants.dequantize(raw, qt))
+    assert torch.equal(dequantize_mxfp4(blocks, scales), expected)
+
+
 # ----------------------------------------------------------------------------- experts
 
 
