@@ -17,8 +17,15 @@ the sign). Stacked experts add a leading ``[E]``. Every value is exact in bfloat
   (``native/cpu_mxfp4.cpp``: a block's codes become floats in registers; AVX-512, AVX2 or
   portable loops, threads over N) up to ``GEMM_ROWS`` rows, beyond them the weight dequantized
   a few rows at a time into torch's GEMM; elsewhere dequantize-then-matmul.
-- ``from_gguf(raw, shape)``: a GGUF MXFP4 tensor's bytes as the same blocks and scales.
-- ``MXFP4Experts``: stacked routed experts of a mixture of experts in this layout.
+- ``from_gguf(raw, shape)``: a GGUF MXFP4 tensor's bytes as the same blocks and scales
+  (``to_gguf`` the other way).
+- ``MXFP4Experts``: stacked routed experts of a mixture of experts in this layout (a
+  checkpoint's tensors held as they are: ``from_tensors``; float experts quantized:
+  ``from_float``, ``from_experts``, and ``quant.api.MXFP4``, the ``mxfp4`` method at load);
+  on CUDA grouped Triton kernels over all the experts (``mxfp4_triton.fused_experts``).
+
+Where a value is 0 times an infinite scale (E8M0 255, NaN in OCP) the product is NaN, in the
+reference and the kernels alike.
 """
 
 from __future__ import annotations
