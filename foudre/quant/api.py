@@ -42,7 +42,7 @@ from foudre.quant.calib import capture_inputs, default_calibration
 from foudre.quant.experts import QuantExperts
 from foudre.quant.fp8 import Fp8Linear
 from foudre.quant.gptq import gptq_quantize, hessian
-from foudre.quant.mxfp4 import MXFP4Experts
+from foudre.quant.mxfp4 import MXFP4Experts, stacked_experts
 from foudre.quant.packing import INT4_GROUP_SIZES, INT6_BLOCK, padded_k
 from foudre.quant.qlinear import QuantLinear, uses_native_kernels
 
@@ -237,7 +237,8 @@ def _plan(
     skip = SKIP if skip is None else tuple(skip)
     plan: dict[str, QuantConfig] = {}
     for name, mod in model.named_modules():
-        if not isinstance(mod, nn.Linear | Experts) or any(matches(name, p) for p in skip):
+        targeted = isinstance(mod, nn.Linear | Experts) or stacked_experts(mod)
+        if not targeted or any(matches(name, p) for p in skip):
             continue
         if isinstance(config, Mapping):
             chosen = next((c for p, c in config.items() if matches(name, p)), None)
@@ -335,19 +336,21 @@ def _quantize_experts(
     model: nn.Module, plan: dict[str, QuantConfig]
 ) -> dict[str, dict[str, int | None]]:
     """The routed experts of ``plan`` quantized (``QuantExperts`` for int8 / int4,
-    ``MXFP4Experts`` for ``MXFP4``) and taken out of it, with the linears ``MXFP4`` was chosen
-    for (they stay in float); what was applied. ``ValueError`` for another scheme on experts,
-    or for ``MXFP4`` on a model without experts."""
+    ``MXFP4Experts`` for ``MXFP4``, which also takes experts of ``Experts``' layout with biases
+    and an activation of their own: gpt-oss's, which int8 / int4 leave in float) and taken out
+    of it, with the linears ``MXFP4`` was chosen for (they stay in float); what was applied.
+    ``ValueError`` for another scheme on experts, or for ``MXFP4`` on a model without experts."""
     modules = dict(model.named_modules())
     applied: dict[str, dict[str, int | None]] = {}
     chosen_mxfp4 = any(isinstance(c, MXFP4) for c in plan.values())
-    for name in [n for n in plan if isinstance(modules[n], Experts)]:
+    for name in [n for n in plan if not isinstance(modules[n], nn.Linear)]:
         cfg = plan.pop(name)
         experts = modules[name]
-        assert isinstance(experts, Experts)
-        if isinstance(cfg, MXFP4):
+        if isinstance(cfg, MXFP4):  # Experts, or experts of their layout with their activation
             _set_module(model, name, MXFP4Experts.from_experts(experts))
             applied[name] = {"bits": 4, "group_size": 32}
+            continue
+        if not isinstance(experts, Experts):  # (biases, another activation: kept in float)
             continue
         if not isinstance(cfg, Int8WeightOnly | Int4WeightOnly):
             raise ValueError(

@@ -34,6 +34,7 @@ import ctypes
 import math
 from collections.abc import Callable, Mapping
 from functools import cache, lru_cache
+from typing import cast
 
 import numpy as np
 import torch
@@ -334,6 +335,21 @@ def _triton_experts() -> Callable[..., torch.Tensor] | None:
 Activation = Callable[[torch.Tensor], torch.Tensor]
 
 
+def stacked_experts(module: nn.Module) -> bool:
+    """Whether ``module`` holds float routed experts in ``layers.moe.Experts``' layout: 3-D
+    ``gate_up_proj`` ``[E, 2I, H]`` and ``down_proj`` ``[E, H, I]`` parameters (``Experts``,
+    and modules of its call with biases and their own activation, as gpt-oss's)."""
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    return (
+        isinstance(gate_up, nn.Parameter)
+        and isinstance(down, nn.Parameter)
+        and gate_up.dim() == 3
+        and down.dim() == 3
+        and gate_up.is_floating_point()
+        and down.shape[:2] == (gate_up.shape[0], gate_up.shape[2])
+    )
+
+
 class MXFP4Experts(nn.Module):
     """The routed experts of a mixture-of-experts layer with MXFP4 weights, kept packed, under
     the gpt-oss checkpoint's own names (so its tensors load as they are, no conversion)::
@@ -482,9 +498,21 @@ class MXFP4Experts(nn.Module):
         return mod
 
     @classmethod
-    def from_experts(cls, experts: Experts) -> MXFP4Experts:
-        """``layers.moe.Experts`` (``[gate | up]``, no biases, ``silu_mul``) quantized."""
-        return cls.from_float(experts.gate_up_proj, experts.down_proj)
+    def from_experts(cls, experts: nn.Module) -> MXFP4Experts:
+        """Float stacked experts quantized: ``layers.moe.Experts`` (``[gate | up]``, no biases,
+        ``silu_mul``), or any module of its layout (``stacked_experts``) whose
+        ``gate_up_proj_bias`` and ``down_proj_bias`` and ``activation`` method (gpt-oss's
+        clamped SwiGLU experts) are kept: the same rows, so the same activation reads them."""
+        if not stacked_experts(experts):
+            raise ValueError(f"{type(experts).__name__} is not stacked experts (stacked_experts)")
+        activation = None if isinstance(experts, Experts) else getattr(experts, "activation", None)
+        return cls.from_float(
+            cast(torch.Tensor, experts.gate_up_proj),
+            cast(torch.Tensor, experts.down_proj),
+            cast(torch.Tensor | None, getattr(experts, "gate_up_proj_bias", None)),
+            cast(torch.Tensor | None, getattr(experts, "down_proj_bias", None)),
+            activation if callable(activation) else None,
+        )
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """The float weights ``(gate_up [E, 2I, H], down [E, H, I])`` (for references)."""

@@ -474,6 +474,61 @@ def test_from_tensors_holds_the_checkpoint_tensors() -> None:
         MXFP4Experts.from_tensors({k: v for k, v in tensors.items() if k != "down_proj_bias"})
 
 
+class _BiasedExperts(torch.nn.Module):
+    """Experts of ``layers.moe.Experts``' layout with biases and an activation of their own
+    (gpt-oss's clamped SwiGLU over ``[gate | up]``), as a model may hold them."""
+
+    def __init__(self, e: int, h: int, i: int) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(8)
+        self.num_experts = e
+        self.gate_up_proj = torch.nn.Parameter(torch.randn(e, 2 * i, h, generator=g) * 0.3)
+        self.gate_up_proj_bias = torch.nn.Parameter(torch.randn(e, 2 * i, generator=g))
+        self.down_proj = torch.nn.Parameter(torch.randn(e, h, i, generator=g) * 0.3)
+        self.down_proj_bias = torch.nn.Parameter(torch.randn(e, h, generator=g))
+
+    def activation(self, h: torch.Tensor) -> torch.Tensor:
+        gate, up = h.chunk(2, dim=-1)
+        gate, up = gate.clamp(max=7.0), up.clamp(-7.0, 7.0)
+        return (up + 1) * gate * torch.sigmoid(gate * 1.702)
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        h = self.activation(x @ self.gate_up_proj[e].t() + self.gate_up_proj_bias[e])
+        return h @ self.down_proj[e].t() + self.down_proj_bias[e]
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        from foudre.layers.moe import grouped_experts
+
+        return grouped_experts(x, weights, ids, self.num_experts, self.expert)
+
+
+def test_quantize_takes_experts_with_biases_and_their_activation() -> None:
+    """``quantize_`` with ``MXFP4`` turns experts of ``Experts``' layout with biases and their
+    own activation (gpt-oss's float experts) into ``MXFP4Experts`` keeping both: the output of
+    the float module holding the dequantized weights; int8 leaves such experts in float."""
+    from foudre.quant import MXFP4, Int8WeightOnly, quantize_
+
+    model = torch.nn.Module()
+    model.experts = _BiasedExperts(3, 64, 32)
+    model.proj = torch.nn.Linear(64, 64)
+    quantize_(model, {"*experts": MXFP4(), "*": Int8WeightOnly()})  # type: ignore[arg-type]
+    ours = model.experts
+    assert isinstance(ours, MXFP4Experts) and type(model.proj).__name__ == "QuantLinear"
+    reference = _BiasedExperts(3, 64, 32)
+    gate_up, down = ours.dequantize()
+    with torch.no_grad():
+        reference.gate_up_proj.copy_(gate_up)
+        reference.down_proj.copy_(down)
+        x = torch.randn(5, 64)
+        ids = torch.tensor([[0, 1], [2, 0], [1, 2], [0, 2], [1, 0]])
+        weights = torch.softmax(torch.randn(5, 2), dim=-1)
+        torch.testing.assert_close(ours(x, weights, ids), reference(x, weights, ids))
+    kept = torch.nn.Module()
+    kept.experts = _BiasedExperts(3, 64, 32)
+    quantize_(kept, Int8WeightOnly())  # type: ignore[arg-type]
+    assert isinstance(kept.experts, _BiasedExperts)
+
+
 def test_experts_state_dict_uses_the_checkpoint_names() -> None:
     """The buffers carry gpt-oss's checkpoint names and shapes, uint8 kept through ``.to``."""
     mod = MXFP4Experts(4, 64, 96).to(torch.bfloat16)
