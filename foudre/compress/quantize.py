@@ -33,8 +33,10 @@ from foudre.quant.api import (
 def add_quantize_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="HF directory, hub id or llama2.c .bin")
     parser.add_argument("--tokenizer", default=None)
-    # fp8 is applied at load only (``LLM(quantization="fp8")``): checkpoints hold QuantLinears
-    parser.add_argument("--method", required=True, choices=[m for m in METHODS if m != "fp8"])
+    # fp8 and mxfp4 are applied at load only (``LLM(quantization="fp8")``): checkpoints hold
+    # QuantLinears
+    methods = [m for m in METHODS if m not in ("fp8", "mxfp4")]
+    parser.add_argument("--method", required=True, choices=methods)
     parser.add_argument("--output", required=True, help="directory to write")
     parser.add_argument("--bits", type=int, default=4, choices=(4, 8), help="gptq / awq bits")
     parser.add_argument("--group-size", type=int, default=128, choices=(32, 64, 128, 256))

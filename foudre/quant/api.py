@@ -15,7 +15,8 @@ float weight, so embedding lookups are unchanged.
 The routed experts of a mixture-of-experts layer (``layers/moe.Experts``, matched by their module
 name ``model.layers.3.mlp.experts``) become ``QuantExperts``: every expert's projections
 quantized round-to-nearest with the scheme's bits and groups (int8 and int4 only; the
-calibration schemes refuse them).
+calibration schemes refuse them), or become ``MXFP4Experts`` with ``MXFP4`` (method ``mxfp4``:
+the experts alone, the other linears in float).
 
 Calibration-based schemes (GPTQ, AWQ, MixedBits) take token id lists; the inputs of every
 target linear are captured in one pass of the float model (not layer by layer).
@@ -42,6 +43,7 @@ from foudre.quant.calib import capture_inputs, default_calibration
 from foudre.quant.experts import QuantExperts
 from foudre.quant.fp8 import Fp8Linear
 from foudre.quant.gptq import gptq_quantize, hessian
+from foudre.quant.mxfp4 import MXFP4Experts, stacked_experts
 from foudre.quant.packing import INT4_GROUP_SIZES, INT6_BLOCK, padded_k
 from foudre.quant.qlinear import QuantLinear, uses_native_kernels
 
@@ -148,8 +150,20 @@ class Fp8:
     bits: int = 8
 
 
-QuantConfig = Int8WeightOnly | Int4WeightOnly | Int6WeightOnly | GPTQ | AWQ | MixedBits | Fp8
-METHODS = ("int8", "int4", "gptq", "awq", "mixed", "fp8")
+@dataclass(frozen=True)
+class MXFP4:
+    """MXFP4 (OCP FP4: E2M1 codes, a power-of-two scale per 32 inputs) for the routed experts
+    of mixture-of-experts layers (``quant.mxfp4.MXFP4Experts``, gpt-oss's format); linears it
+    is chosen for stay in float (``{"*experts": MXFP4(), "*": Int8WeightOnly()}`` quantizes
+    both). Applied in memory at load, as ``Fp8``."""
+
+    bits: int = 4
+
+
+QuantConfig = (
+    Int8WeightOnly | Int4WeightOnly | Int6WeightOnly | GPTQ | AWQ | MixedBits | Fp8 | MXFP4
+)
+METHODS = ("int8", "int4", "gptq", "awq", "mixed", "fp8", "mxfp4")
 # kept in float unless ``skip`` says otherwise: the head, and the routers of MoE layers
 SKIP = ("lm_head", "mlp.gate", "shared_expert_gate")
 
@@ -170,6 +184,8 @@ def config_for_method(
         return MixedBits(group_size=group_size, calibration=calibration)
     if method == "fp8":
         return Fp8()
+    if method == "mxfp4":
+        return MXFP4()
     raise ValueError(f"unknown quantization method {method!r}; choose one of {', '.join(METHODS)}")
 
 
@@ -177,10 +193,11 @@ def quantize_model(
     model: LlamaForCausalLM, method: str, calibration: list[list[int]] | None = None
 ) -> None:
     """Quantize ``model`` in place with ``method`` (``int8``, ``int4`` (g128), ``gptq``, ``awq``,
-    ``mixed``, ``fp8``; 4-bit group 128). ``int8`` and ``int4`` quantize ``lm_head`` too, at
-    higher precision as llama.cpp keeps its output layer (Q8_0 in Q8_0 files, Q6_K in Q4_0
-    ones): ``int8`` to int8 per channel, ``int4`` to 6 bits in Q6_K's form where our CPU kernels
-    run it and it is smaller than int8 (``six_bit_head``), else int8 per channel. In a 0.5B
+    ``mixed``, ``fp8``, ``mxfp4`` (the routed experts only); 4-bit group 128). ``int8`` and
+    ``int4`` quantize ``lm_head`` too, at higher precision as llama.cpp keeps its output layer
+    (Q8_0 in Q8_0 files, Q6_K in Q4_0 ones): ``int8`` to int8 per channel, ``int4`` to 6 bits in
+    Q6_K's form where our CPU kernels run it and it is smaller than int8 (``six_bit_head``),
+    else int8 per channel. In a 0.5B
     model with a 32k vocabulary the head is a fifth of the weights a decode step reads. The
     other methods keep it in float. The calibration schemes use ``calibration`` token ids, or
     deterministic random ids when it is None. Raises ``ValueError`` naming the choices for an
@@ -221,7 +238,8 @@ def _plan(
     skip = SKIP if skip is None else tuple(skip)
     plan: dict[str, QuantConfig] = {}
     for name, mod in model.named_modules():
-        if not isinstance(mod, nn.Linear | Experts) or any(matches(name, p) for p in skip):
+        targeted = isinstance(mod, nn.Linear | Experts) or stacked_experts(mod)
+        if not targeted or any(matches(name, p) for p in skip):
             continue
         if isinstance(config, Mapping):
             chosen = next((c for p, c in config.items() if matches(name, p)), None)
@@ -259,20 +277,7 @@ def quantize_(
     RMSNorm / v / up weights AWQ folds its scales into (the float function is unchanged).
     """
     plan = _plan(model, config, skip)
-    modules = dict(model.named_modules())
-    applied: dict[str, dict[str, int | None]] = {}
-    for name in [n for n in plan if isinstance(modules[n], Experts)]:
-        cfg = plan.pop(name)
-        if not isinstance(cfg, Int8WeightOnly | Int4WeightOnly):
-            raise ValueError(
-                f"{name}: mixture-of-experts experts can be quantized with int8 or int4 only, "
-                f"not {type(cfg).__name__}"
-            )
-        experts = modules[name]
-        assert isinstance(experts, Experts)
-        group = getattr(cfg, "group_size", None) if cfg.bits == 4 else None
-        _set_module(model, name, QuantExperts.from_experts(experts, cfg.bits, group))
-        applied[name] = {"bits": cfg.bits, "group_size": group}
+    applied = _quantize_experts(model, plan)
     needs_calib = [n for n, c in plan.items() if isinstance(c, GPTQ | AWQ | MixedBits)]
     inputs: dict[str, torch.Tensor] = {}
     if needs_calib:
@@ -325,6 +330,44 @@ def quantize_(
         new = new.to(device=lin.weight.device)
         _set_module(model, name, new)
         applied[name] = {"bits": bits, "group_size": group}
+    return applied
+
+
+def _quantize_experts(
+    model: nn.Module, plan: dict[str, QuantConfig]
+) -> dict[str, dict[str, int | None]]:
+    """The routed experts of ``plan`` quantized (``QuantExperts`` for int8 / int4,
+    ``MXFP4Experts`` for ``MXFP4``, which also takes experts of ``Experts``' layout with biases
+    and an activation of their own: gpt-oss's, which int8 / int4 leave in float) and taken out
+    of it, with the linears ``MXFP4`` was chosen for (they stay in float); what was applied.
+    ``ValueError`` for another scheme on experts, or for ``MXFP4`` on a model without experts."""
+    modules = dict(model.named_modules())
+    applied: dict[str, dict[str, int | None]] = {}
+    chosen_mxfp4 = any(isinstance(c, MXFP4) for c in plan.values())
+    for name in [n for n in plan if not isinstance(modules[n], nn.Linear)]:
+        cfg = plan.pop(name)
+        experts = modules[name]
+        if isinstance(cfg, MXFP4):  # Experts, or experts of their layout with their activation
+            _set_module(model, name, MXFP4Experts.from_experts(experts))
+            applied[name] = {"bits": 4, "group_size": 32}
+            continue
+        if not isinstance(experts, Experts):  # (biases, another activation: kept in float)
+            continue
+        if not isinstance(cfg, Int8WeightOnly | Int4WeightOnly):
+            raise ValueError(
+                f"{name}: mixture-of-experts experts can be quantized with int8, int4 or mxfp4 "
+                f"only, not {type(cfg).__name__}"
+            )
+        group = getattr(cfg, "group_size", None) if cfg.bits == 4 else None
+        _set_module(model, name, QuantExperts.from_experts(experts, cfg.bits, group))
+        applied[name] = {"bits": cfg.bits, "group_size": group}
+    for name in [n for n, c in plan.items() if isinstance(c, MXFP4)]:
+        del plan[name]
+    if chosen_mxfp4 and not any(isinstance(m, MXFP4Experts) for m in model.modules()):
+        raise ValueError(
+            "mxfp4 quantizes the routed experts of mixture-of-experts layers: this model has none "
+            "(int8 or int4 quantize its linears)"
+        )
     return applied
 
 

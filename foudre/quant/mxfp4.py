@@ -17,8 +17,15 @@ the sign). Stacked experts add a leading ``[E]``. Every value is exact in bfloat
   (``native/cpu_mxfp4.cpp``: a block's codes become floats in registers; AVX-512, AVX2 or
   portable loops, threads over N) up to ``GEMM_ROWS`` rows, beyond them the weight dequantized
   a few rows at a time into torch's GEMM; elsewhere dequantize-then-matmul.
-- ``from_gguf(raw, shape)``: a GGUF MXFP4 tensor's bytes as the same blocks and scales.
-- ``MXFP4Experts``: stacked routed experts of a mixture of experts in this layout.
+- ``from_gguf(raw, shape)``: a GGUF MXFP4 tensor's bytes as the same blocks and scales
+  (``to_gguf`` the other way).
+- ``MXFP4Experts``: stacked routed experts of a mixture of experts in this layout (a
+  checkpoint's tensors held as they are: ``from_tensors``; float experts quantized:
+  ``from_float``, ``from_experts``, and ``quant.api.MXFP4``, the ``mxfp4`` method at load);
+  on CUDA grouped Triton kernels over all the experts (``mxfp4_triton.fused_experts``).
+
+Where a value is 0 times an infinite scale (E8M0 255, NaN in OCP) the product is NaN, in the
+reference and the kernels alike.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import ctypes
 import math
 from collections.abc import Callable, Mapping
 from functools import cache, lru_cache
+from typing import cast
 
 import numpy as np
 import torch
@@ -128,20 +136,23 @@ def from_gguf(
     k = shape[-1]
     if k % BLOCK:
         raise ValueError(f"GGUF MXFP4 tensor of shape {shape}: K = {k} is not a multiple of 32")
-    data = torch.as_tensor(np.asarray(raw, dtype=np.uint8)) if isinstance(raw, np.ndarray) else raw
+    # (numpy: the file's map is read-only, and every array below is a new one)
+    data = np.asarray(raw.cpu().numpy() if isinstance(raw, torch.Tensor) else raw, np.uint8)
     rows, groups = math.prod(shape[:-1]), k // BLOCK
-    if data.numel() != rows * groups * 17:
+    if data.size != rows * groups * 17:
         raise ValueError(
             f"GGUF MXFP4 tensor of shape {shape}: {rows * groups * 17} bytes expected, got "
-            f"{data.numel()}"
+            f"{data.size}"
         )
     data = data.reshape(rows, groups, 17)
-    qs = data[..., 1:]
-    codes = torch.cat([qs & 15, qs >> 4], dim=-1)  # [rows, groups, 32] in column order
-    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    even, odd = data[..., 1::2], data[..., 2::2]  # ggml's code bytes 2j and 2j + 1
+    blocks = np.empty((rows, groups, 16), np.uint8)
+    # byte j: columns 2j and 2j + 1, their low nibbles; byte 8 + j: 16 + 2j, 17 + 2j, the high
+    blocks[..., :8] = (even & 15) | ((odd & 15) << 4)
+    blocks[..., 8:] = (even >> 4) | (odd & 0xF0)
     return (
-        blocks.reshape(*shape[:-1], groups, 16).contiguous(),
-        data[..., 0].reshape(*shape[:-1], groups).contiguous(),
+        torch.from_numpy(blocks).reshape(*shape[:-1], groups, 16),
+        torch.from_numpy(np.ascontiguousarray(data[..., 0])).reshape(*shape[:-1], groups),
     )
 
 
@@ -303,15 +314,40 @@ def mxfp4_matmul(
 def _triton_matmul() -> Callable[..., torch.Tensor] | None:
     """``mxfp4_triton.matmul``, or None where Triton does not import."""
     try:
-        from foudre.quant import mxfp4_triton
+        import foudre.quant.mxfp4_triton as mxfp4_triton
     except ImportError:
         return None
     return mxfp4_triton.matmul
 
 
+@cache
+def _triton_experts() -> Callable[..., torch.Tensor] | None:
+    """``mxfp4_triton.fused_experts``, or None where Triton does not import."""
+    try:
+        import foudre.quant.mxfp4_triton as mxfp4_triton
+    except ImportError:
+        return None
+    return mxfp4_triton.fused_experts
+
+
 # ----------------------------------------------------------------------------- experts
 
 Activation = Callable[[torch.Tensor], torch.Tensor]
+
+
+def stacked_experts(module: nn.Module) -> bool:
+    """Whether ``module`` holds float routed experts in ``layers.moe.Experts``' layout: 3-D
+    ``gate_up_proj`` ``[E, 2I, H]`` and ``down_proj`` ``[E, H, I]`` parameters (``Experts``,
+    and modules of its call with biases and their own activation, as gpt-oss's)."""
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    return (
+        isinstance(gate_up, nn.Parameter)
+        and isinstance(down, nn.Parameter)
+        and gate_up.dim() == 3
+        and down.dim() == 3
+        and gate_up.is_floating_point()
+        and down.shape[:2] == (gate_up.shape[0], gate_up.shape[2])
+    )
 
 
 class MXFP4Experts(nn.Module):
@@ -333,8 +369,9 @@ class MXFP4Experts(nn.Module):
     Called as ``layers.moe.Experts`` and ``quant.experts.QuantExperts`` are, ``experts(x,
     weights, ids)`` with ``x [T, H]`` and the routing ``weights``, ``ids`` ``[T, k]``: it returns
     ``out[t] = sum_j weights[t, j] * expert(ids[t, j], x[t])`` in x's dtype
-    (``grouped_experts``: each expert with tokens runs once over them, so decode reads only the
-    chosen experts' bytes; while a CUDA graph is captured, ``every_expert``).
+    (on CUDA, ``mxfp4_triton.fused_experts``: grouped Triton kernels over the pairs sorted on
+    the device, CUDA graphs capture them; elsewhere ``grouped_experts``: each expert with tokens
+    runs once over them, so decode reads only the chosen experts' bytes).
 
     Loading a gpt-oss checkpoint (``foudre/models`` may not import ``foudre.quant``, a layer
     above it: tests/test_layering.py; the loader, above both, swaps the module in, as quantized
@@ -461,9 +498,21 @@ class MXFP4Experts(nn.Module):
         return mod
 
     @classmethod
-    def from_experts(cls, experts: Experts) -> MXFP4Experts:
-        """``layers.moe.Experts`` (``[gate | up]``, no biases, ``silu_mul``) quantized."""
-        return cls.from_float(experts.gate_up_proj, experts.down_proj)
+    def from_experts(cls, experts: nn.Module) -> MXFP4Experts:
+        """Float stacked experts quantized: ``layers.moe.Experts`` (``[gate | up]``, no biases,
+        ``silu_mul``), or any module of its layout (``stacked_experts``) whose
+        ``gate_up_proj_bias`` and ``down_proj_bias`` and ``activation`` method (gpt-oss's
+        clamped SwiGLU experts) are kept: the same rows, so the same activation reads them."""
+        if not stacked_experts(experts):
+            raise ValueError(f"{type(experts).__name__} is not stacked experts (stacked_experts)")
+        activation = None if isinstance(experts, Experts) else getattr(experts, "activation", None)
+        return cls.from_float(
+            cast(torch.Tensor, experts.gate_up_proj),
+            cast(torch.Tensor, experts.down_proj),
+            cast(torch.Tensor | None, getattr(experts, "gate_up_proj_bias", None)),
+            cast(torch.Tensor | None, getattr(experts, "down_proj_bias", None)),
+            activation if callable(activation) else None,
+        )
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """The float weights ``(gate_up [E, 2I, H], down [E, H, I])`` (for references)."""
@@ -487,6 +536,19 @@ class MXFP4Experts(nn.Module):
         )
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and not (torch.is_grad_enabled() and x.requires_grad):
+            fused = _triton_experts()
+            if fused is not None:  # grouped kernels, no host synchronisation
+                gate_up = (self.gate_up_proj_blocks, self.gate_up_proj_scales)
+                down = (self.down_proj_blocks, self.down_proj_scales)
+                return fused(
+                    x,
+                    (*gate_up, self.gate_up_proj_bias),
+                    (*down, self.down_proj_bias),
+                    weights,
+                    ids,
+                    self.activation,
+                )
         if capturing(x):  # a CUDA graph: no sort on the host
             return every_expert(x, weights, ids, self.num_experts, self.expert)
         return grouped_experts(x, weights, ids, self.num_experts, self.expert)

@@ -15,6 +15,10 @@ exponent field: both exact.
   columns), the weight tile in x's dtype (exact for bfloat16 and float32; float16 can overflow
   for scales beyond its range), float32 accumulators (IEEE products for float32 x).
 
+- ``fused_experts``: ``MXFP4Experts`` on CUDA, as ``layers.moe_triton`` runs float experts: the
+  (token, expert) pairs sorted by expert on the device, a grouped ``tl.dot`` kernel per
+  projection (each tile of rows one expert's), bias and routing weight applied in the kernel.
+
 Bias added in float32 before the one rounding to x's dtype. Nothing depends on the data on the
 host, so the calls can be captured in CUDA graphs. Imported lazily (Triton is optional); with
 ``TRITON_INTERPRET=1`` the same kernels run on CPU tensors (how the tests check them without a
@@ -24,9 +28,13 @@ kernel use float32 and float16).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
+
+from foudre.layers.moe_triton import align
 
 GEMV_ROWS = 4  # rows of x up to which the GEMV kernel runs
 
@@ -145,3 +153,114 @@ def matmul(
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_C=32,
     )  # fmt: skip
     return y
+
+
+# ----------------------------------------------------------------------------- experts
+
+
+@triton.jit
+def _expert_kernel(
+    a_ptr, q_ptr, s_ptr, bias_ptr, c_ptr, w_ptr, sorted_ptr, expert_ptr, total_ptr,
+    N, KB, num_rows, a_div, stride_am, stride_cm,
+    HAS_BIAS: tl.constexpr, MUL_WEIGHT: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    """``c[r] = (w[r] *) (a[r // a_div] @ W[e].T (+ bias[e]))`` for the sorted rows ``r`` of
+    this program's tile (``r < num_rows``; padding entries equal ``num_rows``), ``e`` the
+    tile's expert, ``W[e]`` its MXFP4 weight (``[E, N, KB]`` bytes, ``[E, N, KB / 16]``
+    scales)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(total_ptr):
+        return
+    rows = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = rows < num_rows
+    expert = tl.load(expert_ptr + pid_m).to(tl.int64)
+    a_rows = (rows // a_div).to(tl.int64)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = rn < N
+    q_base = q_ptr + expert * N * KB
+    s_base = s_ptr + expert * N * (KB // 16)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for c0 in range(0, KB, BLOCK_C):
+        c = c0 + tl.arange(0, BLOCK_C)
+        c_mask = c < KB
+        w_mask = n_mask[:, None] & c_mask[None, :]
+        q = tl.load(q_base + rn[:, None] * KB + c[None, :], mask=w_mask, other=0).to(tl.int32)
+        s = tl.load(s_base + rn[:, None] * (KB // 16) + c[None, :] // 16, mask=w_mask, other=0)
+        scale = _e8m0(s.to(tl.int32))
+        lo = (_e2m1(q & 15) * scale).to(a_ptr.dtype.element_ty)
+        hi = (_e2m1(q >> 4) * scale).to(a_ptr.dtype.element_ty)
+        x_mask = valid[:, None] & c_mask[None, :]
+        xs = a_ptr + a_rows[:, None] * stride_am + 2 * c[None, :]
+        xe = tl.load(xs, mask=x_mask, other=0.0)
+        xo = tl.load(xs + 1, mask=x_mask, other=0.0)
+        if IEEE:
+            acc += tl.dot(xe, tl.trans(lo), input_precision="ieee")
+            acc += tl.dot(xo, tl.trans(hi), input_precision="ieee")
+        else:
+            acc += tl.dot(xe, tl.trans(lo))
+            acc += tl.dot(xo, tl.trans(hi))
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + expert * N + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    if MUL_WEIGHT:
+        acc = acc * tl.load(w_ptr + rows, mask=valid, other=0.0)[:, None]
+    tl.store(
+        c_ptr + rows.to(tl.int64)[:, None] * stride_cm + rn[None, :],
+        acc.to(c_ptr.dtype.element_ty),
+        mask=valid[:, None] & n_mask[None, :],
+    )
+
+
+def _expert_gemm(
+    a: torch.Tensor,
+    blocks: torch.Tensor,
+    scales: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    weights: torch.Tensor | None,
+    routing: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    a_div: int,
+    block_m: int,
+) -> None:
+    sorted_rows, experts, total = routing
+    n_out, kb = blocks.shape[1], blocks.shape[2] * 16
+    grid = (experts.numel(), triton.cdiv(n_out, 64))
+    _expert_kernel[grid](
+        a, blocks, scales, bias if bias is not None else out, out,
+        weights if weights is not None else out, sorted_rows, experts, total,
+        n_out, kb, out.shape[0], a_div, a.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, MUL_WEIGHT=weights is not None,
+        IEEE=a.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=64, BLOCK_C=32,
+    )  # fmt: skip
+
+
+def fused_experts(
+    x: torch.Tensor,
+    gate_up: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
+    down: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    activation: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """``out[t] = sum_j weights[t, j] * (down[e](activation(gate_up[e](x[t]))))``, ``e = ids[t,
+    j]``, each projection ``(blocks [E, N, K / 32, 16], scales [E, N, K / 32], bias [E, N] or
+    None)`` in MXFP4 (``MXFP4Experts``' buffers), for ``x [T, H]``: the (token, expert) pairs
+    sorted by expert on the device (``layers.moe_triton.align``, no host synchronisation: CUDA
+    graphs capture it), two grouped launches, ``activation`` in torch between them; x's dtype
+    (float32 sums)."""
+    t, k = ids.shape
+    gu_blocks, gu_scales, gu_bias = gate_up
+    d_blocks, d_scales, d_bias = down
+    num_experts, two_inter = gu_blocks.shape[0], gu_blocks.shape[1]
+    hidden = d_blocks.shape[1]
+    x = x.contiguous()
+    block_m = 16 if t * k <= 256 else 64
+    routing = align(ids, num_experts, block_m)
+    h = torch.empty(t * k, two_inter, dtype=x.dtype, device=x.device)
+    _expert_gemm(x, gu_blocks, gu_scales, gu_bias, h, None, routing, k, block_m)
+    act = activation(h).to(x.dtype).contiguous()
+    y = torch.empty(t * k, hidden, dtype=torch.float32, device=x.device)
+    w = weights.reshape(-1).to(torch.float32).contiguous()
+    _expert_gemm(act, d_blocks, d_scales, d_bias, y, w, routing, 1, block_m)
+    return y.view(t, k, hidden).sum(dim=1).to(x.dtype)

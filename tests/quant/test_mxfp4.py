@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -27,6 +28,7 @@ from foudre.quant.mxfp4 import (
     quantize_mxfp4,
     to_gguf,
 )
+from tests.conftest import make_hf_model
 from tests.engine.march import run_built_for
 from tests.triton_check import run_triton_check
 
@@ -205,30 +207,87 @@ device = torch.device(sys.argv[1])
 n, k = 70, 160  # N not a multiple of the tiles, K / 2 not of BLOCK_C
 blocks, scales = random_layout(n, k // 32, seed=2)
 w = dequantize_mxfp4(blocks, scales, torch.float64)
-cases = [(gemv, m, dtype) for m in (1, 7, 64) for gemv, dtype in
-         [(True, torch.bfloat16), (True, torch.float32), (False, torch.float32),
-          (False, torch.float16)]]
-for gemv, m, dtype in cases:
-    for bias in (None, torch.randn(n)):
-        x = torch.randn(m, k).to(dtype)
-        y = mt.matmul(x.to(device), blocks.to(device), scales.to(device),
-                      None if bias is None else bias.to(device), gemv=gemv).cpu()
-        ref, tol = bound(x, w, bias, torch.bfloat16 if dtype != torch.float32 else dtype)
-        err = (y.double() - ref).abs()
-        assert y.dtype == dtype and bool((err <= tol).all()), (gemv, m, dtype, float(err.max()))
+cases = [  # (GEMV kernel, M, dtype, bias)
+    (True, 1, torch.bfloat16, True), (True, 1, torch.float32, False),
+    (True, 7, torch.bfloat16, False), (True, 7, torch.float32, True),
+    (False, 1, torch.float32, True), (False, 7, torch.float16, False),
+    (False, 64, torch.float32, False), (False, 64, torch.float16, True),
+]
+for gemv, m, dtype, with_bias in cases:
+    bias = torch.randn(n) if with_bias else None
+    x = torch.randn(m, k).to(dtype)
+    y = mt.matmul(x.to(device), blocks.to(device), scales.to(device),
+                  None if bias is None else bias.to(device), gemv=gemv).cpu()
+    ref, tol = bound(x, w, bias, torch.bfloat16 if dtype != torch.float32 else dtype)
+    err = (y.double() - ref).abs()
+    assert y.dtype == dtype and bool((err <= tol).all()), (gemv, m, dtype, float(err.max()))
 print("ok")
 """
 
 
 def test_triton_kernels_interpreted() -> None:
-    """The GEMV kernel (bfloat16, float32) and the tiled one (float32, float16: the
-    interpreter's bfloat16 ``tl.dot`` is wrong) at M = 1, 7, 64, with and without bias."""
+    """The GEMV kernel (bfloat16, float32; M = 1, 7) and the tiled one (float32, float16: the
+    interpreter's bfloat16 ``tl.dot`` is wrong; M = 1, 7, 64), with and without bias."""
     run_triton_check(_TRITON, "cpu", timeout=300)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
 def test_triton_kernels_on_gpu() -> None:
     run_triton_check(_TRITON, "cuda", interpret=False, timeout=300)
+
+
+_TRITON_EXPERTS = """
+import sys, torch
+from foudre.quant import mxfp4_triton as mt
+from foudre.quant.mxfp4 import MXFP4Experts
+
+device = torch.device(sys.argv[1])
+g = torch.Generator().manual_seed(7)
+e, h, i = 5, 64, 96
+
+
+def act(x):  # gpt-oss's clamped SwiGLU over the interleaved gate/up
+    gate, up = x[:, 0::2].clamp(max=7.0), x[:, 1::2].clamp(-7.0, 7.0)
+    return (up + 1) * gate * torch.sigmoid(gate * 1.702)
+
+
+for bias in (True, False):
+    ours = MXFP4Experts.from_float(
+        torch.randn(e, 2 * i, h, generator=g) * 0.3, torch.randn(e, h, i, generator=g) * 0.3,
+        torch.randn(e, 2 * i, generator=g) if bias else None,
+        torch.randn(e, h, generator=g) if bias else None, activation=act,
+    )
+    for t, dtype in ((1, torch.float32), (9, torch.float32), (40, torch.float16)):
+        x = torch.randn(t, h, generator=g)
+        ids = torch.stack([torch.randperm(e, generator=g)[:3] for _ in range(t)])
+        weights = torch.softmax(torch.randn(t, 3, generator=g), dim=-1)
+        with torch.no_grad():
+            expected = ours(x, weights, ids)  # the CPU's grouped path, float32
+            on = ours.to(device=device, dtype=dtype)
+            got = mt.fused_experts(
+                x.to(device, dtype),
+                (on.gate_up_proj_blocks, on.gate_up_proj_scales, on.gate_up_proj_bias),
+                (on.down_proj_blocks, on.down_proj_scales, on.down_proj_bias),
+                weights.to(device), ids.to(device), act,
+            ).cpu().float()
+            ours.to(device="cpu", dtype=torch.float32)
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        err = float((got - expected).abs().max())
+        assert err <= tol * float(expected.abs().max() + 1), (bias, t, dtype, err)
+print("ok")
+"""
+
+
+def test_triton_fused_experts_interpreted() -> None:
+    """``mxfp4_triton.fused_experts`` (``MXFP4Experts`` on CUDA: grouped kernels over the pairs
+    sorted on the device) against the grouped CPU path: 1, 9 and 40 tokens, top-3 of 5, with
+    and without biases, float32 and float16 (the interpreter's bfloat16 ``tl.dot`` is wrong)."""
+    run_triton_check(_TRITON_EXPERTS, "cpu", timeout=300)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
+def test_triton_fused_experts_on_gpu() -> None:
+    run_triton_check(_TRITON_EXPERTS, "cuda", interpret=False, timeout=300)
 
 
 # ----------------------------------------------------------------------------- GGUF
@@ -248,6 +307,30 @@ def test_gguf_tensor_reads_packed() -> None:
     theirs = torch.from_numpy(gguf.quants.dequantize(raw, qt))
     assert torch.equal(dequantize_mxfp4(blocks, scales), theirs)
     assert torch.equal(to_gguf(blocks, scales), torch.from_numpy(raw).reshape(60, -1))
+
+
+def test_gguf_file_tensor_reads_packed(tmp_path: Path) -> None:
+    """An MXFP4 tensor of stacked experts written into a GGUF file (``gguf.GGUFWriter``) and
+    found by foudre's GGUF reader (``read_gguf``: its shape in PyTorch order, its bytes in the
+    map) reads as ``from_gguf``'s docstring says into the values gguf dequantizes."""
+    gguf = pytest.importorskip("gguf")
+    from foudre.loading.gguf import read_gguf
+
+    qt = gguf.GGMLQuantizationType.MXFP4
+    w = np.random.default_rng(1).standard_normal((2, 6, 64)).astype(np.float32)
+    raw = gguf.quants.quantize(w, qt)
+    writer = gguf.GGUFWriter(str(tmp_path / "x.gguf"), "gpt-oss")
+    writer.add_tensor("blk.0.ffn_down_exps.weight", raw, raw_dtype=qt)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    f = read_gguf(tmp_path / "x.gguf")
+    t = f.tensors["blk.0.ffn_down_exps.weight"]
+    assert t.shape == (2, 6, 64)
+    blocks, scales = from_gguf(f.data[t.offset : t.offset + t.nbytes], t.shape)
+    expected = torch.from_numpy(gguf.quants.dequantize(raw, qt))
+    assert torch.equal(dequantize_mxfp4(blocks, scales), expected)
 
 
 # ----------------------------------------------------------------------------- experts
@@ -391,6 +474,61 @@ def test_from_tensors_holds_the_checkpoint_tensors() -> None:
         MXFP4Experts.from_tensors({k: v for k, v in tensors.items() if k != "down_proj_bias"})
 
 
+class _BiasedExperts(torch.nn.Module):
+    """Experts of ``layers.moe.Experts``' layout with biases and an activation of their own
+    (gpt-oss's clamped SwiGLU over ``[gate | up]``), as a model may hold them."""
+
+    def __init__(self, e: int, h: int, i: int) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(8)
+        self.num_experts = e
+        self.gate_up_proj = torch.nn.Parameter(torch.randn(e, 2 * i, h, generator=g) * 0.3)
+        self.gate_up_proj_bias = torch.nn.Parameter(torch.randn(e, 2 * i, generator=g))
+        self.down_proj = torch.nn.Parameter(torch.randn(e, h, i, generator=g) * 0.3)
+        self.down_proj_bias = torch.nn.Parameter(torch.randn(e, h, generator=g))
+
+    def activation(self, h: torch.Tensor) -> torch.Tensor:
+        gate, up = h.chunk(2, dim=-1)
+        gate, up = gate.clamp(max=7.0), up.clamp(-7.0, 7.0)
+        return (up + 1) * gate * torch.sigmoid(gate * 1.702)
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        h = self.activation(x @ self.gate_up_proj[e].t() + self.gate_up_proj_bias[e])
+        return h @ self.down_proj[e].t() + self.down_proj_bias[e]
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        from foudre.layers.moe import grouped_experts
+
+        return grouped_experts(x, weights, ids, self.num_experts, self.expert)
+
+
+def test_quantize_takes_experts_with_biases_and_their_activation() -> None:
+    """``quantize_`` with ``MXFP4`` turns experts of ``Experts``' layout with biases and their
+    own activation (gpt-oss's float experts) into ``MXFP4Experts`` keeping both: the output of
+    the float module holding the dequantized weights; int8 leaves such experts in float."""
+    from foudre.quant import MXFP4, Int8WeightOnly, quantize_
+
+    model = torch.nn.Module()
+    model.experts = _BiasedExperts(3, 64, 32)
+    model.proj = torch.nn.Linear(64, 64)
+    quantize_(model, {"*experts": MXFP4(), "*": Int8WeightOnly()})  # type: ignore[arg-type]
+    ours = model.experts
+    assert isinstance(ours, MXFP4Experts) and type(model.proj).__name__ == "QuantLinear"
+    reference = _BiasedExperts(3, 64, 32)
+    gate_up, down = ours.dequantize()
+    with torch.no_grad():
+        reference.gate_up_proj.copy_(gate_up)
+        reference.down_proj.copy_(down)
+        x = torch.randn(5, 64)
+        ids = torch.tensor([[0, 1], [2, 0], [1, 2], [0, 2], [1, 0]])
+        weights = torch.softmax(torch.randn(5, 2), dim=-1)
+        torch.testing.assert_close(ours(x, weights, ids), reference(x, weights, ids))
+    kept = torch.nn.Module()
+    kept.experts = _BiasedExperts(3, 64, 32)
+    quantize_(kept, Int8WeightOnly())  # type: ignore[arg-type]
+    assert isinstance(kept.experts, _BiasedExperts)
+
+
 def test_experts_state_dict_uses_the_checkpoint_names() -> None:
     """The buffers carry gpt-oss's checkpoint names and shapes, uint8 kept through ``.to``."""
     mod = MXFP4Experts(4, 64, 96).to(torch.bfloat16)
@@ -403,3 +541,104 @@ def test_experts_state_dict_uses_the_checkpoint_names() -> None:
         "gate_up_proj_bias": ((4, 192), torch.bfloat16),
         "down_proj_bias": ((4, 64), torch.bfloat16),
     }
+
+
+# ----------------------------------------------------------------------------- the engine
+
+PROMPTS = [[1, *range(10, 40)], [1, 5, 9], [1, *range(60, 75)]]
+
+
+@pytest.fixture(scope="module")
+def grid_moe(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    """A random Qwen2-MoE whose experts' weights lie on the MXFP4 grid (rounded through
+    ``quantize_mxfp4``, then saved): quantizing them again at load keeps every value, so
+    transformers' float model is the oracle of its MXFP4 run. Returns the path and the model."""
+    transformers = pytest.importorskip("transformers")
+    path = make_hf_model(
+        tmp_path_factory.mktemp("mxfp4_moe"),
+        "qwen2_moe",
+        num_hidden_layers=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=64,
+    )
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                p.copy_(dequantize_mxfp4(*quantize_mxfp4(p)))  # [E, out, in]: in last
+    hf.save_pretrained(path, safe_serialization=True)
+    hf.generation_config.eos_token_id = None  # our run ignores EOS too
+    return path, hf
+
+
+def test_llm_with_mxfp4_experts_matches_transformers(grid_moe: tuple[Path, Any]) -> None:
+    """``LLM(..., quantization="mxfp4")``: the experts become ``MXFP4Experts`` (the other
+    linears float) and the greedy continuations of a batch of prompts of different lengths are
+    transformers' token for token (float32); every block returns to the pool."""
+    from foudre import LLM, SamplingParams
+
+    path, hf = grid_moe
+    llm = LLM(
+        str(path), dtype="float32", skip_tokenizer_init=True, quantization="mxfp4",
+        num_kv_blocks=64, max_model_len=256,
+    )  # fmt: skip
+    model = llm.engine.runner.model
+    kinds = {type(m).__name__ for m in model.modules()}
+    assert "MXFP4Experts" in kinds and "QuantLinear" not in kinds
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        with torch.no_grad():
+            ref = hf.generate(
+                torch.tensor([prompt]), max_new_tokens=16, do_sample=False, pad_token_id=0
+            )[0, len(prompt) :].tolist()
+        assert out.outputs[0].token_ids == ref
+    m = llm.metrics()
+    assert m["num_free_blocks"] == m["num_total_blocks"]
+
+
+def test_mxfp4_method_refuses_a_model_without_experts(tmp_path: Path) -> None:
+    from foudre import LLM
+    from foudre.loading.errors import ModelLoadError
+
+    path = make_hf_model(tmp_path / "dense", "llama")
+    with pytest.raises(ModelLoadError, match="mxfp4 quantizes the routed experts"):
+        LLM(str(path), dtype="float32", skip_tokenizer_init=True, quantization="mxfp4")
+
+
+def test_gpt_oss_float_checkpoint_quantized_to_mxfp4_at_load(tmp_path: Path) -> None:
+    """A float gpt-oss checkpoint whose experts lie on the MXFP4 grid, loaded with
+    ``quantization="mxfp4"``: every layer's experts become ``MXFP4Experts`` keeping the
+    biases and the clamped SwiGLU, and the greedy ids of a batch are transformers' (float32).
+    (Where gpt-oss is not in this tree yet: skipped.)"""
+    from foudre import LLM, SamplingParams
+    from foudre.models.config import SUPPORTED_ARCHITECTURES
+
+    if "gpt_oss" not in SUPPORTED_ARCHITECTURES:
+        pytest.skip("gpt-oss is not in this tree")
+    from tests.oracles.test_gpt_oss import CONFIG  # (gpt-oss's small random config)
+
+    transformers = pytest.importorskip("transformers")
+    path = make_hf_model(tmp_path / "gpt_oss", "gpt_oss", **CONFIG)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():  # transformers' experts are [E, in, out]: rounded along in
+        for name, p in hf.named_parameters():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                grid = dequantize_mxfp4(*quantize_mxfp4(p.transpose(1, 2).contiguous()))
+                p.copy_(grid.transpose(1, 2))
+    hf.save_pretrained(path, safe_serialization=True)
+    hf.generation_config.eos_token_id = None
+    llm = LLM(
+        str(path), dtype="float32", skip_tokenizer_init=True, num_kv_blocks=64,
+        quantization="mxfp4",
+    )  # fmt: skip
+    layers = llm.engine.runner.model.model.layers
+    assert all(isinstance(layer.mlp.experts, MXFP4Experts) for layer in layers)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, params), strict=True):
+        with torch.no_grad():
+            ref = hf.generate(
+                torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=0
+            )[0, len(prompt) :].tolist()
+        assert out.outputs[0].token_ids == ref
