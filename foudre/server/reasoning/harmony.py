@@ -1,0 +1,157 @@
+"""gpt-oss's harmony format, read with OpenAI's ``openai-harmony`` package.
+
+An assistant output is a sequence of messages, each ``<|channel|>NAME<|message|>text`` ended by
+``<|end|>`` (then ``<|start|>assistant`` opens the next), ``<|call|>`` or ``<|return|>``:
+
+- ``analysis``: the reasoning;
+- ``final``: the answer;
+- ``commentary``: a tool call when its header names a recipient (``to=functions.NAME``, the
+  text its JSON arguments), else a preamble shown to the user (answer text).
+
+The markers are special tokens, so the output is decoded with them (``skip_special_tokens``
+False) and the text is encoded back with harmony's own vocabulary (o200k, which openai-harmony
+loads from ``TIKTOKEN_ENCODINGS_BASE``, a folder holding ``o200k_base.tiktoken``, or downloads)
+and fed to its ``StreamableParser``. The vocabulary is loaded once, when the parser is made.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, ClassVar
+
+from foudre.server.reasoning.base import Parsed, ReasoningParser, ReasoningStreamer
+from foudre.server.tools import ToolCallOut
+
+FINAL_HEADER = "<|channel|>final<|message|>"
+_SPECIAL_START = "<|"
+_FUNCTIONS = "functions."
+
+
+class HarmonyUnavailableError(RuntimeError):
+    """openai-harmony is not installed, or its vocabulary cannot be loaded."""
+
+
+@functools.cache
+def harmony_encoding() -> Any:
+    """openai-harmony's gpt-oss encoding; ``HarmonyUnavailableError`` saying what is missing."""
+    try:
+        import openai_harmony as oh
+    except ImportError:
+        raise HarmonyUnavailableError(
+            "the gpt_oss reasoning parser needs the openai-harmony package (pip install "
+            "openai-harmony)"
+        ) from None
+    try:
+        return oh.load_harmony_encoding(oh.HarmonyEncodingName.HARMONY_GPT_OSS)
+    except oh.HarmonyError as e:
+        raise HarmonyUnavailableError(
+            f"openai-harmony cannot load its o200k vocabulary ({e}); offline, set "
+            "TIKTOKEN_ENCODINGS_BASE to a folder holding o200k_base.tiktoken"
+        ) from None
+
+
+def _ready(text: str) -> int:
+    """How much of ``text`` can be encoded now: all but a last ``<|...`` that may be a special
+    token still being written."""
+    at = text.rfind(_SPECIAL_START)
+    if at >= 0 and text.find("|>", at + 2) < 0:
+        return at
+    return len(text) - 1 if text.endswith("<") else len(text)
+
+
+class HarmonyStreamer(ReasoningStreamer):
+    """Text in, encoded with harmony's vocabulary and fed to its ``StreamableParser``; each
+    content delta goes to the reasoning or the answer by its message's channel, a call's
+    arguments are kept until its message ends. Text that does not follow the format (the
+    parser refuses it) is answer text from there on."""
+
+    def __init__(self, encoding: Any) -> None:
+        import openai_harmony as oh
+
+        self.encoding = encoding
+        self.parser = oh.StreamableParser(encoding, oh.Role.ASSISTANT)
+        self.pending = ""
+        self.broken = False
+        self.begun = False  # the output has shown that it opens with a special token
+        self.num_messages = 0
+
+    def feed(self, text: str) -> Parsed:
+        self.pending += text
+        if not self.begun and not self.broken:
+            head = self.pending[: len(_SPECIAL_START)]
+            if not _SPECIAL_START.startswith(head):
+                self.broken = True  # not the format: answer text (a model not following it)
+            self.begun = len(head) == len(_SPECIAL_START)
+        if self.broken:
+            out, self.pending = Parsed(content=self.pending), ""
+            return out
+        n = _ready(self.pending)
+        ready, self.pending = self.pending[:n], self.pending[n:]
+        return self._process(ready)
+
+    def _process(self, text: str) -> Parsed:
+        import openai_harmony as oh
+
+        out = Parsed()
+        tokens = self.encoding.encode(text, allowed_special="all") if text else []
+        for i, token in enumerate(tokens):
+            try:
+                self.parser.process(token)
+            except oh.HarmonyError:
+                self.broken = True
+                out.content += self.encoding.decode(tokens[i:])
+                return out
+            delta = self.parser.last_content_delta
+            if delta:
+                self._route(delta, out)
+            self._ended(out)
+        return out
+
+    def _route(self, delta: str, out: Parsed) -> None:
+        channel = self.parser.current_channel
+        recipient = self.parser.current_recipient
+        if channel == "analysis":
+            out.reasoning += delta
+        elif not (recipient or "").startswith(_FUNCTIONS):
+            out.content += delta  # final, or a commentary preamble
+
+    def _ended(self, out: Parsed) -> None:
+        """Calls of the messages that ended since last time."""
+        messages = self.parser.messages
+        for message in messages[self.num_messages :]:
+            recipient = message.recipient or ""
+            if recipient.startswith(_FUNCTIONS):
+                arguments = "".join(getattr(c, "text", "") for c in message.content)
+                out.calls.append(ToolCallOut(recipient[len(_FUNCTIONS) :], arguments))
+        self.num_messages = len(messages)
+
+    def close(self) -> Parsed:
+        import openai_harmony as oh
+
+        rest, self.pending = self.pending, ""
+        if self.broken:
+            return Parsed(content=rest)
+        out = self._process(rest)
+        if not self.broken:
+            try:
+                self.parser.process_eos()  # the stop token (<|return|>, <|call|>) is not text
+            except oh.HarmonyError:
+                return out
+            self._ended(out)
+        return out
+
+
+class GptOssReasoningParser(ReasoningParser):
+    name = "gpt_oss"
+    answer_marker: ClassVar[str] = FINAL_HEADER
+    reads_tool_calls = True
+    skip_special_tokens = False
+
+    def __init__(self) -> None:
+        self.encoding = harmony_encoding()
+
+    def streamer(self, prompt: str = "") -> ReasoningStreamer:
+        return HarmonyStreamer(self.encoding)
+
+    def reasoning_ended(self, prompt: str) -> bool:
+        return prompt.endswith(FINAL_HEADER)
