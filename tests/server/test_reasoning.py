@@ -197,6 +197,10 @@ def _chat(srv: InProcessServer, **kw: Any) -> Any:
 
 
 def test_chat_splits_reasoning_from_content_streamed_and_not(think_server: InProcessServer) -> None:
+    # no --reasoning-parser: the template's <think> picks qwen3
+    assert think_server.server.config.app.state.reasoning_parser == (
+        "qwen3 (detected from the chat template)"
+    )
     for seed in (0, 1):
         reasoning, answer, pieces = _raw(think_server, seed, 40)
         done = _chat(think_server, max_tokens=40, seed=seed, logit_bias=BIAS)
@@ -268,3 +272,26 @@ def test_responses_reasoning_items_created_and_streamed(think_server: InProcessS
 
 def _user(text: str) -> dict[str, Any]:
     return {"role": "user", "content": text}
+
+
+def test_messages_thinking_blocks_created_and_streamed(think_server: InProcessServer) -> None:
+    import anthropic
+
+    # greedy: the same output through chat and messages (no </think> within 12 tokens)
+    chat = _chat(think_server, max_tokens=12, temperature=0.0).choices[0].message
+    reasoning = chat.reasoning_content  # type: ignore[attr-defined]
+    assert reasoning and chat.content is None
+    client = anthropic.Anthropic(
+        base_url=think_server.url, api_key="unused", max_retries=0, timeout=120
+    )
+    kw: dict[str, Any] = dict(model="tools", max_tokens=12, messages=MESSAGES, temperature=0.0)
+    msg = client.messages.create(**kw)
+    assert [b.type for b in msg.content] == ["thinking", "text"]
+    assert msg.content[0].thinking == reasoning  # type: ignore[union-attr]
+    assert msg.content[1].text == ""  # type: ignore[union-attr]
+    with client.messages.stream(**kw) as stream:
+        for _ in stream:
+            pass
+        final = stream.get_final_message()
+    assert [b.type for b in final.content] == ["thinking", "text"]
+    assert final.content[0].thinking == reasoning  # type: ignore[union-attr]

@@ -242,3 +242,14 @@ def test_choice_by_name_and_by_chat_template() -> None:
     assert choose_reasoning_parser("qwen3", None)[0].name == "qwen3"  # type: ignore[union-attr]
     with pytest.raises(ValueError, match="deepseek_r1, gpt_oss, qwen3"):
         reasoning_parser("qwen")
+
+
+def test_serve_refuses_an_unknown_reasoning_parser_listing_the_choices(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from foudre.cli import main
+
+    assert main(["serve", "--model", "no-such-model", "--reasoning-parser", "qwen"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown --reasoning-parser 'qwen'" in err
+    assert "deepseek_r1, gpt_oss, qwen3, none" in err
