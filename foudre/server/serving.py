@@ -590,14 +590,20 @@ class OpenAIServing:
         tools: list[dict[str, Any]] | None = None,
     ) -> str:
         """The chat template applied to ``messages`` (and ``tools``), off the event loop; 400 if
-        it fails."""
+        it fails. A model without a template whose reasoning format renders its own prompts
+        (harmony) gets that rendering."""
         tok = self.tokenizer
         if tok is None:
             raise OpenAIError(400, "chat needs a tokenizer; this server has none")
+        parser = self.reasoning_parser
+        template = tok.apply_chat_template
+
+        def render(*args: Any) -> str:
+            own = parser.render(*args) if parser is not None and not tok.has_chat_template else None
+            return own if own is not None else template(*args)
+
         try:
-            rendered: str = await self.off_loop(
-                tok.apply_chat_template, messages, add_generation_prompt, tools
-            )
+            rendered: str = await self.off_loop(render, messages, add_generation_prompt, tools)
         except OpenAIError:
             raise
         except Exception as e:  # jinja2.TemplateError, or a template bug

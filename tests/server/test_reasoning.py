@@ -295,3 +295,64 @@ def test_messages_thinking_blocks_created_and_streamed(think_server: InProcessSe
         final = stream.get_final_message()
     assert [b.type for b in final.content] == ["thinking", "text"]
     assert final.content[0].thinking == reasoning  # type: ignore[union-attr]
+
+
+HARMONY_TOKENS = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|call|>"]
+
+
+def test_gpt_oss_without_a_template_renders_with_harmony_and_keeps_its_markers(
+    thinking_model: Path, tmp_path: Path
+) -> None:
+    """A server with ``--reasoning-parser gpt_oss`` over a model without a chat template: the
+    prompt is harmony's rendering (as ``/tokenize`` shows it), the output is decoded with its
+    special tokens (the random model does not follow the format, so it is all answer)."""
+    from foudre.config import EngineConfig
+    from tests.server.test_reasoning_parsers import _harmony
+    from tests.server.test_structured_server import _serve, _stop
+
+    parser = _harmony()  # skips without the vocabulary
+    model = tmp_path / "harmony"
+    model.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (model / name).write_bytes((thinking_model / name).read_bytes())
+    tok = json.loads((thinking_model / "tokenizer.json").read_text())
+    for i, text in enumerate(HARMONY_TOKENS, start=2050):
+        entry = {**tok["added_tokens"][-1], "id": i, "content": text, "special": True}
+        tok["added_tokens"].append(entry)
+    (model / "tokenizer.json").write_text(json.dumps(tok))
+    config = {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>", "add_bos_token": False}
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    srv = _serve(EngineConfig(model=str(model), max_model_len=1024), reasoning_parser="gpt_oss")
+    try:
+        import httpx
+
+        body = {"messages": [{"role": "system", "content": "Be brief."}, *MESSAGES]}
+        ids = httpx.post(srv.url + "/tokenize", json=body).json()["tokens"]
+        assert ids.count(2050) == 4  # <|start|>: system, developer, user, assistant
+        rendered = httpx.post(srv.url + "/detokenize", json={"tokens": ids}).json()["prompt"]
+        assert rendered.startswith("systemYou are ChatGPT")  # harmony's system message
+        assert rendered.endswith("developer# Instructions\n\nBe brief.userDescribe a pet.assistant")
+        biased = {str(i): 2.0 for i in range(2050, 2056)}  # special tokens, kept in the text
+        marked = 0
+        for seed in range(3):
+            message = (
+                _client(srv)
+                .chat.completions.create(
+                    model="tools", messages=body["messages"], max_tokens=30, seed=seed,
+                    logit_bias=biased,
+                )
+                .choices[0]
+                .message
+            )  # fmt: skip
+            raw = _client(srv).completions.create(
+                model="tools", prompt=ids, max_tokens=30, seed=seed, logit_bias=biased,
+                extra_body={"skip_special_tokens": False},
+            ).choices[0].text  # fmt: skip
+            marked += any(t in raw for t in HARMONY_TOKENS)
+            got = (message.reasoning_content, message.content)  # type: ignore[attr-defined]
+            assert got == parser.extract(raw)  # the text parsed is the one with its markers
+            if not raw.startswith("<"):  # not harmony: all of it is answer, markers included
+                assert got == (None, raw)
+        assert marked  # some output holds special tokens: they were not skipped
+    finally:
+        _stop(srv)

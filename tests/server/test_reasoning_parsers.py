@@ -253,3 +253,44 @@ def test_serve_refuses_an_unknown_reasoning_parser_listing_the_choices(
     err = capsys.readouterr().err
     assert "unknown --reasoning-parser 'qwen'" in err
     assert "deepseek_r1, gpt_oss, qwen3, none" in err
+
+
+def test_harmony_renders_a_conversation_with_tools_calls_and_results() -> None:
+    parser = _harmony()
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "The weather in a city",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+            },
+        }
+    ]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+                }
+            ],
+        },
+        {"role": "tool", "content": "18 C", "tool_call_id": "call_1"},
+    ]
+    text = parser.render(messages, True, tools)
+    assert text.startswith("<|start|>system<|message|>")
+    assert "<|start|>developer<|message|># Instructions\n\nBe brief.\n\n# Tools" in text
+    assert "// The weather in a city\ntype get_weather = (_: {\ncity?: string,\n}) => any;" in text
+    assert "<|start|>user<|message|>Weather in Paris?<|end|>" in text
+    call = "<|start|>assistant to=functions.get_weather<|channel|>commentary <|constrain|>json"
+    assert call + '<|message|>{"city": "Paris"}<|call|>' in text
+    result = "<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>18 C"
+    assert result + "<|end|>" in text
+    assert text.endswith("<|end|><|start|>assistant")
+    assert not parser.render(messages[:2], False, None).endswith("<|start|>assistant")

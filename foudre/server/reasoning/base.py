@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from foudre.server.tools import ToolCallOut
 
@@ -81,6 +81,13 @@ class ReasoningParser(ABC):
         """``(reasoning, content)`` of a whole output, None for a part that is empty."""
         parsed = self.parse(text, prompt)
         return parsed.reasoning or None, parsed.content or None
+
+    def render(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool, tools: list[Any] | None
+    ) -> str | None:
+        """The prompt of a conversation in the format's own rendering, for a model without a
+        chat template (None: the format has none; the tokenizer's fallback is used)."""
+        return None
 
     def reasoning_ended(self, prompt: str) -> bool:
         """Whether an output continuing ``prompt`` starts with its answer (the template closed

@@ -8,15 +8,19 @@ An assistant output is a sequence of messages, each ``<|channel|>NAME<|message|>
 - ``commentary``: a tool call when its header names a recipient (``to=functions.NAME``, the
   text its JSON arguments), else a preamble shown to the user (answer text).
 
-The markers are special tokens, so the output is decoded with them (``skip_special_tokens``
-False) and the text is encoded back with harmony's own vocabulary (o200k, which openai-harmony
-loads from ``TIKTOKEN_ENCODINGS_BASE``, a folder holding ``o200k_base.tiktoken``, or downloads)
-and fed to its ``StreamableParser``. The vocabulary is loaded once, when the parser is made.
+A model without a chat template gets its prompt rendered by openai-harmony (``render``: the
+system message, the developer's instructions and function tools, the turns, tool calls and
+their results). The markers are special tokens, so the output is decoded with them
+(``skip_special_tokens`` False) and the text is encoded back with harmony's own vocabulary
+(o200k, which openai-harmony loads from ``TIKTOKEN_ENCODINGS_BASE``, a folder holding
+``o200k_base.tiktoken``, or downloads) and fed to its ``StreamableParser``. The vocabulary is
+loaded once, when the parser is made.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 from typing import Any, ClassVar
 
 from foudre.server.reasoning.base import Parsed, ReasoningParser, ReasoningStreamer
@@ -153,5 +157,87 @@ class GptOssReasoningParser(ReasoningParser):
     def streamer(self, prompt: str = "") -> ReasoningStreamer:
         return HarmonyStreamer(self.encoding)
 
+    def render(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool, tools: list[Any] | None
+    ) -> str:
+        return render_harmony(self.encoding, messages, add_generation_prompt, tools)
+
     def reasoning_ended(self, prompt: str) -> bool:
         return prompt.endswith(FINAL_HEADER)
+
+
+def _developer(oh: Any, instructions: list[str], tools: list[Any] | None) -> Any:
+    """The developer message: the request's system text as instructions, its function tools."""
+    content = oh.DeveloperContent.new()
+    if instructions:
+        content = content.with_instructions("\n\n".join(instructions))
+    functions = [t.get("function", t) for t in tools or []]
+    if functions:
+        content = content.with_function_tools(
+            [
+                oh.ToolDescription.new(f["name"], f.get("description") or "", f.get("parameters"))
+                for f in functions
+            ]
+        )
+    return oh.Message.from_role_and_content(oh.Role.DEVELOPER, content)
+
+
+def _turns(oh: Any, messages: list[dict[str, Any]]) -> list[Any]:
+    """The conversation's turns as harmony messages: an assistant's answer on the final
+    channel, its calls on the commentary channel to ``functions.NAME``, a tool result from
+    that function back to the assistant."""
+    out: list[Any] = []
+    names: dict[str, str] = {}  # tool call id -> function name
+    for m in messages:
+        role, text = m["role"], m.get("content") or ""
+        if role == "user":
+            out.append(oh.Message.from_role_and_content(oh.Role.USER, text))
+        elif role == "assistant":
+            if text:
+                message = oh.Message.from_role_and_content(oh.Role.ASSISTANT, text)
+                out.append(message.with_channel("final"))
+            for call in m.get("tool_calls") or []:
+                name = call["function"]["name"]
+                names[call.get("id", "")] = name
+                arguments = call["function"]["arguments"]
+                if not isinstance(arguments, str):
+                    arguments = json.dumps(arguments, ensure_ascii=False)
+                message = oh.Message.from_role_and_content(oh.Role.ASSISTANT, arguments)
+                out.append(
+                    message.with_channel("commentary")
+                    .with_recipient(f"{_FUNCTIONS}{name}")
+                    .with_content_type("<|constrain|>json")
+                )
+        elif role == "tool":
+            name = names.get(m.get("tool_call_id") or "", m.get("name") or "tool")
+            author = oh.Author.new(oh.Role.TOOL, f"{_FUNCTIONS}{name}")
+            message = oh.Message.from_author_and_content(author, text)
+            out.append(message.with_channel("commentary").with_recipient("assistant"))
+    return out
+
+
+def render_harmony(
+    encoding: Any,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool,
+    tools: list[Any] | None,
+) -> str:
+    """A chat conversation (the messages as chat templates read them) rendered by
+    openai-harmony: harmony's system message, a developer message with the system/developer
+    text and the function tools, then the turns; ``<|start|>assistant`` last when a
+    generation prompt is asked."""
+    import openai_harmony as oh
+
+    instructions = [
+        m.get("content") or "" for m in messages if m["role"] in ("system", "developer")
+    ]
+    rendered = [oh.Message.from_role_and_content(oh.Role.SYSTEM, oh.SystemContent.new())]
+    if instructions or tools:
+        rendered.append(_developer(oh, instructions, tools))
+    rendered += _turns(oh, [m for m in messages if m["role"] not in ("system", "developer")])
+    conversation = oh.Conversation.from_messages(rendered)
+    if add_generation_prompt:
+        tokens = encoding.render_conversation_for_completion(conversation, oh.Role.ASSISTANT)
+    else:
+        tokens = encoding.render_conversation(conversation)
+    return str(encoding.decode(tokens))
