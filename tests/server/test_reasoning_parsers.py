@@ -294,3 +294,50 @@ def test_harmony_renders_a_conversation_with_tools_calls_and_results() -> None:
     assert result + "<|end|>" in text
     assert text.endswith("<|end|><|start|>assistant")
     assert not parser.render(messages[:2], False, None).endswith("<|start|>assistant")
+
+
+@pytest.mark.parametrize(
+    ("name", "prompt", "gated"),
+    [
+        ("qwen3", "<|im_start|>assistant\n<think>\n", True),
+        ("qwen3", "<|im_start|>assistant\n", True),  # the model may open <think> itself
+        ("qwen3", "<|im_start|>assistant\n<think>\n\n</think>\n\n", False),  # not thinking
+        ("deepseek_r1", "<｜Assistant｜><think>\n", True),
+    ],
+)
+def test_a_grammar_waits_for_the_reasoning_unless_the_prompt_ended_it(
+    name: str, prompt: str, gated: bool
+) -> None:
+    from types import SimpleNamespace
+
+    from foudre.sampling_params import SamplingParams, StructuredOutput
+    from foudre.server.serving_chat import OpenAIServingChat
+
+    serving = SimpleNamespace(reasoning_parser=reasoning_parser(name), reasoning_end_ids=[7, 8])
+    chat = OpenAIServingChat(serving)  # type: ignore[arg-type]
+    spec = StructuredOutput(json_object=True)
+    params = chat._for_reasoning(SamplingParams(structured_output=spec), prompt)
+    assert params.structured_output is not None
+    assert params.structured_output.starts_after == ([7, 8] if gated else None)
+    assert params.skip_special_tokens  # <think> markers are ordinary tokens
+    plain = chat._for_reasoning(SamplingParams(), prompt)
+    assert plain.structured_output is None
+    serving.reasoning_parser = None
+    assert chat._for_reasoning(
+        SamplingParams(structured_output=spec), prompt
+    ).structured_output == (spec)
+
+
+def test_gpt_oss_keeps_special_tokens_and_waits_for_the_final_channel() -> None:
+    from types import SimpleNamespace
+
+    from foudre.sampling_params import SamplingParams, StructuredOutput
+    from foudre.server.serving_chat import OpenAIServingChat
+
+    serving = SimpleNamespace(reasoning_parser=_harmony(), reasoning_end_ids=[5, 6, 7])
+    chat = OpenAIServingChat(serving)  # type: ignore[arg-type]
+    spec = StructuredOutput(json_object=True)
+    params = chat._for_reasoning(SamplingParams(structured_output=spec), "<|start|>assistant")
+    assert params.structured_output is not None
+    assert params.structured_output.starts_after == [5, 6, 7]
+    assert not params.skip_special_tokens
