@@ -296,6 +296,8 @@ class _ChatChunks:
             streamer = run.streamer()
             if streamer is not None:
                 self.streamers[i] = streamer
+        self.reasoning = run.reasoning is not None
+        self.thought: dict[int, tuple[list[int], str]] = {}  # token ids, reasoning, by choice
 
     def prelude(self) -> list[Json]:
         return [
@@ -327,10 +329,18 @@ class _ChatChunks:
             delta = streamer.step(text, comp.finished)
             if comp.finished:
                 finish = self.plan.finish_reason(finish, streamer.called)
+        if self.reasoning:
+            _, reasoning = self.thought.get(comp.index, ([], ""))
+            reasoning += delta.get("reasoning_content", "")
+            self.thought[comp.index] = (comp.token_ids, reasoning)
         if not delta and lp is None and not comp.finished:
             return None
         choice = {"index": comp.index, "delta": delta, "logprobs": lp, "finish_reason": finish}
         return {**self.base, "choices": [choice]}
 
     def usage(self, usage: Json) -> Json:
+        if self.reasoning:
+            count = self.chat.serving.reasoning_tokens
+            thought = sum(count(ids, text) for ids, text in self.thought.values())
+            usage = {**usage, "completion_tokens_details": {"reasoning_tokens": thought}}
         return {**self.base, "choices": [], "usage": usage}

@@ -209,7 +209,20 @@ def test_chat_splits_reasoning_from_content_streamed_and_not(think_server: InPro
         assert message.content == answer
         details = done.usage.completion_tokens_details
         assert details.reasoning_tokens == pieces.index("</think>") + 1
-        chunks = list(_chat(think_server, max_tokens=40, seed=seed, logit_bias=BIAS, stream=True))
+        chunks = list(
+            _chat(
+                think_server,
+                max_tokens=40,
+                seed=seed,
+                logit_bias=BIAS,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens_details
+        assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == (
+            details.reasoning_tokens
+        )
         deltas = [c.choices[0].delta for c in chunks if c.choices]
         streamed_reasoning = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
         assert streamed_reasoning == reasoning
