@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from foudre.server.reasoning import (
     OFF,
@@ -341,3 +343,41 @@ def test_gpt_oss_keeps_special_tokens_and_waits_for_the_final_channel() -> None:
     assert params.structured_output is not None
     assert params.structured_output.starts_after == [5, 6, 7]
     assert not params.skip_special_tokens
+
+
+def _reference_think(name: str, text: str) -> tuple[str, str]:
+    """The ``<think>`` split as the module docstring states it, written plainly: after an
+    optional ``<think>`` (else: qwen3 answers, deepseek_r1 reasons), reasoning up to the first
+    ``</think>``, then the answer; both without the whitespace around the markers."""
+    head = text.lstrip()
+    if head.startswith("<think>"):
+        rest = head[len("<think>") :]
+    elif name == "deepseek_r1":
+        rest = text
+    else:
+        return "", text.lstrip()
+    reasoning, marker, answer = rest.partition("</think>")
+    return reasoning.strip(), answer.lstrip() if marker else ""
+
+
+_PIECES = ["<think>", "</think>", "<", "</", "<th", "think", ">", "/", " ", "\n", "a", "é", "x y"]
+
+
+@given(
+    name=st.sampled_from(["qwen3", "deepseek_r1"]),
+    parts=st.lists(st.sampled_from(_PIECES), max_size=12),
+    cuts=st.lists(st.integers(min_value=0, max_value=80), max_size=6),
+)
+@settings(max_examples=300, deadline=None)
+def test_think_split_matches_the_reference_in_any_pieces(
+    name: str, parts: list[str], cuts: list[int]
+) -> None:
+    text = "".join(parts)
+    bounds = sorted({min(c, len(text)) for c in cuts})
+    pieces = [text[a:b] for a, b in zip([0, *bounds], [*bounds, len(text)])]
+    parser = reasoning_parser(name)
+    expected = _reference_think(name, text)
+    whole = parser.parse(text)
+    assert (whole.reasoning, whole.content) == expected
+    got = _streamed(parser, pieces)
+    assert (got.reasoning, got.content) == expected
