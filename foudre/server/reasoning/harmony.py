@@ -78,6 +78,9 @@ class HarmonyStreamer(ReasoningStreamer):
         self.broken = False
         self.begun = False  # the output has shown that it opens with a special token
         self.num_messages = 0
+        # the tokens that end a message (<|end|>, <|call|>, <|return|>): only then can a
+        # call be complete, so the parser's messages are only read then
+        self.message_ends = frozenset(encoding.stop_tokens())
 
     def feed(self, text: str) -> Parsed:
         self.pending += text
@@ -108,7 +111,8 @@ class HarmonyStreamer(ReasoningStreamer):
             delta = self.parser.last_content_delta
             if delta:
                 self._route(delta, out)
-            self._ended(out)
+            if token in self.message_ends:
+                self._ended(out)
         return out
 
     def _route(self, delta: str, out: Parsed) -> None:
