@@ -275,6 +275,7 @@ def test_harmony_renders_a_conversation_with_tools_calls_and_results() -> None:
         {
             "role": "assistant",
             "content": "",
+            "reasoning_content": "Need the weather.",
             "tool_calls": [
                 {
                     "id": "call_1",
@@ -381,3 +382,16 @@ def test_think_split_matches_the_reference_in_any_pieces(
     assert (whole.reasoning, whole.content) == expected
     got = _streamed(parser, pieces)
     assert (got.reasoning, got.content) == expected
+
+
+def test_an_earlier_answers_reasoning_reaches_the_template() -> None:
+    from foudre.server.protocol import ChatMessage
+    from foudre.server.tools import template_messages
+
+    messages = [
+        ChatMessage(role="user", content="2+2?"),
+        ChatMessage(role="assistant", content="4", reasoning_content="Two and two."),
+    ]
+    rendered = template_messages(messages)
+    assert rendered[1] == {"role": "assistant", "content": "4", "reasoning_content": "Two and two."}
+    assert "reasoning_content" not in rendered[0]

@@ -187,9 +187,9 @@ def _developer(oh: Any, instructions: list[str], tools: list[Any] | None) -> Any
 
 
 def _turns(oh: Any, messages: list[dict[str, Any]]) -> list[Any]:
-    """The conversation's turns as harmony messages: an assistant's answer on the final
-    channel, its calls on the commentary channel to ``functions.NAME``, a tool result from
-    that function back to the assistant."""
+    """The conversation's turns as harmony messages: an assistant's reasoning on the analysis
+    channel, its answer on the final channel, its calls on the commentary channel to
+    ``functions.NAME``, a tool result from that function back to the assistant."""
     out: list[Any] = []
     names: dict[str, str] = {}  # tool call id -> function name
     for m in messages:
@@ -197,6 +197,11 @@ def _turns(oh: Any, messages: list[dict[str, Any]]) -> list[Any]:
         if role == "user":
             out.append(oh.Message.from_role_and_content(oh.Role.USER, text))
         elif role == "assistant":
+            if m.get("reasoning_content"):  # harmony drops it where the model no longer needs it
+                message = oh.Message.from_role_and_content(
+                    oh.Role.ASSISTANT, m["reasoning_content"]
+                )
+                out.append(message.with_channel("analysis"))
             if text:
                 message = oh.Message.from_role_and_content(oh.Role.ASSISTANT, text)
                 out.append(message.with_channel("final"))
