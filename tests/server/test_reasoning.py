@@ -130,20 +130,30 @@ def thinking_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def test_a_grammar_after_the_reasoning_forces_valid_json_after_free_text(
-    thinking_model: Path,
-) -> None:
+@pytest.fixture(scope="module")
+def think_llm(thinking_model: Path) -> Iterator[Any]:
     from foudre.engine.llm import LLM
 
     llm = LLM(model=str(thinking_model), max_model_len=1024)
+    yield llm
+    llm.shutdown()
+
+
+def _prompt(llm: Any, content: str = "Describe a pet.") -> list[int]:
     tok = llm.get_tokenizer()
-    prompt = tok.encode(tok.apply_chat_template(MESSAGES, True, None), add_special_tokens=False)
+    text = tok.apply_chat_template([{"role": "user", "content": content}], True, None)
+    ids: list[int] = tok.encode(text, add_special_tokens=False)
+    return ids
+
+
+def test_a_grammar_after_the_reasoning_forces_valid_json_after_free_text(think_llm: Any) -> None:
+    prompt = _prompt(think_llm)
     for seed in (0, 1):
         gated = StructuredOutput(json_schema=SCHEMA, starts_after=[END])
         params = SamplingParams(
             max_tokens=120, seed=seed, logit_bias={END: 4.0}, structured_output=gated
         )
-        [out] = llm.generate([prompt], params)
+        [out] = think_llm.generate([prompt], params)
         comp = out.outputs[0]
         assert comp.finish_reason == "stop"
         assert END in comp.token_ids
@@ -157,9 +167,43 @@ def test_a_grammar_after_the_reasoning_forces_valid_json_after_free_text(
             logit_bias={END: 4.0},
             structured_output=StructuredOutput(json_schema=SCHEMA),
         )
-        [plain] = llm.generate([prompt], whole)
+        [plain] = think_llm.generate([prompt], whole)
         assert plain.outputs[0].text.startswith("{") and END not in plain.outputs[0].token_ids
-    llm.shutdown()
+
+
+def test_speculative_decoding_keeps_the_gated_grammars_greedy_output(
+    think_llm: Any, thinking_model: Path
+) -> None:
+    """n-gram drafts accepted and rejected across the end of the reasoning: the gate opens and
+    closes with verification's rollbacks, and the output is the plain run's, token for token."""
+    from foudre.engine.llm import LLM
+
+    prompts = [_prompt(think_llm, c) for c in ("Describe a pet.", "Hello", "Tell me a story")]
+    gated = StructuredOutput(json_schema=SCHEMA, starts_after=[END])
+    params = SamplingParams(
+        temperature=0.0, max_tokens=150, logit_bias={END: 0.5}, structured_output=gated
+    )
+    ref = [o.outputs[0] for o in think_llm.generate(prompts, params)]
+    spec_llm = LLM(
+        model=str(thinking_model),
+        max_model_len=1024,
+        speculative_method="ngram",
+        num_speculative_tokens=3,
+    )
+    try:
+        got = [o.outputs[0] for o in spec_llm.generate(prompts, params)]
+        assert spec_llm.metrics()["spec_accepted_tokens"] > 0
+    finally:
+        spec_llm.shutdown()
+    assert [c.token_ids for c in got] == [c.token_ids for c in ref]
+    closed = [c for c in ref if END in c.token_ids]
+    assert closed  # some reasoning ended, then its answer followed the grammar
+    for comp in closed:
+        answer = comp.text.partition("</think>")[2]
+        if comp.finish_reason == "stop":
+            jsonschema.validate(json.loads(answer), SCHEMA)
+        else:
+            assert answer.startswith("{")
 
 
 @pytest.fixture(scope="module")
