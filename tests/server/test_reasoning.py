@@ -413,3 +413,25 @@ def test_gpt_oss_without_a_template_renders_with_harmony_and_keeps_its_markers(
         assert marked  # some output holds special tokens: they were not skipped
     finally:
         _stop(srv)
+
+
+def test_a_forced_tool_call_is_written_after_the_reasoning(think_server: InProcessServer) -> None:
+    tool = {"type": "function", "function": {"name": "describe", "parameters": SCHEMA}}
+    for choice in ({"type": "function", "function": {"name": "describe"}}, "required"):
+        message = (
+            _chat(
+                think_server,
+                max_tokens=150,
+                seed=1,
+                logit_bias=BIAS,
+                tools=[tool],
+                tool_choice=choice,
+            )
+            .choices[0]
+            .message
+        )
+        assert message.reasoning_content and not message.reasoning_content.startswith("{")  # type: ignore[attr-defined]
+        assert message.tool_calls is not None and len(message.tool_calls) == 1
+        call = message.tool_calls[0].function
+        assert call.name == "describe"
+        jsonschema.validate(json.loads(call.arguments), SCHEMA)
