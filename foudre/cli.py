@@ -108,7 +108,16 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from foudre.loading.errors import ModelLoadError
     from foudre.server.launch import run_server
+    from foudre.server.reasoning import OFF, REASONING_PARSERS, HarmonyUnavailableError
 
+    if args.reasoning_parser not in (None, OFF, *REASONING_PARSERS):
+        choices = ", ".join([*sorted(REASONING_PARSERS), OFF])
+        print(
+            f"foudre: error: unknown --reasoning-parser {args.reasoning_parser!r}; choose one "
+            f"of {choices}",
+            file=sys.stderr,
+        )
+        return 2
     config = engine_config_from(args)
     if args.profile is not None:
         chosen = ", ".join(f"{k}={getattr(config, k)}" for k in args.profile_fields)
@@ -129,8 +138,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             shutdown_timeout=args.shutdown_timeout,
             responses_store_size=args.responses_store_size,
             responses_store_bytes=args.responses_store_bytes,
+            reasoning_parser=args.reasoning_parser,
         )
-    except ModelLoadError as e:
+    except (ModelLoadError, HarmonyUnavailableError) as e:
         print(f"foudre: error: {e}", file=sys.stderr)
         return 2
 
@@ -395,6 +405,14 @@ def add_serve_parser(sub: Any) -> None:
         default=None,
         help="how tool calls are read from the output with tool_choice 'auto' (default: the "
         "format the chat template uses)",
+    )
+    serve.add_argument(
+        "--reasoning-parser",
+        default=None,
+        metavar="NAME",
+        help="how a thinking model's output is split into reasoning (reasoning_content, "
+        "Responses reasoning items) and answer: deepseek_r1, qwen3 (<think>...</think>), "
+        "gpt_oss (harmony channels), or none (default: detected from the chat template)",
     )
     serve.add_argument(
         "--responses-store-size",

@@ -35,6 +35,10 @@ class StructuredOutput:
     refuses one it cannot enforce (an invalid schema or regex, an unsupported schema keyword)
     with ``InvalidParameterError`` naming ``structured_output``. The output ends (``"stop"``)
     as soon as the grammar admits nothing more.
+
+    ``starts_after``: token ids after which the grammar starts (a thinking model's end of
+    reasoning, ``</think>``): until the output has written them, in a row, it is free, then the
+    rest of it belongs to the language. None: the grammar starts at the first token.
     """
 
     json_schema: dict[str, Any] | bool | str | None = None
@@ -42,6 +46,7 @@ class StructuredOutput:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool = False
+    starts_after: list[int] | None = None
 
     def __post_init__(self) -> None:
         given = [
@@ -88,6 +93,17 @@ class StructuredOutput:
                     "structured_output", f"choice takes at most {MAX_CHOICES} strings"
                 )
             self.choice = list(self.choice)
+        if self.starts_after is not None:
+            after = self.starts_after
+            if not isinstance(after, list | tuple) or not after:
+                raise InvalidParameterError(
+                    "structured_output", "starts_after must be a non-empty list of token ids"
+                )
+            if not all(isinstance(t, int) and t >= 0 for t in after):
+                raise InvalidParameterError(
+                    "structured_output", "starts_after must hold token ids (integers >= 0)"
+                )
+            self.starts_after = list(after)
 
     @property
     def kind(self) -> str:
@@ -249,6 +265,8 @@ class SamplingParams:
         named = [("stop_token_ids", t) for t in self.stop_token_ids]
         named += [("logit_bias", t) for t in self.logit_bias or ()]
         named += [("allowed_token_ids", t) for t in self.allowed_token_ids or ()]
+        after = self.structured_output.starts_after if self.structured_output else None
+        named += [("structured_output", t) for t in after or ()]
         return named
 
     @property

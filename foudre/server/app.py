@@ -54,6 +54,7 @@ from foudre.server.protocol_anthropic import (
     MessagesResponse,
 )
 from foudre.server.protocol_responses import DeletedResponse, ResponseObject, ResponsesRequest
+from foudre.server.reasoning import choose_reasoning_parser
 from foudre.server.serving import DEFAULT_MAX_N, OpenAIServing
 from foudre.server.serving_chat import OpenAIServingChat
 from foudre.server.serving_completions import OpenAIServingCompletions
@@ -241,6 +242,7 @@ def build_app(
     tool_call_parser: str | None = None,
     responses_store_size: int = DEFAULT_STORE_SIZE,
     responses_store_bytes: int = DEFAULT_STORE_BYTES,
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app over ``llm``.
 
@@ -252,11 +254,22 @@ def build_app(
     ``tool_call_parser``: how tool calls are read with ``tool_choice`` "auto" (None: detected);
     ``responses_store_size``, ``responses_store_bytes``: most responses, and most bytes of
     them, that /v1/responses keeps (least recently used evicted).
+    ``reasoning_parser``: how chat outputs are split into reasoning and answer
+    (``reasoning.REASONING_PARSERS``; "none": not split; None: detected from the chat
+    template). ``ValueError`` for an unknown name.
     """
     if max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be positive, got {max_request_bytes}")
+    template = llm.tokenizer.chat_template if llm.tokenizer is not None else None
+    reasoning, why = choose_reasoning_parser(reasoning_parser, template)
+    logger.info("reasoning parser: %s", why)
     serving = OpenAIServing(
-        llm, served_model_name, max_n, request_timeout, tool_call_parser=tool_call_parser
+        llm,
+        served_model_name,
+        max_n,
+        request_timeout,
+        tool_call_parser=tool_call_parser,
+        reasoning_parser=reasoning,
     )
     prometheus = PrometheusMetrics(llm.metrics)
     llm.add_observer(prometheus.observe)
@@ -272,6 +285,7 @@ def build_app(
     app.state.llm = llm
     app.state.serving = serving
     app.state.prometheus = prometheus
+    app.state.reasoning_parser = why
     _add_error_handlers(app)
     app.add_middleware(_CatchAll)
     app.add_middleware(_RequestId)  # outermost: 500s from _CatchAll carry the id too

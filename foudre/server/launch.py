@@ -111,6 +111,7 @@ def run_server(
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
     responses_store_size: int = DEFAULT_STORE_SIZE,
     responses_store_bytes: int = DEFAULT_STORE_BYTES,
+    reasoning_parser: str | None = None,
 ) -> int:
     """Serve until SIGINT/SIGTERM, then drain (``_Server``) for at most ``shutdown_timeout``
     seconds; returns 0 after a clean shutdown, 1 when the engine broke for good
@@ -137,7 +138,9 @@ def run_server(
             tool_call_parser=tool_call_parser,
             responses_store_size=responses_store_size,
             responses_store_bytes=responses_store_bytes,
+            reasoning_parser=reasoning_parser,
         )
+        print(f"foudre: reasoning parser: {app.state.reasoning_parser}", file=sys.stderr)
         uv_config = uvicorn.Config(
             app,
             host=host,

@@ -177,6 +177,8 @@ class ChatMessage(_Request):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message: the call it answers
+    # an assistant's earlier reasoning, as chat returned it (templates that show it read it)
+    reasoning_content: str | None = None
 
     def text(self) -> str:
         if self.content is None:

@@ -23,9 +23,10 @@ class InputContent(_Request):
 
 class InputItem(_Request):
     """One item of ``input``: a message (``type`` may be left out), a ``function_call`` the
-    model made earlier, or a ``function_call_output`` answering one."""
+    model made earlier, a ``function_call_output`` answering one, or an earlier ``reasoning``
+    item (passed back as the SDK hands it; the model does not see it again)."""
 
-    type: Literal["message", "function_call", "function_call_output"] = "message"
+    type: Literal["message", "function_call", "function_call_output", "reasoning"] = "message"
     role: Literal["user", "assistant", "system", "developer"] | None = None
     content: str | list[InputContent] | None = None
     call_id: str | None = Field(default=None, max_length=256)
@@ -34,6 +35,8 @@ class InputItem(_Request):
     output: str | None = None
     id: str | None = None
     status: str | None = None
+    summary: list[Any] | None = None  # a reasoning item's
+    encrypted_content: str | None = None  # a reasoning item's
 
 
 class FunctionTool(_Request):
@@ -83,13 +86,36 @@ class ResponsesRequest(_Request):
     previous_response_id: str | None = Field(default=None, max_length=256)
     metadata: dict[str, str] | None = None
     user: str | None = None
+    # not OpenAI's: chat's seed and logit_bias, for reproducible outputs
+    seed: int | None = None
+    logit_bias: dict[str, float] | None = None
 
 
 # -- response shapes (for the OpenAPI schema; responses are built as dicts) -------------------
+class OutputTokensDetails(_Response):
+    reasoning_tokens: int = 0
+
+
 class ResponseUsage(_Response):
     input_tokens: int
     output_tokens: int
     total_tokens: int
+    output_tokens_details: OutputTokensDetails | None = None
+
+
+class ReasoningText(_Response):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class ReasoningItem(_Response):
+    """An output item holding a thinking model's reasoning (before its answer's items)."""
+
+    type: Literal["reasoning"] = "reasoning"
+    id: str
+    summary: list[dict[str, Any]] = Field(default_factory=list)
+    content: list[ReasoningText] = Field(default_factory=list)
+    status: str | None = None
 
 
 class ResponseObject(_Response):

@@ -35,6 +35,7 @@ from foudre.loading.tokenizer import InvalidTextError
 from foudre.outputs import CompletionOutput, ErrorCode, RequestOutput
 from foudre.sampling_params import BeamSearchParams, SamplingParams, StructuredOutput
 from foudre.server.protocol import ChatMessage, OpenAIError, _SamplingFields, _SearchFields
+from foudre.server.reasoning import ReasoningParser
 from foudre.server.tools import PARSERS, template_messages
 from foudre.server.workers import PoolFullError, WorkerPool
 
@@ -174,7 +175,8 @@ class OpenAIServing:
     ``max_n``: the most choices (``n``) one request may ask for. ``request_timeout``: seconds
     after which a request is aborted (its blocks freed) and answered 408, or an error event.
     ``tool_call_parser``: how "auto" tool calls are read (``tools.PARSERS``; None: the one that
-    fits the chat template).
+    fits the chat template). ``reasoning_parser``: how chat outputs are split into reasoning
+    and answer (None: they are not).
     """
 
     def __init__(
@@ -185,6 +187,7 @@ class OpenAIServing:
         request_timeout: float | None = None,
         workers: WorkerPool | None = None,
         tool_call_parser: str | None = None,
+        reasoning_parser: ReasoningParser | None = None,
     ) -> None:
         if tool_call_parser is not None and tool_call_parser not in PARSERS:
             raise ValueError(f"tool_call_parser must be one of {PARSERS}, got {tool_call_parser!r}")
@@ -202,6 +205,25 @@ class OpenAIServing:
         self.workers = workers or WorkerPool(max_pending=max(64, llm.max_queue or 1024))
         self._pieces: dict[int, str] = {}
         self.tool_call_parser = tool_call_parser
+        self.reasoning_parser = reasoning_parser
+        # the end of the reasoning as tokens: where an answer's grammar starts, and what
+        # reasoning tokens are counted up to
+        self.reasoning_end_ids: list[int] = []
+        if reasoning_parser is not None and self.tokenizer is not None:
+            marker = reasoning_parser.answer_marker
+            self.reasoning_end_ids = self.tokenizer.encode(marker, add_special_tokens=False)
+
+    def reasoning_tokens(self, token_ids: list[int], reasoning: str | None) -> int:
+        """How many of an output's tokens are its reasoning: those up to the end of the
+        reasoning (its marker included), all of them when the output stopped while reasoning,
+        none without reasoning."""
+        if not reasoning:
+            return 0
+        end = self.reasoning_end_ids
+        for i in range(len(token_ids) - len(end) + 1):
+            if end and token_ids[i : i + len(end)] == end:
+                return i + len(end)
+        return len(token_ids)
 
     def deadline(self) -> float | None:
         """The loop time at which a request arriving now is aborted (None: never)."""
@@ -541,6 +563,19 @@ class OpenAIServing:
         calls and tool results) and the tools through the chat template, then encoded (no
         second BOS when the template wrote one). What chat generates from and ``/tokenize``
         counts are the same ids."""
+        ids, _ = await self.chat_prompt_text(
+            messages, add_generation_prompt, tools, add_special_tokens
+        )
+        return ids
+
+    async def chat_prompt_text(
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool,
+        tools: list[Json] | None,
+        add_special_tokens: bool = True,
+    ) -> tuple[list[int], str]:
+        """``chat_prompt``'s token ids and the rendered text they encode."""
         tok = self.tokenizer
         if tok is None:
             raise OpenAIError(400, "chat needs a tokenizer; this server has none")
@@ -548,7 +583,8 @@ class OpenAIServing:
         self.check_text("".join(m["content"] for m in rendered_messages), "messages")
         rendered = await self.render_chat(rendered_messages, add_generation_prompt, tools)
         has_bos = bool(tok.bos_token) and rendered.startswith(tok.bos_token or "")
-        return await self.encode(rendered, add_special_tokens and not has_bos, "messages")
+        ids = await self.encode(rendered, add_special_tokens and not has_bos, "messages")
+        return ids, rendered
 
     async def render_chat(
         self,
@@ -557,14 +593,20 @@ class OpenAIServing:
         tools: list[dict[str, Any]] | None = None,
     ) -> str:
         """The chat template applied to ``messages`` (and ``tools``), off the event loop; 400 if
-        it fails."""
+        it fails. A model without a template whose reasoning format renders its own prompts
+        (harmony) gets that rendering."""
         tok = self.tokenizer
         if tok is None:
             raise OpenAIError(400, "chat needs a tokenizer; this server has none")
+        parser = self.reasoning_parser
+        template = tok.apply_chat_template
+
+        def render(*args: Any) -> str:
+            own = parser.render(*args) if parser is not None and not tok.has_chat_template else None
+            return own if own is not None else template(*args)
+
         try:
-            rendered: str = await self.off_loop(
-                tok.apply_chat_template, messages, add_generation_prompt, tools
-            )
+            rendered: str = await self.off_loop(render, messages, add_generation_prompt, tools)
         except OpenAIError:
             raise
         except Exception as e:  # jinja2.TemplateError, or a template bug

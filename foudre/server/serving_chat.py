@@ -1,8 +1,15 @@
 """``/v1/chat/completions``: messages through the model's chat template, with tool calls,
-structured output and OpenAI's chat logprobs."""
+structured output, reasoning output and OpenAI's chat logprobs.
+
+With a reasoning parser, an output is split into ``reasoning_content`` (streamed as
+``delta.reasoning_content``) and ``content``, the answer: tool calls are read from the answer
+only (or, for harmony, from its own call messages), and a grammar (``response_format``, a
+forced tool call) constrains the answer only, starting after the reasoning's end marker.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 import uuid
@@ -15,15 +22,17 @@ from foudre.engine.async_llm import RequestStream
 from foudre.outputs import CompletionOutput
 from foudre.sampling_params import BeamSearchParams, SamplingParams
 from foudre.server.protocol import ChatCompletionRequest, OpenAIError
+from foudre.server.reasoning import Parsed, ReasoningParser, ReasoningStreamer
 from foudre.server.serving import Json, OpenAIServing, Submission, finite, top_entries
 from foudre.server.structured import structured_output
-from foudre.server.tools import ToolPlan, ToolStreamer
+from foudre.server.tools import ToolCallOut, ToolPlan, ToolStreamer
 
 
 @dataclass(slots=True)
 class ChatRun:
     """One submitted chat request: its stream, and what reading its outputs needs (the tool
-    plan, the sampling or beam parameters, the logprobs asked, the deadline)."""
+    plan, the sampling or beam parameters, the logprobs asked, the deadline, the reasoning
+    parser and the rendered prompt it reads the output after)."""
 
     request_id: str
     stream: RequestStream
@@ -32,6 +41,87 @@ class ChatRun:
     search: BeamSearchParams | None
     top_n: int | None
     deadline: float | None
+    reasoning: ReasoningParser | None = None
+    prompt_text: str = ""
+
+    @property
+    def own_calls(self) -> bool:
+        """The reasoning format carries its own tool calls, and "auto" calls are read."""
+        parser = self.reasoning
+        return parser is not None and parser.reads_tool_calls and self.plan.mode == "auto"
+
+    def answer(self, text: str) -> tuple[str | None, str | None, list[ToolCallOut]]:
+        """A complete output's reasoning (None without), answer text and tool calls."""
+        if self.reasoning is None:
+            content, calls = self.plan.parse(text)
+            return None, content, calls
+        parsed = self.reasoning.parse(text, self.prompt_text)
+        reasoning = parsed.reasoning or None
+        if self.own_calls:
+            calls = parsed.calls if self.plan.parallel else parsed.calls[:1]
+            return reasoning, parsed.content or None, calls
+        if not parsed.content:  # stopped while reasoning: no answer, no call
+            return reasoning, None, []
+        content, calls = self.plan.parse(parsed.content)
+        return reasoning, content, calls
+
+    def message(self, text: str) -> tuple[Json, bool]:
+        """The assistant message of a complete output, and whether it holds calls."""
+        reasoning, content, calls = self.answer(text)
+        message: Json = {"role": "assistant", "content": content}
+        if self.reasoning is not None:
+            message["reasoning_content"] = reasoning
+        if calls:
+            message["tool_calls"] = [c.as_json() for c in calls]
+        return message, bool(calls)
+
+    def streamer(self) -> ChoiceStreamer | None:
+        """A streamer of one choice's deltas (None when text deltas pass as they are)."""
+        if self.reasoning is None and not self.plan.parses:
+            return None
+        return ChoiceStreamer(self)
+
+
+class ChoiceStreamer:
+    """One choice's text deltas in, chat deltas out: ``reasoning_content`` as the reasoning
+    parser releases it, the answer through the tool streamer (content held back while it may
+    begin a call), or a harmony output's own calls once complete."""
+
+    def __init__(self, run: ChatRun) -> None:
+        parser = run.reasoning
+        self.reasoning: ReasoningStreamer | None = (
+            None if parser is None else parser.streamer(run.prompt_text)
+        )
+        self.own_calls = run.own_calls
+        self.parallel = run.plan.parallel
+        self.tools: ToolStreamer | None = (
+            run.plan.streamer() if run.plan.parses and not self.own_calls else None
+        )
+        self.num_calls = 0
+
+    @property
+    def called(self) -> bool:
+        return self.num_calls > 0
+
+    def step(self, text: str, finished: bool) -> Json:
+        parsed = Parsed(content=text)
+        if self.reasoning is not None:
+            parsed = self.reasoning.step(text, finished)
+        delta: Json = {}
+        if parsed.reasoning:
+            delta["reasoning_content"] = parsed.reasoning
+        if self.tools is not None:
+            delta.update(self.tools.step(parsed.content, finished))
+            self.num_calls = self.tools.num_calls
+        elif parsed.content:
+            delta["content"] = parsed.content
+        calls = parsed.calls if self.own_calls else []
+        if calls and not self.parallel:
+            calls = calls[: max(0, 1 - self.num_calls)]
+        if calls:
+            delta["tool_calls"] = [c.as_json(self.num_calls + i) for i, c in enumerate(calls)]
+            self.num_calls += len(calls)
+        return delta
 
 
 class OpenAIServingChat:
@@ -55,13 +145,32 @@ class OpenAIServingChat:
         plan = ToolPlan.of(req, tok, serving.tool_call_parser)
         params, search, rename = self._params(req, plan, top_n)
         deadline = serving.deadline()
-        prompt_ids = await serving.chat_prompt(req.messages, req.add_generation_prompt, plan.tools)
+        prompt_ids, prompt_text = await serving.chat_prompt_text(
+            req.messages, req.add_generation_prompt, plan.tools
+        )
+        params = self._for_reasoning(params, prompt_text)
         serving.check_room([len(prompt_ids)], params.max_tokens)
         rid = f"{id_prefix}{uuid.uuid4().hex}"
         asked = params if search is None else search
         sub = Submission([prompt_ids], asked, rid, "messages", req.cache_salt, rename)
         stream = await serving.submit(sub)
-        return ChatRun(rid, stream, plan, params, search, top_n, deadline)
+        parser = serving.reasoning_parser
+        return ChatRun(rid, stream, plan, params, search, top_n, deadline, parser, prompt_text)
+
+    def _for_reasoning(self, params: SamplingParams, prompt_text: str) -> SamplingParams:
+        """``params`` for a thinking model: its grammar starting after the reasoning's end
+        marker (unless the prompt already ended the reasoning), its special tokens kept in the
+        text when they are the format's markers."""
+        parser = self.serving.reasoning_parser
+        if parser is None:
+            return params
+        changes: dict[str, object] = {}
+        spec, end = params.structured_output, self.serving.reasoning_end_ids
+        if spec is not None and end and not parser.reasoning_ended(prompt_text):
+            changes["structured_output"] = dataclasses.replace(spec, starts_after=end)
+        if not parser.skip_special_tokens:
+            changes["skip_special_tokens"] = False
+        return dataclasses.replace(params, **changes) if changes else params  # type: ignore[arg-type]
 
     async def create(
         self, req: ChatCompletionRequest, receive: Receive
@@ -69,7 +178,7 @@ class OpenAIServingChat:
         """The response to ``req``: a ``chat.completion`` dict, or its SSE stream."""
         serving = self.serving
         run = await self.start(req)
-        params, search, plan, top_n = run.params, run.search, run.plan, run.top_n
+        params, search = run.params, run.search
         base: Json = {
             "id": run.request_id,
             "created": int(time.time()),
@@ -82,15 +191,24 @@ class OpenAIServingChat:
                 finals, usage = await serving.collect_beams(
                     run.stream, receive, search, req.n, run.deadline
                 )
-            choices = [self._choice(finals[i], plan, top_n, i) for i in sorted(finals)]
+            choices = [self._choice(finals[i], run, i) for i in sorted(finals)]
+            counts = usage.as_dict()
+            if run.reasoning is not None:
+                thought = sum(
+                    serving.reasoning_tokens(
+                        finals[c["index"]].token_ids, c["message"].get("reasoning_content")
+                    )
+                    for c in choices
+                )
+                counts["completion_tokens_details"] = {"reasoning_tokens": thought}
             return {
                 **base,
                 "object": "chat.completion",
                 "choices": choices,
-                "usage": usage.as_dict(),
+                "usage": counts,
             }
         base = {**base, "object": "chat.completion.chunk"}
-        chunks = _ChatChunks(base, plan, top_n, params.n, self)
+        chunks = _ChatChunks(base, run, params.n, self)
         return serving.stream_sse(
             run.stream,
             receive,
@@ -126,18 +244,16 @@ class OpenAIServingChat:
             params = serving.with_best_of(req, params)
         return params, search, rename
 
-    def _choice(
-        self, comp: CompletionOutput, plan: ToolPlan, top_n: int | None, index: int
-    ) -> Json:
+    def _choice(self, comp: CompletionOutput, run: ChatRun, index: int) -> Json:
         lp = None
-        if top_n is not None:
-            lp = {"content": self.logprobs(comp.token_ids, comp.logprobs or [], top_n)}
-        reply, called = plan.message(comp.text)
+        if run.top_n is not None:
+            lp = {"content": self.logprobs(comp.token_ids, comp.logprobs or [], run.top_n)}
+        reply, called = run.message(comp.text)
         return {
             "index": index,
             "message": reply,
             "logprobs": lp,
-            "finish_reason": plan.finish_reason(comp.finish_reason, called),
+            "finish_reason": run.plan.finish_reason(comp.finish_reason, called),
             "stop_reason": comp.stop_reason,
         }
 
@@ -166,19 +282,22 @@ class OpenAIServingChat:
 
 class _ChatChunks:
     """The chunks of one streamed chat completion: a role delta per choice first, then each
-    output's delta (content held back while it may begin a tool call, calls once complete)."""
+    output's delta (reasoning apart, content held back while it may begin a tool call, calls
+    once complete)."""
 
-    def __init__(
-        self, base: Json, plan: ToolPlan, top_n: int | None, n: int, chat: OpenAIServingChat
-    ) -> None:
+    def __init__(self, base: Json, run: ChatRun, n: int, chat: OpenAIServingChat) -> None:
         self.base = base
-        self.plan = plan
-        self.top_n = top_n
+        self.plan = run.plan
+        self.top_n = run.top_n
         self.n = n
         self.chat = chat
-        self.streamers: dict[int, ToolStreamer] = (
-            {i: plan.streamer() for i in range(n)} if plan.parses else {}
-        )
+        self.streamers: dict[int, ChoiceStreamer] = {}
+        for i in range(n):
+            streamer = run.streamer()
+            if streamer is not None:
+                self.streamers[i] = streamer
+        self.reasoning = run.reasoning is not None
+        self.thought: dict[int, tuple[list[int], str]] = {}  # token ids, reasoning, by choice
 
     def prelude(self) -> list[Json]:
         return [
@@ -206,14 +325,22 @@ class _ChatChunks:
         delta: Json = {"content": text} if text else {}
         finish = comp.finish_reason
         streamer = self.streamers.get(comp.index)
-        if streamer is not None:  # tool calls: content held back while it may be a call
+        if streamer is not None:  # reasoning apart; content held back while it may be a call
             delta = streamer.step(text, comp.finished)
             if comp.finished:
-                finish = self.plan.finish_reason(finish, streamer.num_calls > 0)
+                finish = self.plan.finish_reason(finish, streamer.called)
+        if self.reasoning:
+            _, reasoning = self.thought.get(comp.index, ([], ""))
+            reasoning += delta.get("reasoning_content", "")
+            self.thought[comp.index] = (comp.token_ids, reasoning)
         if not delta and lp is None and not comp.finished:
             return None
         choice = {"index": comp.index, "delta": delta, "logprobs": lp, "finish_reason": finish}
         return {**self.base, "choices": [choice]}
 
     def usage(self, usage: Json) -> Json:
+        if self.reasoning:
+            count = self.chat.serving.reasoning_tokens
+            thought = sum(count(ids, text) for ids, text in self.thought.values())
+            usage = {**usage, "completion_tokens_details": {"reasoning_tokens": thought}}
         return {**self.base, "choices": [], "usage": usage}

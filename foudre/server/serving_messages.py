@@ -152,11 +152,15 @@ def stop_reason(comp: CompletionOutput, called: bool) -> tuple[str, str | None]:
     return reason or "end_turn", None
 
 
-def content_blocks(plan: ToolPlan, text: str) -> tuple[list[Json], bool]:
-    """The content blocks of a complete output (text, then one ``tool_use`` per call; one empty
-    text block for an empty output), and whether it called a tool. A call whose arguments are
-    not a JSON object (a forced call cut by ``max_tokens``) is left as text."""
-    content, calls = plan.parse(text)
+def content_blocks(run: ChatRun, text: str) -> tuple[list[Json], bool]:
+    """The content blocks of a complete output (a thinking model's reasoning as a ``thinking``
+    block, text, then one ``tool_use`` per call; one empty text block for an empty output),
+    and whether it called a tool. A call whose arguments are not a JSON object (a forced call
+    cut by ``max_tokens``) is left as text."""
+    reasoning, content, calls = run.answer(text)
+    thinking: list[Json] = []
+    if reasoning:
+        thinking = [{"type": "thinking", "thinking": reasoning, "signature": ""}]
     uses: list[Json] = []
     for call in calls:
         try:
@@ -164,13 +168,13 @@ def content_blocks(plan: ToolPlan, text: str) -> tuple[list[Json], bool]:
         except json.JSONDecodeError:
             args = None
         if not isinstance(args, dict):
-            return [{"type": "text", "text": text}], False
+            return [*thinking, {"type": "text", "text": content or text}], False
         uses.append(
             {"type": "tool_use", "id": tool_use_id(call.id), "name": call.name, "input": args}
         )
     blocks: list[Json] = [{"type": "text", "text": content}] if content else []
     blocks += uses
-    return blocks or [{"type": "text", "text": ""}], bool(uses)
+    return thinking + (blocks or [{"type": "text", "text": ""}]), bool(uses)
 
 
 def _event(obj: Json) -> str:
@@ -198,13 +202,13 @@ class AnthropicServingMessages:
             "model": self.serving.model_name,
         }
         if req.stream:
-            return self._stream(run, receive, _MessageEvents(message, run.plan))
+            return self._stream(run, receive, _MessageEvents(message, run))
         try:
             finals, usage = await self.serving.collect(run.stream, receive, 1, run.deadline)
         except OpenAIError as e:
             raise AnthropicError.of(e, RENAME) from None
         comp = finals[0]
-        blocks, called = content_blocks(run.plan, comp.text)
+        blocks, called = content_blocks(run, comp.text)
         reason, sequence = stop_reason(comp, called)
         return {
             **message,
@@ -252,10 +256,10 @@ class _MessageEvents:
     start, deltas and stop as the chat path's tool streamer releases text and calls, then
     ``message_delta`` and ``message_stop`` with the last output."""
 
-    def __init__(self, message: Json, plan: ToolPlan) -> None:
+    def __init__(self, message: Json, run: ChatRun) -> None:
         self.message = message
-        self.plan = plan
-        self.streamer = plan.streamer() if plan.parses else None
+        self.plan = run.plan
+        self.streamer = run.streamer()
         self.started = False  # message_start sent
         self.index = -1  # the last block's index (-1: none yet)
         self.open: str | None = None  # the open block's type (None: none open)
@@ -270,8 +274,10 @@ class _MessageEvents:
             events.append({"type": "message_start", "message": start})
         text = comp.delta_text
         delta: Json = {"content": text} if text else {}
-        if self.streamer is not None:  # tool calls: what may be a call held back
+        if self.streamer is not None:  # reasoning apart, what may be a call held back
             delta = self.streamer.step(text, comp.finished)
+        if delta.get("reasoning_content"):
+            events += self._thinking(delta["reasoning_content"])
         if delta.get("content"):
             events += self._text(delta["content"])
         for call in delta.get("tool_calls", []):
@@ -301,6 +307,12 @@ class _MessageEvents:
         delta = {"type": "text_delta", "text": text}
         return [*events, {"type": "content_block_delta", "index": self.index, "delta": delta}]
 
+    def _thinking(self, text: str) -> list[Json]:
+        block = {"type": "thinking", "thinking": "", "signature": ""}
+        events = [] if self.open == "thinking" else self._block(block)
+        delta = {"type": "thinking_delta", "thinking": text}
+        return [*events, {"type": "content_block_delta", "index": self.index, "delta": delta}]
+
     def _call(self, call: Json) -> list[Json]:
         events: list[Json] = []
         function = call.get("function", {})
@@ -316,7 +328,9 @@ class _MessageEvents:
 
     def _finish(self, comp: CompletionOutput, usage: TokenUsage) -> list[Json]:
         # an empty output has one empty text block, as the complete message has
-        events = [] if self.index >= 0 else self._block({"type": "text", "text": ""})
+        # (a thinking block alone is followed by one too)
+        answered = self.index >= 0 and self.open != "thinking"
+        events = [] if answered else self._block({"type": "text", "text": ""})
         events += self._close()
         reason, sequence = stop_reason(comp, self.called)
         delta = {"stop_reason": reason, "stop_sequence": sequence}

@@ -151,6 +151,8 @@ def conversation(items: str | list[InputItem]) -> list[ChatMessage]:
         return [ChatMessage(role="user", content=items)]
     out: list[ChatMessage] = []
     for i, item in enumerate(items):
+        if item.type == "reasoning":
+            continue  # an earlier turn's reasoning: templates do not show it again
         if item.type == "message":
             out.append(_message(i, item))
         elif item.type == "function_call":
@@ -184,6 +186,8 @@ def chat_request(req: ResponsesRequest, messages: list[ChatMessage]) -> ChatComp
         "top_p": req.top_p,
         "parallel_tool_calls": req.parallel_tool_calls,
         "stream": req.stream,
+        "seed": req.seed,
+        "logit_bias": req.logit_bias,
     }
     if req.tools is not None:
         fields["tools"] = [
@@ -216,13 +220,13 @@ def chat_request(req: ResponsesRequest, messages: list[ChatMessage]) -> ChatComp
         raise OpenAIError(400, f"{param}: {message}", param=param) from None
 
 
-def usage_json(usage: TokenUsage) -> Json:
+def usage_json(usage: TokenUsage, reasoning_tokens: int = 0) -> Json:
     counts = usage.as_dict()
     return {
         "input_tokens": counts["prompt_tokens"],
         "input_tokens_details": {"cached_tokens": 0},
         "output_tokens": counts["completion_tokens"],
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": counts["total_tokens"],
     }
 
@@ -238,6 +242,17 @@ def message_item(text: str, status: str = "completed") -> Json:
         "status": status,
         "role": "assistant",
         "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}],
+    }
+
+
+def reasoning_item(text: str, status: str = "completed") -> Json:
+    """A reasoning output item, its text in one ``reasoning_text`` part."""
+    return {
+        "type": "reasoning",
+        "id": _new_id("rs"),
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": text}],
+        "status": status,
     }
 
 
@@ -321,11 +336,13 @@ class OpenAIServingResponses:
         comp = finals.get(0)
         if comp is None:  # no output came (the request was aborted before its first token)
             raise OpenAIError(500, f"request {run.request_id} ended without an output")
-        content, calls = run.plan.parse(comp.text)
-        output = [message_item(content or "")] if content or not calls else []
+        reasoning, content, calls = run.answer(comp.text)
+        output = [reasoning_item(reasoning)] if reasoning else []
+        output += [message_item(content or "")] if content or not calls else []
         output += [call_item(c) for c in calls]
         status, incomplete = _status(comp.finish_reason)
-        body = self.body(req, run.request_id, created, status, output, usage_json(usage))
+        thought = self.serving.reasoning_tokens(comp.token_ids, reasoning)
+        body = self.body(req, run.request_id, created, status, output, usage_json(usage, thought))
         body["incomplete_details"] = incomplete
         self._keep(req, body, messages)
         return body
@@ -386,7 +403,7 @@ class OpenAIServingResponses:
         incomplete); a failure ends it with an ``error`` event and ``response.failed``."""
         events = _Events()
         usage = TokenUsage()
-        streamer = run.plan.streamer() if run.plan.parses else None
+        streamer = run.streamer()
         outputs = self.serving.outputs(run.stream, receive, 1, usage, run.deadline)
         start = self.body(req, run.request_id, created, "in_progress", [], None)
         try:
@@ -394,15 +411,16 @@ class OpenAIServingResponses:
                 yield events.event("response.created", response=start)
                 yield events.event("response.in_progress", response=start)
                 finish = None
+                token_ids: list[int] = []
                 try:
                     async for comp in outputs:
                         text = comp.delta_text
                         delta: Json = {"content": text}
-                        if streamer is not None:  # tool calls: what may be a call held back
+                        if streamer is not None:  # reasoning apart, what may be a call held back
                             delta = streamer.step(text, comp.finished)
                         for event in events.delta(delta):
                             yield event
-                        finish = comp.finish_reason
+                        finish, token_ids = comp.finish_reason, comp.token_ids
                 except OpenAIError as e:
                     yield events.event(
                         "error", code=e.code or e.type, message=e.message, param=e.param
@@ -417,8 +435,9 @@ class OpenAIServingResponses:
                 for event in events.finish():
                     yield event
                 status, incomplete = _status(finish)
+                thought = self.serving.reasoning_tokens(token_ids, events.reasoning)
                 body = self.body(
-                    req, run.request_id, created, status, events.items, usage_json(usage)
+                    req, run.request_id, created, status, events.items, usage_json(usage, thought)
                 )
                 body["incomplete_details"] = incomplete
                 self._keep(req, body, messages)
@@ -429,15 +448,16 @@ class OpenAIServingResponses:
 
 
 class _Events:
-    """Chat deltas (content, tool-call deltas) in, Responses SSE events out, numbered: each
-    output item is added, written and done in turn, a message's text in one output_text
-    part."""
+    """Chat deltas (reasoning, content, tool-call deltas) in, Responses SSE events out,
+    numbered: each output item is added, written and done in turn, a message's text in one
+    output_text part, a reasoning item's in one reasoning_text part."""
 
     def __init__(self) -> None:
         self.seq = 0
         self.items: list[Json] = []
         self.open: Json | None = None  # the item being written
-        self.text = ""  # the open message's text
+        self.text = ""  # the open message's or reasoning item's text
+        self.reasoning = ""  # all the reasoning text
 
     def event(self, kind: str, **fields: Any) -> str:
         payload = {"type": kind, "sequence_number": self.seq, **fields}
@@ -479,6 +499,27 @@ class _Events:
             )
         return out
 
+    def _reasoning(self, text: str) -> list[str]:
+        out: list[str] = []
+        if self.open is None or self.open["type"] != "reasoning":
+            item = reasoning_item("", "in_progress")
+            part = item["content"].pop()
+            out += self._add(item)
+            self.text = ""
+            out.append(
+                self.event(
+                    "response.content_part.added", **self._where(), content_index=0, part=part
+                )
+            )
+        self.text += text
+        self.reasoning += text
+        out.append(
+            self.event(
+                "response.reasoning_text.delta", **self._where(), content_index=0, delta=text
+            )
+        )
+        return out
+
     def _call(self, call: Json) -> list[str]:
         out: list[str] = []
         function = call.get("function", {})
@@ -498,6 +539,8 @@ class _Events:
 
     def delta(self, delta: Json) -> list[str]:
         out: list[str] = []
+        if delta.get("reasoning_content"):
+            out += self._reasoning(delta["reasoning_content"])
         if delta.get("content"):
             out += self._text(delta["content"])
         for call in delta.get("tool_calls", []):
@@ -526,6 +569,15 @@ class _Events:
             out.append(
                 self.event("response.content_part.done", **where, content_index=0, part=part)
             )
+        elif item["type"] == "reasoning":
+            part = {"type": "reasoning_text", "text": self.text}
+            item["content"] = [part]
+            out.append(
+                self.event("response.reasoning_text.done", **where, content_index=0, text=self.text)
+            )
+            out.append(
+                self.event("response.content_part.done", **where, content_index=0, part=part)
+            )
         else:
             out.append(
                 self.event(
@@ -543,6 +595,6 @@ class _Events:
 
     def finish(self) -> list[str]:
         """The events that end the output: the open item closed (an empty message when the
-        model wrote nothing)."""
-        out = self._text("") if not self.items else []
+        model wrote nothing but, perhaps, reasoning)."""
+        out = self._text("") if all(i["type"] == "reasoning" for i in self.items) else []
         return out + self._close()

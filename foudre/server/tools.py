@@ -141,7 +141,8 @@ def _arguments_object(arguments: str | dict[str, Any]) -> Any:
 
 def template_messages(messages: list[ChatMessage]) -> list[Json]:
     """The messages as chat templates read them: ``role`` and ``content`` (text), plus an
-    assistant's ``tool_calls`` (arguments as objects) and a tool result's ``tool_call_id``.
+    assistant's ``tool_calls`` (arguments as objects) and ``reasoning_content``, and a tool
+    result's ``tool_call_id``.
     400 naming ``messages`` for a content part that is not text (an image, audio): the models
     served read text only, and answering without the part would mislead."""
     out = []
@@ -172,6 +173,8 @@ def template_messages(messages: list[ChatMessage]) -> list[Json]:
             ]
         if m.tool_call_id is not None:
             msg["tool_call_id"] = m.tool_call_id
+        if m.reasoning_content is not None:
+            msg["reasoning_content"] = m.reasoning_content
         out.append(msg)
     return out
 

@@ -6,6 +6,7 @@ token masks are precomputed against the vocabulary), then each request gets its 
 ``GrammarMatcher``, the automaton's state after the tokens it has output::
 
     admission   GrammarCompiler.matcher(spec)        compiled grammar cached by spec
+                (spec.starts_after: GatedMatcher, free until those tokens, then the grammar)
     each step   fill_masks(rows) -> GrammarMasks     one bitmask row per constrained logits row
                 process_logits: GrammarMasks.apply   disallowed tokens -> -inf, in place, batched
     append      GrammarMatcher.accept(token)         the engine advances it with every token kept
@@ -271,7 +272,53 @@ class GrammarCompiler:
 
         compiled = self.compile(spec)
         stops = None if stop_token_ids is None else sorted(set(stop_token_ids))
-        return GrammarMatcher(xgr.GrammarMatcher(compiled, override_stop_tokens=stops))
+        matcher = GrammarMatcher(xgr.GrammarMatcher(compiled, override_stop_tokens=stops))
+        return matcher if spec.starts_after is None else GatedMatcher(matcher, spec.starts_after)
+
+
+class GatedMatcher(GrammarMatcher):
+    """A grammar that starts after a trigger: every token is allowed until the output has
+    written ``trigger`` (token ids, in a row), then ``inner`` constrains the rest. Rolling back
+    past the trigger closes the gate again (speculative verification)."""
+
+    __slots__ = ("history", "opened_at", "trigger")
+
+    def __init__(self, inner: GrammarMatcher, trigger: Sequence[int]) -> None:
+        super().__init__(inner._matcher)
+        self.trigger = list(trigger)
+        self.history: list[int] = []  # every token accepted
+        self.opened_at: int | None = None  # len(history) when the trigger completed
+
+    def accept(self, token_id: int) -> bool:
+        if self.opened_at is None:
+            self.history.append(token_id)
+            if self.history[-len(self.trigger) :] == self.trigger:
+                self.opened_at = len(self.history)
+            return True
+        if not super().accept(token_id):
+            return False
+        self.history.append(token_id)
+        return True
+
+    def rollback(self, num_tokens: int) -> None:
+        if not num_tokens:
+            return
+        keep = len(self.history) - num_tokens
+        if self.opened_at is not None:
+            super().rollback(len(self.history) - max(keep, self.opened_at))
+            if keep < self.opened_at:
+                self.opened_at = None
+        del self.history[keep:]
+
+    @property
+    def is_terminated(self) -> bool:
+        return self.opened_at is not None and bool(self._matcher.is_terminated())
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        if self.opened_at is None:
+            bitmask[row] = -1  # free: every token
+        else:
+            super().fill(bitmask, row)
 
 
 @dataclass(slots=True)
