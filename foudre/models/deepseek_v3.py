@@ -54,13 +54,11 @@ from foudre.attention.cache_spec import CacheSpec, LatentAttentionSpec
 from foudre.attention.causal import CausalBackend
 from foudre.attention.latent import LatentMetadata
 from foudre.layers.linear import Linear
-from foudre.layers.mlp import GatedMLP
-from foudre.layers.moe import SparseMoeBlock
 from foudre.layers.norm import RMSNorm
 from foudre.layers.parallel import TensorParallel
 from foudre.layers.rotary import RotaryEmbedding
 from foudre.models.config import ModelConfig
-from foudre.models.llama import LlamaForCausalLM
+from foudre.models.llama import DecoderLayer, LlamaForCausalLM, LlamaModel
 
 logger = logging.getLogger("foudre")
 _CAUSAL = CausalBackend()  # the expanded form's attention among a row's own tokens
@@ -99,7 +97,7 @@ class LatentProjection(nn.Module):
 class LatentAttention(nn.Module):
     """Multi-head latent attention (see the module's docstring)."""
 
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, index: int = 0) -> None:
         super().__init__()
         self.num_heads = h = cfg.num_attention_heads
         self.nope, self.rope = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
@@ -239,52 +237,21 @@ def _pad(x: torch.Tensor, width: int) -> torch.Tensor:
     return x if extra == 0 else torch.nn.functional.pad(x, (0, extra))
 
 
-class DeepseekV3DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, index: int) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LatentAttention(cfg, rotary)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp: GatedMLP | SparseMoeBlock
-        if cfg.is_sparse_layer(index):
-            self.mlp = SparseMoeBlock(
-                cfg.hidden_size,
-                cfg.num_experts,
-                cfg.num_experts_per_tok,
-                cfg.moe_intermediate_size,
-                renormalize=cfg.norm_topk_prob,
-                shared_intermediate_size=cfg.shared_expert_intermediate_size,
-                scoring=cfg.moe_scoring_func,
-                n_group=cfg.n_group,
-                topk_group=cfg.topk_group,
-                routed_scaling_factor=cfg.routed_scaling_factor,
-            )
-        else:
-            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+class DeepseekV3DecoderLayer(DecoderLayer):
+    """The Llama layer with latent attention (its MLP: dense in the first
+    ``first_k_dense_replace`` layers, then DeepSeek's experts, as the config routes them)."""
 
-    def forward(
-        self,
-        positions: torch.Tensor,
-        x: torch.Tensor,
-        kv_cache: torch.Tensor,
-        backend: AttentionBackend,
-        metadata: Any,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, backend, metadata)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    attention_class = LatentAttention
 
 
-class DeepseekV3Model(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
-        super().__init__()
-        self.rotary = rotary = RotaryEmbedding(
+class DeepseekV3Model(LlamaModel):
+    layer_class = DeepseekV3DecoderLayer
+
+    def make_rotary(self, cfg: ModelConfig, max_positions: int) -> None:
+        """One table for the decoupled RoPE key and query parts (``qk_rope_head_dim``)."""
+        self.rotary = RotaryEmbedding(
             cfg.qk_rope_head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling
         )
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(
-            DeepseekV3DecoderLayer(cfg, rotary, i) for i in range(cfg.num_hidden_layers)
-        )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class DeepseekV3ForCausalLM(LlamaForCausalLM):
@@ -292,16 +259,7 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
     ``forward_layers``, ``compute_logits``, the MoE statistics), which it inherits; its own are
     the layers, the cache specs and the checkpoint's names."""
 
-    def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
-        nn.Module.__init__(self)  # the Llama layers are not built: these are
-        self.config = cfg
-        self.model = DeepseekV3Model(cfg, max_positions or cfg.max_position_embeddings)  # type: ignore[assignment]
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.tp: TensorParallel | None = None
-        self.vocab_size = cfg.vocab_size
-        self.first_layer = 0
+    model_class = DeepseekV3Model
 
     def set_tensor_parallel(self, tp: TensorParallel, vocab_size: int) -> None:
         raise ValueError(

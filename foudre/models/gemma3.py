@@ -31,13 +31,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from foudre.attention import AttentionBackend
-from foudre.layers.linear import Linear
 from foudre.layers.mlp import GatedMLP
 from foudre.layers.norm import OffsetRMSNorm
 from foudre.layers.parallel import TensorParallel
 from foudre.layers.rotary import RotaryEmbedding
 from foudre.models.config import ModelConfig
-from foudre.models.llama import Attention, LlamaForCausalLM
+from foudre.models.llama import Attention, LlamaForCausalLM, LlamaModel
 
 logger = logging.getLogger(__name__)
 
@@ -93,38 +92,31 @@ class Gemma3DecoderLayer(nn.Module):
         return x + self.post_feedforward_layernorm(mlp)
 
 
-class Gemma3Model(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
-        super().__init__()
-        # the global layers' table (``rotary``, the name the rest of the engine reads for the
-        # model's positions) and the sliding layers'
+class Gemma3Model(LlamaModel):
+    """Gemma's layers and final norm; two RoPE tables: the global layers' (``rotary``, the name
+    the rest of the engine reads for the model's positions) and the sliding layers'."""
+
+    layer_class = Gemma3DecoderLayer
+    norm_class = OffsetRMSNorm
+
+    def make_rotary(self, cfg: ModelConfig, max_positions: int) -> None:
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.rotary_local = RotaryEmbedding(
             cfg.head_dim, max_positions, cfg.rope_local_theta, cfg.rope_local_scaling
         )
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(
-                cfg, self.rotary if cfg.layer_window(i) is None else self.rotary_local, i
-            )
-            for i in range(cfg.num_hidden_layers)
-        )
-        self.norm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def layer_rotary(self, cfg: ModelConfig, index: int) -> RotaryEmbedding:
+        return self.rotary if cfg.layer_window(index) is None else self.rotary_local
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
     """Gemma 3's decoder; the interface of ``LlamaForCausalLM`` (whose methods it inherits
     where Gemma does not differ: the layer loop, tensor parallelism, weight loading)."""
 
+    model_class = Gemma3Model
+
     def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
-        # Llama's __init__ sets what the engine reads (tensor parallelism, the vocabulary, the
-        # first layer's index); its modules, built on meta (nothing allocated), are replaced
-        with torch.device("meta"):
-            super().__init__(cfg, max_positions)
-        self.model = Gemma3Model(cfg, max_positions or cfg.max_position_embeddings)  # type: ignore[assignment]
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        super().__init__(cfg, max_positions)
         self.softcap = cfg.final_logit_softcapping
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -27,11 +27,16 @@ from torch import nn
 
 from foudre.attention import AttentionBackend
 from foudre.layers.linear import Linear
-from foudre.layers.moe import ClampedSwiGLUExperts, SparseMoeBlock
-from foudre.layers.norm import RMSNorm
+from foudre.layers.moe import ClampedSwiGLUExperts
 from foudre.layers.rotary import RotaryEmbedding
 from foudre.models.config import ModelConfig
-from foudre.models.llama import Attention, DecoderLayer, LlamaForCausalLM, LlamaModel
+from foudre.models.llama import (
+    Attention,
+    DecoderLayer,
+    LlamaForCausalLM,
+    LlamaModel,
+    sparse_block,
+)
 
 
 class GptOssAttention(Attention):
@@ -63,45 +68,25 @@ class GptOssAttention(Attention):
 
 
 class GptOssDecoderLayer(DecoderLayer):
-    """Pre-norm attention then a mixture of experts, each added to the residual (the Llama
-    layer's ``forward``), with gpt-oss's attention and experts."""
+    """The Llama layer with gpt-oss's attention and, in every layer, its experts."""
 
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, index: int = 0) -> None:
-        nn.Module.__init__(self)  # DecoderLayer's modules are all replaced: not built twice
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = GptOssAttention(cfg, rotary, index)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = SparseMoeBlock(
-            cfg.hidden_size,
+    attention_class = GptOssAttention
+
+    def feed_forward(self, cfg: ModelConfig, index: int) -> nn.Module:
+        experts = ClampedSwiGLUExperts(
             cfg.num_experts,
-            cfg.num_experts_per_tok,
+            cfg.hidden_size,
             cfg.moe_intermediate_size,
-            renormalize=True,
-            router_bias=True,
-            experts=ClampedSwiGLUExperts(
-                cfg.num_experts,
-                cfg.hidden_size,
-                cfg.moe_intermediate_size,
-                alpha=cfg.swiglu_alpha,
-                limit=cfg.swiglu_limit,
-            ),
+            alpha=cfg.swiglu_alpha,
+            limit=cfg.swiglu_limit,
         )
-        self.tp = None
+        return sparse_block(cfg, router_bias=True, experts=experts)
 
 
 class GptOssModel(LlamaModel):
     """Embeddings, gpt-oss's decoder layers and the final norm (``LlamaModel``'s parts)."""
 
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
-        nn.Module.__init__(self)  # LlamaModel's layers are replaced: not built twice
-        self.rotary = rotary = RotaryEmbedding(
-            cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling
-        )
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(
-            GptOssDecoderLayer(cfg, rotary, i) for i in range(cfg.num_hidden_layers)
-        )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+    layer_class = GptOssDecoderLayer
 
 
 class GptOssForCausalLM(LlamaForCausalLM):
@@ -109,16 +94,7 @@ class GptOssForCausalLM(LlamaForCausalLM):
     MoE statistics) over gpt-oss's layers. Tensor and pipeline parallelism are refused by the
     plan (``distributed/plan.check_parallel``)."""
 
-    def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
-        nn.Module.__init__(self)  # LlamaForCausalLM's, with GptOssModel
-        self.config = cfg
-        self.model = GptOssModel(cfg, max_positions or cfg.max_position_embeddings)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.tp = None
-        self.vocab_size = cfg.vocab_size
-        self.first_layer = 0
+    model_class = GptOssModel
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy transformers-named tensors into the model: q/k/v (weights and biases) into

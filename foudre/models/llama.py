@@ -76,28 +76,50 @@ class Attention(nn.Module):
         return self.o_proj(o.reshape(t, self.q_size))
 
 
+def sparse_block(cfg: ModelConfig, **variant: Any) -> SparseMoeBlock:
+    """A sparse layer's mixture of experts as ``cfg`` describes it (its routing, shared
+    experts, groups); ``variant``: what a family adds (a router bias, other experts)."""
+    return SparseMoeBlock(
+        cfg.hidden_size,
+        cfg.num_experts,
+        cfg.num_experts_per_tok,
+        cfg.moe_intermediate_size,
+        renormalize=cfg.norm_topk_prob,
+        shared_intermediate_size=cfg.shared_expert_intermediate_size,
+        shared_gate=cfg.shared_expert_gate,
+        scoring=cfg.moe_scoring_func,
+        n_group=cfg.n_group,
+        topk_group=cfg.topk_group,
+        routed_scaling_factor=cfg.routed_scaling_factor,
+        **variant,
+    )
+
+
 class DecoderLayer(nn.Module):
+    """Pre-norm attention, then pre-norm MLP, each added to the residual. A family changes its
+    parts by subclassing: ``attention_class`` (built as ``(cfg, rotary, index)``) and
+    ``feed_forward`` (a dense ``GatedMLP``, or ``sparse_block`` where the layer is sparse)."""
+
+    attention_class: type[nn.Module] = Attention
+    # (typed as the Llama family's: what the paths built for its exact layout read)
+    self_attn: Attention
+    mlp: GatedMLP | SparseMoeBlock
+
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, index: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rotary, index)
+        self.self_attn = cast(Attention, self.attention_class(cfg, rotary, index))
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp: GatedMLP | SparseMoeBlock
-        if cfg.is_sparse_layer(index):
-            self.mlp = SparseMoeBlock(
-                cfg.hidden_size,
-                cfg.num_experts,
-                cfg.num_experts_per_tok,
-                cfg.moe_intermediate_size,
-                renormalize=cfg.norm_topk_prob,
-                shared_intermediate_size=cfg.shared_expert_intermediate_size,
-                shared_gate=cfg.shared_expert_gate,
-            )
-        else:
-            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = cast(GatedMLP | SparseMoeBlock, self.feed_forward(cfg, index))
         # tensor parallelism: o_proj and the MLP's down projections are row-parallel, so each
         # rank's output is a partial sum, added across ranks here (None: one device)
         self.tp: TensorParallel | None = None
+
+    def feed_forward(self, cfg: ModelConfig, index: int) -> nn.Module:
+        """Layer ``index``'s MLP."""
+        if cfg.is_sparse_layer(index):
+            return sparse_block(cfg)
+        return GatedMLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(
         self,
@@ -118,16 +140,31 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    """Embeddings, decoder layers (``layer_class``, each given its RoPE table by
+    ``layer_rotary``) and the final norm (``norm_class``)."""
+
+    layer_class: type[nn.Module] = DecoderLayer
+    norm_class: type[nn.Module] = RMSNorm
+
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
-        self.rotary = rotary = RotaryEmbedding(
-            cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, cfg.rotary_dim
-        )
+        self.make_rotary(cfg, max_positions)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, rotary, i) for i in range(cfg.num_hidden_layers)
+            self.layer_class(cfg, self.layer_rotary(cfg, i), i)
+            for i in range(cfg.num_hidden_layers)
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = self.norm_class(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def make_rotary(self, cfg: ModelConfig, max_positions: int) -> None:
+        """The RoPE tables: ``rotary``, the one the engine reads for the model's positions."""
+        self.rotary = RotaryEmbedding(
+            cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, cfg.rotary_dim
+        )
+
+    def layer_rotary(self, cfg: ModelConfig, index: int) -> RotaryEmbedding:
+        """The RoPE table of layer ``index``."""
+        return self.rotary
 
 
 class LlamaForCausalLM(nn.Module):
@@ -138,10 +175,12 @@ class LlamaForCausalLM(nn.Module):
     ``set_tensor_parallel``; it then runs as ``embed`` (first stage), ``forward_layers``, then
     the final norm and ``compute_logits`` (last stage)."""
 
+    model_class: type[LlamaModel] = LlamaModel  # a family's own layers
+
     def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, max_positions or cfg.max_position_embeddings)
+        self.model = self.model_class(cfg, max_positions or cfg.max_position_embeddings)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

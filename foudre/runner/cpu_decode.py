@@ -100,7 +100,7 @@ class NativeDecode:
         self.window = min((w for w in windows if w is not None), default=None)
         self.scale = layers[0].self_attn.scale
         self.rotary = model.model.rotary
-        embed, norm = model.model.embed_tokens, model.model.norm
+        embed, norm = model.model.embed_tokens, cast(RMSNorm, model.model.norm)
         modules = [*model.model.layers.modules(), embed, norm]
         # What _unchanged checks each step (_Checks): every module's hooks, the top model's and
         # its decoder's too (a hook there is called by the Python path), and a leaf's children
