@@ -70,11 +70,13 @@ def compiler() -> str | None:
 
 
 _PROBE = """#include <omp.h>
-extern "C" int threads() {
+extern "C" int probe() {
+  int seen[64] = {0};
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int i = 0; i < 64; ++i) seen[i] = omp_get_num_threads();
   int n = 0;
-#pragma omp parallel for schedule(dynamic, 1) reduction(+ : n)
-  for (int i = 0; i < 64; ++i) n += omp_get_num_threads() > 0;
-  return n + omp_get_max_threads();
+  for (int i = 0; i < 64; ++i) n += seen[i] > 0;
+  return n == 64 ? omp_get_max_threads() : -1;
 }
 """
 
@@ -83,14 +85,18 @@ extern "C" int threads() {
 def openmp_mode(cxx: str) -> str:
     """How ``cxx`` builds the kernels' OpenMP loops: "native" (its own runtime: ``-fopenmp``),
     "runtime" (clang's code generation against foudre's runtime, ``omp/runtime.cpp``, where
-    it has none of its own), or "none" (one thread)."""
+    it has none of its own), or "none" (one thread). A mode counts where its probe links with
+    every symbol defined and then runs a parallel loop."""
+    strict = ["-Wl,-z,defs"] if platform.system() == "Linux" else []  # (macOS: the default)
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "probe.cpp"
         src.write_text(_PROBE)
         for mode, extra in (("native", []), ("runtime", [str(RUNTIME)])):
-            command = [cxx, *flags(mode), str(src), *extra, "-o", str(Path(tmp) / "probe.so")]
+            lib = Path(tmp) / f"probe-{mode}.so"
+            command = [cxx, *flags(mode), *strict, str(src), *extra, "-o", str(lib)]
             try:
-                if subprocess.run(command, capture_output=True, timeout=300).returncode == 0:
+                built = subprocess.run(command, capture_output=True, timeout=300).returncode == 0
+                if built and ctypes.CDLL(str(lib)).probe() > 0:
                     if mode == "runtime":
                         log.info("%s has no OpenMP runtime: the kernels use foudre's", cxx)
                     return mode
