@@ -262,7 +262,7 @@ def build_app(
         raise ValueError(f"max_request_bytes must be positive, got {max_request_bytes}")
     template = llm.tokenizer.chat_template if llm.tokenizer is not None else None
     reasoning, why = choose_reasoning_parser(reasoning_parser, template)
-    logger.info("reasoning parser: %s", why)
+    (logger.warning if why.startswith("off:") else logger.info)("reasoning parser: %s", why)
     serving = OpenAIServing(
         llm,
         served_model_name,

@@ -246,6 +246,22 @@ def test_choice_by_name_and_by_chat_template() -> None:
         reasoning_parser("qwen")
 
 
+def test_a_detected_parser_that_cannot_load_is_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A gpt_oss template on a host without harmony's vocabulary still serves (reasoning not
+    split, the reason given); asked by name, the same parser is an error."""
+    from foudre.server import reasoning
+
+    def unavailable(name: str) -> reasoning.ReasoningParser:
+        raise reasoning.HarmonyUnavailableError("no o200k vocabulary")
+
+    monkeypatch.setattr(reasoning, "reasoning_parser", unavailable)
+    template = "<|start|>assistant<|channel|>final<|message|>"
+    parser, why = choose_reasoning_parser(None, template)
+    assert parser is None and why.startswith("off:") and "no o200k vocabulary" in why
+    with pytest.raises(reasoning.HarmonyUnavailableError):
+        choose_reasoning_parser("gpt_oss", template)
+
+
 def test_serve_refuses_an_unknown_reasoning_parser_listing_the_choices(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

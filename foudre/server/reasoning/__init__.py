@@ -63,7 +63,9 @@ def choose_reasoning_parser(
 ) -> tuple[ReasoningParser | None, str]:
     """The parser a server uses and why: ``name`` when given (``"none"``: off), else the one
     the chat template calls for (none when it shows no reasoning). ``ValueError`` for an
-    unknown name; ``HarmonyUnavailableError`` when gpt_oss cannot load harmony."""
+    unknown name; ``HarmonyUnavailableError`` when gpt_oss, asked by name, cannot load harmony
+    (detected, it is turned off with the reason instead: a server that ran without reasoning
+    parsing still starts)."""
     if name == OFF:
         return None, "off (--reasoning-parser none)"
     if name is not None:
@@ -71,4 +73,7 @@ def choose_reasoning_parser(
     detected = detect_reasoning_parser(chat_template)
     if detected is None:
         return None, "off (the chat template shows no reasoning)"
-    return reasoning_parser(detected), f"{detected} (detected from the chat template)"
+    try:
+        return reasoning_parser(detected), f"{detected} (detected from the chat template)"
+    except HarmonyUnavailableError as e:
+        return None, f"off: the chat template asks for {detected}, which cannot load ({e})"
