@@ -20,12 +20,10 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from typing import Any
 
 import torch
 from torch import nn
 
-from foudre.attention import AttentionBackend
 from foudre.layers.linear import Linear
 from foudre.layers.moe import ClampedSwiGLUExperts
 from foudre.layers.rotary import RotaryEmbedding
@@ -46,25 +44,6 @@ class GptOssAttention(Attention):
         super().__init__(cfg, rotary, index)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
         self.sinks = nn.Parameter(torch.zeros(cfg.num_attention_heads))
-
-    def forward(
-        self,
-        positions: torch.Tensor,
-        x: torch.Tensor,
-        kv_cache: torch.Tensor,
-        backend: AttentionBackend,
-        metadata: Any,
-    ) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
-        o = backend.forward(
-            q, k, v, kv_cache, metadata, self.scale, window=self.sliding_window, sinks=self.sinks
-        )
-        return self.o_proj(o.reshape(t, self.q_size))
 
 
 class GptOssDecoderLayer(DecoderLayer):

@@ -51,6 +51,8 @@ class Attention(nn.Module):
         self.clip_qkv = cfg.clip_qkv
         self.rotary = rotary
         self.scale = self.head_dim**-0.5
+        # per-head logits in the softmax's denominator (gpt-oss), which the backends apply
+        self.sinks: torch.Tensor | None = None
 
     def forward(
         self,
@@ -72,7 +74,9 @@ class Attention(nn.Module):
         if not self.norm_over_heads and self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        o = backend.forward(q, k, v, kv_cache, metadata, self.scale, window=self.sliding_window)
+        o = backend.forward(
+            q, k, v, kv_cache, metadata, self.scale, window=self.sliding_window, sinks=self.sinks
+        )
         return self.o_proj(o.reshape(t, self.q_size))
 
 
