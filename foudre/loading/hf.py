@@ -18,6 +18,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from foudre.loading.errors import ModelLoadError
+from foudre.loading.hf_mamba import mamba_fields
 from foudre.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -39,6 +40,7 @@ _ARCHITECTURE_CLASSES = {
     "Phi3ForCausalLM": "phi3",
     "Gemma3ForCausalLM": "gemma3",
     "Gemma3ForConditionalGeneration": "gemma3",
+    "Mamba2ForCausalLM": "mamba2",
 }
 # `model_type`s that name one of SUPPORTED_ARCHITECTURES otherwise
 _MODEL_TYPES = {"gemma3_text": "gemma3"}
@@ -670,6 +672,8 @@ def load_hf_config(model_dir: Path) -> ModelConfig:
     arch = _architecture(raw, path)
     if arch == "gpt_oss":
         raw = _gpt_oss_config(raw, path)
+    if arch == "mamba2":
+        return _mamba2_config(raw, model_dir, path)
     defaults = _HF_DEFAULTS[arch]
     if arch == "gemma3":
         raw = _gemma3_text_config(raw, path)
@@ -717,6 +721,33 @@ def load_hf_config(model_dir: Path) -> ModelConfig:
             partial_rotary_factor=_partial_rotary(raw, arch, path),
             **moe,
             **gemma3,
+        )
+    except ValueError as exc:
+        raise ModelLoadError(f"{path}: {exc}", path) from exc
+
+
+def _mamba2_config(raw: dict[str, Any], model_dir: Path, path: Path) -> ModelConfig:
+    """A Mamba-2 ``config.json``: no attention (its attention fields are placeholders)."""
+    layers = _required_int(raw, path, "num_hidden_layers")
+    eps = raw.get("layer_norm_epsilon", 1e-5)
+    _positive_number(path, "layer_norm_epsilon", eps)
+    bos_ids, eos = _special_ids(raw, model_dir, path)
+    try:
+        return ModelConfig(
+            architecture="mamba2",
+            vocab_size=_required_int(raw, path, "vocab_size"),
+            hidden_size=_required_int(raw, path, "hidden_size"),
+            intermediate_size=0,
+            num_hidden_layers=layers,
+            num_attention_heads=1,
+            num_key_value_heads=1,
+            head_dim=2,
+            rms_norm_eps=float(eps),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            torch_dtype=_dtype(raw, path),
+            bos_token_id=bos_ids[0] if bos_ids else None,
+            eos_token_ids=eos,
+            **mamba_fields(raw, "mamba2", path, layers),
         )
     except ValueError as exc:
         raise ModelLoadError(f"{path}: {exc}", path) from exc

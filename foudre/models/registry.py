@@ -15,6 +15,7 @@ from foudre.models.deepseek_v3 import DeepseekV3ForCausalLM
 from foudre.models.gemma3 import Gemma3ForCausalLM
 from foudre.models.gpt_oss import GptOssForCausalLM
 from foudre.models.llama import LlamaForCausalLM
+from foudre.models.mamba2 import Mamba2ForCausalLM
 from foudre.models.phi3 import Phi3ForCausalLM
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
@@ -25,6 +26,7 @@ MODEL_CLASSES["deepseek_v3"] = DeepseekV3ForCausalLM
 MODEL_CLASSES["gpt_oss"] = GptOssForCausalLM
 MODEL_CLASSES["phi3"] = Phi3ForCausalLM
 MODEL_CLASSES["gemma3"] = Gemma3ForCausalLM
+MODEL_CLASSES["mamba2"] = Mamba2ForCausalLM  # refuses the engine: no recurrent state cache yet
 
 
 def model_class(cfg: ModelConfig) -> type[nn.Module]:
