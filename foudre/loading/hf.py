@@ -41,6 +41,7 @@ _ARCHITECTURE_CLASSES = {
     "Gemma3ForCausalLM": "gemma3",
     "Gemma3ForConditionalGeneration": "gemma3",
     "Mamba2ForCausalLM": "mamba2",
+    "BambaForCausalLM": "bamba",
 }
 # `model_type`s that name one of SUPPORTED_ARCHITECTURES otherwise
 _MODEL_TYPES = {"gemma3_text": "gemma3"}
@@ -102,6 +103,7 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
         "rms_norm_eps": 1e-5,
     },
     # Gemma3TextConfig's defaults (a multimodal config's text_config leaves many out)
+    "bamba": {"max_position_embeddings": 262144},  # its partial rotary factor is fixed at 0.5
     "gemma3": {
         "vocab_size": 262_208,
         "hidden_size": 2304,
@@ -312,7 +314,10 @@ def _longrope(raw: dict[str, Any], scaling: dict[str, Any], max_positions: int, 
 
 
 def _partial_rotary(raw: dict[str, Any], arch: str, path: Path) -> float:
-    """The fraction of each head RoPE turns (Phi-3 / Phi-4; 1 for the other families)."""
+    """The fraction of each head RoPE turns (Phi-3 / Phi-4; Bamba's is 0.5 whatever its config
+    says, as in transformers; 1 for the other families)."""
+    if arch == "bamba":
+        return 0.5
     if arch != "phi3":
         return 1.0
     params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
@@ -694,6 +699,7 @@ def load_hf_config(model_dir: Path) -> ModelConfig:
     bos_ids, eos = _special_ids(raw, model_dir, path)
     window, layer_types = _sliding_layers(raw, arch, path)
     gemma3 = _gemma3(raw, arch, max_positions, path)
+    mamba = _hybrid_mamba(raw, arch, path)
     try:
         return ModelConfig(
             architecture=arch,
@@ -721,9 +727,19 @@ def load_hf_config(model_dir: Path) -> ModelConfig:
             partial_rotary_factor=_partial_rotary(raw, arch, path),
             **moe,
             **gemma3,
+            **mamba,
         )
     except ValueError as exc:
         raise ModelLoadError(f"{path}: {exc}", path) from exc
+
+
+def _hybrid_mamba(raw: dict[str, Any], arch: str, path: Path) -> dict[str, Any]:
+    """A hybrid's Mamba-2 fields (none for the other families)."""
+    if arch != "bamba":
+        return {}
+    if raw.get("attention_bias"):
+        raise ModelLoadError(f"{path}: attention_bias=true is not supported for bamba", path)
+    return mamba_fields(raw, arch, path, _required_int(raw, path, "num_hidden_layers"))
 
 
 def _mamba2_config(raw: dict[str, Any], model_dir: Path, path: Path) -> ModelConfig:

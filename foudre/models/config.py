@@ -11,7 +11,7 @@ SUPPORTED_ARCHITECTURES = (
     "gpt_oss",
     "phi3",
     "gemma3",
-    "mamba2",
+    "mamba2", "bamba",
 )  # fmt: skip
 # How a mixture-of-experts router scores the experts before its top-k: a softmax over all of
 # them (Mixtral, Qwen-MoE, OLMoE), or DeepSeek-V3's sigmoid scores with a selection bias and a

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from foudre.models.bamba import BambaForCausalLM
 from foudre.models.config import ModelConfig
 from foudre.models.deepseek_v3 import DeepseekV3ForCausalLM
 from foudre.models.gemma3 import Gemma3ForCausalLM
@@ -26,7 +27,9 @@ MODEL_CLASSES["deepseek_v3"] = DeepseekV3ForCausalLM
 MODEL_CLASSES["gpt_oss"] = GptOssForCausalLM
 MODEL_CLASSES["phi3"] = Phi3ForCausalLM
 MODEL_CLASSES["gemma3"] = Gemma3ForCausalLM
-MODEL_CLASSES["mamba2"] = Mamba2ForCausalLM  # refuses the engine: no recurrent state cache yet
+# these refuse the engine (no recurrent state cache yet) and run through their own forward
+MODEL_CLASSES["mamba2"] = Mamba2ForCausalLM
+MODEL_CLASSES["bamba"] = BambaForCausalLM
 
 
 def model_class(cfg: ModelConfig) -> type[nn.Module]:
