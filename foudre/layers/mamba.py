@@ -61,6 +61,11 @@ from torch import nn
 
 from foudre.layers.linear import Linear
 
+# The scan's chunk: its work per token grows with the chunk (the quadratic form within it), its
+# Python loop with the number of chunks. The config's chunk_size tunes GPU kernels; the result
+# does not depend on it (exact arithmetic), so the scan takes at most this many tokens a chunk.
+SCAN_CHUNK = 64
+
 
 @dataclass(frozen=True, slots=True)
 class Mamba2Shape:
@@ -144,7 +149,9 @@ def _itemsize(dtype: torch.dtype) -> int:
 class RecurrentBatch:
     """One step's rows as the Mamba layers see them: row ``r`` owns the flat tokens
     ``cu_seqlens[r]:cu_seqlens[r+1]`` and continues the state in pool slot ``slots[r]``.
-    The index tensors every layer uses are built once here."""
+    The index tensors every layer uses are built once here: rows of one token (decode) take
+    the one-step recurrence, the others (prefill chunks) the chunked scan, padded to the
+    longest of them only."""
 
     cu_seqlens: list[int]
     slots: torch.Tensor  # [R] int64, on the states' device
@@ -152,6 +159,12 @@ class RecurrentBatch:
     max_len: int = field(init=False)
     token_row: torch.Tensor = field(init=False)  # [T] the row of each flat token
     token_pos: torch.Tensor = field(init=False)  # [T] its index within its row
+    one_tokens: torch.Tensor = field(init=False)  # the flat tokens of one-token rows
+    one_slots: torch.Tensor = field(init=False)  # their rows' slots
+    scan_tokens: torch.Tensor = field(init=False)  # the flat tokens of the longer rows
+    scan_slots: torch.Tensor = field(init=False)  # [R'] their rows' slots
+    scan_row: torch.Tensor = field(init=False)  # per scan token, its row among the R'
+    scan_len: int = field(init=False)  # the longest of them
 
     def __post_init__(self) -> None:
         cu = self.cu_seqlens
@@ -165,6 +178,15 @@ class RecurrentBatch:
         self.token_row = rows.repeat_interleave(lengths)
         starts = torch.tensor(cu[:-1], device=device).repeat_interleave(lengths)
         self.token_pos = torch.arange(cu[-1] - cu[0], device=device) + cu[0] - starts
+        one = lengths == 1
+        self.one_slots = self.slots[one]
+        one_token = one[self.token_row]
+        self.one_tokens = one_token.nonzero().flatten()
+        self.scan_tokens = (~one_token).nonzero().flatten()
+        self.scan_slots = self.slots[~one]
+        renumber = torch.cumsum((~one).long(), 0) - 1  # a longer row's index among them
+        self.scan_row = renumber[self.token_row[self.scan_tokens]]
+        self.scan_len = max((n for n in self.lengths if n > 1), default=0)
 
     @property
     def is_decode(self) -> bool:
@@ -284,7 +306,12 @@ class Mamba2Mixer(nn.Module):
         if batch.is_decode:
             y = _ssd_step(xs, dt, a, b, c, ssm_state, batch.slots)
         else:
-            y = _ssd_rows(xs, dt, a, b, c, ssm_state, batch, s.chunk_size)
+            y = torch.empty_like(xs)
+            if batch.one_tokens.numel():
+                i = batch.one_tokens
+                y[i] = _ssd_step(xs[i], dt[i], a, b[i], c[i], ssm_state, batch.one_slots)
+            i = batch.scan_tokens
+            y[i] = _ssd_rows(xs[i], dt[i], a, b[i], c[i], ssm_state, batch, s.chunk_size)
         y = y + xs * self.D.float()[:, None]
         y = self.norm(y.reshape(t, s.intermediate_size).to(x.dtype), z)
         return self.out_proj(y)
@@ -348,21 +375,23 @@ def _ssd_rows(
     batch: RecurrentBatch,
     chunk_size: int,
 ) -> torch.Tensor:
-    """The chunked scan over rows of different lengths: the rows are laid out padded to
-    ``[R, L]`` (a padded token has ``dt = 0``: it leaves the state as it is), scanned together
-    from their states, and their outputs gathered back to ``[T, H, P]``."""
-    rows, length = len(batch.lengths), batch.max_len
-    q = min(chunk_size, length)
+    """The chunked scan over the batch's rows of more than one token (``x`` etc. hold their
+    tokens, ``batch.scan_tokens``): the rows are laid out padded to ``[R', L]`` (a padded token
+    has ``dt = 0``: it leaves the state as it is), scanned together from their states, and their
+    outputs gathered back."""
+    rows, length = batch.scan_slots.numel(), batch.scan_len
+    q = min(chunk_size, SCAN_CHUNK, length)
     padded_len = -(-length // q) * q
-    flat = batch.token_row * padded_len + batch.token_pos
+    flat = batch.scan_row * padded_len + batch.token_pos[batch.scan_tokens]
 
     def pad(v: torch.Tensor) -> torch.Tensor:
         out = v.new_zeros(rows * padded_len, *v.shape[1:])
         out[flat] = v
         return out.view(rows, padded_len, *v.shape[1:])
 
-    y, final = ssd_chunked(pad(x), pad(dt), a, pad(b), pad(c), ssm_state[batch.slots].float(), q)
-    ssm_state[batch.slots] = final.to(ssm_state.dtype)
+    slots = batch.scan_slots
+    y, final = ssd_chunked(pad(x), pad(dt), a, pad(b), pad(c), ssm_state[slots].float(), q)
+    ssm_state[slots] = final.to(ssm_state.dtype)
     return y.reshape(rows * padded_len, *y.shape[2:])[flat]
 
 
