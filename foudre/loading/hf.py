@@ -18,7 +18,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from foudre.loading.errors import ModelLoadError
-from foudre.loading.hf_mamba import mamba_fields
+from foudre.loading.hf_mamba import granite_fields, mamba_fields
 from foudre.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -42,6 +42,7 @@ _ARCHITECTURE_CLASSES = {
     "Gemma3ForConditionalGeneration": "gemma3",
     "Mamba2ForCausalLM": "mamba2",
     "BambaForCausalLM": "bamba",
+    "GraniteMoeHybridForCausalLM": "granitemoehybrid",
 }
 # `model_type`s that name one of SUPPORTED_ARCHITECTURES otherwise
 _MODEL_TYPES = {"gemma3_text": "gemma3"}
@@ -104,6 +105,7 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
     },
     # Gemma3TextConfig's defaults (a multimodal config's text_config leaves many out)
     "bamba": {"max_position_embeddings": 262144},  # its partial rotary factor is fixed at 0.5
+    "granitemoehybrid": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6},
     "gemma3": {
         "vocab_size": 262_208,
         "hidden_size": 2304,
@@ -734,12 +736,16 @@ def load_hf_config(model_dir: Path) -> ModelConfig:
 
 
 def _hybrid_mamba(raw: dict[str, Any], arch: str, path: Path) -> dict[str, Any]:
-    """A hybrid's Mamba-2 fields (none for the other families)."""
-    if arch != "bamba":
+    """A hybrid's Mamba-2 fields (Granite's also its multipliers and experts; none for the
+    other families)."""
+    if arch not in ("bamba", "granitemoehybrid"):
         return {}
     if raw.get("attention_bias"):
-        raise ModelLoadError(f"{path}: attention_bias=true is not supported for bamba", path)
-    return mamba_fields(raw, arch, path, _required_int(raw, path, "num_hidden_layers"))
+        raise ModelLoadError(f"{path}: attention_bias=true is not supported for {arch}", path)
+    fields = mamba_fields(raw, arch, path, _required_int(raw, path, "num_hidden_layers"))
+    if arch == "granitemoehybrid":
+        fields |= granite_fields(raw, path)
+    return fields
 
 
 def _mamba2_config(raw: dict[str, Any], model_dir: Path, path: Path) -> ModelConfig:

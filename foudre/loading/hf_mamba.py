@@ -16,10 +16,14 @@ _KEYS: dict[str, tuple[str, str, Any]] = {
     "mamba_conv_kernel": ("conv_kernel", "mamba_d_conv", 4),
     "mamba_chunk_size": ("chunk_size", "mamba_chunk_size", 256),
 }
-_DEFAULTS = {
+_DEFAULTS: dict[str, dict[str, Any]] = {
     "mamba2": {"state_size": 128, "n_groups": 8},
     "bamba": {"mamba_d_state": 256, "mamba_n_groups": 1},
+    "granitemoehybrid": {"mamba_d_state": 256, "mamba_n_groups": 1},
 }
+# Granite's layer_types (also layers_block_type): its Mamba and its attention layers' names
+_GRANITE_MAMBA = ("mamba", "linear_attention")
+_GRANITE_ATTENTION = ("attention", "full_attention")
 
 
 def _positive_int(raw: dict[str, Any], key: str, default: Any, path: Path) -> int:
@@ -74,6 +78,8 @@ def mamba_fields(raw: dict[str, Any], arch: str, path: Path, num_layers: int) ->
         )
     if own:
         fields["mamba_layers"] = tuple(range(num_layers))
+    elif arch == "granitemoehybrid":
+        fields["mamba_layers"] = _granite_layers(raw, path, num_layers)
     else:
         attention = raw.get("attn_layer_indices") or []
         if not isinstance(attention, list) or not all(
@@ -86,3 +92,48 @@ def mamba_fields(raw: dict[str, Any], arch: str, path: Path, num_layers: int) ->
             )
         fields["mamba_layers"] = tuple(i for i in range(num_layers) if i not in attention)
     return fields
+
+
+def _granite_layers(raw: dict[str, Any], path: Path, num_layers: int) -> tuple[int, ...]:
+    types = raw.get("layer_types") or raw.get("layers_block_type") or ["mamba"] * num_layers
+    known = _GRANITE_MAMBA + _GRANITE_ATTENTION
+    if not isinstance(types, list) or len(types) != num_layers or set(types) - set(known):
+        raise ModelLoadError(
+            f"{path}: layer_types must give one of {', '.join(known)} for each of the "
+            f"{num_layers} layers, got {types!r}",
+            path,
+        )
+    return tuple(i for i, kind in enumerate(types) if kind in _GRANITE_MAMBA)
+
+
+def granite_fields(raw: dict[str, Any], path: Path) -> dict[str, Any]:
+    """A Granite 4.0 hybrid's multipliers, positions and experts as ``ModelConfig`` fields."""
+    fields: dict[str, Any] = {}
+    for key in ("embedding_multiplier", "residual_multiplier", "logits_scaling"):
+        fields[key] = _positive(raw.get(key, 1.0), key, path)
+    if raw.get("attention_multiplier") is not None:
+        fields["attention_multiplier"] = _positive(
+            raw["attention_multiplier"], "attention_multiplier", path
+        )
+    kind = raw.get("position_embedding_type")
+    if kind not in (None, "nope", "rope"):
+        raise ModelLoadError(f"{path}: unsupported position_embedding_type {kind!r}", path)
+    fields["use_rope"] = kind == "rope"
+    experts = raw.get("num_local_experts", 8)
+    if not isinstance(experts, int) or isinstance(experts, bool) or experts < 0:
+        raise ModelLoadError(f"{path}: num_local_experts must be >= 0, got {experts!r}", path)
+    fields["num_experts"] = experts
+    fields["shared_expert_intermediate_size"] = _positive_int(
+        raw, "shared_intermediate_size", 1024, path
+    )
+    if experts:
+        fields["num_experts_per_tok"] = _positive_int(raw, "num_experts_per_tok", 2, path)
+        fields["moe_intermediate_size"] = _positive_int(raw, "intermediate_size", None, path)
+        fields["norm_topk_prob"] = True  # a softmax over the top-k logits
+    return fields
+
+
+def _positive(value: Any, key: str, path: Path) -> float:
+    if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
+        raise ModelLoadError(f"{path}: {key} must be a positive number, got {value!r}", path)
+    return float(value)

@@ -11,7 +11,7 @@ SUPPORTED_ARCHITECTURES = (
     "gpt_oss",
     "phi3",
     "gemma3",
-    "mamba2", "bamba",
+    "mamba2", "bamba", "granitemoehybrid",
 )  # fmt: skip
 # How a mixture-of-experts router scores the experts before its top-k: a softmax over all of
 # them (Mixtral, Qwen-MoE, OLMoE), or DeepSeek-V3's sigmoid scores with a selection bias and a
@@ -120,6 +120,16 @@ class ModelConfig:
     mamba_proj_bias: bool = False
     mamba_time_step_limit: tuple[float, float] = (0.0, float("inf"))
     mamba_layers: tuple[int, ...] = ()
+    # Granite 4.0 hybrids (``models/granite_moe_hybrid.py``): embeddings times
+    # ``embedding_multiplier``, each sublayer's output times ``residual_multiplier`` before
+    # its residual add, attention scores scaled by ``attention_multiplier`` (None: the usual
+    # head_dim**-0.5), logits divided by ``logits_scaling``; ``use_rope`` False: no positions
+    # in attention at all (NoPE)
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
+    use_rope: bool = True
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
