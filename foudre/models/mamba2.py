@@ -9,7 +9,7 @@ with that error instead of running without its state.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import cast
 
 import torch
@@ -127,7 +127,7 @@ class Mamba2ForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors in; ``ValueError`` naming the tensor for an unknown
         name, a wrong shape, a repeat, and any parameter the checkpoint lacks."""
-        load_named(self, ((_rename(n), t) for n, t in weights), self.config)
+        load_named(self, weights, self.config, _rename)
 
 
 def _rename(name: str) -> str:
@@ -137,28 +137,42 @@ def _rename(name: str) -> str:
     return name
 
 
+def _hf_name(name: str) -> str:
+    """The checkpoint's name of our parameter ``name``."""
+    for theirs, ours in _HF_PREFIXES:
+        if name.startswith(ours) and theirs != "backbone.embedding.":
+            return theirs + name[len(ours) :]
+    return name
+
+
 def load_named(
-    model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig
+    model: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    cfg: ModelConfig,
+    rename: Callable[[str], str],
 ) -> None:
-    """Copy tensors named as ``model``'s parameters into them, checking names and shapes, that
-    none comes twice and that none is missing (a tied head needs none)."""
+    """Copy tensors, ``rename``d to ``model``'s parameter names, into them, checking names and
+    shapes, that none comes twice and that none is missing (a tied head needs none); errors
+    name the checkpoint's tensor."""
     params = dict(model.named_parameters())
     seen: set[str] = set()
-    for name, tensor in weights:
+    for theirs, tensor in weights:
+        name = rename(theirs)
         if cfg.tie_word_embeddings and name == "lm_head.weight":
             continue
         param = params.get(name)
         if param is None:
-            raise ValueError(f"unexpected weight {name!r} for {cfg.architecture}")
+            raise ValueError(f"unexpected weight {theirs!r} for {cfg.architecture}")
         if tuple(param.shape) != tuple(tensor.shape):
             raise ValueError(
-                f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
+                f"weight {theirs!r} has shape {tuple(tensor.shape)}, expected "
+                f"{tuple(param.shape)} (from the config)"
             )
         if name in seen:
-            raise ValueError(f"weight {name!r} is given twice")
+            raise ValueError(f"weight {theirs!r} is given twice")
         seen.add(name)
         with torch.no_grad():
             param.copy_(tensor)
     for name in params:
         if name not in seen:
-            raise ValueError(f"weight {name!r} missing from the checkpoint")
+            raise ValueError(f"weight {_hf_name(name)!r} missing from the checkpoint")

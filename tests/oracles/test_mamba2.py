@@ -231,3 +231,32 @@ def test_llm_refuses_until_the_engine_holds_state(pair: Any) -> None:
     path = pair[0]
     with pytest.raises(RecurrentStateNotSupported, match="recurrent state cache not yet supported"):
         LLM(str(path), dtype="float32", skip_tokenizer_init=True)
+
+
+def test_bad_checkpoints_name_the_key_or_tensor(tmp_path: Path) -> None:
+    """A config whose state size disagrees with the tensors, a missing tensor and heads that
+    do not make expand * hidden_size are refused, naming the tensor or the key."""
+    import json
+
+    from foudre.loading.errors import ModelLoadError
+    from foudre.loading.hf import load_hf_config
+
+    path = make_mamba2(tmp_path / "m")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "state_size": 8}))
+    with pytest.raises(ModelLoadError, match=r"weight .backbone\.layers\.0\.mixer\..* has shape"):
+        load_model(str(path), None, "float32", torch.device("cpu"), None)
+    (path / "config.json").write_text(json.dumps({**config, "head_dim": 8}))
+    with pytest.raises(ModelLoadError, match="expand \\* hidden_size"):
+        load_hf_config(path)
+    (path / "config.json").write_text(json.dumps({**config, "hidden_act": "gelu"}))
+    with pytest.raises(ModelLoadError, match="hidden_act"):
+        load_hf_config(path)
+    (path / "config.json").write_text(json.dumps(config))
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(path / "model.safetensors")
+    del tensors["backbone.layers.1.mixer.D"]
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=r"backbone\.layers\.1\.mixer\.D.* missing"):
+        load_model(str(path), None, "float32", torch.device("cpu"), None)
