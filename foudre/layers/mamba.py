@@ -65,6 +65,8 @@ from foudre.layers.linear import Linear
 # Python loop with the number of chunks. The config's chunk_size tunes GPU kernels; the result
 # does not depend on it (exact arithmetic), so the scan takes at most this many tokens a chunk.
 SCAN_CHUNK = 64
+# the most elements of the scan's [rows, chunks, chunk, chunk, heads] products at a time
+SCAN_ELEMENTS = 1 << 22
 
 
 @dataclass(frozen=True, slots=True)
@@ -331,7 +333,7 @@ class Mamba2Mixer(nn.Module):
         )  # row r's first state row
         ext = xbc.new_empty(xbc.shape[0] + rows * w, xbc.shape[1])
         state_idx = (base[:, None] + torch.arange(w, device=xbc.device)).reshape(-1)
-        ext[state_idx] = conv_state[batch.slots].reshape(rows * w, -1).to(xbc.dtype)
+        ext[state_idx] = conv_state[batch.slots].reshape(rows * w, xbc.shape[1]).to(xbc.dtype)
         token_start = base[batch.token_row] + batch.token_pos  # its window's first ext row
         ext[token_start + w] = xbc
         window = ext[token_start[:, None] + torch.arange(k, device=xbc.device)]  # [T, K, C]
@@ -395,6 +397,17 @@ def _ssd_rows(
     return y.reshape(rows * padded_len, *y.shape[2:])[flat]
 
 
+def _within_chunks(
+    c: torch.Tensor, b: torch.Tensor, xdt: torch.Tensor, acum: torch.Tensor, causal: torch.Tensor
+) -> torch.Tensor:
+    """Each chunk's output from its own tokens: ``y_i = sum_{j<=i} (C_i . B_j) exp(acum_i -
+    acum_j) dt_j x_j``."""
+    diff = acum[:, :, :, None, :] - acum[:, :, None, :, :]  # [R, C, Qi, Qj, H]
+    decay = torch.exp(diff.masked_fill(~causal[None, None, :, :, None], float("-inf")))
+    scores = torch.einsum("rcihn,rcjhn->rcijh", c, b) * decay
+    return torch.einsum("rcijh,rcjhp->rcihp", scores, xdt)
+
+
 def ssd_chunked(
     x: torch.Tensor,
     dt: torch.Tensor,
@@ -419,12 +432,13 @@ def ssd_chunked(
     c = c.repeat_interleave(per_group, 2).view(r, n_chunks, chunk, heads, -1)
     xdt = (x * dt[..., None]).view(r, n_chunks, chunk, heads, p)
     acum = torch.cumsum((dt * a).view(r, n_chunks, chunk, heads), dim=2)  # [R, C, Q, H]
-    # decay from token j to token i within a chunk (i >= j), zero above the diagonal
-    diff = acum[:, :, :, None, :] - acum[:, :, None, :, :]  # [R, C, Qi, Qj, H]
     causal = torch.ones(chunk, chunk, dtype=torch.bool, device=x.device).tril()
-    decay = torch.exp(diff.masked_fill(~causal[None, None, :, :, None], float("-inf")))
-    scores = torch.einsum("rcihn,rcjhn->rcijh", c, b) * decay
-    y = torch.einsum("rcijh,rcjhp->rcihp", scores, xdt)
+    y = torch.empty_like(xdt)
+    # the [R, C, Q, Q, H] products of a few chunks at a time: bounded memory at any length
+    step = max(1, SCAN_ELEMENTS // (r * chunk * chunk * heads))
+    for lo in range(0, n_chunks, step):
+        part = slice(lo, lo + step)
+        y[:, part] = _within_chunks(c[:, part], b[:, part], xdt[:, part], acum[:, part], causal)
     # each chunk's own contribution to the state at its end
     to_end = torch.exp(acum[:, :, -1:, :] - acum)  # [R, C, Q, H]
     chunk_states = torch.einsum("rcjhn,rcjh,rcjhp->rchpn", b, to_end, xdt)

@@ -260,3 +260,17 @@ def test_bad_checkpoints_name_the_key_or_tensor(tmp_path: Path) -> None:
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ModelLoadError, match=r"backbone\.layers\.1\.mixer\.D.* missing"):
         load_model(str(path), None, "float32", torch.device("cpu"), None)
+
+
+def test_scan_in_slices_of_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scan's chunks taken a few at a time (bounded memory) give the same result."""
+    from foudre.layers import mamba
+
+    torch.manual_seed(1)
+    x, dt = torch.randn(2, 24, 4, 3), torch.rand(2, 24, 4) * 0.5
+    a, b, c = -torch.rand(4), torch.randn(2, 24, 1, 5), torch.randn(2, 24, 1, 5)
+    h0 = torch.randn(2, 4, 3, 5)
+    want = ssd_chunked(x, dt, a, b, c, h0, 4)
+    monkeypatch.setattr(mamba, "SCAN_ELEMENTS", 2 * 4 * 4 * 4 * 2)  # two chunks at a time
+    got = ssd_chunked(x, dt, a, b, c, h0, 4)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
