@@ -1,7 +1,7 @@
 """Oracle: Granite 4.0 hybrids (``GraniteMoeHybridForCausalLM``: Mamba-2 mixers, attention with
 or without RoPE, mixtures of experts with a shared MLP, Granite's multipliers) against
 transformers on random small configs, float32, through the stand-in driver of
-``test_bamba.py`` (a state slot and paged KV blocks per request)."""
+``hybrid_driver.py`` (a state slot and paged KV blocks per request)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 from foudre.loading.loader import load_model
 from foudre.models.granite_moe_hybrid import GraniteMoeHybridForCausalLM
 from foudre.models.mamba2 import RecurrentStateNotSupported
-from tests.oracles.test_bamba import HybridDriver
+from tests.oracles.hybrid_driver import HybridDriver
 
 BASE: dict[str, Any] = dict(
     vocab_size=256,
