@@ -31,10 +31,9 @@ class HybridDriver:
         self.computed = [0] * requests
         self.backend = TorchSDPABackend()
 
-    def fork(self, parent: int, child: int, ids_before: list[int]) -> None:
-        """``child`` continues ``parent``: its state copied, its KV recomputed into its own
-        blocks from ``ids_before`` (the drivers' stand-in for shared blocks)."""
-        del ids_before
+    def fork(self, parent: int, child: int) -> None:
+        """``child`` continues ``parent``: its state copied, its KV copied into its own blocks
+        (the driver's stand-in for blocks shared by reference)."""
         self.states.free(self.slots[child])
         self.slots[child] = self.states.fork(self.slots[parent])
         for cache in self.caches:

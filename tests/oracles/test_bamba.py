@@ -149,23 +149,23 @@ def test_mixed_batch_of_rows(pair: Any) -> None:
 def test_greedy_ids_equal_generate(pair: Any) -> None:
     """Prompts of different lengths decoded together, one of them forked (n = 2)."""
     _, hf, ours = pair
-    prompts = [_prompt(n, 20 + n) for n in (5, 17, 33)]
+    prompts = [_prompt(n, 20 + n) for n in (5, 17, 33, 150)]
     steps = 10
     want = []
     for p in prompts:
         out = hf.generate(torch.tensor([p]), max_new_tokens=steps, do_sample=False)
         want.append(out[0, len(p) :].tolist())
-    driver = HybridDriver(ours, 4, 48)
+    driver = HybridDriver(ours, 5, 160)
     logits = driver.step(list(enumerate(prompts)))
     got = [[int(lg[-1].argmax())] for lg in logits]
-    driver.fork(1, 3, prompts[1])
+    driver.fork(1, 4)
     got.append(list(got[1]))
     for _ in range(steps - 1):
         logits = driver.step([(r, [g[-1]]) for r, g in enumerate(got)])
         for g, lg in zip(got, logits, strict=True):
             g.append(int(lg[-1].argmax()))
-    assert got[:3] == want
-    assert got[3] == want[1]
+    assert got[:4] == want
+    assert got[4] == want[1]
 
 
 def test_layers_and_state_bytes(pair: Any) -> None:

@@ -113,7 +113,8 @@ def _step(
 
 def test_whole_sequence_logits(pair: Any) -> None:
     _, hf, ours = pair
-    for n, seed in ((1, 0), (7, 1), (40, 2)):  # one token, under a chunk, several chunks
+    # one token, under a chunk, several chunks, several of the scan's own (64-token) chunks
+    for n, seed in ((1, 0), (7, 1), (40, 2), (600, 5)):
         ids = _prompt(n, seed)
         states = ours.new_states(1)
         (got,) = _step(ours, states, [(states.allocate(), ids)])
@@ -171,13 +172,13 @@ def test_batch_of_rows_equals_each_alone(pair: Any) -> None:
 def test_greedy_ids_equal_generate(pair: Any) -> None:
     """A batch of prompts of different lengths decoded together, forked once (n = 2)."""
     _, hf, ours = pair
-    prompts = [_prompt(n, 20 + n) for n in (5, 17, 33)]
+    prompts = [_prompt(n, 20 + n) for n in (5, 17, 33, 200)]
     steps = 12
     want = []
     for p in prompts:
         out = hf.generate(torch.tensor([p]), max_new_tokens=steps, do_sample=False)
         want.append(out[0, len(p) :].tolist())
-    states = ours.new_states(4)
+    states = ours.new_states(5)
     slots = [states.allocate() for _ in prompts]
     logits = _step(ours, states, list(zip(slots, prompts, strict=True)))
     nexts = [int(lg[-1].argmax()) for lg in logits]
@@ -189,8 +190,8 @@ def test_greedy_ids_equal_generate(pair: Any) -> None:
         logits = _step(ours, states, [(s, [g[-1]]) for s, g in zip(slots, got, strict=True)])
         for g, lg in zip(got, logits, strict=True):
             g.append(int(lg[-1].argmax()))
-    assert got[:3] == want
-    assert got[3] == want[1]
+    assert got[:4] == want
+    assert got[4] == want[1]
 
 
 def test_scan_equals_recurrence() -> None:
