@@ -326,11 +326,10 @@ class Mamba2Mixer(nn.Module):
         k = self.shape.conv_kernel
         w = k - 1
         rows = len(batch.lengths)
-        # ext: per row, its conv state then its tokens, rows one after the other
+        # ext: per row, its conv state then its tokens, rows one after the other; base[r] is
+        # where row r's state starts in it
         cu = torch.tensor(batch.cu_seqlens, device=xbc.device)
-        base = (
-            cu[:-1] - cu[0] + torch.arange(rows, device=xbc.device) * w
-        )  # row r's first state row
+        base = cu[:-1] - cu[0] + torch.arange(rows, device=xbc.device) * w
         ext = xbc.new_empty(xbc.shape[0] + rows * w, xbc.shape[1])
         state_idx = (base[:, None] + torch.arange(w, device=xbc.device)).reshape(-1)
         ext[state_idx] = conv_state[batch.slots].reshape(rows * w, xbc.shape[1]).to(xbc.dtype)

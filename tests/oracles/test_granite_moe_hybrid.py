@@ -147,3 +147,34 @@ def test_llm_refuses_until_the_engine_holds_state(pair: Any) -> None:
 
     with pytest.raises(RecurrentStateNotSupported, match="recurrent state cache not yet"):
         LLM(str(pair[0]), dtype="float32", skip_tokenizer_init=True)
+
+
+@pytest.mark.parametrize(
+    ("arch", "change", "named"),
+    [
+        ("bamba", {"attn_layer_indices": [7]}, "attn_layer_indices"),
+        ("bamba", {"attention_bias": True}, "attention_bias"),
+        ("bamba", {"mamba_n_heads": 7}, "expand \\* hidden_size"),
+        ("granitemoehybrid", {"layer_types": ["mamba", "conv", "mamba", "mamba"]}, "layer_types"),
+        ("granitemoehybrid", {"position_embedding_type": "alibi"}, "position_embedding_type"),
+        ("granitemoehybrid", {"residual_multiplier": 0}, "residual_multiplier"),
+    ],
+)
+def test_bad_hybrid_configs_name_the_key(
+    tmp_path: Path, arch: str, change: dict[str, Any], named: str
+) -> None:
+    import json
+
+    import transformers
+
+    from foudre.loading.errors import ModelLoadError
+    from foudre.loading.hf import load_hf_config
+    from tests.oracles.test_bamba import BASE as BAMBA
+
+    config = transformers.BambaConfig(**BAMBA) if arch == "bamba" else None
+    config = config or transformers.GraniteMoeHybridConfig(**BASE)
+    config.save_pretrained(tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**raw, **change}))
+    with pytest.raises(ModelLoadError, match=named):
+        load_hf_config(tmp_path)
