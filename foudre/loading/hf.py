@@ -103,9 +103,9 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
         "original_max_position_embeddings": 4096,
         "rms_norm_eps": 1e-5,
     },
-    # Gemma3TextConfig's defaults (a multimodal config's text_config leaves many out)
     "bamba": {"max_position_embeddings": 262144},  # its partial rotary factor is fixed at 0.5
     "granitemoehybrid": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6},
+    # Gemma3TextConfig's defaults (a multimodal config's text_config leaves many out)
     "gemma3": {
         "vocab_size": 262_208,
         "hidden_size": 2304,
