@@ -18,6 +18,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from foudre.loading.errors import ModelLoadError
+from foudre.loading.hf_mamba import granite_fields, mamba_fields
 from foudre.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -39,6 +40,9 @@ _ARCHITECTURE_CLASSES = {
     "Phi3ForCausalLM": "phi3",
     "Gemma3ForCausalLM": "gemma3",
     "Gemma3ForConditionalGeneration": "gemma3",
+    "Mamba2ForCausalLM": "mamba2",
+    "BambaForCausalLM": "bamba",
+    "GraniteMoeHybridForCausalLM": "granitemoehybrid",
 }
 # `model_type`s that name one of SUPPORTED_ARCHITECTURES otherwise
 _MODEL_TYPES = {"gemma3_text": "gemma3"}
@@ -99,6 +103,8 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
         "original_max_position_embeddings": 4096,
         "rms_norm_eps": 1e-5,
     },
+    "bamba": {"max_position_embeddings": 262144},  # its partial rotary factor is fixed at 0.5
+    "granitemoehybrid": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6},
     # Gemma3TextConfig's defaults (a multimodal config's text_config leaves many out)
     "gemma3": {
         "vocab_size": 262_208,
@@ -310,7 +316,10 @@ def _longrope(raw: dict[str, Any], scaling: dict[str, Any], max_positions: int, 
 
 
 def _partial_rotary(raw: dict[str, Any], arch: str, path: Path) -> float:
-    """The fraction of each head RoPE turns (Phi-3 / Phi-4; 1 for the other families)."""
+    """The fraction of each head RoPE turns (Phi-3 / Phi-4; Bamba's is 0.5 whatever its config
+    says, as in transformers; 1 for the other families)."""
+    if arch == "bamba":
+        return 0.5
     if arch != "phi3":
         return 1.0
     params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
@@ -670,6 +679,8 @@ def load_hf_config(model_dir: Path) -> ModelConfig:
     arch = _architecture(raw, path)
     if arch == "gpt_oss":
         raw = _gpt_oss_config(raw, path)
+    if arch == "mamba2":
+        return _mamba2_config(raw, model_dir, path)
     defaults = _HF_DEFAULTS[arch]
     if arch == "gemma3":
         raw = _gemma3_text_config(raw, path)
@@ -690,6 +701,7 @@ def load_hf_config(model_dir: Path) -> ModelConfig:
     bos_ids, eos = _special_ids(raw, model_dir, path)
     window, layer_types = _sliding_layers(raw, arch, path)
     gemma3 = _gemma3(raw, arch, max_positions, path)
+    mamba = _hybrid_mamba(raw, arch, path)
     try:
         return ModelConfig(
             architecture=arch,
@@ -717,6 +729,47 @@ def load_hf_config(model_dir: Path) -> ModelConfig:
             partial_rotary_factor=_partial_rotary(raw, arch, path),
             **moe,
             **gemma3,
+            **mamba,
+        )
+    except ValueError as exc:
+        raise ModelLoadError(f"{path}: {exc}", path) from exc
+
+
+def _hybrid_mamba(raw: dict[str, Any], arch: str, path: Path) -> dict[str, Any]:
+    """A hybrid's Mamba-2 fields (Granite's also its multipliers and experts; none for the
+    other families)."""
+    if arch not in ("bamba", "granitemoehybrid"):
+        return {}
+    if raw.get("attention_bias"):
+        raise ModelLoadError(f"{path}: attention_bias=true is not supported for {arch}", path)
+    fields = mamba_fields(raw, arch, path, _required_int(raw, path, "num_hidden_layers"))
+    if arch == "granitemoehybrid":
+        fields |= granite_fields(raw, path)
+    return fields
+
+
+def _mamba2_config(raw: dict[str, Any], model_dir: Path, path: Path) -> ModelConfig:
+    """A Mamba-2 ``config.json``: no attention (its attention fields are placeholders)."""
+    layers = _required_int(raw, path, "num_hidden_layers")
+    eps = raw.get("layer_norm_epsilon", 1e-5)
+    _positive_number(path, "layer_norm_epsilon", eps)
+    bos_ids, eos = _special_ids(raw, model_dir, path)
+    try:
+        return ModelConfig(
+            architecture="mamba2",
+            vocab_size=_required_int(raw, path, "vocab_size"),
+            hidden_size=_required_int(raw, path, "hidden_size"),
+            intermediate_size=0,
+            num_hidden_layers=layers,
+            num_attention_heads=1,
+            num_key_value_heads=1,
+            head_dim=2,
+            rms_norm_eps=float(eps),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            torch_dtype=_dtype(raw, path),
+            bos_token_id=bos_ids[0] if bos_ids else None,
+            eos_token_ids=eos,
+            **mamba_fields(raw, "mamba2", path, layers),
         )
     except ValueError as exc:
         raise ModelLoadError(f"{path}: {exc}", path) from exc

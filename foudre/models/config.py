@@ -11,6 +11,7 @@ SUPPORTED_ARCHITECTURES = (
     "gpt_oss",
     "phi3",
     "gemma3",
+    "mamba2", "bamba", "granitemoehybrid",
 )  # fmt: skip
 # How a mixture-of-experts router scores the experts before its top-k: a softmax over all of
 # them (Mixtral, Qwen-MoE, OLMoE), or DeepSeek-V3's sigmoid scores with a selection bias and a
@@ -106,6 +107,29 @@ class ModelConfig:
     rope_local_theta: float = 10000.0
     rope_local_scaling: dict[str, Any] | None = None
     final_logit_softcapping: float | None = None
+    # Mamba-2 (``models/mamba2.py``) and its hybrids (``models/bamba.py``): the sizes of the
+    # Mamba-2 mixer (``layers/mamba.Mamba2Shape``) and the indices of the layers that are
+    # mixers (Mamba-2: all of them; the hybrids' other layers are attention)
+    mamba_num_heads: int = 0
+    mamba_head_dim: int = 0
+    mamba_state_size: int = 0
+    mamba_n_groups: int = 1
+    mamba_conv_kernel: int = 4
+    mamba_chunk_size: int = 256
+    mamba_conv_bias: bool = True
+    mamba_proj_bias: bool = False
+    mamba_time_step_limit: tuple[float, float] = (0.0, float("inf"))
+    mamba_layers: tuple[int, ...] = ()
+    # Granite 4.0 hybrids (``models/granite_moe_hybrid.py``): embeddings times
+    # ``embedding_multiplier``, each sublayer's output times ``residual_multiplier`` before
+    # its residual add, attention scores scaled by ``attention_multiplier`` (None: the usual
+    # head_dim**-0.5), logits divided by ``logits_scaling``; ``use_rope`` False: no positions
+    # in attention at all (NoPE)
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
+    use_rope: bool = True
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -119,6 +143,13 @@ class ModelConfig:
                 f"num_attention_heads={self.num_attention_heads}"
             )
         self.mlp_only_layers = tuple(self.mlp_only_layers)
+        self.mamba_layers = tuple(self.mamba_layers)
+        self.mamba_time_step_limit = (
+            float(self.mamba_time_step_limit[0]),
+            float(self.mamba_time_step_limit[1]),
+        )
+        if any(not 0 <= i < self.num_hidden_layers for i in self.mamba_layers):
+            raise ValueError(f"mamba_layers {list(self.mamba_layers)} name layers past the model")
         if self.layer_types is not None:
             self.layer_types = tuple(self.layer_types)
             if len(self.layer_types) != self.num_hidden_layers or not set(self.layer_types) <= {

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 from torch import nn
 
+from foudre.models.bamba import BambaForCausalLM
 from foudre.models.config import ModelConfig
 from foudre.models.deepseek_v3 import DeepseekV3ForCausalLM
 from foudre.models.gemma3 import Gemma3ForCausalLM
 from foudre.models.gpt_oss import GptOssForCausalLM
+from foudre.models.granite_moe_hybrid import GraniteMoeHybridForCausalLM
 from foudre.models.llama import LlamaForCausalLM
+from foudre.models.mamba2 import Mamba2ForCausalLM
 from foudre.models.phi3 import Phi3ForCausalLM
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
@@ -25,6 +28,10 @@ MODEL_CLASSES["deepseek_v3"] = DeepseekV3ForCausalLM
 MODEL_CLASSES["gpt_oss"] = GptOssForCausalLM
 MODEL_CLASSES["phi3"] = Phi3ForCausalLM
 MODEL_CLASSES["gemma3"] = Gemma3ForCausalLM
+# these refuse the engine (no recurrent state cache yet) and run through their own forward
+MODEL_CLASSES["mamba2"] = Mamba2ForCausalLM
+MODEL_CLASSES["bamba"] = BambaForCausalLM
+MODEL_CLASSES["granitemoehybrid"] = GraniteMoeHybridForCausalLM
 
 
 def model_class(cfg: ModelConfig) -> type[nn.Module]:

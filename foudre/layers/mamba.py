@@ -1,0 +1,452 @@
+"""The Mamba-2 mixer (state space duality, SSD) over a flat batch of rows, its per-request state
+passed in as explicit tensors.
+
+One mixer turns ``x [T, hidden]`` (the new tokens of R rows, flattened as the attention backends
+take them: row ``r`` owns tokens ``cu[r]:cu[r+1]``) into ``[T, hidden]``::
+
+    in_proj ─▶ z | xBC | dt
+    xBC ─▶ causal depthwise conv1d (window d_conv, continuing the row's conv state) ─▶ silu
+        ─▶ x [heads, head_dim] | B [groups, d_state] | C [groups, d_state]
+    dt ─▶ softplus(dt + dt_bias) (clamped to time_step_limit)
+    SSD: h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T      y_t = h_t C_t + D x_t
+    y ─▶ gated RMSNorm (y * silu(z), normalised per group) ─▶ out_proj
+
+Each row continues from its state and leaves its state updated in place, so a prompt may come in
+chunks (chunked prefill) and decode is the same call with one token per row. Prefill runs the
+chunked scan (quadratic within a chunk of ``chunk_size`` tokens, a recurrence across chunks: no
+Python loop over tokens); a step where every row has one token runs the one-step recurrence.
+
+Per request and per Mamba layer the state is (``RecurrentStateSpec``):
+
+- conv state ``[d_conv - 1, conv_dim]``: the last ``d_conv - 1`` inputs of the convolution
+  (``conv_dim = heads * head_dim + 2 * groups * d_state``), in the model dtype;
+- SSM state ``[heads, head_dim, d_state]``, float32 (it accumulates over the whole sequence).
+
+A fresh request starts from zeros in both. The states of all requests live in pools
+``[slots, ...]`` (``RecurrentStates``); a step names each row's slot (``RecurrentBatch``).
+
+What the engine integration needs (not done here; this module is the model math):
+
+- a ``RecurrentStateSpec`` per Mamba layer beside the attention layers' ``CacheSpec``s: its
+  ``bytes_per_request`` (conv + SSM, independent of the sequence length) is charged to the same
+  budget as the KV blocks (``--kv-cache-memory``), so admission and preemption see a request's
+  true cost: blocks for its attention layers plus one slot;
+- a state slot per request, allocated (zeroed) at admission with its first blocks, freed when
+  it finishes, is aborted or preempted (preemption recomputes: the slot is zeroed again on
+  resume); the runner passes each row's slot and its ``cu_seqlens`` in a ``RecurrentBatch``;
+- ``n`` > 1 and beam search fork a request: the child's slot is a copy of the parent's
+  (``RecurrentStates.fork``), where its attention blocks are shared by reference;
+- prefix caching: a cached block must also remember the recurrent state after its last token
+  (a snapshot: conv + SSM state per Mamba layer, ``bytes_per_request`` each), taken when the
+  block becomes full during prefill, so that a hit restores the snapshot of the last hit block
+  into the request's slot and recomputes only the tail; a chunk boundary not at a block
+  boundary needs the scan to report the state at those block ends (split the rows' chunks at
+  block boundaries, or return the states at chosen offsets); without snapshots prefix caching
+  must be turned off for the model, with a log line;
+- speculative decoding: verifying k draft tokens advances the state over all of them; a
+  rejection must roll the slot back to the state after the last accepted token: keep the k
+  per-token states of the verified window (the one-step recurrence yields them) and copy the
+  accepted one back, or snapshot before and recompute the accepted tokens; until then refuse;
+- CUDA graphs capture the decode step with fixed slot tensors (the pools never move).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from foudre.layers.linear import Linear
+
+# The scan's chunk: its work per token grows with the chunk (the quadratic form within it), its
+# Python loop with the number of chunks. The config's chunk_size tunes GPU kernels; the result
+# does not depend on it (exact arithmetic), so the scan takes at most this many tokens a chunk.
+SCAN_CHUNK = 64
+# the most elements of the scan's [rows, chunks, chunk, chunk, heads] products at a time
+SCAN_ELEMENTS = 1 << 22
+
+
+@dataclass(frozen=True, slots=True)
+class Mamba2Shape:
+    """The sizes of one Mamba-2 mixer."""
+
+    hidden_size: int
+    num_heads: int
+    head_dim: int
+    state_size: int  # d_state
+    n_groups: int  # B and C are shared by num_heads // n_groups heads each
+    conv_kernel: int  # d_conv
+    chunk_size: int
+    conv_bias: bool = True
+    proj_bias: bool = False
+    eps: float = 1e-5  # of the gated RMSNorm
+    time_step_limit: tuple[float, float] = (0.0, float("inf"))
+
+    def __post_init__(self) -> None:
+        for name in ("num_heads", "head_dim", "state_size", "n_groups", "conv_kernel"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"Mamba-2 {name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.n_groups:
+            raise ValueError(
+                f"Mamba-2 n_groups={self.n_groups} must divide num_heads={self.num_heads}"
+            )
+        if self.chunk_size <= 0:
+            raise ValueError(f"Mamba-2 chunk_size must be positive, got {self.chunk_size}")
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.intermediate_size + 2 * self.n_groups * self.state_size
+
+    @property
+    def projection_size(self) -> int:
+        """in_proj's outputs: z, xBC, dt."""
+        return self.intermediate_size + self.conv_dim + self.num_heads
+
+    def state_spec(self) -> RecurrentStateSpec:
+        return RecurrentStateSpec(
+            self.conv_kernel - 1, self.conv_dim, self.num_heads, self.head_dim, self.state_size
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class RecurrentStateSpec:
+    """What one Mamba layer keeps per request, whatever the sequence length: the conv window
+    ``[conv_window, conv_dim]`` (model dtype) and the SSM state ``[heads, head_dim, d_state]``
+    (float32)."""
+
+    conv_window: int
+    conv_dim: int
+    num_heads: int
+    head_dim: int
+    state_size: int
+    ssm_dtype: torch.dtype = torch.float32
+
+    @property
+    def conv_shape(self) -> tuple[int, int]:
+        return (self.conv_window, self.conv_dim)
+
+    @property
+    def ssm_shape(self) -> tuple[int, int, int]:
+        return (self.num_heads, self.head_dim, self.state_size)
+
+    def bytes_per_request(self, dtype: torch.dtype) -> int:
+        """Bytes of one request's state in this layer (conv state in ``dtype``)."""
+        conv = self.conv_window * self.conv_dim * _itemsize(dtype)
+        ssm = self.num_heads * self.head_dim * self.state_size * _itemsize(self.ssm_dtype)
+        return conv + ssm
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(slots=True)
+class RecurrentBatch:
+    """One step's rows as the Mamba layers see them: row ``r`` owns the flat tokens
+    ``cu_seqlens[r]:cu_seqlens[r+1]`` and continues the state in pool slot ``slots[r]``.
+    The index tensors every layer uses are built once here: rows of one token (decode) take
+    the one-step recurrence, the others (prefill chunks) the chunked scan, padded to the
+    longest of them only."""
+
+    cu_seqlens: list[int]
+    slots: torch.Tensor  # [R] int64, on the states' device
+    lengths: list[int] = field(init=False)
+    max_len: int = field(init=False)
+    token_row: torch.Tensor = field(init=False)  # [T] the row of each flat token
+    token_pos: torch.Tensor = field(init=False)  # [T] its index within its row
+    one_tokens: torch.Tensor = field(init=False)  # the flat tokens of one-token rows
+    one_slots: torch.Tensor = field(init=False)  # their rows' slots
+    scan_tokens: torch.Tensor = field(init=False)  # the flat tokens of the longer rows
+    scan_slots: torch.Tensor = field(init=False)  # [R'] their rows' slots
+    scan_row: torch.Tensor = field(init=False)  # per scan token, its row among the R'
+    scan_len: int = field(init=False)  # the longest of them
+
+    def __post_init__(self) -> None:
+        cu = self.cu_seqlens
+        self.lengths = [b - a for a, b in itertools.pairwise(cu)]
+        if len(self.lengths) != self.slots.numel() or any(n <= 0 for n in self.lengths):
+            raise ValueError("RecurrentBatch: one slot per row, every row at least one token")
+        self.max_len = max(self.lengths)
+        device = self.slots.device
+        lengths = torch.tensor(self.lengths, device=device)
+        rows = torch.arange(len(self.lengths), device=device)
+        self.token_row = rows.repeat_interleave(lengths)
+        starts = torch.tensor(cu[:-1], device=device).repeat_interleave(lengths)
+        self.token_pos = torch.arange(cu[-1] - cu[0], device=device) + cu[0] - starts
+        one = lengths == 1
+        self.one_slots = self.slots[one]
+        one_token = one[self.token_row]
+        self.one_tokens = one_token.nonzero().flatten()
+        self.scan_tokens = (~one_token).nonzero().flatten()
+        self.scan_slots = self.slots[~one]
+        renumber = torch.cumsum((~one).long(), 0) - 1  # a longer row's index among them
+        self.scan_row = renumber[self.token_row[self.scan_tokens]]
+        self.scan_len = max((n for n in self.lengths if n > 1), default=0)
+
+    @property
+    def is_decode(self) -> bool:
+        return self.max_len == 1
+
+    @classmethod
+    def of_lengths(
+        cls, lengths: list[int], slots: list[int], device: torch.device
+    ) -> RecurrentBatch:
+        cu = [0]
+        for n in lengths:
+            cu.append(cu[-1] + n)
+        return cls(cu, torch.tensor(slots, dtype=torch.int64, device=device))
+
+
+class RecurrentStates:
+    """STAND-IN for the engine's state slots until the cache manager holds recurrent state:
+    per Mamba layer, a conv pool ``[slots, d_conv - 1, conv_dim]`` and an SSM pool ``[slots,
+    heads, head_dim, d_state]``, with a free list. Tests and drivers allocate a slot per
+    request, pass ``RecurrentBatch``es naming the slots, and free them at the end."""
+
+    def __init__(
+        self,
+        specs: list[RecurrentStateSpec],
+        num_slots: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.specs = specs
+        self.conv = [
+            torch.zeros(num_slots, *s.conv_shape, dtype=dtype, device=device) for s in specs
+        ]
+        self.ssm = [
+            torch.zeros(num_slots, *s.ssm_shape, dtype=s.ssm_dtype, device=device) for s in specs
+        ]
+        self.free_slots = list(range(num_slots))[::-1]
+
+    def allocate(self) -> int:
+        """A free slot, zeroed (a fresh request's state)."""
+        if not self.free_slots:
+            raise RuntimeError("no free recurrent state slot")
+        slot = self.free_slots.pop()
+        for pool in (*self.conv, *self.ssm):
+            pool[slot].zero_()
+        return slot
+
+    def free(self, slot: int) -> None:
+        self.free_slots.append(slot)
+
+    def fork(self, slot: int) -> int:
+        """A new slot holding a copy of ``slot``'s state (``n`` > 1, beam search)."""
+        child = self.allocate()
+        for pool in (*self.conv, *self.ssm):
+            pool[child].copy_(pool[slot])
+        return child
+
+
+class GatedRMSNorm(nn.Module):
+    """``weight * norm(y * silu(z))``, the RMS taken over each of ``groups`` equal slices of the
+    last dimension, in float32."""
+
+    def __init__(self, size: int, groups: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.groups = groups
+        self.eps = eps
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        dtype = y.dtype
+        h = y.float() * F.silu(z.float())
+        g = h.view(*h.shape[:-1], self.groups, -1)
+        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * g.view(h.shape).to(dtype)
+
+
+class Mamba2Mixer(nn.Module):
+    """The Mamba-2 mixer; parameter names are Hugging Face's (``in_proj``, ``conv1d``,
+    ``dt_bias``, ``A_log``, ``D``, ``norm``, ``out_proj``)."""
+
+    def __init__(self, shape: Mamba2Shape) -> None:
+        super().__init__()
+        self.shape = s = shape
+        self.in_proj = Linear(s.hidden_size, s.projection_size, bias=s.proj_bias)
+        # depthwise: one filter of d_conv taps per channel (HF's nn.Conv1d weight [C, 1, K])
+        self.conv1d = nn.Conv1d(
+            s.conv_dim, s.conv_dim, s.conv_kernel, groups=s.conv_dim, bias=s.conv_bias
+        )
+        self.dt_bias = nn.Parameter(torch.zeros(s.num_heads))
+        self.A_log = nn.Parameter(torch.zeros(s.num_heads))
+        self.D = nn.Parameter(torch.ones(s.num_heads))
+        self.norm = GatedRMSNorm(s.intermediate_size, s.n_groups, s.eps)
+        self.out_proj = Linear(s.intermediate_size, s.hidden_size, bias=s.proj_bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        conv_state: torch.Tensor,
+        ssm_state: torch.Tensor,
+        batch: RecurrentBatch,
+    ) -> torch.Tensor:
+        """``[T, hidden]`` out for the batch's tokens ``x [T, hidden]``; the rows' states in the
+        pools ``conv_state [slots, d_conv - 1, conv_dim]`` and ``ssm_state [slots, heads,
+        head_dim, d_state]`` are read at ``batch.slots`` and updated in place."""
+        s = self.shape
+        t = x.shape[0]
+        z, xbc, dt = self.in_proj(x).split([s.intermediate_size, s.conv_dim, s.num_heads], -1)
+        xbc = F.silu(self._conv(xbc, conv_state, batch))
+        bc = s.n_groups * s.state_size
+        xs, b, c = xbc.split([s.intermediate_size, bc, bc], -1)
+        dt = F.softplus(dt.float() + self.dt_bias.float())
+        if s.time_step_limit != (0.0, float("inf")):
+            dt = dt.clamp(*s.time_step_limit)
+        a = -torch.exp(self.A_log.float())
+        xs = xs.reshape(t, s.num_heads, s.head_dim).float()
+        b = b.reshape(t, s.n_groups, s.state_size).float()
+        c = c.reshape(t, s.n_groups, s.state_size).float()
+        if batch.is_decode:
+            y = _ssd_step(xs, dt, a, b, c, ssm_state, batch.slots)
+        else:
+            y = torch.empty_like(xs)
+            if batch.one_tokens.numel():
+                i = batch.one_tokens
+                y[i] = _ssd_step(xs[i], dt[i], a, b[i], c[i], ssm_state, batch.one_slots)
+            i = batch.scan_tokens
+            y[i] = _ssd_rows(xs[i], dt[i], a, b[i], c[i], ssm_state, batch, s.chunk_size)
+        y = y + xs * self.D.float()[:, None]
+        y = self.norm(y.reshape(t, s.intermediate_size).to(x.dtype), z)
+        return self.out_proj(y)
+
+    def _conv(
+        self, xbc: torch.Tensor, conv_state: torch.Tensor, batch: RecurrentBatch
+    ) -> torch.Tensor:
+        """The causal depthwise convolution of each row, its window starting with the row's
+        conv state; the state becomes the row's last ``d_conv - 1`` inputs."""
+        k = self.shape.conv_kernel
+        w = k - 1
+        rows = len(batch.lengths)
+        # ext: per row, its conv state then its tokens, rows one after the other; base[r] is
+        # where row r's state starts in it
+        cu = torch.tensor(batch.cu_seqlens, device=xbc.device)
+        base = cu[:-1] - cu[0] + torch.arange(rows, device=xbc.device) * w
+        ext = xbc.new_empty(xbc.shape[0] + rows * w, xbc.shape[1])
+        state_idx = (base[:, None] + torch.arange(w, device=xbc.device)).reshape(-1)
+        ext[state_idx] = conv_state[batch.slots].reshape(rows * w, xbc.shape[1]).to(xbc.dtype)
+        token_start = base[batch.token_row] + batch.token_pos  # its window's first ext row
+        ext[token_start + w] = xbc
+        window = ext[token_start[:, None] + torch.arange(k, device=xbc.device)]  # [T, K, C]
+        weight = self.conv1d.weight[:, 0, :].t()  # [K, C]
+        out = (window * weight).sum(1)
+        if self.conv1d.bias is not None:
+            out = out + self.conv1d.bias
+        lengths = cu[1:] - cu[:-1]
+        tail = ext[(base + lengths)[:, None] + torch.arange(w, device=xbc.device)]  # [R, w, C]
+        conv_state[batch.slots] = tail.to(conv_state.dtype)
+        return out
+
+
+def _ssd_step(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    ssm_state: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """One token per row: ``h = exp(dt A) h + dt x B^T``, ``y = h C`` (without D)."""
+    heads = x.shape[1]
+    per_group = heads // b.shape[1]
+    b = b.repeat_interleave(per_group, 1)  # [R, H, N]
+    c = c.repeat_interleave(per_group, 1)
+    h = ssm_state[slots].float()  # [R, H, P, N]
+    h = h * torch.exp(dt * a)[:, :, None, None] + (dt[:, :, None] * x)[..., None] * b[:, :, None, :]
+    ssm_state[slots] = h.to(ssm_state.dtype)
+    return torch.einsum("rhpn,rhn->rhp", h, c)
+
+
+def _ssd_rows(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    ssm_state: torch.Tensor,
+    batch: RecurrentBatch,
+    chunk_size: int,
+) -> torch.Tensor:
+    """The chunked scan over the batch's rows of more than one token (``x`` etc. hold their
+    tokens, ``batch.scan_tokens``): the rows are laid out padded to ``[R', L]`` (a padded token
+    has ``dt = 0``: it leaves the state as it is), scanned together from their states, and their
+    outputs gathered back."""
+    rows, length = batch.scan_slots.numel(), batch.scan_len
+    q = min(chunk_size, SCAN_CHUNK, length)
+    padded_len = -(-length // q) * q
+    flat = batch.scan_row * padded_len + batch.token_pos[batch.scan_tokens]
+
+    def pad(v: torch.Tensor) -> torch.Tensor:
+        out = v.new_zeros(rows * padded_len, *v.shape[1:])
+        out[flat] = v
+        return out.view(rows, padded_len, *v.shape[1:])
+
+    slots = batch.scan_slots
+    y, final = ssd_chunked(pad(x), pad(dt), a, pad(b), pad(c), ssm_state[slots].float(), q)
+    ssm_state[slots] = final.to(ssm_state.dtype)
+    return y.reshape(rows * padded_len, *y.shape[2:])[flat]
+
+
+def _within_chunks(
+    c: torch.Tensor, b: torch.Tensor, xdt: torch.Tensor, acum: torch.Tensor, causal: torch.Tensor
+) -> torch.Tensor:
+    """Each chunk's output from its own tokens: ``y_i = sum_{j<=i} (C_i . B_j) exp(acum_i -
+    acum_j) dt_j x_j``."""
+    diff = acum[:, :, :, None, :] - acum[:, :, None, :, :]  # [R, C, Qi, Qj, H]
+    decay = torch.exp(diff.masked_fill(~causal[None, None, :, :, None], float("-inf")))
+    scores = torch.einsum("rcihn,rcjhn->rcijh", c, b) * decay
+    return torch.einsum("rcijh,rcjhp->rcihp", scores, xdt)
+
+
+def ssd_chunked(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    state: torch.Tensor,
+    chunk: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The SSD scan of ``R`` rows of ``L`` tokens (``L`` a multiple of ``chunk``), float32:
+    ``x [R, L, H, P]``, ``dt [R, L, H]`` (after softplus), ``a [H]`` (negative), ``b``, ``c``
+    ``[R, L, G, N]``, ``state [R, H, P, N]`` the state before the first token. Returns ``y [R,
+    L, H, P]`` (without the D skip) and the state after the last token.
+
+    Within a chunk the output is the masked quadratic form ``y_i = sum_{j<=i} (C_i . B_j)
+    exp(sum_{j<k<=i} dt_k A) dt_j x_j``; across chunks the state is carried by the recurrence
+    ``h_{c+1} = exp(sum_c dt A) h_c + S_c`` (a loop over chunks, not tokens)."""
+    r, length, heads, p = x.shape
+    n_chunks = length // chunk
+    per_group = heads // b.shape[2]
+    b = b.repeat_interleave(per_group, 2).view(r, n_chunks, chunk, heads, -1)
+    c = c.repeat_interleave(per_group, 2).view(r, n_chunks, chunk, heads, -1)
+    xdt = (x * dt[..., None]).view(r, n_chunks, chunk, heads, p)
+    acum = torch.cumsum((dt * a).view(r, n_chunks, chunk, heads), dim=2)  # [R, C, Q, H]
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=x.device).tril()
+    y = torch.empty_like(xdt)
+    # the [R, C, Q, Q, H] products of a few chunks at a time: bounded memory at any length
+    step = max(1, SCAN_ELEMENTS // (r * chunk * chunk * heads))
+    for lo in range(0, n_chunks, step):
+        part = slice(lo, lo + step)
+        y[:, part] = _within_chunks(c[:, part], b[:, part], xdt[:, part], acum[:, part], causal)
+    # each chunk's own contribution to the state at its end
+    to_end = torch.exp(acum[:, :, -1:, :] - acum)  # [R, C, Q, H]
+    chunk_states = torch.einsum("rcjhn,rcjh,rcjhp->rchpn", b, to_end, xdt)
+    chunk_decay = torch.exp(acum[:, :, -1, :])  # [R, C, H]
+    entering = []
+    h = state
+    for i in range(n_chunks):
+        entering.append(h)
+        h = h * chunk_decay[:, i, :, None, None] + chunk_states[:, i]
+    h_in = torch.stack(entering, dim=1)  # [R, C, H, P, N]
+    y = y + torch.einsum("rcihn,rchpn->rcihp", c, h_in) * torch.exp(acum)[..., None]
+    return y.reshape(r, length, heads, p), h

@@ -1,0 +1,76 @@
+"""A stand-in for the engine around a hybrid model (Mamba layers and paged attention layers)
+until the engine holds recurrent state: the oracles of ``test_bamba.py`` and
+``test_granite_moe_hybrid.py`` drive the models through it."""
+
+from __future__ import annotations
+
+import torch
+
+from foudre.attention import TorchSDPABackend
+from foudre.attention.base import BatchLayout
+from foudre.layers.mamba import RecurrentBatch
+from foudre.models.bamba import BambaForCausalLM
+
+BLOCK = 4
+
+
+class HybridDriver:
+    """STAND-IN for the engine: per request a state slot and ``max_len / BLOCK`` KV blocks (a
+    scattered permutation of the pool); ``step`` runs one forward over rows ``(request, new
+    ids)`` and returns the logits of every new token, per row."""
+
+    def __init__(self, model: BambaForCausalLM, requests: int, max_len: int) -> None:
+        self.model = model
+        per = -(-max_len // BLOCK)
+        blocks = torch.randperm(requests * per, generator=torch.Generator().manual_seed(0))
+        self.tables = [blocks[i * per : (i + 1) * per].tolist() for i in range(requests)]
+        specs = model.attention_cache_specs()
+        self.caches = [torch.zeros(s.page_shape(requests * per, BLOCK)) for s in specs]
+        self.states = model.new_states(requests)
+        self.slots = [self.states.allocate() for _ in range(requests)]
+        self.computed = [0] * requests
+        self.backend = TorchSDPABackend()
+
+    def fork(self, parent: int, child: int) -> None:
+        """``child`` continues ``parent``: its state copied, its KV copied into its own blocks
+        (the driver's stand-in for blocks shared by reference)."""
+        self.states.free(self.slots[child])
+        self.slots[child] = self.states.fork(self.slots[parent])
+        for cache in self.caches:
+            for a, b in zip(self.tables[parent], self.tables[child], strict=True):
+                cache[:, b] = cache[:, a]
+        self.computed[child] = self.computed[parent]
+
+    def step(self, rows: list[tuple[int, list[int]]]) -> list[torch.Tensor]:
+        lens = [len(ids) for _, ids in rows]
+        positions, slot_mapping = [], []
+        for req, ids in rows:
+            for p in range(self.computed[req], self.computed[req] + len(ids)):
+                positions.append(p)
+                slot_mapping.append(self.tables[req][p // BLOCK] * BLOCK + p % BLOCK)
+        layout = BatchLayout(
+            query_lens=lens,
+            seq_lens=[self.computed[r] + len(ids) for r, ids in rows],
+            block_tables=[self.tables[r] for r, _ in rows],
+            slot_mapping=torch.tensor(slot_mapping),
+            block_size=BLOCK,
+        )
+        metadata = self.backend.build_metadata(layout, torch.device("cpu"))
+        batch = RecurrentBatch.of_lengths(
+            lens, [self.slots[r] for r, _ in rows], torch.device("cpu")
+        )
+        ids = torch.tensor([t for _, new in rows for t in new])
+        with torch.no_grad():
+            hidden = self.model(
+                ids,
+                torch.tensor(positions),
+                self.caches,
+                self.backend,
+                metadata,
+                self.states,
+                batch,
+            )
+            logits = self.model.compute_logits(hidden)
+        for r, ids_ in rows:
+            self.computed[r] += len(ids_)
+        return list(logits.split(lens))

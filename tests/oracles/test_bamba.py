@@ -1,0 +1,188 @@
+"""Oracle: Bamba (``BambaForCausalLM``, Mamba-2 mixers and attention layers) against
+transformers on random small configs, float32.
+
+The engine does not hold recurrent state yet, so a plain driver stands in for it
+(``hybrid_driver.HybridDriver``): each request gets a state slot and blocks of a paged KV cache
+(handed out in a scattered order), and each step builds the attention backend's metadata and
+the ``RecurrentBatch`` of its rows. Compared with transformers: the logits of prompts
+prefilled in chunks then decoded token by token, of batches mixing prefills and decodes of
+other lengths, and greedy ids against ``generate``; ``LLM(...)`` refuses, naming the missing
+support.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from foudre.loading.loader import load_model
+from foudre.models.bamba import BambaForCausalLM
+from foudre.models.mamba2 import RecurrentStateNotSupported
+from tests.oracles.hybrid_driver import HybridDriver
+
+BASE: dict[str, Any] = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    attn_layer_indices=[1, 3],
+    mamba_n_heads=8,
+    mamba_d_state=16,
+    mamba_n_groups=2,
+    mamba_d_conv=4,
+    mamba_expand=2,
+    mamba_chunk_size=8,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+CASES: dict[str, dict[str, Any]] = {
+    "attn-1-3": {},
+    # attention first, one Mamba group, a tied head, no conv bias, projections with biases
+    "attn-0-tied": {
+        "attn_layer_indices": [0],
+        "num_hidden_layers": 3,
+        "mamba_n_groups": 1,
+        "tie_word_embeddings": True,
+        "mamba_conv_bias": False,
+        "mamba_proj_bias": True,
+    },
+}
+
+
+def make_bamba(path: Path, seed: int = 0, **overrides: Any) -> Path:
+    """A random-weight ``BambaForCausalLM`` in ``path`` (weights drawn as ``make_mamba2`` draws
+    them: far from uniform logits, a state that matters)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.BambaConfig(**{**BASE, **overrides})
+    model = transformers.BambaForCausalLM(config).to(torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.empty_like(p).uniform_(0.01, 0.5).log())
+            elif name.endswith("dt_bias"):
+                p.uniform_(-1.0, 0.5)
+            elif name.endswith(".D"):
+                p.uniform_(0.5, 1.5)
+            elif p.dim() in (2, 3):
+                p.normal_(0.0, 0.08 if "embed" not in name else 1.0)
+            elif "bias" in name:
+                p.normal_(0.0, 0.1)
+            else:  # norms
+                p.uniform_(0.8, 1.2)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    import transformers
+
+    path = make_bamba(tmp_path_factory.mktemp(request.param), **CASES[request.param])
+    hf = transformers.BambaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    ours = load_model(str(path), None, "float32", torch.device("cpu"), None).model
+    assert isinstance(ours, BambaForCausalLM)
+    return path, hf, ours
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 256, (n,), generator=g).tolist()
+
+
+def _hf_logits(hf: Any, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].float()
+
+
+def test_chunked_prefill_then_decode(pair: Any) -> None:
+    """A whole prompt at once, and one in odd chunks then one token at a time: every
+    position's logits are transformers' over the whole sequence."""
+    _, hf, ours = pair
+    ids = _prompt(41, 3)
+    want = _hf_logits(hf, ids)
+    driver = HybridDriver(ours, 2, 64)
+    (whole,) = driver.step([(0, ids)])
+    torch.testing.assert_close(whole, want, atol=1e-4, rtol=0)
+    got, at = [], 0
+    for size in (5, 11, 1, 9, 3, *[1] * 12):
+        (out,) = driver.step([(1, ids[at : at + size])])
+        got.append(out)
+        at += size
+    assert at == len(ids)
+    torch.testing.assert_close(torch.cat(got), want, atol=1e-4, rtol=0)
+
+
+def test_mixed_batch_of_rows(pair: Any) -> None:
+    """Rows mid-prefill, starting and decoding in the same forwards give transformers' logits
+    of each whole sequence."""
+    _, hf, ours = pair
+    prompts = [_prompt(n, 10 + n) for n in (13, 4, 30, 9)]
+    driver = HybridDriver(ours, 4, 32)
+    got: list[list[torch.Tensor]] = [[] for _ in prompts]
+    plan = [
+        {0: (0, 6), 2: (0, 20)},
+        {0: (6, 10), 1: (0, 1), 2: (20, 27), 3: (0, 6)},
+        {0: (10, 11), 1: (1, 2), 2: (27, 28), 3: (6, 7)},
+        {0: (11, 12), 1: (2, 3), 2: (28, 29), 3: (7, 8)},
+        {0: (12, 13), 1: (3, 4), 2: (29, 30), 3: (8, 9)},
+    ]
+    for step in plan:
+        rows = [(r, prompts[r][a:b]) for r, (a, b) in step.items()]
+        for r, out in zip(step, driver.step(rows), strict=True):
+            got[r].append(out)
+    for r, p in enumerate(prompts):
+        torch.testing.assert_close(torch.cat(got[r]), _hf_logits(hf, p), atol=1e-4, rtol=0)
+
+
+def test_greedy_ids_equal_generate(pair: Any) -> None:
+    """Prompts of different lengths decoded together, one of them forked (n = 2)."""
+    _, hf, ours = pair
+    prompts = [_prompt(n, 20 + n) for n in (5, 17, 33, 150)]
+    steps = 10
+    want = []
+    for p in prompts:
+        out = hf.generate(torch.tensor([p]), max_new_tokens=steps, do_sample=False)
+        want.append(out[0, len(p) :].tolist())
+    driver = HybridDriver(ours, 5, 160)
+    logits = driver.step(list(enumerate(prompts)))
+    got = [[int(lg[-1].argmax())] for lg in logits]
+    driver.fork(1, 4)
+    got.append(list(got[1]))
+    for _ in range(steps - 1):
+        logits = driver.step([(r, [g[-1]]) for r, g in enumerate(got)])
+        for g, lg in zip(got, logits, strict=True):
+            g.append(int(lg[-1].argmax()))
+    assert got[:4] == want
+    assert got[4] == want[1]
+
+
+def test_layers_and_state_bytes(pair: Any) -> None:
+    _, hf, ours = pair
+    cfg = hf.config
+    attn = cfg.attn_layer_indices
+    assert len(ours.attention_cache_specs()) == len(attn)
+    specs = ours.recurrent_state_specs()
+    assert len(specs) == cfg.num_hidden_layers - len(attn)
+    inner = cfg.mamba_n_heads * cfg.mamba_d_head
+    conv = (cfg.mamba_d_conv - 1) * (inner + 2 * cfg.mamba_n_groups * cfg.mamba_d_state) * 4
+    ssm = inner * cfg.mamba_d_state * 4
+    assert all(s.bytes_per_request(torch.float32) == conv + ssm for s in specs)
+
+
+def test_llm_refuses_until_the_engine_holds_state(pair: Any) -> None:
+    from foudre import LLM
+
+    with pytest.raises(RecurrentStateNotSupported, match="recurrent state cache not yet"):
+        LLM(str(pair[0]), dtype="float32", skip_tokenizer_init=True)
