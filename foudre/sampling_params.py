@@ -39,6 +39,9 @@ class StructuredOutput:
     ``starts_after``: token ids after which the grammar starts (a thinking model's end of
     reasoning, ``</think>``): until the output has written them, in a row, it is free, then the
     rest of it belongs to the language. None: the grammar starts at the first token.
+    ``opened_by``: with ``starts_after``, a token id (``<think>``) that must begin the output
+    for the gate to stay closed until ``starts_after``; an output beginning otherwise is the
+    grammar's from its first token (a model that may answer without thinking).
     """
 
     json_schema: dict[str, Any] | bool | str | None = None
@@ -47,6 +50,7 @@ class StructuredOutput:
     grammar: str | None = None
     json_object: bool = False
     starts_after: list[int] | None = None
+    opened_by: int | None = None
 
     def __post_init__(self) -> None:
         given = [
@@ -104,6 +108,15 @@ class StructuredOutput:
                     "structured_output", "starts_after must hold token ids (integers >= 0)"
                 )
             self.starts_after = list(after)
+        if self.opened_by is not None and (
+            self.starts_after is None
+            or not isinstance(self.opened_by, int)
+            or isinstance(self.opened_by, bool)
+            or self.opened_by < 0
+        ):
+            raise InvalidParameterError(
+                "structured_output", "opened_by must be a token id (>= 0), with starts_after"
+            )
 
     @property
     def kind(self) -> str:

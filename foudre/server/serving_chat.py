@@ -143,6 +143,15 @@ class OpenAIServingChat:
             raise OpenAIError(400, message, param="top_logprobs")
         top_n = (req.top_logprobs or 0) if req.logprobs else None
         plan = ToolPlan.of(req, tok, serving.tool_call_parser)
+        parser = serving.reasoning_parser
+        if parser is not None and parser.reads_tool_calls and plan.mode in ("required", "named"):
+            # (a forced call is a grammar on the answer; harmony's calls are their own channel)
+            message = (
+                f"tool_choice {req.tool_choice!r} is not supported with the {parser.name} "
+                "reasoning format, whose model writes its calls on their own channel: use "
+                "tool_choice 'auto'"
+            )
+            raise OpenAIError(400, message, param="tool_choice")
         params, search, rename = self._params(req, plan, top_n)
         deadline = serving.deadline()
         prompt_ids, prompt_text = await serving.chat_prompt_text(
@@ -154,7 +163,6 @@ class OpenAIServingChat:
         asked = params if search is None else search
         sub = Submission([prompt_ids], asked, rid, "messages", req.cache_salt, rename)
         stream = await serving.submit(sub)
-        parser = serving.reasoning_parser
         return ChatRun(rid, stream, plan, params, search, top_n, deadline, parser, prompt_text)
 
     def _for_reasoning(self, params: SamplingParams, prompt_text: str) -> SamplingParams:
@@ -167,7 +175,14 @@ class OpenAIServingChat:
         changes: dict[str, object] = {}
         spec, end = params.structured_output, self.serving.reasoning_end_ids
         if spec is not None and end and not parser.reasoning_ended(prompt_text):
-            changes["structured_output"] = dataclasses.replace(spec, starts_after=end)
+            # an output that may be all answer (no opening marker): the grammar from its first
+            # token unless it opens the reasoning (a one-token marker; else the gate as is)
+            opener, tok = parser.opening_marker(prompt_text), self.serving.tokenizer
+            ids = tok.encode(opener, add_special_tokens=False) if opener and tok else []
+            opened_by = ids[0] if len(ids) == 1 else None
+            changes["structured_output"] = dataclasses.replace(
+                spec, starts_after=end, opened_by=opened_by
+            )
         if not parser.skip_special_tokens:
             changes["skip_special_tokens"] = False
         return dataclasses.replace(params, **changes) if changes else params  # type: ignore[arg-type]

@@ -273,23 +273,37 @@ class GrammarCompiler:
         compiled = self.compile(spec)
         stops = None if stop_token_ids is None else sorted(set(stop_token_ids))
         matcher = GrammarMatcher(xgr.GrammarMatcher(compiled, override_stop_tokens=stops))
-        return matcher if spec.starts_after is None else GatedMatcher(matcher, spec.starts_after)
+        if spec.starts_after is None:
+            return matcher
+        return GatedMatcher(matcher, spec.starts_after, spec.opened_by)
 
 
 class GatedMatcher(GrammarMatcher):
     """A grammar that starts after a trigger: every token is allowed until the output has
     written ``trigger`` (token ids, in a row), then ``inner`` constrains the rest. Rolling back
-    past the trigger closes the gate again (speculative verification)."""
+    past the trigger closes the gate again (speculative verification). With ``opener`` (a token
+    id): the gate is closed only if the output begins with it (a model that may or may not
+    think first); any other first token is the grammar's, which constrains the output from its
+    start, the opener allowed beside it."""
 
-    __slots__ = ("history", "opened_at", "trigger")
+    __slots__ = ("history", "opened_at", "opener", "trigger")
 
-    def __init__(self, inner: GrammarMatcher, trigger: Sequence[int]) -> None:
+    def __init__(
+        self, inner: GrammarMatcher, trigger: Sequence[int], opener: int | None = None
+    ) -> None:
         super().__init__(inner._matcher)
         self.trigger = list(trigger)
+        self.opener = opener
         self.history: list[int] = []  # every token accepted
         self.opened_at: int | None = None  # len(history) when the trigger completed
 
+    def _undecided(self) -> bool:
+        """Whether the first token will say if the output thinks first (then the gate)."""
+        return self.opener is not None and not self.history and self.opened_at is None
+
     def accept(self, token_id: int) -> bool:
+        if self._undecided() and token_id != self.opener:
+            self.opened_at = 0  # no reasoning: the grammar from the output's first token
         if self.opened_at is None:
             self.history.append(token_id)
             if self.history[-len(self.trigger) :] == self.trigger:
@@ -306,8 +320,8 @@ class GatedMatcher(GrammarMatcher):
         keep = len(self.history) - num_tokens
         if self.opened_at is not None:
             super().rollback(len(self.history) - max(keep, self.opened_at))
-            if keep < self.opened_at:
-                self.opened_at = None
+            if keep < self.opened_at or (keep == 0 and self.opener is not None):
+                self.opened_at = None  # (back to the start: undecided again)
         del self.history[keep:]
 
     @property
@@ -315,7 +329,12 @@ class GatedMatcher(GrammarMatcher):
         return self.opened_at is not None and bool(self._matcher.is_terminated())
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        if self.opened_at is None:
+        if self._undecided():
+            super().fill(bitmask, row)
+            assert self.opener is not None
+            word, bit = divmod(self.opener, 32)
+            bitmask[row, word] |= (1 << bit) if bit < 31 else -(1 << 31)  # (int32 words)
+        elif self.opened_at is None:
             bitmask[row] = -1  # free: every token
         else:
             super().fill(bitmask, row)

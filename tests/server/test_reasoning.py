@@ -21,6 +21,7 @@ import openai
 import pytest
 import torch
 
+from foudre.errors import InvalidParameterError
 from foudre.sampling_params import SamplingParams, StructuredOutput
 from foudre.structured.grammar import GatedMatcher, GrammarCompiler, fill_masks
 from tests.conftest import REPO, make_hf_model
@@ -91,6 +92,34 @@ def test_gated_grammar_is_free_until_its_trigger_then_constrains() -> None:
         [1, 2, 3],
     ]
     assert g.opened_at is None and g.history == []
+
+
+def test_an_opener_decides_at_the_first_token_whether_the_output_thinks() -> None:
+    """With ``opened_by`` (``<think>``, here token 4 "c"): an output that begins with it is free
+    until the trigger; one that begins otherwise is the grammar's from its first token (a
+    model answering without thinking is still constrained), the opener allowed beside it."""
+    compiler = GrammarCompiler([b"", b"a", b"b", b"ab", b"c", b"</", b"t>"], [0], vocab_size=8)
+    spec = StructuredOutput(regex="a+bc", starts_after=[5, 6], opened_by=4)
+    m = compiler.matcher(spec)
+    bitmask = torch.zeros(1, 1, dtype=torch.int32)
+    m.fill(bitmask, 0)
+    assert _allowed(bitmask, 0) == [1, 3, 4]  # the grammar's first tokens, and the opener
+    assert m.accept(1)  # "a": no reasoning: the grammar's
+    m.fill(bitmask, 0)
+    assert _allowed(bitmask, 0) == [1, 2, 3]
+    assert not m.accept(5)  # "</" is not the grammar's
+    assert m.accept(2) and m.accept(4) and m.accept(0) and m.is_terminated
+    m.rollback(4)  # back to the start: undecided again
+    m.fill(bitmask, 0)
+    assert _allowed(bitmask, 0) == [1, 3, 4]
+    assert m.accept(4)  # the opener: free until the trigger
+    m.fill(bitmask, 0)
+    assert _allowed(bitmask, 0) == list(range(8))
+    assert m.accept(2) and m.accept(5) and m.accept(6)
+    m.fill(bitmask, 0)
+    assert _allowed(bitmask, 0) == [1, 3]
+    with pytest.raises(InvalidParameterError, match="opened_by"):
+        StructuredOutput(regex="a", opened_by=4)
 
 
 @pytest.fixture(scope="module")
@@ -169,6 +198,33 @@ def test_a_grammar_after_the_reasoning_forces_valid_json_after_free_text(think_l
         )
         [plain] = think_llm.generate([prompt], whole)
         assert plain.outputs[0].text.startswith("{") and END not in plain.outputs[0].token_ids
+
+
+def test_an_output_that_does_not_think_is_constrained_from_its_first_token(
+    think_llm: Any,
+) -> None:
+    """A prompt that leaves the model free to think or not (no ``<think>`` opened by the
+    template): the chat route gates the grammar with ``opened_by`` (``<think>``); a model that
+    answers at once (``<think>`` banned) gives valid JSON, one that opens ``<think>`` reasons
+    freely first. Without ``opened_by`` the banned case was never constrained."""
+    from foudre.server.reasoning import Qwen3ReasoningParser
+
+    tok = think_llm.get_tokenizer()
+    text = tok.apply_chat_template(MESSAGES, True, None).removesuffix("<think>\n")
+    parser = Qwen3ReasoningParser()
+    assert parser.opening_marker(text) == "<think>" and not parser.reasoning_ended(text)
+    assert parser.opening_marker(text + "<think>\n") is None
+    prompt = tok.encode(text, add_special_tokens=False)
+    spec = StructuredOutput(json_schema=SCHEMA, starts_after=[END], opened_by=THINK)
+    # (thinking: </think> outbids <think>, which the grammar's mask leaves as the first token)
+    for bias, thinks in (({THINK: -100.0}, False), ({THINK: 50.0, END: 100.0}, True)):
+        params = SamplingParams(max_tokens=150, seed=0, logit_bias=bias, structured_output=spec)
+        [out] = think_llm.generate([prompt], params)
+        comp = out.outputs[0]
+        assert comp.finish_reason == "stop"
+        assert (comp.token_ids[0] == THINK) == thinks
+        answer = comp.text.partition("</think>")[2] if thinks else comp.text
+        jsonschema.validate(json.loads(answer), SCHEMA)
 
 
 def test_speculative_decoding_keeps_the_gated_grammars_greedy_output(
@@ -411,6 +467,16 @@ def test_gpt_oss_without_a_template_renders_with_harmony_and_keeps_its_markers(
             if not raw.startswith("<"):  # not harmony: all of it is answer, markers included
                 assert got == (None, raw)
         assert marked  # some output holds special tokens: they were not skipped
+        # a forced call is refused (harmony writes calls on their own channel), naming it
+        tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+        with pytest.raises(openai.BadRequestError) as refused:
+            _client(srv).chat.completions.create(
+                model="tools",
+                messages=MESSAGES,
+                tools=[tool],
+                tool_choice="required",  # type: ignore[arg-type, list-item]
+            )
+        assert refused.value.body["param"] == "tool_choice"  # type: ignore[index]
     finally:
         _stop(srv)
 

@@ -93,3 +93,10 @@ class ReasoningParser(ABC):
         """Whether an output continuing ``prompt`` starts with its answer (the template closed
         the reasoning itself, as Qwen3's does with ``enable_thinking=False``)."""
         return prompt.rstrip().endswith(self.answer_marker)
+
+    def opening_marker(self, prompt: str) -> str | None:
+        """The marker whose appearance first would start an output continuing ``prompt`` in
+        its reasoning, where the output may as well be all answer (Qwen3 not thinking: no
+        ``<think>``); None where the prompt decides (the output starts inside the reasoning,
+        or after it)."""
+        return None

@@ -91,6 +91,12 @@ class _ThinkParser(ReasoningParser):
             return ThinkStreamer("reasoning", True)
         return ThinkStreamer("start", self.open_by_default)
 
+    def opening_marker(self, prompt: str) -> str | None:
+        tail = prompt.rstrip()
+        if self.open_by_default or tail.endswith((THINK_OPEN, THINK_CLOSE)):
+            return None
+        return THINK_OPEN
+
 
 class Qwen3ReasoningParser(_ThinkParser):
     name = "qwen3"
