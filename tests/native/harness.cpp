@@ -24,7 +24,8 @@ void paged_decode_f32_window(const void* q, const void* k, const void* v, void* 
                              int64_t rows, int64_t num_heads, int64_t num_kv_heads,
                              int64_t head_dim, int64_t block_size, int64_t table_width,
                              int64_t q_stride, int64_t o_stride, int64_t block_stride,
-                             int64_t token_stride, float scale, int64_t window);
+                             int64_t token_stride, float scale, int64_t window,
+                             const float* sinks);
 }
 
 namespace {
@@ -87,7 +88,8 @@ int main() {
       write(y.data(), y.size());
     } else if (name == "paged_decode_f32") {
       // p: rows, heads, kv_heads, head_dim, block_size, table_width, scale, window;
-      // arrays: q [rows, heads, d], cache [2, blocks, block_size, kv_heads, d], tables, lens
+      // arrays: q [rows, heads, d], cache [2, blocks, block_size, kv_heads, d], tables, lens,
+      // and optionally the heads' sinks
       int64_t rows = c.i(0), heads = c.i(1), kvh = c.i(2), d = c.i(3), bs = c.i(4);
       int64_t half = c.sizes[1] / 2 / 4;  // floats in K (then V)
       const float* k = static_cast<const float*>(c.a(1));
@@ -98,7 +100,8 @@ int main() {
                               static_cast<const int32_t*>(c.a(2)),
                               static_cast<const int32_t*>(c.a(3)), rows, heads, kvh, d, bs,
                               c.i(5), heads * d, heads * d, bs * kvh * d, kvh * d,
-                              static_cast<float>(c.p[6]), c.i(7));
+                              static_cast<float>(c.p[6]), c.i(7),
+                              c.sizes.size() > 4 ? static_cast<const float*>(c.a(4)) : nullptr);
       write(out.data(), out.size() * 4);
     } else {
       std::fprintf(stderr, "unknown kernel %s\n", name.c_str());

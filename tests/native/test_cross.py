@@ -138,30 +138,36 @@ def test_quantized_matmul_on_aarch64_matches_the_host(arm: list[str], x86: list[
 
 
 @needs_cross
-@pytest.mark.parametrize("window", [0, 5])
+@pytest.mark.parametrize("window,sinks", [(0, False), (5, False), (5, True)])
 def test_paged_decode_on_aarch64_matches_the_host(
-    arm: list[str], x86: list[str], window: int
+    arm: list[str], x86: list[str], window: int, sinks: bool
 ) -> None:
     """Decode attention over a paged float32 cache (GQA, rows of different lengths, blocks out
-    of order, a sliding window): the softmax-weighted sum of the reference, and the x86-64
-    build's values bit for bit."""
+    of order, a sliding window, gpt-oss's per-head sinks): the softmax-weighted sum of the
+    reference, and the x86-64 build's values bit for bit."""
     torch.manual_seed(window)
     heads, kv_heads, d, bs, blocks = 8, 2, 32, 4, 20
     cache = torch.randn(2, blocks, bs, kv_heads, d)
     lens = torch.tensor([1, 7, 13, 16], dtype=torch.int32)
     tables = torch.randperm(blocks)[:16].view(4, 4).to(torch.int32)
     q = torch.randn(len(lens), heads, d)
+    sink = torch.randn(heads) if sinks else None
     scale = d**-0.5
     params = [len(lens), heads, kv_heads, d, bs, tables.shape[1], scale, window]
-    out = call(arm, "paged_decode_f32", params, [q, cache, tables, lens])
+    arrays = [q, cache, tables, lens, *([sink] if sink is not None else [])]
+    out = call(arm, "paged_decode_f32", params, arrays)
     got = torch.frombuffer(bytearray(out), dtype=torch.float32).view_as(q)
-    assert got.numpy().tobytes() == call(x86, "paged_decode_f32", params, [q, cache, tables, lens])
+    assert got.numpy().tobytes() == call(x86, "paged_decode_f32", params, arrays)
     for r, n in enumerate(lens.tolist()):
         slots = [int(tables[r, p // bs]) * bs + p % bs for p in range(n)]
         first = max(0, n - window) if window else 0
         k, v = (cache[i].reshape(-1, kv_heads, d)[slots[first:]] for i in (0, 1))
         k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
-        p = torch.softmax(torch.einsum("hd,thd->ht", q[r], k) * scale, dim=-1)
+        scores = torch.einsum("hd,thd->ht", q[r], k) * scale
+        if sink is not None:  # a key of value zero whose score is the sink
+            scores = torch.cat([scores, sink[:, None]], dim=1)
+            v = torch.cat([v, torch.zeros(1, heads, d)])
+        p = torch.softmax(scores, dim=-1)
         torch.testing.assert_close(got[r], torch.einsum("ht,thd->hd", p, v), atol=2e-6, rtol=1e-5)
 
 
