@@ -51,13 +51,35 @@ def _build(out: Path, command: list[str]) -> Path:
     return out
 
 
+# the Arm targets the harness is built for, and the quantized matmuls' path each build takes
+# (qemu-aarch64 -cpu max runs them all: it emulates dotprod, i8mm, bf16 and fp16)
+ARM_TARGETS = {
+    "armv8-a": "neon",
+    "armv8.2-a+dotprod": "dotprod",
+    "armv8.6-a+i8mm+bf16": "i8mm",
+}
+
+
+@pytest.fixture(scope="module", params=list(ARM_TARGETS))
+def march(request: pytest.FixtureRequest) -> str:
+    """An Arm target (ARM_TARGETS)."""
+    return str(request.param)
+
+
 @pytest.fixture(scope="module")
-def arm(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
-    """The command that runs the aarch64 harness (Armv8.0: the portable paths)."""
+def arm(march: str, tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """The command that runs the aarch64 harness built for ``march`` (Armv8.0: NEON's float
+    paths; with dotprod, and with i8mm too: the integer paths)."""
     if shutil.which(CROSS) is None or shutil.which(QEMU) is None:
         pytest.skip(f"{CROSS} and {QEMU} not installed")
     out = tmp_path_factory.mktemp("arm") / "harness"
-    return [QEMU, str(_build(out, [CROSS, *FLAGS, "-march=armv8-a", "-static"]))]
+    return [QEMU, "-cpu", "max", str(_build(out, [CROSS, *FLAGS, f"-march={march}", "-static"]))]
+
+
+def arm_path(command: list[str]) -> str:
+    """The quantized matmuls' path of the harness ``command`` (cpu_qmatmul.PATHS' name)."""
+    out = subprocess.run(command, input=b"path\n", capture_output=True, timeout=120).stdout
+    return cpu_qmatmul.PATHS[struct.unpack("<i", out)[0]]
 
 
 @pytest.fixture(scope="module")
@@ -103,18 +125,22 @@ def _to_the_end(t: torch.Tensor) -> torch.Tensor:
 
 
 @needs_cross
-def test_aarch64_build_takes_the_neon_path(arm: list[str], x86: list[str]) -> None:
-    for command, path in ((arm, "neon"), (x86, "portable")):
-        out = subprocess.run(command, input=b"path\n", capture_output=True, timeout=120).stdout
-        assert cpu_qmatmul.PATHS[struct.unpack("<i", out)[0]] == path
+def test_aarch64_build_takes_its_targets_path(march: str, arm: list[str], x86: list[str]) -> None:
+    """Each Arm build's path is its target's (Armv8.0: NEON float; +dotprod: SDOT; +i8mm:
+    SMMLA), the x86-64 baseline's the portable one."""
+    assert arm_path(arm) == ARM_TARGETS[march]
+    assert arm_path(x86) == "portable"
 
 
 @needs_cross
 def test_quantized_matmul_on_aarch64_matches_the_host(arm: list[str], x86: list[str]) -> None:
     """Every weight layout of the host's kernel tests (int8 per channel and in groups, int4,
-    int6, zero points or not, each scale type), float32 and bfloat16 activations, through the
-    NEON path (int6 the portable one): within the float paths' error bound of the reference;
-    int6 equal to the x86-64 build's portable loops bit for bit."""
+    int6, zero points or not, each scale type), float32 and bfloat16 activations, 1, 3 and 17 x
+    rows (SMMLA's pairs and an odd row left), through each Arm build's path (int6 the portable
+    one): within the host's error bound of the reference for that path (cpu_qmatmul.error_bound:
+    the float paths' sums; with dotprod and i8mm x rounded to int8 per block as VNNI and AVX2
+    round it); int6 equal to the x86-64 build's portable loops bit for bit."""
+    rounds = arm_path(arm) in cpu_qmatmul.ROUNDING_PATHS
     for bits, group, zero, n, k, scale_dtype in CASES[::2]:
         torch.manual_seed(bits * 1000 + n + k)
         w = torch.randn(n, k) * 0.1 + torch.linspace(-0.05, 0.1, k)
@@ -131,7 +157,7 @@ def test_quantized_matmul_on_aarch64_matches_the_host(arm: list[str], x86: list[
                 if bits == 6:
                     assert torch.equal(got, qmm(x86, x, packed)), (group, zero, m, dtype)
                 ref = x.float() @ wd.t()
-                tol = 1e-5 * (x.float().abs() @ wd.abs().t()) + 1e-6  # the float paths' bound
+                tol = cpu_qmatmul.error_bound(x.float(), wd, bits, group, rounds=rounds)
                 if dtype == torch.bfloat16:
                     tol = tol + ref.abs() * 2**-8
                 assert bool(((got.float() - ref).abs() <= tol).all()), (bits, group, zero, m)
