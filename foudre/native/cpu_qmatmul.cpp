@@ -2741,7 +2741,8 @@ struct NeonDot {
         const int64_t c1 = std::min(k, c0 + u);
         float s[R];
         for (int r = 0; r < R; ++r)
-          s[r] = K == Kind::Int8 ? 1.0f : scale_at(a.s, nr[r] * a.s_stride + (c0 >> a.gshift), a.st);
+          s[r] = K == Kind::Int8 ? 1.0f
+                                 : scale_at(a.s, nr[r] * a.s_stride + (c0 >> a.gshift), a.st);
         int32x4_t dots[MT][R];
         for (auto& row : dots)
           for (auto& v : row) v = vdupq_n_s32(0);

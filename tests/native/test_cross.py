@@ -26,10 +26,14 @@ import torch
 from foudre.native import build as native
 from foudre.quant import cpu_qmatmul
 from tests.engine.march import run_check
+from tests.engine.test_prefill_attention import reference
 from tests.quant.test_cpu_qmatmul import CASES, quant_module
 
 HERE = Path(__file__).parent
-KERNELS = [native.SOURCES / "cpu_qmatmul.cpp", native.SOURCES / "cpu_paged_decode.cpp"]
+KERNELS = [
+    native.SOURCES / f"{name}.cpp"
+    for name in ("cpu_qmatmul", "cpu_paged_decode", "cpu_paged_prefill")
+]
 CROSS, QEMU = "aarch64-linux-gnu-g++", "qemu-aarch64"
 # the kernels' own flags, for an executable instead of a library
 FLAGS = [f for f in native.flags() if f not in ("-shared", "-fPIC") and not f.startswith("-march")]
@@ -163,32 +167,96 @@ def test_quantized_matmul_on_aarch64_matches_the_host(arm: list[str], x86: list[
                 assert bool(((got.float() - ref).abs() <= tol).all()), (bits, group, zero, m)
 
 
+# the storage types of the paged kernels (the harness's suffixes) and their bounds against the
+# float32 reference over the same rounded values (the host's kernel tests': float32 to its
+# rounding; 16-bit types a few output ulps)
+ATTENTION_TYPES = {"f32": (torch.float32, 2e-5), "bf16": (torch.bfloat16, 1e-2)}
+ATTENTION_TYPES["f16"] = (torch.float16, 2e-3)
+
+
+def _pool(
+    rows: list[tuple[int, int]], kv_heads: int, d: int, bs: int, dtype: torch.dtype, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, list[list[int]]]:
+    """A paged pool for ``rows`` ((new tokens, context) each), its blocks handed out in random
+    order: the pool NaN wherever a kernel must not read (spare blocks, past each row's context),
+    the same pool with zeros there, and each row's block table."""
+    g = torch.Generator().manual_seed(seed)
+    nb = sum(-(-c // bs) for _, c in rows) + 3
+    perm = torch.randperm(nb, generator=g).tolist()
+    tables, used = [], 0
+    for _, ctx in rows:
+        tables.append(perm[used : used + -(-ctx // bs)])
+        used += len(tables[-1])
+    clean = torch.randn(2, nb, bs, kv_heads, d, generator=g).to(dtype)
+    poisoned = clean.clone()
+    poisoned[:, perm[used:]] = float("nan")
+    for table, (_, ctx) in zip(tables, rows, strict=True):
+        poisoned[:, table[-1], (ctx - 1) % bs + 1 :] = float("nan")
+    return poisoned, torch.where(poisoned.isnan(), 0.0, poisoned), tables
+
+
+def _table_tensor(tables: list[list[int]]) -> torch.Tensor:
+    width = max(len(t) for t in tables)
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+
+
 @needs_cross
-@pytest.mark.parametrize("window", [0, 5])
+@pytest.mark.parametrize("type_name", list(ATTENTION_TYPES))
 def test_paged_decode_on_aarch64_matches_the_host(
-    arm: list[str], x86: list[str], window: int
+    arm: list[str], x86: list[str], type_name: str
 ) -> None:
-    """Decode attention over a paged float32 cache (GQA, rows of different lengths, blocks out
-    of order, a sliding window): the softmax-weighted sum of the reference, and the x86-64
-    build's values bit for bit."""
-    torch.manual_seed(window)
-    heads, kv_heads, d, bs, blocks = 8, 2, 32, 4, 20
-    cache = torch.randn(2, blocks, bs, kv_heads, d)
-    lens = torch.tensor([1, 7, 13, 16], dtype=torch.int32)
-    tables = torch.randperm(blocks)[:16].view(4, 4).to(torch.int32)
-    q = torch.randn(len(lens), heads, d)
-    scale = d**-0.5
-    params = [len(lens), heads, kv_heads, d, bs, tables.shape[1], scale, window]
-    out = call(arm, "paged_decode_f32", params, [q, cache, tables, lens])
-    got = torch.frombuffer(bytearray(out), dtype=torch.float32).view_as(q)
-    assert got.numpy().tobytes() == call(x86, "paged_decode_f32", params, [q, cache, tables, lens])
-    for r, n in enumerate(lens.tolist()):
-        slots = [int(tables[r, p // bs]) * bs + p % bs for p in range(n)]
-        first = max(0, n - window) if window else 0
-        k, v = (cache[i].reshape(-1, kv_heads, d)[slots[first:]] for i in (0, 1))
-        k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
-        p = torch.softmax(torch.einsum("hd,thd->ht", q[r], k) * scale, dim=-1)
-        torch.testing.assert_close(got[r], torch.einsum("ht,thd->hd", p, v), atol=2e-6, rtol=1e-5)
+    """Decode attention over a paged cache of each storage type (float32, bfloat16, float16;
+    GQA, rows of different lengths, blocks out of order, NaN wherever the kernel must not read),
+    with and without a sliding window and attention sinks: on every Arm build (NEON's path)
+    the host's float32 reference over the same values (tests/engine/test_prefill_attention's
+    masked SDPA, with sinks an explicit softmax), within the host's kernel tests' bounds; the
+    x86-64 baseline build (the portable loops) within the same bounds."""
+    dtype, atol = ATTENTION_TYPES[type_name]
+    heads, kv_heads, d, bs = 8, 2, 40, 4  # (head_dim 40: two whole chunks of 16 and a part)
+    rows = [(1, n) for n in (1, 7, 13, 16, 37)]
+    poisoned, clean, tables = _pool(rows, kv_heads, d, bs, dtype, seed=len(type_name))
+    lens = torch.tensor([c for _, c in rows], dtype=torch.int32)
+    q = torch.randn(len(rows), heads, d).to(dtype)
+    for window, with_sinks in ((0, False), (5, False), (0, True), (6, True)):
+        sinks = 2 * torch.randn(heads) if with_sinks else torch.empty(0)
+        params = [len(rows), heads, kv_heads, d, bs, max(map(len, tables)), d**-0.5, window]
+        arrays = [q, poisoned, _table_tensor(tables), lens, sinks]
+        ref = reference(q, clean, tables, rows, bs, window or None, sinks if with_sinks else None)
+        for command in (arm, x86):
+            out = call(command, f"paged_decode_{type_name}", params, arrays)
+            got = torch.frombuffer(bytearray(out), dtype=dtype).view_as(q).float()
+            assert not got.isnan().any(), "read a slot it must not"
+            torch.testing.assert_close(got, ref, atol=atol, rtol=0, msg=str((window, sinks)))
+
+
+@needs_cross
+@pytest.mark.parametrize("type_name", list(ATTENTION_TYPES))
+def test_paged_prefill_on_aarch64_matches_the_host(
+    arm: list[str], x86: list[str], type_name: str
+) -> None:
+    """Prefill attention (rows of several new tokens after a cached prefix, a decode row, GQA
+    groups of 1 to 4, head sizes 20 and 64, a sliding window, attention sinks) over a paged cache
+    of each storage type: on every Arm build (NEON's tiles) and the x86-64 baseline (the
+    portable ones) the host's float32 reference within the host's bounds."""
+    dtype, atol = ATTENTION_TYPES[type_name]
+    shapes = [(4, 2, 64, 8, None, False), (6, 2, 20, 16, 9, True), (4, 4, 20, 8, 40, False)]
+    for seed, (heads, kv_heads, d, bs, window, with_sinks) in enumerate(shapes):
+        rows = [(33, 45), (1, 2 * bs + 5), (3, bs + 2), (5, 5)]
+        poisoned, clean, tables = _pool(rows, kv_heads, d, bs, dtype, seed)
+        total = sum(n for n, _ in rows)
+        q = torch.randn(total, heads, d, generator=torch.Generator().manual_seed(seed)).to(dtype)
+        starts = torch.tensor([0, 33, 34, 37], dtype=torch.int32)
+        q_lens = torch.tensor([n for n, _ in rows], dtype=torch.int32)
+        ctx = torch.tensor([c for _, c in rows], dtype=torch.int32)
+        sinks = 2 * torch.randn(heads) if with_sinks else torch.empty(0)
+        params = [len(rows), heads, kv_heads, d, bs, max(map(len, tables)), window or 0, d**-0.5]
+        arrays = [q, poisoned, starts, q_lens, ctx, _table_tensor(tables), sinks]
+        ref = reference(q, clean, tables, rows, bs, window, sinks if with_sinks else None)
+        for command in (arm, x86):
+            out = call(command, f"paged_prefill_{type_name}", params, arrays)
+            got = torch.frombuffer(bytearray(out), dtype=dtype).view_as(q).float()
+            assert not got.isnan().any(), "read a slot it must not"
+            torch.testing.assert_close(got, ref, atol=atol, rtol=0, msg=str(shapes[seed]))
 
 
 needs_clang = pytest.mark.skipif(shutil.which("clang++") is None, reason="clang++ not installed")
