@@ -259,6 +259,66 @@ def test_paged_prefill_on_aarch64_matches_the_host(
             torch.testing.assert_close(got, ref, atol=atol, rtol=0, msg=str(shapes[seed]))
 
 
+def _codes(
+    clean: torch.Tensor, kind: str, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A quantized cache like ``clean`` (attention/kv_quant.py's layout: 8-bit codes, one float32
+    scale per token and KV head): the codes (int8, or float8 e4m3fn's bytes), the scales (NaN
+    wherever ``clean`` is: a kernel must not read them), and the values they stand for."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == "int8":
+        codes = torch.randint(-127, 128, clean.shape, generator=g, dtype=torch.int8)
+        values = codes.float()
+    else:
+        values = (torch.randn(clean.shape, generator=g) * 40).to(torch.float8_e4m3fn)
+        codes, values = values.view(torch.uint8), values.float()
+    scales = torch.rand(clean.shape[:-1], generator=g) / 64 + 1 / 256
+    scales = torch.where(clean.isnan().any(-1), float("nan"), scales)
+    return codes, scales, values * torch.where(scales.isnan(), 0.0, scales)[..., None]
+
+
+@needs_cross
+@pytest.mark.parametrize("type_name", ["f32_int8", "bf16_fp8", "f16_int8", "f32_fp8"])
+def test_paged_attention_over_codes_on_aarch64(
+    arm: list[str], x86: list[str], type_name: str
+) -> None:
+    """Decode and prefill attention over a quantized cache (int8 and float8 e4m3fn codes with a
+    float32 scale per token and KV head, NaN scales wherever the kernels must not read), queries
+    of each type, a window and sinks: on every Arm build (NEON's codes conversion: int8 widened,
+    e4m3 through a float16's bits) and the x86-64 baseline, the host's float32 reference over
+    the values the codes stand for."""
+    q_name, kind = type_name.split("_")
+    dtype, atol = ATTENTION_TYPES[q_name]
+    heads, kv_heads, d, bs = 6, 2, 40, 8
+    rows = [(1, 19), (9, 30), (1, 3), (4, 11)]
+    poisoned, _, tables = _pool(rows, kv_heads, d, bs, torch.float32, seed=3)
+    codes, scales, values = _codes(poisoned, kind, seed=4)
+    table = _table_tensor(tables)
+    q = torch.randn(sum(n for n, _ in rows), heads, d).to(dtype)
+    lens = torch.tensor([c for _, c in rows], dtype=torch.int32)
+    q_lens = torch.tensor([n for n, _ in rows], dtype=torch.int32)
+    starts = torch.cumsum(q_lens, 0, dtype=torch.int32) - q_lens
+    sinks = 2 * torch.randn(heads)
+    width = table.shape[1]
+    for window in (0, 7):
+        ref = reference(q, values, tables, rows, bs, window or None, sinks)
+        decode = [i for i, (n, _) in enumerate(rows) if n == 1]  # (decode rows by themselves)
+        qd = q[starts[decode].long()]
+        decode_params = [len(decode), heads, kv_heads, d, bs, width, d**-0.5, window]
+        decode_arrays = [qd, codes, scales, table[decode], lens[decode], sinks]
+        prefill_params = [len(rows), heads, kv_heads, d, bs, width, window, d**-0.5]
+        prefill_arrays = [q, codes, scales, starts, q_lens, lens, table, sinks]
+        for command in (arm, x86):
+            out = call(command, f"paged_decode_{type_name}", decode_params, decode_arrays)
+            got = torch.frombuffer(bytearray(out), dtype=dtype).view_as(qd).float()
+            assert not got.isnan().any(), "read a slot it must not"
+            torch.testing.assert_close(got, ref[starts[decode].long()], atol=atol, rtol=0)
+            out = call(command, f"paged_prefill_{type_name}", prefill_params, prefill_arrays)
+            got = torch.frombuffer(bytearray(out), dtype=dtype).view_as(q).float()
+            assert not got.isnan().any(), "read a slot it must not"
+            torch.testing.assert_close(got, ref, atol=atol, rtol=0)
+
+
 needs_clang = pytest.mark.skipif(shutil.which("clang++") is None, reason="clang++ not installed")
 
 
