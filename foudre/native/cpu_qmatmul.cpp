@@ -65,7 +65,10 @@
 //             activation rounding.
 //   AVX2      (without AVX-512; with FMA and F16C): the VNNI path's arithmetic on 8 lanes (see
 //             "-- AVX2 --" below); x rounded as there.
-//   NEON      (Arm, aarch64): the AVX-512 float path's arithmetic on 4 lanes (int6: portable).
+//   NEON      (Arm, aarch64): with dotprod (SDOT) the AVX2 path's rounding of x and integer
+//             products, with i8mm (SMMLA) too for pairs of x rows (see "-- NEON dotprod / i8mm
+//             --" below); without them the AVX-512 float path's arithmetic on 4 lanes (int6:
+//             portable either way).
 //   portable  the same in plain loops.
 
 #include <algorithm>
