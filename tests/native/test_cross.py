@@ -19,6 +19,7 @@ import shutil
 import struct
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -144,8 +145,16 @@ def test_quantized_matmul_on_aarch64_matches_the_host(arm: list[str], x86: list[
     one): within the host's error bound of the reference for that path (cpu_qmatmul.error_bound:
     the float paths' sums; with dotprod and i8mm x rounded to int8 per block as VNNI and AVX2
     round it); int6 equal to the x86-64 build's portable loops bit for bit."""
-    rounds = arm_path(arm) in cpu_qmatmul.ROUNDING_PATHS
-    for bits, group, zero, n, k, scale_dtype in CASES[::2]:
+    check_quantized_matmul(arm, x86, CASES[::2])
+
+
+def check_quantized_matmul(
+    command: list[str], x86: list[str], cases: list[tuple[Any, ...]]
+) -> None:
+    """test_quantized_matmul_on_aarch64_matches_the_host's checks of the harness ``command``
+    over the host kernel tests' ``cases``."""
+    rounds = arm_path(command) in cpu_qmatmul.ROUNDING_PATHS
+    for bits, group, zero, n, k, scale_dtype in cases:
         torch.manual_seed(bits * 1000 + n + k)
         w = torch.randn(n, k) * 0.1 + torch.linspace(-0.05, 0.1, k)
         mod = quant_module(bits, group, zero, w).to(scale_dtype)
@@ -157,7 +166,7 @@ def test_quantized_matmul_on_aarch64_matches_the_host(arm: list[str], x86: list[
         for m in (1, 3, 17):
             for dtype in (torch.float32, torch.bfloat16):
                 x = (torch.randn(m, k) * torch.rand(m, 1) * 4).to(dtype)
-                got = qmm(arm, x, packed)
+                got = qmm(command, x, packed)
                 if bits == 6:
                     assert torch.equal(got, qmm(x86, x, packed)), (group, zero, m, dtype)
                 ref = x.float() @ wd.t()
@@ -320,6 +329,28 @@ def test_paged_attention_over_codes_on_aarch64(
 
 
 needs_clang = pytest.mark.skipif(shutil.which("clang++") is None, reason="clang++ not installed")
+
+
+@pytest.mark.slow
+@needs_cross
+@needs_clang
+def test_clang_aarch64_build_takes_the_integer_paths(
+    tmp_path: Path, x86: list[str], march: str
+) -> None:
+    """The kernels built by clang for aarch64 (as on an Arm Mac or a Graviton; without OpenMP:
+    one thread) with dotprod, and with i8mm too: the path each target names, and the quantized
+    matmuls (int8 and int4 layouts, a few) within the host's bounds. (Clang 14 does not imply
+    dotprod from armv8.6-a: the targets name it.)"""
+    if march == "armv8-a":
+        pytest.skip("the integer paths' targets")
+    target = march if "dotprod" in march else march.replace("+i8mm", "+dotprod+i8mm")
+    out = tmp_path / "harness"
+    command = ["clang++", "--target=aarch64-linux-gnu", f"-march={target}", "-static"]
+    flags = [f for f in native.flags("none") if f not in ("-shared", "-fPIC")]
+    _build(out, [*command, *[f for f in flags if not f.startswith("-march")]])
+    clang = [QEMU, "-cpu", "max", str(out)]
+    assert arm_path(clang) == ARM_TARGETS[march]
+    check_quantized_matmul(clang, x86, [c for c in CASES[::3] if c[0] != 6])
 
 
 @pytest.mark.slow
