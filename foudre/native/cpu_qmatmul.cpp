@@ -2652,8 +2652,9 @@ struct Neon {
 // saturated: the same codes, activation_block), the weight codes as signed bytes (int8 as they
 // are, int4's 0..15), their products summed in int32 lanes over a unit of columns that share x's
 // d and the weight's scale (per channel x's block of 128, else the smaller of the group and x's
-// block), one conversion and one FMA by d * s a unit; the zero points come off at the end
-// through the sums of x's codes per group (corr, as the AVX2 path's). For int4, x's codes are
+// block), one conversion and one FMA by d * s a unit; the zero points come off through the sums
+// of x's codes per unit (corr: d sum q), each unit's s z times them summed apart in float32 and
+// taken off at the end (a unit lies in one group). For int4, x's codes are
 // stored per 32 columns in the order of the nibbles of 16 bytes (the even columns, then the odd
 // ones), so one AND (low) or shift (high) of 16 code bytes lines them up with 16 of x's. Where
 // the target has the int8 matrix products too (__ARM_FEATURE_MATMUL_INT8: SMMLA, vmmlaq_s32), a
@@ -2666,11 +2667,11 @@ struct Neon {
 
 // x [m, k] rounded per block of `block` columns: codes xq [m, k] (Nibbles: per 32 columns the
 // even ones, then the odd ones), d per 16 columns dl [m, k / 16], and the sums d * sum(q) per
-// group of `group` columns, corr [m, k / group] (where group > 0)
+// unit of `unit` columns (a multiple of 16 that divides K), corr [m, k / unit] (where unit > 0)
 template <typename T, bool Nibbles>
-void neon_quantize_rows(const T* x, int64_t m, int64_t k, int64_t block, int64_t group,
+void neon_quantize_rows(const T* x, int64_t m, int64_t k, int64_t block, int64_t unit,
                         int8_t* xq, float* dl, float* corr) {
-  const int64_t groups = group > 0 ? k / group : 0;
+  const int64_t groups = unit > 0 ? k / unit : 0;
 #pragma omp parallel for schedule(static) if (m * k >= 65536)
   for (int64_t i = 0; i < m; ++i) {
     const T* xr = x + i * k;
@@ -2702,7 +2703,7 @@ void neon_quantize_rows(const T* x, int64_t m, int64_t k, int64_t block, int64_t
           vst1q_s8(q + c, codes);
         }
         dl[i * (k / 16) + c / 16] = d;
-        if (groups) cr[c / group] += d * static_cast<float>(vaddlvq_s8(codes));
+        if (groups) cr[c / unit] += d * static_cast<float>(vaddlvq_s8(codes));
       }
     }
   }
@@ -2740,12 +2741,14 @@ struct NeonDot {
       for (auto& row : acc)
         for (auto& v : row) v = vdupq_n_f32(0.0f);
       const int64_t k = a.k, u = unit(a);
+      float off[MT][R] = {};  // the zero points' part: sum over units of s z corr
       for (int64_t c0 = 0; c0 < k; c0 += u) {
         const int64_t c1 = std::min(k, c0 + u);
         float s[R];
         for (int r = 0; r < R; ++r)
           s[r] = K == Kind::Int8 ? 1.0f
                                  : scale_at(a.s, nr[r] * a.s_stride + (c0 >> a.gshift), a.st);
+        if (a.corr) offsets<MT, R>(a, m0, nr, c0, u, s, off);
         int32x4_t dots[MT][R];
         for (auto& row : dots)
           for (auto& v : row) v = vdupq_n_s32(0);
@@ -2765,24 +2768,27 @@ struct NeonDot {
       }
       for (int mi = 0; mi < MT; ++mi)
         for (int r = 0; r < R && n0 + r < a.n; ++r)
-          finish(a, m0 + mi, nr[r], vaddvq_f32(acc[mi][r]));
+          finish(a, m0 + mi, nr[r], vaddvq_f32(acc[mi][r]) - off[mi][r]);
     }
   };
 
-  // y[i, n] from the scaled sums: times the row's scale (int8 per channel), less the zero
-  // points' part sum_g s_g z_g corr_g
-  static void finish(const Args<T>& a, int64_t i, int64_t n, float sum) {
-    if constexpr (K == Kind::Int8) {
-      sum *= scale_at(a.s, n, a.st);
-    } else if (a.z || a.zc != 0.0f) {
-      float off = 0.0f;
-      for (int64_t g = 0; g < a.groups; ++g) {
-        const int64_t at = n * a.s_stride + g;
-        off += scale_at(a.s, at, a.st) * (a.z ? scale_at(a.z, at, a.st) : a.zc) *
-               a.corr[i * a.groups + g];
-      }
-      sum -= off;
+  // the unit at c0's part of the zero points: off[mi][r] += s z corr (s: the rows' scales)
+  template <int MT, int R>
+  [[gnu::always_inline]] static void offsets(const Args<T>& a, int64_t m0, const int64_t* nr,
+                                             int64_t c0, int64_t u, const float* s,
+                                             float (&off)[MT][R]) {
+    const int64_t units = a.k / u;
+    for (int r = 0; r < R; ++r) {
+      const float sz =
+          s[r] * (a.z ? scale_at(a.z, nr[r] * a.s_stride + (c0 >> a.gshift), a.st) : a.zc);
+      for (int mi = 0; mi < MT; ++mi) off[mi][r] += sz * a.corr[(m0 + mi) * units + c0 / u];
     }
+  }
+
+  // y[i, n] from the scaled sums (the zero points' part taken off): times the row's scale
+  // (int8 per channel)
+  static void finish(const Args<T>& a, int64_t i, int64_t n, float sum) {
+    if constexpr (K == Kind::Int8) sum *= scale_at(a.s, n, a.st);
     store1(a.y + i * a.n + n, sum);
   }
 };
@@ -2825,8 +2831,15 @@ struct NeonMatmul {
         for (auto& row : acc)
           for (auto& v : row) v = vdupq_n_f32(0.0f);
         const int64_t k = a.k, u = Dot::unit(a);
+        float off[2 * P][R] = {};  // the zero points' part (NeonDot::offsets)
         for (int64_t c0 = 0; c0 < k; c0 += u) {
           const int64_t c1 = std::min(k, c0 + u);
+          if (a.corr) {
+            float s[R];
+            for (int r = 0; r < R; ++r)
+              s[r] = scale_at(a.s, nr[r] * a.s_stride + (c0 >> a.gshift), a.st);
+            Dot::template offsets<2 * P, R>(a, m0, nr, c0, u, s, off);
+          }
           int32x4_t dots[P][Q];
           for (auto& row : dots)
             for (auto& v : row) v = vdupq_n_s32(0);
@@ -2876,7 +2889,8 @@ struct NeonMatmul {
             vst1q_f32(out, acc[p][q]);
             for (int e = 0; e < 4; ++e)
               if (n0 + 2 * q + e % 2 < a.n)
-                Dot::finish(a, m0 + 2 * p + e / 2, nr[2 * q + e % 2], out[e]);
+                Dot::finish(a, m0 + 2 * p + e / 2, nr[2 * q + e % 2],
+                            out[e] - off[2 * p + e / 2][2 * q + e % 2]);
           }
         if constexpr (MT % 2) Dot::template Tile<1, R>::run(a, m0 + MT - 1, n0);
       }
@@ -2891,12 +2905,13 @@ void neon_dot_matmul(Args<T> a) {
   constexpr bool nibbles = K == Kind::Int4;
   const bool offsets = K != Kind::Int8 && (a.z || a.zc != 0.0f);
   std::vector<int8_t> xq(a.m * a.k);
-  std::vector<float> dl(a.m * a.k / 16), corr(offsets ? a.m * a.groups : 0);
+  const int64_t unit = NeonDot<T, K>::unit(a);
+  std::vector<float> dl(a.m * a.k / 16), corr(offsets ? a.m * a.k / unit : 0);
   neon_quantize_rows<T, nibbles>(a.x, a.m, a.k, activation_block<K>(a.group),
-                                 offsets ? a.group : 0, xq.data(), dl.data(), corr.data());
+                                 offsets ? unit : 0, xq.data(), dl.data(), corr.data());
   a.xq = xq.data();
   a.dl = dl.data();
-  a.corr = corr.data();
+  a.corr = offsets ? corr.data() : nullptr;
 #if defined(FOUDRE_I8MM)
   for_tiles<NeonMatmul<T, K>::template Tile, 1, 4>(a);
 #else
