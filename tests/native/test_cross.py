@@ -1,8 +1,10 @@
 """The native kernels on another architecture and another compiler, without that machine.
 
 ``harness.cpp`` (beside this file) drives the kernels from stdin and stdout. It is built with the
-kernel sources twice: for aarch64 with the distribution's cross compiler, run under qemu-user,
-and for x86-64's baseline on this host. Each call's inputs are laid out here the way the Python
+kernel sources for aarch64 with the distribution's cross compiler, for three targets (Armv8.0:
+NEON's float paths; +dotprod and +i8mm: the quantized matmuls' integer paths; ARM_TARGETS),
+each run under ``qemu-aarch64 -cpu max`` (which emulates those features), and for x86-64's
+baseline on this host (the portable loops). Each call's inputs are laid out here the way the Python
 side lays them out for the host's own kernels (``cpu_qmatmul.layout``, the paged cache), and the
 outputs are compared with the host's references: the same error bounds as the host's kernel
 tests, and, where both builds run the same portable code, bit for bit with the x86-64 build
