@@ -1,9 +1,9 @@
 // Helpers shared by the paged-attention kernels (cpu_paged_decode.cpp, cpu_paged_prefill.cpp):
 // the storage types' scalar loads and stores, float8 e4m3fn codes, exp over non-positive
-// inputs, and their AVX-512 and AVX2 forms. FOUDRE_AVX512 or FOUDRE_AVX2 names the vector
-// path the compiler targets (cpu_paged.py builds with -march=native). Each kernel is its own
-// library: internal linkage here. (foudre/native/build.py hashes this header with the sources
-// that include it.)
+// inputs, and their AVX-512, AVX2 and NEON forms. FOUDRE_AVX512, FOUDRE_AVX2 or FOUDRE_NEON
+// (aarch64) names the vector path the compiler targets (cpu_paged.py builds with
+// -march=native). Each kernel is its own library: internal linkage here.
+// (foudre/native/build.py hashes this header with the sources that include it.)
 
 #pragma once
 
@@ -15,9 +15,14 @@
 #define FOUDRE_AVX512 1
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define FOUDRE_AVX2 1
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+#define FOUDRE_NEON 1
 #endif
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
+#endif
+#if defined(FOUDRE_NEON)
+#include <arm_neon.h>
 #endif
 #if defined(_OPENMP)
 #include <omp.h>
@@ -181,5 +186,51 @@ inline __m256 exp8(__m256 x) {  // exp_nonpositive on 8 lanes (as exp16)
 }
 
 #endif  // AVX2
+
+#if defined(FOUDRE_NEON)
+
+// 4 values as float32: int8 codes exactly, e4m3 as 2^-8 times its value (kUnit), as load8
+inline float32x4_t load4(const float* p) { return vld1q_f32(p); }
+inline float32x4_t load4(const uint16_t* p) {  // bfloat16: the high halves of float32s
+  return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16));
+}
+inline float32x4_t load4(const Half* p) { return vcvt_f32_f16(vld1_f16(p)); }
+inline uint8x8_t load4_bytes(const void* p) {
+  uint32_t u;
+  std::memcpy(&u, p, 4);
+  return vreinterpret_u8_u32(vdup_n_u32(u));
+}
+inline float32x4_t load4(const int8_t* p) {
+  const int8x8_t b = vreinterpret_s8_u8(load4_bytes(p));
+  return vcvtq_f32_s32(vmovl_s16(vget_low_s16(vmovl_s8(b))));
+}
+inline float32x4_t load4(const Fp8* p) {  // its bits moved into a float16's (load8's)
+  const uint16x4_t w = vget_low_u16(vmovl_u8(load4_bytes(p)));
+  const uint16x4_t sign = vand_u16(vshl_n_u16(w, 8), vdup_n_u16(0x8000));
+  const uint16x4_t rest = vand_u16(vshl_n_u16(w, 7), vdup_n_u16(0x3F80));
+  return vcvt_f32_f16(vreinterpret_f16_u16(vorr_u16(sign, rest)));
+}
+
+// head_dim values into a float32 row of width (zeros past head_dim), as convert_row8
+template <typename C>
+inline void convert_row4(float* dst, const C* src, int64_t D, int64_t width) {
+  const int64_t whole = D / 4 * 4;
+  for (int64_t d = 0; d < whole; d += 4) vst1q_f32(dst + d, load4(src + d));
+  for (int64_t d = whole; d < width; ++d) dst[d] = d < D ? load(src[d]) / kUnit<C> : 0.0f;
+}
+
+inline float32x4_t exp4(float32x4_t x) {  // exp_nonpositive on 4 lanes (as exp8)
+  x = vmaxq_f32(x, vdupq_n_f32(-87.0f));
+  const float32x4_t t = vmulq_f32(x, vdupq_n_f32(1.44269504088896341f));
+  const float32x4_t n = vrndnq_f32(t);
+  const float32x4_t f = vmulq_f32(vsubq_f32(t, n), vdupq_n_f32(0.693147180559945309f));
+  float32x4_t p = vdupq_n_f32(1.0f / 720);
+  for (const float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f})
+    p = vfmaq_f32(vdupq_n_f32(c), p, f);
+  const int32x4_t e = vshlq_n_s32(vaddq_s32(vcvtnq_s32_f32(n), vdupq_n_s32(127)), 23);
+  return vmulq_f32(p, vreinterpretq_f32_s32(e));
+}
+
+#endif  // NEON
 
 }  // namespace

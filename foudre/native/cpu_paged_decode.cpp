@@ -7,13 +7,14 @@
 // float16); the bfloat16 path rounds the softmax weights to bfloat16 for the P·V products, as
 // FlashAttention does on GPUs.
 //
-// Four paths, by what the compiler targets (cpu_paged.py builds with -march=native):
+// Five paths, by what the compiler targets (cpu_paged.py builds with -march=native):
 //   paged_decode            portable: one task per (row, KV head), loops for the vectorizer
 //   paged_decode_avx512     AVX-512: a row's keys in two parts (below), head_dim in 16-lane
 //                           float32 chunks
 //   paged_decode_bf16_dot   AVX512-BF16, bfloat16 caches: the same parts, vdpbf16ps (below)
 //   paged_decode_avx2       AVX2 + FMA + F16C (no AVX-512): the same parts, tiles of 16 tokens,
 //                           K and V read into registers 16 values at a time (below)
+//   paged_decode_neon       NEON (aarch64): the AVX2 path on 4 lanes (below)
 //
 // A quantized cache (kv_cache_dtype int8 / fp8: 8-bit codes with one float32 scale per token and
 // KV head, attention/kv_quant.py) is read as it lies: codes are converted to float32 as they are
@@ -895,6 +896,234 @@ void paged_decode_avx2(const T* q, const C* k_cache, const C* v_cache, const flo
 }
 #endif  // AVX2
 
+#if defined(FOUDRE_NEON)
+// The NEON path (aarch64): the AVX2 path's walk on 4 float32 lanes. Tasks of (row, KV head,
+// part): each row's keys in two parts of whole blocks (part_keys), their running max, sum and
+// accumulators in a shared buffer, merged after (a row's result the same bits on any threads
+// and in any batch); tiles of <= 16 tokens inside a block, the next block's K and V rows
+// prefetched into L2 as a block begins. K and V are read where they lie, 16 values of head_dim
+// at a time into four float32 vectors in registers, in order (load16n: bfloat16 widened by a
+// shift, float16 by FCVTL, int8 codes exactly, e4m3 through a float16's bits as 2^-8 their
+// values). Per query head and token a chunk's 4 FMAs (each K load serving up to 4 heads), the
+// online softmax on the tile's 16 scores of a head, P·V 16 values of head_dim at a time for up
+// to 4 query heads in registers (each V load serving them all). (Not timed: no Arm machine.)
+
+constexpr int32_t kLane4[4] = {0, 1, 2, 3};
+
+struct F4x4 {
+  float32x4_t v[4];
+};
+
+// chunk c (16 values) of a row of D: straight from the row where whole, else through a copy
+// zero-padded past D (the row's end may be the pool's)
+template <typename C>
+[[gnu::always_inline]] inline F4x4 load16n(const C* row, int64_t c, int64_t D) {
+  const C* p = row + 16 * c;
+  C buf[16];
+  if (16 * c + 16 > D) {
+    std::memset(static_cast<void*>(buf), 0, sizeof buf);
+    std::memcpy(static_cast<void*>(buf), p, (D - 16 * c) * sizeof(C));
+    p = buf;
+  }
+  return {{load4(p), load4(p + 4), load4(p + 8), load4(p + 12)}};
+}
+
+// the scores of GS query heads (qv: their rows of chunks of 16 floats, zeros past D) against
+// the tile's nt keys: sc[g * 16 + j]
+template <typename C, int GS>
+inline void qk16n(const float* qv, int64_t qstride, const C* kb, int64_t token_stride,
+                  int64_t nt, int64_t D, float* sc) {
+  const int64_t nc = (D + 15) / 16;
+  for (int64_t t = 0; t < nt; ++t) {
+    const C* k = kb + t * token_stride;
+    float32x4_t a[GS][2];
+    for (auto& h : a) h[0] = h[1] = vdupq_n_f32(0.0f);
+    for (int64_t c = 0; c < nc; ++c) {
+      const F4x4 kv = load16n(k, c, D);
+      for (int g = 0; g < GS; ++g) {
+        const float* qc = qv + g * qstride + 16 * c;
+        a[g][0] = vfmaq_f32(a[g][0], vld1q_f32(qc), kv.v[0]);
+        a[g][1] = vfmaq_f32(a[g][1], vld1q_f32(qc + 4), kv.v[1]);
+        a[g][0] = vfmaq_f32(a[g][0], vld1q_f32(qc + 8), kv.v[2]);
+        a[g][1] = vfmaq_f32(a[g][1], vld1q_f32(qc + 12), kv.v[3]);
+      }
+    }
+    for (int g = 0; g < GS; ++g) sc[g * 16 + t] = vaddvq_f32(vaddq_f32(a[g][0], a[g][1]));
+  }
+}
+
+// acc[g] = acc[g] * corr[g] + sum_j p[g][j] V[j] for GS query heads, 16 values at a time
+template <typename C, int GS>
+inline void pv16n(float* acc, int64_t astride, const float* corr, const float* pp, const C* vb,
+                  int64_t token_stride, int64_t nt, int64_t D) {
+  const int64_t nc = (D + 15) / 16;
+  for (int64_t c = 0; c < nc; ++c) {
+    float32x4_t a[GS][4];
+    for (int g = 0; g < GS; ++g)
+      for (int i = 0; i < 4; ++i)
+        a[g][i] = vmulq_n_f32(vld1q_f32(acc + g * astride + 16 * c + 4 * i), corr[g]);
+    for (int64_t j = 0; j < nt; ++j) {
+      const F4x4 vv = load16n(vb + j * token_stride, c, D);
+      for (int g = 0; g < GS; ++g) {
+        const float p = pp[g * 16 + j];
+        for (int i = 0; i < 4; ++i) a[g][i] = vfmaq_n_f32(a[g][i], vv.v[i], p);
+      }
+    }
+    for (int g = 0; g < GS; ++g)
+      for (int i = 0; i < 4; ++i) vst1q_f32(acc + g * astride + 16 * c + 4 * i, a[g][i]);
+  }
+}
+
+// f(std::integral_constant<int, GS>{}) for a group of gs <= 4 query heads
+template <typename F>
+inline void heads4(int64_t gs, const F& f) {
+  switch (gs) {
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    default: f(std::integral_constant<int, 1>{});
+  }
+}
+
+// a task's online softmax over the tile's scores sc (16 a head): weights into pp (times each
+// token's vmul), each head's rescaling into corr
+inline void softmax16n(int64_t G, int64_t nt, const float* sc, const float* kmul,
+                       const float* vmul, float* m, float* l, float* pp, float* corr) {
+  for (int64_t g = 0; g < G; ++g) {
+    float32x4_t s[4];
+    float32x4_t top = vdupq_n_f32(-FLT_MAX);
+    for (int i = 0; i < 4; ++i) {
+      s[i] = vmulq_f32(vld1q_f32(sc + g * 16 + 4 * i), vld1q_f32(kmul + 4 * i));
+      const uint32x4_t ok = vcltq_s32(vaddq_s32(vdupq_n_s32(4 * i), vld1q_s32(kLane4)),
+                                      vdupq_n_s32(static_cast<int32_t>(nt)));
+      s[i] = vbslq_f32(ok, s[i], vdupq_n_f32(-FLT_MAX));
+      top = vmaxq_f32(top, s[i]);
+    }
+    const float mx = std::max(m[g], vmaxvq_f32(top));
+    float32x4_t sum = vdupq_n_f32(0.0f);
+    for (int i = 0; i < 4; ++i) {
+      const uint32x4_t ok = vcltq_s32(vaddq_s32(vdupq_n_s32(4 * i), vld1q_s32(kLane4)),
+                                      vdupq_n_s32(static_cast<int32_t>(nt)));
+      const float32x4_t p = vreinterpretq_f32_u32(
+          vandq_u32(ok, vreinterpretq_u32_f32(exp4(vsubq_f32(s[i], vdupq_n_f32(mx))))));
+      sum = vaddq_f32(sum, p);
+      vst1q_f32(pp + g * 16 + 4 * i, vmulq_f32(p, vld1q_f32(vmul + 4 * i)));
+    }
+    corr[g] = exp_nonpositive(m[g] - mx);
+    l[g] = l[g] * corr[g] + vaddvq_f32(sum);
+    m[g] = mx;
+  }
+}
+
+template <typename T, typename C>
+void paged_decode_neon(const T* q, const C* k_cache, const C* v_cache, const float* k_scale,
+                       const float* v_scale, T* out, const int32_t* tokens,
+                       const int32_t* block_tables, const int32_t* seq_lens, int64_t rows,
+                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                       int64_t block_size, int64_t table_width, int64_t q_stride,
+                       int64_t o_stride, int64_t block_stride, int64_t token_stride, float scale,
+                       int64_t window, const float* sinks) {
+  constexpr bool quantized = !std::is_same_v<T, C>;
+  constexpr int64_t kSplit = 2;
+  const int64_t G = num_heads / num_kv_heads, D = head_dim, BS = block_size;
+  const int64_t width = (D + 15) / 16 * 16;  // a head's accumulators (and queries)
+  const int64_t scale_token_stride = token_stride / D;
+  // a task's state: acc [G, width], m [G], l [G], a cache line apart from the next
+  const int64_t state_floats = (G * width + 2 * G + 15) / 16 * 16;
+  const int64_t tasks = rows * num_kv_heads * kSplit;
+  std::unique_ptr<float[]> buffer(new float[tasks * state_floats + 16]);
+  float* const states = reinterpret_cast<float*>(
+      (reinterpret_cast<uintptr_t>(buffer.get()) + 63) / 64 * 64);  // 64-byte aligned
+  const int64_t row_lines = (D * static_cast<int64_t>(sizeof(C)) + 63) / 64;  // a head's K row
+#pragma omp parallel
+  {
+    std::vector<float> qv(G * width), sc(G * 16), pp(G * 16), corr(G);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < tasks; ++task) {
+      const int64_t part = task % kSplit, h = task / kSplit % num_kv_heads;
+      const int64_t r = task / kSplit / num_kv_heads;
+      float* acc = states + task * state_floats;
+      float* m = acc + G * width;
+      float* l = m + G;
+      const int64_t tok = tokens[r], len = seq_lens[r];
+      for (int64_t g = 0; g < G; ++g) {  // the queries, zeros past D
+        const T* qr = q + tok * q_stride + (h * G + g) * D;
+        for (int64_t i = 0; i < width; ++i) qv[g * width + i] = i < D ? load(qr[i]) : 0.0f;
+        m[g] = -FLT_MAX;
+        l[g] = 0.0f;
+      }
+      std::fill(acc, acc + G * width, 0.0f);
+      int64_t lo, hi;  // this part's keys
+      part_keys(len, window, BS, part, kSplit, lo, hi);
+      for (int64_t pos = lo, nt = 0; pos < hi; pos += nt) {
+        const int64_t b = pos / BS, j0 = pos % BS;
+        const int64_t blk = block_tables[r * table_width + b];
+        nt = std::min<int64_t>({16, hi - pos, BS - j0});
+        if ((pos == lo || j0 == 0) && (b + 1) * BS < hi) {  // the next block's rows into L2
+          const int64_t next = block_tables[r * table_width + b + 1];
+          for (int64_t j = 0; j < BS; ++j) {
+            const int64_t at = next * block_stride + j * token_stride + h * D;
+            for (int64_t line = 0; line < row_lines; ++line) {
+              __builtin_prefetch(reinterpret_cast<const char*>(k_cache + at) + 64 * line, 0, 2);
+              __builtin_prefetch(reinterpret_cast<const char*>(v_cache + at) + 64 * line, 0, 2);
+            }
+          }
+        }
+        const int64_t off = blk * block_stride + j0 * token_stride + h * D;
+        alignas(16) float kmul[16], vmul[16];  // what a token's score and weight are scaled by
+        for (int64_t j = 0; j < 16; ++j) {
+          kmul[j] = scale;
+          vmul[j] = 1.0f;
+        }
+        if constexpr (quantized) {  // a token's scales multiply its score and its weight
+          for (int64_t j = 0; j < nt; ++j) {
+            kmul[j] = k_scale[off / D + j * scale_token_stride] * (scale * kUnit<C>);
+            vmul[j] = v_scale[off / D + j * scale_token_stride] * kUnit<C>;
+          }
+        }
+        for (int64_t g0 = 0; g0 < G; g0 += 4)  // query heads 4 at a time
+          heads4(std::min<int64_t>(4, G - g0), [&](auto gs) {
+            qk16n<C, decltype(gs)::value>(&qv[g0 * width], width, k_cache + off, token_stride,
+                                          nt, D, &sc[g0 * 16]);
+          });
+        softmax16n(G, nt, sc.data(), kmul, vmul, m, l, pp.data(), corr.data());
+        for (int64_t g0 = 0; g0 < G; g0 += 4)
+          heads4(std::min<int64_t>(4, G - g0), [&](auto gs) {
+            pv16n<C, decltype(gs)::value>(acc + g0 * width, width, &corr[g0], &pp[g0 * 16],
+                                          v_cache + off, token_stride, nt, D);
+          });
+      }
+    }
+    // each (row, KV head)'s parts merged (an empty part adds nothing), then written out
+    std::vector<float> merged(width);
+#pragma omp for schedule(static)
+    for (int64_t rh = 0; rh < rows * num_kv_heads; ++rh) {
+      const int64_t r = rh / num_kv_heads, h = rh % num_kv_heads;
+      const float* part_state[kSplit];
+      for (int64_t part = 0; part < kSplit; ++part)
+        part_state[part] = states + (rh * kSplit + part) * state_floats;
+      for (int64_t g = 0; g < G; ++g) {
+        float mx = -FLT_MAX;
+        for (const float* st : part_state) mx = std::max(mx, st[G * width + g]);
+        std::fill(merged.begin(), merged.end(), 0.0f);
+        float sum = 0.0f;
+        for (const float* st : part_state) {
+          const float l = st[G * width + G + g];
+          if (l == 0.0f) continue;
+          const float f = exp_nonpositive(st[G * width + g] - mx);
+          for (int64_t i = 0; i < width; ++i) merged[i] += st[g * width + i] * f;
+          sum += l * f;
+        }
+        sum += sink_weight(sinks, h * G + g, mx);
+        T* orow = out + tokens[r] * o_stride + (h * G + g) * D;
+        const float inv = 1.0f / sum;
+        for (int64_t d = 0; d < D; ++d) store(orow + d, merged[d] * inv);
+      }
+    }
+  }
+}
+#endif  // NEON
+
 }  // namespace
 
 #if defined(FOUDRE_AVX512)
@@ -906,6 +1135,9 @@ void paged_decode_avx2(const T* q, const C* k_cache, const C* v_cache, const flo
 #endif
 #elif defined(FOUDRE_AVX2)
 #define FOUDRE_KERNEL(OPS, T, C) paged_decode_avx2<T, C>
+#define FOUDRE_BF16_OPS void
+#elif defined(FOUDRE_NEON)
+#define FOUDRE_KERNEL(OPS, T, C) paged_decode_neon<T, C>
 #define FOUDRE_BF16_OPS void
 #else
 #define FOUDRE_KERNEL(OPS, T, C) paged_decode<T, C>

@@ -22,9 +22,10 @@
 // chunk or the batch it is computed in. Masked scores are exact zeros; tiles a lane does not
 // see leave its state unchanged (rescaled by exp(0) = 1, plus zero).
 //
-// Four paths, by what the compiler targets (cpu_paged.py builds with -march=native):
+// Five paths, by what the compiler targets (cpu_paged.py builds with -march=native):
 //   prefill_f32<PortableTile>  portable C++ (loops over lanes for the vectorizer), float32 math
 //   prefill_f32<Avx2Tile>      AVX2 + FMA: the same tiles on 8 lanes, a register-blocked kernel
+//   prefill_f32<NeonTile>      NEON (aarch64): the AVX2 tiles on 4 lanes
 //   prefill_avx512<F32Ops>     AVX-512 FMAs, any storage type converted to float32 when packed
 //   prefill_avx512<Bf16Ops>    AVX512-BF16 on bfloat16 caches; the softmax weights are rounded
 //                              to bfloat16 for P·V, as FlashAttention does (and the decode
@@ -551,9 +552,81 @@ struct Avx2Tile {
   }
 };
 #define FOUDRE_F32_TILE Avx2Tile
+#elif defined(FOUDRE_NEON)
+constexpr int MV4 = BQ / 4;  // lane vectors per tile row
+constexpr int NR4 = 2;       // broadcast rows per micro-kernel call (divides BK and Dp)
+
+// gemm8 on 4 lanes (NEON, aarch64): NR4 broadcasts against the MV4 vectors of a row of B, 16
+// accumulators of the 32 vector registers; with ACC, C loaded and scaled by alpha first
+template <bool ACC>
+inline void gemm4(float* C, const float32x4_t* alpha, const float* A, int64_t a_n, int64_t a_k,
+                  const float* B, int64_t K) {
+  float32x4_t c[NR4][MV4];
+  for (int n = 0; n < NR4; ++n)
+#pragma GCC unroll 8
+    for (int v = 0; v < MV4; ++v)
+      c[n][v] = ACC ? vmulq_f32(vld1q_f32(C + n * BQ + v * 4), alpha[v]) : vdupq_n_f32(0.0f);
+  for (int64_t k = 0; k < K; ++k) {
+    float32x4_t b[MV4];
+#pragma GCC unroll 8
+    for (int v = 0; v < MV4; ++v) b[v] = vld1q_f32(B + k * BQ + v * 4);
+    for (int n = 0; n < NR4; ++n) {
+      const float a = A[n * a_n + k * a_k];
+#pragma GCC unroll 8
+      for (int v = 0; v < MV4; ++v) c[n][v] = vfmaq_n_f32(c[n][v], b[v], a);
+    }
+  }
+  for (int n = 0; n < NR4; ++n)
+#pragma GCC unroll 8
+    for (int v = 0; v < MV4; ++v) vst1q_f32(C + n * BQ + v * 4, c[n][v]);
+}
+
+// Avx2Tile on 4 lanes (not timed: no Arm machine)
+struct NeonTile {
+  template <typename C>
+  static void row(float* dst, const C* src, int64_t D, int64_t Dp) {
+    convert_row4(dst, src, D, Dp);
+  }
+  template <bool Quantized>
+  static void step(const float* kt, const float* vt, const float* qg, int64_t Dp, float* st,
+                   float* ag, float* mg, float* lg, const uint32_t* valid, const float* kmul,
+                   const float* vmul) {
+    for (int64_t n = 0; n < BK; n += NR4)  // S = K · Q^T
+      gemm4<false>(&st[n * BQ], nullptr, &kt[n * Dp], Dp, 1, qg, Dp);
+    float32x4_t alpha[MV4];  // the online softmax, lane-wise: scores -> weights in place in st
+    for (int v = 0; v < MV4; ++v) {
+      const auto ok = [&](int64_t jj) { return vld1q_u32(valid + jj * BQ + v * 4); };
+      const float32x4_t m_old = vld1q_f32(mg + v * 4);
+      float32x4_t mx = m_old;
+      for (int64_t jj = 0; jj < BK; ++jj) {
+        float* at = &st[jj * BQ + v * 4];
+        float32x4_t s = vmulq_n_f32(vld1q_f32(at), kmul[jj]);
+        if (valid != nullptr) s = vbslq_f32(ok(jj), s, vdupq_n_f32(-INFINITY));
+        vst1q_f32(at, s);
+        mx = vmaxq_f32(mx, s);
+      }
+      alpha[v] = exp4(vsubq_f32(m_old, mx));
+      float32x4_t sum = vdupq_n_f32(0.0f);
+      for (int64_t jj = 0; jj < BK; ++jj) {
+        float* at = &st[jj * BQ + v * 4];
+        float32x4_t p = exp4(vsubq_f32(vld1q_f32(at), mx));
+        if (valid != nullptr)
+          p = vreinterpretq_f32_u32(vandq_u32(vreinterpretq_u32_f32(p), ok(jj)));
+        sum = vaddq_f32(sum, p);
+        if constexpr (Quantized) p = vmulq_n_f32(p, vmul[jj]);
+        vst1q_f32(at, p);
+      }
+      vst1q_f32(lg + v * 4, vfmaq_f32(sum, vld1q_f32(lg + v * 4), alpha[v]));
+      vst1q_f32(mg + v * 4, mx);
+    }
+    for (int64_t d = 0; d < Dp; d += NR4)  // O^T = O^T * alpha + V^T · P^T
+      gemm4<true>(ag + d * BQ, alpha, &vt[d], 1, Dp, st, BK);
+  }
+};
+#define FOUDRE_F32_TILE NeonTile
 #else
 #define FOUDRE_F32_TILE PortableTile
-#endif  // AVX2
+#endif  // AVX2, NEON
 
 // T: the queries' and outputs' type; C: the cache's (T, or int8_t / Fp8 codes with scales)
 template <typename T, typename C, class Tile>

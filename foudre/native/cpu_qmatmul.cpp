@@ -65,7 +65,10 @@
 //             activation rounding.
 //   AVX2      (without AVX-512; with FMA and F16C): the VNNI path's arithmetic on 8 lanes (see
 //             "-- AVX2 --" below); x rounded as there.
-//   NEON      (Arm, aarch64): the AVX-512 float path's arithmetic on 4 lanes (int6: portable).
+//   NEON      (Arm, aarch64): with dotprod (SDOT) the AVX2 path's rounding of x and integer
+//             products, with i8mm (SMMLA) too for pairs of x rows (see "-- NEON dotprod / i8mm
+//             --" below); without them the AVX-512 float path's arithmetic on 4 lanes (int6:
+//             portable either way).
 //   portable  the same in plain loops.
 
 #include <algorithm>
@@ -96,6 +99,12 @@
 #elif defined(__aarch64__) && defined(__ARM_NEON)
 #include <arm_neon.h>
 #define FOUDRE_NEON 1
+#if defined(__ARM_FEATURE_DOTPROD)
+#define FOUDRE_DOTPROD 1
+#if defined(__ARM_FEATURE_MATMUL_INT8)
+#define FOUDRE_I8MM 1
+#endif
+#endif
 #endif
 
 namespace {
@@ -2636,6 +2645,282 @@ struct Neon {
   };
 };
 
+// -- NEON dotprod / i8mm (Arm) ------------------------------------------------------------------
+// Where the target has the dot product instructions (__ARM_FEATURE_DOTPROD: SDOT, vdotq_s32),
+// the VNNI and AVX2 paths' arithmetic: x rounded to int8 per block as they round it (the same
+// block, the same d = max|x| / 127, the products x * (127 / max|x|) rounded to nearest even and
+// saturated: the same codes, activation_block), the weight codes as signed bytes (int8 as they
+// are, int4's 0..15), their products summed in int32 lanes over a unit of columns that share x's
+// d and the weight's scale (per channel x's block of 128, else the smaller of the group and x's
+// block), one conversion and one FMA by d * s a unit; the zero points come off through the sums
+// of x's codes per unit (corr: d sum q), each unit's s z times them summed apart in float32 and
+// taken off at the end (a unit lies in one group). For int4, x's codes are
+// stored per 32 columns in the order of the nibbles of 16 bytes (the even columns, then the odd
+// ones), so one AND (low) or shift (high) of 16 code bytes lines them up with 16 of x's. Where
+// the target has the int8 matrix products too (__ARM_FEATURE_MATMUL_INT8: SMMLA, vmmlaq_s32), a
+// pair of x rows against a pair of weight rows takes one SMMLA per 8 columns (the 2 x 2 int32
+// sums in one register) instead of four SDOTs' worth of lanes; an odd x row left takes SDOT.
+// Int6 takes the portable loops. Tasks: at batch 1 one weight row a task (the guided chunks one
+// sequential stream a thread, prefetched kAhead ahead), else 2 rows (SDOT: 4 x 2 tiles) or 4
+// (SMMLA: pairs of rows).
+#if defined(FOUDRE_DOTPROD)
+
+// x [m, k] rounded per block of `block` columns: codes xq [m, k] (Nibbles: per 32 columns the
+// even ones, then the odd ones), d per 16 columns dl [m, k / 16], and the sums d * sum(q) per
+// unit of `unit` columns (a multiple of 16 that divides K), corr [m, k / unit] (where unit > 0)
+template <typename T, bool Nibbles>
+void neon_quantize_rows(const T* x, int64_t m, int64_t k, int64_t block, int64_t unit,
+                        int8_t* xq, float* dl, float* corr) {
+  const int64_t groups = unit > 0 ? k / unit : 0;
+#pragma omp parallel for schedule(static) if (m * k >= 65536)
+  for (int64_t i = 0; i < m; ++i) {
+    const T* xr = x + i * k;
+    int8_t* q = xq + i * k;
+    float* cr = corr + i * groups;
+    for (int64_t g = 0; g < groups; ++g) cr[g] = 0.0f;
+    for (int64_t b0 = 0; b0 < k; b0 += block) {
+      const int64_t b1 = std::min(k, b0 + block);
+      float32x4_t mx = vdupq_n_f32(0.0f);
+      for (int64_t c = b0; c < b1; c += 16) {
+        const F32x16 v = load16(xr + c);
+        for (const auto& u : v.v) mx = vmaxq_f32(mx, vabsq_f32(u));
+      }
+      const float amax = vmaxvq_f32(mx);
+      const float d = amax / 127.0f, id = amax > 0 ? 127.0f / amax : 0.0f;
+      for (int64_t c = b0; c < b1; c += 16) {
+        const F32x16 v = load16(xr + c);
+        int32x4_t n[4];
+        for (int j = 0; j < 4; ++j) n[j] = vcvtnq_s32_f32(vmulq_f32(v.v[j], vdupq_n_f32(id)));
+        const int16x8_t lo = vcombine_s16(vqmovn_s32(n[0]), vqmovn_s32(n[1]));
+        const int16x8_t hi = vcombine_s16(vqmovn_s32(n[2]), vqmovn_s32(n[3]));
+        const int8x16_t codes = vcombine_s8(vqmovn_s16(lo), vqmovn_s16(hi));
+        if constexpr (Nibbles) {  // columns c .. c + 15 of 32: 8 even, 8 odd
+          const int64_t c32 = c & ~int64_t{31}, half = (c & 16) / 2;
+          const int8x16_t ev = vuzp1q_s8(codes, codes), od = vuzp2q_s8(codes, codes);
+          vst1_s8(q + c32 + half, vget_low_s8(ev));
+          vst1_s8(q + c32 + 16 + half, vget_low_s8(od));
+        } else {
+          vst1q_s8(q + c, codes);
+        }
+        dl[i * (k / 16) + c / 16] = d;
+        if (groups) cr[c / unit] += d * static_cast<float>(vaddlvq_s8(codes));
+      }
+    }
+  }
+}
+
+template <typename T, Kind K>
+struct NeonDot {
+  // the columns whose int32 sums share one d and one scale; the columns of one SDOT step
+  static int64_t unit(const Args<T>& a) {
+    return K == Kind::Int8 ? 128 : std::min<int64_t>(a.group, activation_block<K>(a.group));
+  }
+  static constexpr int64_t kStep = K == Kind::Int4 ? 32 : 16;
+  static constexpr int64_t kStepBytes = 16;
+
+  // the int32 sums of x row xr's codes with weight row w over columns c .. c + n (lanes)
+  [[gnu::always_inline]] static int32x4_t dot(int32x4_t acc, const uint8_t* w, const int8_t* x,
+                                              int64_t c) {
+    if constexpr (K == Kind::Int4) {
+      const uint8x16_t b = vld1q_u8(w + c / 2);
+      acc = vdotq_s32(acc, vreinterpretq_s8_u8(vandq_u8(b, vdupq_n_u8(15))), vld1q_s8(x + c));
+      return vdotq_s32(acc, vreinterpretq_s8_u8(vshrq_n_u8(b, 4)), vld1q_s8(x + c + 16));
+    } else {
+      return vdotq_s32(acc, vld1q_s8(reinterpret_cast<const int8_t*>(w + c)), vld1q_s8(x + c));
+    }
+  }
+
+  template <int MT, int R>
+  struct Tile {
+    static void run(const Args<T>& a, int64_t m0, int64_t n0) {
+      const uint8_t* wr[R];
+      int64_t nr[R];
+      row_ptrs<R>(a, n0, wr, nr);
+      constexpr bool kStream = MT == 1 && R == 1;
+      float32x4_t acc[MT][R];
+      for (auto& row : acc)
+        for (auto& v : row) v = vdupq_n_f32(0.0f);
+      const int64_t k = a.k, u = unit(a);
+      float off[MT][R] = {};  // the zero points' part: sum over units of s z corr
+      for (int64_t c0 = 0; c0 < k; c0 += u) {
+        const int64_t c1 = std::min(k, c0 + u);
+        float s[R];
+        for (int r = 0; r < R; ++r)
+          s[r] = K == Kind::Int8 ? 1.0f
+                                 : scale_at(a.s, nr[r] * a.s_stride + (c0 >> a.gshift), a.st);
+        if (a.corr) offsets<MT, R>(a, m0, nr, c0, u, s, off);
+        int32x4_t dots[MT][R];
+        for (auto& row : dots)
+          for (auto& v : row) v = vdupq_n_s32(0);
+        for (int64_t c = c0; c < c1; c += kStep) {
+          const int64_t line = K == Kind::Int4 ? c / 2 : c;  // the bytes read before this step
+          for (int r = 0; r < R; ++r) {
+            if (line % 64 == 0) prefetch_ahead<kStream>(wr[r] + line, kAhead);
+            for (int mi = 0; mi < MT; ++mi)
+              dots[mi][r] = dot(dots[mi][r], wr[r], a.xq + (m0 + mi) * k, c);
+          }
+        }
+        for (int mi = 0; mi < MT; ++mi) {
+          const float d = a.dl[(m0 + mi) * (k / 16) + c0 / 16];
+          for (int r = 0; r < R; ++r)
+            acc[mi][r] = vfmaq_f32(acc[mi][r], vcvtq_f32_s32(dots[mi][r]), vdupq_n_f32(d * s[r]));
+        }
+      }
+      for (int mi = 0; mi < MT; ++mi)
+        for (int r = 0; r < R && n0 + r < a.n; ++r)
+          finish(a, m0 + mi, nr[r], vaddvq_f32(acc[mi][r]) - off[mi][r]);
+    }
+  };
+
+  // the unit at c0's part of the zero points: off[mi][r] += s z corr (s: the rows' scales)
+  template <int MT, int R>
+  [[gnu::always_inline]] static void offsets(const Args<T>& a, int64_t m0, const int64_t* nr,
+                                             int64_t c0, int64_t u, const float* s,
+                                             float (&off)[MT][R]) {
+    const int64_t units = a.k / u;
+    for (int r = 0; r < R; ++r) {
+      const float sz =
+          s[r] * (a.z ? scale_at(a.z, nr[r] * a.s_stride + (c0 >> a.gshift), a.st) : a.zc);
+      for (int mi = 0; mi < MT; ++mi) off[mi][r] += sz * a.corr[(m0 + mi) * units + c0 / u];
+    }
+  }
+
+  // y[i, n] from the scaled sums (the zero points' part taken off): times the row's scale
+  // (int8 per channel)
+  static void finish(const Args<T>& a, int64_t i, int64_t n, float sum) {
+    if constexpr (K == Kind::Int8) sum *= scale_at(a.s, n, a.st);
+    store1(a.y + i * a.n + n, sum);
+  }
+};
+
+#if defined(FOUDRE_I8MM)
+// SMMLA tiles: x rows in pairs against weight rows in pairs (R even), 8 columns of each pair a
+// matrix product into lanes (x0 w0, x0 w1, x1 w0, x1 w1); an odd x row left: NeonDot's SDOT
+template <typename T, Kind K>
+struct NeonMatmul {
+  using Dot = NeonDot<T, K>;
+  static constexpr int64_t kStep = Dot::kStep;
+
+  // the 16 codes of a step of row w at c: two halves of 8 (int4: the low and high nibbles, the
+  // columns x's codes at c and c + 16 line up with)
+  [[gnu::always_inline]] static int8x16_t codes(const uint8_t* w, int64_t c, int half) {
+    if constexpr (K == Kind::Int4) {
+      const uint8x16_t b = vld1q_u8(w + c / 2);
+      return vreinterpretq_s8_u8(half ? vshrq_n_u8(b, 4) : vandq_u8(b, vdupq_n_u8(15)));
+    } else {
+      return vld1q_s8(reinterpret_cast<const int8_t*>(w + c + 16 * half));
+    }
+  }
+  // rows u and v's 8 bytes from byte j (0 or 8) of each: one SMMLA operand
+  [[gnu::always_inline]] static int8x16_t pair(int8x16_t u, int8x16_t v, int j) {
+    const int64x2_t a = vreinterpretq_s64_s8(u), b = vreinterpretq_s64_s8(v);
+    return vreinterpretq_s8_s64(j ? vzip2q_s64(a, b) : vzip1q_s64(a, b));
+  }
+
+  template <int MT, int R>
+  struct Tile {
+    static void run(const Args<T>& a, int64_t m0, int64_t n0) {
+      if constexpr (MT == 1) {
+        Dot::template Tile<1, R>::run(a, m0, n0);
+      } else {
+        constexpr int P = MT / 2, Q = R / 2;  // pairs of x rows, of weight rows
+        const uint8_t* wr[R];
+        int64_t nr[R];
+        row_ptrs<R>(a, n0, wr, nr);
+        float32x4_t acc[P][Q];
+        for (auto& row : acc)
+          for (auto& v : row) v = vdupq_n_f32(0.0f);
+        const int64_t k = a.k, u = Dot::unit(a);
+        float off[2 * P][R] = {};  // the zero points' part (NeonDot::offsets)
+        for (int64_t c0 = 0; c0 < k; c0 += u) {
+          const int64_t c1 = std::min(k, c0 + u);
+          if (a.corr) {
+            float s[R];
+            for (int r = 0; r < R; ++r)
+              s[r] = scale_at(a.s, nr[r] * a.s_stride + (c0 >> a.gshift), a.st);
+            Dot::template offsets<2 * P, R>(a, m0, nr, c0, u, s, off);
+          }
+          int32x4_t dots[P][Q];
+          for (auto& row : dots)
+            for (auto& v : row) v = vdupq_n_s32(0);
+          for (int64_t c = c0; c < c1; c += kStep) {
+            const int64_t line = K == Kind::Int4 ? c / 2 : c;
+            for (int h = 0; h < 2; ++h) {  // int8: columns c + 16 h .. (a step of 16: h 0)
+              if (K != Kind::Int4 && h == 1) break;
+              int8x16_t xb[P][2];
+              for (int p = 0; p < P; ++p) {
+                const int64_t at = K == Kind::Int4 ? c + 16 * h : c;
+                const int8x16_t x0 = vld1q_s8(a.xq + (m0 + 2 * p) * k + at);
+                const int8x16_t x1 = vld1q_s8(a.xq + (m0 + 2 * p + 1) * k + at);
+                xb[p][0] = pair(x0, x1, 0);
+                xb[p][1] = pair(x0, x1, 1);
+              }
+              for (int q = 0; q < Q; ++q) {
+                if (h == 0 && line % 64 == 0) {
+                  prefetch_ahead<false>(wr[2 * q] + line, kAhead);
+                  prefetch_ahead<false>(wr[2 * q + 1] + line, kAhead);
+                }
+                const int8x16_t w0 = codes(wr[2 * q], c, h), w1 = codes(wr[2 * q + 1], c, h);
+                const int8x16_t wb0 = pair(w0, w1, 0), wb1 = pair(w0, w1, 1);
+                for (int p = 0; p < P; ++p) {
+                  dots[p][q] = vmmlaq_s32(dots[p][q], xb[p][0], wb0);
+                  dots[p][q] = vmmlaq_s32(dots[p][q], xb[p][1], wb1);
+                }
+              }
+            }
+          }
+          for (int p = 0; p < P; ++p) {
+            const float d0 = a.dl[(m0 + 2 * p) * (k / 16) + c0 / 16];
+            const float d1 = a.dl[(m0 + 2 * p + 1) * (k / 16) + c0 / 16];
+            for (int q = 0; q < Q; ++q) {
+              float s0 = 1.0f, s1 = 1.0f;
+              if constexpr (K != Kind::Int8) {
+                s0 = scale_at(a.s, nr[2 * q] * a.s_stride + (c0 >> a.gshift), a.st);
+                s1 = scale_at(a.s, nr[2 * q + 1] * a.s_stride + (c0 >> a.gshift), a.st);
+              }
+              const float f[4] = {d0 * s0, d0 * s1, d1 * s0, d1 * s1};
+              acc[p][q] = vfmaq_f32(acc[p][q], vcvtq_f32_s32(dots[p][q]), vld1q_f32(f));
+            }
+          }
+        }
+        for (int p = 0; p < P; ++p)
+          for (int q = 0; q < Q; ++q) {
+            float out[4];
+            vst1q_f32(out, acc[p][q]);
+            for (int e = 0; e < 4; ++e)
+              if (n0 + 2 * q + e % 2 < a.n)
+                Dot::finish(a, m0 + 2 * p + e / 2, nr[2 * q + e % 2],
+                            out[e] - off[2 * p + e / 2][2 * q + e % 2]);
+          }
+        if constexpr (MT % 2) Dot::template Tile<1, R>::run(a, m0 + MT - 1, n0);
+      }
+    }
+  };
+};
+#endif  // FOUDRE_I8MM
+
+// quantize x and the sums of its codes per group (corr), then the tiles
+template <typename T, Kind K>
+void neon_dot_matmul(Args<T> a) {
+  constexpr bool nibbles = K == Kind::Int4;
+  const bool offsets = K != Kind::Int8 && (a.z || a.zc != 0.0f);
+  std::vector<int8_t> xq(a.m * a.k);
+  const int64_t unit = NeonDot<T, K>::unit(a);
+  std::vector<float> dl(a.m * a.k / 16), corr(offsets ? a.m * a.k / unit : 0);
+  neon_quantize_rows<T, nibbles>(a.x, a.m, a.k, activation_block<K>(a.group),
+                                 offsets ? unit : 0, xq.data(), dl.data(), corr.data());
+  a.xq = xq.data();
+  a.dl = dl.data();
+  a.corr = offsets ? corr.data() : nullptr;
+#if defined(FOUDRE_I8MM)
+  for_tiles<NeonMatmul<T, K>::template Tile, 1, 4>(a);
+#else
+  for_tiles<NeonDot<T, K>::template Tile, 1, 2>(a);
+#endif
+}
+
+#endif  // FOUDRE_DOTPROD
+
 #endif  // FOUDRE_NEON
 
 template <typename T, Kind K>
@@ -2650,7 +2935,11 @@ void matmul(const Args<T>& a) {
   if constexpr (K == Kind::Int6)
     for_tiles<Portable<T, K>::template Tile, 8>(a);
   else
+#if defined(FOUDRE_DOTPROD)
+    neon_dot_matmul<T, K>(a);
+#else
     for_tiles<Neon<T, K>::template Tile, 8, 2>(a);
+#endif
 #else
   for_tiles<Portable<T, K>::template Tile, 8>(a);
 #endif
@@ -2876,7 +3165,7 @@ void run_dequantize(int kind, const void* q, const void* s, const void* z, float
 extern "C" {
 
 // 2: VNNI (int8 activations), 1: AVX-512 float, 3: AVX2 (int8 activations), 4: NEON float,
-// 0: portable
+// 5: NEON dotprod (int8 activations), 6: NEON dotprod + i8mm (int8 activations), 0: portable
 int foudre_qmm_path() {
 #if defined(FOUDRE_VNNI)
   return 2;
@@ -2884,6 +3173,10 @@ int foudre_qmm_path() {
   return 1;
 #elif defined(FOUDRE_AVX2)
   return 3;
+#elif defined(FOUDRE_I8MM)
+  return 6;
+#elif defined(FOUDRE_DOTPROD)
+  return 5;
 #elif defined(FOUDRE_NEON)
   return 4;
 #else

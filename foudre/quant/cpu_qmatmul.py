@@ -32,7 +32,7 @@ from foudre.layers.linear import gemm_dtype
 from foudre.native import build as native
 
 SOURCE = native.SOURCES / "cpu_qmatmul.cpp"
-PATHS = ("portable", "avx512", "vnni", "avx2", "neon")
+PATHS = ("portable", "avx512", "vnni", "avx2", "neon", "dotprod", "i8mm")
 DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
@@ -82,21 +82,22 @@ def amx_rows(bits: int = 8, group_size: int | None = None, blocks: bool = False)
 
 @lru_cache(maxsize=1)
 def path() -> str | None:
-    """``"vnni"``, ``"avx2"``, ``"avx512"``, ``"neon"`` or ``"portable"``: the path the library
-    was built for; None where it did not build (asked every decode step: one library, one
-    answer)."""
+    """``"vnni"``, ``"avx2"``, ``"avx512"``, ``"neon"``, ``"dotprod"``, ``"i8mm"`` (Arm with SDOT,
+    and with SMMLA too) or ``"portable"``: the path the library was built for; None where it did
+    not build (asked every decode step: one library, one answer)."""
     dll = _library()
     return None if dll is None else PATHS[dll.foudre_qmm_path()]
 
 
-ROUNDING_PATHS = ("vnni", "avx2")  # the paths that round x to int8 per block
+ROUNDING_PATHS = ("vnni", "avx2", "dotprod", "i8mm")  # the paths that round x to int8 per block
 # the paths that serve models (not the portable one)
-NATIVE_PATHS = ("vnni", "avx2", "avx512", "neon")
+NATIVE_PATHS = ("vnni", "avx2", "avx512", "neon", "dotprod", "i8mm")
 
 
 def rounds_activations() -> bool:
     """Whether this build's path rounds x to int8 per block (``activation_block``) before its
-    integer products: VNNI (AVX-512) and AVX2, the same rounding; the float paths do not."""
+    integer products: VNNI (AVX-512), AVX2 and Arm's dotprod and i8mm, the same rounding; the
+    float paths do not."""
     return path() in ROUNDING_PATHS
 
 
@@ -405,17 +406,24 @@ def activation_block(bits: int, group_size: int | None) -> int:
 
 
 def error_bound(
-    x: torch.Tensor, w: torch.Tensor, bits: int = 8, group_size: int | None = None
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bits: int = 8,
+    group_size: int | None = None,
+    rounds: bool | None = None,
 ) -> torch.Tensor:
     """A bound ``[M, N]`` on ``|matmul(x, layout(W)) - x @ w.T|`` for float32 ``x [M, K]`` and
     the dequantized ``bits``-bit weight ``w [N, K]`` (bits 4, 6 or 8), float32 outputs: the
-    float32 sums' order
-    (``1e-5 sum |x| |w|``) and, on the VNNI and AVX2 paths, the rounding of x to int8 (each x within
-    ``d / 2``, ``d = max|x| / 127`` over its block, ``activation_block(bits, group_size)``: the
-    default group, None, gives the loosest bound for either width)."""
+    float32 sums' order (``1e-5 sum |x| |w|``) and, on the paths that round x
+    (``ROUNDING_PATHS``), its rounding to int8 (each x within ``d / 2``, ``d = max|x| / 127``
+    over its block, ``activation_block(bits, group_size)``: the default group, None, gives the
+    loosest bound for either width). ``rounds``: whether the path rounds x (another build's, as
+    tests/native's); None: this build's path."""
     x, aw = x.float(), w.float().abs()
     bound = 1e-5 * (x.abs() @ aw.t()) + 1e-6
-    if rounds_activations():
+    if rounds is None:
+        rounds = rounds_activations()
+    if rounds:
         k, span = x.shape[1], activation_block(bits, group_size)
         d = F.pad(x, (0, -k % span)).abs().reshape(x.shape[0], -1, span).amax(-1) / 127
         bound = bound + (d.repeat_interleave(span, dim=1)[:, :k] / 2) @ aw.t()
