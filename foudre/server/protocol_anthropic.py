@@ -82,7 +82,32 @@ class ToolResultBlock(_Request):
         return "".join(b.text for b in self.content)
 
 
-ContentBlock = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+class ThinkingBlock(_Request):
+    """An assistant's earlier reasoning, as a response returned it (a client appending the
+    response's content to the conversation sends it back); not shown to the model again."""
+
+    type: Literal["thinking"]
+    thinking: str = ""
+    signature: str = ""
+
+
+class RedactedThinkingBlock(_Request):
+    type: Literal["redacted_thinking"]
+    data: str = ""
+
+
+ContentBlock = Annotated[
+    TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
+    Field(discriminator="type"),
+]
+
+
+class ThinkingConfig(_Request):
+    """``thinking``: ``enabled`` (reasoning returned as ``thinking`` blocks; the budget is
+    accepted, the model's own end of reasoning decides) or ``disabled``."""
+
+    type: Literal["enabled", "disabled"]
+    budget_tokens: int | None = Field(default=None, ge=1)
 
 
 class InputMessage(_Request):
@@ -127,6 +152,13 @@ class MessagesRequest(CountTokensRequest):
     top_p: float | None = None
     top_k: int | None = None
     stream: bool = False
+    thinking: ThinkingConfig | None = None
+
+    @property
+    def shows_thinking(self) -> bool:
+        """Whether a thinking model's reasoning comes back as ``thinking`` blocks (asked with
+        ``thinking: {"type": "enabled"}``, as Anthropic's API returns it only then)."""
+        return self.thinking is not None and self.thinking.type == "enabled"
 
 
 # -- response shapes (for the OpenAPI schema) ----------------------------------------------

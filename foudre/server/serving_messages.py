@@ -58,7 +58,8 @@ def _system(system: str | list[TextBlock] | None) -> list[ChatMessage]:
 
 def chat_messages(req: CountTokensRequest) -> list[ChatMessage]:
     """The conversation as the chat path takes it: the system prompt first; an assistant's
-    text and ``tool_use`` blocks as one message with ``tool_calls``; a user's ``tool_result``
+    text and ``tool_use`` blocks as one message with ``tool_calls`` (its ``thinking`` blocks
+    left out, as Anthropic's models do not see earlier turns' thinking); a user's ``tool_result``
     blocks as tool messages and its text between them as user messages, in their order.
     400 naming ``messages`` for a block in the wrong role."""
     out = _system(req.system)
@@ -86,6 +87,8 @@ def chat_messages(req: CountTokensRequest) -> list[ChatMessage]:
             if isinstance(block, TextBlock):
                 texts.append(block.text)
                 continue
+            if not isinstance(block, ToolResultBlock):
+                continue  # (reasoning passed back: not shown to the model again)
             if texts:
                 out.append(ChatMessage(role="user", content="".join(texts)))
                 texts = []
@@ -152,14 +155,14 @@ def stop_reason(comp: CompletionOutput, called: bool) -> tuple[str, str | None]:
     return reason or "end_turn", None
 
 
-def content_blocks(run: ChatRun, text: str) -> tuple[list[Json], bool]:
+def content_blocks(run: ChatRun, text: str, show_thinking: bool) -> tuple[list[Json], bool]:
     """The content blocks of a complete output (a thinking model's reasoning as a ``thinking``
-    block, text, then one ``tool_use`` per call; one empty text block for an empty output),
-    and whether it called a tool. A call whose arguments are not a JSON object (a forced call
-    cut by ``max_tokens``) is left as text."""
+    block where ``show_thinking``, text, then one ``tool_use`` per call; one empty text block
+    for an empty output), and whether it called a tool. A call whose arguments are not a JSON
+    object (a forced call cut by ``max_tokens``) is left as text."""
     reasoning, content, calls = run.answer(text)
     thinking: list[Json] = []
-    if reasoning:
+    if reasoning and show_thinking:
         thinking = [{"type": "thinking", "thinking": reasoning, "signature": ""}]
     uses: list[Json] = []
     for call in calls:
@@ -202,13 +205,13 @@ class AnthropicServingMessages:
             "model": self.serving.model_name,
         }
         if req.stream:
-            return self._stream(run, receive, _MessageEvents(message, run))
+            return self._stream(run, receive, _MessageEvents(message, run, req.shows_thinking))
         try:
             finals, usage = await self.serving.collect(run.stream, receive, 1, run.deadline)
         except OpenAIError as e:
             raise AnthropicError.of(e, RENAME) from None
         comp = finals[0]
-        blocks, called = content_blocks(run, comp.text)
+        blocks, called = content_blocks(run, comp.text, req.shows_thinking)
         reason, sequence = stop_reason(comp, called)
         return {
             **message,
@@ -256,8 +259,9 @@ class _MessageEvents:
     start, deltas and stop as the chat path's tool streamer releases text and calls, then
     ``message_delta`` and ``message_stop`` with the last output."""
 
-    def __init__(self, message: Json, run: ChatRun) -> None:
+    def __init__(self, message: Json, run: ChatRun, show_thinking: bool) -> None:
         self.message = message
+        self.show_thinking = show_thinking
         self.plan = run.plan
         self.streamer = run.streamer()
         self.started = False  # message_start sent
@@ -276,7 +280,7 @@ class _MessageEvents:
         delta: Json = {"content": text} if text else {}
         if self.streamer is not None:  # reasoning apart, what may be a call held back
             delta = self.streamer.step(text, comp.finished)
-        if delta.get("reasoning_content"):
+        if delta.get("reasoning_content") and self.show_thinking:
             events += self._thinking(delta["reasoning_content"])
         if delta.get("content"):
             events += self._text(delta["content"])

@@ -388,6 +388,9 @@ def _user(text: str) -> dict[str, Any]:
 
 
 def test_messages_thinking_blocks_created_and_streamed(think_server: InProcessServer) -> None:
+    """Thinking blocks come back where the request enables ``thinking`` (as Anthropic's API
+    returns them), not otherwise; a conversation that passes them back (the tool loop appends
+    the response's content) is accepted."""
     import anthropic
 
     # greedy: the same output through chat and messages (no </think> within 12 tokens)
@@ -398,6 +401,9 @@ def test_messages_thinking_blocks_created_and_streamed(think_server: InProcessSe
         base_url=think_server.url, api_key="unused", max_retries=0, timeout=120
     )
     kw: dict[str, Any] = dict(model="tools", max_tokens=12, messages=MESSAGES, temperature=0.0)
+    plain = client.messages.create(**kw)
+    assert [b.type for b in plain.content] == ["text"] and plain.content[0].text == ""  # type: ignore[union-attr]
+    kw["thinking"] = {"type": "enabled", "budget_tokens": 1024}
     msg = client.messages.create(**kw)
     assert [b.type for b in msg.content] == ["thinking", "text"]
     assert msg.content[0].thinking == reasoning  # type: ignore[union-attr]
@@ -408,6 +414,10 @@ def test_messages_thinking_blocks_created_and_streamed(think_server: InProcessSe
         final = stream.get_final_message()
     assert [b.type for b in final.content] == ["thinking", "text"]
     assert final.content[0].thinking == reasoning  # type: ignore[union-attr]
+    turns = [*MESSAGES, {"role": "assistant", "content": msg.content}]
+    turns.append({"role": "user", "content": "And another?"})
+    again = client.messages.create(**{**kw, "messages": turns, "max_tokens": 3})
+    assert again.stop_reason in ("max_tokens", "end_turn")
 
 
 HARMONY_TOKENS = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|call|>"]
