@@ -347,7 +347,8 @@ class LLMEngine:
         the ``params`` at fault (a beam fails its whole search)."""
         req = tracked.request
         req.error, req.error_code, req.error_params = message, code, params
-        self.stats.num_failed_requests += 1
+        if code is ErrorCode.STEP_FAILED:  # (a grammar's dead end is its request's own doing)
+            self.stats.num_failed_requests += 1
         return self._owner(tracked).fail(tracked, message)
 
     def _owner(self, tracked: Tracked) -> Owner:

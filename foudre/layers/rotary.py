@@ -126,20 +126,16 @@ class RotaryEmbedding(nn.Module):
     rotary, as Phi-4-mini's 0.75, leaves the rest as they are).
 
     LongRoPE picks its factors as ``transformers`` does: per forward, by the sequence's length
-    then (its last position + 1): the long factors beyond ``original_max_position_embeddings``,
-    else the short ones. A sequence's keys are never rotated again, so one whose prompt fits
-    the original context keeps its prompt's keys rotated by the short factors after it grows
-    past it: from position ``original`` on, its new queries and keys use the long factors while
-    the cached keys before stay short-rotated (what ``transformers``' ``generate`` computes,
-    one forward for the prompt, then one per token). A prompt longer than the original context
-    is rotated by the long factors throughout. So the rotation of position ``p`` depends on
-    ``p`` and on the prompt's length: the table holds ``max_positions`` rows by the position
-    alone (short below ``original``, long from it), then ``max_positions`` rows of long factors
-    only, which a request whose prompt exceeds the original context reads through
-    ``position_offset`` (its positions are shifted by it; the runner adds it, and the prefix
-    cache keeps such requests' blocks apart). Decode positions of such a request lie beyond
-    ``original``, where both halves agree, so paths that place only decode tokens may leave it
-    out.
+    (its last position + 1): the long factors beyond ``original_max_position_embeddings``, else
+    the short ones. ``transformers``' ``generate`` drops its cache when a sequence first grows
+    past the original context and computes it again with the long factors, so no key stays
+    short-rotated; the engine does the same (the scheduler recomputes such a request). The
+    table holds ``max_positions`` rows by the position alone (short below ``original``, long
+    from it), then ``max_positions`` rows of long factors only, which a request whose prompt
+    exceeds the original context reads through ``position_offset`` (its positions are shifted
+    by it; the runner adds it, and the prefix cache keeps such requests' blocks apart). Decode
+    positions of such a request lie beyond ``original``, where both halves agree, so paths that
+    place only decode tokens may leave it out.
     """
 
     cos: torch.Tensor

@@ -34,6 +34,7 @@ def test_dead_end_is_a_typed_error_of_that_request_alone(llm: LLM) -> None:
     plain = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     reference = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, plain)]
     engine = llm.engine
+    failed_before = llm.metrics()["num_failed_requests"]
     dead = SamplingParams(structured_output=spec, allowed_token_ids=[y], max_tokens=8, n=2)
     engine.add_group("dead", [PROMPTS[0]], dead)
     good = [engine.add_group(f"r{i}", [p], plain)[0] for i, p in enumerate(PROMPTS)]
@@ -54,6 +55,8 @@ def test_dead_end_is_a_typed_error_of_that_request_alone(llm: LLM) -> None:
         assert "allowed_token_ids" in (out.error or "")
     assert [finals[rid][0].outputs[0].token_ids for rid in good] == reference
     assert _all_free(llm) and engine.healthy
+    # the request's own doing, not the engine's: not counted as a failed request
+    assert llm.metrics()["num_failed_requests"] == failed_before
 
 
 def test_a_failed_step_is_step_failed(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
