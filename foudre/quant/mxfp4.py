@@ -198,7 +198,15 @@ def _check_product(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor) 
         raise ValueError(
             f"x [M, K] with K = {k} (the weight's, a multiple of 32) expected, got {tuple(x.shape)}"
         )
+    if x.device != blocks.device:
+        raise ValueError(f"x on {x.device}, the MXFP4 weight on {blocks.device}")
     return k
+
+
+def _on_cpu(blocks: torch.Tensor) -> None:
+    """``ValueError`` unless the weight is in host memory (the native kernels read it there)."""
+    if blocks.device.type != "cpu":
+        raise ValueError(f"the native MXFP4 kernels read CPU tensors, got {blocks.device}")
 
 
 def _bias(bias: torch.Tensor | None, n: int) -> torch.Tensor | None:
@@ -216,6 +224,7 @@ def native_matmul(
     to ``GEMM_ROWS`` rows): ``x`` float32 or bfloat16 on the CPU, float32 sums rounded once to
     x's dtype. ``RuntimeError`` where the kernel did not build."""
     k = _check_product(x, blocks, scales)
+    _on_cpu(blocks)
     dll = _library()
     if dll is None:
         raise RuntimeError(f"{SOURCE.name} did not build: use mxfp4_matmul_reference")
@@ -239,6 +248,7 @@ def dequantize_rows(
     native kernel, ``[n1 - n0, K]`` in ``dtype`` (float32 or bfloat16: exact, as
     ``dequantize_mxfp4``). ``RuntimeError`` where the kernel did not build."""
     k = check_layout(blocks, scales)
+    _on_cpu(blocks)
     dll = _library()
     if dll is None:
         raise RuntimeError(f"{SOURCE.name} did not build: use dequantize_mxfp4")
@@ -258,6 +268,7 @@ def dequantized_matmul(
     a few megabytes of rows at a time (in x's dtype, or float32 where torch's bfloat16 GEMM is
     slow: ``layers.linear.gemm_dtype``) into torch's GEMM, never whole."""
     k = _check_product(x, blocks, scales)
+    _on_cpu(blocks)
     dll = _library()
     if dll is None:
         raise RuntimeError(f"{SOURCE.name} did not build: use mxfp4_matmul_reference")

@@ -25,6 +25,7 @@ from foudre.quant.mxfp4 import (
     dequantize_mxfp4,
     from_gguf,
     mxfp4_matmul,
+    native_matmul,
     quantize_mxfp4,
     to_gguf,
 )
@@ -146,6 +147,11 @@ def test_refuses_k_not_a_multiple_of_32() -> None:
         MXFP4Experts(2, 100, 64)
     with pytest.raises(ValueError, match="multiple of 32"):
         from_gguf(np.zeros(17 * 4, np.uint8), (4, 48))
+    # a weight elsewhere than x (here: on the meta device), or not where the kernels read
+    with pytest.raises(ValueError, match="x on cpu"):
+        mxfp4_matmul(torch.randn(2, 96), blocks.to("meta"), scales.to("meta"))
+    with pytest.raises(ValueError, match="CPU tensors"):
+        native_matmul(torch.randn(2, 96, device="meta"), blocks.to("meta"), scales.to("meta"))
 
 
 def test_reference_product() -> None:
@@ -610,13 +616,8 @@ def test_mxfp4_method_refuses_a_model_without_experts(tmp_path: Path) -> None:
 def test_gpt_oss_float_checkpoint_quantized_to_mxfp4_at_load(tmp_path: Path) -> None:
     """A float gpt-oss checkpoint whose experts lie on the MXFP4 grid, loaded with
     ``quantization="mxfp4"``: every layer's experts become ``MXFP4Experts`` keeping the
-    biases and the clamped SwiGLU, and the greedy ids of a batch are transformers' (float32).
-    (Where gpt-oss is not in this tree yet: skipped.)"""
+    biases and the clamped SwiGLU, and the greedy ids of a batch are transformers' (float32)."""
     from foudre import LLM, SamplingParams
-    from foudre.models.config import SUPPORTED_ARCHITECTURES
-
-    if "gpt_oss" not in SUPPORTED_ARCHITECTURES:
-        pytest.skip("gpt-oss is not in this tree")
     from tests.oracles.test_gpt_oss import CONFIG  # (gpt-oss's small random config)
 
     transformers = pytest.importorskip("transformers")
