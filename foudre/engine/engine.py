@@ -79,10 +79,12 @@ class LLMEngine:
             num_blocks = num_kv_blocks(self.model, config, self.device, max_len)
         wiring.check_capacity(num_blocks, config, max_len)
         logger.info(describe_kv_cache(self.model, self.dtype, config.kv_cache_dtype, num_blocks))
-        self.kv = wiring.block_manager(config, num_blocks, max_len, self.model)
+        groups = wiring.kv_groups(self.model, self._parallel is not None)
+        pool_blocks = num_blocks * len(groups)  # the same memory, in blocks of one group
+        self.kv = wiring.block_manager(config, pool_blocks, max_len, self.model, groups)
         self.scheduler = wiring.scheduler(config, self.kv, max_len)
         self.runner: Executor = self._parallel or wiring.runner(
-            config, self.model, num_blocks, self.device, self.dtype, max_len
+            config, self.model, pool_blocks, self.device, self.dtype, max_len, groups
         )
         self.proposer = wiring.proposer(
             config, self.device, self.dtype, mcfg.vocab_size, max_len, num_blocks
