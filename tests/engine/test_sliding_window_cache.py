@@ -222,3 +222,25 @@ def test_engine_preempts_and_resumes_token_identical(root: str, name: str) -> No
     )
     assert _greedy(llm, num_prompts=5) == [[r] for r in ref]
     assert llm.metrics()["num_preemptions"] > 0
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_engine_speculation_within_windows_token_identical(root: str, name: str) -> None:
+    """n-gram drafts verified past the computed tokens (rejected ones rolled back) while the
+    window groups give their blocks back: the same greedy ids."""
+    path, ref = _setup(name, root)
+    llm = LLM(
+        str(path),
+        dtype="float32",
+        skip_tokenizer_init=True,
+        max_model_len=72,
+        block_size=BS,
+        num_kv_blocks=POOLS[name],
+        max_num_batched_tokens=16,
+        max_num_seqs=3,
+        speculative_method="ngram",
+        ngram_min=1,
+        ngram_max=3,
+    )
+    assert _greedy(llm) == [[r] for r in ref[:3]]
+    assert llm.metrics()["spec_draft_tokens"] > 0
