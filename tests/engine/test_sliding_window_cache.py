@@ -4,10 +4,11 @@ The KV-cache manager alone: a window group's table holds at most ``ceil(W / bloc
 blocks per request in decode while the full-attention group grows, the rest back in the pool;
 prefix hits serve a window group from the blocks of its last window only. The layer groups of
 each kind of model. Then the engine on Gemma 3 (five sliding layers in six), gpt-oss (every other
-one) and Mistral (every layer) random models against transformers' greedy tokens, float32, with
+one), Mistral (every layer) and Qwen2 (the upper half) random models against transformers' greedy
+tokens, float32, with
 prompts several windows long and a pool that could not hold the window layers' whole contexts
 (the old scheme preempts there, this one does not): cold, warm (prefix hits), preempted, chunked,
-``n=2``; every block free at the end.
+``n=2``, n-gram speculation; every block free at the end.
 """
 
 from __future__ import annotations
@@ -131,6 +132,13 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
         ),
     ),
     "mistral": ("mistral", dict(num_hidden_layers=2, sliding_window=WINDOW)),
+    # the layers from max_window_layers up slide
+    "qwen2": (
+        "qwen2",
+        dict(
+            num_hidden_layers=4, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2
+        ),
+    ),
 }
 # prompts of several windows, two sharing a 24-token prefix (the first three run together)
 PROMPTS = [
@@ -178,7 +186,7 @@ def _greedy(llm: LLM, n: int = 1, num_prompts: int = 3) -> list[list[list[int]]]
 
 # the memory of blocks of every layer (``num_kv_blocks``) for three requests of 64 tokens in
 # flight, each 16 blocks of full context: 48 would be needed where windows keep whole contexts
-POOLS = {"gemma3": 18, "gpt_oss": 32, "mistral": 18}
+POOLS = {"gemma3": 18, "gpt_oss": 32, "mistral": 18, "qwen2": 32}
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
@@ -194,7 +202,7 @@ def test_engine_frees_window_blocks_token_identical(root: str, name: str) -> Non
         max_num_batched_tokens=7,  # every prompt chunked across the window's edge
         max_num_seqs=3,
     )
-    assert llm.engine.kv.num_groups == {"gemma3": 6, "gpt_oss": 2, "mistral": 1}[name]
+    assert llm.engine.kv.num_groups == {"gemma3": 6, "gpt_oss": 2, "mistral": 1, "qwen2": 2}[name]
     expected = [[r] for r in ref[:3]]
     assert _greedy(llm) == expected
     assert llm.metrics()["num_preemptions"] == 0  # the whole contexts would not fit
@@ -204,7 +212,7 @@ def test_engine_frees_window_blocks_token_identical(root: str, name: str) -> Non
 
 
 # step budgets under which five requests in a pool of 18 blocks (of every layer) preempt
-PREEMPTING_BUDGETS = {"gemma3": 16, "gpt_oss": 7, "mistral": 32}
+PREEMPTING_BUDGETS = {"gemma3": 16, "gpt_oss": 7, "mistral": 32, "qwen2": 16}
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
