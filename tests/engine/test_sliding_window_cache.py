@@ -5,10 +5,9 @@ blocks per request in decode while the full-attention group grows, the rest back
 prefix hits serve a window group from the blocks of its last window only. The layer groups of
 each kind of model. Then the engine on Gemma 3 (five sliding layers in six), gpt-oss (every other
 one), Mistral (every layer) and Qwen2 (the upper half) random models against transformers' greedy
-tokens, float32, with
-prompts several windows long and a pool that could not hold the window layers' whole contexts
-(the old scheme preempts there, this one does not): cold, warm (prefix hits), preempted, chunked,
-``n=2``, n-gram speculation; every block free at the end.
+tokens, float32, with prompts several windows long and a pool that could not hold the window
+layers' whole contexts (the old scheme preempts there, this one does not): cold, warm (prefix
+hits), preempted, chunked, ``n=2``, n-gram speculation; every block free at the end.
 """
 
 from __future__ import annotations
