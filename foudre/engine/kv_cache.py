@@ -325,37 +325,35 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return [], 0
         bs = self.block_size
-        limit = (request.num_tokens - 1) // bs
-        hashes = self._hash_blocks(request, request.num_tokens)
-        keys: list[BlockKey] = []
-        parent = self._root(request)
-        for i in range(limit):
-            keys.append((parent, tuple(request.token_ids_range(i * bs, (i + 1) * bs))))
-            parent = hashes[i]
-        found: list[list[Block | None]] = []
-        m = limit
-        for g in range(self.num_groups):
-            row: list[Block | None] = []
-            for i in range(m if self.windows[g] is None else limit):
-                block = self.pool.lookup(self._group_hash(hashes[i], g), keys[i], g)
-                if block is None and self.windows[g] is None:
-                    break
-                row.append(block)
-            found.append(row)
-            if self.windows[g] is None:
-                m = min(m, len(row))
-        while not all(self._serves(found[g], g, m) for g in range(self.num_groups)):
-            m -= 1
+        found = _Lookups(self, request)
+        m = (request.num_tokens - 1) // bs
+        for g, window in enumerate(self.windows):
+            if window is None:  # the leading run of cached blocks
+                m = next((i for i in range(m) if found.get(g, i) is None), m)
+        while True:  # the window groups, until every group serves the same prefix
+            m_before = m
+            for g, window in enumerate(self.windows):
+                if window is not None:
+                    m = self._window_hit(found, g, m)
+            if m == m_before:
+                break
         hits: list[list[Block]] = []
-        for g, row in enumerate(found):
+        for g in range(self.num_groups):
             first = self._first_needed(g, m * bs)
-            hits.append([self.null_block] * first + [b for b in row[first:m] if b is not None])
+            hits.append([self.null_block] * first + [found.block(g, i) for i in range(first, m)])
         return hits, m * bs
 
-    def _serves(self, row: list[Block | None], group: int, m: int) -> bool:
-        """Whether ``group``'s cached blocks ``row`` serve a prefix hit of ``m`` blocks."""
-        first = self._first_needed(group, m * self.block_size)
-        return len(row) >= m and all(b is not None for b in row[first:m])
+    def _window_hit(self, found: _Lookups, group: int, m: int) -> int:
+        """The longest prefix of at most ``m`` blocks whose window ``group`` has cached: from
+        ``m`` down, a miss at block ``i`` rules out every prefix past it whose window holds it,
+        i.e. all between ``i`` and the present candidate (so it scans only windows)."""
+        while m > 0:
+            first = self._first_needed(group, m * self.block_size)
+            miss = next((i for i in range(m - 1, first - 1, -1) if found.get(group, i) is None), -1)
+            if miss < 0:
+                return m
+            m = miss
+        return 0
 
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count one admission's lookup (only admissions that succeed, so retries count once)."""
@@ -630,3 +628,28 @@ class KVCacheManager:
             return False
         self.pool.reset_prefix_cache()
         return True
+
+
+class _Lookups:
+    """A request's prefix-cache lookups, per (group, block index), each done once."""
+
+    def __init__(self, kv: KVCacheManager, request: Request) -> None:
+        self.kv = kv
+        self.request = request
+        self.hashes = kv._hash_blocks(request, request.num_tokens)
+        self.done: dict[tuple[int, int], Block | None] = {}
+
+    def get(self, group: int, i: int) -> Block | None:
+        """Block ``i`` of the request as ``group`` has it cached (None: not cached)."""
+        if (group, i) not in self.done:
+            bs = self.kv.block_size
+            parent = self.hashes[i - 1] if i else self.kv._root(self.request)
+            key = (parent, tuple(self.request.token_ids_range(i * bs, (i + 1) * bs)))
+            block_hash = self.kv._group_hash(self.hashes[i], group)
+            self.done[group, i] = self.kv.pool.lookup(block_hash, key, group)
+        return self.done[group, i]
+
+    def block(self, group: int, i: int) -> Block:
+        block = self.get(group, i)
+        assert block is not None
+        return block
