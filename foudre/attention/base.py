@@ -41,6 +41,19 @@ class BatchLayout:
     block_size: int
 
 
+@dataclass(slots=True)
+class GroupedMetadata:
+    """A step's metadata for a model whose layers form several cache groups (their own block
+    tables, see ``attention/cache_spec.py``): the backend's metadata of each group, built once
+    per step, and each layer's group; the model hands layer ``i`` ``for_layer(i)``."""
+
+    groups: list[Any]
+    group_of_layer: list[int]
+
+    def for_layer(self, index: int) -> Any:
+        return self.groups[self.group_of_layer[index]]
+
+
 class AttentionBackend(ABC):
     """Stores the new K/V into the paged cache and computes attention for the flat batch."""
 

@@ -6,8 +6,7 @@ Every spec hands the attention backends the same 5-D view, ``[2, blocks, block_s
 kv_heads, head_dim]`` (K then V), so no backend needs to know which spec it reads:
 
 - ``FullAttentionSpec``: K and V of every KV head, each its own memory (Llama and its family;
-  with ``window`` the layer only looks back that far, but keeps its blocks as full attention
-  does);
+  with ``window`` the layer only looks back that far: see the layer groups below);
 - ``LatentAttentionSpec``: multi-head latent attention (DeepSeek-V2/V3, Kimi-K2) keeps one
   vector per token shared by all heads, the ``latent_dim`` compressed KV followed by the
   ``rope_dim`` decoupled RoPE key. The backends see it as multi-query attention with one KV
@@ -19,10 +18,28 @@ kv_heads, head_dim]`` (K then V), so no backend needs to know which spec it read
   so ``view[0]`` and ``view[1]`` alias: a backend that stores V after K writes the same values
   twice, and the attention output's first ``latent_dim`` values are the latent-space output
   (the model applies W_UV to them).
+
+Layer groups (``kv_cache_groups``): the layers whose cache the manager keeps alike. A model
+without sliding windows is one group of all its layers. A model with windows (Mistral: every
+layer; Gemma 3: five in six; gpt-oss: every other) groups its layers by window (None: full
+attention), each kind cut into groups of the same number of layers, ``size`` (the greatest
+common divisor of the kinds' counts)::
+
+    Gemma 3, 6 layers   L0 L1 L2 L3 L4 [L5 global]   ->  6 groups of 1 layer
+    gpt-oss, 4 layers   L0 [L1] L2 [L3]              ->  (L1 L3) full, (L0 L2) window
+
+Each request holds one block table per group, all drawn from one pool of block ids; the
+runner allocates ``size`` page tensors, and layer ``j`` of every group uses tensor ``j`` (a
+block id belongs to one group at a time, so its pages hold that group's layers only). A window
+group's blocks behind its window go back to the pool (``engine/kv_cache.py``); so a block id
+costs ``size`` layers' pages, and the memory of ``n`` blocks of every layer makes ``n`` times
+the number of groups block ids.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -35,7 +52,8 @@ def element_size(dtype: torch.dtype) -> int:
 @dataclass(frozen=True, slots=True)
 class FullAttentionSpec:
     """K and V of ``num_kv_heads`` heads of ``head_dim`` per token (``window``: a sliding
-    window, which the backends apply; the pages are the same)."""
+    window, which the backends apply; the pages are the same, the blocks a request keeps are
+    not: see ``kv_cache_groups``)."""
 
     num_kv_heads: int
     head_dim: int
@@ -112,3 +130,38 @@ def pages_of(cache: torch.Tensor) -> list[torch.Tensor]:
     if cache.stride(0) == 0:
         return [cache[0]]
     return [cache[0], cache[1]]
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheGroup:
+    """Layers whose blocks the cache manager keeps alike: their sliding ``window`` (None: full
+    attention) and their indices, in layer order."""
+
+    window: int | None
+    layers: tuple[int, ...]
+
+
+def kv_cache_groups(specs: Sequence[CacheSpec]) -> list[KVCacheGroup]:
+    """The layer groups of a model of these per-layer specs (see the module docstring): one
+    group of every layer without sliding windows, or where layers of different page shapes
+    (or latent attention) could not share page tensors; else groups of equal size by window,
+    full attention first."""
+    whole = [KVCacheGroup(None, tuple(range(len(specs))))]
+    windows = [s.window if isinstance(s, FullAttentionSpec) else None for s in specs]
+    if all(w is None for w in windows):
+        return whole
+    shapes = {
+        (s.num_kv_heads, s.head_dim) if isinstance(s, FullAttentionSpec) else s for s in specs
+    }
+    if len(shapes) > 1:
+        return [KVCacheGroup(windows[0] if len(set(windows)) == 1 else None, whole[0].layers)]
+    kinds: dict[int | None, list[int]] = {}
+    for i, w in enumerate(windows):
+        kinds.setdefault(w, []).append(i)
+    size = math.gcd(*(len(layers) for layers in kinds.values()))
+    order = sorted(kinds, key=lambda w: (w is not None, w or 0))
+    return [
+        KVCacheGroup(w, tuple(kinds[w][i : i + size]))
+        for w in order
+        for i in range(0, len(kinds[w]), size)
+    ]

@@ -79,10 +79,12 @@ class LLMEngine:
             num_blocks = num_kv_blocks(self.model, config, self.device, max_len)
         wiring.check_capacity(num_blocks, config, max_len)
         logger.info(describe_kv_cache(self.model, self.dtype, config.kv_cache_dtype, num_blocks))
-        self.kv = wiring.block_manager(config, num_blocks, max_len, self.model)
+        groups = wiring.kv_groups(self.model, self._parallel is not None)
+        pool_blocks = num_blocks * len(groups)  # the same memory, in blocks of one group
+        self.kv = wiring.block_manager(config, pool_blocks, max_len, self.model, groups)
         self.scheduler = wiring.scheduler(config, self.kv, max_len)
         self.runner: Executor = self._parallel or wiring.runner(
-            config, self.model, num_blocks, self.device, self.dtype, max_len
+            config, self.model, pool_blocks, self.device, self.dtype, max_len, groups
         )
         self.proposer = wiring.proposer(
             config, self.device, self.dtype, mcfg.vocab_size, max_len, num_blocks
@@ -208,9 +210,11 @@ class LLMEngine:
 
     @property
     def kv_bytes_per_block(self) -> int:
-        """Bytes of one KV block across all layers (K and V, scales included)."""
+        """Bytes of one block of the pool (K and V, scales included): across all layers, or
+        across one cache group's where the layers form several (``kv_cache_groups``)."""
         cfg = self.config
-        return kv_bytes_per_block(self.model, cfg.block_size, self.dtype, cfg.kv_cache_dtype)
+        per_block = kv_bytes_per_block(self.model, cfg.block_size, self.dtype, cfg.kv_cache_dtype)
+        return per_block // self.kv.num_groups
 
     def set_draining(self, draining: bool) -> None:
         """``True`` once every request the caller will submit is queued (offline input), so
@@ -367,7 +371,7 @@ class LLMEngine:
             "num_cow_copies": kv.num_copies,
             "num_total_blocks": kv.num_blocks,
             "block_size": kv.block_size,
-            "kv_bytes_per_token": self.kv_bytes_per_block // kv.block_size,
+            "kv_bytes_per_token": self.kv_bytes_per_block * kv.num_groups // kv.block_size,
             "num_preemptions": self.scheduler.num_preemptions,
             "prefix_cache_queries": kv.prefix_cache_queries,
             "prefix_cache_hits": kv.prefix_cache_hits,

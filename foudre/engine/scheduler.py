@@ -302,9 +302,8 @@ class Scheduler:
                     num_new = 0  # a cohort's next members: admitted now, computed next steps
                 elif scheduled:
                     return None  # no chunked prefill: a prompt runs whole, in a step of its own
-            need += self.kv.num_blocks_needed(req, num_new, len(hits))
-            need += sum(1 for b in hits if b.ref_cnt == 0 and b.block_id not in counted)
-            counted.update(b.block_id for b in hits)
+            need += self.kv.num_blocks_needed(req, num_new, hits)
+            need += self.kv.num_free_hits(hits, counted)
             plan.append((req, hits, num_cached, num_new))
             left -= num_new
         if need > self.kv.num_free_blocks:
@@ -394,6 +393,7 @@ class Scheduler:
                 None,
                 [c.request_id for c in self._forks(req, entering)] if req.fork_children else [],
                 req.position_offset,
+                self.kv.group_block_ids(req.request_id),
             )
         # a request samples once it reaches its last token; every draft adds one position
         num_logits = end - num_tokens + 1 if end >= num_tokens else 0
@@ -405,6 +405,7 @@ class Scheduler:
                 self.kv.block_ids(req.request_id),
                 0,
                 position_offset=req.position_offset,
+                group_block_ids=self.kv.group_block_ids(req.request_id),
             )
         assert num_logits == len(req.spec_token_ids) + 1, "drafts scheduled partially"
         forks = self._forks(req, entering)
@@ -418,6 +419,7 @@ class Scheduler:
             req.spec_probs,
             [c.request_id for c in forks],
             req.position_offset,
+            self.kv.group_block_ids(req.request_id),
         )
 
     @staticmethod
@@ -453,7 +455,8 @@ class Scheduler:
         return sampled
 
     def check_invariants(self) -> None:
-        """Blocks held by live requests plus free blocks account for the whole pool."""
+        """Blocks held by live requests (in any layer group) plus free blocks account for the
+        whole pool."""
         held = {b.block_id for blocks in self.kv.req_blocks.values() for b in blocks}
         assert len(held) + self.kv.num_free_blocks == self.kv.num_blocks, (
             len(held),

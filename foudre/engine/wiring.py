@@ -4,9 +4,13 @@ them once and keeps what they build."""
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Sequence
+
 import torch
 
 from foudre.attention import get_backend
+from foudre.attention.cache_spec import KVCacheGroup, kv_cache_groups
 from foudre.config import EngineConfig
 from foudre.engine.kv_cache import KVCacheManager
 from foudre.engine.policies import make_policy
@@ -17,6 +21,8 @@ from foudre.models.llama import LlamaForCausalLM
 from foudre.runner.model_runner import ModelRunner
 from foudre.speculative.proposers import Proposer
 from foudre.speculative.registry import ProposerContext, make_proposer
+
+logger = logging.getLogger(__name__)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -60,14 +66,35 @@ def check_capacity(num_blocks: int, config: EngineConfig, max_model_len: int) ->
         )
 
 
+def kv_groups(model: LlamaForCausalLM, parallel: bool) -> list[KVCacheGroup]:
+    """The model's KV cache groups (``attention/cache_spec.py``): by sliding window, so that
+    window layers return the blocks behind their window; one group of every layer across
+    parallel ranks (their windows then keep their blocks)."""
+    groups = kv_cache_groups(model.kv_cache_specs())
+    if len(groups) > 1:
+        if parallel:
+            logger.info("KV cache: one group across parallel ranks (windows keep their blocks)")
+            return [KVCacheGroup(None, tuple(range(len(model.kv_cache_specs()))))]
+        windows = sorted({g.window or 0 for g in groups})
+        logger.info(
+            "KV cache: %d layer groups of %d layers (windows %s; 0: full attention)",
+            len(groups),
+            len(groups[0].layers),
+            windows,
+        )
+    return groups
+
+
 def block_manager(
     config: EngineConfig,
     num_blocks: int,
     max_model_len: int,
     model: LlamaForCausalLM | None = None,
+    groups: Sequence[KVCacheGroup] = (),
 ) -> KVCacheManager:
     """The KV-cache manager; ``model``'s rotary tells it the RoPE position offset of a
-    sequence (LongRoPE: see ``RotaryEmbedding``), which the scheduler passes on to the rows."""
+    sequence (LongRoPE: see ``RotaryEmbedding``), which the scheduler passes on to the rows;
+    ``groups``, the layers' cache groups (none: one group of full attention)."""
     contiguous = config.kv_allocation == "contiguous"
     rotary = None if model is None else model.model.rotary
     return KVCacheManager(
@@ -77,6 +104,7 @@ def block_manager(
         reserve_tokens=max_model_len if contiguous else None,
         copy_on_write=config.copy_on_write,
         rope_offset=rotary.position_offset if rotary and rotary.original is not None else None,
+        windows=[g.window for g in groups] or [None],
     )
 
 
@@ -101,6 +129,7 @@ def runner(
     device: torch.device,
     dtype: torch.dtype,
     max_model_len: int,
+    groups: Sequence[KVCacheGroup] | None = None,
 ) -> ModelRunner:
     return ModelRunner(
         model,
@@ -114,6 +143,7 @@ def runner(
         decode_graphs=not config.enforce_eager,
         max_num_seqs=config.max_num_seqs,
         max_model_len=max_model_len,
+        kv_groups=groups,
     )
 
 

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from foudre.attention import AttentionBackend
+from foudre.attention.base import GroupedMetadata
 from foudre.attention.cache_spec import CacheSpec, FullAttentionSpec
 from foudre.layers.linear import Linear
 from foudre.layers.mlp import GatedMLP
@@ -233,7 +234,12 @@ class LlamaForCausalLM(nn.Module):
         backend: AttentionBackend,
         metadata: Any,
     ) -> torch.Tensor:
-        """The decoder layers over the hidden states ``x`` (before the final norm)."""
+        """The decoder layers over the hidden states ``x`` (before the final norm); with cache
+        groups (``GroupedMetadata``), each layer reads its group's metadata."""
+        if isinstance(metadata, GroupedMetadata):
+            for i, (layer, cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
+                x = layer(positions, x, cache, backend, metadata.for_layer(i))
+            return x
         for layer, cache in zip(self.model.layers, kv_caches, strict=True):
             x = layer(positions, x, cache, backend, metadata)
         return x

@@ -14,9 +14,11 @@ from collections.abc import Callable, Sequence
 import torch
 
 from foudre.attention import AttentionBackend, BatchLayout
+from foudre.attention.base import GroupedMetadata
 from foudre.attention.cache_spec import (
     CacheSpec,
     FullAttentionSpec,
+    KVCacheGroup,
     LatentAttentionSpec,
     element_size,
     pages_of,
@@ -110,6 +112,32 @@ def allocate_kv_caches(
     return quantized
 
 
+def allocate_group_caches(
+    specs: Sequence[CacheSpec],
+    groups: Sequence[KVCacheGroup],
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    kv_cache_dtype: str = "auto",
+) -> list[torch.Tensor] | list[QuantizedKVCache]:
+    """One cache per layer, as ``allocate_kv_caches``, for layers in cache ``groups`` of equal
+    size: ``size`` page tensors, layer ``j`` of every group on tensor ``j`` (a block id holds
+    the pages of the group that holds it; see ``attention/cache_spec.py``)."""
+    if len(groups) == 1:
+        return allocate_kv_caches(specs, num_blocks, block_size, dtype, device, kv_cache_dtype)
+    first = groups[0].layers
+    shared = allocate_kv_caches(
+        [specs[i] for i in first], num_blocks, block_size, dtype, device, kv_cache_dtype
+    )
+    caches: list = [None] * len(specs)  # type: ignore[type-arg]
+    for group in groups:
+        assert len(group.layers) == len(first), "cache groups of unequal sizes"
+        for j, layer in enumerate(group.layers):
+            caches[layer] = shared[j]
+    return caches
+
+
 def device_memory(device: torch.device) -> int:
     """Total memory of ``device`` in bytes (the machine's RAM for the CPU)."""
     if device.type == "cuda":
@@ -163,7 +191,11 @@ class ModelRunner:
         decode_graphs: bool = False,
         max_num_seqs: int = 256,
         max_model_len: int | None = None,
+        kv_groups: Sequence[KVCacheGroup] | None = None,
     ) -> None:
+        """``num_blocks``: the pool's block ids; ``kv_groups``: the layers' cache groups, whose
+        rows carry a block table each (None: one group of every layer, the windows applied by
+        the backends over blocks kept whole)."""
         self.model = model
         self.backend = backend
         self.block_size = block_size
@@ -175,8 +207,21 @@ class ModelRunner:
         self.padding_block = num_blocks
         self.cache_specs = model.kv_cache_specs()
         self.latent_cache = any(isinstance(s, LatentAttentionSpec) for s in self.cache_specs)
-        self.kv_caches: list[torch.Tensor] | list[QuantizedKVCache] = allocate_kv_caches(
-            self.cache_specs, num_blocks + 1, block_size, dtype, device, kv_cache_dtype
+        self.kv_groups = list(
+            kv_groups or [KVCacheGroup(None, tuple(range(len(self.cache_specs))))]
+        )
+        self.group_of_layer = [0] * len(self.cache_specs)
+        for g, group in enumerate(self.kv_groups):
+            for layer in group.layers:
+                self.group_of_layer[layer] = g
+        self.kv_caches: list[torch.Tensor] | list[QuantizedKVCache] = allocate_group_caches(
+            self.cache_specs,
+            self.kv_groups,
+            num_blocks + 1,
+            block_size,
+            dtype,
+            device,
+            kv_cache_dtype,
         )
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.input_batch = InputBatch(cfg.vocab_size, device, max_num_seqs)
@@ -186,8 +231,8 @@ class ModelRunner:
 
     def _make_decode_path(self) -> DecodePath | None:
         make = DECODE_PATHS.get(self.backend.name)
-        if not self._decode_graphs or make is None:
-            return None
+        if not self._decode_graphs or make is None or len(self.kv_groups) > 1:
+            return None  # (the fast paths hold one block table a row)
         return make(self, *self._decode_path_args)
 
     def model_changed(self) -> None:
@@ -207,7 +252,8 @@ class ModelRunner:
             return
         src = torch.tensor([s for s, _ in copies], device=self.device)
         dst = torch.tensor([d for _, d in copies], device=self.device)
-        for cache in self.kv_caches:
+        distinct = {id(c): c for c in self.kv_caches}  # cache groups share their tensors
+        for cache in distinct.values():
             if isinstance(cache, QuantizedKVCache):
                 cache.codes[:, dst] = cache.codes[:, src]
                 cache.scales[:, dst] = cache.scales[:, src]
@@ -246,12 +292,32 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.long),
             block_size=bs,
         )
-        if self.latent_cache:  # the rows whose context is all new apart (attention/latent.py)
-            step.metadata = build_latent_metadata(self.backend, layout, self.device)
-        else:
-            step.metadata = self.backend.build_metadata(layout, self.device)
+        step.metadata = self._metadata(layout)
+        if step.group_tables:  # the other cache groups: their own tables and slots
+            groups = [step.metadata]
+            for tables in step.group_tables:
+                group_slots = [
+                    table[p // bs] * bs + p % bs
+                    for table, start, ids in zip(tables, step.starts, step.token_ids, strict=True)
+                    for p in range(start, start + len(ids))
+                ]
+                group_layout = BatchLayout(
+                    query_lens,
+                    seq_lens,
+                    list(tables),
+                    torch.tensor(group_slots, dtype=torch.long),
+                    bs,
+                )
+                groups.append(self._metadata(group_layout))
+            step.metadata = GroupedMetadata(groups, self.group_of_layer)
         step.input_ids = torch.tensor(input_ids, device=self.device)
         step.positions = torch.tensor(positions, device=self.device)
+
+    def _metadata(self, layout: BatchLayout) -> object:
+        """The backend's metadata of ``layout`` (one cache group's)."""
+        if self.latent_cache:  # the rows whose context is all new apart (attention/latent.py)
+            return build_latent_metadata(self.backend, layout, self.device)
+        return self.backend.build_metadata(layout, self.device)
 
     def forward_hidden(
         self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: object
@@ -278,6 +344,7 @@ class ModelRunner:
         num_logits: Sequence[int],
         num_padding_rows: int = 0,
         position_offsets: Sequence[int] | None = None,
+        group_tables: Sequence[Sequence[list[int]]] = (),
     ) -> torch.Tensor | None:
         """Compute ``token_ids[i]`` at positions ``starts[i]...`` of sequence ``i`` (writing
         their K/V through ``block_tables[i]``); return float32 logits of the last
@@ -285,10 +352,14 @@ class ModelRunner:
         last ``num_padding_rows`` sequences pad the batch: the routers of mixture-of-experts
         layers do not count their tokens. ``position_offsets[i]`` (None: all 0) is added to
         the RoPE positions of row ``i`` (``ScheduledRow.position_offset``).
+        ``group_tables[g - 1][i]``: row ``i``'s block table of cache group ``g`` (``g >= 1``;
+        ``block_tables`` is group 0's).
 
         A step that the decode path can run (a replayed CUDA graph, the native CPU decoder
         layers) runs there; the rest runs the model op by op."""
-        step = ForwardStep(block_tables, starts, token_ids, num_logits, position_offsets)
+        step = ForwardStep(
+            block_tables, starts, token_ids, num_logits, position_offsets, group_tables
+        )
         real = token_ids[: len(token_ids) - num_padding_rows]
         rows = sum(len(ids) for ids in real)
         path = self.decode_path
@@ -345,6 +416,10 @@ class ModelRunner:
         offsets: list[int] | None = [r.position_offset for r in rows]
         if not any(offsets or ()):
             offsets = None
+        group_tables = [
+            [r.group_block_ids[g] for r in rows] + [[self.padding_block]] * pad
+            for g in range(len(self.kv_groups) - 1)
+        ]
         if pad:
             tables += [[self.padding_block]] * pad
             starts += [0] * pad
@@ -353,7 +428,7 @@ class ModelRunner:
             if offsets is not None:
                 offsets += [0] * pad
         sampling = self.input_batch.sampling_rows(rows)
-        logits = self.forward(tables, starts, tokens, num_logits, pad, offsets)
+        logits = self.forward(tables, starts, tokens, num_logits, pad, offsets, group_tables)
         if logits is not None and pad:
             logits = logits[: logits.shape[0] - pad]
         if logits is None or logits.shape[0] == 0:

@@ -7,9 +7,10 @@ records, so the runner needs nothing from ``engine``::
     Scheduler.update()   <--------------------------------------------------------+
 
 A row is "compute ``token_ids`` at positions ``start...`` of request ``request_id``, whose K/V
-lives in ``block_ids``, and sample from the last ``num_logits`` of them": 0 while a prompt is
-still being chunked in, 1 for a row that samples its next token, 1 + drafts for a row that
-verifies speculative tokens (the last ``len(spec_token_ids)`` of ``token_ids``).
+lives in ``block_ids`` (and ``group_block_ids``, for the layers of other cache groups), and
+sample from the last ``num_logits`` of them": 0 while a prompt is still being chunked in, 1 for
+a row that samples its next token, 1 + drafts for a row that verifies speculative tokens (the
+last ``len(spec_token_ids)`` of ``token_ids``).
 
 The runner keeps what sampling needs of each request in its persistent batch
 (``runner/input_batch.py``), updated by the deltas a ``SchedulerOutput`` carries: requests that
@@ -65,6 +66,9 @@ class ScheduledRow:
     # added to the RoPE position of each of its tokens (the rotary's position_offset: 0 but for
     # LongRoPE past the original context); its K/V slots follow the plain positions
     position_offset: int = 0
+    # the block tables of layer groups 1.. (``block_ids`` is group 0's; empty for a model of
+    # one group): a sliding-window group's table holds the padding block before its window
+    group_block_ids: list[list[int]] = field(default_factory=list)
 
     @property
     def num_new_tokens(self) -> int:
@@ -113,6 +117,8 @@ class ForwardStep:
     token_ids: Sequence[list[int]]
     num_logits: Sequence[int]
     position_offsets: Sequence[int] | None = None  # per row, added to its RoPE positions
+    # layer groups 1..: per group, per row, its block table (``block_tables`` is group 0's)
+    group_tables: Sequence[Sequence[list[int]]] = ()
     input_ids: torch.Tensor | None = None
     positions: torch.Tensor | None = None
     metadata: Any = None

@@ -204,6 +204,7 @@ class DraftModelProposer(Proposer):
         n = req.num_tokens
         shadow = self._shadows.get(req.request_id)
         hits = None
+        num_cached = 0
         if shadow is None:
             shadow = _Shadow(
                 req.request_id, req.prompt_token_ids, req.output_token_ids, req.cache_salt
@@ -224,7 +225,7 @@ class DraftModelProposer(Proposer):
                 self.kv.free(shadow)  # drops the hashes computed for the lookup
             return None
         if hits is not None:
-            shadow.num_computed_tokens = len(hits) * self.kv.block_size
+            shadow.num_computed_tokens = num_cached
             self._shadows[req.request_id] = shadow
         return shadow
 

@@ -116,6 +116,7 @@ def _last_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
     runner.model.compute_logits = spy  # type: ignore[method-assign]
     try:
         row = ScheduledRow("probe", 0, list(prompt), engine.kv.block_ids("probe"), 1)
+        row.group_block_ids = engine.kv.group_block_ids("probe")
         runner.execute(SchedulerOutput([row], removed=["probe"], new_requests=[new_request(req)]))
         runner.input_batch.remove(["probe"])
     finally:
