@@ -35,8 +35,11 @@ weights (the file 18), a Q8_0 one 34 (34), Q5_0 34 (22), Q5_1 / Q5_K 40 (24 / 22
 
 Decoding is vectorised numpy over the file's memory map, one tensor at a time. Dequantized at
 load as before: other types (Q2_K, Q3_K, the IQ types...) and the parts fused with one of them,
-the embedding table (looked up, not multiplied), routers, and experts stored one tensor per
-expert (older files). One log line names them with the reason. ``FOUDRE_GGUF_DEQUANTIZE=1`` (or
+the embedding table (looked up, not multiplied), routers, experts stored one tensor per
+expert (older files), gpt-oss's experts unless MXFP4 (kept packed by ``MXFP4Experts``, their
+biases and clamped SwiGLU being beyond ``QuantExperts``), and DeepSeek's linears whose RoPE rows
+the model reorders as it loads them (``q_b_proj``, ``kv_a_proj_with_mqa``). One log line
+names them with the reason. ``FOUDRE_GGUF_DEQUANTIZE=1`` (or
 ``load_model(gguf_dequantize=True)``) dequantizes everything, as before.
 """
 
@@ -102,6 +105,10 @@ _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_pro
 _ROUTERS = ("mlp.gate", "mlp.shared_expert_gate")
 _STACKED_EXPERTS = re.compile(r"^(.*\.experts)\.\{\}\.(gate_proj|up_proj|down_proj)\.weight$")
 ENV = "FOUDRE_GGUF_DEQUANTIZE"
+# gpt-oss's experts have biases and a clamped SwiGLU, which QuantExperts does not run
+_GPT_OSS_EXPERTS = "gpt-oss experts (kept packed as MXFP4 only)"
+# DeepSeek's linears whose rotated rows the model reorders as it loads them (rope_interleave)
+_DEEPSEEK_ROPE_ROWS = ("q_proj.weight", "q_b_proj.weight", "kv_a_proj_with_mqa.weight")
 
 
 def module_layout(tensors: list[GGUFTensor], six_bit: bool = False) -> Layout:
@@ -368,7 +375,12 @@ def _sort_tensors(
             continue
         module, part, leaf = _module_of(hf)
         stacked = _STACKED_EXPERTS.match(hf)
-        if stacked is not None:
+        if arch == "gpt-oss" and ".experts." in hf:
+            if tensor.type != _QT.MXFP4:  # (MXFP4 ones are kept packed: MXFP4Experts)
+                _dequantize(plan, _GPT_OSS_EXPERTS, tensor)
+        elif arch == "deepseek2" and hf.endswith(_DEEPSEEK_ROPE_ROWS):
+            _dequantize(plan, "DeepSeek's RoPE rows (reordered at load)", tensor)
+        elif stacked is not None:
             experts.setdefault(stacked.group(1), {})[stacked.group(2)] = tensor
         elif ".experts." in hf:
             _dequantize(plan, "one tensor per expert (older files)", tensor)

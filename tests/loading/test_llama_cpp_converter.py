@@ -1,0 +1,218 @@
+"""GGUF files written by llama.cpp's own converter (``convert_hf_to_gguf.py``), for each family
+foudre loads: the GGUF must give the logits of the safetensors model it was converted from.
+
+The converter is llama.cpp's source as ``scripts/setup.sh`` fetches it (llama-cpp-python's sdist,
+``~/.cache/foudre-bench/llama.cpp/src``; ``FOUDRE_LLAMA_CPP_SRC`` names another); without it the
+module skips. It runs in a child process on small random models (``tests/conftest.py
+make_hf_model``), with the Llama 2 sentencepiece tokenizer beside them (its first pieces: the
+converter keeps those below the model's vocabulary), or for the families whose converter takes
+only a byte-level BPE (gpt-oss, DeepSeek-V3) a BPE of the 256 bytes: the converter recognises a
+BPE's pre-tokenizer by the hash of its tokens on a test text, which a made-up BPE cannot match,
+so the child names it ``gpt-2`` (``_CHILD``); the tokenizer is not what these tests are about.
+
+``f32`` files give the safetensors logits within 1e-4; ``bf16`` within bfloat16's rounding of the
+weights; ``q8_0`` within a relative bound, with its linears kept quantized (``QuantLinear``) where
+foudre keeps Q8_0.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from foudre.loading.loader import load_model
+from foudre.quant.calib import run_sequence
+from tests.conftest import SHARED, make_hf_model
+
+SRC = Path(
+    os.environ.get(
+        "FOUDRE_LLAMA_CPP_SRC", Path.home() / ".cache" / "foudre-bench" / "llama.cpp" / "src"
+    )
+)
+CONVERTER = SRC / "convert_hf_to_gguf.py"
+LLAMA2_TOKENIZER = SHARED / "models" / "llama2-tokenizer" / "tokenizer.model"
+pytestmark = pytest.mark.skipif(
+    not CONVERTER.is_file() or not LLAMA2_TOKENIZER.is_file(),
+    reason=f"llama.cpp's converter ({CONVERTER}: scripts/setup.sh fetches it) or the Llama 2 "
+    "tokenizer is absent",
+)
+CPU = torch.device("cpu")
+PROMPT = [1, 17, 250, 3, 99, 180, 42, 42, 7, 200, 12, 5, 211, 64, 128, 33, 9, 100, 2, 77]
+
+# the converter, its BPE pre-tokenizer check answered "gpt-2" (the module's docstring)
+_CHILD = """
+import runpy, sys
+sys.path.insert(0, sys.argv[1])
+from conversion import base
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+script = sys.argv[1] + "/convert_hf_to_gguf.py"
+sys.argv = [script, *sys.argv[2:]]
+runpy.run_path(script, run_name="__main__")
+"""
+
+
+def _byte_bpe(path: Path) -> None:
+    """A byte-level BPE of the 256 bytes (no merges) saved as a Hugging Face tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {c: i for i, c in enumerate(sorted(alphabet, key=lambda c: ord(c)))}
+    tok = Tokenizer(models.BPE(vocab, []))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="!", eos_token='"')
+    fast.save_pretrained(path)
+
+
+def convert(src: Path, outtype: str, out: Path) -> Path:
+    """``src`` converted by llama.cpp's converter to ``out`` (``--outtype outtype``)."""
+    cmd = [sys.executable, "-c", _CHILD, str(SRC), str(src), "--outtype", outtype]
+    proc = subprocess.run([*cmd, "--outfile", str(out)], capture_output=True, text=True)
+    if proc.returncode:
+        raise AssertionError(f"convert_hf_to_gguf.py failed:\n{proc.stderr[-4000:]}")
+    return out
+
+
+def hf_model(path: Path, arch: str, bpe: bool = False, **overrides: Any) -> Path:
+    """A random ``make_hf_model`` with a tokenizer the converter takes."""
+    make_hf_model(path, arch, **overrides)
+    if bpe:
+        _byte_bpe(path)
+    else:
+        (path / "tokenizer.model").write_bytes(LLAMA2_TOKENIZER.read_bytes())
+    return path
+
+
+def logits(path: Path, **kwargs: Any) -> torch.Tensor:
+    model = load_model(str(path), None, "float32", CPU, None, **kwargs).model
+    with torch.no_grad():
+        return model.compute_logits(run_sequence(model, PROMPT)).float()
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+# family -> (make_hf_model's arch, BPE tokenizer, config overrides). Where the converter writes
+# no key for a setting, the config keeps llama.cpp's value for it (what its graph assumes):
+# Gemma 3's query_pre_attn_scalar = head_dim, gpt-oss's swiglu_limit 7, Qwen3-MoE's renormalised
+# top-k; Phi-3's vocabulary at least its tokenizer's (the converter indexes it by piece).
+FAMILIES: dict[str, tuple[str, bool, dict[str, Any]]] = {
+    "llama": ("llama", False, {}),
+    "qwen2": ("qwen2", False, {"tie_word_embeddings": True}),
+    "qwen3": ("qwen3", False, {"head_dim": 32}),
+    "mixtral": ("mixtral", False, {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen2_moe": ("qwen2_moe", True, {
+        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 64,
+    }),
+    "qwen3_moe": ("qwen3_moe", True, {
+        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "norm_topk_prob": True,
+    }),
+    "gemma3": ("gemma3_text", False, {
+        "num_hidden_layers": 6, "sliding_window": 8, "head_dim": 16,
+        "query_pre_attn_scalar": 16, "tie_word_embeddings": True,
+    }),
+    "phi3": ("phi3", False, {"vocab_size": 32000, "pad_token_id": 0}),
+    "gpt_oss": ("gpt_oss", True, {
+        "num_hidden_layers": 4, "num_local_experts": 4, "num_experts_per_tok": 2,
+        "intermediate_size": 32, "head_dim": 24, "sliding_window": 8,
+        "rope_parameters": {
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 8.0,
+            "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 32,
+        },
+    }),
+    "deepseek_v3": ("deepseek_v3", True, {
+        "num_hidden_layers": 3, "first_k_dense_replace": 1, "n_routed_experts": 8,
+        "n_group": 2, "topk_group": 1, "num_experts_per_tok": 4, "n_shared_experts": 1,
+        "moe_intermediate_size": 32, "q_lora_rank": 32, "kv_lora_rank": 32,
+        "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+        "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+    }),
+}  # fmt: skip
+# foudre's architecture for each family's file
+ARCHITECTURE = {"gemma3": "gemma3", "mixtral": "mixtral"}
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, torch.Tensor]]:
+    """Each family's random model (made on first use) and its logits from the safetensors."""
+    root = tmp_path_factory.mktemp("families")
+
+    class Lazy(dict[str, tuple[Path, torch.Tensor]]):
+        def __missing__(self, family: str) -> tuple[Path, torch.Tensor]:
+            arch, bpe, overrides = FAMILIES[family]
+            path = hf_model(root / family, arch, bpe, **overrides)
+            self[family] = (path, logits(path))
+            return self[family]
+
+    return Lazy()
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_f32_file_gives_the_safetensors_logits(
+    family: str, sources: dict[str, tuple[Path, torch.Tensor]], tmp_path: Path
+) -> None:
+    src, ref = sources[family]
+    out = convert(src, "f32", tmp_path / f"{family}.gguf")
+    loaded = load_model(str(out), None, "float32", CPU, None)
+    assert loaded.config.architecture == ARCHITECTURE.get(family, family)
+    assert loaded.config.torch_dtype == "float32"
+    torch.testing.assert_close(logits(out), ref, rtol=0, atol=1e-4)
+
+
+def _bf16_rounded(src: Path) -> torch.Tensor:
+    """The logits of ``src`` with every matrix rounded to bfloat16: how much this random model
+    moves with its weights' rounding (Gemma 3's, with its four norms a layer, about 18x a
+    Llama's)."""
+    model = load_model(str(src), None, "float32", CPU, None).model
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.copy_(p.to(torch.bfloat16))
+        return model.compute_logits(run_sequence(model, PROMPT)).float()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_bf16_and_q8_0_files(
+    family: str, sources: dict[str, tuple[Path, torch.Tensor]], tmp_path: Path
+) -> None:
+    """bf16: within what rounding the matrices to bfloat16 moves the logits (the converter keeps
+    some in float32: routers, norms). q8_0, dequantized: every weight within Q8_0's rounding of
+    the source's (relative 0.5%; a misplaced row or head would be about 140%), the logits
+    within 20x bfloat16's move (Q8_0 rounds four times as coarsely, and a mixture of experts
+    may route a token differently); kept quantized where foudre keeps Q8_0 (``QuantLinear``:
+    not gpt-oss's float experts, nor DeepSeek's RoPE-reordered q_b / kv_a), the same bound."""
+    from foudre.quant.qlinear import QuantLinear, uses_native_kernels
+
+    src, ref = sources[family]
+    bound = rel(_bf16_rounded(src), ref)
+    got = logits(convert(src, "bf16", tmp_path / "bf16.gguf"))
+    assert rel(got, ref) <= 1.5 * bound + 1e-6, (rel(got, ref), bound)
+    q8 = convert(src, "q8_0", tmp_path / "q8_0.gguf")
+    source = load_model(str(src), None, "float32", CPU, None).model.state_dict()
+    loaded = load_model(str(q8), None, "float32", CPU, None, gguf_dequantize=True).model
+    ours = loaded.state_dict()
+    assert ours.keys() == source.keys()
+    errors = {k: rel(ours[k].float(), source[k].float()) for k in source if source[k].numel()}
+    assert max(errors.values()) < 0.008, max(errors.items(), key=lambda kv: kv[1])
+    assert sum(e > 1e-3 for e in errors.values()) >= 4  # (the matrices were rounded)
+    with torch.no_grad():
+        dequantized = loaded.compute_logits(run_sequence(loaded, PROMPT)).float()
+    assert rel(dequantized, ref) < 20 * bound
+    model = load_model(str(q8), None, "float32", CPU, None).model
+    if uses_native_kernels(torch.bfloat16):  # Q8_0 has a kernel here: kept quantized
+        kept = [n for n, m in model.named_modules() if isinstance(m, QuantLinear)]
+        assert any(n.endswith("o_proj") for n in kept), kept
+    with torch.no_grad():
+        quant = model.compute_logits(run_sequence(model, PROMPT)).float()
+    assert rel(quant, ref) < 20 * bound  # the activations rounded too (int8 blocks, bfloat16)
