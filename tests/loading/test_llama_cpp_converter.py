@@ -122,6 +122,16 @@ FAMILIES: dict[str, tuple[str, bool, dict[str, Any]]] = {
         "query_pre_attn_scalar": 16, "tie_word_embeddings": True,
     }),
     "phi3": ("phi3", False, {"vocab_size": 32000, "pad_token_id": 0}),
+    # Phi-4-mini's shape: LongRoPE (the prompt longer than its original context) over 3/4 of
+    # each head
+    "phi4_longrope_partial": ("phi3", False, {
+        "vocab_size": 32000, "pad_token_id": 0, "max_position_embeddings": 128,
+        "original_max_position_embeddings": 16, "partial_rotary_factor": 0.75,
+        "rope_scaling": {
+            "rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(6)],
+            "long_factor": [1.5 + 0.4 * i for i in range(6)],
+        },
+    }),
     "gpt_oss": ("gpt_oss", True, {
         "num_hidden_layers": 4, "num_local_experts": 4, "num_experts_per_tok": 2,
         "intermediate_size": 32, "head_dim": 24, "sliding_window": 8,
@@ -137,9 +147,19 @@ FAMILIES: dict[str, tuple[str, bool, dict[str, Any]]] = {
         "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
         "routed_scaling_factor": 2.5, "norm_topk_prob": True,
     }),
+    # YaRN with DeepSeek's mscale (yarn_log_multiplier), one query projection
+    "deepseek_v3_yarn": ("deepseek_v3", True, {
+        "num_hidden_layers": 2, "first_k_dense_replace": 1, "n_routed_experts": 4,
+        "n_group": 1, "topk_group": 1, "num_experts_per_tok": 2, "n_shared_experts": 1, "moe_intermediate_size": 32,
+        "q_lora_rank": None, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+        "v_head_dim": 24, "routed_scaling_factor": 1.5, "rope_scaling": {
+            "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
+            "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1,
+        },
+    }),
 }  # fmt: skip
 # foudre's architecture for each family's file
-ARCHITECTURE = {"gemma3": "gemma3", "mixtral": "mixtral"}
+ARCHITECTURE = {"phi4_longrope_partial": "phi3", "deepseek_v3_yarn": "deepseek_v3"}
 
 
 @pytest.fixture(scope="module")
@@ -166,6 +186,8 @@ def test_f32_file_gives_the_safetensors_logits(
     loaded = load_model(str(out), None, "float32", CPU, None)
     assert loaded.config.architecture == ARCHITECTURE.get(family, family)
     assert loaded.config.torch_dtype == "float32"
+    if "yarn" in family or "longrope" in family:
+        assert loaded.config.rope_scaling is not None
     torch.testing.assert_close(logits(out), ref, rtol=0, atol=1e-4)
 
 
@@ -216,3 +238,31 @@ def test_bf16_and_q8_0_files(
     with torch.no_grad():
         quant = model.compute_logits(run_sequence(model, PROMPT)).float()
     assert rel(quant, ref) < 20 * bound  # the activations rounded too (int8 blocks, bfloat16)
+
+
+def test_gpt_oss_mxfp4_experts_stay_packed(
+    sources: dict[str, tuple[Path, torch.Tensor]], tmp_path: Path
+) -> None:
+    """An MXFP4 gpt-oss checkpoint: the converter writes its experts as GGUF's MXFP4 (gate and
+    up split), which load packed (``MXFP4Experts``, the checkpoint's very blocks and scales,
+    gate and up rows re-interleaved), giving the checkpoint's logits."""
+    from foudre.loading.gguf import read_gguf
+    from foudre.quant.mxfp4 import MXFP4Experts
+    from tests.oracles.test_gpt_oss import _mxfp4_checkpoint
+
+    src, _ = sources["gpt_oss"]
+    packed = _mxfp4_checkpoint(src, tmp_path / "mxfp4")
+    for f in src.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            (packed / f.name).write_bytes(f.read_bytes())
+    out = convert(packed, "f32", tmp_path / "mxfp4.gguf")
+    types = {t.name: t.type_name for t in read_gguf(out).tensors.values()}
+    assert types["blk.0.ffn_gate_exps.weight"] == types["blk.0.ffn_down_exps.weight"] == "MXFP4"
+    ref = load_model(str(packed), None, "float32", CPU, None).model
+    ours = load_model(str(out), None, "float32", CPU, None).model
+    assert ours.config.mxfp4_experts
+    for mine, theirs in zip(ours.model.layers, ref.model.layers, strict=True):
+        assert isinstance(mine.mlp.experts, MXFP4Experts)
+        for name, buf in theirs.mlp.experts.named_buffers():
+            assert torch.equal(getattr(mine.mlp.experts, name), buf), name
+    torch.testing.assert_close(logits(out), logits(packed), rtol=0, atol=1e-4)
