@@ -200,17 +200,35 @@ _ROPE_TENSORS = (_ROPE_FREQS, _ROPE_LONG, _ROPE_SHORT)  # read into rope_scaling
 # tokenizer.ggml.token_type values; sentencepiece's ModelProto.SentencePiece.Type uses the same.
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
 
-# tokenizer.ggml.pre -> (split regex, ignore_merges, NFC) of the Hugging Face tokenizer it
-# stands for (llama.cpp's llama-vocab.cpp lists the same regexes).
+# tokenizer.ggml.pre -> (split regex, or the regexes split by in turn; ignore_merges, NFC) of the
+# Hugging Face tokenizer it stands for (llama.cpp's llama-vocab.cpp lists the same regexes).
 _LLAMA3_REGEX = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
     r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-_BPE_PRE_TOKENIZERS = {
+# o200k (gpt-oss, GPT-4o): words with their case runs and contractions, digits by three
+_CASED = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]"
+_UNCASED = r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
+_CONTRACTIONS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+_O200K_REGEX = (
+    rf"[^\r\n\p{{L}}\p{{N}}]?{_CASED}*{_UNCASED}+{_CONTRACTIONS}|"
+    rf"[^\r\n\p{{L}}\p{{N}}]?{_CASED}+{_UNCASED}*{_CONTRACTIONS}|"
+    r"\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# DeepSeek-V3: digits by three, then runs of CJK, then words and punctuation
+_DEEPSEEK3_REGEXES = (
+    r"\p{N}{1,3}",
+    "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+    r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+|"
+    r" ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+)
+_BPE_PRE_TOKENIZERS: dict[str, tuple[str | tuple[str, ...], bool, bool]] = {
     "llama-bpe": (_LLAMA3_REGEX, True, False),
     "qwen2": (_LLAMA3_REGEX.replace(r"\p{N}{1,3}", r"\p{N}"), False, True),
     "gpt-2": (_GPT2_REGEX, False, False),
+    "gpt-4o": (_O200K_REGEX, False, False),
+    "deepseek-v3": (_DEEPSEEK3_REGEXES, False, False),
 }
 
 
@@ -1200,11 +1218,12 @@ def _byte_level_bpe(
     tok = RustTokenizer(models.BPE(vocab, pairs, ignore_merges=ignore_merges))
     if nfc:
         tok.normalizer = normalizers.NFC()
+    splits = [
+        pre_tokenizers.Split(Regex(r), behavior="isolated")
+        for r in ((regex,) if isinstance(regex, str) else regex)
+    ]
     tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(regex), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
+        [*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
     )
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(
@@ -1224,7 +1243,8 @@ def load_gguf_tokenizer(path: str | Path) -> Tokenizer:
     ``llama`` (sentencepiece) vocabularies become a ``SentencePieceTokenizer`` over a model
     built from the pieces, scores and types; ``gpt2`` (byte-level BPE) ones an
     ``HFTokenizer`` over the vocabulary and merges, with the pre-tokenizer named by
-    ``tokenizer.ggml.pre`` (``llama-bpe``, ``qwen2``, ``gpt-2``); an embedded
+    ``tokenizer.ggml.pre`` (``llama-bpe``, ``qwen2``, ``gpt-2``, ``gpt-4o``, ``deepseek-v3``); an
+    embedded
     ``tokenizer.huggingface.json`` is used as is. BOS / EOS ids, ``add_bos_token`` and the
     chat template come from the metadata. Anything else raises ``ModelLoadError``.
     """

@@ -45,12 +45,12 @@ pytestmark = pytest.mark.skipif(
 CPU = torch.device("cpu")
 PROMPT = [1, 17, 250, 3, 99, 180, 42, 42, 7, 200, 12, 5, 211, 64, 128, 33, 9, 100, 2, 77]
 
-# the converter, its BPE pre-tokenizer check answered "gpt-2" (the module's docstring)
+# the converter, its BPE pre-tokenizer check answered "gpt-2" or $PRE (the module's docstring)
 _CHILD = """
-import runpy, sys
+import os, runpy, sys
 sys.path.insert(0, sys.argv[1])
 from conversion import base
-base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: os.environ.get("PRE", "gpt-2")
 script = sys.argv[1] + "/convert_hf_to_gguf.py"
 sys.argv = [script, *sys.argv[2:]]
 runpy.run_path(script, run_name="__main__")
@@ -71,10 +71,11 @@ def _byte_bpe(path: Path) -> None:
     fast.save_pretrained(path)
 
 
-def convert(src: Path, outtype: str, out: Path) -> Path:
+def convert(src: Path, outtype: str, out: Path, *args: str, pre: str = "gpt-2") -> Path:
     """``src`` converted by llama.cpp's converter to ``out`` (``--outtype outtype``)."""
-    cmd = [sys.executable, "-c", _CHILD, str(SRC), str(src), "--outtype", outtype]
-    proc = subprocess.run([*cmd, "--outfile", str(out)], capture_output=True, text=True)
+    cmd = [sys.executable, "-c", _CHILD, str(SRC), str(src), "--outtype", outtype, *args]
+    env = {**os.environ, "PRE": pre}
+    proc = subprocess.run([*cmd, "--outfile", str(out)], capture_output=True, text=True, env=env)
     if proc.returncode:
         raise AssertionError(f"convert_hf_to_gguf.py failed:\n{proc.stderr[-4000:]}")
     return out
@@ -150,7 +151,8 @@ FAMILIES: dict[str, tuple[str, bool, dict[str, Any]]] = {
     # YaRN with DeepSeek's mscale (yarn_log_multiplier), one query projection
     "deepseek_v3_yarn": ("deepseek_v3", True, {
         "num_hidden_layers": 2, "first_k_dense_replace": 1, "n_routed_experts": 4,
-        "n_group": 1, "topk_group": 1, "num_experts_per_tok": 2, "n_shared_experts": 1, "moe_intermediate_size": 32,
+        "n_group": 1, "topk_group": 1, "num_experts_per_tok": 2, "n_shared_experts": 1,
+        "moe_intermediate_size": 32,
         "q_lora_rank": None, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
         "v_head_dim": 24, "routed_scaling_factor": 1.5, "rope_scaling": {
             "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
@@ -266,3 +268,58 @@ def test_gpt_oss_mxfp4_experts_stay_packed(
         for name, buf in theirs.mlp.experts.named_buffers():
             assert torch.equal(getattr(mine.mlp.experts, name), buf), name
     torch.testing.assert_close(logits(out), logits(packed), rtol=0, atol=1e-4)
+
+
+# the pre-tokenizers of gpt-oss's (o200k) and DeepSeek-V3's tokenizer.json, as they declare them
+_HF_PRE_TOKENIZERS = {
+    "gpt-4o": [
+        "[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]*[\\p{Ll}\\p{Lm}\\p{Lo}"
+        "\\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}"
+        "\\p{Lo}\\p{M}]+[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\\p{N}{1,3}|"
+        " ?[^\\s\\p{L}\\p{N}]+[\\r\\n/]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"
+    ],
+    "deepseek-v3": [
+        "\\p{N}{1,3}",
+        "[一-龥぀-ゟ゠-ヿ]+",
+        "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\\r\\n\\p{L}\\p{P}\\p{S}]?"
+        "[\\p{L}\\p{M}]+| ?[\\p{P}\\p{S}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+",
+    ],
+}
+TEXTS = [
+    "Hello World, it's THE fox's DAY: 12345 stars and 3.14159!",
+    "日本語のテキストと中文 mixed with English, ひらがな カタカナ",
+    "  two  spaces\n\nand a newline\tand a tab; don't WON'T I'LL",
+    "Café naïve 🦊 emoji —dashes— and ‘quotes’ /path/to\r\n",
+]
+
+
+@pytest.mark.parametrize("pre", list(_HF_PRE_TOKENIZERS))
+def test_bpe_pre_tokenizers_of_gpt_oss_and_deepseek(pre: str, tmp_path: Path) -> None:
+    """A byte-level BPE trained with gpt-oss's or DeepSeek-V3's pre-tokenizer, written by the
+    converter under its name (``--vocab-only``): foudre's tokenizer from the file encodes as
+    the Hugging Face one does."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.trainers import BpeTrainer
+    from transformers import PreTrainedTokenizerFast
+
+    from foudre.loading.loader import load_tokenizer
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in _HF_PRE_TOKENIZERS[pre]]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = BpeTrainer(
+        vocab_size=480, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    tok.train_from_iterator(TEXTS * 3, trainer)
+    src = tmp_path / "model"
+    make_hf_model(src, "gpt_oss", vocab_size=512, num_hidden_layers=1, num_local_experts=2,
+                  num_experts_per_tok=1, intermediate_size=32)  # fmt: skip
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok)
+    fast.save_pretrained(src)
+    out = convert(src, "f32", tmp_path / "vocab.gguf", "--vocab-only", pre=pre)
+    ours = load_tokenizer(out)
+    for text in [*TEXTS, "unseen WORDS like Zebra's CamelCase HTTPServer 9876543 漢字かな"]:
+        assert ours.encode(text, add_special_tokens=False) == fast.encode(text), text
