@@ -171,6 +171,7 @@ _DEEPSEEK2_BLOCK_NAMES = {
     "attn_q_a.weight": "self_attn.q_a_proj.weight",
     "attn_q_a_norm.weight": "self_attn.q_a_layernorm.weight",
     "attn_q_b.weight": "self_attn.q_b_proj.weight",
+    "attn_q.weight": "self_attn.q_b_proj.weight",  # without q_lora_rank, foudre's q_b_proj
     "attn_kv_a_mqa.weight": "self_attn.kv_a_proj_with_mqa.weight",
     "attn_kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
     "attn_kv_b.weight": "self_attn.kv_b_proj.weight",

@@ -214,8 +214,8 @@ def test_bf16_and_q8_0_files(
     some in float32: routers, norms). q8_0, dequantized: every weight within Q8_0's rounding of
     the source's (relative 0.5%; a misplaced row or head would be about 140%), the logits
     within 20x bfloat16's move (Q8_0 rounds four times as coarsely, and a mixture of experts
-    may route a token differently); kept quantized where foudre keeps Q8_0 (``QuantLinear``:
-    not gpt-oss's float experts, nor DeepSeek's RoPE-reordered q_b / kv_a), the same bound."""
+    may route a token differently); kept quantized where foudre keeps Q8_0 (``QuantLinear``,
+    not gpt-oss's float experts: the values dequantized at load), the same bound."""
     from foudre.quant.qlinear import QuantLinear, uses_native_kernels
 
     src, ref = sources[family]
@@ -234,9 +234,15 @@ def test_bf16_and_q8_0_files(
         dequantized = loaded.compute_logits(run_sequence(loaded, PROMPT)).float()
     assert rel(dequantized, ref) < 20 * bound
     model = load_model(str(q8), None, "float32", CPU, None).model
+    kept = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
     if uses_native_kernels(torch.bfloat16):  # Q8_0 has a kernel here: kept quantized
-        kept = [n for n, m in model.named_modules() if isinstance(m, QuantLinear)]
         assert any(n.endswith("o_proj") for n in kept), kept
+        if family.startswith("deepseek"):  # its RoPE rows reordered in the codes
+            assert any(n.endswith("kv_a_proj_with_mqa") for n in kept), kept
+            assert any(n.endswith("q_b_proj") for n in kept), kept
+    for name, mod in kept.items():  # the same weights as dequantized at load, rows in order
+        if f"{name}.weight" in ours:  # (not the experts' QuantExperts)
+            assert rel(mod.dequantize().float(), ours[f"{name}.weight"].float()) < 1e-6, name
     with torch.no_grad():
         quant = model.compute_logits(run_sequence(model, PROMPT)).float()
     assert rel(quant, ref) < 20 * bound  # the activations rounded too (int8 blocks, bfloat16)
