@@ -329,3 +329,28 @@ def test_bpe_pre_tokenizers_of_gpt_oss_and_deepseek(pre: str, tmp_path: Path) ->
     ours = load_tokenizer(out)
     for text in [*TEXTS, "unseen WORDS like Zebra's CamelCase HTTPServer 9876543 漢字かな"]:
         assert ours.encode(text, add_special_tokens=False) == fast.encode(text), text
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "deepseek_v3", "gemma3"])
+def test_engine_serves_a_converted_file_as_its_source(
+    family: str, sources: dict[str, tuple[Path, torch.Tensor]], tmp_path: Path
+) -> None:
+    """Through ``LLM`` (paged KV: gpt-oss's sinks and windows, DeepSeek's latent cache, Gemma
+    3's windows), with shared prefixes, few blocks (preemptions) and a small token budget
+    (chunked prompts): the f32 file's greedy ids are its source's."""
+    from foudre import LLM, SamplingParams
+
+    src, _ = sources[family]
+    out = convert(src, "f32", tmp_path / f"{family}.gguf")
+    shared = list(range(3, 40))
+    prompts = [[*shared, 50 + i, 60 + i] for i in range(4)] + [[7, 8, 9], shared[:20]]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    ids = []
+    for path in (src, out):
+        llm = LLM(
+            str(path), dtype="float32", skip_tokenizer_init=True, block_size=4, num_kv_blocks=28,
+            max_model_len=80, max_num_batched_tokens=24, enable_prefix_caching=True,
+        )  # fmt: skip
+        ids.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+        assert llm.metrics()["num_preemptions"] > 0 and llm.metrics()["prefix_cache_hits"] > 0
+    assert ids[0] == ids[1]
