@@ -156,7 +156,7 @@ _GPT_OSS_BLOCK_NAMES = {
     "ffn_gate_inp.bias": "mlp.gate.bias",
 }
 # gpt-oss's experts: down as transformers stores it, gate and up joined into transformers'
-# interleaved gate_up (_joined); MXFP4 ones as the packed blocks and scales (_gpt_oss_experts)
+# interleaved gate_up (_joined); MXFP4 ones as the packed blocks and scales (_mxfp4)
 _GPT_OSS_EXPERTS = {
     "ffn_gate_exps.weight": "mlp.experts.gate_up_proj",
     "ffn_up_exps.weight": "mlp.experts.gate_up_proj",
@@ -179,7 +179,7 @@ _DEEPSEEK2_BLOCK_NAMES = {
     "attn_v_b.weight": "self_attn.kv_b_proj.weight",
     "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
 }
-# (architecture, leaf) -> its part of a tensor written as two (the other part's leaf first)
+# (architecture, leaf) of a tensor the converter wrote as two -> (the other's leaf, this part)
 _PAIRS = {
     ("gpt-oss", "ffn_gate_exps.weight"): ("ffn_up_exps.weight", 0),
     ("gpt-oss", "ffn_up_exps.weight"): ("ffn_gate_exps.weight", 1),

@@ -118,9 +118,13 @@ FAMILIES: dict[str, tuple[str, bool, dict[str, Any]]] = {
         "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
         "norm_topk_prob": True,
     }),
+    # the 4B-27B models' RoPE: linear scaling (factor 8) on the global layers only
     "gemma3": ("gemma3_text", False, {
         "num_hidden_layers": 6, "sliding_window": 8, "head_dim": 16,
-        "query_pre_attn_scalar": 16, "tie_word_embeddings": True,
+        "query_pre_attn_scalar": 16, "tie_word_embeddings": True, "rope_parameters": {
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        },
     }),
     "phi3": ("phi3", False, {"vocab_size": 32000, "pad_token_id": 0}),
     # Phi-4-mini's shape: LongRoPE (the prompt longer than its original context) over 3/4 of
@@ -188,7 +192,7 @@ def test_f32_file_gives_the_safetensors_logits(
     loaded = load_model(str(out), None, "float32", CPU, None)
     assert loaded.config.architecture == ARCHITECTURE.get(family, family)
     assert loaded.config.torch_dtype == "float32"
-    if "yarn" in family or "longrope" in family:
+    if "yarn" in family or "longrope" in family or family == "gemma3":
         assert loaded.config.rope_scaling is not None
     torch.testing.assert_close(logits(out), ref, rtol=0, atol=1e-4)
 
