@@ -358,3 +358,23 @@ def test_engine_serves_a_converted_file_as_its_source(
         ids.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
         assert llm.metrics()["num_preemptions"] > 0 and llm.metrics()["prefix_cache_hits"] > 0
     assert ids[0] == ids[1]
+
+
+def test_deepseek2_file_errors_name_the_key_or_tensor(
+    sources: dict[str, tuple[Path, torch.Tensor]], tmp_path: Path
+) -> None:
+    """A deepseek2 file routed by softmax (DeepSeek-V2's, which foudre does not run) is refused
+    naming the key; one with ``attn_k_b`` but not its ``attn_v_b`` names both."""
+    from foudre.loading.errors import ModelLoadError
+    from foudre.loading.gguf import gguf_config, iter_gguf_weights, read_gguf
+
+    src, _ = sources["deepseek_v3"]
+    out = convert(src, "f32", tmp_path / "deepseek.gguf")
+    f = read_gguf(out)
+    f.metadata["deepseek2.expert_gating_func"] = 1
+    with pytest.raises(ModelLoadError, match=r"deepseek2\.expert_gating_func=1"):
+        gguf_config(f)
+    f = read_gguf(out)
+    del f.tensors["blk.1.attn_v_b.weight"]
+    with pytest.raises(ModelLoadError, match=r"'blk\.1\.attn_k_b\.weight' without its pair"):
+        list(iter_gguf_weights(f, gguf_config(f)))
