@@ -15,6 +15,26 @@ if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ] &&
     { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q $pkgs >/dev/null 2>&1; } ||
     echo "setup: could not install $pkgs; the cross-architecture kernel tests will skip" >&2
 fi
+# llama.cpp's source (its converter, convert_hf_to_gguf.py, for tests/loading/
+# test_llama_cpp_converter.py; the benchmarks build from it too): the llama.cpp vendored in
+# llama-cpp-python's sdist, fetched once into the benchmarks' cache. Best effort: without it those
+# tests skip.
+llama_src=${FOUDRE_LLAMA_CPP_SRC:-${FOUDRE_BENCH_CACHE:-$HOME/.cache/foudre-bench}/llama.cpp/src}
+if [ ! -f "$llama_src/convert_hf_to_gguf.py" ]; then
+  (
+    set -e
+    dl=$(mktemp -d)
+    trap 'rm -rf "$dl"' EXIT
+    pip_py=$PY
+    [ -x .venv/bin/python ] && pip_py=.venv/bin/python
+    "$pip_py" -m pip download -q --no-deps --no-binary :all: llama-cpp-python==0.3.36 -d "$dl"
+    tar -xzf "$dl"/llama_cpp_python-*.tar.gz -C "$dl"
+    mkdir -p "$(dirname "$llama_src")"
+    rm -rf "$llama_src"
+    mv "$dl"/llama_cpp_python-*/vendor/llama.cpp "$llama_src"
+  ) >/dev/null 2>&1 ||
+    echo "setup: could not fetch llama.cpp's source; the converter tests will skip" >&2
+fi
 stamp=.venv/.foudre-installed
 if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ]; then exit 0; fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv

@@ -33,6 +33,21 @@ here), ``ffn_norm`` the MLP's input norm (``pre_feedforward_layernorm``) with th
 llama.cpp's graph assumes it: the sliding layers' RoPE base (10000, unless ``rope.freq_base_swa``
 says), which layers slide (five in six, unless ``attention.sliding_window_pattern`` says), and
 the score scale (``head_dim**-0.5``; ``(hidden / heads)**-0.5`` for the 62-layer 27B).
+
+gpt-oss (``gpt-oss``): attention sinks (``attn_sinks``), the o_proj and router biases, YaRN
+(not truncated, as its config says), even layers sliding; the experts as the converter splits
+them (``ffn_gate_exps`` and ``ffn_up_exps`` with their biases) re-interleaved into
+transformers' ``gate_up_proj``; MXFP4 experts (the converter keeps a MXFP4 checkpoint's) stay
+packed (``quant.mxfp4.from_gguf``, ``ModelConfig.mxfp4_experts``). The clamped SwiGLU's
+constants are llama.cpp's (alpha 1.702, limit 7): the file has no key for them.
+
+DeepSeek-V3 (``deepseek2``): latent attention from ``kv_lora_rank``, ``q_lora_rank`` and the
+heads' ``key_length_mla`` / ``value_length_mla``; ``kv_b_proj`` joined back from the
+``attn_k_b`` / ``attn_v_b`` the converter splits it into (or read as ``attn_kv_b``); RoPE rows
+left interleaved as in the checkpoint (``rope_interleave``); routing by sigmoid with the
+selection bias ``exp_probs_b``, ``expert_group_count`` / ``expert_group_used_count`` groups,
+``expert_weights_scale`` and the ``leading_dense_block_count`` dense layers (the routers say
+which); YaRN's ``yarn_log_multiplier`` as ``0.1 * mscale_all_dim``.
 """
 
 from __future__ import annotations
@@ -57,6 +72,7 @@ from foudre.loading.errors import ModelLoadError
 from foudre.loading.memory import release_freed
 from foudre.loading.tokenizer import HFTokenizer, SentencePieceTokenizer, Tokenizer
 from foudre.models.config import ModelConfig
+from foudre.quant.mxfp4 import from_gguf
 
 _QT = GGMLQuantizationType
 # The types foudre reads: the floats and every type the gguf package dequantizes (its ``quants``
@@ -77,10 +93,15 @@ ARCHITECTURES = {
     "olmoe": "olmoe",
     "phi3": "phi3",
     "gemma3": "gemma3",
+    "gpt-oss": "gpt_oss",
+    "deepseek2": "deepseek_v3",
 }
 # llama.cpp's graphs: whether each architecture renormalises its top-k expert weights
-_NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False}
-_GATING_SOFTMAX = 1  # llama_expert_gating_func_type: 1 softmax, 2 sigmoid, 3 softmax of weights
+_NORM_TOPK = {
+    "llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False, "gpt-oss": True,
+    "deepseek2": False,
+}  # fmt: skip
+_GATING_SOFTMAX, _GATING_SIGMOID = 1, 2  # llama_expert_gating_func_type (3: softmax of weights)
 
 # bytes of float32 values a quantized tensor is decoded in at a time (whole rows)
 CHUNK_BYTES = 8 << 20
@@ -127,6 +148,46 @@ _GEMMA3_BLOCK_NAMES = {
     "post_attention_norm.weight": "post_attention_layernorm.weight",
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
+# gpt-oss's, where they differ from the Llama family's (its experts: _GPT_OSS_EXPERTS)
+_GPT_OSS_BLOCK_NAMES = {
+    "attn_sinks.weight": "self_attn.sinks",
+    "attn_output.bias": "self_attn.o_proj.bias",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate_inp.bias": "mlp.gate.bias",
+}
+# gpt-oss's experts: down as transformers stores it, gate and up joined into transformers'
+# interleaved gate_up (_joined); MXFP4 ones as the packed blocks and scales (_mxfp4)
+_GPT_OSS_EXPERTS = {
+    "ffn_gate_exps.weight": "mlp.experts.gate_up_proj",
+    "ffn_up_exps.weight": "mlp.experts.gate_up_proj",
+    "ffn_gate_exps.bias": "mlp.experts.gate_up_proj_bias",
+    "ffn_up_exps.bias": "mlp.experts.gate_up_proj_bias",
+    "ffn_down_exps.weight": "mlp.experts.down_proj",
+    "ffn_down_exps.bias": "mlp.experts.down_proj_bias",
+}
+# DeepSeek's latent attention and router; llama.cpp's newer converters split kv_b_proj into
+# attn_k_b (W_UK per head, transposed) and attn_v_b (W_UV), joined again here (_joined)
+_DEEPSEEK2_BLOCK_NAMES = {
+    "attn_q_a.weight": "self_attn.q_a_proj.weight",
+    "attn_q_a_norm.weight": "self_attn.q_a_layernorm.weight",
+    "attn_q_b.weight": "self_attn.q_b_proj.weight",
+    "attn_q.weight": "self_attn.q_b_proj.weight",  # without q_lora_rank, foudre's q_b_proj
+    "attn_kv_a_mqa.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "attn_kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
+    "attn_kv_b.weight": "self_attn.kv_b_proj.weight",
+    "attn_k_b.weight": "self_attn.kv_b_proj.weight",
+    "attn_v_b.weight": "self_attn.kv_b_proj.weight",
+    "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+}
+# (architecture, leaf) of a tensor the converter wrote as two -> (the other's leaf, this part)
+_PAIRS = {
+    ("gpt-oss", "ffn_gate_exps.weight"): ("ffn_up_exps.weight", 0),
+    ("gpt-oss", "ffn_up_exps.weight"): ("ffn_gate_exps.weight", 1),
+    ("gpt-oss", "ffn_gate_exps.bias"): ("ffn_up_exps.bias", 0),
+    ("gpt-oss", "ffn_up_exps.bias"): ("ffn_gate_exps.bias", 1),
+    ("deepseek2", "attn_k_b.weight"): ("attn_v_b.weight", 0),
+    ("deepseek2", "attn_v_b.weight"): ("attn_k_b.weight", 1),
+}
 # stacked experts [experts, rows, cols], and the older files' one tensor per expert
 _EXPERT_NAMES = {"ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}
 _STACKED = re.compile(r"^(ffn_gate|ffn_up|ffn_down)_exps\.weight$")
@@ -140,17 +201,35 @@ _ROPE_TENSORS = (_ROPE_FREQS, _ROPE_LONG, _ROPE_SHORT)  # read into rope_scaling
 # tokenizer.ggml.token_type values; sentencepiece's ModelProto.SentencePiece.Type uses the same.
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
 
-# tokenizer.ggml.pre -> (split regex, ignore_merges, NFC) of the Hugging Face tokenizer it
-# stands for (llama.cpp's llama-vocab.cpp lists the same regexes).
+# tokenizer.ggml.pre -> (split regex, or the regexes split by in turn; ignore_merges, NFC) of the
+# Hugging Face tokenizer it stands for (llama.cpp's llama-vocab.cpp lists the same regexes).
 _LLAMA3_REGEX = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
     r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-_BPE_PRE_TOKENIZERS = {
+# o200k (gpt-oss, GPT-4o): words with their case runs and contractions, digits by three
+_CASED = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]"
+_UNCASED = r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
+_CONTRACTIONS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+_O200K_REGEX = (
+    rf"[^\r\n\p{{L}}\p{{N}}]?{_CASED}*{_UNCASED}+{_CONTRACTIONS}|"
+    rf"[^\r\n\p{{L}}\p{{N}}]?{_CASED}+{_UNCASED}*{_CONTRACTIONS}|"
+    r"\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# DeepSeek-V3: digits by three, then runs of CJK, then words and punctuation
+_DEEPSEEK3_REGEXES = (
+    r"\p{N}{1,3}",
+    "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+    r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+|"
+    r" ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+)
+_BPE_PRE_TOKENIZERS: dict[str, tuple[str | tuple[str, ...], bool, bool]] = {
     "llama-bpe": (_LLAMA3_REGEX, True, False),
     "qwen2": (_LLAMA3_REGEX.replace(r"\p{N}{1,3}", r"\p{N}"), False, True),
     "gpt-2": (_GPT2_REGEX, False, False),
+    "gpt-4o": (_O200K_REGEX, False, False),
+    "deepseek-v3": (_DEEPSEEK3_REGEXES, False, False),
 }
 
 
@@ -402,6 +481,10 @@ def _hf_name(name: str, arch: str | None = None) -> str | None:
         return f"model.layers.{layer}.mlp.gate_up_proj.weight"
     if arch == "gemma3" and leaf in _GEMMA3_BLOCK_NAMES:
         return f"model.layers.{layer}.{_GEMMA3_BLOCK_NAMES[leaf]}"
+    family = {"gpt-oss": {**_GPT_OSS_BLOCK_NAMES, **_GPT_OSS_EXPERTS}}.get(arch or "")
+    family = _DEEPSEEK2_BLOCK_NAMES if arch == "deepseek2" else family
+    if family is not None and leaf in family:
+        return f"model.layers.{layer}.{family[leaf]}"
     if leaf in _BLOCK_NAMES:
         return f"model.layers.{layer}.{_BLOCK_NAMES[leaf]}"
     stacked, single = _STACKED.match(leaf), _PER_EXPERT.match(leaf)
@@ -411,6 +494,39 @@ def _hf_name(name: str, arch: str | None = None) -> str | None:
         part = _EXPERT_NAMES[single.group(1)]
         return f"model.layers.{layer}.mlp.experts.{single.group(2)}.{part}.weight"
     return None
+
+
+def _mxfp4(f: GGUFFile, tensor: GGUFTensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A gpt-oss expert tensor of type MXFP4 as ``MXFP4Experts``' blocks and scales."""
+    if tensor.type != _QT.MXFP4:
+        raise ModelLoadError(
+            f"{f.path}: tensor {tensor.name!r} is {tensor.type_name}; the file's other experts "
+            "are MXFP4, which gpt-oss's must all be or none",
+            f.path,
+        )
+    try:
+        return from_gguf(f.data[tensor.offset : tensor.offset + tensor.nbytes], tensor.shape)
+    finally:
+        f.release(tensor)
+
+
+def _joined(hf: str, first: Any, second: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensor ``hf`` from the two the converter wrote (``_PAIRS``): gpt-oss's gate and up
+    (``[E, I, hidden]``, biases ``[E, I]``) as transformers' interleaved ``gate_up_proj``
+    ``[E, hidden, 2I]`` (MXFP4: blocks and scales ``[E, 2I, ...]``, rows interleaved; biases
+    ``[E, 2I]``); DeepSeek's W_UK ``[heads, rank, nope]`` and W_UV ``[heads, v, rank]`` as
+    ``kv_b_proj`` ``[heads * (nope + v), rank]``."""
+    if hf.endswith("kv_b_proj.weight"):
+        kv = torch.cat([first.transpose(1, 2), second], dim=1)
+        yield hf, kv.reshape(-1, kv.shape[-1]).contiguous()
+        return
+    if isinstance(first, tuple):  # MXFP4 (blocks, scales): gate row j at 2j, up row j at 2j + 1
+        for suffix, gate, up in zip(("_blocks", "_scales"), first, second, strict=True):
+            joined = torch.stack([gate, up], dim=2)
+            yield hf + suffix, joined.reshape(gate.shape[0], -1, *gate.shape[2:])
+        return
+    joined = torch.stack([first, second], dim=2).reshape(first.shape[0], -1, *first.shape[2:])
+    yield hf, joined.transpose(1, 2) if joined.dim() == 3 else joined
 
 
 def _unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -436,10 +552,13 @@ def iter_gguf_weights(
 
     Quantized tensors come dequantized to float32 (to ``dtype`` when given: what copying the
     float32 values into a tensor of that dtype gives, without the float32 copy of the whole
-    tensor); q/k of ``llama`` files come un-permuted.
+    tensor); q/k of ``llama`` files come un-permuted; tensors the converter wrote in two
+    (gpt-oss's gate and up experts, DeepSeek's ``attn_k_b`` and ``attn_v_b``) joined once both
+    are read; gpt-oss's MXFP4 experts as their packed blocks and scales, never dequantized.
     ``rope_freqs.weight`` is not yielded (``load_gguf`` turned it into ``rope_scaling``).
     """
-    arch = f.metadata.get("general.architecture")
+    arch = str(f.metadata.get("general.architecture"))
+    halves: dict[str, dict[int, Any]] = {}  # a pair's first part read, by its joined name
     for tensor in f.tensors.values():
         if tensor.name in _ROPE_TENSORS or tensor.name in skip:
             continue
@@ -454,7 +573,28 @@ def iter_gguf_weights(
             w = (dequantize_tensor(f, tensor).float() - 1.0).to(dtype or torch.float32)
             yield hf, w
             continue
-        w = dequantize_tensor(f, tensor, dtype)
+        block = _BLOCK.match(tensor.name)
+        leaf = tensor.name if block is None else block.group(2)
+        if config.mxfp4_experts and hf.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            part: Any = _mxfp4(f, tensor)
+        else:
+            part = dequantize_tensor(f, tensor, dtype)
+        if (arch, leaf) in _PAIRS:
+            parts = halves.setdefault(hf, {})
+            parts[_PAIRS[arch, leaf][1]] = part
+            if 0 in parts and 1 in parts:
+                del halves[hf]
+                yield from _joined(hf, parts[0], parts[1])
+            else:
+                parts[2] = (tensor.name, _PAIRS[arch, leaf][0])
+            continue
+        if isinstance(part, tuple):  # packed MXFP4 down_proj
+            yield f"{hf}_blocks", part[0]
+            yield f"{hf}_scales", part[1]
+            continue
+        w = part
+        if arch == "gpt-oss" and hf.endswith("experts.down_proj"):
+            w = w.transpose(1, 2)  # transformers' [E, I, hidden]
         if "{}" in hf:  # stacked experts: one tensor per expert, as Hugging Face names them
             for e, expert in enumerate(w):
                 yield hf.format(e), expert
@@ -467,6 +607,9 @@ def iter_gguf_weights(
             elif hf.endswith(("k_proj.weight", "k_proj.bias")):
                 w = _unpermute_rope(w, config.num_key_value_heads)
         yield hf, w
+    for parts in halves.values():
+        name, other = parts[2]
+        raise ModelLoadError(f"{f.path}: tensor {name!r} without its pair {other!r}", f.path)
 
 
 # ----------------------------------------------------------------------------- config
@@ -562,6 +705,36 @@ def _longrope_scaling(f: GGUFFile, arch: str, rope_dim: int) -> dict[str, Any]:
     return scaling
 
 
+def _yarn_scaling(f: GGUFFile, arch: str) -> dict[str, Any]:
+    """YaRN ``rope_scaling`` from the ``rope.scaling.*`` keys. gpt-oss's ramp is not truncated
+    (its config's ``truncate: false``); deepseek2's ``yarn_log_multiplier`` is ``0.1 *
+    mscale_all_dim`` (and its ``mscale`` the same, as in the released models)."""
+    key = f"{arch}.rope.scaling"
+    scaling: dict[str, Any] = {
+        "rope_type": "yarn",
+        "factor": _meta_float(f, f"{key}.factor"),
+        "original_max_position_embeddings": _meta_int(f, f"{key}.original_context_length"),
+    }
+    for name, hf in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow"),
+                     ("attn_factor", "attention_factor")):  # fmt: skip
+        if f"{key}.{name}" in f.metadata:
+            scaling[hf] = _meta_float(f, f"{key}.{name}")
+    ext = f.metadata.get(f"{key}.yarn_ext_factor", 1.0)
+    if ext != 1.0:
+        raise ModelLoadError(f"{f.path}: {key}.yarn_ext_factor={ext!r} is not supported", f.path)
+    if f"{key}.yarn_log_multiplier" in f.metadata:
+        if arch != "deepseek2":
+            raise ModelLoadError(
+                f"{f.path}: {key}.yarn_log_multiplier is supported in deepseek2 files only",
+                f.path,
+            )
+        mscale = _meta_float(f, f"{key}.yarn_log_multiplier") / 0.1
+        scaling["mscale"] = scaling["mscale_all_dim"] = mscale
+    if arch == "gpt-oss":
+        scaling["truncate"] = False
+    return scaling
+
+
 def _rope_scaling(
     f: GGUFFile, arch: str, head_dim: int, theta: float, rope_dim: int
 ) -> dict[str, Any] | None:
@@ -583,8 +756,10 @@ def _rope_scaling(
     if kind == "linear":
         factor = _meta_float(f, f"{arch}.rope.scaling.factor")
         return None if factor == 1 else {"rope_type": "linear", "factor": factor}
+    if kind == "yarn":
+        return _yarn_scaling(f, arch)
     raise ModelLoadError(
-        f"{f.path}: unsupported rope scaling type {kind!r} (supported: none, linear, llama3)",
+        f"{f.path}: unsupported rope scaling type {kind!r} (supported: none, linear, llama3, yarn)",
         f.path,
     )
 
@@ -631,6 +806,9 @@ def _attention_heads(f: GGUFFile, arch: str, hidden: int) -> tuple[int, int, int
     kv_heads = _meta_int(f, f"{arch}.attention.head_count_kv", heads)
     if heads == 0 or kv_heads == 0:
         raise ModelLoadError(f"{path}: attention head counts must be positive", path)
+    if arch == "deepseek2":  # key/value lengths are the latent's (_gguf_mla); keys per head
+        rope_dim = _meta_int(f, f"{arch}.rope.dimension_count")
+        return heads, heads, rope_dim, rope_dim
     head_dim = _meta_int(f, f"{arch}.attention.key_length", hidden // heads)
     value_dim = _meta_int(f, f"{arch}.attention.value_length", head_dim)
     rope_dim = _meta_int(f, f"{arch}.rope.dimension_count", head_dim)
@@ -704,7 +882,8 @@ def gguf_config(f: GGUFFile) -> ModelConfig:
     eos = _eos_ids(f, vocab)
     bos = f.metadata.get("tokenizer.ggml.bos_token_id")
     gemma3 = _gguf_gemma3(f, arch, n_layers, hidden // heads, head_dim)
-    window = gemma3.pop("sliding_window", None) or _window(f, arch)  # (gemma3's, or phi3's)
+    gemma3 |= _gguf_mla(f, arch) | _gguf_gpt_oss(f, arch, n_layers)
+    window = gemma3.pop("sliding_window", None) or _window(f, arch)  # (gemma3's, gpt-oss's...)
     try:
         return ModelConfig(
             architecture=arch_name,
@@ -781,6 +960,55 @@ def _gguf_gemma3(
     return fields
 
 
+def _gguf_mla(f: GGUFFile, arch: str) -> dict[str, Any]:
+    """A deepseek2 file's latent attention fields (``{}`` for others). Its ``key_length`` and
+    ``value_length`` are the latent's (llama.cpp runs it as multi-query attention over
+    ``kv_lora_rank + rope`` values); the heads' own are ``key_length_mla`` and
+    ``value_length_mla`` (older files: ``key_length`` and ``value_length``). Its RoPE rows stay
+    in the checkpoint's interleaved pairs (llama.cpp rotates adjacent pairs)."""
+    if arch != "deepseek2":
+        return {}
+    rope = _meta_int(f, f"{arch}.rope.dimension_count")
+    key = f"{arch}.attention"
+    mla = f"{key}.key_length_mla" in f.metadata
+    qk = _meta_int(f, f"{key}.key_length_mla" if mla else f"{key}.key_length")
+    v = _meta_int(f, f"{key}.value_length_mla" if mla else f"{key}.value_length")
+    if qk <= rope or not v:
+        raise ModelLoadError(
+            f"{f.path}: deepseek2 heads of {qk} key values (of which {rope} rotated) and {v} "
+            "value values: unsupported",
+            f.path,
+        )
+    q_lora = f.metadata.get(f"{key}.q_lora_rank")
+    return dict(
+        kv_lora_rank=_meta_int(f, f"{key}.kv_lora_rank"),
+        q_lora_rank=None if not q_lora else _meta_int(f, f"{key}.q_lora_rank"),
+        qk_nope_head_dim=qk - rope,
+        qk_rope_head_dim=rope,
+        v_head_dim=v,
+        rope_interleave=True,
+    )
+
+
+def _gguf_gpt_oss(f: GGUFFile, arch: str, n_layers: int) -> dict[str, Any]:
+    """A gpt-oss file's fields (``{}`` for others): even layers slide over
+    ``attention.sliding_window`` (llama.cpp's pattern), the clamped SwiGLU's constants are
+    llama.cpp's (transformers' defaults: the file has no key for them), and its experts are
+    kept packed when they are MXFP4 (all of them, or none)."""
+    if arch != "gpt-oss":
+        return {}
+    fields: dict[str, Any] = {}
+    window = _meta_int(f, f"{arch}.attention.sliding_window", 0)
+    if window:
+        fields["sliding_window"] = window
+        fields["layer_types"] = tuple(
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers)
+        )
+    experts = [t for t in f.tensors.values() if _STACKED.match(t.name.split(".", 2)[-1])]
+    fields["mxfp4_experts"] = any(t.type == _QT.MXFP4 for t in experts)
+    return fields
+
+
 def _gguf_moe(f: GGUFFile, arch: str, n_layers: int) -> dict[str, Any]:
     """The ``ModelConfig`` mixture-of-experts fields of a GGUF file (``{}`` for a dense one).
 
@@ -792,26 +1020,7 @@ def _gguf_moe(f: GGUFFile, arch: str, n_layers: int) -> dict[str, Any]:
     experts = _meta_int(f, f"{arch}.expert_count", 0)
     if not experts:
         return {}
-    gating = f.metadata.get(f"{arch}.expert_gating_func", _GATING_SOFTMAX)
-    if gating != _GATING_SOFTMAX:
-        raise ModelLoadError(
-            f"{path}: unsupported mixture-of-experts routing {arch}.expert_gating_func="
-            f"{gating!r} (foudre routes by softmax then top-k, value {_GATING_SOFTMAX})",
-            path,
-        )
-    scale = f.metadata.get(f"{arch}.expert_weights_scale", 0.0)
-    if scale not in (0, 0.0, 1, 1.0):
-        raise ModelLoadError(
-            f"{path}: unsupported mixture-of-experts routing {arch}.expert_weights_scale="
-            f"{scale!r} (only unscaled weights)",
-            path,
-        )
-    for key, most in (("leading_dense_block_count", 0), ("expert_group_count", 1)):
-        value = f.metadata.get(f"{arch}.{key}", 0)
-        if value > most:
-            raise ModelLoadError(
-                f"{path}: unsupported mixture-of-experts layout {arch}.{key}={value!r}", path
-            )
+    routing = _gguf_routing(f, arch)
     norm = f.metadata.get(f"{arch}.expert_weights_norm", _NORM_TOPK[arch])
     sparse = [i for i in range(n_layers) if f"blk.{i}.ffn_gate_inp.weight" in f.tensors]
     if not sparse:
@@ -845,7 +1054,54 @@ def _gguf_moe(f: GGUFFile, arch: str, n_layers: int) -> dict[str, Any]:
         shared_expert_intermediate_size=shared if shared_gate is not None else 0,
         shared_expert_gate=f"blk.{first}.ffn_gate_inp_shexp.weight" in f.tensors,
         mlp_only_layers=tuple(i for i in range(n_layers) if i not in sparse),
+        **routing,
     )
+
+
+def _gguf_routing(f: GGUFFile, arch: str) -> dict[str, Any]:
+    """The routing fields of a mixture of experts: softmax then top-k, unscaled, one group;
+    deepseek2's sigmoid scores (also where a file leaves ``expert_gating_func`` out but has
+    the selection bias ``exp_probs_b``, as a converter reading a config without
+    ``scoring_func`` writes it), group-limited top-k and weight scale. Others are refused,
+    naming the key."""
+    path, meta = f.path, f.metadata
+    if arch != "deepseek2":
+        fields: dict[str, Any] = {}
+        default = _GATING_SOFTMAX
+    else:
+        groups = _meta_int(f, f"{arch}.expert_group_count", 1)
+        fields = dict(
+            moe_scoring_func="sigmoid",
+            n_group=groups,
+            topk_group=_meta_int(f, f"{arch}.expert_group_used_count", groups),
+            routed_scaling_factor=_meta_float(f, f"{arch}.expert_weights_scale", 1.0),
+        )
+        bias = any(name.endswith(".exp_probs_b.bias") for name in f.tensors)
+        default = _GATING_SIGMOID if bias else _GATING_SOFTMAX
+    gating = meta.get(f"{arch}.expert_gating_func", default)
+    if gating != (_GATING_SIGMOID if arch == "deepseek2" else _GATING_SOFTMAX):
+        raise ModelLoadError(
+            f"{path}: unsupported mixture-of-experts routing {arch}.expert_gating_func="
+            f"{gating!r} (foudre routes {arch} files by "
+            f"{'sigmoid, value 2' if arch == 'deepseek2' else 'softmax then top-k, value 1'})",
+            path,
+        )
+    if arch == "deepseek2":
+        return fields
+    scale = meta.get(f"{arch}.expert_weights_scale", 0.0)
+    if scale not in (0, 0.0, 1, 1.0):
+        raise ModelLoadError(
+            f"{path}: unsupported mixture-of-experts routing {arch}.expert_weights_scale="
+            f"{scale!r} (only unscaled weights)",
+            path,
+        )
+    for key, most in (("leading_dense_block_count", 0), ("expert_group_count", 1)):
+        value = meta.get(f"{arch}.{key}", 0)
+        if value > most:
+            raise ModelLoadError(
+                f"{path}: unsupported mixture-of-experts layout {arch}.{key}={value!r}", path
+            )
+    return fields
 
 
 def load_gguf(path: str | Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
@@ -963,11 +1219,12 @@ def _byte_level_bpe(
     tok = RustTokenizer(models.BPE(vocab, pairs, ignore_merges=ignore_merges))
     if nfc:
         tok.normalizer = normalizers.NFC()
+    splits = [
+        pre_tokenizers.Split(Regex(r), behavior="isolated")
+        for r in ((regex,) if isinstance(regex, str) else regex)
+    ]
     tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(regex), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
+        [*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
     )
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(
@@ -987,7 +1244,8 @@ def load_gguf_tokenizer(path: str | Path) -> Tokenizer:
     ``llama`` (sentencepiece) vocabularies become a ``SentencePieceTokenizer`` over a model
     built from the pieces, scores and types; ``gpt2`` (byte-level BPE) ones an
     ``HFTokenizer`` over the vocabulary and merges, with the pre-tokenizer named by
-    ``tokenizer.ggml.pre`` (``llama-bpe``, ``qwen2``, ``gpt-2``); an embedded
+    ``tokenizer.ggml.pre`` (``llama-bpe``, ``qwen2``, ``gpt-2``, ``gpt-4o``, ``deepseek-v3``); an
+    embedded
     ``tokenizer.huggingface.json`` is used as is. BOS / EOS ids, ``add_bos_token`` and the
     chat template come from the metadata. Anything else raises ``ModelLoadError``.
     """

@@ -35,8 +35,12 @@ weights (the file 18), a Q8_0 one 34 (34), Q5_0 34 (22), Q5_1 / Q5_K 40 (24 / 22
 
 Decoding is vectorised numpy over the file's memory map, one tensor at a time. Dequantized at
 load as before: other types (Q2_K, Q3_K, the IQ types...) and the parts fused with one of them,
-the embedding table (looked up, not multiplied), routers, and experts stored one tensor per
-expert (older files). One log line names them with the reason. ``FOUDRE_GGUF_DEQUANTIZE=1`` (or
+the embedding table (looked up, not multiplied), routers, experts stored one tensor per
+expert (older files), gpt-oss's experts unless MXFP4 (kept packed by ``MXFP4Experts``, their
+biases and clamped SwiGLU being beyond ``QuantExperts``), and DeepSeek's ``kv_b_proj`` (split
+in two by the converter; the model multiplies by its halves). Rows are read in the order the
+model loads them (llama's q/k un-permuted, DeepSeek's rotated rows de-interleaved). One log line
+names them with the reason. ``FOUDRE_GGUF_DEQUANTIZE=1`` (or
 ``load_model(gguf_dequantize=True)``) dequantizes everything, as before.
 """
 
@@ -102,6 +106,8 @@ _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_pro
 _ROUTERS = ("mlp.gate", "mlp.shared_expert_gate")
 _STACKED_EXPERTS = re.compile(r"^(.*\.experts)\.\{\}\.(gate_proj|up_proj|down_proj)\.weight$")
 ENV = "FOUDRE_GGUF_DEQUANTIZE"
+# gpt-oss's experts have biases and a clamped SwiGLU, which QuantExperts does not run
+_GPT_OSS_EXPERTS = "gpt-oss experts (kept packed as MXFP4 only)"
 
 
 def module_layout(tensors: list[GGUFTensor], six_bit: bool = False) -> Layout:
@@ -368,7 +374,10 @@ def _sort_tensors(
             continue
         module, part, leaf = _module_of(hf)
         stacked = _STACKED_EXPERTS.match(hf)
-        if stacked is not None:
+        if arch == "gpt-oss" and ".experts." in hf:
+            if tensor.type != _QT.MXFP4:  # (MXFP4 ones are kept packed: MXFP4Experts)
+                _dequantize(plan, _GPT_OSS_EXPERTS, tensor)
+        elif stacked is not None:
             experts.setdefault(stacked.group(1), {})[stacked.group(2)] = tensor
         elif ".experts." in hf:
             _dequantize(plan, "one tensor per expert (older files)", tensor)
@@ -540,14 +549,28 @@ def swap_in_quantized(model: nn.Module, plan: GGUFQuantPlan) -> None:
         _set_module(model, ke.module, QuantExperts(gate_up, down))
 
 
-def _rope_heads(config: ModelConfig, hf: str) -> int | None:
-    """The head count to un-permute ``hf``'s rows by (llama.cpp's q/k order), as
-    ``iter_gguf_weights`` does; None for other tensors."""
-    if config.architecture not in ("llama", "mixtral"):
+def _row_order(config: ModelConfig, hf: str, rows: int) -> torch.Tensor | None:
+    """The order to read the rows of ``hf`` in, as the model loads its float weights: q/k of
+    llama files un-permuted (``iter_gguf_weights``), DeepSeek's rotated rows from interleaved
+    pairs to evens then odds (``DeepseekV3ForCausalLM``, ``rope_interleave``); None for other
+    tensors."""
+    order = torch.arange(rows)
+    if config.architecture in ("llama", "mixtral"):
+        if ".q_proj." in hf:
+            return _unpermute_rope(order, config.num_attention_heads)
+        return _unpermute_rope(order, config.num_key_value_heads) if ".k_proj." in hf else None
+    if config.architecture != "deepseek_v3" or not config.rope_interleave:
         return None
-    if ".q_proj." in hf:
-        return config.num_attention_heads
-    return config.num_key_value_heads if ".k_proj." in hf else None
+    rope, nope = config.qk_rope_head_dim, config.qk_nope_head_dim
+    pairs = torch.cat([torch.arange(0, rope, 2), torch.arange(1, rope, 2)])
+    if ".kv_a_proj_with_mqa." in hf:  # the latent's rows, then the shared rotated key's
+        order[-rope:] = order[-rope:][pairs]
+    elif ".q_b_proj." in hf:  # per head: nope rows, then rope rows
+        heads = order.view(-1, nope + rope)
+        heads[:, nope:] = heads[:, nope:][:, pairs]
+    else:
+        return None
+    return order
 
 
 def _fill(mod: nn.Module, rows: slice, c: Codes) -> None:
@@ -584,14 +607,13 @@ def _load_kept(f: GGUFFile, config: ModelConfig, mod: QuantLinear, kept: KeptLin
     of llama files whole: their rows are un-permuted), each tensor's pages then released."""
     start = 0
     for hf, tensor in kept.weights:
-        heads = _rope_heads(config, hf)
-        for rows in _row_chunks(tensor, whole=heads is not None):
+        order = _row_order(config, hf, tensor.shape[0])
+        for rows in _row_chunks(tensor, whole=order is not None):
             c = decode_codes(f, tensor, kept.layout, rows)
-            if heads is not None:
-                zeros = None if c.zeros is None else _unpermute_rope(c.zeros, heads)
-                subs = None if c.subs is None else _unpermute_rope(c.subs, heads)
-                c = Codes(_unpermute_rope(c.codes, heads), _unpermute_rope(c.scales, heads), zeros,
-                          subs)  # fmt: skip
+            if order is not None:
+                zeros = None if c.zeros is None else c.zeros[order]
+                subs = None if c.subs is None else c.subs[order]
+                c = Codes(c.codes[order], c.scales[order], zeros, subs)
             _fill(mod, slice(start + rows.start, start + rows.stop), c)
             del c
         f.release(tensor)
@@ -601,8 +623,8 @@ def _load_kept(f: GGUFFile, config: ModelConfig, mod: QuantLinear, kept: KeptLin
     for hf, tensor in kept.biases:
         assert mod.bias is not None
         b = dequantize_tensor(f, tensor)
-        heads = _rope_heads(config, hf)
-        b = b if heads is None else _unpermute_rope(b, heads)
+        order = _row_order(config, hf, b.shape[0])
+        b = b if order is None else b[order]
         mod.bias[start : start + b.shape[0]].copy_(b)
         start += b.shape[0]
 
