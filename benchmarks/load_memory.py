@@ -197,14 +197,27 @@ def file_bytes(path: Path) -> int:
 
 
 def storage_bytes(model: Any) -> int:
-    """The bytes of every storage the model's parameters and buffers hold, each once."""
+    """The bytes the model's parameters and buffers span, each byte once: the union of their
+    extents (a storage's bytes that no tensor of the model covers, such as the room of a tied
+    head or of tables replaced in a map of weights placed at load, are not counted)."""
     import itertools
 
-    seen: dict[int, int] = {}
-    for t in itertools.chain(model.parameters(), model.buffers()):
-        s = t.untyped_storage()
-        seen[s.data_ptr()] = s.nbytes()
-    return sum(seen.values())
+    spans = sorted(
+        (t.data_ptr(), t.data_ptr() + _extent(t))
+        for t in itertools.chain(model.parameters(), model.buffers())
+        if t.numel()
+    )
+    total, end = 0, 0
+    for first, last in spans:
+        if last > end:
+            total += last - max(first, end)
+            end = last
+    return total
+
+
+def _extent(t: Any) -> int:
+    """The bytes from ``t``'s first element to just past its last (strides included)."""
+    return (1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))) * t.element_size()
 
 
 def _rss() -> int:
@@ -258,6 +271,14 @@ def measure(path: Path, warm: Path | None = None) -> dict[str, Any]:
     }
 
 
+def _env() -> dict[str, str]:
+    """This environment with this repository's root first on ``PYTHONPATH``: the child imports
+    the ``foudre`` beside this script (a worktree's), not the one an editable install names."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE.parent), env.get("PYTHONPATH")) if p)
+    return env
+
+
 def run_child(path: Path, warm: Path | None = None) -> dict[str, Any]:
     """``measure(path, warm)`` in a fresh process (from the repository's root)."""
     extra = [] if warm is None else ["--warm", str(warm)]
@@ -266,6 +287,7 @@ def run_child(path: Path, warm: Path | None = None) -> dict[str, Any]:
         capture_output=True,
         text=True,
         cwd=HERE.parent,
+        env=_env(),
     )
     if proc.returncode:
         raise RuntimeError(f"loading {path} failed:\n{proc.stderr[-3000:]}")
@@ -300,6 +322,9 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="write the figures here too")
     args = ap.parse_args()
     if args.child is not None:
+        import foudre
+
+        assert Path(foudre.__file__).resolve().parents[1] == HERE.parent, foudre.__file__
         print(json.dumps(measure(args.child, args.warm)), flush=True)
         return
     formats = tuple(args.formats.split(","))
