@@ -56,8 +56,9 @@ from foudre.models.llama import LlamaForCausalLM
 from foudre.models.registry import build_model
 from foudre.native import huge_pages
 from foudre.quant import quantize_model
+from foudre.quant.experts import QuantExperts
 from foudre.quant.mxfp4 import MXFP4Experts
-from foudre.quant.qlinear import prepare_for_cpu, uses_native_kernels
+from foudre.quant.qlinear import QuantLinear, prepare_for_cpu, uses_native_kernels
 
 _DTYPES = {
     "float32": torch.float32,
@@ -184,11 +185,7 @@ def load_model(
             swap_in_quantized(net, plan)
         weights = iter_gguf_weights(gguf, cfg, skip=plan.consumed, dtype=torch_dtype)
     checkpoint = not path.is_file() and is_quantized_checkpoint(path)
-    # float weights straight into the 2 MiB pages they run from (nothing to repack or replace)
-    kept = checkpoint or quantization is not None or bool(plan.kept or plan.experts)
-    in_place = device.type == "cpu" and not kept and huge_pages.allocate(net)
-    if not in_place:
-        net = net.to_empty(device=device)
+    in_place = _allocate(net, device, quantization is None and not checkpoint)
     init_rotary_tables(net, device)  # the tables built under "meta" hold no values
     net.reset_moe_stats()  # nor do the routers' counters
     if cfg.tie_word_embeddings:
@@ -206,6 +203,19 @@ def load_model(
         huge_pages.seal(net)
     net.eval()
     return LoadedModel(net, cfg, tok, gen, model)
+
+
+def _allocate(net: nn.Module, device: torch.device, in_place: bool) -> bool:
+    """Memory for ``net`` (built on ``meta``). On the CPU, where ``in_place``, its weights go
+    straight into the 2 MiB pages they run from (``huge_pages.allocate``); not those replaced
+    once loaded (a GGUF file's kept quantized linears: their layouts are built of them). Not
+    ``in_place``: quantized at load, or a quantized checkpoint (whose linears are replaced
+    unloaded, but each huge page a norm between them touches would be resident whole).
+    Returns whether the weights went into huge pages so."""
+    if device.type == "cpu" and in_place and huge_pages.allocate(net, (QuantLinear, QuantExperts)):
+        return True
+    net.to_empty(device=device)
+    return False
 
 
 def _fill(

@@ -167,16 +167,22 @@ def place_in_huge_pages(module: torch.nn.Module) -> int:
     return total
 
 
-def allocate(module: torch.nn.Module) -> bool:
+def allocate(module: torch.nn.Module, skip: tuple[type, ...] = ()) -> bool:
     """``module.to_empty(device="cpu")`` for a ``module`` built on ``meta``, every parameter and
     buffer a view of one map of ``empty`` (2 MiB pages, nothing touched yet): its weights are
     then loaded straight into the pages they run from, and ``place_in_huge_pages`` leaves them
     there (``seal``) instead of copying each into a new map. What is never written (a tied
-    head's own tensor, tables replaced later) is never resident. Returns False, allocating
-    nothing, where not ``enabled`` or the map is refused (call ``to_empty`` then)."""
+    head's own tensor, tables replaced later, a linear replaced by a quantized one before it is
+    loaded) is never resident. Submodules of the types in ``skip`` (whose tensors are replaced
+    once loaded: a layout built of them) get memory of their own (``to_empty``). Returns False,
+    allocating nothing, where not ``enabled`` or the map is refused (call ``to_empty``
+    then)."""
+    skipped = [m for m in module.modules() if isinstance(m, skip)]
+    inside = {id(d) for m in skipped for d in m.modules()}
     tensors = [
         (m, name, t, is_param)
         for m in module.modules()
+        if id(m) not in inside
         for is_param, table in ((True, m._parameters), (False, m._buffers))
         for name, t in table.items()
         if t is not None
@@ -193,6 +199,10 @@ def allocate(module: torch.nn.Module) -> bool:
     arena = _mapped(total)
     if arena is None:
         return False
+    outer = {id(d) for m in skipped for d in m.modules() if d is not m}
+    for m in skipped:
+        if id(m) not in outer:
+            m.to_empty(device="cpu")
     target, base = arena.untyped_storage(), arena.storage_offset()
     _allocated.add(target.data_ptr())
     made: dict[int, torch.Tensor] = {}

@@ -188,7 +188,7 @@ def layout(
 
 
 X16_CODES = 512  # a block's code bytes per group of 32 columns (16 rows x 32)
-INTERLEAVE_BYTES = 4 << 20  # bytes of codes ``interleave`` repacks at a time
+INTERLEAVE_BYTES = 1 << 20  # bytes of codes ``interleave`` repacks at a time (its temporaries: ~5x)
 
 
 BLOCKS = ("int8x16", "int4x16")  # the layouts in blocks of 16 rows (interleave)

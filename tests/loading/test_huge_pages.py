@@ -257,3 +257,25 @@ def test_float_weights_load_straight_into_huge_pages(tmp_path: Path) -> None:
     ids = torch.tensor([[1, 7, 42, 300, 5, 9]])
     with torch.inference_mode():
         assert torch.equal(causal_logits(model, ids), causal_logits(plain, ids))
+
+
+@needs_thp
+def test_gguf_float_tensors_load_into_huge_pages_kept_linears_apart(tmp_path: Path) -> None:
+    """A GGUF file's float tensors (the embedding, the norms) load straight into one advised
+    map; its kept quantized linears get memory of their own (their layouts, built of them,
+    replace them), which ``place_in_huge_pages`` then moves into another."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import load_memory
+
+    path = load_memory.build_models(tmp_path, "tiny", ("Q8_0",))["Q8_0"]
+    model = load_model(str(path), None, "bfloat16", torch.device("cpu"), None).model
+    floats = [model.model.embed_tokens.weight, model.model.norm.weight]
+    assert _in_advised_map(floats)
+    linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert linears and not any(_in_advised_map([floats[0], m.qweight]) for m in linears)
+    addresses = [t.data_ptr() for t in floats]
+    assert huge_pages.place_in_huge_pages(model) > 0
+    assert [t.data_ptr() for t in floats] == addresses
+    assert _in_advised_map([m.qweight for m in linears if m.qweight.numel()])
