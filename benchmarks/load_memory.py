@@ -17,7 +17,9 @@ format loads in a fresh process (``--child``), which prints one JSON line:
 - ``ratio``: ``peak_growth / weights_bytes``; the target (issue 51) is
   ``peak_growth <= 1.1 weights_bytes + 64 MB``;
 - ``load_s`` and ``ttft_s``: seconds from ``LLM(...)`` to its return, and to the first token of
-  a 16-token prompt.
+  a 16-token prompt; ``cpu_s``: the CPU seconds (user and system, every thread) the process
+  spent over the same span, which other processes on a shared host disturb less than the wall
+  time.
 
 ``--llama-cpp PATH`` (a ``llama-cli`` or ``llama-bench`` binary) also runs llama.cpp on each
 GGUF file: ``llama-bench -p 16 -n 1`` timed from its start to its exit (load and first token,
@@ -251,6 +253,7 @@ def measure(path: Path, warm: Path | None = None) -> dict[str, Any]:
     gc.collect()
     base = _rss()
     reset_peak_rss()
+    c0 = time.process_time()
     t0 = time.perf_counter()
     llm = LLM(
         str(path), dtype="bfloat16", skip_tokenizer_init=True, num_kv_blocks=8, max_model_len=128
@@ -258,6 +261,7 @@ def measure(path: Path, warm: Path | None = None) -> dict[str, Any]:
     load_s = time.perf_counter() - t0
     llm.generate([list(range(1, 17))], params)
     ttft_s = time.perf_counter() - t0
+    cpu_s = time.process_time() - c0
     growth = peak_rss_bytes() - base
     weights = storage_bytes(llm.engine.runner.model)
     return {
@@ -268,6 +272,7 @@ def measure(path: Path, warm: Path | None = None) -> dict[str, Any]:
         "bound": 1.1 * weights + 64 * MB,
         "load_s": load_s,
         "ttft_s": ttft_s,
+        "cpu_s": cpu_s,
     }
 
 

@@ -608,7 +608,7 @@ def prepare_for_cpu(model: nn.Module) -> None:
 
 # bytes of rows replaced by layouts between asking the allocator to return them: a load's peak
 # holds at most this much of them, while the memory freed in between is reused without faults
-_TRIM_BYTES = 8 << 20
+_TRIM_BYTES = 32 << 20
 
 
 def _release_freed() -> None:
