@@ -102,7 +102,7 @@ _GGUF_NAMES = {
 
 def write_gguf(src: Path, out: Path, qtype: str) -> Path:
     """The Llama in ``src`` (safetensors) as a GGUF file of ``qtype`` (``Q8_0``, ``Q4_0``):
-    every 2-D tensor quantized, norms float32; no tokenizer."""
+    every 2-D tensor quantized, norms float32; a filler vocabulary (``_add_tokenizer``)."""
     import gguf
     import numpy as np
     from safetensors import safe_open
@@ -120,6 +120,7 @@ def write_gguf(src: Path, out: Path, qtype: str) -> Path:
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_vocab_size(cfg["vocab_size"])
     w.add_rope_dimension_count(cfg["hidden_size"] // heads)
+    _add_tokenizer(w, cfg["vocab_size"])
     qt = gguf.GGMLQuantizationType[qtype]
     with safe_open(str(src / "model.safetensors"), framework="pt") as f:
         for name in f.keys():  # noqa: SIM118  (safe_open is not iterable)
@@ -146,6 +147,24 @@ def write_gguf(src: Path, out: Path, qtype: str) -> Path:
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+def _add_tokenizer(w: Any, vocab: int) -> None:
+    """A sentencepiece-style vocabulary of ``vocab`` tokens (``<unk>``, ``<s>``, ``</s>``, the
+    256 byte tokens, then fillers): what llama.cpp needs to load the file at all."""
+    import gguf
+
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    tokens += [f"\u2581t{i}" for i in range(vocab - len(tokens))]
+    kinds = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
+    kinds += [gguf.TokenType.BYTE] * 256 + [gguf.TokenType.NORMAL] * (vocab - 259)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens[:vocab])
+    w.add_token_scores([0.0] * vocab)
+    w.add_token_types(kinds[:vocab])
+    w.add_unk_token_id(0)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
 
 
 def build_models(root: Path, size: str, formats: tuple[str, ...] = FORMATS) -> dict[str, Path]:
