@@ -318,11 +318,14 @@ def run_child(path: Path, warm: Path | None = None) -> dict[str, Any]:
     return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
 
 
-def llama_cpp(binary: Path, gguf: Path) -> dict[str, Any]:
+def llama_cpp(binary: Path, gguf: Path, repack: bool = True) -> dict[str, Any]:
     """llama.cpp's wall time from start to exit on ``gguf`` for one 16-token prompt and one
-    token (``llama-bench -p 16 -n 1 -r 1`` or ``llama-cli -n 1``), and its peak RSS."""
+    token (``llama-bench -p 16 -n 1 -r 1`` or ``llama-cli -n 1``), and its peak RSS.
+    ``repack=False``: ``llama-bench --repack 0`` (weights used as the file lays them out; its
+    AMX repacked path stops with SIGILL where the system grants no AMX tile state)."""
     if "bench" in binary.name:
         cmd = [str(binary), "-m", str(gguf), "-p", "16", "-n", "1", "-r", "1"]
+        cmd += [] if repack else ["--repack", "0"]
     else:
         cmd = [str(binary), "-m", str(gguf), "-p", "hello", "-n", "1", "-no-cnv"]
     t0 = time.perf_counter()
@@ -342,6 +345,9 @@ def main() -> None:
     ap.add_argument("--formats", default=",".join(FORMATS))
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--llama-cpp", type=Path, help="a llama-cli or llama-bench binary")
+    ap.add_argument(
+        "--llama-cpp-no-repack", action="store_true", help="llama-bench --repack 0 (no AMX here)"
+    )
     ap.add_argument("--root", type=Path, default=Path.home() / ".cache" / "foudre-bench" / "load")
     ap.add_argument("--json", type=Path, help="write the figures here too")
     args = ap.parse_args()
@@ -360,7 +366,7 @@ def main() -> None:
             results.setdefault(fmt, []).append(run_child(paths[fmt], warm[fmt]))
             if args.llama_cpp is not None and fmt.startswith("Q"):
                 results.setdefault(f"llama.cpp {fmt}", []).append(
-                    llama_cpp(args.llama_cpp, paths[fmt])
+                    llama_cpp(args.llama_cpp, paths[fmt], not args.llama_cpp_no_repack)
                 )
     print(f"{'format':<14}{'file MB':>9}{'weights MB':>12}{'peak MB':>9}{'ratio':>7}{'bound':>7}"
           f"{'load s':>8}{'TTFT s':>8}")  # fmt: skip
