@@ -17,7 +17,9 @@ format loads in a fresh process (``--child``), which prints one JSON line:
 - ``ratio``: ``peak_growth / weights_bytes``; the target (issue 51) is
   ``peak_growth <= 1.1 weights_bytes + 64 MB``;
 - ``load_s`` and ``ttft_s``: seconds from ``LLM(...)`` to its return, and to the first token of
-  a 16-token prompt.
+  a 16-token prompt; ``cpu_s``: the CPU seconds (user and system, every thread) the process
+  spent over the same span, which other processes on a shared host disturb less than the wall
+  time.
 
 ``--llama-cpp PATH`` (a ``llama-cli`` or ``llama-bench`` binary) also runs llama.cpp on each
 GGUF file: ``llama-bench -p 16 -n 1`` timed from its start to its exit (load and first token,
@@ -100,7 +102,7 @@ _GGUF_NAMES = {
 
 def write_gguf(src: Path, out: Path, qtype: str) -> Path:
     """The Llama in ``src`` (safetensors) as a GGUF file of ``qtype`` (``Q8_0``, ``Q4_0``):
-    every 2-D tensor quantized, norms float32; no tokenizer."""
+    every 2-D tensor quantized, norms float32; a filler vocabulary (``_add_tokenizer``)."""
     import gguf
     import numpy as np
     from safetensors import safe_open
@@ -118,6 +120,7 @@ def write_gguf(src: Path, out: Path, qtype: str) -> Path:
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_vocab_size(cfg["vocab_size"])
     w.add_rope_dimension_count(cfg["hidden_size"] // heads)
+    _add_tokenizer(w, cfg["vocab_size"])
     qt = gguf.GGMLQuantizationType[qtype]
     with safe_open(str(src / "model.safetensors"), framework="pt") as f:
         for name in f.keys():  # noqa: SIM118  (safe_open is not iterable)
@@ -144,6 +147,24 @@ def write_gguf(src: Path, out: Path, qtype: str) -> Path:
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+def _add_tokenizer(w: Any, vocab: int) -> None:
+    """A sentencepiece-style vocabulary of ``vocab`` tokens (``<unk>``, ``<s>``, ``</s>``, the
+    256 byte tokens, then fillers): what llama.cpp needs to load the file at all."""
+    import gguf
+
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    tokens += [f"\u2581t{i}" for i in range(vocab - len(tokens))]
+    kinds = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
+    kinds += [gguf.TokenType.BYTE] * 256 + [gguf.TokenType.NORMAL] * (vocab - 259)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens[:vocab])
+    w.add_token_scores([0.0] * vocab)
+    w.add_token_types(kinds[:vocab])
+    w.add_unk_token_id(0)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
 
 
 def build_models(root: Path, size: str, formats: tuple[str, ...] = FORMATS) -> dict[str, Path]:
@@ -197,14 +218,27 @@ def file_bytes(path: Path) -> int:
 
 
 def storage_bytes(model: Any) -> int:
-    """The bytes of every storage the model's parameters and buffers hold, each once."""
+    """The bytes the model's parameters and buffers span, each byte once: the union of their
+    extents (a storage's bytes that no tensor of the model covers, such as the room of a tied
+    head or of tables replaced in a map of weights placed at load, are not counted)."""
     import itertools
 
-    seen: dict[int, int] = {}
-    for t in itertools.chain(model.parameters(), model.buffers()):
-        s = t.untyped_storage()
-        seen[s.data_ptr()] = s.nbytes()
-    return sum(seen.values())
+    spans = sorted(
+        (t.data_ptr(), t.data_ptr() + _extent(t))
+        for t in itertools.chain(model.parameters(), model.buffers())
+        if t.numel()
+    )
+    total, end = 0, 0
+    for first, last in spans:
+        if last > end:
+            total += last - max(first, end)
+            end = last
+    return total
+
+
+def _extent(t: Any) -> int:
+    """The bytes from ``t``'s first element to just past its last (strides included)."""
+    return (1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))) * t.element_size()
 
 
 def _rss() -> int:
@@ -238,6 +272,7 @@ def measure(path: Path, warm: Path | None = None) -> dict[str, Any]:
     gc.collect()
     base = _rss()
     reset_peak_rss()
+    c0 = time.process_time()
     t0 = time.perf_counter()
     llm = LLM(
         str(path), dtype="bfloat16", skip_tokenizer_init=True, num_kv_blocks=8, max_model_len=128
@@ -245,6 +280,7 @@ def measure(path: Path, warm: Path | None = None) -> dict[str, Any]:
     load_s = time.perf_counter() - t0
     llm.generate([list(range(1, 17))], params)
     ttft_s = time.perf_counter() - t0
+    cpu_s = time.process_time() - c0
     growth = peak_rss_bytes() - base
     weights = storage_bytes(llm.engine.runner.model)
     return {
@@ -255,7 +291,16 @@ def measure(path: Path, warm: Path | None = None) -> dict[str, Any]:
         "bound": 1.1 * weights + 64 * MB,
         "load_s": load_s,
         "ttft_s": ttft_s,
+        "cpu_s": cpu_s,
     }
+
+
+def _env() -> dict[str, str]:
+    """This environment with this repository's root first on ``PYTHONPATH``: the child imports
+    the ``foudre`` beside this script (a worktree's), not the one an editable install names."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE.parent), env.get("PYTHONPATH")) if p)
+    return env
 
 
 def run_child(path: Path, warm: Path | None = None) -> dict[str, Any]:
@@ -266,17 +311,21 @@ def run_child(path: Path, warm: Path | None = None) -> dict[str, Any]:
         capture_output=True,
         text=True,
         cwd=HERE.parent,
+        env=_env(),
     )
     if proc.returncode:
         raise RuntimeError(f"loading {path} failed:\n{proc.stderr[-3000:]}")
     return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
 
 
-def llama_cpp(binary: Path, gguf: Path) -> dict[str, Any]:
+def llama_cpp(binary: Path, gguf: Path, repack: bool = True) -> dict[str, Any]:
     """llama.cpp's wall time from start to exit on ``gguf`` for one 16-token prompt and one
-    token (``llama-bench -p 16 -n 1 -r 1`` or ``llama-cli -n 1``), and its peak RSS."""
+    token (``llama-bench -p 16 -n 1 -r 1`` or ``llama-cli -n 1``), and its peak RSS.
+    ``repack=False``: ``llama-bench --repack 0`` (weights used as the file lays them out; its
+    AMX repacked path stops with SIGILL where the system grants no AMX tile state)."""
     if "bench" in binary.name:
         cmd = [str(binary), "-m", str(gguf), "-p", "16", "-n", "1", "-r", "1"]
+        cmd += [] if repack else ["--repack", "0"]
     else:
         cmd = [str(binary), "-m", str(gguf), "-p", "hello", "-n", "1", "-no-cnv"]
     t0 = time.perf_counter()
@@ -296,10 +345,16 @@ def main() -> None:
     ap.add_argument("--formats", default=",".join(FORMATS))
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--llama-cpp", type=Path, help="a llama-cli or llama-bench binary")
+    ap.add_argument(
+        "--llama-cpp-no-repack", action="store_true", help="llama-bench --repack 0 (no AMX here)"
+    )
     ap.add_argument("--root", type=Path, default=Path.home() / ".cache" / "foudre-bench" / "load")
     ap.add_argument("--json", type=Path, help="write the figures here too")
     args = ap.parse_args()
     if args.child is not None:
+        import foudre
+
+        assert Path(foudre.__file__).resolve().parents[1] == HERE.parent, foudre.__file__
         print(json.dumps(measure(args.child, args.warm)), flush=True)
         return
     formats = tuple(args.formats.split(","))
@@ -311,7 +366,7 @@ def main() -> None:
             results.setdefault(fmt, []).append(run_child(paths[fmt], warm[fmt]))
             if args.llama_cpp is not None and fmt.startswith("Q"):
                 results.setdefault(f"llama.cpp {fmt}", []).append(
-                    llama_cpp(args.llama_cpp, paths[fmt])
+                    llama_cpp(args.llama_cpp, paths[fmt], not args.llama_cpp_no_repack)
                 )
     print(f"{'format':<14}{'file MB':>9}{'weights MB':>12}{'peak MB':>9}{'ratio':>7}{'bound':>7}"
           f"{'load s':>8}{'TTFT s':>8}")  # fmt: skip

@@ -6,8 +6,11 @@ when loaded, so they are refused with a message that says how to convert them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import math
+import mmap
 import re
 import struct
 from collections.abc import Callable, Iterator
@@ -823,7 +826,9 @@ def _pickle_error(path: Path) -> ModelLoadError:
     )
 
 
-def iter_safetensors_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors_weights(
+    model_dir: Path, mapped: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield every ``(name, tensor)`` of the safetensors checkpoint in ``model_dir``, once each.
 
     ``model_dir`` may also be a single ``.safetensors`` file. Reads, in order of preference, a
@@ -832,8 +837,13 @@ def iter_safetensors_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tenso
     directory. Tensors keep their stored names and dtypes and are read one at a time. Raises
     ``ModelLoadError`` naming the file for a missing shard, a truncated or corrupt file, a
     tensor name found twice, or a directory that holds only pickle checkpoints.
+
+    ``mapped``: each tensor a view of a map of the file (no copy: for a consumer that copies it
+    where it goes, as ``load_weights`` does), its pages dropped from this process once the next
+    is asked for; its values stay readable after (read from the file again), but what is
+    written into it then is lost. Otherwise each tensor is a copy of its own.
     """
-    return iter_safetensors_slices(model_dir, lambda name, shape: (name, None))
+    return iter_safetensors_slices(model_dir, lambda name, shape: (name, None), mapped)
 
 
 # safetensors' dtype names -> torch's, for the tensors read whole with a plain read
@@ -891,23 +901,68 @@ def _read_whole(
     return out
 
 
+def _mapped_whole(
+    region: mmap.mmap | None,
+    spans: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] | None,
+    name: str,
+) -> tuple[torch.Tensor, int, int] | None:
+    """Tensor ``name`` as a view of ``region`` (the file's map), with the span of the file it
+    covers; None where ``spans`` does not place it or its first byte is not aligned to its
+    element size (a view cannot start there)."""
+    span = None if spans is None else spans.get(name)
+    if span is None or region is None:
+        return None
+    dtype, shape, first, end = span
+    size = torch.empty(0, dtype=dtype).element_size()
+    if (
+        end > len(region)
+        or first % size
+        or (end - first) != size * math.prod(shape)
+        or end == first
+    ):
+        return None
+    raw = torch.frombuffer(region, dtype=torch.uint8, count=end - first, offset=first)
+    return raw.view(dtype).view(shape), first, end
+
+
+def _drop_pages(region: mmap.mmap, first: int, end: int) -> None:
+    """Drop the pages of ``region`` over ``[first, end)`` from this process (read again from
+    the file if touched again); nothing where the system has no ``MADV_DONTNEED``."""
+    start = first - first % mmap.PAGESIZE
+    if hasattr(mmap, "MADV_DONTNEED") and end > start:
+        with contextlib.suppress(OSError, ValueError):
+            region.madvise(mmap.MADV_DONTNEED, start, end - start)
+
+
+def _map(path: Path) -> mmap.mmap | None:
+    """A private map of the file at ``path`` (written pages copied, never written back); None
+    where it cannot be mapped (empty, or the system refuses)."""
+    try:
+        with path.open("rb") as fh:
+            return mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
+    except (OSError, ValueError):
+        return None
+
+
 # what to read of one stored tensor, given its name and shape: None to skip it, else the name
 # to yield it under and the index of the part to read (None: all of it)
 SliceSelector = Callable[[str, tuple[int, ...]], tuple[str, tuple[slice, ...] | None] | None]
 
 
 def iter_safetensors_slices(
-    model_dir: Path, select: SliceSelector
+    model_dir: Path, select: SliceSelector, mapped: bool = False
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """``iter_safetensors_weights``, reading of each tensor only what ``select`` asks for
     (``tensor[index]`` straight from the file, so a process that holds a shard of a model never
-    reads the whole of it), under the name it gives; tensors it maps to None are skipped."""
+    reads the whole of it), under the name it gives; tensors it maps to None are skipped.
+    ``mapped``: whole tensors as ``iter_safetensors_weights`` gives them so."""
     model_dir = Path(model_dir)
     seen: set[str] = set()
     for path, expected in _safetensors_files(model_dir):
         try:
             with safe_open(str(path), framework="pt") as f:
                 spans = _spans(path)
+                region = _map(path) if mapped else None
                 names = list(f.keys())
                 if expected is not None and not expected <= set(names):
                     missing = sorted(expected - set(names))
@@ -927,6 +982,11 @@ def iter_safetensors_slices(
                     new_name, index = chosen
                     if index is not None:
                         yield new_name, part[index]
+                        continue
+                    view = _mapped_whole(region, spans, name)
+                    if view is not None and region is not None:
+                        yield new_name, view[0]
+                        _drop_pages(region, view[1], view[2])
                         continue
                     whole = _read_whole(path, spans, name)
                     yield new_name, f.get_tensor(name) if whole is None else whole

@@ -54,9 +54,11 @@ from foudre.loading.tokenizer import (
 from foudre.models.config import ModelConfig
 from foudre.models.llama import LlamaForCausalLM
 from foudre.models.registry import build_model
+from foudre.native import huge_pages
 from foudre.quant import quantize_model
+from foudre.quant.experts import QuantExperts
 from foudre.quant.mxfp4 import MXFP4Experts
-from foudre.quant.qlinear import prepare_for_cpu, uses_native_kernels
+from foudre.quant.qlinear import QuantLinear, prepare_for_cpu, uses_native_kernels
 
 _DTYPES = {
     "float32": torch.float32,
@@ -162,7 +164,7 @@ def load_model(
         gen = {}
     else:
         cfg = load_hf_config(path)
-        weights = iter_safetensors_weights(path)
+        weights = iter_safetensors_weights(path, mapped=True)  # copied where it goes
         fp8_block = fp8_block_size(read_quantization_config(path), path)
         if fp8_block is not None:  # DeepSeek-V3's release: float8 weights, block scales
             weights = dequantize_fp8_blocks(weights, fp8_block)
@@ -182,26 +184,55 @@ def load_model(
             plan = plan_gguf_quantized(gguf, net, grouped8, six_bit)
             swap_in_quantized(net, plan)
         weights = iter_gguf_weights(gguf, cfg, skip=plan.consumed, dtype=torch_dtype)
-    net = net.to_empty(device=device)
+    checkpoint = not path.is_file() and is_quantized_checkpoint(path)
+    in_place = _allocate(net, device, quantization is None and not checkpoint)
     init_rotary_tables(net, device)  # the tables built under "meta" hold no values
     net.reset_moe_stats()  # nor do the routers' counters
     if cfg.tie_word_embeddings:
         net.lm_head.weight = net.model.embed_tokens.weight
     try:
-        if not path.is_file() and is_quantized_checkpoint(path):
+        if checkpoint:
             load_quantized(net, path)  # foudre, GPTQ or AWQ checkpoint: no re-quantization
         else:
-            net.load_weights(releasing(weights))
-            if gguf is not None:
-                load_gguf_quantized(gguf, cfg, net, plan)
-            if quantization is not None:
-                quantize_model(net, quantization)
+            _fill(net, weights, gguf, cfg, plan, quantization)
     except ValueError as e:
         raise ModelLoadError(f"{path}: {e}") from None
     prepare_for_cpu(net)
     release_freed()
+    if in_place:
+        huge_pages.seal(net)
     net.eval()
     return LoadedModel(net, cfg, tok, gen, model)
+
+
+def _allocate(net: nn.Module, device: torch.device, in_place: bool) -> bool:
+    """Memory for ``net`` (built on ``meta``). On the CPU, where ``in_place``, its weights go
+    straight into the 2 MiB pages they run from (``huge_pages.allocate``); not those replaced
+    once loaded (a GGUF file's kept quantized linears: their layouts are built of them). Not
+    ``in_place``: quantized at load, or a quantized checkpoint (whose linears are replaced
+    unloaded, but each huge page a norm between them touches would be resident whole).
+    Returns whether the weights went into huge pages so."""
+    if device.type == "cpu" and in_place and huge_pages.allocate(net, (QuantLinear, QuantExperts)):
+        return True
+    net.to_empty(device=device)
+    return False
+
+
+def _fill(
+    net: LlamaForCausalLM,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    gguf: GGUFFile | None,
+    cfg: ModelConfig,
+    plan: GGUFQuantPlan,
+    quantization: str | None,
+) -> None:
+    """The weights into ``net`` (allocated), a tensor at a time; then a GGUF file's kept
+    quantized linears, and the quantization asked for."""
+    net.load_weights(releasing(weights))
+    if gguf is not None:
+        load_gguf_quantized(gguf, cfg, net, plan)
+    if quantization is not None:
+        quantize_model(net, quantization)
 
 
 def _swap_in_mxfp4_experts(net: nn.Module, cfg: ModelConfig) -> None:

@@ -8,7 +8,11 @@ first allocation, which a library cannot arrange. ``place_in_huge_pages`` (calle
 ``ModelRunner`` on the CPU, before anything runs) moves a model's weights into one buffer
 aligned to 2 MiB and advised before its first touch, so that every page of it is
 faulted in as a huge page (where the kernel has them to give: otherwise it stays on 4 KiB pages,
-as before).
+as before). A float checkpoint's weights are loaded straight into such a buffer (``allocate``,
+called by ``load_model``): no copy is made and then moved, and ``place_in_huge_pages`` leaves
+them there. (Using a weight in place from the file's map, with no copy at all, would keep it in
+4 KiB pages of the page cache, and most weights are fused at load (q|k|v, gate|up) anyway: the
+map of a file is only read from, one tensor at a time, its pages dropped once copied.)
 
 A decode step with its weights in huge pages takes a few percent less time, on every
 precision, and a plain read of a large buffer runs faster too (so the roofline's probe reads a
@@ -28,6 +32,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -105,8 +110,9 @@ def place_in_huge_pages(module: torch.nn.Module) -> int:
 
     The moved tensors then share one storage: one replaced later (a linear quantized in place)
     frees nothing until every tensor on it is gone; calling this again moves what is left into a
-    new map and frees the old one (and does nothing where the module's tensors are still just
-    those it placed). Returns the bytes moved (0 where not ``enabled``, or where the
+    new map and frees the old one. A map that still holds just what was placed in it (here, or
+    by ``allocate`` and ``seal`` at load) stays where it is, and only the rest moves (nothing
+    where there is no rest). Returns the bytes moved (0 where not ``enabled``, or where the
     map is refused: everything stays where it was)."""
     use_count = _USE_COUNT
     if not enabled() or use_count is None:
@@ -130,11 +136,16 @@ def place_in_huge_pages(module: torch.nn.Module) -> int:
         and _holds(tensors[0], use_count) == (len(tensors) + 1, refs)
         and (inference or not any(t.is_inference() for t in tensors))
     ]
+    # a map placed already (here or by ``allocate``) that still holds just what it was given
+    # stays; the rest moves into a new one
+    movable = [
+        (tensors, nbytes)
+        for tensors, nbytes in movable
+        if _placed.get(tensors[0].untyped_storage().data_ptr()) != _extent(tensors)
+    ]
+    if not movable:
+        return 0
     total = sum(-(-n // _ALIGN) * _ALIGN for _, n in movable)
-    if len(movable) == 1:  # one storage to move: one placed already, as it was?
-        tensors = movable[0][0]
-        if _placed.get(tensors[0].untyped_storage().data_ptr()) == _extent(tensors):
-            return 0
     arena = _mapped(total)
     if arena is None:
         return 0
@@ -154,6 +165,80 @@ def place_in_huge_pages(module: torch.nn.Module) -> int:
     _trim()
     _placed[target.data_ptr()] = _extent([t for tensors, _ in movable for t in tensors])
     return total
+
+
+def allocate(module: torch.nn.Module, skip: tuple[type, ...] = ()) -> bool:
+    """``module.to_empty(device="cpu")`` for a ``module`` built on ``meta``, every parameter and
+    buffer a view of one map of ``empty`` (2 MiB pages, nothing touched yet): its weights are
+    then loaded straight into the pages they run from, and ``place_in_huge_pages`` leaves them
+    there (``seal``) instead of copying each into a new map. What is never written (a tied
+    head's own tensor, tables replaced later, a linear replaced by a quantized one before it is
+    loaded) is never resident. Submodules of the types in ``skip`` (whose tensors are replaced
+    once loaded: a layout built of them) get memory of their own (``to_empty``). Returns False,
+    allocating nothing, where not ``enabled`` or the map is refused (call ``to_empty``
+    then)."""
+    skipped = [m for m in module.modules() if isinstance(m, skip)]
+    inside = {id(d) for m in skipped for d in m.modules()}
+    tensors = [
+        (m, name, t, is_param)
+        for m in module.modules()
+        if id(m) not in inside
+        for is_param, table in ((True, m._parameters), (False, m._buffers))
+        for name, t in table.items()
+        if t is not None
+    ]
+    if not enabled() or any(not t.is_meta for _, _, t, _ in tensors):
+        return False
+    first: dict[int, int] = {}  # a tensor met twice (tied) gets one place
+    total = 0
+    for _, _, t, _ in tensors:
+        if id(t) not in first:
+            first[id(t)] = total
+            span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
+            total += -(-max(1, span * t.element_size()) // _ALIGN) * _ALIGN
+    arena = _mapped(total)
+    if arena is None:
+        return False
+    outer = {id(d) for m in skipped for d in m.modules() if d is not m}
+    for m in skipped:
+        if id(m) not in outer:
+            m.to_empty(device="cpu")
+    target, base = arena.untyped_storage(), arena.storage_offset()
+    _allocated.add(target.data_ptr())
+    made: dict[int, torch.Tensor] = {}
+    for m, name, t, is_param in tensors:
+        new = made.get(id(t))
+        if new is None:
+            size = t.element_size()
+            view = torch.empty(0, dtype=t.dtype).set_(
+                target, (base + first[id(t)]) // size, t.size(), t.stride()
+            )
+            new = torch.nn.Parameter(view, t.requires_grad) if is_param else view
+            made[id(t)] = new
+        if is_param:
+            m._parameters[name] = cast(torch.nn.Parameter, new)
+        else:
+            m._buffers[name] = new
+    return True
+
+
+def seal(module: torch.nn.Module) -> None:
+    """Mark each map of ``allocate`` as holding what ``module``'s tensors on it are now (once
+    loaded: a tied head's tensor gone, tables replaced), so that ``place_in_huge_pages`` leaves
+    it where it is while that stays so. Call it once the module is loaded."""
+    on: dict[int, list[torch.Tensor]] = {}
+    seen: set[int] = set()
+    for t in itertools.chain(module.parameters(), module.buffers()):
+        if t.device.type == "cpu" and id(t) not in seen:
+            seen.add(id(t))
+            on.setdefault(t.untyped_storage().data_ptr(), []).append(t)
+    for ptr, tensors in on.items():
+        if ptr in _allocated:
+            _placed[ptr] = _extent(tensors)
+
+
+# the maps ``allocate`` made, by address
+_allocated: set[int] = set()
 
 
 def _extent(tensors: list[torch.Tensor]) -> tuple[int, int]:

@@ -189,7 +189,7 @@ def layout(
 
 
 X16_CODES = 512  # a block's code bytes per group of 32 columns (16 rows x 32)
-INTERLEAVE_BYTES = 4 << 20  # bytes of codes ``interleave`` repacks at a time
+INTERLEAVE_BYTES = 1 << 20  # bytes of codes ``interleave`` repacks at a time (its temporaries: ~5x)
 
 
 BLOCKS = ("int8x16", "int4x16")  # the layouts in blocks of 16 rows (interleave)
@@ -289,16 +289,22 @@ def _interleave_int4(packed: Packed, w: torch.Tensor) -> None:
     q, s, k, group = packed.w, packed.s, packed.k, packed.group or 0
     n, groups, size = q.shape[0], k // group, s.element_size()
     blocks, pad = -(-n // 16), -n % 16
-    codes = torch.stack([q & 15, q >> 4], dim=-1).view(n, k)  # pack_int4's nibbles, unpacked
-    codes = F.pad(codes, (0, 0, 0, pad)).view(blocks, 16, groups, group // 8, 2, 4)
-    nibbles = codes[..., 0, :] | (codes[..., 1, :] << 4)  # [blocks, 16, groups, lines, 4]
+    # pack_int4's 4 bytes of 8 columns c0..c7 (byte j: c_2j low, c_2j+1 high) as one word, to
+    # the line's 4 bytes (byte i: c_i low, c_i+4 high), on words: the even columns' nibbles
+    # (lo: c0 c2 c4 c6) and the odd ones' (hi: c1 c3 c5 c7), each folded (byte 0: c0 | c4 << 4,
+    # byte 1: c2 | c6 << 4), then interleaved byte by byte
+    x = F.pad(q, (0, 0, 0, pad)).view(torch.int32)  # [n + pad, k / 8]
+    lo, hi = x & 0x0F0F0F0F, (x >> 4) & 0x0F0F0F0F
+    a, b = lo | (lo >> 12), hi | (hi >> 12)
+    words = (a & 0xFF) | ((b & 0xFF) << 8) | ((a & 0xFF00) << 8) | ((b & 0xFF00) << 16)
+    nibbles = words.view(blocks, 16, groups, group // 8)
     kept = [s[:, :groups]] + ([] if packed.z is None else [packed.z[:, :groups]])
     params = F.pad(torch.stack(kept, dim=-1), (0, 0, 0, 0, 0, pad))  # [n + pad, groups, 1 or 2]
     params = params.view(blocks, 16, groups, len(kept)).permute(0, 2, 3, 1).contiguous()
     per_group = 8 * group + 16 * size * len(kept)
     parts = w.view(blocks, groups, per_group)
-    parts[..., : 8 * group].view(blocks, groups, group // 8, 16, 4).copy_(
-        nibbles.permute(0, 2, 3, 1, 4)
+    parts[..., : 8 * group].view(torch.int32).view(blocks, groups, group // 8, 16).copy_(
+        nibbles.permute(0, 2, 3, 1)
     )
     parts[..., 8 * group :].copy_(params.view(torch.uint8).view(blocks, groups, -1))
 

@@ -233,3 +233,49 @@ def test_model_changed_after_quantizing_in_place(tmp_path: Path) -> None:
     assert f"{first[0]:x}-{first[1]:x}" not in _maps()
     linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
     assert _in_advised_map([model.model.norm.weight, *(m.qweight for m in linears)])
+
+
+@needs_thp
+def test_float_weights_load_straight_into_huge_pages(tmp_path: Path) -> None:
+    """A float checkpoint loads on the CPU straight into one advised map (``allocate``: no copy
+    made at load then moved), which ``place_in_huge_pages`` leaves where it is; the logits are
+    those of the same model loaded without (``FOUDRE_HUGE_PAGES=0``), bit for bit."""
+    path = make_hf_model(tmp_path / "m", hidden_size=256, intermediate_size=512, vocab_size=384)
+    cpu = torch.device("cpu")
+    model = load_model(str(path), None, "bfloat16", cpu, None).model
+    params = list(model.parameters())
+    assert _in_advised_map(params)
+    addresses = [p.data_ptr() for p in params]
+    moved = huge_pages.place_in_huge_pages(model)  # the rotary tables only, made after
+    assert moved < sum(p.nbytes for p in params) // 10
+    assert [p.data_ptr() for p in params] == addresses
+    assert huge_pages.place_in_huge_pages(model) == 0
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FOUDRE_HUGE_PAGES", "0")
+        plain = load_model(str(path), None, "bfloat16", cpu, None).model
+    assert not _in_advised_map([next(plain.parameters())])
+    ids = torch.tensor([[1, 7, 42, 300, 5, 9]])
+    with torch.inference_mode():
+        assert torch.equal(causal_logits(model, ids), causal_logits(plain, ids))
+
+
+@needs_thp
+def test_gguf_float_tensors_load_into_huge_pages_kept_linears_apart(tmp_path: Path) -> None:
+    """A GGUF file's float tensors (the embedding, the norms) load straight into one advised
+    map; its kept quantized linears get memory of their own (their layouts, built of them,
+    replace them), which ``place_in_huge_pages`` then moves into another."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import load_memory
+
+    path = load_memory.build_models(tmp_path, "tiny", ("Q8_0",))["Q8_0"]
+    model = load_model(str(path), None, "bfloat16", torch.device("cpu"), None).model
+    floats = [model.model.embed_tokens.weight, model.model.norm.weight]
+    assert _in_advised_map(floats)
+    linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert linears and not any(_in_advised_map([floats[0], m.qweight]) for m in linears)
+    addresses = [t.data_ptr() for t in floats]
+    assert huge_pages.place_in_huge_pages(model) > 0
+    assert [t.data_ptr() for t in floats] == addresses
+    assert _in_advised_map([m.qweight for m in linears if m.qweight.numel()])

@@ -56,6 +56,33 @@ def test_sharded(tmp_path: Path) -> None:
     _assert_same(dict(iter_safetensors_weights(tmp_path)), tensors)
 
 
+def _mapped_file(address: int) -> str:
+    """The file mapped at ``address`` in this process ("" for anonymous memory)."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        span, *rest = line.split(maxsplit=5)
+        start, end = (int(x, 16) for x in span.split("-"))
+        if start <= address < end:
+            return rest[-1] if len(rest) == 5 else ""
+    return ""
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads Linux's /proc maps")
+def test_mapped_tensors_are_views_of_the_file_with_its_values(tmp_path: Path) -> None:
+    """``mapped=True`` (what ``load_model`` reads): each tensor a view of the file's map, no
+    copy, whose values (read as the next is asked for: its pages dropped by then, read again)
+    are the stored ones; a tensor whose first byte its element size does not divide is read
+    into a copy of its own."""
+    tensors = _sharded(tmp_path)
+    got = {}
+    for name, tensor in iter_safetensors_weights(tmp_path, mapped=True):
+        assert _mapped_file(tensor.data_ptr()).startswith(str(tmp_path / "model-0000"))
+        got[name] = tensor
+    _assert_same(got, tensors)
+    odd = {"a": torch.ones(3, dtype=torch.uint8), "b": torch.arange(5, dtype=torch.float32)}
+    save_file(odd, str(tmp_path / "odd.safetensors"))
+    _assert_same(dict(iter_safetensors_weights(tmp_path / "odd.safetensors", mapped=True)), odd)
+
+
 def test_glob_of_unindexed_files(tmp_path: Path) -> None:
     tensors = _tensors()
     names = list(tensors)
