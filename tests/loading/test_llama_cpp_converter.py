@@ -352,7 +352,7 @@ def test_engine_serves_a_converted_file_as_its_source(
     ids = []
     for path in (src, out):
         llm = LLM(
-            str(path), dtype="float32", skip_tokenizer_init=True, block_size=4, num_kv_blocks=28,
+            str(path), dtype="float32", skip_tokenizer_init=True, block_size=4, num_kv_blocks=20,
             max_model_len=80, max_num_batched_tokens=24, enable_prefix_caching=True,
         )  # fmt: skip
         ids.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
