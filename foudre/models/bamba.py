@@ -19,14 +19,13 @@ from torch import nn
 
 from foudre.attention import AttentionBackend
 from foudre.attention.cache_spec import FullAttentionSpec
-from foudre.layers.linear import Linear
 from foudre.layers.mamba import Mamba2Mixer, RecurrentBatch, RecurrentStates, RecurrentStateSpec
 from foudre.layers.mlp import GatedMLP
 from foudre.layers.moe import SparseMoeBlock
 from foudre.layers.norm import RMSNorm
 from foudre.layers.rotary import RotaryEmbedding
 from foudre.models.config import ModelConfig
-from foudre.models.llama import Attention, LlamaForCausalLM
+from foudre.models.llama import Attention, LlamaForCausalLM, LlamaModel
 from foudre.models.mamba2 import RecurrentStateNotSupported, mamba_shape
 
 
@@ -61,17 +60,8 @@ class BambaDecoderLayer(nn.Module):
         return x + self.feed_forward(self.pre_ff_layernorm(x))
 
 
-class BambaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
-        super().__init__()
-        self.rotary = rotary = RotaryEmbedding(
-            cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, cfg.rotary_dim
-        )
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(
-            BambaDecoderLayer(cfg, rotary, i) for i in range(cfg.num_hidden_layers)
-        )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+class BambaModel(LlamaModel):
+    layer_class = BambaDecoderLayer
 
 
 class BambaForCausalLM(LlamaForCausalLM):
@@ -79,13 +69,7 @@ class BambaForCausalLM(LlamaForCausalLM):
     loading: the checkpoint's ``q/k/v_proj`` and ``gate/up_proj`` go into the fused
     parameters, ``model.final_layernorm`` is our ``model.norm``)."""
 
-    def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
-        with torch.device("meta"):  # Llama's modules, replaced below: nothing allocated
-            super().__init__(cfg, max_positions)
-        self.model = BambaModel(cfg, max_positions or cfg.max_position_embeddings)  # type: ignore[assignment]
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+    model_class: type[LlamaModel] = BambaModel
 
     def _layers(self) -> list[BambaDecoderLayer]:
         return [layer for layer in self.model.layers if isinstance(layer, BambaDecoderLayer)]

@@ -25,7 +25,6 @@ import torch
 from torch import nn
 
 from foudre.attention import AttentionBackend
-from foudre.layers.linear import Linear
 from foudre.layers.mamba import Mamba2Mixer
 from foudre.layers.mlp import GatedMLP
 from foudre.layers.moe import SparseMoeBlock
@@ -33,7 +32,7 @@ from foudre.layers.norm import RMSNorm
 from foudre.layers.rotary import RotaryEmbedding
 from foudre.models.bamba import BambaDecoderLayer, BambaForCausalLM
 from foudre.models.config import ModelConfig
-from foudre.models.llama import Attention
+from foudre.models.llama import Attention, LlamaModel
 from foudre.models.mamba2 import mamba_shape
 
 
@@ -100,29 +99,14 @@ class GraniteMoeHybridDecoderLayer(BambaDecoderLayer):
         return x + self.mlp(self.post_attention_layernorm(x)) * m
 
 
-class GraniteMoeHybridModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
-        super().__init__()
-        self.rotary = rotary = RotaryEmbedding(
-            cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, cfg.rotary_dim
-        )
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(
-            GraniteMoeHybridDecoderLayer(cfg, rotary, i) for i in range(cfg.num_hidden_layers)
-        )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+class GraniteMoeHybridModel(LlamaModel):
+    layer_class = GraniteMoeHybridDecoderLayer
 
 
 class GraniteMoeHybridForCausalLM(BambaForCausalLM):
     """Granite 4.0's hybrid decoder: Bamba's forward and caches, Granite's layers."""
 
-    def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
-        with torch.device("meta"):  # Bamba's modules, replaced below: nothing allocated
-            super().__init__(cfg, max_positions)
-        self.model = GraniteMoeHybridModel(cfg, max_positions or cfg.max_position_embeddings)  # type: ignore[assignment]
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+    model_class = GraniteMoeHybridModel
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return super().embed(input_ids) * self.config.embedding_multiplier
