@@ -332,12 +332,18 @@ def test_a_grammar_waits_for_the_reasoning_unless_the_prompt_ended_it(
     from foudre.sampling_params import SamplingParams, StructuredOutput
     from foudre.server.serving_chat import OpenAIServingChat
 
-    serving = SimpleNamespace(reasoning_parser=reasoning_parser(name), reasoning_end_ids=[7, 8])
+    tok = SimpleNamespace(encode=lambda text, add_special_tokens: [9] if text == "<think>" else [])
+    serving = SimpleNamespace(
+        reasoning_parser=reasoning_parser(name), reasoning_end_ids=[7, 8], tokenizer=tok
+    )
     chat = OpenAIServingChat(serving)  # type: ignore[arg-type]
     spec = StructuredOutput(json_object=True)
     params = chat._for_reasoning(SamplingParams(structured_output=spec), prompt)
     assert params.structured_output is not None
     assert params.structured_output.starts_after == ([7, 8] if gated else None)
+    # qwen3 with a prompt that does not open <think>: the first token decides (<think>: id 9)
+    may_answer = gated and name == "qwen3" and not prompt.rstrip().endswith("<think>")
+    assert params.structured_output.opened_by == (9 if may_answer else None)
     assert params.skip_special_tokens  # <think> markers are ordinary tokens
     plain = chat._for_reasoning(SamplingParams(), prompt)
     assert plain.structured_output is None
@@ -353,7 +359,10 @@ def test_gpt_oss_keeps_special_tokens_and_waits_for_the_final_channel() -> None:
     from foudre.sampling_params import SamplingParams, StructuredOutput
     from foudre.server.serving_chat import OpenAIServingChat
 
-    serving = SimpleNamespace(reasoning_parser=_harmony(), reasoning_end_ids=[5, 6, 7])
+    tok = SimpleNamespace(encode=lambda text, add_special_tokens: [])
+    serving = SimpleNamespace(
+        reasoning_parser=_harmony(), reasoning_end_ids=[5, 6, 7], tokenizer=tok
+    )
     chat = OpenAIServingChat(serving)  # type: ignore[arg-type]
     spec = StructuredOutput(json_object=True)
     params = chat._for_reasoning(SamplingParams(structured_output=spec), "<|start|>assistant")
