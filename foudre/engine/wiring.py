@@ -68,13 +68,15 @@ def check_capacity(num_blocks: int, config: EngineConfig, max_model_len: int) ->
 
 def kv_groups(model: LlamaForCausalLM, parallel: bool) -> list[KVCacheGroup]:
     """The model's KV cache groups (``attention/cache_spec.py``): by sliding window, so that
-    window layers return the blocks behind their window; one group of every layer across
-    parallel ranks (their windows then keep their blocks)."""
+    window layers return the blocks behind their window; one group of full attention across
+    parallel ranks (their windows then keep their blocks): the engine's shard is one pipeline
+    stage, whose layers may all slide where another stage's attend to everything."""
     groups = kv_cache_groups(model.kv_cache_specs())
-    if len(groups) > 1:
-        if parallel:
+    if parallel:  # (the engine's shard holds one stage's layers: the others may need all)
+        if any(g.window is not None for g in groups):
             logger.info("KV cache: one group across parallel ranks (windows keep their blocks)")
-            return [KVCacheGroup(None, tuple(range(len(model.kv_cache_specs()))))]
+        return [KVCacheGroup(None, tuple(range(len(model.kv_cache_specs()))))]
+    if len(groups) > 1:
         windows = sorted({g.window or 0 for g in groups})
         logger.info(
             "KV cache: %d layer groups of %d layers (windows %s; 0: full attention)",
