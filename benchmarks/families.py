@@ -169,7 +169,8 @@ _TINY_EXTRA: dict[str, dict[str, Any]] = {
 _SPM_PATCH = """
 import sys
 sys.path.insert(0, {src!r})
-sys.argv = ["convert_hf_to_gguf.py", {model!r}, "--outtype", "bf16", "--outfile", {out!r}]
+sys.argv = ["convert_hf_to_gguf.py", {model!r}, "--outtype", "bf16", "--outfile", {out!r},
+            "--model-name", "random-weights"]
 import convert_hf_to_gguf as c
 _get = c.get_model_class
 def get_model_class(*args, **kwargs):
@@ -299,27 +300,44 @@ def foudre_run(model: Path, quantization: str, decode_tokens: int) -> dict[str, 
     return run_child(__file__, *args, what=f"foudre {model.name} {quantization}")
 
 
-def llama_cpp_run(bench: Path, gguf: Path, decode_tokens: int) -> dict[str, Any]:
-    """llama-bench's decode and prefill on ``gguf`` (the build without AMX where the default
-    one dies of a signal: ``common.NO_AMX``)."""
-    from common import llama_bench
+def llama_bench(bench: Path, gguf: Path, repack: bool, **kw: int) -> float:
+    """``llama-bench``'s tokens/s (``common.llama_bench``'s run: ``-fa 1``, every core), with
+    its extra buffer types (AMX, repacked weights) or without (``--repack 0``)."""
+    threads = os.cpu_count() or 1
+    proc = subprocess.run(
+        [str(bench), "-m", str(gguf), "-p", str(kw.get("prompt", 0)),
+         "-n", str(kw.get("generate", 0)), "-fa", "1", "-t", str(threads),
+         "-r", str(kw.get("repeats", 1)), "--repack", str(int(repack)), "-o", "json"],
+        capture_output=True,
+        text=True,
+    )  # fmt: skip
+    if proc.returncode:
+        raise subprocess.CalledProcessError(proc.returncode, proc.args, proc.stdout, proc.stderr)
+    return float(json.loads(proc.stdout)[0]["avg_ts"])
 
-    fallback = bench.parent.parent.parent / "build-noamx" / "bin" / "llama-bench"
-    no_amx: list[str] = []
+
+def llama_cpp_run(bench: Path, gguf: Path, decode_tokens: int) -> dict[str, Any]:
+    """llama-bench's decode and prefill on ``gguf``; a measurement that dies of a signal (its
+    AMX kernels on a prompt of a Q8_0 file, on this Intel Xeon: ``common.NO_AMX``) runs again
+    with ``--repack 0`` (no extra buffer types: its AVX-512 kernels), listed in ``no_repack``."""
+    no_repack: list[str] = []
 
     def tps(name: str, **kw: int) -> float:
         try:
-            return llama_bench(bench, gguf, **kw)
+            return llama_bench(bench, gguf, True, **kw)
         except subprocess.CalledProcessError as e:
-            if e.returncode >= 0 or not fallback.exists():
+            if e.returncode >= 0:
                 raise RuntimeError(f"llama-bench {name}: {str(e.stderr)[-1500:]}") from e
-            no_amx.append(name)
-            return llama_bench(fallback, gguf, **kw)
+            no_repack.append(name)
+            try:
+                return llama_bench(bench, gguf, False, **kw)
+            except subprocess.CalledProcessError as e2:
+                raise RuntimeError(f"llama-bench {name}: {str(e2.stderr)[-1500:]}") from e2
 
     return {
         "decode_tps": tps("decode", generate=decode_tokens, repeats=DECODE_PASSES),
         "prefill_tps": tps("prefill", prompt=PREFILL_LEN, repeats=PREFILL_PROMPTS),
-        "no_amx": no_amx,
+        "no_repack": no_repack,
     }
 
 
@@ -480,8 +498,16 @@ def write_record(
     head = f"# Model families against llama.cpp ({rec['date']})\n\n{rec['machine']}\n\n"
     head += f"Command: `{rec['command']}`\n\n" + (f"{args.note}\n\n" if args.note else "")
     tail = ""
+    died = sorted(
+        {f"{r['family']} {r['precision']} {m}" for r in runs for m in r.get("no_repack", [])}
+    )
+    if died:
+        tail += (
+            "\n\nllama.cpp died of a signal with its extra buffer types (AMX) on: "
+            + ", ".join(died) + "; those ran with `--repack 0` (its AVX-512 kernels)."
+        )  # fmt: skip
     if errors:
-        tail = "\n\nFailures (recorded, not measured):\n\n" + "\n".join(
+        tail += "\n\nFailures (recorded, not measured):\n\n" + "\n".join(
             f"- {k}: `{v.strip().splitlines()[-1] if v.strip() else v}`" for k, v in errors.items()
         )
     (args.out / "results.md").write_text(head + table + tail + "\n")
