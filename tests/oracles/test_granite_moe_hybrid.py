@@ -15,6 +15,9 @@ from foudre.loading.loader import load_model
 from foudre.models.granite_moe_hybrid import GraniteMoeHybridForCausalLM
 from foudre.models.mamba2 import RecurrentStateNotSupported
 from tests.oracles.hybrid_driver import HybridDriver
+from tests.oracles.ssm_models import hf_logits as _hf_logits
+from tests.oracles.ssm_models import prompt as _prompt
+from tests.oracles.ssm_models import save_random
 
 BASE: dict[str, Any] = dict(
     vocab_size=256,
@@ -59,27 +62,7 @@ CASES: dict[str, dict[str, Any]] = {
 
 
 def make_granite(path: Path, seed: int = 0, **overrides: Any) -> Path:
-    import transformers
-
-    torch.manual_seed(seed)
-    config = transformers.GraniteMoeHybridConfig(**{**BASE, **overrides})
-    model = transformers.GraniteMoeHybridForCausalLM(config).to(torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("A_log"):
-                p.copy_(torch.empty_like(p).uniform_(0.01, 0.5).log())
-            elif name.endswith("dt_bias"):
-                p.uniform_(-1.0, 0.5)
-            elif name.endswith(".D"):
-                p.uniform_(0.5, 1.5)
-            elif p.dim() in (2, 3):
-                p.normal_(0.0, 0.08 if "embed" not in name else 1.0)
-            elif "bias" in name:
-                p.normal_(0.0, 0.1)
-            else:  # norms
-                p.uniform_(0.8, 1.2)
-    model.save_pretrained(path, safe_serialization=True)
-    return path
+    return save_random("GraniteMoeHybrid", {**BASE, **overrides}, path, seed)
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -93,16 +76,6 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     ours = load_model(str(path), None, "float32", torch.device("cpu"), None).model
     assert isinstance(ours, GraniteMoeHybridForCausalLM)
     return path, hf, ours
-
-
-def _prompt(n: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 256, (n,), generator=g).tolist()
-
-
-def _hf_logits(hf: Any, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return hf(torch.tensor([ids])).logits[0].float()
 
 
 def test_chunked_prefill_and_mixed_batch(pair: Any) -> None:

@@ -18,6 +18,9 @@ import torch
 from foudre.layers.mamba import RecurrentBatch, RecurrentStates, ssd_chunked
 from foudre.loading.loader import load_model
 from foudre.models.mamba2 import Mamba2ForCausalLM, RecurrentStateNotSupported
+from tests.oracles.ssm_models import hf_logits as _hf_logits
+from tests.oracles.ssm_models import prompt as _prompt
+from tests.oracles.ssm_models import save_random
 
 BASE: dict[str, Any] = dict(
     vocab_size=256,
@@ -55,27 +58,7 @@ def make_mamba2(path: Path, seed: int = 0, **overrides: Any) -> Path:
     large enough that the logits are far from uniform, and the SSM's own parameters so that
     the state matters (dt about 0.3-1, decay per token exp(dt A) about 0.6-0.99: a token still
     moves the logits dozens of tokens later)."""
-    import transformers
-
-    torch.manual_seed(seed)
-    config = transformers.Mamba2Config(**{**BASE, **overrides})
-    model = transformers.Mamba2ForCausalLM(config).to(torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("A_log"):
-                p.copy_(torch.empty_like(p).uniform_(0.01, 0.5).log())
-            elif name.endswith("dt_bias"):
-                p.uniform_(-1.0, 0.5)
-            elif name.endswith(".D"):
-                p.uniform_(0.5, 1.5)
-            elif p.dim() in (2, 3):
-                p.normal_(0.0, 0.08 if "embed" not in name else 1.0)
-            elif "bias" in name:
-                p.normal_(0.0, 0.1)
-            else:  # norms
-                p.uniform_(0.8, 1.2)
-    model.save_pretrained(path, safe_serialization=True)
-    return path
+    return save_random("Mamba2", {**BASE, **overrides}, path, seed)
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -88,16 +71,6 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     ours = load_model(str(path), None, "float32", torch.device("cpu"), None).model
     assert isinstance(ours, Mamba2ForCausalLM)
     return path, hf, ours
-
-
-def _prompt(n: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 256, (n,), generator=g).tolist()
-
-
-def _hf_logits(hf: Any, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return hf(torch.tensor([ids])).logits[0].float()
 
 
 def _step(
