@@ -82,6 +82,39 @@ def _gemv_kernel(
 
 
 @triton.jit
+def _tile(
+    x_rows, m_mask, q_ptr, s_ptr, rn, n_mask, KB,
+    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    """The float32 tile ``[BLOCK_M, BLOCK_N]`` of ``x @ W.T``: ``x_rows`` the tile's rows'
+    addresses (``[BLOCK_M, 1]``, in x's dtype, ``m_mask`` the real ones), ``W`` the MXFP4
+    weight's byte rows ``rn`` at ``q_ptr`` (``KB`` bytes a row) and their scales at ``s_ptr``;
+    each step's block dequantized to x's dtype, one product for the even columns (low
+    nibbles) and one for the odd (high)."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for c0 in range(0, KB, BLOCK_C):
+        c = c0 + tl.arange(0, BLOCK_C)
+        c_mask = c < KB
+        w_mask = n_mask[:, None] & c_mask[None, :]
+        q = tl.load(q_ptr + rn[:, None] * KB + c[None, :], mask=w_mask, other=0).to(tl.int32)
+        s = tl.load(s_ptr + rn[:, None] * (KB // 16) + c[None, :] // 16, mask=w_mask, other=0)
+        scale = _e8m0(s.to(tl.int32))
+        lo = (_e2m1(q & 15) * scale).to(x_rows.dtype.element_ty)  # [BLOCK_N, BLOCK_C]
+        hi = (_e2m1(q >> 4) * scale).to(x_rows.dtype.element_ty)
+        x_mask = m_mask[:, None] & c_mask[None, :]
+        xs = x_rows + 2 * c[None, :]
+        xe = tl.load(xs, mask=x_mask, other=0.0)
+        xo = tl.load(xs + 1, mask=x_mask, other=0.0)
+        if IEEE:
+            acc += tl.dot(xe, tl.trans(lo), input_precision="ieee")
+            acc += tl.dot(xo, tl.trans(hi), input_precision="ieee")
+        else:
+            acc += tl.dot(xe, tl.trans(lo))
+            acc += tl.dot(xo, tl.trans(hi))
+    return acc
+
+
+@triton.jit
 def _gemm_kernel(
     x_ptr, q_ptr, s_ptr, b_ptr, y_ptr, M, N, KB, stride_xm, stride_ym,
     HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
@@ -92,26 +125,10 @@ def _gemm_kernel(
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask, n_mask = rm < M, rn < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for c0 in range(0, KB, BLOCK_C):
-        c = c0 + tl.arange(0, BLOCK_C)
-        c_mask = c < KB
-        w_mask = n_mask[:, None] & c_mask[None, :]
-        q = tl.load(q_ptr + rn[:, None] * KB + c[None, :], mask=w_mask, other=0).to(tl.int32)
-        s = tl.load(s_ptr + rn[:, None] * (KB // 16) + c[None, :] // 16, mask=w_mask, other=0)
-        scale = _e8m0(s.to(tl.int32))
-        lo = (_e2m1(q & 15) * scale).to(x_ptr.dtype.element_ty)  # [BLOCK_N, BLOCK_C]
-        hi = (_e2m1(q >> 4) * scale).to(x_ptr.dtype.element_ty)
-        x_mask = m_mask[:, None] & c_mask[None, :]
-        xs = x_ptr + rm[:, None] * stride_xm + 2 * c[None, :]
-        xe = tl.load(xs, mask=x_mask, other=0.0)
-        xo = tl.load(xs + 1, mask=x_mask, other=0.0)
-        if IEEE:
-            acc += tl.dot(xe, tl.trans(lo), input_precision="ieee")
-            acc += tl.dot(xo, tl.trans(hi), input_precision="ieee")
-        else:
-            acc += tl.dot(xe, tl.trans(lo))
-            acc += tl.dot(xo, tl.trans(hi))
+    acc = _tile(
+        x_ptr + rm[:, None] * stride_xm, m_mask, q_ptr, s_ptr, rn, n_mask, KB,
+        IEEE, BLOCK_M, BLOCK_N, BLOCK_C,
+    )  # fmt: skip
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     y = y_ptr + rm[:, None] * stride_ym + rn[None, :]
@@ -181,26 +198,10 @@ def _expert_kernel(
     n_mask = rn < N
     q_base = q_ptr + expert * N * KB
     s_base = s_ptr + expert * N * (KB // 16)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for c0 in range(0, KB, BLOCK_C):
-        c = c0 + tl.arange(0, BLOCK_C)
-        c_mask = c < KB
-        w_mask = n_mask[:, None] & c_mask[None, :]
-        q = tl.load(q_base + rn[:, None] * KB + c[None, :], mask=w_mask, other=0).to(tl.int32)
-        s = tl.load(s_base + rn[:, None] * (KB // 16) + c[None, :] // 16, mask=w_mask, other=0)
-        scale = _e8m0(s.to(tl.int32))
-        lo = (_e2m1(q & 15) * scale).to(a_ptr.dtype.element_ty)
-        hi = (_e2m1(q >> 4) * scale).to(a_ptr.dtype.element_ty)
-        x_mask = valid[:, None] & c_mask[None, :]
-        xs = a_ptr + a_rows[:, None] * stride_am + 2 * c[None, :]
-        xe = tl.load(xs, mask=x_mask, other=0.0)
-        xo = tl.load(xs + 1, mask=x_mask, other=0.0)
-        if IEEE:
-            acc += tl.dot(xe, tl.trans(lo), input_precision="ieee")
-            acc += tl.dot(xo, tl.trans(hi), input_precision="ieee")
-        else:
-            acc += tl.dot(xe, tl.trans(lo))
-            acc += tl.dot(xo, tl.trans(hi))
+    acc = _tile(
+        a_ptr + a_rows[:, None] * stride_am, valid, q_base, s_base, rn, n_mask, KB,
+        IEEE, BLOCK_M, BLOCK_N, BLOCK_C,
+    )  # fmt: skip
     if HAS_BIAS:
         acc += tl.load(bias_ptr + expert * N + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     if MUL_WEIGHT:
