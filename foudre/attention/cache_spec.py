@@ -41,6 +41,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -121,7 +122,67 @@ class LatentAttentionSpec:
         return pages.unsqueeze(0).expand(2, *pages.shape)
 
 
-CacheSpec = FullAttentionSpec | LatentAttentionSpec
+class RecurrentCache(NamedTuple):
+    """A recurrent layer's state pools, one slot per request (and per prefix-cache snapshot):
+    ``conv [slots, conv_window, conv_dim]`` and ``ssm [slots, *ssm_shape]``."""
+
+    conv: torch.Tensor
+    ssm: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class RecurrentStateSpec:
+    """What one recurrent layer (a Mamba-2 mixer, a gated DeltaNet) keeps per request, whatever
+    the sequence length: the window of its causal convolution ``[conv_window, conv_dim]`` (in
+    the model dtype) and its recurrent state ``[num_heads, head_dim, state_size]`` (float32: it
+    accumulates over the whole sequence; a DeltaNet's ``[heads, key_dim, value_dim]``)."""
+
+    conv_window: int
+    conv_dim: int
+    num_heads: int
+    head_dim: int
+    state_size: int
+    ssm_dtype: torch.dtype = torch.float32
+
+    @property
+    def conv_shape(self) -> tuple[int, int]:
+        return (self.conv_window, self.conv_dim)
+
+    @property
+    def ssm_shape(self) -> tuple[int, int, int]:
+        return (self.num_heads, self.head_dim, self.state_size)
+
+    def bytes_per_request(self, dtype: torch.dtype) -> int:
+        """Bytes of one request's state in this layer (conv state in ``dtype``)."""
+        conv = self.conv_window * self.conv_dim * element_size(dtype)
+        ssm = math.prod(self.ssm_shape) * element_size(self.ssm_dtype)
+        return conv + ssm
+
+    def allocate(self, num_slots: int, dtype: torch.dtype, device: torch.device) -> RecurrentCache:
+        """Zeroed pools of ``num_slots`` slots."""
+        return RecurrentCache(
+            torch.zeros(num_slots, *self.conv_shape, dtype=dtype, device=device),
+            torch.zeros(num_slots, *self.ssm_shape, dtype=self.ssm_dtype, device=device),
+        )
+
+
+AttentionSpec = FullAttentionSpec | LatentAttentionSpec
+CacheSpec = FullAttentionSpec | LatentAttentionSpec | RecurrentStateSpec
+
+
+def attention_layers(specs: Sequence[CacheSpec]) -> list[int]:
+    """The indices of the layers that keep a paged cache (all but the recurrent ones)."""
+    return [i for i, s in enumerate(specs) if not isinstance(s, RecurrentStateSpec)]
+
+
+def recurrent_layers(specs: Sequence[CacheSpec]) -> list[int]:
+    """The indices of the layers that keep a recurrent state per request."""
+    return [i for i, s in enumerate(specs) if isinstance(s, RecurrentStateSpec)]
+
+
+def state_bytes_per_request(specs: Sequence[CacheSpec], dtype: torch.dtype) -> int:
+    """A request's recurrent state over every recurrent layer (0 for a transformer)."""
+    return sum(s.bytes_per_request(dtype) for s in specs if isinstance(s, RecurrentStateSpec))
 
 
 def pages_of(cache: torch.Tensor) -> list[torch.Tensor]:
@@ -143,22 +204,29 @@ class KVCacheGroup:
 
 def kv_cache_groups(specs: Sequence[CacheSpec]) -> list[KVCacheGroup]:
     """The layer groups of a model of these per-layer specs (see the module docstring): one
-    group of every layer without sliding windows, or where layers of different page shapes
-    (or latent attention) could not share page tensors; else groups of equal size by window,
-    full attention first."""
-    whole = [KVCacheGroup(None, tuple(range(len(specs))))]
-    windows = [s.window if isinstance(s, FullAttentionSpec) else None for s in specs]
-    if all(w is None for w in windows):
+    group of every attention layer without sliding windows, or where layers of different page
+    shapes (or latent attention) could not share page tensors; else groups of equal size by
+    window, full attention first. Recurrent layers are in no group (they hold a state slot,
+    not blocks); a model of recurrent layers only has one group of no layers, whose blocks
+    cost nothing and still count its tokens for the prefix cache."""
+    layers = attention_layers(specs)
+    whole = [KVCacheGroup(None, tuple(layers))]
+    windows = {
+        i: s.window if isinstance(s, FullAttentionSpec) else None for i, s in enumerate(specs)
+    }
+    if all(windows[i] is None for i in layers):
         return whole
     shapes = {
-        (s.num_kv_heads, s.head_dim) if isinstance(s, FullAttentionSpec) else s for s in specs
+        (s.num_kv_heads, s.head_dim) if isinstance(s, FullAttentionSpec) else s
+        for s in (specs[i] for i in layers)
     }
     if len(shapes) > 1:
-        return [KVCacheGroup(windows[0] if len(set(windows)) == 1 else None, whole[0].layers)]
+        kinds_seen = {windows[i] for i in layers}
+        return [KVCacheGroup(kinds_seen.pop() if len(kinds_seen) == 1 else None, whole[0].layers)]
     kinds: dict[int | None, list[int]] = {}
-    for i, w in enumerate(windows):
-        kinds.setdefault(w, []).append(i)
-    size = math.gcd(*(len(layers) for layers in kinds.values()))
+    for i in layers:
+        kinds.setdefault(windows[i], []).append(i)
+    size = math.gcd(*(len(group) for group in kinds.values()))
     order = sorted(kinds, key=lambda w: (w is not None, w or 0))
     return [
         KVCacheGroup(w, tuple(kinds[w][i : i + size]))

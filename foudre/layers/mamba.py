@@ -59,6 +59,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from foudre.attention.cache_spec import RecurrentCache, RecurrentStateSpec
 from foudre.layers.linear import Linear
 
 # The scan's chunk: its work per token grows with the chunk (the quadratic form within it), its
@@ -115,38 +116,6 @@ class Mamba2Shape:
         )
 
 
-@dataclass(frozen=True, slots=True)
-class RecurrentStateSpec:
-    """What one Mamba layer keeps per request, whatever the sequence length: the conv window
-    ``[conv_window, conv_dim]`` (model dtype) and the SSM state ``[heads, head_dim, d_state]``
-    (float32)."""
-
-    conv_window: int
-    conv_dim: int
-    num_heads: int
-    head_dim: int
-    state_size: int
-    ssm_dtype: torch.dtype = torch.float32
-
-    @property
-    def conv_shape(self) -> tuple[int, int]:
-        return (self.conv_window, self.conv_dim)
-
-    @property
-    def ssm_shape(self) -> tuple[int, int, int]:
-        return (self.num_heads, self.head_dim, self.state_size)
-
-    def bytes_per_request(self, dtype: torch.dtype) -> int:
-        """Bytes of one request's state in this layer (conv state in ``dtype``)."""
-        conv = self.conv_window * self.conv_dim * _itemsize(dtype)
-        ssm = self.num_heads * self.head_dim * self.state_size * _itemsize(self.ssm_dtype)
-        return conv + ssm
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 @dataclass(slots=True)
 class RecurrentBatch:
     """One step's rows as the Mamba layers see them: row ``r`` owns the flat tokens
@@ -157,6 +126,9 @@ class RecurrentBatch:
 
     cu_seqlens: list[int]
     slots: torch.Tensor  # [R] int64, on the states' device
+    # (row, offset, slot): also leave the state after the row's new token ``offset`` in pool
+    # slot ``slot`` (the prefix cache's snapshots at block ends)
+    snapshots: list[tuple[int, int, int]] = field(default_factory=list)
     lengths: list[int] = field(init=False)
     max_len: int = field(init=False)
     token_row: torch.Tensor = field(init=False)  # [T] the row of each flat token
@@ -167,6 +139,10 @@ class RecurrentBatch:
     scan_slots: torch.Tensor = field(init=False)  # [R'] their rows' slots
     scan_row: torch.Tensor = field(init=False)  # per scan token, its row among the R'
     scan_len: int = field(init=False)  # the longest of them
+    scan_index: torch.Tensor = field(init=False)  # [R] a row's index among the R' (-1: none)
+    snap_row: torch.Tensor = field(init=False)  # [K] the snapshots' rows
+    snap_pos: torch.Tensor = field(init=False)  # [K] their offsets within their rows
+    snap_slots: torch.Tensor = field(init=False)  # [K] the slots they fill
 
     def __post_init__(self) -> None:
         cu = self.cu_seqlens
@@ -189,6 +165,14 @@ class RecurrentBatch:
         renumber = torch.cumsum((~one).long(), 0) - 1  # a longer row's index among them
         self.scan_row = renumber[self.token_row[self.scan_tokens]]
         self.scan_len = max((n for n in self.lengths if n > 1), default=0)
+        self.scan_index = torch.where(~one, renumber, -1)
+        for row, offset, _ in self.snapshots:
+            if not 0 <= offset < self.lengths[row]:
+                raise ValueError(f"RecurrentBatch: snapshot at {offset} outside row {row}")
+        snaps = list(zip(*self.snapshots, strict=True)) or [(), (), ()]
+        self.snap_row, self.snap_pos, self.snap_slots = (
+            torch.tensor(v, dtype=torch.int64, device=device) for v in snaps
+        )
 
     @property
     def is_decode(self) -> bool:
@@ -196,19 +180,22 @@ class RecurrentBatch:
 
     @classmethod
     def of_lengths(
-        cls, lengths: list[int], slots: list[int], device: torch.device
+        cls,
+        lengths: list[int],
+        slots: list[int],
+        device: torch.device,
+        snapshots: list[tuple[int, int, int]] | None = None,
     ) -> RecurrentBatch:
         cu = [0]
         for n in lengths:
             cu.append(cu[-1] + n)
-        return cls(cu, torch.tensor(slots, dtype=torch.int64, device=device))
+        return cls(cu, torch.tensor(slots, dtype=torch.int64, device=device), snapshots or [])
 
 
 class RecurrentStates:
-    """STAND-IN for the engine's state slots until the cache manager holds recurrent state:
-    per Mamba layer, a conv pool ``[slots, d_conv - 1, conv_dim]`` and an SSM pool ``[slots,
-    heads, head_dim, d_state]``, with a free list. Tests and drivers allocate a slot per
-    request, pass ``RecurrentBatch``es naming the slots, and free them at the end."""
+    """Recurrent state pools for drivers outside the engine (the model oracles): per recurrent
+    layer a ``RecurrentCache`` of ``num_slots`` slots, with a free list. The engine keeps its
+    own (``runner/model_runner.py``; slots handed out by ``engine/kv_cache.py``)."""
 
     def __init__(
         self,
@@ -218,12 +205,7 @@ class RecurrentStates:
         device: torch.device | str = "cpu",
     ) -> None:
         self.specs = specs
-        self.conv = [
-            torch.zeros(num_slots, *s.conv_shape, dtype=dtype, device=device) for s in specs
-        ]
-        self.ssm = [
-            torch.zeros(num_slots, *s.ssm_shape, dtype=s.ssm_dtype, device=device) for s in specs
-        ]
+        self.caches = [s.allocate(num_slots, dtype, torch.device(device)) for s in specs]
         self.free_slots = list(range(num_slots))[::-1]
 
     def allocate(self) -> int:
@@ -231,8 +213,9 @@ class RecurrentStates:
         if not self.free_slots:
             raise RuntimeError("no free recurrent state slot")
         slot = self.free_slots.pop()
-        for pool in (*self.conv, *self.ssm):
-            pool[slot].zero_()
+        for cache in self.caches:
+            cache.conv[slot].zero_()
+            cache.ssm[slot].zero_()
         return slot
 
     def free(self, slot: int) -> None:
@@ -241,8 +224,9 @@ class RecurrentStates:
     def fork(self, slot: int) -> int:
         """A new slot holding a copy of ``slot``'s state (``n`` > 1, beam search)."""
         child = self.allocate()
-        for pool in (*self.conv, *self.ssm):
-            pool[child].copy_(pool[slot])
+        for cache in self.caches:
+            cache.conv[child].copy_(cache.conv[slot])
+            cache.ssm[child].copy_(cache.ssm[slot])
         return child
 
 
@@ -283,19 +267,16 @@ class Mamba2Mixer(nn.Module):
         self.out_proj = Linear(s.intermediate_size, s.hidden_size, bias=s.proj_bias)
 
     def forward(
-        self,
-        x: torch.Tensor,
-        conv_state: torch.Tensor,
-        ssm_state: torch.Tensor,
-        batch: RecurrentBatch,
+        self, x: torch.Tensor, cache: RecurrentCache, batch: RecurrentBatch
     ) -> torch.Tensor:
         """``[T, hidden]`` out for the batch's tokens ``x [T, hidden]``; the rows' states in the
-        pools ``conv_state [slots, d_conv - 1, conv_dim]`` and ``ssm_state [slots, heads,
-        head_dim, d_state]`` are read at ``batch.slots`` and updated in place."""
+        pools ``cache.conv [slots, d_conv - 1, conv_dim]`` and ``cache.ssm [slots, heads,
+        head_dim, d_state]`` are read at ``batch.slots`` and updated in place (and copied into
+        the snapshot slots the batch names)."""
         s = self.shape
         t = x.shape[0]
         z, xbc, dt = self.in_proj(x).split([s.intermediate_size, s.conv_dim, s.num_heads], -1)
-        xbc = F.silu(self._conv(xbc, conv_state, batch))
+        xbc = F.silu(self._conv(xbc, cache.conv, batch))
         bc = s.n_groups * s.state_size
         xs, b, c = xbc.split([s.intermediate_size, bc, bc], -1)
         dt = F.softplus(dt.float() + self.dt_bias.float())
@@ -305,15 +286,18 @@ class Mamba2Mixer(nn.Module):
         xs = xs.reshape(t, s.num_heads, s.head_dim).float()
         b = b.reshape(t, s.n_groups, s.state_size).float()
         c = c.reshape(t, s.n_groups, s.state_size).float()
+        ssm = cache.ssm
         if batch.is_decode:
-            y = _ssd_step(xs, dt, a, b, c, ssm_state, batch.slots)
+            y = _ssd_step(xs, dt, a, b, c, ssm, batch.slots)
         else:
             y = torch.empty_like(xs)
             if batch.one_tokens.numel():
                 i = batch.one_tokens
-                y[i] = _ssd_step(xs[i], dt[i], a, b[i], c[i], ssm_state, batch.one_slots)
+                y[i] = _ssd_step(xs[i], dt[i], a, b[i], c[i], ssm, batch.one_slots)
             i = batch.scan_tokens
-            y[i] = _ssd_rows(xs[i], dt[i], a, b[i], c[i], ssm_state, batch, s.chunk_size)
+            y[i] = _ssd_rows(xs[i], dt[i], a, b[i], c[i], ssm, batch, s.chunk_size)
+        if batch.snapshots:
+            _snapshot_one_token_rows(ssm, batch)
         y = y + xs * self.D.float()[:, None]
         y = self.norm(y.reshape(t, s.intermediate_size).to(x.dtype), z)
         return self.out_proj(y)
@@ -322,7 +306,8 @@ class Mamba2Mixer(nn.Module):
         self, xbc: torch.Tensor, conv_state: torch.Tensor, batch: RecurrentBatch
     ) -> torch.Tensor:
         """The causal depthwise convolution of each row, its window starting with the row's
-        conv state; the state becomes the row's last ``d_conv - 1`` inputs."""
+        conv state; the state becomes the row's last ``d_conv - 1`` inputs (a snapshot's, the
+        ``d_conv - 1`` inputs up to its token)."""
         k = self.shape.conv_kernel
         w = k - 1
         rows = len(batch.lengths)
@@ -343,7 +328,19 @@ class Mamba2Mixer(nn.Module):
         lengths = cu[1:] - cu[:-1]
         tail = ext[(base + lengths)[:, None] + torch.arange(w, device=xbc.device)]  # [R, w, C]
         conv_state[batch.slots] = tail.to(conv_state.dtype)
+        if batch.snapshots:  # the w inputs that end with the snapshot's token
+            ends = base[batch.snap_row] + batch.snap_pos + 1
+            snap = ext[ends[:, None] + torch.arange(w, device=xbc.device)]
+            conv_state[batch.snap_slots] = snap.to(conv_state.dtype)
         return out
+
+
+def _snapshot_one_token_rows(ssm_state: torch.Tensor, batch: RecurrentBatch) -> None:
+    """The snapshots of one-token rows: the row's state after the step (the scan's rows
+    leave theirs in ``_ssd_rows``)."""
+    one = batch.scan_index[batch.snap_row] < 0
+    if bool(one.any()):
+        ssm_state[batch.snap_slots[one]] = ssm_state[batch.slots[batch.snap_row[one]]]
 
 
 def _ssd_step(
@@ -391,8 +388,15 @@ def _ssd_rows(
         return out.view(rows, padded_len, *v.shape[1:])
 
     slots = batch.scan_slots
-    y, final = ssd_chunked(pad(x), pad(dt), a, pad(b), pad(c), ssm_state[slots].float(), q)
+    snap = batch.scan_index[batch.snap_row] if batch.snapshots else batch.snap_row
+    mid = snap >= 0
+    at = (snap[mid], batch.snap_pos[mid]) if bool(mid.any()) else None
+    y, final, states_at = ssd_chunked(
+        pad(x), pad(dt), a, pad(b), pad(c), ssm_state[slots].float(), q, at
+    )
     ssm_state[slots] = final.to(ssm_state.dtype)
+    if states_at is not None:
+        ssm_state[batch.snap_slots[mid]] = states_at.to(ssm_state.dtype)
     return y.reshape(rows * padded_len, *y.shape[2:])[flat]
 
 
@@ -415,11 +419,13 @@ def ssd_chunked(
     c: torch.Tensor,
     state: torch.Tensor,
     chunk: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    at: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The SSD scan of ``R`` rows of ``L`` tokens (``L`` a multiple of ``chunk``), float32:
     ``x [R, L, H, P]``, ``dt [R, L, H]`` (after softplus), ``a [H]`` (negative), ``b``, ``c``
     ``[R, L, G, N]``, ``state [R, H, P, N]`` the state before the first token. Returns ``y [R,
-    L, H, P]`` (without the D skip) and the state after the last token.
+    L, H, P]`` (without the D skip), the state after the last token, and (``at``: rows and
+    token indices ``[K]`` each) the states ``[K, H, P, N]`` after those tokens.
 
     Within a chunk the output is the masked quadratic form ``y_i = sum_{j<=i} (C_i . B_j)
     exp(sum_{j<k<=i} dt_k A) dt_j x_j``; across chunks the state is carried by the recurrence
@@ -449,4 +455,14 @@ def ssd_chunked(
         h = h * chunk_decay[:, i, :, None, None] + chunk_states[:, i]
     h_in = torch.stack(entering, dim=1)  # [R, C, H, P, N]
     y = y + torch.einsum("rcihn,rchpn->rcihp", c, h_in) * torch.exp(acum)[..., None]
-    return y.reshape(r, length, heads, p), h
+    states_at = None
+    if at is not None:  # from the state entering the token's chunk, over the chunk up to it
+        rows, pos = at
+        ci, j = pos // chunk, pos % chunk
+        acum_k = acum[rows, ci]  # [K, Q, H]
+        acum_j = acum_k.gather(1, j[:, None, None].expand(-1, 1, heads))  # [K, 1, H]
+        upto = torch.arange(chunk, device=x.device)[None, :] <= j[:, None]  # [K, Q]
+        weight = torch.exp(acum_j - acum_k).masked_fill(~upto[..., None], 0.0)
+        own = torch.einsum("kjh,kjhn,kjhp->khpn", weight, b[rows, ci], xdt[rows, ci])
+        states_at = h_in[rows, ci] * torch.exp(acum_j[:, 0])[:, :, None, None] + own
+    return y.reshape(r, length, heads, p), h, states_at

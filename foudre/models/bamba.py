@@ -5,8 +5,10 @@ Mamba-2 mixer (``layers/mamba.py``) in the layers of ``cfg.mamba_layers`` and Ll
 (q|k|v fused, RoPE over the first half of each head, paged KV through the attention backend) in
 the others (``attn_layer_indices``). ``forward`` takes both caches: the attention layers' paged
 KV (one tensor per attention layer, in order) with the backend's metadata, and the Mamba layers'
-state pools with the step's ``RecurrentBatch``. The engine holds no recurrent state yet, so
-``kv_cache_specs`` refuses (``RecurrentStateNotSupported``), as Mamba-2's does.
+state pools with the step's ``RecurrentBatch``: ``kv_cache_specs`` lists a ``FullAttentionSpec``
+for each attention layer and a ``RecurrentStateSpec`` for each Mamba layer, and the runner hands
+layer ``i`` its cache (KV pages or ``RecurrentCache``) and ``metadata.for_layer(i)`` (the
+attention metadata of its cache group, or the ``RecurrentBatch``).
 """
 
 from __future__ import annotations
@@ -18,15 +20,15 @@ import torch
 from torch import nn
 
 from foudre.attention import AttentionBackend
-from foudre.attention.cache_spec import FullAttentionSpec
-from foudre.layers.mamba import Mamba2Mixer, RecurrentBatch, RecurrentStates, RecurrentStateSpec
+from foudre.attention.cache_spec import CacheSpec, FullAttentionSpec, RecurrentStateSpec
+from foudre.layers.mamba import Mamba2Mixer, RecurrentStates
 from foudre.layers.mlp import GatedMLP
 from foudre.layers.moe import SparseMoeBlock
 from foudre.layers.norm import RMSNorm
 from foudre.layers.rotary import RotaryEmbedding
 from foudre.models.config import ModelConfig
 from foudre.models.llama import Attention, LlamaForCausalLM, LlamaModel
-from foudre.models.mamba2 import RecurrentStateNotSupported, mamba_shape
+from foudre.models.mamba2 import mamba_shape
 
 
 class BambaDecoderLayer(nn.Module):
@@ -42,21 +44,31 @@ class BambaDecoderLayer(nn.Module):
         self.pre_ff_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.feed_forward = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def mix(self, x: torch.Tensor, positions: torch.Tensor, cache: Any, step: Any) -> torch.Tensor:
-        """The mixer's output: ``cache`` is ``(conv, ssm)`` pools for a Mamba layer and ``step``
-        its ``RecurrentBatch``; for attention, the layer's KV pages and ``(backend,
-        metadata)``."""
+    def mix(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        cache: Any,
+        backend: AttentionBackend,
+        metadata: Any,
+    ) -> torch.Tensor:
+        """The mixer's output: ``cache`` is the layer's ``RecurrentCache`` and ``metadata`` the
+        step's ``RecurrentBatch`` for a Mamba layer; its KV pages and the backend's metadata
+        for attention."""
         if self.mamba is not None:
-            conv, ssm = cache
-            return self.mamba(x, conv, ssm, step)
+            return self.mamba(x, cache, metadata)
         assert self.self_attn is not None
-        backend, metadata = step
         return self.self_attn(positions, x, cache, backend, metadata)
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, cache: Any, step: Any
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        cache: Any,
+        backend: AttentionBackend,
+        metadata: Any,
     ) -> torch.Tensor:
-        x = x + self.mix(self.input_layernorm(x), positions, cache, step)
+        x = x + self.mix(positions, self.input_layernorm(x), cache, backend, metadata)
         return x + self.feed_forward(self.pre_ff_layernorm(x))
 
 
@@ -78,46 +90,23 @@ class BambaForCausalLM(LlamaForCausalLM):
         """None: Bamba's MLPs are dense."""
         return {}
 
-    def kv_cache_specs(self) -> list[Any]:
-        raise RecurrentStateNotSupported(self.config.architecture)
-
-    def attention_cache_specs(self) -> list[FullAttentionSpec]:
-        """Per attention layer, in order, what it keeps per token in the paged cache."""
-        attns = [layer.self_attn for layer in self._layers() if layer.self_attn is not None]
-        return [FullAttentionSpec(a.num_kv_heads, a.head_dim, a.sliding_window) for a in attns]
-
-    def recurrent_state_specs(self) -> list[RecurrentStateSpec]:
-        """Per Mamba layer, in order, what a request keeps."""
-        return [m.mamba.shape.state_spec() for m in self._layers() if m.mamba is not None]
-
-    def new_states(self, num_slots: int, device: torch.device | str = "cpu") -> RecurrentStates:
-        """State pools of ``num_slots`` requests (the stand-in for the engine's slots)."""
-        dtype = self.model.embed_tokens.weight.dtype
-        return RecurrentStates(self.recurrent_state_specs(), num_slots, dtype, device)
-
-    def forward(  # type: ignore[override]
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[torch.Tensor],
-        backend: AttentionBackend,
-        metadata: Any,
-        states: RecurrentStates,
-        batch: RecurrentBatch,
-    ) -> torch.Tensor:
-        """Final hidden states ``[T, hidden]`` of the flat tokens: the attention layers read
-        and write ``kv_caches`` (one per attention layer) through ``backend``, the Mamba layers
-        continue each row's state in ``states`` at ``batch.slots``."""
-        x = self.embed(input_ids)
-        kv = iter(kv_caches)
-        mamba = iter(range(len(states.conv)))
+    def kv_cache_specs(self) -> list[CacheSpec]:
+        """Per layer: K and V per token for attention, a state slot per request for Mamba."""
+        specs: list[CacheSpec] = []
         for layer in self._layers():
             if layer.mamba is not None:
-                i = next(mamba)
-                x = layer(x, positions, (states.conv[i], states.ssm[i]), batch)
+                specs.append(layer.mamba.shape.state_spec())
             else:
-                x = layer(x, positions, next(kv), (backend, metadata))
-        return self.model.norm(x)
+                a = layer.self_attn
+                assert a is not None
+                specs.append(FullAttentionSpec(a.num_kv_heads, a.head_dim, a.sliding_window))
+        return specs
+
+    def new_states(self, num_slots: int, device: torch.device | str = "cpu") -> RecurrentStates:
+        """State pools of ``num_slots`` requests for drivers outside the engine."""
+        dtype = self.model.embed_tokens.weight.dtype
+        specs = [s for s in self.kv_cache_specs() if isinstance(s, RecurrentStateSpec)]
+        return RecurrentStates(specs, num_slots, dtype, device)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(_renamed(weights))

@@ -92,10 +92,15 @@ class GraniteMoeHybridDecoderLayer(BambaDecoderLayer):
         self.residual_multiplier = cfg.residual_multiplier
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, cache: Any, step: Any
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        cache: Any,
+        backend: AttentionBackend,
+        metadata: Any,
     ) -> torch.Tensor:
         m = self.residual_multiplier
-        x = x + self.mix(self.input_layernorm(x), positions, cache, step) * m
+        x = x + self.mix(positions, self.input_layernorm(x), cache, backend, metadata) * m
         return x + self.mlp(self.post_attention_layernorm(x)) * m
 
 

@@ -1,10 +1,9 @@
 """Mamba-2 (``Mamba2ForCausalLM``): a stack of pre-norm Mamba-2 mixers, no attention.
 
-The model math only: ``forward`` takes the flat tokens of a batch of rows, the recurrent state
-pools and the step's ``RecurrentBatch`` (``layers/mamba.py``, which also describes what the
-engine integration needs). The engine does not hold recurrent state yet, so ``kv_cache_specs``
-refuses with ``RecurrentStateNotSupported``: ``LLM(...)`` on a Mamba-2 checkpoint stops there
-with that error instead of running without its state.
+Llama's interface (``forward(input_ids, positions, caches, backend, metadata)``) where every
+layer is recurrent: ``kv_cache_specs`` lists a ``RecurrentStateSpec`` per layer, the runner hands
+layer ``i`` its ``RecurrentCache`` and the step's ``RecurrentBatch`` (``metadata.for_layer(i)``);
+positions and the attention backend go unused (the state carries the positions).
 """
 
 from __future__ import annotations
@@ -15,26 +14,13 @@ from typing import cast
 import torch
 from torch import nn
 
-from foudre.layers.linear import Linear
-from foudre.layers.mamba import (
-    Mamba2Mixer,
-    Mamba2Shape,
-    RecurrentBatch,
-    RecurrentStates,
-    RecurrentStateSpec,
-)
+from foudre.attention import AttentionBackend
+from foudre.attention.cache_spec import CacheSpec, RecurrentCache, RecurrentStateSpec
+from foudre.layers.mamba import Mamba2Mixer, Mamba2Shape, RecurrentBatch, RecurrentStates
+from foudre.layers.moe import SparseMoeBlock
 from foudre.layers.norm import RMSNorm
 from foudre.models.config import ModelConfig
-
-
-class RecurrentStateNotSupported(NotImplementedError):
-    """The engine cannot serve a model with recurrent (Mamba) layers yet."""
-
-    def __init__(self, architecture: str) -> None:
-        super().__init__(
-            f"{architecture}: recurrent state cache not yet supported by the engine (its Mamba "
-            "layers need a state slot per request); the model runs only through its own forward"
-        )
+from foudre.models.llama import LlamaForCausalLM, LlamaModel
 
 
 def mamba_shape(cfg: ModelConfig) -> Mamba2Shape:
@@ -61,14 +47,19 @@ class Mamba2Block(nn.Module):
         self.mixer = Mamba2Mixer(mamba_shape(cfg))
 
     def forward(
-        self, x: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor, batch: RecurrentBatch
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        cache: RecurrentCache,
+        backend: AttentionBackend,
+        batch: RecurrentBatch,
     ) -> torch.Tensor:
-        return x + self.mixer(self.norm(x), conv, ssm, batch)
+        return x + self.mixer(self.norm(x), cache, batch)
 
 
-class Mamba2Model(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
+class Mamba2Model(LlamaModel):
+    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+        nn.Module.__init__(self)  # no RoPE
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Mamba2Block(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -83,46 +74,23 @@ _HF_PREFIXES = (
 )
 
 
-class Mamba2ForCausalLM(nn.Module):
+class Mamba2ForCausalLM(LlamaForCausalLM):
     """Mamba-2 language model over a flat batch; ``forward`` returns the final hidden states."""
 
-    def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
-        super().__init__()
-        del max_positions  # no positions: the state carries them
-        self.config = cfg
-        self.model = Mamba2Model(cfg)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.vocab_size = cfg.vocab_size
+    model_class = Mamba2Model
 
-    def recurrent_state_specs(self) -> list[RecurrentStateSpec]:
-        """Per Mamba layer (all of them), what a request keeps."""
+    def kv_cache_specs(self) -> list[CacheSpec]:
+        """Per layer (all Mamba), what a request keeps."""
         return [cast(Mamba2Block, b).mixer.shape.state_spec() for b in self.model.layers]
 
-    def kv_cache_specs(self) -> list[object]:
-        raise RecurrentStateNotSupported(self.config.architecture)
-
     def new_states(self, num_slots: int, device: torch.device | str = "cpu") -> RecurrentStates:
-        """State pools of ``num_slots`` requests (the stand-in for the engine's slots)."""
+        """State pools of ``num_slots`` requests for drivers outside the engine."""
         dtype = self.model.embed_tokens.weight.dtype
-        return RecurrentStates(self.recurrent_state_specs(), num_slots, dtype, device)
+        specs = [cast(RecurrentStateSpec, s) for s in self.kv_cache_specs()]
+        return RecurrentStates(specs, num_slots, dtype, device)
 
-    def forward(
-        self, input_ids: torch.Tensor, states: RecurrentStates, batch: RecurrentBatch
-    ) -> torch.Tensor:
-        """Final hidden states ``[T, hidden]`` of the flat tokens ``input_ids [T]``; each row
-        continues from its slot's state, left updated."""
-        x = self.model.embed_tokens(input_ids)
-        for i, block in enumerate(self.model.layers):
-            x = block(x, states.conv[i], states.ssm[i], batch)
-        return self.model.norm(x)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
-
-    def reset_moe_stats(self) -> None:
-        """No experts (the loader resets every model's)."""
+    def moe_blocks(self) -> dict[int, SparseMoeBlock]:
+        return {}
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors in; ``ValueError`` naming the tensor for an unknown

@@ -10,16 +10,19 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import torch
 
 from foudre.attention import AttentionBackend, BatchLayout
 from foudre.attention.base import GroupedMetadata
 from foudre.attention.cache_spec import (
+    AttentionSpec,
     CacheSpec,
     FullAttentionSpec,
     KVCacheGroup,
     LatentAttentionSpec,
+    RecurrentStateSpec,
     element_size,
     pages_of,
 )
@@ -39,7 +42,9 @@ from foudre.sample.sampler import sample
 _CPU_DEFAULT_KV_BYTES = 2 << 30
 
 
-def kv_bytes_per_token(spec: CacheSpec, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+def kv_bytes_per_token(
+    spec: AttentionSpec, dtype: torch.dtype, kv_cache_dtype: str = "auto"
+) -> int:
     """Bytes one token takes in a layer of ``spec`` (scales included when quantized).
     ``ValueError`` for a quantized latent cache (only full attention's K/V are quantized)."""
     if kv_cache_dtype == "auto":
@@ -56,9 +61,14 @@ def kv_bytes_per_token(spec: CacheSpec, dtype: torch.dtype, kv_cache_dtype: str 
 def kv_bytes_per_block(
     model: LlamaForCausalLM, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto"
 ) -> int:
-    """Bytes of one KV block across all of ``model``'s layers (the sum of their specs)."""
-    specs = model.kv_cache_specs()
+    """Bytes of one KV block across all of ``model``'s attention layers (the sum of their
+    specs; 0 for a model of recurrent layers only)."""
+    specs = attention_specs(model.kv_cache_specs())
     return block_size * sum(kv_bytes_per_token(s, dtype, kv_cache_dtype) for s in specs)
+
+
+def attention_specs(specs: Sequence[CacheSpec]) -> list[AttentionSpec]:
+    return [s for s in specs if not isinstance(s, RecurrentStateSpec)]
 
 
 def describe_kv_cache(
@@ -66,7 +76,7 @@ def describe_kv_cache(
 ) -> str:
     """One line for the startup log: the pool's blocks and bytes per token over all layers;
     for a latent cache, what plain K/V of every head would take instead."""
-    specs = model.kv_cache_specs()
+    specs = attention_specs(model.kv_cache_specs())
     per_token = sum(kv_bytes_per_token(s, dtype, kv_cache_dtype) for s in specs)
     line = f"KV cache: {num_blocks} blocks, {per_token} bytes per token over {len(specs)} layers"
     latent = [s for s in specs if isinstance(s, LatentAttentionSpec)]
@@ -83,7 +93,7 @@ def describe_kv_cache(
 
 
 def allocate_kv_caches(
-    specs: Sequence[CacheSpec],
+    specs: Sequence[AttentionSpec],
     num_blocks: int,
     block_size: int,
     dtype: torch.dtype,
@@ -120,21 +130,30 @@ def allocate_group_caches(
     dtype: torch.dtype,
     device: torch.device,
     kv_cache_dtype: str = "auto",
-) -> list[torch.Tensor] | list[QuantizedKVCache]:
-    """One cache per layer, as ``allocate_kv_caches``, for layers in cache ``groups`` of equal
-    size: ``size`` page tensors, layer ``j`` of every group on tensor ``j`` (a block id holds
-    the pages of the group that holds it; see ``attention/cache_spec.py``)."""
-    if len(groups) == 1:
-        return allocate_kv_caches(specs, num_blocks, block_size, dtype, device, kv_cache_dtype)
+    num_state_slots: int = 0,
+) -> list[Any]:
+    """One cache per layer: for the attention layers, as ``allocate_kv_caches``, in cache
+    ``groups`` of equal size (``size`` page tensors, layer ``j`` of every group on tensor
+    ``j``: a block id holds the pages of the group that holds it; see
+    ``attention/cache_spec.py``); for a recurrent layer, its ``RecurrentCache`` of
+    ``num_state_slots`` slots."""
     first = groups[0].layers
     shared = allocate_kv_caches(
-        [specs[i] for i in first], num_blocks, block_size, dtype, device, kv_cache_dtype
+        [cast(AttentionSpec, specs[i]) for i in first],
+        num_blocks,
+        block_size,
+        dtype,
+        device,
+        kv_cache_dtype,
     )
-    caches: list = [None] * len(specs)  # type: ignore[type-arg]
+    caches: list[Any] = [None] * len(specs)
     for group in groups:
         assert len(group.layers) == len(first), "cache groups of unequal sizes"
         for j, layer in enumerate(group.layers):
             caches[layer] = shared[j]
+    for i, spec in enumerate(specs):
+        if isinstance(spec, RecurrentStateSpec):
+            caches[i] = spec.allocate(num_state_slots, dtype, device)
     return caches
 
 
@@ -461,7 +480,7 @@ def _graphs(runner: ModelRunner, max_num_seqs: int, max_model_len: int) -> Decod
     cfg = runner.model.config
     tiles = None
     if isinstance(runner.backend, PagedBackend):  # verification and mixed steps in graphs too
-        kv_heads = runner.cache_specs[0].num_kv_heads_seen  # 1 for a latent cache
+        kv_heads = attention_specs(runner.cache_specs)[0].num_kv_heads_seen  # 1: latent
         tiles = runner.backend.tile_positions(cfg.num_attention_heads, kv_heads)
     return DecodeGraphs(
         runner.graph_forward,

@@ -1,6 +1,6 @@
-"""A stand-in for the engine around a hybrid model (Mamba layers and paged attention layers)
-until the engine holds recurrent state: the oracles of ``test_bamba.py`` and
-``test_granite_moe_hybrid.py`` drive the models through it."""
+"""A plain driver around a hybrid model (Mamba layers and paged attention layers), outside the
+engine: the model oracles of ``test_bamba.py`` and ``test_granite_moe_hybrid.py`` drive the
+models through it (the engine's own runs: ``tests/engine/test_recurrent.py``)."""
 
 from __future__ import annotations
 
@@ -8,14 +8,16 @@ import torch
 
 from foudre.attention import TorchSDPABackend
 from foudre.attention.base import BatchLayout
+from foudre.attention.cache_spec import RecurrentCache, RecurrentStateSpec
 from foudre.layers.mamba import RecurrentBatch
 from foudre.models.bamba import BambaForCausalLM
+from tests.oracles.ssm_models import step_metadata
 
 BLOCK = 4
 
 
 class HybridDriver:
-    """STAND-IN for the engine: per request a state slot and ``max_len / BLOCK`` KV blocks (a
+    """Per request a state slot and ``max_len / BLOCK`` KV blocks (a
     scattered permutation of the pool); ``step`` runs one forward over rows ``(request, new
     ids)`` and returns the logits of every new token, per row."""
 
@@ -24,9 +26,15 @@ class HybridDriver:
         per = -(-max_len // BLOCK)
         blocks = torch.randperm(requests * per, generator=torch.Generator().manual_seed(0))
         self.tables = [blocks[i * per : (i + 1) * per].tolist() for i in range(requests)]
-        specs = model.attention_cache_specs()
-        self.caches = [torch.zeros(s.page_shape(requests * per, BLOCK)) for s in specs]
+        self.specs = model.kv_cache_specs()
         self.states = model.new_states(requests)
+        recurrent = iter(self.states.caches)
+        self.caches = [
+            next(recurrent)
+            if isinstance(s, RecurrentStateSpec)
+            else torch.zeros(s.page_shape(requests * per, BLOCK))
+            for s in self.specs
+        ]
         self.slots = [self.states.allocate() for _ in range(requests)]
         self.computed = [0] * requests
         self.backend = TorchSDPABackend()
@@ -37,6 +45,8 @@ class HybridDriver:
         self.states.free(self.slots[child])
         self.slots[child] = self.states.fork(self.slots[parent])
         for cache in self.caches:
+            if isinstance(cache, RecurrentCache):
+                continue
             for a, b in zip(self.tables[parent], self.tables[child], strict=True):
                 cache[:, b] = cache[:, a]
         self.computed[child] = self.computed[parent]
@@ -66,9 +76,7 @@ class HybridDriver:
                 torch.tensor(positions),
                 self.caches,
                 self.backend,
-                metadata,
-                self.states,
-                batch,
+                step_metadata(self.specs, metadata, batch),
             )
             logits = self.model.compute_logits(hidden)
         for r, ids_ in rows:

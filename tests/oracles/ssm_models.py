@@ -8,6 +8,10 @@ from typing import Any
 
 import torch
 
+from foudre.attention.base import GroupedMetadata
+from foudre.attention.cache_spec import CacheSpec, RecurrentStateSpec
+from foudre.layers.mamba import RecurrentBatch
+
 
 def save_random(family: str, config: dict[str, Any], path: Path, seed: int = 0) -> Path:
     """A random-weight transformers ``{family}ForCausalLM`` of ``config`` saved in ``path``:
@@ -47,3 +51,10 @@ def hf_logits(hf: Any, ids: list[int]) -> torch.Tensor:
     """transformers' float32 logits of every position of ``ids``."""
     with torch.no_grad():
         return hf(torch.tensor([ids])).logits[0].float()
+
+
+def step_metadata(specs: list[CacheSpec], attention: Any, batch: RecurrentBatch) -> GroupedMetadata:
+    """A step's metadata as the runner builds it for a model of these per-layer specs: the
+    attention layers read ``attention``, the recurrent layers the ``RecurrentBatch``."""
+    of_layer = [1 if isinstance(s, RecurrentStateSpec) else 0 for s in specs]
+    return GroupedMetadata([attention, batch], of_layer)

@@ -1,13 +1,11 @@
 """Oracle: Bamba (``BambaForCausalLM``, Mamba-2 mixers and attention layers) against
 transformers on random small configs, float32.
 
-The engine does not hold recurrent state yet, so a plain driver stands in for it
-(``hybrid_driver.HybridDriver``): each request gets a state slot and blocks of a paged KV cache
-(handed out in a scattered order), and each step builds the attention backend's metadata and
-the ``RecurrentBatch`` of its rows. Compared with transformers: the logits of prompts
-prefilled in chunks then decoded token by token, of batches mixing prefills and decodes of
-other lengths, and greedy ids against ``generate``; ``LLM(...)`` refuses, naming the missing
-support.
+A plain driver runs the model (``hybrid_driver.HybridDriver``): each request gets a state slot
+and blocks of a paged KV cache (handed out in a scattered order), and each step builds the
+attention backend's metadata and the ``RecurrentBatch`` of its rows. Compared with
+transformers: the logits of prompts prefilled in chunks then decoded token by token, of batches
+mixing prefills and decodes of other lengths, and greedy ids against ``generate``.
 """
 
 from __future__ import annotations
@@ -18,9 +16,9 @@ from typing import Any
 import pytest
 import torch
 
+from foudre.attention.cache_spec import RecurrentStateSpec
 from foudre.loading.loader import load_model
 from foudre.models.bamba import BambaForCausalLM
-from foudre.models.mamba2 import RecurrentStateNotSupported
 from tests.oracles.hybrid_driver import HybridDriver
 from tests.oracles.ssm_models import hf_logits as _hf_logits
 from tests.oracles.ssm_models import prompt as _prompt
@@ -145,17 +143,9 @@ def test_layers_and_state_bytes(pair: Any) -> None:
     _, hf, ours = pair
     cfg = hf.config
     attn = cfg.attn_layer_indices
-    assert len(ours.attention_cache_specs()) == len(attn)
-    specs = ours.recurrent_state_specs()
+    specs = [s for s in ours.kv_cache_specs() if isinstance(s, RecurrentStateSpec)]
     assert len(specs) == cfg.num_hidden_layers - len(attn)
     inner = cfg.mamba_n_heads * cfg.mamba_d_head
     conv = (cfg.mamba_d_conv - 1) * (inner + 2 * cfg.mamba_n_groups * cfg.mamba_d_state) * 4
     ssm = inner * cfg.mamba_d_state * 4
     assert all(s.bytes_per_request(torch.float32) == conv + ssm for s in specs)
-
-
-def test_llm_refuses_until_the_engine_holds_state(pair: Any) -> None:
-    from foudre import LLM
-
-    with pytest.raises(RecurrentStateNotSupported, match="recurrent state cache not yet"):
-        LLM(str(pair[0]), dtype="float32", skip_tokenizer_init=True)

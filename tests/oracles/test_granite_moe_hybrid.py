@@ -13,7 +13,6 @@ import torch
 
 from foudre.loading.loader import load_model
 from foudre.models.granite_moe_hybrid import GraniteMoeHybridForCausalLM
-from foudre.models.mamba2 import RecurrentStateNotSupported
 from tests.oracles.hybrid_driver import HybridDriver
 from tests.oracles.ssm_models import hf_logits as _hf_logits
 from tests.oracles.ssm_models import prompt as _prompt
@@ -113,13 +112,6 @@ def test_greedy_ids_equal_generate(pair: Any) -> None:
         for g, lg in zip(got, logits, strict=True):
             g.append(int(lg[-1].argmax()))
     assert got == want
-
-
-def test_llm_refuses_until_the_engine_holds_state(pair: Any) -> None:
-    from foudre import LLM
-
-    with pytest.raises(RecurrentStateNotSupported, match="recurrent state cache not yet"):
-        LLM(str(pair[0]), dtype="float32", skip_tokenizer_init=True)
 
 
 @pytest.mark.parametrize(

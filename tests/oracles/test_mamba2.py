@@ -1,10 +1,10 @@
 """Oracle: Mamba-2 (``Mamba2ForCausalLM``) against transformers on random small configs, float32.
 
-The engine does not hold recurrent state yet, so the model runs through a plain driver here
-(``RecurrentStates``: a slot per request); ``LLM(...)`` on the checkpoint must refuse, naming
-the missing support. Compared: whole-sequence logits; a prompt prefilled in chunks then decoded
-token by token, its states carried; a batch of rows of different lengths (prefill and decode
-mixed) against each row alone; greedy ids against ``generate``.
+The model runs through a plain driver here (``RecurrentStates``: a slot per request; the
+engine's own runs are in ``tests/engine/test_recurrent.py``). Compared: whole-sequence logits;
+a prompt prefilled in chunks then decoded token by token, its states carried; a batch of rows
+of different lengths (prefill and decode mixed) against each row alone; greedy ids against
+``generate``.
 """
 
 from __future__ import annotations
@@ -15,12 +15,13 @@ from typing import Any
 import pytest
 import torch
 
+from foudre.attention import TorchSDPABackend
 from foudre.layers.mamba import RecurrentBatch, RecurrentStates, ssd_chunked
 from foudre.loading.loader import load_model
-from foudre.models.mamba2 import Mamba2ForCausalLM, RecurrentStateNotSupported
+from foudre.models.mamba2 import Mamba2ForCausalLM
 from tests.oracles.ssm_models import hf_logits as _hf_logits
 from tests.oracles.ssm_models import prompt as _prompt
-from tests.oracles.ssm_models import save_random
+from tests.oracles.ssm_models import save_random, step_metadata
 
 BASE: dict[str, Any] = dict(
     vocab_size=256,
@@ -79,8 +80,10 @@ def _step(
     """One forward over ``rows`` (slot, new ids): the logits of every new token, per row."""
     ids = torch.tensor([t for _, new in rows for t in new])
     batch = RecurrentBatch.of_lengths([len(n) for _, n in rows], [s for s, _ in rows], ids.device)
+    metadata = step_metadata(model.kv_cache_specs(), None, batch)
     with torch.no_grad():
-        logits = model.compute_logits(model(ids, states, batch))
+        hidden = model(ids, torch.zeros_like(ids), states.caches, TorchSDPABackend(), metadata)
+        logits = model.compute_logits(hidden)
     return list(logits.split([len(n) for _, n in rows]))
 
 
@@ -176,7 +179,7 @@ def test_scan_equals_recurrence() -> None:
     a = -torch.rand(heads) * 2
     b, c = torch.randn(r, length, groups, n), torch.randn(r, length, groups, n)
     h0 = torch.randn(r, heads, p, n)
-    y, h = ssd_chunked(x, dt, a, b, c, h0, 4)
+    y, h, _ = ssd_chunked(x, dt, a, b, c, h0, 4)
     state = h0.clone()
     bh, ch = b.repeat_interleave(2, 2), c.repeat_interleave(2, 2)
     for t in range(length):
@@ -194,17 +197,9 @@ def test_state_bytes_follow_the_config(pair: Any) -> None:
     per_layer = (
         cfg.conv_kernel - 1
     ) * conv_dim * 4 + cfg.num_heads * cfg.head_dim * cfg.state_size * 4
-    specs = ours.recurrent_state_specs()
+    specs = ours.kv_cache_specs()
     assert len(specs) == cfg.num_hidden_layers
     assert all(s.bytes_per_request(torch.float32) == per_layer for s in specs)
-
-
-def test_llm_refuses_until_the_engine_holds_state(pair: Any) -> None:
-    from foudre import LLM
-
-    path = pair[0]
-    with pytest.raises(RecurrentStateNotSupported, match="recurrent state cache not yet supported"):
-        LLM(str(path), dtype="float32", skip_tokenizer_init=True)
 
 
 def test_bad_checkpoints_name_the_key_or_tensor(tmp_path: Path) -> None:
@@ -244,7 +239,7 @@ def test_scan_in_slices_of_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     x, dt = torch.randn(2, 24, 4, 3), torch.rand(2, 24, 4) * 0.5
     a, b, c = -torch.rand(4), torch.randn(2, 24, 1, 5), torch.randn(2, 24, 1, 5)
     h0 = torch.randn(2, 4, 3, 5)
-    want = ssd_chunked(x, dt, a, b, c, h0, 4)
+    want = ssd_chunked(x, dt, a, b, c, h0, 4)[:2]
     monkeypatch.setattr(mamba, "SCAN_ELEMENTS", 2 * 4 * 4 * 4 * 2)  # two chunks at a time
-    got = ssd_chunked(x, dt, a, b, c, h0, 4)
+    got = ssd_chunked(x, dt, a, b, c, h0, 4)[:2]
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
