@@ -55,7 +55,12 @@ class HybridDriver:
                 cache[:, b] = cache[:, a]
         self.computed[child] = self.computed[parent]
 
-    def step(self, rows: list[tuple[int, list[int]]]) -> list[torch.Tensor]:
+    def step(
+        self,
+        rows: list[tuple[int, list[int]]],
+        snapshots: list[tuple[int, int, int]] | None = None,
+    ) -> list[torch.Tensor]:
+        """``snapshots``: the ``RecurrentBatch``'s (row, offset, slot) to fill."""
         lens = [len(ids) for _, ids in rows]
         positions, slot_mapping = [], []
         for req, ids in rows:
@@ -71,7 +76,7 @@ class HybridDriver:
         )
         metadata = self.backend.build_metadata(layout, torch.device("cpu"))
         batch = RecurrentBatch.of_lengths(
-            lens, [self.slots[r] for r, _ in rows], torch.device("cpu")
+            lens, [self.slots[r] for r, _ in rows], torch.device("cpu"), snapshots
         )
         ids = torch.tensor([t for _, new in rows for t in new])
         with torch.no_grad():

@@ -22,7 +22,7 @@ from foudre.loading.errors import ModelLoadError
 from foudre.loading.hf import load_hf_config
 from foudre.loading.loader import load_model
 from foudre.models.falcon_h1 import FalconH1ForCausalLM
-from tests.oracles.hybrid_driver import HybridDriver
+from tests.oracles.hybrid_driver import BLOCK, HybridDriver
 from tests.oracles.ssm_models import hf_logits as _hf_logits
 from tests.oracles.ssm_models import prompt as _prompt
 from tests.oracles.ssm_models import save_random
@@ -236,3 +236,37 @@ def test_config_defaults(tmp_path: Path) -> None:
     assert cfg.ssm_multipliers == (1.0,) * 5 and cfg.mlp_multipliers == (1.0, 1.0)
     assert cfg.embedding_multiplier == cfg.lm_head_multiplier == cfg.key_multiplier == 1.0
     assert cfg.mamba_layers == tuple(range(cfg.num_hidden_layers))
+
+
+def _restore(driver: HybridDriver, req: int, snapshot: int, source: int, tokens: int) -> None:
+    """Request ``req`` resumes after the first ``tokens`` of request ``source``, as a prefix
+    hit does: its state from the snapshot in slot ``snapshot``, its KV blocks copied."""
+    for cache in driver.states.caches:
+        cache.conv[driver.slots[req]] = cache.conv[snapshot]
+        cache.ssm[driver.slots[req]] = cache.ssm[snapshot]
+    blocks = -(-tokens // BLOCK)
+    for spec, cache in zip(driver.specs, driver.caches, strict=True):
+        if isinstance(spec, FullAttentionSpec):
+            src, dst = driver.tables[source][:blocks], driver.tables[req][:blocks]
+            cache[:, dst] = cache[:, src]
+    driver.computed[req] = tokens
+
+
+def test_snapshots_resume_a_prefix(pair: Any) -> None:
+    """The states a step leaves at chosen offsets (a prefix cache's block ends: within a
+    prefill chunk past the scan's first chunk, and a decode row) continue another request
+    from there with transformers' logits of the whole sequence."""
+    _, hf, ours = pair
+    ids = _prompt(100, 7)
+    want = _hf_logits(hf, ids)
+    driver = HybridDriver(ours, 3, 104)
+    spare = driver.slots[2]
+    driver.step([(0, ids[:90])], snapshots=[(0, 79, spare)])
+    _restore(driver, 1, spare, 0, 80)
+    got = driver.step([(1, ids[80:87])]) + [driver.step([(1, [t])])[0] for t in ids[87:92]]
+    torch.testing.assert_close(torch.cat(got), want[80:92], atol=1e-4, rtol=0)
+    (last,) = driver.step([(0, ids[90:91])], snapshots=[(0, 0, spare)])
+    torch.testing.assert_close(last, want[90:91], atol=1e-4, rtol=0)
+    _restore(driver, 1, spare, 0, 91)
+    (rest,) = driver.step([(1, ids[91:])])
+    torch.testing.assert_close(rest, want[91:], atol=1e-4, rtol=0)
