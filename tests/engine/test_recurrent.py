@@ -170,3 +170,28 @@ def test_what_cannot_run_yet_is_refused(family: Any) -> None:
         _llm(path, speculative_method="ngram")
     with pytest.raises(ValueError, match="kv_cache_memory"):
         _llm(path, kv_cache_memory=4096)
+
+
+def test_beam_search_forks_and_prunes_states(family: Any) -> None:
+    """Beam search (width 3): each surviving extra beam forks its parent's state, pruned beams
+    free theirs; the beams are transformers' ``generate(num_beams=3)``'s."""
+    import transformers
+
+    from foudre.sampling_params import BeamSearchParams
+
+    name, path, _, prompts, _ = family
+    hf = getattr(transformers, f"{name}ForCausalLM").from_pretrained(path, dtype=torch.float32)
+    hf.eval().generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = 0
+    llm = _llm(path)
+    ours = llm.beam_search(prompts[:3], BeamSearchParams(beam_width=3, max_tokens=STEPS))
+    for p, out in zip(prompts[:3], ours, strict=True):
+        ref = hf.generate(
+            torch.tensor([p]),
+            num_beams=3,
+            num_return_sequences=3,
+            do_sample=False,
+            max_new_tokens=STEPS,
+        )
+        assert [s.token_ids for s in out.sequences] == [r[len(p) :] for r in ref.tolist()]
+    _assert_pools_empty(llm)
