@@ -270,3 +270,26 @@ def test_snapshots_resume_a_prefix(pair: Any) -> None:
     _restore(driver, 1, spare, 0, 91)
     (rest,) = driver.step([(1, ids[91:])])
     torch.testing.assert_close(rest, want[91:], atol=1e-4, rtol=0)
+
+
+def test_llm_samples_with_a_seed(pair: Any) -> None:
+    """Through ``LLM``: ``n`` = 2 seeded samples (the second forks the first's state) are
+    valid ids, the same in a batch with other prompts as alone and on a second run, and every
+    slot and block is back in its pool at the end."""
+    from foudre import LLM, SamplingParams
+
+    path, _, _ = pair
+    llm = LLM(str(path), dtype="float32", skip_tokenizer_init=True, max_model_len=128)
+    params = SamplingParams(temperature=0.9, max_tokens=8, ignore_eos=True, n=2, seed=1234)
+    prompts = [_prompt(n, 60 + n) for n in (21, 5, 48)]
+
+    def samples(batch: list[list[int]]) -> list[list[int]]:
+        return [list(c.token_ids) for c in llm.generate(batch, params)[0].outputs]
+
+    alone = samples(prompts[:1])
+    assert len(alone) == 2 and all(len(s) == 8 and all(0 <= t < 256 for t in s) for s in alone)
+    assert samples(prompts) == alone
+    assert samples(prompts[:1]) == alone
+    kv = llm.engine.kv
+    assert kv.num_free_blocks == kv.num_blocks
+    assert kv.states is not None and len(kv.states.free_slots) == kv.states.num_slots
