@@ -83,8 +83,13 @@ CASES: dict[str, dict[str, Any]] = {
         "key_multiplier": 1.0,
         "num_hidden_layers": 3,
     },
-    # the norm after the gate (Mamba-2's), head_dim from hidden_size / heads
-    "norm-after-gate": {"mamba_norm_before_gate": False, "head_dim": DROP},
+    # the norm after the gate (Mamba-2's), head_dim from hidden_size / heads, a bias in the
+    # mixer's in_proj (mamba_proj_bias) but not its out_proj (projectors_bias)
+    "norm-after-gate": {
+        "mamba_norm_before_gate": False,
+        "head_dim": DROP,
+        "projectors_bias": False,
+    },
 }
 
 
