@@ -12,6 +12,7 @@ SUPPORTED_ARCHITECTURES = (
     "phi3",
     "gemma3",
     "mamba2", "bamba", "granitemoehybrid",
+    "qwen3_next",
 )  # fmt: skip
 # How a mixture-of-experts router scores the experts before its top-k: a softmax over all of
 # them (Mixtral, Qwen-MoE, OLMoE), or DeepSeek-V3's sigmoid scores with a selection bias and a
@@ -130,6 +131,16 @@ class ModelConfig:
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
     use_rope: bool = True
+    # Qwen3-Next (``models/qwen3_next.py``): the layers of ``linear_layers`` are gated DeltaNet
+    # mixers (``layers/gated_deltanet.GatedDeltaNetShape``: q/k heads of ``linear_key_head_dim``,
+    # value heads of ``linear_value_head_dim``, a causal conv of ``linear_conv_kernel`` taps),
+    # the others gated attention; every RMSNorm is zero-centred (``1 + weight``)
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel: int = 4
+    linear_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -150,6 +161,9 @@ class ModelConfig:
         )
         if any(not 0 <= i < self.num_hidden_layers for i in self.mamba_layers):
             raise ValueError(f"mamba_layers {list(self.mamba_layers)} name layers past the model")
+        self.linear_layers = tuple(self.linear_layers)
+        if any(not 0 <= i < self.num_hidden_layers for i in self.linear_layers):
+            raise ValueError(f"linear_layers {list(self.linear_layers)} name layers past the model")
         if self.layer_types is not None:
             self.layer_types = tuple(self.layer_types)
             if len(self.layer_types) != self.num_hidden_layers or not set(self.layer_types) <= {
