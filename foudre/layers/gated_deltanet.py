@@ -354,9 +354,10 @@ def gated_delta_chunked(
     step = max(1, DELTA_ELEMENTS // (r * heads * chunk * max(chunk, dk, dv)))
     for lo in range(0, n, step):
         part = slice(lo, lo + step)
-        u0, w, attn, q_in, k_out, cum[:, part] = _chunk_terms(
+        u0, w, attn, q_in, k_out, cum_part = _chunk_terms(
             q[:, part], k[:, part], v[:, part], g[:, part], beta[:, part]
         )
+        cum[:, part] = cum_part  # (kept for the snapshots)
         for i in range(u0.shape[1]):
             c = lo + i
             if c in wanted:
