@@ -262,18 +262,29 @@ def test_layers_and_state_bytes(pair: Any) -> None:
         assert specs[i].bytes_per_request(torch.float32) == conv + state  # type: ignore[union-attr]
 
 
-def test_mtp_weights_are_skipped(tmp_path: Path) -> None:
-    """A checkpoint with multi-token-prediction tensors loads (they are not run)."""
+def test_checkpoint_tensors_skipped_or_named(tmp_path: Path) -> None:
+    """Multi-token-prediction tensors are skipped; a missing DeltaNet tensor and a q_proj
+    without its gate rows are refused, naming the tensor."""
     from safetensors.torch import load_file, save_file
 
+    from foudre.loading.errors import ModelLoadError
+
     path = make_qwen3_next(tmp_path / "m")
-    tensors = load_file(path / "model.safetensors")
-    tensors["mtp.fc.weight"] = torch.zeros(64, 128)
-    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
-    assert isinstance(
-        load_model(str(path), None, "float32", torch.device("cpu"), None).model,
-        Qwen3NextForCausalLM,
-    )
+    original = load_file(path / "model.safetensors")
+
+    def load_with(tensors: dict[str, torch.Tensor]) -> Any:
+        save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+        return load_model(str(path), None, "float32", torch.device("cpu"), None).model
+
+    mtp = {**original, "mtp.fc.weight": torch.zeros(64, 128)}
+    assert isinstance(load_with(mtp), Qwen3NextForCausalLM)
+    missing = {k: v for k, v in original.items() if k != "model.layers.2.linear_attn.A_log"}
+    with pytest.raises(ModelLoadError, match=r"model\.layers\.2\.linear_attn\.A_log.* missing"):
+        load_with(missing)
+    name = "model.layers.1.self_attn.q_proj.weight"
+    halved = {**original, name: original[name][:64]}
+    with pytest.raises(ModelLoadError, match=r"model\.layers\.1\.self_attn\.q_proj"):
+        load_with(halved)
 
 
 @pytest.mark.parametrize(
@@ -321,3 +332,6 @@ def test_interval_gives_the_layers(tmp_path: Path) -> None:
     assert cfg.linear_layers == (0, 2, 4)
     assert cfg.partial_rotary_factor == 0.5
     assert cfg.shared_expert_gate and cfg.norm_topk_prob
+    raw["num_experts"] = 0  # dense MLPs everywhere, as transformers builds it
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    assert not load_hf_config(tmp_path).is_moe
