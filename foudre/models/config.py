@@ -13,6 +13,7 @@ SUPPORTED_ARCHITECTURES = (
     "gemma3",
     "mamba2", "bamba", "granitemoehybrid",
     "falcon_h1",
+    "qwen3_next",
 )  # fmt: skip
 # How a mixture-of-experts router scores the experts before its top-k: a softmax over all of
 # them (Mixtral, Qwen-MoE, OLMoE), or DeepSeek-V3's sigmoid scores with a selection bias and a
@@ -150,6 +151,16 @@ class ModelConfig:
     lm_head_multiplier: float = 1.0
     mamba_gate_norm: str = "after_gate"
     mamba_out_proj_bias: bool | None = None
+    # Qwen3-Next (``models/qwen3_next.py``): the layers of ``linear_layers`` are gated DeltaNet
+    # mixers (``layers/gated_deltanet.GatedDeltaNetShape``: q/k heads of ``linear_key_head_dim``,
+    # value heads of ``linear_value_head_dim``, a causal conv of ``linear_conv_kernel`` taps),
+    # the others gated attention; every RMSNorm is zero-centred (``1 + weight``)
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel: int = 4
+    linear_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -163,20 +174,7 @@ class ModelConfig:
                 f"num_attention_heads={self.num_attention_heads}"
             )
         self.mlp_only_layers = tuple(self.mlp_only_layers)
-        self.mamba_layers = tuple(self.mamba_layers)
-        if len(self.ssm_multipliers) != 5 or len(self.mlp_multipliers) != 2:
-            raise ValueError(
-                f"ssm_multipliers must hold 5 values and mlp_multipliers 2, got "
-                f"{list(self.ssm_multipliers)} and {list(self.mlp_multipliers)}"
-            )
-        self.ssm_multipliers = tuple(float(m) for m in self.ssm_multipliers)
-        self.mlp_multipliers = (float(self.mlp_multipliers[0]), float(self.mlp_multipliers[1]))
-        self.mamba_time_step_limit = (
-            float(self.mamba_time_step_limit[0]),
-            float(self.mamba_time_step_limit[1]),
-        )
-        if any(not 0 <= i < self.num_hidden_layers for i in self.mamba_layers):
-            raise ValueError(f"mamba_layers {list(self.mamba_layers)} name layers past the model")
+        self._check_recurrent()
         if self.layer_types is not None:
             self.layer_types = tuple(self.layer_types)
             if len(self.layer_types) != self.num_hidden_layers or not set(self.layer_types) <= {
@@ -229,6 +227,27 @@ class ModelConfig:
                     raise ValueError(f"{name} must be positive for latent attention")
             if self.qk_rope_head_dim % 2:
                 raise ValueError("qk_rope_head_dim must be even (RoPE rotates pairs)")
+
+    def _check_recurrent(self) -> None:
+        """The state-space and hybrid families' fields (Mamba and linear-attention layers,
+        Falcon-H1's multipliers), made tuples."""
+        self.mamba_layers = tuple(self.mamba_layers)
+        if len(self.ssm_multipliers) != 5 or len(self.mlp_multipliers) != 2:
+            raise ValueError(
+                f"ssm_multipliers must hold 5 values and mlp_multipliers 2, got "
+                f"{list(self.ssm_multipliers)} and {list(self.mlp_multipliers)}"
+            )
+        self.ssm_multipliers = tuple(float(m) for m in self.ssm_multipliers)
+        self.mlp_multipliers = (float(self.mlp_multipliers[0]), float(self.mlp_multipliers[1]))
+        self.mamba_time_step_limit = (
+            float(self.mamba_time_step_limit[0]),
+            float(self.mamba_time_step_limit[1]),
+        )
+        if any(not 0 <= i < self.num_hidden_layers for i in self.mamba_layers):
+            raise ValueError(f"mamba_layers {list(self.mamba_layers)} name layers past the model")
+        self.linear_layers = tuple(self.linear_layers)
+        if any(not 0 <= i < self.num_hidden_layers for i in self.linear_layers):
+            raise ValueError(f"linear_layers {list(self.linear_layers)} name layers past the model")
 
     @property
     def is_moe(self) -> bool:

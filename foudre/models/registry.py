@@ -20,6 +20,7 @@ from foudre.models.granite_moe_hybrid import GraniteMoeHybridForCausalLM
 from foudre.models.llama import LlamaForCausalLM
 from foudre.models.mamba2 import Mamba2ForCausalLM
 from foudre.models.phi3 import Phi3ForCausalLM
+from foudre.models.qwen3_next import Qwen3NextForCausalLM
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
     arch: LlamaForCausalLM
@@ -34,6 +35,7 @@ MODEL_CLASSES["mamba2"] = Mamba2ForCausalLM
 MODEL_CLASSES["bamba"] = BambaForCausalLM
 MODEL_CLASSES["granitemoehybrid"] = GraniteMoeHybridForCausalLM
 MODEL_CLASSES["falcon_h1"] = FalconH1ForCausalLM
+MODEL_CLASSES["qwen3_next"] = Qwen3NextForCausalLM
 
 
 def model_class(cfg: ModelConfig) -> type[nn.Module]:
