@@ -3,6 +3,8 @@ place in its pool slot (``slots[r]``), batched over rows.
 
 - ``selective_state_update``: Mamba-2's step ``h = exp(dt A) h + dt x B^T``, ``y = h C (+ D x)``
   over a pool ``[slots, heads, head_dim, d_state]`` float32;
+- ``ssd_scan``: the same recurrence token after token over the rows of a prefill (states at
+  chosen tokens copied out: the prefix cache's snapshots);
 - ``causal_conv1d_update``: the depthwise causal convolution of a row's new input after its
   window state ``[slots, window, channels]`` (float32 or bfloat16), which then shifts by one;
 - ``gated_delta_rule_update``: the gated DeltaNet step (Qwen3-Next) ``S = S exp(g)``,
@@ -20,6 +22,7 @@ untouched; rows must name distinct slots. ``FOUDRE_SSM_NATIVE=0`` turns the C++ 
 from __future__ import annotations
 
 import ctypes
+import itertools
 import os
 from functools import lru_cache
 from typing import Any
@@ -38,6 +41,10 @@ _SIGNATURES: dict[str, list[Any]] = {
     # state, slot_stride, slots, rows, heads, head_dim, d_state, groups, x, x_stride, dt,
     # dt_stride, a, b, b_stride, c, c_stride, d, y
     "foudre_ssm_update": [_P, _I64, _P, *[_I64] * 5, *[_P, _I64] * 2, _P, *[_P, _I64] * 2, _P, _P],
+    # state, slot_stride, slots, cu, rows, heads, head_dim, d_state, groups, x, x_stride, dt,
+    # dt_stride, a, b, b_stride, c, c_stride, d, snap_slot, y
+    "foudre_ssm_scan": [_P, _I64, _P, _P, *[_I64] * 5, *[_P, _I64] * 2, _P, *[_P, _I64] * 2]
+    + [_P] * 3,
     # state, slot_stride, slots, rows, channels, window, x, x_stride, weight, w_stride_c,
     # w_stride_k, bias, silu, out
     "foudre_conv_update_f32": [_P, _I64, _P, *[_I64] * 3, _P, _I64, _P, _I64, _I64, _P, _INT, _P],
@@ -189,6 +196,99 @@ def selective_state_update_reference(
     state[slots] = h.to(state.dtype)
     y = torch.einsum("rhpn,rhn->rhp", h, c)
     return y if d is None else y + x * d.float()[:, None]
+
+
+# ---------------------------------------------------------------- selective scan (prefill)
+
+
+def ssd_scan(
+    state: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    cu_seqlens: list[int],
+    slots: torch.Tensor,
+    d: torch.Tensor | None = None,
+    snapshots: list[tuple[int, int, int]] | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Mamba-2's recurrence over the rows of a prefill step, exactly ``selective_state_update``
+    token after token: row ``r`` owns the flat tokens ``cu_seqlens[r]:cu_seqlens[r+1]`` of
+    ``x [T, heads, head_dim]``, ``dt [T, heads]``, ``b``, ``c [T, groups, d_state]`` and
+    continues the state at ``slots[r]`` (left there after its last token, in place); each
+    ``snapshots`` entry ``(row, offset, slot)`` also leaves the state after the row's token
+    ``offset`` in pool slot ``slot``. Returns ``y [T, heads, head_dim]`` float32 (``+ d x``
+    where ``d`` is given). (The native and Triton kernels keep a head's state in cache or
+    registers across the row's tokens: no chunked quadratic form.)"""
+    t, heads, head_dim = x.shape
+    groups, d_state = b.shape[1], b.shape[2]
+    rows = len(cu_seqlens) - 1
+    if state.shape[1:] != (heads, head_dim, d_state) or heads % groups:
+        raise ValueError(f"state {tuple(state.shape)} does not fit x {tuple(x.shape)}, b")
+    if cu_seqlens[-1] - cu_seqlens[0] != t:
+        raise ValueError(f"cu_seqlens {cu_seqlens} does not cover the {t} tokens")
+    _check_pool(state, slots, rows)
+    snapshots = snapshots or []
+    which = _backend(backend, state, (torch.float32,), x, dt, b, c, d)
+    if which == "torch" or t == 0:
+        return ssd_scan_reference(state, x, dt, a, b, c, cu_seqlens, slots, d, snapshots)
+    f32 = torch.float32
+    x, dt, b, c = (_rows(v, f32) for v in (x, dt, b, c))
+    a = a.to(f32).contiguous()
+    d = None if d is None else d.to(f32).contiguous()
+    cu = [n - cu_seqlens[0] for n in cu_seqlens]
+    snap = None
+    if snapshots:
+        snap = torch.full((t,), -1, dtype=torch.int64)
+        for row, offset, slot in snapshots:
+            if not 0 <= offset < cu[row + 1] - cu[row]:
+                raise ValueError(f"snapshot at {offset} outside row {row}")
+            snap[cu[row] + offset] = slot
+        snap = snap.to(x.device)
+    cu_t = torch.tensor(cu, dtype=torch.int64, device=x.device)
+    if which == "triton":
+        return _triton().ssm_scan(state, x, dt, a, b, c, cu_t, slots, d, snap)
+    dll = library()
+    if dll is None:
+        raise RuntimeError("the native SSM kernels are not available")
+    y = torch.empty(t, heads, head_dim, dtype=f32)
+    dll.foudre_ssm_scan(
+        state.data_ptr(), state.stride(0), slots.data_ptr(), cu_t.data_ptr(), rows, heads,
+        head_dim, d_state, groups, x.data_ptr(), x.stride(0), dt.data_ptr(), dt.stride(0),
+        a.data_ptr(), b.data_ptr(), b.stride(0), c.data_ptr(), c.stride(0),
+        0 if d is None else d.data_ptr(), 0 if snap is None else snap.data_ptr(), y.data_ptr(),
+    )  # fmt: skip
+    return y
+
+
+def ssd_scan_reference(
+    state: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    cu_seqlens: list[int],
+    slots: torch.Tensor,
+    d: torch.Tensor | None = None,
+    snapshots: list[tuple[int, int, int]] | None = None,
+) -> torch.Tensor:
+    """``ssd_scan`` in torch ops: ``selective_state_update_reference`` at each position, over
+    the rows that have a token there."""
+    cu = [n - cu_seqlens[0] for n in cu_seqlens]
+    lengths = [hi - lo for lo, hi in itertools.pairwise(cu)]
+    y = x.new_empty(x.shape, dtype=torch.float32)
+    for pos in range(max(lengths, default=0)):
+        rows = [r for r, n in enumerate(lengths) if n > pos]
+        tok = torch.tensor([cu[r] + pos for r in rows], device=x.device)
+        at = slots[torch.tensor(rows, device=slots.device)]
+        y[tok] = selective_state_update_reference(state, x[tok], dt[tok], a, b[tok], c[tok], at, d)
+        for row, offset, slot in snapshots or []:
+            if offset == pos:
+                state[slot] = state[slots[row]]
+    return y
 
 
 # ---------------------------------------------------------------- causal conv1d update

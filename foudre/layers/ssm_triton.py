@@ -4,6 +4,9 @@ in place and writes the row's output; nothing is gathered into a batch or scatte
 
 - ``_ssm_update``: one program per (row, head, block of head_dim): the state tile ``[BLOCK_P,
   d_state]`` ``h = exp(dt a) h + (dt x) B^T``, then ``y = h C (+ D x)``;
+- ``_ssm_scan``: the same programs over each row's tokens of a prefill, the tile kept in
+  registers between tokens (the state written back once, and after each token that the
+  prefix cache snapshots);
 - ``_conv_update``: one program per (row, block of channels): the window's taps and the new
   input against the weight, then the window shifts by one (each channel is its program's);
 - ``_delta_update``: one program per (row, value head, block of dv): the columns ``[dk,
@@ -75,6 +78,70 @@ def ssm_update(
         state.stride(0), x.stride(0), dt.stride(0), b.stride(0), c.stride(0), heads,
         heads // groups, HEAD_DIM=head_dim, D_STATE=d_state, BLOCK_P=block_p, N_P2=n_p2,
         HAS_D=d is not None,
+    )  # fmt: skip
+    return y
+
+
+@triton.jit
+def _ssm_scan(
+    state_ptr, slots_ptr, cu_ptr, snap_ptr, x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, y_ptr,
+    slot_stride, x_stride, dt_stride, b_stride, c_stride, heads, per_group,
+    HEAD_DIM: tl.constexpr, D_STATE: tl.constexpr, BLOCK_P: tl.constexpr,
+    N_P2: tl.constexpr, HAS_D: tl.constexpr, SNAPS: tl.constexpr,
+):  # fmt: skip
+    """``_ssm_update`` over a row's tokens, the state tile kept in registers between them."""
+    r = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
+    n = tl.arange(0, N_P2)
+    grp = h // per_group
+    pm, nm = p < HEAD_DIM, n < D_STATE
+    mask = pm[:, None] & nm[None, :]
+    tile = h * (HEAD_DIM * D_STATE) + p[:, None] * D_STATE + n[None, :]
+    ptrs = state_ptr + tl.load(slots_ptr + r) * slot_stride + tile
+    s = tl.load(ptrs, mask=mask, other=0.0)
+    a = tl.load(a_ptr + h)
+    skip = tl.load(d_ptr + h) if HAS_D else 0.0
+    for t in range(tl.load(cu_ptr + r), tl.load(cu_ptr + r + 1)):
+        dt = tl.load(dt_ptr + t * dt_stride + h)
+        x = tl.load(x_ptr + t * x_stride + h * HEAD_DIM + p, mask=pm, other=0.0)
+        b = tl.load(b_ptr + t * b_stride + grp * D_STATE + n, mask=nm, other=0.0)
+        c = tl.load(c_ptr + t * c_stride + grp * D_STATE + n, mask=nm, other=0.0)
+        s = s * tl.exp(dt * a) + (dt * x)[:, None] * b[None, :]
+        y = tl.sum(s * c[None, :], axis=1) + x * skip
+        tl.store(y_ptr + (t * heads + h) * HEAD_DIM + p, y, mask=pm)
+        if SNAPS:
+            snap = tl.load(snap_ptr + t)
+            if snap >= 0:
+                tl.store(state_ptr + snap * slot_stride + tile, s, mask=mask)
+    tl.store(ptrs, s, mask=mask)
+
+
+def ssm_scan(
+    state: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    cu: torch.Tensor,
+    slots: torch.Tensor,
+    d: torch.Tensor | None,
+    snap: torch.Tensor | None,
+) -> torch.Tensor:
+    """``ssm_ops.ssd_scan`` (float32 inputs, each token's row contiguous; ``cu [R + 1]`` from 0,
+    ``snap [T]``: the slot to copy the state into after each token, -1 none)."""
+    t, heads, head_dim = x.shape
+    groups, d_state = b.shape[1], b.shape[2]
+    y = torch.empty(t, heads, head_dim, dtype=torch.float32, device=x.device)
+    n_p2 = triton.next_power_of_2(d_state)
+    block_p = min(triton.next_power_of_2(head_dim), max(1, 4096 // n_p2))
+    grid = (slots.shape[0], heads, triton.cdiv(head_dim, block_p))
+    _ssm_scan[grid](
+        state, slots, cu, cu if snap is None else snap, x, dt, a, b, c, a if d is None else d,
+        y, state.stride(0), x.stride(0), dt.stride(0), b.stride(0), c.stride(0), heads,
+        heads // groups, HEAD_DIM=head_dim, D_STATE=d_state, BLOCK_P=block_p, N_P2=n_p2,
+        HAS_D=d is not None, SNAPS=snap is not None,
     )  # fmt: skip
     return y
 

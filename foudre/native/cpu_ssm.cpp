@@ -3,6 +3,8 @@
 //
 //   foudre_ssm_update     Mamba-2's selective-state update: h = exp(dt A) h + dt x B^T,
 //                         y = h C (+ D x), h [heads, head_dim, d_state] float32 per slot
+//   foudre_ssm_scan       the same, token by token over each row of a prefill (the state stays
+//                         in cache between tokens), snapshots of the state after chosen tokens
 //   foudre_conv_update_*  the causal depthwise conv1d over a window state [window, channels]
 //                         (float32 or bfloat16) and the row's new input, then the window shifts
 //   foudre_gated_delta_*  the gated delta rule (gated DeltaNet): S = S exp(g);
@@ -184,7 +186,8 @@ void conv_row(T* state, int64_t channels, int64_t window, const T* x, const T* w
     acc += to_float(x[c]) * to_float(w[window * w_stride_k]);
     if (bias) acc += to_float(bias[c]);
     if (silu) acc = acc / (1.0f + std::exp(-acc));
-    for (int64_t k = 0; k + 1 < window; ++k) state[k * channels + c] = state[(k + 1) * channels + c];
+    for (int64_t k = 0; k + 1 < window; ++k)
+      state[k * channels + c] = state[(k + 1) * channels + c];
     if (window > 0) state[(window - 1) * channels + c] = x[c];
     from_float(acc, out + c);
   }
@@ -232,6 +235,34 @@ void foudre_ssm_update(float* state, int64_t slot_stride, const int64_t* slots, 
              x + r * x_stride + h * head_dim, dt[r * dt_stride + h], a[h],
              b + r * b_stride + g * d_state, c + r * c_stride + g * d_state, d ? d + h : nullptr,
              y + i * head_dim);
+  }
+}
+
+// The selective scan of a prefill: row r's tokens cu[r]..cu[r+1] (x [T, heads, head_dim], dt
+// [T, heads], B and C [T, groups, d_state], each with its token stride) one after the other
+// from the state at slots[r], updated in place (as foudre_ssm_update, token by token); y [T,
+// heads, head_dim] contiguous. Where snap_slot (null: none) names a slot >= 0 for a token, the
+// state after that token is also copied there (the prefix cache's snapshots).
+void foudre_ssm_scan(float* state, int64_t slot_stride, const int64_t* slots, const int64_t* cu,
+                     int64_t rows, int64_t heads, int64_t head_dim, int64_t d_state,
+                     int64_t groups, const float* x, int64_t x_stride, const float* dt,
+                     int64_t dt_stride, const float* a, const float* b, int64_t b_stride,
+                     const float* c, int64_t c_stride, const float* d, const int64_t* snap_slot,
+                     float* y) {
+  const int64_t per_group = heads / groups, size = head_dim * d_state;
+  const int64_t pairs = rows * heads;
+  const bool parallel = pairs > 1 && (cu[rows] - cu[0]) * heads * size >= kParallelElements;
+#pragma omp parallel for schedule(dynamic, 1) if (parallel)
+  for (int64_t i = 0; i < pairs; ++i) {
+    const int64_t r = i / heads, h = i % heads, g = h / per_group;
+    float* hs = state + slots[r] * slot_stride + h * size;
+    for (int64_t t = cu[r]; t < cu[r + 1]; ++t) {
+      ssm_head(hs, head_dim, d_state, x + t * x_stride + h * head_dim, dt[t * dt_stride + h], a[h],
+               b + t * b_stride + g * d_state, c + t * c_stride + g * d_state,
+               d ? d + h : nullptr, y + (t * heads + h) * head_dim);
+      if (snap_slot && snap_slot[t] >= 0)
+        std::memcpy(state + snap_slot[t] * slot_stride + h * size, hs, size * sizeof(float));
+    }
   }
 }
 

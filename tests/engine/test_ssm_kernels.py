@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from foudre.layers import ssm_ops
+from foudre.layers.mamba import ssd_chunked
 from foudre.native import build as native
 from tests.engine.march import native_paths, run_built_for
 from tests.triton_check import run_triton_check
@@ -80,6 +81,41 @@ def check_selective_state_update(backend: str = "native", device: str = "cpu") -
             assert got.dtype == torch.float32 and got.shape == ref.shape
             _assert_pools(got_state, ref_state, state, slots, atol=1e-6, rtol=1e-6)
             torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+# (row lengths, heads, head_dim, d_state, groups)
+SCAN_SHAPES = [([1, 5, 17, 3], 6, 4, 20, 2), ([40], 3, 5, 7, 3), ([2, 9], 1, 8, 16, 1)]
+
+
+def check_ssd_scan(backend: str = "native", device: str = "cpu") -> None:
+    g = torch.Generator().manual_seed(3)
+    for lengths, heads, p, n, groups in SCAN_SHAPES:
+        rows, t = len(lengths), sum(lengths)
+        cu = [7]  # (a step's tokens need not start at 0)
+        for length in lengths:
+            cu.append(cu[-1] + length)
+        pool = 2 * rows + 4
+        perm = torch.randperm(pool, generator=g)
+        slots, spare = perm[:rows].clone(), perm[rows:].tolist()
+        # the state after a middle token, after a row's last, after a row's first
+        snapshots = [(rows - 1, lengths[-1] // 2, spare[0]), (0, lengths[0] - 1, spare[1])]
+        snapshots.append((rows // 2, 0, spare[2]))
+        touched = torch.cat([slots, torch.tensor([s for _, _, s in snapshots])])
+        state = torch.randn(pool, heads, p, n, generator=g)
+        x = _view(torch.randn(t, heads, p, generator=g), g)
+        dt = torch.rand(t, heads, generator=g) * 0.5
+        a = -torch.rand(heads, generator=g) * 4
+        b, c = (torch.randn(t, groups, n, generator=g) for _ in range(2))
+        d = torch.randn(heads, generator=g) if rows > 1 else None
+        ref_state = state.clone()
+        ref = ssm_ops.ssd_scan_reference(ref_state, x, dt, a, b, c, cu, slots, d, snapshots)
+        got_state, *args = _on(device, state.clone(), x, dt, a, b, c)
+        slots_on, d_on = _on(device, slots, d)
+        got = ssm_ops.ssd_scan(
+            got_state, *args, cu, slots_on, d_on, snapshots, backend=backend
+        ).cpu()
+        _assert_pools(got_state.cpu(), ref_state, state, touched, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-5)
 
 
 def check_causal_conv1d_update(backend: str = "native", device: str = "cpu") -> None:
@@ -142,6 +178,7 @@ def check_native() -> None:
         want = "avx512" if "avx512" in paths else "avx2" if "avx2" in paths else "portable"
         assert ssm_ops.native_isa() == want, (ssm_ops.native_isa(), want)
     check_selective_state_update()
+    check_ssd_scan()
     check_causal_conv1d_update()
     check_gated_delta_rule_update()
 
@@ -149,6 +186,39 @@ def check_native() -> None:
 @needs_native
 def test_selective_state_update_native() -> None:
     check_selective_state_update()
+
+
+@needs_native
+def test_ssd_scan_native() -> None:
+    check_ssd_scan()
+
+
+def test_scan_reference_is_the_models_chunked_scan() -> None:
+    """``ssd_scan_reference`` (token by token) equals ``mamba.ssd_chunked`` (the model's
+    chunked form) on two rows padded to a common length: outputs, final states and the states
+    after chosen tokens."""
+    g = torch.Generator().manual_seed(4)
+    heads, p, n, groups, chunk = 4, 3, 8, 2, 4  # rows of 13 and 16 tokens
+    x = torch.randn(2, 16, heads, p, generator=g)
+    dt = torch.rand(2, 16, heads, generator=g) * 0.5
+    dt[0, 13:] = 0.0  # padding leaves the state as it is
+    a = -torch.rand(heads, generator=g) * 2
+    b, c = (torch.randn(2, 16, groups, n, generator=g) for _ in range(2))
+    state = torch.randn(2, heads, p, n, generator=g)
+    at = (torch.tensor([0, 1, 1]), torch.tensor([5, 0, 11]))
+    y, final, states_at = ssd_chunked(x, dt, a, b, c, state.clone(), chunk, at)
+    assert states_at is not None
+    pool = torch.cat([state, torch.zeros(3, heads, p, n)])
+    flat = torch.cat([torch.arange(13), 16 + torch.arange(16)])
+    snapshots = [(0, 5, 2), (1, 0, 3), (1, 11, 4)]
+    ref = ssm_ops.ssd_scan_reference(
+        pool, *(v.flatten(0, 1)[flat] for v in (x, dt)), a,
+        *(v.flatten(0, 1)[flat] for v in (b, c)), [0, 13, 29], torch.tensor([0, 1]), None,
+        snapshots,
+    )  # fmt: skip
+    torch.testing.assert_close(ref, y.flatten(0, 1)[flat], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(pool[:2], final, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(pool[2:], states_at, atol=1e-5, rtol=1e-5)
 
 
 @needs_native
@@ -216,6 +286,7 @@ import sys
 from tests.engine import test_ssm_kernels as t
 device = sys.argv[1]
 t.check_selective_state_update("triton", device)
+t.check_ssd_scan("triton", device)
 t.check_causal_conv1d_update("triton", device)
 t.check_gated_delta_rule_update("triton", device)
 print("ok")
