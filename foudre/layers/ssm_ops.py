@@ -7,7 +7,8 @@ place in its pool slot (``slots[r]``), batched over rows.
   chosen tokens copied out: the prefix cache's snapshots);
 - ``causal_conv1d_update``: the depthwise causal convolution of a row's new input after its
   window state ``[slots, window, channels]`` (float32 or bfloat16), which then shifts by one;
-- ``gated_delta_rule_update``: the gated DeltaNet step (Qwen3-Next) ``S = S exp(g)``,
+- ``gated_delta_rule_update`` (and ``gated_delta_rule_scan``, token after token over a
+  prefill's rows): the gated DeltaNet step (Qwen3-Next) ``S = S exp(g)``,
   ``S += k (beta (v - S^T k))^T``, ``o = S^T q`` over a pool ``[slots, v_heads, dk, dv]``
   float32.
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import itertools
 import os
+from collections.abc import Iterator
 from functools import lru_cache
 from typing import Any
 
@@ -51,6 +53,19 @@ _SIGNATURES: dict[str, list[Any]] = {
     # state, slot_stride, slots, rows, k_heads, v_heads, dk, dv, q, q_stride, k, k_stride, v,
     # v_stride, g, g_stride, beta, beta_stride, scale, l2norm, o
     "foudre_gated_delta_update": [_P, _I64, _P, *[_I64] * 5, *[_P, _I64] * 5, _F, _INT, _P],
+    # state, slot_stride, slots, cu, rows, k_heads, v_heads, dk, dv, q, q_stride, k, k_stride,
+    # v, v_stride, g, g_stride, beta, beta_stride, scale, l2norm, snap_slot, o
+    "foudre_gated_delta_scan": [
+        _P,
+        _I64,
+        _P,
+        _P,
+        *[_I64] * 5,
+        *[_P, _I64] * 5,
+        _F,
+        _INT,
+        *[_P] * 2,
+    ],
 }
 _SIGNATURES["foudre_conv_update_bf16"] = _SIGNATURES["foudre_conv_update_f32"]
 
@@ -238,16 +253,7 @@ def ssd_scan(
     x, dt, b, c = (_rows(v, f32) for v in (x, dt, b, c))
     a = a.to(f32).contiguous()
     d = None if d is None else d.to(f32).contiguous()
-    cu = [n - cu_seqlens[0] for n in cu_seqlens]
-    snap = None
-    if snapshots:
-        snap = torch.full((t,), -1, dtype=torch.int64)
-        for row, offset, slot in snapshots:
-            if not 0 <= offset < cu[row + 1] - cu[row]:
-                raise ValueError(f"snapshot at {offset} outside row {row}")
-            snap[cu[row] + offset] = slot
-        snap = snap.to(x.device)
-    cu_t = torch.tensor(cu, dtype=torch.int64, device=x.device)
+    cu_t, snap = _scan_tables(cu_seqlens, snapshots, x.device)
     if which == "triton":
         return _triton().ssm_scan(state, x, dt, a, b, c, cu_t, slots, d, snap)
     dll = library()
@@ -261,6 +267,36 @@ def ssd_scan(
         0 if d is None else d.data_ptr(), 0 if snap is None else snap.data_ptr(), y.data_ptr(),
     )  # fmt: skip
     return y
+
+
+def _scan_tables(
+    cu_seqlens: list[int], snapshots: list[tuple[int, int, int]], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The scan kernels' ``cu [R + 1]`` (from 0) and, where there are snapshots, ``snap [T]``:
+    the slot to copy the state into after each token (-1: none)."""
+    cu = [n - cu_seqlens[0] for n in cu_seqlens]
+    snap = None
+    if snapshots:
+        snap = torch.full((cu[-1],), -1, dtype=torch.int64)
+        for row, offset, slot in snapshots:
+            if not 0 <= offset < cu[row + 1] - cu[row]:
+                raise ValueError(f"snapshot at {offset} outside row {row}")
+            snap[cu[row] + offset] = slot
+        snap = snap.to(device)
+    return torch.tensor(cu, dtype=torch.int64, device=device), snap
+
+
+def _by_position(
+    cu_seqlens: list[int], slots: torch.Tensor
+) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """For each position of the longest row: the position, the flat tokens of the rows that
+    have one there, and those rows' slots (the references' loop)."""
+    cu = [n - cu_seqlens[0] for n in cu_seqlens]
+    lengths = [hi - lo for lo, hi in itertools.pairwise(cu)]
+    for pos in range(max(lengths, default=0)):
+        rows = [r for r, n in enumerate(lengths) if n > pos]
+        tok = torch.tensor([cu[r] + pos for r in rows], device=slots.device)
+        yield pos, tok, slots[torch.tensor(rows, device=slots.device)]
 
 
 def ssd_scan_reference(
@@ -277,13 +313,8 @@ def ssd_scan_reference(
 ) -> torch.Tensor:
     """``ssd_scan`` in torch ops: ``selective_state_update_reference`` at each position, over
     the rows that have a token there."""
-    cu = [n - cu_seqlens[0] for n in cu_seqlens]
-    lengths = [hi - lo for lo, hi in itertools.pairwise(cu)]
     y = x.new_empty(x.shape, dtype=torch.float32)
-    for pos in range(max(lengths, default=0)):
-        rows = [r for r, n in enumerate(lengths) if n > pos]
-        tok = torch.tensor([cu[r] + pos for r in rows], device=x.device)
-        at = slots[torch.tensor(rows, device=slots.device)]
+    for pos, tok, at in _by_position(cu_seqlens, slots):
         y[tok] = selective_state_update_reference(state, x[tok], dt[tok], a, b[tok], c[tok], at, d)
         for row, offset, slot in snapshots or []:
             if offset == pos:
@@ -440,3 +471,83 @@ def gated_delta_rule_update_reference(
     s = s + k[..., None] * delta[:, :, None, :]
     state[slots] = s.to(state.dtype)
     return (s * q[..., None]).sum(-2)
+
+
+def gated_delta_rule_scan(
+    state: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: list[int],
+    slots: torch.Tensor,
+    scale: float | None = None,
+    l2norm: bool = False,
+    snapshots: list[tuple[int, int, int]] | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """The gated delta rule over the rows of a prefill step, exactly ``gated_delta_rule_update``
+    token after token: row ``r`` owns the flat tokens ``cu_seqlens[r]:cu_seqlens[r+1]`` of
+    ``q``, ``k [T, k_heads, dk]``, ``v [T, v_heads, dv]``, ``g``, ``beta [T, v_heads]`` and
+    continues the state at ``slots[r]`` (left there after its last token, in place); each
+    ``snapshots`` entry ``(row, offset, slot)`` also leaves the state after the row's token
+    ``offset`` in pool slot ``slot``. Returns ``o [T, v_heads, dv]`` float32. (Token by token:
+    the work of the chunked form's ``dk x dv`` per token and head, without its matmuls; the
+    state stays in cache or registers across a row.)"""
+    t, k_heads, dk = k.shape
+    v_heads, dv = v.shape[1], v.shape[2]
+    rows = len(cu_seqlens) - 1
+    if state.shape[1:] != (v_heads, dk, dv) or v_heads % k_heads or q.shape != k.shape:
+        raise ValueError(f"state {tuple(state.shape)} does not fit q/k {tuple(k.shape)}, v")
+    if cu_seqlens[-1] - cu_seqlens[0] != t:
+        raise ValueError(f"cu_seqlens {cu_seqlens} does not cover the {t} tokens")
+    _check_pool(state, slots, rows)
+    scale = dk**-0.5 if scale is None else scale
+    snapshots = snapshots or []
+    which = _backend(backend, state, (torch.float32,), q, k, v, g, beta)
+    if which == "torch" or t == 0:
+        return gated_delta_rule_scan_reference(
+            state, q, k, v, g, beta, cu_seqlens, slots, scale, l2norm, snapshots
+        )
+    q, k, v, g, beta = (_rows(x, torch.float32) for x in (q, k, v, g, beta))
+    cu, snap = _scan_tables(cu_seqlens, snapshots, v.device)
+    if which == "triton":
+        return _triton().gated_delta_scan(state, q, k, v, g, beta, cu, slots, scale, l2norm, snap)
+    dll = library()
+    if dll is None:
+        raise RuntimeError("the native SSM kernels are not available")
+    o = torch.empty(t, v_heads, dv, dtype=torch.float32)
+    dll.foudre_gated_delta_scan(
+        state.data_ptr(), state.stride(0), slots.data_ptr(), cu.data_ptr(), rows, k_heads,
+        v_heads, dk, dv, q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(),
+        v.stride(0), g.data_ptr(), g.stride(0), beta.data_ptr(), beta.stride(0), scale,
+        int(l2norm), 0 if snap is None else snap.data_ptr(), o.data_ptr(),
+    )  # fmt: skip
+    return o
+
+
+def gated_delta_rule_scan_reference(
+    state: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: list[int],
+    slots: torch.Tensor,
+    scale: float | None = None,
+    l2norm: bool = False,
+    snapshots: list[tuple[int, int, int]] | None = None,
+) -> torch.Tensor:
+    """``gated_delta_rule_scan`` in torch ops: ``gated_delta_rule_update_reference`` at each
+    position, over the rows that have a token there."""
+    o = v.new_empty(v.shape, dtype=torch.float32)
+    for pos, tok, at in _by_position(cu_seqlens, slots):
+        o[tok] = gated_delta_rule_update_reference(
+            state, q[tok], k[tok], v[tok], g[tok], beta[tok], at, scale, l2norm
+        )
+        for row, offset, slot in snapshots or []:
+            if offset == pos:
+                state[slot] = state[slots[row]]
+    return o

@@ -11,7 +11,8 @@ in place and writes the row's output; nothing is gathered into a batch or scatte
   input against the weight, then the window shifts by one (each channel is its program's);
 - ``_delta_update``: one program per (row, value head, block of dv): the columns ``[dk,
   BLOCK_V]`` of the state, which the gated delta rule updates independently of the others
-  (``S^T k`` and ``S^T q`` are sums over dk).
+  (``S^T k`` and ``S^T q`` are sums over dk); ``_delta_scan`` the same over a prefill's rows,
+  token after token.
 
 All arithmetic is float32. Imported lazily, only where Triton imports; with
 ``TRITON_INTERPRET=1`` the kernels run on CPU tensors, which is how the tests check them without
@@ -253,5 +254,73 @@ def gated_delta_update(
         state.stride(0), q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0),
         v_heads, v_heads // k_heads, scale,
         DK=dk, DV=dv, DK_P2=dk_p2, BLOCK_V=block_v, L2NORM=l2norm,
+    )  # fmt: skip
+    return o
+
+
+@triton.jit
+def _delta_scan(
+    state_ptr, slots_ptr, cu_ptr, snap_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr,
+    slot_stride, q_stride, k_stride, v_stride, g_stride, beta_stride, v_heads, per_k, scale,
+    DK: tl.constexpr, DV: tl.constexpr, DK_P2: tl.constexpr, BLOCK_V: tl.constexpr,
+    L2NORM: tl.constexpr, SNAPS: tl.constexpr,
+):  # fmt: skip
+    """``_delta_update`` over a row's tokens, the state's columns kept in registers."""
+    r = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    j = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    i = tl.arange(0, DK_P2)
+    im, jm = i < DK, j < DV
+    hk = h // per_k
+    tile = h * (DK * DV) + i[:, None] * DV + j[None, :]
+    mask = im[:, None] & jm[None, :]
+    ptrs = state_ptr + tl.load(slots_ptr + r) * slot_stride + tile
+    s = tl.load(ptrs, mask=mask, other=0.0)
+    for t in range(tl.load(cu_ptr + r), tl.load(cu_ptr + r + 1)):
+        q = tl.load(q_ptr + t * q_stride + hk * DK + i, mask=im, other=0.0)
+        k = tl.load(k_ptr + t * k_stride + hk * DK + i, mask=im, other=0.0)
+        if L2NORM:
+            q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6)
+            k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
+        q = q * scale
+        s = s * tl.exp(tl.load(g_ptr + t * g_stride + h))
+        kv = tl.sum(s * k[:, None], axis=0)
+        v = tl.load(v_ptr + t * v_stride + h * DV + j, mask=jm, other=0.0)
+        delta = (v - kv) * tl.load(beta_ptr + t * beta_stride + h)
+        s = s + k[:, None] * delta[None, :]
+        tl.store(o_ptr + (t * v_heads + h) * DV + j, tl.sum(s * q[:, None], axis=0), mask=jm)
+        if SNAPS:
+            snap = tl.load(snap_ptr + t)
+            if snap >= 0:
+                tl.store(state_ptr + snap * slot_stride + tile, s, mask=mask)
+    tl.store(ptrs, s, mask=mask)
+
+
+def gated_delta_scan(
+    state: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu: torch.Tensor,
+    slots: torch.Tensor,
+    scale: float,
+    l2norm: bool,
+    snap: torch.Tensor | None,
+) -> torch.Tensor:
+    """``ssm_ops.gated_delta_rule_scan`` (float32 inputs, each token's row contiguous; ``cu``
+    and ``snap`` as ``ssm_scan``'s)."""
+    t, k_heads, dk = k.shape
+    v_heads, dv = v.shape[1], v.shape[2]
+    o = torch.empty(t, v_heads, dv, dtype=torch.float32, device=v.device)
+    dk_p2 = triton.next_power_of_2(dk)
+    block_v = min(triton.next_power_of_2(dv), max(16, 8192 // dk_p2))
+    grid = (slots.shape[0], v_heads, triton.cdiv(dv, block_v))
+    _delta_scan[grid](
+        state, slots, cu, cu if snap is None else snap, q, k, v, g, beta, o,
+        state.stride(0), q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0),
+        v_heads, v_heads // k_heads, scale,
+        DK=dk, DV=dv, DK_P2=dk_p2, BLOCK_V=block_v, L2NORM=l2norm, SNAPS=snap is not None,
     )  # fmt: skip
     return o

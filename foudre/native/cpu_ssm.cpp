@@ -8,7 +8,8 @@
 //   foudre_conv_update_*  the causal depthwise conv1d over a window state [window, channels]
 //                         (float32 or bfloat16) and the row's new input, then the window shifts
 //   foudre_gated_delta_*  the gated delta rule (gated DeltaNet): S = S exp(g);
-//                         S += beta k (v - S^T k)^T; o = S^T q, S [v_heads, dk, dv] float32
+//                         S += beta k (v - S^T k)^T; o = S^T q, S [v_heads, dk, dv] float32;
+//                         one token a row (_update) or a prefill's rows token by token (_scan)
 //
 // Each is a pass over the state (bound by memory bandwidth: a Mamba-2 layer of 32 heads x 64 x
 // 128 reads and writes 1 MiB a row), vectorized along the state's last dimension (d_state,
@@ -209,6 +210,43 @@ inline float inv_norm(const float* x, int64_t n) {  // 1 / sqrt(sum x^2 + 1e-6):
   return 1.0f / std::sqrt(ss + 1e-6f);
 }
 
+// The inputs of the gated delta rule: per token t, q and k [k_heads, dk], v [v_heads, dv], g
+// and beta [v_heads] at their token strides; o [T, v_heads, dv] contiguous.
+struct DeltaTokens {
+  int64_t k_heads, v_heads, dk, dv;
+  const float* q;
+  int64_t q_stride;
+  const float* k;
+  int64_t k_stride;
+  const float* v;
+  int64_t v_stride;
+  const float* g;
+  int64_t g_stride;
+  const float* beta;
+  int64_t beta_stride;
+  float scale;
+  bool l2norm;
+  float* o;
+};
+
+// Token t of value head h over its state s [dk, dv]; buf: 2 dk + dv floats (q and k scaled,
+// then S^T k and the delta).
+void delta_token(const DeltaTokens& in, int64_t t, int64_t h, float* s, float* buf) {
+  const int64_t dk = in.dk, hk = h / (in.v_heads / in.k_heads);
+  const float* qt = in.q + t * in.q_stride + hk * dk;
+  const float* kt = in.k + t * in.k_stride + hk * dk;
+  const float qs = in.l2norm ? inv_norm(qt, dk) : 1.0f, ks = in.l2norm ? inv_norm(kt, dk) : 1.0f;
+  float* qn = buf;
+  float* kn = buf + dk;
+  for (int64_t j = 0; j < dk; ++j) {
+    qn[j] = qt[j] * qs * in.scale;
+    kn[j] = kt[j] * ks;
+  }
+  delta_head(s, dk, in.dv, qn, kn, in.v + t * in.v_stride + h * in.dv,
+             std::exp(in.g[t * in.g_stride + h]), in.beta[t * in.beta_stride + h],
+             in.o + (t * in.v_heads + h) * in.dv, kn + dk);
+}
+
 }  // namespace
 
 extern "C" {
@@ -298,26 +336,49 @@ void foudre_gated_delta_update(float* state, int64_t slot_stride, const int64_t*
                                int64_t k_stride, const float* v, int64_t v_stride,
                                const float* g, int64_t g_stride, const float* beta,
                                int64_t beta_stride, float scale, int l2norm, float* o) {
-  const int64_t per_k = v_heads / k_heads;
+  const DeltaTokens in{k_heads, v_heads,  dk, dv,       q,    q_stride,    k,     k_stride,
+                       v,       v_stride, g,  g_stride, beta, beta_stride, scale, l2norm != 0,
+                       o};
   const int64_t pairs = rows * v_heads;
 #pragma omp parallel if (pairs * dk * dv >= kParallelElements)
   {
-    std::vector<float> buf(2 * dk + dv);  // q and k scaled, then S^T k and the delta
+    std::vector<float> buf(2 * dk + dv);
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < pairs; ++i) {
-      const int64_t r = i / v_heads, h = i % v_heads, hk = h / per_k;
-      const float* qr = q + r * q_stride + hk * dk;
-      const float* kr = k + r * k_stride + hk * dk;
-      const float qs = (l2norm ? inv_norm(qr, dk) : 1.0f), ks = l2norm ? inv_norm(kr, dk) : 1.0f;
-      float* qn = buf.data();
-      float* kn = qn + dk;
-      for (int64_t j = 0; j < dk; ++j) {
-        qn[j] = qr[j] * qs * scale;
-        kn[j] = kr[j] * ks;
+      const int64_t r = i / v_heads, h = i % v_heads;
+      delta_token(in, r, h, state + slots[r] * slot_stride + h * dk * dv, buf.data());
+    }
+  }
+}
+
+// The gated delta rule over the rows of a prefill: row r's tokens cu[r]..cu[r+1] (laid out as
+// foudre_gated_delta_update's rows) one after the other from the state at slots[r], updated in
+// place; o [T, v_heads, dv] contiguous. Where snap_slot (null: none) names a slot >= 0 for a
+// token, the state after that token is also copied there.
+void foudre_gated_delta_scan(float* state, int64_t slot_stride, const int64_t* slots,
+                             const int64_t* cu, int64_t rows, int64_t k_heads, int64_t v_heads,
+                             int64_t dk, int64_t dv, const float* q, int64_t q_stride,
+                             const float* k, int64_t k_stride, const float* v, int64_t v_stride,
+                             const float* g, int64_t g_stride, const float* beta,
+                             int64_t beta_stride, float scale, int l2norm,
+                             const int64_t* snap_slot, float* o) {
+  const DeltaTokens in{k_heads, v_heads,  dk, dv,       q,    q_stride,    k,     k_stride,
+                       v,       v_stride, g,  g_stride, beta, beta_stride, scale, l2norm != 0,
+                       o};
+  const int64_t pairs = rows * v_heads, size = dk * dv;
+  const bool parallel = pairs > 1 && (cu[rows] - cu[0]) * v_heads * size >= kParallelElements;
+#pragma omp parallel if (parallel)
+  {
+    std::vector<float> buf(2 * dk + dv);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < pairs; ++i) {
+      const int64_t r = i / v_heads, h = i % v_heads;
+      float* s = state + slots[r] * slot_stride + h * size;
+      for (int64_t t = cu[r]; t < cu[r + 1]; ++t) {
+        delta_token(in, t, h, s, buf.data());
+        if (snap_slot && snap_slot[t] >= 0)
+          std::memcpy(state + snap_slot[t] * slot_stride + h * size, s, size * sizeof(float));
       }
-      delta_head(state + slots[r] * slot_stride + h * dk * dv, dk, dv, qn, kn,
-                 v + r * v_stride + h * dv, std::exp(g[r * g_stride + h]),
-                 beta[r * beta_stride + h], o + i * dv, kn + dk);
     }
   }
 }

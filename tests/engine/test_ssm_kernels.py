@@ -171,6 +171,42 @@ def check_gated_delta_rule_update(backend: str = "native", device: str = "cpu") 
             torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
+# (row lengths, k_heads, v_heads, dk, dv)
+DELTA_SCAN_SHAPES = [([1, 6, 11], 2, 4, 8, 12), ([20], 1, 1, 5, 37), ([3, 3], 3, 3, 16, 16)]
+
+
+def check_gated_delta_rule_scan(backend: str = "native", device: str = "cpu") -> None:
+    g = torch.Generator().manual_seed(5)
+    for lengths, k_heads, v_heads, dk, dv in DELTA_SCAN_SHAPES:
+        rows, t = len(lengths), sum(lengths)
+        cu = [3]
+        for length in lengths:
+            cu.append(cu[-1] + length)
+        pool = 2 * rows + 3
+        perm = torch.randperm(pool, generator=g)
+        slots, spare = perm[:rows].clone(), perm[rows:].tolist()
+        snapshots = [(rows - 1, lengths[-1] // 2, spare[0]), (0, lengths[0] - 1, spare[1])]
+        touched = torch.cat([slots, torch.tensor([s for _, _, s in snapshots])])
+        l2norm = len(lengths) != 2
+        state = torch.randn(pool, v_heads, dk, dv, generator=g) * 0.3
+        q, k = (_view(torch.randn(t, k_heads, dk, generator=g), g) for _ in range(2))
+        if not l2norm:
+            k = k / dk**0.5
+        v = torch.randn(t, v_heads, dv, generator=g)
+        gate = -torch.rand(t, v_heads, generator=g) * 2
+        beta = torch.rand(t, v_heads, generator=g)
+        ref_state = state.clone()
+        ref = ssm_ops.gated_delta_rule_scan_reference(
+            ref_state, q, k, v, gate, beta, cu, slots, None, l2norm, snapshots
+        )
+        got_state, *args = _on(device, state.clone(), q, k, v, gate, beta, slots)
+        got = ssm_ops.gated_delta_rule_scan(
+            got_state, *args[:5], cu, args[5], None, l2norm, snapshots, backend=backend
+        ).cpu()
+        _assert_pools(got_state.cpu(), ref_state, state, touched, atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-5)
+
+
 def check_native() -> None:
     """Every kernel's checks through the C++, on the path that this process's build takes."""
     paths = native_paths()
@@ -181,6 +217,7 @@ def check_native() -> None:
     check_ssd_scan()
     check_causal_conv1d_update()
     check_gated_delta_rule_update()
+    check_gated_delta_rule_scan()
 
 
 @needs_native
@@ -229,6 +266,43 @@ def test_causal_conv1d_update_native() -> None:
 @needs_native
 def test_gated_delta_rule_update_native() -> None:
     check_gated_delta_rule_update()
+
+
+@needs_native
+def test_gated_delta_rule_scan_native() -> None:
+    check_gated_delta_rule_scan()
+
+
+def test_delta_references_are_transformers_recurrence() -> None:
+    """The gated delta rule's references (one step, and the scan) equal transformers'
+    ``torch_recurrent_gated_delta_rule`` (Qwen3-Next's spec: q and k L2-normalized in the
+    kernel, q scaled by dk^-0.5, value heads sharing key heads) from the same initial state."""
+    qwen3_next = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+    g = torch.Generator().manual_seed(6)
+    rows, length, k_heads, v_heads, dk, dv = 2, 7, 2, 4, 8, 6
+    q, k = (torch.randn(rows, length, k_heads, dk, generator=g) for _ in range(2))
+    v = torch.randn(rows, length, v_heads, dv, generator=g)
+    gate = -torch.rand(rows, length, v_heads, generator=g)
+    beta = torch.rand(rows, length, v_heads, generator=g)
+    initial = torch.randn(rows, v_heads, dk, dv, generator=g) * 0.3
+    want, final = qwen3_next.torch_recurrent_gated_delta_rule(
+        q, k, v, gate, beta, initial_state=initial.clone(), output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+    )  # fmt: skip
+    flat = [x.flatten(0, 1) for x in (q, k, v, gate, beta)]
+    pool, slots = initial.clone(), torch.tensor([0, 1])
+    got = ssm_ops.gated_delta_rule_scan_reference(pool, *flat, [0, 7, 14], slots, l2norm=True)
+    torch.testing.assert_close(got.view(rows, length, v_heads, dv), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(pool, final, atol=1e-5, rtol=1e-5)
+    pool = initial.clone()
+    one = ssm_ops.gated_delta_rule_update_reference(
+        pool, *(x[:, 0] for x in (q, k, v, gate, beta)), slots, l2norm=True
+    )
+    want, _ = qwen3_next.torch_recurrent_gated_delta_rule(
+        *(x[:, :1] for x in (q, k, v, gate, beta)), initial_state=initial.clone(),
+        use_qk_l2norm_in_kernel=True,
+    )  # fmt: skip
+    torch.testing.assert_close(one, want[:, 0], atol=1e-5, rtol=1e-5)
 
 
 @needs_native
@@ -289,6 +363,7 @@ t.check_selective_state_update("triton", device)
 t.check_ssd_scan("triton", device)
 t.check_causal_conv1d_update("triton", device)
 t.check_gated_delta_rule_update("triton", device)
+t.check_gated_delta_rule_scan("triton", device)
 print("ok")
 """
 
