@@ -118,11 +118,8 @@ inline void from_float(float x, float* out) { *out = x; }
 inline void from_float(float x, uint16_t* out) {  // round to nearest even, NaN stays NaN
   uint32_t u;
   std::memcpy(&u, &x, sizeof u);
-  if (std::isnan(x)) {
-    *out = 0x7FC0;
-    return;
-  }
-  *out = static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+  const uint16_t rounded = static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+  *out = x != x ? uint16_t{0x7FC0} : rounded;  // (a select: the loops stay vectorizable)
 }
 
 // One (row, head): h = h * exp(dt a) + (dt x) B^T over [head_dim, d_state], y = h C (+ D x).
@@ -174,23 +171,29 @@ void delta_head(float* s, int64_t dk, int64_t dv, const float* q, const float* k
   }
 }
 
-// The conv window update of one row: out = bias + sum_k w[:, k] window_k (the window's
-// `window` states then x), then the window drops its oldest input and takes x.
+// The conv window update of one row: out = sum_k w[k] window_k + bias (the window's `window`
+// states then x; w [window + 1, channels] float32), then the window drops its oldest input and
+// takes x. Loops over channels (contiguous in the state, x and w: the compiler vectorizes
+// them); acc: channels floats.
 template <typename T>
-void conv_row(T* state, int64_t channels, int64_t window, const T* x, const T* weight,
-              int64_t w_stride_c, int64_t w_stride_k, const T* bias, bool silu, T* out) {
-  for (int64_t c = 0; c < channels; ++c) {
-    const T* w = weight + c * w_stride_c;
-    float acc = 0.0f;
-    for (int64_t k = 0; k < window; ++k)
-      acc += to_float(state[k * channels + c]) * to_float(w[k * w_stride_k]);
-    acc += to_float(x[c]) * to_float(w[window * w_stride_k]);
-    if (bias) acc += to_float(bias[c]);
-    if (silu) acc = acc / (1.0f + std::exp(-acc));
-    for (int64_t k = 0; k + 1 < window; ++k)
-      state[k * channels + c] = state[(k + 1) * channels + c];
-    if (window > 0) state[(window - 1) * channels + c] = x[c];
-    from_float(acc, out + c);
+void conv_row(T* state, int64_t channels, int64_t window, const T* x, const float* w,
+              const float* bias, bool silu, T* out, float* acc) {
+  for (int64_t k = 0; k <= window; ++k) {
+    const T* in = k < window ? state + k * channels : x;
+    const float* wk = w + k * channels;
+    if (k == 0)
+      for (int64_t c = 0; c < channels; ++c) acc[c] = to_float(in[c]) * wk[c];
+    else
+      for (int64_t c = 0; c < channels; ++c) acc[c] += to_float(in[c]) * wk[c];
+  }
+  if (bias)
+    for (int64_t c = 0; c < channels; ++c) acc[c] += bias[c];
+  if (silu)
+    for (int64_t c = 0; c < channels; ++c) acc[c] = acc[c] / (1.0f + std::exp(-acc[c]));
+  for (int64_t c = 0; c < channels; ++c) from_float(acc[c], out + c);
+  if (window > 0) {
+    std::memmove(state, state + channels, (window - 1) * channels * sizeof(T));
+    std::memcpy(state + (window - 1) * channels, x, channels * sizeof(T));
   }
 }
 
@@ -198,10 +201,22 @@ template <typename T>
 void conv_update(T* state, int64_t slot_stride, const int64_t* slots, int64_t rows,
                  int64_t channels, int64_t window, const T* x, int64_t x_stride, const T* weight,
                  int64_t w_stride_c, int64_t w_stride_k, const T* bias, int silu, T* out) {
-#pragma omp parallel for schedule(static) if (rows * channels * (window + 1) >= kParallelElements)
-  for (int64_t r = 0; r < rows; ++r)
-    conv_row(state + slots[r] * slot_stride, channels, window, x + r * x_stride, weight,
-             w_stride_c, w_stride_k, bias, silu != 0, out + r * channels);
+  // the weight as [window + 1, channels] float32 (then the bias): read once for all the rows
+  std::vector<float> w((window + 2) * channels);
+  for (int64_t c = 0; c < channels; ++c) {
+    for (int64_t k = 0; k <= window; ++k)
+      w[k * channels + c] = to_float(weight[c * w_stride_c + k * w_stride_k]);
+    if (bias) w[(window + 1) * channels + c] = to_float(bias[c]);
+  }
+  const float* wb = bias ? w.data() + (window + 1) * channels : nullptr;
+#pragma omp parallel if (rows > 1 && rows * channels * (window + 1) >= kParallelElements)
+  {
+    std::vector<float> acc(channels);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r)
+      conv_row(state + slots[r] * slot_stride, channels, window, x + r * x_stride, w.data(), wb,
+               silu != 0, out + r * channels, acc.data());
+  }
 }
 
 inline float inv_norm(const float* x, int64_t n) {  // 1 / sqrt(sum x^2 + 1e-6): as l2norm's
