@@ -102,14 +102,15 @@ def _ssm_scan(
     ptrs = state_ptr + tl.load(slots_ptr + r) * slot_stride + tile
     s = tl.load(ptrs, mask=mask, other=0.0)
     a = tl.load(a_ptr + h)
-    skip = tl.load(d_ptr + h) if HAS_D else 0.0
     for t in range(tl.load(cu_ptr + r), tl.load(cu_ptr + r + 1)):
         dt = tl.load(dt_ptr + t * dt_stride + h)
         x = tl.load(x_ptr + t * x_stride + h * HEAD_DIM + p, mask=pm, other=0.0)
         b = tl.load(b_ptr + t * b_stride + grp * D_STATE + n, mask=nm, other=0.0)
         c = tl.load(c_ptr + t * c_stride + grp * D_STATE + n, mask=nm, other=0.0)
         s = s * tl.exp(dt * a) + (dt * x)[:, None] * b[None, :]
-        y = tl.sum(s * c[None, :], axis=1) + x * skip
+        y = tl.sum(s * c[None, :], axis=1)
+        if HAS_D:
+            y += x * tl.load(d_ptr + h)
         tl.store(y_ptr + (t * heads + h) * HEAD_DIM + p, y, mask=pm)
         if SNAPS:
             snap = tl.load(snap_ptr + t)

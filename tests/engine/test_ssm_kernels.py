@@ -372,3 +372,45 @@ def test_triton_kernels_interpreted() -> None:
     """The Triton kernels pass the same checks (in Triton's interpreter without a GPU)."""
     cuda = torch.cuda.is_available()
     run_triton_check(_TRITON, "cuda" if cuda else "cpu", interpret=not cuda, timeout=600)
+
+
+_COMPILE_CHECK = """
+import inspect
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from foudre.layers import ssm_triton as st
+
+def compile_for(fn, types, consts):
+    names = inspect.signature(fn.fn).parameters
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
+                          target=GPUTarget("cuda", 90, 32))
+
+f32, i64 = "*fp32", "*i64"
+ssm = dict(state_ptr=f32, slots_ptr=i64, cu_ptr=i64, snap_ptr=i64, x_ptr=f32, dt_ptr=f32,
+           a_ptr=f32, b_ptr=f32, c_ptr=f32, d_ptr=f32, y_ptr=f32, slot_stride="i64")
+shape = dict(HEAD_DIM=64, D_STATE=128, BLOCK_P=32, N_P2=128)
+for has_d in (True, False):
+    compile_for(st._ssm_update, ssm, dict(shape, HAS_D=has_d))
+    compile_for(st._ssm_scan, ssm, dict(shape, HAS_D=has_d, SNAPS=not has_d))
+for dt in ("*fp32", "*bf16"):
+    conv = dict(state_ptr=dt, slots_ptr=i64, x_ptr=dt, w_ptr=dt, bias_ptr=dt, out_ptr=dt)
+    compile_for(st._conv_update, conv, dict(WINDOW=3, BLOCK_C=256, HAS_BIAS=True, SILU=False))
+delta = dict(state_ptr=f32, slots_ptr=i64, cu_ptr=i64, snap_ptr=i64, q_ptr=f32, k_ptr=f32,
+             v_ptr=f32, g_ptr=f32, beta_ptr=f32, o_ptr=f32, scale="fp32", slot_stride="i64")
+shape = dict(DK=128, DV=128, DK_P2=128, BLOCK_V=64, L2NORM=True)
+compile_for(st._delta_update, delta, shape)
+compile_for(st._delta_scan, delta, dict(shape, SNAPS=True))
+print("ok")
+"""
+
+
+@pytest.mark.slow
+def test_triton_kernels_compile_for_the_gpu() -> None:
+    """The interpreter does not type-check like the compiler: every kernel compiled to sm_90
+    code (Triton's own ptxas, no GPU needed) for the shapes of a ~0.5B model, float32 and
+    bfloat16 conv windows."""
+    run_triton_check(
+        _COMPILE_CHECK, interpret=False, timeout=600, env={"TRITON_DEFAULT_FP_FUSION": "1"}
+    )
