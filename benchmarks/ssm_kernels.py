@@ -2,6 +2,7 @@
 references: time per call and state bytes moved per second.
 
     python benchmarks/ssm_kernels.py [--device cpu|cuda] [--rows 1 32] [--seconds 0.3]
+        [--prefill 256]
 
 Shapes of a ~0.5B model: a Mamba-2 layer (32 heads x 64 x d_state 128, one group; its conv of
 2304 channels, window 3) and a gated DeltaNet layer (16 key heads, 32 value heads, 128 x 128).
@@ -9,6 +10,7 @@ For each number of rows (one token each, slots scattered in a pool of 4x as many
 that ``ssm_ops`` picks for the device (C++ on CPU, Triton on CUDA) and the torch reference
 (gather, update, scatter) each run for about ``--seconds``; the figure is the mean per call.
 GB/s counts the state read and written once per call (the bound: the pass is memory-bound).
+Then one row of ``--prefill`` tokens through ``ssd_scan`` against the model's chunked torch scan.
 Rough on a shared CPU.
 """
 
@@ -21,6 +23,7 @@ from collections.abc import Callable
 import torch
 
 from foudre.layers import ssm_ops
+from foudre.layers.mamba import ssd_chunked
 
 
 def _time(fn: Callable[[], object], seconds: float, device: torch.device) -> float:
@@ -75,11 +78,36 @@ def _cases(rows: int, device: torch.device) -> dict[str, tuple[int, Callable[[st
     }
 
 
+def _prefill(tokens: int, device: torch.device, seconds: float, kernel: str) -> None:
+    """One row of ``tokens`` through the Mamba-2 layer's scan: ``ssm_ops.ssd_scan`` (token by
+    token) against the model's torch path, ``mamba.ssd_chunked`` (chunks of 64)."""
+    h, p, n = 32, 64, 128
+    dev = {"device": device}
+    x, dt = torch.randn(tokens, h, p, **dev), torch.rand(tokens, h, **dev) * 0.1
+    a = -torch.rand(h, **dev)
+    b, c = torch.randn(tokens, 1, n, **dev), torch.randn(tokens, 1, n, **dev)
+    pool, slots = torch.zeros(2, h, p, n, **dev), torch.tensor([1], device=device)
+
+    def scan() -> object:
+        return ssm_ops.ssd_scan(pool, x, dt, a, b, c, [0, tokens], slots, backend=kernel)
+
+    def chunked() -> object:
+        args = (x[None], dt[None], a, b[None], c[None], pool[1:].clone())
+        return ssd_chunked(*args, min(64, tokens))
+
+    t_kernel, t_torch = _time(scan, seconds, device), _time(chunked, seconds, device)
+    print(
+        f"| ssd_scan ({tokens} tokens) | 1 | {t_kernel * 1e6:.0f} | {t_torch * 1e6:.0f} "
+        f"(ssd_chunked) | {t_torch / t_kernel:.1f}x | |"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--seconds", type=float, default=0.3)
+    ap.add_argument("--prefill", type=int, default=256, help="tokens of the scan's row (0: none)")
     args = ap.parse_args()
     device = torch.device(args.device)
     kernel = "native" if device.type == "cpu" else "triton"
@@ -96,6 +124,8 @@ def main() -> None:
                     f"| {name} | {rows} | {t_kernel * 1e6:.1f} | {t_torch * 1e6:.1f} | "
                     f"{t_torch / t_kernel:.1f}x | {moved / t_kernel / 1e9:.1f} |"
                 )
+        if args.prefill:
+            _prefill(args.prefill, device, args.seconds, kernel)
 
 
 if __name__ == "__main__":
