@@ -50,6 +50,7 @@ from foudre.layers.ssm_ops import causal_conv1d_update, selective_state_update
 SCAN_CHUNK = 64
 # the most elements of the scan's [rows, chunks, chunk, chunk, heads] products at a time
 SCAN_ELEMENTS = 1 << 22
+GATE_NORMS = ("after_gate", "before_gate", "none")
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +68,10 @@ class Mamba2Shape:
     proj_bias: bool = False
     eps: float = 1e-5  # of the gated RMSNorm
     time_step_limit: tuple[float, float] = (0.0, float("inf"))
+    out_proj_bias: bool | None = None  # None: as proj_bias (Falcon-H1 sets its own)
+    # where the output's RMSNorm stands against its gate silu(z): "after_gate" norm(y * silu(z))
+    # (Mamba-2), "before_gate" norm(y) * silu(z), "none" y * silu(z) (Falcon-H1's options)
+    gate_norm: str = "after_gate"
 
     def __post_init__(self) -> None:
         for name in ("num_heads", "head_dim", "state_size", "n_groups", "conv_kernel"):
@@ -78,6 +83,10 @@ class Mamba2Shape:
             )
         if self.chunk_size <= 0:
             raise ValueError(f"Mamba-2 chunk_size must be positive, got {self.chunk_size}")
+        if self.gate_norm not in GATE_NORMS:
+            raise ValueError(
+                f"Mamba-2 gate_norm must be one of {GATE_NORMS}, got {self.gate_norm!r}"
+            )
 
     @property
     def intermediate_size(self) -> int:
@@ -213,20 +222,23 @@ class RecurrentStates:
 
 
 class GatedRMSNorm(nn.Module):
-    """``weight * norm(y * silu(z))``, the RMS taken over each of ``groups`` equal slices of the
-    last dimension, in float32."""
+    """``weight * norm(y * silu(z))`` (``before_gate``: ``weight * norm(y) * silu(z)``), the RMS
+    taken over each of ``groups`` equal slices of the last dimension, in float32."""
 
-    def __init__(self, size: int, groups: int, eps: float) -> None:
+    def __init__(self, size: int, groups: int, eps: float, before_gate: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.groups = groups
         self.eps = eps
+        self.before_gate = before_gate
 
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         dtype = y.dtype
-        h = y.float() * F.silu(z.float())
+        h = y.float() if self.before_gate else y.float() * F.silu(z.float())
         g = h.view(*h.shape[:-1], self.groups, -1)
         g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.before_gate:
+            return (self.weight * g.view(h.shape) * F.silu(z.float())).to(dtype)
         return self.weight * g.view(h.shape).to(dtype)
 
 
@@ -245,8 +257,16 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.zeros(s.num_heads))
         self.A_log = nn.Parameter(torch.zeros(s.num_heads))
         self.D = nn.Parameter(torch.ones(s.num_heads))
-        self.norm = GatedRMSNorm(s.intermediate_size, s.n_groups, s.eps)
-        self.out_proj = Linear(s.intermediate_size, s.hidden_size, bias=s.proj_bias)
+        self.norm: GatedRMSNorm | None = None  # (gate_norm "none": the gate alone)
+        if s.gate_norm != "none":
+            before = s.gate_norm == "before_gate"
+            self.norm = GatedRMSNorm(s.intermediate_size, s.n_groups, s.eps, before)
+        out_bias = s.proj_bias if s.out_proj_bias is None else s.out_proj_bias
+        self.out_proj = Linear(s.intermediate_size, s.hidden_size, bias=out_bias)
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """in_proj's ``z | xBC | dt`` of ``x`` (a family may scale them: Falcon-H1)."""
+        return self.in_proj(x)
 
     def forward(
         self, x: torch.Tensor, cache: RecurrentCache, batch: RecurrentBatch
@@ -257,7 +277,7 @@ class Mamba2Mixer(nn.Module):
         the snapshot slots the batch names)."""
         s = self.shape
         t = x.shape[0]
-        z, xbc, dt = self.in_proj(x).split([s.intermediate_size, s.conv_dim, s.num_heads], -1)
+        z, xbc, dt = self.project(x).split([s.intermediate_size, s.conv_dim, s.num_heads], -1)
         xbc = F.silu(self._conv(xbc, cache.conv, batch))
         bc = s.n_groups * s.state_size
         xs, b, c = xbc.split([s.intermediate_size, bc, bc], -1)
@@ -281,7 +301,8 @@ class Mamba2Mixer(nn.Module):
         if batch.snapshots:
             _snapshot_one_token_rows(ssm, batch)
         y = y + xs * self.D.float()[:, None]
-        y = self.norm(y.reshape(t, s.intermediate_size).to(x.dtype), z)
+        y = y.reshape(t, s.intermediate_size).to(x.dtype)
+        y = y * F.silu(z) if self.norm is None else self.norm(y, z)
         return self.out_proj(y)
 
     def _conv(

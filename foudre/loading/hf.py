@@ -21,7 +21,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from foudre.loading.errors import ModelLoadError
-from foudre.loading.hf_mamba import granite_fields, mamba_fields
+from foudre.loading.hf_mamba import falcon_h1_fields, granite_fields, mamba_fields
 from foudre.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -46,6 +46,7 @@ _ARCHITECTURE_CLASSES = {
     "Mamba2ForCausalLM": "mamba2",
     "BambaForCausalLM": "bamba",
     "GraniteMoeHybridForCausalLM": "granitemoehybrid",
+    "FalconH1ForCausalLM": "falcon_h1",
 }
 # `model_type`s that name one of SUPPORTED_ARCHITECTURES otherwise
 _MODEL_TYPES = {"gemma3_text": "gemma3"}
@@ -108,6 +109,7 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
     },
     "bamba": {"max_position_embeddings": 262144},  # its partial rotary factor is fixed at 0.5
     "granitemoehybrid": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6},
+    "falcon_h1": {"max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "num_key_value_heads": 8},
     # Gemma3TextConfig's defaults (a multimodal config's text_config leaves many out)
     "gemma3": {
         "vocab_size": 262_208,
@@ -705,6 +707,10 @@ def load_hf_config(model_dir: Path) -> ModelConfig:
     window, layer_types = _sliding_layers(raw, arch, path)
     gemma3 = _gemma3(raw, arch, max_positions, path)
     mamba = _hybrid_mamba(raw, arch, path)
+    # a type's default where the key is absent (Falcon-H1's 8); null means every head's own
+    kv_default = (
+        heads if "num_key_value_heads" in raw else defaults.get("num_key_value_heads", heads)
+    )
     try:
         return ModelConfig(
             architecture=arch,
@@ -713,7 +719,7 @@ def load_hf_config(model_dir: Path) -> ModelConfig:
             intermediate_size=_required_int(raw, path, "intermediate_size"),
             num_hidden_layers=_required_int(raw, path, "num_hidden_layers"),
             num_attention_heads=heads,
-            num_key_value_heads=_optional_int(raw, path, "num_key_value_heads", heads),
+            num_key_value_heads=_optional_int(raw, path, "num_key_value_heads", kv_default),
             head_dim=head_dim,
             max_position_embeddings=max_positions,
             rms_norm_eps=float(eps),
@@ -739,15 +745,17 @@ def load_hf_config(model_dir: Path) -> ModelConfig:
 
 
 def _hybrid_mamba(raw: dict[str, Any], arch: str, path: Path) -> dict[str, Any]:
-    """A hybrid's Mamba-2 fields (Granite's also its multipliers and experts; none for the
-    other families)."""
-    if arch not in ("bamba", "granitemoehybrid"):
+    """A hybrid's Mamba-2 fields (Granite's also its multipliers and experts, Falcon-H1's its
+    multipliers and output norm; none for the other families)."""
+    if arch not in ("bamba", "granitemoehybrid", "falcon_h1"):
         return {}
     if raw.get("attention_bias"):
         raise ModelLoadError(f"{path}: attention_bias=true is not supported for {arch}", path)
     fields = mamba_fields(raw, arch, path, _required_int(raw, path, "num_hidden_layers"))
     if arch == "granitemoehybrid":
         fields |= granite_fields(raw, path)
+    if arch == "falcon_h1":
+        fields |= falcon_h1_fields(raw, path)
     return fields
 
 

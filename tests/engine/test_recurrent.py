@@ -1,10 +1,11 @@
 """State-space and hybrid models served by the engine (issue #49): greedy ids through ``LLM``
-against transformers' ``generate`` (float32, random small configs) for Mamba-2, Bamba and the
-Granite 4.0 hybrid, batched prompts of 5 to 600 tokens; with chunked prefill at a small token
-budget, with preemption, with ``n`` = 4 (the samples fork the state), with prefix caching (the
-same tokens, hits reported, snapshots restored); the state memory a request holds against what
-the config implies; slots and blocks all back in the pools at the end; what cannot run yet
-refused by name."""
+against transformers' ``generate`` (float32, random small configs) for Mamba-2, Bamba, the
+Granite 4.0 hybrid and Falcon-H1 (attention and Mamba side by side in every layer), batched
+prompts of 5 to 600 tokens; with chunked prefill at a small token budget, with preemption,
+with ``n`` = 4 (the samples fork the state), with prefix caching (the same tokens, hits
+reported, snapshots restored); the state memory a request holds against what the config
+implies; slots and blocks all back in the pools at the end; what cannot run yet refused by
+name."""
 
 from __future__ import annotations
 
@@ -17,10 +18,11 @@ import torch
 from foudre import LLM, SamplingParams
 from tests.oracles.ssm_models import prompt, save_random
 from tests.oracles.test_bamba import BASE as BAMBA
+from tests.oracles.test_falcon_h1 import BASE as FALCON_H1
 from tests.oracles.test_granite_moe_hybrid import BASE as GRANITE
 from tests.oracles.test_mamba2 import BASE as MAMBA2
 
-FAMILIES = {"Mamba2": MAMBA2, "Bamba": BAMBA, "GraniteMoeHybrid": GRANITE}
+FAMILIES = {"Mamba2": MAMBA2, "Bamba": BAMBA, "GraniteMoeHybrid": GRANITE, "FalconH1": FALCON_H1}
 LENGTHS = (5, 17, 33, 600)
 STEPS = 6
 
@@ -150,10 +152,11 @@ def test_state_bytes_per_request_follow_the_config(family: Any) -> None:
     """The engine charges each request its conv and SSM states of every Mamba layer, as the
     config gives them: float32 weights, so a float32 conv state."""
     _, path, cfg, _, _ = family
-    if hasattr(cfg, "mamba_n_heads"):  # the hybrids' names (Mamba layers: linear_attention)
+    if hasattr(cfg, "mamba_n_heads"):  # the hybrids' names (Mamba layers: linear_attention;
+        # Falcon-H1's layers are all "hybrid": attention and Mamba side by side)
         heads, head_dim = cfg.mamba_n_heads, cfg.mamba_d_head
         groups, d_state, d_conv = cfg.mamba_n_groups, cfg.mamba_d_state, cfg.mamba_d_conv
-        layers = [t for t in cfg.layer_types if t == "linear_attention"]
+        layers = [t for t in cfg.layer_types if t in ("linear_attention", "hybrid")]
     else:
         heads, head_dim = cfg.num_heads, cfg.head_dim
         groups, d_state, d_conv = cfg.n_groups, cfg.state_size, cfg.conv_kernel
