@@ -42,6 +42,7 @@ from torch import nn
 
 from foudre.attention.cache_spec import RecurrentCache, RecurrentStateSpec
 from foudre.layers.linear import Linear
+from foudre.layers.ssm_ops import causal_conv1d_update, selective_state_update
 
 # The scan's chunk: its work per token grows with the chunk (the quadratic form within it), its
 # Python loop with the number of chunks. The config's chunk_size tunes GPU kernels; the result
@@ -310,6 +311,13 @@ class Mamba2Mixer(nn.Module):
         """The causal depthwise convolution of each row, its window starting with the row's
         conv state; the state becomes the row's last ``d_conv - 1`` inputs (a snapshot's, the
         ``d_conv - 1`` inputs up to its token)."""
+        if batch.is_decode:  # one token a row: the window updated in place in each slot
+            out = causal_conv1d_update(
+                conv_state, xbc, self.conv1d.weight, self.conv1d.bias, batch.slots
+            )
+            if batch.snapshots:  # (at offset 0: the window after the row's token)
+                conv_state[batch.snap_slots] = conv_state[batch.slots[batch.snap_row]]
+            return out
         k = self.shape.conv_kernel
         w = k - 1
         rows = len(batch.lengths)
@@ -354,15 +362,9 @@ def _ssd_step(
     ssm_state: torch.Tensor,
     slots: torch.Tensor,
 ) -> torch.Tensor:
-    """One token per row: ``h = exp(dt A) h + dt x B^T``, ``y = h C`` (without D)."""
-    heads = x.shape[1]
-    per_group = heads // b.shape[1]
-    b = b.repeat_interleave(per_group, 1)  # [R, H, N]
-    c = c.repeat_interleave(per_group, 1)
-    h = ssm_state[slots].float()  # [R, H, P, N]
-    h = h * torch.exp(dt * a)[:, :, None, None] + (dt[:, :, None] * x)[..., None] * b[:, :, None, :]
-    ssm_state[slots] = h.to(ssm_state.dtype)
-    return torch.einsum("rhpn,rhn->rhp", h, c)
+    """One token per row: ``h = exp(dt A) h + dt x B^T``, ``y = h C`` (without D), each row's
+    state updated in place in its slot (``ssm_ops``: the C++ or Triton kernel where it runs)."""
+    return selective_state_update(ssm_state, x, dt, a, b, c, slots)
 
 
 def _ssd_rows(
