@@ -23,6 +23,11 @@ class EngineConfig:
     kv_cache_memory: float | None = None  # bytes (> 1) or a fraction of device memory (<= 1)
     kv_cache_dtype: str = "auto"  # auto (the model's dtype) | int8 | fp8 (per token and head)
     enable_prefix_caching: bool = True
+    # recurrent (state-space, linear attention) models: prefix caching keeps a snapshot of the
+    # state every this many tokens (whole blocks) of a cached prefix; each costs a request's
+    # state, counted in the KV memory (None snapshots: as many as there are state slots)
+    state_snapshot_interval: int = 256
+    num_state_snapshots: int | None = None
     # forked sequences (the samples of one prompt, the beams of a beam search) share their
     # parent's KV blocks until one writes (copy-on-write); False copies them all at the fork
     copy_on_write: bool = True
@@ -71,6 +76,15 @@ class EngineConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.state_snapshot_interval < self.block_size:
+            raise ValueError(
+                f"state_snapshot_interval must be at least block_size {self.block_size}, got "
+                f"{self.state_snapshot_interval}"
+            )
+        if self.num_state_snapshots is not None and self.num_state_snapshots < 0:
+            raise ValueError(
+                f"num_state_snapshots must be non-negative, got {self.num_state_snapshots}"
+            )
         for name in ("max_model_len", "num_kv_blocks", "speculative_max_batch_size"):
             value = getattr(self, name)
             if value is not None and value < 1:

@@ -182,11 +182,14 @@ class ShardRunner(ModelRunner):
         num_padding_rows: int = 0,
         position_offsets: Sequence[int] | None = None,
         group_tables: Sequence[Sequence[list[int]]] = (),
+        state_slots: Sequence[int] = (),
+        state_snapshots: Sequence[tuple[int, int, int]] = (),
     ) -> torch.Tensor | None:
         """``ModelRunner.forward`` across the ranks; any failure (a peer lost, a timeout) is a
         ``WorkerFailedError``: the ranks can no longer agree on where they are. The ranks keep
-        one cache group (``group_tables`` stays empty)."""
+        one cache group (``group_tables`` stays empty) and no recurrent state."""
         assert not group_tables, "parallel ranks keep one KV cache group"
+        assert not state_slots, "parallel ranks hold no recurrent state"
         try:
             return self._forward(
                 block_tables, starts, token_ids, num_logits, num_padding_rows, position_offsets

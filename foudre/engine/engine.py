@@ -25,6 +25,7 @@ from foudre.engine.input_processor import InputProcessor, Limits, Prompt
 from foudre.engine.options import check_config
 from foudre.engine.output_processor import OutputProcessor
 from foudre.engine.request import Request
+from foudre.engine.state_slots import state_metrics
 from foudre.engine.stats import EngineStats
 from foudre.engine.tracked import Owner, Tracked
 from foudre.errors import GrammarDeadEndError, InvalidParameterError
@@ -73,18 +74,20 @@ class LLMEngine:
             None if config.skip_tokenizer_init else load_tokenizer_for(loaded)
         )
         self.eos_token_ids = loaded.eos_token_ids(self.tokenizer)
+        states = wiring.state_plan(config, self.model, self.device)
         if self._parallel is not None:
             num_blocks = self._parallel.num_blocks  # the least any rank can hold
         else:
-            num_blocks = num_kv_blocks(self.model, config, self.device, max_len)
+            state_bytes = 0 if states is None else states.bytes
+            num_blocks = num_kv_blocks(self.model, config, self.device, max_len, 1, state_bytes)
         wiring.check_capacity(num_blocks, config, max_len)
         logger.info(describe_kv_cache(self.model, self.dtype, config.kv_cache_dtype, num_blocks))
         groups = wiring.kv_groups(self.model, self._parallel is not None)
         pool_blocks = num_blocks * len(groups)  # the same memory, in blocks of one group
-        self.kv = wiring.block_manager(config, pool_blocks, max_len, self.model, groups)
+        self.kv = wiring.block_manager(config, pool_blocks, max_len, self.model, groups, states)
         self.scheduler = wiring.scheduler(config, self.kv, max_len)
         self.runner: Executor = self._parallel or wiring.runner(
-            config, self.model, pool_blocks, self.device, self.dtype, max_len, groups
+            config, self.model, pool_blocks, self.device, self.dtype, max_len, groups, states
         )
         self.proposer = wiring.proposer(
             config, self.device, self.dtype, mcfg.vocab_size, max_len, num_blocks
@@ -375,6 +378,7 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "prefix_cache_queries": kv.prefix_cache_queries,
             "prefix_cache_hits": kv.prefix_cache_hits,
+            **state_metrics(self.kv.states),
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             # tokens routed to each expert, by layer (mixture-of-experts models; else empty)

@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from foudre.engine.request import Request
+from foudre.engine.state_slots import StateSlots
 
 BlockKey = tuple[int | None, tuple[int, ...]]  # (parent hash, token ids)
 
@@ -36,6 +37,8 @@ class Block:
     block_hash: int | None = None
     key: BlockKey | None = None
     group: int = 0  # the layer group whose K/V the block holds while it is cached
+    snapshot: int = -1  # the recurrent state slot of its snapshot (recurrent models; -1: none)
+    snapshot_step: int = 0  # the step that writes it (``StateSlots``)
     prev_free: Block | None = None
     next_free: Block | None = None
 
@@ -98,6 +101,8 @@ class BlockPool:
         self.enable_prefix_caching = enable_prefix_caching
         self.cached: dict[int, Block] = {}
         self.num_shared = 0  # blocks whose reference count is above one
+        # told of each block that leaves the cache (its recurrent state snapshot goes too)
+        self.on_uncache: Callable[[Block], None] | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -113,10 +118,7 @@ class BlockPool:
         for _ in range(n):
             block = self.free_queue.popleft()
             if block.block_hash is not None:
-                if self.cached.get(block.block_hash) is block:
-                    del self.cached[block.block_hash]
-                block.block_hash = None
-                block.key = None
+                self.forget(block)
             block.ref_cnt = 1
             out.append(block)
         return out
@@ -159,11 +161,12 @@ class BlockPool:
             del self.cached[block.block_hash]
         block.block_hash = None
         block.key = None
+        if self.on_uncache is not None:
+            self.on_uncache(block)
 
     def reset_prefix_cache(self) -> None:
         for block in self.blocks:
-            block.block_hash = None
-            block.key = None
+            self.forget(block)
         self.cached.clear()
 
 
@@ -196,13 +199,16 @@ class KVCacheManager:
         copy_on_write: bool = True,
         rope_offset: Callable[[int], int] | None = None,
         windows: Sequence[int | None] = (None,),
+        states: StateSlots | None = None,
     ):
         """``reserve_tokens`` turns paging off: each request reserves room for that many tokens
         (``max_model_len``) when first admitted, as a contiguous per-request buffer would. It is
         the non-paged baseline that shows what paging buys; prefix caching is then off, and
         window groups keep their blocks. ``copy_on_write=False`` is the baseline of forking: a
         fork copies every block of its parent at once instead of sharing them. ``windows``:
-        the layer groups (see the class docstring)."""
+        the layer groups (see the class docstring). ``states``: the recurrent state slots of a
+        model with recurrent layers (``engine/state_slots.py``): a request holds one from its
+        first blocks to its end, and a prefix hit restores a snapshot."""
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
         if not windows:
@@ -230,6 +236,9 @@ class KVCacheManager:
         # the model's RoPE position offset of a sequence of n tokens (RotaryEmbedding's
         # position_offset; None: always 0): K/V rotated under different offsets never match
         self.rope_offset = rope_offset
+        self.states = states
+        if states is not None:
+            self.pool.on_uncache = states.drop
 
     # -- queries -------------------------------------------------------------------------------
     @property
@@ -330,11 +339,12 @@ class KVCacheManager:
         for g, window in enumerate(self.windows):
             if window is None:  # the leading run of cached blocks
                 m = next((i for i in range(m) if found.get(g, i) is None), m)
-        while True:  # the window groups, until every group serves the same prefix
+        while True:  # the window groups (and states), until every one serves the same prefix
             m_before = m
             for g, window in enumerate(self.windows):
                 if window is not None:
                     m = self._window_hit(found, g, m)
+            m = self._state_hit(found, m)
             if m == m_before:
                 break
         hits: list[list[Block]] = []
@@ -354,6 +364,15 @@ class KVCacheManager:
                 return m
             m = miss
         return 0
+
+    def _state_hit(self, found: _Lookups, m: int) -> int:
+        """The longest prefix of at most ``m`` blocks whose last block holds a written snapshot
+        of the recurrent state (``m`` for a model without recurrent layers)."""
+        if self.states is None:
+            return m
+        while m > 0 and not self.states.ready(found.get(0, m - 1)):
+            m -= 1
+        return m
 
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count one admission's lookup (only admissions that succeed, so retries count once)."""
@@ -447,9 +466,14 @@ class KVCacheManager:
             [b.block_id for b in t] for t in self.req_tables[child.request_id]
         ]
         self.req_hashes[child.request_id] = list(self.req_hashes.get(parent.request_id, []))
+        if self.states is not None:  # a state is rewritten every token: copied at once
+            self.states.fork(parent.request_id, child.request_id)
 
     def can_fork(self, parent: Request) -> bool:
-        """Whether ``fork`` from ``parent`` can succeed now (always, with copy-on-write)."""
+        """Whether ``fork`` from ``parent`` can succeed now (always, with copy-on-write and,
+        for a recurrent model, a free state slot)."""
+        if self.states is not None and not self.states.free_slots:
+            return False
         needed = self.num_held_blocks(parent.request_id)
         return self.copy_on_write or needed <= self.pool.num_free_blocks
 
@@ -473,6 +497,8 @@ class KVCacheManager:
         computed_blocks: Sequence[Sequence[Block]] = (),
     ) -> bool:
         """Whether ``allocate_slots`` with these arguments would succeed now."""
+        if self.states is not None and not self.states.can_take(request.request_id):
+            return False
         need = self.num_blocks_needed(request, num_new_tokens, computed_blocks)
         free_hits = self.num_free_hits(computed_blocks, set())
         return need + free_hits <= self.pool.num_free_blocks
@@ -528,6 +554,8 @@ class KVCacheManager:
             blocks += fresh
             ids += [b.block_id for b in group_hits]
             ids += [b.block_id for b in fresh]
+        if self.states is not None:  # zeros, or the state after the last hit block
+            self.states.take(rid, hits[0][-1].snapshot if hits else None)
         self._cache_new_blocks(request, num_new_tokens, num_final_tokens, hits)
         return True
 
@@ -604,12 +632,23 @@ class KVCacheManager:
                 block = blocks[i]
                 if block.block_hash is None and block is not self.null_block:
                     self.pool.cache(block, self._group_hash(hashes[i], g), key, g)
+                    if g == 0 and self.states is not None:
+                        self._snapshot(block, rid, i)
+
+    def _snapshot(self, block: Block, request_id: str, i: int) -> None:
+        """Block ``i`` of a request was just cached: where snapshots are due, it gets one."""
+        assert self.states is not None
+        due = self.states.wants_snapshot(i)
+        if due and block.block_hash is not None and self.pool.cached.get(block.block_hash) is block:
+            self.states.assign(block, request_id, (i + 1) * self.block_size - 1)
 
     def free(self, request: Request, uncache: bool = False) -> None:
         """Return all of the request's blocks, every group's; the tail is freed first so it is
         evicted first. ``uncache``: also drop the hashes of those that no other request holds
         (their K/V may not have been written, e.g. by a step that failed)."""
         tables = self.req_tables.pop(request.request_id, [])
+        if self.states is not None:
+            self.states.release(request.request_id)
         self.req_table_ids.pop(request.request_id, None)
         self.req_num_cached.pop(request.request_id, None)
         self.req_hashes.pop(request.request_id, None)

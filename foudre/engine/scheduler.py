@@ -274,9 +274,23 @@ class Scheduler:
             out.new_requests = [new_request(r) for r in self._entering.values()]
             self._entering = {}
             out.rows = [self._row(req, n, out.new_requests) for req, n in scheduled]
+            self._state_rows(out)
         assert out.total_tokens <= self.max_num_batched_tokens
         assert self._occupied_seats() <= self.max_num_seqs
         return out
+
+    def _state_rows(self, out: SchedulerOutput) -> None:
+        """A recurrent model's step: the state copies to make first (zeroed slots, restored
+        snapshots, forks), each row's slot and the snapshots it fills."""
+        states = self.kv.states
+        if states is None:
+            return
+        out.state_copies = states.take_copies()
+        for row in out.rows:
+            row.state_slot = states.slot(row.request_id)
+            row.state_snapshots = states.take_snapshots(
+                row.request_id, row.start, row.num_new_tokens
+            )
 
     def _admit(
         self,

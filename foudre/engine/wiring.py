@@ -15,10 +15,12 @@ from foudre.config import EngineConfig
 from foudre.engine.kv_cache import KVCacheManager
 from foudre.engine.policies import make_policy
 from foudre.engine.scheduler import Scheduler
+from foudre.engine.state_slots import StateSlots
 from foudre.loading.loader import LoadedModel, default_model, load_model
 from foudre.models.config import ModelConfig
 from foudre.models.llama import LlamaForCausalLM
-from foudre.runner.model_runner import ModelRunner
+from foudre.runner.model_runner import ModelRunner, StatePlan
+from foudre.runner.model_runner import state_plan as model_state_plan
 from foudre.speculative.proposers import Proposer
 from foudre.speculative.registry import ProposerContext, make_proposer
 
@@ -75,7 +77,7 @@ def kv_groups(model: LlamaForCausalLM, parallel: bool) -> list[KVCacheGroup]:
     if parallel:  # (the engine's shard holds one stage's layers: the others may need all)
         if any(g.window is not None for g in groups):
             logger.info("KV cache: one group across parallel ranks (windows keep their blocks)")
-        return [KVCacheGroup(None, tuple(range(len(model.kv_cache_specs()))))]
+        return [KVCacheGroup(None, tuple(sorted(i for g in groups for i in g.layers)))]
     if len(groups) > 1:
         windows = sorted({g.window or 0 for g in groups})
         logger.info(
@@ -93,12 +95,19 @@ def block_manager(
     max_model_len: int,
     model: LlamaForCausalLM | None = None,
     groups: Sequence[KVCacheGroup] = (),
+    states: StatePlan | None = None,
 ) -> KVCacheManager:
     """The KV-cache manager; ``model``'s rotary tells it the RoPE position offset of a
     sequence (LongRoPE: see ``RotaryEmbedding``), which the scheduler passes on to the rows;
-    ``groups``, the layers' cache groups (none: one group of full attention)."""
+    ``groups``, the layers' cache groups (none: one group of full attention); ``states``, a
+    recurrent model's state slots."""
     contiguous = config.kv_allocation == "contiguous"
-    rotary = None if model is None else model.model.rotary
+    rotary = None if model is None else getattr(model.model, "rotary", None)
+    slots = None
+    if states is not None:
+        slots = StateSlots(
+            states.num_slots, states.num_snapshots, states.snapshot_every, states.bytes_per_slot
+        )
     return KVCacheManager(
         num_blocks,
         config.block_size,
@@ -107,6 +116,7 @@ def block_manager(
         copy_on_write=config.copy_on_write,
         rope_offset=rotary.position_offset if rotary and rotary.original is not None else None,
         windows=[g.window for g in groups] or [None],
+        states=slots,
     )
 
 
@@ -132,6 +142,7 @@ def runner(
     dtype: torch.dtype,
     max_model_len: int,
     groups: Sequence[KVCacheGroup] | None = None,
+    states: StatePlan | None = None,
 ) -> ModelRunner:
     return ModelRunner(
         model,
@@ -146,7 +157,38 @@ def runner(
         max_num_seqs=config.max_num_seqs,
         max_model_len=max_model_len,
         kv_groups=groups,
+        num_state_slots=0 if states is None else states.total_slots,
     )
+
+
+def state_plan(
+    config: EngineConfig, model: LlamaForCausalLM, device: torch.device
+) -> StatePlan | None:
+    """A recurrent model's state slots (None for a transformer); ``ValueError`` naming what a
+    recurrent model cannot run with yet (speculative decoding: the state advanced over drafts
+    would need rolling back; tensor or pipeline parallelism)."""
+    plan = model_state_plan(model, config, device)
+    if plan is None:
+        return None
+    arch = model.config.architecture
+    if config.speculative_method is not None:
+        raise ValueError(
+            f"speculative_method: {arch} has recurrent layers, whose state cannot yet be "
+            "rolled back past rejected drafts; run it without speculative decoding"
+        )
+    if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
+        raise ValueError(
+            f"tensor_parallel_size / pipeline_parallel_size: {arch} has recurrent layers, "
+            "which the parallel runners do not hold yet; run it on one device"
+        )
+    logger.info(
+        "recurrent state: %d slots of %d bytes, %d prefix-cache snapshots (every %d blocks)",
+        plan.num_slots,
+        plan.bytes_per_slot,
+        plan.num_snapshots,
+        plan.snapshot_every,
+    )
+    return plan
 
 
 def proposer(

@@ -25,29 +25,10 @@ Per request and per Mamba layer the state is (``RecurrentStateSpec``):
 A fresh request starts from zeros in both. The states of all requests live in pools
 ``[slots, ...]`` (``RecurrentStates``); a step names each row's slot (``RecurrentBatch``).
 
-What the engine integration needs (not done here; this module is the model math):
-
-- a ``RecurrentStateSpec`` per Mamba layer beside the attention layers' ``CacheSpec``s: its
-  ``bytes_per_request`` (conv + SSM, independent of the sequence length) is charged to the same
-  budget as the KV blocks (``--kv-cache-memory``), so admission and preemption see a request's
-  true cost: blocks for its attention layers plus one slot;
-- a state slot per request, allocated (zeroed) at admission with its first blocks, freed when
-  it finishes, is aborted or preempted (preemption recomputes: the slot is zeroed again on
-  resume); the runner passes each row's slot and its ``cu_seqlens`` in a ``RecurrentBatch``;
-- ``n`` > 1 and beam search fork a request: the child's slot is a copy of the parent's
-  (``RecurrentStates.fork``), where its attention blocks are shared by reference;
-- prefix caching: a cached block must also remember the recurrent state after its last token
-  (a snapshot: conv + SSM state per Mamba layer, ``bytes_per_request`` each), taken when the
-  block becomes full during prefill, so that a hit restores the snapshot of the last hit block
-  into the request's slot and recomputes only the tail; a chunk boundary not at a block
-  boundary needs the scan to report the state at those block ends (split the rows' chunks at
-  block boundaries, or return the states at chosen offsets); without snapshots prefix caching
-  must be turned off for the model, with a log line;
-- speculative decoding: verifying k draft tokens advances the state over all of them; a
-  rejection must roll the slot back to the state after the last accepted token: keep the k
-  per-token states of the verified window (the one-step recurrence yields them) and copy the
-  accepted one back, or snapshot before and recompute the accepted tokens; until then refuse;
-- CUDA graphs capture the decode step with fixed slot tensors (the pools never move).
+The engine holds the pools and hands the slots out (``engine/state_slots.py``, ``docs/
+architecture.md`` section 14): a slot per request, copied for forks; the prefix cache's
+snapshots are slots too, which a step fills with the state after a chosen token of a row
+(``RecurrentBatch.snapshots``: the scan reports the state at those offsets).
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -22,14 +23,19 @@ from foudre.attention.cache_spec import (
     FullAttentionSpec,
     KVCacheGroup,
     LatentAttentionSpec,
+    RecurrentCache,
     RecurrentStateSpec,
+    attention_layers,
     element_size,
     pages_of,
+    recurrent_layers,
+    state_bytes_per_request,
 )
 from foudre.attention.latent import build_latent_metadata
 from foudre.attention.paged import PagedBackend
 from foudre.attention.quantized_cache import QuantizedKVCache, kv_bytes_per_token_head
 from foudre.config import EngineConfig
+from foudre.layers.mamba import RecurrentBatch
 from foudre.models.llama import LlamaForCausalLM
 from foudre.native import huge_pages
 from foudre.runner.cpu_decode import NativeDecode
@@ -164,34 +170,103 @@ def device_memory(device: torch.device) -> int:
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
+def kv_budget(config: EngineConfig, device: torch.device, share: int = 1) -> int | None:
+    """The bytes the KV cache (and recurrent state) may take in one process: ``kv_cache_memory``
+    (bytes, or a fraction of device memory), else a cap: 2 GiB (and a quarter of RAM) on the
+    CPU, 80% of free memory on CUDA. ``share``: how many processes draw on the same memory
+    (the CPU ranks of one machine), each taking that fraction. None when ``num_kv_blocks``
+    is given (the blocks are then counted, not bytes)."""
+    if config.num_kv_blocks is not None:
+        return None
+    if config.kv_cache_memory is not None:
+        budget = config.kv_cache_memory
+        if budget <= 1.0:
+            budget *= device_memory(device)
+        return int(budget) // share
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * 0.8) // share
+    return min(_CPU_DEFAULT_KV_BYTES, device_memory(device) // 4) // share
+
+
+@dataclass(frozen=True, slots=True)
+class StatePlan:
+    """A recurrent model's state slots: one per running request, ``num_snapshots`` for the
+    prefix cache (one every ``snapshot_every`` blocks of a cached prefix), and the bytes each
+    slot takes over every recurrent layer."""
+
+    num_slots: int
+    num_snapshots: int
+    snapshot_every: int
+    bytes_per_slot: int
+
+    @property
+    def total_slots(self) -> int:
+        """The pools' slots: the requests', the snapshots' and the padding rows' one."""
+        return self.num_slots + self.num_snapshots + 1
+
+    @property
+    def bytes(self) -> int:
+        return self.total_slots * self.bytes_per_slot
+
+
+def state_plan(
+    model: LlamaForCausalLM, config: EngineConfig, device: torch.device, share: int = 1
+) -> StatePlan | None:
+    """How many state slots a model with recurrent layers gets (None for a transformer): a
+    slot per running request (``max_num_seqs``) and as many snapshots (``num_state_snapshots``,
+    none without prefix caching), all within half of the KV budget, the other half left for
+    the attention layers' blocks: fewer slots where the budget is short (admission then waits
+    for a free slot), ``ValueError`` naming ``kv_cache_memory`` where not even one fits."""
+    dtype = next(model.parameters()).dtype
+    per_slot = state_bytes_per_request(model.kv_cache_specs(), dtype)
+    if per_slot == 0:
+        return None
+    slots = config.max_num_seqs
+    snapshots = config.num_state_snapshots
+    if snapshots is None:
+        snapshots = slots if config.enable_prefix_caching else 0
+    if not config.enable_prefix_caching:
+        snapshots = 0
+    budget = kv_budget(config, device, share)
+    if budget is not None and (slots + snapshots + 1) * per_slot > budget // 2:
+        fit = budget // 2 // per_slot - 1
+        if fit < 1:
+            raise ValueError(
+                f"kv_cache_memory: {budget} bytes cannot hold one request's recurrent state "
+                f"({per_slot} bytes over the model's recurrent layers) beside its KV blocks"
+            )
+        share_snapshots = snapshots / (slots + snapshots)
+        snapshots = int(fit * share_snapshots)
+        slots = max(1, fit - snapshots)
+    every = max(1, config.state_snapshot_interval // config.block_size)
+    return StatePlan(slots, snapshots, every, per_slot)
+
+
 def num_kv_blocks(
     model: LlamaForCausalLM,
     config: EngineConfig,
     device: torch.device,
     max_model_len: int,
     share: int = 1,
+    state_bytes: int = 0,
 ) -> int:
-    """How many KV blocks to allocate: ``num_kv_blocks`` if given, else ``kv_cache_memory``
-    (bytes, or a fraction of device memory), else enough for ``max_num_seqs`` full-length
-    sequences, capped at 2 GiB (and a quarter of RAM) on the CPU and 80% of free memory on CUDA.
-    ``share``: how many processes draw on the same memory (the CPU ranks of one machine), each
-    taking that fraction of the byte budget and cap."""
+    """How many KV blocks to allocate: ``num_kv_blocks`` if given, else what ``kv_budget``
+    leaves after ``state_bytes`` (the recurrent state slots), at most enough for
+    ``max_num_seqs`` full-length sequences where no ``kv_cache_memory`` is given. A model of
+    recurrent layers only has blocks of no bytes (they count its tokens for the prefix cache):
+    enough for twice ``max_num_seqs`` full-length sequences."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     dtype = next(model.parameters()).dtype
     per_block = kv_bytes_per_block(model, config.block_size, dtype, config.kv_cache_dtype)
-    if config.kv_cache_memory is not None:
-        budget = config.kv_cache_memory
-        if budget <= 1.0:
-            budget *= device_memory(device)
-        return max(1, int(budget) // share // per_block)
     wanted = config.max_num_seqs * -(-max_model_len // config.block_size)
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        cap = int(free * 0.8)
-    else:
-        cap = min(_CPU_DEFAULT_KV_BYTES, device_memory(device) // 4)
-    return max(1, min(wanted, cap // share // per_block))
+    if per_block == 0:
+        return 2 * wanted
+    budget = kv_budget(config, device, share)
+    assert budget is not None
+    blocks = max(1, (budget - state_bytes) // per_block)
+    return blocks if config.kv_cache_memory is not None else min(wanted, blocks)
 
 
 class ModelRunner:
@@ -211,10 +286,13 @@ class ModelRunner:
         max_num_seqs: int = 256,
         max_model_len: int | None = None,
         kv_groups: Sequence[KVCacheGroup] | None = None,
+        num_state_slots: int = 0,
     ) -> None:
         """``num_blocks``: the pool's block ids; ``kv_groups``: the layers' cache groups, whose
-        rows carry a block table each (None: one group of every layer, the windows applied by
-        the backends over blocks kept whole)."""
+        rows carry a block table each (None: one group of every attention layer, the windows
+        applied by the backends over blocks kept whole); ``num_state_slots``: the slots of
+        the recurrent layers' state pools (``engine/state_slots.py``: the last one is the
+        padding rows')."""
         self.model = model
         self.backend = backend
         self.block_size = block_size
@@ -227,13 +305,18 @@ class ModelRunner:
         self.cache_specs = model.kv_cache_specs()
         self.latent_cache = any(isinstance(s, LatentAttentionSpec) for s in self.cache_specs)
         self.kv_groups = list(
-            kv_groups or [KVCacheGroup(None, tuple(range(len(self.cache_specs))))]
+            kv_groups or [KVCacheGroup(None, tuple(attention_layers(self.cache_specs)))]
         )
-        self.group_of_layer = [0] * len(self.cache_specs)
+        # recurrent layers read the step's RecurrentBatch, one "group" past the attention ones
+        self.recurrent = bool(recurrent_layers(self.cache_specs))
+        if self.recurrent and num_state_slots < 2:
+            raise ValueError("a model with recurrent layers needs state slots")
+        self.padding_state_slot = num_state_slots - 1
+        self.group_of_layer = [len(self.kv_groups)] * len(self.cache_specs)
         for g, group in enumerate(self.kv_groups):
             for layer in group.layers:
                 self.group_of_layer[layer] = g
-        self.kv_caches: list[torch.Tensor] | list[QuantizedKVCache] = allocate_group_caches(
+        self.kv_caches: list[Any] = allocate_group_caches(
             self.cache_specs,
             self.kv_groups,
             num_blocks + 1,
@@ -241,7 +324,9 @@ class ModelRunner:
             dtype,
             device,
             kv_cache_dtype,
+            num_state_slots,
         )
+        self.state_caches = [c for c in self.kv_caches if isinstance(c, RecurrentCache)]
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.input_batch = InputBatch(cfg.vocab_size, device, max_num_seqs)
         self._decode_path_args = (max_num_seqs, max_model_len or cfg.max_position_embeddings)
@@ -250,8 +335,8 @@ class ModelRunner:
 
     def _make_decode_path(self) -> DecodePath | None:
         make = DECODE_PATHS.get(self.backend.name)
-        if not self._decode_graphs or make is None or len(self.kv_groups) > 1:
-            return None  # (the fast paths hold one block table a row)
+        if not self._decode_graphs or make is None or len(self.kv_groups) > 1 or self.recurrent:
+            return None  # (the fast paths hold one block table a row, and no state slots)
         return make(self, *self._decode_path_args)
 
     def model_changed(self) -> None:
@@ -273,12 +358,25 @@ class ModelRunner:
         dst = torch.tensor([d for _, d in copies], device=self.device)
         distinct = {id(c): c for c in self.kv_caches}  # cache groups share their tensors
         for cache in distinct.values():
+            if isinstance(cache, RecurrentCache):
+                continue
             if isinstance(cache, QuantizedKVCache):
                 cache.codes[:, dst] = cache.codes[:, src]
                 cache.scales[:, dst] = cache.scales[:, src]
             else:
                 for pages in pages_of(cache):  # a latent cache's K and V are one memory
                     pages[dst] = pages[src]
+
+    def copy_states(self, copies: Sequence[tuple[int | None, int]]) -> None:
+        """Fill recurrent state slots before a step, in order: zeros (``None``: a fresh
+        request) or a copy of another slot (a fork, a restored prefix-cache snapshot)."""
+        for src, dst in copies:
+            for cache in self.state_caches:
+                for pool in cache:
+                    if src is None:
+                        pool[dst].zero_()
+                    else:
+                        pool[dst].copy_(pool[src])
 
     def flatten(self, step: ForwardStep) -> None:
         """Fill ``step``'s flattened tensors: token ids, positions, and the backend's metadata
@@ -312,7 +410,7 @@ class ModelRunner:
             block_size=bs,
         )
         step.metadata = self._metadata(layout)
-        if step.group_tables:  # the other cache groups: their own tables and slots
+        if step.group_tables or self.recurrent:  # the other cache groups: their own tables
             groups = [step.metadata]
             for tables in step.group_tables:
                 group_slots = [
@@ -328,9 +426,18 @@ class ModelRunner:
                     bs,
                 )
                 groups.append(self._metadata(group_layout))
+            if self.recurrent:
+                groups.append(self._recurrent_batch(step, query_lens))
             step.metadata = GroupedMetadata(groups, self.group_of_layer)
         step.input_ids = torch.tensor(input_ids, device=self.device)
         step.positions = torch.tensor(positions, device=self.device)
+
+    def _recurrent_batch(self, step: ForwardStep, query_lens: list[int]) -> RecurrentBatch:
+        """The recurrent layers' view of the step: each row's slot and new tokens (padding
+        rows on the scratch slot), and the snapshots to leave."""
+        slots = list(step.state_slots)
+        slots += [self.padding_state_slot] * (len(query_lens) - len(slots))
+        return RecurrentBatch.of_lengths(query_lens, slots, self.device, list(step.state_snapshots))
 
     def _metadata(self, layout: BatchLayout) -> object:
         """The backend's metadata of ``layout`` (one cache group's)."""
@@ -364,6 +471,8 @@ class ModelRunner:
         num_padding_rows: int = 0,
         position_offsets: Sequence[int] | None = None,
         group_tables: Sequence[Sequence[list[int]]] = (),
+        state_slots: Sequence[int] = (),
+        state_snapshots: Sequence[tuple[int, int, int]] = (),
     ) -> torch.Tensor | None:
         """Compute ``token_ids[i]`` at positions ``starts[i]...`` of sequence ``i`` (writing
         their K/V through ``block_tables[i]``); return float32 logits of the last
@@ -372,12 +481,21 @@ class ModelRunner:
         layers do not count their tokens. ``position_offsets[i]`` (None: all 0) is added to
         the RoPE positions of row ``i`` (``ScheduledRow.position_offset``).
         ``group_tables[g - 1][i]``: row ``i``'s block table of cache group ``g`` (``g >= 1``;
-        ``block_tables`` is group 0's).
+        ``block_tables`` is group 0's). ``state_slots[i]``: row ``i``'s recurrent state slot
+        (padding rows past them take the scratch slot); ``state_snapshots``: (row, offset,
+        slot), the states to leave in snapshot slots.
 
         A step that the decode path can run (a replayed CUDA graph, the native CPU decoder
         layers) runs there; the rest runs the model op by op."""
         step = ForwardStep(
-            block_tables, starts, token_ids, num_logits, position_offsets, group_tables
+            block_tables,
+            starts,
+            token_ids,
+            num_logits,
+            position_offsets,
+            group_tables,
+            state_slots,
+            state_snapshots,
         )
         real = token_ids[: len(token_ids) - num_padding_rows]
         rows = sum(len(ids) for ids in real)
@@ -426,6 +544,7 @@ class ModelRunner:
         self.input_batch.remove(scheduled.removed)
         self.input_batch.add(scheduled.new_requests)
         self.copy_blocks(scheduled.block_copies)
+        self.copy_states(scheduled.state_copies)
         rows = scheduled.rows
         pad = scheduled.num_padding_rows
         tables = [r.block_ids for r in rows]
@@ -447,7 +566,11 @@ class ModelRunner:
             if offsets is not None:
                 offsets += [0] * pad
         sampling = self.input_batch.sampling_rows(rows)
-        logits = self.forward(tables, starts, tokens, num_logits, pad, offsets, group_tables)
+        slots = [r.state_slot for r in rows] if self.recurrent else []
+        snapshots = [(i, o, s) for i, r in enumerate(rows) for o, s in r.state_snapshots]
+        logits = self.forward(
+            tables, starts, tokens, num_logits, pad, offsets, group_tables, slots, snapshots
+        )
         if logits is not None and pad:
             logits = logits[: logits.shape[0] - pad]
         if logits is None or logits.shape[0] == 0:

@@ -69,6 +69,10 @@ class ScheduledRow:
     # the block tables of layer groups 1.. (``block_ids`` is group 0's; empty for a model of
     # one group): a sliding-window group's table holds the padding block before its window
     group_block_ids: list[list[int]] = field(default_factory=list)
+    # a recurrent model's: the request's state slot, and the prefix-cache snapshots the row
+    # fills: (offset in the row, slot), the state after that token copied into that slot
+    state_slot: int = -1
+    state_snapshots: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_new_tokens(self) -> int:
@@ -87,6 +91,9 @@ class SchedulerOutput:
     # the persistent batch's deltas, applied before the rows: leaving, then entering
     removed: list[str] = field(default_factory=list)
     new_requests: list[NewRequest] = field(default_factory=list)
+    # a recurrent model's state slots to fill before the forward, in order: (source slot, or
+    # None for zeros; destination slot)
+    state_copies: list[tuple[int | None, int]] = field(default_factory=list)
 
     @property
     def total_tokens(self) -> int:
@@ -119,6 +126,9 @@ class ForwardStep:
     position_offsets: Sequence[int] | None = None  # per row, added to its RoPE positions
     # layer groups 1..: per group, per row, its block table (``block_tables`` is group 0's)
     group_tables: Sequence[Sequence[list[int]]] = ()
+    # a recurrent model's: per row its state slot, and the snapshots (row, offset, slot)
+    state_slots: Sequence[int] = ()
+    state_snapshots: Sequence[tuple[int, int, int]] = ()
     input_ids: torch.Tensor | None = None
     positions: torch.Tensor | None = None
     metadata: Any = None
