@@ -273,3 +273,38 @@ def test_a_file_disagreeing_with_itself_names_the_tensor_or_key(
             f.metadata[key] = value
     with pytest.raises(ModelLoadError, match=named):
         gguf_config(f)
+
+
+@pytest.mark.parametrize("family", ["mamba2", "granite_moe", "bamba"])
+def test_engine_serves_a_converted_file_as_its_source(
+    family: str, sources: dict[str, tuple[Path, torch.Tensor]], f32_files: dict[str, Path]
+) -> None:
+    """Through ``LLM``, prompts of other lengths sharing a prefix, batched: the f32 file's
+    greedy ids are its source's with few blocks (preemptions), a small token budget (chunked
+    prompts) and prefix caching with state snapshots (hits), as without prefix caching; two
+    seeded samples of a prompt (``n`` = 2, the state forked) are the source's."""
+    from foudre import LLM, SamplingParams
+
+    src, _ = sources[family]
+    shared = prompt(30, 7)
+    prompts = [[*shared, 50 + i, 60 + i] for i in range(3)] + [prompt(5, 1), prompt(21, 2)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    sampled = SamplingParams(temperature=0.8, max_tokens=8, ignore_eos=True, n=2, seed=3)
+
+    def run(path: Path, **kwargs: Any) -> tuple[list[list[int]], list[list[int]], Any]:
+        llm = LLM(
+            str(path), dtype="float32", skip_tokenizer_init=True, max_model_len=64,
+            block_size=4, **kwargs,
+        )  # fmt: skip
+        ids = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy)]
+        samples = [list(c.token_ids) for c in llm.generate([prompts[4]], sampled)[0].outputs]
+        return ids, samples, llm.engine.metrics()
+
+    want, want_samples, _ = run(src)
+    small = dict(num_kv_blocks=20, max_num_batched_tokens=24, state_snapshot_interval=8)
+    got, samples, metrics = run(f32_files[family], enable_prefix_caching=True, **small)
+    assert metrics["num_preemptions"] > 0 and metrics["prefix_cache_hits"] > 0, metrics
+    assert got == want
+    assert samples == want_samples and all(len(s) == 8 for s in samples)
+    got, _, _ = run(f32_files[family], enable_prefix_caching=False, **small)
+    assert got == want
