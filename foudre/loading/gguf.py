@@ -1296,6 +1296,8 @@ def _check_ssm_tensors(
                 )
             if mamba and (tensor is None) == required:
                 why = "is missing" if required else "is unexpected (the first Mamba layer has none)"
+                if f"blk.{i}.attn_q.weight" in f.tensors:  # (a converter that misread layer_types)
+                    why += f"; layer {i} has attention tensors but head_count_kv[{i}] = 0"
                 raise ModelLoadError(f"{f.path}: tensor {name!r} {why} ({keys})", f.path)
             if mamba and tensor is not None and tensor.shape != shape:
                 raise ModelLoadError(

@@ -239,7 +239,8 @@ def test_bf16_and_q8_0_files(
         (
             "granite_moe",
             {"granitehybrid.attention.head_count_kv": [0, 0, 0, 0]},
-            r"'blk\.1\.ssm_in\.weight' is missing",
+            r"'blk\.1\.ssm_in\.weight' is missing; layer 1 has attention tensors but "
+            r"head_count_kv\[1\] = 0",
         ),
         (
             "granite_moe",
@@ -273,6 +274,24 @@ def test_a_file_disagreeing_with_itself_names_the_tensor_or_key(
             f.metadata[key] = value
     with pytest.raises(ModelLoadError, match=named):
         gguf_config(f)
+
+
+def test_a_positive_a_names_the_tensor(f32_files: dict[str, Path], tmp_path: Path) -> None:
+    """``ssm_a`` holds ``A = -exp(A_log)``: a value that is not negative has no ``A_log``."""
+    import numpy as np
+
+    from foudre.loading.gguf import iter_gguf_weights
+
+    out = tmp_path / "positive_a.gguf"
+    out.write_bytes(f32_files["mamba2"].read_bytes())
+    tensor = read_gguf(out).tensors["blk.1.ssm_a"]
+    data = np.memmap(out, dtype=np.float32, mode="r+", offset=tensor.offset, shape=(2,))
+    data[1] = 0.5
+    data.flush()
+    del data
+    f = read_gguf(out)
+    with pytest.raises(ModelLoadError, match=r"'blk\.1\.ssm_a' holds A = -exp\(A_log\)"):
+        list(iter_gguf_weights(f, gguf_config(f)))
 
 
 @pytest.mark.parametrize("family", ["mamba2", "granite_moe", "bamba"])
