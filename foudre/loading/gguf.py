@@ -48,6 +48,24 @@ left interleaved as in the checkpoint (``rope_interleave``); routing by sigmoid 
 selection bias ``exp_probs_b``, ``expert_group_count`` / ``expert_group_used_count`` groups,
 ``expert_weights_scale`` and the ``leading_dense_block_count`` dense layers (the routers say
 which); YaRN's ``yarn_log_multiplier`` as ``0.1 * mscale_all_dim``.
+
+State-space models: Mamba-2 (``mamba2``) and the hybrids llama.cpp's converter writes as
+``granitehybrid`` (Granite 4.0's ``GraniteMoeHybridForCausalLM`` and ``BambaForCausalLM``, both
+read as foudre's Granite 4.0 hybrid, whose multipliers default to none). The mixer's sizes come
+from ``ssm.*``: ``time_step_rank`` is the number of heads (as llama.cpp uses it),
+``inner_size`` their total width, ``group_count``, ``state_size``, ``conv_kernel``; the conv
+and projection biases are there when the tensors are. A granitehybrid layer is a Mamba layer
+where ``attention.head_count_kv`` (one count per layer) is 0. Its attention turns RoPE only
+when ``rope.scaling.finetuned`` (llama.cpp's switch, which the converter sets for Bamba and not
+for Granite 4.0), over ``rope.dimension_count`` of each head; q/k rows un-permuted as for
+``llama``; Granite's ``embedding_scale``, ``residual_scale``, ``attention.scale`` and
+``logit_scale``; a dense MLP (the shared one alone) or experts with a shared MLP. The
+converter's layouts are undone (``_ssm_weight``): ``A = -exp(A_log)`` back to ``A_log``, ``A``
+and ``D`` from ``[heads, 1]``, conv1d's filters from ``[channels, d_conv]``, the gated norm's
+weight from ``[groups, inner / groups]``; every Mamba layer's tensors must have the shapes the
+keys give (``_check_ssm_tensors`` names the first that does not). Other recurrent
+architectures (``UNSUPPORTED_RECURRENT``: Mamba 1, Jamba, Falcon-H1, Nemotron-H, RWKV,
+Qwen3-Next...) are refused naming the architecture.
 """
 
 from __future__ import annotations
@@ -95,11 +113,13 @@ ARCHITECTURES = {
     "gemma3": "gemma3",
     "gpt-oss": "gpt_oss",
     "deepseek2": "deepseek_v3",
+    "mamba2": "mamba2",
+    "granitehybrid": "granitemoehybrid",
 }
 # llama.cpp's graphs: whether each architecture renormalises its top-k expert weights
 _NORM_TOPK = {
     "llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False, "gpt-oss": True,
-    "deepseek2": False,
+    "deepseek2": False, "granitehybrid": True,
 }  # fmt: skip
 _GATING_SOFTMAX, _GATING_SIGMOID = 1, 2  # llama_expert_gating_func_type (3: softmax of weights)
 
@@ -179,6 +199,28 @@ _DEEPSEEK2_BLOCK_NAMES = {
     "attn_v_b.weight": "self_attn.kv_b_proj.weight",
     "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
 }
+# State-space models (mamba2, granitehybrid): a Mamba-2 mixer's tensors as foudre's
+# ``Mamba2Mixer`` names its parameters, under the layer's ``mixer`` (mamba2) or ``mamba``
+# (granitehybrid); the converter's layouts are undone in ``_ssm_weight``
+_SSM_NAMES = {
+    "ssm_in.weight": "in_proj.weight",
+    "ssm_in.bias": "in_proj.bias",
+    "ssm_conv1d.weight": "conv1d.weight",
+    "ssm_conv1d.bias": "conv1d.bias",
+    "ssm_dt.bias": "dt_bias",
+    "ssm_a": "A_log",
+    "ssm_d": "D",
+    "ssm_norm.weight": "norm.weight",
+    "ssm_out.weight": "out_proj.weight",
+    "ssm_out.bias": "out_proj.bias",
+}
+_SSM_MIXER = {"mamba2": "mixer", "granitehybrid": "mamba"}
+# GGUF architectures with recurrent layers (state-space, RWKV, linear attention) that foudre
+# does not read: refused naming the architecture, whatever their tensors
+UNSUPPORTED_RECURRENT = (
+    "mamba", "jamba", "falcon-h1", "nemotron_h", "nemotron_h_moe", "plamo2", "lfm2", "lfm2moe",
+    "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7", "qwen3next", "qwen35", "qwen35moe", "kimi-linear",
+)  # fmt: skip
 # (architecture, leaf) of a tensor the converter wrote as two -> (the other's leaf, this part)
 _PAIRS = {
     ("gpt-oss", "ffn_gate_exps.weight"): ("ffn_up_exps.weight", 0),
@@ -197,6 +239,8 @@ _ROPE_FREQS = "rope_freqs.weight"  # Llama 3 RoPE scaling, stored as per-frequen
 # Phi-3's LongRoPE factors (llama.cpp's converter writes rope_scaling's lists as tensors)
 _ROPE_LONG, _ROPE_SHORT = "rope_factors_long.weight", "rope_factors_short.weight"
 _ROPE_TENSORS = (_ROPE_FREQS, _ROPE_LONG, _ROPE_SHORT)  # read into rope_scaling, not weights
+# foudre architectures whose q/k rows llama.cpp's converter permuted for its RoPE (undone on load)
+_PERMUTED_QK = ("llama", "mixtral", "granitemoehybrid")
 
 # tokenizer.ggml.token_type values; sentencepiece's ModelProto.SentencePiece.Type uses the same.
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
@@ -481,6 +525,10 @@ def _hf_name(name: str, arch: str | None = None) -> str | None:
         return f"model.layers.{layer}.mlp.gate_up_proj.weight"
     if arch == "gemma3" and leaf in _GEMMA3_BLOCK_NAMES:
         return f"model.layers.{layer}.{_GEMMA3_BLOCK_NAMES[leaf]}"
+    if arch in _SSM_MIXER and leaf in _SSM_NAMES:
+        return f"model.layers.{layer}.{_SSM_MIXER[arch]}.{_SSM_NAMES[leaf]}"
+    if arch == "mamba2":  # a norm and a mixer a layer, nothing else
+        return f"model.layers.{layer}.norm.weight" if leaf == "attn_norm.weight" else None
     family = {"gpt-oss": {**_GPT_OSS_BLOCK_NAMES, **_GPT_OSS_EXPERTS}}.get(arch or "")
     family = _DEEPSEEK2_BLOCK_NAMES if arch == "deepseek2" else family
     if family is not None and leaf in family:
@@ -527,6 +575,28 @@ def _joined(hf: str, first: Any, second: Any) -> Iterator[tuple[str, torch.Tenso
         return
     joined = torch.stack([first, second], dim=2).reshape(first.shape[0], -1, *first.shape[2:])
     yield hf, joined.transpose(1, 2) if joined.dim() == 3 else joined
+
+
+def _ssm_weight(f: GGUFFile, tensor: GGUFTensor, leaf: str, w: torch.Tensor) -> torch.Tensor:
+    """A Mamba-2 mixer's tensor back in ``Mamba2Mixer``'s layout: the converter squeezed
+    conv1d's ``[channels, 1, d_conv]`` to ``[channels, d_conv]``, stored ``A_log`` as ``A =
+    -exp(A_log)`` and ``A``, ``D`` as ``[heads, 1]``, and the gated norm's weight as
+    ``[groups, inner / groups]``. An ``A`` that is not negative (no ``A_log`` gives it) is
+    refused, naming the tensor."""
+    if leaf == "ssm_conv1d.weight":
+        return w.unsqueeze(1)
+    if leaf == "ssm_a":
+        a = w.float().reshape(-1)
+        if not bool((a < 0).all()):
+            raise ModelLoadError(
+                f"{f.path}: tensor {tensor.name!r} holds A = -exp(A_log), which must be "
+                "negative; it is not",
+                f.path,
+            )
+        return torch.log(-a)
+    if leaf in ("ssm_d", "ssm_norm.weight"):
+        return w.reshape(-1)
+    return w
 
 
 def _unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -593,6 +663,8 @@ def iter_gguf_weights(
             yield f"{hf}_scales", part[1]
             continue
         w = part
+        if arch in _SSM_MIXER and leaf in _SSM_NAMES:
+            w = _ssm_weight(f, tensor, leaf, w)
         if arch == "gpt-oss" and hf.endswith("experts.down_proj"):
             w = w.transpose(1, 2)  # transformers' [E, I, hidden]
         if "{}" in hf:  # stacked experts: one tensor per expert, as Hugging Face names them
@@ -601,7 +673,7 @@ def iter_gguf_weights(
             continue
         if hf.endswith("shared_expert_gate.weight") and w.dim() == 1:
             w = w[None]  # llama.cpp stores this [1, hidden] matrix as a vector
-        if config.architecture in ("llama", "mixtral"):
+        if config.architecture in _PERMUTED_QK:
             if hf.endswith(("q_proj.weight", "q_proj.bias")):
                 w = _unpermute_rope(w, config.num_attention_heads)
             elif hf.endswith(("k_proj.weight", "k_proj.bias")):
@@ -779,6 +851,12 @@ def _check_tensors(f: GGUFFile) -> tuple[str, GGUFTensor]:
     and each of its tensors has a type foudre dequantizes and a place in the model."""
     path = f.path
     arch = f.metadata.get("general.architecture")
+    if arch in UNSUPPORTED_RECURRENT:
+        raise ModelLoadError(
+            f"{path}: GGUF architecture {arch!r} (recurrent layers) is not supported; the "
+            "recurrent architectures foudre reads from GGUF are mamba2 and granitehybrid",
+            path,
+        )
     if arch not in ARCHITECTURES:
         raise ModelLoadError(
             f"{path}: unsupported GGUF architecture {arch!r}; "
@@ -871,6 +949,8 @@ def gguf_config(f: GGUFFile) -> ModelConfig:
     """
     path = f.path
     arch, embed = _check_tensors(f)
+    if arch in _SSM_MIXER:
+        return _ssm_config(f, arch, embed)
     hidden = _meta_int(f, f"{arch}.embedding_length")
     heads, kv_heads, head_dim, rope_dim = _attention_heads(f, arch, hidden)
     theta = _meta_float(f, f"{arch}.rope.freq_base", 10000.0)
@@ -1102,6 +1182,195 @@ def _gguf_routing(f: GGUFFile, arch: str) -> dict[str, Any]:
                 f"{path}: unsupported mixture-of-experts layout {arch}.{key}={value!r}", path
             )
     return fields
+
+
+# ----------------------------------------------------------------------------- state space
+
+
+def _ssm_config(f: GGUFFile, arch: str, embed: GGUFTensor) -> ModelConfig:
+    """The ``ModelConfig`` of a ``mamba2`` or ``granitehybrid`` file (the module's docstring),
+    once every Mamba layer's tensors agree with the ``ssm.*`` keys (``_check_ssm_tensors``)."""
+    path = f.path
+    hidden = _meta_int(f, f"{arch}.embedding_length")
+    n_layers = _meta_int(f, f"{arch}.block_count")
+    vocab = embed.shape[0]
+    bos = f.metadata.get("tokenizer.ggml.bos_token_id")
+    if arch == "mamba2":  # attention fields are placeholders, as for a config.json
+        fields: dict[str, Any] = dict(
+            intermediate_size=0, num_attention_heads=1, num_key_value_heads=1, head_dim=2
+        )
+        mamba_layers = tuple(range(n_layers))
+    else:
+        fields, mamba_layers = _granitehybrid_fields(f, arch, hidden, n_layers)
+    ssm = _ssm_fields(f, arch, mamba_layers)
+    _check_ssm_tensors(f, arch, ssm, hidden, n_layers)
+    try:
+        return ModelConfig(
+            architecture=ARCHITECTURES[arch],
+            vocab_size=vocab,
+            hidden_size=hidden,
+            num_hidden_layers=n_layers,
+            max_position_embeddings=_meta_int(f, f"{arch}.context_length", 2048),
+            rms_norm_eps=_meta_float(f, f"{arch}.attention.layer_norm_rms_epsilon"),
+            tie_word_embeddings="output.weight" not in f.tensors,
+            torch_dtype=_default_dtype(f),
+            bos_token_id=bos if isinstance(bos, int) and 0 <= bos < vocab else None,
+            eos_token_ids=_eos_ids(f, vocab),
+            **fields,
+            **ssm,
+        )
+    except ValueError as exc:
+        raise ModelLoadError(f"{path}: {exc}", path) from exc
+
+
+def _ssm_fields(f: GGUFFile, arch: str, mamba_layers: tuple[int, ...]) -> dict[str, Any]:
+    """The ``mamba_*`` fields from the ``ssm.*`` keys: ``time_step_rank`` is the number of
+    heads (llama.cpp's use of it), ``inner_size`` their width; the biases are there when the
+    first Mamba layer has them. What the file does not say: the scan's chunk (the result does
+    not depend on it) and ``time_step_limit`` (llama.cpp clamps nothing: (0, inf))."""
+    key = f"{arch}.ssm"
+    heads = _meta_int(f, f"{key}.time_step_rank")
+    inner = _meta_int(f, f"{key}.inner_size")
+    groups = _meta_int(f, f"{key}.group_count", 1)
+    sizes = {
+        name: _meta_int(f, f"{key}.{name}")
+        for name in ("time_step_rank", "inner_size", "state_size", "conv_kernel")
+    }
+    if not all(sizes.values()) or not groups or inner % heads or heads % groups:
+        raise ModelLoadError(
+            f"{f.path}: {key}.* must be positive, with time_step_rank (heads) dividing "
+            f"inner_size and group_count dividing the heads, got {sizes} and group_count="
+            f"{groups}",
+            f.path,
+        )
+    first = f"blk.{mamba_layers[0]}" if mamba_layers else ""
+    return dict(
+        mamba_num_heads=heads,
+        mamba_head_dim=inner // heads,
+        mamba_state_size=sizes["state_size"],
+        mamba_n_groups=groups,
+        mamba_conv_kernel=sizes["conv_kernel"],
+        mamba_conv_bias=f"{first}.ssm_conv1d.bias" in f.tensors,
+        mamba_proj_bias=f"{first}.ssm_in.bias" in f.tensors,
+        mamba_layers=mamba_layers,
+    )
+
+
+def _check_ssm_tensors(
+    f: GGUFFile, arch: str, ssm: dict[str, Any], hidden: int, n_layers: int
+) -> None:
+    """Every Mamba layer holds its mixer's tensors in the shapes the ``ssm.*`` keys give (as
+    the converter writes them) and no other layer holds any; else ``ModelLoadError`` names the
+    first tensor at fault and the keys it disagrees with."""
+    heads, groups = ssm["mamba_num_heads"], ssm["mamba_n_groups"]
+    inner = heads * ssm["mamba_head_dim"]
+    conv_dim = inner + 2 * groups * ssm["mamba_state_size"]
+    projection = inner + conv_dim + heads
+    shapes: dict[str, tuple[tuple[int, ...], bool]] = {  # leaf -> (shape, required)
+        "ssm_in.weight": ((projection, hidden), True),
+        "ssm_in.bias": ((projection,), ssm["mamba_proj_bias"]),
+        "ssm_conv1d.weight": ((conv_dim, ssm["mamba_conv_kernel"]), True),
+        "ssm_conv1d.bias": ((conv_dim,), ssm["mamba_conv_bias"]),
+        "ssm_dt.bias": ((heads,), True),
+        "ssm_a": ((heads, 1), True),
+        "ssm_d": ((heads, 1), True),
+        "ssm_norm.weight": ((groups, inner // groups), True),
+        "ssm_out.weight": ((hidden, inner), True),
+        "ssm_out.bias": ((hidden,), ssm["mamba_proj_bias"]),
+    }
+    keys = (
+        f"{arch}.ssm.inner_size={inner}, time_step_rank={heads}, group_count={groups}, "
+        f"state_size={ssm['mamba_state_size']}, conv_kernel={ssm['mamba_conv_kernel']}, "
+        f"embedding_length={hidden}"
+    )
+    for i in range(n_layers):
+        mamba = i in ssm["mamba_layers"]
+        for leaf, (shape, required) in shapes.items():
+            name = f"blk.{i}.{leaf}"
+            tensor = f.tensors.get(name)
+            if tensor is not None and not mamba:
+                raise ModelLoadError(
+                    f"{f.path}: tensor {name!r} in layer {i}, an attention layer by "
+                    f"{arch}.attention.head_count_kv",
+                    f.path,
+                )
+            if mamba and (tensor is None) == required:
+                why = "is missing" if required else "is unexpected (the first Mamba layer has none)"
+                if f"blk.{i}.attn_q.weight" in f.tensors:  # (a converter that misread layer_types)
+                    why += f"; layer {i} has attention tensors but head_count_kv[{i}] = 0"
+                raise ModelLoadError(f"{f.path}: tensor {name!r} {why} ({keys})", f.path)
+            if mamba and tensor is not None and tensor.shape != shape:
+                raise ModelLoadError(
+                    f"{f.path}: tensor {name!r} has shape {tensor.shape}, expected {shape} from "
+                    f"{keys}",
+                    f.path,
+                )
+
+
+def _granitehybrid_fields(
+    f: GGUFFile, arch: str, hidden: int, n_layers: int
+) -> tuple[dict[str, Any], tuple[int, ...]]:
+    """A granitehybrid file's attention, MLP and Granite fields, and its Mamba layers: those
+    whose ``attention.head_count_kv`` is 0 (llama.cpp's rule). RoPE only when
+    ``rope.scaling.finetuned`` (its switch: the converter sets it for Bamba, not for Granite
+    4.0), over ``rope.dimension_count`` of each head; the multipliers from ``embedding_scale``,
+    ``residual_scale``, ``attention.scale`` and ``logit_scale`` (absent or 0: none); the MLP
+    dense (``ffn_gate``, of ``expert_shared_feed_forward_length`` or else
+    ``feed_forward_length``) or experts with a shared MLP."""
+    path = f.path
+    heads = _meta_int(f, f"{arch}.attention.head_count")
+    kv = f.metadata.get(f"{arch}.attention.head_count_kv", heads)
+    per_layer = kv if isinstance(kv, list) else [kv] * n_layers
+    if (
+        not heads
+        or len(per_layer) != n_layers
+        or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in per_layer)
+        or len({n for n in per_layer if n}) > 1
+    ):
+        raise ModelLoadError(
+            f"{path}: {arch}.attention.head_count_kv must give each of the {n_layers} layers "
+            f"one KV head count (0: a Mamba layer), the same for every attention layer, and "
+            f"head_count must be positive; got head_count={heads}, head_count_kv={kv!r}",
+            path,
+        )
+    head_dim = _meta_int(f, f"{arch}.attention.key_length", hidden // heads)
+    rope_dim = _meta_int(f, f"{arch}.rope.dimension_count", head_dim)
+    theta = _meta_float(f, f"{arch}.rope.freq_base", 10000.0)
+    use_rope = bool(f.metadata.get(f"{arch}.rope.scaling.finetuned", True))
+    if f"{arch}.attention.value_length" in f.metadata or any(
+        name.endswith(".attn_q.bias") for name in f.tensors
+    ):
+        raise ModelLoadError(f"{path}: {arch} with attention biases or value_length", path)
+    moe = _gguf_moe(f, arch, n_layers)
+    shared = f.metadata.get(f"{arch}.expert_shared_feed_forward_length")
+    ffn = _meta_int(f, f"{arch}.feed_forward_length")
+    fields: dict[str, Any] = dict(
+        intermediate_size=ffn,
+        num_attention_heads=heads,
+        num_key_value_heads=max(per_layer) or heads,
+        head_dim=head_dim,
+        rope_theta=theta,
+        use_rope=use_rope,
+        rope_scaling=_rope_scaling(f, arch, head_dim, theta, rope_dim) if use_rope else None,
+        partial_rotary_factor=_partial_rotary(f, head_dim, rope_dim) if use_rope else 1.0,
+        embedding_multiplier=_scale(f, f"{arch}.embedding_scale") or 1.0,
+        residual_multiplier=_scale(f, f"{arch}.residual_scale") or 1.0,
+        attention_multiplier=_scale(f, f"{arch}.attention.scale"),
+        logits_scaling=_scale(f, f"{arch}.logit_scale") or 1.0,
+        **moe,
+    )
+    if not moe:  # the shared MLP alone
+        fields["shared_expert_intermediate_size"] = (
+            _meta_int(f, f"{arch}.expert_shared_feed_forward_length") if shared else ffn
+        )
+    return fields, tuple(i for i, n in enumerate(per_layer) if not n)
+
+
+def _scale(f: GGUFFile, key: str) -> float | None:
+    """A Granite multiplier: None where the file has none (absent or 0, as llama.cpp reads)."""
+    if not f.metadata.get(key):
+        return None
+    return _meta_float(f, key)
 
 
 def load_gguf(path: str | Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:

@@ -60,6 +60,7 @@ from torch import nn
 
 from foudre.layers.moe import Experts
 from foudre.loading.gguf import (
+    _PERMUTED_QK,
     _ROPE_FREQS,
     CHUNK_BYTES,
     GGUFFile,
@@ -551,11 +552,11 @@ def swap_in_quantized(model: nn.Module, plan: GGUFQuantPlan) -> None:
 
 def _row_order(config: ModelConfig, hf: str, rows: int) -> torch.Tensor | None:
     """The order to read the rows of ``hf`` in, as the model loads its float weights: q/k of
-    llama files un-permuted (``iter_gguf_weights``), DeepSeek's rotated rows from interleaved
-    pairs to evens then odds (``DeepseekV3ForCausalLM``, ``rope_interleave``); None for other
-    tensors."""
+    llama and granitehybrid files un-permuted (``iter_gguf_weights``), DeepSeek's rotated rows
+    from interleaved pairs to evens then odds (``DeepseekV3ForCausalLM``, ``rope_interleave``);
+    None for other tensors."""
     order = torch.arange(rows)
-    if config.architecture in ("llama", "mixtral"):
+    if config.architecture in _PERMUTED_QK:
         if ".q_proj." in hf:
             return _unpermute_rope(order, config.num_attention_heads)
         return _unpermute_rope(order, config.num_key_value_heads) if ".k_proj." in hf else None
