@@ -44,7 +44,8 @@ from torch import nn
 
 from foudre.attention.cache_spec import RecurrentCache, RecurrentStateSpec
 from foudre.layers.linear import Linear
-from foudre.layers.mamba import RecurrentBatch
+from foudre.layers.mamba import RecurrentBatch, causal_conv, snapshot_one_token_rows
+from foudre.layers.ssm_ops import gated_delta_rule_scan, gated_delta_rule_update, has_kernels
 
 # tokens per chunk of the chunked delta rule (the UT solve is quadratic in it)
 DELTA_CHUNK = 64
@@ -172,7 +173,7 @@ class GatedDeltaNet(nn.Module):
         t = x.shape[0]
         mixed, z, b, a = self._project(x)
         weight = self.conv1d.weight[:, 0, :]
-        mixed = F.silu(causal_conv(mixed, weight, cache.conv, batch))
+        mixed = F.silu(causal_conv(mixed, weight, None, cache.conv, batch))
         q, k, v = mixed.split([s.key_dim, s.key_dim, s.value_dim], -1)
         q = l2_normalize(q.reshape(t, s.num_k_heads, s.key_head_dim).float())
         q = (q * s.key_head_dim**-0.5).repeat_interleave(s.ratio, 1)
@@ -192,47 +193,9 @@ class GatedDeltaNet(nn.Module):
             i = batch.scan_tokens
             o[i] = _delta_rows(q[i], k[i], v[i], g[i], beta[i], ssm, batch)
         if batch.snapshots:
-            _snapshot_one_token_rows(ssm, batch)
+            snapshot_one_token_rows(ssm, batch)
         o = self.norm(o.to(x.dtype), z)
         return self.out_proj(o.reshape(t, s.value_dim))
-
-
-def causal_conv(
-    x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, batch: RecurrentBatch
-) -> torch.Tensor:
-    """The causal depthwise convolution (``weight [C, K]``, no bias) of each row's tokens
-    ``x [T, C]``, its window starting with the row's conv state ``conv_state[slot] [K - 1,
-    C]``; the state becomes the row's last ``K - 1`` inputs (a snapshot slot's, the ``K - 1``
-    inputs up to its token)."""
-    kernel = weight.shape[1]
-    w = kernel - 1
-    device = x.device
-    rows = len(batch.lengths)
-    taps = torch.arange(kernel, device=device)
-    # per row: its state's w inputs then its tokens, the rows one after the other
-    cu = torch.tensor(batch.cu_seqlens, device=device)
-    first = cu[:-1] - cu[0] + torch.arange(rows, device=device) * w  # each row's first input
-    inputs = x.new_empty(x.shape[0] + rows * w, x.shape[1])
-    state_at = (first[:, None] + taps[:w]).reshape(-1)
-    inputs[state_at] = conv_state[batch.slots].reshape(rows * w, -1).to(x.dtype)
-    window_start = first[batch.token_row] + batch.token_pos
-    inputs[window_start + w] = x
-    windows = inputs[window_start[:, None] + taps]  # [T, K, C]
-    out = (windows * weight.t()).sum(1)
-    lengths = cu[1:] - cu[:-1]
-    conv_state[batch.slots] = inputs[(first + lengths)[:, None] + taps[:w]].to(conv_state.dtype)
-    if batch.snapshots:
-        ends = first[batch.snap_row] + batch.snap_pos + 1
-        conv_state[batch.snap_slots] = inputs[ends[:, None] + taps[:w]].to(conv_state.dtype)
-    return out
-
-
-def _snapshot_one_token_rows(ssm_state: torch.Tensor, batch: RecurrentBatch) -> None:
-    """The snapshots of one-token rows: the row's state after the step (the chunked rows
-    leave theirs in ``_delta_rows``)."""
-    one = batch.scan_index[batch.snap_row] < 0
-    if bool(one.any()):
-        ssm_state[batch.snap_slots[one]] = ssm_state[batch.slots[batch.snap_row[one]]]
 
 
 def delta_step(
@@ -247,6 +210,8 @@ def delta_step(
     """One token per row (``q, k [R, H, dk]``, ``v [R, H, dv]``, ``g, beta [R, H]``): the
     gated delta rule's step on the states at ``slots`` (updated in place); returns ``o [R, H,
     dv]``."""
+    if has_kernels(ssm_state):  # (q, k already normalised, scaled and one per value head)
+        return gated_delta_rule_update(ssm_state, q, k, v, g, beta, slots, scale=1.0)
     state = ssm_state[slots].float() * torch.exp(g)[..., None, None]  # [R, H, dk, dv]
     remembered = torch.einsum("rhkv,rhk->rhv", state, k)
     delta = (v - remembered) * beta[..., None]
@@ -268,6 +233,11 @@ def _delta_rows(
     their tokens, ``batch.scan_tokens``): laid out padded to ``[R', L]`` (padding: all zeros,
     so ``beta = 0`` and ``g = 0`` leave the state as it is), run together from their states,
     and the outputs gathered back."""
+    if has_kernels(ssm_state):  # token by token, each head's state held in cache
+        cu, snaps = batch.scan_layout()
+        return gated_delta_rule_scan(
+            ssm_state, q, k, v, g, beta, cu, batch.scan_slots, scale=1.0, snapshots=snaps
+        )
     rows, length = batch.scan_slots.numel(), batch.scan_len
     chunk = min(DELTA_CHUNK, length)
     padded_len = -(-length // chunk) * chunk

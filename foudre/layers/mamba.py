@@ -42,7 +42,12 @@ from torch import nn
 
 from foudre.attention.cache_spec import RecurrentCache, RecurrentStateSpec
 from foudre.layers.linear import Linear
-from foudre.layers.ssm_ops import causal_conv1d_update, selective_state_update
+from foudre.layers.ssm_ops import (
+    causal_conv1d_update,
+    has_kernels,
+    selective_state_update,
+    ssd_scan,
+)
 
 # The scan's chunk: its work per token grows with the chunk (the quadratic form within it), its
 # Python loop with the number of chunks. The config's chunk_size tunes GPU kernels; the result
@@ -168,6 +173,18 @@ class RecurrentBatch:
     @property
     def is_decode(self) -> bool:
         return self.max_len == 1
+
+    def scan_layout(self) -> tuple[list[int], list[tuple[int, int, int]]]:
+        """The rows of more than one token as the scan kernels take them (their tokens
+        ``scan_tokens``, in order): their ``cu_seqlens`` from 0, and the snapshots that fall
+        in them, each ``(row among them, offset, slot)``."""
+        cu, index = [0], {}
+        for r, n in enumerate(self.lengths):
+            if n > 1:
+                index[r] = len(cu) - 1
+                cu.append(cu[-1] + n)
+        snaps = [(index[r], o, slot) for r, o, slot in self.snapshots if r in index]
+        return cu, snaps
 
     @classmethod
     def of_lengths(
@@ -299,7 +316,7 @@ class Mamba2Mixer(nn.Module):
             i = batch.scan_tokens
             y[i] = _ssd_rows(xs[i], dt[i], a, b[i], c[i], ssm, batch, s.chunk_size)
         if batch.snapshots:
-            _snapshot_one_token_rows(ssm, batch)
+            snapshot_one_token_rows(ssm, batch)
         y = y + xs * self.D.float()[:, None]
         y = y.reshape(t, s.intermediate_size).to(x.dtype)
         y = y * F.silu(z) if self.norm is None else self.norm(y, z)
@@ -308,44 +325,51 @@ class Mamba2Mixer(nn.Module):
     def _conv(
         self, xbc: torch.Tensor, conv_state: torch.Tensor, batch: RecurrentBatch
     ) -> torch.Tensor:
-        """The causal depthwise convolution of each row, its window starting with the row's
-        conv state; the state becomes the row's last ``d_conv - 1`` inputs (a snapshot's, the
-        ``d_conv - 1`` inputs up to its token)."""
-        if batch.is_decode:  # one token a row: the window updated in place in each slot
-            out = causal_conv1d_update(
-                conv_state, xbc, self.conv1d.weight, self.conv1d.bias, batch.slots
-            )
-            if batch.snapshots:  # (at offset 0: the window after the row's token)
-                conv_state[batch.snap_slots] = conv_state[batch.slots[batch.snap_row]]
-            return out
-        k = self.shape.conv_kernel
-        w = k - 1
-        rows = len(batch.lengths)
-        # ext: per row, its conv state then its tokens, rows one after the other; base[r] is
-        # where row r's state starts in it
-        cu = torch.tensor(batch.cu_seqlens, device=xbc.device)
-        base = cu[:-1] - cu[0] + torch.arange(rows, device=xbc.device) * w
-        ext = xbc.new_empty(xbc.shape[0] + rows * w, xbc.shape[1])
-        state_idx = (base[:, None] + torch.arange(w, device=xbc.device)).reshape(-1)
-        ext[state_idx] = conv_state[batch.slots].reshape(rows * w, xbc.shape[1]).to(xbc.dtype)
-        token_start = base[batch.token_row] + batch.token_pos  # its window's first ext row
-        ext[token_start + w] = xbc
-        window = ext[token_start[:, None] + torch.arange(k, device=xbc.device)]  # [T, K, C]
-        weight = self.conv1d.weight[:, 0, :].t()  # [K, C]
-        out = (window * weight).sum(1)
-        if self.conv1d.bias is not None:
-            out = out + self.conv1d.bias
-        lengths = cu[1:] - cu[:-1]
-        tail = ext[(base + lengths)[:, None] + torch.arange(w, device=xbc.device)]  # [R, w, C]
-        conv_state[batch.slots] = tail.to(conv_state.dtype)
-        if batch.snapshots:  # the w inputs that end with the snapshot's token
-            ends = base[batch.snap_row] + batch.snap_pos + 1
-            snap = ext[ends[:, None] + torch.arange(w, device=xbc.device)]
-            conv_state[batch.snap_slots] = snap.to(conv_state.dtype)
+        return causal_conv(xbc, self.conv1d.weight[:, 0, :], self.conv1d.bias, conv_state, batch)
+
+
+def causal_conv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_state: torch.Tensor,
+    batch: RecurrentBatch,
+) -> torch.Tensor:
+    """The causal depthwise convolution (``weight [C, K]``) of each row's tokens ``x [T, C]``,
+    its window starting with the row's conv state ``conv_state[slot] [K - 1, C]``; the state
+    becomes the row's last ``K - 1`` inputs (a snapshot slot's, the ``K - 1`` inputs up to its
+    token). Mamba-2's and gated DeltaNet's."""
+    if batch.is_decode:  # one token a row: the window updated in place in each slot
+        out = causal_conv1d_update(conv_state, x, weight, bias, batch.slots)
+        if batch.snapshots:  # (at offset 0: the window after the row's token)
+            conv_state[batch.snap_slots] = conv_state[batch.slots[batch.snap_row]]
         return out
+    kernel = weight.shape[1]
+    w = kernel - 1
+    device = x.device
+    rows = len(batch.lengths)
+    taps = torch.arange(kernel, device=device)
+    # per row: its state's w inputs then its tokens, the rows one after the other
+    cu = torch.tensor(batch.cu_seqlens, device=device)
+    first = cu[:-1] - cu[0] + torch.arange(rows, device=device) * w  # each row's first input
+    inputs = x.new_empty(x.shape[0] + rows * w, x.shape[1])
+    state_at = (first[:, None] + taps[:w]).reshape(-1)
+    inputs[state_at] = conv_state[batch.slots].reshape(rows * w, -1).to(x.dtype)
+    window_start = first[batch.token_row] + batch.token_pos
+    inputs[window_start + w] = x
+    windows = inputs[window_start[:, None] + taps]  # [T, K, C]
+    out = (windows * weight.t()).sum(1)
+    if bias is not None:
+        out = out + bias
+    lengths = cu[1:] - cu[:-1]
+    conv_state[batch.slots] = inputs[(first + lengths)[:, None] + taps[:w]].to(conv_state.dtype)
+    if batch.snapshots:  # the w inputs that end with the snapshot's token
+        ends = first[batch.snap_row] + batch.snap_pos + 1
+        conv_state[batch.snap_slots] = inputs[ends[:, None] + taps[:w]].to(conv_state.dtype)
+    return out
 
 
-def _snapshot_one_token_rows(ssm_state: torch.Tensor, batch: RecurrentBatch) -> None:
+def snapshot_one_token_rows(ssm_state: torch.Tensor, batch: RecurrentBatch) -> None:
     """The snapshots of one-token rows: the row's state after the step (the scan's rows
     leave theirs in ``_ssd_rows``)."""
     one = batch.scan_index[batch.snap_row] < 0
@@ -392,6 +416,9 @@ def _ssd_rows(
         return out.view(rows, padded_len, *v.shape[1:])
 
     slots = batch.scan_slots
+    if has_kernels(ssm_state):  # token by token, each head's state held in cache
+        cu, snapshots = batch.scan_layout()
+        return ssd_scan(ssm_state, x, dt, a, b, c, cu, slots, snapshots=snapshots)
     snap = batch.scan_index[batch.snap_row] if batch.snapshots else batch.snap_row
     mid = snap >= 0
     at = (snap[mid], batch.snap_pos[mid]) if bool(mid.any()) else None

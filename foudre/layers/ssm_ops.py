@@ -117,6 +117,12 @@ def _backend(
     return "torch"
 
 
+def has_kernels(state: torch.Tensor) -> bool:
+    """Whether the C++ (CPU) or Triton (CUDA) kernels run on a float32 pool like ``state``,
+    where the mixers take the kernels' token-by-token scans over their chunked torch forms."""
+    return _backend("auto", state, (torch.float32,)) != "torch"
+
+
 @lru_cache(maxsize=1)
 def _triton() -> Any:
     try:

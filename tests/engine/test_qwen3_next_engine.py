@@ -22,6 +22,7 @@ from tests.engine.test_recurrent import (
     test_preemption_recomputes_from_a_zeroed_slot,
     test_prefix_caching_restores_snapshots,
     test_shared_prefix_hits_the_snapshot_before_it,
+    test_torch_paths_without_the_kernels,
     test_what_cannot_run_yet_is_refused,
 )
 from tests.oracles.ssm_models import prompt, save_random
@@ -35,6 +36,7 @@ __all__ = [
     "test_preemption_recomputes_from_a_zeroed_slot",
     "test_prefix_caching_restores_snapshots",
     "test_shared_prefix_hits_the_snapshot_before_it",
+    "test_torch_paths_without_the_kernels",
     "test_what_cannot_run_yet_is_refused",
 ]
 

@@ -198,3 +198,19 @@ def test_beam_search_forks_and_prunes_states(family: Any) -> None:
         )
         assert [s.token_ids for s in out.sequences] == [r[len(p) :] for r in ref.tolist()]
     _assert_pools_empty(llm)
+
+
+def test_torch_paths_without_the_kernels(family: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the C++ / Triton kernels do not run, the mixers take their torch forms (the chunked
+    scan, the gathered one-step update): the same tokens, snapshots included."""
+    from foudre.layers import gated_deltanet, mamba, ssm_ops
+
+    monkeypatch.setattr(ssm_ops, "library", lambda: None)
+    monkeypatch.setattr(mamba, "has_kernels", lambda state: False)
+    monkeypatch.setattr(gated_deltanet, "has_kernels", lambda state: False)
+    _, path, _, prompts, want = family
+    llm = _llm(path, block_size=4, state_snapshot_interval=8, max_num_batched_tokens=40)
+    assert _greedy(llm, prompts) == [[w] for w in want]
+    assert _greedy(llm, prompts) == [[w] for w in want]
+    assert llm.engine.metrics()["prefix_cache_hits"] > 0
+    _assert_pools_empty(llm)
