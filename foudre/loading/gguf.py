@@ -115,11 +115,13 @@ ARCHITECTURES = {
     "deepseek2": "deepseek_v3",
     "mamba2": "mamba2",
     "granitehybrid": "granitemoehybrid",
+    "falcon-h1": "falcon_h1",
+    "qwen3next": "qwen3_next",
 }
 # llama.cpp's graphs: whether each architecture renormalises its top-k expert weights
 _NORM_TOPK = {
     "llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False, "gpt-oss": True,
-    "deepseek2": False, "granitehybrid": True,
+    "deepseek2": False, "granitehybrid": True, "qwen3next": True,
 }  # fmt: skip
 _GATING_SOFTMAX, _GATING_SIGMOID = 1, 2  # llama_expert_gating_func_type (3: softmax of weights)
 
@@ -214,12 +216,42 @@ _SSM_NAMES = {
     "ssm_out.weight": "out_proj.weight",
     "ssm_out.bias": "out_proj.bias",
 }
-_SSM_MIXER = {"mamba2": "mixer", "granitehybrid": "mamba"}
+_SSM_MIXER = {"mamba2": "mixer", "granitehybrid": "mamba", "falcon-h1": "mamba"}
+# Falcon-H1's, where they differ from the Llama family's (the converter names the MLP's norm
+# ``ffn_norm`` without ``.weight``)
+_FALCON_H1_BLOCK_NAMES = {
+    "ffn_norm": "pre_ff_layernorm.weight",
+    "ffn_norm.weight": "pre_ff_layernorm.weight",
+    "ffn_gate.weight": "feed_forward.gate_proj.weight",
+    "ffn_up.weight": "feed_forward.up_proj.weight",
+    "ffn_down.weight": "feed_forward.down_proj.weight",
+}
+# Qwen3-Next's gated DeltaNet (transformers' names under ``linear_attn``: in_proj_qkvz is joined
+# back from the converter's attn_qkv and attn_gate, _qkvz) and its post-attention norm
+_QWEN3NEXT_BLOCK_NAMES = {
+    "attn_qkv.weight": "linear_attn.in_proj_qkvz.weight",
+    "attn_gate.weight": "linear_attn.in_proj_qkvz.weight",
+    "ssm_ba.weight": "linear_attn.in_proj_ba.weight",
+    "ssm_conv1d.weight": "linear_attn.conv1d.weight",
+    "ssm_dt.bias": "linear_attn.dt_bias",
+    "ssm_a": "linear_attn.A_log",
+    "ssm_norm.weight": "linear_attn.norm.weight",
+    "ssm_out.weight": "linear_attn.out_proj.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+}
+# the architectures whose recurrent tensors the converter re-laid (undone in _ssm_weight)
+_SSM_LAYOUTS = (*_SSM_MIXER, "qwen3next")
+# (1 + weight) RMSNorms the converter stores as 1 + weight (Gemma 3: every norm; Qwen3-Next: all
+# but the DeltaNet's gated norm)
+_OFFSET_NORMS = {
+    "qwen3next": ("attn_norm.weight", "post_attention_norm.weight", "attn_q_norm.weight",
+                  "attn_k_norm.weight", "output_norm.weight"),
+}  # fmt: skip
 # GGUF architectures with recurrent layers (state-space, RWKV, linear attention) that foudre
 # does not read: refused naming the architecture, whatever their tensors
 UNSUPPORTED_RECURRENT = (
-    "mamba", "jamba", "falcon-h1", "nemotron_h", "nemotron_h_moe", "plamo2", "lfm2", "lfm2moe",
-    "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7", "qwen3next", "qwen35", "qwen35moe", "kimi-linear",
+    "mamba", "jamba", "nemotron_h", "nemotron_h_moe", "plamo2", "lfm2", "lfm2moe", "rwkv6",
+    "rwkv6qwen2", "rwkv7", "arwkv7", "qwen35", "qwen35moe", "kimi-linear",
 )  # fmt: skip
 # (architecture, leaf) of a tensor the converter wrote as two -> (the other's leaf, this part)
 _PAIRS = {
@@ -229,6 +261,8 @@ _PAIRS = {
     ("gpt-oss", "ffn_up_exps.bias"): ("ffn_gate_exps.bias", 1),
     ("deepseek2", "attn_k_b.weight"): ("attn_v_b.weight", 0),
     ("deepseek2", "attn_v_b.weight"): ("attn_k_b.weight", 1),
+    ("qwen3next", "attn_qkv.weight"): ("attn_gate.weight", 0),
+    ("qwen3next", "attn_gate.weight"): ("attn_qkv.weight", 1),
 }
 # stacked experts [experts, rows, cols], and the older files' one tensor per expert
 _EXPERT_NAMES = {"ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}
@@ -529,7 +563,11 @@ def _hf_name(name: str, arch: str | None = None) -> str | None:
         return f"model.layers.{layer}.{_SSM_MIXER[arch]}.{_SSM_NAMES[leaf]}"
     if arch == "mamba2":  # a norm and a mixer a layer, nothing else
         return f"model.layers.{layer}.norm.weight" if leaf == "attn_norm.weight" else None
-    family = {"gpt-oss": {**_GPT_OSS_BLOCK_NAMES, **_GPT_OSS_EXPERTS}}.get(arch or "")
+    family = {
+        "gpt-oss": {**_GPT_OSS_BLOCK_NAMES, **_GPT_OSS_EXPERTS},
+        "falcon-h1": _FALCON_H1_BLOCK_NAMES,
+        "qwen3next": _QWEN3NEXT_BLOCK_NAMES,
+    }.get(arch or "")
     family = _DEEPSEEK2_BLOCK_NAMES if arch == "deepseek2" else family
     if family is not None and leaf in family:
         return f"model.layers.{layer}.{family[leaf]}"
@@ -599,6 +637,18 @@ def _ssm_weight(f: GGUFFile, tensor: GGUFTensor, leaf: str, w: torch.Tensor) -> 
     return w
 
 
+def _qkvz(config: ModelConfig, qkv: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """Qwen3-Next's ``in_proj_qkvz`` (per key head: its q, k, then its value heads' v and z
+    rows) from the converter's ``attn_qkv`` (all q rows, all k rows, all v rows) and
+    ``attn_gate`` (all z rows), the inverse of its re-ordering."""
+    heads, dk = config.linear_num_key_heads, config.linear_key_head_dim
+    rv = config.linear_num_value_heads // heads * config.linear_value_head_dim
+    q, k, v = qkv.split([heads * dk, heads * dk, heads * rv])
+    parts = [q.reshape(heads, dk, -1), k.reshape(heads, dk, -1), v.reshape(heads, rv, -1)]
+    joined = torch.cat([*parts, z.reshape(heads, rv, -1)], dim=1)
+    return joined.reshape(-1, qkv.shape[-1])
+
+
 def _unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Undo llama.cpp's ``permute`` of q/k rows (pairs (2i, 2i+1) back to halves (i, i+d/2)).
 
@@ -628,6 +678,7 @@ def iter_gguf_weights(
     ``rope_freqs.weight`` is not yielded (``load_gguf`` turned it into ``rope_scaling``).
     """
     arch = str(f.metadata.get("general.architecture"))
+    mtp = _first_mtp_block(f, arch)
     halves: dict[str, dict[int, Any]] = {}  # a pair's first part read, by its joined name
     for tensor in f.tensors.values():
         if tensor.name in _ROPE_TENSORS or tensor.name in skip:
@@ -639,12 +690,14 @@ def iter_gguf_weights(
                 f"{config.architecture} model",
                 f.path,
             )
-        if arch == "gemma3" and hf.endswith("norm.weight"):  # stored as 1 + weight
-            w = (dequantize_tensor(f, tensor).float() - 1.0).to(dtype or torch.float32)
-            yield hf, w
-            continue
         block = _BLOCK.match(tensor.name)
         leaf = tensor.name if block is None else block.group(2)
+        if block is not None and int(block.group(1)) >= mtp:
+            continue  # a multi-token-prediction block (nextn_predict_layers): not run here
+        if (arch == "gemma3" and hf.endswith("norm.weight")) or leaf in _OFFSET_NORMS.get(arch, ()):
+            w = (dequantize_tensor(f, tensor).float() - 1.0).to(dtype or torch.float32)
+            yield hf, w  # stored as 1 + weight
+            continue
         if config.mxfp4_experts and hf.endswith(("experts.gate_up_proj", "experts.down_proj")):
             part: Any = _mxfp4(f, tensor)
         else:
@@ -654,7 +707,10 @@ def iter_gguf_weights(
             parts[_PAIRS[arch, leaf][1]] = part
             if 0 in parts and 1 in parts:
                 del halves[hf]
-                yield from _joined(hf, parts[0], parts[1])
+                if arch == "qwen3next":
+                    yield hf, _qkvz(config, parts[0], parts[1])
+                else:
+                    yield from _joined(hf, parts[0], parts[1])
             else:
                 parts[2] = (tensor.name, _PAIRS[arch, leaf][0])
             continue
@@ -663,7 +719,7 @@ def iter_gguf_weights(
             yield f"{hf}_scales", part[1]
             continue
         w = part
-        if arch in _SSM_MIXER and leaf in _SSM_NAMES:
+        if arch in _SSM_LAYOUTS and leaf in _SSM_NAMES:
             w = _ssm_weight(f, tensor, leaf, w)
         if arch == "gpt-oss" and hf.endswith("experts.down_proj"):
             w = w.transpose(1, 2)  # transformers' [E, I, hidden]
@@ -846,6 +902,16 @@ def _default_dtype(f: GGUFFile) -> str:
     return "bfloat16"
 
 
+def _first_mtp_block(f: GGUFFile, arch: str) -> int:
+    """The first of the multi-token-prediction blocks the converter appends to a qwen3next
+    file's (``nextn_predict_layers`` of its ``block_count``), which foudre does not run; past
+    the last block where there are none."""
+    blocks = f.metadata.get(f"{arch}.block_count")
+    if arch != "qwen3next" or not isinstance(blocks, int):
+        return 1 << 62
+    return blocks - _meta_int(f, f"{arch}.nextn_predict_layers", 0)
+
+
 def _check_tensors(f: GGUFFile) -> tuple[str, GGUFTensor]:
     """``(architecture, token embedding)`` of ``f``, once its architecture is one foudre has
     and each of its tensors has a type foudre dequantizes and a place in the model."""
@@ -854,7 +920,8 @@ def _check_tensors(f: GGUFFile) -> tuple[str, GGUFTensor]:
     if arch in UNSUPPORTED_RECURRENT:
         raise ModelLoadError(
             f"{path}: GGUF architecture {arch!r} (recurrent layers) is not supported; the "
-            "recurrent architectures foudre reads from GGUF are mamba2 and granitehybrid",
+            "recurrent architectures foudre reads from GGUF are mamba2, granitehybrid, "
+            "falcon-h1 and qwen3next",
             path,
         )
     if arch not in ARCHITECTURES:
@@ -863,8 +930,12 @@ def _check_tensors(f: GGUFFile) -> tuple[str, GGUFTensor]:
             f"supported: {', '.join(ARCHITECTURES)}",
             path,
         )
+    mtp = _first_mtp_block(f, arch)
     for tensor in f.tensors.values():
         _check_type(f, tensor)
+        block = _BLOCK.match(tensor.name)
+        if block is not None and int(block.group(1)) >= mtp:
+            continue
         if tensor.name not in _ROPE_TENSORS and _hf_name(tensor.name, arch) is None:
             raise ModelLoadError(
                 f"{path}: tensor {tensor.name!r} has no counterpart in foudre's {arch} model",
@@ -890,7 +961,7 @@ def _attention_heads(f: GGUFFile, arch: str, hidden: int) -> tuple[int, int, int
     head_dim = _meta_int(f, f"{arch}.attention.key_length", hidden // heads)
     value_dim = _meta_int(f, f"{arch}.attention.value_length", head_dim)
     rope_dim = _meta_int(f, f"{arch}.rope.dimension_count", head_dim)
-    partial = arch == "phi3" and 0 < rope_dim < head_dim
+    partial = arch in ("phi3", "qwen3next") and 0 < rope_dim < head_dim
     if value_dim != head_dim or (rope_dim != head_dim and not partial):
         raise ModelLoadError(
             f"{path}: key_length={head_dim}, value_length={value_dim} and "
@@ -954,7 +1025,7 @@ def gguf_config(f: GGUFFile) -> ModelConfig:
     hidden = _meta_int(f, f"{arch}.embedding_length")
     heads, kv_heads, head_dim, rope_dim = _attention_heads(f, arch, hidden)
     theta = _meta_float(f, f"{arch}.rope.freq_base", 10000.0)
-    n_layers = _meta_int(f, f"{arch}.block_count")
+    n_layers = min(_meta_int(f, f"{arch}.block_count"), _first_mtp_block(f, arch))
     moe = _gguf_moe(f, arch, n_layers)
     arch_name = _architecture_name(f, arch, moe)
     clip = f.metadata.get(f"{arch}.attention.clamp_kqv")
@@ -963,6 +1034,7 @@ def gguf_config(f: GGUFFile) -> ModelConfig:
     bos = f.metadata.get("tokenizer.ggml.bos_token_id")
     gemma3 = _gguf_gemma3(f, arch, n_layers, hidden // heads, head_dim)
     gemma3 |= _gguf_mla(f, arch) | _gguf_gpt_oss(f, arch, n_layers)
+    gemma3 |= _qwen3next_fields(f, arch, hidden, n_layers)
     window = gemma3.pop("sliding_window", None) or _window(f, arch)  # (gemma3's, gpt-oss's...)
     try:
         return ModelConfig(
@@ -1200,10 +1272,12 @@ def _ssm_config(f: GGUFFile, arch: str, embed: GGUFTensor) -> ModelConfig:
             intermediate_size=0, num_attention_heads=1, num_key_value_heads=1, head_dim=2
         )
         mamba_layers = tuple(range(n_layers))
+    elif arch == "falcon-h1":
+        fields, mamba_layers = _falcon_h1_fields(f, arch, hidden), tuple(range(n_layers))
     else:
         fields, mamba_layers = _granitehybrid_fields(f, arch, hidden, n_layers)
     ssm = _ssm_fields(f, arch, mamba_layers)
-    _check_ssm_tensors(f, arch, ssm, hidden, n_layers)
+    _check_ssm_tensors(f, arch, {**ssm, **fields}, hidden, n_layers)
     try:
         return ModelConfig(
             architecture=ARCHITECTURES[arch],
@@ -1266,6 +1340,8 @@ def _check_ssm_tensors(
     inner = heads * ssm["mamba_head_dim"]
     conv_dim = inner + 2 * groups * ssm["mamba_state_size"]
     projection = inner + conv_dim + heads
+    out_bias = ssm.get("mamba_out_proj_bias")
+    out_bias = ssm["mamba_proj_bias"] if out_bias is None else out_bias
     shapes: dict[str, tuple[tuple[int, ...], bool]] = {  # leaf -> (shape, required)
         "ssm_in.weight": ((projection, hidden), True),
         "ssm_in.bias": ((projection,), ssm["mamba_proj_bias"]),
@@ -1274,9 +1350,9 @@ def _check_ssm_tensors(
         "ssm_dt.bias": ((heads,), True),
         "ssm_a": ((heads, 1), True),
         "ssm_d": ((heads, 1), True),
-        "ssm_norm.weight": ((groups, inner // groups), True),
+        "ssm_norm.weight": ((groups, inner // groups), ssm.get("mamba_gate_norm") != "none"),
         "ssm_out.weight": ((hidden, inner), True),
-        "ssm_out.bias": ((hidden,), ssm["mamba_proj_bias"]),
+        "ssm_out.bias": ((hidden,), out_bias),
     }
     keys = (
         f"{arch}.ssm.inner_size={inner}, time_step_rank={heads}, group_count={groups}, "
@@ -1296,7 +1372,8 @@ def _check_ssm_tensors(
                 )
             if mamba and (tensor is None) == required:
                 why = "is missing" if required else "is unexpected (the first Mamba layer has none)"
-                if f"blk.{i}.attn_q.weight" in f.tensors:  # (a converter that misread layer_types)
+                if arch == "granitehybrid" and f"blk.{i}.attn_q.weight" in f.tensors:
+                    # (a converter that misread layer_types)
                     why += f"; layer {i} has attention tensors but head_count_kv[{i}] = 0"
                 raise ModelLoadError(f"{f.path}: tensor {name!r} {why} ({keys})", f.path)
             if mamba and tensor is not None and tensor.shape != shape:
@@ -1364,6 +1441,119 @@ def _granitehybrid_fields(
             _meta_int(f, f"{arch}.expert_shared_feed_forward_length") if shared else ffn
         )
     return fields, tuple(i for i, n in enumerate(per_layer) if not n)
+
+
+def _falcon_h1_fields(f: GGUFFile, arch: str, hidden: int) -> dict[str, Any]:
+    """A falcon-h1 file's attention and MLP, beside the mixer in every layer. The converter
+    folds every muP multiplier into the weights (the embedding's into ``token_embd``, which a
+    tied head then carries too, as llama.cpp runs it), so none is left; the mixer's output
+    norm is there when ``ssm_norm`` is, after the gate (llama.cpp's graph: the file does not
+    keep transformers' ``mamba_norm_before_gate``); RoPE turns whole heads."""
+    heads, kv_heads, head_dim, rope_dim = _attention_heads(f, arch, hidden)
+    if any(name.endswith(".attn_q.bias") for name in f.tensors):
+        raise ModelLoadError(f"{f.path}: {arch} with attention biases", f.path)
+    theta = _meta_float(f, f"{arch}.rope.freq_base", 10000.0)
+    return dict(
+        intermediate_size=_meta_int(f, f"{arch}.feed_forward_length"),
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        rope_theta=theta,
+        rope_scaling=_rope_scaling(f, arch, head_dim, theta, rope_dim),
+        mamba_gate_norm="after_gate" if "blk.0.ssm_norm.weight" in f.tensors else "none",
+        mamba_out_proj_bias="blk.0.ssm_out.bias" in f.tensors,
+    )
+
+
+def _qwen3next_fields(f: GGUFFile, arch: str, hidden: int, n_layers: int) -> dict[str, Any]:
+    """A qwen3next file's gated DeltaNet fields (``{}`` for other architectures): the key heads
+    from ``ssm.group_count``, the value heads from ``time_step_rank``, their widths from
+    ``state_size`` and ``inner_size`` / ``time_step_rank`` (llama.cpp takes both widths to be
+    ``state_size``; the converter writes each); the DeltaNet layers from
+    ``attention.recurrent_layers``, else all but every ``full_attention_interval``-th. Every
+    DeltaNet layer's tensors must have the shapes these give (``_check_deltanet_tensors``)."""
+    if arch != "qwen3next":
+        return {}
+    key = f"{arch}.ssm"
+    sizes = {
+        name: _meta_int(f, f"{key}.{name}")
+        for name in ("group_count", "time_step_rank", "state_size", "inner_size", "conv_kernel")
+    }
+    k_heads, v_heads, inner = sizes["group_count"], sizes["time_step_rank"], sizes["inner_size"]
+    if not all(sizes.values()) or v_heads % k_heads or inner % v_heads or sizes["conv_kernel"] < 2:
+        raise ModelLoadError(
+            f"{f.path}: {key}.* must be positive, with group_count (key heads) dividing "
+            f"time_step_rank (value heads) dividing inner_size, and conv_kernel at least 2; "
+            f"got {sizes}",
+            f.path,
+        )
+    recurrent = f.metadata.get(f"{arch}.attention.recurrent_layers")
+    if recurrent is None:
+        every = _meta_int(f, f"{arch}.full_attention_interval", 4) or 1
+        linear = tuple(i for i in range(n_layers) if (i + 1) % every)
+    elif isinstance(recurrent, list) and len(recurrent) >= n_layers:
+        linear = tuple(i for i in range(n_layers) if recurrent[i])
+    else:
+        raise ModelLoadError(
+            f"{f.path}: {arch}.attention.recurrent_layers must give each of the {n_layers} "
+            f"layers true or false, got {recurrent!r}",
+            f.path,
+        )
+    fields = dict(
+        linear_num_key_heads=k_heads,
+        linear_num_value_heads=v_heads,
+        linear_key_head_dim=sizes["state_size"],
+        linear_value_head_dim=inner // v_heads,
+        linear_conv_kernel=sizes["conv_kernel"],
+        linear_layers=linear,
+    )
+    _check_deltanet_tensors(f, fields, sizes, hidden, n_layers)
+    return fields
+
+
+def _check_deltanet_tensors(
+    f: GGUFFile, fields: dict[str, Any], sizes: dict[str, int], hidden: int, n_layers: int
+) -> None:
+    """Every DeltaNet layer holds its tensors in the shapes the ``ssm.*`` keys give (as the
+    converter writes them), and no attention layer holds any; else ``ModelLoadError`` names
+    the first tensor at fault and the keys."""
+    k_dim = fields["linear_num_key_heads"] * fields["linear_key_head_dim"]
+    v_heads, v_dim = fields["linear_num_value_heads"], sizes["inner_size"]
+    conv = 2 * k_dim + v_dim
+    shapes = {
+        "attn_qkv.weight": (conv, hidden),
+        "attn_gate.weight": (v_dim, hidden),
+        "ssm_ba.weight": (2 * v_heads, hidden),
+        "ssm_conv1d.weight": (conv, fields["linear_conv_kernel"]),
+        "ssm_dt.bias": (v_heads,),
+        "ssm_a": (v_heads,),
+        "ssm_norm.weight": (fields["linear_value_head_dim"],),
+        "ssm_out.weight": (hidden, v_dim),
+    }
+    keys = ", ".join(f"{k}={v}" for k, v in sizes.items()) + f", embedding_length={hidden}"
+    for i in range(n_layers):
+        linear = i in fields["linear_layers"]
+        for leaf, shape in shapes.items():
+            name = f"blk.{i}.{leaf}"
+            tensor = f.tensors.get(name)
+            if tensor is not None and not linear:
+                raise ModelLoadError(
+                    f"{f.path}: tensor {name!r} in layer {i}, an attention layer by "
+                    "qwen3next.attention.recurrent_layers",
+                    f.path,
+                )
+            if linear and tensor is None:
+                raise ModelLoadError(
+                    f"{f.path}: tensor {name!r} of DeltaNet layer {i} is missing (qwen3next.ssm."
+                    f"{keys})",
+                    f.path,
+                )
+            if linear and tensor is not None and tensor.shape != shape:
+                raise ModelLoadError(
+                    f"{f.path}: tensor {name!r} has shape {tensor.shape}, expected {shape} from "
+                    f"qwen3next.ssm.{keys}",
+                    f.path,
+                )
 
 
 def _scale(f: GGUFFile, key: str) -> float | None:

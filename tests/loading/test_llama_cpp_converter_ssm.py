@@ -253,7 +253,7 @@ def test_bf16_and_q8_0_files(
             r"head_count_kv must give",
         ),
         ("mamba2", {"general.architecture": "rwkv7"}, r"'rwkv7' \(recurrent layers\)"),
-        ("mamba2", {"general.architecture": "falcon-h1"}, r"'falcon-h1' \(recurrent layers\)"),
+        ("mamba2", {"general.architecture": "nemotron_h"}, r"'nemotron_h' \(recurrent layers\)"),
         ("mamba2", {"general.architecture": "mamba"}, r"'mamba' \(recurrent layers\)"),
     ],
 )
