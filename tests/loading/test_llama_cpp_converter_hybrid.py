@@ -33,10 +33,12 @@ from typing import Any
 import pytest
 import torch
 
-from tests.loading.test_llama_cpp_converter import _byte_bpe, convert
+from foudre.loading.errors import ModelLoadError
+from foudre.loading.gguf import gguf_config, read_gguf
+from tests.loading.test_llama_cpp_converter import _byte_bpe, convert, rel
 from tests.loading.test_llama_cpp_converter import pytestmark as pytestmark
-from tests.loading.test_llama_cpp_converter_ssm import driven_logits, load
-from tests.oracles.ssm_models import hf_logits, save_random
+from tests.loading.test_llama_cpp_converter_ssm import _bf16_rounded, driven_logits, load
+from tests.oracles.ssm_models import hf_logits, prompt, save_random
 from tests.oracles.test_falcon_h1 import BASE as FALCON
 from tests.oracles.test_falcon_h1 import CASES as FALCON_CASES
 from tests.oracles.test_falcon_h1 import DROP
@@ -166,3 +168,122 @@ def test_f32_file_gives_the_source_logits(
     for name, tensor in theirs.items():  # the converter's layouts undone
         atol = 3e-7 if "norm" in name else 0  # (1 + w) - 1
         torch.testing.assert_close(ours[name], tensor, rtol=1e-6, atol=atol, msg=name)
+
+
+QUANTIZED = [
+    "falcon_h1",
+    "qwen3_next",
+    *(pytest.param(f, marks=pytest.mark.slow) for f in ("falcon_h1_tied", "qwen3_next_tied")),
+]
+
+
+@pytest.mark.parametrize("family", QUANTIZED)
+def test_bf16_and_q8_0_files(
+    family: str, sources: dict[str, tuple[Path, torch.Tensor]], tmp_path: Path
+) -> None:
+    """bf16: within 1.5x what rounding the matrices to bfloat16 moves the logits. q8_0,
+    dequantized at load: every weight within Q8_0's rounding of the (folded) source's, the
+    logits within 20x bfloat16's move; kept quantized where foudre has Q8_0 kernels (Falcon-H1's
+    mixer, attention and MLP projections; Qwen3-Next's experts, attention output, in_proj_ba;
+    not in_proj_qkvz, joined from two tensors, nor the q_proj split into query and gate; the
+    converter writes the matrices of rows not a multiple of 32 in float), the same."""
+    from foudre.quant.experts import QuantExperts
+    from foudre.quant.qlinear import QuantLinear, uses_native_kernels
+
+    src, ref = sources[family]
+    bound = rel(_bf16_rounded(src), ref)
+    got = driven_logits(load(_convert(family, src, "bf16", tmp_path / "bf16.gguf")))
+    assert rel(got, ref) <= 1.5 * bound + 1e-6, (rel(got, ref), bound)
+    q8 = _convert(family, src, "q8_0", tmp_path / "q8_0.gguf")
+    dequantized = load(q8, gguf_dequantize=True)
+    ours, theirs = dequantized.state_dict(), folded(family, load(src).state_dict())
+    assert ours.keys() == theirs.keys()
+    errors = {k: rel(ours[k].float(), v.float()) for k, v in theirs.items()}
+    assert max(errors.values()) < 0.008, max(errors.items(), key=lambda kv: kv[1])
+    assert sum(e > 1e-3 for e in errors.values()) >= 4  # (the matrices were rounded)
+    assert rel(driven_logits(dequantized), ref) < 20 * bound
+    model = load(q8)
+    kept = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    if uses_native_kernels(torch.bfloat16):
+        parts = ("mamba.in_proj", "mamba.out_proj", "qkv_proj", "o_proj", "gate_up_proj")
+        if family.startswith("qwen"):
+            parts = ("linear_attn.in_proj_ba", "o_proj", "shared_expert.gate_up_proj")
+            experts = [m for m in model.modules() if isinstance(m, QuantExperts)]
+            assert len(experts) == len(model.config.linear_layers) + 1
+        for part in parts:
+            assert any(n.endswith(part) for n in kept), (part, sorted(kept))
+    for name, mod in kept.items():  # the same weights as dequantized at load, rows in order
+        if f"{name}.weight" in ours:
+            assert rel(mod.dequantize().float(), ours[f"{name}.weight"].float()) < 1e-6, name
+    assert rel(driven_logits(model), ref) < 20 * bound
+
+
+@pytest.mark.parametrize(
+    ("family", "change", "named"),
+    [
+        ("falcon_h1", {"falcon-h1.ssm.state_size": 32}, r"'blk\.0\.ssm_in\.weight' has shape"),
+        ("falcon_h1", {"falcon-h1.ssm.group_count": 1}, r"'blk\.0\.ssm_in\.weight' has shape"),
+        ("falcon_h1", {"falcon-h1.ssm.conv_kernel": 3}, r"'blk\.0\.ssm_conv1d\.weight' has shape"),
+        ("falcon_h1", {"-blk.1.ssm_d": None}, r"'blk\.1\.ssm_d' is missing"),
+        ("falcon_h1", {"-blk.1.ssm_out.bias": None}, r"'blk\.1\.ssm_out\.bias' is missing"),
+        ("qwen3_next", {"qwen3next.ssm.state_size": 4}, r"'blk\.0\.attn_qkv\.weight' has shape"),
+        ("qwen3_next", {"qwen3next.ssm.inner_size": 32}, r"'blk\.0\.attn_qkv\.weight' has shape"),
+        ("qwen3_next", {"qwen3next.ssm.group_count": 4}, r"'blk\.0\.attn_qkv\.weight' has shape"),
+        ("qwen3_next", {"qwen3next.ssm.time_step_rank": 3}, r"group_count \(key heads\)"),
+        ("qwen3_next", {"qwen3next.ssm.conv_kernel": 3}, r"'blk\.0\.ssm_conv1d\.weight' has"),
+        ("qwen3_next", {"-blk.2.ssm_a": None}, r"'blk\.2\.ssm_a' of DeltaNet layer 2 is missing"),
+        (
+            "qwen3_next",
+            {"qwen3next.attention.recurrent_layers": [True, True, True, True]},
+            r"'blk\.1\.attn_qkv\.weight' of DeltaNet layer 1 is missing",
+        ),
+        (
+            "qwen3_next",
+            {"qwen3next.attention.recurrent_layers": [False, False, True, True]},
+            r"'blk\.0\.attn_qkv\.weight' in layer 0, an attention layer",
+        ),
+        ("qwen3_next", {"qwen3next.attention.recurrent_layers": [True]}, r"recurrent_layers must"),
+    ],
+)
+def test_a_file_disagreeing_with_itself_names_the_tensor_or_key(
+    family: str, change: dict[str, Any], named: str, f32_files: dict[str, Path]
+) -> None:
+    """State tensors whose shapes disagree with the ``ssm.*`` keys, missing ones, and layers
+    the recurrent-layer keys misplace: refused before anything is built, naming the tensor."""
+    f = read_gguf(f32_files[family])
+    for key, value in change.items():
+        if key.startswith("-"):
+            del f.tensors[key[1:]]
+        else:
+            f.metadata[key] = value
+    with pytest.raises(ModelLoadError, match=named):
+        gguf_config(f)
+
+
+@pytest.mark.parametrize("family", ["falcon_h1", "qwen3_next"])
+def test_engine_serves_a_converted_file_as_its_source(
+    family: str, sources: dict[str, tuple[Path, torch.Tensor]], f32_files: dict[str, Path]
+) -> None:
+    """Through ``LLM``, prompts of other lengths sharing a prefix, batched: the f32 file's
+    greedy ids are its source's with few blocks (preemptions), a small token budget (chunked
+    prompts) and prefix caching (hits)."""
+    from foudre import LLM, SamplingParams
+
+    src, _ = sources[family]
+    shared = prompt(30, 7)
+    prompts = [[*shared, 50 + i, 60 + i] for i in range(3)] + [prompt(5, 1), prompt(21, 2)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+    def run(path: Path, **kwargs: Any) -> tuple[list[list[int]], Any]:
+        llm = LLM(
+            str(path), dtype="float32", skip_tokenizer_init=True, max_model_len=64,
+            block_size=4, **kwargs,
+        )  # fmt: skip
+        ids = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy)]
+        return ids, llm.engine.metrics()
+
+    want, _ = run(src)
+    small = dict(num_kv_blocks=20, max_num_batched_tokens=24, state_snapshot_interval=8)
+    got, metrics = run(f32_files[family], enable_prefix_caching=True, **small)
+    assert metrics["num_preemptions"] > 0 and metrics["prefix_cache_hits"] > 0, metrics
+    assert got == want
