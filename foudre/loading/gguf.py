@@ -681,8 +681,11 @@ def iter_gguf_weights(
     mtp = _first_mtp_block(f, arch)
     halves: dict[str, dict[int, Any]] = {}  # a pair's first part read, by its joined name
     for tensor in f.tensors.values():
+        block = _BLOCK.match(tensor.name)
         if tensor.name in _ROPE_TENSORS or tensor.name in skip:
             continue
+        if block is not None and int(block.group(1)) >= mtp:
+            continue  # a multi-token-prediction block (nextn_predict_layers): not run here
         hf = _hf_name(tensor.name, arch)
         if hf is None:
             raise ModelLoadError(
@@ -690,10 +693,7 @@ def iter_gguf_weights(
                 f"{config.architecture} model",
                 f.path,
             )
-        block = _BLOCK.match(tensor.name)
         leaf = tensor.name if block is None else block.group(2)
-        if block is not None and int(block.group(1)) >= mtp:
-            continue  # a multi-token-prediction block (nextn_predict_layers): not run here
         if (arch == "gemma3" and hf.endswith("norm.weight")) or leaf in _OFFSET_NORMS.get(arch, ()):
             w = (dequantize_tensor(f, tensor).float() - 1.0).to(dtype or torch.float32)
             yield hf, w  # stored as 1 + weight

@@ -287,3 +287,40 @@ def test_engine_serves_a_converted_file_as_its_source(
     got, metrics = run(f32_files[family], enable_prefix_caching=True, **small)
     assert metrics["num_preemptions"] > 0 and metrics["prefix_cache_hits"] > 0, metrics
     assert got == want
+
+
+def with_mtp(src: Path, dst: Path) -> Path:
+    """A copy of Qwen3-Next ``src`` with the multi-token-prediction weights the published
+    checkpoints carry (``mtp.*``: one attention layer with experts, ``fc`` and its norms; here
+    copies of layer 1's and random ones), which transformers does not load."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    state = load_file(dst / "model.safetensors")
+    hidden = state["model.embed_tokens.weight"].shape[1]
+    for name, tensor in list(state.items()):
+        if name.startswith("model.layers.1."):
+            state["mtp.layers.0." + name.removeprefix("model.layers.1.")] = tensor.clone()
+    state["mtp.fc.weight"] = torch.randn(hidden, 2 * hidden) * 0.05
+    for norm in ("norm", "pre_fc_norm_embedding", "pre_fc_norm_hidden"):
+        state[f"mtp.{norm}.weight"] = torch.zeros(hidden)
+    save_file(state, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+def test_a_file_with_mtp_blocks_runs_without_them(
+    sources: dict[str, tuple[Path, torch.Tensor]], tmp_path: Path
+) -> None:
+    """A checkpoint with multi-token-prediction weights converts without ``--no-mtp``: its
+    file has ``nextn_predict_layers`` blocks past the model's, which foudre does not run (as
+    transformers does not): the source's layers, its logits."""
+    src, ref = sources["qwen3_next"]
+    out = convert(with_mtp(src, tmp_path / "mtp"), "f32", tmp_path / "mtp.gguf")
+    f = read_gguf(out)
+    assert f.metadata["qwen3next.nextn_predict_layers"] == 1
+    assert f.metadata["qwen3next.block_count"] == 5 and "blk.4.nextn.eh_proj.weight" in f.tensors
+    model = load(out)
+    assert model.config.num_hidden_layers == 4
+    torch.testing.assert_close(driven_logits(model), ref, rtol=0, atol=1e-4)
