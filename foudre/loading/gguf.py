@@ -63,9 +63,29 @@ for Granite 4.0), over ``rope.dimension_count`` of each head; q/k rows un-permut
 converter's layouts are undone (``_ssm_weight``): ``A = -exp(A_log)`` back to ``A_log``, ``A``
 and ``D`` from ``[heads, 1]``, conv1d's filters from ``[channels, d_conv]``, the gated norm's
 weight from ``[groups, inner / groups]``; every Mamba layer's tensors must have the shapes the
-keys give (``_check_ssm_tensors`` names the first that does not). Other recurrent
-architectures (``UNSUPPORTED_RECURRENT``: Mamba 1, Jamba, Falcon-H1, Nemotron-H, RWKV,
-Qwen3-Next...) are refused naming the architecture.
+keys give (``_check_ssm_tensors`` names the first that does not).
+
+Falcon-H1 (``falcon-h1``): attention and the same mixer in every layer, read with the mixer's
+``ssm.*`` keys and Llama's attention keys (RoPE over whole heads, q/k rows not permuted). The
+converter folds every muP multiplier into the weights (the embedding's into ``token_embd``,
+which a tied head then carries too; the keys' into ``attn_k``; the per-section ``ssm_multipliers``
+into ``ssm_in``'s rows), so the file's model has none; the mixer's output norm is there when
+``ssm_norm`` is, after the gate (llama.cpp's graph; the file does not keep
+``mamba_norm_before_gate``); its MLP norm is ``ffn_norm`` without ``.weight``.
+
+Qwen3-Next (``qwen3next``): the gated DeltaNet's key heads from ``ssm.group_count``, value heads
+from ``time_step_rank``, key width ``state_size``, value width ``inner_size / time_step_rank``,
+its layers from ``attention.recurrent_layers`` (else ``full_attention_interval``); RoPE over
+``rope.dimension_count`` of each head; experts with the gated shared expert
+(``ffn_gate_inp_shexp``), the top-k renormalised (llama.cpp's graph). The converter's layouts
+are undone: ``in_proj_qkvz`` joined back from ``attn_qkv`` (all q, all k, all v rows) and
+``attn_gate`` (z) into transformers' per-key-head groups (``_qkvz``), ``A = -exp(A_log)``, the
+squeezed conv1d, and the zero-centred norms stored as ``1 + w`` (all but the DeltaNet's gated
+norm); the query and gate rows of ``attn_q`` stay as the checkpoint's. The
+``nextn_predict_layers`` multi-token-prediction blocks the converter appends are not read.
+Every DeltaNet layer's tensors must have the shapes the keys give (``_check_deltanet_tensors``).
+Other recurrent architectures (``UNSUPPORTED_RECURRENT``: Mamba 1, Jamba, Nemotron-H, RWKV,
+Qwen3.5...) are refused naming the architecture.
 """
 
 from __future__ import annotations
