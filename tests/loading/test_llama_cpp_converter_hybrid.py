@@ -13,7 +13,9 @@ What the converter cannot write, and so the sources avoid:
   indexes rows, so a mixer with an ``in_proj`` bias (``mamba_proj_bias``) fails to convert
   (``IndexError: too many indices for tensor of dimension 1``); the file does not keep
   ``mamba_norm_before_gate`` (llama.cpp norms after the gate, as foudre runs such a file); a
-  tied head carries the embedding's multiplier, not ``lm_head_multiplier`` (equal here).
+  tied head carries the embedding's multiplier, not ``lm_head_multiplier`` (equal here); a
+  config whose ``mamba_d_ssm`` is null (the width from ``mamba_expand``) fails to convert
+  (``TypeError: unsupported operand type(s) for *: 'int' and 'NoneType'``).
 - Qwen3-Next: a checkpoint without multi-token-prediction weights converts only with
   ``--no-mtp`` (else ``assert self.opt_num_mtp_layers != 0``); the file does not keep
   ``norm_topk_prob`` (llama.cpp renormalises the top-k weights; true here); a dense MLP layer
@@ -51,7 +53,8 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], tuple[str, ...]]] = {
     "falcon_h1": ("FalconH1", {
         **FALCON, "mamba_norm_before_gate": False, "mamba_proj_bias": False,
     }, ()),
-    # no norm, one group, a tied head, no conv bias, the multipliers' defaults, 3 layers
+    # no norm, one group, a tied head, no conv bias, the multipliers' defaults, 3 layers (and
+    # mamba_d_ssm given: the converter reads no mamba_expand)
     "falcon_h1_tied": ("FalconH1", {
         **FALCON, **FALCON_CASES["no-norm-tied"], "mamba_d_ssm": 64,
     }, ()),
@@ -226,6 +229,7 @@ def test_bf16_and_q8_0_files(
         ("falcon_h1", {"falcon-h1.ssm.conv_kernel": 3}, r"'blk\.0\.ssm_conv1d\.weight' has shape"),
         ("falcon_h1", {"-blk.1.ssm_d": None}, r"'blk\.1\.ssm_d' is missing"),
         ("falcon_h1", {"-blk.1.ssm_out.bias": None}, r"'blk\.1\.ssm_out\.bias' is missing"),
+        ("falcon_h1", {"+blk.0.attn_q.bias": "blk.0.ssm_dt.bias"}, r"with attention biases"),
         ("qwen3_next", {"qwen3next.ssm.state_size": 4}, r"'blk\.0\.attn_qkv\.weight' has shape"),
         ("qwen3_next", {"qwen3next.ssm.inner_size": 32}, r"'blk\.0\.attn_qkv\.weight' has shape"),
         ("qwen3_next", {"qwen3next.ssm.group_count": 4}, r"'blk\.0\.attn_qkv\.weight' has shape"),
@@ -248,12 +252,15 @@ def test_bf16_and_q8_0_files(
 def test_a_file_disagreeing_with_itself_names_the_tensor_or_key(
     family: str, change: dict[str, Any], named: str, f32_files: dict[str, Path]
 ) -> None:
-    """State tensors whose shapes disagree with the ``ssm.*`` keys, missing ones, and layers
-    the recurrent-layer keys misplace: refused before anything is built, naming the tensor."""
+    """State tensors whose shapes disagree with the ``ssm.*`` keys, missing ones, layers the
+    recurrent-layer keys misplace, attention biases foudre's Falcon-H1 has not: refused before
+    anything is built, naming the tensor or key."""
     f = read_gguf(f32_files[family])
     for key, value in change.items():
         if key.startswith("-"):
             del f.tensors[key[1:]]
+        elif key.startswith("+"):  # a tensor the file should not have (another's data)
+            f.tensors[key[1:]] = f.tensors[value]
         else:
             f.metadata[key] = value
     with pytest.raises(ModelLoadError, match=named):
