@@ -43,8 +43,10 @@ from torch import nn
 from foudre.attention.cache_spec import RecurrentCache, RecurrentStateSpec
 from foudre.layers.linear import Linear
 from foudre.layers.ssm_ops import (
+    MambaDecodeParams,
     causal_conv1d_update,
     has_kernels,
+    mamba_decode,
     selective_state_update,
     ssd_scan,
 )
@@ -280,10 +282,42 @@ class Mamba2Mixer(nn.Module):
             self.norm = GatedRMSNorm(s.intermediate_size, s.n_groups, s.eps, before)
         out_bias = s.proj_bias if s.out_proj_bias is None else s.out_proj_bias
         self.out_proj = Linear(s.intermediate_size, s.hidden_size, bias=out_bias)
+        self._decode: tuple[tuple[tuple[int, int], ...], MambaDecodeParams] | None = None
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
         """in_proj's ``z | xBC | dt`` of ``x`` (a family may scale them: Falcon-H1)."""
         return self.in_proj(x)
+
+    def _decode_params(self) -> MambaDecodeParams:
+        """The small parameters as ``ssm_ops.mamba_decode`` reads them, kept while the
+        parameters stay where and as they are."""
+        s = self.shape
+        small = [self.conv1d.weight, self.conv1d.bias, self.dt_bias, self.A_log, self.D]
+        small.append(None if self.norm is None else self.norm.weight)
+        key = tuple((p.data_ptr(), p._version) for p in small if p is not None)
+        if self._decode is not None and self._decode[0] == key:
+            return self._decode[1]
+        modes = {"after_gate": 0, "before_gate": 1, "none": 2}
+        bias = self.conv1d.bias
+        params = MambaDecodeParams(
+            s.num_heads,
+            s.head_dim,
+            s.state_size,
+            s.n_groups,
+            self.conv1d.weight[:, 0, :].float().t().contiguous(),
+            None if bias is None else bias.float().contiguous(),
+            self.dt_bias.float().contiguous(),
+            -torch.exp(self.A_log.float()),
+            self.D.float().contiguous(),
+            s.time_step_limit[0],
+            s.time_step_limit[1],
+            None if self.norm is None else self.norm.weight.float().contiguous(),
+            s.n_groups,
+            s.eps,
+            modes[s.gate_norm],
+        )
+        self._decode = (key, params)
+        return params
 
     def forward(
         self, x: torch.Tensor, cache: RecurrentCache, batch: RecurrentBatch
@@ -294,7 +328,12 @@ class Mamba2Mixer(nn.Module):
         the snapshot slots the batch names)."""
         s = self.shape
         t = x.shape[0]
-        z, xbc, dt = self.project(x).split([s.intermediate_size, s.conv_dim, s.num_heads], -1)
+        proj = self.project(x)
+        if batch.is_decode and not batch.snapshots:  # one C++ call between the projections
+            y = mamba_decode(cache.conv, cache.ssm, batch.slots, proj, self._decode_params())
+            if y is not None:
+                return self.out_proj(y)
+        z, xbc, dt = proj.split([s.intermediate_size, s.conv_dim, s.num_heads], -1)
         xbc = F.silu(self._conv(xbc, cache.conv, batch))
         bc = s.n_groups * s.state_size
         xs, b, c = xbc.split([s.intermediate_size, bc, bc], -1)

@@ -26,6 +26,7 @@ import ctypes
 import itertools
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
@@ -68,6 +69,12 @@ _SIGNATURES: dict[str, list[Any]] = {
     ],
 }
 _SIGNATURES["foudre_conv_update_bf16"] = _SIGNATURES["foudre_conv_update_f32"]
+# conv, conv_stride, state, state_stride, slots, rows, heads, head_dim, d_state, groups, window,
+# conv_w, conv_b, dt_bias, a, d, dt_min, dt_max, norm_w, norm_groups, eps, norm_mode, proj,
+# proj_stride, y
+_SIGNATURES["foudre_mamba_decode_f32"] = [_P, _I64, _P, _I64, _P, *[_I64] * 6, *[_P] * 5]
+_SIGNATURES["foudre_mamba_decode_f32"] += [_F, _F, _P, _I64, _F, _INT, _P, _I64, _P]
+_SIGNATURES["foudre_mamba_decode_bf16"] = _SIGNATURES["foudre_mamba_decode_f32"]
 
 
 @lru_cache(maxsize=1)
@@ -396,6 +403,73 @@ def causal_conv1d_update_reference(
         out = F.silu(out)
     state[slots] = window[:, 1:].to(state.dtype)
     return out.to(x.dtype)
+
+
+# ---------------------------------------------------------------- a Mamba-2 decode token
+
+
+def mamba_decode(
+    conv: torch.Tensor,
+    state: torch.Tensor,
+    slots: torch.Tensor,
+    proj: torch.Tensor,
+    params: MambaDecodeParams,
+) -> torch.Tensor | None:
+    """A Mamba-2 mixer's decode token per row between its two projections, in one C++ call:
+    from in_proj's ``proj [R, z | xBC | dt]`` through the conv window (``conv [S, window,
+    conv_dim]``, SiLU), ``dt`` (softplus, clamped), each head's state update (``state [S,
+    heads, head_dim, d_state]`` float32, D included) and the gated RMSNorm, to ``y [R, heads *
+    head_dim]`` in ``proj``'s dtype, the rows' slots updated in place. Computed in float32 from
+    the conv's output on (the op-by-op path rounds each op to the model's dtype). None where the
+    C++ kernels do not run this (not a CPU float32 / bfloat16 pool)."""
+    dtype = conv.dtype
+    if (
+        state.device.type != "cpu"
+        or dtype not in _CONV_SUFFIX
+        or proj.dtype != dtype
+        or state.dtype != torch.float32
+        or torch.is_grad_enabled()
+    ):
+        return None
+    dll = library()
+    if dll is None:
+        return None
+    p = params
+    rows = proj.shape[0]
+    _check_pool(state, slots, rows)
+    proj = _rows(proj, dtype)
+    y = torch.empty(rows, p.heads * p.head_dim, dtype=dtype)
+    getattr(dll, f"foudre_mamba_decode_{_CONV_SUFFIX[dtype]}")(
+        conv.data_ptr(), conv.stride(0), state.data_ptr(), state.stride(0), slots.data_ptr(),
+        rows, p.heads, p.head_dim, p.d_state, p.groups, conv.shape[1], p.conv_w.data_ptr(),
+        0 if p.conv_b is None else p.conv_b.data_ptr(), p.dt_bias.data_ptr(), p.a.data_ptr(),
+        p.d.data_ptr(), p.dt_min, p.dt_max, 0 if p.norm_w is None else p.norm_w.data_ptr(),
+        p.norm_groups, p.eps, p.norm_mode, proj.data_ptr(), proj.stride(0), y.data_ptr(),
+    )  # fmt: skip
+    return y
+
+
+@dataclass(frozen=True, slots=True)
+class MambaDecodeParams:
+    """A Mamba-2 mixer's sizes and its small parameters in float32, as ``mamba_decode`` reads
+    them: ``conv_w [window + 1, conv_dim]``, ``a = -exp(A_log)``; ``norm_mode`` 0 for
+    ``norm(y silu(z)) w``, 1 for ``norm(y) w silu(z)``, 2 for ``y silu(z)`` (no norm)."""
+
+    heads: int
+    head_dim: int
+    d_state: int
+    groups: int
+    conv_w: torch.Tensor
+    conv_b: torch.Tensor | None
+    dt_bias: torch.Tensor
+    a: torch.Tensor
+    d: torch.Tensor
+    dt_min: float
+    dt_max: float
+    norm_w: torch.Tensor | None
+    norm_groups: int
+    eps: float
+    norm_mode: int
 
 
 # ---------------------------------------------------------------- gated delta rule

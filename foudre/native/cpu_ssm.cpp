@@ -262,6 +262,79 @@ void delta_token(const DeltaTokens& in, int64_t t, int64_t h, float* s, float* b
              in.o + (t * in.v_heads + h) * in.dv, kn + dk);
 }
 
+// The sizes and float32 parameters of one Mamba-2 mixer for mamba_decode.
+struct MambaLayer {
+  int64_t heads, head_dim, d_state, groups, window;
+  const float* conv_w;  // [window + 1, conv_dim]
+  const float* conv_b;  // [conv_dim] or null
+  const float* dt_bias;
+  const float* a;  // -exp(A_log)
+  const float* d;
+  float dt_min, dt_max;
+  const float* norm_w;  // [heads * head_dim] or null (norm_mode 2)
+  int64_t norm_groups;
+  float eps;
+  int norm_mode;  // 0: norm(y silu(z)) w, 1: norm(y) w silu(z), 2: y silu(z)
+};
+
+inline float silu(float v) { return v / (1.0f + std::exp(-v)); }
+inline float softplus(float v) { return v > 20.0f ? v : std::log1p(std::exp(v)); }
+
+// One decode token per row of a Mamba-2 mixer, from in_proj's output (z | xBC | dt, row
+// stride proj_stride) to what out_proj takes (y [rows, heads * head_dim]): the conv window
+// (SiLU'd, in float32 from there on), dt = softplus(dt + dt_bias) clamped, the state update of
+// each head (foudre_ssm_update's, D included), then the gated RMSNorm over each of norm_groups
+// slices; the conv window and the state of each row's slot updated in place.
+template <typename T>
+void mamba_decode(T* conv, int64_t conv_stride, float* state, int64_t state_stride,
+                  const int64_t* slots, int64_t rows, const MambaLayer& m, const T* proj,
+                  int64_t proj_stride, T* y) {
+  const int64_t inner = m.heads * m.head_dim, gn = m.groups * m.d_state;
+  const int64_t conv_dim = inner + 2 * gn, per_group = m.heads / m.groups;
+  std::vector<float> xbc(rows * conv_dim), dt(rows * m.heads), yf(rows * inner);
+#pragma omp parallel if (rows > 1)
+  {
+    std::vector<T> scratch(conv_dim);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      const T* row = proj + r * proj_stride;
+      conv_row(conv + slots[r] * conv_stride, conv_dim, m.window, row + inner, m.conv_w,
+               m.conv_b, true, scratch.data(), xbc.data() + r * conv_dim);
+      for (int64_t h = 0; h < m.heads; ++h) {
+        const float v = softplus(to_float(row[inner + conv_dim + h]) + m.dt_bias[h]);
+        dt[r * m.heads + h] = std::fmin(std::fmax(v, m.dt_min), m.dt_max);
+      }
+    }
+  }
+  const int64_t pairs = rows * m.heads, size = m.head_dim * m.d_state;
+#pragma omp parallel for schedule(static) if (pairs * size >= kParallelElements)
+  for (int64_t i = 0; i < pairs; ++i) {
+    const int64_t r = i / m.heads, h = i % m.heads, g = h / per_group;
+    const float* xr = xbc.data() + r * conv_dim;
+    ssm_head(state + slots[r] * state_stride + h * size, m.head_dim, m.d_state,
+             xr + h * m.head_dim, dt[i], m.a[h], xr + inner + g * m.d_state,
+             xr + inner + gn + g * m.d_state, m.d + h, yf.data() + i * m.head_dim);
+  }
+  const int64_t span = inner / m.norm_groups;
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* z = proj + r * proj_stride;
+    float* yr = yf.data() + r * inner;
+    if (m.norm_mode != 1)
+      for (int64_t i = 0; i < inner; ++i) yr[i] *= silu(to_float(z[i]));
+    if (m.norm_mode != 2)
+      for (int64_t g = 0; g < m.norm_groups; ++g) {
+        float* part = yr + g * span;
+        float ss = 0.0f;
+        for (int64_t i = 0; i < span; ++i) ss += part[i] * part[i];
+        const float inv = 1.0f / std::sqrt(ss / static_cast<float>(span) + m.eps);
+        for (int64_t i = 0; i < span; ++i) part[i] *= inv * m.norm_w[g * span + i];
+      }
+    if (m.norm_mode == 1)
+      for (int64_t i = 0; i < inner; ++i) yr[i] *= silu(to_float(z[i]));
+    for (int64_t i = 0; i < inner; ++i) from_float(yr[i], y + r * inner + i);
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -397,5 +470,24 @@ void foudre_gated_delta_scan(float* state, int64_t slot_stride, const int64_t* s
     }
   }
 }
+
+#define FOUDRE_MAMBA_DECODE(SUFFIX, T)                                                          \
+  void foudre_mamba_decode_##SUFFIX(                                                            \
+      T* conv, int64_t conv_stride, float* state, int64_t state_stride, const int64_t* slots,   \
+      int64_t rows, int64_t heads, int64_t head_dim, int64_t d_state, int64_t groups,           \
+      int64_t window, const float* conv_w, const float* conv_b, const float* dt_bias,           \
+      const float* a, const float* d, float dt_min, float dt_max, const float* norm_w,          \
+      int64_t norm_groups, float eps, int norm_mode, const T* proj, int64_t proj_stride, T* y) { \
+    const MambaLayer m{heads,   head_dim, d_state, groups, window, conv_w,      conv_b, dt_bias, \
+                       a,       d,        dt_min,  dt_max, norm_w, norm_groups, eps,    norm_mode}; \
+    mamba_decode(conv, conv_stride, state, state_stride, slots, rows, m, proj, proj_stride, y); \
+  }
+
+// A Mamba-2 mixer's decode token per row between its two projections (mamba_decode above):
+// the conv window [window, conv_dim] (T) and the state [heads, head_dim, d_state] (float32)
+// of each row's slot in place; proj [rows, >= heads * head_dim + conv_dim + heads] (T, row
+// stride proj_stride) -> y [rows, heads * head_dim] (T, contiguous).
+FOUDRE_MAMBA_DECODE(f32, float)
+FOUDRE_MAMBA_DECODE(bf16, uint16_t)
 
 }  // extern "C"

@@ -214,3 +214,22 @@ def test_torch_paths_without_the_kernels(family: Any, monkeypatch: pytest.Monkey
     assert _greedy(llm, prompts) == [[w] for w in want]
     assert llm.engine.metrics()["prefix_cache_hits"] > 0
     _assert_pools_empty(llm)
+
+
+def test_admission_waits_for_a_state_slot(family: Any) -> None:
+    """A KV budget of 7 requests' states leaves 2 slots (half the budget, one slot for the
+    padding rows): three requests run two at a time, the third admitted when a slot frees."""
+    _, path, _, prompts, want = family
+    per_slot = _llm(path, num_kv_blocks=64).engine.metrics()["state_bytes_per_request"]
+    llm = LLM(
+        str(path),
+        dtype="float32",
+        skip_tokenizer_init=True,
+        max_model_len=64,
+        kv_cache_memory=7 * per_slot,
+        enable_prefix_caching=False,
+    )
+    assert llm.engine.metrics()["num_state_slots"] == 2
+    assert _greedy(llm, prompts[:3]) == [[w] for w in want[:3]]
+    assert llm.engine.stats.peak_running == 2
+    _assert_pools_empty(llm)

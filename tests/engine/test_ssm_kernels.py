@@ -12,6 +12,8 @@ interpreter on CPU tensors (on a GPU where there is one)."""
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import shutil
 import subprocess
 from collections.abc import Callable
@@ -207,6 +209,60 @@ def check_gated_delta_rule_scan(backend: str = "native", device: str = "cpu") ->
         torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-5)
 
 
+def check_mamba_decode() -> None:
+    """A Mamba-2 mixer's decode step in one C++ call (``ssm_ops.mamba_decode``) against the
+    mixer's op-by-op path: each output norm, two groups, a clamped dt, slots scattered in the
+    pool; float32 (a few ulps) and bfloat16 (the op-by-op path rounds each op to bfloat16)."""
+    from foudre.layers import mamba
+    from foudre.layers.mamba import Mamba2Mixer, Mamba2Shape, RecurrentBatch
+
+    g = torch.Generator().manual_seed(5)
+    for dtype, gate_norm in itertools.product(
+        (torch.float32, torch.bfloat16), ("after_gate", "before_gate", "none")
+    ):
+        shape = Mamba2Shape(64, 6, 16, 24, 2, 4, 8, gate_norm=gate_norm)
+        shape = dataclasses.replace(shape, time_step_limit=(0.05, 2.0))
+        mixer = Mamba2Mixer(shape)
+        with torch.no_grad():
+            for p in mixer.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+            mixer.A_log.copy_(torch.rand(6, generator=g).log())
+        mixer = mixer.to(dtype)
+        spec = shape.state_spec()
+        cache = spec.allocate(9, dtype, torch.device("cpu"))
+        cache.conv.copy_(torch.randn(cache.conv.shape, generator=g))
+        cache.ssm.copy_(torch.randn(cache.ssm.shape, generator=g))
+        slots = [7, 2, 4]
+        x = torch.randn(3, 64, generator=g).to(dtype)
+        batch = RecurrentBatch.of_lengths([1, 1, 1], slots, torch.device("cpu"))
+        ref_cache = type(cache)(cache.conv.clone(), cache.ssm.clone())
+        fused = mamba.mamba_decode
+        try:
+            mamba.mamba_decode = lambda *a: None  # type: ignore[assignment]
+            with torch.no_grad():
+                want = mixer(x, ref_cache, batch)
+        finally:
+            mamba.mamba_decode = fused
+        ran: list[bool] = []
+
+        def counted(*a: Any, ran: list[bool] = ran, fused: Any = fused) -> torch.Tensor | None:
+            out = fused(*a)
+            ran.append(out is not None)
+            return out
+
+        try:
+            mamba.mamba_decode = counted  # type: ignore[assignment]
+            with torch.no_grad():
+                got = mixer(x, cache, batch)
+        finally:
+            mamba.mamba_decode = fused
+        assert ran == [True], "the C++ decode step did not run"
+        tol = dict(atol=2e-5, rtol=2e-5) if dtype == torch.float32 else dict(atol=0.1, rtol=0.05)
+        torch.testing.assert_close(got.float(), want.float(), **tol)  # type: ignore[arg-type]
+        torch.testing.assert_close(cache.conv, ref_cache.conv)
+        torch.testing.assert_close(cache.ssm, ref_cache.ssm, **tol)  # type: ignore[arg-type]
+
+
 def check_native() -> None:
     """Every kernel's checks through the C++, on the path that this process's build takes."""
     paths = native_paths()
@@ -218,11 +274,17 @@ def check_native() -> None:
     check_causal_conv1d_update()
     check_gated_delta_rule_update()
     check_gated_delta_rule_scan()
+    check_mamba_decode()
 
 
 @needs_native
 def test_selective_state_update_native() -> None:
     check_selective_state_update()
+
+
+@needs_native
+def test_mamba_decode_native() -> None:
+    check_mamba_decode()
 
 
 @needs_native
