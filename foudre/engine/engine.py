@@ -9,6 +9,7 @@ with ``stop.check_stop``), and beam search is a driver over the same interface
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -75,6 +76,8 @@ class LLMEngine:
         )
         self.eos_token_ids = loaded.eos_token_ids(self.tokenizer)
         states = wiring.state_plan(config, self.model, self.device)
+        if states is not None and states.num_slots < config.max_num_seqs:  # a seat is a slot
+            self.config = config = dataclasses.replace(config, max_num_seqs=states.num_slots)
         if self._parallel is not None:
             num_blocks = self._parallel.num_blocks  # the least any rank can hold
         else:

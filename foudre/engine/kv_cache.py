@@ -266,10 +266,16 @@ class KVCacheManager:
             for rid, tables in self.req_tables.items()
         }
 
-    def has_state_slots(self, n: int) -> bool:
-        """Whether ``n`` requests that hold none can take a recurrent state slot each now
-        (always, for a model without recurrent layers)."""
-        return self.states is None or len(self.states.free_slots) >= n
+    def pin(self, blocks: Sequence[Block]) -> None:
+        """Hold ``blocks`` (prefix hits planned for several requests admitted together) while
+        they are allocated one by one: none is handed out fresh, nor loses its hash or its
+        snapshot, before its request takes it. ``unpin`` after."""
+        for b in blocks:
+            if b is not self.null_block:
+                self.pool.touch(b)
+
+    def unpin(self, blocks: Sequence[Block]) -> None:
+        self.pool.release([b for b in blocks if b is not self.null_block])
 
     def num_held_blocks(self, request_id: str) -> int:
         """Blocks the request holds now, over its groups (what it costs the pool)."""
@@ -349,7 +355,8 @@ class KVCacheManager:
             for g, window in enumerate(self.windows):
                 if window is not None:
                     m = self._window_hit(found, g, m)
-            m = self._state_hit(found, m)
+            if self.states is not None:  # back to the last block with a written snapshot
+                m = self.states.hit(lambda i: found.get(0, i), m)
             if m == m_before:
                 break
         hits: list[list[Block]] = []
@@ -369,15 +376,6 @@ class KVCacheManager:
                 return m
             m = miss
         return 0
-
-    def _state_hit(self, found: _Lookups, m: int) -> int:
-        """The longest prefix of at most ``m`` blocks whose last block holds a written snapshot
-        of the recurrent state (``m`` for a model without recurrent layers)."""
-        if self.states is None:
-            return m
-        while m > 0 and not self.states.ready(found.get(0, m - 1)):
-            m -= 1
-        return m
 
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count one admission's lookup (only admissions that succeed, so retries count once)."""
@@ -637,15 +635,12 @@ class KVCacheManager:
                 block = blocks[i]
                 if block.block_hash is None and block is not self.null_block:
                     self.pool.cache(block, self._group_hash(hashes[i], g), key, g)
-                    if g == 0 and self.states is not None:
-                        self._snapshot(block, rid, i)
-
-    def _snapshot(self, block: Block, request_id: str, i: int) -> None:
-        """Block ``i`` of a request was just cached: where snapshots are due, it gets one."""
-        assert self.states is not None
-        due = self.states.wants_snapshot(i)
-        if due and block.block_hash is not None and self.pool.cached.get(block.block_hash) is block:
-            self.states.assign(block, request_id, (i + 1) * self.block_size - 1)
+                    if (
+                        g == 0
+                        and self.states is not None
+                        and self.pool.cached.get(hashes[i]) is block
+                    ):  # (the block its hash finds: a snapshot where one is due)
+                        self.states.assign(block, rid, i, bs)
 
     def free(self, request: Request, uncache: bool = False) -> None:
         """Return all of the request's blocks, every group's; the tail is freed first so it is

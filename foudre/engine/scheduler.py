@@ -320,8 +320,11 @@ class Scheduler:
             need += self.kv.num_free_hits(hits, counted)
             plan.append((req, hits, num_cached, num_new))
             left -= num_new
-        if need > self.kv.num_free_blocks or not self.kv.has_state_slots(len(plan)):
+        states = self.kv.states
+        if need > self.kv.num_free_blocks or (states and not states.has_free(len(plan))):
             return None
+        pinned = [b for _, hits, _, _ in plan for group in hits for b in group]
+        self.kv.pin(pinned)  # no member's allocation may take (or evict) another's hits
         for req, hits, num_cached, num_new in plan:
             ok = self.kv.allocate_slots(req, num_new, hits)
             assert ok, "the plan counted the blocks"
@@ -338,6 +341,7 @@ class Scheduler:
             self._entering[req.request_id] = req
             if num_new:
                 scheduled.append((req, num_new))
+        self.kv.unpin(pinned)
         return budget - left
 
     def _waiting_members(self, cohort: Cohort) -> list[Request]:
@@ -470,14 +474,18 @@ class Scheduler:
 
     def check_invariants(self) -> None:
         """Blocks held by live requests (in any layer group) plus free blocks account for the
-        whole pool."""
+        whole pool; so do the recurrent state slots (one per running request) and snapshots."""
         held = {b.block_id for blocks in self.kv.req_blocks.values() for b in blocks}
         assert len(held) + self.kv.num_free_blocks == self.kv.num_blocks, (
             len(held),
             self.kv.num_free_blocks,
             self.kv.num_blocks,
         )
-
+        states = self.kv.states
+        if states is not None:
+            assert len(states.free_slots) + len(states.of_request) == states.num_slots
+            assert set(states.of_request) == {r.request_id for r in self.running}
+            assert len(states.free_snapshots) + len(states.holders) == states.num_snapshots
 
 def new_request(req: Request) -> NewRequest:
     """What the runner's batch keeps of ``req`` (its token lists copied: the engine appends)."""

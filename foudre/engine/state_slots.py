@@ -20,11 +20,13 @@ states in pools of slots (``RecurrentCache``), and this bookkeeping hands the sl
   that token (the row's ``state_snapshots``); a later request whose prefix hits that block
   restores it. A hit counts only up to the last block with a snapshot written in an earlier
   step. Snapshots live as long as their block's hash: evicting or forgetting the block frees
-  its snapshot; when none is free, the oldest snapshot of a block no request holds is reused.
+  its snapshot; when none is free, the least recently used snapshot of a block no request
+  holds is reused.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 
@@ -67,18 +69,14 @@ class StateSlots:
     def padding_slot(self) -> int:
         return self.num_slots + self.num_snapshots
 
-    @property
-    def total_slots(self) -> int:
-        """Slots the runner's pools hold (the padding slot included)."""
-        return self.padding_slot + 1
-
     # -- requests ------------------------------------------------------------------------------
     def slot(self, request_id: str) -> int:
-        """The request's slot (the padding slot for one that holds none)."""
-        return self.of_request.get(request_id, self.padding_slot)
+        """The slot of a request that holds one."""
+        return self.of_request[request_id]
 
-    def needs(self, request_id: str) -> int:
-        return 0 if request_id in self.of_request else 1
+    def has_free(self, n: int) -> bool:
+        """Whether ``n`` requests that hold none can take a slot each now."""
+        return len(self.free_slots) >= n
 
     def can_take(self, request_id: str) -> bool:
         return request_id in self.of_request or bool(self.free_slots)
@@ -87,9 +85,12 @@ class StateSlots:
         """Give the request a slot (if it has none): zeros, or a copy of slot ``source``."""
         if request_id in self.of_request:
             return
+        assert source is None or 0 <= source < self.padding_slot, f"no state in slot {source}"
         slot = self.free_slots.pop()
         self.of_request[request_id] = slot
         self.copies.append((source, slot))
+        if source is not None and source in self.holders:  # a restored snapshot: now the
+            self.holders[source] = self.holders.pop(source)  # most recently used
 
     def fork(self, parent_id: str, child_id: str) -> None:
         self.take(child_id, self.of_request[parent_id])
@@ -115,11 +116,19 @@ class StateSlots:
         """Whether ``block`` carries a snapshot that a step has written."""
         return block is not None and block.snapshot >= 0 and block.snapshot_step < self.step
 
-    def assign(self, block: SnapshotBlock, request_id: str, token_index: int) -> None:
-        """Give ``block`` a snapshot slot, to be filled with ``request_id``'s state after its
-        token ``token_index`` by the step that computes it (none when every snapshot belongs
-        to a block some request holds)."""
-        if block.snapshot >= 0:
+    def hit(self, block_at: Callable[[int], SnapshotBlock | None], m: int) -> int:
+        """The longest prefix of at most ``m`` blocks whose last block (``block_at(i)``: the
+        request's cached block ``i``) holds a written snapshot."""
+        while m > 0 and not self.ready(block_at(m - 1)):
+            m -= 1
+        return m
+
+    def assign(self, block: SnapshotBlock, request_id: str, index: int, block_size: int) -> None:
+        """Where a snapshot is due at the end of the request's block ``index`` (just cached),
+        give ``block`` a snapshot slot, to be filled with the request's state after the
+        block's last token by the step that computes it (none when every snapshot belongs to
+        a block some request holds)."""
+        if block.snapshot >= 0 or not self.wants_snapshot(index):
             return
         if self.free_snapshots:
             slot = self.free_snapshots.pop()
@@ -132,7 +141,7 @@ class StateSlots:
             self.free_snapshots.remove(slot)
         block.snapshot, block.snapshot_step = slot, self.step
         self.holders[slot] = block
-        self.pending.setdefault(request_id, []).append((token_index, slot))
+        self.pending.setdefault(request_id, []).append(((index + 1) * block_size - 1, slot))
 
     def drop(self, block: SnapshotBlock) -> None:
         """``block`` leaves the prefix cache: its snapshot slot is free again."""

@@ -184,7 +184,8 @@ def state_plan(
     if config.enable_prefix_caching and plan.num_snapshots == 0:
         logger.info("prefix caching: no snapshots of the recurrent state, so no prefix hits")
     logger.info(
-        "recurrent state: %d slots of %d bytes, %d prefix-cache snapshots (every %d blocks)",
+        "recurrent state: %d slots of %d bytes (max_num_seqs at most that), %d prefix-cache "
+        "snapshots (every %d blocks)",
         plan.num_slots,
         plan.bytes_per_slot,
         plan.num_snapshots,

@@ -329,9 +329,13 @@ class Mamba2Mixer(nn.Module):
         s = self.shape
         t = x.shape[0]
         proj = self.project(x)
-        if batch.is_decode and not batch.snapshots:  # one C++ call between the projections
+        if batch.is_decode:  # one C++ call between the projections
             y = mamba_decode(cache.conv, cache.ssm, batch.slots, proj, self._decode_params())
             if y is not None:
+                if batch.snapshots:  # a decode row's: its state after the step
+                    rows = batch.slots[batch.snap_row]
+                    cache.conv[batch.snap_slots] = cache.conv[rows]
+                    cache.ssm[batch.snap_slots] = cache.ssm[rows]
                 return self.out_proj(y)
         z, xbc, dt = proj.split([s.intermediate_size, s.conv_dim, s.num_heads], -1)
         xbc = F.silu(self._conv(xbc, cache.conv, batch))

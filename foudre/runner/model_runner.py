@@ -183,6 +183,11 @@ def kv_budget(config: EngineConfig, device: torch.device, share: int = 1) -> int
         if budget <= 1.0:
             budget *= device_memory(device)
         return int(budget) // share
+    return default_kv_budget(device, share)
+
+
+def default_kv_budget(device: torch.device, share: int = 1) -> int:
+    """``kv_budget`` where no ``kv_cache_memory`` is given."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free * 0.8) // share
@@ -215,9 +220,11 @@ def state_plan(
 ) -> StatePlan | None:
     """How many state slots a model with recurrent layers gets (None for a transformer): a
     slot per running request (``max_num_seqs``) and as many snapshots (``num_state_snapshots``,
-    none without prefix caching), all within half of the KV budget, the other half left for
-    the attention layers' blocks: fewer slots where the budget is short (admission then waits
-    for a free slot), ``ValueError`` naming ``kv_cache_memory`` where not even one fits."""
+    none without prefix caching), all within half of the KV budget (``kv_budget``; its default
+    where ``num_kv_blocks`` counts the blocks), the other half left for the attention layers'
+    blocks (all of it for a model without attention): fewer slots where the budget is short
+    (the engine then runs at most that many sequences), ``ValueError`` naming
+    ``kv_cache_memory`` where not even one fits."""
     dtype = next(model.parameters()).dtype
     per_slot = state_bytes_per_request(model.kv_cache_specs(), dtype)
     if per_slot == 0:
@@ -229,8 +236,12 @@ def state_plan(
     if not config.enable_prefix_caching:
         snapshots = 0
     budget = kv_budget(config, device, share)
-    if budget is not None and (slots + snapshots + 1) * per_slot > budget // 2:
-        fit = budget // 2 // per_slot - 1
+    if budget is None:  # blocks counted by num_kv_blocks: the states within the default
+        budget = default_kv_budget(device, share)
+    per_block = kv_bytes_per_block(model, config.block_size, dtype, config.kv_cache_dtype)
+    budget //= 2 if per_block else 1  # (blocks of no bytes: the states take it all)
+    if (slots + snapshots + 1) * per_slot > budget:
+        fit = budget // per_slot - 1
         if fit < 1:
             raise ValueError(
                 f"kv_cache_memory: {budget} bytes cannot hold one request's recurrent state "
@@ -544,7 +555,8 @@ class ModelRunner:
         self.input_batch.remove(scheduled.removed)
         self.input_batch.add(scheduled.new_requests)
         self.copy_blocks(scheduled.block_copies)
-        self.copy_states(scheduled.state_copies)
+        if scheduled.state_copies:
+            self.copy_states(scheduled.state_copies)
         rows = scheduled.rows
         pad = scheduled.num_padding_rows
         tables = [r.block_ids for r in rows]
@@ -566,8 +578,11 @@ class ModelRunner:
             if offsets is not None:
                 offsets += [0] * pad
         sampling = self.input_batch.sampling_rows(rows)
-        slots = [r.state_slot for r in rows] if self.recurrent else []
-        snapshots = [(i, o, s) for i, r in enumerate(rows) for o, s in r.state_snapshots]
+        slots: list[int] = []
+        snapshots: list[tuple[int, int, int]] = []
+        if self.recurrent:
+            slots = [r.state_slot for r in rows]
+            snapshots = [(i, o, s) for i, r in enumerate(rows) for o, s in r.state_snapshots]
         logits = self.forward(
             tables, starts, tokens, num_logits, pad, offsets, group_tables, slots, snapshots
         )

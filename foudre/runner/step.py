@@ -72,7 +72,7 @@ class ScheduledRow:
     # a recurrent model's: the request's state slot, and the prefix-cache snapshots the row
     # fills: (offset in the row, slot), the state after that token copied into that slot
     state_slot: int = -1
-    state_snapshots: list[tuple[int, int]] = field(default_factory=list)
+    state_snapshots: Sequence[tuple[int, int]] = ()
 
     @property
     def num_new_tokens(self) -> int:

@@ -16,8 +16,10 @@ from tests.engine.test_recurrent import (
     LENGTHS,
     STEPS,
     _llm,
+    test_beam_search_forks_and_prunes_states,
     test_chunked_prefill,
     test_greedy_ids_equal_generate,
+    test_invariants_hold_every_step_under_pressure,
     test_n_samples_fork_the_state,
     test_preemption_recomputes_from_a_zeroed_slot,
     test_prefix_caching_restores_snapshots,
@@ -30,8 +32,10 @@ from tests.oracles.test_qwen3_next import BASE, CASES
 
 # run here with this module's ``family`` fixture
 __all__ = [
+    "test_beam_search_forks_and_prunes_states",
     "test_chunked_prefill",
     "test_greedy_ids_equal_generate",
+    "test_invariants_hold_every_step_under_pressure",
     "test_n_samples_fork_the_state",
     "test_preemption_recomputes_from_a_zeroed_slot",
     "test_prefix_caching_restores_snapshots",

@@ -216,20 +216,88 @@ def test_torch_paths_without_the_kernels(family: Any, monkeypatch: pytest.Monkey
     _assert_pools_empty(llm)
 
 
-def test_admission_waits_for_a_state_slot(family: Any) -> None:
-    """A KV budget of 7 requests' states leaves 2 slots (half the budget, one slot for the
-    padding rows): three requests run two at a time, the third admitted when a slot frees."""
-    _, path, _, prompts, want = family
-    per_slot = _llm(path, num_kv_blocks=64).engine.metrics()["state_bytes_per_request"]
+def _two_slots(path: Path) -> LLM:
+    """An engine whose KV budget holds 3.25 requests' states (twice that beside attention
+    layers, whose blocks take the other half): 2 slots and the padding rows' one."""
+    probe = _llm(path, num_kv_blocks=64).engine
+    per_slot = probe.metrics()["state_bytes_per_request"]
+    budget = per_slot * 3.25 * (2 if probe.kv_bytes_per_block else 1)
     llm = LLM(
         str(path),
         dtype="float32",
         skip_tokenizer_init=True,
         max_model_len=64,
-        kv_cache_memory=7 * per_slot,
+        kv_cache_memory=float(int(budget)),
         enable_prefix_caching=False,
     )
     assert llm.engine.metrics()["num_state_slots"] == 2
+    return llm
+
+
+def test_admission_waits_for_a_state_slot(family: Any) -> None:
+    """With 2 state slots, three requests run two at a time, the third admitted when a slot
+    frees."""
+    _, path, _, prompts, want = family
+    llm = _two_slots(path)
     assert _greedy(llm, prompts[:3]) == [[w] for w in want[:3]]
     assert llm.engine.stats.peak_running == 2
     _assert_pools_empty(llm)
+
+
+def test_beams_within_the_state_slots(family: Any) -> None:
+    """With 2 state slots, max_num_seqs is 2: a beam search of width 3 is refused by name (it
+    would wait forever for a third slot), one of width 2 runs."""
+    from foudre.errors import InvalidParameterError
+    from foudre.sampling_params import BeamSearchParams
+
+    _, path, _, prompts, _ = family
+    llm = _two_slots(path)
+    assert llm.engine.config.max_num_seqs == 2
+    with pytest.raises(InvalidParameterError, match="beam_width"):
+        llm.beam_search(prompts[:1], BeamSearchParams(beam_width=3, max_tokens=STEPS))
+    out = llm.beam_search(prompts[:2], BeamSearchParams(beam_width=2, max_tokens=STEPS))
+    assert all(len(o.sequences) == 2 for o in out)
+    _assert_pools_empty(llm)
+
+
+def test_invariants_hold_every_step_under_pressure(family: Any) -> None:
+    """Two snapshot slots for many due snapshots (the least recently used one of a block no
+    request holds is reused), 16 blocks for six requests (preemptions), a 24-token budget and
+    samples forked from one prompt: after every step the slots, snapshots and blocks account
+    for their pools, and the tokens are transformers'."""
+    _, path, _, prompts, want = family
+    llm = LLM(
+        str(path),
+        dtype="float32",
+        skip_tokenizer_init=True,
+        max_model_len=64,
+        block_size=4,
+        num_kv_blocks=16,
+        max_num_batched_tokens=24,
+        state_snapshot_interval=8,
+        num_state_snapshots=2,
+    )
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True)
+    got: dict[str, list[int]] = {}
+    for rnd in range(2):
+        for i, p in enumerate(prompts[:3]):
+            engine.add_request(p, params, request_id=f"{rnd}-{i}")
+        engine.add_group(f"{rnd}-n", [prompts[1]], SamplingParams(**{**vars_of(params), "n": 2}))
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    got[out.request_id] = [c.token_ids for c in out.outputs]
+            engine.scheduler.check_invariants()
+    assert engine.metrics()["num_preemptions"] > 0
+    assert engine.metrics()["prefix_cache_hits"] > 0
+    for rnd in range(2):
+        assert [got[f"{rnd}-{i}"] for i in range(3)] == [[w] for w in want[:3]]
+        assert [got[f"{rnd}-n-{i}"] for i in range(2)] == [[want[1]]] * 2
+    _assert_pools_empty(llm)
+
+
+def vars_of(params: SamplingParams) -> dict[str, Any]:
+    import dataclasses
+
+    return {f.name: getattr(params, f.name) for f in dataclasses.fields(params) if f.init}
