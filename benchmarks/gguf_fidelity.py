@@ -22,6 +22,10 @@ tokens, each position's logits over the whole vocabulary from:
 - foudre ``kept``: ``load_model`` on the file as ``LLM`` loads it (float32, the linears kept
   quantized), its forward over the whole sequence (``run_sequence``);
 - foudre ``kept bf16``: the same in bfloat16, ``LLM``'s default dtype for a quantized file;
+- ``kept, logits to bf16``: ``kept``'s float32 logits rounded to bfloat16, as a bfloat16 model's
+  output layer rounds them; ``kept bf16, f32 head``: ``kept bf16``'s last hidden states through
+  ``kept``'s output layer in float32. With ``kept bf16 vs kept``, they say where bfloat16's
+  distance from llama.cpp comes from;
 - foudre ``dequantized``: the file's weights dequantized exactly at load
   (``gguf_dequantize=True``), float32 products: exact arithmetic on the same weights.
 
@@ -130,11 +134,18 @@ def foudre_model(gguf: Path, dequantize: bool = False, dtype: str = "float32") -
 
 
 @torch.no_grad()
-def foudre_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
-    """Teacher-forced logits ``[T, vocab]`` of ``ids`` from position 0 (one forward)."""
+def foudre_logits(
+    model: torch.nn.Module, ids: list[int], head: torch.nn.Module | None = None
+) -> torch.Tensor:
+    """Teacher-forced logits ``[T, vocab]`` of ``ids`` from position 0 (one forward); with
+    ``head`` (the float32 model of the same file), ``model``'s last hidden states in float32
+    through ``head``'s output layer."""
     from foudre.quant.calib import run_sequence
 
-    return model.compute_logits(run_sequence(model, ids)).float()  # type: ignore[arg-type,operator]
+    hidden = run_sequence(model, ids)  # type: ignore[arg-type]
+    if head is not None:
+        return head.compute_logits(hidden.float()).float()  # type: ignore[operator]
+    return model.compute_logits(hidden).float()  # type: ignore[operator]
 
 
 class Agreement:
@@ -168,6 +179,8 @@ PAIRS = {
     "dequantized vs llama.cpp": ("llama.cpp", "dequantized"),
     "kept vs dequantized": ("dequantized", "kept"),
     "kept bf16 vs kept": ("kept", "kept bf16"),
+    "kept, logits to bf16 vs llama.cpp": ("llama.cpp", "kept, logits to bf16"),
+    "kept bf16, f32 head vs llama.cpp": ("llama.cpp", "kept bf16, f32 head"),
     "llama.cpp f32-attn vs llama.cpp": ("llama.cpp", "llama.cpp f32-attn"),
     "llama.cpp decode vs llama.cpp": ("llama.cpp", "llama.cpp decode"),
 }
@@ -191,12 +204,14 @@ def measure(
             opened.append(lc)
             if not f32:
                 sources["llama.cpp decode"] = partial(lc.logits, step=1)
-    if "kept" in needed:
+    if needed & {"kept", "kept, logits to bf16", "kept bf16, f32 head"}:
         kept = foudre_model(gguf)
         sources["kept"] = lambda ids: foudre_logits(kept, ids)
-    if "kept bf16" in needed:
+        sources["kept, logits to bf16"] = lambda ids: foudre_logits(kept, ids).bfloat16().float()
+    if needed & {"kept bf16", "kept bf16, f32 head"}:
         kept16 = foudre_model(gguf, dtype="bfloat16")
         sources["kept bf16"] = lambda ids: foudre_logits(kept16, ids)
+        sources["kept bf16, f32 head"] = lambda ids: foudre_logits(kept16, ids, head=kept)
     if "dequantized" in needed:
         deq = foudre_model(gguf, dequantize=True)
         sources["dequantized"] = lambda ids: foudre_logits(deq, ids)
@@ -271,7 +286,7 @@ def main() -> None:
     prompts = random_prompts(args.prompts, args.length, 32000)
     record: dict[str, Any] = {
         "date": date.today().isoformat(),
-        "machine": f"{machine()} ({platform.machine()}), torch {torch.__version__}",
+        "machine": f"{machine()} ({platform.machine()})",
         "command": "python benchmarks/gguf_fidelity.py " + " ".join(sys.argv[1:]),
         "model": "common.random_llama('tiny'): 4 layers, hidden 256, MLP 768, 4 heads (2 KV), "
         "vocabulary 32,000 (Llama 2 tokenizer), transformers' initialisation (std 0.02)",
