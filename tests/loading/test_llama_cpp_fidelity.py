@@ -54,15 +54,24 @@ def _absent() -> str | None:
         return f"llama.cpp's converter is absent ({LLAMA_CPP}/src: scripts/setup.sh fetches it)"
     if not (LLAMA_CPP / "build" / "bin" / "llama-quantize").is_file():
         return f"llama.cpp's llama-quantize is not built ({LLAMA_CPP}/build/bin)"
-    try:
-        common.llama_cpp_bindings(LLAMA_CPP)
-    except (FileNotFoundError, ImportError, OSError, RuntimeError) as e:
-        return f"llama.cpp's library or llama-cpp-python's bindings cannot load: {e}"
+    if not (LLAMA_CPP / "build" / "bin" / "libllama.so").is_file():
+        return f"llama.cpp's libllama.so is not built ({LLAMA_CPP}/build/bin)"
+    if not any((LLAMA_CPP / "download").glob("llama_cpp_python-*/llama_cpp")):
+        return f"llama-cpp-python's unpacked sdist (its bindings) is absent ({LLAMA_CPP}/download)"
     return None
 
 
 ABSENT = _absent()
 pytestmark = pytest.mark.skipif(ABSENT is not None, reason=str(ABSENT))
+
+
+@pytest.fixture(scope="module")
+def capi() -> Any:
+    """llama.cpp's C API (loaded on first use, not at collection)."""
+    try:
+        return common.llama_cpp_bindings(LLAMA_CPP)
+    except (ImportError, OSError, RuntimeError) as e:
+        pytest.skip(f"llama.cpp's library or llama-cpp-python's bindings cannot load: {e}")
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +90,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_kept_quantized_file_matches_llama_cpp(fmt: str, model: Path) -> None:
+def test_kept_quantized_file_matches_llama_cpp(fmt: str, model: Path, capi: Any) -> None:
     from foudre.quant.qlinear import QuantLinear, uses_native_kernels
 
     gguf = common.gguf_of(model, LLAMA_CPP, fmt, out_dir=model.parent)
@@ -93,7 +102,6 @@ def test_kept_quantized_file_matches_llama_cpp(fmt: str, model: Path) -> None:
         "kept bf16": ("llama.cpp", "kept bf16"),
         "self": ("llama.cpp", "llama.cpp decode"),
     }
-    capi = common.llama_cpp_bindings(LLAMA_CPP)
     r: dict[str, Any] = gguf_fidelity.measure(capi, gguf, PROMPTS, threads=1, pairs=pairs)
     got = r["pairs"]
     spread = got["self"]["kl_mean"]
