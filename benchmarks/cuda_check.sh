@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One pass over what needs a GPU, as run on the lent H200 (see benchmarks/results/cuda-*.md):
 # the test suite with the engine on CUDA (device "auto"), the Triton kernels against cuBLAS, and
-# the core throughput / batch-1 benchmark against Hugging Face on the same GPU.
+# the core throughput / batch-1 benchmark against Hugging Face on the same GPU; with SSM=1 the
+# recurrent decode kernels (tests/engine/test_ssm_kernels.py on CUDA, benchmarks/ssm_kernels.py).
 # Expects python3 with torch (CUDA) and transformers; results go to $OUT (default /tmp/foudre-cuda).
 set -u
 OUT=${OUT:-/tmp/foudre-cuda}
@@ -37,4 +38,12 @@ if [ -n "${KERNELS:-}" ]; then
     echo "== Triton weight-only kernels"
     timeout "${KERNEL_TIMEOUT:-70}" python3 benchmarks/quant_kernels_cuda.py \
         --out "$OUT/quant-kernels-cuda.md" 2>&1 | tail -n 25
+fi
+
+if [ -n "${SSM:-}" ]; then
+    echo "== recurrent decode kernels (Triton) against their torch references"
+    timeout "${SSM_TIMEOUT:-120}" python3 -m pytest -p no:cacheprovider -q -rfEs \
+        tests/engine/test_ssm_kernels.py -k triton 2>&1 | tail -n 5
+    timeout "${SSM_TIMEOUT:-120}" python3 benchmarks/ssm_kernels.py --device cuda \
+        --rows 1 32 256 2>&1 | tee "$OUT/ssm-kernels-cuda.md" | tail -n 12
 fi

@@ -266,6 +266,11 @@ class KVCacheManager:
             for rid, tables in self.req_tables.items()
         }
 
+    def has_state_slots(self, n: int) -> bool:
+        """Whether ``n`` requests that hold none can take a recurrent state slot each now
+        (always, for a model without recurrent layers)."""
+        return self.states is None or len(self.states.free_slots) >= n
+
     def num_held_blocks(self, request_id: str) -> int:
         """Blocks the request holds now, over its groups (what it costs the pool)."""
         null = self.null_block

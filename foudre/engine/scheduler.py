@@ -320,7 +320,7 @@ class Scheduler:
             need += self.kv.num_free_hits(hits, counted)
             plan.append((req, hits, num_cached, num_new))
             left -= num_new
-        if need > self.kv.num_free_blocks:
+        if need > self.kv.num_free_blocks or not self.kv.has_state_slots(len(plan)):
             return None
         for req, hits, num_cached, num_new in plan:
             ok = self.kv.allocate_slots(req, num_new, hits)

@@ -181,6 +181,8 @@ def state_plan(
             f"tensor_parallel_size / pipeline_parallel_size: {arch} has recurrent layers, "
             "which the parallel runners do not hold yet; run it on one device"
         )
+    if config.enable_prefix_caching and plan.num_snapshots == 0:
+        logger.info("prefix caching: no snapshots of the recurrent state, so no prefix hits")
     logger.info(
         "recurrent state: %d slots of %d bytes, %d prefix-cache snapshots (every %d blocks)",
         plan.num_slots,

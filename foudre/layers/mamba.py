@@ -42,6 +42,14 @@ from torch import nn
 
 from foudre.attention.cache_spec import RecurrentCache, RecurrentStateSpec
 from foudre.layers.linear import Linear
+from foudre.layers.ssm_ops import (
+    MambaDecodeParams,
+    causal_conv1d_update,
+    has_kernels,
+    mamba_decode,
+    selective_state_update,
+    ssd_scan,
+)
 
 # The scan's chunk: its work per token grows with the chunk (the quadratic form within it), its
 # Python loop with the number of chunks. The config's chunk_size tunes GPU kernels; the result
@@ -49,6 +57,7 @@ from foudre.layers.linear import Linear
 SCAN_CHUNK = 64
 # the most elements of the scan's [rows, chunks, chunk, chunk, heads] products at a time
 SCAN_ELEMENTS = 1 << 22
+GATE_NORMS = ("after_gate", "before_gate", "none")
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +75,10 @@ class Mamba2Shape:
     proj_bias: bool = False
     eps: float = 1e-5  # of the gated RMSNorm
     time_step_limit: tuple[float, float] = (0.0, float("inf"))
+    out_proj_bias: bool | None = None  # None: as proj_bias (Falcon-H1 sets its own)
+    # where the output's RMSNorm stands against its gate silu(z): "after_gate" norm(y * silu(z))
+    # (Mamba-2), "before_gate" norm(y) * silu(z), "none" y * silu(z) (Falcon-H1's options)
+    gate_norm: str = "after_gate"
 
     def __post_init__(self) -> None:
         for name in ("num_heads", "head_dim", "state_size", "n_groups", "conv_kernel"):
@@ -77,6 +90,10 @@ class Mamba2Shape:
             )
         if self.chunk_size <= 0:
             raise ValueError(f"Mamba-2 chunk_size must be positive, got {self.chunk_size}")
+        if self.gate_norm not in GATE_NORMS:
+            raise ValueError(
+                f"Mamba-2 gate_norm must be one of {GATE_NORMS}, got {self.gate_norm!r}"
+            )
 
     @property
     def intermediate_size(self) -> int:
@@ -159,6 +176,18 @@ class RecurrentBatch:
     def is_decode(self) -> bool:
         return self.max_len == 1
 
+    def scan_layout(self) -> tuple[list[int], list[tuple[int, int, int]]]:
+        """The rows of more than one token as the scan kernels take them (their tokens
+        ``scan_tokens``, in order): their ``cu_seqlens`` from 0, and the snapshots that fall
+        in them, each ``(row among them, offset, slot)``."""
+        cu, index = [0], {}
+        for r, n in enumerate(self.lengths):
+            if n > 1:
+                index[r] = len(cu) - 1
+                cu.append(cu[-1] + n)
+        snaps = [(index[r], o, slot) for r, o, slot in self.snapshots if r in index]
+        return cu, snaps
+
     @classmethod
     def of_lengths(
         cls,
@@ -212,20 +241,23 @@ class RecurrentStates:
 
 
 class GatedRMSNorm(nn.Module):
-    """``weight * norm(y * silu(z))``, the RMS taken over each of ``groups`` equal slices of the
-    last dimension, in float32."""
+    """``weight * norm(y * silu(z))`` (``before_gate``: ``weight * norm(y) * silu(z)``), the RMS
+    taken over each of ``groups`` equal slices of the last dimension, in float32."""
 
-    def __init__(self, size: int, groups: int, eps: float) -> None:
+    def __init__(self, size: int, groups: int, eps: float, before_gate: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.groups = groups
         self.eps = eps
+        self.before_gate = before_gate
 
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         dtype = y.dtype
-        h = y.float() * F.silu(z.float())
+        h = y.float() if self.before_gate else y.float() * F.silu(z.float())
         g = h.view(*h.shape[:-1], self.groups, -1)
         g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.before_gate:
+            return (self.weight * g.view(h.shape) * F.silu(z.float())).to(dtype)
         return self.weight * g.view(h.shape).to(dtype)
 
 
@@ -244,8 +276,48 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.zeros(s.num_heads))
         self.A_log = nn.Parameter(torch.zeros(s.num_heads))
         self.D = nn.Parameter(torch.ones(s.num_heads))
-        self.norm = GatedRMSNorm(s.intermediate_size, s.n_groups, s.eps)
-        self.out_proj = Linear(s.intermediate_size, s.hidden_size, bias=s.proj_bias)
+        self.norm: GatedRMSNorm | None = None  # (gate_norm "none": the gate alone)
+        if s.gate_norm != "none":
+            before = s.gate_norm == "before_gate"
+            self.norm = GatedRMSNorm(s.intermediate_size, s.n_groups, s.eps, before)
+        out_bias = s.proj_bias if s.out_proj_bias is None else s.out_proj_bias
+        self.out_proj = Linear(s.intermediate_size, s.hidden_size, bias=out_bias)
+        self._decode: tuple[tuple[tuple[int, int], ...], MambaDecodeParams] | None = None
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """in_proj's ``z | xBC | dt`` of ``x`` (a family may scale them: Falcon-H1)."""
+        return self.in_proj(x)
+
+    def _decode_params(self) -> MambaDecodeParams:
+        """The small parameters as ``ssm_ops.mamba_decode`` reads them, kept while the
+        parameters stay where and as they are."""
+        s = self.shape
+        small = [self.conv1d.weight, self.conv1d.bias, self.dt_bias, self.A_log, self.D]
+        small.append(None if self.norm is None else self.norm.weight)
+        key = tuple((p.data_ptr(), p._version) for p in small if p is not None)
+        if self._decode is not None and self._decode[0] == key:
+            return self._decode[1]
+        modes = {"after_gate": 0, "before_gate": 1, "none": 2}
+        bias = self.conv1d.bias
+        params = MambaDecodeParams(
+            s.num_heads,
+            s.head_dim,
+            s.state_size,
+            s.n_groups,
+            self.conv1d.weight[:, 0, :].float().t().contiguous(),
+            None if bias is None else bias.float().contiguous(),
+            self.dt_bias.float().contiguous(),
+            -torch.exp(self.A_log.float()),
+            self.D.float().contiguous(),
+            s.time_step_limit[0],
+            s.time_step_limit[1],
+            None if self.norm is None else self.norm.weight.float().contiguous(),
+            s.n_groups,
+            s.eps,
+            modes[s.gate_norm],
+        )
+        self._decode = (key, params)
+        return params
 
     def forward(
         self, x: torch.Tensor, cache: RecurrentCache, batch: RecurrentBatch
@@ -256,7 +328,12 @@ class Mamba2Mixer(nn.Module):
         the snapshot slots the batch names)."""
         s = self.shape
         t = x.shape[0]
-        z, xbc, dt = self.in_proj(x).split([s.intermediate_size, s.conv_dim, s.num_heads], -1)
+        proj = self.project(x)
+        if batch.is_decode and not batch.snapshots:  # one C++ call between the projections
+            y = mamba_decode(cache.conv, cache.ssm, batch.slots, proj, self._decode_params())
+            if y is not None:
+                return self.out_proj(y)
+        z, xbc, dt = proj.split([s.intermediate_size, s.conv_dim, s.num_heads], -1)
         xbc = F.silu(self._conv(xbc, cache.conv, batch))
         bc = s.n_groups * s.state_size
         xs, b, c = xbc.split([s.intermediate_size, bc, bc], -1)
@@ -278,45 +355,60 @@ class Mamba2Mixer(nn.Module):
             i = batch.scan_tokens
             y[i] = _ssd_rows(xs[i], dt[i], a, b[i], c[i], ssm, batch, s.chunk_size)
         if batch.snapshots:
-            _snapshot_one_token_rows(ssm, batch)
+            snapshot_one_token_rows(ssm, batch)
         y = y + xs * self.D.float()[:, None]
-        y = self.norm(y.reshape(t, s.intermediate_size).to(x.dtype), z)
+        y = y.reshape(t, s.intermediate_size).to(x.dtype)
+        y = y * F.silu(z) if self.norm is None else self.norm(y, z)
         return self.out_proj(y)
 
     def _conv(
         self, xbc: torch.Tensor, conv_state: torch.Tensor, batch: RecurrentBatch
     ) -> torch.Tensor:
-        """The causal depthwise convolution of each row, its window starting with the row's
-        conv state; the state becomes the row's last ``d_conv - 1`` inputs (a snapshot's, the
-        ``d_conv - 1`` inputs up to its token)."""
-        k = self.shape.conv_kernel
-        w = k - 1
-        rows = len(batch.lengths)
-        # ext: per row, its conv state then its tokens, rows one after the other; base[r] is
-        # where row r's state starts in it
-        cu = torch.tensor(batch.cu_seqlens, device=xbc.device)
-        base = cu[:-1] - cu[0] + torch.arange(rows, device=xbc.device) * w
-        ext = xbc.new_empty(xbc.shape[0] + rows * w, xbc.shape[1])
-        state_idx = (base[:, None] + torch.arange(w, device=xbc.device)).reshape(-1)
-        ext[state_idx] = conv_state[batch.slots].reshape(rows * w, xbc.shape[1]).to(xbc.dtype)
-        token_start = base[batch.token_row] + batch.token_pos  # its window's first ext row
-        ext[token_start + w] = xbc
-        window = ext[token_start[:, None] + torch.arange(k, device=xbc.device)]  # [T, K, C]
-        weight = self.conv1d.weight[:, 0, :].t()  # [K, C]
-        out = (window * weight).sum(1)
-        if self.conv1d.bias is not None:
-            out = out + self.conv1d.bias
-        lengths = cu[1:] - cu[:-1]
-        tail = ext[(base + lengths)[:, None] + torch.arange(w, device=xbc.device)]  # [R, w, C]
-        conv_state[batch.slots] = tail.to(conv_state.dtype)
-        if batch.snapshots:  # the w inputs that end with the snapshot's token
-            ends = base[batch.snap_row] + batch.snap_pos + 1
-            snap = ext[ends[:, None] + torch.arange(w, device=xbc.device)]
-            conv_state[batch.snap_slots] = snap.to(conv_state.dtype)
+        return causal_conv(xbc, self.conv1d.weight[:, 0, :], self.conv1d.bias, conv_state, batch)
+
+
+def causal_conv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_state: torch.Tensor,
+    batch: RecurrentBatch,
+) -> torch.Tensor:
+    """The causal depthwise convolution (``weight [C, K]``) of each row's tokens ``x [T, C]``,
+    its window starting with the row's conv state ``conv_state[slot] [K - 1, C]``; the state
+    becomes the row's last ``K - 1`` inputs (a snapshot slot's, the ``K - 1`` inputs up to its
+    token). Mamba-2's and gated DeltaNet's."""
+    if batch.is_decode:  # one token a row: the window updated in place in each slot
+        out = causal_conv1d_update(conv_state, x, weight, bias, batch.slots)
+        if batch.snapshots:  # (at offset 0: the window after the row's token)
+            conv_state[batch.snap_slots] = conv_state[batch.slots[batch.snap_row]]
         return out
+    kernel = weight.shape[1]
+    w = kernel - 1
+    device = x.device
+    rows = len(batch.lengths)
+    taps = torch.arange(kernel, device=device)
+    # per row: its state's w inputs then its tokens, the rows one after the other
+    cu = torch.tensor(batch.cu_seqlens, device=device)
+    first = cu[:-1] - cu[0] + torch.arange(rows, device=device) * w  # each row's first input
+    inputs = x.new_empty(x.shape[0] + rows * w, x.shape[1])
+    state_at = (first[:, None] + taps[:w]).reshape(-1)
+    inputs[state_at] = conv_state[batch.slots].reshape(rows * w, -1).to(x.dtype)
+    window_start = first[batch.token_row] + batch.token_pos
+    inputs[window_start + w] = x
+    windows = inputs[window_start[:, None] + taps]  # [T, K, C]
+    out = (windows * weight.t()).sum(1)
+    if bias is not None:
+        out = out + bias
+    lengths = cu[1:] - cu[:-1]
+    conv_state[batch.slots] = inputs[(first + lengths)[:, None] + taps[:w]].to(conv_state.dtype)
+    if batch.snapshots:  # the w inputs that end with the snapshot's token
+        ends = first[batch.snap_row] + batch.snap_pos + 1
+        conv_state[batch.snap_slots] = inputs[ends[:, None] + taps[:w]].to(conv_state.dtype)
+    return out
 
 
-def _snapshot_one_token_rows(ssm_state: torch.Tensor, batch: RecurrentBatch) -> None:
+def snapshot_one_token_rows(ssm_state: torch.Tensor, batch: RecurrentBatch) -> None:
     """The snapshots of one-token rows: the row's state after the step (the scan's rows
     leave theirs in ``_ssd_rows``)."""
     one = batch.scan_index[batch.snap_row] < 0
@@ -333,15 +425,9 @@ def _ssd_step(
     ssm_state: torch.Tensor,
     slots: torch.Tensor,
 ) -> torch.Tensor:
-    """One token per row: ``h = exp(dt A) h + dt x B^T``, ``y = h C`` (without D)."""
-    heads = x.shape[1]
-    per_group = heads // b.shape[1]
-    b = b.repeat_interleave(per_group, 1)  # [R, H, N]
-    c = c.repeat_interleave(per_group, 1)
-    h = ssm_state[slots].float()  # [R, H, P, N]
-    h = h * torch.exp(dt * a)[:, :, None, None] + (dt[:, :, None] * x)[..., None] * b[:, :, None, :]
-    ssm_state[slots] = h.to(ssm_state.dtype)
-    return torch.einsum("rhpn,rhn->rhp", h, c)
+    """One token per row: ``h = exp(dt A) h + dt x B^T``, ``y = h C`` (without D), each row's
+    state updated in place in its slot (``ssm_ops``: the C++ or Triton kernel where it runs)."""
+    return selective_state_update(ssm_state, x, dt, a, b, c, slots)
 
 
 def _ssd_rows(
@@ -369,6 +455,9 @@ def _ssd_rows(
         return out.view(rows, padded_len, *v.shape[1:])
 
     slots = batch.scan_slots
+    if has_kernels(ssm_state):  # token by token, each head's state held in cache
+        cu, snapshots = batch.scan_layout()
+        return ssd_scan(ssm_state, x, dt, a, b, c, cu, slots, snapshots=snapshots)
     snap = batch.scan_index[batch.snap_row] if batch.snapshots else batch.snap_row
     mid = snap >= 0
     at = (snap[mid], batch.snap_pos[mid]) if bool(mid.any()) else None

@@ -48,6 +48,44 @@ left interleaved as in the checkpoint (``rope_interleave``); routing by sigmoid 
 selection bias ``exp_probs_b``, ``expert_group_count`` / ``expert_group_used_count`` groups,
 ``expert_weights_scale`` and the ``leading_dense_block_count`` dense layers (the routers say
 which); YaRN's ``yarn_log_multiplier`` as ``0.1 * mscale_all_dim``.
+
+State-space models: Mamba-2 (``mamba2``) and the hybrids llama.cpp's converter writes as
+``granitehybrid`` (Granite 4.0's ``GraniteMoeHybridForCausalLM`` and ``BambaForCausalLM``, both
+read as foudre's Granite 4.0 hybrid, whose multipliers default to none). The mixer's sizes come
+from ``ssm.*``: ``time_step_rank`` is the number of heads (as llama.cpp uses it),
+``inner_size`` their total width, ``group_count``, ``state_size``, ``conv_kernel``; the conv
+and projection biases are there when the tensors are. A granitehybrid layer is a Mamba layer
+where ``attention.head_count_kv`` (one count per layer) is 0. Its attention turns RoPE only
+when ``rope.scaling.finetuned`` (llama.cpp's switch, which the converter sets for Bamba and not
+for Granite 4.0), over ``rope.dimension_count`` of each head; q/k rows un-permuted as for
+``llama``; Granite's ``embedding_scale``, ``residual_scale``, ``attention.scale`` and
+``logit_scale``; a dense MLP (the shared one alone) or experts with a shared MLP. The
+converter's layouts are undone (``_ssm_weight``): ``A = -exp(A_log)`` back to ``A_log``, ``A``
+and ``D`` from ``[heads, 1]``, conv1d's filters from ``[channels, d_conv]``, the gated norm's
+weight from ``[groups, inner / groups]``; every Mamba layer's tensors must have the shapes the
+keys give (``_check_ssm_tensors`` names the first that does not).
+
+Falcon-H1 (``falcon-h1``): attention and the same mixer in every layer, read with the mixer's
+``ssm.*`` keys and Llama's attention keys (RoPE over whole heads, q/k rows not permuted). The
+converter folds every muP multiplier into the weights (the embedding's into ``token_embd``,
+which a tied head then carries too; the keys' into ``attn_k``; the per-section ``ssm_multipliers``
+into ``ssm_in``'s rows), so the file's model has none; the mixer's output norm is there when
+``ssm_norm`` is, after the gate (llama.cpp's graph; the file does not keep
+``mamba_norm_before_gate``); its MLP norm is ``ffn_norm`` without ``.weight``.
+
+Qwen3-Next (``qwen3next``): the gated DeltaNet's key heads from ``ssm.group_count``, value heads
+from ``time_step_rank``, key width ``state_size``, value width ``inner_size / time_step_rank``,
+its layers from ``attention.recurrent_layers`` (else ``full_attention_interval``); RoPE over
+``rope.dimension_count`` of each head; experts with the gated shared expert
+(``ffn_gate_inp_shexp``), the top-k renormalised (llama.cpp's graph). The converter's layouts
+are undone: ``in_proj_qkvz`` joined back from ``attn_qkv`` (all q, all k, all v rows) and
+``attn_gate`` (z) into transformers' per-key-head groups (``_qkvz``), ``A = -exp(A_log)``, the
+squeezed conv1d, and the zero-centred norms stored as ``1 + w`` (all but the DeltaNet's gated
+norm); the query and gate rows of ``attn_q`` stay as the checkpoint's. The
+``nextn_predict_layers`` multi-token-prediction blocks the converter appends are not read.
+Every DeltaNet layer's tensors must have the shapes the keys give (``_check_deltanet_tensors``).
+Other recurrent architectures (``UNSUPPORTED_RECURRENT``: Mamba 1, Jamba, Nemotron-H, RWKV,
+Qwen3.5...) are refused naming the architecture.
 """
 
 from __future__ import annotations
@@ -95,11 +133,15 @@ ARCHITECTURES = {
     "gemma3": "gemma3",
     "gpt-oss": "gpt_oss",
     "deepseek2": "deepseek_v3",
+    "mamba2": "mamba2",
+    "granitehybrid": "granitemoehybrid",
+    "falcon-h1": "falcon_h1",
+    "qwen3next": "qwen3_next",
 }
 # llama.cpp's graphs: whether each architecture renormalises its top-k expert weights
 _NORM_TOPK = {
     "llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False, "gpt-oss": True,
-    "deepseek2": False,
+    "deepseek2": False, "granitehybrid": True, "qwen3next": True,
 }  # fmt: skip
 _GATING_SOFTMAX, _GATING_SIGMOID = 1, 2  # llama_expert_gating_func_type (3: softmax of weights)
 
@@ -179,6 +221,58 @@ _DEEPSEEK2_BLOCK_NAMES = {
     "attn_v_b.weight": "self_attn.kv_b_proj.weight",
     "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
 }
+# State-space models (mamba2, granitehybrid): a Mamba-2 mixer's tensors as foudre's
+# ``Mamba2Mixer`` names its parameters, under the layer's ``mixer`` (mamba2) or ``mamba``
+# (granitehybrid); the converter's layouts are undone in ``_ssm_weight``
+_SSM_NAMES = {
+    "ssm_in.weight": "in_proj.weight",
+    "ssm_in.bias": "in_proj.bias",
+    "ssm_conv1d.weight": "conv1d.weight",
+    "ssm_conv1d.bias": "conv1d.bias",
+    "ssm_dt.bias": "dt_bias",
+    "ssm_a": "A_log",
+    "ssm_d": "D",
+    "ssm_norm.weight": "norm.weight",
+    "ssm_out.weight": "out_proj.weight",
+    "ssm_out.bias": "out_proj.bias",
+}
+_SSM_MIXER = {"mamba2": "mixer", "granitehybrid": "mamba", "falcon-h1": "mamba"}
+# Falcon-H1's, where they differ from the Llama family's (the converter names the MLP's norm
+# ``ffn_norm`` without ``.weight``)
+_FALCON_H1_BLOCK_NAMES = {
+    "ffn_norm": "pre_ff_layernorm.weight",
+    "ffn_norm.weight": "pre_ff_layernorm.weight",
+    "ffn_gate.weight": "feed_forward.gate_proj.weight",
+    "ffn_up.weight": "feed_forward.up_proj.weight",
+    "ffn_down.weight": "feed_forward.down_proj.weight",
+}
+# Qwen3-Next's gated DeltaNet (transformers' names under ``linear_attn``: in_proj_qkvz is joined
+# back from the converter's attn_qkv and attn_gate, _qkvz) and its post-attention norm
+_QWEN3NEXT_BLOCK_NAMES = {
+    "attn_qkv.weight": "linear_attn.in_proj_qkvz.weight",
+    "attn_gate.weight": "linear_attn.in_proj_qkvz.weight",
+    "ssm_ba.weight": "linear_attn.in_proj_ba.weight",
+    "ssm_conv1d.weight": "linear_attn.conv1d.weight",
+    "ssm_dt.bias": "linear_attn.dt_bias",
+    "ssm_a": "linear_attn.A_log",
+    "ssm_norm.weight": "linear_attn.norm.weight",
+    "ssm_out.weight": "linear_attn.out_proj.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+}
+# the architectures whose recurrent tensors the converter re-laid (undone in _ssm_weight)
+_SSM_LAYOUTS = (*_SSM_MIXER, "qwen3next")
+# (1 + weight) RMSNorms the converter stores as 1 + weight (Gemma 3: every norm; Qwen3-Next: all
+# but the DeltaNet's gated norm)
+_OFFSET_NORMS = {
+    "qwen3next": ("attn_norm.weight", "post_attention_norm.weight", "attn_q_norm.weight",
+                  "attn_k_norm.weight", "output_norm.weight"),
+}  # fmt: skip
+# GGUF architectures with recurrent layers (state-space, RWKV, linear attention) that foudre
+# does not read: refused naming the architecture, whatever their tensors
+UNSUPPORTED_RECURRENT = (
+    "mamba", "jamba", "nemotron_h", "nemotron_h_moe", "plamo2", "lfm2", "lfm2moe", "rwkv6",
+    "rwkv6qwen2", "rwkv7", "arwkv7", "qwen35", "qwen35moe", "kimi-linear",
+)  # fmt: skip
 # (architecture, leaf) of a tensor the converter wrote as two -> (the other's leaf, this part)
 _PAIRS = {
     ("gpt-oss", "ffn_gate_exps.weight"): ("ffn_up_exps.weight", 0),
@@ -187,6 +281,8 @@ _PAIRS = {
     ("gpt-oss", "ffn_up_exps.bias"): ("ffn_gate_exps.bias", 1),
     ("deepseek2", "attn_k_b.weight"): ("attn_v_b.weight", 0),
     ("deepseek2", "attn_v_b.weight"): ("attn_k_b.weight", 1),
+    ("qwen3next", "attn_qkv.weight"): ("attn_gate.weight", 0),
+    ("qwen3next", "attn_gate.weight"): ("attn_qkv.weight", 1),
 }
 # stacked experts [experts, rows, cols], and the older files' one tensor per expert
 _EXPERT_NAMES = {"ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}
@@ -197,6 +293,8 @@ _ROPE_FREQS = "rope_freqs.weight"  # Llama 3 RoPE scaling, stored as per-frequen
 # Phi-3's LongRoPE factors (llama.cpp's converter writes rope_scaling's lists as tensors)
 _ROPE_LONG, _ROPE_SHORT = "rope_factors_long.weight", "rope_factors_short.weight"
 _ROPE_TENSORS = (_ROPE_FREQS, _ROPE_LONG, _ROPE_SHORT)  # read into rope_scaling, not weights
+# foudre architectures whose q/k rows llama.cpp's converter permuted for its RoPE (undone on load)
+_PERMUTED_QK = ("llama", "mixtral", "granitemoehybrid")
 
 # tokenizer.ggml.token_type values; sentencepiece's ModelProto.SentencePiece.Type uses the same.
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
@@ -481,7 +579,15 @@ def _hf_name(name: str, arch: str | None = None) -> str | None:
         return f"model.layers.{layer}.mlp.gate_up_proj.weight"
     if arch == "gemma3" and leaf in _GEMMA3_BLOCK_NAMES:
         return f"model.layers.{layer}.{_GEMMA3_BLOCK_NAMES[leaf]}"
-    family = {"gpt-oss": {**_GPT_OSS_BLOCK_NAMES, **_GPT_OSS_EXPERTS}}.get(arch or "")
+    if arch in _SSM_MIXER and leaf in _SSM_NAMES:
+        return f"model.layers.{layer}.{_SSM_MIXER[arch]}.{_SSM_NAMES[leaf]}"
+    if arch == "mamba2":  # a norm and a mixer a layer, nothing else
+        return f"model.layers.{layer}.norm.weight" if leaf == "attn_norm.weight" else None
+    family = {
+        "gpt-oss": {**_GPT_OSS_BLOCK_NAMES, **_GPT_OSS_EXPERTS},
+        "falcon-h1": _FALCON_H1_BLOCK_NAMES,
+        "qwen3next": _QWEN3NEXT_BLOCK_NAMES,
+    }.get(arch or "")
     family = _DEEPSEEK2_BLOCK_NAMES if arch == "deepseek2" else family
     if family is not None and leaf in family:
         return f"model.layers.{layer}.{family[leaf]}"
@@ -529,6 +635,40 @@ def _joined(hf: str, first: Any, second: Any) -> Iterator[tuple[str, torch.Tenso
     yield hf, joined.transpose(1, 2) if joined.dim() == 3 else joined
 
 
+def _ssm_weight(f: GGUFFile, tensor: GGUFTensor, leaf: str, w: torch.Tensor) -> torch.Tensor:
+    """A Mamba-2 mixer's tensor back in ``Mamba2Mixer``'s layout: the converter squeezed
+    conv1d's ``[channels, 1, d_conv]`` to ``[channels, d_conv]``, stored ``A_log`` as ``A =
+    -exp(A_log)`` and ``A``, ``D`` as ``[heads, 1]``, and the gated norm's weight as
+    ``[groups, inner / groups]``. An ``A`` that is not negative (no ``A_log`` gives it) is
+    refused, naming the tensor."""
+    if leaf == "ssm_conv1d.weight":
+        return w.unsqueeze(1)
+    if leaf == "ssm_a":
+        a = w.float().reshape(-1)
+        if not bool((a < 0).all()):
+            raise ModelLoadError(
+                f"{f.path}: tensor {tensor.name!r} holds A = -exp(A_log), which must be "
+                "negative; it is not",
+                f.path,
+            )
+        return torch.log(-a)
+    if leaf in ("ssm_d", "ssm_norm.weight"):
+        return w.reshape(-1)
+    return w
+
+
+def _qkvz(config: ModelConfig, qkv: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """Qwen3-Next's ``in_proj_qkvz`` (per key head: its q, k, then its value heads' v and z
+    rows) from the converter's ``attn_qkv`` (all q rows, all k rows, all v rows) and
+    ``attn_gate`` (all z rows), the inverse of its re-ordering."""
+    heads, dk = config.linear_num_key_heads, config.linear_key_head_dim
+    rv = config.linear_num_value_heads // heads * config.linear_value_head_dim
+    q, k, v = qkv.split([heads * dk, heads * dk, heads * rv])
+    parts = [q.reshape(heads, dk, -1), k.reshape(heads, dk, -1), v.reshape(heads, rv, -1)]
+    joined = torch.cat([*parts, z.reshape(heads, rv, -1)], dim=1)
+    return joined.reshape(-1, qkv.shape[-1])
+
+
 def _unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Undo llama.cpp's ``permute`` of q/k rows (pairs (2i, 2i+1) back to halves (i, i+d/2)).
 
@@ -558,10 +698,14 @@ def iter_gguf_weights(
     ``rope_freqs.weight`` is not yielded (``load_gguf`` turned it into ``rope_scaling``).
     """
     arch = str(f.metadata.get("general.architecture"))
+    mtp = _first_mtp_block(f, arch)
     halves: dict[str, dict[int, Any]] = {}  # a pair's first part read, by its joined name
     for tensor in f.tensors.values():
+        block = _BLOCK.match(tensor.name)
         if tensor.name in _ROPE_TENSORS or tensor.name in skip:
             continue
+        if block is not None and int(block.group(1)) >= mtp:
+            continue  # a multi-token-prediction block (nextn_predict_layers): not run here
         hf = _hf_name(tensor.name, arch)
         if hf is None:
             raise ModelLoadError(
@@ -569,12 +713,11 @@ def iter_gguf_weights(
                 f"{config.architecture} model",
                 f.path,
             )
-        if arch == "gemma3" and hf.endswith("norm.weight"):  # stored as 1 + weight
-            w = (dequantize_tensor(f, tensor).float() - 1.0).to(dtype or torch.float32)
-            yield hf, w
-            continue
-        block = _BLOCK.match(tensor.name)
         leaf = tensor.name if block is None else block.group(2)
+        if (arch == "gemma3" and hf.endswith("norm.weight")) or leaf in _OFFSET_NORMS.get(arch, ()):
+            w = (dequantize_tensor(f, tensor).float() - 1.0).to(dtype or torch.float32)
+            yield hf, w  # stored as 1 + weight
+            continue
         if config.mxfp4_experts and hf.endswith(("experts.gate_up_proj", "experts.down_proj")):
             part: Any = _mxfp4(f, tensor)
         else:
@@ -584,7 +727,10 @@ def iter_gguf_weights(
             parts[_PAIRS[arch, leaf][1]] = part
             if 0 in parts and 1 in parts:
                 del halves[hf]
-                yield from _joined(hf, parts[0], parts[1])
+                if arch == "qwen3next":
+                    yield hf, _qkvz(config, parts[0], parts[1])
+                else:
+                    yield from _joined(hf, parts[0], parts[1])
             else:
                 parts[2] = (tensor.name, _PAIRS[arch, leaf][0])
             continue
@@ -593,6 +739,8 @@ def iter_gguf_weights(
             yield f"{hf}_scales", part[1]
             continue
         w = part
+        if arch in _SSM_LAYOUTS and leaf in _SSM_NAMES:
+            w = _ssm_weight(f, tensor, leaf, w)
         if arch == "gpt-oss" and hf.endswith("experts.down_proj"):
             w = w.transpose(1, 2)  # transformers' [E, I, hidden]
         if "{}" in hf:  # stacked experts: one tensor per expert, as Hugging Face names them
@@ -601,7 +749,7 @@ def iter_gguf_weights(
             continue
         if hf.endswith("shared_expert_gate.weight") and w.dim() == 1:
             w = w[None]  # llama.cpp stores this [1, hidden] matrix as a vector
-        if config.architecture in ("llama", "mixtral"):
+        if config.architecture in _PERMUTED_QK:
             if hf.endswith(("q_proj.weight", "q_proj.bias")):
                 w = _unpermute_rope(w, config.num_attention_heads)
             elif hf.endswith(("k_proj.weight", "k_proj.bias")):
@@ -774,19 +922,40 @@ def _default_dtype(f: GGUFFile) -> str:
     return "bfloat16"
 
 
+def _first_mtp_block(f: GGUFFile, arch: str) -> int:
+    """The first of the multi-token-prediction blocks the converter appends to a qwen3next
+    file's (``nextn_predict_layers`` of its ``block_count``), which foudre does not run; past
+    the last block where there are none."""
+    blocks = f.metadata.get(f"{arch}.block_count")
+    if arch != "qwen3next" or not isinstance(blocks, int):
+        return 1 << 62
+    return blocks - _meta_int(f, f"{arch}.nextn_predict_layers", 0)
+
+
 def _check_tensors(f: GGUFFile) -> tuple[str, GGUFTensor]:
     """``(architecture, token embedding)`` of ``f``, once its architecture is one foudre has
     and each of its tensors has a type foudre dequantizes and a place in the model."""
     path = f.path
     arch = f.metadata.get("general.architecture")
+    if arch in UNSUPPORTED_RECURRENT:
+        raise ModelLoadError(
+            f"{path}: GGUF architecture {arch!r} (recurrent layers) is not supported; the "
+            "recurrent architectures foudre reads from GGUF are mamba2, granitehybrid, "
+            "falcon-h1 and qwen3next",
+            path,
+        )
     if arch not in ARCHITECTURES:
         raise ModelLoadError(
             f"{path}: unsupported GGUF architecture {arch!r}; "
             f"supported: {', '.join(ARCHITECTURES)}",
             path,
         )
+    mtp = _first_mtp_block(f, arch)
     for tensor in f.tensors.values():
         _check_type(f, tensor)
+        block = _BLOCK.match(tensor.name)
+        if block is not None and int(block.group(1)) >= mtp:
+            continue
         if tensor.name not in _ROPE_TENSORS and _hf_name(tensor.name, arch) is None:
             raise ModelLoadError(
                 f"{path}: tensor {tensor.name!r} has no counterpart in foudre's {arch} model",
@@ -812,7 +981,7 @@ def _attention_heads(f: GGUFFile, arch: str, hidden: int) -> tuple[int, int, int
     head_dim = _meta_int(f, f"{arch}.attention.key_length", hidden // heads)
     value_dim = _meta_int(f, f"{arch}.attention.value_length", head_dim)
     rope_dim = _meta_int(f, f"{arch}.rope.dimension_count", head_dim)
-    partial = arch == "phi3" and 0 < rope_dim < head_dim
+    partial = arch in ("phi3", "qwen3next") and 0 < rope_dim < head_dim
     if value_dim != head_dim or (rope_dim != head_dim and not partial):
         raise ModelLoadError(
             f"{path}: key_length={head_dim}, value_length={value_dim} and "
@@ -871,10 +1040,12 @@ def gguf_config(f: GGUFFile) -> ModelConfig:
     """
     path = f.path
     arch, embed = _check_tensors(f)
+    if arch in _SSM_MIXER:
+        return _ssm_config(f, arch, embed)
     hidden = _meta_int(f, f"{arch}.embedding_length")
     heads, kv_heads, head_dim, rope_dim = _attention_heads(f, arch, hidden)
     theta = _meta_float(f, f"{arch}.rope.freq_base", 10000.0)
-    n_layers = _meta_int(f, f"{arch}.block_count")
+    n_layers = min(_meta_int(f, f"{arch}.block_count"), _first_mtp_block(f, arch))
     moe = _gguf_moe(f, arch, n_layers)
     arch_name = _architecture_name(f, arch, moe)
     clip = f.metadata.get(f"{arch}.attention.clamp_kqv")
@@ -883,6 +1054,7 @@ def gguf_config(f: GGUFFile) -> ModelConfig:
     bos = f.metadata.get("tokenizer.ggml.bos_token_id")
     gemma3 = _gguf_gemma3(f, arch, n_layers, hidden // heads, head_dim)
     gemma3 |= _gguf_mla(f, arch) | _gguf_gpt_oss(f, arch, n_layers)
+    gemma3 |= _qwen3next_fields(f, arch, hidden, n_layers)
     window = gemma3.pop("sliding_window", None) or _window(f, arch)  # (gemma3's, gpt-oss's...)
     try:
         return ModelConfig(
@@ -1102,6 +1274,313 @@ def _gguf_routing(f: GGUFFile, arch: str) -> dict[str, Any]:
                 f"{path}: unsupported mixture-of-experts layout {arch}.{key}={value!r}", path
             )
     return fields
+
+
+# ----------------------------------------------------------------------------- state space
+
+
+def _ssm_config(f: GGUFFile, arch: str, embed: GGUFTensor) -> ModelConfig:
+    """The ``ModelConfig`` of a ``mamba2`` or ``granitehybrid`` file (the module's docstring),
+    once every Mamba layer's tensors agree with the ``ssm.*`` keys (``_check_ssm_tensors``)."""
+    path = f.path
+    hidden = _meta_int(f, f"{arch}.embedding_length")
+    n_layers = _meta_int(f, f"{arch}.block_count")
+    vocab = embed.shape[0]
+    bos = f.metadata.get("tokenizer.ggml.bos_token_id")
+    if arch == "mamba2":  # attention fields are placeholders, as for a config.json
+        fields: dict[str, Any] = dict(
+            intermediate_size=0, num_attention_heads=1, num_key_value_heads=1, head_dim=2
+        )
+        mamba_layers = tuple(range(n_layers))
+    elif arch == "falcon-h1":
+        fields, mamba_layers = _falcon_h1_fields(f, arch, hidden), tuple(range(n_layers))
+    else:
+        fields, mamba_layers = _granitehybrid_fields(f, arch, hidden, n_layers)
+    ssm = _ssm_fields(f, arch, mamba_layers)
+    _check_ssm_tensors(f, arch, {**ssm, **fields}, hidden, n_layers)
+    try:
+        return ModelConfig(
+            architecture=ARCHITECTURES[arch],
+            vocab_size=vocab,
+            hidden_size=hidden,
+            num_hidden_layers=n_layers,
+            max_position_embeddings=_meta_int(f, f"{arch}.context_length", 2048),
+            rms_norm_eps=_meta_float(f, f"{arch}.attention.layer_norm_rms_epsilon"),
+            tie_word_embeddings="output.weight" not in f.tensors,
+            torch_dtype=_default_dtype(f),
+            bos_token_id=bos if isinstance(bos, int) and 0 <= bos < vocab else None,
+            eos_token_ids=_eos_ids(f, vocab),
+            **fields,
+            **ssm,
+        )
+    except ValueError as exc:
+        raise ModelLoadError(f"{path}: {exc}", path) from exc
+
+
+def _ssm_fields(f: GGUFFile, arch: str, mamba_layers: tuple[int, ...]) -> dict[str, Any]:
+    """The ``mamba_*`` fields from the ``ssm.*`` keys: ``time_step_rank`` is the number of
+    heads (llama.cpp's use of it), ``inner_size`` their width; the biases are there when the
+    first Mamba layer has them. What the file does not say: the scan's chunk (the result does
+    not depend on it) and ``time_step_limit`` (llama.cpp clamps nothing: (0, inf))."""
+    key = f"{arch}.ssm"
+    heads = _meta_int(f, f"{key}.time_step_rank")
+    inner = _meta_int(f, f"{key}.inner_size")
+    groups = _meta_int(f, f"{key}.group_count", 1)
+    sizes = {
+        name: _meta_int(f, f"{key}.{name}")
+        for name in ("time_step_rank", "inner_size", "state_size", "conv_kernel")
+    }
+    if not all(sizes.values()) or not groups or inner % heads or heads % groups:
+        raise ModelLoadError(
+            f"{f.path}: {key}.* must be positive, with time_step_rank (heads) dividing "
+            f"inner_size and group_count dividing the heads, got {sizes} and group_count="
+            f"{groups}",
+            f.path,
+        )
+    first = f"blk.{mamba_layers[0]}" if mamba_layers else ""
+    return dict(
+        mamba_num_heads=heads,
+        mamba_head_dim=inner // heads,
+        mamba_state_size=sizes["state_size"],
+        mamba_n_groups=groups,
+        mamba_conv_kernel=sizes["conv_kernel"],
+        mamba_conv_bias=f"{first}.ssm_conv1d.bias" in f.tensors,
+        mamba_proj_bias=f"{first}.ssm_in.bias" in f.tensors,
+        mamba_layers=mamba_layers,
+    )
+
+
+def _check_ssm_tensors(
+    f: GGUFFile, arch: str, ssm: dict[str, Any], hidden: int, n_layers: int
+) -> None:
+    """Every Mamba layer holds its mixer's tensors in the shapes the ``ssm.*`` keys give (as
+    the converter writes them) and no other layer holds any; else ``ModelLoadError`` names the
+    first tensor at fault and the keys it disagrees with."""
+    heads, groups = ssm["mamba_num_heads"], ssm["mamba_n_groups"]
+    inner = heads * ssm["mamba_head_dim"]
+    conv_dim = inner + 2 * groups * ssm["mamba_state_size"]
+    projection = inner + conv_dim + heads
+    out_bias = ssm.get("mamba_out_proj_bias")
+    out_bias = ssm["mamba_proj_bias"] if out_bias is None else out_bias
+    shapes: dict[str, tuple[tuple[int, ...], bool]] = {  # leaf -> (shape, required)
+        "ssm_in.weight": ((projection, hidden), True),
+        "ssm_in.bias": ((projection,), ssm["mamba_proj_bias"]),
+        "ssm_conv1d.weight": ((conv_dim, ssm["mamba_conv_kernel"]), True),
+        "ssm_conv1d.bias": ((conv_dim,), ssm["mamba_conv_bias"]),
+        "ssm_dt.bias": ((heads,), True),
+        "ssm_a": ((heads, 1), True),
+        "ssm_d": ((heads, 1), True),
+        "ssm_norm.weight": ((groups, inner // groups), ssm.get("mamba_gate_norm") != "none"),
+        "ssm_out.weight": ((hidden, inner), True),
+        "ssm_out.bias": ((hidden,), out_bias),
+    }
+    keys = (
+        f"{arch}.ssm.inner_size={inner}, time_step_rank={heads}, group_count={groups}, "
+        f"state_size={ssm['mamba_state_size']}, conv_kernel={ssm['mamba_conv_kernel']}, "
+        f"embedding_length={hidden}"
+    )
+    for i in range(n_layers):
+        mamba = i in ssm["mamba_layers"]
+        for leaf, (shape, required) in shapes.items():
+            name = f"blk.{i}.{leaf}"
+            tensor = f.tensors.get(name)
+            if tensor is not None and not mamba:
+                raise ModelLoadError(
+                    f"{f.path}: tensor {name!r} in layer {i}, an attention layer by "
+                    f"{arch}.attention.head_count_kv",
+                    f.path,
+                )
+            if mamba and (tensor is None) == required:
+                why = "is missing" if required else "is unexpected (the first Mamba layer has none)"
+                if arch == "granitehybrid" and f"blk.{i}.attn_q.weight" in f.tensors:
+                    # (a converter that misread layer_types)
+                    why += f"; layer {i} has attention tensors but head_count_kv[{i}] = 0"
+                raise ModelLoadError(f"{f.path}: tensor {name!r} {why} ({keys})", f.path)
+            if mamba and tensor is not None and tensor.shape != shape:
+                raise ModelLoadError(
+                    f"{f.path}: tensor {name!r} has shape {tensor.shape}, expected {shape} from "
+                    f"{keys}",
+                    f.path,
+                )
+
+
+def _granitehybrid_fields(
+    f: GGUFFile, arch: str, hidden: int, n_layers: int
+) -> tuple[dict[str, Any], tuple[int, ...]]:
+    """A granitehybrid file's attention, MLP and Granite fields, and its Mamba layers: those
+    whose ``attention.head_count_kv`` is 0 (llama.cpp's rule). RoPE only when
+    ``rope.scaling.finetuned`` (its switch: the converter sets it for Bamba, not for Granite
+    4.0), over ``rope.dimension_count`` of each head; the multipliers from ``embedding_scale``,
+    ``residual_scale``, ``attention.scale`` and ``logit_scale`` (absent or 0: none); the MLP
+    dense (``ffn_gate``, of ``expert_shared_feed_forward_length`` or else
+    ``feed_forward_length``) or experts with a shared MLP."""
+    path = f.path
+    heads = _meta_int(f, f"{arch}.attention.head_count")
+    kv = f.metadata.get(f"{arch}.attention.head_count_kv", heads)
+    per_layer = kv if isinstance(kv, list) else [kv] * n_layers
+    if (
+        not heads
+        or len(per_layer) != n_layers
+        or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in per_layer)
+        or len({n for n in per_layer if n}) > 1
+    ):
+        raise ModelLoadError(
+            f"{path}: {arch}.attention.head_count_kv must give each of the {n_layers} layers "
+            f"one KV head count (0: a Mamba layer), the same for every attention layer, and "
+            f"head_count must be positive; got head_count={heads}, head_count_kv={kv!r}",
+            path,
+        )
+    head_dim = _meta_int(f, f"{arch}.attention.key_length", hidden // heads)
+    rope_dim = _meta_int(f, f"{arch}.rope.dimension_count", head_dim)
+    theta = _meta_float(f, f"{arch}.rope.freq_base", 10000.0)
+    use_rope = bool(f.metadata.get(f"{arch}.rope.scaling.finetuned", True))
+    if f"{arch}.attention.value_length" in f.metadata or any(
+        name.endswith(".attn_q.bias") for name in f.tensors
+    ):
+        raise ModelLoadError(f"{path}: {arch} with attention biases or value_length", path)
+    moe = _gguf_moe(f, arch, n_layers)
+    shared = f.metadata.get(f"{arch}.expert_shared_feed_forward_length")
+    ffn = _meta_int(f, f"{arch}.feed_forward_length")
+    fields: dict[str, Any] = dict(
+        intermediate_size=ffn,
+        num_attention_heads=heads,
+        num_key_value_heads=max(per_layer) or heads,
+        head_dim=head_dim,
+        rope_theta=theta,
+        use_rope=use_rope,
+        rope_scaling=_rope_scaling(f, arch, head_dim, theta, rope_dim) if use_rope else None,
+        partial_rotary_factor=_partial_rotary(f, head_dim, rope_dim) if use_rope else 1.0,
+        embedding_multiplier=_scale(f, f"{arch}.embedding_scale") or 1.0,
+        residual_multiplier=_scale(f, f"{arch}.residual_scale") or 1.0,
+        attention_multiplier=_scale(f, f"{arch}.attention.scale"),
+        logits_scaling=_scale(f, f"{arch}.logit_scale") or 1.0,
+        **moe,
+    )
+    if not moe:  # the shared MLP alone
+        fields["shared_expert_intermediate_size"] = (
+            _meta_int(f, f"{arch}.expert_shared_feed_forward_length") if shared else ffn
+        )
+    return fields, tuple(i for i, n in enumerate(per_layer) if not n)
+
+
+def _falcon_h1_fields(f: GGUFFile, arch: str, hidden: int) -> dict[str, Any]:
+    """A falcon-h1 file's attention and MLP, beside the mixer in every layer. The converter
+    folds every muP multiplier into the weights (the embedding's into ``token_embd``, which a
+    tied head then carries too, as llama.cpp runs it), so none is left; the mixer's output
+    norm is there when ``ssm_norm`` is, after the gate (llama.cpp's graph: the file does not
+    keep transformers' ``mamba_norm_before_gate``); RoPE turns whole heads."""
+    heads, kv_heads, head_dim, rope_dim = _attention_heads(f, arch, hidden)
+    if any(name.endswith(".attn_q.bias") for name in f.tensors):
+        raise ModelLoadError(f"{f.path}: {arch} with attention biases", f.path)
+    theta = _meta_float(f, f"{arch}.rope.freq_base", 10000.0)
+    return dict(
+        intermediate_size=_meta_int(f, f"{arch}.feed_forward_length"),
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        rope_theta=theta,
+        rope_scaling=_rope_scaling(f, arch, head_dim, theta, rope_dim),
+        mamba_gate_norm="after_gate" if "blk.0.ssm_norm.weight" in f.tensors else "none",
+        mamba_out_proj_bias="blk.0.ssm_out.bias" in f.tensors,
+    )
+
+
+def _qwen3next_fields(f: GGUFFile, arch: str, hidden: int, n_layers: int) -> dict[str, Any]:
+    """A qwen3next file's gated DeltaNet fields (``{}`` for other architectures): the key heads
+    from ``ssm.group_count``, the value heads from ``time_step_rank``, their widths from
+    ``state_size`` and ``inner_size`` / ``time_step_rank`` (llama.cpp takes both widths to be
+    ``state_size``; the converter writes each); the DeltaNet layers from
+    ``attention.recurrent_layers``, else all but every ``full_attention_interval``-th. Every
+    DeltaNet layer's tensors must have the shapes these give (``_check_deltanet_tensors``)."""
+    if arch != "qwen3next":
+        return {}
+    key = f"{arch}.ssm"
+    sizes = {
+        name: _meta_int(f, f"{key}.{name}")
+        for name in ("group_count", "time_step_rank", "state_size", "inner_size", "conv_kernel")
+    }
+    k_heads, v_heads, inner = sizes["group_count"], sizes["time_step_rank"], sizes["inner_size"]
+    if not all(sizes.values()) or v_heads % k_heads or inner % v_heads or sizes["conv_kernel"] < 2:
+        raise ModelLoadError(
+            f"{f.path}: {key}.* must be positive, with group_count (key heads) dividing "
+            f"time_step_rank (value heads) dividing inner_size, and conv_kernel at least 2; "
+            f"got {sizes}",
+            f.path,
+        )
+    recurrent = f.metadata.get(f"{arch}.attention.recurrent_layers")
+    if recurrent is None:
+        every = _meta_int(f, f"{arch}.full_attention_interval", 4) or 1
+        linear = tuple(i for i in range(n_layers) if (i + 1) % every)
+    elif isinstance(recurrent, list) and len(recurrent) >= n_layers:
+        linear = tuple(i for i in range(n_layers) if recurrent[i])
+    else:
+        raise ModelLoadError(
+            f"{f.path}: {arch}.attention.recurrent_layers must give each of the {n_layers} "
+            f"layers true or false, got {recurrent!r}",
+            f.path,
+        )
+    fields = dict(
+        linear_num_key_heads=k_heads,
+        linear_num_value_heads=v_heads,
+        linear_key_head_dim=sizes["state_size"],
+        linear_value_head_dim=inner // v_heads,
+        linear_conv_kernel=sizes["conv_kernel"],
+        linear_layers=linear,
+    )
+    _check_deltanet_tensors(f, fields, sizes, hidden, n_layers)
+    return fields
+
+
+def _check_deltanet_tensors(
+    f: GGUFFile, fields: dict[str, Any], sizes: dict[str, int], hidden: int, n_layers: int
+) -> None:
+    """Every DeltaNet layer holds its tensors in the shapes the ``ssm.*`` keys give (as the
+    converter writes them), and no attention layer holds any; else ``ModelLoadError`` names
+    the first tensor at fault and the keys."""
+    k_dim = fields["linear_num_key_heads"] * fields["linear_key_head_dim"]
+    v_heads, v_dim = fields["linear_num_value_heads"], sizes["inner_size"]
+    conv = 2 * k_dim + v_dim
+    shapes = {
+        "attn_qkv.weight": (conv, hidden),
+        "attn_gate.weight": (v_dim, hidden),
+        "ssm_ba.weight": (2 * v_heads, hidden),
+        "ssm_conv1d.weight": (conv, fields["linear_conv_kernel"]),
+        "ssm_dt.bias": (v_heads,),
+        "ssm_a": (v_heads,),
+        "ssm_norm.weight": (fields["linear_value_head_dim"],),
+        "ssm_out.weight": (hidden, v_dim),
+    }
+    keys = ", ".join(f"{k}={v}" for k, v in sizes.items()) + f", embedding_length={hidden}"
+    for i in range(n_layers):
+        linear = i in fields["linear_layers"]
+        for leaf, shape in shapes.items():
+            name = f"blk.{i}.{leaf}"
+            tensor = f.tensors.get(name)
+            if tensor is not None and not linear:
+                raise ModelLoadError(
+                    f"{f.path}: tensor {name!r} in layer {i}, an attention layer by "
+                    "qwen3next.attention.recurrent_layers",
+                    f.path,
+                )
+            if linear and tensor is None:
+                raise ModelLoadError(
+                    f"{f.path}: tensor {name!r} of DeltaNet layer {i} is missing (qwen3next.ssm."
+                    f"{keys})",
+                    f.path,
+                )
+            if linear and tensor is not None and tensor.shape != shape:
+                raise ModelLoadError(
+                    f"{f.path}: tensor {name!r} has shape {tensor.shape}, expected {shape} from "
+                    f"qwen3next.ssm.{keys}",
+                    f.path,
+                )
+
+
+def _scale(f: GGUFFile, key: str) -> float | None:
+    """A Granite multiplier: None where the file has none (absent or 0, as llama.cpp reads)."""
+    if not f.metadata.get(key):
+        return None
+    return _meta_float(f, key)
 
 
 def load_gguf(path: str | Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:

@@ -37,8 +37,10 @@ Decoding is vectorised numpy over the file's memory map, one tensor at a time. D
 load as before: other types (Q2_K, Q3_K, the IQ types...) and the parts fused with one of them,
 the embedding table (looked up, not multiplied), routers, experts stored one tensor per
 expert (older files), gpt-oss's experts unless MXFP4 (kept packed by ``MXFP4Experts``, their
-biases and clamped SwiGLU being beyond ``QuantExperts``), and DeepSeek's ``kv_b_proj`` (split
-in two by the converter; the model multiplies by its halves). Rows are read in the order the
+biases and clamped SwiGLU being beyond ``QuantExperts``), DeepSeek's ``kv_b_proj`` (split
+in two by the converter; the model multiplies by its halves) and Qwen3-Next's ``in_proj_qkvz``
+(split into ``attn_qkv`` and ``attn_gate``, rows re-ordered across both). A qwen3next file's
+multi-token-prediction blocks are not read. Rows are read in the order the
 model loads them (llama's q/k un-permuted, DeepSeek's rotated rows de-interleaved). One log line
 names them with the reason. ``FOUDRE_GGUF_DEQUANTIZE=1`` (or
 ``load_model(gguf_dequantize=True)``) dequantizes everything, as before.
@@ -60,10 +62,14 @@ from torch import nn
 
 from foudre.layers.moe import Experts
 from foudre.loading.gguf import (
+    _BLOCK,
+    _PAIRS,
+    _PERMUTED_QK,
     _ROPE_FREQS,
     CHUNK_BYTES,
     GGUFFile,
     GGUFTensor,
+    _first_mtp_block,
     _hf_name,
     _unpermute_rope,
     dequantize_tensor,
@@ -367,16 +373,20 @@ def _sort_tensors(
     weights: _Parts = {}
     biases: _Parts = {}
     experts: dict[str, dict[str, GGUFTensor]] = {}
-    arch = f.metadata.get("general.architecture")
+    arch = str(f.metadata.get("general.architecture"))
+    mtp = _first_mtp_block(f, arch)
     for tensor in f.tensors.values():
         hf = _hf_name(tensor.name, arch)
-        if tensor.name == _ROPE_FREQS or hf is None:
-            continue
+        block = _BLOCK.match(tensor.name)
+        if tensor.name == _ROPE_FREQS or hf is None or (block and int(block.group(1)) >= mtp):
+            continue  # (blocks past mtp: multi-token prediction, not loaded)
         module, part, leaf = _module_of(hf)
         stacked = _STACKED_EXPERTS.match(hf)
         if arch == "gpt-oss" and ".experts." in hf:
             if tensor.type != _QT.MXFP4:  # (MXFP4 ones are kept packed: MXFP4Experts)
                 _dequantize(plan, _GPT_OSS_EXPERTS, tensor)
+        elif block is not None and (arch, block.group(2)) in _PAIRS:
+            _dequantize(plan, "one matrix written as two (joined at load)", tensor)
         elif stacked is not None:
             experts.setdefault(stacked.group(1), {})[stacked.group(2)] = tensor
         elif ".experts." in hf:
@@ -551,11 +561,11 @@ def swap_in_quantized(model: nn.Module, plan: GGUFQuantPlan) -> None:
 
 def _row_order(config: ModelConfig, hf: str, rows: int) -> torch.Tensor | None:
     """The order to read the rows of ``hf`` in, as the model loads its float weights: q/k of
-    llama files un-permuted (``iter_gguf_weights``), DeepSeek's rotated rows from interleaved
-    pairs to evens then odds (``DeepseekV3ForCausalLM``, ``rope_interleave``); None for other
-    tensors."""
+    llama and granitehybrid files un-permuted (``iter_gguf_weights``), DeepSeek's rotated rows
+    from interleaved pairs to evens then odds (``DeepseekV3ForCausalLM``, ``rope_interleave``);
+    None for other tensors."""
     order = torch.arange(rows)
-    if config.architecture in ("llama", "mixtral"):
+    if config.architecture in _PERMUTED_QK:
         if ".q_proj." in hf:
             return _unpermute_rope(order, config.num_attention_heads)
         return _unpermute_rope(order, config.num_key_value_heads) if ".k_proj." in hf else None

@@ -21,7 +21,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from foudre.loading.errors import ModelLoadError
-from foudre.loading.hf_mamba import granite_fields, mamba_fields
+from foudre.loading.hf_mamba import falcon_h1_fields, granite_fields, mamba_fields
+from foudre.loading.hf_qwen3_next import qwen3_next_fields
 from foudre.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -46,6 +47,8 @@ _ARCHITECTURE_CLASSES = {
     "Mamba2ForCausalLM": "mamba2",
     "BambaForCausalLM": "bamba",
     "GraniteMoeHybridForCausalLM": "granitemoehybrid",
+    "FalconH1ForCausalLM": "falcon_h1",
+    "Qwen3NextForCausalLM": "qwen3_next",
 }
 # `model_type`s that name one of SUPPORTED_ARCHITECTURES otherwise
 _MODEL_TYPES = {"gemma3_text": "gemma3"}
@@ -108,6 +111,17 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
     },
     "bamba": {"max_position_embeddings": 262144},  # its partial rotary factor is fixed at 0.5
     "granitemoehybrid": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6},
+    "falcon_h1": {"max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "num_key_value_heads": 8},
+    "qwen3_next": {
+        "max_position_embeddings": 32768,
+        "head_dim": 256,
+        "num_experts": 512,
+        "num_experts_per_tok": 10,
+        "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512,
+        "norm_topk_prob": True,
+        "partial_rotary_factor": 0.25,
+    },
     # Gemma3TextConfig's defaults (a multimodal config's text_config leaves many out)
     "gemma3": {
         "vocab_size": 262_208,
@@ -319,14 +333,15 @@ def _longrope(raw: dict[str, Any], scaling: dict[str, Any], max_positions: int, 
 
 
 def _partial_rotary(raw: dict[str, Any], arch: str, path: Path) -> float:
-    """The fraction of each head RoPE turns (Phi-3 / Phi-4; Bamba's is 0.5 whatever its config
-    says, as in transformers; 1 for the other families)."""
+    """The fraction of each head RoPE turns (Phi-3 / Phi-4; Qwen3-Next's is 0.25 unless set;
+    Bamba's is 0.5 whatever its config says, as in transformers; 1 for the other families)."""
     if arch == "bamba":
         return 0.5
-    if arch != "phi3":
+    if arch not in ("phi3", "qwen3_next"):
         return 1.0
+    default = _HF_DEFAULTS[arch].get("partial_rotary_factor", 1.0)
     params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-    value = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    value = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", default))
     if value is None:
         return 1.0
     if not isinstance(value, int | float) or isinstance(value, bool) or not 0 < value <= 1:
@@ -446,7 +461,7 @@ def _moe(raw: dict[str, Any], arch: str, path: Path) -> dict[str, Any]:
     """The ``ModelConfig`` mixture-of-experts fields of a config.json (``{}`` for dense ones)."""
     if arch == "deepseek_v3":
         return _deepseek_v3(raw, path)
-    if arch not in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss"):
+    if arch not in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "qwen3_next"):
         return {}
     defaults = _HF_DEFAULTS[arch]
 
@@ -469,6 +484,8 @@ def _moe(raw: dict[str, Any], arch: str, path: Path) -> dict[str, Any]:
                 path,
             )
     num_experts = count("num_experts", "num_local_experts")
+    if num_experts == 0 and arch == "qwen3_next":  # dense MLPs in every layer
+        return {}
     if num_experts == 0:
         raise ModelLoadError(f"{path}: a {arch} model needs num_experts > 0", path)
     layers = raw.get("mlp_only_layers") or []
@@ -501,12 +518,13 @@ def _moe(raw: dict[str, Any], arch: str, path: Path) -> dict[str, Any]:
             moe_intermediate_size=count("intermediate_size"),
             norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
         )
-    shared = count("shared_expert_intermediate_size") if arch == "qwen2_moe" else 0
+    gated_shared = arch in ("qwen2_moe", "qwen3_next")
+    shared = count("shared_expert_intermediate_size") if gated_shared else 0
     return dict(
         num_experts=num_experts,
         num_experts_per_tok=count("num_experts_per_tok"),
         moe_intermediate_size=count("moe_intermediate_size"),
-        norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+        norm_topk_prob=bool(raw.get("norm_topk_prob", defaults.get("norm_topk_prob", False))),
         shared_expert_intermediate_size=shared,
         shared_expert_gate=shared > 0,
         decoder_sparse_step=count("decoder_sparse_step", default=1) or 1,
@@ -705,15 +723,21 @@ def load_hf_config(model_dir: Path) -> ModelConfig:
     window, layer_types = _sliding_layers(raw, arch, path)
     gemma3 = _gemma3(raw, arch, max_positions, path)
     mamba = _hybrid_mamba(raw, arch, path)
+    # a type's default where the key is absent (Falcon-H1's 8); null means every head's own
+    kv_default = (
+        heads if "num_key_value_heads" in raw else defaults.get("num_key_value_heads", heads)
+    )
+    layers = _required_int(raw, path, "num_hidden_layers")
+    linear = qwen3_next_fields(raw, path, layers) if arch == "qwen3_next" else {}
     try:
         return ModelConfig(
             architecture=arch,
             vocab_size=_required_int(raw, path, "vocab_size"),
             hidden_size=hidden,
             intermediate_size=_required_int(raw, path, "intermediate_size"),
-            num_hidden_layers=_required_int(raw, path, "num_hidden_layers"),
+            num_hidden_layers=layers,
             num_attention_heads=heads,
-            num_key_value_heads=_optional_int(raw, path, "num_key_value_heads", heads),
+            num_key_value_heads=_optional_int(raw, path, "num_key_value_heads", kv_default),
             head_dim=head_dim,
             max_position_embeddings=max_positions,
             rms_norm_eps=float(eps),
@@ -733,21 +757,24 @@ def load_hf_config(model_dir: Path) -> ModelConfig:
             **moe,
             **gemma3,
             **mamba,
+            **linear,
         )
     except ValueError as exc:
         raise ModelLoadError(f"{path}: {exc}", path) from exc
 
 
 def _hybrid_mamba(raw: dict[str, Any], arch: str, path: Path) -> dict[str, Any]:
-    """A hybrid's Mamba-2 fields (Granite's also its multipliers and experts; none for the
-    other families)."""
-    if arch not in ("bamba", "granitemoehybrid"):
+    """A hybrid's Mamba-2 fields (Granite's also its multipliers and experts, Falcon-H1's its
+    multipliers and output norm; none for the other families)."""
+    if arch not in ("bamba", "granitemoehybrid", "falcon_h1"):
         return {}
     if raw.get("attention_bias"):
         raise ModelLoadError(f"{path}: attention_bias=true is not supported for {arch}", path)
     fields = mamba_fields(raw, arch, path, _required_int(raw, path, "num_hidden_layers"))
     if arch == "granitemoehybrid":
         fields |= granite_fields(raw, path)
+    if arch == "falcon_h1":
+        fields |= falcon_h1_fields(raw, path)
     return fields
 
 

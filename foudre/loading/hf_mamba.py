@@ -20,6 +20,7 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "mamba2": {"state_size": 128, "n_groups": 8},
     "bamba": {"mamba_d_state": 256, "mamba_n_groups": 1},
     "granitemoehybrid": {"mamba_d_state": 256, "mamba_n_groups": 1},
+    "falcon_h1": {"mamba_d_state": 256, "mamba_n_groups": 1},
 }
 # Granite's layer_types (also layers_block_type): its Mamba and its attention layers' names
 _GRANITE_MAMBA = ("mamba", "linear_attention")
@@ -55,15 +56,18 @@ def mamba_fields(raw: dict[str, Any], arch: str, path: Path, num_layers: int) ->
         fields[name] = _positive_int(raw, key, _DEFAULTS[arch].get(key, default), path)
     hidden = _positive_int(raw, "hidden_size", None, path)
     expand = raw.get("expand" if own else "mamba_expand", 2)
+    inner, inner_key = int(expand * hidden), "expand * hidden_size"
+    if arch == "falcon_h1" and raw.get("mamba_d_ssm", 1024) is not None:  # its inner width
+        inner, inner_key = _positive_int(raw, "mamba_d_ssm", 1024, path), "mamba_d_ssm"
     head_key = "head_dim" if own else "mamba_d_head"
     head_dim = raw.get(head_key, 64 if own else "auto")
     if head_dim == "auto":
-        head_dim = int(expand * hidden) // fields["mamba_num_heads"]
+        head_dim = inner // fields["mamba_num_heads"]
     fields["mamba_head_dim"] = _positive_int({head_key: head_dim}, head_key, None, path)
-    if fields["mamba_num_heads"] * fields["mamba_head_dim"] != int(expand * hidden):
+    if fields["mamba_num_heads"] * fields["mamba_head_dim"] != inner:
         raise ModelLoadError(
             f"{path}: the Mamba heads ({fields['mamba_num_heads']} x {head_dim}) must make "
-            f"expand * hidden_size = {int(expand * hidden)}",
+            f"{inner_key} = {inner}",
             path,
         )
     fields["mamba_conv_bias"] = bool(raw.get("use_conv_bias" if own else "mamba_conv_bias", True))
@@ -76,7 +80,7 @@ def mamba_fields(raw: dict[str, Any], arch: str, path: Path, num_layers: int) ->
         raise ModelLoadError(
             f"{path}: unsupported hidden_act {raw['hidden_act']!r} for {arch}; only silu", path
         )
-    if own:
+    if own or arch == "falcon_h1":  # (Falcon-H1: a mixer beside the attention of each layer)
         fields["mamba_layers"] = tuple(range(num_layers))
     elif arch == "granitemoehybrid":
         fields["mamba_layers"] = _granite_layers(raw, path, num_layers)
@@ -136,4 +140,53 @@ def granite_fields(raw: dict[str, Any], path: Path) -> dict[str, Any]:
 def _positive(value: Any, key: str, path: Path) -> float:
     if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
         raise ModelLoadError(f"{path}: {key} must be a positive number, got {value!r}", path)
+    return float(value)
+
+
+# Falcon-H1's scalar multipliers (ModelConfig fields of the same names)
+_FALCON_MULTIPLIERS = (
+    "embedding_multiplier",
+    "attention_in_multiplier",
+    "key_multiplier",
+    "attention_out_multiplier",
+    "ssm_in_multiplier",
+    "ssm_out_multiplier",
+    "lm_head_multiplier",
+)
+
+
+def falcon_h1_fields(raw: dict[str, Any], path: Path) -> dict[str, Any]:
+    """Falcon-H1's multipliers, its mixer's output norm and out_proj bias as ``ModelConfig``
+    fields; ``ModelLoadError`` naming the key for a value that is not what transformers
+    accepts."""
+    fields: dict[str, Any] = {}
+    for key in _FALCON_MULTIPLIERS:
+        value = raw.get(key, 1.0)
+        fields[key] = 1.0 if value is None else _finite(value, key, path)
+    for key, count in (("ssm_multipliers", 5), ("mlp_multipliers", 2)):
+        values = raw.get(key) or [1.0] * count
+        if not isinstance(values, list | tuple) or len(values) != count:
+            raise ModelLoadError(f"{path}: {key} must list {count} numbers, got {values!r}", path)
+        fields[key] = tuple(_finite(v, key, path) for v in values)
+    for key in ("mamba_rms_norm", "mamba_norm_before_gate", "projectors_bias"):
+        if not isinstance(raw.get(key, False), bool | None):  # (null: false, as transformers)
+            raise ModelLoadError(f"{path}: {key} must be true or false, got {raw[key]!r}", path)
+    if not raw.get("mamba_rms_norm", False):
+        fields["mamba_gate_norm"] = "none"
+    elif raw.get("mamba_norm_before_gate", True):
+        fields["mamba_gate_norm"] = "before_gate"
+    else:
+        fields["mamba_gate_norm"] = "after_gate"
+    fields["mamba_out_proj_bias"] = bool(raw.get("projectors_bias", False))
+    return fields
+
+
+def _finite(value: Any, key: str, path: Path) -> float:
+    if (
+        not isinstance(value, int | float)
+        or isinstance(value, bool)
+        or value != value
+        or abs(value) == float("inf")
+    ):
+        raise ModelLoadError(f"{path}: {key} must hold finite numbers, got {value!r}", path)
     return float(value)

@@ -12,6 +12,8 @@ SUPPORTED_ARCHITECTURES = (
     "phi3",
     "gemma3",
     "mamba2", "bamba", "granitemoehybrid",
+    "falcon_h1",
+    "qwen3_next",
 )  # fmt: skip
 # How a mixture-of-experts router scores the experts before its top-k: a softmax over all of
 # them (Mixtral, Qwen-MoE, OLMoE), or DeepSeek-V3's sigmoid scores with a selection bias and a
@@ -130,6 +132,35 @@ class ModelConfig:
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
     use_rope: bool = True
+    # Falcon-H1 (``models/falcon_h1.py``): every layer runs attention and a Mamba-2 mixer side by
+    # side on the same normed input (``mamba_layers``: all of them), with muP multipliers: the
+    # embeddings times ``embedding_multiplier`` (Granite's field), the attention's input, keys
+    # and output times ``attention_in_multiplier``, ``key_multiplier``,
+    # ``attention_out_multiplier``; the mixer's input times ``ssm_in_multiplier``, its in_proj
+    # output's z | x | B | C | dt sections times the five ``ssm_multipliers``, its output times
+    # ``ssm_out_multiplier``; the MLP's gate and its output times ``mlp_multipliers``; the
+    # logits times ``lm_head_multiplier``. The mixer's output norm: ``mamba_gate_norm``
+    # (``layers/mamba.GATE_NORMS``); its out_proj bias: ``mamba_out_proj_bias``.
+    attention_in_multiplier: float = 1.0
+    key_multiplier: float = 1.0
+    attention_out_multiplier: float = 1.0
+    ssm_in_multiplier: float = 1.0
+    ssm_multipliers: tuple[float, ...] = (1.0, 1.0, 1.0, 1.0, 1.0)
+    ssm_out_multiplier: float = 1.0
+    mlp_multipliers: tuple[float, float] = (1.0, 1.0)
+    lm_head_multiplier: float = 1.0
+    mamba_gate_norm: str = "after_gate"
+    mamba_out_proj_bias: bool | None = None
+    # Qwen3-Next (``models/qwen3_next.py``): the layers of ``linear_layers`` are gated DeltaNet
+    # mixers (``layers/gated_deltanet.GatedDeltaNetShape``: q/k heads of ``linear_key_head_dim``,
+    # value heads of ``linear_value_head_dim``, a causal conv of ``linear_conv_kernel`` taps),
+    # the others gated attention; every RMSNorm is zero-centred (``1 + weight``)
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel: int = 4
+    linear_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -143,13 +174,7 @@ class ModelConfig:
                 f"num_attention_heads={self.num_attention_heads}"
             )
         self.mlp_only_layers = tuple(self.mlp_only_layers)
-        self.mamba_layers = tuple(self.mamba_layers)
-        self.mamba_time_step_limit = (
-            float(self.mamba_time_step_limit[0]),
-            float(self.mamba_time_step_limit[1]),
-        )
-        if any(not 0 <= i < self.num_hidden_layers for i in self.mamba_layers):
-            raise ValueError(f"mamba_layers {list(self.mamba_layers)} name layers past the model")
+        self._check_recurrent()
         if self.layer_types is not None:
             self.layer_types = tuple(self.layer_types)
             if len(self.layer_types) != self.num_hidden_layers or not set(self.layer_types) <= {
@@ -202,6 +227,27 @@ class ModelConfig:
                     raise ValueError(f"{name} must be positive for latent attention")
             if self.qk_rope_head_dim % 2:
                 raise ValueError("qk_rope_head_dim must be even (RoPE rotates pairs)")
+
+    def _check_recurrent(self) -> None:
+        """The state-space and hybrid families' fields (Mamba and linear-attention layers,
+        Falcon-H1's multipliers), made tuples."""
+        self.mamba_layers = tuple(self.mamba_layers)
+        if len(self.ssm_multipliers) != 5 or len(self.mlp_multipliers) != 2:
+            raise ValueError(
+                f"ssm_multipliers must hold 5 values and mlp_multipliers 2, got "
+                f"{list(self.ssm_multipliers)} and {list(self.mlp_multipliers)}"
+            )
+        self.ssm_multipliers = tuple(float(m) for m in self.ssm_multipliers)
+        self.mlp_multipliers = (float(self.mlp_multipliers[0]), float(self.mlp_multipliers[1]))
+        self.mamba_time_step_limit = (
+            float(self.mamba_time_step_limit[0]),
+            float(self.mamba_time_step_limit[1]),
+        )
+        if any(not 0 <= i < self.num_hidden_layers for i in self.mamba_layers):
+            raise ValueError(f"mamba_layers {list(self.mamba_layers)} name layers past the model")
+        self.linear_layers = tuple(self.linear_layers)
+        if any(not 0 <= i < self.num_hidden_layers for i in self.linear_layers):
+            raise ValueError(f"linear_layers {list(self.linear_layers)} name layers past the model")
 
     @property
     def is_moe(self) -> bool:

@@ -107,6 +107,11 @@ class GraniteMoeHybridDecoderLayer(BambaDecoderLayer):
 class GraniteMoeHybridModel(LlamaModel):
     layer_class = GraniteMoeHybridDecoderLayer
 
+    def make_rotary(self, cfg: ModelConfig, max_positions: int) -> None:
+        """No table worth its memory without RoPE (NoPE, the default: a GGUF may claim a
+        context of 2^20 positions)."""
+        super().make_rotary(cfg, max_positions if cfg.use_rope else 1)
+
 
 class GraniteMoeHybridForCausalLM(BambaForCausalLM):
     """Granite 4.0's hybrid decoder: Bamba's forward and caches, Granite's layers."""

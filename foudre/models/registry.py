@@ -13,12 +13,14 @@ from torch import nn
 from foudre.models.bamba import BambaForCausalLM
 from foudre.models.config import ModelConfig
 from foudre.models.deepseek_v3 import DeepseekV3ForCausalLM
+from foudre.models.falcon_h1 import FalconH1ForCausalLM
 from foudre.models.gemma3 import Gemma3ForCausalLM
 from foudre.models.gpt_oss import GptOssForCausalLM
 from foudre.models.granite_moe_hybrid import GraniteMoeHybridForCausalLM
 from foudre.models.llama import LlamaForCausalLM
 from foudre.models.mamba2 import Mamba2ForCausalLM
 from foudre.models.phi3 import Phi3ForCausalLM
+from foudre.models.qwen3_next import Qwen3NextForCausalLM
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
     arch: LlamaForCausalLM
@@ -32,6 +34,8 @@ MODEL_CLASSES["gemma3"] = Gemma3ForCausalLM
 MODEL_CLASSES["mamba2"] = Mamba2ForCausalLM
 MODEL_CLASSES["bamba"] = BambaForCausalLM
 MODEL_CLASSES["granitemoehybrid"] = GraniteMoeHybridForCausalLM
+MODEL_CLASSES["falcon_h1"] = FalconH1ForCausalLM
+MODEL_CLASSES["qwen3_next"] = Qwen3NextForCausalLM
 
 
 def model_class(cfg: ModelConfig) -> type[nn.Module]:

@@ -255,14 +255,14 @@ def num_kv_blocks(
     leaves after ``state_bytes`` (the recurrent state slots), at most enough for
     ``max_num_seqs`` full-length sequences where no ``kv_cache_memory`` is given. A model of
     recurrent layers only has blocks of no bytes (they count its tokens for the prefix cache):
-    enough for twice ``max_num_seqs`` full-length sequences."""
+    enough for twice ``max_num_seqs`` full-length sequences, within 2^17 blocks."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     dtype = next(model.parameters()).dtype
     per_block = kv_bytes_per_block(model, config.block_size, dtype, config.kv_cache_dtype)
     wanted = config.max_num_seqs * -(-max_model_len // config.block_size)
-    if per_block == 0:
-        return 2 * wanted
+    if per_block == 0:  # (Python objects only: at most 2^17 of them, if one sequence fits)
+        return max(-(-max_model_len // config.block_size), min(2 * wanted, 1 << 17))
     budget = kv_budget(config, device, share)
     assert budget is not None
     blocks = max(1, (budget - state_bytes) // per_block)

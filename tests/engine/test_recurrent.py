@@ -1,10 +1,11 @@
 """State-space and hybrid models served by the engine (issue #49): greedy ids through ``LLM``
-against transformers' ``generate`` (float32, random small configs) for Mamba-2, Bamba and the
-Granite 4.0 hybrid, batched prompts of 5 to 600 tokens; with chunked prefill at a small token
-budget, with preemption, with ``n`` = 4 (the samples fork the state), with prefix caching (the
-same tokens, hits reported, snapshots restored); the state memory a request holds against what
-the config implies; slots and blocks all back in the pools at the end; what cannot run yet
-refused by name."""
+against transformers' ``generate`` (float32, random small configs) for Mamba-2, Bamba, the
+Granite 4.0 hybrid and Falcon-H1 (attention and Mamba side by side in every layer), batched
+prompts of 5 to 600 tokens; with chunked prefill at a small token budget, with preemption,
+with ``n`` = 4 (the samples fork the state), with prefix caching (the same tokens, hits
+reported, snapshots restored); the state memory a request holds against what the config
+implies; slots and blocks all back in the pools at the end; what cannot run yet refused by
+name."""
 
 from __future__ import annotations
 
@@ -17,10 +18,11 @@ import torch
 from foudre import LLM, SamplingParams
 from tests.oracles.ssm_models import prompt, save_random
 from tests.oracles.test_bamba import BASE as BAMBA
+from tests.oracles.test_falcon_h1 import BASE as FALCON_H1
 from tests.oracles.test_granite_moe_hybrid import BASE as GRANITE
 from tests.oracles.test_mamba2 import BASE as MAMBA2
 
-FAMILIES = {"Mamba2": MAMBA2, "Bamba": BAMBA, "GraniteMoeHybrid": GRANITE}
+FAMILIES = {"Mamba2": MAMBA2, "Bamba": BAMBA, "GraniteMoeHybrid": GRANITE, "FalconH1": FALCON_H1}
 LENGTHS = (5, 17, 33, 600)
 STEPS = 6
 
@@ -150,10 +152,11 @@ def test_state_bytes_per_request_follow_the_config(family: Any) -> None:
     """The engine charges each request its conv and SSM states of every Mamba layer, as the
     config gives them: float32 weights, so a float32 conv state."""
     _, path, cfg, _, _ = family
-    if hasattr(cfg, "mamba_n_heads"):  # the hybrids' names (Mamba layers: linear_attention)
+    if hasattr(cfg, "mamba_n_heads"):  # the hybrids' names (Mamba layers: linear_attention;
+        # Falcon-H1's layers are all "hybrid": attention and Mamba side by side)
         heads, head_dim = cfg.mamba_n_heads, cfg.mamba_d_head
         groups, d_state, d_conv = cfg.mamba_n_groups, cfg.mamba_d_state, cfg.mamba_d_conv
-        layers = [t for t in cfg.layer_types if t == "linear_attention"]
+        layers = [t for t in cfg.layer_types if t in ("linear_attention", "hybrid")]
     else:
         heads, head_dim = cfg.num_heads, cfg.head_dim
         groups, d_state, d_conv = cfg.n_groups, cfg.state_size, cfg.conv_kernel
@@ -194,4 +197,39 @@ def test_beam_search_forks_and_prunes_states(family: Any) -> None:
             max_new_tokens=STEPS,
         )
         assert [s.token_ids for s in out.sequences] == [r[len(p) :] for r in ref.tolist()]
+    _assert_pools_empty(llm)
+
+
+def test_torch_paths_without_the_kernels(family: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the C++ / Triton kernels do not run, the mixers take their torch forms (the chunked
+    scan, the gathered one-step update): the same tokens, snapshots included."""
+    from foudre.layers import gated_deltanet, mamba, ssm_ops
+
+    monkeypatch.setattr(ssm_ops, "library", lambda: None)
+    monkeypatch.setattr(mamba, "has_kernels", lambda state: False)
+    monkeypatch.setattr(gated_deltanet, "has_kernels", lambda state: False)
+    _, path, _, prompts, want = family
+    llm = _llm(path, block_size=4, state_snapshot_interval=8, max_num_batched_tokens=40)
+    assert _greedy(llm, prompts) == [[w] for w in want]
+    assert _greedy(llm, prompts) == [[w] for w in want]
+    assert llm.engine.metrics()["prefix_cache_hits"] > 0
+    _assert_pools_empty(llm)
+
+
+def test_admission_waits_for_a_state_slot(family: Any) -> None:
+    """A KV budget of 7 requests' states leaves 2 slots (half the budget, one slot for the
+    padding rows): three requests run two at a time, the third admitted when a slot frees."""
+    _, path, _, prompts, want = family
+    per_slot = _llm(path, num_kv_blocks=64).engine.metrics()["state_bytes_per_request"]
+    llm = LLM(
+        str(path),
+        dtype="float32",
+        skip_tokenizer_init=True,
+        max_model_len=64,
+        kv_cache_memory=7 * per_slot,
+        enable_prefix_caching=False,
+    )
+    assert llm.engine.metrics()["num_state_slots"] == 2
+    assert _greedy(llm, prompts[:3]) == [[w] for w in want[:3]]
+    assert llm.engine.stats.peak_running == 2
     _assert_pools_empty(llm)

@@ -1,6 +1,7 @@
 """A plain driver around a hybrid model (Mamba layers and paged attention layers), outside the
-engine: the model oracles of ``test_bamba.py`` and ``test_granite_moe_hybrid.py`` drive the
-models through it (the engine's own runs: ``tests/engine/test_recurrent.py``)."""
+engine: the model oracles of ``test_bamba.py``, ``test_granite_moe_hybrid.py`` and
+``test_falcon_h1.py`` drive the models through it, a cache per ``kv_cache_specs`` entry
+(Falcon-H1 has two a layer); the engine's own runs: ``tests/engine/test_recurrent.py``."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from foudre.attention.base import BatchLayout
 from foudre.attention.cache_spec import RecurrentCache, RecurrentStateSpec
 from foudre.layers.mamba import RecurrentBatch
 from foudre.models.bamba import BambaForCausalLM
+from foudre.models.falcon_h1 import FalconH1ForCausalLM
 from tests.oracles.ssm_models import step_metadata
 
 BLOCK = 4
@@ -21,7 +23,9 @@ class HybridDriver:
     scattered permutation of the pool); ``step`` runs one forward over rows ``(request, new
     ids)`` and returns the logits of every new token, per row."""
 
-    def __init__(self, model: BambaForCausalLM, requests: int, max_len: int) -> None:
+    def __init__(
+        self, model: BambaForCausalLM | FalconH1ForCausalLM, requests: int, max_len: int
+    ) -> None:
         self.model = model
         per = -(-max_len // BLOCK)
         blocks = torch.randperm(requests * per, generator=torch.Generator().manual_seed(0))
@@ -51,7 +55,12 @@ class HybridDriver:
                 cache[:, b] = cache[:, a]
         self.computed[child] = self.computed[parent]
 
-    def step(self, rows: list[tuple[int, list[int]]]) -> list[torch.Tensor]:
+    def step(
+        self,
+        rows: list[tuple[int, list[int]]],
+        snapshots: list[tuple[int, int, int]] | None = None,
+    ) -> list[torch.Tensor]:
+        """``snapshots``: the ``RecurrentBatch``'s (row, offset, slot) to fill."""
         lens = [len(ids) for _, ids in rows]
         positions, slot_mapping = [], []
         for req, ids in rows:
@@ -67,7 +76,7 @@ class HybridDriver:
         )
         metadata = self.backend.build_metadata(layout, torch.device("cpu"))
         batch = RecurrentBatch.of_lengths(
-            lens, [self.slots[r] for r, _ in rows], torch.device("cpu")
+            lens, [self.slots[r] for r, _ in rows], torch.device("cpu"), snapshots
         )
         ids = torch.tensor([t for _, new in rows for t in new])
         with torch.no_grad():
