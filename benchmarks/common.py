@@ -23,10 +23,12 @@ __all__ = [
     "MEDIUM",
     "MEDIUM_32K",
     "SMALL",
+    "TINY",
     "build_llama_cpp",
     "gguf_of",
     "has_amx",
     "llama_bench",
+    "llama_cpp_bindings",
     "machine",
     "measure_bandwidth",
     "random_llama",
@@ -48,6 +50,16 @@ MEDIUM: dict[str, Any] = dict(
 )
 SMALL: dict[str, Any] = dict(
     MEDIUM, hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=2048
+)
+# A few megabytes a matrix, its widths multiples of 256 so that the K-quants apply to every one
+TINY: dict[str, Any] = dict(
+    MEDIUM,
+    hidden_size=256,
+    intermediate_size=768,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
 )
 # The medium model with its context raised to 32k tokens by Llama-3.1-style RoPE scaling.
 MEDIUM_32K: dict[str, Any] = dict(
@@ -74,7 +86,7 @@ def random_llama(name: str = "medium", dtype: torch.dtype = torch.float32) -> Pa
         return path
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
-        **{"medium": MEDIUM, "small": SMALL, "medium-32k": MEDIUM_32K}[name]
+        **{"medium": MEDIUM, "small": SMALL, "tiny": TINY, "medium-32k": MEDIUM_32K}[name]
     )
     model = transformers.LlamaForCausalLM(cfg).to(dtype)
     model.save_pretrained(path, safe_serialization=True)
@@ -146,11 +158,14 @@ def build_llama_cpp(
     return bin_dir
 
 
-def gguf_of(model: Path, root: Path, quant: str = "bf16") -> Path:
-    """``model`` (a random Llama of vocabulary 32,000) as GGUF under ``root``, converted once
-    by llama.cpp's converter to bf16 (with the Llama 2 tokenizer its vocabulary stands for),
-    then, for ``quant`` other than bf16 (``Q8_0``, ``Q4_0``, ...), by its ``llama-quantize``."""
-    base = root / f"{model.name}.gguf"
+def gguf_of(model: Path, root: Path, quant: str = "bf16", out_dir: Path | None = None) -> Path:
+    """``model`` (a random Llama of vocabulary 32,000, or less: the Llama 2 tokenizer's first
+    pieces) as GGUF under ``out_dir`` (default ``root``, the llama.cpp of ``build_llama_cpp``),
+    converted once by llama.cpp's converter to bf16 (with the Llama 2 tokenizer its vocabulary
+    stands for), then, for ``quant`` other than bf16 (``Q8_0``, ``Q4_0``, ``Q4_K``, ``Q6_K``,
+    ...), by its ``llama-quantize``."""
+    out_dir = out_dir or root
+    base = out_dir / f"{model.name}.gguf"
     if not base.exists():
         staged = with_llama2_tokenizer(model)
         src = root / "src"
@@ -164,11 +179,38 @@ def gguf_of(model: Path, root: Path, quant: str = "bf16") -> Path:
         )  # fmt: skip
     if quant == "bf16":
         return base
-    out = root / f"{model.name}-{quant}.gguf"
+    out = out_dir / f"{model.name}-{quant}.gguf"
     if not out.exists():
         quantize = build_llama_cpp(root, ("llama-quantize",)) / "llama-quantize"
         subprocess.run([str(quantize), str(base), str(out), quant], check=True, capture_output=True)
     return out
+
+
+def llama_cpp_bindings(root: Path = CACHE / "llama.cpp") -> Any:
+    """llama.cpp's C API (``llama_cpp.llama_cpp``: llama-cpp-python's ctypes bindings) over the
+    ``libllama.so`` of ``build_llama_cpp(root)``, the bindings imported from the same sdist as the
+    library's source (``root/download``: their ABI matches), nothing compiled. Raises
+    ``FileNotFoundError`` saying what is absent. Their package imports ``diskcache`` for a cache
+    class never used here: where it is not installed, an empty module stands for it."""
+    lib = root / "build" / "bin"
+    sdist = next(iter(sorted((root / "download").glob("llama_cpp_python-*/llama_cpp"))), None)
+    if not (lib / "libllama.so").exists() or sdist is None:
+        raise FileNotFoundError(
+            f"llama.cpp's libllama.so ({lib}) or llama-cpp-python's unpacked sdist "
+            f"({root / 'download'}) is absent: common.build_llama_cpp(root, ('llama',)) makes both"
+        )
+    os.environ["LLAMA_CPP_LIB_PATH"] = str(lib)
+    if str(sdist.parent) not in sys.path:
+        sys.path.insert(0, str(sdist.parent))
+    try:
+        import diskcache  # noqa: F401
+    except ImportError:
+        import types
+
+        sys.modules["diskcache"] = types.ModuleType("diskcache")
+    import llama_cpp.llama_cpp as capi
+
+    return capi
 
 
 def run_child(script: str, *args: str, what: str) -> dict[str, Any]:
