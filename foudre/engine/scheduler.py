@@ -487,6 +487,7 @@ class Scheduler:
             assert set(states.of_request) == {r.request_id for r in self.running}
             assert len(states.free_snapshots) + len(states.holders) == states.num_snapshots
 
+
 def new_request(req: Request) -> NewRequest:
     """What the runner's batch keeps of ``req`` (its token lists copied: the engine appends)."""
     return NewRequest(
