@@ -13,8 +13,10 @@ take them: row ``r`` owns tokens ``cu[r]:cu[r+1]``) into ``[T, hidden]``::
 
 Each row continues from its state and leaves its state updated in place, so a prompt may come in
 chunks (chunked prefill) and decode is the same call with one token per row. Prefill runs the
-chunked scan (quadratic within a chunk of ``chunk_size`` tokens, a recurrence across chunks: no
-Python loop over tokens); a step where every row has one token runs the one-step recurrence.
+scan kernel (``ssm_ops.ssd_scan``: token by token in C++ or Triton), or where none runs the
+chunked scan in torch (quadratic within a chunk of ``chunk_size`` tokens, a recurrence across
+chunks: no Python loop over tokens); a step where every row has one token runs the one-step
+recurrence (on the CPU: ``ssm_ops.mamba_decode``, one call between the projections).
 
 Per request and per Mamba layer the state is (``RecurrentStateSpec``):
 
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -141,6 +144,9 @@ class RecurrentBatch:
     snap_row: torch.Tensor = field(init=False)  # [K] the snapshots' rows
     snap_pos: torch.Tensor = field(init=False)  # [K] their offsets within their rows
     snap_slots: torch.Tensor = field(init=False)  # [K] the slots they fill
+    _scan_layout: tuple[list[int], list[tuple[int, int, int]]] | None = field(
+        init=False, default=None
+    )
 
     def __post_init__(self) -> None:
         cu = self.cu_seqlens
@@ -179,13 +185,16 @@ class RecurrentBatch:
     def scan_layout(self) -> tuple[list[int], list[tuple[int, int, int]]]:
         """The rows of more than one token as the scan kernels take them (their tokens
         ``scan_tokens``, in order): their ``cu_seqlens`` from 0, and the snapshots that fall
-        in them, each ``(row among them, offset, slot)``."""
+        in them, each ``(row among them, offset, slot)`` (built once a step, for every layer)."""
+        if self._scan_layout is not None:
+            return self._scan_layout
         cu, index = [0], {}
         for r, n in enumerate(self.lengths):
             if n > 1:
                 index[r] = len(cu) - 1
                 cu.append(cu[-1] + n)
         snaps = [(index[r], o, slot) for r, o, slot in self.snapshots if r in index]
+        self._scan_layout = (cu, snaps)
         return cu, snaps
 
     @classmethod
@@ -217,6 +226,16 @@ class RecurrentStates:
         self.specs = specs
         self.caches = [s.allocate(num_slots, dtype, torch.device(device)) for s in specs]
         self.free_slots = list(range(num_slots))[::-1]
+
+    @classmethod
+    def of_model(
+        cls, model: Any, num_slots: int, device: torch.device | str = "cpu"
+    ) -> RecurrentStates:
+        """Pools for the recurrent layers of ``model`` (its ``kv_cache_specs``), the conv
+        windows in its weights' dtype."""
+        specs = [s for s in model.kv_cache_specs() if isinstance(s, RecurrentStateSpec)]
+        dtype = next(model.parameters()).dtype
+        return cls(specs, num_slots, dtype, device)
 
     def allocate(self) -> int:
         """A free slot, zeroed (a fresh request's state)."""
@@ -444,10 +463,10 @@ def _ssd_rows(
     batch: RecurrentBatch,
     chunk_size: int,
 ) -> torch.Tensor:
-    """The chunked scan over the batch's rows of more than one token (``x`` etc. hold their
-    tokens, ``batch.scan_tokens``): the rows are laid out padded to ``[R', L]`` (a padded token
-    has ``dt = 0``: it leaves the state as it is), scanned together from their states, and their
-    outputs gathered back."""
+    """The scan over the batch's rows of more than one token (``x`` etc. hold their tokens,
+    ``batch.scan_tokens``): the kernels' token by token where they run; else the chunked scan,
+    the rows laid out padded to ``[R', L]`` (a padded token has ``dt = 0``: it leaves the state
+    as it is), scanned together from their states, and their outputs gathered back."""
     rows, length = batch.scan_slots.numel(), batch.scan_len
     q = min(chunk_size, SCAN_CHUNK, length)
     padded_len = -(-length // q) * q

@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from foudre.attention import AttentionBackend
-from foudre.attention.cache_spec import CacheSpec, FullAttentionSpec, RecurrentStateSpec
-from foudre.layers.mamba import Mamba2Mixer, RecurrentStates
+from foudre.attention.cache_spec import CacheSpec, FullAttentionSpec
+from foudre.layers.mamba import Mamba2Mixer
 from foudre.layers.mlp import GatedMLP
 from foudre.layers.moe import SparseMoeBlock
 from foudre.layers.norm import RMSNorm
@@ -102,17 +102,14 @@ class BambaForCausalLM(LlamaForCausalLM):
                 specs.append(FullAttentionSpec(a.num_kv_heads, a.head_dim, a.sliding_window))
         return specs
 
-    def new_states(self, num_slots: int, device: torch.device | str = "cpu") -> RecurrentStates:
-        """State pools of ``num_slots`` requests for drivers outside the engine."""
-        dtype = self.model.embed_tokens.weight.dtype
-        specs = [s for s in self.kv_cache_specs() if isinstance(s, RecurrentStateSpec)]
-        return RecurrentStates(specs, num_slots, dtype, device)
-
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().load_weights(_renamed(weights))
+        super().load_weights(bamba_names(weights))
 
 
-def _renamed(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+def bamba_names(
+    weights: Iterable[tuple[str, torch.Tensor]],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's ``model.final_layernorm`` is our ``model.norm`` (Bamba, Falcon-H1)."""
     for name, tensor in weights:
         if name.startswith("model.final_layernorm."):
             name = "model.norm." + name.removeprefix("model.final_layernorm.")

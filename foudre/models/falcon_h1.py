@@ -23,7 +23,7 @@ metadata ``for_layer(2 i)``, and ``kv_caches[2 i + 1]`` with the step's ``Recurr
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any, cast
 
 import torch
@@ -32,12 +32,13 @@ from torch import nn
 
 from foudre.attention import AttentionBackend
 from foudre.attention.base import GroupedMetadata
-from foudre.attention.cache_spec import CacheSpec, FullAttentionSpec, RecurrentStateSpec
-from foudre.layers.mamba import Mamba2Mixer, Mamba2Shape, RecurrentStates
+from foudre.attention.cache_spec import CacheSpec, FullAttentionSpec
+from foudre.layers.mamba import Mamba2Mixer, Mamba2Shape
 from foudre.layers.mlp import GatedMLP
 from foudre.layers.moe import SparseMoeBlock
 from foudre.layers.norm import RMSNorm
 from foudre.layers.rotary import RotaryEmbedding
+from foudre.models.bamba import bamba_names
 from foudre.models.config import ModelConfig
 from foudre.models.llama import Attention, LlamaForCausalLM, LlamaModel
 from foudre.models.mamba2 import mamba_shape
@@ -142,12 +143,6 @@ class FalconH1ForCausalLM(LlamaForCausalLM):
             specs.append(layer.mamba.shape.state_spec())
         return specs
 
-    def new_states(self, num_slots: int, device: torch.device | str = "cpu") -> RecurrentStates:
-        """State pools of ``num_slots`` requests for drivers outside the engine."""
-        dtype = self.model.embed_tokens.weight.dtype
-        specs = [s for s in self.kv_cache_specs() if isinstance(s, RecurrentStateSpec)]
-        return RecurrentStates(specs, num_slots, dtype, device)
-
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = super().embed(input_ids)
         m = self.config.embedding_multiplier
@@ -181,11 +176,4 @@ class FalconH1ForCausalLM(LlamaForCausalLM):
         return logits * m if m != 1.0 else logits
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().load_weights(_renamed(weights))
-
-
-def _renamed(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    for name, tensor in weights:
-        if name.startswith("model.final_layernorm."):
-            name = "model.norm." + name.removeprefix("model.final_layernorm.")
-        yield name, tensor
+        super().load_weights(bamba_names(weights))

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from foudre.attention import AttentionBackend
-from foudre.attention.cache_spec import CacheSpec, RecurrentCache, RecurrentStateSpec
-from foudre.layers.mamba import Mamba2Mixer, Mamba2Shape, RecurrentBatch, RecurrentStates
+from foudre.attention.cache_spec import CacheSpec, RecurrentCache
+from foudre.layers.mamba import Mamba2Mixer, Mamba2Shape, RecurrentBatch
 from foudre.layers.moe import SparseMoeBlock
 from foudre.layers.norm import RMSNorm
 from foudre.models.config import ModelConfig
@@ -82,12 +82,6 @@ class Mamba2ForCausalLM(LlamaForCausalLM):
     def kv_cache_specs(self) -> list[CacheSpec]:
         """Per layer (all Mamba), what a request keeps."""
         return [cast(Mamba2Block, b).mixer.shape.state_spec() for b in self.model.layers]
-
-    def new_states(self, num_slots: int, device: torch.device | str = "cpu") -> RecurrentStates:
-        """State pools of ``num_slots`` requests for drivers outside the engine."""
-        dtype = self.model.embed_tokens.weight.dtype
-        specs = [cast(RecurrentStateSpec, s) for s in self.kv_cache_specs()]
-        return RecurrentStates(specs, num_slots, dtype, device)
 
     def moe_blocks(self) -> dict[int, SparseMoeBlock]:
         return {}

@@ -31,10 +31,9 @@ import torch
 from torch import nn
 
 from foudre.attention import AttentionBackend
-from foudre.attention.cache_spec import CacheSpec, FullAttentionSpec, RecurrentStateSpec
+from foudre.attention.cache_spec import CacheSpec, FullAttentionSpec
 from foudre.layers.gated_deltanet import GatedDeltaNet, GatedDeltaNetShape
 from foudre.layers.linear import Linear
-from foudre.layers.mamba import RecurrentStates
 from foudre.layers.mlp import GatedMLP
 from foudre.layers.moe import SparseMoeBlock
 from foudre.layers.norm import OffsetRMSNorm
@@ -161,12 +160,6 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
                 assert a is not None
                 specs.append(FullAttentionSpec(a.num_kv_heads, a.head_dim))
         return specs
-
-    def new_states(self, num_slots: int, device: torch.device | str = "cpu") -> RecurrentStates:
-        """State pools of ``num_slots`` requests for drivers outside the engine."""
-        dtype = self.model.embed_tokens.weight.dtype
-        specs = [s for s in self.kv_cache_specs() if isinstance(s, RecurrentStateSpec)]
-        return RecurrentStates(specs, num_slots, dtype, device)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Hugging Face-named tensors, as ``LlamaForCausalLM.load_weights`` checks them, after

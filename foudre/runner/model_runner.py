@@ -380,14 +380,29 @@ class ModelRunner:
 
     def copy_states(self, copies: Sequence[tuple[int | None, int]]) -> None:
         """Fill recurrent state slots before a step, in order: zeros (``None``: a fresh
-        request) or a copy of another slot (a fork, a restored prefix-cache snapshot)."""
-        for src, dst in copies:
-            for cache in self.state_caches:
-                for pool in cache:
-                    if src is None:
-                        pool[dst].zero_()
-                    else:
-                        pool[dst].copy_(pool[src])
+        request) or a copy of another slot (a fork, a restored prefix-cache snapshot); one
+        indexed op a pool where no copy reads a slot that another fills."""
+        dsts = [d for _, d in copies]
+        reads = {s for s, _ in copies if s is not None}
+        if len(set(dsts)) < len(dsts) or reads & set(dsts):
+            for one in copies:  # in order
+                self._copy_states([one])
+            return
+        self._copy_states(copies)
+
+    def _copy_states(self, copies: Sequence[tuple[int | None, int]]) -> None:
+        def index(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+        zeros = index([d for s, d in copies if s is None])
+        src = index([s for s, _ in copies if s is not None])
+        dst = index([d for s, d in copies if s is not None])
+        for cache in self.state_caches:
+            for pool in cache:
+                if zeros.numel():
+                    pool[zeros] = 0
+                if dst.numel():
+                    pool[dst] = pool[src]
 
     def flatten(self, step: ForwardStep) -> None:
         """Fill ``step``'s flattened tensors: token ids, positions, and the backend's metadata

@@ -10,7 +10,7 @@ import torch
 from foudre.attention import TorchSDPABackend
 from foudre.attention.base import BatchLayout
 from foudre.attention.cache_spec import RecurrentCache, RecurrentStateSpec
-from foudre.layers.mamba import RecurrentBatch
+from foudre.layers.mamba import RecurrentBatch, RecurrentStates
 from foudre.models.bamba import BambaForCausalLM
 from foudre.models.falcon_h1 import FalconH1ForCausalLM
 from tests.oracles.ssm_models import step_metadata
@@ -31,7 +31,7 @@ class HybridDriver:
         blocks = torch.randperm(requests * per, generator=torch.Generator().manual_seed(0))
         self.tables = [blocks[i * per : (i + 1) * per].tolist() for i in range(requests)]
         self.specs = model.kv_cache_specs()
-        self.states = model.new_states(requests)
+        self.states = RecurrentStates.of_model(model, requests)
         recurrent = iter(self.states.caches)
         self.caches = [
             next(recurrent)

@@ -92,7 +92,7 @@ def test_whole_sequence_logits(pair: Any) -> None:
     # one token, under a chunk, several chunks, several of the scan's own (64-token) chunks
     for n, seed in ((1, 0), (7, 1), (40, 2), (600, 5)):
         ids = _prompt(n, seed)
-        states = ours.new_states(1)
+        states = RecurrentStates.of_model(ours, 1)
         (got,) = _step(ours, states, [(states.allocate(), ids)])
         torch.testing.assert_close(got, _hf_logits(hf, ids), atol=1e-4, rtol=0)
 
@@ -103,7 +103,7 @@ def test_chunked_prefill_then_decode(pair: Any) -> None:
     _, hf, ours = pair
     ids = _prompt(45, 3)
     want = _hf_logits(hf, ids)
-    states = ours.new_states(2)
+    states = RecurrentStates.of_model(ours, 2)
     slot = states.allocate()
     got, at = [], 0
     for size in (5, 11, 1, 9, 3, *[1] * 16):
@@ -120,12 +120,12 @@ def test_batch_of_rows_equals_each_alone(pair: Any) -> None:
     prompts = [_prompt(n, 10 + n) for n in (13, 4, 30, 9)]
     alone = []
     for p in prompts:
-        states = ours.new_states(1)
+        states = RecurrentStates.of_model(ours, 1)
         slot = states.allocate()
         first = _step(ours, states, [(slot, p[:-3])])[0]
         rest = [_step(ours, states, [(slot, [t])])[0] for t in p[-3:]]
         alone.append(torch.cat([first, *rest]))
-    states = ours.new_states(6)
+    states = RecurrentStates.of_model(ours, 6)
     slots = [states.allocate() for _ in prompts]
     together: list[list[torch.Tensor]] = [[] for _ in prompts]
     # step 1: rows 0 and 2 prefill part of their prompt; step 2: they finish while 1 and 3
@@ -154,7 +154,7 @@ def test_greedy_ids_equal_generate(pair: Any) -> None:
     for p in prompts:
         out = hf.generate(torch.tensor([p]), max_new_tokens=steps, do_sample=False)
         want.append(out[0, len(p) :].tolist())
-    states = ours.new_states(5)
+    states = RecurrentStates.of_model(ours, 5)
     slots = [states.allocate() for _ in prompts]
     logits = _step(ours, states, list(zip(slots, prompts, strict=True)))
     nexts = [int(lg[-1].argmax()) for lg in logits]
