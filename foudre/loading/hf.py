@@ -778,6 +778,9 @@ def _hybrid_mamba(raw: dict[str, Any], arch: str, path: Path) -> dict[str, Any]:
     return fields
 
 
+_MAMBA2_CONTEXT = 1 << 18  # a Mamba-2 config.json names no context length
+
+
 def _mamba2_config(raw: dict[str, Any], model_dir: Path, path: Path) -> ModelConfig:
     """A Mamba-2 ``config.json``: no attention (its attention fields are placeholders)."""
     layers = _required_int(raw, path, "num_hidden_layers")
@@ -794,6 +797,10 @@ def _mamba2_config(raw: dict[str, Any], model_dir: Path, path: Path) -> ModelCon
             num_attention_heads=1,
             num_key_value_heads=1,
             head_dim=2,
+            # no positions: the state carries them (a context limit only where one is given)
+            max_position_embeddings=_optional_int(
+                raw, path, "max_position_embeddings", _MAMBA2_CONTEXT
+            ),
             rms_norm_eps=float(eps),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             torch_dtype=_dtype(raw, path),
