@@ -43,7 +43,9 @@ reported beside the Llama's.
 
 ``--profile`` runs one more child on the Mamba-2 model: ``torch.profiler`` and ``cProfile``
 over ``--profile-steps`` batch-1 decode steps after a 128-token prompt, the top operators and
-Python functions by their own time (``profile.txt`` in ``--out``).
+Python functions by their own time (``profile.txt`` in ``--out``), on ``--profile-threads``
+(1: on a shared host a thread that waits for a descheduled peer would charge the wait to
+whichever small operator it was in).
 
     .venv/bin/python benchmarks/recurrent.py [--quick] [--rounds 2] [--models mamba2 hybrid llama]
         [--llama-cpp ~/.cache/foudre-bench/llama.cpp] [--out DIR] [--profile] [--note TEXT]
@@ -388,6 +390,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, help="threads of both (default: every core)")
     ap.add_argument("--profile", action="store_true", help="also profile Mamba-2's decode")
     ap.add_argument("--profile-steps", type=int, default=16)
+    ap.add_argument(
+        "--profile-threads", type=int, default=1, help="1: no thread stalls another's time"
+    )
     ap.add_argument("--prepare", action="store_true", help="build and convert only")
     ap.add_argument("--llama-cpp", type=Path, default=Path("~/.cache/foudre-bench/llama.cpp"))
     ap.add_argument("--out", type=Path, help="write results.json and results.md here")
@@ -459,13 +464,14 @@ def run(args: argparse.Namespace) -> None:
 
     def attempt(rnd: int, name: str, who: str, fn: Any, *a: Any) -> None:
         key = f"{name} {who}"
+        load = os.getloadavg()[0]  # the host's 1-minute load average as it starts
         try:
             r = fn(*a)
         except (Exception, SystemExit) as e:  # recorded, the run goes on
             errors[key] = f"{type(e).__name__}: {e}"[-1500:]
             print(f"round {rnd} {key}: FAILED {errors[key][:300]}", flush=True)
             return
-        runs.append(r | {"round": rnd, "model": name, "who": who})
+        runs.append(r | {"round": rnd, "model": name, "who": who, "load_avg": load})
         figures = ", ".join(f"{k} {v:.1f}" for k, v in r.items() if k.endswith("_tps"))
         print(f"round {rnd} {key:>18}: {figures}", flush=True)
 
@@ -485,7 +491,7 @@ def run(args: argparse.Namespace) -> None:
                     "--profile-steps",
                     str(args.profile_steps),
                 )
-                cmd += ("--threads", str(args.threads)) if args.threads else ()
+                cmd += ("--threads", str(args.profile_threads))
                 profile = run_child(__file__, "--profile-child", *cmd, what="profile")["profile"]
             except (Exception, SystemExit) as e:
                 errors["mamba2 profile"] = f"{type(e).__name__}: {e}"[-1500:]
@@ -657,7 +663,13 @@ def write_record(
     head = f"# State-space and hybrid models against llama.cpp ({rec['date']})\n\n"
     head += f"{rec['machine']}\n\nCommand: `{rec['command']}`\n\n"
     head += f"{args.note}\n\n" if args.note else ""
-    tail = ""
+    tail = (
+        "\n\nThe host's 1-minute load average as each measurement started (2 cores): "
+        + ", ".join(
+            f"round {r['round'] + 1} {r['model']} {r['who']} {r['load_avg']:.1f}" for r in runs
+        )
+        + "."
+    )
     died = sorted({f"{r['model']} {m}" for r in runs for m in r.get("no_repack", [])})
     if died:
         tail += (
