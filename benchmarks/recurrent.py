@@ -265,7 +265,10 @@ def child_args(args: argparse.Namespace, name: str, model: Path, quick: bool) ->
     keys = ("long", "short", "decode_tokens", "batch", "batch_input", "batch_output")
     out = ["--model", str(model), "--kv-cache-memory", str(kv_cache_memory(name, quick, args))]
     for key in keys:
-        out += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
+        value = getattr(args, key)
+        if key == "batch" and args.throughput_models is not None:
+            value = value if name in args.throughput_models else 1  # 1: no throughput run
+        out += [f"--{key.replace('_', '-')}", str(value)]
     if name != "llama":
         out.append("--prefill")
     if args.threads:
@@ -387,6 +390,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32, help="concurrent requests (throughput)")
     ap.add_argument("--batch-input", type=int, default=512)
     ap.add_argument("--batch-output", type=int, default=128)
+    ap.add_argument(
+        "--throughput-models", nargs="*", choices=MODELS, help="the throughput's (default: all)"
+    )
     ap.add_argument("--threads", type=int, help="threads of both (default: every core)")
     ap.add_argument("--profile", action="store_true", help="also profile Mamba-2's decode")
     ap.add_argument("--profile-steps", type=int, default=16)
@@ -483,6 +489,10 @@ def run(args: argparse.Namespace) -> None:
             attempt(rnd, name, "foudre", foudre_run, args, name, models[name], args.quick)
             prefill = name != "llama"
             attempt(rnd, name, "llama.cpp", llama_cpp_run, bench, ggufs[name], args, prefill)
+            # a record after each model: what finished stands if the run is cut short
+            table, targets = report(runs, args)
+            if args.out is not None:
+                write_record(args, runs, targets, table, errors, profile, rnd + 1)
         if args.profile and rnd == 0 and "mamba2" in models:
             try:
                 cmd: tuple[str, ...] = (
@@ -495,7 +505,6 @@ def run(args: argparse.Namespace) -> None:
                 profile = run_child(__file__, "--profile-child", *cmd, what="profile")["profile"]
             except (Exception, SystemExit) as e:
                 errors["mamba2 profile"] = f"{type(e).__name__}: {e}"[-1500:]
-        # a record after each round: what finished stands if a later round cannot
         table, targets = report(runs, args)
         if args.out is not None:
             write_record(args, runs, targets, table, errors, profile, rnd + 1)
@@ -600,7 +609,8 @@ def median_table(runs: list[dict[str, Any]], args: argparse.Namespace) -> list[s
             a = med(runs, name, "foudre", f"{key}_median_tps")
             b = med(runs, name, "llama.cpp", f"{key}_best_tps")
             cells += [f"{a:.1f} / {b:.1f}", f"{a / b:.2f}x"]
-        lines.append("| " + " | ".join(cells) + " |")
+        if "nan" not in cells[1]:  # not measured (yet): no row
+            lines.append("| " + " | ".join(cells) + " |")
     return lines
 
 
