@@ -25,13 +25,17 @@ __all__ = [
     "SMALL",
     "TINY",
     "build_llama_cpp",
+    "convert_gguf",
     "gguf_of",
     "has_amx",
     "llama_bench",
+    "llama_bench_retry",
+    "llama_bench_rows",
     "llama_cpp_bindings",
     "machine",
     "measure_bandwidth",
     "random_llama",
+    "random_model",
     "run_child",
     "weight_bytes",
 ]
@@ -252,3 +256,113 @@ def llama_bench(
         check=True,
     )  # fmt: skip
     return float(json.loads(proc.stdout)[0]["avg_ts"])
+
+
+def random_model(model_type: str, config: dict[str, Any], path: Path) -> Path:
+    """A random-weight ``transformers`` model of ``model_type`` and ``config`` saved as bf16
+    safetensors at ``path`` (built once in float32 with transformers' own initialisation, then
+    cached)."""
+    import transformers
+
+    if (path / "config.json").exists():
+        return path
+    torch.manual_seed(0)
+    cfg = transformers.AutoConfig.for_model(model_type, **config)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model.to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+# llama.cpp's converter run on a model of the Llama 2 vocabulary's 32,000 ids: every family
+# made to write that sentencepiece vocabulary (the BPE ones would read tokenizer.json)
+_SPM_CONVERT = """
+import sys
+sys.path.insert(0, {src!r})
+sys.argv = ["convert_hf_to_gguf.py", {model!r}, "--outtype", "bf16", "--outfile", {out!r},
+            "--model-name", "random-weights"]
+import convert_hf_to_gguf as c
+_get = c.get_model_class
+def get_model_class(*args, **kwargs):
+    cls = _get(*args, **kwargs)
+    cls.set_vocab = lambda self: self._set_vocab_sentencepiece()
+    return cls
+c.get_model_class = get_model_class
+c.main()
+"""
+
+
+def convert_gguf(model: Path, llama_cpp: Path, quant: str = "bf16") -> Path:
+    """``model`` (of vocabulary 32,000) as GGUF beside it: bf16 by llama.cpp's converter
+    (``llama_cpp/src``; the Llama 2 sentencepiece vocabulary), then ``llama-quantize`` to
+    ``quant`` unless bf16; cached. ``RuntimeError`` with the end of the tool's stderr."""
+    base = model.parent / f"{model.name}.gguf"
+    if not base.exists():
+        staged = with_llama2_tokenizer(model)
+        code = _SPM_CONVERT.format(
+            src=str(llama_cpp / "src"), model=str(staged), out=str(base) + ".part"
+        )
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        if proc.returncode:
+            raise RuntimeError(f"convert_hf_to_gguf.py failed:\n{proc.stderr[-2000:]}")
+        Path(str(base) + ".part").rename(base)
+    if quant == "bf16":
+        return base
+    out = model.parent / f"{model.name}-{quant}.gguf"
+    if not out.exists():
+        quantize = llama_cpp / "build" / "bin" / "llama-quantize"
+        proc = subprocess.run(
+            [str(quantize), str(base), str(out) + ".part", quant], capture_output=True, text=True
+        )
+        if proc.returncode:
+            raise RuntimeError(f"llama-quantize {quant} failed:\n{proc.stderr[-2000:]}")
+        Path(str(out) + ".part").rename(out)
+    return out
+
+
+def llama_bench_rows(
+    bench: Path,
+    gguf: Path,
+    *,
+    prompts: tuple[int, ...] = (0,),
+    generate: int = 0,
+    depths: tuple[int, ...] = (0,),
+    repeats: int = 1,
+    warmup: bool = True,
+    repack: bool = True,
+    threads: int | None = None,
+) -> list[dict[str, Any]]:
+    """``llama-bench``'s JSON rows (``n_prompt``, ``n_gen``, ``n_depth``, ``avg_ts`` ...) on
+    ``gguf`` with flash attention, on every core: one test per prompt length and depth, the model
+    loaded once; with its extra buffer types (AMX, repacked weights) or without
+    (``repack=False``); without its warm-up run per test (``warmup=False``: a first, discarded
+    test then warms it up); on ``threads`` threads (default: every core).
+    ``subprocess.CalledProcessError`` if it fails."""
+    threads = threads or os.cpu_count() or 1
+    cmd = [str(bench), "-m", str(gguf), "-p", ",".join(map(str, prompts)),
+           "-n", str(generate), "-d", ",".join(map(str, depths)), "-fa", "1",
+           "-t", str(threads), "-r", str(repeats), "--repack", str(int(repack)),
+           "-o", "json"]  # fmt: skip
+    if not warmup:
+        cmd.append("--no-warmup")
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode:
+        raise subprocess.CalledProcessError(proc.returncode, proc.args, proc.stdout, proc.stderr)
+    return list(json.loads(proc.stdout))
+
+
+def llama_bench_retry(
+    bench: Path, gguf: Path, name: str, no_repack: list[str], **kw: Any
+) -> list[dict[str, Any]]:
+    """``llama_bench_rows``; where it dies of a signal (its AMX kernels on this Intel Xeon:
+    ``NO_AMX``) it runs again with ``repack=False`` (its AVX-512 kernels) and ``name`` is
+    appended to ``no_repack``. ``RuntimeError`` with the end of its stderr if that fails too."""
+    try:
+        return llama_bench_rows(bench, gguf, repack=True, **kw)
+    except subprocess.CalledProcessError as e:
+        if e.returncode >= 0:
+            raise RuntimeError(f"llama-bench {name}: {str(e.stderr)[-1500:]}") from e
+    no_repack.append(name)
+    try:
+        return llama_bench_rows(bench, gguf, repack=False, **kw)
+    except subprocess.CalledProcessError as e:
+        raise RuntimeError(f"llama-bench {name}: {str(e.stderr)[-1500:]}") from e

@@ -43,7 +43,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 from datetime import date
 from pathlib import Path
@@ -164,22 +163,6 @@ _TINY_EXTRA: dict[str, dict[str, Any]] = {
         topk_group=1,
     ),
 }
-# the converter's families that write a BPE vocabulary from tokenizer.json: made to write the
-# Llama 2 sentencepiece vocabulary instead (every model here has its 32,000 ids)
-_SPM_PATCH = """
-import sys
-sys.path.insert(0, {src!r})
-sys.argv = ["convert_hf_to_gguf.py", {model!r}, "--outtype", "bf16", "--outfile", {out!r},
-            "--model-name", "random-weights"]
-import convert_hf_to_gguf as c
-_get = c.get_model_class
-def get_model_class(*args, **kwargs):
-    cls = _get(*args, **kwargs)
-    cls.set_vocab = lambda self: self._set_vocab_sentencepiece()
-    return cls
-c.get_model_class = get_model_class
-c.main()
-"""
 
 
 def family_config(family: str, quick: bool) -> tuple[str, dict[str, Any]]:
@@ -192,48 +175,19 @@ def family_config(family: str, quick: bool) -> tuple[str, dict[str, Any]]:
 def random_family(family: str, quick: bool, root: Path) -> Path:
     """A random-weight model of ``family`` saved as bf16 safetensors under ``root`` (built once
     by ``transformers`` from its config, then cached)."""
-    import torch
-    import transformers
+    sys.path.insert(0, str(HERE))
+    from common import random_model
 
-    path = root / f"{family}{'-tiny' if quick else ''}"
-    if (path / "config.json").exists():
-        return path
-    model_type, kw = family_config(family, quick)
-    torch.manual_seed(0)
-    cfg = transformers.AutoConfig.for_model(model_type, **kw)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    model.to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
-    return path
+    return random_model(*family_config(family, quick), root / f"{family}{'-tiny' if quick else ''}")
 
 
 def convert(model: Path, llama_cpp: Path, quant: str) -> Path:
-    """``model`` as GGUF beside it: bf16 by llama.cpp's converter (the Llama 2 sentencepiece
-    vocabulary), then ``llama-quantize`` to ``quant`` unless bf16; cached."""
+    """``model`` as GGUF beside it (``common.convert_gguf``: bf16 by llama.cpp's converter with
+    the Llama 2 sentencepiece vocabulary, then ``llama-quantize`` to ``quant``); cached."""
     sys.path.insert(0, str(HERE))
-    from common import with_llama2_tokenizer
+    from common import convert_gguf
 
-    base = model.parent / f"{model.name}.gguf"
-    if not base.exists():
-        staged = with_llama2_tokenizer(model)
-        code = _SPM_PATCH.format(
-            src=str(llama_cpp / "src"), model=str(staged), out=str(base) + ".part"
-        )
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-        if proc.returncode:
-            raise RuntimeError(f"convert_hf_to_gguf.py failed:\n{proc.stderr[-2000:]}")
-        Path(str(base) + ".part").rename(base)
-    if quant == "bf16":
-        return base
-    out = model.parent / f"{model.name}-{quant}.gguf"
-    if not out.exists():
-        quantize = llama_cpp / "build" / "bin" / "llama-quantize"
-        proc = subprocess.run(
-            [str(quantize), str(base), str(out) + ".part", quant], capture_output=True, text=True
-        )
-        if proc.returncode:
-            raise RuntimeError(f"llama-quantize {quant} failed:\n{proc.stderr[-2000:]}")
-        Path(str(out) + ".part").rename(out)
-    return out
+    return convert_gguf(model, llama_cpp, quant)
 
 
 def _mxfp4_with_int8(method: str) -> None:
@@ -300,43 +254,20 @@ def foudre_run(model: Path, quantization: str, decode_tokens: int) -> dict[str, 
     return run_child(__file__, *args, what=f"foudre {model.name} {quantization}")
 
 
-def llama_bench(bench: Path, gguf: Path, repack: bool, **kw: int) -> float:
-    """``llama-bench``'s tokens/s (``common.llama_bench``'s run: ``-fa 1``, every core), with
-    its extra buffer types (AMX, repacked weights) or without (``--repack 0``)."""
-    threads = os.cpu_count() or 1
-    proc = subprocess.run(
-        [str(bench), "-m", str(gguf), "-p", str(kw.get("prompt", 0)),
-         "-n", str(kw.get("generate", 0)), "-fa", "1", "-t", str(threads),
-         "-r", str(kw.get("repeats", 1)), "--repack", str(int(repack)), "-o", "json"],
-        capture_output=True,
-        text=True,
-    )  # fmt: skip
-    if proc.returncode:
-        raise subprocess.CalledProcessError(proc.returncode, proc.args, proc.stdout, proc.stderr)
-    return float(json.loads(proc.stdout)[0]["avg_ts"])
-
-
 def llama_cpp_run(bench: Path, gguf: Path, decode_tokens: int) -> dict[str, Any]:
     """llama-bench's decode and prefill on ``gguf``; a measurement that dies of a signal (its
     AMX kernels on a prompt of a Q8_0 file, on this Intel Xeon: ``common.NO_AMX``) runs again
     with ``--repack 0`` (no extra buffer types: its AVX-512 kernels), listed in ``no_repack``."""
+    from common import llama_bench_retry
+
     no_repack: list[str] = []
 
-    def tps(name: str, **kw: int) -> float:
-        try:
-            return llama_bench(bench, gguf, True, **kw)
-        except subprocess.CalledProcessError as e:
-            if e.returncode >= 0:
-                raise RuntimeError(f"llama-bench {name}: {str(e.stderr)[-1500:]}") from e
-            no_repack.append(name)
-            try:
-                return llama_bench(bench, gguf, False, **kw)
-            except subprocess.CalledProcessError as e2:
-                raise RuntimeError(f"llama-bench {name}: {str(e2.stderr)[-1500:]}") from e2
+    def tps(name: str, **kw: Any) -> float:
+        return float(llama_bench_retry(bench, gguf, name, no_repack, **kw)[0]["avg_ts"])
 
     return {
         "decode_tps": tps("decode", generate=decode_tokens, repeats=DECODE_PASSES),
-        "prefill_tps": tps("prefill", prompt=PREFILL_LEN, repeats=PREFILL_PROMPTS),
+        "prefill_tps": tps("prefill", prompts=(PREFILL_LEN,), repeats=PREFILL_PROMPTS),
         "no_repack": no_repack,
     }
 
