@@ -193,21 +193,6 @@ def kv_cache_memory(name: str, quick: bool, args: argparse.Namespace) -> int:
     return states + 2 * tokens * mem["kv_bytes_per_token"] + (64 << 20)
 
 
-def _mamba2_positions() -> None:
-    """foudre's Mamba-2 loader leaves ``max_position_embeddings`` at ModelConfig's 2048 (a
-    state-space model has no such limit): made to read the config's value, or 2**20."""
-    import foudre.loading.hf as hf
-
-    read = hf._mamba2_config
-
-    def mamba2_config(raw: dict[str, Any], model_dir: Path, path: Path) -> Any:
-        cfg = read(raw, model_dir, path)
-        cfg.max_position_embeddings = int(raw.get("max_position_embeddings", 2**20))
-        return cfg
-
-    hf._mamba2_config = mamba2_config  # type: ignore[assignment]
-
-
 def child(args: argparse.Namespace) -> None:
     """One model's foudre measurements in this process: prints one JSON line."""
     import time
@@ -221,7 +206,6 @@ def child(args: argparse.Namespace) -> None:
 
     torch.manual_seed(0)
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
-    _mamba2_positions()
     n = args.decode_tokens
     t = time.perf_counter()
     llm = LLM(
@@ -344,7 +328,6 @@ def profile_child(args: argparse.Namespace) -> None:
     from foudre.sampling_params import SamplingParams
 
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
-    _mamba2_positions()
     llm = LLM(
         args.model,
         dtype="bfloat16",
