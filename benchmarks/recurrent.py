@@ -92,7 +92,7 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
             expand=2,
             conv_kernel=4,
             chunk_size=256,
-            # no limit in the model: foudre reads 2048 where the config names none
+            # (the model has no limit; its config names one for the 8k measurements)
             max_position_embeddings=16384,
         ),
     ),
