@@ -5,6 +5,8 @@ engine: the model oracles of ``test_bamba.py``, ``test_granite_moe_hybrid.py`` a
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from foudre.attention import TorchSDPABackend
@@ -13,7 +15,7 @@ from foudre.attention.cache_spec import RecurrentCache, RecurrentStateSpec
 from foudre.layers.mamba import RecurrentBatch, RecurrentStates
 from foudre.models.bamba import BambaForCausalLM
 from foudre.models.falcon_h1 import FalconH1ForCausalLM
-from tests.oracles.ssm_models import step_metadata
+from tests.oracles.ssm_models import hf_logits, prompt, step_metadata
 
 BLOCK = 4
 
@@ -91,3 +93,52 @@ class HybridDriver:
         for r, ids_ in rows:
             self.computed[r] += len(ids_)
         return list(logits.split(lens))
+
+
+def check_mixed_batch(hf: Any, model: Any, long: int = 30) -> None:
+    """Rows mid-prefill, starting and decoding in the same forwards (one of ``long`` tokens)
+    give transformers' logits of each whole sequence."""
+    prompts = [prompt(n, 10 + n) for n in (13, 4, long, 9)]
+    driver = HybridDriver(model, 4, max(32, long))
+    got: list[list[torch.Tensor]] = [[] for _ in prompts]
+    cut = long - 10
+    plan = [
+        {0: (0, 6), 2: (0, cut)},
+        {0: (6, 10), 1: (0, 1), 2: (cut, cut + 7), 3: (0, 6)},
+        *(
+            {
+                0: (10 + i, 11 + i),
+                1: (1 + i, 2 + i),
+                2: (cut + 7 + i, cut + 8 + i),
+                3: (6 + i, 7 + i),
+            }
+            for i in range(3)
+        ),
+    ]
+    for step in plan:
+        rows = [(r, prompts[r][a:b]) for r, (a, b) in step.items()]
+        for r, out in zip(step, driver.step(rows), strict=True):
+            got[r].append(out)
+    for r, p in enumerate(prompts):
+        torch.testing.assert_close(torch.cat(got[r]), hf_logits(hf, p), atol=1e-4, rtol=0)
+
+
+def check_greedy_forked(hf: Any, model: Any, steps: int = 10) -> None:
+    """Prompts of different lengths decoded together, one of them forked (n = 2): greedy ids
+    of transformers' ``generate``."""
+    prompts = [prompt(n, 20 + n) for n in (5, 17, 33, 150)]
+    want = []
+    for p in prompts:
+        out = hf.generate(torch.tensor([p]), max_new_tokens=steps, do_sample=False)
+        want.append(out[0, len(p) :].tolist())
+    driver = HybridDriver(model, 5, 160)
+    logits = driver.step(list(enumerate(prompts)))
+    got = [[int(lg[-1].argmax())] for lg in logits]
+    driver.fork(1, 4)
+    got.append(list(got[1]))
+    for _ in range(steps - 1):
+        logits = driver.step([(r, [g[-1]]) for r, g in enumerate(got)])
+        for g, lg in zip(got, logits, strict=True):
+            g.append(int(lg[-1].argmax()))
+    assert got[:4] == want
+    assert got[4] == want[1]

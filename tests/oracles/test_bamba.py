@@ -19,7 +19,7 @@ import torch
 from foudre.attention.cache_spec import RecurrentStateSpec
 from foudre.loading.loader import load_model
 from foudre.models.bamba import BambaForCausalLM
-from tests.oracles.hybrid_driver import HybridDriver
+from tests.oracles.hybrid_driver import HybridDriver, check_greedy_forked, check_mixed_batch
 from tests.oracles.ssm_models import hf_logits as _hf_logits
 from tests.oracles.ssm_models import prompt as _prompt
 from tests.oracles.ssm_models import save_random
@@ -98,45 +98,12 @@ def test_chunked_prefill_then_decode(pair: Any) -> None:
 def test_mixed_batch_of_rows(pair: Any) -> None:
     """Rows mid-prefill, starting and decoding in the same forwards give transformers' logits
     of each whole sequence."""
-    _, hf, ours = pair
-    prompts = [_prompt(n, 10 + n) for n in (13, 4, 30, 9)]
-    driver = HybridDriver(ours, 4, 32)
-    got: list[list[torch.Tensor]] = [[] for _ in prompts]
-    plan = [
-        {0: (0, 6), 2: (0, 20)},
-        {0: (6, 10), 1: (0, 1), 2: (20, 27), 3: (0, 6)},
-        {0: (10, 11), 1: (1, 2), 2: (27, 28), 3: (6, 7)},
-        {0: (11, 12), 1: (2, 3), 2: (28, 29), 3: (7, 8)},
-        {0: (12, 13), 1: (3, 4), 2: (29, 30), 3: (8, 9)},
-    ]
-    for step in plan:
-        rows = [(r, prompts[r][a:b]) for r, (a, b) in step.items()]
-        for r, out in zip(step, driver.step(rows), strict=True):
-            got[r].append(out)
-    for r, p in enumerate(prompts):
-        torch.testing.assert_close(torch.cat(got[r]), _hf_logits(hf, p), atol=1e-4, rtol=0)
+    check_mixed_batch(pair[1], pair[2])
 
 
 def test_greedy_ids_equal_generate(pair: Any) -> None:
     """Prompts of different lengths decoded together, one of them forked (n = 2)."""
-    _, hf, ours = pair
-    prompts = [_prompt(n, 20 + n) for n in (5, 17, 33, 150)]
-    steps = 10
-    want = []
-    for p in prompts:
-        out = hf.generate(torch.tensor([p]), max_new_tokens=steps, do_sample=False)
-        want.append(out[0, len(p) :].tolist())
-    driver = HybridDriver(ours, 5, 160)
-    logits = driver.step(list(enumerate(prompts)))
-    got = [[int(lg[-1].argmax())] for lg in logits]
-    driver.fork(1, 4)
-    got.append(list(got[1]))
-    for _ in range(steps - 1):
-        logits = driver.step([(r, [g[-1]]) for r, g in enumerate(got)])
-        for g, lg in zip(got, logits, strict=True):
-            g.append(int(lg[-1].argmax()))
-    assert got[:4] == want
-    assert got[4] == want[1]
+    check_greedy_forked(pair[1], pair[2])
 
 
 def test_layers_and_state_bytes(pair: Any) -> None:
