@@ -142,3 +142,16 @@ def check_greedy_forked(hf: Any, model: Any, steps: int = 10) -> None:
             g.append(int(lg[-1].argmax()))
     assert got[:4] == want
     assert got[4] == want[1]
+
+
+def check_chunked_prefill(hf: Any, model: Any, sizes: tuple[int, ...]) -> None:
+    """A prompt of ``sum(sizes)`` tokens computed in chunks of those sizes (ones: decode
+    steps): every position's logits are transformers' over the whole sequence."""
+    ids = prompt(sum(sizes), 3)
+    driver = HybridDriver(model, 1, sum(sizes) + 2)
+    got, at = [], 0
+    for size in sizes:
+        (out,) = driver.step([(0, ids[at : at + size])])
+        got.append(out)
+        at += size
+    torch.testing.assert_close(torch.cat(got), hf_logits(hf, ids), atol=1e-4, rtol=0)

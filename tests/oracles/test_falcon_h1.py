@@ -22,7 +22,13 @@ from foudre.loading.errors import ModelLoadError
 from foudre.loading.hf import load_hf_config
 from foudre.loading.loader import load_model
 from foudre.models.falcon_h1 import FalconH1ForCausalLM
-from tests.oracles.hybrid_driver import BLOCK, HybridDriver, check_greedy_forked, check_mixed_batch
+from tests.oracles.hybrid_driver import (
+    BLOCK,
+    HybridDriver,
+    check_chunked_prefill,
+    check_greedy_forked,
+    check_mixed_batch,
+)
 from tests.oracles.ssm_models import hf_logits as _hf_logits
 from tests.oracles.ssm_models import prompt as _prompt
 from tests.oracles.ssm_models import save_random
@@ -123,17 +129,7 @@ def test_whole_prompt_logits(pair: Any, n: int) -> None:
 
 def test_chunked_prefill_then_decode(pair: Any) -> None:
     """A prompt in odd chunks then one token at a time: transformers' logits of the whole."""
-    _, hf, ours = pair
-    ids = _prompt(41, 3)
-    want = _hf_logits(hf, ids)
-    driver = HybridDriver(ours, 1, 64)
-    got, at = [], 0
-    for size in (5, 11, 1, 9, 3, *[1] * 12):
-        (out,) = driver.step([(0, ids[at : at + size])])
-        got.append(out)
-        at += size
-    assert at == len(ids)
-    torch.testing.assert_close(torch.cat(got), want, atol=1e-4, rtol=0)
+    check_chunked_prefill(pair[1], pair[2], (5, 11, 1, 9, 3, *[1] * 12))
 
 
 def test_mixed_batch_of_rows(pair: Any) -> None:

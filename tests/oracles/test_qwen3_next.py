@@ -24,7 +24,12 @@ from foudre.layers.gated_deltanet import (
 from foudre.layers.mamba import RecurrentBatch, RecurrentStates
 from foudre.loading.loader import load_model
 from foudre.models.qwen3_next import Qwen3NextForCausalLM
-from tests.oracles.hybrid_driver import HybridDriver, check_greedy_forked, check_mixed_batch
+from tests.oracles.hybrid_driver import (
+    HybridDriver,
+    check_chunked_prefill,
+    check_greedy_forked,
+    check_mixed_batch,
+)
 from tests.oracles.ssm_models import hf_logits as _hf_logits
 from tests.oracles.ssm_models import prompt as _prompt
 from tests.oracles.ssm_models import save_random
@@ -191,16 +196,7 @@ def test_whole_sequence_logits(pair: Any, n: int) -> None:
 def test_chunked_prefill_then_decode(pair: Any) -> None:
     """A prompt in odd chunks (one longer than a delta-rule chunk) then one token at a time:
     every position's logits are transformers' over the whole sequence."""
-    _, hf, ours = pair
-    ids = _prompt(110, 3)
-    driver = _driver(ours, 1, 112)
-    got, at = [], 0
-    for size in (5, 70, 1, 9, 3, *[1] * 22):
-        (out,) = driver.step([(0, ids[at : at + size])])
-        got.append(out)
-        at += size
-    assert at == len(ids)
-    torch.testing.assert_close(torch.cat(got), _hf_logits(hf, ids), atol=1e-4, rtol=0)
+    check_chunked_prefill(pair[1], pair[2], (5, 70, 1, 9, 3, *[1] * 22))
 
 
 def test_mixed_batch_of_rows(pair: Any) -> None:
