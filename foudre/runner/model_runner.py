@@ -435,7 +435,8 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.long),
             block_size=bs,
         )
-        step.metadata = self._metadata(layout)
+        # (a model of recurrent layers only has no attention to lay out)
+        step.metadata = self._metadata(layout) if self.kv_groups[0].layers else None
         if step.group_tables or self.recurrent:  # the other cache groups: their own tables
             groups = [step.metadata]
             for tables in step.group_tables:
