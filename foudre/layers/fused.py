@@ -42,15 +42,18 @@ _SIGNATURES = {
     # counted, out
     "foudre_moe_block": [_P, *[_I64] * 3, _P, _I64, _I64, ctypes.c_int, _P, _P, _P, _I64, _P],
     # out, rows, layers, num_layers, hidden, heads, kv_heads, head_dim, intermediate, eps;
-    # cos, sin, max_positions, positions, slots, num_slots;
-    # attention, tokens, tables, lens, table_width, block_size, scale; counted;
-    # embed, vocab, ids, final_norm; head (a QuantSlot descriptor, or 0), head_n, logits
+    # cos, sin, rot, max_positions, positions, slots, num_slots;
+    # attention, tokens, tables, lens, table_width, block_size, scale;
+    # mamba (a MambaStep), state_slots, num_state_slots, state_copies, num_copies; counted;
+    # embed, embed_scale, vocab, ids, final_norm; head (a QuantSlot descriptor, or 0), head_n,
+    # logits
     "foudre_decode_layers": [
         *[_P, _I64, _P, *[_I64] * 6, _F],
-        *[_P, _P, _I64, _P, _P, _I64],
+        *[_P, _P, _I64, _I64, _P, _P, _I64],
         *[*[_P] * 4, _I64, _I64, _F],
+        *[_P, _P, _I64, _P, _I64],
         _I64,
-        *[_P, _I64, _P, _P],
+        *[_P, _F, _I64, _P, _P],
         *[_P, _I64, _P],
     ],
 }

@@ -25,15 +25,19 @@ from __future__ import annotations
 import ctypes
 import itertools
 import os
+import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from foudre.native import build as native
+
+if TYPE_CHECKING:
+    from foudre.attention.cache_spec import RecurrentCache
 
 SOURCE = native.SOURCES / "cpu_ssm.cpp"
 # the paths that foudre_ssm_isa() names
@@ -449,6 +453,21 @@ def mamba_decode(
     return y
 
 
+def mamba_step_fn(dtype: torch.dtype) -> int | None:
+    """The address of ``foudre_mamba_step`` for ``dtype`` pools (float32, bfloat16): a Mamba-2
+    layer's decode step for the native decoder layers (``runner/cpu_decode.py``), which call it
+    with ``params.descriptor``; None where the C++ kernels do not build or are off."""
+    dll = library()
+    if dll is None or dtype not in _CONV_SUFFIX:
+        return None
+    fn = getattr(dll, f"foudre_mamba_step_{_CONV_SUFFIX[dtype]}")
+    return ctypes.cast(fn, ctypes.c_void_p).value
+
+
+def _float_bits(x: float) -> int:
+    return int.from_bytes(struct.pack("<f", x), "little")
+
+
 @dataclass(frozen=True, slots=True)
 class MambaDecodeParams:
     """A Mamba-2 mixer's sizes and its small parameters in float32, as ``mamba_decode`` reads
@@ -470,6 +489,20 @@ class MambaDecodeParams:
     norm_groups: int
     eps: float
     norm_mode: int
+
+    def descriptor(self, cache: RecurrentCache) -> list[int]:
+        """The layer as ``foudre_mamba_step`` reads it (``MambaSlot`` in ``native/cpu_ssm.cpp``):
+        the pools of ``cache`` at their slot strides, the sizes, the parameters' addresses and
+        the floats as their float32 bits."""
+        conv, ssm = cache.conv, cache.ssm
+        return [
+            conv.data_ptr(), conv.stride(0), ssm.data_ptr(), ssm.stride(0), self.heads,
+            self.head_dim, self.d_state, self.groups, conv.shape[1], self.conv_w.data_ptr(),
+            0 if self.conv_b is None else self.conv_b.data_ptr(), self.dt_bias.data_ptr(),
+            self.a.data_ptr(), self.d.data_ptr(), _float_bits(self.dt_min),
+            _float_bits(self.dt_max), 0 if self.norm_w is None else self.norm_w.data_ptr(),
+            self.norm_groups, _float_bits(self.eps), self.norm_mode,
+        ]  # fmt: skip
 
 
 # ---------------------------------------------------------------- gated delta rule

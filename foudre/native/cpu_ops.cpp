@@ -155,12 +155,12 @@ void silu_mul(const T* gu, T* out, int64_t rows, int64_t n, int64_t gu_stride) {
 // and each product and sum rounded to T as torch's q * cos + rotate_half(q) * sin does.
 template <typename T>
 void rope(T* x, const float* cos, const float* sin, const int64_t* positions, int64_t tokens,
-          int64_t heads, int64_t head_dim, int64_t token_stride) {
-  const int64_t half = head_dim / 2;
+          int64_t heads, int64_t head_dim, int64_t token_stride, int64_t rot) {
+  const int64_t half = rot / 2;
 #pragma omp parallel for schedule(static) if (tokens * heads * head_dim >= 65536)
   for (int64_t t = 0; t < tokens; ++t) {
-    const float* ct = cos + positions[t] * head_dim;
-    const float* st = sin + positions[t] * head_dim;
+    const float* ct = cos + positions[t] * rot;
+    const float* st = sin + positions[t] * rot;
     for (int64_t i = 0; i < half; i += 16) {
       const __mmask16 m = lanes(half - i);
       const __m512 c1 = round_to(load(ct + i, m), x), c2 = round_to(load(ct + half + i, m), x);
@@ -395,12 +395,12 @@ void silu_mul(const T* gu, T* out, int64_t rows, int64_t n, int64_t gu_stride) {
 
 template <typename T>
 void rope(T* x, const float* cos, const float* sin, const int64_t* positions, int64_t tokens,
-          int64_t heads, int64_t head_dim, int64_t token_stride) {
-  const int64_t half = head_dim / 2;
+          int64_t heads, int64_t head_dim, int64_t token_stride, int64_t rot) {
+  const int64_t half = rot / 2;
 #pragma omp parallel for schedule(static) if (tokens * heads * head_dim >= 65536)
   for (int64_t t = 0; t < tokens; ++t) {
-    const float* ct = cos + positions[t] * head_dim;
-    const float* st = sin + positions[t] * head_dim;
+    const float* ct = cos + positions[t] * rot;
+    const float* st = sin + positions[t] * rot;
     for (int64_t i = 0; i < half; i += 8) {
       const int64_t m = half - i;
       const __m256 c1 = round_to(load8(ct + i, m), x), c2 = round_to(load8(ct + half + i, m), x);
@@ -916,116 +916,238 @@ void quantize_kv(const T* x, int64_t n, int64_t D, int64_t kind, uint8_t* codes,
   }
 }
 
+// A Mamba-2 mixer's decode token per row on its state pools (native/cpu_ssm.cpp's
+// foudre_mamba_step_f32 / _bf16, passed by address): `layer` its descriptor (pools and small
+// parameters), each row's state slot, the (source, destination) slot pairs to copy after it,
+// in_proj's output -> y [rows, heads * head_dim]
+using MambaStep = void (*)(const int64_t* layer, const int64_t* slots, int64_t rows,
+                           const int64_t* copies, int64_t num_copies, const void* proj,
+                           int64_t proj_stride, void* y);
+
+// y = T(y * s): a family's multiplier on a sublayer's output or on the embedding rows, as
+// torch multiplies a tensor by a scalar (in float32, one rounding)
+template <typename T>
+void scale_(T* y, float s, int64_t n) {
+  float buf[256];
+  for (int64_t i = 0; i < n; i += 256) {
+    const int64_t m = std::min<int64_t>(256, n - i);
+    for (int64_t j = 0; j < m; ++j) buf[j] = to_float(y[i + j]) * s;
+    store_rounded(y + i, buf, m);
+  }
+}
+
 // Per layer, the addresses decode_layers reads (0 where a layer has none), then a sparse layer's
 // integers: a layer with a router (kRouter) runs moe_block in place of the dense MLP (kGateUp,
-// kDown), counting into its int64 counts[kExperts]. A quantized KV cache: its codes at kKCache /
-// kVCache, their scales at kKScales / kVScales, kKVCodes its KVCodes (kFloatKV: a float cache).
-// A quantized projection: the address of its QuantSlot descriptor at kQKVQuant .. kDownQuant
-// (0: the float weight at kQKV .. kDown).
+// kDown), counting into its int64 counts[kExperts]; a layer without a norm at kPostNorm has no
+// MLP. A quantized KV cache: its codes at kKCache / kVCache, their scales at kKScales /
+// kVScales, kKVCodes its KVCodes (kFloatKV: a float cache). A quantized projection: the address
+// of its QuantSlot descriptor at kQKVQuant .. kDownQuant (0: the float weight at kQKV .. kDown).
+// A Mamba-2 layer (kMamba: its MambaStep descriptor; 0 for attention) has in_proj at kQKV,
+// kQKVBias, kQKVQuant (kMambaWidth outputs) and out_proj at kO, kOQuant (kMambaInner inputs).
+// kResidual: the float32 bits of the multiplier on both sublayers' outputs (1.0f: none); kRope:
+// whether attention rotates q and k.
 enum LayerPointer {
   kInputNorm, kQKV, kQKVBias, kO, kPostNorm, kGateUp, kDown, kQNorm, kKNorm, kKCache, kVCache,
   kKScales, kVScales, kKVCodes, kQKVQuant, kOQuant, kGateUpQuant, kDownQuant,
   kRouter, kExpertsGateUp, kExpertsDown, kCounts, kExperts, kTopK, kRenormalize, kMoeIntermediate,
+  kMamba, kMambaWidth, kMambaInner, kResidual, kRope,
   kLayerPointers
 };
 
+inline float float_bits(int64_t bits) {
+  const auto b = static_cast<uint32_t>(bits);
+  float f;
+  std::memcpy(&f, &b, 4);
+  return f;
+}
+
+// x += T(y * scale) (or x += y where scale is 1), the sublayer's output y added to the stream
+template <typename T>
+void add_residual(T* x, T* y, float scale, int64_t n) {
+  if (scale != 1.0f) scale_(y, scale, n);
+  add_(x, y, n);
+}
+
+// The state slots a step's Mamba-2 layers read and the snapshot copies they make: each row's
+// slot, and (source, destination) pairs, all within the pools' num_slots
+struct StateRows {
+  const void* step;  // a MambaStep
+  const int64_t* slots;
+  int64_t num_slots;
+  const int64_t* copies;
+  int64_t num_copies;
+  bool valid(int64_t rows) const {
+    for (int64_t r = 0; r < rows; ++r)
+      if (slots[r] < 0 || slots[r] >= num_slots) return false;
+    for (int64_t i = 0; i < 2 * num_copies; ++i)
+      if (copies[i] < 0 || copies[i] >= num_slots) return false;
+    return true;
+  }
+};
+
+// What a decode step's attention layers read besides their own pointers: the RoPE tables
+// (rot columns a position), each row's position and KV slot, the paged-attention kernel and
+// its tables (tokens, block tables, context lengths).
+struct AttentionRows {
+  const float* cos;
+  const float* sin;
+  int64_t rot;
+  const int64_t* positions;
+  const int64_t* slots;
+  const void* kernel;  // a PagedDecode, or a PagedDecodeCodes over quantized caches
+  const int32_t* tokens;
+  const int32_t* tables;
+  const int32_t* lens;
+  int64_t table_width, block_size;
+  float scale;
+};
+
+// An attention layer's mixer over the normed rows h: q|k|v (q/k norms, RoPE), the new K/V into
+// the rows' slots, paged attention, o_proj into y [rows, hidden]
+template <typename T>
+void attention_layer(const int64_t* p, const AttentionRows& a, const T* h, T* y, int64_t rows,
+                     int64_t hidden, int64_t heads, int64_t kv_heads, int64_t D, float eps,
+                     T* qkv, T* att) {
+  const auto w = [p](LayerPointer i) { return reinterpret_cast<const T*>(p[i]); };
+  const auto quant = [p](LayerPointer i) { return reinterpret_cast<const int64_t*>(p[i]); };
+  const int64_t q_size = heads * D, kv_size = kv_heads * D, qkv_width = q_size + 2 * kv_size;
+  const int64_t token_stride = kv_size, block_stride = a.block_size * kv_size;
+  T* k_cache = reinterpret_cast<T*>(p[kKCache]);
+  T* v_cache = reinterpret_cast<T*>(p[kVCache]);
+  const int64_t kv_codes = p[kKVCodes];
+  project(quant(kQKVQuant), h, w(kQKV), w(kQKVBias), qkv, rows, qkv_width, hidden);
+  if (p[kQNorm] != 0) {  // q/k norm over each head, before RoPE (qwen3)
+    for (int64_t r = 0; r < rows; ++r) {
+      T* row = qkv + r * qkv_width;
+      rms_norm(row, w(kQNorm), row, heads, D, D, eps);
+      rms_norm(row + q_size, w(kKNorm), row + q_size, kv_heads, D, D, eps);
+    }
+  }
+  if (p[kRope] != 0)
+    rope(qkv, a.cos, a.sin, a.positions, rows, heads + kv_heads, D, qkv_width, a.rot);
+  for (int64_t r = 0; r < rows; ++r) {  // the new token's K and V into its slot
+    const T* row = qkv + r * qkv_width;
+    const int64_t at =
+        a.slots[r] / a.block_size * block_stride + a.slots[r] % a.block_size * token_stride;
+    if (kv_codes != kFloatKV) {  // codes of a byte, scales at the codes' offset / head_dim
+      uint8_t* codes[2] = {reinterpret_cast<uint8_t*>(p[kKCache]),
+                           reinterpret_cast<uint8_t*>(p[kVCache])};
+      float* scales[2] = {reinterpret_cast<float*>(p[kKScales]),
+                          reinterpret_cast<float*>(p[kVScales])};
+      for (int i = 0; i < 2; ++i)
+        quantize_kv(row + q_size + i * kv_size, kv_heads, D, kv_codes, codes[i] + at,
+                    scales[i] + at / D);
+      continue;
+    }
+    std::copy(row + q_size, row + q_size + kv_size, k_cache + at);
+    std::copy(row + q_size + kv_size, row + qkv_width, v_cache + at);
+  }
+  if (kv_codes != kFloatKV)
+    reinterpret_cast<PagedDecodeCodes>(const_cast<void*>(a.kernel))(
+        qkv, k_cache, v_cache, reinterpret_cast<const float*>(p[kKScales]),
+        reinterpret_cast<const float*>(p[kVScales]), att, a.tokens, a.tables, a.lens, rows,
+        heads, kv_heads, D, a.block_size, a.table_width, qkv_width, q_size, block_stride,
+        token_stride, a.scale, 0);
+  else
+    reinterpret_cast<PagedDecode>(const_cast<void*>(a.kernel))(
+        qkv, k_cache, v_cache, att, a.tokens, a.tables, a.lens, rows, heads, kv_heads, D,
+        a.block_size, a.table_width, qkv_width, q_size, block_stride, token_stride, a.scale);
+  project(quant(kOQuant), att, w(kO), static_cast<const T*>(nullptr), y, rows, hidden, q_size);
+}
+
+// A Mamba-2 layer's mixer over the normed rows h: in_proj, the MambaStep (conv window, state
+// update, gated norm; the states of the rows' slots in place, then the snapshot copies),
+// out_proj into y [rows, hidden]
+template <typename T>
+void mamba_layer(const int64_t* p, const StateRows& s, const T* h, T* y, int64_t rows,
+                 int64_t hidden, T* proj, T* inner) {
+  const auto w = [p](LayerPointer i) { return reinterpret_cast<const T*>(p[i]); };
+  const auto quant = [p](LayerPointer i) { return reinterpret_cast<const int64_t*>(p[i]); };
+  const int64_t width = p[kMambaWidth];
+  project(quant(kQKVQuant), h, w(kQKV), w(kQKVBias), proj, rows, width, hidden);
+  reinterpret_cast<MambaStep>(const_cast<void*>(s.step))(
+      reinterpret_cast<const int64_t*>(p[kMamba]), s.slots, rows, s.copies, s.num_copies, proj,
+      width, inner);
+  project(quant(kOQuant), inner, w(kO), static_cast<const T*>(nullptr), y, rows, hidden,
+          p[kMambaInner]);
+}
+
+// A layer's MLP over the normed rows h into y: the sparse block (router, experts) or the dense
+// gate|up, SiLU * up, down
+template <typename T>
+void mlp_layer(const int64_t* p, const T* h, T* y, int64_t rows, int64_t hidden,
+               int64_t intermediate, int64_t counted, T* gate_up, T* act) {
+  const auto w = [p](LayerPointer i) { return reinterpret_cast<const T*>(p[i]); };
+  const auto quant = [p](LayerPointer i) { return reinterpret_cast<const int64_t*>(p[i]); };
+  if (p[kRouter] != 0) {  // route's ids are in range: moe_block cannot fail
+    moe_block(h, rows, hidden, p[kMoeIntermediate], w(kRouter), p[kExperts], p[kTopK],
+              p[kRenormalize] != 0, w(kExpertsGateUp), w(kExpertsDown),
+              reinterpret_cast<int64_t*>(p[kCounts]), counted, y);
+    return;
+  }
+  project(quant(kGateUpQuant), h, w(kGateUp), static_cast<const T*>(nullptr), gate_up, rows,
+          2 * intermediate, hidden);
+  silu_mul(gate_up, act, rows, intermediate, 2 * intermediate);
+  project(quant(kDownQuant), act, w(kDown), static_cast<const T*>(nullptr), y, rows, hidden,
+          intermediate);
+}
+
 // A decode step (one new token in each of `rows` rows) from the tokens `ids` to the final
-// hidden states: the rows of the embedding table `embed` [vocab, hidden] as the residual
-// stream, every decoder layer in place on it, then the final RMSNorm (`final_norm`) into out
-// [rows, hidden]: the kernels above and the paged-attention kernel (`attention`: a PagedDecode,
-// or a PagedDecodeCodes where the layers' KV caches are quantized), called in the order and
-// with the roundings of models/llama.py's path through them, so both give the same bits; sparse
-// layers count the experts chosen by the first `counted` rows. With a `head` (a QuantSlot
-// descriptor, as a projection's: the model's quantized lm_head), then its `head_n` logits of
-// every row into float32 logits [rows, head_n], as QuantLinear's forward computes them (in T)
-// and compute_logits widens them. Returns, before touching anything, 1 for a position outside
-// the RoPE tables, 2 for a slot outside the cache's num_slots, 3 for a token outside the
-// vocabulary; else 0.
+// hidden states: the rows of the embedding table `embed` [vocab, hidden] (times embed_scale
+// where it is not 1) as the residual stream, every decoder layer in place on it, then the final
+// RMSNorm (`final_norm`) into out [rows, hidden]: the kernels above, the paged-attention kernel
+// and the Mamba-2 step (attention layers and Mamba-2 layers, each then its MLP if it has one),
+// called in the order and with the roundings of the models' Python path through them
+// (models/llama.py, bamba.py, mamba2.py, granite_moe_hybrid.py), so both give the same bits;
+// sparse layers count the experts chosen by the first `counted` rows. With a `head` (a
+// QuantSlot descriptor, as a projection's: the model's quantized lm_head), then its `head_n`
+// logits of every row into float32 logits [rows, head_n], as QuantLinear's forward computes
+// them (in T) and compute_logits widens them. Returns, before touching anything, 1 for a
+// position outside the RoPE tables, 2 for a slot outside the cache's num_slots, 3 for a token
+// outside the vocabulary, 4 for a state slot outside the pools; else 0.
 template <typename T>
 int decode_layers(T* out, int64_t rows, const int64_t* layers, int64_t num_layers, int64_t hidden,
                   int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate,
-                  float eps, const float* cos, const float* sin, int64_t max_positions,
-                  const int64_t* positions, const int64_t* slots, int64_t num_slots,
-                  const void* attention,
-                  const int32_t* tokens, const int32_t* tables, const int32_t* lens,
-                  int64_t table_width, int64_t block_size, float scale, int64_t counted,
-                  const T* embed, int64_t vocab, const int64_t* ids, const T* final_norm,
-                  const int64_t* head, int64_t head_n, float* logits) {
+                  float eps, int64_t max_positions, int64_t num_slots, const AttentionRows& a,
+                  const StateRows& s, int64_t counted, const T* embed, float embed_scale,
+                  int64_t vocab, const int64_t* ids, const T* final_norm, const int64_t* head,
+                  int64_t head_n, float* logits) {
   for (int64_t r = 0; r < rows; ++r) {
-    if (positions[r] < 0 || positions[r] >= max_positions) return 1;
-    if (slots[r] < 0 || slots[r] >= num_slots) return 2;
+    if (a.positions[r] < 0 || a.positions[r] >= max_positions) return 1;
+    if (a.slots[r] < 0 || a.slots[r] >= num_slots) return 2;
     if (ids[r] < 0 || ids[r] >= vocab) return 3;
   }
+  int64_t width = 0, inner = 0;  // the Mamba-2 layers' widest in_proj and inner size
+  for (int64_t l = 0; l < num_layers; ++l) {
+    const int64_t* p = layers + l * kLayerPointers;
+    width = std::max(width, p[kMambaWidth]);
+    inner = std::max(inner, p[kMambaInner]);
+  }
+  if (width > 0 && !s.valid(rows)) return 4;
   std::vector<T> stream(rows * hidden);
   T* x = stream.data();
   for (int64_t r = 0; r < rows; ++r)
     std::copy(embed + ids[r] * hidden, embed + (ids[r] + 1) * hidden, x + r * hidden);
-  const int64_t D = head_dim, q_size = heads * D, kv_size = kv_heads * D;
-  const int64_t qkv_width = q_size + 2 * kv_size;
-  const int64_t token_stride = kv_size, block_stride = block_size * kv_size;
+  if (embed_scale != 1.0f) scale_(x, embed_scale, rows * hidden);
+  const int64_t D = head_dim, q_size = heads * D, qkv_width = q_size + 2 * kv_heads * D;
   std::vector<T> h(rows * hidden), qkv(rows * qkv_width), att(rows * q_size), y(rows * hidden),
-      gate_up(rows * 2 * intermediate), act(rows * intermediate);
-  const auto attend = reinterpret_cast<PagedDecode>(const_cast<void*>(attention));
+      gate_up(rows * 2 * intermediate), act(rows * intermediate), proj(rows * width),
+      mixed(rows * inner);
   for (int64_t l = 0; l < num_layers; ++l) {
     const int64_t* p = layers + l * kLayerPointers;
-    const auto w = [p](LayerPointer i) { return reinterpret_cast<const T*>(p[i]); };
-    const auto quant = [p](LayerPointer i) { return reinterpret_cast<const int64_t*>(p[i]); };
-    T* k_cache = reinterpret_cast<T*>(p[kKCache]);
-    T* v_cache = reinterpret_cast<T*>(p[kVCache]);
-    const int64_t kv_codes = p[kKVCodes];
-    rms_norm(x, w(kInputNorm), h.data(), rows, hidden, hidden, eps);
-    project(quant(kQKVQuant), h.data(), w(kQKV), w(kQKVBias), qkv.data(), rows, qkv_width,
-            hidden);
-    if (p[kQNorm] != 0) {  // q/k norm over each head, before RoPE (qwen3)
-      for (int64_t r = 0; r < rows; ++r) {
-        T* row = qkv.data() + r * qkv_width;
-        rms_norm(row, w(kQNorm), row, heads, D, D, eps);
-        rms_norm(row + q_size, w(kKNorm), row + q_size, kv_heads, D, D, eps);
-      }
-    }
-    rope(qkv.data(), cos, sin, positions, rows, heads + kv_heads, D, qkv_width);
-    for (int64_t r = 0; r < rows; ++r) {  // the new token's K and V into its slot
-      const T* row = qkv.data() + r * qkv_width;
-      const int64_t at = slots[r] / block_size * block_stride + slots[r] % block_size * token_stride;
-      if (kv_codes != kFloatKV) {  // codes of a byte, scales at the codes' offset / head_dim
-        uint8_t* codes[2] = {reinterpret_cast<uint8_t*>(p[kKCache]),
-                             reinterpret_cast<uint8_t*>(p[kVCache])};
-        float* scales[2] = {reinterpret_cast<float*>(p[kKScales]),
-                            reinterpret_cast<float*>(p[kVScales])};
-        for (int i = 0; i < 2; ++i)
-          quantize_kv(row + q_size + i * kv_size, kv_heads, D, kv_codes, codes[i] + at,
-                      scales[i] + at / D);
-        continue;
-      }
-      std::copy(row + q_size, row + q_size + kv_size, k_cache + at);
-      std::copy(row + q_size + kv_size, row + qkv_width, v_cache + at);
-    }
-    if (kv_codes != kFloatKV)
-      reinterpret_cast<PagedDecodeCodes>(const_cast<void*>(attention))(
-          qkv.data(), k_cache, v_cache, reinterpret_cast<const float*>(p[kKScales]),
-          reinterpret_cast<const float*>(p[kVScales]), att.data(), tokens, tables, lens, rows,
-          heads, kv_heads, D, block_size, table_width, qkv_width, q_size, block_stride,
-          token_stride, scale, 0);
+    const float residual = float_bits(p[kResidual]);
+    rms_norm(x, reinterpret_cast<const T*>(p[kInputNorm]), h.data(), rows, hidden, hidden, eps);
+    if (p[kMamba] != 0)
+      mamba_layer(p, s, h.data(), y.data(), rows, hidden, proj.data(), mixed.data());
     else
-      attend(qkv.data(), k_cache, v_cache, att.data(), tokens, tables, lens, rows, heads,
-             kv_heads, D, block_size, table_width, qkv_width, q_size, block_stride, token_stride,
-             scale);
-    project(quant(kOQuant), att.data(), w(kO), static_cast<const T*>(nullptr), y.data(), rows,
-            hidden, q_size);
-    add_(x, y.data(), rows * hidden);
-    rms_norm(x, w(kPostNorm), h.data(), rows, hidden, hidden, eps);
-    if (p[kRouter] != 0) {  // route's ids are in range: moe_block cannot fail
-      moe_block(h.data(), rows, hidden, p[kMoeIntermediate], w(kRouter), p[kExperts], p[kTopK],
-                p[kRenormalize] != 0, w(kExpertsGateUp), w(kExpertsDown),
-                reinterpret_cast<int64_t*>(p[kCounts]), counted, y.data());
-    } else {
-      project(quant(kGateUpQuant), h.data(), w(kGateUp), static_cast<const T*>(nullptr),
-              gate_up.data(), rows, 2 * intermediate, hidden);
-      silu_mul(gate_up.data(), act.data(), rows, intermediate, 2 * intermediate);
-      project(quant(kDownQuant), act.data(), w(kDown), static_cast<const T*>(nullptr), y.data(),
-              rows, hidden, intermediate);
-    }
-    add_(x, y.data(), rows * hidden);
+      attention_layer(p, a, h.data(), y.data(), rows, hidden, heads, kv_heads, D, eps,
+                      qkv.data(), att.data());
+    add_residual(x, y.data(), residual, rows * hidden);
+    if (p[kPostNorm] == 0) continue;  // no MLP (Mamba-2's blocks)
+    rms_norm(x, reinterpret_cast<const T*>(p[kPostNorm]), h.data(), rows, hidden, hidden, eps);
+    mlp_layer(p, h.data(), y.data(), rows, hidden, intermediate, counted, gate_up.data(),
+              act.data());
+    add_residual(x, y.data(), residual, rows * hidden);
   }
   rms_norm(x, final_norm, out, rows, hidden, hidden, eps);
   if (head != nullptr) {  // in T, as QuantLinear's forward rounds them, then widened exactly
@@ -1058,7 +1180,8 @@ int foudre_cpu_ops_available() { return 1; }
   void foudre_rope_##SUFFIX(void* x, const float* cos, const float* sin, const int64_t* positions, \
                             int64_t tokens, int64_t heads, int64_t head_dim,                       \
                             int64_t token_stride) {                                                \
-    rope(static_cast<T*>(x), cos, sin, positions, tokens, heads, head_dim, token_stride);          \
+    rope(static_cast<T*>(x), cos, sin, positions, tokens, heads, head_dim, token_stride,         \
+         head_dim);                                                                                \
   }                                                                                                \
   void foudre_linear_##SUFFIX(const void* x, int64_t x_stride, const void* w, const void* bias,    \
                               void* y, int64_t rows, int64_t n, int64_t k) {                       \
@@ -1066,17 +1189,21 @@ int foudre_cpu_ops_available() { return 1; }
            static_cast<const T*>(bias), static_cast<T*>(y), rows, n, k);                           \
   }                                                                                                \
   int foudre_decode_layers_##SUFFIX(                                                               \
-      void* out, int64_t rows, const int64_t* layers, int64_t num_layers, int64_t hidden,            \
+      void* out, int64_t rows, const int64_t* layers, int64_t num_layers, int64_t hidden,          \
       int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate, float eps,          \
-      const float* cos, const float* sin, int64_t max_positions, const int64_t* positions,         \
-      const int64_t* slots, int64_t num_slots, const void* attention, const int32_t* tokens,       \
-      const int32_t* tables, const int32_t* lens, int64_t table_width, int64_t block_size,         \
-      float scale, int64_t counted, const void* embed, int64_t vocab, const int64_t* ids,          \
+      const float* cos, const float* sin, int64_t rot, int64_t max_positions,                      \
+      const int64_t* positions, const int64_t* slots, int64_t num_slots, const void* attention,    \
+      const int32_t* tokens, const int32_t* tables, const int32_t* lens, int64_t table_width,      \
+      int64_t block_size, float scale, const void* mamba, const int64_t* state_slots,              \
+      int64_t num_state_slots, const int64_t* state_copies, int64_t num_copies, int64_t counted,   \
+      const void* embed, float embed_scale, int64_t vocab, const int64_t* ids,                     \
       const void* final_norm, const int64_t* head, int64_t head_n, void* logits) {                 \
+    const AttentionRows a{cos,    sin,    rot,  positions,   slots,      attention,                \
+                          tokens, tables, lens, table_width, block_size, scale};                   \
+    const StateRows s{mamba, state_slots, num_state_slots, state_copies, num_copies};              \
     return decode_layers(static_cast<T*>(out), rows, layers, num_layers, hidden, heads, kv_heads,  \
-                         head_dim, intermediate, eps, cos, sin, max_positions, positions, slots,   \
-                         num_slots, attention, tokens, tables, lens, table_width, block_size,      \
-                         scale, counted, static_cast<const T*>(embed), vocab, ids,                 \
+                         head_dim, intermediate, eps, max_positions, num_slots, a, s, counted,     \
+                         static_cast<const T*>(embed), embed_scale, vocab, ids,                    \
                          static_cast<const T*>(final_norm), head, head_n,                          \
                          static_cast<float*>(logits));                                             \
   }                                                                                                \

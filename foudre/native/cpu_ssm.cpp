@@ -335,6 +335,44 @@ void mamba_decode(T* conv, int64_t conv_stride, float* state, int64_t state_stri
   }
 }
 
+// A Mamba-2 layer as the native decode step (native/cpu_ops.cpp's decode_layers) describes it:
+// its pools (conv window and state, at their slot strides), sizes and float32 parameters (the
+// floats as their float32 bits), in MambaSlot order.
+enum MambaSlot { kConv, kConvStride, kState, kStateStride, kHeads, kHeadDim, kDState, kGroups,
+                 kWindow, kConvW, kConvB, kDtBias, kA, kD, kDtMin, kDtMax, kNormW, kNormGroups,
+                 kEps, kNormMode, kMambaSlots };
+
+inline float bits_float(int64_t bits) {
+  const auto b = static_cast<uint32_t>(bits);
+  float f;
+  std::memcpy(&f, &b, 4);
+  return f;
+}
+
+// mamba_decode on the layer `p` describes, then the (source, destination) slot pairs `copies`
+// copied in both pools (the prefix cache's snapshots of decode rows: the state after the step)
+template <typename T>
+void mamba_step(const int64_t* p, const int64_t* slots, int64_t rows, const int64_t* copies,
+                int64_t num_copies, const T* proj, int64_t proj_stride, T* y) {
+  const auto f = [p](MambaSlot i) { return reinterpret_cast<const float*>(p[i]); };
+  const MambaLayer m{p[kHeads],         p[kHeadDim], p[kDState],
+                     p[kGroups],        p[kWindow],  f(kConvW),
+                     f(kConvB),         f(kDtBias),  f(kA),
+                     f(kD),             bits_float(p[kDtMin]), bits_float(p[kDtMax]),
+                     f(kNormW),         p[kNormGroups], bits_float(p[kEps]),
+                     static_cast<int>(p[kNormMode])};
+  T* conv = reinterpret_cast<T*>(p[kConv]);
+  float* state = reinterpret_cast<float*>(p[kState]);
+  mamba_decode(conv, p[kConvStride], state, p[kStateStride], slots, rows, m, proj, proj_stride, y);
+  for (int64_t i = 0; i < num_copies; ++i) {
+    const int64_t from = copies[2 * i], to = copies[2 * i + 1];
+    std::memcpy(conv + to * p[kConvStride], conv + from * p[kConvStride],
+                p[kConvStride] * sizeof(T));
+    std::memcpy(state + to * p[kStateStride], state + from * p[kStateStride],
+                p[kStateStride] * sizeof(float));
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -482,6 +520,18 @@ void foudre_gated_delta_scan(float* state, int64_t slot_stride, const int64_t* s
                        a,       d,        dt_min,  dt_max, norm_w, norm_groups, eps,    norm_mode}; \
     mamba_decode(conv, conv_stride, state, state_stride, slots, rows, m, proj, proj_stride, y); \
   }
+
+#define FOUDRE_MAMBA_STEP(SUFFIX, T)                                                            \
+  void foudre_mamba_step_##SUFFIX(const int64_t* layer, const int64_t* slots, int64_t rows,     \
+                                  const int64_t* copies, int64_t num_copies, const void* proj,  \
+                                  int64_t proj_stride, void* y) {                               \
+    mamba_step(layer, slots, rows, copies, num_copies, static_cast<const T*>(proj), proj_stride, \
+               static_cast<T*>(y));                                                             \
+  }
+
+// A Mamba-2 layer's decode step for the native decoder layers (mamba_step above)
+FOUDRE_MAMBA_STEP(f32, float)
+FOUDRE_MAMBA_STEP(bf16, uint16_t)
 
 // A Mamba-2 mixer's decode token per row between its two projections (mamba_decode above):
 // the conv window [window, conv_dim] (T) and the state [heads, head_dim, d_state] (float32)

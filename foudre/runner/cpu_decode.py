@@ -42,6 +42,7 @@ import itertools
 import operator
 import struct
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -50,21 +51,24 @@ from torch.nn.modules import module as nn_module
 from torch.utils.hooks import RemovableHandle
 
 from foudre.attention import cpu_paged
+from foudre.attention.cache_spec import RecurrentCache
 from foudre.attention.kv_quant import STORAGE_DTYPES
 from foudre.attention.quantized_cache import QuantizedKVCache
-from foudre.layers import fused
+from foudre.layers import fused, ssm_ops
 from foudre.layers.linear import MAX_ROWS, Linear
+from foudre.layers.mamba import GatedRMSNorm, Mamba2Mixer
 from foudre.layers.mlp import GatedMLP
 from foudre.layers.moe import Experts, SparseMoeBlock
 from foudre.layers.norm import RMSNorm
 from foudre.layers.rotary import RotaryEmbedding
+from foudre.layers.ssm_ops import MambaDecodeParams
 from foudre.quant import cpu_qmatmul
 from foudre.quant.qlinear import QuantLinear, uses_native_kernels
 from foudre.runner.step import ForwardStep
 
 if TYPE_CHECKING:
     from foudre.attention import AttentionBackend
-    from foudre.models.llama import DecoderLayer, LlamaForCausalLM
+    from foudre.models.llama import Attention, DecoderLayer, LlamaForCausalLM
 
 
 class NativeDecode:
@@ -75,31 +79,42 @@ class NativeDecode:
     def __init__(
         self,
         model: LlamaForCausalLM,
-        kv_caches: Sequence[torch.Tensor | QuantizedKVCache],
+        kv_caches: Sequence[torch.Tensor | QuantizedKVCache | RecurrentCache],
         fn: Any,
+        block_size: int,
+        padding_state_slot: int = -1,
     ) -> None:
         cfg = model.config
         self.model = model
         self.fn = fn
         self.dtype = model.model.embed_tokens.weight.dtype
         self.max_rows = MAX_ROWS[self.dtype]  # where the float projections' kernel stops paying
-        kernel = cpu_paged.kernel(self.dtype, _codes_dtype(kv_caches[0]))
-        self.attention = ctypes.cast(kernel, ctypes.c_void_p).value
+        layers = [cast(_Parts, _parts(layer)) for layer in model.model.layers]
+        attns = [p.attn for p in layers if p.attn is not None]
+        self.attention = 0
+        first_kv = next((c for c in kv_caches if not isinstance(c, RecurrentCache)), None)
+        if first_kv is not None:
+            kernel = cpu_paged.kernel(self.dtype, _codes_dtype(first_kv))
+            self.attention = ctypes.cast(kernel, ctypes.c_void_p).value or 0
         self.dims = (
             cfg.hidden_size,
             cfg.num_attention_heads,
             cfg.num_key_value_heads,
             cfg.head_dim,
-            cfg.intermediate_size,
+            _intermediate(layers),
         )
         self.eps = cfg.rms_norm_eps
-        layers = cast("list[DecoderLayer]", list(model.model.layers))
         # the C++ layers attend to every key: with sliding windows, only while every context
         # fits the narrowest one (where the window changes nothing)
-        windows = [layer.self_attn.sliding_window for layer in layers]
+        windows = [a.sliding_window for a in attns]
         self.window = min((w for w in windows if w is not None), default=None)
-        self.scale = layers[0].self_attn.scale
-        self.rotary = model.model.rotary
+        self.scale = attns[0].scale if attns else 1.0
+        # the RoPE tables, where an attention layer rotates (a model of recurrent layers, or of
+        # attention without positions, reads none: NoPE's table holds one position)
+        self.rotary = model.model.rotary if any(p.rope for p in layers) else None
+        self.embed_scale = _embedding_multiplier(model)
+        self.mamba = ssm_ops.mamba_step_fn(self.dtype) or 0 if any(p.mamba for p in layers) else 0
+        self.padding_state_slot = padding_state_slot
         embed, norm = model.model.embed_tokens, cast(RMSNorm, model.model.norm)
         modules = [*model.model.layers.modules(), embed, norm]
         # What _unchanged checks each step (_Checks): every module's hooks, the top model's and
@@ -113,37 +128,52 @@ class NativeDecode:
         owners = [model.model, *(m for m in modules if m._modules)]
         checks.children = [(m._modules, dict(m._modules)) for m in owners]
         layout = _Layout(checks, cpu_qmatmul.function(self.dtype))
-        for layer, cache in zip(layers, kv_caches, strict=True):
-            layout.layer(layer, cache)
+        for parts, cache in zip(layers, kv_caches, strict=True):
+            layout.layer(parts, cache)
         self.blocks = layout.blocks  # the sparse layers' MLPs, which count
-        for name in ("cos", "sin"):
-            table = self.rotary._buffers[name]
-            assert table is not None
-            checks.keep(self.rotary._buffers, name, table, table.data_ptr())
+        self.mamba_params = layout.mamba_descriptors  # what the Mamba-2 layers' descriptors name
+        if self.rotary is not None:
+            for name in ("cos", "sin"):
+                table = self.rotary._buffers[name]
+                assert table is not None
+                checks.keep(self.rotary._buffers, name, table, table.data_ptr())
         # the embedding table and the final norm's weight, which the call reads too
         self.vocab = embed.weight.shape[0]
         self.ends = (embed.weight.data_ptr(), norm.weight.data_ptr())
         layout.hold(embed, "weight", passed=False)
         layout.hold(norm, "weight", passed=False)
-        self._hold_caches(kv_caches)
+        self._hold_caches(kv_caches, block_size)
         self.descriptors, self.layers = layout.tensors()
         if checks.quantized:
             # where QuantLinear's forward switches to its dequantized GEMM, so do the steps; with
             # every projection quantized (and no experts) up to there, as the float kernel's
             # limit then does not apply (32-row int8 steps: 5% more throughput than in Python)
-            all_quantized = len(checks.quantized) == 4 * len(layers) and not self.blocks
+            all_quantized = len(checks.quantized) == len(_projections(model)) and not self.blocks
             # (and where it turns to aten's kernels: QuantLinear.native_rows)
             limit = min(m.native_rows() for m, _ in checks.quantized)
             self.max_rows = limit if all_quantized else min(self.max_rows, limit)
         self._hold_head(model, layout)
 
-    def _hold_caches(self, kv_caches: Sequence[torch.Tensor | QuantizedKVCache]) -> None:
+    def _hold_caches(
+        self,
+        kv_caches: Sequence[torch.Tensor | QuantizedKVCache | RecurrentCache],
+        block_size: int,
+    ) -> None:
         """The runner's list of caches (each step: the same caches in it), and each cache's
-        tensors where they are (a quantized cache's codes and scales held as its attributes)."""
+        tensors where they are (a quantized cache's codes and scales held as its attributes, a
+        recurrent layer's pools)."""
         checks = self.checks
         self.cache_list = kv_caches
         self.caches = tuple(kv_caches)
+        self.block_size = block_size
+        self.num_slots = 1 << 62  # (no KV cache: no slot to check)
+        self.num_state_slots = 0
         for cache in kv_caches:
+            if isinstance(cache, RecurrentCache):
+                self.num_state_slots = cache.conv.shape[0]
+                for tensor in cache:
+                    checks.addresses.append((tensor, tensor.data_ptr()))
+                continue
             if isinstance(cache, QuantizedKVCache):
                 for name in ("codes", "scales"):
                     checks.entry(cache.__dict__, name)
@@ -151,9 +181,8 @@ class NativeDecode:
                     checks.addresses.append((tensor, tensor.data_ptr()))
             else:
                 checks.addresses.append((cache, cache.data_ptr()))
-        shape = _stored(kv_caches[0]).shape  # [2, blocks, block_size, heads, head_dim]
-        self.block_size = shape[2]
-        self.num_slots = shape[1] * self.block_size
+            shape = _stored(cache).shape  # [2, blocks, block_size, heads, head_dim]
+            self.num_slots = shape[1] * shape[2]
 
     def _hold_head(self, model: LlamaForCausalLM, layout: _Layout) -> None:
         """The model's head, computed in the call too where it is a QuantLinear on cpu_qmatmul
@@ -168,8 +197,11 @@ class NativeDecode:
         self.head: torch.Tensor | None = None  # its descriptor
         self.head_checks = _Checks()
         self.head_rows = self.head_features = 0
-        if isinstance(head, QuantLinear) and _runs_quantized(
-            head, self.dtype, (model.config.hidden_size, head.out_features)
+        plain = type(model).compute_logits is _llama_logits()  # (Granite divides them)
+        if (
+            plain
+            and isinstance(head, QuantLinear)
+            and _runs_quantized(head, self.dtype, (model.config.hidden_size, head.out_features))
         ):
             self.head_features = head.out_features
             self.head_checks.watch(head)
@@ -183,31 +215,43 @@ class NativeDecode:
         model: nn.Module,
         backend: AttentionBackend,
         kv_caches: list[torch.Tensor] | list[Any],
+        block_size: int | None = None,
+        padding_state_slot: int = -1,
     ) -> NativeDecode | None:
         """A ``NativeDecode`` for ``model``, or None where its embedding, layers or final norm
         cannot run natively. What it checks here and not at each step (``_unchanged``): the
         modules' classes and settings (an RMSNorm's eps, the embedding's ``max_norm``, tensor
-        parallelism), as for the layers' norms."""
-        from foudre.models.llama import LlamaForCausalLM
-
+        parallelism), as for the layers' norms. ``block_size``: the KV blocks' tokens (by
+        default the first KV cache's); ``padding_state_slot``: the recurrent state slot of the
+        rows that pad a step (a model with recurrent layers)."""
         # the backend's own class: the step builds what its build_metadata would, so a
         # subclass that builds otherwise is not run here
-        if type(model) is not LlamaForCausalLM or type(backend) is not cpu_paged.CPUPagedBackend:
+        if type(model) not in _model_classes() or type(backend) is not cpu_paged.CPUPagedBackend:
             return None
+        model = cast("LlamaForCausalLM", model)
         cfg = model.config
         if cfg.qk_norm_over_heads or cfg.clip_qkv is not None:
             return None  # olmoe's attention: the C++ layers' is Llama's
         dtype = model.model.embed_tokens.weight.dtype
         fn = fused.decode_layers_fn(dtype)
-        if fn is None or dtype not in MAX_ROWS or not kv_caches:
+        if fn is None or dtype not in MAX_ROWS or len(kv_caches) != len(model.model.layers):
             return None
-        if not _caches_supported(kv_caches, dtype, (cfg.num_key_value_heads, cfg.head_dim)):
+        parts = [_parts(layer) for layer in model.model.layers]
+        if any(p is None for p in parts):
             return None
-        if not (_modules_supported(model, dtype) and _shapes_supported(model)):
+        layers = cast("list[_Parts]", parts)
+        if any(p.mamba for p in layers) and ssm_ops.mamba_step_fn(dtype) is None:
             return None
-        if not _ends_supported(model, dtype) or len(kv_caches) != len(model.model.layers):
+        if not _caches_supported(kv_caches, layers, dtype, cfg):
             return None
-        return cls(model, kv_caches, fn)
+        if not (_modules_supported(model, dtype) and _shapes_supported(model, layers)):
+            return None
+        if not _ends_supported(model, dtype, layers):
+            return None
+        if block_size is None:
+            kv = [c for c in kv_caches if not isinstance(c, RecurrentCache)]
+            block_size = _stored(kv[0]).shape[2] if kv else 1
+        return cls(model, kv_caches, fn, block_size, padding_state_slot)
 
     def can_run(self, step: ForwardStep) -> bool:
         """Whether this step can run here: decode rows only, few enough, contexts within the
@@ -281,26 +325,21 @@ class NativeDecode:
         """The call: the final hidden states, and the head's logits into ``logits`` if given."""
         rows = len(step.token_ids)
         longs, ints, width = self._inputs(step)
-        cos, sin = self.rotary.cos, self.rotary.sin
+        states, copies = self._states(step)
+        rotary = self.rotary  # (cos, sin, rotated width, positions)
+        tables = (0, 0, 0, 1 << 62)
+        if rotary is not None:
+            cos, sin = rotary.cos, rotary.sin
+            tables = (cos.data_ptr(), sin.data_ptr(), rotary.rotary_dim, cos.shape[0])
         hidden, heads, kv_heads, head_dim, intermediate = self.dims
         out = torch.empty(rows, hidden, dtype=self.dtype)
         head = 0 if logits is None or self.head is None else self.head.data_ptr()
         at64, at32 = longs.buffer_info()[0], ints.buffer_info()[0]
         embed, norm = self.ends
         failed = self.fn(
-            out.data_ptr(),
-            rows,
-            self.layers.data_ptr(),
-            len(self.caches),
-            hidden,
-            heads,
-            kv_heads,
-            head_dim,
-            intermediate,
-            self.eps,
-            cos.data_ptr(),
-            sin.data_ptr(),
-            cos.shape[0],
+            out.data_ptr(), rows, self.layers.data_ptr(), len(self.caches), hidden, heads,
+            kv_heads, head_dim, intermediate, self.eps,
+            *tables,
             at64 + 8 * rows,  # positions
             at64 + 16 * rows,  # slots
             self.num_slots,
@@ -308,35 +347,45 @@ class NativeDecode:
             at32,  # each row's flat token index
             at32 + 8 * rows,  # block tables
             at32 + 4 * rows,  # context lengths
-            width,
-            self.block_size,
-            self.scale,
+            width, self.block_size, self.scale,
+            self.mamba, states.buffer_info()[0], self.num_state_slots, copies.buffer_info()[0],
+            len(copies) // 2,
             self._counted(rows),
-            embed,
-            self.vocab,
+            embed, self.embed_scale, self.vocab,
             at64,  # token ids
-            norm,
-            head,
-            self.head_features,
-            0 if logits is None else logits.data_ptr(),
-        )
+            norm, head, self.head_features, 0 if logits is None else logits.data_ptr(),
+        )  # fmt: skip
         if failed == 1:
-            raise IndexError(f"RoPE position outside the table of {cos.shape[0]}")
+            raise IndexError(f"RoPE position outside the table of {tables[3]}")
         if failed == 2:
             raise IndexError(f"KV slot outside the cache of {self.num_slots} slots")
+        if failed == 4:
+            raise IndexError(f"recurrent state slot outside the pools of {self.num_state_slots}")
         if failed:
             raise IndexError(f"token id outside the vocabulary of {self.vocab}")
         return out
+
+    def _states(self, step: ForwardStep) -> tuple[array.array[int], array.array[int]]:
+        """Each row's recurrent state slot (the rows past ``step.state_slots`` pad the step:
+        the padding slot) and the snapshots' (source, destination) slot pairs: a decode row's
+        state after the step copied into its snapshot slot."""
+        if not self.mamba:
+            return _NO_STATES, _NO_STATES
+        slots = list(step.state_slots)
+        slots += [self.padding_state_slot] * (len(step.token_ids) - len(slots))
+        copies: list[int] = []
+        for row, _, slot in step.state_snapshots:
+            copies += (slots[row], slot)
+        return array.array("q", slots), array.array("q", copies)
 
     def _inputs(self, step: ForwardStep) -> tuple[array.array[int], array.array[int], int]:
         """The step's inputs for the C++ layers in two arrays made from Python lists: int64
         token ids, positions and KV slots (``rows`` each); int32 flat token indices, context
         lengths (``rows`` each) and block tables (``rows x width``, zero-padded); and ``width``.
         What the runner's ``flatten`` and the backend's metadata hold for a decode step, built
-        without their dozen tensor ops a row (a third of a millisecond a step when the weights'
-        stream has left the caches cold), in ``array.array``s: made from the lists in ~25 us
-        cold, where two ``torch.tensor`` calls took ~140 (the whole function ~70 us a step
-        against ~170)."""
+        without their dozen tensor ops a row, in ``array.array``s: made from the lists several
+        times faster than by ``torch.tensor`` while the weights' stream leaves the caches cold.
+        A model without attention takes no KV slots (zeros)."""
         bs = self.block_size
         tables, starts = step.block_tables, step.starts
         if not len(tables) == len(starts) == len(step.token_ids):
@@ -347,13 +396,19 @@ class NativeDecode:
         width = max(len(t) for t in tables)
         longs = [ids[0] for ids in step.token_ids]
         longs += starts
-        longs += [t[s // bs] * bs + s % bs for t, s in zip(tables, starts, strict=True)]
+        if self.attention:
+            longs += [t[s // bs] * bs + s % bs for t, s in zip(tables, starts, strict=True)]
+        else:
+            longs += [0] * len(starts)
         ints = list(range(len(starts)))
         ints += [s + 1 for s in starts]
         for t in tables:
             ints += t
             ints += [0] * (width - len(t))
         return array.array("q", longs), array.array("i", ints), width
+
+
+_NO_STATES: array.array[int] = array.array("q", [0])  # (an address for the call, never read)
 
 
 class _Layout:
@@ -369,6 +424,7 @@ class _Layout:
         self.descriptors: list[list[int]] = []
         self.patches: list[tuple[int, int]] = []  # (index in pointers, descriptor)
         self.blocks: list[SparseMoeBlock] = []
+        self.mamba_descriptors: list[tuple[torch.Tensor, MambaDecodeParams]] = []
 
     def hold(self, module: nn.Module | None, name: str, passed: bool = True) -> None:
         """Hold ``module``'s parameter ``name`` (absent too); pass its address if ``passed``."""
@@ -404,30 +460,63 @@ class _Layout:
         self.pointers.append(0)
         self.descriptors.append(self.descriptor(module))
 
-    def layer(self, layer: DecoderLayer, cache: torch.Tensor | QuantizedKVCache) -> None:
-        """One decoder layer's entries."""
+    def layer(self, parts: _Parts, cache: torch.Tensor | QuantizedKVCache | RecurrentCache) -> None:
+        """One decoder layer's entries (``LayerPointer`` order in ``native/cpu_ops.cpp``)."""
         hold = self.hold
-        attn, mlp = layer.self_attn, layer.mlp
+        attn, mamba, mlp = parts.attn, parts.mamba, parts.mlp
         dense = mlp if isinstance(mlp, GatedMLP) else None
         sparse = mlp if isinstance(mlp, SparseMoeBlock) else None
-        hold(layer.input_layernorm, "weight")
-        hold(attn.qkv_proj, "weight")
-        hold(attn.qkv_proj, "bias")
-        hold(attn.o_proj, "weight")
-        hold(layer.post_attention_layernorm, "weight")
+        into = attn.qkv_proj if attn is not None else cast(Mamba2Mixer, mamba).in_proj
+        out = attn.o_proj if attn is not None else cast(Mamba2Mixer, mamba).out_proj
+        hold(parts.norm, "weight")
+        hold(into, "weight")
+        hold(into, "bias")
+        hold(out, "weight")
+        hold(parts.post_norm, "weight")
         hold(None if dense is None else dense.gate_up_proj, "weight")
         hold(None if dense is None else dense.down_proj, "weight")
-        hold(attn.q_norm, "weight")
-        hold(attn.k_norm, "weight")
-        hold(attn.o_proj, "bias", passed=False)
+        hold(None if attn is None else attn.q_norm, "weight")
+        hold(None if attn is None else attn.k_norm, "weight")
+        hold(out, "bias", passed=False)
         for module in (dense.gate_up_proj, dense.down_proj) if dense else ():
             hold(module, "bias", passed=False)
-        self.pointers += _cache_pointers(cache)
-        for module in (attn.qkv_proj, attn.o_proj):
+        if isinstance(cache, RecurrentCache):
+            self.pointers += [0] * 5
+        else:
+            self.pointers += _cache_pointers(cache)
+        for module in (into, out):
             self.describe(module)
         self.describe(None if dense is None else dense.gate_up_proj)
         self.describe(None if dense is None else dense.down_proj)
         self._sparse(sparse)
+        self._mamba(mamba, cache)
+        self.pointers += [_float_bits(parts.residual), int(parts.rope)]
+
+    def _mamba(
+        self, mixer: Mamba2Mixer | None, cache: torch.Tensor | QuantizedKVCache | RecurrentCache
+    ) -> None:
+        """A Mamba-2 layer's descriptor (its pools and small parameters, as ``mamba_decode``
+        reads them), in_proj's outputs and out_proj's inputs (all 0 for attention). The
+        parameters its float32 copies are made of are held at their addresses and versions."""
+        if mixer is None or not isinstance(cache, RecurrentCache):
+            self.pointers += [0, 0, 0]
+            return
+        params = mixer._decode_params()
+        small = [mixer.conv1d, mixer.norm]
+        for module in small:
+            if module is not None:
+                for name, tensor in module._parameters.items():
+                    self.checks.keep(module._parameters, name, tensor, _address(tensor))
+                    self.checks.versioned(tensor)
+        for name in ("dt_bias", "A_log", "D"):
+            tensor = mixer._parameters[name]
+            self.checks.keep(mixer._parameters, name, tensor, _address(tensor))
+            self.checks.versioned(tensor)
+        descriptor = torch.tensor(params.descriptor(cache), dtype=torch.int64)
+        self.mamba_descriptors.append((descriptor, params))  # (their tensors stay alive)
+        self.pointers.append(descriptor.data_ptr())
+        s = mixer.shape
+        self.pointers += [s.projection_size, s.intermediate_size]
 
     def _sparse(self, sparse: SparseMoeBlock | None) -> None:
         """A sparse layer's router, experts and counts, then its integers (all 0 if dense)."""
@@ -487,6 +576,9 @@ class _Checks:
         self.quantized: list[tuple[QuantLinear, cpu_qmatmul.Packed]] = []
         self.entries: list[tuple[dict[str, Any], str, object]] = []
         self.addresses: list[tuple[torch.Tensor, int]] = []
+        # parameters the call reads float32 copies of (a Mamba-2 mixer's small ones): their
+        # versions as built (an in-place write since leaves the copies stale)
+        self.versions: list[tuple[torch.Tensor, int]] = []
         self._emptied: set[int] = set()
         self._frozen: tuple[tuple[Any, ...], ...] | None = None  # the tuples, at the first step
         # (a step checks from another thread than the one that registers hooks: a handle taken
@@ -527,6 +619,11 @@ class _Checks:
             if t is not None:
                 self.addresses.append((t, t.data_ptr()))
 
+    def versioned(self, tensor: torch.Tensor | None) -> None:
+        """``tensor`` is not written in place from now on."""
+        if tensor is not None:
+            self.versions.append((tensor, tensor._version))
+
     def _empty(self, d: dict[Any, Any]) -> None:
         if id(d) not in self._emptied:
             self._emptied.add(id(d))
@@ -545,8 +642,10 @@ class _Checks:
                 tuple(t for t, _ in self.addresses),
                 tuple(address for _, address in self.addresses),
                 tuple(t.dtype for t, _ in self.addresses),
+                tuple(t for t, _ in self.versions),
+                tuple(v for _, v in self.versions),
             )
-        now, built, dicts, names, values, tensors, addresses, dtypes = frozen
+        now, built, dicts, names, values, tensors, addresses, dtypes, read, versions = frozen
         if any(self.empty) or not all(map(operator.eq, now, built)):
             return False
         handles = _handles()
@@ -561,11 +660,23 @@ class _Checks:
             return False
         # (each tensor's dtype too, as the C++ reads it: ``.data =`` a view in another dtype
         # keeps the address; the lines are warm from the addresses)
+        if tuple(map(_VERSION, read)) != versions:
+            return False
         return tuple(map(_ADDRESS, tensors)) == addresses and tuple(map(_DTYPE, tensors)) == dtypes
 
 
 _ADDRESS = torch.Tensor.data_ptr
 _DTYPE = operator.attrgetter("dtype")
+_VERSION = operator.attrgetter("_version")
+
+
+def _address(tensor: torch.Tensor | None) -> int:
+    return 0 if tensor is None else tensor.data_ptr()
+
+
+def _float_bits(x: float) -> int:
+    """``x``'s float32 bits, as the C++ reads a float among its int64 entries."""
+    return int.from_bytes(struct.pack("<f", x), "little")
 
 
 def _handles() -> int:
@@ -578,15 +689,113 @@ def _handles() -> int:
     return count if isinstance(count, int) else -1
 
 
+@dataclass(frozen=True, slots=True)
+class _Parts:
+    """A decoder layer as the C++ layers run it: ``x += residual * mixer(norm(x))``, then,
+    with a ``post_norm``, ``x += residual * mlp(post_norm(x))``; the mixer is attention
+    (``attn``, rotating q and k where ``rope``) or a Mamba-2 mixer (``mamba``)."""
+
+    norm: nn.Module
+    attn: Attention | None
+    mamba: Mamba2Mixer | None
+    post_norm: nn.Module | None
+    mlp: nn.Module | None
+    residual: float = 1.0
+    rope: bool = True
+
+
+def _parts(layer: nn.Module) -> _Parts | None:
+    """``layer``'s parts, for the layer classes whose forward is the C++ layers' (Llama's,
+    Mamba-2's blocks, Bamba's and Granite 4.0's hybrid layers); None for any other."""
+    from foudre.models.bamba import BambaDecoderLayer
+    from foudre.models.granite_moe_hybrid import GraniteMoeHybridDecoderLayer
+    from foudre.models.llama import DecoderLayer
+    from foudre.models.mamba2 import Mamba2Block
+
+    kind = type(layer)
+    if kind is DecoderLayer:
+        layer = cast("DecoderLayer", layer)
+        if layer.tp is not None:
+            return None
+        return _Parts(
+            layer.input_layernorm, layer.self_attn, None, layer.post_attention_layernorm, layer.mlp
+        )
+    if kind is Mamba2Block:
+        block = cast(Mamba2Block, layer)
+        return _Parts(block.norm, None, block.mixer, None, None, rope=False)
+    if kind is BambaDecoderLayer:
+        layer = cast(BambaDecoderLayer, layer)
+        attn = layer.self_attn
+        return _Parts(
+            layer.input_layernorm, attn, layer.mamba, layer.pre_ff_layernorm,
+            layer.feed_forward, rope=attn is not None,
+        )  # fmt: skip
+    if kind is GraniteMoeHybridDecoderLayer:
+        layer = cast(GraniteMoeHybridDecoderLayer, layer)
+        attn = layer.self_attn
+        return _Parts(
+            layer.input_layernorm, attn, layer.mamba, layer.post_attention_layernorm, layer.mlp,
+            layer.residual_multiplier, attn is not None and bool(getattr(attn, "use_rope", True)),
+        )  # fmt: skip
+    return None
+
+
+def _model_classes() -> tuple[type[nn.Module], ...]:
+    """The models whose forward (embedding, layers, final norm) the call computes."""
+    from foudre.models.bamba import BambaForCausalLM
+    from foudre.models.granite_moe_hybrid import GraniteMoeHybridForCausalLM
+    from foudre.models.llama import LlamaForCausalLM
+    from foudre.models.mamba2 import Mamba2ForCausalLM
+
+    return (LlamaForCausalLM, Mamba2ForCausalLM, BambaForCausalLM, GraniteMoeHybridForCausalLM)
+
+
+def _llama_logits() -> Any:
+    from foudre.models.llama import LlamaForCausalLM
+
+    return LlamaForCausalLM.compute_logits
+
+
+def _embedding_multiplier(model: LlamaForCausalLM) -> float:
+    """What ``model.embed`` multiplies the embedding rows by (Granite 4.0's
+    ``embedding_multiplier``; 1 for the others)."""
+    from foudre.models.granite_moe_hybrid import GraniteMoeHybridForCausalLM
+
+    if isinstance(model, GraniteMoeHybridForCausalLM):
+        return float(model.config.embedding_multiplier)
+    return 1.0
+
+
+def _intermediate(layers: Sequence[_Parts]) -> int:
+    """The dense MLPs' intermediate size (0 without one); ``_shapes_supported`` checks that
+    they all share it."""
+    for p in layers:
+        if isinstance(p.mlp, GatedMLP):
+            return int(p.mlp.down_proj.in_features)
+    return 0
+
+
 def _caches_supported(
-    kv_caches: Sequence[Any], dtype: torch.dtype, cache_shape: tuple[int, int]
+    kv_caches: Sequence[Any], layers: Sequence[_Parts], dtype: torch.dtype, cfg: Any
 ) -> bool:
-    """Whether every cache is one the kernels read: one kind (float in ``dtype``, or codes
-    with scales), contiguous ``[2, blocks, block_size, kv_heads, head_dim]`` on the CPU."""
-    codes = _codes_dtype(kv_caches[0])
+    """Whether every cache is one the kernels read: the attention layers' of one kind (float
+    in ``dtype``, or codes with scales), contiguous ``[2, blocks, block_size, kv_heads,
+    head_dim]`` on the CPU; the Mamba-2 layers' pools on the CPU, the conv window in ``dtype``,
+    the state float32, each slot contiguous, all of as many slots."""
+    kv = [c for c, p in zip(kv_caches, layers, strict=True) if p.attn is not None]
+    states = [c for c, p in zip(kv_caches, layers, strict=True) if p.mamba is not None]
+    if len(kv) + len(states) != len(layers):
+        return False
+    if any(not isinstance(c, RecurrentCache) or not _pool_supported(c, dtype) for c in states):
+        return False
+    if len({c.conv.shape[0] for c in states}) > 1:
+        return False
+    if not kv:
+        return True
+    codes = _codes_dtype(kv[0])
     if cpu_paged.kernel(dtype, codes) is None:
         return False
-    for c in kv_caches:
+    for c in kv:
         if not isinstance(c, torch.Tensor | QuantizedKVCache) or _codes_dtype(c) != codes:
             return False  # caches of several kinds
         stored = _stored(c)
@@ -597,20 +806,31 @@ def _caches_supported(
             return False
         if not stored.is_contiguous() or stored.dim() != 5 or not stored.is_cpu:
             return False  # a layout the kernel does not read
-        if tuple(stored.shape[-2:]) != cache_shape:
+        if tuple(stored.shape[-2:]) != (cfg.num_key_value_heads, cfg.head_dim):
             return False
     return True
+
+
+def _pool_supported(cache: RecurrentCache, dtype: torch.dtype) -> bool:
+    conv, ssm = cache
+    if not (conv.is_cpu and ssm.is_cpu) or conv.dtype != dtype or ssm.dtype != torch.float32:
+        return False
+    return conv.is_contiguous() and ssm.is_contiguous() and conv.shape[0] == ssm.shape[0]
 
 
 def _modules_supported(model: LlamaForCausalLM, dtype: torch.dtype) -> bool:
     """Whether every module of the decoder layers is one the C++ layers compute as its
     ``forward`` does: the classes they know, quantized projections on ``cpu_qmatmul``, no hook,
     parameters contiguous in ``dtype`` on the CPU, the model's norm epsilon."""
+    from foudre.models.bamba import BambaDecoderLayer
+    from foudre.models.granite_moe_hybrid import GraniteAttention, GraniteMoeHybridDecoderLayer
     from foudre.models.llama import Attention, DecoderLayer
+    from foudre.models.mamba2 import Mamba2Block
 
     allowed = (
         nn.ModuleList, DecoderLayer, Attention, GatedMLP, Linear, RMSNorm, RotaryEmbedding,
-        SparseMoeBlock, Experts, QuantLinear,
+        SparseMoeBlock, Experts, QuantLinear, Mamba2Block, Mamba2Mixer, nn.Conv1d, GatedRMSNorm,
+        BambaDecoderLayer, GraniteMoeHybridDecoderLayer, GraniteAttention,
     )  # fmt: skip
     projections = _projections(model)
     for module in model.model.layers.modules():
@@ -630,50 +850,79 @@ def _modules_supported(model: LlamaForCausalLM, dtype: torch.dtype) -> bool:
     return True
 
 
-def _shapes_supported(model: LlamaForCausalLM) -> bool:
+def _shapes_supported(model: LlamaForCausalLM, layers: Sequence[_Parts]) -> bool:
     """Whether every layer holds exactly the parameters the C++ layers read, in their shapes
-    (a bias or shared expert the C++ lacks, or another shape: no), Llama's attention scale, and
-    a sparse layer's counts as int64 on the CPU."""
+    (a bias or shared expert the C++ lacks, or another shape: no), one attention scale, one
+    intermediate size of the dense MLPs, and a sparse layer's counts as int64 on the CPU."""
     cfg = model.config
-    hidden, heads, kv_heads, head_dim = (
-        cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-    )  # fmt: skip
-    qkv = (heads + 2 * kv_heads) * head_dim
-    num_experts, inter = cfg.num_experts, cfg.moe_intermediate_size
-    expected = {
-        "input_layernorm.weight": (hidden,),
-        "post_attention_layernorm.weight": (hidden,),
-        "self_attn.qkv_proj.weight": (qkv, hidden),
-        "self_attn.qkv_proj.bias": (qkv,),
-        "self_attn.o_proj.weight": (hidden, heads * head_dim),
-        "self_attn.q_norm.weight": (head_dim,),
-        "self_attn.k_norm.weight": (head_dim,),
-        "mlp.gate_up_proj.weight": (2 * cfg.intermediate_size, hidden),
-        "mlp.down_proj.weight": (hidden, cfg.intermediate_size),
-        # a sparse layer's router and routed experts
-        "mlp.gate.weight": (num_experts, hidden),
-        "mlp.experts.gate_up_proj": (num_experts, 2 * inter, hidden),
-        "mlp.experts.down_proj": (num_experts, hidden, inter),
-    }
-    for layer in cast("list[DecoderLayer]", list(model.model.layers)):
+    attns = [p.attn for p in layers if p.attn is not None]
+    if attns and any(a.scale != attns[0].scale or a.sinks is not None for a in attns):
+        return False
+    intermediate = _intermediate(layers)
+    for layer, parts in zip(model.model.layers, layers, strict=True):
+        expected = _expected_shapes(layer, parts, cfg, intermediate)
         for name, p in layer.named_parameters():
             if tuple(p.shape) != expected.get(name):
                 return False
-        if layer.self_attn.scale != head_dim**-0.5:
-            return False
-        if isinstance(layer.mlp, SparseMoeBlock):  # the counts the C++ adds to
-            counts = layer.mlp.expert_tokens
+        if isinstance(parts.mlp, SparseMoeBlock):  # the counts the C++ adds to
+            counts = parts.mlp.expert_tokens
             if counts.dtype != torch.int64 or not counts.is_cpu or not counts.is_contiguous():
                 return False
-            if counts.shape != (num_experts,):
+            if counts.shape != (cfg.num_experts,):
                 return False
     return True
 
 
-def _ends_supported(model: LlamaForCausalLM, dtype: torch.dtype) -> bool:
-    """Whether the embedding, the final norm and the RoPE tables are what the call reads: a
-    plain embedding (not vocabulary-parallel nor renormalising), an RMSNorm of the model's
-    epsilon, no hook, ``dtype`` weights contiguous on the CPU, float32 tables."""
+def _expected_shapes(
+    layer: nn.Module, parts: _Parts, cfg: Any, intermediate: int
+) -> dict[str, tuple[int, ...]]:
+    """The shape of every parameter the C++ reads in ``layer``, by its name in ``layer``."""
+    hidden, heads, kv_heads, head_dim = (
+        cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+    )  # fmt: skip
+    names = {module: name for name, module in layer.named_modules()}
+    expected: dict[str, tuple[int, ...]] = {}
+
+    def put(module: nn.Module | None, param: str, *shape: int) -> None:
+        if module is not None:
+            expected[f"{names[module]}.{param}".lstrip(".")] = shape
+
+    put(parts.norm, "weight", hidden)
+    put(parts.post_norm, "weight", hidden)
+    attn, mamba, mlp = parts.attn, parts.mamba, parts.mlp
+    if attn is not None:
+        qkv = (heads + 2 * kv_heads) * head_dim
+        put(attn.qkv_proj, "weight", qkv, hidden)
+        put(attn.qkv_proj, "bias", qkv)
+        put(attn.o_proj, "weight", hidden, heads * head_dim)
+        put(attn.q_norm, "weight", head_dim)
+        put(attn.k_norm, "weight", head_dim)
+    if mamba is not None:
+        s = mamba.shape
+        put(mamba.in_proj, "weight", s.projection_size, hidden)
+        put(mamba.in_proj, "bias", s.projection_size)
+        put(mamba.conv1d, "weight", s.conv_dim, 1, s.conv_kernel)
+        put(mamba.conv1d, "bias", s.conv_dim)
+        for name in ("dt_bias", "A_log", "D"):
+            put(mamba, name, s.num_heads)
+        put(mamba.norm, "weight", s.intermediate_size)
+        put(mamba.out_proj, "weight", hidden, s.intermediate_size)
+    if isinstance(mlp, GatedMLP):
+        put(mlp.gate_up_proj, "weight", 2 * intermediate, hidden)
+        put(mlp.down_proj, "weight", hidden, intermediate)
+    elif isinstance(mlp, SparseMoeBlock):  # the router and routed experts
+        experts, inter = cfg.num_experts, cfg.moe_intermediate_size
+        put(mlp.gate, "weight", experts, hidden)
+        put(mlp.experts, "gate_up_proj", experts, 2 * inter, hidden)
+        put(mlp.experts, "down_proj", experts, hidden, inter)
+    return expected
+
+
+def _ends_supported(model: LlamaForCausalLM, dtype: torch.dtype, layers: Sequence[_Parts]) -> bool:
+    """Whether the embedding, the final norm and the RoPE tables (where a layer rotates) are
+    what the call reads: a plain embedding (not vocabulary-parallel nor renormalising), an
+    RMSNorm of the model's epsilon, no hook, ``dtype`` weights contiguous on the CPU, float32
+    tables of the rotated width."""
     cfg = model.config
     embed, norm = model.model.embed_tokens, model.model.norm
     if model.tp is not None or type(embed) is not nn.Embedding or embed.max_norm is not None:
@@ -686,11 +935,15 @@ def _ends_supported(model: LlamaForCausalLM, dtype: torch.dtype) -> bool:
             return False
         if w.dtype != dtype or not w.is_cpu or not w.is_contiguous():
             return False
+    if not any(p.rope for p in layers):
+        return True
     rotary = model.model.rotary
+    if any(p.attn is not None and p.attn.rotary is not rotary for p in layers):
+        return False  # a layer of its own table
     for table in (rotary.cos, rotary.sin):
         if table.dtype != torch.float32 or not table.is_contiguous() or table.dim() != 2:
             return False
-        if table.shape[1] != cfg.head_dim or not table.is_cpu:
+        if table.shape[1] != rotary.rotary_dim or not table.is_cpu:
             return False
     return True
 
@@ -715,13 +968,22 @@ def _projections(model: LlamaForCausalLM) -> dict[nn.Module, tuple[int, int]]:
     cfg = model.config
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     found: dict[nn.Module, tuple[int, int]] = {}
-    for layer in cast("list[DecoderLayer]", list(model.model.layers)):
-        attn, mlp = layer.self_attn, layer.mlp
-        found[attn.qkv_proj] = (cfg.hidden_size, q + 2 * kv)
-        found[attn.o_proj] = (q, cfg.hidden_size)
+    for layer in model.model.layers:
+        parts = _parts(layer)
+        if parts is None:
+            continue
+        attn, mamba, mlp = parts.attn, parts.mamba, parts.mlp
+        if attn is not None:
+            found[attn.qkv_proj] = (cfg.hidden_size, q + 2 * kv)
+            found[attn.o_proj] = (q, cfg.hidden_size)
+        if mamba is not None:
+            s = mamba.shape
+            found[mamba.in_proj] = (cfg.hidden_size, s.projection_size)
+            found[mamba.out_proj] = (s.intermediate_size, cfg.hidden_size)
         if isinstance(mlp, GatedMLP):
-            found[mlp.gate_up_proj] = (cfg.hidden_size, 2 * cfg.intermediate_size)
-            found[mlp.down_proj] = (cfg.intermediate_size, cfg.hidden_size)
+            inter = mlp.down_proj.in_features
+            found[mlp.gate_up_proj] = (cfg.hidden_size, 2 * inter)
+            found[mlp.down_proj] = (inter, cfg.hidden_size)
     return found
 
 

@@ -1,0 +1,143 @@
+"""The native decoder layers of CPU decode steps (``runner/cpu_decode.py``) on state-space and
+hybrid stacks: Mamba-2 (recurrent layers only), Bamba (Mamba-2 and attention layers, partial
+RoPE) and Granite 4.0's hybrids (multipliers on the embedding, each sublayer and the attention
+scores; RoPE or none) against the model's Python path: the same logits, KV pages and recurrent
+states (conv windows and SSM states, in every slot of the pools) bit for bit, padding rows and
+prefix-cache snapshots of decode rows included; and greedy generation through ``LLM`` the same
+with and without the native step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from foudre import LLM, SamplingParams
+from foudre.attention import cpu_paged
+from foudre.attention.cache_spec import RecurrentCache
+from foudre.layers import fused, ssm_ops
+from foudre.runner.cpu_decode import NativeDecode
+from foudre.runner.model_runner import ModelRunner
+from tests.oracles.ssm_models import prompt, save_random
+from tests.oracles.test_bamba import BASE as BAMBA
+from tests.oracles.test_granite_moe_hybrid import BASE as GRANITE
+from tests.oracles.test_mamba2 import BASE as MAMBA2
+
+pytestmark = pytest.mark.skipif(
+    fused.decode_layers_fn(torch.float32) is None
+    or not cpu_paged.available()
+    or ssm_ops.library() is None,
+    reason="neither AVX-512 nor AVX2, or no C++ compiler",
+)
+
+DENSE_GRANITE = {**GRANITE, "num_local_experts": 0}
+MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    "mamba2": ("Mamba2", MAMBA2),
+    "bamba": ("Bamba", BAMBA),  # RoPE over half of each head
+    "granite-rope": ("GraniteMoeHybrid", {**DENSE_GRANITE, "position_embedding_type": "rope"}),
+    "granite-nope": ("GraniteMoeHybrid", DENSE_GRANITE),
+}
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def model_path(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    family, config = MODELS[request.param]
+    return save_random(
+        family, {**config, "max_position_embeddings": 512}, tmp_path_factory.mktemp(request.param)
+    )
+
+
+def _llm(path: Path, dtype: str, **kwargs: Any) -> LLM:
+    return LLM(
+        str(path),
+        dtype=dtype,
+        skip_tokenizer_init=True,
+        num_kv_blocks=64,
+        max_model_len=256,
+        **kwargs,
+    )
+
+
+def _pools(runner: ModelRunner) -> list[torch.Tensor]:
+    """Every tensor of the runner's caches: KV pages, conv windows, SSM states."""
+    held: list[torch.Tensor] = []
+    for c in runner.kv_caches:
+        held += list(c) if isinstance(c, RecurrentCache) else [c]
+    return held
+
+
+def _both_paths(
+    runner: ModelRunner, *args: Any, **kwargs: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step's logits by the native path and by Python from the same caches; each path's
+    caches after it equal, every slot and page (a stray write anywhere shows)."""
+    before = [t.clone() for t in _pools(runner)]
+    calls: list[int] = []
+    native = runner.decode_path
+    assert isinstance(native, NativeDecode)
+    call = native._call
+    native._call = lambda step, logits: calls.append(1) or call(step, logits)  # type: ignore[method-assign]
+    try:
+        got = runner.forward(*args, **kwargs)
+    finally:
+        del native._call
+    assert calls == [1]  # it ran natively
+    after = [t.clone() for t in _pools(runner)]
+    for t, b in zip(_pools(runner), before, strict=True):
+        t.copy_(b)
+    runner.decode_path = None
+    try:
+        want = runner.forward(*args, **kwargs)
+    finally:
+        runner.decode_path = native
+    for a, b in zip(after, _pools(runner), strict=True):
+        assert torch.equal(a, b)
+    assert got is not None and want is not None
+    return got, want
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_native_decode_equals_the_python_path(model_path: Path, dtype: str) -> None:
+    """Prefill three prompts (state slots out of order, blocks out of order) in Python, then
+    decode steps of 1, 3 and 3 + 2 padding rows natively, one of them leaving a snapshot of a
+    row's state: logits, KV pages and every state slot equal the Python path's, bit for bit."""
+    llm = _llm(model_path, dtype)
+    runner = llm.engine.runner
+    assert isinstance(runner.decode_path, NativeDecode)
+    lens = [5, 17, 33]
+    tables = [[7, 3, 9], [1, 12, 4], [20, 2, 30]]
+    slots = [4, 0, 2]
+    prompts = [prompt(n, 7 + n) for n in lens]
+    with torch.inference_mode():
+        logits = runner.forward(tables, [0] * 3, prompts, [1] * 3, state_slots=slots)
+        assert logits is not None
+        for rows, pad, snapshots in ((1, 0, []), (3, 0, [(1, 0, 6)]), (3, 2, [(2, 0, 5)])):
+            new = [[int(t)] for t in logits.argmax(-1)[:rows]] + [[0]] * pad
+            step_tables = tables[:rows] + [[runner.padding_block]] * pad
+            args = (step_tables, lens[:rows] + [0] * pad, new, [1] * (rows + pad), pad)
+            got, want = _both_paths(
+                runner, *args, state_slots=slots[:rows], state_snapshots=snapshots
+            )
+            assert torch.equal(got, want), (rows, (got - want).abs().max())
+            lens[:rows] = [n + 1 for n in lens[:rows]]
+            logits = torch.cat([got[:rows], logits[rows:]])
+            runner.forward(*args, state_slots=slots[:rows], state_snapshots=snapshots)
+
+
+def test_generate_is_the_same_with_and_without_native_decode(model_path: Path) -> None:
+    """Greedy generation through ``LLM`` (batched prompts, prefix caching on, so that decode
+    rows leave snapshots) gives the same tokens with the native step as without, and the
+    native step ran."""
+    prompts = [prompt(n, 3 + n) for n in (5, 40, 70)]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    outs = []
+    for native in (True, False):
+        llm = _llm(model_path, "bfloat16", enable_prefix_caching=True, state_snapshot_interval=32)
+        runner = llm.engine.runner
+        assert isinstance(runner.decode_path, NativeDecode)
+        if not native:
+            runner.decode_path = None
+        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+    assert outs[0] == outs[1]
