@@ -1,4 +1,5 @@
-"""Native CPU decode steps against the Python forward, A/B step by step (medium random Llama).
+"""Native CPU decode steps against the Python forward, A/B step by step (medium random Llama,
+or any model directory: ``--model``, e.g. benchmarks/recurrent.py's Mamba-2 and hybrid).
 
 This host's memory bandwidth drifts by up to 2x within minutes, so two runs taken one after the
 other can differ more than the change being measured. Here one decode run alternates the two
@@ -7,6 +8,7 @@ Python step beside it, and the median of those ratios is printed per round. Rows
 ``--batch`` (1 by default). Both paths compute the same bits, so the tokens do not change.
 
     .venv/bin/python benchmarks/native_decode_ab.py --dtype bfloat16 [--rounds 4] [--batch 1]
+    .venv/bin/python benchmarks/native_decode_ab.py --model ~/.cache/foudre-bench/recurrent/mamba2
 """
 
 from __future__ import annotations
@@ -28,10 +30,18 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--model", help="a model directory (default: the medium random Llama)")
+    ap.add_argument("--quantization", help="e.g. int8, int4")
     args = ap.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
-    path = random_llama("medium", getattr(torch, args.dtype))
-    llm = LLM(str(path), dtype=args.dtype, skip_tokenizer_init=True, max_model_len=1024)
+    path = args.model or random_llama("medium", getattr(torch, args.dtype))
+    llm = LLM(
+        str(path),
+        dtype=args.dtype,
+        skip_tokenizer_init=True,
+        max_model_len=1024,
+        quantization=args.quantization,
+    )
     runner = llm.engine.runner
     native = runner.decode_path
     if native is None:

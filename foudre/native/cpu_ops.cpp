@@ -937,9 +937,9 @@ void scale_(T* y, float s, int64_t n) {
 }
 
 // Per layer, the addresses decode_layers reads (0 where a layer has none), then a sparse layer's
-// integers: a layer with a router (kRouter) runs moe_block in place of the dense MLP (kGateUp,
-// kDown), counting into its int64 counts[kExperts]; a layer without a norm at kPostNorm has no
-// MLP. A quantized KV cache: its codes at kKCache / kVCache, their scales at kKScales /
+// integers: a layer with a router (kRouter) runs moe_block, counting into its int64
+// counts[kExperts], and then its shared expert where it has one (at kGateUp, kDown); a layer
+// without a norm at kPostNorm has no MLP. A quantized KV cache: its codes at kKCache / kVCache, their scales at kKScales /
 // kVScales, kKVCodes its KVCodes (kFloatKV: a float cache). A quantized projection: the address
 // of its QuantSlot descriptor at kQKVQuant .. kDownQuant (0: the float weight at kQKV .. kDown).
 // A Mamba-2 layer (kMamba: its MambaStep descriptor; 0 for attention) has in_proj at kQKV,
@@ -1072,24 +1072,29 @@ void mamba_layer(const int64_t* p, const StateRows& s, const T* h, T* y, int64_t
           p[kMambaInner]);
 }
 
-// A layer's MLP over the normed rows h into y: the sparse block (router, experts) or the dense
-// gate|up, SiLU * up, down
+// A layer's MLP over the normed rows h into y: the dense gate|up, SiLU * up, down; or the
+// sparse block (router, experts), plus its shared expert where it has one (the dense MLP's
+// entries: every row through it, added to the experts' output)
 template <typename T>
 void mlp_layer(const int64_t* p, const T* h, T* y, int64_t rows, int64_t hidden,
-               int64_t intermediate, int64_t counted, T* gate_up, T* act) {
+               int64_t intermediate, int64_t counted, T* gate_up, T* act, T* shared) {
   const auto w = [p](LayerPointer i) { return reinterpret_cast<const T*>(p[i]); };
   const auto quant = [p](LayerPointer i) { return reinterpret_cast<const int64_t*>(p[i]); };
+  const bool dense = p[kGateUp] != 0 || p[kGateUpQuant] != 0;
+  T* dense_out = y;
   if (p[kRouter] != 0) {  // route's ids are in range: moe_block cannot fail
     moe_block(h, rows, hidden, p[kMoeIntermediate], w(kRouter), p[kExperts], p[kTopK],
               p[kRenormalize] != 0, w(kExpertsGateUp), w(kExpertsDown),
               reinterpret_cast<int64_t*>(p[kCounts]), counted, y);
-    return;
+    if (!dense) return;
+    dense_out = shared;
   }
   project(quant(kGateUpQuant), h, w(kGateUp), static_cast<const T*>(nullptr), gate_up, rows,
           2 * intermediate, hidden);
   silu_mul(gate_up, act, rows, intermediate, 2 * intermediate);
-  project(quant(kDownQuant), act, w(kDown), static_cast<const T*>(nullptr), y, rows, hidden,
-          intermediate);
+  project(quant(kDownQuant), act, w(kDown), static_cast<const T*>(nullptr), dense_out, rows,
+          hidden, intermediate);
+  if (dense_out != y) add_(y, dense_out, rows * hidden);
 }
 
 // A decode step (one new token in each of `rows` rows) from the tokens `ids` to the final
@@ -1132,7 +1137,7 @@ int decode_layers(T* out, int64_t rows, const int64_t* layers, int64_t num_layer
   const int64_t D = head_dim, q_size = heads * D, qkv_width = q_size + 2 * kv_heads * D;
   std::vector<T> h(rows * hidden), qkv(rows * qkv_width), att(rows * q_size), y(rows * hidden),
       gate_up(rows * 2 * intermediate), act(rows * intermediate), proj(rows * width),
-      mixed(rows * inner);
+      mixed(rows * inner), shared(rows * hidden);
   for (int64_t l = 0; l < num_layers; ++l) {
     const int64_t* p = layers + l * kLayerPointers;
     const float residual = float_bits(p[kResidual]);
@@ -1146,7 +1151,7 @@ int decode_layers(T* out, int64_t rows, const int64_t* layers, int64_t num_layer
     if (p[kPostNorm] == 0) continue;  // no MLP (Mamba-2's blocks)
     rms_norm(x, reinterpret_cast<const T*>(p[kPostNorm]), h.data(), rows, hidden, hidden, eps);
     mlp_layer(p, h.data(), y.data(), rows, hidden, intermediate, counted, gate_up.data(),
-              act.data());
+              act.data(), shared.data());
     add_residual(x, y.data(), residual, rows * hidden);
   }
   rms_norm(x, final_norm, out, rows, hidden, hidden, eps);

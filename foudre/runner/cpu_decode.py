@@ -464,8 +464,8 @@ class _Layout:
         """One decoder layer's entries (``LayerPointer`` order in ``native/cpu_ops.cpp``)."""
         hold = self.hold
         attn, mamba, mlp = parts.attn, parts.mamba, parts.mlp
-        dense = mlp if isinstance(mlp, GatedMLP) else None
         sparse = mlp if isinstance(mlp, SparseMoeBlock) else None
+        dense = _dense(mlp)  # (or a sparse block's shared expert)
         into = attn.qkv_proj if attn is not None else cast(Mamba2Mixer, mamba).in_proj
         out = attn.o_proj if attn is not None else cast(Mamba2Mixer, mamba).out_proj
         hold(parts.norm, "weight")
@@ -766,12 +766,20 @@ def _embedding_multiplier(model: LlamaForCausalLM) -> float:
     return 1.0
 
 
+def _dense(mlp: nn.Module | None) -> GatedMLP | None:
+    """A layer's dense MLP: the MLP itself, or a sparse block's shared expert."""
+    if isinstance(mlp, SparseMoeBlock):
+        return mlp.shared_expert
+    return mlp if isinstance(mlp, GatedMLP) else None
+
+
 def _intermediate(layers: Sequence[_Parts]) -> int:
-    """The dense MLPs' intermediate size (0 without one); ``_shapes_supported`` checks that
-    they all share it."""
+    """The dense MLPs' intermediate size (shared experts' too; 0 without one):
+    ``_shapes_supported`` checks that they all share it."""
     for p in layers:
-        if isinstance(p.mlp, GatedMLP):
-            return int(p.mlp.down_proj.in_features)
+        dense = _dense(p.mlp)
+        if dense is not None:
+            return int(dense.down_proj.in_features)
     return 0
 
 
@@ -907,10 +915,11 @@ def _expected_shapes(
             put(mamba, name, s.num_heads)
         put(mamba.norm, "weight", s.intermediate_size)
         put(mamba.out_proj, "weight", hidden, s.intermediate_size)
-    if isinstance(mlp, GatedMLP):
-        put(mlp.gate_up_proj, "weight", 2 * intermediate, hidden)
-        put(mlp.down_proj, "weight", hidden, intermediate)
-    elif isinstance(mlp, SparseMoeBlock):  # the router and routed experts
+    dense = _dense(mlp)
+    if dense is not None:
+        put(dense.gate_up_proj, "weight", 2 * intermediate, hidden)
+        put(dense.down_proj, "weight", hidden, intermediate)
+    if isinstance(mlp, SparseMoeBlock):  # the router and routed experts (no shared gate)
         experts, inter = cfg.num_experts, cfg.moe_intermediate_size
         put(mlp.gate, "weight", experts, hidden)
         put(mlp.experts, "gate_up_proj", experts, 2 * inter, hidden)
@@ -980,10 +989,11 @@ def _projections(model: LlamaForCausalLM) -> dict[nn.Module, tuple[int, int]]:
             s = mamba.shape
             found[mamba.in_proj] = (cfg.hidden_size, s.projection_size)
             found[mamba.out_proj] = (s.intermediate_size, cfg.hidden_size)
-        if isinstance(mlp, GatedMLP):
-            inter = mlp.down_proj.in_features
-            found[mlp.gate_up_proj] = (cfg.hidden_size, 2 * inter)
-            found[mlp.down_proj] = (inter, cfg.hidden_size)
+        dense = _dense(mlp)
+        if dense is not None:
+            inter = dense.down_proj.in_features
+            found[dense.gate_up_proj] = (cfg.hidden_size, 2 * inter)
+            found[dense.down_proj] = (inter, cfg.hidden_size)
     return found
 
 

@@ -1,7 +1,7 @@
 """The native decoder layers of CPU decode steps (``runner/cpu_decode.py``) on state-space and
 hybrid stacks: Mamba-2 (recurrent layers only), Bamba (Mamba-2 and attention layers, partial
 RoPE) and Granite 4.0's hybrids (multipliers on the embedding, each sublayer and the attention
-scores; RoPE or none) against the model's Python path: the same logits, KV pages and recurrent
+scores; RoPE or none; a dense MLP, or experts with a shared MLP beside them) against the model's Python path: the same logits, KV pages and recurrent
 states (conv windows and SSM states, in every slot of the pools) bit for bit, padding rows and
 prefix-cache snapshots of decode rows included; and greedy generation through ``LLM`` the same
 with and without the native step."""
@@ -38,6 +38,8 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "bamba": ("Bamba", BAMBA),  # RoPE over half of each head
     "granite-rope": ("GraniteMoeHybrid", {**DENSE_GRANITE, "position_embedding_type": "rope"}),
     "granite-nope": ("GraniteMoeHybrid", DENSE_GRANITE),
+    # experts (top-2 of 4) with the shared MLP beside them, no RoPE
+    "granite-moe": ("GraniteMoeHybrid", GRANITE),
 }
 
 
@@ -68,12 +70,19 @@ def _pools(runner: ModelRunner) -> list[torch.Tensor]:
     return held
 
 
+def _added(runner: ModelRunner, before: dict[int, list[int]]) -> dict[int, list[int]]:
+    """What the routers counted (tokens per expert, by layer) since ``before``."""
+    now = runner.model.moe_expert_tokens()
+    return {i: [b - a for a, b in zip(before[i], c, strict=True)] for i, c in now.items()}
+
+
 def _both_paths(
     runner: ModelRunner, *args: Any, **kwargs: Any
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One step's logits by the native path and by Python from the same caches; each path's
     caches after it equal, every slot and page (a stray write anywhere shows)."""
     before = [t.clone() for t in _pools(runner)]
+    counts = runner.model.moe_expert_tokens()
     calls: list[int] = []
     native = runner.decode_path
     assert isinstance(native, NativeDecode)
@@ -85,6 +94,7 @@ def _both_paths(
         del native._call
     assert calls == [1]  # it ran natively
     after = [t.clone() for t in _pools(runner)]
+    native_counts, counts = _added(runner, counts), runner.model.moe_expert_tokens()
     for t, b in zip(_pools(runner), before, strict=True):
         t.copy_(b)
     runner.decode_path = None
@@ -94,6 +104,7 @@ def _both_paths(
         runner.decode_path = native
     for a, b in zip(after, _pools(runner), strict=True):
         assert torch.equal(a, b)
+    assert native_counts == _added(runner, counts)  # the routers counted the same tokens
     assert got is not None and want is not None
     return got, want
 
@@ -126,18 +137,37 @@ def test_native_decode_equals_the_python_path(model_path: Path, dtype: str) -> N
             runner.forward(*args, state_slots=slots[:rows], state_snapshots=snapshots)
 
 
-def test_generate_is_the_same_with_and_without_native_decode(model_path: Path) -> None:
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_generate_is_the_same_with_and_without_native_decode(
+    model_path: Path, quantization: str | None
+) -> None:
     """Greedy generation through ``LLM`` (batched prompts, prefix caching on, so that decode
-    rows leave snapshots) gives the same tokens with the native step as without, and the
-    native step ran."""
+    rows leave snapshots; bfloat16, or int8 projections) gives the same tokens with the native
+    step as without, and the native step ran (not where the experts are quantized: those
+    layers run in Python)."""
     prompts = [prompt(n, 3 + n) for n in (5, 40, 70)]
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     outs = []
     for native in (True, False):
-        llm = _llm(model_path, "bfloat16", enable_prefix_caching=True, state_snapshot_interval=32)
+        llm = _llm(
+            model_path,
+            "bfloat16",
+            enable_prefix_caching=True,
+            state_snapshot_interval=32,
+            quantization=quantization,
+        )
         runner = llm.engine.runner
-        assert isinstance(runner.decode_path, NativeDecode)
+        path = runner.decode_path
+        if quantization and runner.model.moe_blocks():
+            assert path is None  # quantized experts: the Python path's
+            return
+        assert isinstance(path, NativeDecode)
+        assert bool(path.checks.quantized) == bool(quantization)
+        calls: list[int] = []
+        call = path._call
+        path._call = lambda step, logits: calls.append(1) or call(step, logits)  # type: ignore[method-assign]
         if not native:
             runner.decode_path = None
         outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+        assert bool(calls) == native
     assert outs[0] == outs[1]
