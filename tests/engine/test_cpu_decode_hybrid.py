@@ -1,10 +1,11 @@
 """The native decoder layers of CPU decode steps (``runner/cpu_decode.py``) on state-space and
 hybrid stacks: Mamba-2 (recurrent layers only), Bamba (Mamba-2 and attention layers, partial
 RoPE) and Granite 4.0's hybrids (multipliers on the embedding, each sublayer and the attention
-scores; RoPE or none; a dense MLP, or experts with a shared MLP beside them) against the model's Python path: the same logits, KV pages and recurrent
-states (conv windows and SSM states, in every slot of the pools) bit for bit, padding rows and
-prefix-cache snapshots of decode rows included; and greedy generation through ``LLM`` the same
-with and without the native step."""
+scores; RoPE or none; a dense MLP, or experts with a shared MLP beside them) against the
+model's Python path: the same logits, KV pages, recurrent states (conv windows and SSM states,
+in every slot of the pools) and routers' counts, bit for bit, padding rows and prefix-cache
+snapshots of decode rows included; and greedy generation through ``LLM`` the same with and
+without the native step (bfloat16 and int8)."""
 
 from __future__ import annotations
 
@@ -70,6 +71,14 @@ def _pools(runner: ModelRunner) -> list[torch.Tensor]:
     return held
 
 
+def _counted(native: NativeDecode) -> list[int]:
+    """The steps the native layers run from now on (one entry each)."""
+    calls: list[int] = []
+    call = native._call  # what run and run_logits call
+    native._call = lambda step, logits: calls.append(1) or call(step, logits)  # type: ignore[method-assign]
+    return calls
+
+
 def _added(runner: ModelRunner, before: dict[int, list[int]]) -> dict[int, list[int]]:
     """What the routers counted (tokens per expert, by layer) since ``before``."""
     now = runner.model.moe_expert_tokens()
@@ -83,11 +92,9 @@ def _both_paths(
     caches after it equal, every slot and page (a stray write anywhere shows)."""
     before = [t.clone() for t in _pools(runner)]
     counts = runner.model.moe_expert_tokens()
-    calls: list[int] = []
     native = runner.decode_path
     assert isinstance(native, NativeDecode)
-    call = native._call
-    native._call = lambda step, logits: calls.append(1) or call(step, logits)  # type: ignore[method-assign]
+    calls = _counted(native)
     try:
         got = runner.forward(*args, **kwargs)
     finally:
@@ -163,9 +170,7 @@ def test_generate_is_the_same_with_and_without_native_decode(
             return
         assert isinstance(path, NativeDecode)
         assert bool(path.checks.quantized) == bool(quantization)
-        calls: list[int] = []
-        call = path._call
-        path._call = lambda step, logits: calls.append(1) or call(step, logits)  # type: ignore[method-assign]
+        calls = _counted(path)
         if not native:
             runner.decode_path = None
         outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
