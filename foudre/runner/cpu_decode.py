@@ -13,9 +13,15 @@ the same paged-attention kernel (``attention/cpu_paged_decode.cpp``), in the ord
 roundings of ``models/llama.py``'s path through them, so the hidden states are the same bits
 (tests/engine/test_cpu_decode.py checks that), from the embedding rows to the final norm, and on to
 the logits where the model's head is quantized (``run_logits``; a float head's logits stay in
-Python). A sparse layer (a mixture of experts: router and top-k experts, renormalised or not, no
-shared expert) runs ``moe_block``, the native call ``layers/moe.py`` makes for it at decode sizes,
-and adds to the block's ``expert_tokens`` what its Python path would (``_counted``). It takes a step
+Python). A sparse layer (a mixture of experts: router and top-k experts, renormalised or not, an
+ungated shared expert or none) runs ``moe_block``, the native call ``layers/moe.py`` makes for it
+at decode sizes, and adds to the block's ``expert_tokens`` what its Python path would
+(``_counted``). State-space and hybrid stacks too (``_parts``: Mamba-2's blocks, Bamba's and
+Granite 4.0's hybrid layers): a Mamba-2 layer runs ``in_proj``, ``foudre_mamba_step``
+(``native/cpu_ssm.cpp``: ``ssm_ops.mamba_decode``'s conv window, state update and gated norm on
+each row's state slot, then a decode row's snapshot copied) and ``out_proj``; attention layers
+rotate part of each head or none; Granite's multipliers scale the embedding and each sublayer's
+output with torch's rounding. It takes a step
 when every row is a decode row (one token each, no prefill chunk, no drafts), of at most
 ``Linear``'s ``MAX_ROWS`` and below the rows where a ``QuantLinear`` turns to its dequantized GEMM
 (``dequantized_gemm_rows``: 64, 32 for group-wise 8 bits, 96-2048 on AVX2, 1024 on AMX's tiles, 160
