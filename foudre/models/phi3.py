@@ -14,9 +14,9 @@ own:
   head);
 - an optional sliding window over every layer (``ModelConfig.sliding_window``, as Mistral).
 
-It is a class of its own so that paths built for the exact Llama layout (the native CPU decode
-step, which rotates whole heads by position alone) do not engage on it: they check
-``type(model) is LlamaForCausalLM``.
+It is a class of its own so that the paths built for an exact layout say which they run: the
+native CPU decode step (``runner/cpu_decode.py``) runs it, rotating the first ``rotary_dim``
+dimensions of each head at the rows' positions plus their LongRoPE offsets.
 """
 
 from __future__ import annotations

@@ -386,7 +386,8 @@ class NativeDecode:
 
     def _inputs(self, step: ForwardStep) -> tuple[array.array[int], array.array[int], int]:
         """The step's inputs for the C++ layers in two arrays made from Python lists: int64
-        token ids, positions and KV slots (``rows`` each); int32 flat token indices, context
+        token ids, RoPE positions (with the rows' ``position_offsets``) and KV slots (``rows``
+        each); int32 flat token indices, context
         lengths (``rows`` each) and block tables (``rows x width``, zero-padded); and ``width``.
         What the runner's ``flatten`` and the backend's metadata hold for a decode step, built
         without their dozen tensor ops a row, in ``array.array``s: made from the lists several
@@ -401,7 +402,8 @@ class NativeDecode:
             )
         width = max(len(t) for t in tables)
         longs = [ids[0] for ids in step.token_ids]
-        longs += starts
+        offsets = step.position_offsets  # (LongRoPE's past the original context)
+        longs += starts if not offsets else [s + o for s, o in zip(starts, offsets, strict=True)]
         if self.attention:
             longs += [t[s // bs] * bs + s % bs for t, s in zip(tables, starts, strict=True)]
         else:
@@ -752,8 +754,15 @@ def _model_classes() -> tuple[type[nn.Module], ...]:
     from foudre.models.granite_moe_hybrid import GraniteMoeHybridForCausalLM
     from foudre.models.llama import LlamaForCausalLM
     from foudre.models.mamba2 import Mamba2ForCausalLM
+    from foudre.models.phi3 import Phi3ForCausalLM
 
-    return (LlamaForCausalLM, Mamba2ForCausalLM, BambaForCausalLM, GraniteMoeHybridForCausalLM)
+    return (
+        LlamaForCausalLM,
+        Phi3ForCausalLM,
+        Mamba2ForCausalLM,
+        BambaForCausalLM,
+        GraniteMoeHybridForCausalLM,
+    )
 
 
 def _llama_logits() -> Any:

@@ -53,7 +53,19 @@ ARCHS: list[tuple[str, dict[str, Any]]] = [
     ("qwen3", {"head_dim": 24}),  # q/k norm, head_dim from the config
     ("mixtral", {"num_hidden_layers": 3, "num_local_experts": 4}),  # top-2, renormalised
     ("qwen3_moe", QWEN3_MOE),  # q/k norm; top-2 not renormalised, a dense layer between
+    ("phi3", {"partial_rotary_factor": 0.75, "pad_token_id": 0}),  # RoPE over 3/4 of each head
 ]
+LONGROPE_PHI3: dict[str, Any] = {  # Phi-4-mini's shape: LongRoPE over 3/4 of each head
+    "pad_token_id": 0,
+    "max_position_embeddings": 128,
+    "original_max_position_embeddings": 20,
+    "partial_rotary_factor": 0.75,
+    "rope_scaling": {
+        "rope_type": "longrope",
+        "short_factor": [1.0 + 0.1 * i for i in range(6)],
+        "long_factor": [1.5 + 0.4 * i for i in range(6)],
+    },
+}
 
 
 def make_runner(tmp_path: Path, dtype: str, arch: str = "llama", **overrides: Any) -> ModelRunner:
@@ -430,6 +442,36 @@ def test_generate_is_the_same_with_and_without_native_decode(tmp_path: Path) -> 
         outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
         assert llm.metrics()["num_free_blocks"] == llm.metrics()["num_total_blocks"]
     assert outs[0] == outs[1] and len(calls) >= 10
+
+
+def test_native_decode_rotates_at_the_longrope_offsets(tmp_path: Path) -> None:
+    """Phi-3 with LongRoPE over part of each head: rows whose prompts exceed the original
+    context are rotated by the long factors (a position offset into the table, per row; at
+    decode positions both halves of the table agree): a decode step of rows with and without
+    offsets equals the Python path's bit for bit, and so does greedy generation through
+    ``LLM`` across the boundary (the recompute there included)."""
+    path = make_hf_model(tmp_path / "m", "phi3", **LONGROPE_PHI3)
+    llm = LLM(str(path), dtype="float32", skip_tokenizer_init=True, num_kv_blocks=64)
+    runner = llm.engine.runner
+    rotary = runner.model.model.rotary
+    lens = [25, 9, 30]
+    offsets = [rotary.position_offset(n) for n in lens]
+    assert offsets[0] > 0 and offsets[1] == 0
+    tables = [[4, 9, 2, 7], [1, 3], [11, 5, 6, 8]]
+    prompts = [list(range(3, 3 + n)) for n in lens]
+    with torch.inference_mode():
+        logits = runner.forward(tables, [0] * 3, prompts, [1] * 3, 0, offsets)
+        assert logits is not None
+        new = [[int(t)] for t in logits.argmax(-1)]
+        native, ref = both_paths(runner, tables, lens, new, [1] * 3, 0, offsets)
+        assert torch.equal(native, ref)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [[1, 5, 9, 23], list(range(1, 30)), [1, *range(100, 117)]]
+    outs = []
+    for eager in (False, True):
+        llm = LLM(str(path), dtype="float32", skip_tokenizer_init=True, enforce_eager=eager)
+        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+    assert outs[0] == outs[1]
 
 
 def test_native_decode_within_the_sliding_window(tmp_path: Path) -> None:
