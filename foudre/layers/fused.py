@@ -32,6 +32,8 @@ _P, _I64, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "foudre_rms_norm": [_P, _P, _P, _I64, _I64, _I64, _F],
     "foudre_silu_mul": [_P, _P, _I64, _I64, _I64],
+    "foudre_offset_rms_norm": [_P, _P, _P, _I64, _I64, _I64, _F],
+    "foudre_gelu_mul": [_P, _P, _I64, _I64, _I64],
     "foudre_rope": [_P, _P, _P, _P, _I64, _I64, _I64, _I64],
     "foudre_linear": [_P, _I64, _P, _P, _P, _I64, _I64, _I64],
     # x, rows, hidden, inter, ids, weights, top_k, gate_up, down, experts, out
@@ -43,17 +45,17 @@ _SIGNATURES = {
     "foudre_moe_block": [_P, *[_I64] * 3, _P, _I64, _I64, ctypes.c_int, _P, _P, _P, _I64, _P],
     # out, rows, layers, num_layers, hidden, heads, kv_heads, head_dim, intermediate, eps;
     # cos, sin, rot, max_positions, positions, slots, num_slots;
-    # attention, tokens, tables, lens, table_width, block_size, scale;
+    # attention, tokens, tables, lens, table_width, block_size, groups, scale;
     # mamba (a MambaStep), state_slots, num_state_slots, state_copies, num_copies; counted;
-    # embed, embed_scale, vocab, ids, final_norm; head (a QuantSlot descriptor, or 0), head_n,
-    # logits
+    # embed, embed_scale, vocab, ids, final_norm, final_offset (Gemma's norm); head (a QuantSlot
+    # descriptor, or 0), head_n, logits
     "foudre_decode_layers": [
         *[_P, _I64, _P, *[_I64] * 6, _F],
         *[_P, _P, _I64, _I64, _P, _P, _I64],
-        *[*[_P] * 4, _I64, _I64, _F],
+        *[*[_P] * 4, _I64, _I64, _I64, _F],
         *[_P, _P, _I64, _P, _I64],
         _I64,
-        *[_P, _F, _I64, _P, _P],
+        *[_P, _F, _I64, _P, _P, _I64],
         *[_P, _I64, _P],
     ],
 }
@@ -118,13 +120,23 @@ def decode_layers_fn(dtype: torch.dtype) -> Any:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)`` over the last dimension."""
+    return _norm("foudre_rms_norm", x, weight, eps)
+
+
+def offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``((1 + weight) * x * rsqrt(mean(x^2) + eps)).to(x.dtype)`` over the last dimension, in
+    float32 (Gemma's ``OffsetRMSNorm``)."""
+    return _norm("foudre_offset_rms_norm", x, weight, eps)
+
+
+def _norm(name: str, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     n = x.shape[-1]
     rows = x.reshape(-1, n)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     w = weight.contiguous()
     out = torch.empty(x.shape, dtype=x.dtype)
-    _fn("foudre_rms_norm", x.dtype)(
+    _fn(name, x.dtype)(
         rows.data_ptr(), w.data_ptr(), out.data_ptr(), rows.shape[0], n, rows.stride(0), eps
     )
     return out
@@ -132,13 +144,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for ``gate_up = [gate | up]`` (a ``[T, 2n]`` matrix)."""
+    return _gated("foudre_silu_mul", gate_up)
+
+
+def gelu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``gelu_tanh(gate) * up`` for ``gate_up = [gate | up]`` (GeGLU; a ``[T, 2n]`` matrix)."""
+    return _gated("foudre_gelu_mul", gate_up)
+
+
+def _gated(name: str, gate_up: torch.Tensor) -> torch.Tensor:
     if gate_up.stride(-1) != 1:
         gate_up = gate_up.contiguous()
     rows, n = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(rows, n, dtype=gate_up.dtype)
-    _fn("foudre_silu_mul", gate_up.dtype)(
-        gate_up.data_ptr(), out.data_ptr(), rows, n, gate_up.stride(0)
-    )
+    _fn(name, gate_up.dtype)(gate_up.data_ptr(), out.data_ptr(), rows, n, gate_up.stride(0))
     return out
 
 

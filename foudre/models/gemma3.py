@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from foudre.attention import AttentionBackend
+from foudre.layers import fused
 from foudre.layers.mlp import GatedMLP
 from foudre.layers.norm import OffsetRMSNorm
 from foudre.layers.parallel import TensorParallel
@@ -45,7 +46,10 @@ class GeGLUMLP(GatedMLP):
     """``down_proj(gelu_tanh(gate) * up)`` with ``gate | up = gate_up_proj(x)``."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if fused.enabled(gate_up) and gate_up.dim() == 2:
+            return self.down_proj(fused.gelu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.gelu(gate, approximate="tanh") * up)
 
 
@@ -122,7 +126,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The token embeddings ``[T, hidden]`` of ``input_ids``, times ``sqrt(hidden)``."""
         x = super().embed(input_ids)
-        return x * _embed_scale(self.config.hidden_size, x.dtype)
+        return x * embed_scale(self.config.hidden_size, x.dtype)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits ``[N, vocab]``, soft-capped (in the model's dtype, as the reference
@@ -181,7 +185,7 @@ _VISION_PREFIXES = (
 
 
 @cache
-def _embed_scale(hidden_size: int, dtype: torch.dtype) -> float:
+def embed_scale(hidden_size: int, dtype: torch.dtype) -> float:
     """``sqrt(hidden_size)`` rounded to float32 then to ``dtype``, as transformers' Gemma
     scales its embeddings (a bfloat16 model multiplies by 48.0 where sqrt(2304) is 48, but by
     45.25 where it is 45.2548...)."""

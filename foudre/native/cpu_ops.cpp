@@ -150,6 +150,49 @@ void silu_mul(const T* gu, T* out, int64_t rows, int64_t n, int64_t gu_stride) {
   }
 }
 
+// out = T((1 + weight) * x * rsqrt(mean(x^2) + eps)), all in float32 and one rounding (Gemma's
+// norm: OffsetRMSNorm), x's rows at x_stride elements
+template <typename T>
+void offset_rms_norm(const T* x, const T* weight, T* out, int64_t rows, int64_t n,
+                     int64_t x_stride, float eps) {
+#pragma omp parallel for schedule(static) if (rows * n >= 65536)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * x_stride;
+    __m512 ss = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) {
+      const __m512 v = load(xr + i, lanes(n - i));
+      ss = _mm512_fmadd_ps(v, v, ss);
+    }
+    const float inv = 1.0f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(n) + eps);
+    const __m512 iv = _mm512_set1_ps(inv), one = _mm512_set1_ps(1.0f);
+    for (int64_t i = 0; i < n; i += 16) {
+      const __mmask16 m = lanes(n - i);
+      const __m512 h = _mm512_mul_ps(load(xr + i, m), iv);
+      store(out + r * n + i, _mm512_mul_ps(h, _mm512_add_ps(one, load(weight + i, m))), m);
+    }
+  }
+}
+
+// out = T(gelu_tanh(gate)) * up over rows of [gate | up] (GeGLU): gelu_tanh(x) = 0.5 x (1 +
+// tanh(u)), u = sqrt(2 / pi) (x + 0.044715 x^3), computed as x / (1 + e^(-2u))
+template <typename T>
+void gelu_mul(const T* gu, T* out, int64_t rows, int64_t n, int64_t gu_stride) {
+#pragma omp parallel for schedule(static) if (rows * n >= 65536)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* g = gu + r * gu_stride;
+    for (int64_t i = 0; i < n; i += 16) {
+      const __mmask16 m = lanes(n - i);
+      const __m512 x = load(g + i, m);
+      const __m512 x3 = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
+      const __m512 u2 = _mm512_mul_ps(_mm512_set1_ps(-1.5957691216057308f),
+                                      _mm512_fmadd_ps(_mm512_set1_ps(0.044715f), x3, x));
+      const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(u2));
+      store(out + r * n + i, _mm512_mul_ps(round_to(_mm512_div_ps(x, d), g), load(g + n + i, m)),
+            m);
+    }
+  }
+}
+
 // In place on heads rows of head_dim (tokens at token_stride elements, heads contiguous):
 // x1, x2 = halves; x1' = x1 c - x2 s, x2' = x2 c + x1 s ("rotate half"), with c, s rounded to T
 // and each product and sum rounded to T as torch's q * cos + rotate_half(q) * sin does.
@@ -372,6 +415,44 @@ void rms_norm(const T* x, const T* weight, T* out, int64_t rows, int64_t n, int6
     for (int64_t i = 0; i < n; i += 8) {
       const __m256 h = round_to(_mm256_mul_ps(load8(xr + i, n - i), iv), x);
       store8(out + r * n + i, _mm256_mul_ps(load8(weight + i, n - i), h), n - i);
+    }
+  }
+}
+
+template <typename T>
+void offset_rms_norm(const T* x, const T* weight, T* out, int64_t rows, int64_t n,
+                     int64_t x_stride, float eps) {
+#pragma omp parallel for schedule(static) if (rows * n >= 65536)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * x_stride;
+    __m256 ss = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i += 8) {
+      const __m256 v = load8(xr + i, n - i);
+      ss = _mm256_fmadd_ps(v, v, ss);
+    }
+    const float inv = 1.0f / std::sqrt(hsum8(ss) / static_cast<float>(n) + eps);
+    const __m256 iv = _mm256_set1_ps(inv), one = _mm256_set1_ps(1.0f);
+    for (int64_t i = 0; i < n; i += 8) {
+      const __m256 h = _mm256_mul_ps(load8(xr + i, n - i), iv);
+      store8(out + r * n + i, _mm256_mul_ps(h, _mm256_add_ps(one, load8(weight + i, n - i))),
+             n - i);
+    }
+  }
+}
+
+template <typename T>
+void gelu_mul(const T* gu, T* out, int64_t rows, int64_t n, int64_t gu_stride) {
+#pragma omp parallel for schedule(static) if (rows * n >= 65536)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* g = gu + r * gu_stride;
+    for (int64_t i = 0; i < n; i += 8) {
+      const __m256 x = load8(g + i, n - i);
+      const __m256 x3 = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
+      const __m256 u2 = _mm256_mul_ps(_mm256_set1_ps(-1.5957691216057308f),
+                                      _mm256_fmadd_ps(_mm256_set1_ps(0.044715f), x3, x));
+      const __m256 d = _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(u2));
+      store8(out + r * n + i,
+             _mm256_mul_ps(round_to(_mm256_div_ps(x, d), g), load8(g + n + i, n - i)), n - i);
     }
   }
 }
@@ -939,18 +1020,25 @@ void scale_(T* y, float s, int64_t n) {
 // Per layer, the addresses decode_layers reads (0 where a layer has none), then a sparse layer's
 // integers: a layer with a router (kRouter) runs moe_block, counting into its int64
 // counts[kExperts], and then its shared expert where it has one (at kGateUp, kDown); a layer
-// without a norm at kPostNorm has no MLP. A quantized KV cache: its codes at kKCache / kVCache, their scales at kKScales /
-// kVScales, kKVCodes its KVCodes (kFloatKV: a float cache). A quantized projection: the address
-// of its QuantSlot descriptor at kQKVQuant .. kDownQuant (0: the float weight at kQKV .. kDown).
+// without a norm at kPostNorm has no MLP. A quantized KV cache: its codes at kKCache /
+// kVCache, their scales at kKScales / kVScales, kKVCodes its KVCodes (kFloatKV: a float cache).
+// A quantized projection: the address of its QuantSlot descriptor at kQKVQuant .. kDownQuant
+// (0: the float weight at kQKV .. kDown).
 // A Mamba-2 layer (kMamba: its MambaStep descriptor; 0 for attention) has in_proj at kQKV,
 // kQKVBias, kQKVQuant (kMambaWidth outputs) and out_proj at kO, kOQuant (kMambaInner inputs).
 // kResidual: the float32 bits of the multiplier on both sublayers' outputs (1.0f: none); kRope:
-// whether attention rotates q and k.
+// whether attention rotates q and k, by the layer's own tables at kCos / kSin where given (else
+// the step's). Gemma's layers: kOffsetNorms (every norm of the layer is (1 + weight) x / rms(x)
+// in float32, q/k norms included), kGelu (GeGLU in place of SwiGLU), kMixerOutNorm /
+// kMlpOutNorm (norms of each sublayer's output before its residual add; 0: none). kGroup: the
+// KV cache group of an attention layer (its rows' slots and block tables: the step's group
+// kGroup ones).
 enum LayerPointer {
   kInputNorm, kQKV, kQKVBias, kO, kPostNorm, kGateUp, kDown, kQNorm, kKNorm, kKCache, kVCache,
   kKScales, kVScales, kKVCodes, kQKVQuant, kOQuant, kGateUpQuant, kDownQuant,
   kRouter, kExpertsGateUp, kExpertsDown, kCounts, kExperts, kTopK, kRenormalize, kMoeIntermediate,
   kMamba, kMambaWidth, kMambaInner, kResidual, kRope,
+  kOffsetNorms, kGelu, kMixerOutNorm, kMlpOutNorm, kCos, kSin, kGroup,
   kLayerPointers
 };
 
@@ -986,8 +1074,10 @@ struct StateRows {
 };
 
 // What a decode step's attention layers read besides their own pointers: the RoPE tables
-// (rot columns a position), each row's position and KV slot, the paged-attention kernel and
-// its tables (tokens, block tables, context lengths).
+// (rot columns a position), each row's position, the paged-attention kernel and its tables
+// (tokens, context lengths), and per cache group (`groups` of them, each its own pages: the
+// sliding-window layers') each row's KV slot ([groups, rows]) and block table ([groups, rows,
+// table_width]).
 struct AttentionRows {
   const float* cos;
   const float* sin;
@@ -998,9 +1088,19 @@ struct AttentionRows {
   const int32_t* tokens;
   const int32_t* tables;
   const int32_t* lens;
-  int64_t table_width, block_size;
+  int64_t table_width, block_size, groups;
   float scale;
 };
+
+// rms_norm, or Gemma's offset_rms_norm where `offset`
+template <typename T>
+void any_norm(bool offset, const T* x, const T* w, T* out, int64_t rows, int64_t n,
+              int64_t x_stride, float eps) {
+  if (offset)
+    offset_rms_norm(x, w, out, rows, n, x_stride, eps);
+  else
+    rms_norm(x, w, out, rows, n, x_stride, eps);
+}
 
 // An attention layer's mixer over the normed rows h: q|k|v (q/k norms, RoPE), the new K/V into
 // the rows' slots, paged attention, o_proj into y [rows, hidden]
@@ -1015,20 +1115,26 @@ void attention_layer(const int64_t* p, const AttentionRows& a, const T* h, T* y,
   T* k_cache = reinterpret_cast<T*>(p[kKCache]);
   T* v_cache = reinterpret_cast<T*>(p[kVCache]);
   const int64_t kv_codes = p[kKVCodes];
+  const int64_t* slots = a.slots + p[kGroup] * rows;
+  const int32_t* tables = a.tables + p[kGroup] * rows * a.table_width;
   project(quant(kQKVQuant), h, w(kQKV), w(kQKVBias), qkv, rows, qkv_width, hidden);
-  if (p[kQNorm] != 0) {  // q/k norm over each head, before RoPE (qwen3)
+  if (p[kQNorm] != 0) {  // q/k norm over each head, before RoPE (qwen3, gemma)
+    const bool offset = p[kOffsetNorms] != 0;
     for (int64_t r = 0; r < rows; ++r) {
       T* row = qkv + r * qkv_width;
-      rms_norm(row, w(kQNorm), row, heads, D, D, eps);
-      rms_norm(row + q_size, w(kKNorm), row + q_size, kv_heads, D, D, eps);
+      any_norm(offset, row, w(kQNorm), row, heads, D, D, eps);
+      any_norm(offset, row + q_size, w(kKNorm), row + q_size, kv_heads, D, D, eps);
     }
   }
-  if (p[kRope] != 0)
-    rope(qkv, a.cos, a.sin, a.positions, rows, heads + kv_heads, D, qkv_width, a.rot);
+  if (p[kRope] != 0) {
+    const float* cos = p[kCos] != 0 ? reinterpret_cast<const float*>(p[kCos]) : a.cos;
+    const float* sin = p[kSin] != 0 ? reinterpret_cast<const float*>(p[kSin]) : a.sin;
+    rope(qkv, cos, sin, a.positions, rows, heads + kv_heads, D, qkv_width, a.rot);
+  }
   for (int64_t r = 0; r < rows; ++r) {  // the new token's K and V into its slot
     const T* row = qkv + r * qkv_width;
     const int64_t at =
-        a.slots[r] / a.block_size * block_stride + a.slots[r] % a.block_size * token_stride;
+        slots[r] / a.block_size * block_stride + slots[r] % a.block_size * token_stride;
     if (kv_codes != kFloatKV) {  // codes of a byte, scales at the codes' offset / head_dim
       uint8_t* codes[2] = {reinterpret_cast<uint8_t*>(p[kKCache]),
                            reinterpret_cast<uint8_t*>(p[kVCache])};
@@ -1045,12 +1151,12 @@ void attention_layer(const int64_t* p, const AttentionRows& a, const T* h, T* y,
   if (kv_codes != kFloatKV)
     reinterpret_cast<PagedDecodeCodes>(const_cast<void*>(a.kernel))(
         qkv, k_cache, v_cache, reinterpret_cast<const float*>(p[kKScales]),
-        reinterpret_cast<const float*>(p[kVScales]), att, a.tokens, a.tables, a.lens, rows,
+        reinterpret_cast<const float*>(p[kVScales]), att, a.tokens, tables, a.lens, rows,
         heads, kv_heads, D, a.block_size, a.table_width, qkv_width, q_size, block_stride,
         token_stride, a.scale, 0);
   else
     reinterpret_cast<PagedDecode>(const_cast<void*>(a.kernel))(
-        qkv, k_cache, v_cache, att, a.tokens, a.tables, a.lens, rows, heads, kv_heads, D,
+        qkv, k_cache, v_cache, att, a.tokens, tables, a.lens, rows, heads, kv_heads, D,
         a.block_size, a.table_width, qkv_width, q_size, block_stride, token_stride, a.scale);
   project(quant(kOQuant), att, w(kO), static_cast<const T*>(nullptr), y, rows, hidden, q_size);
 }
@@ -1091,7 +1197,10 @@ void mlp_layer(const int64_t* p, const T* h, T* y, int64_t rows, int64_t hidden,
   }
   project(quant(kGateUpQuant), h, w(kGateUp), static_cast<const T*>(nullptr), gate_up, rows,
           2 * intermediate, hidden);
-  silu_mul(gate_up, act, rows, intermediate, 2 * intermediate);
+  if (p[kGelu] != 0)
+    gelu_mul(gate_up, act, rows, intermediate, 2 * intermediate);
+  else
+    silu_mul(gate_up, act, rows, intermediate, 2 * intermediate);
   project(quant(kDownQuant), act, w(kDown), static_cast<const T*>(nullptr), dense_out, rows,
           hidden, intermediate);
   if (dense_out != y) add_(y, dense_out, rows * hidden);
@@ -1115,13 +1224,14 @@ int decode_layers(T* out, int64_t rows, const int64_t* layers, int64_t num_layer
                   int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate,
                   float eps, int64_t max_positions, int64_t num_slots, const AttentionRows& a,
                   const StateRows& s, int64_t counted, const T* embed, float embed_scale,
-                  int64_t vocab, const int64_t* ids, const T* final_norm, const int64_t* head,
-                  int64_t head_n, float* logits) {
+                  int64_t vocab, const int64_t* ids, const T* final_norm, bool final_offset,
+                  const int64_t* head, int64_t head_n, float* logits) {
   for (int64_t r = 0; r < rows; ++r) {
     if (a.positions[r] < 0 || a.positions[r] >= max_positions) return 1;
-    if (a.slots[r] < 0 || a.slots[r] >= num_slots) return 2;
     if (ids[r] < 0 || ids[r] >= vocab) return 3;
   }
+  for (int64_t i = 0; i < a.groups * rows; ++i)
+    if (a.slots[i] < 0 || a.slots[i] >= num_slots) return 2;
   int64_t width = 0, inner = 0;  // the Mamba-2 layers' widest in_proj and inner size
   for (int64_t l = 0; l < num_layers; ++l) {
     const int64_t* p = layers + l * kLayerPointers;
@@ -1140,21 +1250,27 @@ int decode_layers(T* out, int64_t rows, const int64_t* layers, int64_t num_layer
       mixed(rows * inner), shared(rows * hidden);
   for (int64_t l = 0; l < num_layers; ++l) {
     const int64_t* p = layers + l * kLayerPointers;
+    const auto w = [p](LayerPointer i) { return reinterpret_cast<const T*>(p[i]); };
     const float residual = float_bits(p[kResidual]);
-    rms_norm(x, reinterpret_cast<const T*>(p[kInputNorm]), h.data(), rows, hidden, hidden, eps);
+    const bool offset = p[kOffsetNorms] != 0;
+    any_norm(offset, x, w(kInputNorm), h.data(), rows, hidden, hidden, eps);
     if (p[kMamba] != 0)
       mamba_layer(p, s, h.data(), y.data(), rows, hidden, proj.data(), mixed.data());
     else
       attention_layer(p, a, h.data(), y.data(), rows, hidden, heads, kv_heads, D, eps,
                       qkv.data(), att.data());
+    if (p[kMixerOutNorm] != 0)  // (in place: each row is read whole before it is written)
+      any_norm(offset, y.data(), w(kMixerOutNorm), y.data(), rows, hidden, hidden, eps);
     add_residual(x, y.data(), residual, rows * hidden);
     if (p[kPostNorm] == 0) continue;  // no MLP (Mamba-2's blocks)
-    rms_norm(x, reinterpret_cast<const T*>(p[kPostNorm]), h.data(), rows, hidden, hidden, eps);
+    any_norm(offset, x, w(kPostNorm), h.data(), rows, hidden, hidden, eps);
     mlp_layer(p, h.data(), y.data(), rows, hidden, intermediate, counted, gate_up.data(),
               act.data(), shared.data());
+    if (p[kMlpOutNorm] != 0)
+      any_norm(offset, y.data(), w(kMlpOutNorm), y.data(), rows, hidden, hidden, eps);
     add_residual(x, y.data(), residual, rows * hidden);
   }
-  rms_norm(x, final_norm, out, rows, hidden, hidden, eps);
+  any_norm(final_offset, x, final_norm, out, rows, hidden, hidden, eps);
   if (head != nullptr) {  // in T, as QuantLinear's forward rounds them, then widened exactly
     constexpr bool wide = std::is_same_v<T, float>;
     std::unique_ptr<T[]> rounded(wide ? nullptr : new T[rows * head_n]);  // (not zeroed)
@@ -1178,6 +1294,15 @@ int foudre_cpu_ops_available() { return 1; }
     rms_norm(static_cast<const T*>(x), static_cast<const T*>(w), static_cast<T*>(out), rows, n,    \
              x_stride, eps);                                                                       \
   }                                                                                                \
+  void foudre_offset_rms_norm_##SUFFIX(const void* x, const void* w, void* out, int64_t rows,    \
+                                       int64_t n, int64_t x_stride, float eps) {                   \
+    offset_rms_norm(static_cast<const T*>(x), static_cast<const T*>(w), static_cast<T*>(out),      \
+                    rows, n, x_stride, eps);                                                       \
+  }                                                                                                \
+  void foudre_gelu_mul_##SUFFIX(const void* gu, void* out, int64_t rows, int64_t n,                \
+                                int64_t gu_stride) {                                               \
+    gelu_mul(static_cast<const T*>(gu), static_cast<T*>(out), rows, n, gu_stride);                 \
+  }                                                                                                \
   void foudre_silu_mul_##SUFFIX(const void* gu, void* out, int64_t rows, int64_t n,                \
                                 int64_t gu_stride) {                                               \
     silu_mul(static_cast<const T*>(gu), static_cast<T*>(out), rows, n, gu_stride);                 \
@@ -1199,17 +1324,19 @@ int foudre_cpu_ops_available() { return 1; }
       const float* cos, const float* sin, int64_t rot, int64_t max_positions,                      \
       const int64_t* positions, const int64_t* slots, int64_t num_slots, const void* attention,    \
       const int32_t* tokens, const int32_t* tables, const int32_t* lens, int64_t table_width,      \
-      int64_t block_size, float scale, const void* mamba, const int64_t* state_slots,              \
-      int64_t num_state_slots, const int64_t* state_copies, int64_t num_copies, int64_t counted,   \
+      int64_t block_size, int64_t groups, float scale, const void* mamba,                          \
+      const int64_t* state_slots, int64_t num_state_slots, const int64_t* state_copies,            \
+      int64_t num_copies, int64_t counted,                                                         \
       const void* embed, float embed_scale, int64_t vocab, const int64_t* ids,                     \
-      const void* final_norm, const int64_t* head, int64_t head_n, void* logits) {                 \
-    const AttentionRows a{cos,    sin,    rot,  positions,   slots,      attention,                \
-                          tokens, tables, lens, table_width, block_size, scale};                   \
+      const void* final_norm, int64_t final_offset, const int64_t* head, int64_t head_n,         \
+      void* logits) {                                                                              \
+    const AttentionRows a{cos,    sin,    rot,  positions,   slots,      attention, tokens,        \
+                          tables, lens, table_width, block_size, groups,    scale};                \
     const StateRows s{mamba, state_slots, num_state_slots, state_copies, num_copies};              \
     return decode_layers(static_cast<T*>(out), rows, layers, num_layers, hidden, heads, kv_heads,  \
                          head_dim, intermediate, eps, max_positions, num_slots, a, s, counted,     \
                          static_cast<const T*>(embed), embed_scale, vocab, ids,                    \
-                         static_cast<const T*>(final_norm), head, head_n,                          \
+                         static_cast<const T*>(final_norm), final_offset != 0, head, head_n,    \
                          static_cast<float*>(logits));                                             \
   }                                                                                                \
   void foudre_quantize_kv_##SUFFIX(const void* x, int64_t n, int64_t head_dim, int64_t kind,      \

@@ -65,7 +65,7 @@ from foudre.layers.linear import MAX_ROWS, Linear
 from foudre.layers.mamba import GatedRMSNorm, Mamba2Mixer
 from foudre.layers.mlp import GatedMLP
 from foudre.layers.moe import Experts, SparseMoeBlock
-from foudre.layers.norm import RMSNorm
+from foudre.layers.norm import OffsetRMSNorm, RMSNorm
 from foudre.layers.rotary import RotaryEmbedding
 from foudre.layers.ssm_ops import MambaDecodeParams
 from foudre.quant import cpu_qmatmul
@@ -89,6 +89,7 @@ class NativeDecode:
         fn: Any,
         block_size: int,
         padding_state_slot: int = -1,
+        group_of_layer: Sequence[int] | None = None,
     ) -> None:
         cfg = model.config
         self.model = model
@@ -96,12 +97,7 @@ class NativeDecode:
         self.dtype = model.model.embed_tokens.weight.dtype
         self.max_rows = MAX_ROWS[self.dtype]  # where the float projections' kernel stops paying
         layers = [cast(_Parts, _parts(layer)) for layer in model.model.layers]
-        attns = [p.attn for p in layers if p.attn is not None]
-        self.attention = 0
-        first_kv = next((c for c in kv_caches if not isinstance(c, RecurrentCache)), None)
-        if first_kv is not None:
-            kernel = cpu_paged.kernel(self.dtype, _codes_dtype(first_kv))
-            self.attention = ctypes.cast(kernel, ctypes.c_void_p).value or 0
+        self._attention(layers, kv_caches)
         self.dims = (
             cfg.hidden_size,
             cfg.num_attention_heads,
@@ -110,15 +106,11 @@ class NativeDecode:
             _intermediate(layers),
         )
         self.eps = cfg.rms_norm_eps
-        # the C++ layers attend to every key: with sliding windows, only while every context
-        # fits the narrowest one (where the window changes nothing)
-        windows = [a.sliding_window for a in attns]
-        self.window = min((w for w in windows if w is not None), default=None)
-        self.scale = attns[0].scale if attns else 1.0
         # the RoPE tables, where an attention layer rotates (a model of recurrent layers, or of
         # attention without positions, reads none: NoPE's table holds one position)
         self.rotary = model.model.rotary if any(p.rope for p in layers) else None
         self.embed_scale = _embedding_multiplier(model)
+        self.final_offset = int(type(model.model.norm) is OffsetRMSNorm)
         self.mamba = ssm_ops.mamba_step_fn(self.dtype) or 0 if any(p.mamba for p in layers) else 0
         self.padding_state_slot = padding_state_slot
         embed, norm = model.model.embed_tokens, cast(RMSNorm, model.model.norm)
@@ -133,9 +125,11 @@ class NativeDecode:
         # rotary module replaced: the call holds the built ones' tables)
         owners = [model.model, *(m for m in modules if m._modules)]
         checks.children = [(m._modules, dict(m._modules)) for m in owners]
-        layout = _Layout(checks, cpu_qmatmul.function(self.dtype))
-        for parts, cache in zip(layers, kv_caches, strict=True):
-            layout.layer(parts, cache)
+        layout = _Layout(checks, cpu_qmatmul.function(self.dtype), self.rotary)
+        groups = list(group_of_layer or [0] * len(layers))
+        self.groups = 1 + max((g for g, p in zip(groups, layers, strict=True) if p.attn), default=0)
+        for parts, cache, group in zip(layers, kv_caches, groups, strict=True):
+            layout.layer(parts, cache, group)
         self.blocks = layout.blocks  # the sparse layers' MLPs, which count
         self.mamba_params = layout.mamba_descriptors  # what the Mamba-2 layers' descriptors name
         if self.rotary is not None:
@@ -151,14 +145,36 @@ class NativeDecode:
         self._hold_caches(kv_caches, block_size)
         self.descriptors, self.layers = layout.tensors()
         if checks.quantized:
-            # where QuantLinear's forward switches to its dequantized GEMM, so do the steps; with
-            # every projection quantized (and no experts) up to there, as the float kernel's
-            # limit then does not apply (32-row int8 steps: 5% more throughput than in Python)
-            all_quantized = len(checks.quantized) == len(_projections(model)) and not self.blocks
-            # (and where it turns to aten's kernels: QuantLinear.native_rows)
-            limit = min(m.native_rows() for m, _ in checks.quantized)
-            self.max_rows = limit if all_quantized else min(self.max_rows, limit)
+            self._quantized_rows(model)
         self._hold_head(model, layout)
+
+    def _attention(
+        self,
+        layers: Sequence[_Parts],
+        kv_caches: Sequence[torch.Tensor | QuantizedKVCache | RecurrentCache],
+    ) -> None:
+        """The paged-attention kernel of the caches' kind, the attention scale, and the
+        narrowest sliding window: the C++ layers attend to every key, so with sliding windows
+        only while every context fits the narrowest one (where the window changes nothing)."""
+        attns = [p.attn for p in layers if p.attn is not None]
+        self.attention = 0
+        first_kv = next((c for c in kv_caches if not isinstance(c, RecurrentCache)), None)
+        if first_kv is not None:
+            kernel = cpu_paged.kernel(self.dtype, _codes_dtype(first_kv))
+            self.attention = ctypes.cast(kernel, ctypes.c_void_p).value or 0
+        windows = [a.sliding_window for a in attns]
+        self.window = min((w for w in windows if w is not None), default=None)
+        self.scale = attns[0].scale if attns else 1.0
+
+    def _quantized_rows(self, model: LlamaForCausalLM) -> None:
+        """Where QuantLinear's forward switches to its dequantized GEMM, so do the steps; with
+        every projection quantized (and no experts) up to there, as the float kernel's limit
+        then does not apply (32-row int8 steps: 5% more throughput than in Python); and where
+        it turns to aten's kernels (``QuantLinear.native_rows``)."""
+        quantized = self.checks.quantized
+        all_quantized = len(quantized) == len(_projections(model)) and not self.blocks
+        limit = min(m.native_rows() for m, _ in quantized)
+        self.max_rows = limit if all_quantized else min(self.max_rows, limit)
 
     def _hold_caches(
         self,
@@ -223,13 +239,15 @@ class NativeDecode:
         kv_caches: list[torch.Tensor] | list[Any],
         block_size: int | None = None,
         padding_state_slot: int = -1,
+        group_of_layer: Sequence[int] | None = None,
     ) -> NativeDecode | None:
         """A ``NativeDecode`` for ``model``, or None where its embedding, layers or final norm
         cannot run natively. What it checks here and not at each step (``_unchanged``): the
         modules' classes and settings (an RMSNorm's eps, the embedding's ``max_norm``, tensor
         parallelism), as for the layers' norms. ``block_size``: the KV blocks' tokens (by
         default the first KV cache's); ``padding_state_slot``: the recurrent state slot of the
-        rows that pad a step (a model with recurrent layers)."""
+        rows that pad a step (a model with recurrent layers); ``group_of_layer``: each layer's
+        KV cache group (by default all in one: one block table a row)."""
         # the backend's own class: the step builds what its build_metadata would, so a
         # subclass that builds otherwise is not run here
         if type(model) not in _model_classes() or type(backend) is not cpu_paged.CPUPagedBackend:
@@ -257,7 +275,7 @@ class NativeDecode:
         if block_size is None:
             kv = [c for c in kv_caches if not isinstance(c, RecurrentCache)]
             block_size = _stored(kv[0]).shape[2] if kv else 1
-        return cls(model, kv_caches, fn, block_size, padding_state_slot)
+        return cls(model, kv_caches, fn, block_size, padding_state_slot, group_of_layer)
 
     def can_run(self, step: ForwardStep) -> bool:
         """Whether this step can run here: decode rows only, few enough, contexts within the
@@ -353,13 +371,14 @@ class NativeDecode:
             at32,  # each row's flat token index
             at32 + 8 * rows,  # block tables
             at32 + 4 * rows,  # context lengths
-            width, self.block_size, self.scale,
+            width, self.block_size, self.groups, self.scale,
             self.mamba, states.buffer_info()[0], self.num_state_slots, copies.buffer_info()[0],
             len(copies) // 2,
             self._counted(rows),
             embed, self.embed_scale, self.vocab,
             at64,  # token ids
-            norm, head, self.head_features, 0 if logits is None else logits.data_ptr(),
+            norm, self.final_offset, head, self.head_features,
+            0 if logits is None else logits.data_ptr(),
         )  # fmt: skip
         if failed == 1:
             raise IndexError(f"RoPE position outside the table of {tables[3]}")
@@ -386,33 +405,41 @@ class NativeDecode:
 
     def _inputs(self, step: ForwardStep) -> tuple[array.array[int], array.array[int], int]:
         """The step's inputs for the C++ layers in two arrays made from Python lists: int64
-        token ids, RoPE positions (with the rows' ``position_offsets``) and KV slots (``rows``
-        each); int32 flat token indices, context
-        lengths (``rows`` each) and block tables (``rows x width``, zero-padded); and ``width``.
+        token ids and RoPE positions (with the rows' ``position_offsets``), then the KV slots of
+        each cache group (``rows`` each); int32 flat token indices and context lengths (``rows``
+        each), then each group's block tables (``rows x width``, zero-padded); and ``width``.
         What the runner's ``flatten`` and the backend's metadata hold for a decode step, built
         without their dozen tensor ops a row, in ``array.array``s: made from the lists several
         times faster than by ``torch.tensor`` while the weights' stream leaves the caches cold.
         A model without attention takes no KV slots (zeros)."""
         bs = self.block_size
-        tables, starts = step.block_tables, step.starts
-        if not len(tables) == len(starts) == len(step.token_ids):
+        starts = step.starts
+        # (a step without tables of its own per group reads group 0's for all, as flatten does)
+        groups = [step.block_tables, *step.group_tables][: self.groups]
+        if not step.group_tables:
+            groups = [step.block_tables] * self.groups
+        if len(groups) != self.groups or any(
+            len(tables) != len(starts) or len(starts) != len(step.token_ids) for tables in groups
+        ):
             raise ValueError(
                 f"a step of {len(step.token_ids)} rows with {len(starts)} starts and "
-                f"{len(tables)} block tables"
+                f"block tables of {[len(t) for t in groups]} rows ({self.groups} groups)"
             )
-        width = max(len(t) for t in tables)
+        width = max(len(t) for tables in groups for t in tables)
         longs = [ids[0] for ids in step.token_ids]
         offsets = step.position_offsets  # (LongRoPE's past the original context)
         longs += starts if not offsets else [s + o for s, o in zip(starts, offsets, strict=True)]
-        if self.attention:
-            longs += [t[s // bs] * bs + s % bs for t, s in zip(tables, starts, strict=True)]
-        else:
-            longs += [0] * len(starts)
+        for tables in groups:
+            if self.attention:
+                longs += [t[s // bs] * bs + s % bs for t, s in zip(tables, starts, strict=True)]
+            else:
+                longs += [0] * len(starts)
         ints = list(range(len(starts)))
         ints += [s + 1 for s in starts]
-        for t in tables:
-            ints += t
-            ints += [0] * (width - len(t))
+        for tables in groups:
+            for t in tables:
+                ints += t
+                ints += [0] * (width - len(t))
         return array.array("q", longs), array.array("i", ints), width
 
 
@@ -425,8 +452,9 @@ class _Layout:
     and counts, in ``cpu_ops.cpp``'s order), the quantized projections' ``descriptors``
     (``QuantSlot``), and every tensor held in ``checks`` as it was built."""
 
-    def __init__(self, checks: _Checks, qmm: int | None) -> None:
+    def __init__(self, checks: _Checks, qmm: int | None, rotary: RotaryEmbedding | None) -> None:
         self.checks = checks
+        self.rotary = rotary  # the step's RoPE tables
         self.qmm = qmm
         self.pointers: list[int] = []
         self.descriptors: list[list[int]] = []
@@ -468,7 +496,12 @@ class _Layout:
         self.pointers.append(0)
         self.descriptors.append(self.descriptor(module))
 
-    def layer(self, parts: _Parts, cache: torch.Tensor | QuantizedKVCache | RecurrentCache) -> None:
+    def layer(
+        self,
+        parts: _Parts,
+        cache: torch.Tensor | QuantizedKVCache | RecurrentCache,
+        group: int,
+    ) -> None:
         """One decoder layer's entries (``LayerPointer`` order in ``native/cpu_ops.cpp``)."""
         hold = self.hold
         attn, mamba, mlp = parts.attn, parts.mamba, parts.mlp
@@ -499,6 +532,22 @@ class _Layout:
         self._sparse(sparse)
         self._mamba(mamba, cache)
         self.pointers += [_float_bits(parts.residual), int(parts.rope)]
+        self.pointers += [int(parts.offset), int(parts.gelu)]
+        hold(parts.mixer_out_norm, "weight")
+        hold(parts.mlp_out_norm, "weight")
+        self._tables(None if attn is None or attn.rotary is self.rotary else attn.rotary)
+        self.pointers.append(group if attn is not None else 0)
+
+    def _tables(self, rotary: RotaryEmbedding | None) -> None:
+        """A layer's own RoPE tables (Gemma's sliding layers), held; 0, 0 for the step's."""
+        if rotary is None:
+            self.pointers += [0, 0]
+            return
+        for name in ("cos", "sin"):
+            table = rotary._buffers[name]
+            assert table is not None
+            self.checks.keep(rotary._buffers, name, table, table.data_ptr())
+            self.pointers.append(table.data_ptr())
 
     def _mamba(
         self, mixer: Mamba2Mixer | None, cache: torch.Tensor | QuantizedKVCache | RecurrentCache
@@ -700,8 +749,9 @@ def _handles() -> int:
 @dataclass(frozen=True, slots=True)
 class _Parts:
     """A decoder layer as the C++ layers run it: ``x += residual * mixer(norm(x))``, then,
-    with a ``post_norm``, ``x += residual * mlp(post_norm(x))``; the mixer is attention
-    (``attn``, rotating q and k where ``rope``) or a Mamba-2 mixer (``mamba``)."""
+    with a ``post_norm``, ``x += residual * mlp(post_norm(x))`` (Gemma: each sublayer's output
+    normed before it is added); the mixer is attention (``attn``, rotating q and k by its own
+    tables where ``rope``) or a Mamba-2 mixer (``mamba``)."""
 
     norm: nn.Module
     attn: Attention | None
@@ -710,12 +760,18 @@ class _Parts:
     mlp: nn.Module | None
     residual: float = 1.0
     rope: bool = True
+    # Gemma's: (1 + weight) norms, GeGLU, norms of the sublayers' outputs
+    offset: bool = False
+    gelu: bool = False
+    mixer_out_norm: nn.Module | None = None
+    mlp_out_norm: nn.Module | None = None
 
 
 def _parts(layer: nn.Module) -> _Parts | None:
     """``layer``'s parts, for the layer classes whose forward is the C++ layers' (Llama's,
     Mamba-2's blocks, Bamba's and Granite 4.0's hybrid layers); None for any other."""
     from foudre.models.bamba import BambaDecoderLayer
+    from foudre.models.gemma3 import Gemma3DecoderLayer
     from foudre.models.granite_moe_hybrid import GraniteMoeHybridDecoderLayer
     from foudre.models.llama import DecoderLayer
     from foudre.models.mamba2 import Mamba2Block
@@ -728,6 +784,15 @@ def _parts(layer: nn.Module) -> _Parts | None:
         return _Parts(
             layer.input_layernorm, layer.self_attn, None, layer.post_attention_layernorm, layer.mlp
         )
+    if kind is Gemma3DecoderLayer:
+        gemma = cast(Gemma3DecoderLayer, layer)
+        if gemma.tp is not None:
+            return None
+        return _Parts(
+            gemma.input_layernorm, gemma.self_attn, None, gemma.pre_feedforward_layernorm,
+            gemma.mlp, offset=True, gelu=True, mixer_out_norm=gemma.post_attention_layernorm,
+            mlp_out_norm=gemma.post_feedforward_layernorm,
+        )  # fmt: skip
     if kind is Mamba2Block:
         block = cast(Mamba2Block, layer)
         return _Parts(block.norm, None, block.mixer, None, None, rope=False)
@@ -751,6 +816,7 @@ def _parts(layer: nn.Module) -> _Parts | None:
 def _model_classes() -> tuple[type[nn.Module], ...]:
     """The models whose forward (embedding, layers, final norm) the call computes."""
     from foudre.models.bamba import BambaForCausalLM
+    from foudre.models.gemma3 import Gemma3ForCausalLM
     from foudre.models.granite_moe_hybrid import GraniteMoeHybridForCausalLM
     from foudre.models.llama import LlamaForCausalLM
     from foudre.models.mamba2 import Mamba2ForCausalLM
@@ -759,6 +825,7 @@ def _model_classes() -> tuple[type[nn.Module], ...]:
     return (
         LlamaForCausalLM,
         Phi3ForCausalLM,
+        Gemma3ForCausalLM,
         Mamba2ForCausalLM,
         BambaForCausalLM,
         GraniteMoeHybridForCausalLM,
@@ -773,11 +840,14 @@ def _llama_logits() -> Any:
 
 def _embedding_multiplier(model: LlamaForCausalLM) -> float:
     """What ``model.embed`` multiplies the embedding rows by (Granite 4.0's
-    ``embedding_multiplier``; 1 for the others)."""
+    ``embedding_multiplier``, Gemma's ``sqrt(hidden)`` in the model's dtype; 1 for the others)."""
+    from foudre.models.gemma3 import Gemma3ForCausalLM, embed_scale
     from foudre.models.granite_moe_hybrid import GraniteMoeHybridForCausalLM
 
     if isinstance(model, GraniteMoeHybridForCausalLM):
         return float(model.config.embedding_multiplier)
+    if isinstance(model, Gemma3ForCausalLM):
+        return embed_scale(model.config.hidden_size, model.model.embed_tokens.weight.dtype)
     return 1.0
 
 
@@ -846,6 +916,7 @@ def _modules_supported(model: LlamaForCausalLM, dtype: torch.dtype) -> bool:
     ``forward`` does: the classes they know, quantized projections on ``cpu_qmatmul``, no hook,
     parameters contiguous in ``dtype`` on the CPU, the model's norm epsilon."""
     from foudre.models.bamba import BambaDecoderLayer
+    from foudre.models.gemma3 import GeGLUMLP, Gemma3Attention, Gemma3DecoderLayer
     from foudre.models.granite_moe_hybrid import GraniteAttention, GraniteMoeHybridDecoderLayer
     from foudre.models.llama import Attention, DecoderLayer
     from foudre.models.mamba2 import Mamba2Block
@@ -853,7 +924,8 @@ def _modules_supported(model: LlamaForCausalLM, dtype: torch.dtype) -> bool:
     allowed = (
         nn.ModuleList, DecoderLayer, Attention, GatedMLP, Linear, RMSNorm, RotaryEmbedding,
         SparseMoeBlock, Experts, QuantLinear, Mamba2Block, Mamba2Mixer, nn.Conv1d, GatedRMSNorm,
-        BambaDecoderLayer, GraniteMoeHybridDecoderLayer, GraniteAttention,
+        BambaDecoderLayer, GraniteMoeHybridDecoderLayer, GraniteAttention, Gemma3DecoderLayer,
+        Gemma3Attention, GeGLUMLP, OffsetRMSNorm,
     )  # fmt: skip
     projections = _projections(model)
     for module in model.model.layers.modules():
@@ -868,7 +940,7 @@ def _modules_supported(model: LlamaForCausalLM, dtype: torch.dtype) -> bool:
         for p in module.parameters(recurse=False):
             if p.dtype != dtype or not p.is_cpu or not p.is_contiguous():
                 return False
-        if isinstance(module, RMSNorm) and module.eps != model.config.rms_norm_eps:
+        if isinstance(module, RMSNorm | OffsetRMSNorm) and module.eps != model.config.rms_norm_eps:
             return False
     return True
 
@@ -910,8 +982,8 @@ def _expected_shapes(
         if module is not None:
             expected[f"{names[module]}.{param}".lstrip(".")] = shape
 
-    put(parts.norm, "weight", hidden)
-    put(parts.post_norm, "weight", hidden)
+    for norm in (parts.norm, parts.post_norm, parts.mixer_out_norm, parts.mlp_out_norm):
+        put(norm, "weight", hidden)
     attn, mamba, mlp = parts.attn, parts.mamba, parts.mlp
     if attn is not None:
         qkv = (heads + 2 * kv_heads) * head_dim
@@ -945,14 +1017,16 @@ def _expected_shapes(
 def _ends_supported(model: LlamaForCausalLM, dtype: torch.dtype, layers: Sequence[_Parts]) -> bool:
     """Whether the embedding, the final norm and the RoPE tables (where a layer rotates) are
     what the call reads: a plain embedding (not vocabulary-parallel nor renormalising), an
-    RMSNorm of the model's epsilon, no hook, ``dtype`` weights contiguous on the CPU, float32
-    tables of the rotated width."""
+    RMSNorm (or Gemma's) of the model's epsilon, no hook, ``dtype`` weights contiguous on the
+    CPU, float32 tables of the rotated width, a layer's own as long as the step's."""
     cfg = model.config
     embed, norm = model.model.embed_tokens, model.model.norm
     if model.tp is not None or type(embed) is not nn.Embedding or embed.max_norm is not None:
         return False
-    if type(norm) is not RMSNorm or norm.eps != cfg.rms_norm_eps:
+    if not isinstance(norm, RMSNorm | OffsetRMSNorm) or norm.eps != cfg.rms_norm_eps:
         return False
+    if type(norm) not in (RMSNorm, OffsetRMSNorm):
+        return False  # (a subclass: another forward)
     for module, shape in ((embed, (cfg.vocab_size, cfg.hidden_size)), (norm, (cfg.hidden_size,))):
         w = module.weight
         if module._forward_hooks or module._forward_pre_hooks or tuple(w.shape) != shape:
@@ -961,14 +1035,18 @@ def _ends_supported(model: LlamaForCausalLM, dtype: torch.dtype, layers: Sequenc
             return False
     if not any(p.rope for p in layers):
         return True
-    rotary = model.model.rotary
-    if any(p.attn is not None and p.attn.rotary is not rotary for p in layers):
-        return False  # a layer of its own table
-    for table in (rotary.cos, rotary.sin):
-        if table.dtype != torch.float32 or not table.is_contiguous() or table.dim() != 2:
+    rotary = model.model.rotary  # the step's, whose rows the positions are checked against
+    own = {id(p.attn.rotary): p.attn.rotary for p in layers if p.rope and p.attn is not None}
+    for r in [rotary, *own.values()]:  # (Gemma's sliding layers: tables of their own)
+        if type(r) is not RotaryEmbedding or r.rotary_dim != rotary.rotary_dim:
             return False
-        if table.shape[1] != rotary.rotary_dim or not table.is_cpu:
-            return False
+        for table in (r.cos, r.sin):
+            if table.dtype != torch.float32 or not table.is_contiguous() or table.dim() != 2:
+                return False
+            if table.shape[1] != r.rotary_dim or not table.is_cpu:
+                return False
+            if table.shape[0] < rotary.cos.shape[0]:
+                return False
     return True
 
 

@@ -346,8 +346,8 @@ class ModelRunner:
 
     def _make_decode_path(self) -> DecodePath | None:
         make = DECODE_PATHS.get(self.backend.name)
-        if not self._decode_graphs or make is None or len(self.kv_groups) > 1:
-            return None  # (the fast paths hold one block table a row)
+        if not self._decode_graphs or make is None:
+            return None
         return make(self, *self._decode_path_args)
 
     def model_changed(self) -> None:
@@ -629,8 +629,8 @@ class ModelRunner:
 
 
 def _graphs(runner: ModelRunner, max_num_seqs: int, max_model_len: int) -> DecodePath | None:
-    if runner.device.type != "cuda" or runner.recurrent:
-        return None  # (the graphs hold no state slots)
+    if runner.device.type != "cuda" or runner.recurrent or len(runner.kv_groups) > 1:
+        return None  # (the graphs hold one block table a row, and no state slots)
     cfg = runner.model.config
     tiles = None
     if isinstance(runner.backend, PagedBackend):  # verification and mixed steps in graphs too
@@ -656,6 +656,7 @@ def _native(runner: ModelRunner, max_num_seqs: int, max_model_len: int) -> Decod
         runner.kv_caches,
         runner.block_size,
         runner.padding_state_slot if runner.recurrent else -1,
+        runner.group_of_layer,
     )
 
 

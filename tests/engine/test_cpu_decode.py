@@ -45,6 +45,17 @@ QWEN3_MOE: dict[str, Any] = {  # sparse, dense, sparse layers: 6 experts, top-2
     "moe_intermediate_size": 48,
     "mlp_only_layers": [1],
 }
+GEMMA3: dict[str, Any] = {  # a window wider than the contexts decoded (the native step's)
+    "num_hidden_layers": 3,
+    "sliding_window": 128,
+    "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+    "head_dim": 16,
+    "query_pre_attn_scalar": 24,
+    "rope_parameters": {
+        "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 50_000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 500.0},
+    },
+}
 ARCHS: list[tuple[str, dict[str, Any]]] = [
     ("llama", {}),  # GQA, 2 query heads per KV head
     ("llama", {"num_attention_heads": 8, "num_key_value_heads": 2}),  # 4 per KV head
@@ -54,6 +65,7 @@ ARCHS: list[tuple[str, dict[str, Any]]] = [
     ("mixtral", {"num_hidden_layers": 3, "num_local_experts": 4}),  # top-2, renormalised
     ("qwen3_moe", QWEN3_MOE),  # q/k norm; top-2 not renormalised, a dense layer between
     ("phi3", {"partial_rotary_factor": 0.75, "pad_token_id": 0}),  # RoPE over 3/4 of each head
+    ("gemma3_text", GEMMA3),  # (1 + weight) norms around both sublayers, GeGLU, two RoPE tables
 ]
 LONGROPE_PHI3: dict[str, Any] = {  # Phi-4-mini's shape: LongRoPE over 3/4 of each head
     "pad_token_id": 0,
@@ -276,7 +288,8 @@ def test_native_decode_takes_only_what_it_can_run(tmp_path: Path) -> None:
         with pytest.raises(IndexError, match="outside the vocabulary"):
             runner.forward([[0]], [4], [[vocab]], [1])
         assert calls == [1, 1, 1, 1]  # the native path raised all three
-        with pytest.raises(ValueError, match="2 block tables"):  # rows that do not line up
+        # rows that do not line up
+        with pytest.raises(ValueError, match="2 starts and block tables of"):
             native.run(ForwardStep([[0], [1]], [4, 4], [[5]], [1]))
 
 
@@ -472,6 +485,35 @@ def test_native_decode_rotates_at_the_longrope_offsets(tmp_path: Path) -> None:
         llm = LLM(str(path), dtype="float32", skip_tokenizer_init=True, enforce_eager=eager)
         outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
     assert outs[0] == outs[1]
+
+
+def test_native_decode_reads_each_cache_groups_tables(tmp_path: Path) -> None:
+    """Gemma 3's sliding and global layers in cache groups of their own, each with its own
+    block tables: a decode step equals the Python path's bit for bit (logits and every page),
+    and so does greedy generation through ``LLM`` (bfloat16)."""
+    path = make_hf_model(tmp_path / "m", "gemma3_text", **GEMMA3)
+    llm = LLM(str(path), dtype="bfloat16", skip_tokenizer_init=True, num_kv_blocks=200)
+    runner = llm.engine.runner
+    assert len(runner.kv_groups) > 1 and isinstance(runner.decode_path, NativeDecode)
+    lens = [21, 7]
+    tables = [[4, 9], [1]]
+    group_tables = [[[30 + 2 * g, 50 + g], [70 + g]] for g in range(len(runner.kv_groups) - 1)]
+    prompts = [list(range(3, 3 + n)) for n in lens]
+    with torch.inference_mode():
+        logits = runner.forward(tables, [0, 0], prompts, [1, 1], 0, None, group_tables)
+        assert logits is not None
+        new = [[int(t)] for t in logits.argmax(-1)]
+        native, ref = both_paths(runner, tables, lens, new, [1, 1], 0, None, group_tables)
+        assert torch.equal(native, ref)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [[1, 5, 9, 23], list(range(1, 30)), [1, *range(100, 117)]]
+    outs = []
+    for eager in (False, True):
+        llm = LLM(str(path), dtype="bfloat16", skip_tokenizer_init=True, enforce_eager=eager)
+        if not eager:
+            calls = counted(llm.engine.runner)
+        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+    assert outs[0] == outs[1] and len(calls) >= 10
 
 
 def test_native_decode_within_the_sliding_window(tmp_path: Path) -> None:

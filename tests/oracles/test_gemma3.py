@@ -176,7 +176,9 @@ def test_quantized_matches_transformers_on_its_weights(
     assert _greedy(llm, prompts, 8) == _hf_greedy(hf, prompts, 8)
     for prompt, got in zip(prompts, kernels, strict=True):
         ref = _last_logits(llm, prompt)
-        assert ((got - ref).norm() / ref.norm()).item() < 0.2
+        # 0.04-0.22 across the prompts (the scales are a chaotic function of the statistics:
+        # a float32 ulp in a norm moves them), against 0.59 with the wrong fold
+        assert ((got - ref).norm() / ref.norm()).item() < 0.3
 
 
 def _load_dequantized(hf: Any, model: torch.nn.Module) -> None:
@@ -389,7 +391,9 @@ def test_awq_scales_keep_the_float_function(
     quantize_(scaled.engine.model, AWQ(bits=8, calibration=[prompts[0]]))
     for prompt in prompts:
         ref, got = _last_logits(exact, prompt), _last_logits(scaled, prompt)
-        assert ((got - ref).norm() / ref.norm()).item() < 0.2
+        # 0.04-0.22 across the prompts (the scales are a chaotic function of the statistics:
+        # a float32 ulp in a norm moves them), against 0.59 with the wrong fold
+        assert ((got - ref).norm() / ref.norm()).item() < 0.3
 
 
 def _write_gguf(
