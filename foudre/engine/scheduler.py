@@ -450,8 +450,10 @@ class Scheduler:
     def update(self, scheduled: SchedulerOutput, result: StepOutput) -> list[Request]:
         """Account for a step the runner computed: every scheduled request advances by its new
         tokens, and a request that verified drafts rolls back the ones the target rejected
-        (their K/V is overwritten later). Returns the requests that sampled, in ``result``'s
-        order; their tokens are the engine's to append."""
+        (their K/V is overwritten later; a recurrent model's request also the accepted ones,
+        which its next step recomputes from the state the runner restored). Returns the
+        requests that sampled, in ``result``'s order; their tokens are the engine's to
+        append."""
         for row in scheduled.rows:
             self.requests[row.request_id].num_computed_tokens += row.num_new_tokens
         sampled = []
@@ -460,6 +462,10 @@ class Scheduler:
         ):
             req = self.requests[rid]
             req.num_computed_tokens -= n_draft - n_accepted
+            if n_accepted < n_draft and self.kv.states is not None:
+                # a recurrent state went past the rejected drafts: the runner put back the
+                # state after the row's first token, and the accepted drafts are recomputed
+                req.num_computed_tokens -= n_accepted
             req.clear_spec()
             self.quarantined.discard(rid)  # it ran a whole step and sampled: not the culprit
             sampled.append(req)

@@ -158,6 +158,7 @@ def runner(
         max_model_len=max_model_len,
         kv_groups=groups,
         num_state_slots=0 if states is None else states.total_slots,
+        num_scratch_state_slots=0 if states is None else states.num_scratch,
     )
 
 
@@ -165,17 +166,11 @@ def state_plan(
     config: EngineConfig, model: LlamaForCausalLM, device: torch.device
 ) -> StatePlan | None:
     """A recurrent model's state slots (None for a transformer); ``ValueError`` naming what a
-    recurrent model cannot run with yet (speculative decoding: the state advanced over drafts
-    would need rolling back; tensor or pipeline parallelism)."""
+    recurrent model cannot run with yet (tensor or pipeline parallelism)."""
     plan = model_state_plan(model, config, device)
     if plan is None:
         return None
     arch = model.config.architecture
-    if config.speculative_method is not None:
-        raise ValueError(
-            f"speculative_method: {arch} has recurrent layers, whose state cannot yet be "
-            "rolled back past rejected drafts; run it without speculative decoding"
-        )
     if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
         raise ValueError(
             f"tensor_parallel_size / pipeline_parallel_size: {arch} has recurrent layers, "

@@ -41,7 +41,13 @@ from foudre.native import huge_pages
 from foudre.runner.cpu_decode import NativeDecode
 from foudre.runner.cuda_graphs import DecodeGraphs
 from foudre.runner.input_batch import InputBatch, SamplingRows
-from foudre.runner.step import DecodePath, ForwardStep, SchedulerOutput, StepOutput
+from foudre.runner.step import (
+    DecodePath,
+    ForwardStep,
+    ScheduledRow,
+    SchedulerOutput,
+    StepOutput,
+)
 from foudre.sample.rejection import verify
 from foudre.sample.sampler import sample
 
@@ -204,15 +210,18 @@ class StatePlan:
     num_snapshots: int
     snapshot_every: int
     bytes_per_slot: int
+    # with speculative decoding, a slot per sequence where a verification leaves the state after
+    # its first token (the runner's: rows whose drafts are rejected go back to it)
+    num_scratch: int = 0
 
     @property
     def total_slots(self) -> int:
-        """The pools' slots: the requests', the snapshots' and the padding rows' one."""
+        """The engine's slots: the requests', the snapshots' and the padding rows' one."""
         return self.num_slots + self.num_snapshots + 1
 
     @property
     def bytes(self) -> int:
-        return self.total_slots * self.bytes_per_slot
+        return (self.total_slots + self.num_scratch) * self.bytes_per_slot
 
 
 def state_plan(
@@ -235,23 +244,24 @@ def state_plan(
         snapshots = slots if config.enable_prefix_caching else 0
     if not config.enable_prefix_caching:
         snapshots = 0
+    per_seq = 2 if config.speculative_method is not None else 1  # (a scratch slot each)
     budget = kv_budget(config, device, share)
     if budget is None:  # blocks counted by num_kv_blocks: the states within the default
         budget = default_kv_budget(device, share)
     per_block = kv_bytes_per_block(model, config.block_size, dtype, config.kv_cache_dtype)
     budget //= 2 if per_block else 1  # (blocks of no bytes: the states take it all)
-    if (slots + snapshots + 1) * per_slot > budget:
+    if (per_seq * slots + snapshots + 1) * per_slot > budget:
         fit = budget // per_slot - 1
-        if fit < 1:
+        if fit < per_seq:
             raise ValueError(
                 f"kv_cache_memory: {budget} bytes cannot hold one request's recurrent state "
                 f"({per_slot} bytes over the model's recurrent layers) beside its KV blocks"
             )
-        share_snapshots = snapshots / (slots + snapshots)
+        share_snapshots = snapshots / (per_seq * slots + snapshots)
         snapshots = int(fit * share_snapshots)
-        slots = max(1, fit - snapshots)
+        slots = max(1, (fit - snapshots) // per_seq)
     every = max(1, config.state_snapshot_interval // config.block_size)
-    return StatePlan(slots, snapshots, every, per_slot)
+    return StatePlan(slots, snapshots, every, per_slot, (per_seq - 1) * slots)
 
 
 def num_kv_blocks(
@@ -298,12 +308,14 @@ class ModelRunner:
         max_model_len: int | None = None,
         kv_groups: Sequence[KVCacheGroup] | None = None,
         num_state_slots: int = 0,
+        num_scratch_state_slots: int = 0,
     ) -> None:
         """``num_blocks``: the pool's block ids; ``kv_groups``: the layers' cache groups, whose
         rows carry a block table each (None: one group of every attention layer, the windows
         applied by the backends over blocks kept whole); ``num_state_slots``: the slots of
-        the recurrent layers' state pools (``engine/state_slots.py``: the last one is the
-        padding rows')."""
+        the recurrent layers' state pools that the engine hands out (``engine/state_slots.py``:
+        the last one is the padding rows'), and past them ``num_scratch_state_slots`` of the
+        runner's own (the states after a verification's first token: ``_verified_states``)."""
         self.model = model
         self.backend = backend
         self.block_size = block_size
@@ -323,6 +335,7 @@ class ModelRunner:
         if self.recurrent and num_state_slots < 2:
             raise ValueError("a model with recurrent layers needs state slots")
         self.padding_state_slot = num_state_slots - 1
+        self.scratch_state_slots = range(num_state_slots, num_state_slots + num_scratch_state_slots)
         self.group_of_layer = [len(self.kv_groups)] * len(self.cache_specs)
         for g, group in enumerate(self.kv_groups):
             for layer in group.layers:
@@ -335,7 +348,7 @@ class ModelRunner:
             dtype,
             device,
             kv_cache_dtype,
-            num_state_slots,
+            num_state_slots + num_scratch_state_slots,
         )
         self.state_caches = [c for c in self.kv_caches if isinstance(c, RecurrentCache)]
         self.generator = torch.Generator(device=device).manual_seed(seed)
@@ -596,9 +609,11 @@ class ModelRunner:
         sampling = self.input_batch.sampling_rows(rows)
         slots: list[int] = []
         snapshots: list[tuple[int, int, int]] = []
+        verifying: dict[str, tuple[int, int]] = {}
         if self.recurrent:
             slots = [r.state_slot for r in rows]
             snapshots = [(i, o, s) for i, r in enumerate(rows) for o, s in r.state_snapshots]
+            verifying = self._verified_states(rows, snapshots)
         logits = self.forward(
             tables, starts, tokens, num_logits, pad, offsets, group_tables, slots, snapshots
         )
@@ -606,7 +621,28 @@ class ModelRunner:
             logits = logits[: logits.shape[0] - pad]
         if logits is None or logits.shape[0] == 0:
             return StepOutput()
-        return self.sample(logits, sampling)
+        out = self.sample(logits, sampling)
+        if verifying:  # a row that rejected drafts: its state after the first token
+            back = zip(out.request_ids, out.num_draft_tokens, out.num_accepted, strict=True)
+            self.copy_states([verifying[r] for r, d, a in back if a < d and r in verifying])
+        return out
+
+    def _verified_states(
+        self, rows: Sequence[ScheduledRow], snapshots: list[tuple[int, int, int]]
+    ) -> dict[str, tuple[int, int]]:
+        """A recurrent model's rows that verify drafts also leave their state after the row's
+        first token (the last sampled one, always kept) in a scratch slot each (added to
+        ``snapshots``); a row whose drafts are then rejected takes that state back, and the
+        scheduler recomputes the drafts it accepted (``Scheduler.update``): (scratch, slot)
+        by request."""
+        verifying: dict[str, tuple[int, int]] = {}
+        scratch = iter(self.scratch_state_slots)
+        for i, row in enumerate(rows):
+            if row.spec_token_ids:
+                slot = next(scratch)  # (the engine drafts for at most max_num_seqs rows)
+                snapshots.append((i, 0, slot))
+                verifying[row.request_id] = (slot, row.state_slot)
+        return verifying
 
     def sample(self, logits: torch.Tensor, rows: SamplingRows) -> StepOutput:
         """Sample (or verify drafts) from the logits of the step's sampling rows, in order."""

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from foudre.attention import get_backend
+from foudre.attention.cache_spec import recurrent_layers
 from foudre.config import EngineConfig
 from foudre.loading.loader import default_model, load_model
 from foudre.speculative.proposers import BlockManager, DraftModelProposer, NgramProposer, Proposer
@@ -49,6 +50,11 @@ def _draft(ctx: ProposerContext) -> Proposer:
     draft = load_model(
         draft_name, None, dtype, ctx.device, None, None, cfg.speculative_quantization
     )
+    if recurrent_layers(draft.model.kv_cache_specs()):
+        raise ValueError(
+            f"speculative_model: {draft.config.architecture} has recurrent layers, whose state "
+            "a draft model does not keep; use a transformer draft or speculative_method='ngram'"
+        )
     if draft.config.max_position_embeddings < ctx.max_model_len:
         raise ValueError(
             f"the draft model's max_position_embeddings {draft.config.max_position_embeddings}"

@@ -24,8 +24,9 @@ from tests.engine.test_recurrent import (
     test_preemption_recomputes_from_a_zeroed_slot,
     test_prefix_caching_restores_snapshots,
     test_shared_prefix_hits_the_snapshot_before_it,
+    test_speculative_decoding_rolls_the_state_back,
     test_torch_paths_without_the_kernels,
-    test_what_cannot_run_yet_is_refused,
+    test_what_cannot_run_is_refused,
 )
 from tests.oracles.ssm_models import prompt, save_random
 from tests.oracles.test_qwen3_next import BASE, CASES
@@ -40,8 +41,9 @@ __all__ = [
     "test_preemption_recomputes_from_a_zeroed_slot",
     "test_prefix_caching_restores_snapshots",
     "test_shared_prefix_hits_the_snapshot_before_it",
+    "test_speculative_decoding_rolls_the_state_back",
     "test_torch_paths_without_the_kernels",
-    "test_what_cannot_run_yet_is_refused",
+    "test_what_cannot_run_is_refused",
 ]
 
 

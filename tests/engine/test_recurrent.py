@@ -4,11 +4,12 @@ Granite 4.0 hybrid and Falcon-H1 (attention and Mamba side by side in every laye
 prompts of 5 to 600 tokens; with chunked prefill at a small token budget, with preemption,
 with ``n`` = 4 (the samples fork the state), with prefix caching (the same tokens, hits
 reported, snapshots restored); the state memory a request holds against what the config
-implies; slots and blocks all back in the pools at the end; what cannot run yet refused by
-name."""
+implies; speculative decoding (the state rolled back past rejected drafts); slots and blocks
+all back in the pools at the end; what cannot run refused by name."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 from foudre import LLM, SamplingParams
+from foudre.speculative.proposers import Draft, Proposer, SpecRequest
 from tests.oracles.ssm_models import prompt, save_random
 from tests.oracles.test_bamba import BASE as BAMBA
 from tests.oracles.test_falcon_h1 import BASE as FALCON_H1
@@ -167,12 +169,50 @@ def test_state_bytes_per_request_follow_the_config(family: Any) -> None:
     assert llm.engine.metrics()["state_bytes_per_request"] == len(layers) * (conv + ssm)
 
 
-def test_what_cannot_run_yet_is_refused(family: Any) -> None:
+def test_what_cannot_run_is_refused(family: Any) -> None:
     _, path, _, _, _ = family
-    with pytest.raises(ValueError, match=r"speculative_method: .* recurrent"):
-        _llm(path, speculative_method="ngram")
     with pytest.raises(ValueError, match="kv_cache_memory"):
         _llm(path, kv_cache_memory=4096)
+    with pytest.raises(ValueError, match=r"speculative_model: .* recurrent"):
+        _llm(path, speculative_method="draft", speculative_model=str(path))
+
+
+class _KnownDrafts(Proposer):
+    """Drafts from the known greedy continuations (by prompt), one draft in ``k + 1`` wrong in
+    turn: every verification accepts all of its drafts, some, or none."""
+
+    name = "known"
+
+    def __init__(self, k: int, prompts: list[list[int]], want: list[list[int]]) -> None:
+        super().__init__(k)
+        self.want = {tuple(p): w for p, w in zip(prompts, want, strict=True)}
+        self.turn = 0
+
+    def propose(self, requests: Sequence[SpecRequest], max_drafts: Sequence[int]) -> list[Draft]:
+        drafts = []
+        for req, n in zip(requests, max_drafts, strict=True):
+            done = len(req.output_token_ids)
+            ids = list(self.want[tuple(req.prompt_token_ids)][done : done + n])
+            self.turn += 1
+            wrong = self.turn % (self.num_speculative_tokens + 1)
+            if wrong < len(ids):
+                ids[wrong] = (ids[wrong] + 1) % 256
+            drafts.append(Draft(ids))
+        return drafts
+
+
+def test_speculative_decoding_rolls_the_state_back(family: Any) -> None:
+    """Verified drafts on a recurrent model (greedy): rows that reject some drafts take back
+    the state after their first token and recompute the accepted ones, so the ids are
+    transformers' greedy ones; with prefix caching and a small token budget too."""
+    _, path, _, prompts, want = family
+    for extra in ({}, {"enable_prefix_caching": True, "max_num_batched_tokens": 48}):
+        llm = _llm(path, speculative_method="ngram", num_speculative_tokens=3, **extra)
+        llm.engine.proposer = _KnownDrafts(3, prompts, want)
+        assert _greedy(llm, prompts) == [[w] for w in want]
+        m = llm.metrics()
+        assert m["spec_draft_tokens"] > m["spec_accepted_tokens"] > 0
+        _assert_pools_empty(llm)
 
 
 def test_beam_search_forks_and_prunes_states(family: Any) -> None:
