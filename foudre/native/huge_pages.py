@@ -222,6 +222,17 @@ def allocate(module: torch.nn.Module, skip: tuple[type, ...] = ()) -> bool:
     return True
 
 
+def arena(nbytes: int) -> torch.Tensor | None:
+    """A map of ``empty`` (2 MiB pages, nothing touched yet) for weights that a loader builds in
+    place itself (views of it, each made with ``Tensor.set_`` on its storage, written once):
+    ``seal`` then marks it as it marks ``allocate``'s, so that ``place_in_huge_pages`` leaves
+    it where it is. None where not ``enabled`` or the map is refused."""
+    mapped = _mapped(nbytes)
+    if mapped is not None:
+        _allocated.add(mapped.untyped_storage().data_ptr())
+    return mapped
+
+
 def seal(module: torch.nn.Module) -> None:
     """Mark each map of ``allocate`` as holding what ``module``'s tensors on it are now (once
     loaded: a tied head's tensor gone, tables replaced), so that ``place_in_huge_pages`` leaves

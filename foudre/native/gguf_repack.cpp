@@ -1,0 +1,194 @@
+// GGUF's blocks of 32 values repacked at load straight into the 16-row blocks that
+// cpu_qmatmul.cpp's kernels read (cpu_qmatmul.interleave's layouts), one row at a time, without
+// the codes ever being unpacked into rows first:
+//   int8x16 (kind 4) from Q4_0, Q5_0 or Q8_0: per block of 16 rows and pair of groups of 32
+//     columns, the two groups' codes (code + 128 as a byte; line j of 64 bytes holds columns
+//     4 j .. 4 j + 3 of the 16 rows, row r's at 4 r), then their 16 rows' float16 scales, group
+//     by group (x16_codes, x16_scales);
+//   int4x16 (kind 5) from Q4_0: per block and group, 4 lines of 64 bytes (line j: 4 bytes of
+//     each row, row r's at 4 r, low nibbles columns 8 j .. 8 j + 3, high nibbles 8 j + 4 ..
+//     8 j + 7; codes 0..15, zero point 8 for all), then the 16 rows' float16 scales (x4_group).
+// The scales are the file's float16 d, copied as they are (what the Python path's float16 ->
+// float32 -> float16 round trip gives for every d but a NaN). And the same types dequantized
+// (foudre_gguf_dequantize: an embedding table) to float32 or bfloat16, d * q in float32 as the
+// gguf package computes it, then rounded to bfloat16 as torch rounds (nearest even). One
+// thread: no barrier to wait on when the host's other cores are busy.
+
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+constexpr int kQ4_0 = 2, kQ5_0 = 6, kQ8_0 = 8;  // ggml's type numbers
+constexpr int kInt8x16 = 4, kInt4x16 = 5;        // cpu_qmatmul.KINDS
+constexpr int64_t kCodes = 512;                  // a group's code bytes in a block (16 x 32)
+
+inline int64_t source_block_bytes(int type) {
+  return type == kQ4_0 ? 18 : type == kQ5_0 ? 22 : type == kQ8_0 ? 34 : 0;
+}
+
+// bytes of one 16-row block per K columns
+inline int64_t block_bytes(int kind, int64_t k) {
+  return kind == kInt8x16 ? k / 64 * 2 * (kCodes + 32) : k / 32 * (8 * 32 + 32);
+}
+
+inline uint16_t half_bits(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return h;
+}
+
+// float16 bits to float32, exactly (subnormals, infinities and NaNs too)
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 31, man = h & 0x3ff, bits;
+  if (exp == 31) {
+    bits = sign | 0x7f800000 | man << 13;
+  } else if (exp != 0) {
+    bits = sign | (exp + 112) << 23 | man << 13;
+  } else if (man == 0) {
+    bits = sign;
+  } else {  // subnormal: normalise
+    exp = 113;
+    while ((man & 0x400) == 0) {
+      man <<= 1;
+      --exp;
+    }
+    bits = sign | exp << 23 | (man & 0x3ff) << 13;
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline uint16_t to_bfloat16(float f) {  // (never a NaN here: see foudre_gguf_dequantize)
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return static_cast<uint16_t>((u + 0x7fff + ((u >> 16) & 1)) >> 16);
+}
+
+inline bool is_nan(uint16_t h) { return (h & 0x7c00) == 0x7c00 && (h & 0x03ff) != 0; }
+
+// the 32 signed codes (value = code * d) of a source block
+inline void signed_codes(int type, const uint8_t* b, int8_t out[32]) {
+  if (type == kQ8_0) {
+    std::memcpy(out, b + 2, 32);
+  } else if (type == kQ4_0) {
+    for (int j = 0; j < 16; ++j) {
+      out[j] = static_cast<int8_t>((b[2 + j] & 15) - 8);
+      out[j + 16] = static_cast<int8_t>((b[2 + j] >> 4) - 8);
+    }
+  } else {  // Q5_0: bit j of the little-endian qh is value j's fifth bit
+    uint32_t qh;
+    std::memcpy(&qh, b + 2, 4);
+    for (int j = 0; j < 16; ++j) {
+      out[j] = static_cast<int8_t>(((b[6 + j] & 15) | ((qh >> j) & 1) << 4) - 16);
+      out[j + 16] = static_cast<int8_t>(((b[6 + j] >> 4) | ((qh >> (j + 16)) & 1) << 4) - 16);
+    }
+  }
+}
+
+// one row (src: its blocks; null: a padding row, codes 0 and scales 0) as row r of int8x16
+// blocks; the groups whose d is a NaN counted
+int64_t row_int8x16(int type, const uint8_t* src, int64_t k, uint8_t* block, int64_t r) {
+  int64_t special = 0;
+  int8_t q[32];
+  for (int64_t g = 0; g < k / 32; ++g) {
+    uint8_t* codes = block + g / 2 * 2 * (kCodes + 32) + g % 2 * kCodes + 4 * r;
+    uint16_t d = 0;
+    if (src != nullptr) {
+      const uint8_t* b = src + g * source_block_bytes(type);
+      signed_codes(type, b, q);
+      d = half_bits(b);
+      special += is_nan(d);
+    } else {
+      std::memset(q, 0, sizeof q);
+    }
+    for (int j = 0; j < 8; ++j)
+      for (int i = 0; i < 4; ++i) codes[64 * j + i] = static_cast<uint8_t>(q[4 * j + i] ^ 0x80);
+    uint8_t* scale = block + g / 2 * 2 * (kCodes + 32) + 2 * kCodes + g % 2 * 32 + 2 * r;
+    std::memcpy(scale, &d, 2);
+  }
+  return special;
+}
+
+// one Q4_0 row (null: padding) as row r of int4x16 blocks; the groups whose d is 0, infinite or
+// a NaN counted (their zero point is not 8 in the Python path's form: the caller repacks so)
+int64_t row_int4x16(const uint8_t* src, int64_t k, uint8_t* block, int64_t r) {
+  int64_t special = 0;
+  for (int64_t g = 0; g < k / 32; ++g) {
+    uint8_t* group = block + g * (8 * 32 + 32);
+    uint8_t* line = group + 4 * r;
+    if (src == nullptr) {
+      for (int j = 0; j < 4; ++j) std::memset(line + 64 * j, 0, 4);
+      std::memset(group + 8 * 32 + 2 * r, 0, 2);
+      continue;
+    }
+    const uint8_t* b = src + g * 18;
+    const uint8_t* qs = b + 2;  // value j: low nibble of qs[j], value j + 16: its high nibble
+    for (int i = 0; i < 4; ++i) {
+      line[i] = static_cast<uint8_t>((qs[i] & 15) | (qs[i + 4] & 15) << 4);
+      line[64 + i] = static_cast<uint8_t>((qs[8 + i] & 15) | (qs[12 + i] & 15) << 4);
+      line[128 + i] = static_cast<uint8_t>((qs[i] >> 4) | (qs[i + 4] & 0xf0));
+      line[192 + i] = static_cast<uint8_t>((qs[8 + i] >> 4) | (qs[12 + i] & 0xf0));
+    }
+    const uint16_t d = half_bits(b);
+    special += (d & 0x7fff) == 0 || (d & 0x7c00) == 0x7c00;
+    std::memcpy(group + 8 * 32 + 2 * r, &d, 2);
+  }
+  return special;
+}
+
+}  // namespace
+
+extern "C" {
+
+// Rows first .. first + n - 1 of a weight in 16-row blocks (dst: every block, kind 4 int8x16 or
+// 5 int4x16, k columns: a multiple of 64, of 128 for int4x16) from the rows of a GGUF tensor of
+// ggml type `type` (src: its first row, row_bytes apart; row order[i] for the i-th, or i where
+// order is null; src null: padding rows). Returns the groups whose d the caller must not take
+// so (see row_int8x16, row_int4x16), or -1 for a kind or type it does not take.
+int64_t foudre_gguf_x16(int kind, int type, const uint8_t* src, int64_t row_bytes,
+                        const int64_t* order, int64_t n, int64_t k, uint8_t* dst, int64_t first) {
+  if (source_block_bytes(type) == 0 || (kind != kInt8x16 && kind != kInt4x16) ||
+      (kind == kInt4x16 && type != kQ4_0))
+    return -1;
+  const int64_t bytes = block_bytes(kind, k);
+  int64_t special = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t r = first + i;
+    const uint8_t* row =
+        src == nullptr ? nullptr : src + (order == nullptr ? i : order[i]) * row_bytes;
+    uint8_t* block = dst + r / 16 * bytes;
+    special += kind == kInt8x16 ? row_int8x16(type, row, k, block, r % 16)
+                                : row_int4x16(row, k, block, r % 16);
+  }
+  return special;
+}
+
+// n values of a tensor of ggml type `type` (Q4_0, Q5_0 or Q8_0; n a multiple of 32) at src as
+// float32 (out_type 0) or bfloat16 (2) at dst. Returns 0; 1 where a block's d is infinite or a
+// NaN (its values NaNs or infinities, which torch's bfloat16 rounding writes as its own vector
+// code decides: the caller takes the general path), -1 for a type it does not take.
+int64_t foudre_gguf_dequantize(int type, const uint8_t* src, int64_t n, void* dst, int out_type) {
+  const int64_t size = source_block_bytes(type);
+  if (size == 0 || (out_type != 0 && out_type != 2) || n % 32 != 0) return -1;
+  for (int64_t b = 0; b < n / 32; ++b)
+    if ((half_bits(src + b * size) & 0x7c00) == 0x7c00) return 1;
+  int8_t q[32];
+  for (int64_t b = 0; b < n / 32; ++b) {
+    const uint8_t* block = src + b * size;
+    signed_codes(type, block, q);
+    const float d = half_to_float(half_bits(block));
+    if (out_type == 0) {
+      float* out = static_cast<float*>(dst) + 32 * b;
+      for (int j = 0; j < 32; ++j) out[j] = d * static_cast<float>(q[j]);
+    } else {
+      uint16_t* out = static_cast<uint16_t*>(dst) + 32 * b;
+      for (int j = 0; j < 32; ++j) out[j] = to_bfloat16(d * static_cast<float>(q[j]));
+    }
+  }
+  return 0;
+}
+
+}  // extern "C"

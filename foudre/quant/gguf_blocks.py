@@ -1,0 +1,157 @@
+"""GGUF's Q4_0, Q5_0 and Q8_0 blocks repacked at load straight into the 16-row blocks of
+``cpu_qmatmul.interleave`` (``gguf_repack.cpp``, one pass over the file's bytes a row at a
+time): the bytes ``interleave`` builds from the codes that ``loading.gguf_quant`` decodes, with
+none of the unpacked codes, rows and temporaries in between.
+
+``blocks_kind`` says which layout a module takes this way (None: the general path); ``repack``
+writes a tensor's rows into it, ``pad`` the rows past the weight's last, and
+``QuantLinear.adopt_blocks`` takes the result as the module's buffers. ``dequantize`` expands
+tensors of the same types (an embedding table) to float32 or bfloat16, as the gguf package's
+dequantizers and a copy into a tensor of that dtype do.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import lru_cache
+
+import torch
+
+from foudre.native import build as native
+from foudre.quant import cpu_qmatmul
+
+SOURCE = native.SOURCES / "gguf_repack.cpp"
+_P, _I64 = ctypes.c_void_p, ctypes.c_int64
+
+Q4_0, Q5_0, Q8_0 = 2, 6, 8  # ggml's type numbers
+BLOCK_BYTES = {Q4_0: 18, Q5_0: 22, Q8_0: 34}  # a block of 32 values' bytes
+_ZC = {"int4x16": 8.0, "int8x16": 0.0}  # the one zero point of each layout's blocks
+
+
+@lru_cache(maxsize=1)
+def _library() -> ctypes.CDLL | None:
+    dll = native.load(SOURCE)
+    if dll is not None:
+        fn = dll.foudre_gguf_x16
+        fn.argtypes = [ctypes.c_int, ctypes.c_int, _P, _I64, _P, _I64, _I64, _P, _I64]
+        fn.restype = _I64
+        fn = dll.foudre_gguf_dequantize
+        fn.argtypes = [ctypes.c_int, _P, _I64, _P, ctypes.c_int]
+        fn.restype = _I64
+    return dll
+
+
+def blocks_kind(types: list[int], bits: int, group: int, zero_point: bool, k: int) -> str | None:
+    """The 16-row layout that ``cpu_qmatmul`` would repack a module to (``interleaves``) and that
+    ``repack`` builds from tensors of ggml ``types`` held in ``bits`` and ``group`` (the module's
+    layout): ``"int4x16"`` for Q4_0 parts only held in 4 bits (K a multiple of 128),
+    ``"int8x16"`` for Q4_0, Q5_0 and Q8_0 parts held in 8 bits without zero points (K a multiple
+    of 64); None otherwise, or where the kernels do not repack (``cpu_qmatmul.repacks``), or
+    where the library did not build."""
+    if group != 32 or not cpu_qmatmul.repacks() or _library() is None:
+        return None
+    if bits == 4 and all(t == Q4_0 for t in types) and k % 128 == 0:
+        return "int4x16"
+    if bits == 8 and not zero_point and all(t in BLOCK_BYTES for t in types) and k % 64 == 0:
+        return "int8x16"
+    return None
+
+
+def zero_point(kind: str) -> float:
+    """The zero point every block of ``kind`` holds (``Packed.zc``)."""
+    return _ZC[kind]
+
+
+def shape(kind: str, n: int, k: int) -> tuple[int, int]:
+    """The shape of an ``[n, k]`` weight in ``kind``'s blocks (uint8 ``[ceil(n / 16), bytes]``,
+    float16 scales)."""
+    width = k // 64 * 2 * (cpu_qmatmul.X16_CODES + 32) if kind == "int8x16" else k // 32 * 288
+    return -(-n // 16), width
+
+
+def _check_room(kind: str, dst: torch.Tensor, rows: int, k: int) -> None:
+    """``dst`` must be contiguous uint8 blocks of ``kind`` over ``k`` columns, at least
+    ``rows`` rows of them (the native code writes there unchecked)."""
+    blocks, width = shape(kind, rows, k)
+    if (
+        dst.dtype != torch.uint8
+        or not dst.is_contiguous()
+        or dst.dim() != 2
+        or dst.shape[1] != width
+        or dst.shape[0] < blocks
+    ):
+        raise ValueError(
+            f"dst must be contiguous uint8 [>= {blocks}, {width}] ({kind}, {rows} rows, k={k}), "
+            f"got {dst.dtype} {tuple(dst.shape)}"
+        )
+
+
+def repack(
+    kind: str,
+    qtype: int,
+    address: int,
+    order: torch.Tensor | None,
+    n: int,
+    k: int,
+    dst: torch.Tensor,
+    first: int,
+) -> bool:
+    """Rows ``first .. first + n - 1`` of ``dst`` (uint8 of ``shape``) from the ``n`` rows of ``k``
+    columns of a tensor of ggml type ``qtype`` at ``address`` (its bytes, which must stay
+    mapped: row ``order[i]`` the i-th where ``order`` is given). False where a group's ``d`` is
+    one that the general path holds otherwise (int4: 0, infinite or NaN: its zero point is not
+    8; int8: NaN): the caller then loads the module by that path."""
+    dll = _library()
+    assert dll is not None
+    _check_room(kind, dst, first + n, k)
+    index = None if order is None else order.to(torch.int64).contiguous()
+    if index is not None and (index.shape != (n,) or bool(((index < 0) | (index >= n)).any())):
+        raise ValueError(f"order must be {n} row indices below {n}, got {tuple(index.shape)}")
+    row_bytes = k // 32 * BLOCK_BYTES[qtype]
+    special = dll.foudre_gguf_x16(
+        cpu_qmatmul.KINDS[kind],
+        qtype,
+        address,
+        row_bytes,
+        None if index is None else index.data_ptr(),
+        n,
+        k,
+        dst.data_ptr(),
+        first,
+    )
+    if special < 0:
+        raise ValueError(f"no {kind} blocks from ggml type {qtype}")
+    return special == 0
+
+
+def pad(kind: str, dst: torch.Tensor, k: int, rows: int) -> None:
+    """The rows of ``dst``'s last block past a weight's ``rows`` as ``interleave`` leaves them
+    (codes 0, scales 0)."""
+    dll = _library()
+    assert dll is not None
+    _check_room(kind, dst, rows, k)
+    extra = -rows % 16
+    if extra:
+        qtype = Q4_0 if kind == "int4x16" else Q8_0
+        dll.foudre_gguf_x16(
+            cpu_qmatmul.KINDS[kind], qtype, None, 0, None, extra, k, dst.data_ptr(), rows
+        )
+
+
+_OUT_TYPES = {torch.float32: 0, torch.bfloat16: 2}
+
+
+def dequantize(qtype: int, address: int, out: torch.Tensor) -> bool:
+    """``out`` (float32 or bfloat16, contiguous) filled with the values of the tensor of ggml
+    type ``qtype`` at ``address`` (its bytes, which must stay mapped; as many values as ``out``
+    has): ``d q`` in float32, then rounded to ``out``'s dtype. False, ``out`` untouched, where
+    the type or dtype is not one it takes, where a ``d`` is infinite or a NaN (NaN values,
+    whose bfloat16 bits torch's vector code chooses), or where the library did not build."""
+    dll = _library()
+    if dll is None or qtype not in BLOCK_BYTES or out.dtype not in _OUT_TYPES:
+        return False
+    assert out.is_contiguous() and out.device.type == "cpu"
+    code = dll.foudre_gguf_dequantize(
+        qtype, address, out.numel(), out.data_ptr(), _OUT_TYPES[out.dtype]
+    )
+    return bool(code == 0)
