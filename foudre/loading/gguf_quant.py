@@ -33,11 +33,7 @@ parts only (``d`` is a float16, zero points none, 8 or 0): a Q4_0 module takes 2
 weights (the file 18), a Q8_0 one 34 (34), Q5_0 34 (22), Q5_1 / Q5_K 40 (24 / 22), Q6_K 26.25
 (26.25; in 8 bits, fused with other types or on CUDA, 40).
 
-Decoding is vectorised numpy over the file's memory map, one tensor at a time. Where the CPU
-kernels then repack a module's rows into 16-row blocks (``cpu_qmatmul.interleave``: the VNNI
-path; Q4_0 modules in 4 bits, and 8-bit modules of Q4_0, Q5_0 and Q8_0 parts), the blocks are
-built straight from the file's instead, in one native pass, into the 2 MiB pages the model runs
-from (``foudre.quant.gguf_blocks``): the same bytes, without the rows in between. Dequantized at
+Decoding is vectorised numpy over the file's memory map, one tensor at a time. Dequantized at
 load as before: other types (Q2_K, Q3_K, the IQ types...) and the parts fused with one of them,
 the embedding table (looked up, not multiplied), routers, experts stored one tensor per
 expert (older files), gpt-oss's experts unless MXFP4 (kept packed by ``MXFP4Experts``, their
@@ -48,6 +44,12 @@ multi-token-prediction blocks are not read. Rows are read in the order the
 model loads them (llama's q/k un-permuted, DeepSeek's rotated rows de-interleaved). One log line
 names them with the reason. ``FOUDRE_GGUF_DEQUANTIZE=1`` (or
 ``load_model(gguf_dequantize=True)``) dequantizes everything, as before.
+
+Where the CPU kernels then repack a module's rows into 16-row blocks (``cpu_qmatmul.interleave``:
+the VNNI path; modules of Q4_0, Q4_1 and Q4_K parts in 4 bits, and 8-bit modules of Q4_0, Q5_0
+and Q8_0 parts), the blocks are built straight from the file's instead, in one native pass, into
+the 2 MiB pages the model runs from (``foudre.quant.gguf_blocks``): the same bytes, without the
+rows and their decoding in between.
 """
 
 from __future__ import annotations
@@ -708,20 +710,22 @@ def _load_blocks(
     would build of its rows (``gguf_blocks``: the same bytes, repacked from the file's blocks
     in one pass) and make it ``mod``'s; False, ``mod`` as it was, where a group's ``d`` gives
     the rows another form (``gguf_blocks.repack``)."""
-    k = mod.in_features
+    k, zeros = mod.in_features, gguf_blocks.ZeroPoints()
     base, start = f.data.ctypes.data, 0
     for hf, tensor in kept.weights:
         rows = tensor.shape[0]
         order = _row_order(config, hf, rows)
-        if not gguf_blocks.repack(
-            kind, tensor.type, base + tensor.offset, order, rows, k, out, start
-        ):
+        address = base + tensor.offset
+        if not gguf_blocks.repack(kind, tensor.type, address, order, rows, k, out, start, zeros):
             return False
         f.release(tensor)
         start += rows
     assert start == mod.out_features, (kept.module, start, mod.out_features)
+    if kind == "int4x16z" and zeros.alike():  # (then held as one zc, no zero points stored)
+        return False
     gguf_blocks.pad(kind, out, k, start)
-    mod.adopt_blocks(out, kind, k, gguf_blocks.zero_point(kind))
+    held, zc, stored = gguf_blocks.held_as(kind)
+    mod.adopt_blocks(out, held, k, zc, stored)
     return True
 
 

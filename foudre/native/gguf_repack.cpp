@@ -7,20 +7,24 @@
 //     by group (x16_codes, x16_scales);
 //   int4x16 (kind 5) from Q4_0: per block and group, 4 lines of 64 bytes (line j: 4 bytes of
 //     each row, row r's at 4 r, low nibbles columns 8 j .. 8 j + 3, high nibbles 8 j + 4 ..
-//     8 j + 7; codes 0..15, zero point 8 for all), then the 16 rows' float16 scales (x4_group).
+//     8 j + 7; codes 0..15, zero point 8 for all), then the 16 rows' float16 scales (x4_group);
+//     from Q4_1 and Q4_K (and Q4_0 beside them) with float32 scales and zero points stored
+//     after them (foudre_gguf_x16_zeros).
 // The scales are the file's float16 d, copied as they are (what the Python path's float16 ->
 // float32 -> float16 round trip gives for every d but a NaN). And the same types dequantized
 // (foudre_gguf_dequantize: an embedding table) to float32 or bfloat16, d * q in float32 as the
 // gguf package computes it, then rounded to bfloat16 as torch rounds (nearest even). One
 // thread: no barrier to wait on when the host's other cores are busy.
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
 namespace {
 
-constexpr int kQ4_0 = 2, kQ5_0 = 6, kQ8_0 = 8;  // ggml's type numbers
-constexpr int kInt8x16 = 4, kInt4x16 = 5;        // cpu_qmatmul.KINDS
+constexpr int kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12;  // ggml's type numbers
+constexpr int kInt8x16 = 4, kInt4x16 = 5;  // cpu_qmatmul.KINDS
+constexpr int kInt4x16Zeros = 6;  // int4x16 with float32 scales and zero points (stored)
 constexpr int64_t kCodes = 512;                  // a group's code bytes in a block (16 x 32)
 
 inline int64_t source_block_bytes(int type) {
@@ -139,6 +143,85 @@ int64_t row_int4x16(const uint8_t* src, int64_t k, uint8_t* block, int64_t r) {
   return special;
 }
 
+// Q4_0, Q4_1 and Q4_K rows as int4x16 blocks with float32 scales s and zero points z stored
+// (per group, after its 4 lines: the 16 rows' s, then their z), in gguf_quant's form of
+// w = q s - c: z = c / s, and where s is 0 codes 0, s = |c|, z = sign(c) (0 for c = 0). Q4_0:
+// s = d, c = 8 s; Q4_1: s = d, c = -m; Q4_K (per 256 columns d, dmin and 6-bit sc, m per 32):
+// s = d sc, c = dmin m, all in float32 as numpy computes them.
+struct ZeroPoints {
+  float first;      // the first group's z (NaN until one is seen)
+  int64_t differ;   // groups whose z differs from it
+  int64_t special;  // groups whose s, c or z is not finite (the caller takes the general path)
+};
+
+// Q4_K's 6-bit scale and min of sub-block j from its 12 bytes
+inline void q4_k_scale_min(const uint8_t* p, int j, int* sc, int* m) {
+  if (j < 4) {
+    *sc = p[j] & 63;
+    *m = p[j + 4] & 63;
+  } else {
+    *sc = (p[j + 4] & 15) | (p[j - 4] >> 6) << 4;
+    *m = (p[j + 4] >> 4) | (p[j] >> 6) << 4;
+  }
+}
+
+// group g's 32 codes (0..15) of a row, s and c
+inline void q4_group(int type, const uint8_t* row, int64_t g, uint8_t q[32], float* s, float* c) {
+  if (type == kQ4_K) {
+    const uint8_t* b = row + g / 8 * 144;
+    const int j = static_cast<int>(g % 8);
+    int sc, m;
+    q4_k_scale_min(b + 4, j, &sc, &m);
+    *s = half_to_float(half_bits(b)) * static_cast<float>(sc);
+    *c = half_to_float(half_bits(b + 2)) * static_cast<float>(m);
+    const uint8_t* qs = b + 16 + 32 * (j / 2);  // sub-block 2i: low nibbles, 2i + 1: high
+    for (int l = 0; l < 32; ++l) q[l] = j % 2 ? qs[l] >> 4 : qs[l] & 15;
+    return;
+  }
+  const int64_t size = type == kQ4_0 ? 18 : 20;
+  const uint8_t* b = row + g * size;
+  *s = half_to_float(half_bits(b));
+  *c = type == kQ4_0 ? 8.0f * *s : -half_to_float(half_bits(b + 2));
+  const uint8_t* qs = b + size - 16;
+  for (int j = 0; j < 16; ++j) {
+    q[j] = qs[j] & 15;
+    q[j + 16] = qs[j] >> 4;
+  }
+}
+
+inline bool finite(float x) { return x - x == 0.0f; }
+
+void row_int4x16_zeros(int type, const uint8_t* src, int64_t k, uint8_t* block, int64_t r,
+                       ZeroPoints* zp) {
+  constexpr int64_t kGroupBytes = 8 * 32 + 2 * 16 * 4;
+  for (int64_t g = 0; g < k / 32; ++g) {
+    uint8_t* group = block + g * kGroupBytes;
+    uint8_t* line = group + 4 * r;
+    uint8_t q[32] = {0};
+    float s = 0.0f, z = 0.0f, c = 0.0f;
+    if (src != nullptr) {
+      q4_group(type, src, g, q, &s, &c);
+      if (!finite(s) || !finite(c)) {
+        ++zp->special;
+      } else if (s == 0.0f) {  // one value, -c: codes 0, s = |c|, z = sign(c)
+        std::memset(q, 0, sizeof q);
+        s = std::fabs(c);
+        z = c > 0.0f ? 1.0f : c < 0.0f ? -1.0f : 0.0f;
+      } else {
+        z = c / s;
+        zp->special += !finite(z);
+      }
+      if (zp->first != zp->first) zp->first = z;
+      zp->differ += z != zp->first;
+    }
+    for (int j = 0; j < 4; ++j)
+      for (int i = 0; i < 4; ++i)
+        line[64 * j + i] = static_cast<uint8_t>(q[8 * j + i] | q[8 * j + i + 4] << 4);
+    std::memcpy(group + 8 * 32 + 4 * r, &s, 4);
+    std::memcpy(group + 8 * 32 + 64 + 4 * r, &z, 4);
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -164,6 +247,28 @@ int64_t foudre_gguf_x16(int kind, int type, const uint8_t* src, int64_t row_byte
                                 : row_int4x16(row, k, block, r % 16);
   }
   return special;
+}
+
+// As foudre_gguf_x16 for int4x16 blocks with float32 scales and zero points stored (k a multiple
+// of 128; of 256 for Q4_K) from Q4_0, Q4_1 or Q4_K rows (row_int4x16_zeros). *first_z: the first
+// group's zero point (NaN on the first call: set then), *differ: counts the groups whose zero
+// point differs from it (the caller holds one pair for all of a module's parts). Returns the
+// groups the caller must not take so (row_int4x16_zeros), or -1 for a type it does not take.
+int64_t foudre_gguf_x16_zeros(int type, const uint8_t* src, int64_t row_bytes,
+                              const int64_t* order, int64_t n, int64_t k, uint8_t* dst,
+                              int64_t first, float* first_z, int64_t* differ) {
+  if (type != kQ4_0 && type != kQ4_1 && type != kQ4_K) return -1;
+  const int64_t bytes = k / 32 * (8 * 32 + 2 * 16 * 4);
+  ZeroPoints zp{*first_z, *differ, 0};
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t r = first + i;
+    const uint8_t* row =
+        src == nullptr ? nullptr : src + (order == nullptr ? i : order[i]) * row_bytes;
+    row_int4x16_zeros(type, row, k, dst + r / 16 * bytes, r % 16, &zp);
+  }
+  *first_z = zp.first;
+  *differ = zp.differ;
+  return zp.special;
 }
 
 // n values of a tensor of ggml type `type` (Q4_0, Q5_0 or Q8_0; n a multiple of 32) at src as

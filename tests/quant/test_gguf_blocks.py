@@ -1,6 +1,6 @@
 """GGUF blocks repacked straight into the kernels' 16-row layouts, and dequantized natively
-(``foudre.quant.gguf_blocks``, ``gguf_repack.cpp``): the fast path of loading Q4_0, Q5_0 and
-Q8_0 files.
+(``foudre.quant.gguf_blocks``, ``gguf_repack.cpp``): the fast path of loading Q4_0, Q4_1, Q4_K,
+Q5_0 and Q8_0 files.
 
 Oracles: the general path it replaces, bit for bit: a tensor's codes decoded
 (``gguf_quant.decode_codes``), held as a ``QuantLinear``'s rows and repacked by its
@@ -42,8 +42,16 @@ def _rows_path(f: object, tensor: object, layout: Layout, orders: list[torch.Ten
     codes = torch.cat([c.codes[o] for o in orders])
     scales = torch.cat([c.scales[o] for o in orders])
     zeros = None if c.zeros is None else torch.cat([c.zeros[o] for o in orders])
+    half = tensor.type in (Q.Q4_0, Q.Q5_0, Q.Q8_0)  # type: ignore[attr-defined]
     mod = QuantLinear.from_codes(
-        codes, scales, zeros, None, layout.bits, 32, codes.shape[1], scale_dtype=torch.float16
+        codes,
+        scales,
+        zeros,
+        None,
+        layout.bits,
+        32,
+        codes.shape[1],
+        scale_dtype=torch.float16 if half else torch.float32,
     )
     mod._native_layout()
     assert mod.interleaved
@@ -52,7 +60,14 @@ def _rows_path(f: object, tensor: object, layout: Layout, orders: list[torch.Ten
 
 @pytest.mark.parametrize(
     ("qtype", "kind"),
-    [("Q4_0", "int4x16"), ("Q4_0", "int8x16"), ("Q5_0", "int8x16"), ("Q8_0", "int8x16")],
+    [
+        ("Q4_0", "int4x16"),
+        ("Q4_0", "int8x16"),
+        ("Q5_0", "int8x16"),
+        ("Q8_0", "int8x16"),
+        ("Q4_1", "int4x16z"),
+        ("Q4_K", "int4x16z"),
+    ],
 )
 @pytest.mark.parametrize("permuted", [False, True])
 def test_blocks_are_the_interleaved_rows(
@@ -63,7 +78,7 @@ def test_blocks_are_the_interleaved_rows(
     path builds."""
     qt, rows, cols = Q[qtype], 40, 256
     raw = _random_blocks(qt, rows, cols, np.random.default_rng(int(qt)))
-    if kind == "int4x16":  # (a d of 0 makes a zero point of 0: see the next test)
+    if qtype == "Q4_0":  # (a d of 0 makes a zero point of 0: see the next test)
         d = raw.reshape(rows, -1, 18)[..., :2]
         d[(d == 0).all(axis=-1)] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
     _raw_gguf(tmp_path / "t.gguf", {"t": (raw, qt)})
@@ -71,16 +86,17 @@ def test_blocks_are_the_interleaved_rows(
     tensor = f.tensors["t"]
     order = torch.randperm(rows, generator=torch.Generator().manual_seed(0))
     order = order if permuted else torch.arange(rows)
-    layout = Layout(4, 32, True) if kind == "int4x16" else Layout(8, 32, False)
+    layout = Layout(8, 32, False) if kind == "int8x16" else Layout(4, 32, True)
     assert gguf_blocks.blocks_kind([int(qt)], layout.bits, 32, False, cols) == kind
     address = f.data.ctypes.data + tensor.offset
     for first in (0, 24):  # alone; after 24 rows of another tensor (here: its first 24)
-        total = first + rows
+        total, zeros = first + rows, gguf_blocks.ZeroPoints()
         out = torch.full(gguf_blocks.shape(kind, total, cols), 0xA5, dtype=torch.uint8)
         if first:
-            assert gguf_blocks.repack(kind, int(qt), address, None, first, cols, out, 0)
+            assert gguf_blocks.repack(kind, int(qt), address, None, first, cols, out, 0, zeros)
         index = order if permuted else None
-        assert gguf_blocks.repack(kind, int(qt), address, index, rows, cols, out, first)
+        assert gguf_blocks.repack(kind, int(qt), address, index, rows, cols, out, first, zeros)
+        assert not zeros.alike() or kind != "int4x16z"
         gguf_blocks.pad(kind, out, cols, total)
         want = _rows_path(f, tensor, layout, [torch.arange(first), order])
         assert out.numpy().tobytes() == want, first
@@ -146,21 +162,25 @@ def _same_state(a: dict[str, object], b: dict[str, object]) -> None:
             assert value == other, key
 
 
-@pytest.mark.parametrize("case", ["Q4_0", "Q8_0", "Q5_0", "mixed", "zero_d"])
+@pytest.mark.parametrize("case", ["Q4_0", "Q8_0", "Q5_0", "Q4_1", "Q4_K", "mixed", "zero_d"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_loaded_model_is_the_general_paths(
     case: str, dtype: str, llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A llama file (q/k rows un-permuted at load) loaded with the blocks built straight from
     the file is the model the general path loads, byte for byte: every module's blocks and
-    layout state, and the embedding dequantized natively. ``mixed``: Q8_0 and Q5_0 parts beside
-    Q4_0 ones (8-bit modules); ``zero_d``: Q4_0 groups whose d is 0 (those modules: the general
-    path)."""
+    layout state, and the embedding dequantized natively (Q4_0, Q5_0, Q8_0). ``mixed``: Q8_0 and
+    Q5_0 parts beside Q4_0 ones (8-bit modules), Q4_K and Q4_1 ones (4 bits, zero points
+    stored); ``zero_d``: Q4_0 groups whose d is 0 (those modules: the general path)."""
     out = tmp_path / f"{case}.gguf"
     qtype = "Q4_0" if case in ("mixed", "zero_d") else case
-    types = (
-        {"blk.0.attn_k.weight": "Q8_0", "blk.1.ffn_up.weight": "Q5_0"} if case == "mixed" else None
-    )
+    mixed = {
+        "blk.0.attn_k.weight": "Q8_0",
+        "blk.1.ffn_up.weight": "Q5_0",
+        "blk.0.ffn_up.weight": "Q4_K",
+        "blk.1.attn_q.weight": "Q4_1",
+    }
+    types = mixed if case == "mixed" else None
     write_gguf(llama_dir, out, qtype, types=types)
     if case == "zero_d":
         t = read_gguf(out).tensors["blk.0.ffn_up.weight"]
