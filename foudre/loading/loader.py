@@ -230,7 +230,7 @@ def _allocate(net: nn.Module, device: torch.device, in_place: bool) -> bool:
     Returns whether the weights went into huge pages so."""
     if device.type == "cpu" and in_place and huge_pages.allocate(net, (QuantLinear, QuantExperts)):
         return True
-    net.to_empty(device=device)
+    huge_pages.to_empty(net, device)
     return False
 
 

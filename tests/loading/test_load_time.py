@@ -1,7 +1,9 @@
 """What a process's first load costs beyond reading the weights: building the model on ``meta``
-must not import ``torch._dynamo`` (about 2 s), which torch's meta ``normal_`` (an embedding's
-initialisation) would. Oracle: the same model loaded with the initialisation run (its weights,
-which the load overwrites, equal), and ``sys.modules`` of a fresh process."""
+and giving it memory must not import ``torch._dynamo`` (about 2 s), which torch's meta
+``normal_`` (an embedding's initialisation) would, nor sympy (about 0.9 s), which
+``torch.empty_like`` of a meta tensor (``Module.to_empty``) would. Oracle: the same model
+loaded with the initialisation run (its weights, which the load overwrites, equal), and
+``sys.modules`` of a fresh process."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import torch
 from foudre.loading import loader
 from foudre.loading.loader import load_model
 from tests.conftest import make_hf_model
+from tests.quant.test_gguf import write_gguf
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -25,23 +28,28 @@ import json, sys
 import torch
 from foudre.loading.loader import load_model
 loaded = load_model(sys.argv[1], None, "float32", torch.device("cpu"), None)
-print(json.dumps({"dynamo": "torch._dynamo" in sys.modules}))
+print(json.dumps({name: name in sys.modules for name in ("torch._dynamo", "sympy")}))
 """
 
 
-def test_first_load_does_not_import_dynamo(tmp_path: Path) -> None:
-    """A fresh process's ``load_model`` of a Llama leaves ``torch._dynamo`` unimported."""
-    src = make_hf_model(tmp_path / "llama", "llama")
+@pytest.mark.parametrize("huge_pages", ["1", "0"])
+def test_first_load_imports_neither_dynamo_nor_sympy(tmp_path: Path, huge_pages: str) -> None:
+    """A fresh process's ``load_model`` of a Q4_0 GGUF Llama (float tensors and kept quantized
+    linears, in huge pages or not) leaves ``torch._dynamo`` and sympy unimported."""
+    src = make_hf_model(tmp_path / "llama", "llama", hidden_size=128, intermediate_size=256)
+    write_gguf(src, tmp_path / "llama.gguf", "Q4_0")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, "-c", _CHILD, str(src)],
+        [sys.executable, "-c", _CHILD, str(tmp_path / "llama.gguf")],
         capture_output=True,
         text=True,
         cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+        env={**env, "FOUDRE_HUGE_PAGES": huge_pages},
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"dynamo": False}
+    imported = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert imported == {"torch._dynamo": False, "sympy": False}
 
 
 class _Passing(torch.overrides.TorchFunctionMode):
