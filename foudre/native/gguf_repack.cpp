@@ -11,10 +11,10 @@
 //     from Q4_1 and Q4_K (and Q4_0 beside them) with float32 scales and zero points stored
 //     after them (foudre_gguf_x16_zeros).
 // The scales are the file's float16 d, copied as they are (what the Python path's float16 ->
-// float32 -> float16 round trip gives for every d but a NaN). And the same types dequantized
-// (foudre_gguf_dequantize: an embedding table) to float32 or bfloat16, d * q in float32 as the
-// gguf package computes it, then rounded to bfloat16 as torch rounds (nearest even). One
-// thread: no barrier to wait on when the host's other cores are busy.
+// float32 -> float16 round trip gives for every d but a NaN). And tensors of these types and of
+// Q4_K, Q5_K and Q6_K dequantized (foudre_gguf_dequantize: an embedding table) to float32 or
+// bfloat16, in float32 as the gguf package computes them, then rounded to bfloat16 as torch
+// rounds (nearest even). One thread: no barrier to wait on when the host's other cores are busy.
 
 #include <cmath>
 #include <cstdint>
@@ -22,7 +22,8 @@
 
 namespace {
 
-constexpr int kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12;  // ggml's type numbers
+// ggml's type numbers
+constexpr int kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14;
 constexpr int kInt8x16 = 4, kInt4x16 = 5;  // cpu_qmatmul.KINDS
 constexpr int kInt4x16Zeros = 6;  // int4x16 with float32 scales and zero points (stored)
 constexpr int64_t kCodes = 512;                  // a group's code bytes in a block (16 x 32)
@@ -222,6 +223,67 @@ void row_int4x16_zeros(int type, const uint8_t* src, int64_t k, uint8_t* block, 
   }
 }
 
+// K-quant blocks of 256 values, as the gguf package dequantizes them (float32, in its order of
+// operations): Q4_K and Q5_K d sc q - dmin m (sub-blocks of 32: d sc and dmin m first, then the
+// product, then the difference), Q6_K (d sc) (q - 32) (sub-blocks of 16, sc an int8)
+inline int64_t k_block_bytes(int type) {
+  return type == kQ4_K ? 144 : type == kQ5_K ? 176 : type == kQ6_K ? 210 : 0;
+}
+
+// whether the block's d (and dmin) are finite
+inline bool k_block_finite(int type, const uint8_t* b) {
+  if (type == kQ6_K) return (half_bits(b + 208) & 0x7c00) != 0x7c00;
+  return (half_bits(b) & 0x7c00) != 0x7c00 && (half_bits(b + 2) & 0x7c00) != 0x7c00;
+}
+
+void k_block_values(int type, const uint8_t* b, float out[256]) {
+  if (type == kQ6_K) {  // ql: per half of 128, values 0..63 low nibbles, 64..127 high nibbles;
+    const uint8_t *ql = b, *qh = b + 128;  // qh: bits 2t..2t + 1 of byte l: value 32 t + l's
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    const float d = half_to_float(half_bits(b + 208));
+    for (int p = 0; p < 256; ++p) {
+      const int h = p / 128, r = p % 128;
+      const int lo = (ql[64 * h + r % 64] >> (4 * (r / 64))) & 15;
+      const int hi = (qh[32 * h + r % 32] >> (2 * (r / 32))) & 3;
+      const float ds = d * static_cast<float>(sc[p / 16]);
+      out[p] = ds * static_cast<float>((lo | hi << 4) - 32);
+    }
+    return;
+  }
+  const float d = half_to_float(half_bits(b)), dmin = half_to_float(half_bits(b + 2));
+  const uint8_t* qs = b + (type == kQ4_K ? 16 : 48);  // Q5_K: the fifth bits at 16 (32 bytes)
+  for (int j = 0; j < 8; ++j) {
+    int sc, m;
+    q4_k_scale_min(b + 4, j, &sc, &m);
+    const float dj = d * static_cast<float>(sc), mj = dmin * static_cast<float>(m);
+    for (int l = 0; l < 32; ++l) {
+      int q = (qs[32 * (j / 2) + l] >> (4 * (j % 2))) & 15;
+      if (type == kQ5_K) q |= ((b[16 + l] >> j) & 1) << 4;
+      const float v = dj * static_cast<float>(q);
+      out[32 * j + l] = v - mj;
+    }
+  }
+}
+
+// n values of a K-quant tensor into dst (float32 or bfloat16); as foudre_gguf_dequantize
+int64_t dequantize_k(int type, const uint8_t* src, int64_t n, void* dst, int out_type) {
+  const int64_t size = k_block_bytes(type);
+  if (n % 256 != 0) return -1;
+  for (int64_t b = 0; b < n / 256; ++b)
+    if (!k_block_finite(type, src + b * size)) return 1;
+  float v[256];
+  for (int64_t b = 0; b < n / 256; ++b) {
+    k_block_values(type, src + b * size, v);
+    if (out_type == 0) {
+      std::memcpy(static_cast<float*>(dst) + 256 * b, v, sizeof v);
+    } else {
+      uint16_t* out = static_cast<uint16_t*>(dst) + 256 * b;
+      for (int j = 0; j < 256; ++j) out[j] = to_bfloat16(v[j]);
+    }
+  }
+  return 0;
+}
+
 }  // namespace
 
 extern "C" {
@@ -271,13 +333,16 @@ int64_t foudre_gguf_x16_zeros(int type, const uint8_t* src, int64_t row_bytes,
   return zp.special;
 }
 
-// n values of a tensor of ggml type `type` (Q4_0, Q5_0 or Q8_0; n a multiple of 32) at src as
-// float32 (out_type 0) or bfloat16 (2) at dst. Returns 0; 1 where a block's d is infinite or a
-// NaN (its values NaNs or infinities, which torch's bfloat16 rounding writes as its own vector
-// code decides: the caller takes the general path), -1 for a type it does not take.
+// n values of a tensor of ggml type `type` (Q4_0, Q5_0 or Q8_0, n a multiple of 32; Q4_K, Q5_K
+// or Q6_K, n a multiple of 256) at src as float32 (out_type 0) or bfloat16 (2) at dst. Returns
+// 0; 1 where a block's d (or dmin) is infinite or a NaN (its values NaNs or infinities, which
+// torch's bfloat16 rounding writes as its own vector code decides: the caller takes the general
+// path), -1 for a type it does not take.
 int64_t foudre_gguf_dequantize(int type, const uint8_t* src, int64_t n, void* dst, int out_type) {
+  if (out_type != 0 && out_type != 2) return -1;
+  if (k_block_bytes(type) != 0) return dequantize_k(type, src, n, dst, out_type);
   const int64_t size = source_block_bytes(type);
-  if (size == 0 || (out_type != 0 && out_type != 2) || n % 32 != 0) return -1;
+  if (size == 0 || n % 32 != 0) return -1;
   for (int64_t b = 0; b < n / 32; ++b)
     if ((half_bits(src + b * size) & 0x7c00) == 0x7c00) return 1;
   int8_t q[32];

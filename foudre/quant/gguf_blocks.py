@@ -6,8 +6,8 @@ with none of the unpacked codes, rows and temporaries in between.
 ``blocks_kind`` says which layout a module takes this way (None: the general path); ``repack``
 writes a tensor's rows into it, ``pad`` the rows past the weight's last, and
 ``QuantLinear.adopt_blocks`` takes the result as the module's buffers. ``dequantize`` expands
-Q4_0, Q5_0 and Q8_0 tensors (an embedding table) to float32 or bfloat16, as the gguf package's
-dequantizers and a copy into a tensor of that dtype do.
+Q4_0, Q5_0, Q8_0, Q4_K, Q5_K and Q6_K tensors (an embedding table) to float32 or bfloat16, as
+the gguf package's dequantizers and a copy into a tensor of that dtype do.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from foudre.quant import cpu_qmatmul
 SOURCE = native.SOURCES / "gguf_repack.cpp"
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
-Q4_0, Q4_1, Q5_0, Q8_0, Q4_K = 2, 3, 6, 8, 12  # ggml's type numbers
+Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 6, 8, 12, 13, 14  # ggml's type numbers
 BLOCK_BYTES = {Q4_0: 18, Q5_0: 22, Q8_0: 34}  # a block of 32 values' bytes
 # the 4-bit types with mins, as int4x16 with float32 scales and zero points stored
 # ("int4x16z"): bytes per 32 values
@@ -178,16 +178,18 @@ def pad(kind: str, dst: torch.Tensor, k: int, rows: int) -> None:
 
 
 _OUT_TYPES = {torch.float32: 0, torch.bfloat16: 2}
+DEQUANTIZED = (Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K)  # the types ``dequantize`` takes
 
 
 def dequantize(qtype: int, address: int, out: torch.Tensor) -> bool:
     """``out`` (float32 or bfloat16, contiguous) filled with the values of the tensor of ggml
-    type ``qtype`` at ``address`` (its bytes, which must stay mapped; as many values as ``out``
-    has): ``d q`` in float32, then rounded to ``out``'s dtype. False, ``out`` untouched, where
+    type ``qtype`` (``DEQUANTIZED``) at ``address`` (its bytes, which must stay mapped; as many
+    values as ``out`` has): in float32 as the gguf package computes them, then rounded to
+    ``out``'s dtype. False, ``out`` untouched, where
     the type or dtype is not one it takes, where a ``d`` is infinite or a NaN (NaN values,
     whose bfloat16 bits torch's vector code chooses), or where the library did not build."""
     dll = _library()
-    if dll is None or qtype not in BLOCK_BYTES or out.dtype not in _OUT_TYPES:
+    if dll is None or qtype not in DEQUANTIZED or out.dtype not in _OUT_TYPES:
         return False
     assert out.is_contiguous() and out.device.type == "cpu"
     code = dll.foudre_gguf_dequantize(

@@ -119,6 +119,28 @@ def test_zero_d_in_4_bits_takes_the_general_path(tmp_path: Path) -> None:
         gguf_blocks.repack("int8x16", Q.Q4_0, address, None, 16, 256, out, 8)
 
 
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_k_quants_dequantize_as_the_gguf_dequantizers(qtype: str, dtype: torch.dtype) -> None:
+    """Random K-quant blocks (every code, sub-scale and min; finite d and dmin, some 0, some
+    subnormal): the gguf package's float32 values, rounded to bfloat16 as torch rounds them,
+    bit for bit; an infinite d or dmin is declined."""
+    qt = Q[qtype]
+    rng = np.random.default_rng(int(qt))
+    raw = _random_blocks(qt, 64, 4096, rng)  # 1024 blocks of 256
+    halves = raw.reshape(-1, gguf.GGML_QUANT_SIZES[qt][1])
+    at = [208] if qt == Q.Q6_K else [0, 2]
+    tiny = (rng.integers(1, 1024, halves.shape[0]).astype(np.uint16)).view(np.uint8).reshape(-1, 2)
+    halves[::7, at[0] : at[0] + 2] = tiny[::7]  # subnormal d
+    want = torch.from_numpy(gguf.quants.dequantize(raw, qt).reshape(-1)).to(dtype)
+    out = torch.empty(want.shape, dtype=dtype)
+    assert gguf_blocks.dequantize(int(qt), raw.ctypes.data, out)
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    assert torch.equal(out.view(bits), want.view(bits))
+    halves[3, at[-1] : at[-1] + 2] = np.frombuffer(np.float16(np.inf).tobytes(), np.uint8)
+    assert not gguf_blocks.dequantize(int(qt), raw.ctypes.data, out)
+
+
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q5_0", "Q8_0"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_dequantize_is_the_gguf_dequantizers(qtype: str, dtype: torch.dtype) -> None:
@@ -162,14 +184,16 @@ def _same_state(a: dict[str, object], b: dict[str, object]) -> None:
             assert value == other, key
 
 
-@pytest.mark.parametrize("case", ["Q4_0", "Q8_0", "Q5_0", "Q4_1", "Q4_K", "mixed", "zero_d"])
+@pytest.mark.parametrize(
+    "case", ["Q4_0", "Q8_0", "Q5_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "mixed", "zero_d"]
+)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_loaded_model_is_the_general_paths(
     case: str, dtype: str, llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A llama file (q/k rows un-permuted at load) loaded with the blocks built straight from
     the file is the model the general path loads, byte for byte: every module's blocks and
-    layout state, and the embedding dequantized natively (Q4_0, Q5_0, Q8_0). ``mixed``: Q8_0 and
+    layout state, and the embedding dequantized natively (all but Q4_1). ``mixed``: Q8_0 and
     Q5_0 parts beside Q4_0 ones (8-bit modules), Q4_K and Q4_1 ones (4 bits, zero points
     stored); ``zero_d``: Q4_0 groups whose d is 0 (those modules: the general path)."""
     out = tmp_path / f"{case}.gguf"
@@ -189,7 +213,7 @@ def test_loaded_model_is_the_general_paths(
         out.write_bytes(bytes(data))
     fast = load_model(str(out), None, dtype, CPU, None).model
     interleaved = [m for m in fast.modules() if isinstance(m, QuantLinear) and m.interleaved]
-    assert interleaved
+    assert bool(interleaved) == (case not in ("Q5_K", "Q6_K"))  # (those: rows, as before)
     with monkeypatch.context() as mp:
         mp.setattr(gguf_blocks, "blocks_kind", lambda *args: None)
         mp.setattr(gguf_blocks, "dequantize", lambda *args: False)
