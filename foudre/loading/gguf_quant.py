@@ -628,10 +628,12 @@ def _load_kept(
     room: tuple[str, torch.Tensor] | None,
 ) -> None:
     """Fill the (fused) linear ``mod`` from its tensors: straight into the kernels' 16-row
-    blocks where ``room`` gives their layout and place (``_blocks_room``), else a few
-    megabytes of rows at a time (q/k of llama files whole: their rows are un-permuted); each
-    tensor's pages then released."""
-    if room is None or not _load_blocks(f, config, mod, kept, *room):
+    blocks where ``room`` gives their layout and place (``_blocks_room``), 6 bits natively
+    (``_load_int6``), else a few megabytes of rows at a time (q/k of llama files whole: their
+    rows are un-permuted); each tensor's pages then released."""
+    loaded = room is not None and _load_blocks(f, config, mod, kept, *room)
+    loaded = loaded or (kept.layout.bits == 6 and _load_int6(f, config, mod, kept))
+    if not loaded:
         _load_rows(f, config, mod, kept)
     start = 0
     for hf, tensor in kept.biases:
@@ -659,6 +661,28 @@ def _load_rows(f: GGUFFile, config: ModelConfig, mod: QuantLinear, kept: KeptLin
         f.release(tensor)
         release_freed()
         start += tensor.shape[0]
+
+
+def _load_int6(f: GGUFFile, config: ModelConfig, mod: QuantLinear, kept: KeptLinear) -> bool:
+    """Fill a 6-bit ``mod`` (Q6_K parts) natively (``gguf_blocks.int6_rows``: the rows
+    ``_load_rows`` writes, in one pass); False where it does not take them (the library did not
+    build, a d is a NaN): ``_load_rows`` then."""
+    k = mod.in_features
+    if gguf_blocks._library() is None or mod.scales.dtype != torch.float16 or k % 256:
+        return False
+    start = 0
+    for hf, tensor in kept.weights:
+        rows = tensor.shape[0]
+        order = _row_order(config, hf, rows)
+        address = f.data.ctypes.data + tensor.offset
+        if tensor.type != _QT.Q6_K or tensor.shape != (rows, k):
+            return False
+        if not gguf_blocks.int6_rows(address, order, rows, k, mod.qweight, mod.scales, start):
+            return False
+        f.release(tensor)
+        start += rows
+    mod.invalidate_layouts()
+    return True
 
 
 def _blocks_room(model: nn.Module, plan: GGUFQuantPlan) -> list[tuple[str, torch.Tensor] | None]:

@@ -265,6 +265,42 @@ void k_block_values(int type, const uint8_t* b, float out[256]) {
   }
 }
 
+// Q6_K's codes (0..63) of a block of 256 values
+inline void q6_k_codes(const uint8_t* b, uint8_t q[256]) {
+  for (int p = 0; p < 256; ++p) {
+    const int h = p / 128, r = p % 128;
+    const int lo = (b[64 * h + r % 64] >> (4 * (r / 64))) & 15;
+    const int hi = (b[128 + 32 * h + r % 32] >> (2 * (r / 32))) & 3;
+    q[p] = static_cast<uint8_t>(lo | hi << 4);
+  }
+}
+
+// a Q6_K row (k / 256 blocks) as packing.pack_int6's row (per 128 columns 104 bytes: the low
+// nibbles, two columns a byte; the top two bits of columns 2i, 2i + 64, 2i + 1, 2i + 65 in byte
+// i's bits 0-1, 2-3, 4-5, 6-7; the 8 int8 sub-scales) and its float16 d per 256 columns; the
+// blocks whose d is a NaN counted
+int64_t row_int6(const uint8_t* src, int64_t k, uint8_t* out, uint16_t* d) {
+  int64_t special = 0;
+  uint8_t q[256];
+  for (int64_t blk = 0; blk < k / 256; ++blk) {
+    const uint8_t* b = src + blk * 210;
+    q6_k_codes(b, q);
+    for (int half = 0; half < 2; ++half) {
+      const uint8_t* c = q + 128 * half;
+      uint8_t* o = out + (2 * blk + half) * 104;
+      for (int i = 0; i < 64; ++i)
+        o[i] = static_cast<uint8_t>((c[2 * i] & 15) | (c[2 * i + 1] & 15) << 4);
+      for (int i = 0; i < 32; ++i)
+        o[64 + i] = static_cast<uint8_t>((c[2 * i] >> 4) | (c[2 * i + 64] >> 4) << 2 |
+                                         (c[2 * i + 1] >> 4) << 4 | (c[2 * i + 65] >> 4) << 6);
+      std::memcpy(o + 96, b + 192 + 8 * half, 8);
+    }
+    d[blk] = half_bits(b + 208);
+    special += is_nan(d[blk]);
+  }
+  return special;
+}
+
 // n values of a K-quant tensor into dst (float32 or bfloat16); as foudre_gguf_dequantize
 int64_t dequantize_k(int type, const uint8_t* src, int64_t n, void* dst, int out_type) {
   const int64_t size = k_block_bytes(type);
@@ -331,6 +367,22 @@ int64_t foudre_gguf_x16_zeros(int type, const uint8_t* src, int64_t row_bytes,
   *first_z = zp.first;
   *differ = zp.differ;
   return zp.special;
+}
+
+// Rows first .. first + n - 1 of a 6-bit weight (q: packing.pack_int6's rows of k / 16 * 13
+// bytes; d: its float16 d, k / 256 a row) from the n rows of a Q6_K tensor (src: its first
+// row; row order[i] the i-th, or i where order is null). Returns the blocks whose d is a NaN
+// (the caller takes the general path then).
+int64_t foudre_gguf_int6(const uint8_t* src, const int64_t* order, int64_t n, int64_t k,
+                         uint8_t* q, uint16_t* d, int64_t first) {
+  const int64_t row_bytes = k / 256 * 210;
+  int64_t special = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t r = first + i;
+    const uint8_t* row = src + (order == nullptr ? i : order[i]) * row_bytes;
+    special += row_int6(row, k, q + r * (k / 16 * 13), d + r * (k / 256));
+  }
+  return special;
 }
 
 // n values of a tensor of ggml type `type` (Q4_0, Q5_0 or Q8_0, n a multiple of 32; Q4_K, Q5_K

@@ -42,6 +42,9 @@ def _library() -> ctypes.CDLL | None:
         fn = dll.foudre_gguf_x16_zeros
         fn.argtypes = [ctypes.c_int, _P, _I64, _P, _I64, _I64, _P, _I64, _P, _P]
         fn.restype = _I64
+        fn = dll.foudre_gguf_int6
+        fn.argtypes = [_P, _P, _I64, _I64, _P, _P, _I64]
+        fn.restype = _I64
         fn = dll.foudre_gguf_dequantize
         fn.argtypes = [ctypes.c_int, _P, _I64, _P, ctypes.c_int]
         fn.restype = _I64
@@ -175,6 +178,45 @@ def pad(kind: str, dst: torch.Tensor, k: int, rows: int) -> None:
     dll.foudre_gguf_x16(
         cpu_qmatmul.KINDS[kind], qtype, None, 0, None, extra, k, dst.data_ptr(), rows
     )
+
+
+def int6_rows(
+    address: int,
+    order: torch.Tensor | None,
+    n: int,
+    k: int,
+    q: torch.Tensor,
+    d: torch.Tensor,
+    first: int,
+) -> bool:
+    """Rows ``first .. first + n - 1`` of a 6-bit ``QuantLinear``'s ``q`` (``qweight``:
+    ``packing.pack_int6``'s rows) and ``d`` (``scales``, float16) from the ``n`` rows of ``k``
+    columns (a multiple of 256) of a Q6_K tensor at ``address`` (row ``order[i]`` the i-th
+    where given): the codes and sub-scales ``pack_int6`` packs of ``decode_codes``'s, and the
+    file's d. False where a d is a NaN (the caller then takes the general path)."""
+    dll = _library()
+    assert dll is not None
+    rows = first + n
+    if (
+        k % 256
+        or q.dtype != torch.uint8
+        or q.shape[0] < rows
+        or q.shape[1] != k // 16 * 13
+        or d.dtype != torch.float16
+        or d.shape[0] < rows
+        or d.shape[1] != k // 256
+        or not (q.is_contiguous() and d.is_contiguous())
+    ):
+        raise ValueError(
+            f"int6 rows of k={k} need contiguous uint8 q [>= {rows}, {k // 16 * 13}] and float16 "
+            f"d [>= {rows}, {k // 256}], got {q.dtype} {tuple(q.shape)}, {d.dtype} {tuple(d.shape)}"
+        )
+    index = None if order is None else order.to(torch.int64).contiguous()
+    if index is not None and (index.shape != (n,) or bool(((index < 0) | (index >= n)).any())):
+        raise ValueError(f"order must be {n} row indices below {n}, got {tuple(index.shape)}")
+    rows_ptr = None if index is None else index.data_ptr()
+    special = dll.foudre_gguf_int6(address, rows_ptr, n, k, q.data_ptr(), d.data_ptr(), first)
+    return bool(special == 0)
 
 
 _OUT_TYPES = {torch.float32: 0, torch.bfloat16: 2}

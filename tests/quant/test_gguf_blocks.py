@@ -23,6 +23,7 @@ from foudre.loading.gguf import read_gguf
 from foudre.loading.gguf_quant import Layout, decode_codes
 from foudre.loading.loader import load_model
 from foudre.quant import cpu_qmatmul, gguf_blocks
+from foudre.quant.packing import pack_int6
 from foudre.quant.qlinear import QuantLinear
 from tests.quant.test_gguf import write_gguf
 from tests.quant.test_gguf_quantized import _random_blocks, _raw_gguf
@@ -100,6 +101,32 @@ def test_blocks_are_the_interleaved_rows(
         gguf_blocks.pad(kind, out, cols, total)
         want = _rows_path(f, tensor, layout, [torch.arange(first), order])
         assert out.numpy().tobytes() == want, first
+
+
+@pytest.mark.parametrize("permuted", [False, True])
+def test_int6_rows_are_pack_int6_of_the_decoded_codes(permuted: bool, tmp_path: Path) -> None:
+    """Random Q6_K blocks (every code and sub-scale, some d 0) as a 6-bit module's rows 24..63
+    (after 24 rows of another tensor), rows in the file's order or another: ``pack_int6`` of
+    the decoded codes and sub-scales, and the file's d, byte for byte."""
+    rows, cols = 40, 512
+    raw = _random_blocks(Q.Q6_K, rows, cols, np.random.default_rng(6))
+    _raw_gguf(tmp_path / "t.gguf", {"t": (raw, Q.Q6_K)})
+    f = read_gguf(tmp_path / "t.gguf")
+    tensor = f.tensors["t"]
+    c = decode_codes(f, tensor, Layout(6, 16, False))
+    assert c.subs is not None
+    order = torch.randperm(rows, generator=torch.Generator().manual_seed(1))
+    order = order if permuted else torch.arange(rows)
+    q = torch.full((64, cols // 16 * 13), 0xA5, dtype=torch.uint8)
+    d = torch.full((64, cols // 256), 7.0, dtype=torch.float16)
+    address = f.data.ctypes.data + tensor.offset
+    assert gguf_blocks.int6_rows(address, None, 24, cols, q, d, 0)
+    assert gguf_blocks.int6_rows(address, order if permuted else None, rows, cols, q, d, 24)
+    every = torch.cat([torch.arange(24), order])
+    assert torch.equal(q, pack_int6(c.codes[every], c.subs[every]))
+    assert torch.equal(d.view(torch.int16), c.scales[every].half().view(torch.int16))
+    with pytest.raises(ValueError, match="int6 rows"):  # room for fewer rows
+        gguf_blocks.int6_rows(address, None, rows, cols, q, d, 40)
 
 
 def test_zero_d_in_4_bits_takes_the_general_path(tmp_path: Path) -> None:
@@ -211,11 +238,20 @@ def test_loaded_model_is_the_general_paths(
         data = bytearray(out.read_bytes())
         data[t.offset + 5 * 18 : t.offset + 5 * 18 + 2] = b"\0\0"
         out.write_bytes(bytes(data))
+    taken: list[str] = []  # the native paths the fast load took
+    for name in ("repack", "int6_rows", "dequantize"):
+        native = getattr(gguf_blocks, name)
+        spy = lambda *a, _f=native, _n=name, **k: taken.append(_n) or _f(*a, **k)  # noqa: E731
+        monkeypatch.setattr(gguf_blocks, name, spy)
     fast = load_model(str(out), None, dtype, CPU, None).model
+    monkeypatch.undo()
     interleaved = [m for m in fast.modules() if isinstance(m, QuantLinear) and m.interleaved]
     assert bool(interleaved) == (case not in ("Q5_K", "Q6_K"))  # (those: rows, as before)
+    assert ("int6_rows" in taken) == (case == "Q6_K")
+    assert ("dequantize" in taken) and (("repack" in taken) == bool(interleaved))
     with monkeypatch.context() as mp:
         mp.setattr(gguf_blocks, "blocks_kind", lambda *args: None)
         mp.setattr(gguf_blocks, "dequantize", lambda *args: False)
+        mp.setattr(gguf_blocks, "int6_rows", lambda *args: False)
         general = load_model(str(out), None, dtype, CPU, None).model
     _same_state(_state(fast), _state(general))
