@@ -109,8 +109,12 @@ int64_t row_int8x16(int type, const uint8_t* src, int64_t k, uint8_t* block, int
     } else {
       std::memset(q, 0, sizeof q);
     }
-    for (int j = 0; j < 8; ++j)
-      for (int i = 0; i < 4; ++i) codes[64 * j + i] = static_cast<uint8_t>(q[4 * j + i] ^ 0x80);
+    for (int j = 0; j < 8; ++j) {  // columns 4 j .. 4 j + 3, each + 128 (its top bit flipped)
+      uint32_t w;
+      std::memcpy(&w, q + 4 * j, 4);
+      w ^= 0x80808080u;
+      std::memcpy(codes + 64 * j, &w, 4);
+    }
     uint8_t* scale = block + g / 2 * 2 * (kCodes + 32) + 2 * kCodes + g % 2 * 32 + 2 * r;
     std::memcpy(scale, &d, 2);
   }
