@@ -110,6 +110,7 @@ from foudre.loading.errors import ModelLoadError
 from foudre.loading.memory import release_freed
 from foudre.loading.tokenizer import HFTokenizer, SentencePieceTokenizer, Tokenizer
 from foudre.models.config import ModelConfig
+from foudre.quant import gguf_blocks
 from foudre.quant.mxfp4 import from_gguf
 
 _QT = GGMLQuantizationType
@@ -554,8 +555,10 @@ def dequantize_tensor(
             bits = np.array(raw.view(np.int16).reshape(tensor.shape))
             return torch.from_numpy(bits).view(torch.bfloat16)
         rows = math.prod(tensor.shape[:-1])
-        blocks = np.asarray(raw).reshape(rows, -1)
         out = torch.empty(rows, tensor.shape[-1], dtype=dtype or torch.float32)
+        if gguf_blocks.dequantize(tensor.type, f.data.ctypes.data + tensor.offset, out):
+            return out.reshape(tensor.shape)  # (Q4_0, Q5_0, Q8_0: natively, the same values)
+        blocks = np.asarray(raw).reshape(rows, -1)
         step = max(1, CHUNK_BYTES // max(1, 4 * tensor.shape[-1]))
         for r in range(0, rows, step):
             part = dequantize(blocks[r : r + step], qtype)

@@ -44,6 +44,12 @@ multi-token-prediction blocks are not read. Rows are read in the order the
 model loads them (llama's q/k un-permuted, DeepSeek's rotated rows de-interleaved). One log line
 names them with the reason. ``FOUDRE_GGUF_DEQUANTIZE=1`` (or
 ``load_model(gguf_dequantize=True)``) dequantizes everything, as before.
+
+Where the CPU kernels then repack a module's rows into 16-row blocks (``cpu_qmatmul.interleave``:
+the VNNI path; modules of Q4_0, Q4_1 and Q4_K parts in 4 bits, and 8-bit modules of Q4_0, Q5_0
+and Q8_0 parts), the blocks are built straight from the file's instead, in one native pass, into
+the 2 MiB pages the model runs from (``foudre.quant.gguf_blocks``): the same bytes, without the
+rows and their decoding in between.
 """
 
 from __future__ import annotations
@@ -76,9 +82,11 @@ from foudre.loading.gguf import (
 )
 from foudre.loading.memory import release_freed
 from foudre.models.config import ModelConfig
+from foudre.native import huge_pages
+from foudre.quant import gguf_blocks
 from foudre.quant.experts import QuantExperts
 from foudre.quant.packing import pack_int6
-from foudre.quant.qlinear import QuantLinear
+from foudre.quant.qlinear import QuantLinear, uses_native_kernels
 
 log = logging.getLogger(__name__)
 
@@ -612,9 +620,33 @@ def _row_chunks(tensor: GGUFTensor, whole: bool) -> list[slice]:
     return [slice(r, min(r + step, total)) for r in range(0, total, step)]
 
 
-def _load_kept(f: GGUFFile, config: ModelConfig, mod: QuantLinear, kept: KeptLinear) -> None:
-    """Fill the (fused) linear ``mod`` from its tensors, a few megabytes of rows at a time (q/k
-    of llama files whole: their rows are un-permuted), each tensor's pages then released."""
+def _load_kept(
+    f: GGUFFile,
+    config: ModelConfig,
+    mod: QuantLinear,
+    kept: KeptLinear,
+    room: tuple[str, torch.Tensor] | None,
+) -> None:
+    """Fill the (fused) linear ``mod`` from its tensors: straight into the kernels' 16-row
+    blocks where ``room`` gives their layout and place (``_blocks_room``), 6 bits natively
+    (``_load_int6``), else a few megabytes of rows at a time (q/k of llama files whole: their
+    rows are un-permuted); each tensor's pages then released."""
+    loaded = room is not None and _load_blocks(f, config, mod, kept, *room)
+    loaded = loaded or (kept.layout.bits == 6 and _load_int6(f, config, mod, kept))
+    if not loaded:
+        _load_rows(f, config, mod, kept)
+    start = 0
+    for hf, tensor in kept.biases:
+        assert mod.bias is not None
+        b = dequantize_tensor(f, tensor)
+        order = _row_order(config, hf, b.shape[0])
+        b = b if order is None else b[order]
+        mod.bias[start : start + b.shape[0]].copy_(b)
+        start += b.shape[0]
+
+
+def _load_rows(f: GGUFFile, config: ModelConfig, mod: QuantLinear, kept: KeptLinear) -> None:
+    """Fill ``mod``'s rows (codes, scales, zero points) from its tensors' decoded codes."""
     start = 0
     for hf, tensor in kept.weights:
         order = _row_order(config, hf, tensor.shape[0])
@@ -629,14 +661,96 @@ def _load_kept(f: GGUFFile, config: ModelConfig, mod: QuantLinear, kept: KeptLin
         f.release(tensor)
         release_freed()
         start += tensor.shape[0]
+
+
+def _load_int6(f: GGUFFile, config: ModelConfig, mod: QuantLinear, kept: KeptLinear) -> bool:
+    """Fill a 6-bit ``mod`` (Q6_K parts) natively (``gguf_blocks.int6_rows``: the rows
+    ``_load_rows`` writes, in one pass); False where it does not take them (the library did not
+    build, a d is a NaN): ``_load_rows`` then."""
+    k = mod.in_features
+    if gguf_blocks._library() is None or mod.scales.dtype != torch.float16 or k % 256:
+        return False
     start = 0
-    for hf, tensor in kept.biases:
-        assert mod.bias is not None
-        b = dequantize_tensor(f, tensor)
-        order = _row_order(config, hf, b.shape[0])
-        b = b if order is None else b[order]
-        mod.bias[start : start + b.shape[0]].copy_(b)
-        start += b.shape[0]
+    for hf, tensor in kept.weights:
+        rows = tensor.shape[0]
+        order = _row_order(config, hf, rows)
+        address = f.data.ctypes.data + tensor.offset
+        if tensor.type != _QT.Q6_K or tensor.shape != (rows, k):
+            return False
+        if not gguf_blocks.int6_rows(address, order, rows, k, mod.qweight, mod.scales, start):
+            return False
+        f.release(tensor)
+        start += rows
+    mod.invalidate_layouts()
+    return True
+
+
+def _blocks_room(model: nn.Module, plan: GGUFQuantPlan) -> list[tuple[str, torch.Tensor] | None]:
+    """Per kept linear of ``plan``, where ``prepare_for_cpu`` would repack its rows into 16-row
+    blocks that ``gguf_blocks`` builds straight from its tensors: the layout and room for it,
+    views of one map of 2 MiB pages (``huge_pages.arena``: where the model runs from, so that
+    nothing is moved there later) or tensors of their own where none is given; else None."""
+    params = next(model.parameters(), None)
+    if params is None or params.device.type != "cpu" or not uses_native_kernels(params.dtype):
+        return [None] * len(plan.kept)
+    shapes: list[tuple[str, tuple[int, int]] | None] = []
+    for kept in plan.kept:
+        mod = model.get_submodule(kept.module)
+        assert isinstance(mod, QuantLinear)
+        k, lay = mod.in_features, kept.layout
+        types = [t.type for _, t in kept.weights]
+        kind = gguf_blocks.blocks_kind(types, lay.bits, lay.group, lay.zero_point, k)
+        if kind is None or any(t.shape != (t.shape[0], k) for _, t in kept.weights):
+            shapes.append(None)
+        else:
+            shapes.append((kind, gguf_blocks.shape(kind, mod.out_features, k)))
+    spans = [0 if s is None else -(-math.prod(s[1]) // 64) * 64 for s in shapes]
+    mapped = huge_pages.arena(sum(spans)) if any(spans) else None
+    rooms: list[tuple[str, torch.Tensor] | None] = []
+    pos = 0 if mapped is None else mapped.storage_offset()
+    for s, span in zip(shapes, spans, strict=True):
+        if s is None:
+            rooms.append(None)
+            continue
+        if mapped is None:
+            room = torch.empty(s[1], dtype=torch.uint8)
+        else:  # a tensor on the map's storage, not a view of the map
+            room = torch.empty(0, dtype=torch.uint8)
+            room.set_(mapped.untyped_storage(), pos, s[1], (s[1][1], 1))
+        rooms.append((s[0], room))
+        pos += span
+    return rooms
+
+
+def _load_blocks(
+    f: GGUFFile,
+    config: ModelConfig,
+    mod: QuantLinear,
+    kept: KeptLinear,
+    kind: str,
+    out: torch.Tensor,
+) -> bool:
+    """Fill ``out`` with ``mod``'s weight as the 16-row blocks ``kind`` that ``prepare_for_cpu``
+    would build of its rows (``gguf_blocks``: the same bytes, repacked from the file's blocks
+    in one pass) and make it ``mod``'s; False, ``mod`` as it was, where a group's ``d`` gives
+    the rows another form (``gguf_blocks.repack``)."""
+    k, zeros = mod.in_features, gguf_blocks.ZeroPoints()
+    base, start = f.data.ctypes.data, 0
+    for hf, tensor in kept.weights:
+        rows = tensor.shape[0]
+        order = _row_order(config, hf, rows)
+        address = base + tensor.offset
+        if not gguf_blocks.repack(kind, tensor.type, address, order, rows, k, out, start, zeros):
+            return False
+        f.release(tensor)
+        start += rows
+    assert start == mod.out_features, (kept.module, start, mod.out_features)
+    if kind == "int4x16z" and zeros.alike():  # (then held as one zc, no zero points stored)
+        return False
+    gguf_blocks.pad(kind, out, k, start)
+    held, zc, stored = gguf_blocks.held_as(kind)
+    mod.adopt_blocks(out, held, k, zc, stored)
+    return True
 
 
 def _load_experts(f: GGUFFile, qe: QuantExperts, ke: KeptExperts) -> None:
@@ -664,10 +778,12 @@ def load_gguf_quantized(
     log which quantized tensors were dequantized instead, and why. The file is read a piece of
     a tensor at a time, each tensor's pages dropped from the process once read
     (``GGUFFile.release``)."""
-    for kept in plan.kept:
+    rooms = _blocks_room(model, plan)
+    for kept, room in zip(plan.kept, rooms, strict=True):
         mod = model.get_submodule(kept.module)
         assert isinstance(mod, QuantLinear)
-        _load_kept(f, config, mod, kept)
+        _load_kept(f, config, mod, kept, room)
+    del rooms
     for ke in plan.experts:
         qe = model.get_submodule(ke.module)
         assert isinstance(qe, QuantExperts)

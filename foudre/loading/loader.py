@@ -12,6 +12,7 @@ from typing import Any, cast
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from foudre.layers.moe import SparseMoeBlock, clamped_swiglu
 from foudre.layers.rotary import init_rotary_tables
@@ -128,6 +129,21 @@ def _find_llama2c_tokenizer(path: Path) -> str | None:
     return str(candidates[0]) if candidates else None
 
 
+class _NoMetaInit(TorchFunctionMode):
+    """Under it, ``normal_`` on a meta tensor (a module's initialisation while the model is built
+    on ``meta``: an embedding's) does nothing. The tensor holds no values either way, but torch's
+    meta ``normal_`` imports ``torch._dynamo``: about 2 s of a process's first ``load_model``,
+    which nothing else here needs."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if func is torch.Tensor.normal_ or func is nn.init.normal_:
+            target = args[0] if args else kwargs.get("tensor", kwargs.get("self"))
+            if isinstance(target, torch.Tensor) and target.is_meta:
+                return target
+        return func(*args, **kwargs)
+
+
 def load_model(
     model: str,
     tokenizer: str | None,
@@ -171,7 +187,7 @@ def load_model(
         tok = tokenizer or str(path)
         gen = load_generation_config(path)
     torch_dtype = parse_dtype(cfg.torch_dtype if dtype == "auto" else dtype)
-    with torch.device("meta"):
+    with torch.device("meta"), _NoMetaInit():
         net = build_model(cfg, max_positions)
         if cfg.mxfp4_experts:
             _swap_in_mxfp4_experts(net, cfg)
@@ -214,7 +230,7 @@ def _allocate(net: nn.Module, device: torch.device, in_place: bool) -> bool:
     Returns whether the weights went into huge pages so."""
     if device.type == "cpu" and in_place and huge_pages.allocate(net, (QuantLinear, QuantExperts)):
         return True
-    net.to_empty(device=device)
+    huge_pages.to_empty(net, device)
     return False
 
 

@@ -452,6 +452,23 @@ class QuantLinear(nn.Module):
         self._native = packed
         return packed
 
+    def adopt_blocks(
+        self, blocks: torch.Tensor, kind: str, k: int, zc: float, stored: bool = False
+    ) -> None:
+        """Take ``blocks`` (this module's weight in ``cpu_qmatmul.interleave``'s layout ``kind``
+        over ``k`` columns, its zero points stored in them, or else every one ``zc``: built
+        straight from a file's blocks) as ``qweight``, the module then as ``_native_layout``
+        leaves an interleaved one (``scales`` and ``zeros`` empty)."""
+        assert self.group_size is not None and self._interleaved is None
+        with torch.inference_mode(False):
+            scale_dtype = self.scales.dtype
+            self._buffers["qweight"] = blocks
+            self._buffers["scales"] = self.scales.new_empty(0)
+            if self.zeros is not None:
+                self._buffers["zeros"] = self.zeros.new_empty(0)
+        self._interleaved = (kind, k, zc, stored, scale_dtype)
+        self.invalidate_layouts()
+
     @property
     def interleaved(self) -> bool:
         """Whether ``qweight`` holds ``cpu_qmatmul.interleave``'s blocks (uint8, the scales and
