@@ -118,6 +118,13 @@ def decode_layers_fn(dtype: torch.dtype) -> Any:
     return None if _library() is None else _FNS.get(("foudre_decode_layers", dtype))
 
 
+def decode_layer_pointers() -> int:
+    """The entries of one layer in ``foudre_decode_layers``' table (``LayerPointer``)."""
+    dll = _library()
+    assert dll is not None, "the fused CPU ops are not available"
+    return int(dll.foudre_decode_layer_pointers())
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)`` over the last dimension."""
     return _norm("foudre_rms_norm", x, weight, eps)

@@ -464,7 +464,8 @@ def mamba_step_fn(dtype: torch.dtype) -> int | None:
     return ctypes.cast(fn, ctypes.c_void_p).value
 
 
-def _float_bits(x: float) -> int:
+def float_bits(x: float) -> int:
+    """``x``'s float32 bits, as the C++ reads a float among int64 entries."""
     return int.from_bytes(struct.pack("<f", x), "little")
 
 
@@ -495,14 +496,17 @@ class MambaDecodeParams:
         the pools of ``cache`` at their slot strides, the sizes, the parameters' addresses and
         the floats as their float32 bits."""
         conv, ssm = cache.conv, cache.ssm
-        return [
+        entries = [
             conv.data_ptr(), conv.stride(0), ssm.data_ptr(), ssm.stride(0), self.heads,
             self.head_dim, self.d_state, self.groups, conv.shape[1], self.conv_w.data_ptr(),
             0 if self.conv_b is None else self.conv_b.data_ptr(), self.dt_bias.data_ptr(),
-            self.a.data_ptr(), self.d.data_ptr(), _float_bits(self.dt_min),
-            _float_bits(self.dt_max), 0 if self.norm_w is None else self.norm_w.data_ptr(),
-            self.norm_groups, _float_bits(self.eps), self.norm_mode,
+            self.a.data_ptr(), self.d.data_ptr(), float_bits(self.dt_min),
+            float_bits(self.dt_max), 0 if self.norm_w is None else self.norm_w.data_ptr(),
+            self.norm_groups, float_bits(self.eps), self.norm_mode,
         ]  # fmt: skip
+        dll = library()
+        assert dll is None or len(entries) == dll.foudre_mamba_slots(), "MambaSlot drifted"
+        return entries
 
 
 # ---------------------------------------------------------------- gated delta rule

@@ -1032,13 +1032,13 @@ void scale_(T* y, float s, int64_t n) {
 // in float32, q/k norms included), kGelu (GeGLU in place of SwiGLU), kMixerOutNorm /
 // kMlpOutNorm (norms of each sublayer's output before its residual add; 0: none). kGroup: the
 // KV cache group of an attention layer (its rows' slots and block tables: the step's group
-// kGroup ones).
+// kGroup ones). kOBias: a float out_proj's bias (a Mamba-2 layer's; attention has none).
 enum LayerPointer {
   kInputNorm, kQKV, kQKVBias, kO, kPostNorm, kGateUp, kDown, kQNorm, kKNorm, kKCache, kVCache,
   kKScales, kVScales, kKVCodes, kQKVQuant, kOQuant, kGateUpQuant, kDownQuant,
   kRouter, kExpertsGateUp, kExpertsDown, kCounts, kExperts, kTopK, kRenormalize, kMoeIntermediate,
   kMamba, kMambaWidth, kMambaInner, kResidual, kRope,
-  kOffsetNorms, kGelu, kMixerOutNorm, kMlpOutNorm, kCos, kSin, kGroup,
+  kOffsetNorms, kGelu, kMixerOutNorm, kMlpOutNorm, kCos, kSin, kGroup, kOBias,
   kLayerPointers
 };
 
@@ -1174,8 +1174,7 @@ void mamba_layer(const int64_t* p, const StateRows& s, const T* h, T* y, int64_t
   reinterpret_cast<MambaStep>(const_cast<void*>(s.step))(
       reinterpret_cast<const int64_t*>(p[kMamba]), s.slots, rows, s.copies, s.num_copies, proj,
       width, inner);
-  project(quant(kOQuant), inner, w(kO), static_cast<const T*>(nullptr), y, rows, hidden,
-          p[kMambaInner]);
+  project(quant(kOQuant), inner, w(kO), w(kOBias), y, rows, hidden, p[kMambaInner]);
 }
 
 // A layer's MLP over the normed rows h into y: the dense gate|up, SiLU * up, down; or the
@@ -1287,6 +1286,8 @@ int decode_layers(T* out, int64_t rows, const int64_t* layers, int64_t num_layer
 
 extern "C" {
 int foudre_cpu_ops_available() { return 1; }
+// the entries of a layer in decode_layers' table (cpu_decode.py checks its table against it)
+int foudre_decode_layer_pointers() { return kLayerPointers; }
 
 #define FOUDRE_OPS(SUFFIX, T)                                                                      \
   void foudre_rms_norm_##SUFFIX(const void* x, const void* w, void* out, int64_t rows, int64_t n,  \

@@ -529,6 +529,9 @@ void foudre_gated_delta_scan(float* state, int64_t slot_stride, const int64_t* s
                static_cast<T*>(y));                                                             \
   }
 
+// the entries of a Mamba-2 layer's descriptor (ssm_ops.py checks its descriptors against it)
+int foudre_mamba_slots() { return kMambaSlots; }
+
 // A Mamba-2 layer's decode step for the native decoder layers (mamba_step above)
 FOUDRE_MAMBA_STEP(f32, float)
 FOUDRE_MAMBA_STEP(bf16, uint16_t)

@@ -29,15 +29,18 @@ and 128 for 8 and 4 bits in groups of 32 there, 256 for int4 in groups of 64 in 
 with every projection quantized, ``MAX_ROWS`` does
 not apply), and with sliding windows while every row's context fits the narrowest window (its layers
 attend to every key); other steps, and models it cannot run (another dtype, quantized experts,
-another attention backend, hooks on a module, a shared expert, OLMoE's attention, a
+another attention backend, hooks on a module, a gated shared expert, OLMoE's attention, a
 vocabulary-parallel embedding), take the model's ``forward``. Quantized projections (``QuantLinear``
 on ``quant/cpu_qmatmul``: int8, GGUF's group-wise 8-bit, int4, int6) run the same kernel from C++,
 their bias added after, as ``QuantLinear.forward`` does. A quantized KV cache (int8 / fp8) is read
 as stored by the paged kernel's codes variant, and the new tokens' K/V are quantized on write in C++
 to the codes and scales of ``attention.kv_quant.quantize_kv``, bit for bit. Like CUDA graphs,
-it holds addresses: every step checks that the weights, RoPE tables, KV caches and expert counts it
-was built on are still the modules' and the runner's, at the same addresses, and that no hook or
-autocast asks for the Python path; otherwise the step goes back to Python.
+it holds addresses: every step checks that the weights, RoPE tables, KV caches, recurrent state
+pools and expert counts it was built on are still the modules' and the runner's, at the same
+addresses, that the Mamba-2 parameters it holds float32 copies of were not written in place
+(their versions; a write through ``.data`` bumps none, and goes unseen here as it does in
+``Mamba2Mixer``'s own cache of them), and that no hook or autocast asks for the Python path;
+otherwise the step goes back to Python.
 """
 
 from __future__ import annotations
@@ -111,7 +114,7 @@ class NativeDecode:
         self.rotary = model.model.rotary if any(p.rope for p in layers) else None
         self.embed_scale = _embedding_multiplier(model)
         self.final_offset = int(type(model.model.norm) is OffsetRMSNorm)
-        self.mamba = ssm_ops.mamba_step_fn(self.dtype) or 0 if any(p.mamba for p in layers) else 0
+        self.mamba = (ssm_ops.mamba_step_fn(self.dtype) or 0) if any(p.mamba for p in layers) else 0
         self.padding_state_slot = padding_state_slot
         embed, norm = model.model.embed_tokens, cast(RMSNorm, model.model.norm)
         modules = [*model.model.layers.modules(), embed, norm]
@@ -272,8 +275,10 @@ class NativeDecode:
             return None
         if not _ends_supported(model, dtype, layers):
             return None
+        kv = [c for c in kv_caches if not isinstance(c, RecurrentCache)]
+        if kv and block_size not in (None, _stored(kv[0]).shape[2]):
+            return None  # (the caches' blocks are what the slots index)
         if block_size is None:
-            kv = [c for c in kv_caches if not isinstance(c, RecurrentCache)]
             block_size = _stored(kv[0]).shape[2] if kv else 1
         return cls(model, kv_caches, fn, block_size, padding_state_slot, group_of_layer)
 
@@ -285,6 +290,7 @@ class NativeDecode:
             step.decode_only
             and len(step.token_ids) <= self.max_rows
             and (self.window is None or max(step.starts) < self.window)
+            and all(offset == 0 for _, offset, _ in step.state_snapshots)
             and not torch.is_autocast_enabled("cpu")
             and not (nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks)
             and self._unchanged()
@@ -460,6 +466,7 @@ class _Layout:
         self.descriptors: list[list[int]] = []
         self.patches: list[tuple[int, int]] = []  # (index in pointers, descriptor)
         self.blocks: list[SparseMoeBlock] = []
+        self.num_layers = 0
         self.mamba_descriptors: list[tuple[torch.Tensor, MambaDecodeParams]] = []
 
     def hold(self, module: nn.Module | None, name: str, passed: bool = True) -> None:
@@ -503,6 +510,7 @@ class _Layout:
         group: int,
     ) -> None:
         """One decoder layer's entries (``LayerPointer`` order in ``native/cpu_ops.cpp``)."""
+        self.num_layers += 1
         hold = self.hold
         attn, mamba, mlp = parts.attn, parts.mamba, parts.mlp
         sparse = mlp if isinstance(mlp, SparseMoeBlock) else None
@@ -518,7 +526,6 @@ class _Layout:
         hold(None if dense is None else dense.down_proj, "weight")
         hold(None if attn is None else attn.q_norm, "weight")
         hold(None if attn is None else attn.k_norm, "weight")
-        hold(out, "bias", passed=False)
         for module in (dense.gate_up_proj, dense.down_proj) if dense else ():
             hold(module, "bias", passed=False)
         if isinstance(cache, RecurrentCache):
@@ -531,12 +538,13 @@ class _Layout:
         self.describe(None if dense is None else dense.down_proj)
         self._sparse(sparse)
         self._mamba(mamba, cache)
-        self.pointers += [_float_bits(parts.residual), int(parts.rope)]
+        self.pointers += [ssm_ops.float_bits(parts.residual), int(parts.rope)]
         self.pointers += [int(parts.offset), int(parts.gelu)]
         hold(parts.mixer_out_norm, "weight")
         hold(parts.mlp_out_norm, "weight")
         self._tables(None if attn is None or attn.rotary is self.rotary else attn.rotary)
         self.pointers.append(group if attn is not None else 0)
+        hold(out, "bias")  # (attention's o_proj has none: _expected_shapes)
 
     def _tables(self, rotary: RotaryEmbedding | None) -> None:
         """A layer's own RoPE tables (Gemma's sliding layers), held; 0, 0 for the step's."""
@@ -596,6 +604,7 @@ class _Layout:
         """The descriptors ``[n, 12]`` and the pointers, each descriptor's address patched in."""
         descriptors = torch.tensor(self.descriptors, dtype=torch.int64).reshape(-1, 12)
         pointers = list(self.pointers)
+        assert len(pointers) == self.num_layers * fused.decode_layer_pointers(), "drifted"
         for at, row in self.patches:
             pointers[at] = descriptors[row].data_ptr()
         return descriptors, torch.tensor(pointers, dtype=torch.int64)
@@ -729,11 +738,6 @@ _VERSION = operator.attrgetter("_version")
 
 def _address(tensor: torch.Tensor | None) -> int:
     return 0 if tensor is None else tensor.data_ptr()
-
-
-def _float_bits(x: float) -> int:
-    """``x``'s float32 bits, as the C++ reads a float among its int64 entries."""
-    return int.from_bytes(struct.pack("<f", x), "little")
 
 
 def _handles() -> int:
@@ -876,12 +880,12 @@ def _caches_supported(
     head_dim]`` on the CPU; the Mamba-2 layers' pools on the CPU, the conv window in ``dtype``,
     the state float32, each slot contiguous, all of as many slots."""
     kv = [c for c, p in zip(kv_caches, layers, strict=True) if p.attn is not None]
-    states = [c for c, p in zip(kv_caches, layers, strict=True) if p.mamba is not None]
+    states = [(c, p.mamba) for c, p in zip(kv_caches, layers, strict=True) if p.mamba]
     if len(kv) + len(states) != len(layers):
         return False
-    if any(not isinstance(c, RecurrentCache) or not _pool_supported(c, dtype) for c in states):
+    if not all(_pool_supported(c, m, dtype) for c, m in states):
         return False
-    if len({c.conv.shape[0] for c in states}) > 1:
+    if len({c.conv.shape[0] for c, _ in states}) > 1:
         return False
     if not kv:
         return True
@@ -904,9 +908,18 @@ def _caches_supported(
     return True
 
 
-def _pool_supported(cache: RecurrentCache, dtype: torch.dtype) -> bool:
+def _pool_supported(cache: object, mixer: Mamba2Mixer, dtype: torch.dtype) -> bool:
+    """Whether ``cache`` is the pools of ``mixer``'s state as the C++ reads them: the conv
+    windows in ``dtype`` and the states in float32, contiguous on the CPU, of its sizes."""
+    if not isinstance(cache, RecurrentCache):
+        return False
     conv, ssm = cache
     if not (conv.is_cpu and ssm.is_cpu) or conv.dtype != dtype or ssm.dtype != torch.float32:
+        return False
+    spec = mixer.shape.state_spec()
+    if tuple(conv.shape[1:]) != (spec.conv_window, spec.conv_dim):
+        return False
+    if tuple(ssm.shape[1:]) != (spec.num_heads, spec.head_dim, spec.state_size):
         return False
     return conv.is_contiguous() and ssm.is_contiguous() and conv.shape[0] == ssm.shape[0]
 
@@ -930,7 +943,7 @@ def _modules_supported(model: LlamaForCausalLM, dtype: torch.dtype) -> bool:
     projections = _projections(model)
     for module in model.model.layers.modules():
         if type(module) not in allowed:
-            return False  # a replaced layer (quantized experts, a shared expert, ...)
+            return False  # a replaced layer (quantized experts, ...)
         if isinstance(module, QuantLinear) and (
             module not in projections or not _runs_quantized(module, dtype, projections[module])
         ):
@@ -947,7 +960,7 @@ def _modules_supported(model: LlamaForCausalLM, dtype: torch.dtype) -> bool:
 
 def _shapes_supported(model: LlamaForCausalLM, layers: Sequence[_Parts]) -> bool:
     """Whether every layer holds exactly the parameters the C++ layers read, in their shapes
-    (a bias or shared expert the C++ lacks, or another shape: no), one attention scale, one
+    (a bias or gated shared expert the C++ lacks, or another shape: no), one attention scale, one
     intermediate size of the dense MLPs, and a sparse layer's counts as int64 on the CPU."""
     cfg = model.config
     attns = [p.attn for p in layers if p.attn is not None]
@@ -955,6 +968,12 @@ def _shapes_supported(model: LlamaForCausalLM, layers: Sequence[_Parts]) -> bool
         return False
     intermediate = _intermediate(layers)
     for layer, parts in zip(model.model.layers, layers, strict=True):
+        dense = _dense(parts.mlp)
+        if dense is not None and (
+            dense.gate_up_proj.out_features != 2 * intermediate
+            or dense.down_proj.in_features != intermediate
+        ):
+            return False  # (the C++ runs one size: quantized projections have no weight shape)
         expected = _expected_shapes(layer, parts, cfg, intermediate)
         for name, p in layer.named_parameters():
             if tuple(p.shape) != expected.get(name):
@@ -1002,6 +1021,7 @@ def _expected_shapes(
             put(mamba, name, s.num_heads)
         put(mamba.norm, "weight", s.intermediate_size)
         put(mamba.out_proj, "weight", hidden, s.intermediate_size)
+        put(mamba.out_proj, "bias", hidden)
     dense = _dense(mlp)
     if dense is not None:
         put(dense.gate_up_proj, "weight", 2 * intermediate, hidden)
@@ -1070,10 +1090,9 @@ def _projections(model: LlamaForCausalLM) -> dict[nn.Module, tuple[int, int]]:
     cfg = model.config
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     found: dict[nn.Module, tuple[int, int]] = {}
-    for layer in model.model.layers:
-        parts = _parts(layer)
-        if parts is None:
-            continue
+    layers = [p for p in map(_parts, model.model.layers) if p is not None]
+    inter = _intermediate(layers)  # the one size the C++ runs every dense MLP at
+    for parts in layers:
         attn, mamba, mlp = parts.attn, parts.mamba, parts.mlp
         if attn is not None:
             found[attn.qkv_proj] = (cfg.hidden_size, q + 2 * kv)
@@ -1084,7 +1103,6 @@ def _projections(model: LlamaForCausalLM) -> dict[nn.Module, tuple[int, int]]:
             found[mamba.out_proj] = (s.intermediate_size, cfg.hidden_size)
         dense = _dense(mlp)
         if dense is not None:
-            inter = dense.down_proj.in_features
             found[dense.gate_up_proj] = (cfg.hidden_size, 2 * inter)
             found[dense.down_proj] = (inter, cfg.hidden_size)
     return found

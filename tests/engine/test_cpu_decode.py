@@ -17,6 +17,8 @@ from foudre.attention import cpu_paged
 from foudre.attention.quantized_cache import QuantizedKVCache
 from foudre.layers import fused
 from foudre.layers.linear import MAX_ROWS, Linear
+from foudre.layers.mlp import GatedMLP
+from foudre.layers.moe import SparseMoeBlock
 from foudre.quant import cpu_qmatmul, set_compute_dtype
 from foudre.quant.api import Int4WeightOnly, Int8WeightOnly, matches, quantize_
 from foudre.quant.qlinear import (
@@ -466,6 +468,7 @@ def test_native_decode_rotates_at_the_longrope_offsets(tmp_path: Path) -> None:
     path = make_hf_model(tmp_path / "m", "phi3", **LONGROPE_PHI3)
     llm = LLM(str(path), dtype="float32", skip_tokenizer_init=True, num_kv_blocks=64)
     runner = llm.engine.runner
+    calls = counted(runner)
     rotary = runner.model.model.rotary
     lens = [25, 9, 30]
     offsets = [rotary.position_offset(n) for n in lens]
@@ -477,14 +480,16 @@ def test_native_decode_rotates_at_the_longrope_offsets(tmp_path: Path) -> None:
         assert logits is not None
         new = [[int(t)] for t in logits.argmax(-1)]
         native, ref = both_paths(runner, tables, lens, new, [1] * 3, 0, offsets)
-        assert torch.equal(native, ref)
+        assert torch.equal(native, ref) and calls == [3]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     prompts = [[1, 5, 9, 23], list(range(1, 30)), [1, *range(100, 117)]]
     outs = []
     for eager in (False, True):
         llm = LLM(str(path), dtype="float32", skip_tokenizer_init=True, enforce_eager=eager)
+        if not eager:
+            calls = counted(llm.engine.runner)
         outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
-    assert outs[0] == outs[1]
+    assert outs[0] == outs[1] and len(calls) >= 10
 
 
 def test_native_decode_reads_each_cache_groups_tables(tmp_path: Path) -> None:
@@ -625,6 +630,28 @@ def test_native_decode_runs_quantized_projections(
     # writing a projection's buffers drops its view: the next step goes back to Python
     first.invalidate_layouts()
     assert not native._unchanged()
+
+
+@pytest.mark.parametrize("size", [24, 256])
+def test_native_decode_refuses_dense_mlps_of_other_sizes(tmp_path: Path, size: int) -> None:
+    """The C++ runs every dense MLP (and shared expert) at one intermediate size: sparse layers
+    given an ungated shared expert of another size than the dense layer's are refused, float
+    or with int8 projections (which have no weight shape to compare); of the same size they
+    run, bit for bit the Python path's."""
+    runner = make_runner(tmp_path, "float32", "qwen3_moe", **QWEN3_MOE)
+    model, backend, caches = runner.model, runner.backend, runner.kv_caches
+    hidden, dense = model.config.hidden_size, model.config.intermediate_size
+    for width, quantized in ((size, False), (size, True), (dense, False)):
+        torch.manual_seed(0)
+        for layer in model.model.layers:
+            if isinstance(layer.mlp, SparseMoeBlock):
+                layer.mlp.shared_expert = GatedMLP(hidden, width)
+        if quantized:
+            quantize_(model, Int8WeightOnly(), skip=("lm_head", "experts", "gate"))
+        native = NativeDecode.build(model, backend, caches, runner.block_size)
+        assert (native is not None) == (width == dense), (width, quantized)
+    runner.decode_path = native
+    prefill_then_decode(runner, 3)
 
 
 def test_native_decode_refuses_quantized_projections_it_cannot_run(tmp_path: Path) -> None:
