@@ -104,8 +104,9 @@ inline __m512 exp16(__m512 x) {  // e^x on [-87, 88] (clamped outside): 2^n e^f,
   return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
 }
 
-// out = weight * T(x * rsqrt(mean(x^2) + eps)), x's rows at x_stride elements
-template <typename T>
+// out = weight * T(x * rsqrt(mean(x^2) + eps)), x's rows at x_stride elements; Offset (Gemma's
+// norm, OffsetRMSNorm): out = T((1 + weight) * x * rsqrt(mean(x^2) + eps)), one rounding
+template <bool Offset = false, typename T>
 void rms_norm(const T* x, const T* weight, T* out, int64_t rows, int64_t n, int64_t x_stride,
               float eps) {
 #pragma omp parallel for schedule(static) if (rows * n >= 65536)
@@ -120,8 +121,11 @@ void rms_norm(const T* x, const T* weight, T* out, int64_t rows, int64_t n, int6
     const __m512 iv = _mm512_set1_ps(inv);
     for (int64_t i = 0; i < n; i += 16) {
       const __mmask16 m = lanes(n - i);
-      const __m512 h = round_to(_mm512_mul_ps(load(xr + i, m), iv), x);
-      store(out + r * n + i, _mm512_mul_ps(load(weight + i, m), h), m);
+      const __m512 h = _mm512_mul_ps(load(xr + i, m), iv), w = load(weight + i, m);
+      if constexpr (Offset)
+        store(out + r * n + i, _mm512_mul_ps(h, _mm512_add_ps(_mm512_set1_ps(1.0f), w)), m);
+      else
+        store(out + r * n + i, _mm512_mul_ps(w, round_to(h, x)), m);
     }
   }
 }
@@ -146,29 +150,6 @@ void silu_mul(const T* gu, T* out, int64_t rows, int64_t n, int64_t gu_stride) {
           _mm512_mul_ps(x, inv), _mm512_cmp_ps_mask(x, _mm512_set1_ps(-88.72f), _CMP_LT_OQ), x,
           _mm512_setzero_ps());
       store(out + r * n + i, _mm512_mul_ps(round_to(s, g), load(g + n + i, m)), m);
-    }
-  }
-}
-
-// out = T((1 + weight) * x * rsqrt(mean(x^2) + eps)), all in float32 and one rounding (Gemma's
-// norm: OffsetRMSNorm), x's rows at x_stride elements
-template <typename T>
-void offset_rms_norm(const T* x, const T* weight, T* out, int64_t rows, int64_t n,
-                     int64_t x_stride, float eps) {
-#pragma omp parallel for schedule(static) if (rows * n >= 65536)
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* xr = x + r * x_stride;
-    __m512 ss = _mm512_setzero_ps();
-    for (int64_t i = 0; i < n; i += 16) {
-      const __m512 v = load(xr + i, lanes(n - i));
-      ss = _mm512_fmadd_ps(v, v, ss);
-    }
-    const float inv = 1.0f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(n) + eps);
-    const __m512 iv = _mm512_set1_ps(inv), one = _mm512_set1_ps(1.0f);
-    for (int64_t i = 0; i < n; i += 16) {
-      const __mmask16 m = lanes(n - i);
-      const __m512 h = _mm512_mul_ps(load(xr + i, m), iv);
-      store(out + r * n + i, _mm512_mul_ps(h, _mm512_add_ps(one, load(weight + i, m))), m);
     }
   }
 }
@@ -399,7 +380,7 @@ inline __m256 exp8(__m256 x) {  // e^x on [-87, 88] (clamped outside): as exp16
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
-template <typename T>
+template <bool Offset = false, typename T>
 void rms_norm(const T* x, const T* weight, T* out, int64_t rows, int64_t n, int64_t x_stride,
               float eps) {
 #pragma omp parallel for schedule(static) if (rows * n >= 65536)
@@ -413,29 +394,11 @@ void rms_norm(const T* x, const T* weight, T* out, int64_t rows, int64_t n, int6
     const float inv = 1.0f / std::sqrt(hsum8(ss) / static_cast<float>(n) + eps);
     const __m256 iv = _mm256_set1_ps(inv);
     for (int64_t i = 0; i < n; i += 8) {
-      const __m256 h = round_to(_mm256_mul_ps(load8(xr + i, n - i), iv), x);
-      store8(out + r * n + i, _mm256_mul_ps(load8(weight + i, n - i), h), n - i);
-    }
-  }
-}
-
-template <typename T>
-void offset_rms_norm(const T* x, const T* weight, T* out, int64_t rows, int64_t n,
-                     int64_t x_stride, float eps) {
-#pragma omp parallel for schedule(static) if (rows * n >= 65536)
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* xr = x + r * x_stride;
-    __m256 ss = _mm256_setzero_ps();
-    for (int64_t i = 0; i < n; i += 8) {
-      const __m256 v = load8(xr + i, n - i);
-      ss = _mm256_fmadd_ps(v, v, ss);
-    }
-    const float inv = 1.0f / std::sqrt(hsum8(ss) / static_cast<float>(n) + eps);
-    const __m256 iv = _mm256_set1_ps(inv), one = _mm256_set1_ps(1.0f);
-    for (int64_t i = 0; i < n; i += 8) {
-      const __m256 h = _mm256_mul_ps(load8(xr + i, n - i), iv);
-      store8(out + r * n + i, _mm256_mul_ps(h, _mm256_add_ps(one, load8(weight + i, n - i))),
-             n - i);
+      const __m256 h = _mm256_mul_ps(load8(xr + i, n - i), iv), w = load8(weight + i, n - i);
+      if constexpr (Offset)
+        store8(out + r * n + i, _mm256_mul_ps(h, _mm256_add_ps(_mm256_set1_ps(1.0f), w)), n - i);
+      else
+        store8(out + r * n + i, _mm256_mul_ps(w, round_to(h, x)), n - i);
     }
   }
 }
@@ -1092,12 +1055,12 @@ struct AttentionRows {
   float scale;
 };
 
-// rms_norm, or Gemma's offset_rms_norm where `offset`
+// rms_norm, or Gemma's (1 + weight) form where `offset`
 template <typename T>
 void any_norm(bool offset, const T* x, const T* w, T* out, int64_t rows, int64_t n,
               int64_t x_stride, float eps) {
   if (offset)
-    offset_rms_norm(x, w, out, rows, n, x_stride, eps);
+    rms_norm<true>(x, w, out, rows, n, x_stride, eps);
   else
     rms_norm(x, w, out, rows, n, x_stride, eps);
 }
@@ -1297,8 +1260,8 @@ int foudre_decode_layer_pointers() { return kLayerPointers; }
   }                                                                                                \
   void foudre_offset_rms_norm_##SUFFIX(const void* x, const void* w, void* out, int64_t rows,    \
                                        int64_t n, int64_t x_stride, float eps) {                   \
-    offset_rms_norm(static_cast<const T*>(x), static_cast<const T*>(w), static_cast<T*>(out),      \
-                    rows, n, x_stride, eps);                                                       \
+    rms_norm<true>(static_cast<const T*>(x), static_cast<const T*>(w), static_cast<T*>(out), rows, \
+                   n, x_stride, eps);                                                              \
   }                                                                                                \
   void foudre_gelu_mul_##SUFFIX(const void* gu, void* out, int64_t rows, int64_t n,                \
                                 int64_t gu_stride) {                                               \

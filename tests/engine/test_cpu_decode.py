@@ -447,11 +447,17 @@ def test_native_decode_with_a_quantized_lm_head(
 
 def test_generate_is_the_same_with_and_without_native_decode(tmp_path: Path) -> None:
     path = make_hf_model(tmp_path / "m", "llama")
-    prompts = [[1, 5, 9, 23], [1, 77] * 9, [1, 3]]
+    generate_both_ways(path, "bfloat16", [[1, 5, 9, 23], [1, 77] * 9, [1, 3]])
+
+
+def generate_both_ways(path: Path, dtype: str, prompts: list[list[int]]) -> None:
+    """Greedy generation through ``LLM`` gives the same tokens with the native step (which
+    ran) as eagerly (none), and every block back in the pool."""
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     outs = []
+    calls: list[int] = []
     for eager in (False, True):
-        llm = LLM(str(path), dtype="bfloat16", skip_tokenizer_init=True, enforce_eager=eager)
+        llm = LLM(str(path), dtype=dtype, skip_tokenizer_init=True, enforce_eager=eager)
         if not eager:
             calls = counted(llm.engine.runner)
         outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
@@ -481,15 +487,7 @@ def test_native_decode_rotates_at_the_longrope_offsets(tmp_path: Path) -> None:
         new = [[int(t)] for t in logits.argmax(-1)]
         native, ref = both_paths(runner, tables, lens, new, [1] * 3, 0, offsets)
         assert torch.equal(native, ref) and calls == [3]
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    prompts = [[1, 5, 9, 23], list(range(1, 30)), [1, *range(100, 117)]]
-    outs = []
-    for eager in (False, True):
-        llm = LLM(str(path), dtype="float32", skip_tokenizer_init=True, enforce_eager=eager)
-        if not eager:
-            calls = counted(llm.engine.runner)
-        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
-    assert outs[0] == outs[1] and len(calls) >= 10
+    generate_both_ways(path, "float32", [[1, 5, 9, 23], list(range(1, 30)), [1, *range(100, 117)]])
 
 
 def test_native_decode_reads_each_cache_groups_tables(tmp_path: Path) -> None:
@@ -510,15 +508,7 @@ def test_native_decode_reads_each_cache_groups_tables(tmp_path: Path) -> None:
         new = [[int(t)] for t in logits.argmax(-1)]
         native, ref = both_paths(runner, tables, lens, new, [1, 1], 0, None, group_tables)
         assert torch.equal(native, ref)
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    prompts = [[1, 5, 9, 23], list(range(1, 30)), [1, *range(100, 117)]]
-    outs = []
-    for eager in (False, True):
-        llm = LLM(str(path), dtype="bfloat16", skip_tokenizer_init=True, enforce_eager=eager)
-        if not eager:
-            calls = counted(llm.engine.runner)
-        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
-    assert outs[0] == outs[1] and len(calls) >= 10
+    generate_both_ways(path, "bfloat16", [[1, 5, 9, 23], list(range(1, 30)), [1, *range(100, 117)]])
 
 
 def test_native_decode_within_the_sliding_window(tmp_path: Path) -> None:

@@ -51,6 +51,39 @@ def test_rms_norm(dtype: torch.dtype, rows: int, n: int) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,n", [(1, 1536), (70, 96), (3, 40), (3, 45)])
+def test_offset_rms_norm(dtype: torch.dtype, rows: int, n: int) -> None:
+    """Gemma's norm: ``(1 + weight) * x / rms(x)`` in float32, one rounding at the end."""
+    x, w = _inputs((rows, n), dtype), _inputs((n,), dtype).flip(0) * 0.1
+    h = x.float()
+    ref = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * (1.0 + w.float())).to(dtype)
+    out = fused.offset_rms_norm(x, w, 1e-6)
+    assert (_ulps_apart(out, ref) <= 4).all()
+    if dtype == torch.bfloat16:
+        assert (out == ref).float().mean() > 0.9
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,n", [(1, 4096), (33, 50), (2, 7)])
+def test_gelu_mul(dtype: torch.dtype, rows: int, n: int) -> None:
+    """GeGLU: ``T(gelu_tanh(gate)) * up``, against gelu in float64 as ``x / (1 + e^(-2u))``,
+    the same function as ``0.5 x (1 + tanh(u))`` without its cancellation where tanh nears -1
+    (which costs torch's float32 form, and even a float64 one, most of their digits there),
+    within 16 ulps, or by a negligible amount where gelu is tiny."""
+    gu = _inputs((rows, 2 * n), dtype)
+    gate, up = gu.double().split(n, dim=-1)
+    inner = (2 / torch.pi) ** 0.5 * (gate + 0.044715 * gate**3)
+    ref = ((gate / (1 + torch.exp(-2 * inner))).to(dtype).double() * up).to(dtype)
+    out = fused.gelu_mul(gu)
+    assert out.shape == ref.shape
+    # (where gelu is below 1e-12, the float32 rounding of u, scaled by e^-2u, and the kernel's
+    # exp stopping at e^88 move it by less than that: nothing beside activations of order 1)
+    assert ((_ulps_apart(out, ref) <= 16) | ((out.double() - ref.double()).abs() < 1e-12)).all()
+    if dtype == torch.bfloat16:
+        assert (out == ref)[ref.abs() > 1e-12].float().mean() > 0.9
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,n", [(1, 4096), (33, 50), (2, 7)])
 def test_silu_mul(dtype: torch.dtype, rows: int, n: int) -> None:
     gu = _inputs((rows, 2 * n), dtype)
@@ -210,8 +243,10 @@ def check_ops() -> None:
     for dtype in DTYPES:
         for rows, n in [(1, 1536), (70, 96), (3, 40), (3, 45)]:
             test_rms_norm(dtype, rows, n)
+            test_offset_rms_norm(dtype, rows, n)
         for rows, n in [(1, 4096), (33, 50), (2, 7)]:
             test_silu_mul(dtype, rows, n)
+            test_gelu_mul(dtype, rows, n)
         for adjacent in (True, False):
             test_rope_in_place_equals_torch(dtype, adjacent)
     check_linear()

@@ -215,12 +215,7 @@ def test_sampled_distribution_through_the_engine(tmp_path: Path) -> None:
     draft = make_hf_model(tmp_path / "d", "llama", seed=4, vocab_size=vocab, num_hidden_layers=1)
     prompt = [1, 7, 3, 11]
     temp = 0.7
-    plain = LLM(model=str(target), skip_tokenizer_init=True)
-    p1 = torch.tensor(_first_token_probs(plain, prompt, temp, vocab))
-    marginal = torch.zeros(vocab)
-    for t1 in range(vocab):
-        if p1[t1] > 0:
-            marginal += p1[t1] * torch.tensor(_first_token_probs(plain, [*prompt, t1], temp, vocab))
+    marginal = second_token_marginal(LLM(model=str(target), skip_tokenizer_init=True), prompt, temp)
     n = 3000
     llm = LLM(
         model=str(target),
@@ -239,6 +234,18 @@ def test_sampled_distribution_through_the_engine(tmp_path: Path) -> None:
     rate = m["spec_accepted_tokens"] / m["spec_draft_tokens"]
     assert 0.05 < rate < 0.95, rate  # both acceptance and rejection were exercised
     _assert_all_freed(llm)
+
+
+def second_token_marginal(llm: LLM, prompt: list[int], temp: float) -> torch.Tensor:
+    """The exact distribution of the second token sampled at ``temp`` after ``prompt``:
+    ``sum_t1 p(t1 | prompt) p(t2 | prompt, t1)`` (a vocabulary of at most 20 tokens)."""
+    vocab = llm.engine.model.config.vocab_size
+    p1 = torch.tensor(_first_token_probs(llm, prompt, temp, vocab))
+    marginal = torch.zeros(vocab)
+    for t1 in range(vocab):
+        if p1[t1] > 0:
+            marginal += p1[t1] * torch.tensor(_first_token_probs(llm, [*prompt, t1], temp, vocab))
+    return marginal
 
 
 def _first_token_probs(llm: LLM, prompt: list[int], temp: float, vocab: int) -> list[float]:

@@ -15,7 +15,7 @@ from tests.conftest import make_hf_model
 from tests.oracles.ssm_models import save_random
 from tests.oracles.test_mamba2 import BASE as MAMBA2
 from tests.speculative.test_rejection import P_THRESHOLD, chi2_pvalue
-from tests.speculative.test_spec_engine import _first_token_probs
+from tests.speculative.test_spec_engine import second_token_marginal
 
 
 @pytest.mark.slow
@@ -31,11 +31,7 @@ def test_sampled_distribution_on_a_recurrent_target(tmp_path: Path) -> None:
     prompt = [1, 7, 3, 11]
     temp = 0.7
     plain = LLM(model=str(target), skip_tokenizer_init=True, dtype="float32")
-    p1 = torch.tensor(_first_token_probs(plain, prompt, temp, vocab))
-    marginal = torch.zeros(vocab)
-    for t1 in range(vocab):
-        if p1[t1] > 0:
-            marginal += p1[t1] * torch.tensor(_first_token_probs(plain, [*prompt, t1], temp, vocab))
+    marginal = second_token_marginal(plain, prompt, temp)
     n = 8000  # (enough to see a state left past the rejected drafts: p ~ 1e-5 with n = 8000)
     llm = LLM(
         model=str(target),
