@@ -27,7 +27,7 @@ from foudre.layers.moe import SparseMoeBlock
 from foudre.layers.norm import RMSNorm
 from foudre.layers.rotary import RotaryEmbedding
 from foudre.models.config import ModelConfig
-from foudre.models.llama import Attention, LlamaForCausalLM, LlamaModel
+from foudre.models.llama import Attention, DecodeParts, LlamaForCausalLM, LlamaModel
 from foudre.models.mamba2 import mamba_shape
 
 
@@ -70,6 +70,13 @@ class BambaDecoderLayer(nn.Module):
     ) -> torch.Tensor:
         x = x + self.mix(positions, self.input_layernorm(x), cache, backend, metadata)
         return x + self.feed_forward(self.pre_ff_layernorm(x))
+
+    def decode_parts(self) -> DecodeParts:
+        """A pre-norm mixer (Mamba-2, or attention with RoPE), then a pre-norm MLP."""
+        return DecodeParts(
+            self.input_layernorm, self.self_attn, self.mamba, self.pre_ff_layernorm,
+            self.feed_forward, rope=self.self_attn is not None,
+        )  # fmt: skip
 
 
 class BambaModel(LlamaModel):

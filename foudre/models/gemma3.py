@@ -37,7 +37,7 @@ from foudre.layers.norm import OffsetRMSNorm
 from foudre.layers.parallel import TensorParallel
 from foudre.layers.rotary import RotaryEmbedding
 from foudre.models.config import ModelConfig
-from foudre.models.llama import Attention, LlamaForCausalLM, LlamaModel
+from foudre.models.llama import Attention, DecodeParts, LlamaForCausalLM, LlamaModel
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +94,16 @@ class Gemma3DecoderLayer(nn.Module):
         if self.tp is not None:
             mlp = self.tp.all_reduce(mlp)
         return x + self.post_feedforward_layernorm(mlp)
+
+    def decode_parts(self) -> DecodeParts | None:
+        """``(1 + weight)`` norms around both sublayers, GeGLU (none for a parallel shard)."""
+        if self.tp is not None:
+            return None
+        return DecodeParts(
+            self.input_layernorm, self.self_attn, None, self.pre_feedforward_layernorm,
+            self.mlp, offset=True, gelu=True, mixer_out_norm=self.post_attention_layernorm,
+            mlp_out_norm=self.post_feedforward_layernorm,
+        )  # fmt: skip
 
 
 class Gemma3Model(LlamaModel):

@@ -32,7 +32,7 @@ from foudre.layers.norm import RMSNorm
 from foudre.layers.rotary import RotaryEmbedding
 from foudre.models.bamba import BambaDecoderLayer, BambaForCausalLM
 from foudre.models.config import ModelConfig
-from foudre.models.llama import Attention, LlamaModel
+from foudre.models.llama import Attention, DecodeParts, LlamaModel
 from foudre.models.mamba2 import mamba_shape
 
 
@@ -102,6 +102,15 @@ class GraniteMoeHybridDecoderLayer(BambaDecoderLayer):
         m = self.residual_multiplier
         x = x + self.mix(positions, self.input_layernorm(x), cache, backend, metadata) * m
         return x + self.mlp(self.post_attention_layernorm(x)) * m
+
+    def decode_parts(self) -> DecodeParts:
+        """Bamba's, both sublayers' outputs times ``residual_multiplier``, RoPE or none."""
+        attn = self.self_attn
+        rope = isinstance(attn, GraniteAttention) and attn.use_rope
+        return DecodeParts(
+            self.input_layernorm, attn, self.mamba, self.post_attention_layernorm, self.mlp,
+            self.residual_multiplier, rope,
+        )  # fmt: skip
 
 
 class GraniteMoeHybridModel(LlamaModel):

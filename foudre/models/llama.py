@@ -12,7 +12,8 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any, cast
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -27,6 +28,42 @@ from foudre.layers.norm import RMSNorm
 from foudre.layers.parallel import TensorParallel, parallel_embedding
 from foudre.layers.rotary import RotaryEmbedding
 from foudre.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from foudre.layers.mamba import Mamba2Mixer
+
+
+# What a decoder layer declares of itself for the native CPU decode step (``runner/cpu_decode.py``,
+# which runs a whole decode step's layers in one C++ call): a class declares its parts with a
+# ``decode_parts`` method of its own (in its class body, not inherited), so that a subclass that
+# computes otherwise (another attention, MLP or residual form) declares its own, or none, and
+# runs in Python. The native step checks the parts against what the C++ reads and holds them.
+@dataclass(frozen=True, slots=True)
+class DecodeParts:
+    """A decoder layer as the C++ layers run it: ``x += residual * mixer(norm(x))``, then,
+    with a ``post_norm``, ``x += residual * mlp(post_norm(x))`` (Gemma: each sublayer's output
+    normed, ``mixer_out_norm`` / ``mlp_out_norm``, before it is added); the mixer is attention
+    (``attn``, rotating q and k by its own tables where ``rope``) or a Mamba-2 mixer
+    (``mamba``); the MLP a ``GatedMLP`` (GeGLU where ``gelu``) or a ``SparseMoeBlock``;
+    ``offset``: every norm of the layer is Gemma's ``(1 + weight)`` form."""
+
+    norm: nn.Module
+    attn: Attention | None
+    mamba: Mamba2Mixer | None
+    post_norm: nn.Module | None
+    mlp: nn.Module | None
+    residual: float = 1.0
+    rope: bool = True
+    offset: bool = False
+    gelu: bool = False
+    mixer_out_norm: nn.Module | None = None
+    mlp_out_norm: nn.Module | None = None
+
+
+def declared_parts(layer: nn.Module) -> DecodeParts | None:
+    """The parts ``layer``'s own class declares (None: its class declares none)."""
+    declare = type(layer).__dict__.get("decode_parts")
+    return None if declare is None else declare(layer)
 
 
 class Attention(nn.Module):
@@ -119,6 +156,14 @@ class DecoderLayer(nn.Module):
         # tensor parallelism: o_proj and the MLP's down projections are row-parallel, so each
         # rank's output is a partial sum, added across ranks here (None: one device)
         self.tp: TensorParallel | None = None
+
+    def decode_parts(self) -> DecodeParts | None:
+        """Pre-norm attention, pre-norm MLP (none for a tensor-parallel shard)."""
+        if self.tp is not None:
+            return None
+        return DecodeParts(
+            self.input_layernorm, self.self_attn, None, self.post_attention_layernorm, self.mlp
+        )
 
     def feed_forward(self, cfg: ModelConfig, index: int) -> nn.Module:
         """Layer ``index``'s MLP."""

@@ -20,7 +20,7 @@ from foudre.layers.mamba import Mamba2Mixer, Mamba2Shape, RecurrentBatch
 from foudre.layers.moe import SparseMoeBlock
 from foudre.layers.norm import RMSNorm
 from foudre.models.config import ModelConfig
-from foudre.models.llama import LlamaForCausalLM, LlamaModel
+from foudre.models.llama import DecodeParts, LlamaForCausalLM, LlamaModel
 
 
 def mamba_shape(cfg: ModelConfig) -> Mamba2Shape:
@@ -55,6 +55,10 @@ class Mamba2Block(nn.Module):
         batch: RecurrentBatch,
     ) -> torch.Tensor:
         return x + self.mixer(self.norm(x), cache, batch)
+
+    def decode_parts(self) -> DecodeParts:
+        """A pre-norm Mamba-2 mixer, no MLP."""
+        return DecodeParts(self.norm, None, self.mixer, None, None, rope=False)
 
 
 class Mamba2Model(LlamaModel):

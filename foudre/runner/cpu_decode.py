@@ -51,7 +51,6 @@ import itertools
 import operator
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -71,13 +70,14 @@ from foudre.layers.moe import Experts, SparseMoeBlock
 from foudre.layers.norm import OffsetRMSNorm, RMSNorm
 from foudre.layers.rotary import RotaryEmbedding
 from foudre.layers.ssm_ops import MambaDecodeParams
+from foudre.models.llama import DecodeParts, declared_parts
 from foudre.quant import cpu_qmatmul
 from foudre.quant.qlinear import QuantLinear, uses_native_kernels
 from foudre.runner.step import ForwardStep
 
 if TYPE_CHECKING:
     from foudre.attention import AttentionBackend
-    from foudre.models.llama import Attention, DecoderLayer, LlamaForCausalLM
+    from foudre.models.llama import LlamaForCausalLM
 
 
 class NativeDecode:
@@ -99,7 +99,7 @@ class NativeDecode:
         self.fn = fn
         self.dtype = model.model.embed_tokens.weight.dtype
         self.max_rows = MAX_ROWS[self.dtype]  # where the float projections' kernel stops paying
-        layers = [cast(_Parts, _parts(layer)) for layer in model.model.layers]
+        layers = [cast(DecodeParts, declared_parts(layer)) for layer in model.model.layers]
         self._attention(layers, kv_caches)
         self.dims = (
             cfg.hidden_size,
@@ -153,7 +153,7 @@ class NativeDecode:
 
     def _attention(
         self,
-        layers: Sequence[_Parts],
+        layers: Sequence[DecodeParts],
         kv_caches: Sequence[torch.Tensor | QuantizedKVCache | RecurrentCache],
     ) -> None:
         """The paged-attention kernel of the caches' kind, the attention scale, and the
@@ -263,10 +263,10 @@ class NativeDecode:
         fn = fused.decode_layers_fn(dtype)
         if fn is None or dtype not in MAX_ROWS or len(kv_caches) != len(model.model.layers):
             return None
-        parts = [_parts(layer) for layer in model.model.layers]
+        parts = [declared_parts(layer) for layer in model.model.layers]
         if any(p is None for p in parts):
             return None
-        layers = cast("list[_Parts]", parts)
+        layers = cast("list[DecodeParts]", parts)
         if any(p.mamba for p in layers) and ssm_ops.mamba_step_fn(dtype) is None:
             return None
         if not _caches_supported(kv_caches, layers, dtype, cfg):
@@ -505,7 +505,7 @@ class _Layout:
 
     def layer(
         self,
-        parts: _Parts,
+        parts: DecodeParts,
         cache: torch.Tensor | QuantizedKVCache | RecurrentCache,
         group: int,
     ) -> None:
@@ -750,73 +750,6 @@ def _handles() -> int:
     return count if isinstance(count, int) else -1
 
 
-@dataclass(frozen=True, slots=True)
-class _Parts:
-    """A decoder layer as the C++ layers run it: ``x += residual * mixer(norm(x))``, then,
-    with a ``post_norm``, ``x += residual * mlp(post_norm(x))`` (Gemma: each sublayer's output
-    normed before it is added); the mixer is attention (``attn``, rotating q and k by its own
-    tables where ``rope``) or a Mamba-2 mixer (``mamba``)."""
-
-    norm: nn.Module
-    attn: Attention | None
-    mamba: Mamba2Mixer | None
-    post_norm: nn.Module | None
-    mlp: nn.Module | None
-    residual: float = 1.0
-    rope: bool = True
-    # Gemma's: (1 + weight) norms, GeGLU, norms of the sublayers' outputs
-    offset: bool = False
-    gelu: bool = False
-    mixer_out_norm: nn.Module | None = None
-    mlp_out_norm: nn.Module | None = None
-
-
-def _parts(layer: nn.Module) -> _Parts | None:
-    """``layer``'s parts, for the layer classes whose forward is the C++ layers' (Llama's,
-    Mamba-2's blocks, Bamba's and Granite 4.0's hybrid layers); None for any other."""
-    from foudre.models.bamba import BambaDecoderLayer
-    from foudre.models.gemma3 import Gemma3DecoderLayer
-    from foudre.models.granite_moe_hybrid import GraniteMoeHybridDecoderLayer
-    from foudre.models.llama import DecoderLayer
-    from foudre.models.mamba2 import Mamba2Block
-
-    kind = type(layer)
-    if kind is DecoderLayer:
-        layer = cast("DecoderLayer", layer)
-        if layer.tp is not None:
-            return None
-        return _Parts(
-            layer.input_layernorm, layer.self_attn, None, layer.post_attention_layernorm, layer.mlp
-        )
-    if kind is Gemma3DecoderLayer:
-        gemma = cast(Gemma3DecoderLayer, layer)
-        if gemma.tp is not None:
-            return None
-        return _Parts(
-            gemma.input_layernorm, gemma.self_attn, None, gemma.pre_feedforward_layernorm,
-            gemma.mlp, offset=True, gelu=True, mixer_out_norm=gemma.post_attention_layernorm,
-            mlp_out_norm=gemma.post_feedforward_layernorm,
-        )  # fmt: skip
-    if kind is Mamba2Block:
-        block = cast(Mamba2Block, layer)
-        return _Parts(block.norm, None, block.mixer, None, None, rope=False)
-    if kind is BambaDecoderLayer:
-        layer = cast(BambaDecoderLayer, layer)
-        attn = layer.self_attn
-        return _Parts(
-            layer.input_layernorm, attn, layer.mamba, layer.pre_ff_layernorm,
-            layer.feed_forward, rope=attn is not None,
-        )  # fmt: skip
-    if kind is GraniteMoeHybridDecoderLayer:
-        layer = cast(GraniteMoeHybridDecoderLayer, layer)
-        attn = layer.self_attn
-        return _Parts(
-            layer.input_layernorm, attn, layer.mamba, layer.post_attention_layernorm, layer.mlp,
-            layer.residual_multiplier, attn is not None and bool(getattr(attn, "use_rope", True)),
-        )  # fmt: skip
-    return None
-
-
 def _model_classes() -> tuple[type[nn.Module], ...]:
     """The models whose forward (embedding, layers, final norm) the call computes."""
     from foudre.models.bamba import BambaForCausalLM
@@ -862,7 +795,7 @@ def _dense(mlp: nn.Module | None) -> GatedMLP | None:
     return mlp if isinstance(mlp, GatedMLP) else None
 
 
-def _intermediate(layers: Sequence[_Parts]) -> int:
+def _intermediate(layers: Sequence[DecodeParts]) -> int:
     """The dense MLPs' intermediate size (shared experts' too; 0 without one):
     ``_shapes_supported`` checks that they all share it."""
     for p in layers:
@@ -873,7 +806,7 @@ def _intermediate(layers: Sequence[_Parts]) -> int:
 
 
 def _caches_supported(
-    kv_caches: Sequence[Any], layers: Sequence[_Parts], dtype: torch.dtype, cfg: Any
+    kv_caches: Sequence[Any], layers: Sequence[DecodeParts], dtype: torch.dtype, cfg: Any
 ) -> bool:
     """Whether every cache is one the kernels read: the attention layers' of one kind (float
     in ``dtype``, or codes with scales), contiguous ``[2, blocks, block_size, kv_heads,
@@ -926,23 +859,21 @@ def _pool_supported(cache: object, mixer: Mamba2Mixer, dtype: torch.dtype) -> bo
 
 def _modules_supported(model: LlamaForCausalLM, dtype: torch.dtype) -> bool:
     """Whether every module of the decoder layers is one the C++ layers compute as its
-    ``forward`` does: the classes they know, quantized projections on ``cpu_qmatmul``, no hook,
-    parameters contiguous in ``dtype`` on the CPU, the model's norm epsilon."""
-    from foudre.models.bamba import BambaDecoderLayer
-    from foudre.models.gemma3 import GeGLUMLP, Gemma3Attention, Gemma3DecoderLayer
-    from foudre.models.granite_moe_hybrid import GraniteAttention, GraniteMoeHybridDecoderLayer
-    from foudre.models.llama import Attention, DecoderLayer
-    from foudre.models.mamba2 import Mamba2Block
+    ``forward`` does: a layer that declares its parts (``decode_parts``), the part classes they
+    know, quantized projections on ``cpu_qmatmul``, no hook, parameters contiguous in ``dtype``
+    on the CPU, the model's norm epsilon."""
+    from foudre.models.gemma3 import GeGLUMLP, Gemma3Attention
+    from foudre.models.granite_moe_hybrid import GraniteAttention
+    from foudre.models.llama import Attention
 
     allowed = (
-        nn.ModuleList, DecoderLayer, Attention, GatedMLP, Linear, RMSNorm, RotaryEmbedding,
-        SparseMoeBlock, Experts, QuantLinear, Mamba2Block, Mamba2Mixer, nn.Conv1d, GatedRMSNorm,
-        BambaDecoderLayer, GraniteMoeHybridDecoderLayer, GraniteAttention, Gemma3DecoderLayer,
+        nn.ModuleList, Attention, GatedMLP, Linear, RMSNorm, RotaryEmbedding, SparseMoeBlock,
+        Experts, QuantLinear, Mamba2Mixer, nn.Conv1d, GatedRMSNorm, GraniteAttention,
         Gemma3Attention, GeGLUMLP, OffsetRMSNorm,
     )  # fmt: skip
     projections = _projections(model)
     for module in model.model.layers.modules():
-        if type(module) not in allowed:
+        if type(module) not in allowed and "decode_parts" not in type(module).__dict__:
             return False  # a replaced layer (quantized experts, ...)
         if isinstance(module, QuantLinear) and (
             module not in projections or not _runs_quantized(module, dtype, projections[module])
@@ -958,7 +889,7 @@ def _modules_supported(model: LlamaForCausalLM, dtype: torch.dtype) -> bool:
     return True
 
 
-def _shapes_supported(model: LlamaForCausalLM, layers: Sequence[_Parts]) -> bool:
+def _shapes_supported(model: LlamaForCausalLM, layers: Sequence[DecodeParts]) -> bool:
     """Whether every layer holds exactly the parameters the C++ layers read, in their shapes
     (a bias or gated shared expert the C++ lacks, or another shape: no), one attention scale, one
     intermediate size of the dense MLPs, and a sparse layer's counts as int64 on the CPU."""
@@ -988,7 +919,7 @@ def _shapes_supported(model: LlamaForCausalLM, layers: Sequence[_Parts]) -> bool
 
 
 def _expected_shapes(
-    layer: nn.Module, parts: _Parts, cfg: Any, intermediate: int
+    layer: nn.Module, parts: DecodeParts, cfg: Any, intermediate: int
 ) -> dict[str, tuple[int, ...]]:
     """The shape of every parameter the C++ reads in ``layer``, by its name in ``layer``."""
     hidden, heads, kv_heads, head_dim = (
@@ -1034,7 +965,9 @@ def _expected_shapes(
     return expected
 
 
-def _ends_supported(model: LlamaForCausalLM, dtype: torch.dtype, layers: Sequence[_Parts]) -> bool:
+def _ends_supported(
+    model: LlamaForCausalLM, dtype: torch.dtype, layers: Sequence[DecodeParts]
+) -> bool:
     """Whether the embedding, the final norm and the RoPE tables (where a layer rotates) are
     what the call reads: a plain embedding (not vocabulary-parallel nor renormalising), an
     RMSNorm (or Gemma's) of the model's epsilon, no hook, ``dtype`` weights contiguous on the
@@ -1090,7 +1023,7 @@ def _projections(model: LlamaForCausalLM) -> dict[nn.Module, tuple[int, int]]:
     cfg = model.config
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     found: dict[nn.Module, tuple[int, int]] = {}
-    layers = [p for p in map(_parts, model.model.layers) if p is not None]
+    layers = [p for p in map(declared_parts, model.model.layers) if p is not None]
     inter = _intermediate(layers)  # the one size the C++ runs every dense MLP at
     for parts in layers:
         attn, mamba, mlp = parts.attn, parts.mamba, parts.mlp
