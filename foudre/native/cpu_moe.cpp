@@ -1,0 +1,126 @@
+// gpt-oss's routed experts with float weights (float32 or bfloat16, the model's dtype) at
+// decode sizes in one call: cpu_moe_experts.h's driver over stacked weights in
+// layers/moe.ClampedSwiGLUExperts' layout,
+//   gate_up [E, 2I, H] (gate rows, then up rows)   gate_up_bias [E, 2I]
+//   down    [E, H, I]                              down_bias    [E, H]
+// all of x's type. A weight row's dot with up to 4 x rows (float32) reads the row once: its
+// values widened to float32 in registers, multiplied and summed in float32 (AVX-512: 16 lanes,
+// two accumulators a row of x; otherwise plain loops over 16 lanes the compiler vectorizes).
+
+#include <cstdint>
+
+#include "cpu_moe_experts.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define FOUDRE_MOE_AVX512 1
+#endif
+
+namespace {
+
+using foudre_moe::widen;
+
+#if defined(FOUDRE_MOE_AVX512)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {  // bfloat16: the high halves of float32s
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#endif
+
+// acc[r] = w . x[r] over k columns, R rows of x k apart
+template <int R, typename T>
+inline void row_dot(const T* w, const float* x, int64_t k, float* acc) {
+  int64_t c = 0;
+#if defined(FOUDRE_MOE_AVX512)
+  __m512 a[R][2];
+  for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm512_setzero_ps();
+  for (; c + 32 <= k; c += 32) {
+    const __m512 w0 = load16(w + c), w1 = load16(w + c + 16);
+    for (int r = 0; r < R; ++r) {
+      a[r][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + r * k + c), a[r][0]);
+      a[r][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + r * k + c + 16), a[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_reduce_add_ps(_mm512_add_ps(a[r][0], a[r][1]));
+#else
+  float a[R][16] = {};
+  for (; c + 16 <= k; c += 16)
+    for (int r = 0; r < R; ++r)
+      for (int l = 0; l < 16; ++l) a[r][l] += widen(w[c + l]) * x[r * k + c + l];
+  for (int r = 0; r < R; ++r) {
+    float t = 0.0f;
+    for (int l = 0; l < 16; ++l) t += a[r][l];
+    acc[r] = t;
+  }
+#endif
+  for (; c < k; ++c)
+    for (int r = 0; r < R; ++r) acc[r] += widen(w[c]) * x[r * k + c];
+}
+
+template <typename T>
+struct FloatWeights {
+  const T* gate_up;
+  const T* gate_up_bias;
+  const T* down;
+  const T* down_bias;
+  int64_t hidden, inter;
+  bool interleaved = false;
+
+  void arrange(const float* in, int64_t m, int64_t k, float* out) const {
+    std::copy(in, in + m * k, out);
+  }
+  template <int R>
+  void dot(int which, int64_t e, int64_t n, const float* x, int64_t k, float* acc) const {
+    const T* w = which == 0 ? gate_up + (e * 2 * inter + n) * hidden : down + (e * hidden + n) * inter;
+    row_dot<R>(w, x, k, acc);
+  }
+  float bias(int which, int64_t e, int64_t n) const {
+    const T* b = which == 0 ? gate_up_bias : down_bias;
+    return b == nullptr ? 0.0f : widen(b[e * (which == 0 ? 2 * inter : hidden) + n]);
+  }
+};
+
+template <typename T>
+int experts(const T* x, int64_t rows, int64_t hidden, int64_t inter, const int64_t* ids,
+            const float* weights, int64_t top_k, const T* gate_up, const T* gate_up_bias,
+            const T* down, const T* down_bias, int64_t num_experts, float alpha, float limit,
+            T* out) {
+  const FloatWeights<T> w{gate_up, gate_up_bias, down, down_bias, hidden, inter};
+  return foudre_moe::gpt_oss_experts(w, x, rows, hidden, inter, ids, weights, top_k,
+                                     num_experts, alpha, limit, out);
+}
+
+}  // namespace
+
+extern "C" {
+
+// 1: AVX-512, 0: portable
+int foudre_moe_path() {
+#if defined(FOUDRE_MOE_AVX512)
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+// x [rows, hidden]; ids (int64) and weights (float32) [rows, top_k]; the weights and biases
+// above (a bias may be null); out [rows, hidden]. Returns 1 for an id outside 0..experts.
+int foudre_gpt_oss_experts_f32(const float* x, int64_t rows, int64_t hidden, int64_t inter,
+                               const int64_t* ids, const float* weights, int64_t top_k,
+                               const float* gate_up, const float* gate_up_bias,
+                               const float* down, const float* down_bias, int64_t num_experts,
+                               float alpha, float limit, float* out) {
+  return experts(x, rows, hidden, inter, ids, weights, top_k, gate_up, gate_up_bias, down,
+                 down_bias, num_experts, alpha, limit, out);
+}
+int foudre_gpt_oss_experts_bf16(const uint16_t* x, int64_t rows, int64_t hidden, int64_t inter,
+                                const int64_t* ids, const float* weights, int64_t top_k,
+                                const uint16_t* gate_up, const uint16_t* gate_up_bias,
+                                const uint16_t* down, const uint16_t* down_bias,
+                                int64_t num_experts, float alpha, float limit, uint16_t* out) {
+  return experts(x, rows, hidden, inter, ids, weights, top_k, gate_up, gate_up_bias, down,
+                 down_bias, num_experts, alpha, limit, out);
+}
+
+}  // extern "C"
