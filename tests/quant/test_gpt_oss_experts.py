@@ -160,3 +160,31 @@ def test_swiglu_params_and_from_experts() -> None:
     gone = weakref.ref(m)
     del m
     assert gone() is None
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_int8_and_int4_quantize_gpt_oss_experts(bits: int) -> None:
+    """``quantize_`` with int8 / int4 turns gpt-oss's experts into ``QuantExperts`` keeping their
+    biases and clamped SwiGLU: the same output as the float experts holding the dequantized
+    weights (float32), within the int8 rounding of x that the VNNI / AVX2 kernels make (1/127
+    of a block's largest |x|, a few percent after two products and the activation)."""
+    from torch import nn
+
+    from foudre.quant import Int4WeightOnly, Int8WeightOnly, quantize_
+    from foudre.quant.experts import QuantExperts
+
+    model = nn.Module()
+    model.experts = float_experts(torch.float32)
+    reference = float_experts(torch.float32)
+    quantize_(model, Int8WeightOnly() if bits == 8 else Int4WeightOnly(group_size=32))
+    q = model.experts
+    assert isinstance(q, QuantExperts) and swiglu_params(q.activation) == (1.702, 7.0, False)
+    with torch.no_grad():
+        reference.gate_up_proj.copy_(torch.stack([m.dequantize() for m in q.gate_up]))
+        reference.down_proj.copy_(torch.stack([m.dequantize() for m in q.down]))
+        x = torch.randn(5, H, generator=torch.Generator().manual_seed(4))
+        weights, ids = routing(5)
+        expected = grouped_experts(x, weights, ids, E, reference.expert)
+        got = q(x, weights, ids)
+    err = float((got - expected).abs().max())
+    assert err <= 0.03 * float(expected.abs().max()), err
