@@ -29,7 +29,11 @@ _P, _I64, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 # x, rows, hidden, inter, ids, weights, top_k, gate_up, gate_up_bias, down, down_bias, experts,
 # alpha, limit, out
 _ARGS = [_P, _I64, _I64, _I64, _P, _P, _I64, _P, _P, _P, _P, _I64, _F, _F, _P]
+# x, rows, hidden, inter, ids, weights, top_k, table, scales_bf16, bias_bf16, experts, alpha,
+# limit, out
+_INT8_ARGS = [_P, _I64, _I64, _I64, _P, _P, _I64, _P, ctypes.c_int, ctypes.c_int, _I64, _F, _F, _P]
 _FNS: dict[torch.dtype, Any] = {}
+_INT8_FNS: dict[torch.dtype, Any] = {}
 
 
 @lru_cache(maxsize=1)
@@ -43,6 +47,9 @@ def _library() -> ctypes.CDLL | None:
         fn = getattr(dll, f"foudre_gpt_oss_experts_{suffix}")
         fn.argtypes, fn.restype = _ARGS, ctypes.c_int
         _FNS[dtype] = fn
+        fn = getattr(dll, f"foudre_gpt_oss_int8_experts_{suffix}")
+        fn.argtypes, fn.restype = _INT8_ARGS, ctypes.c_int
+        _INT8_FNS[dtype] = fn
     return dll
 
 
@@ -110,6 +117,44 @@ def gpt_oss_experts(
         x.data_ptr(), x.shape[0], h, two_i // 2, ids.data_ptr(), weights.data_ptr(),
         ids.shape[1], gate_up.data_ptr(), None if gub is None else gub.data_ptr(),
         down.data_ptr(), None if db is None else db.data_ptr(), e, alpha, limit, out.data_ptr(),
+    )  # fmt: skip
+    if failed:
+        raise IndexError(f"experts: an expert id outside 0..{e}")
+    return out
+
+
+def gpt_oss_int8_experts(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    table: torch.Tensor,
+    inter: int,
+    scales_bf16: bool,
+    bias_bf16: bool,
+    alpha: float,
+    limit: float,
+) -> torch.Tensor:
+    """``gpt_oss_experts`` over experts quantized to int8 per output channel (``w = q * s``),
+    the codes widened to float32 (x not rounded). ``table`` int64 ``[E, 6]``: per expert the
+    addresses of its gate_up codes ``[2I, H]`` int8, scales ``[2I]``, bias ``[2I]`` (or 0), down
+    codes ``[H, I]``, scales ``[H]``, bias ``[H]`` (or 0), contiguous CPU tensors that the
+    caller keeps alive, scales and biases bfloat16 where ``scales_bf16`` / ``bias_bf16``, else
+    float32 (``quant/experts.QuantExperts`` builds it). ``IndexError`` for an id outside
+    ``0..E``."""
+    check_routing(x, weights, ids)
+    if table.dtype != torch.int64 or table.dim() != 2 or table.shape[1] != 6:
+        raise ValueError(f"experts: table int64 [E, 6] expected, got {tuple(table.shape)}")
+    x, ids = x.contiguous(), ids.to(torch.int64).contiguous()
+    weights = weights.to(torch.float32).contiguous()
+    out = torch.empty_like(x)
+    if x.shape[0] == 0:
+        return out
+    assert _library() is not None, "cpu_moe.cpp did not build (check available() first)"
+    e = table.shape[0]
+    failed = _INT8_FNS[x.dtype](
+        x.data_ptr(), x.shape[0], x.shape[1], inter, ids.data_ptr(), weights.data_ptr(),
+        ids.shape[1], table.data_ptr(), int(scales_bf16), int(bias_bf16), e, alpha, limit,
+        out.data_ptr(),
     )  # fmt: skip
     if failed:
         raise IndexError(f"experts: an expert id outside 0..{e}")

@@ -6,6 +6,13 @@
 // all of x's type. A weight row's dot with up to 4 x rows (float32) reads the row once: its
 // values widened to float32 in registers, multiplied and summed in float32 (AVX-512: 16 lanes,
 // two accumulators a row of x; otherwise plain loops over 16 lanes the compiler vectorizes).
+//
+// And the same experts quantized to int8 per output channel (quant/experts.QuantExperts of
+// int8 QuantLinears, gpt-oss's biases and activation kept): each expert's codes [N, K] int8 and
+// scales [N] (float32 or bfloat16) where its modules hold them (a table of pointers), w = q * s;
+// the codes widened to float32 and multiplied with x in float32, x not rounded (the weight's
+// bytes bound a decode step, not these conversions), the sum times the row's scale plus the
+// bias rounded once.
 
 #include <cstdint>
 
@@ -26,7 +33,11 @@ inline __m512 load16(const uint16_t* p) {  // bfloat16: the high halves of float
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
+inline __m512 load16(const int8_t* p) {  // int8 codes, exact in float32
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
 #endif
+inline float widen(int8_t q) { return static_cast<float>(q); }
 
 // acc[r] = w . x[r] over k columns, R rows of x k apart
 template <int R, typename T>
@@ -91,9 +102,64 @@ int experts(const T* x, int64_t rows, int64_t hidden, int64_t inter, const int64
                                      num_experts, alpha, limit, out);
 }
 
+// expert e's tensors at table[6 e + i]: gate_up codes, scales, bias; down codes, scales, bias
+struct Int8Weights {
+  const int64_t* table;
+  int scales_bf16, bias_bf16;
+  int64_t hidden, inter;
+  bool interleaved = false;
+
+  static float at(const void* p, int64_t i, int bf16) {
+    return bf16 ? widen(static_cast<const uint16_t*>(p)[i]) : static_cast<const float*>(p)[i];
+  }
+  const void* ptr(int64_t e, int i) const { return reinterpret_cast<const void*>(table[6 * e + i]); }
+  void arrange(const float* in, int64_t m, int64_t k, float* out) const {
+    std::copy(in, in + m * k, out);
+  }
+  template <int R>
+  void dot(int which, int64_t e, int64_t n, const float* x, int64_t k, float* acc) const {
+    row_dot<R>(static_cast<const int8_t*>(ptr(e, 3 * which)) + n * k, x, k, acc);
+    const float s = at(ptr(e, 3 * which + 1), n, scales_bf16);
+    for (int r = 0; r < R; ++r) acc[r] *= s;
+  }
+  float bias(int which, int64_t e, int64_t n) const {
+    const void* b = ptr(e, 3 * which + 2);
+    return b == nullptr ? 0.0f : at(b, n, bias_bf16);
+  }
+};
+
+template <typename T>
+int int8_experts(const T* x, int64_t rows, int64_t hidden, int64_t inter, const int64_t* ids,
+                 const float* weights, int64_t top_k, const int64_t* table, int scales_bf16,
+                 int bias_bf16, int64_t num_experts, float alpha, float limit, T* out) {
+  const Int8Weights w{table, scales_bf16, bias_bf16, hidden, inter};
+  return foudre_moe::gpt_oss_experts(w, x, rows, hidden, inter, ids, weights, top_k,
+                                     num_experts, alpha, limit, out);
+}
+
 }  // namespace
 
 extern "C" {
+
+// x [rows, hidden]; ids (int64) and weights (float32) [rows, top_k]; table [experts, 6] the
+// addresses of each expert's gate_up codes [2I, H] int8, scales [2I], bias [2I] (or 0), down
+// codes [H, I], scales [H], bias [H] (or 0); scales_bf16 / bias_bf16: bfloat16 (else float32);
+// out [rows, hidden]. Returns 1 for an id outside 0..experts.
+int foudre_gpt_oss_int8_experts_f32(const float* x, int64_t rows, int64_t hidden, int64_t inter,
+                                    const int64_t* ids, const float* weights, int64_t top_k,
+                                    const int64_t* table, int scales_bf16, int bias_bf16,
+                                    int64_t experts, float alpha, float limit, float* out) {
+  return int8_experts(x, rows, hidden, inter, ids, weights, top_k, table, scales_bf16, bias_bf16,
+                      experts, alpha, limit, out);
+}
+int foudre_gpt_oss_int8_experts_bf16(const uint16_t* x, int64_t rows, int64_t hidden,
+                                     int64_t inter, const int64_t* ids, const float* weights,
+                                     int64_t top_k, const int64_t* table, int scales_bf16,
+                                     int bias_bf16, int64_t experts, float alpha, float limit,
+                                     uint16_t* out) {
+  return int8_experts(x, rows, hidden, inter, ids, weights, top_k, table, scales_bf16, bias_bf16,
+                      experts, alpha, limit, out);
+}
 
 // 1: AVX-512, 0: portable
 int foudre_moe_path() {
