@@ -26,6 +26,7 @@
 namespace {
 
 using foudre_moe::widen;
+constexpr int64_t kAhead = 4096;  // bytes ahead of the weight read that row_dot prefetches
 
 #if defined(FOUDRE_MOE_AVX512)
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -47,6 +48,11 @@ inline void row_dot(const T* w, const float* x, int64_t k, float* acc) {
   __m512 a[R][2];
   for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm512_setzero_ps();
   for (; c + 32 <= k; c += 32) {
+    // a few KiB ahead of the stream (an expert's rows lie one after another): at batch 1 a
+    // core's read is bound by the misses it keeps in flight (as cpu_qmatmul.cpp's kAhead)
+    const char* ahead = reinterpret_cast<const char*>(w + c) + kAhead;
+    _mm_prefetch(ahead, _MM_HINT_T0);
+    if (sizeof(T) == 4) _mm_prefetch(ahead + 64, _MM_HINT_T0);
     const __m512 w0 = load16(w + c), w1 = load16(w + c + 16);
     for (int r = 0; r < R; ++r) {
       a[r][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + r * k + c), a[r][0]);
