@@ -23,6 +23,9 @@ experts, weights scaled by ``routed_scaling_factor``; its shared experts have no
   block (``fused.moe_block_unchecked``: router, routing, counts, experts; the experts alone are
   ``fused.moe_experts``) that reads only the chosen experts' weights, so batch-1 decode costs
   the active parameters, not all of them, and pays one call's glue per layer, as a dense MLP;
+- gpt-oss's experts (``ClampedSwiGLUExperts``: biases, the clamped SwiGLU) at decode sizes on
+  the CPU, one native call of their own (``fused_moe.gpt_oss_experts``; their MXFP4 and int8
+  forms: ``quant/mxfp4.native_experts``, ``quant/experts.QuantExperts``);
 - otherwise ``grouped_experts``: tokens sorted by expert, then one gate|up and one down matmul
   per expert that got tokens (``linear``: the decode kernel for small groups, torch's GEMM for
   large ones);

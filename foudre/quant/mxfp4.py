@@ -397,8 +397,9 @@ class MXFP4Experts(nn.Module):
     weights, ids)`` with ``x [T, H]`` and the routing ``weights``, ``ids`` ``[T, k]``: it returns
     ``out[t] = sum_j weights[t, j] * expert(ids[t, j], x[t])`` in x's dtype
     (on CUDA, ``mxfp4_triton.fused_experts``: grouped Triton kernels over the pairs sorted on
-    the device, CUDA graphs capture them; elsewhere ``grouped_experts``: each expert with tokens
-    runs once over them, so decode reads only the chosen experts' bytes).
+    the device, CUDA graphs capture them; on the CPU under ``GEMM_ROWS`` rows with the clamped
+    SwiGLU, gpt-oss's, one native call, ``native_experts``; elsewhere ``grouped_experts``: each
+    expert with tokens runs once over them, so decode reads only the chosen experts' bytes).
 
     Loading a gpt-oss checkpoint (``foudre/models`` may not import ``foudre.quant``, a layer
     above it: tests/test_layering.py; the loader, above both, swaps the module in, as quantized
