@@ -12,8 +12,8 @@ that with ``llama-quantize`` to Q8_0, and for gpt-oss to MXFP4_MOE (experts MXFP
 Q8_0). Precisions, foudre's configuration against llama.cpp's file:
 
 - bf16: the safetensors checkpoint, ``dtype="bfloat16"``, against the bf16 GGUF;
-- int8: ``quantization="int8"`` (per channel; gpt-oss's experts, with their biases and clamped
-  activation, stay bf16 under it) against Q8_0; and foudre on the Q8_0 GGUF file itself;
+- int8: ``quantization="int8"`` (per channel, gpt-oss's experts included) against Q8_0; and
+  foudre on the Q8_0 GGUF file itself;
 - mxfp4 (gpt-oss): the experts MXFP4 (``quant.MXFP4``) and the other linears int8, as the
   MXFP4_MOE file keeps them, against that file; and foudre on the file itself.
 

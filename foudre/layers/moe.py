@@ -23,6 +23,9 @@ experts, weights scaled by ``routed_scaling_factor``; its shared experts have no
   block (``fused.moe_block_unchecked``: router, routing, counts, experts; the experts alone are
   ``fused.moe_experts``) that reads only the chosen experts' weights, so batch-1 decode costs
   the active parameters, not all of them, and pays one call's glue per layer, as a dense MLP;
+- gpt-oss's experts (``ClampedSwiGLUExperts``: biases, the clamped SwiGLU) at decode sizes on
+  the CPU, one native call of their own (``fused_moe.gpt_oss_experts``; their MXFP4 and int8
+  forms: ``quant/mxfp4.native_experts``, ``quant/experts.QuantExperts``);
 - otherwise ``grouped_experts``: tokens sorted by expert, then one gate|up and one down matmul
   per expert that got tokens (``linear``: the decode kernel for small groups, torch's GEMM for
   large ones);
@@ -45,14 +48,14 @@ nothing (``counting``).
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import cache
+from functools import cache, partial
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from foudre.layers import fused
+from foudre.layers import fused, fused_moe
 from foudre.layers.linear import MAX_ROWS, Linear, linear
 from foudre.layers.mlp import GatedMLP
 
@@ -229,6 +232,20 @@ def clamped_swiglu(
     return (up + 1) * (gate * torch.sigmoid(alpha * gate))
 
 
+def swiglu_params(activation: Callable[..., Any]) -> tuple[float, float, bool] | None:
+    """``(alpha, limit, interleaved)`` where ``activation`` is ``clamped_swiglu`` with those
+    keywords bound (``functools.partial``, as gpt-oss's MXFP4 experts hold it), else None: what
+    a native kernel needs to run it in place of the call."""
+    if not isinstance(activation, partial) or activation.func is not clamped_swiglu:
+        return None
+    kw = activation.keywords
+    if activation.args or "alpha" not in kw or "limit" not in kw:
+        return None
+    if not set(kw) <= {"alpha", "limit", "interleaved"}:
+        return None
+    return float(kw["alpha"]), float(kw["limit"]), bool(kw.get("interleaved", False))
+
+
 class ClampedSwiGLUExperts(nn.Module):
     """gpt-oss's experts: ``Experts``' stacked layout with biases (``gate_up_proj_bias`` ``[E,
     2I]``, ``down_proj_bias`` ``[E, hidden]``) and a clamped SwiGLU between the projections::
@@ -236,8 +253,11 @@ class ClampedSwiGLUExperts(nn.Module):
         gate = min(gate, limit)    up = clamp(up, -limit, limit)
         h = (up + 1) * gate * sigmoid(alpha * gate)
 
-    Run as ``grouped_experts`` (``every_expert`` while a CUDA graph is captured): the fused
-    kernels of ``Experts`` know neither the biases nor this activation."""
+    On the CPU at decode sizes (at most ``linear.MAX_ROWS`` rows) one native call
+    (``fused_moe.gpt_oss_experts``: only the chosen experts' weights read, biases, activation
+    and weighted sum in C++); otherwise ``grouped_experts`` (``every_expert`` while a CUDA
+    graph is captured): the fused kernels of ``Experts`` know neither the biases nor this
+    activation."""
 
     def __init__(
         self,
@@ -268,6 +288,17 @@ class ClampedSwiGLUExperts(nn.Module):
         return linear(h, self.down_proj[e], self.down_proj_bias[e])
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        gate_up, gub = self.gate_up_proj, self.gate_up_proj_bias
+        down, db = self.down_proj, self.down_proj_bias
+        if (
+            x.dim() == 2
+            and x.shape[0] <= MAX_ROWS.get(x.dtype, 0)
+            and fused_moe.available(x, gate_up, gub, down, db)
+            and not torch.is_autocast_enabled("cpu")
+        ):
+            return fused_moe.gpt_oss_experts(
+                x, weights, ids, gate_up, gub, down, db, self.alpha, self.limit
+            )
         if capturing(x):
             return every_expert(x, weights, ids, self.num_experts, self.expert)
         return grouped_experts(x, weights, ids, self.num_experts, self.expert)

@@ -315,3 +315,87 @@ void foudre_mxfp4_dequantize_bf16(const uint8_t* blocks, const uint8_t* scales, 
 }
 
 }  // extern "C"
+
+// -- gpt-oss's experts -------------------------------------------------------------------------
+// The routed experts of a gpt-oss layer with MXFP4 weights at decode sizes in one call
+// (cpu_moe_experts.h's driver), the layout of quant/mxfp4.MXFP4Experts: gate_up blocks [E, 2I,
+// H / 32, 16] and scales [E, 2I, H / 32] (gate and up rows interleaved, as checkpoints store
+// them), down blocks [E, H, I / 32, 16] and scales [E, H, I / 32], biases [E, 2I] and [E, H] in
+// float32 or bfloat16 (or null). Each product is row_dot over x in nibble order, the rows of an
+// expert 4 at a time as matmul takes them: the bits of foudre_mxfp4_mm's products.
+
+#include "cpu_moe_experts.h"
+
+namespace {
+
+struct Mxfp4Weights {
+  const uint8_t* blocks[2];
+  const uint8_t* scales[2];
+  const void* biases[2];
+  int bias_bf16;
+  int64_t hidden, inter;
+  bool interleaved;
+
+  void arrange(const float* in, int64_t m, int64_t k, float* out) const {
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t b = 0; b < k; b += 32)
+        for (int j = 0; j < 16; ++j) {
+          out[r * k + b + j] = in[r * k + b + 2 * j];
+          out[r * k + b + 16 + j] = in[r * k + b + 2 * j + 1];
+        }
+  }
+  template <int R>
+  void dot(int which, int64_t e, int64_t n, const float* x, int64_t k, float* acc) const {
+    const int64_t rows = which == 0 ? 2 * inter : hidden;
+    const int64_t at = e * rows + n;
+    row_dot<R>(blocks[which] + at * (k / 2), scales[which] + at * (k / 32), x, k, acc);
+  }
+  float bias(int which, int64_t e, int64_t n) const {
+    if (biases[which] == nullptr) return 0.0f;
+    const int64_t at = e * (which == 0 ? 2 * inter : hidden) + n;
+    return bias_bf16 ? load1(static_cast<const uint16_t*>(biases[which]) + at)
+                     : static_cast<const float*>(biases[which])[at];
+  }
+};
+
+template <typename T>
+int mxfp4_experts(const T* x, int64_t rows, int64_t hidden, int64_t inter, const int64_t* ids,
+                  const float* weights, int64_t top_k, const uint8_t* gate_up_blocks,
+                  const uint8_t* gate_up_scales, const void* gate_up_bias,
+                  const uint8_t* down_blocks, const uint8_t* down_scales, const void* down_bias,
+                  int bias_bf16, int64_t num_experts, int interleaved, float alpha, float limit,
+                  T* out) {
+  const Mxfp4Weights w{{gate_up_blocks, down_blocks}, {gate_up_scales, down_scales},
+                       {gate_up_bias, down_bias}, bias_bf16, hidden, inter, interleaved != 0};
+  return foudre_moe::gpt_oss_experts(w, x, rows, hidden, inter, ids, weights, top_k,
+                                     num_experts, alpha, limit, out);
+}
+
+}  // namespace
+
+extern "C" {
+
+// x [rows, hidden]; ids (int64) and weights (float32) [rows, top_k]; the weights above;
+// bias_bf16: the biases are bfloat16 (else float32); interleaved: gate and up in the even and
+// odd rows of gate_up (else its halves); out [rows, hidden]. Returns 1 for an id outside
+// 0..experts. hidden and inter multiples of 32.
+int foudre_mxfp4_gpt_oss_experts_f32(const float* x, int64_t rows, int64_t hidden, int64_t inter,
+                                     const int64_t* ids, const float* weights, int64_t top_k,
+                                     const uint8_t* gub, const uint8_t* gus, const void* gu_bias,
+                                     const uint8_t* db, const uint8_t* ds, const void* d_bias,
+                                     int bias_bf16, int64_t experts, int interleaved,
+                                     float alpha, float limit, float* out) {
+  return mxfp4_experts(x, rows, hidden, inter, ids, weights, top_k, gub, gus, gu_bias, db, ds,
+                       d_bias, bias_bf16, experts, interleaved, alpha, limit, out);
+}
+int foudre_mxfp4_gpt_oss_experts_bf16(const uint16_t* x, int64_t rows, int64_t hidden,
+                                      int64_t inter, const int64_t* ids, const float* weights,
+                                      int64_t top_k, const uint8_t* gub, const uint8_t* gus,
+                                      const void* gu_bias, const uint8_t* db, const uint8_t* ds,
+                                      const void* d_bias, int bias_bf16, int64_t experts,
+                                      int interleaved, float alpha, float limit, uint16_t* out) {
+  return mxfp4_experts(x, rows, hidden, inter, ids, weights, top_k, gub, gus, gu_bias, db, ds,
+                       d_bias, bias_bf16, experts, interleaved, alpha, limit, out);
+}
+
+}  // extern "C"

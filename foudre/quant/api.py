@@ -12,8 +12,9 @@ router's rounding changes which experts a token reaches, and routers are small. 
 to quantize them; a tied head then becomes its own ``QuantLinear`` and the embedding keeps its
 float weight, so embedding lookups are unchanged.
 
-The routed experts of a mixture-of-experts layer (``layers/moe.Experts``, matched by their module
-name ``model.layers.3.mlp.experts``) become ``QuantExperts``: every expert's projections
+The routed experts of a mixture-of-experts layer (``layers/moe.Experts``, and gpt-oss's
+``ClampedSwiGLUExperts`` with their biases and activation, matched by their module name
+``model.layers.3.mlp.experts``) become ``QuantExperts``: every expert's projections
 quantized round-to-nearest with the scheme's bits and groups (int8 and int4 only; the
 calibration schemes refuse them), or become ``MXFP4Experts`` with ``MXFP4`` (method ``mxfp4``:
 the experts alone, the other linears in float).
@@ -36,7 +37,7 @@ import torch
 from torch import nn
 
 import foudre.quant.awq as awq_mod
-from foudre.layers.moe import Experts
+from foudre.layers.moe import ClampedSwiGLUExperts, Experts
 from foudre.layers.norm import RMSNorm
 from foudre.models.llama import LlamaForCausalLM
 from foudre.quant.calib import capture_inputs, default_calibration
@@ -338,7 +339,7 @@ def _quantize_experts(
 ) -> dict[str, dict[str, int | None]]:
     """The routed experts of ``plan`` quantized (``QuantExperts`` for int8 / int4,
     ``MXFP4Experts`` for ``MXFP4``, which also takes experts of ``Experts``' layout with biases
-    and an activation of their own: gpt-oss's, which int8 / int4 leave in float) and taken out
+    and an activation of their own; both take gpt-oss's ``ClampedSwiGLUExperts``) and taken out
     of it, with the linears ``MXFP4`` was chosen for (they stay in float); what was applied.
     ``ValueError`` for another scheme on experts, or for ``MXFP4`` on a model without experts."""
     modules = dict(model.named_modules())
@@ -351,7 +352,7 @@ def _quantize_experts(
             _set_module(model, name, MXFP4Experts.from_experts(experts))
             applied[name] = {"bits": 4, "group_size": 32}
             continue
-        if not isinstance(experts, Experts):  # (biases, another activation: kept in float)
+        if not isinstance(experts, Experts | ClampedSwiGLUExperts):  # (kept in float)
             continue
         if not isinstance(cfg, Int8WeightOnly | Int4WeightOnly):
             raise ValueError(

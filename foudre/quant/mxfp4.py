@@ -33,7 +33,7 @@ from __future__ import annotations
 import ctypes
 import math
 from collections.abc import Callable, Mapping
-from functools import cache, lru_cache
+from functools import cache, lru_cache, partial
 from typing import cast
 
 import numpy as np
@@ -41,8 +41,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from foudre.layers import fused_moe
 from foudre.layers.linear import gemm_dtype
-from foudre.layers.moe import Experts, capturing, every_expert, grouped_experts, silu_mul
+from foudre.layers.moe import (
+    ClampedSwiGLUExperts,
+    Experts,
+    capturing,
+    clamped_swiglu,
+    every_expert,
+    grouped_experts,
+    silu_mul,
+    swiglu_params,
+)
 from foudre.native import build as native
 
 BLOCK = 32  # columns a scale covers
@@ -179,6 +189,12 @@ def _library() -> ctypes.CDLL | None:
         getattr(dll, f"foudre_mxfp4_mm_{suffix}").argtypes = [_P, _P, _P, _P, _P, _I64, _I64, _I64]
         # blocks, scales, out, n0, n1, k
         getattr(dll, f"foudre_mxfp4_dequantize_{suffix}").argtypes = [_P, _P, _P, _I64, _I64, _I64]
+        # x, rows, hidden, inter, ids, weights, top_k, gate_up blocks, scales, bias, down
+        # blocks, scales, bias, bias_bf16, experts, interleaved, alpha, limit, out
+        fn = getattr(dll, f"foudre_mxfp4_gpt_oss_experts_{suffix}")
+        fn.argtypes = [_P, _I64, _I64, _I64, _P, _P, _I64, *[_P] * 6, ctypes.c_int, _I64]
+        fn.argtypes += [ctypes.c_int, ctypes.c_float, ctypes.c_float, _P]
+        fn.restype = ctypes.c_int
     return dll
 
 
@@ -381,8 +397,9 @@ class MXFP4Experts(nn.Module):
     weights, ids)`` with ``x [T, H]`` and the routing ``weights``, ``ids`` ``[T, k]``: it returns
     ``out[t] = sum_j weights[t, j] * expert(ids[t, j], x[t])`` in x's dtype
     (on CUDA, ``mxfp4_triton.fused_experts``: grouped Triton kernels over the pairs sorted on
-    the device, CUDA graphs capture them; elsewhere ``grouped_experts``: each expert with tokens
-    runs once over them, so decode reads only the chosen experts' bytes).
+    the device, CUDA graphs capture them; on the CPU under ``GEMM_ROWS`` rows with the clamped
+    SwiGLU, gpt-oss's, one native call, ``native_experts``; elsewhere ``grouped_experts``: each
+    expert with tokens runs once over them, so decode reads only the chosen experts' bytes).
 
     Loading a gpt-oss checkpoint (``foudre/models`` may not import ``foudre.quant``, a layer
     above it: tests/test_layering.py; the loader, above both, swaps the module in, as quantized
@@ -517,6 +534,9 @@ class MXFP4Experts(nn.Module):
         if not stacked_experts(experts):
             raise ValueError(f"{type(experts).__name__} is not stacked experts (stacked_experts)")
         activation = None if isinstance(experts, Experts) else getattr(experts, "activation", None)
+        if isinstance(experts, ClampedSwiGLUExperts):  # (not a bound method: it would keep the
+            # float module, its weights included, alive; and a native kernel reads the partial)
+            activation = partial(clamped_swiglu, alpha=experts.alpha, limit=experts.limit)
         return cls.from_float(
             cast(torch.Tensor, experts.gate_up_proj),
             cast(torch.Tensor, experts.down_proj),
@@ -560,12 +580,84 @@ class MXFP4Experts(nn.Module):
                     ids,
                     self.activation,
                 )
+        if self._native(x):
+            return native_experts(x, weights, ids, self)
         if capturing(x):  # a CUDA graph: no sort on the host
             return every_expert(x, weights, ids, self.num_experts, self.expert)
         return grouped_experts(x, weights, ids, self.num_experts, self.expert)
+
+    def _native(self, x: torch.Tensor) -> bool:
+        """Whether ``native_experts`` runs this call: a CPU batch under ``GEMM_ROWS`` rows
+        (each expert's product is then ``native_matmul``'s, bit for bit), float32 or bfloat16,
+        the clamped SwiGLU, biases of x's dtype or float32 (or none), nothing autograd records."""
+        gb, db = self.gate_up_proj_bias, self.down_proj_bias
+        return (
+            x.device.type == "cpu"
+            and x.dim() == 2
+            and x.shape[0] < GEMM_ROWS
+            and x.dtype in _DTYPES
+            and not (torch.is_grad_enabled() and x.requires_grad)
+            and self.gate_up_proj_blocks.device.type == "cpu"
+            and (gb is None) == (db is None)
+            and (gb is None or gb.dtype == db.dtype in (torch.float32, torch.bfloat16))  # type: ignore[union-attr]
+            and swiglu_params(self.activation) is not None
+            and _library() is not None
+        )
 
     def extra_repr(self) -> str:
         return (
             f"num_experts={self.num_experts}, hidden={self.hidden_size}, "
             f"intermediate={self.intermediate_size}, mxfp4"
         )
+
+
+def native_experts(
+    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: MXFP4Experts
+) -> torch.Tensor:
+    """``experts(x, weights, ids)`` for gpt-oss's MXFP4 experts (the clamped SwiGLU as their
+    ``activation``: ``layers.moe.swiglu_params``) in one native call (``cpu_mxfp4.cpp``, the
+    driver of ``native/cpu_moe_experts.h``): only the chosen experts' blocks read, each
+    product ``native_matmul``'s (bit for bit), the activation rounding as torch's ops in x's
+    dtype, the weighted sum in float32 in increasing expert order as ``grouped_experts``.
+    ``x`` ``[T, H]`` float32 or bfloat16 on the CPU, ``weights`` and ``ids`` ``[T, k]``;
+    ``ValueError`` for another activation or a tensor of the wrong shape, ``IndexError`` for an
+    id outside ``0..E``."""
+    params = swiglu_params(experts.activation)
+    if params is None:
+        raise ValueError("native_experts runs the clamped SwiGLU only (layers.moe.swiglu_params)")
+    fused_moe.check_routing(x, weights, ids)
+    if x.shape[1] != experts.hidden_size or x.dtype not in _DTYPES or x.device.type != "cpu":
+        raise ValueError(
+            f"native_experts: x [T, {experts.hidden_size}] float32 or bfloat16 on the CPU "
+            f"expected, got {tuple(x.shape)} {x.dtype} {x.device}"
+        )
+    dll = _library()
+    if dll is None:
+        raise RuntimeError(f"{SOURCE.name} did not build")
+    alpha, limit, interleaved = params
+    gb, db = experts.gate_up_proj_bias, experts.down_proj_bias
+    if gb is not None and db is not None and gb.dtype != db.dtype:
+        db = db.to(gb.dtype)
+    x, ids = x.contiguous(), ids.to(torch.int64).contiguous()
+    weights = weights.to(torch.float32).contiguous()
+    tensors = [
+        experts.gate_up_proj_blocks.contiguous(),
+        experts.gate_up_proj_scales.contiguous(),
+        None if gb is None else gb.contiguous(),
+        experts.down_proj_blocks.contiguous(),
+        experts.down_proj_scales.contiguous(),
+        None if db is None else db.contiguous(),
+    ]
+    out = torch.empty_like(x)
+    if x.shape[0] == 0:
+        return out
+    failed = getattr(dll, f"foudre_mxfp4_gpt_oss_experts_{_DTYPES[x.dtype]}")(
+        x.data_ptr(), x.shape[0], experts.hidden_size, experts.intermediate_size,
+        ids.data_ptr(), weights.data_ptr(), ids.shape[1],
+        *[None if t is None else t.data_ptr() for t in tensors],
+        int(gb is not None and gb.dtype == torch.bfloat16), experts.num_experts,
+        int(interleaved), alpha, limit, out.data_ptr(),
+    )  # fmt: skip
+    if failed:
+        raise IndexError(f"native_experts: an expert id outside 0..{experts.num_experts}")
+    return out
