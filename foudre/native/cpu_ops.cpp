@@ -130,45 +130,36 @@ void rms_norm(const T* x, const T* weight, T* out, int64_t rows, int64_t n, int6
   }
 }
 
-// out = T(silu(gate)) * up over rows of [gate | up] (width 2 * n, at gu_stride elements)
-template <typename T>
-void silu_mul(const T* gu, T* out, int64_t rows, int64_t n, int64_t gu_stride) {
-#pragma omp parallel for schedule(static) if (rows * n >= 65536)
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* g = gu + r * gu_stride;
-    for (int64_t i = 0; i < n; i += 16) {
-      const __mmask16 m = lanes(n - i);
-      const __m512 x = load(g + i, m);
-      // x / (1 + e^-x), the division by a
-      // reciprocal estimate and one Newton step (within 2 ulp; a division costs 5x more here)
-      const __m512 d =
-          _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), x)));
-      __m512 inv = _mm512_rcp14_ps(d);
-      inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(d, inv, _mm512_set1_ps(2.0f)));
-      // where e^-x overflows float32, torch's x / inf is a signed zero: so is this
-      const __m512 s = _mm512_mask_mul_ps(
-          _mm512_mul_ps(x, inv), _mm512_cmp_ps_mask(x, _mm512_set1_ps(-88.72f), _CMP_LT_OQ), x,
-          _mm512_setzero_ps());
-      store(out + r * n + i, _mm512_mul_ps(round_to(s, g), load(g + n + i, m)), m);
-    }
-  }
+// x / (1 + e^-x), the division by a reciprocal estimate and one Newton step (within 2 ulp; a
+// division costs 5x more here); where e^-x overflows float32, torch's x / inf is a signed zero:
+// so is this
+inline __m512 silu16(__m512 x) {
+  const __m512 d =
+      _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), x)));
+  __m512 inv = _mm512_rcp14_ps(d);
+  inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(d, inv, _mm512_set1_ps(2.0f)));
+  return _mm512_mask_mul_ps(_mm512_mul_ps(x, inv),
+                            _mm512_cmp_ps_mask(x, _mm512_set1_ps(-88.72f), _CMP_LT_OQ), x,
+                            _mm512_setzero_ps());
 }
 
-// out = T(gelu_tanh(gate)) * up over rows of [gate | up] (GeGLU): gelu_tanh(x) = 0.5 x (1 +
-// tanh(u)), u = sqrt(2 / pi) (x + 0.044715 x^3), computed as x / (1 + e^(-2u))
-template <typename T>
-void gelu_mul(const T* gu, T* out, int64_t rows, int64_t n, int64_t gu_stride) {
+// gelu_tanh(x) = 0.5 x (1 + tanh(u)), u = sqrt(2 / pi) (x + 0.044715 x^3), as x / (1 + e^(-2u))
+inline __m512 gelu16(__m512 x) {
+  const __m512 x3 = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
+  const __m512 u2 = _mm512_mul_ps(_mm512_set1_ps(-1.5957691216057308f),
+                                  _mm512_fmadd_ps(_mm512_set1_ps(0.044715f), x3, x));
+  return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(u2)));
+}
+
+// out = T(act(gate)) * up over rows of [gate | up] (width 2 * n, at gu_stride elements)
+template <typename T, typename Act>
+void gated_mul(const T* gu, T* out, int64_t rows, int64_t n, int64_t gu_stride, Act act) {
 #pragma omp parallel for schedule(static) if (rows * n >= 65536)
   for (int64_t r = 0; r < rows; ++r) {
     const T* g = gu + r * gu_stride;
     for (int64_t i = 0; i < n; i += 16) {
       const __mmask16 m = lanes(n - i);
-      const __m512 x = load(g + i, m);
-      const __m512 x3 = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
-      const __m512 u2 = _mm512_mul_ps(_mm512_set1_ps(-1.5957691216057308f),
-                                      _mm512_fmadd_ps(_mm512_set1_ps(0.044715f), x3, x));
-      const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(u2));
-      store(out + r * n + i, _mm512_mul_ps(round_to(_mm512_div_ps(x, d), g), load(g + n + i, m)),
+      store(out + r * n + i, _mm512_mul_ps(round_to(act(load(g + i, m)), g), load(g + n + i, m)),
             m);
     }
   }
@@ -403,37 +394,28 @@ void rms_norm(const T* x, const T* weight, T* out, int64_t rows, int64_t n, int6
   }
 }
 
-template <typename T>
-void gelu_mul(const T* gu, T* out, int64_t rows, int64_t n, int64_t gu_stride) {
-#pragma omp parallel for schedule(static) if (rows * n >= 65536)
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* g = gu + r * gu_stride;
-    for (int64_t i = 0; i < n; i += 8) {
-      const __m256 x = load8(g + i, n - i);
-      const __m256 x3 = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
-      const __m256 u2 = _mm256_mul_ps(_mm256_set1_ps(-1.5957691216057308f),
-                                      _mm256_fmadd_ps(_mm256_set1_ps(0.044715f), x3, x));
-      const __m256 d = _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(u2));
-      store8(out + r * n + i,
-             _mm256_mul_ps(round_to(_mm256_div_ps(x, d), g), load8(g + n + i, n - i)), n - i);
-    }
-  }
+inline __m256 silu8(__m256 x) {  // as silu16 (a division: no rcp14 on AVX2)
+  const __m256 d =
+      _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), x)));
+  return _mm256_blendv_ps(_mm256_div_ps(x, d), _mm256_mul_ps(x, _mm256_setzero_ps()),
+                          _mm256_cmp_ps(x, _mm256_set1_ps(-88.72f), _CMP_LT_OQ));
 }
 
-template <typename T>
-void silu_mul(const T* gu, T* out, int64_t rows, int64_t n, int64_t gu_stride) {
+inline __m256 gelu8(__m256 x) {  // as gelu16
+  const __m256 x3 = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
+  const __m256 u2 = _mm256_mul_ps(_mm256_set1_ps(-1.5957691216057308f),
+                                  _mm256_fmadd_ps(_mm256_set1_ps(0.044715f), x3, x));
+  return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(u2)));
+}
+
+template <typename T, typename Act>
+void gated_mul(const T* gu, T* out, int64_t rows, int64_t n, int64_t gu_stride, Act act) {
 #pragma omp parallel for schedule(static) if (rows * n >= 65536)
   for (int64_t r = 0; r < rows; ++r) {
     const T* g = gu + r * gu_stride;
-    for (int64_t i = 0; i < n; i += 8) {
-      const __m256 x = load8(g + i, n - i);
-      const __m256 d = _mm256_add_ps(_mm256_set1_ps(1.0f),
-                                     exp8(_mm256_sub_ps(_mm256_setzero_ps(), x)));
-      // where e^-x overflows float32, torch's x / inf is a signed zero: so is this
-      const __m256 s = _mm256_blendv_ps(_mm256_div_ps(x, d), _mm256_mul_ps(x, _mm256_setzero_ps()),
-                                        _mm256_cmp_ps(x, _mm256_set1_ps(-88.72f), _CMP_LT_OQ));
-      store8(out + r * n + i, _mm256_mul_ps(round_to(s, g), load8(g + n + i, n - i)), n - i);
-    }
+    for (int64_t i = 0; i < n; i += 8)
+      store8(out + r * n + i,
+             _mm256_mul_ps(round_to(act(load8(g + i, n - i)), g), load8(g + n + i, n - i)), n - i);
   }
 }
 
@@ -665,6 +647,22 @@ int gemm_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* w, const uint
 #define FOUDRE_GEMM_BF16 1
 
 #endif  // AVX-512 / AVX2
+
+// out = T(silu(gate)) * up and T(gelu_tanh(gate)) * up over rows of [gate | up] (SwiGLU, GeGLU)
+#if defined(FOUDRE_OPS_AVX512)
+#define FOUDRE_ACT(NAME) NAME##16
+#else
+#define FOUDRE_ACT(NAME) NAME##8
+#endif
+template <typename T>
+void silu_mul(const T* gu, T* out, int64_t rows, int64_t n, int64_t gu_stride) {
+  gated_mul(gu, out, rows, n, gu_stride, [](auto x) { return FOUDRE_ACT(silu)(x); });
+}
+template <typename T>
+void gelu_mul(const T* gu, T* out, int64_t rows, int64_t n, int64_t gu_stride) {
+  gated_mul(gu, out, rows, n, gu_stride, [](auto x) { return FOUDRE_ACT(gelu)(x); });
+}
+#undef FOUDRE_ACT
 
 // Each task takes R weight rows at a time and multiplies them with the x rows: one pass for one
 // to three rows (M = rows), else four x rows at a time (M = 4), the weight rows coming from
