@@ -36,9 +36,10 @@ weights (the file 18), a Q8_0 one 34 (34), Q5_0 34 (22), Q5_1 / Q5_K 40 (24 / 22
 Decoding is vectorised numpy over the file's memory map, one tensor at a time. Dequantized at
 load as before: other types (Q2_K, Q3_K, the IQ types...) and the parts fused with one of them,
 the embedding table (looked up, not multiplied), routers, experts stored one tensor per
-expert (older files), gpt-oss's experts unless MXFP4 (kept packed by ``MXFP4Experts``, their
-biases and clamped SwiGLU being beyond ``QuantExperts``), DeepSeek's ``kv_b_proj`` (split
-in two by the converter; the model multiplies by its halves) and Qwen3-Next's ``in_proj_qkvz``
+expert (older files), gpt-oss's experts unless MXFP4 (kept packed by ``MXFP4Experts``; the
+GGUF path builds no ``QuantExperts`` with their biases and clamped SwiGLU), DeepSeek's
+``kv_b_proj`` (split in two by the converter; the model multiplies by its halves) and
+Qwen3-Next's ``in_proj_qkvz``
 (split into ``attn_qkv`` and ``attn_gate``, rows re-ordered across both). A qwen3next file's
 multi-token-prediction blocks are not read. Rows are read in the order the
 model loads them (llama's q/k un-permuted, DeepSeek's rotated rows de-interleaved). One log line
@@ -120,7 +121,7 @@ _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_pro
 _ROUTERS = ("mlp.gate", "mlp.shared_expert_gate")
 _STACKED_EXPERTS = re.compile(r"^(.*\.experts)\.\{\}\.(gate_proj|up_proj|down_proj)\.weight$")
 ENV = "FOUDRE_GGUF_DEQUANTIZE"
-# gpt-oss's experts have biases and a clamped SwiGLU, which QuantExperts does not run
+# gpt-oss's experts have biases and a clamped SwiGLU, for which this path builds no QuantExperts
 _GPT_OSS_EXPERTS = "gpt-oss experts (kept packed as MXFP4 only)"
 
 

@@ -355,6 +355,8 @@ def _quantize_experts(
         if not isinstance(experts, Experts | ClampedSwiGLUExperts):  # (kept in float)
             continue
         if not isinstance(cfg, Int8WeightOnly | Int4WeightOnly):
+            if isinstance(experts, ClampedSwiGLUExperts):
+                continue  # (gpt-oss's experts kept in float under other schemes)
             raise ValueError(
                 f"{name}: mixture-of-experts experts can be quantized with int8, int4 or mxfp4 "
                 f"only, not {type(cfg).__name__}"

@@ -7,6 +7,9 @@ It takes the place of ``layers/moe.Experts`` (same call: ``x``, routing weights 
 runs ``grouped_experts``: tokens sorted by expert, each expert that got tokens runs its packed
 kernels once over them, so a decode step reads only the chosen experts' codes. While a CUDA graph
 is captured it runs ``every_expert`` instead (no host synchronisation; it reads every expert).
+gpt-oss's int8 experts at decode sizes on the CPU run one native call instead
+(``fused_moe.gpt_oss_int8_experts``), which widens the codes against x unrounded where the
+per-expert kernels round x to int8: the two differ by that rounding (about 1%).
 """
 
 from __future__ import annotations
@@ -51,8 +54,8 @@ class QuantExperts(nn.Module):
         self.gate_up = nn.ModuleList(gate_up)
         self.down = nn.ModuleList(down)
         self.activation = activation or silu_mul
-        # (the tensors it points to, their table) for the native call: see _int8_table
-        self._table: tuple[tuple[torch.Tensor | None, ...], torch.Tensor] | None = None
+        # (the addresses it was built from, the table) for the native call: see _int8_table
+        self._table: tuple[list[int], torch.Tensor] | None = None
 
     @classmethod
     @torch.no_grad()
@@ -92,6 +95,7 @@ class QuantExperts(nn.Module):
             and not params[2]
             and x.dim() == 2
             and x.shape[0] <= MAX_ROWS.get(x.dtype, 0)
+            and x.shape[1] == self.gate_up[0].in_features
             and fused_moe.available(x)
             and not torch.is_autocast_enabled("cpu")
         ):
@@ -112,23 +116,31 @@ class QuantExperts(nn.Module):
         """The addresses of every expert's codes, scales and biases (``fused_moe.
         gpt_oss_int8_experts``' table) where each projection is int8 per channel in its plain
         layout on the CPU (codes ``[N, K]``, scales ``[N]`` float32 or bfloat16, biases of one
-        dtype or none, no input scale nor permutation), else None. Built once; built again when
-        a module's tensors were replaced (``.to``, a load)."""
+        dtype or none, no input scale nor permutation; each expert's gate_up ``[2I, H]`` and
+        down ``[H, I]``), else None. Kept while every tensor is where it was when it was built
+        (a module's tensor replaced, or moved under the same object by ``set_``, as
+        ``place_in_huge_pages`` moves them, or a copy of the module: built again)."""
         ups = cast(list[QuantLinear], list(self.gate_up))
         downs = cast(list[QuantLinear], list(self.down))
         tensors: list[torch.Tensor | None] = []
         for mods in zip(ups, downs, strict=True):
             for m in mods:
                 tensors += [m.qweight, m.scales, m.bias]
+        addresses = [0 if t is None else t.data_ptr() for t in tensors]
         held = self._table
-        if held is not None and all(a is b for a, b in zip(held[0], tensors, strict=True)):
+        if held is not None and held[0] == addresses:
             return held[1]
         self._table = None
         first = ups[0]
         bias_dtype = None if first.bias is None else first.bias.dtype
-        for m in [*ups, *downs]:
+        hidden, inner = first.in_features, first.out_features // 2
+        shapes = [(2 * inner, hidden)] * len(ups) + [(hidden, inner)] * len(downs)
+        for m, shape in zip([*ups, *downs], shapes, strict=True):
             if (
-                m.bits != 8
+                (m.out_features, m.in_features) != shape
+                or not m.scales.is_contiguous()
+                or (m.bias is not None and not m.bias.is_contiguous())
+                or m.bits != 8
                 or m.group_size is not None
                 or m.interleaved
                 or m.input_scale is not None
@@ -143,8 +155,6 @@ class QuantExperts(nn.Module):
                 or bias_dtype not in (None, torch.float32, torch.bfloat16)
             ):
                 return None
-        table = torch.tensor(
-            [0 if t is None else t.data_ptr() for t in tensors], dtype=torch.int64
-        ).view(self.num_experts, 6)
-        self._table = (tuple(tensors), table)
+        table = torch.tensor(addresses, dtype=torch.int64).view(self.num_experts, 6)
+        self._table = (addresses, table)
         return table

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import os
 from collections.abc import Callable, Mapping
 from functools import cache, lru_cache, partial
 from typing import cast
@@ -601,6 +602,7 @@ class MXFP4Experts(nn.Module):
             and (gb is None) == (db is None)
             and (gb is None or gb.dtype == db.dtype in (torch.float32, torch.bfloat16))  # type: ignore[union-attr]
             and swiglu_params(self.activation) is not None
+            and os.environ.get("FOUDRE_FUSED_CPU_OPS", "1") != "0"  # (as the other native ops)
             and _library() is not None
         )
 

@@ -199,3 +199,42 @@ def test_int8_and_int4_quantize_gpt_oss_experts(
         got = q(x, weights, ids)
     err = float((got.float() - expected.float()).abs().max())
     assert err <= 0.03 * float(expected.float().abs().max()), err
+
+
+@needs_native
+def test_int8_experts_follow_their_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The native int8 call reads each expert's codes, scales and biases where they are at the
+    call: after ``place_in_huge_pages`` moves them under the same tensors (``set_``), and in a
+    deep copy of the module, the output is the one computed before; another width of x, or a
+    scheme that does not quantize gpt-oss's experts (fp8), leaves them to the torch path and in
+    float."""
+    import copy
+
+    from torch import nn
+
+    from foudre.native import huge_pages
+    from foudre.quant import Fp8, Int8WeightOnly, quantize_
+
+    model = nn.Module()
+    model.experts = float_experts(torch.float32)
+    quantize_(model, Int8WeightOnly())
+    x = torch.randn(2, H, generator=torch.Generator().manual_seed(5))
+    weights, ids = routing(2)
+    with torch.inference_mode():
+        before = model.experts(x, weights, ids)
+        huge_pages.place_in_huge_pages(model)
+        junk = [torch.full((1 << 12,), 77, dtype=torch.int8) for _ in range(200)]  # reuse
+        twin = copy.deepcopy(model.experts)
+        no_torch_path(monkeypatch)
+        assert torch.equal(model.experts(x, weights, ids), before)
+        del model
+        assert torch.equal(twin(x, weights, ids), before)
+        monkeypatch.undo()
+        wide = torch.randn(2, H + 8)
+        with pytest.raises(ValueError, match="columns"):  # the torch path: no stray read
+            twin(wide, weights, ids)
+    del junk
+    kept = nn.Module()
+    kept.experts = float_experts(torch.float32)
+    quantize_(kept, Fp8())
+    assert isinstance(kept.experts, ClampedSwiGLUExperts)
