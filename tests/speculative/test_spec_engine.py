@@ -11,6 +11,7 @@ import torch
 
 from foudre import LLM, SamplingParams
 from foudre.cli import main as cli_main
+from foudre.outputs import RequestOutput
 from foudre.speculative.proposers import NgramProposer
 from tests.conftest import make_hf_model
 from tests.speculative.test_rejection import P_THRESHOLD, chi2_pvalue
@@ -226,10 +227,7 @@ def test_sampled_distribution_through_the_engine(tmp_path: Path) -> None:
     )
     params = SamplingParams(temperature=temp, max_tokens=3, ignore_eos=True)
     outs = llm.generate([prompt] * n, params)
-    second = torch.bincount(
-        torch.tensor([o.outputs[0].token_ids[1] for o in outs]), minlength=vocab
-    )
-    assert chi2_pvalue(second, marginal) > P_THRESHOLD
+    assert chi2_pvalue(token_histogram(outs, 1, vocab), marginal) > P_THRESHOLD
     m = llm.metrics()
     rate = m["spec_accepted_tokens"] / m["spec_draft_tokens"]
     assert 0.05 < rate < 0.95, rate  # both acceptance and rejection were exercised
@@ -240,22 +238,34 @@ def second_token_marginal(llm: LLM, prompt: list[int], temp: float) -> torch.Ten
     """The exact distribution of the second token sampled at ``temp`` after ``prompt``:
     ``sum_t1 p(t1 | prompt) p(t2 | prompt, t1)`` (a vocabulary of at most 20 tokens)."""
     vocab = llm.engine.model.config.vocab_size
-    p1 = torch.tensor(_first_token_probs(llm, prompt, temp, vocab))
+    [p1] = next_token_probs(llm, [prompt], temp)
     marginal = torch.zeros(vocab)
     for t1 in range(vocab):
         if p1[t1] > 0:
-            marginal += p1[t1] * torch.tensor(_first_token_probs(llm, [*prompt, t1], temp, vocab))
+            marginal += p1[t1] * next_token_probs(llm, [[*prompt, t1]], temp)[0]
     return marginal
 
 
-def _first_token_probs(llm: LLM, prompt: list[int], temp: float, vocab: int) -> list[float]:
-    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1, logprobs=vocab))
-    lp = out[0].outputs[0].logprobs
-    assert lp is not None
-    logits = torch.full((vocab,), float("-inf"))
-    for t, v in lp[0].items():
-        logits[t] = v
-    return (logits / temp).softmax(dim=-1).tolist()
+def next_token_probs(llm: LLM, prompts: list[list[int]], temp: float) -> list[torch.Tensor]:
+    """The model's next-token distribution at ``temp`` after each prompt (one batch; a
+    vocabulary of at most 20 tokens, as many as ``logprobs`` returns)."""
+    vocab = llm.engine.model.config.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=vocab)
+    probs = []
+    for out in llm.generate(prompts, params):
+        lp = out.outputs[0].logprobs
+        assert lp is not None
+        logits = torch.full((vocab,), float("-inf"))
+        for t, v in lp[0].items():
+            logits[t] = v
+        probs.append((logits / temp).softmax(dim=-1))
+    return probs
+
+
+def token_histogram(outs: list[RequestOutput], index: int, vocab: int) -> torch.Tensor:
+    """How many of the requests' outputs have each token at position ``index``."""
+    ids = torch.tensor([o.outputs[0].token_ids[index] for o in outs])
+    return torch.bincount(ids, minlength=vocab)
 
 
 def test_ngram_lookup() -> None:

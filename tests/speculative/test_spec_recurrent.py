@@ -15,7 +15,11 @@ from tests.conftest import make_hf_model
 from tests.oracles.ssm_models import save_random
 from tests.oracles.test_mamba2 import BASE as MAMBA2
 from tests.speculative.test_rejection import P_THRESHOLD, chi2_pvalue
-from tests.speculative.test_spec_engine import second_token_marginal
+from tests.speculative.test_spec_engine import (
+    next_token_probs,
+    second_token_marginal,
+    token_histogram,
+)
 
 
 @pytest.mark.slow
@@ -43,39 +47,17 @@ def test_sampled_distribution_on_a_recurrent_target(tmp_path: Path) -> None:
     )
     params = SamplingParams(temperature=temp, max_tokens=4, ignore_eos=True)
     outs = llm.generate([prompt] * n, params)
-    second = torch.bincount(
-        torch.tensor([o.outputs[0].token_ids[1] for o in outs]), minlength=vocab
-    )
-    assert chi2_pvalue(second, marginal) > P_THRESHOLD
+    assert chi2_pvalue(token_histogram(outs, 1, vocab), marginal) > P_THRESHOLD
     # the fourth token comes from the step after the verification that decided the second and
     # third: from the state restored where it rejected a draft. Its expected histogram: each
     # request's exact p(t4 | prompt, t1, t2, t3), summed
     prefixes = [tuple(o.outputs[0].token_ids[:3]) for o in outs]
     distinct = sorted(set(prefixes))
-    exact = _next_token_probs(plain, [[*prompt, *pre] for pre in distinct], temp, vocab)
+    exact = next_token_probs(plain, [[*prompt, *pre] for pre in distinct], temp)
     of = dict(zip(distinct, exact, strict=True))
     expected = torch.stack([of[pre] for pre in prefixes]).sum(0) / n
-    fourth = torch.bincount(
-        torch.tensor([o.outputs[0].token_ids[3] for o in outs]), minlength=vocab
-    )
-    assert chi2_pvalue(fourth, expected) > P_THRESHOLD
+    assert chi2_pvalue(token_histogram(outs, 3, vocab), expected) > P_THRESHOLD
     m = llm.metrics()
     rate = m["spec_accepted_tokens"] / m["spec_draft_tokens"]
     assert 0.05 < rate < 0.95, rate  # both acceptance and rejection were exercised
     assert m["num_free_blocks"] == m["num_total_blocks"] and m["num_used_state_slots"] == 0
-
-
-def _next_token_probs(
-    llm: LLM, prompts: list[list[int]], temp: float, vocab: int
-) -> list[torch.Tensor]:
-    """The target's next-token distribution at ``temp`` after each prompt (one batch)."""
-    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=vocab)
-    probs = []
-    for out in llm.generate(prompts, params):
-        lp = out.outputs[0].logprobs
-        assert lp is not None
-        logits = torch.full((vocab,), float("-inf"))
-        for t, v in lp[0].items():
-            logits[t] = v
-        probs.append((logits / temp).softmax(dim=-1))
-    return probs
