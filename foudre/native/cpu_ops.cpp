@@ -877,6 +877,14 @@ using QuantMatmul = void (*)(int kind, const void* x, const void* q, const void*
 enum QuantSlot { kQmmFn, kQmmKind, kQmmCodes, kQmmScales, kQmmZeros, kQmmScaleType, kQmmGroups,
                  kQmmGroup, kQmmBias, kQmmColumns, kQmmZeroConst, kQmmScaleStride, kQmmSlots };
 
+// a float32 stored as its bits among int64 entries (a table's multipliers, a zero point)
+inline float float_bits(int64_t bits) {
+  const auto b = static_cast<uint32_t>(bits);
+  float f;
+  std::memcpy(&f, &b, 4);
+  return f;
+}
+
 // y [rows, n] = x [rows, k] @ W^T (+ bias): W float (w, bias) unless `quant` describes a
 // QuantLinear (QuantSlot entries), whose bias is added after its result's rounding, as
 // QuantLinear.forward adds it; x padded with zero columns to the kernel's kQmmColumns if wider
@@ -895,11 +903,9 @@ void project(const int64_t* quant, const T* x, const T* w, const T* bias, T* y, 
     for (int64_t r = 0; r < rows; ++r) std::copy(x + r * k, x + (r + 1) * k, &padded[r * kp]);
     x = padded.data();
   }
-  const auto zc_bits = static_cast<uint32_t>(quant[kQmmZeroConst]);
-  float zc;
-  std::memcpy(&zc, &zc_bits, 4);
   reinterpret_cast<QuantMatmul>(quant[kQmmFn])(
-      static_cast<int>(quant[kQmmKind]), x, vp(kQmmCodes), vp(kQmmScales), vp(kQmmZeros), zc,
+      static_cast<int>(quant[kQmmKind]), x, vp(kQmmCodes), vp(kQmmScales), vp(kQmmZeros),
+      float_bits(quant[kQmmZeroConst]),
       static_cast<int>(quant[kQmmScaleType]), quant[kQmmGroups], quant[kQmmGroup],
       quant[kQmmScaleStride], y, rows, n, kp);
   if (quant[kQmmBias] != 0)
@@ -1002,13 +1008,6 @@ enum LayerPointer {
   kOffsetNorms, kGelu, kMixerOutNorm, kMlpOutNorm, kCos, kSin, kGroup, kOBias,
   kLayerPointers
 };
-
-inline float float_bits(int64_t bits) {
-  const auto b = static_cast<uint32_t>(bits);
-  float f;
-  std::memcpy(&f, &b, 4);
-  return f;
-}
 
 // x += T(y * scale) (or x += y where scale is 1), the sublayer's output y added to the stream
 template <typename T>
