@@ -33,6 +33,7 @@ from foudre.runner.cpu_decode import NativeDecode
 from foudre.runner.model_runner import ModelRunner
 from foudre.runner.step import ForwardStep
 from tests.conftest import make_hf_model
+from tests.oracles.test_phi3 import CASES as PHI3_CASES
 from tests.quant.test_cpu_qmatmul import quant_module
 
 pytestmark = pytest.mark.skipif(
@@ -69,17 +70,8 @@ ARCHS: list[tuple[str, dict[str, Any]]] = [
     ("phi3", {"partial_rotary_factor": 0.75, "pad_token_id": 0}),  # RoPE over 3/4 of each head
     ("gemma3_text", GEMMA3),  # (1 + weight) norms around both sublayers, GeGLU, two RoPE tables
 ]
-LONGROPE_PHI3: dict[str, Any] = {  # Phi-4-mini's shape: LongRoPE over 3/4 of each head
-    "pad_token_id": 0,
-    "max_position_embeddings": 128,
-    "original_max_position_embeddings": 20,
-    "partial_rotary_factor": 0.75,
-    "rope_scaling": {
-        "rope_type": "longrope",
-        "short_factor": [1.0 + 0.1 * i for i in range(6)],
-        "long_factor": [1.5 + 0.4 * i for i in range(6)],
-    },
-}
+# Phi-4-mini's shape: LongRoPE over 3/4 of each head
+LONGROPE_PHI3: dict[str, Any] = {"pad_token_id": 0, **PHI3_CASES["longrope-partial"]}
 
 
 def make_runner(tmp_path: Path, dtype: str, arch: str = "llama", **overrides: Any) -> ModelRunner:
