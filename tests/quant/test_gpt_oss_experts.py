@@ -52,6 +52,20 @@ def assert_near(got: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -
     assert err <= TOL[dtype] * float(expected.float().abs().max()), err
 
 
+def native_matches_torch(
+    m: torch.nn.Module, rows: int, seed: int, dtype: torch.dtype, mp: pytest.MonkeyPatch
+) -> None:
+    """``m`` over ``rows`` random rows (from ``seed``) takes the native call, and gives the
+    torch path's output (``grouped_experts`` over its own experts) within the tolerance."""
+    x = torch.randn(rows, H, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    weights, ids = routing(rows)
+    with torch.no_grad():
+        expected = grouped_experts(x, weights, ids, E, m.expert)
+        no_torch_path(mp)
+        got = m(x, weights, ids)
+    assert_near(got, expected, dtype)
+
+
 def no_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
     """Make the torch path fail, so a test sees the native call taken."""
 
@@ -69,14 +83,7 @@ def no_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_float_experts_match_the_torch_path(
     dtype: torch.dtype, rows: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    m = float_experts(dtype)
-    x = torch.randn(rows, H, generator=torch.Generator().manual_seed(2)).to(dtype)
-    weights, ids = routing(rows)
-    with torch.no_grad():
-        expected = grouped_experts(x, weights, ids, E, m.expert)
-        no_torch_path(monkeypatch)
-        got = m(x, weights, ids)
-    assert_near(got, expected, dtype)
+    native_matches_torch(float_experts(dtype), rows, 2, dtype, monkeypatch)
 
 
 @needs_native
@@ -88,13 +95,7 @@ def test_mxfp4_experts_match_the_torch_path(
 ) -> None:
     m = MXFP4Experts.from_experts(float_experts(torch.float32)).to(dtype)
     m.activation = partial(clamped_swiglu, alpha=1.702, limit=7.0, interleaved=interleaved)
-    x = torch.randn(rows, H, generator=torch.Generator().manual_seed(3)).to(dtype)
-    weights, ids = routing(rows)
-    with torch.no_grad():
-        expected = grouped_experts(x, weights, ids, E, m.expert)
-        no_torch_path(monkeypatch)
-        got = m(x, weights, ids)
-    assert_near(got, expected, dtype)
+    native_matches_torch(m, rows, 3, dtype, monkeypatch)
 
 
 @needs_native
