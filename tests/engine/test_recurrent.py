@@ -27,6 +27,15 @@ from tests.oracles.test_mamba2 import BASE as MAMBA2
 FAMILIES = {"Mamba2": MAMBA2, "Bamba": BAMBA, "GraniteMoeHybrid": GRANITE, "FalconH1": FALCON_H1}
 LENGTHS = (5, 17, 33, 600)
 STEPS = 6
+# 16 blocks of 4 tokens and a 24-token budget for six requests of up to 39 tokens: preemptions
+PRESSURE: dict[str, Any] = dict(
+    dtype="float32",
+    skip_tokenizer_init=True,
+    max_model_len=64,
+    block_size=4,
+    num_kv_blocks=16,
+    max_num_batched_tokens=24,
+)
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -84,16 +93,7 @@ def test_preemption_recomputes_from_a_zeroed_slot(family: Any) -> None:
     """16 blocks of 4 tokens cannot hold six requests of up to 39 tokens at once: some are
     preempted (their slots freed) and recomputed from zeroed slots."""
     _, path, _, prompts, want = family
-    llm = LLM(
-        str(path),
-        dtype="float32",
-        skip_tokenizer_init=True,
-        max_model_len=64,
-        block_size=4,
-        num_kv_blocks=16,
-        max_num_batched_tokens=24,
-        enable_prefix_caching=False,
-    )
+    llm = LLM(str(path), **PRESSURE, enable_prefix_caching=False)
     assert _greedy(llm, prompts[:3] * 2) == [[w] for w in want[:3] * 2]
     assert llm.engine.metrics()["num_preemptions"] > 0
     _assert_pools_empty(llm)
@@ -306,17 +306,7 @@ def test_invariants_hold_every_step_under_pressure(family: Any) -> None:
     samples forked from one prompt: after every step the slots, snapshots and blocks account
     for their pools, and the tokens are transformers'."""
     _, path, _, prompts, want = family
-    llm = LLM(
-        str(path),
-        dtype="float32",
-        skip_tokenizer_init=True,
-        max_model_len=64,
-        block_size=4,
-        num_kv_blocks=16,
-        max_num_batched_tokens=24,
-        state_snapshot_interval=8,
-        num_state_snapshots=2,
-    )
+    llm = LLM(str(path), **PRESSURE, state_snapshot_interval=8, num_state_snapshots=2)
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True)
     got: dict[str, list[int]] = {}
