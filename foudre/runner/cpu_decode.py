@@ -88,6 +88,7 @@ class NativeDecode:
     def __init__(
         self,
         model: LlamaForCausalLM,
+        layers: Sequence[DecodeParts],
         kv_caches: Sequence[torch.Tensor | QuantizedKVCache | RecurrentCache],
         fn: Any,
         block_size: int,
@@ -99,7 +100,6 @@ class NativeDecode:
         self.fn = fn
         self.dtype = model.model.embed_tokens.weight.dtype
         self.max_rows = MAX_ROWS[self.dtype]  # where the float projections' kernel stops paying
-        layers = [cast(DecodeParts, declared_parts(layer)) for layer in model.model.layers]
         self._attention(layers, kv_caches)
         self.dims = (
             cfg.hidden_size,
@@ -148,7 +148,7 @@ class NativeDecode:
         self._hold_caches(kv_caches, block_size)
         self.descriptors, self.layers = layout.tensors()
         if checks.quantized:
-            self._quantized_rows(model)
+            self._quantized_rows(model, layers)
         self._hold_head(model, layout)
 
     def _attention(
@@ -169,13 +169,13 @@ class NativeDecode:
         self.window = min((w for w in windows if w is not None), default=None)
         self.scale = attns[0].scale if attns else 1.0
 
-    def _quantized_rows(self, model: LlamaForCausalLM) -> None:
+    def _quantized_rows(self, model: LlamaForCausalLM, layers: Sequence[DecodeParts]) -> None:
         """Where QuantLinear's forward switches to its dequantized GEMM, so do the steps; with
         every projection quantized (and no experts) up to there, as the float kernel's limit
         then does not apply (32-row int8 steps: 5% more throughput than in Python); and where
         it turns to aten's kernels (``QuantLinear.native_rows``)."""
         quantized = self.checks.quantized
-        all_quantized = len(quantized) == len(_projections(model)) and not self.blocks
+        all_quantized = len(quantized) == len(_projections(model, layers)) and not self.blocks
         limit = min(m.native_rows() for m, _ in quantized)
         self.max_rows = limit if all_quantized else min(self.max_rows, limit)
 
@@ -271,7 +271,7 @@ class NativeDecode:
             return None
         if not _caches_supported(kv_caches, layers, dtype, cfg):
             return None
-        if not (_modules_supported(model, dtype) and _shapes_supported(model, layers)):
+        if not (_modules_supported(model, layers, dtype) and _shapes_supported(model, layers)):
             return None
         if not _ends_supported(model, dtype, layers):
             return None
@@ -280,7 +280,7 @@ class NativeDecode:
             return None  # (the caches' blocks are what the slots index)
         if block_size is None:
             block_size = _stored(kv[0]).shape[2] if kv else 1
-        return cls(model, kv_caches, fn, block_size, padding_state_slot, group_of_layer)
+        return cls(model, layers, kv_caches, fn, block_size, padding_state_slot, group_of_layer)
 
     def can_run(self, step: ForwardStep) -> bool:
         """Whether this step can run here: decode rows only, few enough, contexts within the
@@ -857,7 +857,9 @@ def _pool_supported(cache: object, mixer: Mamba2Mixer, dtype: torch.dtype) -> bo
     return conv.is_contiguous() and ssm.is_contiguous() and conv.shape[0] == ssm.shape[0]
 
 
-def _modules_supported(model: LlamaForCausalLM, dtype: torch.dtype) -> bool:
+def _modules_supported(
+    model: LlamaForCausalLM, layers: Sequence[DecodeParts], dtype: torch.dtype
+) -> bool:
     """Whether every module of the decoder layers is one the C++ layers compute as its
     ``forward`` does: a layer that declares its parts (``decode_parts``), the part classes they
     know, quantized projections on ``cpu_qmatmul``, no hook, parameters contiguous in ``dtype``
@@ -871,7 +873,7 @@ def _modules_supported(model: LlamaForCausalLM, dtype: torch.dtype) -> bool:
         Experts, QuantLinear, Mamba2Mixer, nn.Conv1d, GatedRMSNorm, GraniteAttention,
         Gemma3Attention, GeGLUMLP, OffsetRMSNorm,
     )  # fmt: skip
-    projections = _projections(model)
+    projections = _projections(model, layers)
     for module in model.model.layers.modules():
         if type(module) not in allowed and "decode_parts" not in type(module).__dict__:
             return False  # a replaced layer (quantized experts, ...)
@@ -1017,13 +1019,14 @@ def _codes_dtype(cache: torch.Tensor | QuantizedKVCache) -> torch.dtype | None:
 _KV_CODES = {"int8": 1, "fp8": 2}
 
 
-def _projections(model: LlamaForCausalLM) -> dict[nn.Module, tuple[int, int]]:
-    """The decoder layers' projections the C++ layers may run quantized, with the (in, out)
-    features they take."""
+def _projections(
+    model: LlamaForCausalLM, layers: Sequence[DecodeParts]
+) -> dict[nn.Module, tuple[int, int]]:
+    """The decoder layers' projections (of ``layers``, their declared parts) the C++ layers
+    may run quantized, with the (in, out) features they take."""
     cfg = model.config
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     found: dict[nn.Module, tuple[int, int]] = {}
-    layers = [p for p in map(declared_parts, model.model.layers) if p is not None]
     inter = _intermediate(layers)  # the one size the C++ runs every dense MLP at
     for parts in layers:
         attn, mamba, mlp = parts.attn, parts.mamba, parts.mlp
