@@ -623,8 +623,10 @@ class ModelRunner:
             return StepOutput()
         out = self.sample(logits, sampling)
         if verifying:  # a row that rejected drafts: its state after the first token
-            back = zip(out.request_ids, out.num_draft_tokens, out.num_accepted, strict=True)
-            self.copy_states([verifying[r] for r, d, a in back if a < d and r in verifying])
+            rows_back = zip(out.request_ids, out.num_draft_tokens, out.num_accepted, strict=True)
+            back = [verifying[r] for r, d, a in rows_back if a < d and r in verifying]
+            if back:
+                self.copy_states(back)
         return out
 
     def _verified_states(
