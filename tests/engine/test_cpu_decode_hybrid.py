@@ -229,3 +229,25 @@ def test_native_decode_steps_aside_when_a_mixer_changes(tmp_path: Path) -> None:
     assert not native.can_run(
         ForwardStep([[3]], [4], [[5]], [1], state_slots=[0], state_snapshots=[(0, 1, 7)])
     )
+
+
+def test_native_decode_refuses_slots_outside_the_pools(tmp_path: Path) -> None:
+    """A row's state slot, or a snapshot's, outside the pools: a typed error naming them,
+    before any layer runs (every state slot and page left as it was)."""
+    path = save_random("Mamba2", {**MAMBA2, "max_position_embeddings": 512}, tmp_path / "m")
+    runner = _llm(path, "float32").engine.runner
+    native = runner.decode_path
+    assert isinstance(native, NativeDecode)
+    before = [t.clone() for t in _pools(runner)]
+    pools = native.num_state_slots
+    bad = [
+        ForwardStep([[3]], [4], [[5]], [1], state_slots=[pools]),
+        ForwardStep([[3]], [4], [[5]], [1], state_slots=[-1]),
+        ForwardStep([[3]], [4], [[5]], [1], state_slots=[0], state_snapshots=[(0, 0, pools)]),
+    ]
+    with torch.inference_mode():
+        for step in bad:
+            with pytest.raises(IndexError, match="recurrent state slot"):
+                native.run(step)
+    for t, b in zip(_pools(runner), before, strict=True):
+        assert torch.equal(t, b)
