@@ -17,9 +17,12 @@ foudre keeps Q8_0.
 
 from __future__ import annotations
 
+import atexit
+import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -45,16 +48,74 @@ pytestmark = pytest.mark.skipif(
 CPU = torch.device("cpu")
 PROMPT = [1, 17, 250, 3, 99, 180, 42, 42, 7, 200, 12, 5, 211, 64, 128, 33, 9, 100, 2, 77]
 
-# the converter, its BPE pre-tokenizer check answered "gpt-2" or $PRE (the module's docstring)
+# The converter in one child process a test worker, which imports it (torch, transformers,
+# gguf: seconds) once and then converts as asked, a job a line (a JSON list of the arguments
+# and the pre-tokenizer name: the BPE pre-tokenizer check answered with that name, the module's
+# docstring), each job in a fork of it; it answers a line with the job's exit status, the log
+# going to the file the parent gave.
 _CHILD = """
-import os, runpy, sys
+import json, os, runpy, sys, traceback
 sys.path.insert(0, sys.argv[1])
 from conversion import base
-base.TextModel.get_vocab_base_pre = lambda self, tokenizer: os.environ.get("PRE", "gpt-2")
+from transformers import AutoConfig, AutoTokenizer  # (what each job would import again)
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: os.environ["PRE"]
 script = sys.argv[1] + "/convert_hf_to_gguf.py"
-sys.argv = [script, *sys.argv[2:]]
-runpy.run_path(script, run_name="__main__")
+answers = os.fdopen(os.dup(1), "w")
+os.dup2(2, 1)  # (what the converter prints goes to the log)
+for line in sys.stdin:
+    args, os.environ["PRE"] = json.loads(line)
+    pid = os.fork()  # a job in a fork: what the converter sets on its classes dies with it
+    if pid == 0:
+        sys.argv = [script, *args]
+        try:
+            runpy.run_path(script, run_name="__main__")
+            status = 0
+        except SystemExit as e:
+            status = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
+        except BaseException:
+            traceback.print_exc()
+            status = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    answers.write(json.dumps(status) + "\\n")
+    answers.flush()
 """
+_converter: list[Any] = []  # [the child, its log file] once started
+
+
+def _child() -> tuple[subprocess.Popen[str], Path]:
+    """The converter's child process of this test process (started on first use)."""
+    if not _converter or _converter[0].poll() is not None:
+        log = Path(tempfile.mkstemp(prefix="foudre-convert-", suffix=".log")[1])
+        child = subprocess.Popen(
+            [sys.executable, "-c", _CHILD, str(SRC)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log.open("w"),
+            text=True,
+        )
+        atexit.register(child.kill)
+        atexit.register(log.unlink, missing_ok=True)
+        _converter[:] = [child, log]
+    return _converter[0], _converter[1]
+
+
+def convert(src: Path, outtype: str, out: Path, *args: str, pre: str = "gpt-2") -> Path:
+    """``src`` converted by llama.cpp's converter to ``out`` (``--outtype outtype``)."""
+    child, log = _child()
+    start = log.stat().st_size
+    job = [str(src), "--outtype", outtype, *args, "--outfile", str(out)]
+    assert child.stdin is not None and child.stdout is not None
+    child.stdin.write(json.dumps([job, pre]) + "\n")
+    child.stdin.flush()
+    answer = child.stdout.readline()
+    if answer.strip() != "0":
+        with log.open() as f:
+            f.seek(start)
+            raise AssertionError(f"convert_hf_to_gguf.py failed:\n{f.read()[-4000:]}")
+    return out
 
 
 def _byte_bpe(path: Path) -> None:
@@ -69,16 +130,6 @@ def _byte_bpe(path: Path) -> None:
     tok.decoder = decoders.ByteLevel()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="!", eos_token='"')
     fast.save_pretrained(path)
-
-
-def convert(src: Path, outtype: str, out: Path, *args: str, pre: str = "gpt-2") -> Path:
-    """``src`` converted by llama.cpp's converter to ``out`` (``--outtype outtype``)."""
-    cmd = [sys.executable, "-c", _CHILD, str(SRC), str(src), "--outtype", outtype, *args]
-    env = {**os.environ, "PRE": pre}
-    proc = subprocess.run([*cmd, "--outfile", str(out)], capture_output=True, text=True, env=env)
-    if proc.returncode:
-        raise AssertionError(f"convert_hf_to_gguf.py failed:\n{proc.stderr[-4000:]}")
-    return out
 
 
 def hf_model(path: Path, arch: str, bpe: bool = False, **overrides: Any) -> Path:
