@@ -11,7 +11,11 @@ config (no network; ``MODELS``) and cached under ``common.CACHE / "recurrent"``:
   shared MLP), 36 layers of which 6 attention (one in six, no positions as Granite 4.0 has
   them), the others Mamba-2 (hidden 1024, 32 heads of 64, d_state 128; 505M);
 - ``llama``: the 494.7M Llama of ``common.MEDIUM`` with its context raised to 16k: the
-  transformer of the same size, for the flat-decode and memory comparisons.
+  transformer of the same size, for the flat-decode and memory comparisons;
+- ``falcon_h1`` (on request: ``--models falcon_h1``): ``FalconH1ForCausalLM`` of Falcon-H1-0.5B's
+  shape (hidden 1024, 36 layers each with attention, 8 heads of 64, 2 KV heads, beside a Mamba-2
+  mixer of 24 heads of 64, d_state 128, and a 2048-wide MLP; 519M), transformers' muP
+  multipliers at their defaults.
 
 llama.cpp converts each with its own converter (``common.convert_gguf``: bf16, the Llama 2
 sentencepiece vocabulary its 32,000 ids stand for; ``mamba2`` and ``granitehybrid`` GGUFs).
@@ -130,6 +134,24 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
         ),
     ),
 }
+MODELS["falcon_h1"] = (
+    "falcon_h1",
+    dict(
+        _COMMON,
+        **_MAMBA,
+        hidden_size=1024,
+        num_hidden_layers=36,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        intermediate_size=2048,
+        mamba_d_ssm=1536,
+        mamba_n_heads=24,
+        max_position_embeddings=16384,
+        rms_norm_eps=1e-5,
+    ),
+)
+DEFAULT_MODELS = ["mamba2", "hybrid", "llama"]
 # --quick: the same models, tiny (a vocabulary of 32,000 still, for the tokenizer)
 _TINY: dict[str, dict[str, Any]] = {
     "mamba2": dict(hidden_size=128, num_hidden_layers=2, num_heads=4, state_size=16),
@@ -150,6 +172,16 @@ _TINY: dict[str, dict[str, Any]] = {
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
+    ),
+    "falcon_h1": dict(
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        head_dim=32,
+        intermediate_size=256,
+        mamba_d_ssm=256,
+        mamba_n_heads=4,
+        mamba_d_state=16,
     ),
 }
 QUICK = dict(long=2048, short=256, decode_tokens=8, batch=32, batch_input=64, batch_output=16)
@@ -174,12 +206,18 @@ def implied_memory(name: str, quick: bool) -> dict[str, int]:
         mamba = c["num_hidden_layers"] - attention
         heads, head_dim, state = c["mamba_n_heads"], c["mamba_d_head"], c["mamba_d_state"]
         inner, groups, conv = heads * head_dim, c["mamba_n_groups"], c["mamba_d_conv"]
+    elif model_type == "falcon_h1":  # attention and a Mamba-2 mixer in every layer
+        attention = mamba = c["num_hidden_layers"]
+        heads, head_dim, state = c["mamba_n_heads"], c["mamba_d_head"], c["mamba_d_state"]
+        inner, groups, conv = c["mamba_d_ssm"], c["mamba_n_groups"], c["mamba_d_conv"]
     else:
         mamba, attention = 0, c["num_hidden_layers"]
         heads = head_dim = state = inner = groups = conv = 0
     conv_dim = inner + 2 * groups * state
     per_layer = (conv - 1) * conv_dim * 2 + heads * head_dim * state * 4
     kv_head = c["hidden_size"] // c.get("num_attention_heads", 1)
+    if model_type == "falcon_h1":
+        kv_head = c["head_dim"]
     per_token = attention * 2 * c.get("num_key_value_heads", 0) * kv_head * 2
     return {"state_bytes_per_request": mamba * per_layer, "kv_bytes_per_token": per_token}
 
@@ -366,7 +404,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny models, short contexts, 1 round")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    ap.add_argument("--models", nargs="+", default=DEFAULT_MODELS, choices=MODELS)
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--long", type=int, default=8192, help="the long context and prefill")
     ap.add_argument("--short", type=int, default=1024, help="the short prefill")

@@ -33,6 +33,7 @@ from torch import nn
 from foudre.attention import AttentionBackend
 from foudre.attention.base import GroupedMetadata
 from foudre.attention.cache_spec import CacheSpec, FullAttentionSpec
+from foudre.layers import fused
 from foudre.layers.mamba import Mamba2Mixer, Mamba2Shape
 from foudre.layers.mlp import GatedMLP
 from foudre.layers.moe import SparseMoeBlock
@@ -40,7 +41,7 @@ from foudre.layers.norm import RMSNorm
 from foudre.layers.rotary import RotaryEmbedding
 from foudre.models.bamba import bamba_names
 from foudre.models.config import ModelConfig
-from foudre.models.llama import Attention, LlamaForCausalLM, LlamaModel
+from foudre.models.llama import Attention, DecodeParts, LlamaForCausalLM, LlamaModel
 from foudre.models.mamba2 import mamba_shape
 
 
@@ -66,15 +67,23 @@ class FalconH1Mixer(Mamba2Mixer):
 
 
 class FalconH1MLP(GatedMLP):
-    """``down_mult * down_proj(silu(gate_mult * gate) * up)``."""
+    """``down_mult * down_proj(silu(gate_mult * gate) * up)``: on the CPU the gate scaled in
+    place and ``fused.silu_mul`` (``GatedMLP``'s kernel, which the native decode step runs)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg.hidden_size, cfg.intermediate_size)
         self.gate_multiplier, self.down_multiplier = cfg.mlp_multipliers
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(up * F.silu(gate * self.gate_multiplier)) * self.down_multiplier
+        gate_up = self.gate_up_proj(x)
+        if fused.enabled(gate_up) and gate_up.dim() == 2:
+            if self.gate_multiplier != 1.0:
+                gate_up[:, : self.intermediate_size] *= self.gate_multiplier
+            act = fused.silu_mul(gate_up)
+        else:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            act = up * F.silu(gate * self.gate_multiplier)
+        return self.down_proj(act) * self.down_multiplier
 
 
 def falcon_mixer(cfg: ModelConfig) -> FalconH1Mixer:
@@ -95,6 +104,22 @@ class FalconH1DecoderLayer(nn.Module):
         self.feed_forward = FalconH1MLP(cfg)
         self.attn_in, self.attn_out = cfg.attention_in_multiplier, cfg.attention_out_multiplier
         self.ssm_out = cfg.ssm_out_multiplier
+
+    def decode_parts(self) -> DecodeParts | None:
+        """Both mixers on the one normed input, each with its multipliers (the keys' folded into
+        the attention's scale), then the pre-norm MLP with its own (None where the mixer or the
+        MLP was replaced by another kind)."""
+        mlp, mixer = self.feed_forward, self.mamba
+        if not isinstance(mlp, FalconH1MLP) or not isinstance(mixer, FalconH1Mixer):
+            return None
+        return DecodeParts(
+            self.input_layernorm, self.self_attn, mixer, self.pre_ff_layernorm, mlp,
+            parallel=True,
+            attn_multipliers=(self.attn_in, self.attn_out),
+            mamba_multipliers=(mixer.in_multiplier, self.ssm_out),
+            mamba_sections=tuple(mixer.sections),
+            mlp_multipliers=(mlp.gate_multiplier, mlp.down_multiplier),
+        )  # fmt: skip
 
     def forward(
         self,

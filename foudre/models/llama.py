@@ -45,7 +45,14 @@ class DecodeParts:
     normed, ``mixer_out_norm`` / ``mlp_out_norm``, before it is added); the mixer is attention
     (``attn``, rotating q and k by its own tables where ``rope``) or a Mamba-2 mixer
     (``mamba``); the MLP a ``GatedMLP`` (GeGLU where ``gelu``) or a ``SparseMoeBlock``;
-    ``offset``: every norm of the layer is Gemma's ``(1 + weight)`` form."""
+    ``offset``: every norm of the layer is Gemma's ``(1 + weight)`` form.
+
+    ``parallel`` (Falcon-H1): both mixers, ``attn`` and ``mamba``, on the one normed input, each
+    input times its multiplier (``attn_multipliers`` / ``mamba_multipliers``: (in, out)) and
+    each output times its own, ``x += mamba_out + attn_out``; ``mamba_sections``: (first, end,
+    multiplier) column ranges of in_proj's output scaled before the mixer's step;
+    ``mlp_multipliers``: (gate, down), the gate scaled before its SiLU, the MLP's output after
+    down_proj."""
 
     norm: nn.Module
     attn: Attention | None
@@ -58,6 +65,11 @@ class DecodeParts:
     gelu: bool = False
     mixer_out_norm: nn.Module | None = None
     mlp_out_norm: nn.Module | None = None
+    parallel: bool = False
+    attn_multipliers: tuple[float, float] = (1.0, 1.0)
+    mamba_multipliers: tuple[float, float] = (1.0, 1.0)
+    mamba_sections: tuple[tuple[int, int, float], ...] = ()
+    mlp_multipliers: tuple[float, float] = (1.0, 1.0)
 
 
 def declared_parts(layer: nn.Module) -> DecodeParts | None:

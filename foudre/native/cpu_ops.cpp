@@ -1006,6 +1006,7 @@ enum LayerPointer {
   kRouter, kExpertsGateUp, kExpertsDown, kCounts, kExperts, kTopK, kRenormalize, kMoeIntermediate,
   kMamba, kMambaWidth, kMambaInner, kResidual, kRope,
   kOffsetNorms, kGelu, kMixerOutNorm, kMlpOutNorm, kCos, kSin, kGroup, kOBias,
+  kParallel, kMixerIn, kMixerOut, kSections, kGateMult, kDownMult,  // Falcon-H1
   kLayerPointers
 };
 
@@ -1165,6 +1166,8 @@ void mlp_layer(const int64_t* p, const T* h, T* y, int64_t rows, int64_t hidden,
   if (dense_out != y) add_(y, dense_out, rows * hidden);
 }
 
+#include "decode_falcon_h1.h"
+
 // A decode step (one new token in each of `rows` rows) from the tokens `ids` to the final
 // hidden states: the rows of the embedding table `embed` [vocab, hidden] (times embed_scale
 // where it is not 1) as the residual stream, every decoder layer in place on it, then the final
@@ -1206,12 +1209,20 @@ int decode_layers(T* out, int64_t rows, const int64_t* layers, int64_t num_layer
   const int64_t D = head_dim, q_size = heads * D, qkv_width = q_size + 2 * kv_heads * D;
   std::vector<T> h(rows * hidden), qkv(rows * qkv_width), att(rows * q_size), y(rows * hidden),
       gate_up(rows * 2 * intermediate), act(rows * intermediate), proj(rows * width),
-      mixed(rows * inner), shared(rows * hidden);
+      mixed(rows * inner), shared(rows * hidden), in(rows * hidden);
   for (int64_t l = 0; l < num_layers; ++l) {
     const int64_t* p = layers + l * kLayerPointers;
     const auto w = [p](LayerPointer i) { return reinterpret_cast<const T*>(p[i]); };
     const float residual = float_bits(p[kResidual]);
     const bool offset = p[kOffsetNorms] != 0;
+    if (p[kParallel] != 0) {  // Falcon-H1: this row and the next, one layer
+      parallel_layer(p, p + kLayerPointers, a, s, x, rows, hidden, heads, kv_heads, D,
+                     intermediate, eps, ParallelScratch<T>{h.data(), in.data(), y.data(),
+                     shared.data(), qkv.data(), att.data(), proj.data(), mixed.data(),
+                     gate_up.data(), act.data()});
+      ++l;
+      continue;
+    }
     any_norm(offset, x, w(kInputNorm), h.data(), rows, hidden, hidden, eps);
     if (p[kMamba] != 0)
       mamba_layer(p, s, h.data(), y.data(), rows, hidden, proj.data(), mixed.data());

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import array
 import ctypes
+import dataclasses
 import itertools
 import operator
 import struct
@@ -129,12 +130,14 @@ class NativeDecode:
         owners = [model.model, *(m for m in modules if m._modules)]
         checks.children = [(m._modules, dict(m._modules)) for m in owners]
         layout = _Layout(checks, cpu_qmatmul.function(self.dtype), self.rotary)
-        groups = list(group_of_layer or [0] * len(layers))
-        self.groups = 1 + max((g for g, p in zip(groups, layers, strict=True) if p.attn), default=0)
-        for parts, cache, group in zip(layers, kv_caches, groups, strict=True):
+        rows = _cache_rows(layers)  # (a parallel layer: two, one a cache)
+        groups = list(group_of_layer or [0] * len(rows))
+        self.groups = 1 + max((g for g, p in zip(groups, rows, strict=True) if p.attn), default=0)
+        for parts, cache, group in zip(rows, kv_caches, groups, strict=True):
             layout.layer(parts, cache, group)
         self.blocks = layout.blocks  # the sparse layers' MLPs, which count
         self.mamba_params = layout.mamba_descriptors  # what the Mamba-2 layers' descriptors name
+        self.sections = layout.sections  # (the Falcon-H1 layers' in_proj sections, named too)
         if self.rotary is not None:
             for name in ("cos", "sin"):
                 table = self.rotary._buffers[name]
@@ -222,9 +225,9 @@ class NativeDecode:
         self.head: torch.Tensor | None = None  # its descriptor
         self.head_checks = _Checks()
         self.head_rows = self.head_features = 0
-        plain = type(model).compute_logits is _llama_logits()  # (Granite divides them)
+        self.head_multiplier = _head_multiplier(model)
         if (
-            plain
+            self.head_multiplier is not None
             and isinstance(head, QuantLinear)
             and _runs_quantized(head, self.dtype, (model.config.hidden_size, head.out_features))
         ):
@@ -261,15 +264,17 @@ class NativeDecode:
             return None  # olmoe's attention: the C++ layers' is Llama's
         dtype = model.model.embed_tokens.weight.dtype
         fn = fused.decode_layers_fn(dtype)
-        if fn is None or dtype not in MAX_ROWS or len(kv_caches) != len(model.model.layers):
+        if fn is None or dtype not in MAX_ROWS:
             return None
         parts = [declared_parts(layer) for layer in model.model.layers]
         if any(p is None for p in parts):
             return None
         layers = cast("list[DecodeParts]", parts)
+        if len(kv_caches) != len(_cache_rows(layers)):
+            return None
         if any(p.mamba for p in layers) and ssm_ops.mamba_step_fn(dtype) is None:
             return None
-        if not _caches_supported(kv_caches, layers, dtype, cfg):
+        if not _caches_supported(kv_caches, _cache_rows(layers), dtype, cfg):
             return None
         if not (_modules_supported(model, layers, dtype) and _shapes_supported(model, layers)):
             return None
@@ -334,6 +339,9 @@ class NativeDecode:
             return None
         logits = torch.empty(rows, self.head_features)  # float32: the C++ widens them
         self._call(step, logits)
+        multiplier = self.head_multiplier
+        if multiplier is not None and multiplier != 1.0:  # (Falcon-H1's, as compute_logits)
+            logits.mul_(multiplier)
         return logits
 
     def _call(self, step: ForwardStep, logits: torch.Tensor | None) -> torch.Tensor:
@@ -453,6 +461,7 @@ class _Layout:
         self.blocks: list[SparseMoeBlock] = []
         self.num_layers = 0
         self.mamba_descriptors: list[tuple[torch.Tensor, MambaDecodeParams]] = []
+        self.sections: list[torch.Tensor] = []  # parallel layers' in_proj sections (Falcon-H1)
 
     def hold(self, module: nn.Module | None, name: str, passed: bool = True) -> None:
         """Hold ``module``'s parameter ``name`` (absent too); pass its address if ``passed``."""
@@ -530,6 +539,29 @@ class _Layout:
         self._tables(None if attn is None or attn.rotary is self.rotary else attn.rotary)
         self.pointers.append(group if attn is not None else 0)
         hold(out, "bias")  # (attention's o_proj has none: _expected_shapes)
+        self._parallel(parts)
+
+    def _parallel(self, parts: DecodeParts) -> None:
+        """A row's Falcon-H1 entries (``decode_falcon_h1.h``): 1 for a parallel layer's
+        attention row, 2 for its mixer's (0 for any other layer), the row's mixer's (in, out)
+        multipliers, the mixer's in_proj sections (their descriptor, or 0) and the MLP's (gate,
+        down) multipliers (1 where the row has none)."""
+        bits = ssm_ops.float_bits
+        if not parts.parallel:
+            self.pointers += [0, bits(1.0), bits(1.0), 0, bits(1.0), bits(1.0)]
+            return
+        mixer = parts.attn is None
+        multipliers = parts.mamba_multipliers if mixer else parts.attn_multipliers
+        sections = 0
+        if mixer and parts.mamba_sections:
+            entries = [len(parts.mamba_sections)]
+            for lo, hi, m in parts.mamba_sections:
+                entries += [lo, hi, bits(m)]
+            held = torch.tensor(entries, dtype=torch.int64)
+            self.sections.append(held)
+            sections = held.data_ptr()
+        mlp = parts.mlp_multipliers if mixer else (1.0, 1.0)
+        self.pointers += [1 + int(mixer), *map(bits, multipliers), sections, *map(bits, mlp)]
 
     def _tables(self, rotary: RotaryEmbedding | None) -> None:
         """A layer's own RoPE tables (Gemma's sliding layers), held; 0, 0 for the step's."""
@@ -738,6 +770,7 @@ def _handles() -> int:
 def _model_classes() -> tuple[type[nn.Module], ...]:
     """The models whose forward (embedding, layers, final norm) the call computes."""
     from foudre.models.bamba import BambaForCausalLM
+    from foudre.models.falcon_h1 import FalconH1ForCausalLM
     from foudre.models.gemma3 import Gemma3ForCausalLM
     from foudre.models.granite_moe_hybrid import GraniteMoeHybridForCausalLM
     from foudre.models.llama import LlamaForCausalLM
@@ -751,6 +784,7 @@ def _model_classes() -> tuple[type[nn.Module], ...]:
         Mamba2ForCausalLM,
         BambaForCausalLM,
         GraniteMoeHybridForCausalLM,
+        FalconH1ForCausalLM,
     )
 
 
@@ -760,13 +794,27 @@ def _llama_logits() -> Any:
     return LlamaForCausalLM.compute_logits
 
 
+def _head_multiplier(model: LlamaForCausalLM) -> float | None:
+    """What the model's ``compute_logits`` multiplies the head's float32 logits by: 1 for
+    Llama's own, Falcon-H1's ``lm_head_multiplier``; None for another (Granite divides them)."""
+    from foudre.models.falcon_h1 import FalconH1ForCausalLM
+
+    compute = type(model).compute_logits
+    if compute is _llama_logits():
+        return 1.0
+    if compute is FalconH1ForCausalLM.compute_logits:
+        return float(model.config.lm_head_multiplier)
+    return None
+
+
 def _embedding_multiplier(model: LlamaForCausalLM) -> float:
-    """What ``model.embed`` multiplies the embedding rows by (Granite 4.0's
+    """What ``model.embed`` multiplies the embedding rows by (Granite 4.0's and Falcon-H1's
     ``embedding_multiplier``, Gemma's ``sqrt(hidden)`` in the model's dtype; 1 for the others)."""
+    from foudre.models.falcon_h1 import FalconH1ForCausalLM
     from foudre.models.gemma3 import Gemma3ForCausalLM, embed_scale
     from foudre.models.granite_moe_hybrid import GraniteMoeHybridForCausalLM
 
-    if isinstance(model, GraniteMoeHybridForCausalLM):
+    if isinstance(model, GraniteMoeHybridForCausalLM | FalconH1ForCausalLM):
         return float(model.config.embedding_multiplier)
     if isinstance(model, Gemma3ForCausalLM):
         return embed_scale(model.config.hidden_size, model.model.embed_tokens.weight.dtype)
@@ -788,6 +836,20 @@ def _intermediate(layers: Sequence[DecodeParts]) -> int:
         if dense is not None:
             return int(dense.down_proj.in_features)
     return 0
+
+
+def _cache_rows(layers: Sequence[DecodeParts]) -> list[DecodeParts]:
+    """The rows of the call's table, one a cache entry: a layer's parts, or for a parallel
+    layer (Falcon-H1: its KV cache at entry ``2 i``, its state at ``2 i + 1``) two rows, its
+    attention's (its KV cache and group) then its Mamba-2 mixer's with the MLP (its state)."""
+    rows: list[DecodeParts] = []
+    for p in layers:
+        if p.parallel:
+            attn = dataclasses.replace(p, mamba=None, post_norm=None, mlp=None)
+            rows += [attn, dataclasses.replace(p, attn=None)]
+        else:
+            rows.append(p)
+    return rows
 
 
 def _caches_supported(
@@ -849,6 +911,7 @@ def _modules_supported(
     ``forward`` does: a layer that declares its parts (``decode_parts``), the part classes they
     know, quantized projections on ``cpu_qmatmul``, no hook, parameters contiguous in ``dtype``
     on the CPU, the model's norm epsilon."""
+    from foudre.models.falcon_h1 import FalconH1Mixer, FalconH1MLP
     from foudre.models.gemma3 import GeGLUMLP, Gemma3Attention
     from foudre.models.granite_moe_hybrid import GraniteAttention
     from foudre.models.llama import Attention
@@ -857,6 +920,7 @@ def _modules_supported(
         nn.ModuleList, Attention, GatedMLP, Linear, RMSNorm, RotaryEmbedding, SparseMoeBlock,
         Experts, QuantLinear, Mamba2Mixer, nn.Conv1d, GatedRMSNorm, GraniteAttention,
         Gemma3Attention, GeGLUMLP, OffsetRMSNorm,
+        FalconH1Mixer, FalconH1MLP,  # (only in a parallel layer, whose parts say their multipliers)
     )  # fmt: skip
     projections = _projections(model, layers)
     for module in model.model.layers.modules():
