@@ -30,6 +30,7 @@ from foudre.layers.rotary import RotaryEmbedding
 from foudre.models.config import ModelConfig
 
 if TYPE_CHECKING:
+    from foudre.layers.gated_deltanet import GatedDeltaNet
     from foudre.layers.mamba import Mamba2Mixer
 
 
@@ -58,6 +59,10 @@ class DecodeParts:
     gelu: bool = False
     mixer_out_norm: nn.Module | None = None
     mlp_out_norm: nn.Module | None = None
+    # Qwen3-Next: a gated DeltaNet mixer (in place of attn and mamba), and the attention's
+    # output gate (``output_gate``: o times its sigmoid before o_proj)
+    deltanet: GatedDeltaNet | None = None
+    output_gate: nn.Module | None = None
 
 
 def declared_parts(layer: nn.Module) -> DecodeParts | None:
