@@ -14,15 +14,16 @@ roundings of ``models/llama.py``'s path through them, so the hidden states are t
 (tests/engine/test_cpu_decode.py checks that), from the embedding rows to the final norm, and on to
 the logits where the model's head is quantized (``run_logits``; a float head's logits stay in
 Python). A sparse layer (a mixture of experts: router and top-k experts, renormalised or not, a
-shared expert or none, gated by a sigmoid or not) runs ``moe_block``, the native call
-``layers/moe.py`` makes for it at decode sizes, and adds to the block's ``expert_tokens`` what its Python path would
+shared expert or none) runs ``moe_block``, the native call ``layers/moe.py`` makes for it
+at decode sizes, and adds to the block's ``expert_tokens`` what its Python path would
 (``_counted``). State-space and hybrid stacks too (``_parts``: Mamba-2's blocks, Bamba's and
 Granite 4.0's hybrid layers): a Mamba-2 layer runs ``in_proj``, ``foudre_mamba_step``
 (``native/cpu_ssm.cpp``: ``ssm_ops.mamba_decode``'s conv window, state update and gated norm on
 each row's state slot, then a decode row's snapshot copied) and ``out_proj``; Qwen3-Next's gated
 DeltaNet layers likewise (``foudre_deltanet_step``, the call ``GatedDeltaNet`` makes at decode:
 conv window, gates, delta rule, gated norm), its attention's output gated by a sigmoid before
-``o_proj`` (``fused.sigmoid_gate``, which its Python path calls too); attention layers
+``o_proj``, its shared experts' by the sigmoid of their gate (Qwen2-MoE's too), both by
+``fused.sigmoid_gate``, which the Python path calls too; attention layers
 rotate part of each head or none; Granite's multipliers scale the embedding and each sublayer's
 output with torch's rounding. It takes a step
 when every row is a decode row (one token each, no prefill chunk, no drafts), of at most

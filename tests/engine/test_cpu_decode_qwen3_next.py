@@ -24,6 +24,7 @@ from foudre.layers.gated_deltanet import GatedDeltaNet, GatedDeltaNetShape
 from foudre.layers.mamba import RecurrentBatch
 from foudre.runner.cpu_decode import NativeDecode
 from foudre.runner.step import ForwardStep
+from tests.conftest import make_hf_model
 from tests.engine.test_cpu_decode_hybrid import _both_paths, _counted, _llm, _pools
 from tests.oracles.ssm_models import prompt, save_random
 from tests.oracles.test_qwen3_next import BASE, CASES
@@ -216,3 +217,28 @@ def test_sigmoid_gate_equals_torch(dtype: torch.dtype) -> None:
         torch.testing.assert_close(fused.sigmoid_gate(x, gate), want, atol=tol, rtol=tol)
     with pytest.raises(ValueError, match="gate"):
         fused.sigmoid_gate(x, x[:, :3])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_qwen2_moe_gated_shared_expert_runs_natively(tmp_path: Path, dtype: str) -> None:
+    """Qwen2-MoE's sparse layers (the same sigmoid-gated shared expert, beside qkv biases), every
+    layer sparse (one intermediate size): its decode steps now run natively too, their logits,
+    KV pages and routers' counts the Python path's, bit for bit."""
+    path = make_hf_model(
+        tmp_path / "m",
+        "qwen2_moe",
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        max_position_embeddings=512,
+    )
+    runner = _llm(path, dtype).engine.runner
+    assert isinstance(runner.decode_path, NativeDecode)
+    tables, lens = [[3, 1], [2, 5]], [6, 11]
+    with torch.inference_mode():
+        logits = runner.forward(tables, [0, 0], [prompt(n, n) for n in lens], [1, 1])
+        assert logits is not None
+        new = [[int(t)] for t in logits.argmax(-1)]
+        got, want = _both_paths(runner, tables, lens, new, [1, 1], 0)
+    assert torch.equal(got, want)
