@@ -19,7 +19,7 @@ import torch
 
 from foudre import SamplingParams
 from foudre.attention.cache_spec import RecurrentCache
-from foudre.layers import fused, ssm_ops
+from foudre.layers import fused, gated_deltanet, ssm_ops
 from foudre.layers.gated_deltanet import GatedDeltaNet, GatedDeltaNetShape
 from foudre.layers.mamba import RecurrentBatch
 from foudre.runner.cpu_decode import NativeDecode
@@ -173,11 +173,18 @@ def test_native_decode_refuses_slots_outside_the_pools(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_deltanet_decode_equals_the_torch_ops(dtype: torch.dtype) -> None:
+def test_fused_deltanet_decode_equals_the_torch_ops(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The fused decode token (``ssm_ops.deltanet_decode``, which both paths now run) against
     the mixer's op-by-op path (torch ops around the delta-rule kernel) on random weights and
     states: the output, every conv window and delta-rule state slot, and a decode row's
     snapshot, equal within a float32 ulp or two before the last rounding."""
+    calls: list[int] = []
+    fused_call = gated_deltanet.deltanet_decode
+    monkeypatch.setattr(
+        gated_deltanet, "deltanet_decode", lambda *a: calls.append(1) or fused_call(*a)
+    )
     torch.manual_seed(0)
     shape = GatedDeltaNetShape(64, 2, 4, 8, 12, 4)
     mixer = GatedDeltaNet(shape)
@@ -194,6 +201,7 @@ def test_fused_deltanet_decode_equals_the_torch_ops(dtype: torch.dtype) -> None:
     torch_cache = RecurrentCache(conv.clone(), ssm.clone())
     with torch.inference_mode():
         got = mixer(x, fused_cache, batch)
+        assert calls == [1]  # (the fused call ran)
         mixer._decode_step = lambda *_: None  # type: ignore[method-assign]
         want = mixer(x, torch_cache, batch)
     tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
