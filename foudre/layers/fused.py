@@ -49,6 +49,8 @@ _SIGNATURES = {
     # mamba (a MambaStep), state_slots, num_state_slots, state_copies, num_copies; counted;
     # embed, embed_scale, vocab, ids, final_norm, final_offset (Gemma's norm); head (a QuantSlot
     # descriptor, or 0), head_n, logits
+    # x, gate, out, rows, n, gate_cols (Qwen3-Next's sigmoid gates)
+    "foudre_sigmoid_gate": [_P, _P, _P, _I64, _I64, _I64],
     "foudre_decode_layers": [
         *[_P, _I64, _P, *[_I64] * 6, _F],
         *[_P, _P, _I64, _I64, _P, _P, _I64],
@@ -348,4 +350,21 @@ def moe_block_unchecked(
         top_k, int(renormalize), gate_up.data_ptr(), down.data_ptr(), counts.data_ptr(),
         max(counted, 0), out.data_ptr(),
     )  # fmt: skip
+    return out
+
+
+def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """``x * torch.sigmoid(gate)`` rounded as torch rounds it (the sigmoid in the dtype, then the
+    product), for ``x [rows, n]`` and ``gate [rows, n]`` (a gate a channel) or ``[rows, 1]`` (a
+    gate a row): Qwen3-Next's gated attention and gated shared expert, which the native decode
+    step computes by the same C++ (``decode_qwen3_next.h``). ``enabled(x, gate)`` must hold."""
+    rows, n = x.shape
+    cols = gate.shape[-1]
+    if gate.shape != (rows, cols) or cols not in (1, n):
+        raise ValueError(f"sigmoid_gate: gate of shape {tuple(gate.shape)} for x {tuple(x.shape)}")
+    x, gate = x.contiguous(), gate.contiguous()
+    out = torch.empty_like(x)
+    _fn("foudre_sigmoid_gate", x.dtype)(
+        x.data_ptr(), gate.data_ptr(), out.data_ptr(), rows, n, cols
+    )
     return out

@@ -45,7 +45,13 @@ from torch import nn
 from foudre.attention.cache_spec import RecurrentCache, RecurrentStateSpec
 from foudre.layers.linear import Linear
 from foudre.layers.mamba import RecurrentBatch, causal_conv, snapshot_one_token_rows
-from foudre.layers.ssm_ops import gated_delta_rule_scan, gated_delta_rule_update, has_kernels
+from foudre.layers.ssm_ops import (
+    DeltaNetDecodeParams,
+    deltanet_decode,
+    gated_delta_rule_scan,
+    gated_delta_rule_update,
+    has_kernels,
+)
 
 # tokens per chunk of the chunked delta rule (the UT solve is quadratic in it)
 DELTA_CHUNK = 64
@@ -146,6 +152,33 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(s.num_v_heads))
         self.norm = NormThenGate(s.value_head_dim, s.eps)
         self.out_proj = Linear(s.value_dim, s.hidden_size, bias=False)
+        # (key, params): _decode_params' float32 copies, and what they were made from
+        self._decode: tuple[tuple[tuple[int, int], ...], DeltaNetDecodeParams] | None = None
+
+    def _decode_params(self) -> DeltaNetDecodeParams:
+        """The small parameters as ``ssm_ops.deltanet_decode`` reads them (float32 copies of
+        the conv weight, ``-exp(A_log)`` and ``dt_bias``; the norm's weight itself), kept while
+        the parameters stay where and as they are."""
+        s = self.shape
+        small = [self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight]
+        key = tuple((p.data_ptr(), p._version) for p in small)
+        if self._decode is not None and self._decode[0] == key:
+            return self._decode[1]
+        with torch.no_grad():
+            params = DeltaNetDecodeParams(
+                s.num_k_heads,
+                s.num_v_heads,
+                s.key_head_dim,
+                s.value_head_dim,
+                conv_w=self.conv1d.weight[:, 0, :].float().t().contiguous(),
+                a=-torch.exp(self.A_log.float()),
+                dt_bias=self.dt_bias.float().contiguous(),
+                norm_w=self.norm.weight,
+                eps=self.norm.eps,
+                scale=s.key_head_dim**-0.5,
+            )
+        self._decode = (key, params)
+        return params
 
     def _project(
         self, x: torch.Tensor
@@ -171,6 +204,10 @@ class GatedDeltaNet(nn.Module):
         batch names)."""
         s = self.shape
         t = x.shape[0]
+        if batch.is_decode:  # one C++ call between the projections (the CPU's kernels)
+            o = self._decode_step(x, cache, batch)
+            if o is not None:
+                return self.out_proj(o)
         mixed, z, b, a = self._project(x)
         weight = self.conv1d.weight[:, 0, :]
         mixed = F.silu(causal_conv(mixed, weight, None, cache.conv, batch))
@@ -196,6 +233,23 @@ class GatedDeltaNet(nn.Module):
             snapshot_one_token_rows(ssm, batch)
         o = self.norm(o.to(x.dtype), z)
         return self.out_proj(o.reshape(t, s.value_dim))
+
+    def _decode_step(
+        self, x: torch.Tensor, cache: RecurrentCache, batch: RecurrentBatch
+    ) -> torch.Tensor | None:
+        """A decode step's mixer up to out_proj in one C++ call (``ssm_ops.deltanet_decode``:
+        what the native decode step of ``runner/cpu_decode.py`` calls too, so both give the same
+        bits), the decode rows' snapshots copied after it; None where it does not run."""
+        if not (has_kernels(cache.ssm) and cache.ssm.is_cpu) or self.norm.weight.dtype != x.dtype:
+            return None
+        o = deltanet_decode(
+            cache, batch.slots, self.in_proj_qkvz(x), self.in_proj_ba(x), self._decode_params()
+        )
+        if o is not None and batch.snapshots:  # a decode row's: its state after the step
+            rows = batch.slots[batch.snap_row]
+            cache.conv[batch.snap_slots] = cache.conv[rows]
+            cache.ssm[batch.snap_slots] = cache.ssm[rows]
+        return o
 
 
 def delta_step(

@@ -507,6 +507,10 @@ class SparseMoeBlock(nn.Module):
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:
-                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+                gate = self.shared_expert_gate(x)
+                if fused.enabled(shared, gate):  # (the native decode step's C++: its bits)
+                    shared = fused.sigmoid_gate(shared, gate)
+                else:
+                    shared = torch.sigmoid(gate) * shared
             out = out + shared
         return out.reshape(*lead, self.hidden_size)

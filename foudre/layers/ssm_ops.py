@@ -79,6 +79,9 @@ _SIGNATURES["foudre_conv_update_bf16"] = _SIGNATURES["foudre_conv_update_f32"]
 _SIGNATURES["foudre_mamba_decode_f32"] = [_P, _I64, _P, _I64, _P, *[_I64] * 6, *[_P] * 5]
 _SIGNATURES["foudre_mamba_decode_f32"] += [_F, _F, _P, _I64, _F, _INT, _P, _I64, _P]
 _SIGNATURES["foudre_mamba_decode_bf16"] = _SIGNATURES["foudre_mamba_decode_f32"]
+# layer (a DeltaSlot descriptor), slots, rows, copies, num_copies, qkvz, ba, y
+_SIGNATURES["foudre_deltanet_step_f32"] = [_P, _P, _I64, _P, _I64, _P, _P, _P]
+_SIGNATURES["foudre_deltanet_step_bf16"] = _SIGNATURES["foudre_deltanet_step_f32"]
 
 
 @lru_cache(maxsize=1)
@@ -668,3 +671,96 @@ def gated_delta_rule_scan_reference(
             if offset == pos:
                 state[slot] = state[slots[row]]
     return o
+
+
+# ---------------------------------------------------------------- gated DeltaNet decode step
+
+
+def deltanet_step_fn(dtype: torch.dtype) -> int | None:
+    """The address of ``foudre_deltanet_step`` for ``dtype`` pools (float32, bfloat16): a gated
+    DeltaNet layer's decode token for the native decoder layers (``runner/cpu_decode.py``),
+    which call it with ``params.descriptor``; None where the C++ kernels do not build or are
+    off."""
+    dll = library()
+    if dll is None or dtype not in _CONV_SUFFIX:
+        return None
+    fn = getattr(dll, f"foudre_deltanet_step_{_CONV_SUFFIX[dtype]}")
+    return ctypes.cast(fn, ctypes.c_void_p).value
+
+
+@dataclass(frozen=True, slots=True)
+class DeltaNetDecodeParams:
+    """A gated DeltaNet mixer's sizes and small parameters as ``deltanet_step`` reads them:
+    float32 ``conv_w [window + 1, conv_dim]``, ``a = -exp(A_log)`` and ``dt_bias``; the gated
+    norm's ``norm_w`` in the model's dtype (its own parameter) and ``eps``; ``scale``: q's
+    (``key_head_dim ** -0.5``)."""
+
+    k_heads: int
+    v_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_w: torch.Tensor
+    a: torch.Tensor
+    dt_bias: torch.Tensor
+    norm_w: torch.Tensor
+    eps: float
+    scale: float
+
+    def descriptor(self, cache: RecurrentCache) -> list[int]:
+        """The layer as ``foudre_deltanet_step`` reads it (``DeltaSlot`` in
+        ``native/cpu_ssm.cpp``): the pools of ``cache`` at their slot strides, the sizes, the
+        parameters' addresses and the floats as their float32 bits."""
+        conv, ssm = cache.conv, cache.ssm
+        entries = [
+            conv.data_ptr(), conv.stride(0), ssm.data_ptr(), ssm.stride(0), self.k_heads,
+            self.v_heads, self.key_head_dim, self.value_head_dim, conv.shape[1],
+            self.conv_w.data_ptr(), self.a.data_ptr(), self.dt_bias.data_ptr(),
+            self.norm_w.data_ptr(), float_bits(self.eps), float_bits(self.scale),
+        ]  # fmt: skip
+        dll = library()
+        assert dll is None or len(entries) == dll.foudre_deltanet_slots(), "DeltaSlot drifted"
+        return entries
+
+
+def deltanet_decode(
+    cache: RecurrentCache,
+    slots: torch.Tensor,
+    qkvz: torch.Tensor,
+    ba: torch.Tensor,
+    params: DeltaNetDecodeParams,
+) -> torch.Tensor | None:
+    """A gated DeltaNet mixer's decode token per row between its projections, in one C++ call
+    (``foudre_deltanet_step``): from ``qkvz [R, k_heads * (2 dk + 2 r dv)]`` and ``ba [R, 2
+    v_heads]`` (the projections' per-key-head groups) through the conv window (``cache.conv
+    [S, window, conv_dim]``, rounded to the model's dtype, then SiLU, rounded), the gates, the
+    delta rule on ``cache.ssm [S, v_heads, dk, dv]`` float32 (q and k L2-normalised, q scaled)
+    and the gated RMSNorm, to ``y [R, v_heads * dv]`` in the model's dtype, the rows' slots
+    (distinct) updated in place. It rounds where the op-by-op path does. None where the C++
+    kernels do not run this (not a CPU float32 / bfloat16 pool of that dtype, autograd)."""
+    conv, state = cache.conv, cache.ssm
+    dtype = conv.dtype
+    if (
+        state.device.type != "cpu"
+        or dtype not in _CONV_SUFFIX
+        or qkvz.dtype != dtype
+        or ba.dtype != dtype
+        or params.norm_w.dtype != dtype
+        or state.dtype != torch.float32
+        or torch.is_grad_enabled()
+    ):
+        return None
+    dll = library()
+    if dll is None:
+        return None
+    rows = qkvz.shape[0]
+    _check_pool(state, slots, rows)
+    if not conv[0].is_contiguous():
+        raise ValueError("each slot of the conv pool must be contiguous")
+    qkvz, ba, slots = qkvz.contiguous(), ba.contiguous(), slots.contiguous()
+    layer = torch.tensor(params.descriptor(cache), dtype=torch.int64)
+    y = torch.empty(rows, params.v_heads * params.value_head_dim, dtype=dtype)
+    getattr(dll, f"foudre_deltanet_step_{_CONV_SUFFIX[dtype]}")(
+        layer.data_ptr(), slots.data_ptr(), rows, 0, 0, qkvz.data_ptr(), ba.data_ptr(),
+        y.data_ptr(),
+    )  # fmt: skip
+    return y

@@ -30,6 +30,7 @@ from foudre.layers.rotary import RotaryEmbedding
 from foudre.models.config import ModelConfig
 
 if TYPE_CHECKING:
+    from foudre.layers.gated_deltanet import GatedDeltaNet
     from foudre.layers.mamba import Mamba2Mixer
 
 
@@ -70,6 +71,10 @@ class DecodeParts:
     mamba_multipliers: tuple[float, float] = (1.0, 1.0)
     mamba_sections: tuple[tuple[int, int, float], ...] = ()
     mlp_multipliers: tuple[float, float] = (1.0, 1.0)
+    # Qwen3-Next: a gated DeltaNet mixer (in place of attn and mamba), and the attention's
+    # output gate (``output_gate``: o times its sigmoid before o_proj)
+    deltanet: GatedDeltaNet | None = None
+    output_gate: nn.Module | None = None
 
 
 def declared_parts(layer: nn.Module) -> DecodeParts | None:

@@ -32,6 +32,7 @@ from torch import nn
 
 from foudre.attention import AttentionBackend
 from foudre.attention.cache_spec import CacheSpec, FullAttentionSpec
+from foudre.layers import fused
 from foudre.layers.gated_deltanet import GatedDeltaNet, GatedDeltaNetShape
 from foudre.layers.linear import Linear
 from foudre.layers.mlp import GatedMLP
@@ -39,7 +40,13 @@ from foudre.layers.moe import SparseMoeBlock
 from foudre.layers.norm import OffsetRMSNorm
 from foudre.layers.rotary import RotaryEmbedding
 from foudre.models.config import ModelConfig
-from foudre.models.llama import LlamaForCausalLM, LlamaModel, sparse_block
+from foudre.models.llama import (
+    Attention,
+    DecodeParts,
+    LlamaForCausalLM,
+    LlamaModel,
+    sparse_block,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +67,11 @@ def deltanet_shape(cfg: ModelConfig) -> GatedDeltaNetShape:
 class GatedAttention(nn.Module):
     """Attention whose output is gated per channel by ``sigmoid(output_gate(x))``, with
     zero-centred q/k norms per head and (partial) RoPE."""
+
+    # (what the native decode step reads of an attention layer: it attends to every key, and
+    # no sinks join the softmax)
+    sliding_window: int | None = None
+    sinks: torch.Tensor | None = None
 
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
         super().__init__()
@@ -90,8 +102,11 @@ class GatedAttention(nn.Module):
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(positions, q, k)
         o = backend.forward(q, k, v, kv_cache, metadata, self.scale)
-        o = o.reshape(t, self.q_size) * torch.sigmoid(self.output_gate(x))
-        return self.o_proj(o)
+        o = o.reshape(t, self.q_size)
+        gate = self.output_gate(x)
+        if fused.enabled(o, gate):  # (the C++ the native decode step runs: the same bits)
+            return self.o_proj(fused.sigmoid_gate(o, gate))
+        return self.o_proj(o * torch.sigmoid(gate))
 
 
 class Qwen3NextDecoderLayer(nn.Module):
@@ -110,6 +125,22 @@ class Qwen3NextDecoderLayer(nn.Module):
             self.mlp = sparse_block(cfg)
         else:
             self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def decode_parts(self) -> DecodeParts:
+        """A pre-norm mixer (gated DeltaNet, or gated attention with partial RoPE), then a
+        pre-norm MLP (experts with a gated shared expert, or dense), every norm ``(1 + w)``."""
+        attn = self.self_attn
+        return DecodeParts(
+            self.input_layernorm,
+            cast("Attention | None", attn),
+            None,
+            self.post_attention_layernorm,
+            self.mlp,
+            rope=attn is not None,
+            offset=True,
+            deltanet=self.linear_attn,
+            output_gate=None if attn is None else attn.output_gate,
+        )
 
     def forward(
         self,

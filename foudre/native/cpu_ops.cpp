@@ -1007,6 +1007,7 @@ enum LayerPointer {
   kMamba, kMambaWidth, kMambaInner, kResidual, kRope,
   kOffsetNorms, kGelu, kMixerOutNorm, kMlpOutNorm, kCos, kSin, kGroup, kOBias,
   kParallel, kMixerIn, kMixerOut, kSections, kGateMult, kDownMult,  // Falcon-H1
+  kDeltaNet, kDeltaStep, kBA, kBAQuant, kBAWidth, kOGate, kOGateQuant, kSharedGate,  // Qwen3-Next
   kLayerPointers
 };
 
@@ -1062,6 +1063,8 @@ void any_norm(bool offset, const T* x, const T* w, T* out, int64_t rows, int64_t
   else
     rms_norm(x, w, out, rows, n, x_stride, eps);
 }
+
+#include "decode_qwen3_next.h"  // Qwen3-Next's gated DeltaNet layer and sigmoid gates
 
 // An attention layer's mixer over the normed rows h: q|k|v (q/k norms, RoPE), the new K/V into
 // the rows' slots, paged attention, o_proj into y [rows, hidden]
@@ -1119,6 +1122,8 @@ void attention_layer(const int64_t* p, const AttentionRows& a, const T* h, T* y,
     reinterpret_cast<PagedDecode>(const_cast<void*>(a.kernel))(
         qkv, k_cache, v_cache, att, a.tokens, tables, a.lens, rows, heads, kv_heads, D,
         a.block_size, a.table_width, qkv_width, q_size, block_stride, token_stride, a.scale);
+  if (p[kOGate] != 0 || p[kOGateQuant] != 0)  // (Qwen3-Next: qkv is free by now)
+    gate_attention(p, h, att, qkv, rows, hidden, q_size);
   project(quant(kOQuant), att, w(kO), static_cast<const T*>(nullptr), y, rows, hidden, q_size);
 }
 
@@ -1163,6 +1168,7 @@ void mlp_layer(const int64_t* p, const T* h, T* y, int64_t rows, int64_t hidden,
     silu_mul(gate_up, act, rows, intermediate, 2 * intermediate);
   project(quant(kDownQuant), act, w(kDown), static_cast<const T*>(nullptr), dense_out, rows,
           hidden, intermediate);
+  if (p[kSharedGate] != 0) gate_shared(p, h, dense_out, gate_up, rows, hidden);
   if (dense_out != y) add_(y, dense_out, rows * hidden);
 }
 
@@ -1226,6 +1232,8 @@ int decode_layers(T* out, int64_t rows, const int64_t* layers, int64_t num_layer
     any_norm(offset, x, w(kInputNorm), h.data(), rows, hidden, hidden, eps);
     if (p[kMamba] != 0)
       mamba_layer(p, s, h.data(), y.data(), rows, hidden, proj.data(), mixed.data());
+    else if (p[kDeltaNet] != 0)
+      deltanet_layer(p, s, h.data(), y.data(), rows, hidden, proj.data(), mixed.data());
     else
       attention_layer(p, a, h.data(), y.data(), rows, hidden, heads, kv_heads, D, eps,
                       qkv.data(), att.data());
@@ -1340,6 +1348,18 @@ int foudre_decode_layer_pointers() { return kLayerPointers; }
 
 FOUDRE_OPS(f32, float)
 FOUDRE_OPS(bf16, uint16_t)
+
+// Qwen3-Next's sigmoid gates for the Python path (decode_qwen3_next.h's sigmoid_gate)
+void foudre_sigmoid_gate_f32(const void* x, const void* gate, void* out, int64_t rows, int64_t n,
+                             int64_t gate_cols) {
+  sigmoid_gate(static_cast<const float*>(x), static_cast<const float*>(gate),
+               static_cast<float*>(out), rows, n, gate_cols);
+}
+void foudre_sigmoid_gate_bf16(const void* x, const void* gate, void* out, int64_t rows, int64_t n,
+                              int64_t gate_cols) {
+  sigmoid_gate(static_cast<const uint16_t*>(x), static_cast<const uint16_t*>(gate),
+               static_cast<uint16_t*>(out), rows, n, gate_cols);
+}
 
 // 0; -1 where this build has no such GEMM (AVX-512: torch's path); -2 out of memory
 int foudre_gemm_bf16(const void* x, int64_t x_stride, const void* w, const void* bias, void* y,

@@ -10,6 +10,8 @@
 //   foudre_gated_delta_*  the gated delta rule (gated DeltaNet): S = S exp(g);
 //                         S += beta k (v - S^T k)^T; o = S^T q, S [v_heads, dk, dv] float32;
 //                         one token a row (_update) or a prefill's rows token by token (_scan)
+//   foudre_deltanet_step_* a gated DeltaNet layer's decode token per row between its
+//                         projections (conv window, gates, delta rule, gated norm, snapshots)
 //
 // Each is a pass over the state (bound by memory bandwidth: a Mamba-2 layer of 32 heads x 64 x
 // 128 reads and writes 1 MiB a row), vectorized along the state's last dimension (d_state,
@@ -373,6 +375,128 @@ void mamba_step(const int64_t* p, const int64_t* slots, int64_t rows, const int6
   }
 }
 
+
+// ---------------------------------------------------------------- gated DeltaNet decode step
+// Qwen3-Next's gated DeltaNet, one decode token per row from its two projections' outputs to
+// what out_proj takes (layers/gated_deltanet.py calls it at decode, and so does the native
+// decode step of native/cpu_ops.cpp, through decode_qwen3_next.h: the same bits either way).
+
+// A gated DeltaNet layer as deltanet_step reads it (DeltaSlot order): its pools (conv window in
+// T, delta-rule state in float32) at their slot strides, the sizes, float32 copies of the conv
+// weight [window + 1, conv_dim], a = -exp(A_log) and dt_bias, the gated norm's weight (T: the
+// model's own parameter) and the floats (norm eps, q's scale) as their float32 bits.
+enum DeltaSlot { kDeltaConv, kDeltaConvStride, kDeltaState, kDeltaStateStride, kDeltaKHeads,
+                 kDeltaVHeads, kDeltaDk, kDeltaDv, kDeltaWindow, kDeltaConvW, kDeltaA,
+                 kDeltaDtBias, kDeltaNormW, kDeltaEps, kDeltaScale, kDeltaSlots };
+
+template <typename T>
+inline float rounded(float x) {  // x rounded to T (a cast to the model's dtype and back)
+  T t;
+  from_float(x, &t);
+  return to_float(t);
+}
+
+inline float sigmoid(float v) { return 1.0f / (1.0f + std::exp(-v)); }
+
+// One row's conv input (q | k | v of every key head, from in_proj_qkvz's per-key-head groups
+// q [dk] | k [dk] | v [r dv] | z [r dv]) through the conv window, rounded to T as the conv's
+// output, then SiLU rounded to T (F.silu on it) into mixed [conv_dim] float32; and the row's
+// gates from in_proj_ba's groups b [r] | a [r]: beta = sigmoid(b) rounded to T, g = a_h *
+// softplus(a + dt_bias). in, out: conv_dim scratch of T; acc: conv_dim floats.
+template <typename T>
+void delta_inputs(const int64_t* p, T* window_state, const T* qkvz, const T* ba, float* mixed,
+                  float* g, float* beta, T* in, T* out, float* acc) {
+  const int64_t hk = p[kDeltaKHeads], hv = p[kDeltaVHeads], dk = p[kDeltaDk], dv = p[kDeltaDv];
+  const int64_t r = hv / hk, key_dim = hk * dk, conv_dim = 2 * key_dim + hv * dv;
+  const int64_t group = 2 * dk + 2 * r * dv;
+  for (int64_t h = 0; h < hk; ++h) {
+    const T* src = qkvz + h * group;
+    std::memcpy(in + h * dk, src, dk * sizeof(T));
+    std::memcpy(in + key_dim + h * dk, src + dk, dk * sizeof(T));
+    std::memcpy(in + 2 * key_dim + h * r * dv, src + 2 * dk, r * dv * sizeof(T));
+  }
+  conv_row(window_state, conv_dim, p[kDeltaWindow], in,
+           reinterpret_cast<const float*>(p[kDeltaConvW]), nullptr, false, out, acc);
+  for (int64_t c = 0; c < conv_dim; ++c) mixed[c] = rounded<T>(silu(to_float(out[c])));
+  const float* a = reinterpret_cast<const float*>(p[kDeltaA]);
+  const float* dt_bias = reinterpret_cast<const float*>(p[kDeltaDtBias]);
+  for (int64_t h = 0; h < hv; ++h) {
+    const T* pair = ba + (h / r) * 2 * r + h % r;
+    beta[h] = rounded<T>(sigmoid(to_float(pair[0])));
+    g[h] = a[h] * softplus(to_float(pair[r]) + dt_bias[h]);
+  }
+}
+
+// The gated RMSNorm of one (row, v head): o rounded to T, normed in float32 and rounded, times
+// the weight in T, then times silu(z) in float32: y = T(T(w T(o / rms(o))) silu(z)).
+template <typename T>
+void delta_norm(const float* o, const T* z, const T* w, int64_t dv, float eps, T* y) {
+  float ss = 0.0f;
+  for (int64_t i = 0; i < dv; ++i) {
+    const float v = rounded<T>(o[i]);
+    ss += v * v;
+  }
+  const float inv = 1.0f / std::sqrt(ss / static_cast<float>(dv) + eps);
+  for (int64_t i = 0; i < dv; ++i) {
+    const float hn = rounded<T>(rounded<T>(o[i]) * inv);
+    const float hw = rounded<T>(to_float(w[i]) * hn);
+    from_float(hw * silu(to_float(z[i])), y + i);
+  }
+}
+
+// One decode token per row of the gated DeltaNet the descriptor p describes: qkvz [rows,
+// k_heads * (2 dk + 2 r dv)] and ba [rows, 2 v_heads] (T, contiguous) -> y [rows, v_heads * dv]
+// (T): the conv window, the gates, the delta rule on each row's state slot (q and k L2-normed,
+// q scaled), the gated norm; then the (source, destination) slot pairs `copies` copied in both
+// pools (the prefix cache's snapshots of decode rows: the state after the step).
+template <typename T>
+void deltanet_step(const int64_t* p, const int64_t* slots, int64_t rows, const int64_t* copies,
+                   int64_t num_copies, const T* qkvz, const T* ba, T* y) {
+  const int64_t hk = p[kDeltaKHeads], hv = p[kDeltaVHeads], dk = p[kDeltaDk], dv = p[kDeltaDv];
+  const int64_t r = hv / hk, key_dim = hk * dk, value_dim = hv * dv;
+  const int64_t conv_dim = 2 * key_dim + value_dim, group = 2 * dk + 2 * r * dv;
+  T* conv = reinterpret_cast<T*>(p[kDeltaConv]);
+  float* state = reinterpret_cast<float*>(p[kDeltaState]);
+  const int64_t conv_stride = p[kDeltaConvStride], state_stride = p[kDeltaStateStride];
+  std::vector<float> mixed(rows * conv_dim), g(rows * hv), beta(rows * hv), o(rows * value_dim);
+#pragma omp parallel if (rows > 1 && rows * conv_dim * p[kDeltaWindow] >= kParallelElements)
+  {
+    std::vector<T> in(conv_dim), out(conv_dim);
+    std::vector<float> acc(conv_dim);
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < rows; ++i)
+      delta_inputs(p, conv + slots[i] * conv_stride, qkvz + i * hk * group, ba + i * 2 * hv,
+                   mixed.data() + i * conv_dim, g.data() + i * hv, beta.data() + i * hv,
+                   in.data(), out.data(), acc.data());
+  }
+  const DeltaTokens in{hk,       hv,       dk,        dv, mixed.data(), conv_dim,
+                       mixed.data() + key_dim, conv_dim, mixed.data() + 2 * key_dim, conv_dim,
+                       g.data(), hv,       beta.data(), hv, bits_float(p[kDeltaScale]), true,
+                       o.data()};
+  const int64_t pairs = rows * hv;
+#pragma omp parallel if (pairs * dk * dv >= kParallelElements)
+  {
+    std::vector<float> buf(2 * dk + dv);
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < pairs; ++i)
+      delta_token(in, i / hv, i % hv, state + slots[i / hv] * state_stride + (i % hv) * dk * dv,
+                  buf.data());
+  }
+  const T* norm_w = reinterpret_cast<const T*>(p[kDeltaNormW]);
+  const float eps = bits_float(p[kDeltaEps]);
+  for (int64_t i = 0; i < pairs; ++i) {
+    const int64_t row = i / hv, h = i % hv;
+    const T* z = qkvz + row * hk * group + (h / r) * group + 2 * dk + r * dv + (h % r) * dv;
+    delta_norm(o.data() + i * dv, z, norm_w, dv, eps, y + i * dv);
+  }
+  for (int64_t i = 0; i < num_copies; ++i) {
+    const int64_t from = copies[2 * i], to = copies[2 * i + 1];
+    std::memcpy(conv + to * conv_stride, conv + from * conv_stride, conv_stride * sizeof(T));
+    std::memcpy(state + to * state_stride, state + from * state_stride,
+                state_stride * sizeof(float));
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -542,5 +666,21 @@ FOUDRE_MAMBA_STEP(bf16, uint16_t)
 // stride proj_stride) -> y [rows, heads * head_dim] (T, contiguous).
 FOUDRE_MAMBA_DECODE(f32, float)
 FOUDRE_MAMBA_DECODE(bf16, uint16_t)
+
+// Qwen3-Next's gated DeltaNet decode token per row (deltanet_step above): the conv window
+// [window, conv_dim] (T) and the state [v_heads, dk, dv] (float32) of each row's slot in place,
+// then the snapshot copies; qkvz and ba (T, contiguous) -> y [rows, v_heads * dv] (T).
+#define FOUDRE_DELTANET_STEP(SUFFIX, T)                                                          \
+  void foudre_deltanet_step_##SUFFIX(const int64_t* layer, const int64_t* slots, int64_t rows,   \
+                                     const int64_t* copies, int64_t num_copies,                  \
+                                     const void* qkvz, const void* ba, void* y) {                \
+    deltanet_step(layer, slots, rows, copies, num_copies, static_cast<const T*>(qkvz),           \
+                  static_cast<const T*>(ba), static_cast<T*>(y));                                \
+  }
+FOUDRE_DELTANET_STEP(f32, float)
+FOUDRE_DELTANET_STEP(bf16, uint16_t)
+
+// the entries of a gated DeltaNet layer's descriptor (ssm_ops.py checks its descriptors)
+int foudre_deltanet_slots() { return kDeltaSlots; }
 
 }  // extern "C"

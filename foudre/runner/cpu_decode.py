@@ -13,13 +13,17 @@ the same paged-attention kernel (``attention/cpu_paged_decode.cpp``), in the ord
 roundings of ``models/llama.py``'s path through them, so the hidden states are the same bits
 (tests/engine/test_cpu_decode.py checks that), from the embedding rows to the final norm, and on to
 the logits where the model's head is quantized (``run_logits``; a float head's logits stay in
-Python). A sparse layer (a mixture of experts: router and top-k experts, renormalised or not, an
-ungated shared expert or none) runs ``moe_block``, the native call ``layers/moe.py`` makes for it
+Python). A sparse layer (a mixture of experts: router and top-k experts, renormalised or not, a
+shared expert or none) runs ``moe_block``, the native call ``layers/moe.py`` makes for it
 at decode sizes, and adds to the block's ``expert_tokens`` what its Python path would
 (``_counted``). State-space and hybrid stacks too (``_parts``: Mamba-2's blocks, Bamba's and
 Granite 4.0's hybrid layers): a Mamba-2 layer runs ``in_proj``, ``foudre_mamba_step``
 (``native/cpu_ssm.cpp``: ``ssm_ops.mamba_decode``'s conv window, state update and gated norm on
-each row's state slot, then a decode row's snapshot copied) and ``out_proj``; attention layers
+each row's state slot, then a decode row's snapshot copied) and ``out_proj``; Qwen3-Next's gated
+DeltaNet layers likewise (``foudre_deltanet_step``, the call ``GatedDeltaNet`` makes at decode:
+conv window, gates, delta rule, gated norm), its attention's output gated by a sigmoid before
+``o_proj``, its shared experts' by the sigmoid of their gate (Qwen2-MoE's too), both by
+``fused.sigmoid_gate``, which the Python path calls too; attention layers
 rotate part of each head or none; Granite's multipliers scale the embedding and each sublayer's
 output with torch's rounding. It takes a step
 when every row is a decode row (one token each, no prefill chunk, no drafts), of at most
@@ -29,7 +33,7 @@ and 128 for 8 and 4 bits in groups of 32 there, 256 for int4 in groups of 64 in 
 with every projection quantized, ``MAX_ROWS`` does
 not apply), and with sliding windows while every row's context fits the narrowest window (its layers
 attend to every key); other steps, and models it cannot run (another dtype, quantized experts,
-another attention backend, hooks on a module, a gated shared expert, OLMoE's attention, a
+another attention backend, hooks on a module, OLMoE's attention, a
 vocabulary-parallel embedding), take the model's ``forward``. Quantized projections (``QuantLinear``
 on ``quant/cpu_qmatmul``: int8, GGUF's group-wise 8-bit, int4, int6) run the same kernel from C++,
 their bias added after, as ``QuantLinear.forward`` does. A quantized KV cache (int8 / fp8) is read
@@ -64,13 +68,14 @@ from foudre.attention.cache_spec import RecurrentCache
 from foudre.attention.kv_quant import STORAGE_DTYPES
 from foudre.attention.quantized_cache import QuantizedKVCache
 from foudre.layers import fused, ssm_ops
+from foudre.layers.gated_deltanet import GatedDeltaNet, NormThenGate
 from foudre.layers.linear import MAX_ROWS, Linear
 from foudre.layers.mamba import GatedRMSNorm, Mamba2Mixer
 from foudre.layers.mlp import GatedMLP
 from foudre.layers.moe import Experts, SparseMoeBlock
 from foudre.layers.norm import OffsetRMSNorm, RMSNorm
 from foudre.layers.rotary import RotaryEmbedding
-from foudre.layers.ssm_ops import MambaDecodeParams
+from foudre.layers.ssm_ops import DeltaNetDecodeParams, MambaDecodeParams
 from foudre.models.llama import DecodeParts, declared_parts
 from foudre.quant import cpu_qmatmul
 from foudre.quant.qlinear import QuantLinear, uses_native_kernels
@@ -116,6 +121,7 @@ class NativeDecode:
         self.embed_scale = _embedding_multiplier(model)
         self.final_offset = int(type(model.model.norm) is OffsetRMSNorm)
         self.mamba = (ssm_ops.mamba_step_fn(self.dtype) or 0) if any(p.mamba for p in layers) else 0
+        self.deltanet = any(p.deltanet for p in layers)  # (Qwen3-Next: state slots too)
         self.padding_state_slot = padding_state_slot
         embed, norm = model.model.embed_tokens, cast(RMSNorm, model.model.norm)
         modules = [*model.model.layers.modules(), embed, norm]
@@ -138,6 +144,7 @@ class NativeDecode:
         self.blocks = layout.blocks  # the sparse layers' MLPs, which count
         self.mamba_params = layout.mamba_descriptors  # what the Mamba-2 layers' descriptors name
         self.sections = layout.sections  # (the Falcon-H1 layers' in_proj sections, named too)
+        self.deltanet_params = layout.deltanet_descriptors  # (Qwen3-Next's gated DeltaNets')
         if self.rotary is not None:
             for name in ("cos", "sin"):
                 table = self.rotary._buffers[name]
@@ -274,6 +281,8 @@ class NativeDecode:
             return None
         if any(p.mamba for p in layers) and ssm_ops.mamba_step_fn(dtype) is None:
             return None
+        if any(p.deltanet for p in layers) and ssm_ops.deltanet_step_fn(dtype) is None:
+            return None
         if not _caches_supported(kv_caches, _cache_rows(layers), dtype, cfg):
             return None
         if not (_modules_supported(model, layers, dtype) and _shapes_supported(model, layers)):
@@ -393,7 +402,7 @@ class NativeDecode:
         """Each row's recurrent state slot (the rows past ``step.state_slots`` pad the step:
         the padding slot) and the snapshots' (source, destination) slot pairs: a decode row's
         state after the step copied into its snapshot slot."""
-        if not self.mamba:
+        if not self.mamba and not self.deltanet:
             return _NO_STATES, _NO_STATES
         slots = list(step.state_slots)
         slots += [self.padding_state_slot] * (len(step.token_ids) - len(slots))
@@ -462,6 +471,7 @@ class _Layout:
         self.num_layers = 0
         self.mamba_descriptors: list[tuple[torch.Tensor, MambaDecodeParams]] = []
         self.sections: list[torch.Tensor] = []  # parallel layers' in_proj sections (Falcon-H1)
+        self.deltanet_descriptors: list[tuple[torch.Tensor, DeltaNetDecodeParams]] = []
 
     def hold(self, module: nn.Module | None, name: str, passed: bool = True) -> None:
         """Hold ``module``'s parameter ``name`` (absent too); pass its address if ``passed``."""
@@ -509,8 +519,7 @@ class _Layout:
         attn, mamba, mlp = parts.attn, parts.mamba, parts.mlp
         sparse = mlp if isinstance(mlp, SparseMoeBlock) else None
         dense = _dense(mlp)  # (or a sparse block's shared expert)
-        into = attn.qkv_proj if attn is not None else cast(Mamba2Mixer, mamba).in_proj
-        out = attn.o_proj if attn is not None else cast(Mamba2Mixer, mamba).out_proj
+        into, out = _mixer_projections(parts)
         hold(parts.norm, "weight")
         hold(into, "weight")
         hold(into, "bias")
@@ -532,6 +541,7 @@ class _Layout:
         self.describe(None if dense is None else dense.down_proj)
         self._sparse(sparse)
         self._mamba(mamba, cache)
+        self.pointers[-2:] = _deltanet_widths(parts.deltanet) or self.pointers[-2:]
         self.pointers += [ssm_ops.float_bits(parts.residual), int(parts.rope)]
         self.pointers += [int(parts.offset), int(parts.gelu)]
         hold(parts.mixer_out_norm, "weight")
@@ -540,6 +550,7 @@ class _Layout:
         self.pointers.append(group if attn is not None else 0)
         hold(out, "bias")  # (attention's o_proj has none: _expected_shapes)
         self._parallel(parts)
+        _qwen3_next_entries(self, parts, cache)
 
     def _parallel(self, parts: DecodeParts) -> None:
         """A row's Falcon-H1 entries (``decode_falcon_h1.h``): 1 for a parallel layer's
@@ -776,6 +787,7 @@ def _model_classes() -> tuple[type[nn.Module], ...]:
     from foudre.models.llama import LlamaForCausalLM
     from foudre.models.mamba2 import Mamba2ForCausalLM
     from foudre.models.phi3 import Phi3ForCausalLM
+    from foudre.models.qwen3_next import Qwen3NextForCausalLM
 
     return (
         LlamaForCausalLM,
@@ -785,6 +797,7 @@ def _model_classes() -> tuple[type[nn.Module], ...]:
         BambaForCausalLM,
         GraniteMoeHybridForCausalLM,
         FalconH1ForCausalLM,
+        Qwen3NextForCausalLM,
     )
 
 
@@ -860,7 +873,7 @@ def _caches_supported(
     head_dim]`` on the CPU; the Mamba-2 layers' pools on the CPU, the conv window in ``dtype``,
     the state float32, each slot contiguous, all of as many slots."""
     kv = [c for c, p in zip(kv_caches, layers, strict=True) if p.attn is not None]
-    states = [(c, p.mamba) for c, p in zip(kv_caches, layers, strict=True) if p.mamba]
+    states = [(c, _recurrent(p)) for c, p in zip(kv_caches, layers, strict=True) if _recurrent(p)]
     if len(kv) + len(states) != len(layers):
         return False
     if not all(_pool_supported(c, m, dtype) for c, m in states):
@@ -888,10 +901,12 @@ def _caches_supported(
     return True
 
 
-def _pool_supported(cache: object, mixer: Mamba2Mixer, dtype: torch.dtype) -> bool:
+def _pool_supported(
+    cache: object, mixer: Mamba2Mixer | GatedDeltaNet | None, dtype: torch.dtype
+) -> bool:
     """Whether ``cache`` is the pools of ``mixer``'s state as the C++ reads them: the conv
     windows in ``dtype`` and the states in float32, contiguous on the CPU, of its sizes."""
-    if not isinstance(cache, RecurrentCache):
+    if not isinstance(cache, RecurrentCache) or mixer is None:
         return False
     conv, ssm = cache
     if not (conv.is_cpu and ssm.is_cpu) or conv.dtype != dtype or ssm.dtype != torch.float32:
@@ -916,12 +931,13 @@ def _modules_supported(
     from foudre.models.granite_moe_hybrid import GraniteAttention
     from foudre.models.llama import Attention
 
-    allowed = (
+    allowed: tuple[type[nn.Module], ...] = (
         nn.ModuleList, Attention, GatedMLP, Linear, RMSNorm, RotaryEmbedding, SparseMoeBlock,
         Experts, QuantLinear, Mamba2Mixer, nn.Conv1d, GatedRMSNorm, GraniteAttention,
         Gemma3Attention, GeGLUMLP, OffsetRMSNorm,
         FalconH1Mixer, FalconH1MLP,  # (only in a parallel layer, whose parts say their multipliers)
     )  # fmt: skip
+    allowed += _qwen3_next_classes()
     projections = _projections(model, layers)
     for module in model.model.layers.modules():
         if type(module) not in allowed and "decode_parts" not in type(module).__dict__:
@@ -1004,6 +1020,7 @@ def _expected_shapes(
         put(mamba.norm, "weight", s.intermediate_size)
         put(mamba.out_proj, "weight", hidden, s.intermediate_size)
         put(mamba.out_proj, "bias", hidden)
+    _qwen3_next_shapes(parts, cfg, put)
     dense = _dense(mlp)
     if dense is not None:
         put(dense.gate_up_proj, "weight", 2 * intermediate, hidden)
@@ -1090,6 +1107,7 @@ def _projections(
         if dense is not None:
             found[dense.gate_up_proj] = (cfg.hidden_size, 2 * inter)
             found[dense.down_proj] = (inter, cfg.hidden_size)
+        found.update(_qwen3_next_projections(parts, cfg))
     return found
 
 
@@ -1135,3 +1153,113 @@ def _cache_pointers(cache: torch.Tensor | QuantizedKVCache) -> list[int]:
             _KV_CODES[cache.kind],
         ]
     return [cache[0].data_ptr(), cache[1].data_ptr(), 0, 0, 0]
+
+
+# ---------------------------------------------------------------- Qwen3-Next
+
+
+def _recurrent(parts: DecodeParts) -> Mamba2Mixer | GatedDeltaNet | None:
+    """A layer's recurrent mixer (its state pools), if it has one."""
+    return parts.mamba if parts.mamba is not None else parts.deltanet
+
+
+def _mixer_projections(parts: DecodeParts) -> tuple[Linear, Linear]:
+    """The mixer's projections at kQKV and kO: attention's qkv_proj and o_proj, a Mamba-2
+    mixer's in_proj and out_proj, a gated DeltaNet's in_proj_qkvz and out_proj."""
+    attn, mamba, delta = parts.attn, parts.mamba, parts.deltanet
+    if attn is not None:
+        return attn.qkv_proj, attn.o_proj
+    if delta is not None:
+        return delta.in_proj_qkvz, delta.out_proj
+    mixer = cast(Mamba2Mixer, mamba)
+    return mixer.in_proj, mixer.out_proj
+
+
+def _deltanet_widths(delta: GatedDeltaNet | None) -> list[int] | None:
+    """A gated DeltaNet's kMambaWidth (both its input projections' outputs, which the step's
+    buffer holds one after the other) and kMambaInner (out_proj's inputs); None for others."""
+    if delta is None:
+        return None
+    s = delta.shape
+    return [2 * s.key_dim + 2 * s.value_dim + 2 * s.num_v_heads, s.value_dim]
+
+
+def _qwen3_next_entries(
+    layout: _Layout,
+    parts: DecodeParts,
+    cache: torch.Tensor | QuantizedKVCache | RecurrentCache,
+) -> None:
+    """A layer's Qwen3-Next entries (kDeltaNet .. kSharedGate in ``native/cpu_ops.cpp``): a
+    gated DeltaNet's descriptor (``ssm_ops.DeltaNetDecodeParams``), its DeltaStep and
+    in_proj_ba (float or quantized) and that one's outputs; the attention's output gate;
+    the sparse block's shared-expert gate (all 0 where the layer has none)."""
+    delta, hold = parts.deltanet, layout.hold
+    if delta is not None and isinstance(cache, RecurrentCache):
+        params = delta._decode_params()
+        for owner, name in ((delta.conv1d, "weight"), (delta, "A_log"), (delta, "dt_bias")):
+            tensor = owner._parameters[name]  # (read as float32 copies)
+            layout.checks.keep(owner._parameters, name, tensor, _address(tensor))
+            layout.checks.versioned(tensor)
+        for module in (delta.conv1d, delta.in_proj_ba):
+            hold(module, "bias", passed=False)
+        norm_w = delta.norm._parameters["weight"]
+        layout.checks.keep(delta.norm._parameters, "weight", norm_w, _address(norm_w))
+        descriptor = torch.tensor(params.descriptor(cache), dtype=torch.int64)
+        layout.deltanet_descriptors.append((descriptor, params))  # (their tensors stay alive)
+        step = ssm_ops.deltanet_step_fn(delta.A_log.dtype) or 0
+        layout.pointers += [descriptor.data_ptr(), step]
+    else:
+        layout.pointers += [0, 0]
+    ba = None if delta is None else delta.in_proj_ba
+    hold(ba, "weight")
+    layout.describe(ba)
+    layout.pointers.append(0 if delta is None else 2 * delta.shape.num_v_heads)
+    hold(parts.output_gate, "weight")
+    layout.describe(parts.output_gate)
+    if parts.output_gate is not None:
+        hold(parts.output_gate, "bias", passed=False)
+    mlp = parts.mlp
+    gate = mlp.shared_expert_gate if isinstance(mlp, SparseMoeBlock) else None
+    hold(gate, "weight")
+    if gate is not None:
+        hold(gate, "bias", passed=False)
+
+
+def _qwen3_next_classes() -> tuple[type[nn.Module], ...]:
+    """The module classes of Qwen3-Next's layers the C++ layers compute."""
+    from foudre.models.qwen3_next import GatedAttention
+
+    return (GatedAttention, GatedDeltaNet, NormThenGate)
+
+
+def _qwen3_next_shapes(parts: DecodeParts, cfg: Any, put: Any) -> None:
+    """The shapes of the Qwen3-Next parameters the C++ reads (``put(module, name, *shape)``):
+    a gated DeltaNet's, the attention's output gate, the shared expert's gate."""
+    hidden, delta = cfg.hidden_size, parts.deltanet
+    if delta is not None:
+        s = delta.shape
+        put(delta.in_proj_qkvz, "weight", 2 * s.key_dim + 2 * s.value_dim, hidden)
+        put(delta.in_proj_ba, "weight", 2 * s.num_v_heads, hidden)
+        put(delta.conv1d, "weight", s.conv_dim, 1, s.conv_kernel)
+        for name in ("dt_bias", "A_log"):
+            put(delta, name, s.num_v_heads)
+        put(delta.norm, "weight", s.value_head_dim)
+        put(delta.out_proj, "weight", hidden, s.value_dim)
+    put(parts.output_gate, "weight", cfg.num_attention_heads * cfg.head_dim, hidden)
+    mlp = parts.mlp
+    if isinstance(mlp, SparseMoeBlock):
+        put(mlp.shared_expert_gate, "weight", 1, hidden)
+
+
+def _qwen3_next_projections(parts: DecodeParts, cfg: Any) -> dict[nn.Module, tuple[int, int]]:
+    """A layer's Qwen3-Next projections the C++ may run quantized, with their (in, out)."""
+    found: dict[nn.Module, tuple[int, int]] = {}
+    hidden, delta = cfg.hidden_size, parts.deltanet
+    if delta is not None:
+        s = delta.shape
+        found[delta.in_proj_qkvz] = (hidden, 2 * s.key_dim + 2 * s.value_dim)
+        found[delta.in_proj_ba] = (hidden, 2 * s.num_v_heads)
+        found[delta.out_proj] = (s.value_dim, hidden)
+    if parts.output_gate is not None:
+        found[parts.output_gate] = (hidden, cfg.num_attention_heads * cfg.head_dim)
+    return found

@@ -112,8 +112,9 @@ def test_seeded_sampling_whatever_the_batch(moe_model: str) -> None:
 
 
 def test_native_decode_step_refuses_a_shared_expert(moe_model: str) -> None:
-    """The native decode step runs plain sparse layers (tests/engine/test_cpu_decode.py), not
-    Qwen2-MoE's shared expert: its steps stay in Python."""
+    """The native decode step runs sparse layers (tests/engine/test_cpu_decode.py; a gated
+    shared expert too: test_cpu_decode_qwen3_next.py) at one intermediate size: this model's
+    shared expert is narrower than its dense layer's MLP, so its steps stay in Python."""
     llm = _llm(moe_model)
     runner = llm.engine.runner
     assert runner.decode_path is None
