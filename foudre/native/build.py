@@ -47,6 +47,9 @@ def flags(openmp: str = "native") -> list[str]:
         base = FLAGS
     elif openmp == "runtime":
         base = [*base, "-Xclang", "-fopenmp", f"-I{RUNTIME.parent}"]
+    # the optimisation level: -O3, or what FOUDRE_KERNEL_OPT says (tests that check results,
+    # not speed, build at -O1 in a third of the time)
+    base = [os.environ.get("FOUDRE_KERNEL_OPT", f) if f == "-O3" else f for f in base]
     return [*base, "-std=c++17", f"-march={os.environ.get('FOUDRE_KERNEL_MARCH', 'native')}"]
 
 
