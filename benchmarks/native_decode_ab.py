@@ -31,8 +31,12 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--model", help="a model directory (default: the medium random Llama)")
-    ap.add_argument("--quantization", help="e.g. int8, int4")
+    ap.add_argument("--quantization", help="e.g. int8, int4; mxfp4: as families.py (gpt-oss)")
     args = ap.parse_args()
+    if args.quantization == "mxfp4":  # the experts MXFP4, the other linears int8
+        from families import _mxfp4_with_int8
+
+        _mxfp4_with_int8("mxfp4")
     torch.set_num_threads(os.cpu_count() or 1)
     path = args.model or random_llama("medium", getattr(torch, args.dtype))
     llm = LLM(
