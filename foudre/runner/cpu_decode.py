@@ -175,7 +175,9 @@ class NativeDecode:
             kernel = cpu_paged.kernel(self.dtype, _codes_dtype(first_kv))
             self.attention = ctypes.cast(kernel, ctypes.c_void_p).value or 0
         # (a layer whose window the C++ applies, gpt-oss's, limits no step)
-        windows = [p.attn.sliding_window for p in layers if p.attn and not p.attention_window]
+        windows = [
+            p.attn.sliding_window for p in layers if p.attn is not None and not p.attention_window
+        ]
         self.window = min((w for w in windows if w is not None), default=None)
         self.scale = attns[0].scale if attns else 1.0
 
@@ -924,8 +926,10 @@ def _shapes_supported(model: LlamaForCausalLM, layers: Sequence[DecodeParts]) ->
     attns = [p.attn for p in layers if p.attn is not None]
     if attns and any(a.scale != attns[0].scale for a in attns):
         return False
-    if any(p.attn and p.attn.sinks is not None and not p.attention_window for p in layers):
-        return False  # (sinks: gpt-oss's layers only)
+    for declared in layers:
+        attn = declared.attn
+        if attn is not None and attn.sinks is not None and not declared.attention_window:
+            return False  # (sinks: gpt-oss's layers only)
     intermediate = _intermediate(layers)
     for layer, parts in zip(model.model.layers, layers, strict=True):
         dense = _dense(parts.mlp)
