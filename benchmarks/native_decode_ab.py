@@ -5,7 +5,9 @@ This host's memory bandwidth drifts by up to 2x within minutes, so two runs take
 other can differ more than the change being measured. Here one decode run alternates the two
 paths every step (``runner.decode_path`` on, then off, ...): each native step is compared with the
 Python step beside it, and the median of those ratios is printed per round. Rows per step:
-``--batch`` (1 by default). Both paths compute the same bits, so the tokens do not change.
+``--batch`` (1 by default); ``--threads`` (all cores by default; 1 on a shared host, where
+threads waiting on each other measure the load more than the step). Both paths compute the
+same bits, so the tokens do not change.
 
     .venv/bin/python benchmarks/native_decode_ab.py --dtype bfloat16 [--rounds 4] [--batch 1]
     .venv/bin/python benchmarks/native_decode_ab.py --model ~/.cache/foudre-bench/recurrent/mamba2
@@ -31,9 +33,14 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--model", help="a model directory (default: the medium random Llama)")
-    ap.add_argument("--quantization", help="e.g. int8, int4")
+    ap.add_argument("--quantization", help="e.g. int8, int4; mxfp4: as families.py (gpt-oss)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     args = ap.parse_args()
-    torch.set_num_threads(os.cpu_count() or 1)
+    if args.quantization == "mxfp4":  # the experts MXFP4, the other linears int8
+        from families import _mxfp4_with_int8
+
+        _mxfp4_with_int8("mxfp4")
+    torch.set_num_threads(args.threads)
     path = args.model or random_llama("medium", getattr(torch, args.dtype))
     llm = LLM(
         str(path),

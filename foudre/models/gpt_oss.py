@@ -30,6 +30,7 @@ from foudre.layers.rotary import RotaryEmbedding
 from foudre.models.config import ModelConfig
 from foudre.models.llama import (
     Attention,
+    DecodeParts,
     DecoderLayer,
     LlamaForCausalLM,
     LlamaModel,
@@ -50,6 +51,20 @@ class GptOssDecoderLayer(DecoderLayer):
     """The Llama layer with gpt-oss's attention and, in every layer, its experts."""
 
     attention_class = GptOssAttention
+
+    def decode_parts(self) -> DecodeParts | None:
+        """Llama's parts, the attention's window and sinks and the experts run natively too
+        (none for a tensor-parallel shard)."""
+        if self.tp is not None:
+            return None
+        return DecodeParts(
+            self.input_layernorm,
+            self.self_attn,
+            None,
+            self.post_attention_layernorm,
+            self.mlp,
+            attention_window=True,
+        )
 
     def feed_forward(self, cfg: ModelConfig, index: int) -> nn.Module:
         experts = ClampedSwiGLUExperts(

@@ -46,7 +46,9 @@ class DecodeParts:
     normed, ``mixer_out_norm`` / ``mlp_out_norm``, before it is added); the mixer is attention
     (``attn``, rotating q and k by its own tables where ``rope``) or a Mamba-2 mixer
     (``mamba``); the MLP a ``GatedMLP`` (GeGLU where ``gelu``) or a ``SparseMoeBlock``;
-    ``offset``: every norm of the layer is Gemma's ``(1 + weight)`` form.
+    ``offset``: every norm of the layer is Gemma's ``(1 + weight)`` form; ``attention_window``:
+    the C++ applies the attention's sliding window and sinks itself, and runs gpt-oss's experts
+    (a window then limits no step).
 
     ``parallel`` (Falcon-H1): both mixers, ``attn`` and ``mamba``, on the one normed input, each
     input times its multiplier (``attn_multipliers`` / ``mamba_multipliers``: (in, out)) and
@@ -75,6 +77,7 @@ class DecodeParts:
     # output gate (``output_gate``: o times its sigmoid before o_proj)
     deltanet: GatedDeltaNet | None = None
     output_gate: nn.Module | None = None
+    attention_window: bool = False
 
 
 def declared_parts(layer: nn.Module) -> DecodeParts | None:

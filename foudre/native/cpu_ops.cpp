@@ -999,7 +999,7 @@ void scale_(T* y, float s, int64_t n) {
 // in float32, q/k norms included), kGelu (GeGLU in place of SwiGLU), kMixerOutNorm /
 // kMlpOutNorm (norms of each sublayer's output before its residual add; 0: none). kGroup: the
 // KV cache group of an attention layer (its rows' slots and block tables: the step's group
-// kGroup ones). kOBias: a float out_proj's bias (a Mamba-2 layer's; attention has none).
+// kGroup ones). kOBias: a float out_proj's bias (a Mamba-2 layer's, gpt-oss's o_proj).
 enum LayerPointer {
   kInputNorm, kQKV, kQKVBias, kO, kPostNorm, kGateUp, kDown, kQNorm, kKNorm, kKCache, kVCache,
   kKScales, kVScales, kKVCodes, kQKVQuant, kOQuant, kGateUpQuant, kDownQuant,
@@ -1008,8 +1008,11 @@ enum LayerPointer {
   kOffsetNorms, kGelu, kMixerOutNorm, kMlpOutNorm, kCos, kSin, kGroup, kOBias,
   kParallel, kMixerIn, kMixerOut, kSections, kGateMult, kDownMult,  // Falcon-H1
   kDeltaNet, kDeltaStep, kBA, kBAQuant, kBAWidth, kOGate, kOGateQuant, kSharedGate,  // Qwen3-Next
+  kWindow, kSinks, kOssAttention, kRouterBias, kOssExperts,  // gpt-oss: decode_gpt_oss.h
   kLayerPointers
 };
+
+#include "decode_gpt_oss.h"
 
 // x += T(y * scale) (or x += y where scale is 1), the sublayer's output y added to the stream
 template <typename T>
@@ -1112,7 +1115,11 @@ void attention_layer(const int64_t* p, const AttentionRows& a, const T* h, T* y,
     std::copy(row + q_size, row + q_size + kv_size, k_cache + at);
     std::copy(row + q_size + kv_size, row + qkv_width, v_cache + at);
   }
-  if (kv_codes != kFloatKV)
+  if (p[kOssAttention] != 0)
+    oss_attention<T>(p, qkv, k_cache, v_cache, att, a.tokens, tables, a.lens, rows, heads,
+                     kv_heads, D, a.block_size, a.table_width, qkv_width, q_size, block_stride,
+                     token_stride, a.scale);
+  else if (kv_codes != kFloatKV)
     reinterpret_cast<PagedDecodeCodes>(const_cast<void*>(a.kernel))(
         qkv, k_cache, v_cache, reinterpret_cast<const float*>(p[kKScales]),
         reinterpret_cast<const float*>(p[kVScales]), att, a.tokens, tables, a.lens, rows,
@@ -1124,7 +1131,7 @@ void attention_layer(const int64_t* p, const AttentionRows& a, const T* h, T* y,
         a.block_size, a.table_width, qkv_width, q_size, block_stride, token_stride, a.scale);
   if (p[kOGate] != 0 || p[kOGateQuant] != 0)  // (Qwen3-Next: qkv is free by now)
     gate_attention(p, h, att, qkv, rows, hidden, q_size);
-  project(quant(kOQuant), att, w(kO), static_cast<const T*>(nullptr), y, rows, hidden, q_size);
+  project(quant(kOQuant), att, w(kO), w(kOBias), y, rows, hidden, q_size);
 }
 
 // A Mamba-2 layer's mixer over the normed rows h: in_proj, the MambaStep (conv window, state
@@ -1151,6 +1158,7 @@ void mlp_layer(const int64_t* p, const T* h, T* y, int64_t rows, int64_t hidden,
                int64_t intermediate, int64_t counted, T* gate_up, T* act, T* shared) {
   const auto w = [p](LayerPointer i) { return reinterpret_cast<const T*>(p[i]); };
   const auto quant = [p](LayerPointer i) { return reinterpret_cast<const int64_t*>(p[i]); };
+  if (p[kOssExperts] != 0) return oss_moe(p, h, y, rows, hidden, counted);
   const bool dense = p[kGateUp] != 0 || p[kGateUpQuant] != 0;
   T* dense_out = y;
   if (p[kRouter] != 0) {  // route's ids are in range: moe_block cannot fail

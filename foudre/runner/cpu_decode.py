@@ -34,7 +34,9 @@ with every projection quantized, ``MAX_ROWS`` does
 not apply), and with sliding windows while every row's context fits the narrowest window (its layers
 attend to every key); other steps, and models it cannot run (another dtype, quantized experts,
 another attention backend, hooks on a module, OLMoE's attention, a
-vocabulary-parallel embedding), take the model's ``forward``. Quantized projections (``QuantLinear``
+vocabulary-parallel embedding), take the model's ``forward``. gpt-oss's layers
+(``cpu_decode_gpt_oss.py``) pass their sliding window and sinks to the kernel, and their experts,
+float, int8 or MXFP4, run their own kernel. Quantized projections (``QuantLinear``
 on ``quant/cpu_qmatmul``: int8, GGUF's group-wise 8-bit, int4, int6) run the same kernel from C++,
 their bias added after, as ``QuantLinear.forward`` does. A quantized KV cache (int8 / fp8) is read
 as stored by the paged kernel's codes variant, and the new tokens' K/V are quantized on write in C++
@@ -79,6 +81,12 @@ from foudre.layers.ssm_ops import DeltaNetDecodeParams, MambaDecodeParams
 from foudre.models.llama import DecodeParts, declared_parts
 from foudre.quant import cpu_qmatmul
 from foudre.quant.qlinear import QuantLinear, uses_native_kernels
+from foudre.runner.cpu_decode_gpt_oss import expected_shapes as _oss_shapes
+from foudre.runner.cpu_decode_gpt_oss import experts_kinds as _oss_experts_kinds
+from foudre.runner.cpu_decode_gpt_oss import inside as _oss_inside
+from foudre.runner.cpu_decode_gpt_oss import layer_entries as oss_layer_entries
+from foudre.runner.cpu_decode_gpt_oss import max_rows as _oss_rows
+from foudre.runner.cpu_decode_gpt_oss import supported as _oss_supported
 from foudre.runner.step import ForwardStep
 
 if TYPE_CHECKING:
@@ -145,6 +153,7 @@ class NativeDecode:
         self.mamba_params = layout.mamba_descriptors  # what the Mamba-2 layers' descriptors name
         self.sections = layout.sections  # (the Falcon-H1 layers' in_proj sections, named too)
         self.deltanet_params = layout.deltanet_descriptors  # (Qwen3-Next's gated DeltaNets')
+        self.oss = layout.oss  # gpt-oss's experts descriptors and float32 sinks (kept alive)
         if self.rotary is not None:
             for name in ("cos", "sin"):
                 table = self.rotary._buffers[name]
@@ -175,7 +184,10 @@ class NativeDecode:
         if first_kv is not None:
             kernel = cpu_paged.kernel(self.dtype, _codes_dtype(first_kv))
             self.attention = ctypes.cast(kernel, ctypes.c_void_p).value or 0
-        windows = [a.sliding_window for a in attns]
+        # (a layer whose window the C++ applies, gpt-oss's, limits no step)
+        windows = [
+            p.attn.sliding_window for p in layers if p.attn is not None and not p.attention_window
+        ]
         self.window = min((w for w in windows if w is not None), default=None)
         self.scale = attns[0].scale if attns else 1.0
 
@@ -287,6 +299,8 @@ class NativeDecode:
             return None
         if not (_modules_supported(model, layers, dtype) and _shapes_supported(model, layers)):
             return None
+        if not _oss_supported(model, layers, dtype):
+            return None
         if not _ends_supported(model, dtype, layers):
             return None
         kv = [c for c in kv_caches if not isinstance(c, RecurrentCache)]
@@ -294,7 +308,9 @@ class NativeDecode:
             return None  # (the caches' blocks are what the slots index)
         if block_size is None:
             block_size = _stored(kv[0]).shape[2] if kv else 1
-        return cls(model, layers, kv_caches, fn, block_size, padding_state_slot, group_of_layer)
+        native = cls(model, layers, kv_caches, fn, block_size, padding_state_slot, group_of_layer)
+        native.max_rows = min(native.max_rows, _oss_rows(layers))
+        return native
 
     def can_run(self, step: ForwardStep) -> bool:
         """Whether this step can run here: decode rows only, few enough, contexts within the
@@ -472,6 +488,7 @@ class _Layout:
         self.mamba_descriptors: list[tuple[torch.Tensor, MambaDecodeParams]] = []
         self.sections: list[torch.Tensor] = []  # parallel layers' in_proj sections (Falcon-H1)
         self.deltanet_descriptors: list[tuple[torch.Tensor, DeltaNetDecodeParams]] = []
+        self.oss: list[torch.Tensor] = []  # gpt-oss's experts descriptors and float32 sinks
 
     def hold(self, module: nn.Module | None, name: str, passed: bool = True) -> None:
         """Hold ``module``'s parameter ``name`` (absent too); pass its address if ``passed``."""
@@ -548,9 +565,12 @@ class _Layout:
         hold(parts.mlp_out_norm, "weight")
         self._tables(None if attn is None or attn.rotary is self.rotary else attn.rotary)
         self.pointers.append(group if attn is not None else 0)
-        hold(out, "bias")  # (attention's o_proj has none: _expected_shapes)
+        hold(out, "bias")  # (attention's o_proj has none but gpt-oss's: _expected_shapes)
         self._parallel(parts)
         _qwen3_next_entries(self, parts, cache)
+        entries, kept = oss_layer_entries(parts, cache, self.checks)  # gpt-oss's (or 0s)
+        self.pointers += entries
+        self.oss += kept
 
     def _parallel(self, parts: DecodeParts) -> None:
         """A row's Falcon-H1 entries (``decode_falcon_h1.h``): 1 for a parallel layer's
@@ -626,7 +646,8 @@ class _Layout:
         self.blocks.append(sparse)
         self.pointers.append(counts.data_ptr())
         renormalize = int(sparse.renormalize)
-        self.pointers += [sparse.num_experts, sparse.top_k, renormalize, experts.intermediate_size]
+        inter = getattr(experts, "intermediate_size", 0)  # (gpt-oss's int8 experts: its own)
+        self.pointers += [sparse.num_experts, sparse.top_k, renormalize, inter]
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The descriptors ``[n, 12]`` and the pointers, each descriptor's address patched in."""
@@ -783,6 +804,7 @@ def _model_classes() -> tuple[type[nn.Module], ...]:
     from foudre.models.bamba import BambaForCausalLM
     from foudre.models.falcon_h1 import FalconH1ForCausalLM
     from foudre.models.gemma3 import Gemma3ForCausalLM
+    from foudre.models.gpt_oss import GptOssForCausalLM
     from foudre.models.granite_moe_hybrid import GraniteMoeHybridForCausalLM
     from foudre.models.llama import LlamaForCausalLM
     from foudre.models.mamba2 import Mamba2ForCausalLM
@@ -798,6 +820,7 @@ def _model_classes() -> tuple[type[nn.Module], ...]:
         GraniteMoeHybridForCausalLM,
         FalconH1ForCausalLM,
         Qwen3NextForCausalLM,
+        GptOssForCausalLM,
     )
 
 
@@ -928,18 +951,22 @@ def _modules_supported(
     on the CPU, the model's norm epsilon."""
     from foudre.models.falcon_h1 import FalconH1Mixer, FalconH1MLP
     from foudre.models.gemma3 import GeGLUMLP, Gemma3Attention
+    from foudre.models.gpt_oss import GptOssAttention
     from foudre.models.granite_moe_hybrid import GraniteAttention
     from foudre.models.llama import Attention
 
     allowed: tuple[type[nn.Module], ...] = (
         nn.ModuleList, Attention, GatedMLP, Linear, RMSNorm, RotaryEmbedding, SparseMoeBlock,
         Experts, QuantLinear, Mamba2Mixer, nn.Conv1d, GatedRMSNorm, GraniteAttention,
-        Gemma3Attention, GeGLUMLP, OffsetRMSNorm,
+        Gemma3Attention, GeGLUMLP, OffsetRMSNorm, GptOssAttention, *_oss_experts_kinds(),
         FalconH1Mixer, FalconH1MLP,  # (only in a parallel layer, whose parts say their multipliers)
     )  # fmt: skip
     allowed += _qwen3_next_classes()
     projections = _projections(model, layers)
+    inside = _oss_inside(layers)  # (gpt-oss's int8 experts' projections: _oss_supported's)
     for module in model.model.layers.modules():
+        if module in inside:
+            continue
         if type(module) not in allowed and "decode_parts" not in type(module).__dict__:
             return False  # a replaced layer (quantized experts, ...)
         if isinstance(module, QuantLinear) and (
@@ -962,8 +989,12 @@ def _shapes_supported(model: LlamaForCausalLM, layers: Sequence[DecodeParts]) ->
     intermediate size of the dense MLPs, and a sparse layer's counts as int64 on the CPU."""
     cfg = model.config
     attns = [p.attn for p in layers if p.attn is not None]
-    if attns and any(a.scale != attns[0].scale or a.sinks is not None for a in attns):
+    if attns and any(a.scale != attns[0].scale for a in attns):
         return False
+    for declared in layers:
+        attn = declared.attn
+        if attn is not None and attn.sinks is not None and not declared.attention_window:
+            return False  # (sinks: gpt-oss's layers only)
     intermediate = _intermediate(layers)
     for layer, parts in zip(model.model.layers, layers, strict=True):
         dense = _dense(parts.mlp)
@@ -1030,6 +1061,7 @@ def _expected_shapes(
         put(mlp.gate, "weight", experts, hidden)
         put(mlp.experts, "gate_up_proj", experts, 2 * inter, hidden)
         put(mlp.experts, "down_proj", experts, hidden, inter)
+    _oss_shapes(put, parts, cfg)
     return expected
 
 
