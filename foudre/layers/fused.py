@@ -362,6 +362,8 @@ def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     cols = gate.shape[-1]
     if gate.shape != (rows, cols) or cols not in (1, n):
         raise ValueError(f"sigmoid_gate: gate of shape {tuple(gate.shape)} for x {tuple(x.shape)}")
+    if gate.dtype != x.dtype or gate.device != x.device:
+        raise ValueError(f"sigmoid_gate: gate in {gate.dtype} on {gate.device} for x in {x.dtype}")
     x, gate = x.contiguous(), gate.contiguous()
     out = torch.empty_like(x)
     _fn("foudre_sigmoid_gate", x.dtype)(

@@ -242,6 +242,11 @@ class GatedDeltaNet(nn.Module):
         bits), the decode rows' snapshots copied after it; None where it does not run."""
         if not (has_kernels(cache.ssm) and cache.ssm.is_cpu) or self.norm.weight.dtype != x.dtype:
             return None
+        # what deltanet_decode refuses, known before the projections (not computed twice)
+        if torch.is_grad_enabled() or cache.ssm.dtype != torch.float32:
+            return None
+        if cache.conv.dtype != x.dtype or x.dtype not in (torch.float32, torch.bfloat16):
+            return None
         o = deltanet_decode(
             cache, batch.slots, self.in_proj_qkvz(x), self.in_proj_ba(x), self._decode_params()
         )

@@ -42,12 +42,21 @@ inline void put_rounded(float x, uint16_t* out) {
 // 1: one a row); out may be x
 template <typename T>
 void sigmoid_gate(const T* x, const T* gate, T* out, int64_t rows, int64_t n, int64_t gate_cols) {
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < n; ++c) {
-      const float g = to_float(gate[r * gate_cols + (gate_cols == 1 ? 0 : c)]);
-      const float s = rounded_as(1.0f / (1.0f + std::exp(-g)), out);
-      put_rounded(to_float(x[r * n + c]) * s, out + r * n + c);
+  const auto sigmoid = [out](T g) {
+    return rounded_as(1.0f / (1.0f + std::exp(-to_float(g))), out);
+  };
+#pragma omp parallel for schedule(static) if (rows * n >= (1 << 15))
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * n;
+    const T* gr = gate + r * gate_cols;
+    T* o = out + r * n;
+    if (gate_cols == 1) {  // one gate a row: its sigmoid once
+      const float s = sigmoid(gr[0]);
+      for (int64_t c = 0; c < n; ++c) put_rounded(to_float(xr[c]) * s, o + c);
+    } else {
+      for (int64_t c = 0; c < n; ++c) put_rounded(to_float(xr[c]) * sigmoid(gr[c]), o + c);
     }
+  }
 }
 
 // A gated DeltaNet layer's mixer over the normed rows h: in_proj_qkvz (kQKV, kQKVQuant) into

@@ -56,14 +56,24 @@ def model_path(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     return save_random("Qwen3Next", config, tmp_path_factory.mktemp(request.param))
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_native_decode_equals_the_python_path(model_path: Path, dtype: str) -> None:
+@pytest.mark.parametrize(
+    ("dtype", "quantization"), [("float32", None), ("bfloat16", None), ("bfloat16", "int8")]
+)
+def test_native_decode_equals_the_python_path(
+    model_path: Path, dtype: str, quantization: str | None
+) -> None:
     """Prefill three prompts (state slots out of order, blocks out of order) in Python, then
     decode steps of 1, 3 and 3 + 2 padding rows natively, two of them leaving a snapshot of a
-    row's state: logits, KV pages and every state slot equal the Python path's, bit for bit."""
-    llm = _llm(model_path, dtype)
+    row's state: logits, KV pages and every state slot equal the Python path's, bit for bit
+    (int8: every projection quantized, the DeltaNets' in_proj_ba and the attention's gate too;
+    the dense model only, quantized experts run in Python)."""
+    llm = _llm(model_path, dtype, quantization=quantization)
     runner = llm.engine.runner
+    if quantization and runner.model.moe_blocks():
+        assert runner.decode_path is None
+        return
     assert isinstance(runner.decode_path, NativeDecode)
+    assert bool(runner.decode_path.checks.quantized) == bool(quantization)
     lens = [5, 17, 33]
     tables = [[7, 3, 9], [1, 12, 4], [20, 2, 30]]
     slots = [4, 0, 2]
