@@ -395,7 +395,7 @@ class SparseMoeBlock(nn.Module):
         decode-sized CPU batch, the plain router and experts, nothing autograd records."""
         experts, gate = self.experts, self.gate
         return (
-            self.scoring == "softmax"
+            (self.scoring == "softmax" or self._grouped_native())
             and x.shape[0] <= MAX_ROWS.get(x.dtype, 0)
             and type(experts) is Experts
             and type(gate) is Linear
@@ -407,6 +407,32 @@ class SparseMoeBlock(nn.Module):
             and experts.down_proj.is_contiguous()
             and self.expert_tokens.is_cpu
             and not torch.is_autocast_enabled("cpu")
+        )
+
+    def _grouped_native(self) -> bool:
+        """Whether DeepSeek-V3's routing can run natively: its correction bias float32,
+        contiguous, on the CPU."""
+        bias = self.e_score_correction_bias
+        return (
+            bias is not None
+            and bias.dtype == torch.float32
+            and bias.is_cpu
+            and bias.is_contiguous()
+            and not fused.records_grad(bias)
+        )
+
+    def routing(self) -> tuple[int, bool, torch.Tensor, int, int, float]:
+        """DeepSeek-V3's routing as the native block takes it: top_k, renormalize, the
+        correction bias, n_group, topk_group (the groups' limit where it limits), scaling."""
+        assert self.e_score_correction_bias is not None
+        groups = self.n_group if self.n_group > 1 and self.topk_group < self.n_group else 1
+        return (
+            self.top_k,
+            self.renormalize,
+            self.e_score_correction_bias,
+            groups,
+            self.topk_group if groups > 1 else 1,
+            float(self.routed_scaling_factor),
         )
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -462,16 +488,27 @@ class SparseMoeBlock(nn.Module):
             counted = x.shape[0] if self.counting else 0
             if self.counting and self.count_rows is not None:
                 counted = min(counted, int(self.count_rows))
-            out = fused.moe_block_unchecked(
-                x,
-                self.gate.weight,
-                experts.gate_up_proj,
-                experts.down_proj,
-                self.top_k,
-                self.renormalize,
-                self.expert_tokens,
-                counted,
-            )
+            if self.e_score_correction_bias is not None:  # DeepSeek-V3's routing
+                out = fused.grouped_moe_block_unchecked(
+                    x,
+                    self.gate.weight,
+                    experts.gate_up_proj,
+                    experts.down_proj,
+                    self.routing(),
+                    self.expert_tokens,
+                    counted,
+                )
+            else:
+                out = fused.moe_block_unchecked(
+                    x,
+                    self.gate.weight,
+                    experts.gate_up_proj,
+                    experts.down_proj,
+                    self.top_k,
+                    self.renormalize,
+                    self.expert_tokens,
+                    counted,
+                )
         else:
             weights, ids = self.route(x)
             if self.counting:

@@ -58,6 +58,8 @@ class DecodeParts:
     gelu: bool = False
     mixer_out_norm: nn.Module | None = None
     mlp_out_norm: nn.Module | None = None
+    # DeepSeek-V3: multi-head latent attention as the mixer (a LatentAttention; attn is None)
+    latent: nn.Module | None = None
 
 
 def declared_parts(layer: nn.Module) -> DecodeParts | None:

@@ -1006,6 +1006,7 @@ enum LayerPointer {
   kRouter, kExpertsGateUp, kExpertsDown, kCounts, kExperts, kTopK, kRenormalize, kMoeIntermediate,
   kMamba, kMambaWidth, kMambaInner, kResidual, kRope,
   kOffsetNorms, kGelu, kMixerOutNorm, kMlpOutNorm, kCos, kSin, kGroup, kOBias,
+  kMla, kMoeGrouped, kMlpIntermediate,  // DeepSeek-V3: decode_mla.h's descriptors, own MLP size
   kLayerPointers
 };
 
@@ -1061,6 +1062,8 @@ void any_norm(bool offset, const T* x, const T* w, T* out, int64_t rows, int64_t
   else
     rms_norm(x, w, out, rows, n, x_stride, eps);
 }
+
+#include "decode_mla.h"
 
 // An attention layer's mixer over the normed rows h: q|k|v (q/k norms, RoPE), the new K/V into
 // the rows' slots, paged attention, o_proj into y [rows, hidden]
@@ -1147,7 +1150,16 @@ void mlp_layer(const int64_t* p, const T* h, T* y, int64_t rows, int64_t hidden,
   const auto quant = [p](LayerPointer i) { return reinterpret_cast<const int64_t*>(p[i]); };
   const bool dense = p[kGateUp] != 0 || p[kGateUpQuant] != 0;
   T* dense_out = y;
-  if (p[kRouter] != 0) {  // route's ids are in range: moe_block cannot fail
+  if (p[kMoeGrouped] != 0) {  // DeepSeek-V3's routing
+    const int64_t* g = reinterpret_cast<const int64_t*>(p[kMoeGrouped]);
+    grouped_moe_block(h, rows, hidden, p[kMoeIntermediate], w(kRouter), p[kExperts], p[kTopK],
+                      p[kRenormalize] != 0, w(kExpertsGateUp), w(kExpertsDown),
+                      reinterpret_cast<int64_t*>(p[kCounts]), counted, y,
+                      reinterpret_cast<const float*>(g[kGroupedBias]), g[kGroupedGroups],
+                      g[kGroupedTopkGroup], float_bits(g[kGroupedScaling]));
+    if (!dense) return;
+    dense_out = shared;
+  } else if (p[kRouter] != 0) {  // route's ids are in range: moe_block cannot fail
     moe_block(h, rows, hidden, p[kMoeIntermediate], w(kRouter), p[kExperts], p[kTopK],
               p[kRenormalize] != 0, w(kExpertsGateUp), w(kExpertsDown),
               reinterpret_cast<int64_t*>(p[kCounts]), counted, y);
@@ -1192,10 +1204,12 @@ int decode_layers(T* out, int64_t rows, const int64_t* layers, int64_t num_layer
   for (int64_t i = 0; i < a.groups * rows; ++i)
     if (a.slots[i] < 0 || a.slots[i] >= num_slots) return 2;
   int64_t width = 0, inner = 0;  // the Mamba-2 layers' widest in_proj and inner size
+  int64_t widest = intermediate;  // the widest MLP (a layer's own size at kMlpIntermediate)
   for (int64_t l = 0; l < num_layers; ++l) {
     const int64_t* p = layers + l * kLayerPointers;
     width = std::max(width, p[kMambaWidth]);
     inner = std::max(inner, p[kMambaInner]);
+    widest = std::max(widest, p[kMlpIntermediate]);
   }
   if (width > 0 && !s.valid(rows)) return 4;
   std::vector<T> stream(rows * hidden);
@@ -1205,7 +1219,7 @@ int decode_layers(T* out, int64_t rows, const int64_t* layers, int64_t num_layer
   if (embed_scale != 1.0f) scale_(x, embed_scale, rows * hidden);
   const int64_t D = head_dim, q_size = heads * D, qkv_width = q_size + 2 * kv_heads * D;
   std::vector<T> h(rows * hidden), qkv(rows * qkv_width), att(rows * q_size), y(rows * hidden),
-      gate_up(rows * 2 * intermediate), act(rows * intermediate), proj(rows * width),
+      gate_up(rows * 2 * widest), act(rows * widest), proj(rows * width),
       mixed(rows * inner), shared(rows * hidden);
   for (int64_t l = 0; l < num_layers; ++l) {
     const int64_t* p = layers + l * kLayerPointers;
@@ -1215,6 +1229,8 @@ int decode_layers(T* out, int64_t rows, const int64_t* layers, int64_t num_layer
     any_norm(offset, x, w(kInputNorm), h.data(), rows, hidden, hidden, eps);
     if (p[kMamba] != 0)
       mamba_layer(p, s, h.data(), y.data(), rows, hidden, proj.data(), mixed.data());
+    else if (p[kMla] != 0)
+      mla_layer(p, a, h.data(), y.data(), rows, hidden, heads);
     else
       attention_layer(p, a, h.data(), y.data(), rows, hidden, heads, kv_heads, D, eps,
                       qkv.data(), att.data());
@@ -1223,8 +1239,9 @@ int decode_layers(T* out, int64_t rows, const int64_t* layers, int64_t num_layer
     add_residual(x, y.data(), residual, rows * hidden);
     if (p[kPostNorm] == 0) continue;  // no MLP (Mamba-2's blocks)
     any_norm(offset, x, w(kPostNorm), h.data(), rows, hidden, hidden, eps);
-    mlp_layer(p, h.data(), y.data(), rows, hidden, intermediate, counted, gate_up.data(),
-              act.data(), shared.data());
+    mlp_layer(p, h.data(), y.data(), rows, hidden,
+              p[kMlpIntermediate] != 0 ? p[kMlpIntermediate] : intermediate, counted,
+              gate_up.data(), act.data(), shared.data());
     if (p[kMlpOutNorm] != 0)
       any_norm(offset, y.data(), w(kMlpOutNorm), y.data(), rows, hidden, hidden, eps);
     add_residual(x, y.data(), residual, rows * hidden);
@@ -1329,6 +1346,8 @@ int foudre_decode_layer_pointers() { return kLayerPointers; }
 
 FOUDRE_OPS(f32, float)
 FOUDRE_OPS(bf16, uint16_t)
+FOUDRE_MLA_OPS(f32, float)
+FOUDRE_MLA_OPS(bf16, uint16_t)
 
 // 0; -1 where this build has no such GEMM (AVX-512: torch's path); -2 out of memory
 int foudre_gemm_bf16(const void* x, int64_t x_stride, const void* w, const void* bias, void* y,

@@ -77,6 +77,7 @@ from foudre.runner.step import ForwardStep
 
 if TYPE_CHECKING:
     from foudre.attention import AttentionBackend
+    from foudre.models.deepseek_v3 import LatentAttention
     from foudre.models.llama import LlamaForCausalLM
 
 
@@ -101,6 +102,7 @@ class NativeDecode:
         self.dtype = model.model.embed_tokens.weight.dtype
         self.max_rows = MAX_ROWS[self.dtype]  # where the float projections' kernel stops paying
         self._attention(layers, kv_caches)
+        self.scale: float = _latent_scale(layers, self.scale)
         self.dims = (
             cfg.hidden_size,
             cfg.num_attention_heads,
@@ -135,6 +137,7 @@ class NativeDecode:
             layout.layer(parts, cache, group)
         self.blocks = layout.blocks  # the sparse layers' MLPs, which count
         self.mamba_params = layout.mamba_descriptors  # what the Mamba-2 layers' descriptors name
+        self.latent_params = layout.latent_descriptors  # (DeepSeek-V3's: held alive)
         if self.rotary is not None:
             for name in ("cos", "sin"):
                 table = self.rotary._buffers[name]
@@ -468,6 +471,7 @@ class _Layout:
         self.blocks: list[SparseMoeBlock] = []
         self.num_layers = 0
         self.mamba_descriptors: list[tuple[torch.Tensor, MambaDecodeParams]] = []
+        self.latent_descriptors: list[torch.Tensor] = []
 
     def hold(self, module: nn.Module | None, name: str, passed: bool = True) -> None:
         """Hold ``module``'s parameter ``name`` (absent too); pass its address if ``passed``."""
@@ -515,8 +519,7 @@ class _Layout:
         attn, mamba, mlp = parts.attn, parts.mamba, parts.mlp
         sparse = mlp if isinstance(mlp, SparseMoeBlock) else None
         dense = _dense(mlp)  # (or a sparse block's shared expert)
-        into = attn.qkv_proj if attn is not None else cast(Mamba2Mixer, mamba).in_proj
-        out = attn.o_proj if attn is not None else cast(Mamba2Mixer, mamba).out_proj
+        into, out = _mixer_projections(parts)
         hold(parts.norm, "weight")
         hold(into, "weight")
         hold(into, "bias")
@@ -532,8 +535,8 @@ class _Layout:
             self.pointers += [0] * 5
         else:
             self.pointers += _cache_pointers(cache)
-        for module in (into, out):
-            self.describe(module)
+        for mixer_proj in (into, out):
+            self.describe(mixer_proj)
         self.describe(None if dense is None else dense.gate_up_proj)
         self.describe(None if dense is None else dense.down_proj)
         self._sparse(sparse)
@@ -545,6 +548,7 @@ class _Layout:
         self._tables(None if attn is None or attn.rotary is self.rotary else attn.rotary)
         self.pointers.append(group if attn is not None else 0)
         hold(out, "bias")  # (attention's o_proj has none: _expected_shapes)
+        self._deepseek(parts, sparse, dense)
 
     def _tables(self, rotary: RotaryEmbedding | None) -> None:
         """A layer's own RoPE tables (Gemma's sliding layers), held; 0, 0 for the step's."""
@@ -599,6 +603,60 @@ class _Layout:
         self.pointers.append(counts.data_ptr())
         renormalize = int(sparse.renormalize)
         self.pointers += [sparse.num_experts, sparse.top_k, renormalize, experts.intermediate_size]
+
+    def _deepseek(
+        self, parts: DecodeParts, sparse: SparseMoeBlock | None, dense: GatedMLP | None
+    ) -> None:
+        """DeepSeek-V3's entries (kMla, kMoeGrouped, kMlpIntermediate): a latent attention's
+        descriptor (``MlaSlot`` in native/decode_mla.h), a sparse block's grouped routing
+        (``GroupedSlot``), the layer's own MLP size (0: the step's); each 0 where none."""
+        latent = cast("LatentAttention | None", parts.latent)
+        entries = [0, 0, 0]
+        if latent is not None:
+            entries[0] = self._held_descriptor(self._latent(latent))
+            if dense is not None:
+                entries[2] = int(dense.down_proj.in_features)
+        if sparse is not None and sparse.e_score_correction_bias is not None:
+            self.hold(sparse, "e_score_correction_bias", passed=False)
+            _, _, bias, groups, topk_group, scaling = sparse.routing()
+            bits = ssm_ops.float_bits(scaling)
+            entries[1] = self._held_descriptor([bias.data_ptr(), groups, topk_group, bits])
+        self.pointers += entries
+
+    def _held_descriptor(self, values: list[int]) -> int:
+        """The address of an int64 tensor of ``values``, held as long as the layout."""
+        tensor = torch.tensor(values, dtype=torch.int64)
+        self.latent_descriptors.append(tensor)
+        return tensor.data_ptr()
+
+    def _latent(self, latent: LatentAttention) -> list[int]:
+        """A latent attention's ``MlaSlot`` entries, its tensors held (its quantized
+        projections' descriptors too)."""
+        address, project = self._address, self._projection
+        entries = [*project(latent.q_a_proj), address(latent.q_a_layernorm, "weight")]
+        q_b = project(latent.q_b_proj)  # (no bias)
+        entries += [q_b[0], q_b[2], *project(latent.kv_a_proj_with_mqa)]
+        entries.append(address(latent.kv_a_layernorm, "weight"))
+        entries.append(self._address(latent.kv_b_proj, "weight"))
+        q_rank = 0 if latent.q_a_proj is None else latent.q_a_proj.out_features
+        entries += [q_rank, latent.rank, latent.rope, latent.nope, latent.v_head_dim]
+        for norm in (latent.q_a_layernorm, latent.kv_a_layernorm):
+            entries.append(ssm_ops.float_bits(1.0 if norm is None else norm.eps))
+        return entries
+
+    def _projection(self, proj: nn.Module | None) -> list[int]:
+        """A projection's weight, bias and QuantSlot descriptor addresses (0: none), held."""
+        if proj is None:
+            return [0, 0, 0]
+        quantized = proj if isinstance(proj, QuantLinear) else None
+        descriptor = self._held_descriptor(self.descriptor(quantized)) if quantized else 0
+        return [self._address(proj, "weight"), self._address(proj, "bias"), descriptor]
+
+    def _address(self, module: nn.Module | None, name: str) -> int:
+        """``module``'s parameter ``name``'s address (0: none), held."""
+        self.hold(module, name, passed=False)
+        tensor = None if module is None else module._parameters.get(name)
+        return 0 if tensor is None else tensor.data_ptr()
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The descriptors ``[n, 12]`` and the pointers, each descriptor's address patched in."""
@@ -753,6 +811,7 @@ def _handles() -> int:
 def _model_classes() -> tuple[type[nn.Module], ...]:
     """The models whose forward (embedding, layers, final norm) the call computes."""
     from foudre.models.bamba import BambaForCausalLM
+    from foudre.models.deepseek_v3 import DeepseekV3ForCausalLM
     from foudre.models.gemma3 import Gemma3ForCausalLM
     from foudre.models.granite_moe_hybrid import GraniteMoeHybridForCausalLM
     from foudre.models.llama import LlamaForCausalLM
@@ -766,6 +825,7 @@ def _model_classes() -> tuple[type[nn.Module], ...]:
         Mamba2ForCausalLM,
         BambaForCausalLM,
         GraniteMoeHybridForCausalLM,
+        DeepseekV3ForCausalLM,
     )
 
 
@@ -812,6 +872,8 @@ def _caches_supported(
     in ``dtype``, or codes with scales), contiguous ``[2, blocks, block_size, kv_heads,
     head_dim]`` on the CPU; the Mamba-2 layers' pools on the CPU, the conv window in ``dtype``,
     the state float32, each slot contiguous, all of as many slots."""
+    if any(p.latent is not None for p in layers):
+        return _latent_caches_supported(kv_caches, layers, dtype)
     kv = [c for c, p in zip(kv_caches, layers, strict=True) if p.attn is not None]
     states = [(c, p.mamba) for c, p in zip(kv_caches, layers, strict=True) if p.mamba]
     if len(kv) + len(states) != len(layers):
@@ -871,9 +933,10 @@ def _modules_supported(
     allowed = (
         nn.ModuleList, Attention, GatedMLP, Linear, RMSNorm, RotaryEmbedding, SparseMoeBlock,
         Experts, QuantLinear, Mamba2Mixer, nn.Conv1d, GatedRMSNorm, GraniteAttention,
-        Gemma3Attention, GeGLUMLP, OffsetRMSNorm,
+        Gemma3Attention, GeGLUMLP, OffsetRMSNorm, *_latent_classes(),
     )  # fmt: skip
     projections = _projections(model, layers)
+    own_eps, float32 = _latent_exempt(layers)
     for module in model.model.layers.modules():
         if type(module) not in allowed and "decode_parts" not in type(module).__dict__:
             return False  # a replaced layer (quantized experts, ...)
@@ -884,9 +947,12 @@ def _modules_supported(
         if module._forward_hooks or module._forward_pre_hooks:
             return False  # someone watches the layers (calibration): keep them called
         for p in module.parameters(recurse=False):
-            if p.dtype != dtype or not p.is_cpu or not p.is_contiguous():
+            if p.dtype != (torch.float32 if id(p) in float32 else dtype):
                 return False
-        if isinstance(module, RMSNorm | OffsetRMSNorm) and module.eps != model.config.rms_norm_eps:
+            if not p.is_cpu or not p.is_contiguous():
+                return False
+        norm = isinstance(module, RMSNorm | OffsetRMSNorm) and module not in own_eps
+        if norm and module.eps != model.config.rms_norm_eps:
             return False
     return True
 
@@ -899,15 +965,17 @@ def _shapes_supported(model: LlamaForCausalLM, layers: Sequence[DecodeParts]) ->
     attns = [p.attn for p in layers if p.attn is not None]
     if attns and any(a.scale != attns[0].scale or a.sinks is not None for a in attns):
         return False
+    if not _latent_shapes_supported(model, layers):
+        return False
     intermediate = _intermediate(layers)
     for layer, parts in zip(model.model.layers, layers, strict=True):
         dense = _dense(parts.mlp)
+        inter = _own_intermediate(parts, intermediate)
         if dense is not None and (
-            dense.gate_up_proj.out_features != 2 * intermediate
-            or dense.down_proj.in_features != intermediate
+            dense.gate_up_proj.out_features != 2 * inter or dense.down_proj.in_features != inter
         ):
             return False  # (the C++ runs one size: quantized projections have no weight shape)
-        expected = _expected_shapes(layer, parts, cfg, intermediate)
+        expected = _expected_shapes(layer, parts, cfg, inter)
         for name, p in layer.named_parameters():
             if tuple(p.shape) != expected.get(name):
                 return False
@@ -964,6 +1032,12 @@ def _expected_shapes(
         put(mlp.gate, "weight", experts, hidden)
         put(mlp.experts, "gate_up_proj", experts, 2 * inter, hidden)
         put(mlp.experts, "down_proj", experts, hidden, inter)
+        put(
+            mlp if mlp.e_score_correction_bias is not None else None,
+            "e_score_correction_bias",
+            experts,
+        )
+    _latent_expected(parts, cfg, put)
     return expected
 
 
@@ -1038,9 +1112,11 @@ def _projections(
             found[mamba.in_proj] = (cfg.hidden_size, s.projection_size)
             found[mamba.out_proj] = (s.intermediate_size, cfg.hidden_size)
         dense = _dense(mlp)
+        own = _own_intermediate(parts, inter)
         if dense is not None:
-            found[dense.gate_up_proj] = (cfg.hidden_size, 2 * inter)
-            found[dense.down_proj] = (inter, cfg.hidden_size)
+            found[dense.gate_up_proj] = (cfg.hidden_size, 2 * own)
+            found[dense.down_proj] = (own, cfg.hidden_size)
+        found.update(_latent_projections(parts, cfg))
     return found
 
 
@@ -1086,3 +1162,154 @@ def _cache_pointers(cache: torch.Tensor | QuantizedKVCache) -> list[int]:
             _KV_CODES[cache.kind],
         ]
     return [cache[0].data_ptr(), cache[1].data_ptr(), 0, 0, 0]
+
+
+# DeepSeek-V3's multi-head latent attention (``DecodeParts.latent``): native/decode_mla.h
+
+
+def _mixer_projections(parts: DecodeParts) -> tuple[nn.Module | None, nn.Module]:
+    """A layer's mixer's input and output projections at kQKV and kO: attention's q|k|v and
+    o_proj, a Mamba-2 mixer's in_proj and out_proj, a latent attention's o_proj alone (its
+    others are in its descriptor)."""
+    if parts.attn is not None:
+        return parts.attn.qkv_proj, parts.attn.o_proj
+    if parts.latent is not None:
+        return None, cast("LatentAttention", parts.latent).o_proj
+    mamba = cast(Mamba2Mixer, parts.mamba)
+    return mamba.in_proj, mamba.out_proj
+
+
+def _latent_classes() -> tuple[type[nn.Module], ...]:
+    from foudre.models.deepseek_v3 import LatentAttention, LatentProjection
+
+    return LatentAttention, LatentProjection
+
+
+def _latents(layers: Sequence[DecodeParts]) -> list[LatentAttention]:
+    return [cast("LatentAttention", p.latent) for p in layers if p.latent is not None]
+
+
+def _latent_scale(layers: Sequence[DecodeParts], scale: float) -> float:
+    """The latent attention's softmax scale (``_latent_shapes_supported``: one for all), else
+    ``scale``."""
+    latents = _latents(layers)
+    return latents[0].scale if latents else scale
+
+
+def _latent_exempt(layers: Sequence[DecodeParts]) -> tuple[set[nn.Module], set[int]]:
+    """The norms whose epsilon the C++ takes from the module (the latent attention's, of their
+    own epsilon) and the ids of the parameters it reads in float32 whatever the model's dtype
+    (a DeepSeek-V3 router's correction bias)."""
+    norms: set[nn.Module] = set()
+    for latent in _latents(layers):
+        norms.add(latent.kv_a_layernorm)
+        if latent.q_a_layernorm is not None:
+            norms.add(latent.q_a_layernorm)
+    float32 = {
+        id(p.mlp.e_score_correction_bias)
+        for p in layers
+        if isinstance(p.mlp, SparseMoeBlock) and p.mlp.e_score_correction_bias is not None
+    }
+    return norms, float32
+
+
+def _own_intermediate(parts: DecodeParts, intermediate: int) -> int:
+    """A layer's dense MLP size: a latent layer's own (kMlpIntermediate: DeepSeek-V3's dense
+    first layers and shared experts differ), the step's one size for the others."""
+    dense = _dense(parts.mlp)
+    if parts.latent is None or dense is None:
+        return intermediate
+    return int(dense.down_proj.in_features)
+
+
+def _latent_shapes_supported(model: LlamaForCausalLM, layers: Sequence[DecodeParts]) -> bool:
+    """Whether the latent attention layers are what the C++ runs: every layer of the model
+    one (no other mixer beside them), one softmax scale, the model's RoPE tables over the
+    rope parts, RMSNorms of the plain kind, and sparse blocks routed by DeepSeek's sigmoid
+    (the only ones with a correction bias) only there."""
+    latents = _latents(layers)
+    sigmoid = [
+        p for p in layers if isinstance(p.mlp, SparseMoeBlock) and p.mlp.scoring == "sigmoid"
+    ]
+    if not latents:
+        return not sigmoid
+    if len(latents) != len(layers) or any(
+        p.mamba is not None or p.attn is not None for p in layers
+    ):
+        return False
+    rotary = model.model.rotary
+    for latent in latents:
+        if latent.scale != latents[0].scale or latent.rotary is not rotary:
+            return False
+        if rotary.rotary_dim != latent.rope or latent.rope % 2:
+            return False
+        norms = (latent.q_a_layernorm, latent.kv_a_layernorm)
+        if any(n is not None and type(n) is not RMSNorm for n in norms):
+            return False
+    for p in sigmoid:
+        block = cast(SparseMoeBlock, p.mlp)
+        if not block._grouped_native() or block.shared_expert_gate is not None:
+            return False
+    return True
+
+
+def _latent_expected(parts: DecodeParts, cfg: Any, put: Any) -> None:
+    """The shapes of a latent attention's parameters, by ``_expected_shapes``' ``put``."""
+    latent = cast("LatentAttention | None", parts.latent)
+    if latent is None:
+        return
+    hidden, heads = cfg.hidden_size, latent.num_heads
+    rank, d = latent.rank, latent.rank + latent.rope
+    q_in = hidden
+    if latent.q_a_proj is not None and latent.q_a_layernorm is not None:
+        q_in = latent.q_a_proj.out_features
+        put(latent.q_a_proj, "weight", q_in, hidden)
+        put(latent.q_a_proj, "bias", q_in)
+        put(latent.q_a_layernorm, "weight", q_in)
+    put(latent.q_b_proj, "weight", heads * latent.qk_head_dim, q_in)
+    put(latent.kv_a_proj_with_mqa, "weight", d, hidden)
+    put(latent.kv_a_proj_with_mqa, "bias", d)
+    put(latent.kv_a_layernorm, "weight", rank)
+    put(latent.kv_b_proj, "weight", heads * (latent.nope + latent.v_head_dim), rank)
+    put(latent.o_proj, "weight", hidden, heads * latent.v_head_dim)
+    put(latent.o_proj, "bias", hidden)
+
+
+def _latent_projections(parts: DecodeParts, cfg: Any) -> dict[nn.Module, tuple[int, int]]:
+    """A latent attention's projections the C++ may run quantized, with their (in, out)."""
+    latent = cast("LatentAttention | None", parts.latent)
+    if latent is None:
+        return {}
+    hidden, heads = cfg.hidden_size, latent.num_heads
+    found: dict[nn.Module, tuple[int, int]] = {}
+    q_in = hidden
+    if latent.q_a_proj is not None:
+        q_in = latent.q_a_proj.out_features
+        found[latent.q_a_proj] = (hidden, q_in)
+    found[latent.q_b_proj] = (q_in, heads * latent.qk_head_dim)
+    found[latent.kv_a_proj_with_mqa] = (hidden, latent.rank + latent.rope)
+    found[latent.o_proj] = (heads * latent.v_head_dim, hidden)
+    return found
+
+
+def _latent_caches_supported(
+    kv_caches: Sequence[Any], layers: Sequence[DecodeParts], dtype: torch.dtype
+) -> bool:
+    """Whether every layer's cache is latent pages the C++ reads: float in ``dtype`` (no
+    quantized cache), ``[2, blocks, block_size, 1, rank + rope]`` on the CPU, K and V the same
+    contiguous pages (``LatentAttentionSpec.allocate``), all of one shape."""
+    if cpu_paged.kernel(dtype) is None:
+        return False
+    shapes = set()
+    for cache, parts in zip(kv_caches, layers, strict=True):
+        latent = cast("LatentAttention | None", parts.latent)
+        if latent is None or type(cache) is not torch.Tensor:
+            return False
+        if cache.dtype != dtype or not cache.is_cpu or cache.dim() != 5:
+            return False
+        if tuple(cache.shape[-2:]) != (1, latent.rank + latent.rope):
+            return False
+        if cache[0].data_ptr() != cache[1].data_ptr() or not cache[0].is_contiguous():
+            return False
+        shapes.add(tuple(cache.shape))
+    return len(shapes) == 1
