@@ -52,6 +52,9 @@ _SIGNATURES = {
         *[_P, *[_I64] * 3, _P, _I64, _I64, ctypes.c_int, _P, _P, _P, _I64, _P],
         *[_P, _I64, _I64, _F],
     ],
+    # x, rows, hidden, router, experts, bias, top_k, n_group, topk_group, renormalize,
+    # scaling, ids, weights
+    "foudre_route_grouped": [_P, _I64, _I64, _P, _I64, _P, *[_I64] * 3, ctypes.c_int, _F, _P, _P],
     # out, rows, layers, num_layers, hidden, heads, kv_heads, head_dim, intermediate, eps;
     # cos, sin, rot, max_positions, positions, slots, num_slots;
     # attention, tokens, tables, lens, table_width, block_size, groups, scale;
@@ -421,3 +424,21 @@ def grouped_moe_block_unchecked(
         max(counted, 0), out.data_ptr(), bias.data_ptr(), n_group, topk_group, scaling,
     )  # fmt: skip
     return out
+
+
+def route_grouped_unchecked(
+    x: torch.Tensor, router: torch.Tensor, routing: tuple[int, bool, torch.Tensor, int, int, float]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weights, ids)`` ``[rows, top_k]``: ``grouped_moe_block_unchecked``'s routing alone
+    (float32 router logits of ``x`` ``[rows, hidden]`` by ``router`` ``[E, hidden]``, then
+    ``layers/moe.route_grouped``'s choice within float32 rounding), for the quantized experts'
+    path. Unchecked as that one."""
+    top_k, renormalize, bias, n_group, topk_group, scaling = routing
+    rows = x.shape[0]
+    ids = torch.empty(rows, top_k, dtype=torch.int64)
+    weights = torch.empty(rows, top_k, dtype=torch.float32)
+    _FNS["foudre_route_grouped", x.dtype](
+        x.data_ptr(), rows, x.shape[1], router.data_ptr(), router.shape[0], bias.data_ptr(),
+        top_k, n_group, topk_group, int(renormalize), scaling, ids.data_ptr(), weights.data_ptr(),
+    )  # fmt: skip
+    return weights, ids

@@ -421,6 +421,22 @@ class SparseMoeBlock(nn.Module):
             and not fused.records_grad(bias)
         )
 
+    def _native_routing(self, x: torch.Tensor) -> bool:
+        """Whether DeepSeek-V3's routing of ``x`` runs natively (``grouped_moe_block``'s, which
+        the native decode step runs): a decode-sized CPU batch, the plain router."""
+        gate = self.gate
+        return (
+            type(gate) is Linear
+            and gate.bias is None
+            and x.dim() == 2
+            and x.shape[0] <= MAX_ROWS.get(x.dtype, 0)
+            and self._grouped_native()
+            and fused.enabled(x, gate.weight)
+            and x.is_contiguous()
+            and gate.weight.is_contiguous()
+            and not torch.is_autocast_enabled("cpu")
+        )
+
     def routing(self) -> tuple[int, bool, torch.Tensor, int, int, float]:
         """DeepSeek-V3's routing as the native block takes it: top_k, renormalize, the
         correction bias, n_group, topk_group (the groups' limit where it limits), scaling."""
@@ -441,6 +457,8 @@ class SparseMoeBlock(nn.Module):
         if self.e_score_correction_bias is None:
             return route(self.gate(x), self.top_k, self.renormalize)
         gate = self.gate
+        if self._native_routing(x):  # the native block's routing (quantized experts' steps)
+            return fused.route_grouped_unchecked(x, gate.weight, self.routing())
         if type(gate) is Linear:  # as DeepSeek routes: logits in float32
             logits = F.linear(x.float(), gate.weight.float())
         else:

@@ -1156,7 +1156,8 @@ void mlp_layer(const int64_t* p, const T* h, T* y, int64_t rows, int64_t hidden,
                       p[kRenormalize] != 0, w(kExpertsGateUp), w(kExpertsDown),
                       reinterpret_cast<int64_t*>(p[kCounts]), counted, y,
                       reinterpret_cast<const float*>(g[kGroupedBias]), g[kGroupedGroups],
-                      g[kGroupedTopkGroup], float_bits(g[kGroupedScaling]));
+                      g[kGroupedTopkGroup], float_bits(g[kGroupedScaling]),
+                      reinterpret_cast<const int64_t*>(g[kGroupedTable]));
     if (!dense) return;
     dense_out = shared;
   } else if (p[kRouter] != 0) {  // route's ids are in range: moe_block cannot fail

@@ -116,26 +116,75 @@ void route_grouped(const T* x, int64_t rows, int64_t hidden, const T* router, in
   }
 }
 
+// The routed experts quantized (quant/experts.QuantExperts of QuantLinears on cpu_qmatmul, SiLU
+// between them): table[e] the address of expert e's gate_up QuantSlot descriptor, table[experts
+// + e] its down's. The (row, slot) pairs sorted by expert (stable), each expert's rows through
+// project(), silu_mul and project(), as layers/moe.grouped_experts calls the modules, then the
+// products times their weights added in float32 in expert order and rounded once, as
+// moe_experts adds them. The ids are route_grouped's: in range.
+template <typename T>
+void quant_moe_experts(const T* x, int64_t rows, int64_t hidden, int64_t inter, const int64_t* ids,
+                       const float* weights, int64_t top_k, const int64_t* table,
+                       int64_t experts, T* out) {
+  const int64_t n = rows * top_k;
+  std::vector<int64_t> start(experts + 1, 0), order(n);
+  for (int64_t j = 0; j < n; ++j) ++start[ids[j] + 1];
+  for (int64_t e = 0; e < experts; ++e) start[e + 1] += start[e];
+  std::vector<int64_t> next(start.begin(), start.end() - 1);
+  for (int64_t j = 0; j < n; ++j) order[next[ids[j]]++] = j;
+  std::vector<T> xs(n * hidden), gu(n * 2 * inter), act(n * inter), ys(n * hidden);
+  for (int64_t i = 0; i < n; ++i) {
+    const T* row = x + order[i] / top_k * hidden;
+    std::copy(row, row + hidden, xs.data() + i * hidden);
+  }
+  const T* none = nullptr;
+  for (int64_t e = 0; e < experts; ++e) {
+    const int64_t s = start[e], m = start[e + 1] - s;
+    if (m == 0) continue;
+    const auto* gate_up = reinterpret_cast<const int64_t*>(table[e]);
+    const auto* down = reinterpret_cast<const int64_t*>(table[experts + e]);
+    project(gate_up, xs.data() + s * hidden, none, none, gu.data() + s * 2 * inter, m, 2 * inter,
+            hidden);
+    silu_mul(gu.data() + s * 2 * inter, act.data() + s * inter, m, inter, 2 * inter);
+    project(down, act.data() + s * inter, none, none, ys.data() + s * hidden, m, hidden, inter);
+  }
+  std::vector<float> sum(rows * hidden, 0.0f);
+  for (int64_t i = 0; i < n; ++i)
+    add_scaled(sum.data() + order[i] / top_k * hidden, ys.data() + i * hidden,
+               weights[order[i]], hidden);
+  for (int64_t r = 0; r < rows; ++r)
+    store_rounded(out + r * hidden, sum.data() + r * hidden, hidden);
+}
+
 // A DeepSeek-V3 sparse layer's routed experts at decode sizes in one call: route_grouped, one
 // count per chosen expert of the first `counted` rows added to counts[experts], then
-// moe_experts (its ids are in range: it cannot fail).
+// moe_experts, or quant_moe_experts over `table` where given (the ids are in range: it cannot
+// fail).
 template <typename T>
 int grouped_moe_block(const T* x, int64_t rows, int64_t hidden, int64_t inter, const T* router,
                       int64_t experts, int64_t top_k, bool renormalize, const T* gate_up,
                       const T* down, int64_t* counts, int64_t counted, T* out, const float* bias,
-                      int64_t n_group, int64_t topk_group, float scaling) {
+                      int64_t n_group, int64_t topk_group, float scaling,
+                      const int64_t* table = nullptr) {
   std::vector<int64_t> ids(rows * top_k);
   std::vector<float> weights(rows * top_k);
   route_grouped(x, rows, hidden, router, experts, bias, top_k, n_group, topk_group, renormalize,
                 scaling, ids.data(), weights.data());
   for (int64_t j = 0; j < std::min(counted, rows) * top_k; ++j) ++counts[ids[j]];
+  if (table != nullptr) {
+    quant_moe_experts(x, rows, hidden, inter, ids.data(), weights.data(), top_k, table, experts,
+                      out);
+    return 0;
+  }
   return moe_experts(x, rows, hidden, inter, ids.data(), weights.data(), top_k, gate_up, down,
                      experts, out);
 }
 
 // A layer's grouped routing (at kMoeGrouped: 0 for softmax routing): the correction bias
-// (float32 [experts]), n_group, topk_group, routed_scaling_factor's float32 bits
-enum GroupedSlot { kGroupedBias, kGroupedGroups, kGroupedTopkGroup, kGroupedScaling };
+// (float32 [experts]), n_group, topk_group, routed_scaling_factor's float32 bits, and the
+// quantized experts' table (quant_moe_experts; 0: float experts at kExpertsGateUp / kDown)
+enum GroupedSlot { kGroupedBias, kGroupedGroups, kGroupedTopkGroup, kGroupedScaling,
+                   kGroupedTable };
 
 // A latent attention layer's descriptor (at kMla): its projections (float weight, bias, QuantSlot
 // descriptor or 0), norms, kv_b_proj's weight, sizes and the norms' epsilon's float32 bits. No
@@ -226,4 +275,13 @@ void mla_layer(const int64_t* p, const AttentionRows& a, const T* h, T* y, int64
                              static_cast<const T*>(gate_up), static_cast<const T*>(down),        \
                              counts, counted, static_cast<T*>(out), bias, n_group, topk_group,   \
                              scaling);                                                           \
+  }                                                                                              \
+  void foudre_route_grouped_##SUFFIX(const void* x, int64_t rows, int64_t hidden,                \
+                                     const void* router, int64_t experts, const float* bias,     \
+                                     int64_t top_k, int64_t n_group, int64_t topk_group,         \
+                                     int renormalize, float scaling, int64_t* ids,               \
+                                     float* weights) {                                           \
+    route_grouped(static_cast<const T*>(x), rows, hidden, static_cast<const T*>(router),         \
+                  experts, bias, top_k, n_group, topk_group, renormalize != 0, scaling, ids,     \
+                  weights);                                                                      \
   }

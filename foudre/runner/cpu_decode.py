@@ -30,7 +30,11 @@ with every projection quantized, ``MAX_ROWS`` does
 not apply), and with sliding windows while every row's context fits the narrowest window (its layers
 attend to every key); other steps, and models it cannot run (another dtype, quantized experts,
 another attention backend, hooks on a module, a gated shared expert, OLMoE's attention, a
-vocabulary-parallel embedding), take the model's ``forward``. Quantized projections (``QuantLinear``
+vocabulary-parallel embedding), take the model's ``forward``. DeepSeek-V3's layers run there
+too (``DecodeParts.latent``, ``native/decode_mla.h``): multi-head latent attention in the absorbed
+form over the latent pages, the sigmoid group-limited routing, its experts float or quantized
+(``QuantExperts``: each expert's projections on their kernels), the shared experts, and each
+layer's own MLP size. Quantized projections (``QuantLinear``
 on ``quant/cpu_qmatmul``: int8, GGUF's group-wise 8-bit, int4, int6) run the same kernel from C++,
 their bias added after, as ``QuantLinear.forward`` does. A quantized KV cache (int8 / fp8) is read
 as stored by the paged kernel's codes variant, and the new tokens' K/V are quantized on write in C++
@@ -66,12 +70,13 @@ from foudre.layers import fused, ssm_ops
 from foudre.layers.linear import MAX_ROWS, Linear
 from foudre.layers.mamba import GatedRMSNorm, Mamba2Mixer
 from foudre.layers.mlp import GatedMLP
-from foudre.layers.moe import Experts, SparseMoeBlock
+from foudre.layers.moe import Experts, SparseMoeBlock, silu_mul
 from foudre.layers.norm import OffsetRMSNorm, RMSNorm
 from foudre.layers.rotary import RotaryEmbedding
 from foudre.layers.ssm_ops import MambaDecodeParams
 from foudre.models.llama import DecodeParts, declared_parts
 from foudre.quant import cpu_qmatmul
+from foudre.quant.experts import QuantExperts
 from foudre.quant.qlinear import QuantLinear, uses_native_kernels
 from foudre.runner.step import ForwardStep
 
@@ -620,8 +625,18 @@ class _Layout:
             self.hold(sparse, "e_score_correction_bias", passed=False)
             _, _, bias, groups, topk_group, scaling = sparse.routing()
             bits = ssm_ops.float_bits(scaling)
-            entries[1] = self._held_descriptor([bias.data_ptr(), groups, topk_group, bits])
+            table = self._experts_table(sparse.experts)
+            grouped = [bias.data_ptr(), groups, topk_group, bits, table]
+            entries[1] = self._held_descriptor(grouped)
         self.pointers += entries
+
+    def _experts_table(self, experts: nn.Module) -> int:
+        """Quantized experts' table (``quant_moe_experts``: each expert's gate_up descriptor's
+        address, then each one's down's), held; 0 for float experts."""
+        if not isinstance(experts, QuantExperts):
+            return 0
+        projections = [*experts.gate_up, *experts.down]
+        return self._held_descriptor([self._projection(q)[2] for q in projections])
 
     def _held_descriptor(self, values: list[int]) -> int:
         """The address of an int64 tensor of ``values``, held as long as the layout."""
@@ -1180,9 +1195,11 @@ def _mixer_projections(parts: DecodeParts) -> tuple[nn.Module | None, nn.Module]
 
 
 def _latent_classes() -> tuple[type[nn.Module], ...]:
+    """DeepSeek-V3's modules the C++ runs (quantized experts only in its sparse blocks:
+    ``_latent_shapes_supported``)."""
     from foudre.models.deepseek_v3 import LatentAttention, LatentProjection
 
-    return LatentAttention, LatentProjection
+    return LatentAttention, LatentProjection, QuantExperts
 
 
 def _latents(layers: Sequence[DecodeParts]) -> list[LatentAttention]:
@@ -1231,8 +1248,8 @@ def _latent_shapes_supported(model: LlamaForCausalLM, layers: Sequence[DecodePar
     sigmoid = [
         p for p in layers if isinstance(p.mlp, SparseMoeBlock) and p.mlp.scoring == "sigmoid"
     ]
-    if not latents:
-        return not sigmoid
+    if not latents:  # (quantized experts: DeepSeek's alone)
+        return not sigmoid and not any(type(m) is QuantExperts for m in model.modules())
     if len(latents) != len(layers) or any(
         p.mamba is not None or p.attn is not None for p in layers
     ):
@@ -1250,7 +1267,17 @@ def _latent_shapes_supported(model: LlamaForCausalLM, layers: Sequence[DecodePar
         block = cast(SparseMoeBlock, p.mlp)
         if not block._grouped_native() or block.shared_expert_gate is not None:
             return False
+        if type(block.experts) is not Experts and not _silu_quantized(block.experts):
+            return False
     return True
+
+
+def _silu_quantized(experts: nn.Module) -> bool:
+    """Whether ``experts`` are ``QuantExperts`` as ``quant_moe_experts`` runs them: SiLU
+    between the projections, no biases (each projection's kernel checked with the others')."""
+    if type(experts) is not QuantExperts or experts.activation is not silu_mul:
+        return False
+    return all(cast(QuantLinear, q).bias is None for q in [*experts.gate_up, *experts.down])
 
 
 def _latent_expected(parts: DecodeParts, cfg: Any, put: Any) -> None:
@@ -1289,6 +1316,11 @@ def _latent_projections(parts: DecodeParts, cfg: Any) -> dict[nn.Module, tuple[i
     found[latent.q_b_proj] = (q_in, heads * latent.qk_head_dim)
     found[latent.kv_a_proj_with_mqa] = (hidden, latent.rank + latent.rope)
     found[latent.o_proj] = (heads * latent.v_head_dim, hidden)
+    experts = parts.mlp.experts if isinstance(parts.mlp, SparseMoeBlock) else None
+    if isinstance(experts, QuantExperts):  # (_silu_quantized checks the rest)
+        inter = experts.intermediate_size
+        found.update((q, (hidden, 2 * inter)) for q in experts.gate_up)
+        found.update((q, (inter, hidden)) for q in experts.down)
     return found
 
 

@@ -4,8 +4,8 @@ multi-head latent attention in the absorbed form over the latent pages (with and
 shared experts beside it, and the dense first layers, against the model's Python path: the same
 logits, latent pages and routers' counts, bit for bit, padding rows included; greedy generation
 through ``LLM`` the same with and without the native step; the native kernels against torch's
-ops (the products of the absorbed form, the routing) within float32 rounding; and the steps
-that go back to Python (int8 experts, a hook)."""
+ops (the products of the absorbed form, the routing) within float32 rounding; int8 and int4
+projections and experts; and the steps that go back to Python (a hook, a replaced weight)."""
 
 from __future__ import annotations
 
@@ -89,14 +89,19 @@ def _both_paths(runner: ModelRunner, *args: Any) -> tuple[torch.Tensor, torch.Te
     return got, want
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_native_decode_equals_the_python_path(model_path: Path, dtype: str) -> None:
+@pytest.mark.parametrize(
+    ("dtype", "quantization"), [("float32", None), ("bfloat16", None), ("bfloat16", "int8")]
+)
+def test_native_decode_equals_the_python_path(
+    model_path: Path, dtype: str, quantization: str | None
+) -> None:
     """Prefill three prompts (blocks out of order) in Python, then decode steps of 1, 3 and
     3 + 2 padding rows natively: logits, latent pages and expert counts equal the Python
-    path's, bit for bit."""
-    llm = _llm(model_path, dtype)
+    path's, bit for bit (int8: every projection and routed expert quantized)."""
+    llm = _llm(model_path, dtype, quantization=quantization)
     runner = llm.engine.runner
     assert isinstance(runner.decode_path, NativeDecode)
+    assert bool(runner.decode_path.checks.quantized) == bool(quantization)
     lens = [5, 17, 33]
     tables = [[7, 3, 9], [1, 12, 4], [20, 2, 30]]
     prompts = [prompt(n, 7 + n) for n in lens]
@@ -115,14 +120,15 @@ def test_native_decode_equals_the_python_path(model_path: Path, dtype: str) -> N
 
 
 @pytest.mark.parametrize(
-    ("dtype", "quantization"), [("float32", None), ("bfloat16", None), ("bfloat16", "int8")]
+    ("dtype", "quantization"),
+    [("float32", None), ("bfloat16", None), ("bfloat16", "int8"), ("bfloat16", "int4")],
 )
 def test_generate_is_the_same_with_and_without_native_decode(
     model_path: Path, dtype: str, quantization: str | None
 ) -> None:
     """Greedy generation through ``LLM`` (batched prompts, prefix caching on) gives the same
-    tokens with the native step as without, and the native step ran; with int8 weights the
-    experts are quantized, which the native step does not run: every step is Python's."""
+    tokens with the native step as without, and the native step ran (int8 and int4: the
+    projections and the routed experts quantized)."""
     prompts = [prompt(n, 3 + n) for n in (5, 40, 70)]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     outs = []
@@ -130,17 +136,14 @@ def test_generate_is_the_same_with_and_without_native_decode(
         llm = _llm(model_path, dtype, enable_prefix_caching=True, quantization=quantization)
         runner = llm.engine.runner
         path = runner.decode_path
-        if quantization:
-            assert path is None  # quantized experts: the Python path's
-            outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
-            break
         assert isinstance(path, NativeDecode)
+        assert bool(path.checks.quantized) == bool(quantization)
         calls = _counted(path)
         if not native:
             runner.decode_path = None
         outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
         assert bool(calls) == native
-    assert outs[0] == outs[-1] and all(len(t) == 24 for t in outs[0])
+    assert outs[0] == outs[1] and all(len(t) == 24 for t in outs[0])
 
 
 def test_native_decode_steps_aside_when_a_layer_changes(tmp_path: Path) -> None:
