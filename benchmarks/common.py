@@ -4,6 +4,7 @@ llama.cpp (the CPU peer) built from llama-cpp-python's sdist, its converter, qua
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -34,8 +35,10 @@ __all__ = [
     "llama_cpp_bindings",
     "machine",
     "measure_bandwidth",
+    "peer_options",
     "random_llama",
     "random_model",
+    "recorded",
     "run_child",
     "weight_bytes",
 ]
@@ -230,6 +233,37 @@ def run_child(script: str, *args: str, what: str) -> dict[str, Any]:
     if proc.returncode:
         raise SystemExit(f"{what} failed:\n{proc.stderr[-3000:]}")
     return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+def peer_options(ap: argparse.ArgumentParser) -> None:
+    """The options of a benchmark run beside llama.cpp: where its build is, the record to write
+    and a note for it, and the hidden ones its per-model child processes are given."""
+    ap.add_argument("--llama-cpp", type=Path, default=Path("~/.cache/foudre-bench/llama.cpp"))
+    ap.add_argument("--out", type=Path, help="write results.json and results.md here")
+    ap.add_argument("--note", default="", help="a line for the record (e.g. a shared host)")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+
+
+def recorded(
+    runs: list[dict[str, Any]],
+    errors: dict[str, str],
+    key: str,
+    tags: dict[str, Any],
+    fn: Any,
+    *a: Any,
+) -> dict[str, Any] | None:
+    """``fn(*a)``'s figures, appended to ``runs`` with ``tags`` and the host's 1-minute load
+    average as it started; a failure recorded in ``errors[key]`` (the run goes on): None."""
+    load = os.getloadavg()[0]
+    try:
+        r = fn(*a)
+    except (Exception, SystemExit) as e:
+        errors[key] = f"{type(e).__name__}: {e}"[-1500:]
+        print(f"{key}: FAILED {errors[key][:300]}", flush=True)
+        return None
+    runs.append(r | tags | {"load_avg": load})
+    return dict(r)
 
 
 def has_amx() -> bool:

@@ -308,12 +308,11 @@ def main() -> None:
         "--gguf-rounds", type=int, default=1, help="rounds that also run foudre on the GGUF files"
     )
     ap.add_argument("--prepare", action="store_true", help="build and convert only")
-    ap.add_argument("--llama-cpp", type=Path, default=Path("~/.cache/foudre-bench/llama.cpp"))
-    ap.add_argument("--out", type=Path, help="write results.json and results.md here")
-    ap.add_argument("--note", default="")
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--quantization", help=argparse.SUPPRESS)
+    sys.path.insert(0, str(HERE))
+    from common import peer_options
+
+    peer_options(ap)
     args = ap.parse_args()
     if args.child:
         child(args)
@@ -321,7 +320,7 @@ def main() -> None:
     import torch
 
     sys.path.insert(0, str(HERE))
-    from common import CACHE, machine
+    from common import CACHE, machine, recorded
 
     torch.set_num_threads(os.cpu_count() or 1)
     root = args.llama_cpp.expanduser()
@@ -351,19 +350,15 @@ def main() -> None:
     runs: list[dict[str, Any]] = []
 
     def attempt(rnd: int, family: str, precision: str, who: str, fn: Any, *a: Any) -> None:
-        key = f"{family} {precision} {who}"
-        try:
-            r = fn(*a)
-        except (Exception, SystemExit) as e:  # recorded, the run goes on
-            errors[key] = f"{type(e).__name__}: {e}"[-1500:]
-            print(f"round {rnd} {key}: FAILED {errors[key][:300]}", flush=True)
-            return
-        runs.append(r | {"round": rnd, "family": family, "precision": precision, "who": who})
-        print(
-            f"round {rnd} {key:>32}: decode {r['decode_tps']:7.1f} tok/s, "
-            f"prefill {PREFILL_LEN} {r['prefill_tps']:7.0f} tok/s",
-            flush=True,
-        )
+        key = f"round {rnd} {family} {precision} {who}"
+        tags = {"round": rnd, "family": family, "precision": precision, "who": who}
+        r = recorded(runs, errors, key, tags, fn, *a)
+        if r is not None:
+            print(
+                f"{key:>40}: decode {r['decode_tps']:7.1f} tok/s, "
+                f"prefill {PREFILL_LEN} {r['prefill_tps']:7.0f} tok/s",
+                flush=True,
+            )
 
     for rnd in range(rounds):
         for family, precision in pairs:

@@ -187,15 +187,14 @@ def llama_cpp_run(bench: Path, gguf: Path, fallback: Path) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--llama-cpp", type=Path, default=Path("~/.cache/foudre-bench/llama.cpp"))
     ap.add_argument("--build", action="store_true", help="build llama.cpp's programs if missing")
     ap.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=PRECISIONS)
-    ap.add_argument("--out", type=Path, help="write results.json and results.md here")
-    ap.add_argument("--note", default="", help="a line for the record (e.g. a shared host)")
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--quantization", help=argparse.SUPPRESS)
     ap.add_argument("--pair", help=argparse.SUPPRESS)
+    sys.path.insert(0, str(HERE))
+    from common import peer_options
+
+    peer_options(ap)
     args = ap.parse_args()
     if args.child:
         pair_child(args) if args.pair else child(args)

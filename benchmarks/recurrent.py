@@ -383,14 +383,13 @@ def main() -> None:
         "--profile-threads", type=int, default=1, help="1: no thread stalls another's time"
     )
     ap.add_argument("--prepare", action="store_true", help="build and convert only")
-    ap.add_argument("--llama-cpp", type=Path, default=Path("~/.cache/foudre-bench/llama.cpp"))
-    ap.add_argument("--out", type=Path, help="write results.json and results.md here")
-    ap.add_argument("--note", default="")
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--profile-child", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--kv-cache-memory", type=float, help=argparse.SUPPRESS)
     ap.add_argument("--prefill", action="store_true", help=argparse.SUPPRESS)
+    sys.path.insert(0, str(HERE))
+    from common import peer_options
+
+    peer_options(ap)
     args = ap.parse_args()
     if args.profile_child:
         return profile_child(args)
@@ -438,7 +437,7 @@ def prepare(args: argparse.Namespace, errors: dict[str, str]) -> tuple[dict[str,
 
 def run(args: argparse.Namespace) -> None:
     import torch
-    from common import machine, run_child
+    from common import machine, recorded, run_child
 
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     bench = args.llama_cpp.expanduser() / "build" / "bin" / "llama-bench"
@@ -452,17 +451,11 @@ def run(args: argparse.Namespace) -> None:
     runs: list[dict[str, Any]] = []
 
     def attempt(rnd: int, name: str, who: str, fn: Any, *a: Any) -> None:
-        key = f"{name} {who}"
-        load = os.getloadavg()[0]  # the host's 1-minute load average as it starts
-        try:
-            r = fn(*a)
-        except (Exception, SystemExit) as e:  # recorded, the run goes on
-            errors[key] = f"{type(e).__name__}: {e}"[-1500:]
-            print(f"round {rnd} {key}: FAILED {errors[key][:300]}", flush=True)
-            return
-        runs.append(r | {"round": rnd, "model": name, "who": who, "load_avg": load})
-        figures = ", ".join(f"{k} {v:.1f}" for k, v in r.items() if k.endswith("_tps"))
-        print(f"round {rnd} {key:>18}: {figures}", flush=True)
+        key = f"round {rnd} {name} {who}"
+        r = recorded(runs, errors, key, {"round": rnd, "model": name, "who": who}, fn, *a)
+        if r is not None:
+            figures = ", ".join(f"{k} {v:.1f}" for k, v in r.items() if k.endswith("_tps"))
+            print(f"{key:>26}: {figures}", flush=True)
 
     profile = ""
     for rnd in range(args.rounds):

@@ -40,9 +40,10 @@ same; Qwen2-MoE's rounds them to the model dtype first, a difference of one bf16
 
 Each block counts the tokens routed to each of its experts since it was built
 (``expert_tokens``), so load imbalance can be seen (``LLM.metrics()["moe_expert_tokens"]``).
-Rows that only pad a batch (static batches, CUDA-graph buckets) are routed but not counted: the
-runner says how many rows are real (``count_rows``), and a CUDA graph's warm-up run counts
-nothing (``counting``).
+Rows that only pad a batch (static batches, CUDA-graph buckets) are routed but not counted: one
+``RoutedRows`` that every block of a model shares says how many rows of a forward are real (the
+runner sets it once a step, in O(1), whatever path runs the step), and a CUDA graph's warm-up
+run counts nothing.
 """
 
 from __future__ import annotations
@@ -321,6 +322,33 @@ def _triton_experts() -> Any:
     return moe_triton.fused_experts
 
 
+class RoutedRows:
+    """Which rows of a forward the routers count in their ``expert_tokens``: the first
+    ``limit`` (a 0-d int64 tensor on the counts' device, filled in place, so CUDA graphs
+    replay what each step says; None: every row), and none while ``on`` is False (a CUDA
+    graph's warm-up run). A model's sparse blocks share one (``LlamaForCausalLM.routed_rows``),
+    so that the runner says it once a step."""
+
+    def __init__(self, device: torch.device | None = None) -> None:
+        self.limit: torch.Tensor | None = None
+        self.on = True
+        self.device = device or torch.device("cpu")  # the counts' (the blocks keep it current)
+
+    def set(self, rows: int) -> None:
+        """Count only the first ``rows`` rows of the next forwards."""
+        limit, device = self.limit, self.device
+        if limit is None or limit.device != device:
+            with torch.inference_mode(False):  # filled in and out of inference mode
+                limit = self.limit = torch.zeros((), dtype=torch.int64, device=device)
+        limit.fill_(rows)
+
+    def counted(self, rows: int) -> int:
+        """How many of a forward's ``rows`` count (reads ``limit`` on the host)."""
+        if not self.on:
+            return 0
+        return rows if self.limit is None else min(rows, int(self.limit))
+
+
 class SparseMoeBlock(nn.Module):
     """A mixture-of-experts MLP: the router ``gate`` (``[E, hidden]``, with a bias where
     ``router_bias``: gpt-oss), the routed ``experts`` (``Experts`` unless another module of
@@ -379,12 +407,8 @@ class SparseMoeBlock(nn.Module):
         self.register_buffer(
             "expert_tokens", torch.zeros(num_experts, dtype=torch.int64), persistent=False
         )
-        # Which rows ``expert_tokens`` counts: with ``count_rows`` (a 0-d int64 tensor on the
-        # counts' device, read on the device, so CUDA graphs replay it) only the first that
-        # many, the others padding a batch; none while ``counting`` is off (a CUDA graph's
-        # warm-up run). Set by ``LlamaForCausalLM.count_moe_rows`` / ``moe_counting``.
-        self.count_rows: torch.Tensor | None = None
-        self.counting = True
+        # which rows ``expert_tokens`` counts: its own until a model shares one among its blocks
+        self.routed_rows = RoutedRows()
 
     @property
     def num_experts(self) -> int:
@@ -474,27 +498,32 @@ class SparseMoeBlock(nn.Module):
         )
 
     def _apply(self, fn: Any, recurse: bool = True) -> SparseMoeBlock:
-        """``nn.Module._apply`` (``to``, ``cuda``, ...), keeping ``e_score_correction_bias``
-        float32 whatever the model's dtype: the expert choice compares biased scores finer
-        than bfloat16 resolves a bias of several units (transformers keeps it float32 too)."""
+        """``nn.Module._apply`` (``to``, ``cuda``, ...), telling ``routed_rows`` where the
+        counts now are, and keeping ``e_score_correction_bias`` float32 whatever the model's
+        dtype: the expert choice compares biased scores finer than bfloat16 resolves a bias of
+        several units (transformers keeps it float32 too)."""
         super()._apply(fn, recurse)
+        self.routed_rows.device = self.expert_tokens.device
         bias = self.e_score_correction_bias
         if bias is not None and bias.dtype != torch.float32:
             bias.data = bias.data.float()
         return self
 
     def reset_stats(self) -> None:
-        """Zero ``expert_tokens`` (also what a model built on the meta device needs)."""
+        """Zero ``expert_tokens`` (also what a model built on the meta device needs, once its
+        memory is allocated: ``routed_rows`` then learns where the counts are)."""
         self.expert_tokens.zero_()
+        self.routed_rows.device = self.expert_tokens.device
 
     def _count(self, ids: torch.Tensor) -> None:
         """Add the routing ``ids`` ``[T, k]`` of the counted rows to ``expert_tokens``."""
         flat = ids.reshape(-1)
-        if self.count_rows is None:
+        limit = self.routed_rows.limit
+        if limit is None:
             ones = torch.ones_like(flat)
         else:
             rows = torch.arange(ids.shape[0], device=ids.device)
-            ones = (rows < self.count_rows).to(torch.int64)[:, None].expand(ids.shape).reshape(-1)
+            ones = (rows < limit).to(torch.int64)[:, None].expand(ids.shape).reshape(-1)
         self.expert_tokens.index_add_(0, flat, ones)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -503,9 +532,7 @@ class SparseMoeBlock(nn.Module):
         if self._native(x):  # router, routing, counts and experts in one call
             experts = self.experts
             assert isinstance(experts, Experts)
-            counted = x.shape[0] if self.counting else 0
-            if self.counting and self.count_rows is not None:
-                counted = min(counted, int(self.count_rows))
+            counted = self.routed_rows.counted(x.shape[0])
             if self.e_score_correction_bias is not None:  # DeepSeek-V3's routing
                 out = fused.grouped_moe_block_unchecked(
                     x,
@@ -529,7 +556,7 @@ class SparseMoeBlock(nn.Module):
                 )
         else:
             weights, ids = self.route(x)
-            if self.counting:
+            if self.routed_rows.on:
                 self._count(ids)
             out = self.experts(x, weights, ids)
         if self.shared_expert is not None:

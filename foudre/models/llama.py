@@ -23,7 +23,7 @@ from foudre.attention.base import GroupedMetadata
 from foudre.attention.cache_spec import CacheSpec, FullAttentionSpec
 from foudre.layers.linear import Linear
 from foudre.layers.mlp import GatedMLP
-from foudre.layers.moe import SparseMoeBlock
+from foudre.layers.moe import RoutedRows, SparseMoeBlock
 from foudre.layers.norm import RMSNorm
 from foudre.layers.parallel import TensorParallel, parallel_embedding
 from foudre.layers.rotary import RotaryEmbedding
@@ -239,6 +239,13 @@ class LlamaForCausalLM(nn.Module):
         self.tp: TensorParallel | None = None
         self.vocab_size = cfg.vocab_size  # the whole vocabulary's (a shard holds a slice)
         self.first_layer = 0  # the whole model's index of layer 0 (a pipeline stage's shard)
+        # which rows the routers count, one for all the sparse blocks (None: a dense model)
+        blocks = list(self.moe_blocks().values())
+        self.routed_rows: RoutedRows | None = None
+        if blocks:
+            self.routed_rows = shared = RoutedRows(blocks[0].expert_tokens.device)
+            for block in blocks:
+                block.routed_rows = shared
 
     def set_tensor_parallel(self, tp: TensorParallel, vocab_size: int) -> None:
         """Make this model one tensor-parallel shard of a model of ``vocab_size`` tokens: its
@@ -362,32 +369,24 @@ class LlamaForCausalLM(nn.Module):
 
     def count_moe_rows(self, rows: int) -> None:
         """Count only the first ``rows`` rows of the next forwards in the routers' statistics
-        (the rest pad the batch). One 0-d tensor on the counts' device, shared by the blocks
-        and filled in place, so CUDA graphs captured over it count what each replay says."""
-        blocks = list(self.moe_blocks().values())
-        if not blocks:
-            return
-        limit = blocks[0].count_rows
-        device = blocks[0].expert_tokens.device
-        if limit is None or limit.device != device:
-            with torch.inference_mode(False):  # filled in and out of inference mode
-                limit = torch.zeros((), dtype=torch.int64, device=device)
-            for block in blocks:
-                block.count_rows = limit
-        limit.fill_(rows)
+        (the rest pad the batch): one fill of the tensor the blocks share, so CUDA graphs
+        captured over it count what each replay says."""
+        if self.routed_rows is not None:
+            self.routed_rows.set(rows)
 
     @contextmanager
     def moe_counting(self, on: bool) -> Iterator[None]:
         """Within the block, the routers count the tokens they route only when ``on``."""
-        blocks = list(self.moe_blocks().values())
-        before = [b.counting for b in blocks]
+        routed = self.routed_rows
+        if routed is None:
+            yield
+            return
+        before = routed.on
         try:
-            for block in blocks:
-                block.counting = on
+            routed.on = on
             yield
         finally:
-            for block, was in zip(blocks, before, strict=True):
-                block.counting = was
+            routed.on = before
 
     def moe_expert_tokens(self) -> dict[int, list[int]]:
         """Tokens routed to each expert since the counts were last reset, by layer index."""

@@ -305,21 +305,11 @@ class NativeDecode:
             and self._counting_alike()
         )
 
-    @property
-    def counts_moe_rows(self) -> bool:
-        """Whether the model has sparse layers (as built: ``can_run`` checked nothing was
-        replaced since), whose routers count the step's rows."""
-        return bool(self.blocks)
-
     def _counting_alike(self) -> bool:
-        """Whether every sparse layer counts the same rows (one ``counted`` for the call): the
-        same ``counting`` and ``count_rows``, as ``count_moe_rows`` and ``moe_counting`` set."""
-        if not self.blocks:
-            return True
-        first = self.blocks[0]
-        return all(
-            b.counting == first.counting and b.count_rows is first.count_rows for b in self.blocks
-        )
+        """Whether every sparse layer counts by the model's one ``routed_rows`` (one
+        ``counted`` for the call): as built, unless one was given another since."""
+        routed = self.model.routed_rows
+        return all(b.routed_rows is routed for b in self.blocks)
 
     def _unchanged(self) -> bool:
         now = self.cache_list
@@ -331,14 +321,9 @@ class NativeDecode:
 
     def _counted(self, rows: int) -> int:
         """How many of the step's rows the sparse layers count: ``SparseMoeBlock.forward``'s
-        rule (every row, at most ``count_rows``, none while ``counting`` is off), the same for
-        every block (``can_run`` checked)."""
-        if not self.blocks:
-            return 0
-        block = self.blocks[0]
-        if not block.counting:
-            return 0
-        return rows if block.count_rows is None else min(rows, int(block.count_rows))
+        rule, the same for every block (``can_run`` checked)."""
+        routed = self.model.routed_rows
+        return 0 if routed is None or not self.blocks else routed.counted(rows)
 
     def run(self, step: ForwardStep) -> torch.Tensor:
         """Final hidden states (after the model's last norm) of a step that ``can_run`` allows:

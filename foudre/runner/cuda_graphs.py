@@ -71,8 +71,6 @@ class DecodeGraphs:
     ``scratch_block`` is a block of the cache that no request holds: padding rows write there.
     """
 
-    counts_moe_rows = True  # (the replays read the routers' count tensor, filled in place)
-
     def __init__(
         self,
         forward: ForwardFn,

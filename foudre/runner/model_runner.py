@@ -539,16 +539,14 @@ class ModelRunner:
         )
         real = token_ids[: len(token_ids) - num_padding_rows]
         rows = sum(len(ids) for ids in real)
+        self.model.count_moe_rows(rows)
         path = self.decode_path
         if path is not None and path.can_run(step):
-            if path.counts_moe_rows:
-                self.model.count_moe_rows(rows)
             logits = path.run_logits(step)
             if logits is not None:
                 return logits
             hidden = path.run(step)
         else:
-            self.model.count_moe_rows(rows)
             self.flatten(step)
             assert step.input_ids is not None and step.positions is not None
             hidden = self.forward_hidden(step.input_ids, step.positions, step.metadata)

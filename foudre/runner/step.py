@@ -144,14 +144,8 @@ class DecodePath(Protocol):
     ``can_run`` is cheap and side-effect free; ``run`` returns the final hidden states of every
     row (after the model's last norm), exactly what the model's forward would; ``run_logits``,
     for a step ``can_run`` allows, its float32 logits (``compute_logits`` of those states) where
-    the path computes the model's head too, else None (the caller then calls ``run``).
-    ``counts_moe_rows``, read after ``can_run`` allowed a step: whether the runner must set the
-    routers' row count (``count_moe_rows``) before it runs (False where the path knows its
-    model has no sparse layer: the count walks every layer, ~80 us a step once the weights'
-    stream has left the caches cold)."""
-
-    @property
-    def counts_moe_rows(self) -> bool: ...
+    the path computes the model's head too, else None (the caller then calls ``run``). The
+    routers' statistics are the model's own (``count_moe_rows``, set before the path runs)."""
 
     def can_run(self, step: ForwardStep) -> bool: ...
 

@@ -18,7 +18,7 @@ from foudre.attention.quantized_cache import QuantizedKVCache
 from foudre.layers import fused
 from foudre.layers.linear import MAX_ROWS, Linear
 from foudre.layers.mlp import GatedMLP
-from foudre.layers.moe import SparseMoeBlock
+from foudre.layers.moe import RoutedRows, SparseMoeBlock
 from foudre.quant import cpu_qmatmul, set_compute_dtype
 from foudre.quant.api import Int4WeightOnly, Int8WeightOnly, matches, quantize_
 from foudre.quant.qlinear import (
@@ -188,11 +188,13 @@ def test_native_decode_counts_the_real_rows(tmp_path: Path, dtype: str) -> None:
             both_paths(runner, tables, lens, new, [1, 1, 1])
         assert totals(before) == [0, 0] and calls == [3, 3, 3, 3]
         blocks = runner.model.moe_blocks()
-        blocks[2].counting = False
+        shared = blocks[2].routed_rows
+        blocks[2].routed_rows = RoutedRows()  # a block counting by rows of its own
+        blocks[2].routed_rows.on = False
         before = runner.model.moe_expert_tokens()
         runner.forward(tables, lens, new, [1, 1, 1])
         assert totals(before) == [6, 0] and calls == [3, 3, 3, 3]  # in Python
-        blocks[2].counting = True
+        blocks[2].routed_rows = shared
         counts = blocks[0].expert_tokens
         blocks[0].expert_tokens = counts.clone()  # counts the call does not hold
         runner.forward(tables, lens, new, [1, 1, 1])

@@ -332,8 +332,8 @@ def test_route_breaks_ties_by_the_lower_index(
 
 @pytest.mark.parametrize("rows", [5, 40])  # the native block (when built), then route + grouped
 def test_padding_rows_are_not_counted(rows: int) -> None:
-    """With ``count_rows`` only the first rows count (the others pad a batch), and nothing
-    counts while ``counting`` is off; the outputs do not change."""
+    """With ``routed_rows`` set to 3 only the first rows count (the others pad a batch), and
+    nothing counts while it is off; the outputs do not change."""
     torch.manual_seed(0)
     block = SparseMoeBlock(32, 6, 2, 24, renormalize=True)
     for p in block.parameters():
@@ -343,11 +343,11 @@ def test_padding_rows_are_not_counted(rows: int) -> None:
         ref = block(x)
         _, ids = route(block.gate(x), 2, True)
         block.reset_stats()
-        block.count_rows = torch.tensor(3)
+        block.routed_rows.set(3)
         assert torch.equal(block(x), ref)
         assert (
             block.expert_tokens.tolist() == torch.bincount(ids[:3].flatten(), minlength=6).tolist()
         )
-        block.counting = False
+        block.routed_rows.on = False
         assert torch.equal(block(x), ref)
         assert int(block.expert_tokens.sum()) == 6

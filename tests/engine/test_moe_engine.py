@@ -239,6 +239,8 @@ def test_padding_rows_of_rectangular_batches_are_not_counted(moe_model: str) -> 
     assert m["num_padding_tokens"] > 0
     assert all(sum(c) == 2 * computed for c in m["moe_expert_tokens"].values())
     runner = llm.engine.runner
+    blocks = runner.model.moe_blocks().values()
+    assert all(b.routed_rows is runner.model.routed_rows for b in blocks)  # one count, set once
     step = ForwardStep([[0]], [0], [[5, 6, 7]], [1])
     runner.flatten(step)
     assert step.input_ids is not None and step.positions is not None
