@@ -43,6 +43,18 @@ _SIGNATURES = {
     # x, rows, hidden, inter, router, experts, top_k, renormalize, gate_up, down, counts,
     # counted, out
     "foudre_moe_block": [_P, *[_I64] * 3, _P, _I64, _I64, ctypes.c_int, _P, _P, _P, _I64, _P],
+    # DeepSeek-V3 (native/decode_mla.h): q, q_stride, q_head, kv_b, out, rows, heads, nope, v,
+    # rank (and o, o_stride, o_head, ... for the unabsorbed values); moe_block's arguments, then
+    # bias, n_group, topk_group, scaling
+    "foudre_latent_absorb": [_P, _I64, _I64, _P, _P, *[_I64] * 5],
+    "foudre_latent_unabsorb": [_P, _I64, _I64, _P, _P, *[_I64] * 5],
+    "foudre_grouped_moe_block": [
+        *[_P, *[_I64] * 3, _P, _I64, _I64, ctypes.c_int, _P, _P, _P, _I64, _P],
+        *[_P, _I64, _I64, _F],
+    ],
+    # x, rows, hidden, router, experts, bias, top_k, n_group, topk_group, renormalize,
+    # scaling, ids, weights
+    "foudre_route_grouped": [_P, _I64, _I64, _P, _I64, _P, *[_I64] * 3, ctypes.c_int, _F, _P, _P],
     # out, rows, layers, num_layers, hidden, heads, kv_heads, head_dim, intermediate, eps;
     # cos, sin, rot, max_positions, positions, slots, num_slots;
     # attention, tokens, tables, lens, table_width, block_size, groups, scale;
@@ -63,7 +75,9 @@ _SIGNATURES = {
 }
 
 
-_RETURNS_INT = ("foudre_decode_layers", "foudre_moe_experts", "foudre_moe_block")
+_RETURNS_INT = (
+    "foudre_decode_layers", "foudre_moe_experts", "foudre_moe_block", "foudre_grouped_moe_block",
+)  # fmt: skip
 # x, x_stride, w, bias, y, rows, n, k (bfloat16 only; -1 where the build has none)
 _GEMM_BF16: list[Any] = [_P, _I64, _P, _P, _P, _I64, _I64, _I64]
 
@@ -370,3 +384,82 @@ def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         x.data_ptr(), gate.data_ptr(), out.data_ptr(), rows, n, cols
     )
     return out
+
+
+def latent_absorb(q_nope: torch.Tensor, kv_b: torch.Tensor, v: int) -> torch.Tensor:
+    """DeepSeek-V3's absorbed queries ``[T, H, rank]``: ``q_nope[t, h] @ W_UK[h]`` with ``W_UK``
+    the first ``nope`` rows of each head of ``kv_b`` (``kv_b_proj``'s weight ``[H * (nope + v),
+    rank]``), float32 sums in order, one rounding; what ``torch.bmm`` computes, within float32
+    rounding. ``q_nope`` ``[T, H, nope]`` (unit stride along nope) and ``kv_b`` (contiguous)
+    share a dtype that ``enabled`` accepts."""
+    t, heads, nope = q_nope.shape
+    rank = kv_b.shape[1]
+    if kv_b.shape[0] != heads * (nope + v) or q_nope.stride(2) != 1 or not kv_b.is_contiguous():
+        raise ValueError(f"latent_absorb: q_nope {tuple(q_nope.shape)}, kv_b {tuple(kv_b.shape)}")
+    out = torch.empty(t, heads, rank, dtype=q_nope.dtype)
+    if t:
+        _fn("foudre_latent_absorb", q_nope.dtype)(
+            q_nope.data_ptr(), q_nope.stride(0), q_nope.stride(1), kv_b.data_ptr(),
+            out.data_ptr(), t, heads, nope, v, rank,
+        )  # fmt: skip
+    return out
+
+
+def latent_unabsorb(o: torch.Tensor, kv_b: torch.Tensor, nope: int) -> torch.Tensor:
+    """DeepSeek-V3's values out of the latent ``[T, H, v]``: ``W_UV[h] @ o[t, h, :rank]`` with
+    ``W_UV`` the last ``v`` rows of each head of ``kv_b`` (``[H * (nope + v), rank]``), float32
+    dot products, one rounding. ``o`` ``[T, H, >= rank]`` (unit stride along its last axis)."""
+    t, heads = o.shape[:2]
+    rank = kv_b.shape[1]
+    v = kv_b.shape[0] // heads - nope
+    if o.shape[2] < rank or o.stride(2) != 1 or not kv_b.is_contiguous() or v <= 0:
+        raise ValueError(f"latent_unabsorb: o {tuple(o.shape)}, kv_b {tuple(kv_b.shape)}")
+    out = torch.empty(t, heads, v, dtype=o.dtype)
+    if t:
+        _fn("foudre_latent_unabsorb", o.dtype)(
+            o.data_ptr(), o.stride(0), o.stride(1), kv_b.data_ptr(), out.data_ptr(), t, heads,
+            nope, v, rank,
+        )  # fmt: skip
+    return out
+
+
+def grouped_moe_block_unchecked(
+    x: torch.Tensor,
+    router: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    routing: tuple[int, bool, torch.Tensor, int, int, float],
+    counts: torch.Tensor,
+    counted: int,
+) -> torch.Tensor:
+    """DeepSeek-V3's routed experts at decode sizes in one call: ``x``'s float32 router logits,
+    the sigmoid group-limited routing of ``layers/moe.route_grouped`` (``routing``: top_k,
+    renormalize, the float32 correction bias ``[E]``, n_group, topk_group, the scaling factor),
+    the counts of the first ``counted`` rows, then ``moe_experts``. Unchecked, as
+    ``moe_block_unchecked`` (``SparseMoeBlock`` checks)."""
+    top_k, renormalize, bias, n_group, topk_group, scaling = routing
+    out = torch.empty_like(x)
+    _FNS["foudre_grouped_moe_block", x.dtype](
+        x.data_ptr(), x.shape[0], x.shape[1], down.shape[2], router.data_ptr(), router.shape[0],
+        top_k, int(renormalize), gate_up.data_ptr(), down.data_ptr(), counts.data_ptr(),
+        max(counted, 0), out.data_ptr(), bias.data_ptr(), n_group, topk_group, scaling,
+    )  # fmt: skip
+    return out
+
+
+def route_grouped_unchecked(
+    x: torch.Tensor, router: torch.Tensor, routing: tuple[int, bool, torch.Tensor, int, int, float]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weights, ids)`` ``[rows, top_k]``: ``grouped_moe_block_unchecked``'s routing alone
+    (float32 router logits of ``x`` ``[rows, hidden]`` by ``router`` ``[E, hidden]``, then
+    ``layers/moe.route_grouped``'s choice within float32 rounding), for the quantized experts'
+    path. Unchecked as that one."""
+    top_k, renormalize, bias, n_group, topk_group, scaling = routing
+    rows = x.shape[0]
+    ids = torch.empty(rows, top_k, dtype=torch.int64)
+    weights = torch.empty(rows, top_k, dtype=torch.float32)
+    _FNS["foudre_route_grouped", x.dtype](
+        x.data_ptr(), rows, x.shape[1], router.data_ptr(), router.shape[0], bias.data_ptr(),
+        top_k, n_group, topk_group, int(renormalize), scaling, ids.data_ptr(), weights.data_ptr(),
+    )  # fmt: skip
+    return weights, ids

@@ -419,7 +419,7 @@ class SparseMoeBlock(nn.Module):
         decode-sized CPU batch, the plain router and experts, nothing autograd records."""
         experts, gate = self.experts, self.gate
         return (
-            self.scoring == "softmax"
+            (self.scoring == "softmax" or self._grouped_native())
             and x.shape[0] <= MAX_ROWS.get(x.dtype, 0)
             and type(experts) is Experts
             and type(gate) is Linear
@@ -433,12 +433,56 @@ class SparseMoeBlock(nn.Module):
             and not torch.is_autocast_enabled("cpu")
         )
 
+    def _grouped_native(self) -> bool:
+        """Whether DeepSeek-V3's routing can run natively: its correction bias float32,
+        contiguous, on the CPU."""
+        bias = self.e_score_correction_bias
+        return (
+            bias is not None
+            and bias.dtype == torch.float32
+            and bias.is_cpu
+            and bias.is_contiguous()
+            and not fused.records_grad(bias)
+        )
+
+    def _native_routing(self, x: torch.Tensor) -> bool:
+        """Whether DeepSeek-V3's routing of ``x`` runs natively (``grouped_moe_block``'s, which
+        the native decode step runs): a decode-sized CPU batch, the plain router."""
+        gate = self.gate
+        return (
+            type(gate) is Linear
+            and gate.bias is None
+            and x.dim() == 2
+            and x.shape[0] <= MAX_ROWS.get(x.dtype, 0)
+            and self._grouped_native()
+            and fused.enabled(x, gate.weight)
+            and x.is_contiguous()
+            and gate.weight.is_contiguous()
+            and not torch.is_autocast_enabled("cpu")
+        )
+
+    def routing(self) -> tuple[int, bool, torch.Tensor, int, int, float]:
+        """DeepSeek-V3's routing as the native block takes it: top_k, renormalize, the
+        correction bias, n_group, topk_group (the groups' limit where it limits), scaling."""
+        assert self.e_score_correction_bias is not None
+        groups = self.n_group if self.n_group > 1 and self.topk_group < self.n_group else 1
+        return (
+            self.top_k,
+            self.renormalize,
+            self.e_score_correction_bias,
+            groups,
+            self.topk_group if groups > 1 else 1,
+            float(self.routed_scaling_factor),
+        )
+
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The routing ``(weights, ids)`` ``[T, top_k]`` of the rows ``x`` by this block's
         variant."""
         if self.e_score_correction_bias is None:
             return route(self.gate(x), self.top_k, self.renormalize)
         gate = self.gate
+        if self._native_routing(x):  # the native block's routing (quantized experts' steps)
+            return fused.route_grouped_unchecked(x, gate.weight, self.routing())
         if type(gate) is Linear:  # as DeepSeek routes: logits in float32
             logits = F.linear(x.float(), gate.weight.float())
         else:
@@ -489,16 +533,27 @@ class SparseMoeBlock(nn.Module):
             experts = self.experts
             assert isinstance(experts, Experts)
             counted = self.routed_rows.counted(x.shape[0])
-            out = fused.moe_block_unchecked(
-                x,
-                self.gate.weight,
-                experts.gate_up_proj,
-                experts.down_proj,
-                self.top_k,
-                self.renormalize,
-                self.expert_tokens,
-                counted,
-            )
+            if self.e_score_correction_bias is not None:  # DeepSeek-V3's routing
+                out = fused.grouped_moe_block_unchecked(
+                    x,
+                    self.gate.weight,
+                    experts.gate_up_proj,
+                    experts.down_proj,
+                    self.routing(),
+                    self.expert_tokens,
+                    counted,
+                )
+            else:
+                out = fused.moe_block_unchecked(
+                    x,
+                    self.gate.weight,
+                    experts.gate_up_proj,
+                    experts.down_proj,
+                    self.top_k,
+                    self.renormalize,
+                    self.expert_tokens,
+                    counted,
+                )
         else:
             weights, ids = self.route(x)
             if self.routed_rows.on:

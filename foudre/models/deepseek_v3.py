@@ -53,12 +53,13 @@ from foudre.attention import AttentionBackend
 from foudre.attention.cache_spec import CacheSpec, LatentAttentionSpec
 from foudre.attention.causal import CausalBackend
 from foudre.attention.latent import LatentMetadata
-from foudre.layers.linear import Linear
+from foudre.layers import fused
+from foudre.layers.linear import MAX_ROWS, Linear
 from foudre.layers.norm import RMSNorm
 from foudre.layers.parallel import TensorParallel
 from foudre.layers.rotary import RotaryEmbedding
 from foudre.models.config import ModelConfig
-from foudre.models.llama import DecoderLayer, LlamaForCausalLM, LlamaModel
+from foudre.models.llama import DecodeParts, DecoderLayer, LlamaForCausalLM, LlamaModel
 
 logger = logging.getLogger("foudre")
 _CAUSAL = CausalBackend()  # the expanded form's attention among a row's own tokens
@@ -199,13 +200,34 @@ class LatentAttention(nn.Module):
         """Attention outputs ``[T, H, v_head_dim]`` through the latent cache: multi-query
         attention of the queries ``[q_nope W_UK, q_rope]`` over the one shared ``[latent,
         k_rope]`` per token (stored by the backend as K; V is the same memory), then W_UV."""
-        w_uk, w_uv = self.kv_b_proj.halves()
-        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, rank]
+        weight = self.kv_b_proj.weight
+        native = self._native(q_nope)
+        if native:  # (the native decode step's kernels: native/decode_mla.h)
+            q_latent = fused.latent_absorb(q_nope, weight, self.v_head_dim)
+        else:
+            w_uk = self.kv_b_proj.halves()[0]
+            q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, rank]
         q = torch.cat([q_latent, q_rope.to(q_latent.dtype)], dim=-1)
         kv = torch.cat([latent.unsqueeze(1), k_rope.to(latent.dtype)], dim=-1)  # [T, 1, D]
         o = backend.forward(q, kv, kv, kv_cache, metadata, self.scale)
+        if native:
+            return fused.latent_unabsorb(o, weight, self.nope)
+        w_uv = self.kv_b_proj.halves()[1]
         o_latent = o[..., : self.rank].transpose(0, 1)  # [H, T, rank]
         return torch.bmm(o_latent, w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H, v]
+
+    def _native(self, q_nope: torch.Tensor) -> bool:
+        """Whether the absorbed form's products run natively (``fused.latent_absorb`` and
+        ``latent_unabsorb``, what the native decode step calls): a decode-sized CPU step
+        (at most ``MAX_ROWS`` tokens), no autograd, no autocast. Elsewhere ``torch.bmm``."""
+        weight = self.kv_b_proj.weight
+        return (
+            q_nope.shape[0] <= MAX_ROWS.get(q_nope.dtype, 0)
+            and fused.enabled(q_nope, weight)
+            and weight.is_contiguous()
+            and q_nope.stride(2) == 1
+            and not torch.is_autocast_enabled("cpu")
+        )
 
     def expanded(
         self,
@@ -242,6 +264,20 @@ class DeepseekV3DecoderLayer(DecoderLayer):
     ``first_k_dense_replace`` layers, then DeepSeek's experts, as the config routes them)."""
 
     attention_class = LatentAttention
+
+    def decode_parts(self) -> DecodeParts | None:
+        """Pre-norm latent attention (``latent``), pre-norm MLP (dense, or DeepSeek's experts
+        with their shared experts)."""
+        if self.tp is not None:
+            return None
+        return DecodeParts(
+            self.input_layernorm,
+            None,
+            None,
+            self.post_attention_layernorm,
+            self.mlp,
+            latent=self.self_attn,
+        )
 
 
 class DeepseekV3Model(LlamaModel):

@@ -78,6 +78,8 @@ class DecodeParts:
     deltanet: GatedDeltaNet | None = None
     output_gate: nn.Module | None = None
     attention_window: bool = False
+    # DeepSeek-V3: multi-head latent attention as the mixer (a LatentAttention; attn is None)
+    latent: nn.Module | None = None
 
 
 def declared_parts(layer: nn.Module) -> DecodeParts | None:

@@ -1009,6 +1009,7 @@ enum LayerPointer {
   kParallel, kMixerIn, kMixerOut, kSections, kGateMult, kDownMult,  // Falcon-H1
   kDeltaNet, kDeltaStep, kBA, kBAQuant, kBAWidth, kOGate, kOGateQuant, kSharedGate,  // Qwen3-Next
   kWindow, kSinks, kOssAttention, kRouterBias, kOssExperts,  // gpt-oss: decode_gpt_oss.h
+  kMla, kMoeGrouped, kMlpIntermediate,  // DeepSeek-V3: decode_mla.h's descriptors, own MLP size
   kLayerPointers
 };
 
@@ -1068,6 +1069,7 @@ void any_norm(bool offset, const T* x, const T* w, T* out, int64_t rows, int64_t
 }
 
 #include "decode_qwen3_next.h"  // Qwen3-Next's gated DeltaNet layer and sigmoid gates
+#include "decode_mla.h"
 
 // An attention layer's mixer over the normed rows h: q|k|v (q/k norms, RoPE), the new K/V into
 // the rows' slots, paged attention, o_proj into y [rows, hidden]
@@ -1161,7 +1163,17 @@ void mlp_layer(const int64_t* p, const T* h, T* y, int64_t rows, int64_t hidden,
   if (p[kOssExperts] != 0) return oss_moe(p, h, y, rows, hidden, counted);
   const bool dense = p[kGateUp] != 0 || p[kGateUpQuant] != 0;
   T* dense_out = y;
-  if (p[kRouter] != 0) {  // route's ids are in range: moe_block cannot fail
+  if (p[kMoeGrouped] != 0) {  // DeepSeek-V3's routing
+    const int64_t* g = reinterpret_cast<const int64_t*>(p[kMoeGrouped]);
+    grouped_moe_block(h, rows, hidden, p[kMoeIntermediate], w(kRouter), p[kExperts], p[kTopK],
+                      p[kRenormalize] != 0, w(kExpertsGateUp), w(kExpertsDown),
+                      reinterpret_cast<int64_t*>(p[kCounts]), counted, y,
+                      reinterpret_cast<const float*>(g[kGroupedBias]), g[kGroupedGroups],
+                      g[kGroupedTopkGroup], float_bits(g[kGroupedScaling]),
+                      reinterpret_cast<const int64_t*>(g[kGroupedTable]));
+    if (!dense) return;
+    dense_out = shared;
+  } else if (p[kRouter] != 0) {  // route's ids are in range: moe_block cannot fail
     moe_block(h, rows, hidden, p[kMoeIntermediate], w(kRouter), p[kExperts], p[kTopK],
               p[kRenormalize] != 0, w(kExpertsGateUp), w(kExpertsDown),
               reinterpret_cast<int64_t*>(p[kCounts]), counted, y);
@@ -1209,10 +1221,12 @@ int decode_layers(T* out, int64_t rows, const int64_t* layers, int64_t num_layer
   for (int64_t i = 0; i < a.groups * rows; ++i)
     if (a.slots[i] < 0 || a.slots[i] >= num_slots) return 2;
   int64_t width = 0, inner = 0;  // the Mamba-2 layers' widest in_proj and inner size
+  int64_t widest = intermediate;  // the widest MLP (a layer's own size at kMlpIntermediate)
   for (int64_t l = 0; l < num_layers; ++l) {
     const int64_t* p = layers + l * kLayerPointers;
     width = std::max(width, p[kMambaWidth]);
     inner = std::max(inner, p[kMambaInner]);
+    widest = std::max(widest, p[kMlpIntermediate]);
   }
   if (width > 0 && !s.valid(rows)) return 4;
   std::vector<T> stream(rows * hidden);
@@ -1222,7 +1236,7 @@ int decode_layers(T* out, int64_t rows, const int64_t* layers, int64_t num_layer
   if (embed_scale != 1.0f) scale_(x, embed_scale, rows * hidden);
   const int64_t D = head_dim, q_size = heads * D, qkv_width = q_size + 2 * kv_heads * D;
   std::vector<T> h(rows * hidden), qkv(rows * qkv_width), att(rows * q_size), y(rows * hidden),
-      gate_up(rows * 2 * intermediate), act(rows * intermediate), proj(rows * width),
+      gate_up(rows * 2 * widest), act(rows * widest), proj(rows * width),
       mixed(rows * inner), shared(rows * hidden), in(rows * hidden);
   for (int64_t l = 0; l < num_layers; ++l) {
     const int64_t* p = layers + l * kLayerPointers;
@@ -1242,6 +1256,8 @@ int decode_layers(T* out, int64_t rows, const int64_t* layers, int64_t num_layer
       mamba_layer(p, s, h.data(), y.data(), rows, hidden, proj.data(), mixed.data());
     else if (p[kDeltaNet] != 0)
       deltanet_layer(p, s, h.data(), y.data(), rows, hidden, proj.data(), mixed.data());
+    else if (p[kMla] != 0)
+      mla_layer(p, a, h.data(), y.data(), rows, hidden, heads);
     else
       attention_layer(p, a, h.data(), y.data(), rows, hidden, heads, kv_heads, D, eps,
                       qkv.data(), att.data());
@@ -1250,8 +1266,9 @@ int decode_layers(T* out, int64_t rows, const int64_t* layers, int64_t num_layer
     add_residual(x, y.data(), residual, rows * hidden);
     if (p[kPostNorm] == 0) continue;  // no MLP (Mamba-2's blocks)
     any_norm(offset, x, w(kPostNorm), h.data(), rows, hidden, hidden, eps);
-    mlp_layer(p, h.data(), y.data(), rows, hidden, intermediate, counted, gate_up.data(),
-              act.data(), shared.data());
+    mlp_layer(p, h.data(), y.data(), rows, hidden,
+              p[kMlpIntermediate] != 0 ? p[kMlpIntermediate] : intermediate, counted,
+              gate_up.data(), act.data(), shared.data());
     if (p[kMlpOutNorm] != 0)
       any_norm(offset, y.data(), w(kMlpOutNorm), y.data(), rows, hidden, hidden, eps);
     add_residual(x, y.data(), residual, rows * hidden);
@@ -1356,6 +1373,8 @@ int foudre_decode_layer_pointers() { return kLayerPointers; }
 
 FOUDRE_OPS(f32, float)
 FOUDRE_OPS(bf16, uint16_t)
+FOUDRE_MLA_OPS(f32, float)
+FOUDRE_MLA_OPS(bf16, uint16_t)
 
 // Qwen3-Next's sigmoid gates for the Python path (decode_qwen3_next.h's sigmoid_gate)
 void foudre_sigmoid_gate_f32(const void* x, const void* gate, void* out, int64_t rows, int64_t n,

@@ -84,6 +84,11 @@ class QuantExperts(nn.Module):
             activation,
         )
 
+    @property
+    def intermediate_size(self) -> int:
+        """The experts' intermediate size (``Experts``'; the native decode step reads it)."""
+        return int(cast(QuantLinear, self.gate_up[0]).out_features) // 2
+
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert ``e`` over the rows ``x`` ``[n, hidden]``."""
         return self.down[e](self.activation(self.gate_up[e](x)))

@@ -36,7 +36,11 @@ attend to every key); other steps, and models it cannot run (another dtype, quan
 another attention backend, hooks on a module, OLMoE's attention, a
 vocabulary-parallel embedding), take the model's ``forward``. gpt-oss's layers
 (``cpu_decode_gpt_oss.py``) pass their sliding window and sinks to the kernel, and their experts,
-float, int8 or MXFP4, run their own kernel. Quantized projections (``QuantLinear``
+float, int8 or MXFP4, run their own kernel. DeepSeek-V3's layers run there
+too (``DecodeParts.latent``, ``native/decode_mla.h``): multi-head latent attention in the absorbed
+form over the latent pages, the sigmoid group-limited routing, its experts float or quantized
+(``QuantExperts``: each expert's projections on their kernels), the shared experts, and each
+layer's own MLP size. Quantized projections (``QuantLinear``
 on ``quant/cpu_qmatmul``: int8, GGUF's group-wise 8-bit, int4, int6) run the same kernel from C++,
 their bias added after, as ``QuantLinear.forward`` does. A quantized KV cache (int8 / fp8) is read
 as stored by the paged kernel's codes variant, and the new tokens' K/V are quantized on write in C++
@@ -74,12 +78,13 @@ from foudre.layers.gated_deltanet import GatedDeltaNet, NormThenGate
 from foudre.layers.linear import MAX_ROWS, Linear
 from foudre.layers.mamba import GatedRMSNorm, Mamba2Mixer
 from foudre.layers.mlp import GatedMLP
-from foudre.layers.moe import Experts, SparseMoeBlock
+from foudre.layers.moe import Experts, SparseMoeBlock, silu_mul
 from foudre.layers.norm import OffsetRMSNorm, RMSNorm
 from foudre.layers.rotary import RotaryEmbedding
 from foudre.layers.ssm_ops import DeltaNetDecodeParams, MambaDecodeParams
 from foudre.models.llama import DecodeParts, declared_parts
 from foudre.quant import cpu_qmatmul
+from foudre.quant.experts import QuantExperts
 from foudre.quant.qlinear import QuantLinear, uses_native_kernels
 from foudre.runner.cpu_decode_gpt_oss import expected_shapes as _oss_shapes
 from foudre.runner.cpu_decode_gpt_oss import experts_kinds as _oss_experts_kinds
@@ -91,6 +96,7 @@ from foudre.runner.step import ForwardStep
 
 if TYPE_CHECKING:
     from foudre.attention import AttentionBackend
+    from foudre.models.deepseek_v3 import LatentAttention
     from foudre.models.llama import LlamaForCausalLM
 
 
@@ -115,6 +121,7 @@ class NativeDecode:
         self.dtype = model.model.embed_tokens.weight.dtype
         self.max_rows = MAX_ROWS[self.dtype]  # where the float projections' kernel stops paying
         self._attention(layers, kv_caches)
+        self.scale: float = _latent_scale(layers, self.scale)
         self.dims = (
             cfg.hidden_size,
             cfg.num_attention_heads,
@@ -154,6 +161,7 @@ class NativeDecode:
         self.sections = layout.sections  # (the Falcon-H1 layers' in_proj sections, named too)
         self.deltanet_params = layout.deltanet_descriptors  # (Qwen3-Next's gated DeltaNets')
         self.oss = layout.oss  # gpt-oss's experts descriptors and float32 sinks (kept alive)
+        self.latent_params = layout.latent_descriptors  # (DeepSeek-V3's: held alive)
         if self.rotary is not None:
             for name in ("cos", "sin"):
                 table = self.rotary._buffers[name]
@@ -489,6 +497,7 @@ class _Layout:
         self.sections: list[torch.Tensor] = []  # parallel layers' in_proj sections (Falcon-H1)
         self.deltanet_descriptors: list[tuple[torch.Tensor, DeltaNetDecodeParams]] = []
         self.oss: list[torch.Tensor] = []  # gpt-oss's experts descriptors and float32 sinks
+        self.latent_descriptors: list[torch.Tensor] = []
 
     def hold(self, module: nn.Module | None, name: str, passed: bool = True) -> None:
         """Hold ``module``'s parameter ``name`` (absent too); pass its address if ``passed``."""
@@ -552,8 +561,8 @@ class _Layout:
             self.pointers += [0] * 5
         else:
             self.pointers += _cache_pointers(cache)
-        for module in (into, out):
-            self.describe(module)
+        for mixer_proj in (into, out):
+            self.describe(mixer_proj)
         self.describe(None if dense is None else dense.gate_up_proj)
         self.describe(None if dense is None else dense.down_proj)
         self._sparse(sparse)
@@ -571,6 +580,7 @@ class _Layout:
         entries, kept = oss_layer_entries(parts, cache, self.checks)  # gpt-oss's (or 0s)
         self.pointers += entries
         self.oss += kept
+        self._deepseek(parts, sparse, dense)
 
     def _parallel(self, parts: DecodeParts) -> None:
         """A row's Falcon-H1 entries (``decode_falcon_h1.h``): 1 for a parallel layer's
@@ -648,6 +658,70 @@ class _Layout:
         renormalize = int(sparse.renormalize)
         inter = getattr(experts, "intermediate_size", 0)  # (gpt-oss's int8 experts: its own)
         self.pointers += [sparse.num_experts, sparse.top_k, renormalize, inter]
+
+    def _deepseek(
+        self, parts: DecodeParts, sparse: SparseMoeBlock | None, dense: GatedMLP | None
+    ) -> None:
+        """DeepSeek-V3's entries (kMla, kMoeGrouped, kMlpIntermediate): a latent attention's
+        descriptor (``MlaSlot`` in native/decode_mla.h), a sparse block's grouped routing
+        (``GroupedSlot``), the layer's own MLP size (0: the step's); each 0 where none."""
+        latent = cast("LatentAttention | None", parts.latent)
+        entries = [0, 0, 0]
+        if latent is not None:
+            entries[0] = self._held_descriptor(self._latent(latent))
+            if dense is not None:
+                entries[2] = int(dense.down_proj.in_features)
+        if sparse is not None and sparse.e_score_correction_bias is not None:
+            self.hold(sparse, "e_score_correction_bias", passed=False)
+            _, _, bias, groups, topk_group, scaling = sparse.routing()
+            bits = ssm_ops.float_bits(scaling)
+            table = self._experts_table(sparse.experts)
+            grouped = [bias.data_ptr(), groups, topk_group, bits, table]
+            entries[1] = self._held_descriptor(grouped)
+        self.pointers += entries
+
+    def _experts_table(self, experts: nn.Module) -> int:
+        """Quantized experts' table (``quant_moe_experts``: each expert's gate_up descriptor's
+        address, then each one's down's), held; 0 for float experts."""
+        if not isinstance(experts, QuantExperts):
+            return 0
+        projections = [*experts.gate_up, *experts.down]
+        return self._held_descriptor([self._projection(q)[2] for q in projections])
+
+    def _held_descriptor(self, values: list[int]) -> int:
+        """The address of an int64 tensor of ``values``, held as long as the layout."""
+        tensor = torch.tensor(values, dtype=torch.int64)
+        self.latent_descriptors.append(tensor)
+        return tensor.data_ptr()
+
+    def _latent(self, latent: LatentAttention) -> list[int]:
+        """A latent attention's ``MlaSlot`` entries, its tensors held (its quantized
+        projections' descriptors too)."""
+        address, project = self._address, self._projection
+        entries = [*project(latent.q_a_proj), address(latent.q_a_layernorm, "weight")]
+        q_b = project(latent.q_b_proj)  # (no bias)
+        entries += [q_b[0], q_b[2], *project(latent.kv_a_proj_with_mqa)]
+        entries.append(address(latent.kv_a_layernorm, "weight"))
+        entries.append(self._address(latent.kv_b_proj, "weight"))
+        q_rank = 0 if latent.q_a_proj is None else latent.q_a_proj.out_features
+        entries += [q_rank, latent.rank, latent.rope, latent.nope, latent.v_head_dim]
+        for norm in (latent.q_a_layernorm, latent.kv_a_layernorm):
+            entries.append(ssm_ops.float_bits(1.0 if norm is None else norm.eps))
+        return entries
+
+    def _projection(self, proj: nn.Module | None) -> list[int]:
+        """A projection's weight, bias and QuantSlot descriptor addresses (0: none), held."""
+        if proj is None:
+            return [0, 0, 0]
+        quantized = proj if isinstance(proj, QuantLinear) else None
+        descriptor = self._held_descriptor(self.descriptor(quantized)) if quantized else 0
+        return [self._address(proj, "weight"), self._address(proj, "bias"), descriptor]
+
+    def _address(self, module: nn.Module | None, name: str) -> int:
+        """``module``'s parameter ``name``'s address (0: none), held."""
+        self.hold(module, name, passed=False)
+        tensor = None if module is None else module._parameters.get(name)
+        return 0 if tensor is None else tensor.data_ptr()
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The descriptors ``[n, 12]`` and the pointers, each descriptor's address patched in."""
@@ -802,6 +876,7 @@ def _handles() -> int:
 def _model_classes() -> tuple[type[nn.Module], ...]:
     """The models whose forward (embedding, layers, final norm) the call computes."""
     from foudre.models.bamba import BambaForCausalLM
+    from foudre.models.deepseek_v3 import DeepseekV3ForCausalLM
     from foudre.models.falcon_h1 import FalconH1ForCausalLM
     from foudre.models.gemma3 import Gemma3ForCausalLM
     from foudre.models.gpt_oss import GptOssForCausalLM
@@ -821,6 +896,7 @@ def _model_classes() -> tuple[type[nn.Module], ...]:
         FalconH1ForCausalLM,
         Qwen3NextForCausalLM,
         GptOssForCausalLM,
+        DeepseekV3ForCausalLM,
     )
 
 
@@ -895,6 +971,8 @@ def _caches_supported(
     in ``dtype``, or codes with scales), contiguous ``[2, blocks, block_size, kv_heads,
     head_dim]`` on the CPU; the Mamba-2 layers' pools on the CPU, the conv window in ``dtype``,
     the state float32, each slot contiguous, all of as many slots."""
+    if any(p.latent is not None for p in layers):
+        return _latent_caches_supported(kv_caches, layers, dtype)
     kv = [c for c, p in zip(kv_caches, layers, strict=True) if p.attn is not None]
     states = [(c, _recurrent(p)) for c, p in zip(kv_caches, layers, strict=True) if _recurrent(p)]
     if len(kv) + len(states) != len(layers):
@@ -959,11 +1037,13 @@ def _modules_supported(
         nn.ModuleList, Attention, GatedMLP, Linear, RMSNorm, RotaryEmbedding, SparseMoeBlock,
         Experts, QuantLinear, Mamba2Mixer, nn.Conv1d, GatedRMSNorm, GraniteAttention,
         Gemma3Attention, GeGLUMLP, OffsetRMSNorm, GptOssAttention, *_oss_experts_kinds(),
+        *_latent_classes(),
         FalconH1Mixer, FalconH1MLP,  # (only in a parallel layer, whose parts say their multipliers)
     )  # fmt: skip
     allowed += _qwen3_next_classes()
     projections = _projections(model, layers)
     inside = _oss_inside(layers)  # (gpt-oss's int8 experts' projections: _oss_supported's)
+    own_eps, float32 = _latent_exempt(layers)
     for module in model.model.layers.modules():
         if module in inside:
             continue
@@ -976,9 +1056,12 @@ def _modules_supported(
         if module._forward_hooks or module._forward_pre_hooks:
             return False  # someone watches the layers (calibration): keep them called
         for p in module.parameters(recurse=False):
-            if p.dtype != dtype or not p.is_cpu or not p.is_contiguous():
+            if p.dtype != (torch.float32 if id(p) in float32 else dtype):
                 return False
-        if isinstance(module, RMSNorm | OffsetRMSNorm) and module.eps != model.config.rms_norm_eps:
+            if not p.is_cpu or not p.is_contiguous():
+                return False
+        norm = isinstance(module, RMSNorm | OffsetRMSNorm) and module not in own_eps
+        if norm and module.eps != model.config.rms_norm_eps:
             return False
     return True
 
@@ -995,15 +1078,17 @@ def _shapes_supported(model: LlamaForCausalLM, layers: Sequence[DecodeParts]) ->
         attn = declared.attn
         if attn is not None and attn.sinks is not None and not declared.attention_window:
             return False  # (sinks: gpt-oss's layers only)
+    if not _latent_shapes_supported(model, layers):
+        return False
     intermediate = _intermediate(layers)
     for layer, parts in zip(model.model.layers, layers, strict=True):
         dense = _dense(parts.mlp)
+        inter = _own_intermediate(parts, intermediate)
         if dense is not None and (
-            dense.gate_up_proj.out_features != 2 * intermediate
-            or dense.down_proj.in_features != intermediate
+            dense.gate_up_proj.out_features != 2 * inter or dense.down_proj.in_features != inter
         ):
             return False  # (the C++ runs one size: quantized projections have no weight shape)
-        expected = _expected_shapes(layer, parts, cfg, intermediate)
+        expected = _expected_shapes(layer, parts, cfg, inter)
         for name, p in layer.named_parameters():
             if tuple(p.shape) != expected.get(name):
                 return False
@@ -1061,7 +1146,13 @@ def _expected_shapes(
         put(mlp.gate, "weight", experts, hidden)
         put(mlp.experts, "gate_up_proj", experts, 2 * inter, hidden)
         put(mlp.experts, "down_proj", experts, hidden, inter)
+        put(
+            mlp if mlp.e_score_correction_bias is not None else None,
+            "e_score_correction_bias",
+            experts,
+        )
     _oss_shapes(put, parts, cfg)
+    _latent_expected(parts, cfg, put)
     return expected
 
 
@@ -1136,10 +1227,12 @@ def _projections(
             found[mamba.in_proj] = (cfg.hidden_size, s.projection_size)
             found[mamba.out_proj] = (s.intermediate_size, cfg.hidden_size)
         dense = _dense(mlp)
+        own = _own_intermediate(parts, inter)
         if dense is not None:
-            found[dense.gate_up_proj] = (cfg.hidden_size, 2 * inter)
-            found[dense.down_proj] = (inter, cfg.hidden_size)
+            found[dense.gate_up_proj] = (cfg.hidden_size, 2 * own)
+            found[dense.down_proj] = (own, cfg.hidden_size)
         found.update(_qwen3_next_projections(parts, cfg))
+        found.update(_latent_projections(parts, cfg))
     return found
 
 
@@ -1193,18 +1286,6 @@ def _cache_pointers(cache: torch.Tensor | QuantizedKVCache) -> list[int]:
 def _recurrent(parts: DecodeParts) -> Mamba2Mixer | GatedDeltaNet | None:
     """A layer's recurrent mixer (its state pools), if it has one."""
     return parts.mamba if parts.mamba is not None else parts.deltanet
-
-
-def _mixer_projections(parts: DecodeParts) -> tuple[Linear, Linear]:
-    """The mixer's projections at kQKV and kO: attention's qkv_proj and o_proj, a Mamba-2
-    mixer's in_proj and out_proj, a gated DeltaNet's in_proj_qkvz and out_proj."""
-    attn, mamba, delta = parts.attn, parts.mamba, parts.deltanet
-    if attn is not None:
-        return attn.qkv_proj, attn.o_proj
-    if delta is not None:
-        return delta.in_proj_qkvz, delta.out_proj
-    mixer = cast(Mamba2Mixer, mamba)
-    return mixer.in_proj, mixer.out_proj
 
 
 def _deltanet_widths(delta: GatedDeltaNet | None) -> list[int] | None:
@@ -1295,3 +1376,180 @@ def _qwen3_next_projections(parts: DecodeParts, cfg: Any) -> dict[nn.Module, tup
     if parts.output_gate is not None:
         found[parts.output_gate] = (hidden, cfg.num_attention_heads * cfg.head_dim)
     return found
+
+
+# DeepSeek-V3's multi-head latent attention (``DecodeParts.latent``): native/decode_mla.h
+
+
+def _mixer_projections(parts: DecodeParts) -> tuple[nn.Module | None, nn.Module]:
+    """A layer's mixer's input and output projections at kQKV and kO: attention's q|k|v and
+    o_proj, a Mamba-2 mixer's in_proj and out_proj, a gated DeltaNet's in_proj_qkvz and
+    out_proj, a latent attention's o_proj alone (its others are in its descriptor)."""
+    if parts.attn is not None:
+        return parts.attn.qkv_proj, parts.attn.o_proj
+    if parts.latent is not None:
+        return None, cast("LatentAttention", parts.latent).o_proj
+    if parts.deltanet is not None:
+        return parts.deltanet.in_proj_qkvz, parts.deltanet.out_proj
+    mamba = cast(Mamba2Mixer, parts.mamba)
+    return mamba.in_proj, mamba.out_proj
+
+
+def _latent_classes() -> tuple[type[nn.Module], ...]:
+    """DeepSeek-V3's modules the C++ runs (quantized experts only in its sparse blocks:
+    ``_latent_shapes_supported``)."""
+    from foudre.models.deepseek_v3 import LatentAttention, LatentProjection
+
+    return LatentAttention, LatentProjection, QuantExperts
+
+
+def _latents(layers: Sequence[DecodeParts]) -> list[LatentAttention]:
+    return [cast("LatentAttention", p.latent) for p in layers if p.latent is not None]
+
+
+def _latent_scale(layers: Sequence[DecodeParts], scale: float) -> float:
+    """The latent attention's softmax scale (``_latent_shapes_supported``: one for all), else
+    ``scale``."""
+    latents = _latents(layers)
+    return latents[0].scale if latents else scale
+
+
+def _latent_exempt(layers: Sequence[DecodeParts]) -> tuple[set[nn.Module], set[int]]:
+    """The norms whose epsilon the C++ takes from the module (the latent attention's, of their
+    own epsilon) and the ids of the parameters it reads in float32 whatever the model's dtype
+    (a DeepSeek-V3 router's correction bias)."""
+    norms: set[nn.Module] = set()
+    for latent in _latents(layers):
+        norms.add(latent.kv_a_layernorm)
+        if latent.q_a_layernorm is not None:
+            norms.add(latent.q_a_layernorm)
+    float32 = {
+        id(p.mlp.e_score_correction_bias)
+        for p in layers
+        if isinstance(p.mlp, SparseMoeBlock) and p.mlp.e_score_correction_bias is not None
+    }
+    return norms, float32
+
+
+def _own_intermediate(parts: DecodeParts, intermediate: int) -> int:
+    """A layer's dense MLP size: a latent layer's own (kMlpIntermediate: DeepSeek-V3's dense
+    first layers and shared experts differ), the step's one size for the others."""
+    dense = _dense(parts.mlp)
+    if parts.latent is None or dense is None:
+        return intermediate
+    return int(dense.down_proj.in_features)
+
+
+def _latent_shapes_supported(model: LlamaForCausalLM, layers: Sequence[DecodeParts]) -> bool:
+    """Whether the latent attention layers are what the C++ runs: every layer of the model
+    one (no other mixer beside them), one softmax scale, the model's RoPE tables over the
+    rope parts, RMSNorms of the plain kind, and sparse blocks routed by DeepSeek's sigmoid
+    (the only ones with a correction bias) only there."""
+    latents = _latents(layers)
+    sigmoid = [
+        p for p in layers if isinstance(p.mlp, SparseMoeBlock) and p.mlp.scoring == "sigmoid"
+    ]
+    if not latents:  # (quantized experts: DeepSeek's, and gpt-oss's: cpu_decode_gpt_oss)
+        quantized = [
+            p
+            for p in layers
+            if not p.attention_window
+            and isinstance(p.mlp, SparseMoeBlock)
+            and type(p.mlp.experts) is QuantExperts
+        ]
+        return not sigmoid and not quantized
+    if len(latents) != len(layers) or any(
+        p.mamba is not None or p.attn is not None for p in layers
+    ):
+        return False
+    rotary = model.model.rotary
+    for latent in latents:
+        if latent.scale != latents[0].scale or latent.rotary is not rotary:
+            return False
+        if rotary.rotary_dim != latent.rope or latent.rope % 2:
+            return False
+        norms = (latent.q_a_layernorm, latent.kv_a_layernorm)
+        if any(n is not None and type(n) is not RMSNorm for n in norms):
+            return False
+    for p in sigmoid:
+        block = cast(SparseMoeBlock, p.mlp)
+        if not block._grouped_native() or block.shared_expert_gate is not None:
+            return False
+        if type(block.experts) is not Experts and not _silu_quantized(block.experts):
+            return False
+    return True
+
+
+def _silu_quantized(experts: nn.Module) -> bool:
+    """Whether ``experts`` are ``QuantExperts`` as ``quant_moe_experts`` runs them: SiLU
+    between the projections, no biases (each projection's kernel checked with the others')."""
+    if type(experts) is not QuantExperts or experts.activation is not silu_mul:
+        return False
+    return all(cast(QuantLinear, q).bias is None for q in [*experts.gate_up, *experts.down])
+
+
+def _latent_expected(parts: DecodeParts, cfg: Any, put: Any) -> None:
+    """The shapes of a latent attention's parameters, by ``_expected_shapes``' ``put``."""
+    latent = cast("LatentAttention | None", parts.latent)
+    if latent is None:
+        return
+    hidden, heads = cfg.hidden_size, latent.num_heads
+    rank, d = latent.rank, latent.rank + latent.rope
+    q_in = hidden
+    if latent.q_a_proj is not None and latent.q_a_layernorm is not None:
+        q_in = latent.q_a_proj.out_features
+        put(latent.q_a_proj, "weight", q_in, hidden)
+        put(latent.q_a_proj, "bias", q_in)
+        put(latent.q_a_layernorm, "weight", q_in)
+    put(latent.q_b_proj, "weight", heads * latent.qk_head_dim, q_in)
+    put(latent.kv_a_proj_with_mqa, "weight", d, hidden)
+    put(latent.kv_a_proj_with_mqa, "bias", d)
+    put(latent.kv_a_layernorm, "weight", rank)
+    put(latent.kv_b_proj, "weight", heads * (latent.nope + latent.v_head_dim), rank)
+    put(latent.o_proj, "weight", hidden, heads * latent.v_head_dim)
+    put(latent.o_proj, "bias", hidden)
+
+
+def _latent_projections(parts: DecodeParts, cfg: Any) -> dict[nn.Module, tuple[int, int]]:
+    """A latent attention's projections the C++ may run quantized, with their (in, out)."""
+    latent = cast("LatentAttention | None", parts.latent)
+    if latent is None:
+        return {}
+    hidden, heads = cfg.hidden_size, latent.num_heads
+    found: dict[nn.Module, tuple[int, int]] = {}
+    q_in = hidden
+    if latent.q_a_proj is not None:
+        q_in = latent.q_a_proj.out_features
+        found[latent.q_a_proj] = (hidden, q_in)
+    found[latent.q_b_proj] = (q_in, heads * latent.qk_head_dim)
+    found[latent.kv_a_proj_with_mqa] = (hidden, latent.rank + latent.rope)
+    found[latent.o_proj] = (heads * latent.v_head_dim, hidden)
+    experts = parts.mlp.experts if isinstance(parts.mlp, SparseMoeBlock) else None
+    if isinstance(experts, QuantExperts):  # (_silu_quantized checks the rest)
+        inter = experts.intermediate_size
+        found.update((q, (hidden, 2 * inter)) for q in experts.gate_up)
+        found.update((q, (inter, hidden)) for q in experts.down)
+    return found
+
+
+def _latent_caches_supported(
+    kv_caches: Sequence[Any], layers: Sequence[DecodeParts], dtype: torch.dtype
+) -> bool:
+    """Whether every layer's cache is latent pages the C++ reads: float in ``dtype`` (no
+    quantized cache), ``[2, blocks, block_size, 1, rank + rope]`` on the CPU, K and V the same
+    contiguous pages (``LatentAttentionSpec.allocate``), all of one shape."""
+    if cpu_paged.kernel(dtype) is None:
+        return False
+    shapes = set()
+    for cache, parts in zip(kv_caches, layers, strict=True):
+        latent = cast("LatentAttention | None", parts.latent)
+        if latent is None or type(cache) is not torch.Tensor:
+            return False
+        if cache.dtype != dtype or not cache.is_cpu or cache.dim() != 5:
+            return False
+        if tuple(cache.shape[-2:]) != (1, latent.rank + latent.rope):
+            return False
+        if cache[0].data_ptr() != cache[1].data_ptr() or not cache[0].is_contiguous():
+            return False
+        shapes.add(tuple(cache.shape))
+    return len(shapes) == 1

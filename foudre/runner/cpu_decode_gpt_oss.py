@@ -70,8 +70,8 @@ def supported(model: Any, layers: Sequence[DecodeParts], dtype: torch.dtype) -> 
     for parts in layers:
         experts = _experts(parts)
         windowed = parts.attention_window
-        if type(experts) in _KIND and not windowed:
-            return False  # (another family's quantized experts: Python)
+        if type(experts) in _KIND and not windowed and parts.latent is None:
+            return False  # (another family's quantized experts: Python; DeepSeek's its own)
         if not windowed:
             continue
         attn = parts.attn
