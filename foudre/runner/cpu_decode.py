@@ -1068,7 +1068,7 @@ def _modules_supported(
 
 def _shapes_supported(model: LlamaForCausalLM, layers: Sequence[DecodeParts]) -> bool:
     """Whether every layer holds exactly the parameters the C++ layers read, in their shapes
-    (a bias or gated shared expert the C++ lacks, or another shape: no), one attention scale, one
+    (a bias the C++ lacks, or another shape: no), one attention scale, one
     intermediate size of the dense MLPs, and a sparse layer's counts as int64 on the CPU."""
     cfg = model.config
     attns = [p.attn for p in layers if p.attn is not None]
@@ -1141,7 +1141,7 @@ def _expected_shapes(
     if dense is not None:
         put(dense.gate_up_proj, "weight", 2 * intermediate, hidden)
         put(dense.down_proj, "weight", hidden, intermediate)
-    if isinstance(mlp, SparseMoeBlock):  # the router and routed experts (no shared gate)
+    if isinstance(mlp, SparseMoeBlock):  # the router and routed experts
         experts, inter = cfg.num_experts, cfg.moe_intermediate_size
         put(mlp.gate, "weight", experts, hidden)
         put(mlp.experts, "gate_up_proj", experts, 2 * inter, hidden)

@@ -23,7 +23,10 @@ from foudre.layers.mlp import GatedMLP
 from foudre.models.falcon_h1 import FalconH1ForCausalLM
 from foudre.runner.cpu_decode import NativeDecode
 from foudre.runner.step import ForwardStep
-from tests.engine.test_cpu_decode_hybrid import _both_paths, _counted
+from tests.engine.test_cpu_decode_hybrid import (
+    check_decode_steps,
+    check_generate_both_ways,
+)
 from tests.oracles.ssm_models import prompt
 from tests.oracles.test_falcon_h1 import CASES, make_falcon_h1
 
@@ -70,25 +73,7 @@ def test_native_decode_equals_the_python_path(
     native = runner.decode_path
     assert isinstance(native, NativeDecode)
     assert (native.head is not None) == bool(quantization)
-    lens = [5, 17, 33]
-    tables = [[7, 3, 9], [1, 12, 4], [20, 2, 30]]
-    slots = [4, 0, 2]
-    prompts = [prompt(n, 7 + n) for n in lens]
-    with torch.inference_mode():
-        logits = runner.forward(tables, [0] * 3, prompts, [1] * 3, state_slots=slots)
-        assert logits is not None
-        for rows, pad, snapshots in ((1, 0, []), (3, 0, [(1, 0, 6)]), (3, 2, [(2, 0, 5)])):
-            new = [[int(t)] for t in logits.argmax(-1)[:rows]] + [[0]] * pad
-            step_tables = tables[:rows] + [[runner.padding_block]] * pad
-            args = (step_tables, lens[:rows] + [0] * pad, new, [1] * (rows + pad), pad)
-            got, want = _both_paths(
-                runner, *args, state_slots=slots[:rows], state_snapshots=snapshots
-            )
-            got, want = got[:rows], want[:rows]  # (the padding rows share a slot)
-            assert torch.equal(got, want), (rows, (got - want).abs().max())
-            lens[:rows] = [n + 1 for n in lens[:rows]]
-            logits = torch.cat([got[:rows], logits[rows:]])
-            runner.forward(*args, state_slots=slots[:rows], state_snapshots=snapshots)
+    check_decode_steps(runner)
 
 
 @pytest.mark.parametrize("quantization", [None, "int8", "int4"])
@@ -101,26 +86,21 @@ def test_generate_is_the_same_with_and_without_native_decode(
     native step as without, and the native step ran."""
     prompts = [prompt(n, 3 + n) for n in (5, 40, 70)]
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    outs = []
-    for native in (True, False):
-        llm = _llm(
+
+    def make() -> LLM:
+        return _llm(
             model_path,
             "bfloat16",
             enable_prefix_caching=True,
             state_snapshot_interval=32,
             quantization=quantization,
         )
-        runner = llm.engine.runner
-        path = runner.decode_path
-        assert isinstance(path, NativeDecode)
+
+    def check(path: NativeDecode) -> None:
         assert bool(path.checks.quantized) == bool(quantization)
         assert (path.head is not None) == bool(quantization)  # (the head in the call)
-        calls = _counted(path)
-        if not native:
-            runner.decode_path = None
-        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
-        assert bool(calls) == native
-    assert outs[0] == outs[1]
+
+    check_generate_both_ways(make, prompts, params, check)
 
 
 def test_native_decode_steps_aside_when_a_layer_changes(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ without the native step (bfloat16 and int8)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -136,13 +137,11 @@ def _both_paths(
     return got, want
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_native_decode_equals_the_python_path(model_path: Path, dtype: str) -> None:
+def check_decode_steps(runner: ModelRunner) -> None:
     """Prefill three prompts (state slots out of order, blocks out of order) in Python, then
-    decode steps of 1, 3 and 3 + 2 padding rows natively, one of them leaving a snapshot of a
-    row's state: logits, KV pages and every state slot equal the Python path's, bit for bit."""
-    llm = _llm(model_path, dtype)
-    runner = llm.engine.runner
+    decode steps of 1, 3 and 3 + 2 padding rows natively, two of them leaving a snapshot of a
+    row's state: logits, KV pages and every state slot equal the Python path's, bit for bit
+    (the native-step tests of every recurrent family)."""
     assert isinstance(runner.decode_path, NativeDecode)
     lens = [5, 17, 33]
     tables = [[7, 3, 9], [1, 12, 4], [20, 2, 30]]
@@ -165,6 +164,35 @@ def test_native_decode_equals_the_python_path(model_path: Path, dtype: str) -> N
             runner.forward(*args, state_slots=slots[:rows], state_snapshots=snapshots)
 
 
+def check_generate_both_ways(
+    make: Callable[[], LLM],
+    prompts: list[list[int]],
+    params: SamplingParams,
+    check: Callable[[NativeDecode], object] = lambda path: None,
+) -> None:
+    """Greedy generation through two ``LLM``s that ``make`` builds, one with the native step
+    (which ran: ``check`` also looks at it) and one without: the same tokens."""
+    outs = []
+    for native in (True, False):
+        llm = make()
+        runner = llm.engine.runner
+        path = runner.decode_path
+        assert isinstance(path, NativeDecode)
+        check(path)
+        calls = _counted(path)
+        if not native:
+            runner.decode_path = None
+        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+        assert bool(calls) == native
+    assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_native_decode_equals_the_python_path(model_path: Path, dtype: str) -> None:
+    """``check_decode_steps`` on each hybrid and Mamba-2 model, float32 and bfloat16."""
+    check_decode_steps(_llm(model_path, dtype).engine.runner)
+
+
 @pytest.mark.parametrize("quantization", [None, "int8"])
 def test_generate_is_the_same_with_and_without_native_decode(
     model_path: Path, quantization: str | None
@@ -173,30 +201,28 @@ def test_generate_is_the_same_with_and_without_native_decode(
     rows leave snapshots; bfloat16, or int8 projections) gives the same tokens with the native
     step as without, and the native step ran (not where the experts are quantized: those
     layers run in Python)."""
-    prompts = [prompt(n, 3 + n) for n in (5, 40, 70)]
-    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    outs = []
-    for native in (True, False):
-        llm = _llm(
+
+    def make() -> LLM:
+        return _llm(
             model_path,
             "bfloat16",
             enable_prefix_caching=True,
             state_snapshot_interval=32,
             quantization=quantization,
         )
-        runner = llm.engine.runner
-        path = runner.decode_path
-        if quantization and runner.model.moe_blocks():
-            assert path is None  # quantized experts: the Python path's
+
+    if quantization:
+        runner = make().engine.runner
+        if runner.model.moe_blocks():
+            assert runner.decode_path is None  # quantized experts: the Python path's
             return
-        assert isinstance(path, NativeDecode)
+    prompts = [prompt(n, 3 + n) for n in (5, 40, 70)]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+    def quantized(path: NativeDecode) -> None:
         assert bool(path.checks.quantized) == bool(quantization)
-        calls = _counted(path)
-        if not native:
-            runner.decode_path = None
-        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
-        assert bool(calls) == native
-    assert outs[0] == outs[1]
+
+    check_generate_both_ways(make, prompts, params, quantized)
 
 
 def test_native_decode_steps_aside_when_a_mixer_changes(tmp_path: Path) -> None:

@@ -111,7 +111,7 @@ def test_seeded_sampling_whatever_the_batch(moe_model: str) -> None:
     assert batch[1].outputs[0].token_ids == alone
 
 
-def test_native_decode_step_refuses_a_shared_expert(moe_model: str) -> None:
+def test_native_decode_step_refuses_a_narrower_shared_expert(moe_model: str) -> None:
     """The native decode step runs sparse layers (tests/engine/test_cpu_decode.py; a gated
     shared expert too: test_cpu_decode_qwen3_next.py) at one intermediate size: this model's
     shared expert is narrower than its dense layer's MLP, so its steps stay in Python."""
