@@ -206,6 +206,8 @@ class NativeDecode:
         it turns to aten's kernels (``QuantLinear.native_rows``)."""
         quantized = self.checks.quantized
         all_quantized = len(quantized) == len(_projections(model, layers)) and not self.blocks
+        # (a latent layer's kv_b_proj stays float: its absorbed products pay up to MAX_ROWS)
+        all_quantized = all_quantized and not any(p.latent is not None for p in layers)
         limit = min(m.native_rows() for m, _ in quantized)
         self.max_rows = limit if all_quantized else min(self.max_rows, limit)
 
@@ -1476,6 +1478,11 @@ def _latent_shapes_supported(model: LlamaForCausalLM, layers: Sequence[DecodePar
         if not block._grouped_native() or block.shared_expert_gate is not None:
             return False
         if type(block.experts) is not Experts and not _silu_quantized(block.experts):
+            return False
+    for p in layers:  # a softmax-routed block there: float experts only (the plain moe_block)
+        mlp = p.mlp
+        softmax = isinstance(mlp, SparseMoeBlock) and mlp.scoring != "sigmoid"
+        if softmax and type(cast(SparseMoeBlock, mlp).experts) is not Experts:
             return False
     return True
 

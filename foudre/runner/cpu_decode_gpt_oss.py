@@ -70,7 +70,8 @@ def supported(model: Any, layers: Sequence[DecodeParts], dtype: torch.dtype) -> 
     for parts in layers:
         experts = _experts(parts)
         windowed = parts.attention_window
-        if type(experts) in _KIND and not windowed and parts.latent is None:
+        latent_int8 = parts.latent is not None and type(experts) is QuantExperts
+        if type(experts) in _KIND and not windowed and not latent_int8:
             return False  # (another family's quantized experts: Python; DeepSeek's its own)
         if not windowed:
             continue

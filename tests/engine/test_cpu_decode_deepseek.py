@@ -229,3 +229,28 @@ def test_grouped_block_matches_route_grouped(
         want = block.experts(x, weights, ids) + block.shared_expert(x)  # type: ignore[misc]
     assert torch.equal(counts, torch.bincount(ids.reshape(-1), minlength=experts))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_what_the_latent_step_cannot_run_is_refused(tmp_path: Path) -> None:
+    """Softmax-routed blocks with int8 experts beside latent attention (the grouped path is
+    the sigmoid one's): no native step. With every projection int8 and no experts, the steps
+    stop at the float kernel's rows all the same (kv_b_proj stays float: its absorbed products
+    change form above them), and a Mixtral's int8 experts keep it in Python too."""
+    from foudre.layers.linear import MAX_ROWS
+
+    path = make_hf_model(tmp_path / "ds", "deepseek_v3", **BASE)
+    runner = _llm(path, "float32", quantization="int8").engine.runner
+    assert isinstance(runner.decode_path, NativeDecode)
+    for block in runner.model.moe_blocks().values():
+        block.scoring, block.e_score_correction_bias = "softmax", None
+    build = (runner.model, runner.backend, runner.kv_caches, runner.block_size)
+    assert NativeDecode.build(*build, -1, runner.group_of_layer) is None
+    layers = BASE["num_hidden_layers"]
+    dense = make_hf_model(
+        tmp_path / "dense", "deepseek_v3", **{**BASE, "first_k_dense_replace": layers}
+    )
+    runner = _llm(dense, "float32", quantization="int8").engine.runner
+    assert isinstance(runner.decode_path, NativeDecode) and not runner.model.moe_blocks()
+    assert runner.decode_path.max_rows <= MAX_ROWS[torch.float32]
+    mixtral = make_hf_model(tmp_path / "mixtral", "mixtral")
+    assert _llm(mixtral, "float32", quantization="int8").engine.runner.decode_path is None
