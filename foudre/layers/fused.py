@@ -386,6 +386,12 @@ def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _same_cpu_dtype(name: str, x: torch.Tensor, w: torch.Tensor) -> None:
+    """``ValueError`` unless ``x`` and ``w`` are CPU tensors of one dtype (what the C++ reads)."""
+    if x.dtype != w.dtype or x.device.type != "cpu" or w.device.type != "cpu":
+        raise ValueError(f"{name}: {x.dtype} on {x.device} with a weight {w.dtype} on {w.device}")
+
+
 def latent_absorb(q_nope: torch.Tensor, kv_b: torch.Tensor, v: int) -> torch.Tensor:
     """DeepSeek-V3's absorbed queries ``[T, H, rank]``: ``q_nope[t, h] @ W_UK[h]`` with ``W_UK``
     the first ``nope`` rows of each head of ``kv_b`` (``kv_b_proj``'s weight ``[H * (nope + v),
@@ -396,6 +402,7 @@ def latent_absorb(q_nope: torch.Tensor, kv_b: torch.Tensor, v: int) -> torch.Ten
     rank = kv_b.shape[1]
     if kv_b.shape[0] != heads * (nope + v) or q_nope.stride(2) != 1 or not kv_b.is_contiguous():
         raise ValueError(f"latent_absorb: q_nope {tuple(q_nope.shape)}, kv_b {tuple(kv_b.shape)}")
+    _same_cpu_dtype("latent_absorb", q_nope, kv_b)
     out = torch.empty(t, heads, rank, dtype=q_nope.dtype)
     if t:
         _fn("foudre_latent_absorb", q_nope.dtype)(
@@ -414,6 +421,7 @@ def latent_unabsorb(o: torch.Tensor, kv_b: torch.Tensor, nope: int) -> torch.Ten
     v = kv_b.shape[0] // heads - nope
     if o.shape[2] < rank or o.stride(2) != 1 or not kv_b.is_contiguous() or v <= 0:
         raise ValueError(f"latent_unabsorb: o {tuple(o.shape)}, kv_b {tuple(kv_b.shape)}")
+    _same_cpu_dtype("latent_unabsorb", o, kv_b)
     out = torch.empty(t, heads, v, dtype=o.dtype)
     if t:
         _fn("foudre_latent_unabsorb", o.dtype)(

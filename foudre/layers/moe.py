@@ -384,6 +384,15 @@ class SparseMoeBlock(nn.Module):
             raise ValueError(f"top_k={top_k} must be within 1..num_experts={num_experts}")
         if scoring not in ("softmax", "sigmoid"):
             raise ValueError(f"unknown expert scoring {scoring!r} (softmax, sigmoid)")
+        if scoring == "sigmoid" and (
+            n_group < 1 or num_experts % n_group or not 1 <= topk_group <= n_group
+        ):
+            raise ValueError(
+                f"n_group={n_group} must divide num_experts={num_experts} and topk_group="
+                f"{topk_group} be within 1..n_group"
+            )
+        if scoring == "sigmoid" and num_experts // n_group < 2:
+            raise ValueError(f"n_group={n_group}: a group ranks by its two best experts")
         self.scoring = scoring
         self.n_group, self.topk_group = n_group, topk_group
         self.routed_scaling_factor = routed_scaling_factor

@@ -20,6 +20,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import select
 import subprocess
 import sys
 import tempfile
@@ -110,6 +111,9 @@ def convert(src: Path, outtype: str, out: Path, *args: str, pre: str = "gpt-2") 
     assert child.stdin is not None and child.stdout is not None
     child.stdin.write(json.dumps([job, pre]) + "\n")
     child.stdin.flush()
+    if not select.select([child.stdout], [], [], 600)[0]:  # (as subprocess.run's would)
+        child.kill()
+        raise AssertionError(f"convert_hf_to_gguf.py hung on {src}")
     answer = child.stdout.readline()
     if answer.strip() != "0":
         with log.open() as f:
