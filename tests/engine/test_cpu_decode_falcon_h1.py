@@ -11,12 +11,10 @@ mixer, a mixer's parameter written in place) goes back to Python."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
-from foudre import LLM, SamplingParams
 from foudre.attention import cpu_paged
 from foudre.layers import fused, ssm_ops
 from foudre.layers.mlp import GatedMLP
@@ -24,10 +22,10 @@ from foudre.models.falcon_h1 import FalconH1ForCausalLM
 from foudre.runner.cpu_decode import NativeDecode
 from foudre.runner.step import ForwardStep
 from tests.engine.test_cpu_decode_hybrid import (
+    _llm,
     check_decode_steps,
-    check_generate_both_ways,
+    check_generate_with_snapshots,
 )
-from tests.oracles.ssm_models import prompt
 from tests.oracles.test_falcon_h1 import CASES, make_falcon_h1
 
 pytestmark = pytest.mark.skipif(
@@ -44,17 +42,6 @@ def model_path(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     after it, or none (with the multipliers' defaults, a tied head, one group)."""
     config = {**CASES[request.param], "max_position_embeddings": 512}
     return make_falcon_h1(tmp_path_factory.mktemp(request.param), **config)
-
-
-def _llm(path: Path, dtype: str, **kwargs: Any) -> LLM:
-    return LLM(
-        str(path),
-        dtype=dtype,
-        skip_tokenizer_init=True,
-        num_kv_blocks=64,
-        max_model_len=256,
-        **kwargs,
-    )
 
 
 @pytest.mark.parametrize(
@@ -84,23 +71,11 @@ def test_generate_is_the_same_with_and_without_native_decode(
     rows leave snapshots; bfloat16, int8 projections, or int4 ones with the quantized head's
     logits, times ``lm_head_multiplier``, computed in the call) gives the same tokens with the
     native step as without, and the native step ran."""
-    prompts = [prompt(n, 3 + n) for n in (5, 40, 70)]
-    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 
-    def make() -> LLM:
-        return _llm(
-            model_path,
-            "bfloat16",
-            enable_prefix_caching=True,
-            state_snapshot_interval=32,
-            quantization=quantization,
-        )
-
-    def check(path: NativeDecode) -> None:
-        assert bool(path.checks.quantized) == bool(quantization)
+    def head(path: NativeDecode) -> None:
         assert (path.head is not None) == bool(quantization)  # (the head in the call)
 
-    check_generate_both_ways(make, prompts, params, check)
+    check_generate_with_snapshots(model_path, quantization, head)
 
 
 def test_native_decode_steps_aside_when_a_layer_changes(tmp_path: Path) -> None:

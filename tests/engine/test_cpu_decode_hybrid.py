@@ -187,6 +187,40 @@ def check_generate_both_ways(
     assert outs[0] == outs[1]
 
 
+def check_generate_with_snapshots(
+    model_path: Path,
+    quantization: str | None,
+    check: Callable[[NativeDecode], object] = lambda path: None,
+) -> None:
+    """``check_generate_both_ways`` in bfloat16 with prefix caching on (decode rows leave
+    snapshots) and ``quantization``'s projections (the native step holding quantized ones
+    exactly then; ``check`` looks at it too); a model whose experts ``quantization`` replaces
+    has no native step (those layers run in Python)."""
+
+    def make() -> LLM:
+        return _llm(
+            model_path,
+            "bfloat16",
+            enable_prefix_caching=True,
+            state_snapshot_interval=32,
+            quantization=quantization,
+        )
+
+    built = [make()]  # (the first run's, looked at here)
+    runner = built[0].engine.runner
+    if quantization and runner.model.moe_blocks():
+        assert runner.decode_path is None  # quantized experts: the Python path's
+        return
+    prompts = [prompt(n, 3 + n) for n in (5, 40, 70)]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+    def checked(path: NativeDecode) -> None:
+        assert bool(path.checks.quantized) == bool(quantization)
+        check(path)
+
+    check_generate_both_ways(lambda: built.pop() if built else make(), prompts, params, checked)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_native_decode_equals_the_python_path(model_path: Path, dtype: str) -> None:
     """``check_decode_steps`` on each hybrid and Mamba-2 model, float32 and bfloat16."""
@@ -201,28 +235,7 @@ def test_generate_is_the_same_with_and_without_native_decode(
     rows leave snapshots; bfloat16, or int8 projections) gives the same tokens with the native
     step as without, and the native step ran (not where the experts are quantized: those
     layers run in Python)."""
-
-    def make() -> LLM:
-        return _llm(
-            model_path,
-            "bfloat16",
-            enable_prefix_caching=True,
-            state_snapshot_interval=32,
-            quantization=quantization,
-        )
-
-    if quantization:
-        runner = make().engine.runner
-        if runner.model.moe_blocks():
-            assert runner.decode_path is None  # quantized experts: the Python path's
-            return
-    prompts = [prompt(n, 3 + n) for n in (5, 40, 70)]
-    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-
-    def quantized(path: NativeDecode) -> None:
-        assert bool(path.checks.quantized) == bool(quantization)
-
-    check_generate_both_ways(make, prompts, params, quantized)
+    check_generate_with_snapshots(model_path, quantization)
 
 
 def test_native_decode_steps_aside_when_a_mixer_changes(tmp_path: Path) -> None:

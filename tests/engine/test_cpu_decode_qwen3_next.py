@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from foudre import LLM, SamplingParams
+from foudre import SamplingParams
 from foudre.attention.cache_spec import RecurrentCache
 from foudre.layers import fused, gated_deltanet, ssm_ops
 from foudre.layers.gated_deltanet import GatedDeltaNet, GatedDeltaNetShape
@@ -30,7 +30,7 @@ from tests.engine.test_cpu_decode_hybrid import (
     _llm,
     _pools,
     check_decode_steps,
-    check_generate_both_ways,
+    check_generate_with_snapshots,
 )
 from tests.oracles.ssm_models import prompt, save_random
 from tests.oracles.test_qwen3_next import BASE, CASES
@@ -91,28 +91,7 @@ def test_generate_is_the_same_with_and_without_native_decode(
     rows leave snapshots; bfloat16, or int8 projections) gives the same tokens with the native
     step as without, and the native step ran (not where the experts are quantized: those
     layers run in Python)."""
-
-    def make() -> LLM:
-        return _llm(
-            model_path,
-            "bfloat16",
-            enable_prefix_caching=True,
-            state_snapshot_interval=32,
-            quantization=quantization,
-        )
-
-    if quantization:
-        runner = make().engine.runner
-        if runner.model.moe_blocks():
-            assert runner.decode_path is None  # quantized experts: the Python path's
-            return
-    prompts = [prompt(n, 3 + n) for n in (5, 40, 70)]
-    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-
-    def quantized(path: NativeDecode) -> None:
-        assert bool(path.checks.quantized) == bool(quantization)
-
-    check_generate_both_ways(make, prompts, params, quantized)
+    check_generate_with_snapshots(model_path, quantization)
 
 
 def test_what_the_native_step_cannot_run_goes_to_python(tmp_path: Path) -> None:
