@@ -47,6 +47,7 @@ from foudre.layers.linear import Linear
 from foudre.layers.mamba import RecurrentBatch, causal_conv, snapshot_one_token_rows
 from foudre.layers.ssm_ops import (
     DeltaNetDecodeParams,
+    decode_library,
     deltanet_decode,
     gated_delta_rule_scan,
     gated_delta_rule_update,
@@ -243,9 +244,7 @@ class GatedDeltaNet(nn.Module):
         if not (has_kernels(cache.ssm) and cache.ssm.is_cpu) or self.norm.weight.dtype != x.dtype:
             return None
         # what deltanet_decode refuses, known before the projections (not computed twice)
-        if torch.is_grad_enabled() or cache.ssm.dtype != torch.float32:
-            return None
-        if cache.conv.dtype != x.dtype or x.dtype not in (torch.float32, torch.bfloat16):
+        if decode_library(cache.conv, cache.ssm, x.dtype) is None:
             return None
         o = deltanet_decode(
             cache, batch.slots, self.in_proj_qkvz(x), self.in_proj_ba(x), self._decode_params()

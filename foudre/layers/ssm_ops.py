@@ -415,6 +415,21 @@ def causal_conv1d_update_reference(
 # ---------------------------------------------------------------- a Mamba-2 decode token
 
 
+def decode_library(conv: torch.Tensor, state: torch.Tensor, dtype: torch.dtype) -> Any | None:
+    """The kernels' library where a fused decode token (``mamba_decode``, ``deltanet_decode``)
+    runs on these pools for inputs of ``dtype``: CPU pools, the conv window in ``dtype``
+    (float32 or bfloat16), the state in float32, nothing autograd records; else None."""
+    if (
+        state.device.type != "cpu"
+        or conv.dtype not in _CONV_SUFFIX
+        or dtype != conv.dtype
+        or state.dtype != torch.float32
+        or torch.is_grad_enabled()
+    ):
+        return None
+    return library()
+
+
 def mamba_decode(
     conv: torch.Tensor,
     state: torch.Tensor,
@@ -430,15 +445,7 @@ def mamba_decode(
     the conv's output on (the op-by-op path rounds each op to the model's dtype). None where the
     C++ kernels do not run this (not a CPU float32 / bfloat16 pool)."""
     dtype = conv.dtype
-    if (
-        state.device.type != "cpu"
-        or dtype not in _CONV_SUFFIX
-        or proj.dtype != dtype
-        or state.dtype != torch.float32
-        or torch.is_grad_enabled()
-    ):
-        return None
-    dll = library()
+    dll = decode_library(conv, state, proj.dtype)
     if dll is None:
         return None
     p = params
@@ -739,18 +746,8 @@ def deltanet_decode(
     kernels do not run this (not a CPU float32 / bfloat16 pool of that dtype, autograd)."""
     conv, state = cache.conv, cache.ssm
     dtype = conv.dtype
-    if (
-        state.device.type != "cpu"
-        or dtype not in _CONV_SUFFIX
-        or qkvz.dtype != dtype
-        or ba.dtype != dtype
-        or params.norm_w.dtype != dtype
-        or state.dtype != torch.float32
-        or torch.is_grad_enabled()
-    ):
-        return None
-    dll = library()
-    if dll is None:
+    dll = decode_library(conv, state, qkvz.dtype)
+    if dll is None or ba.dtype != dtype or params.norm_w.dtype != dtype:
         return None
     rows = qkvz.shape[0]
     _check_pool(state, slots, rows)
