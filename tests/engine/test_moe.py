@@ -351,3 +351,19 @@ def test_padding_rows_are_not_counted(rows: int) -> None:
         block.routed_rows.on = False
         assert torch.equal(block(x), ref)
         assert int(block.expert_tokens.sum()) == 6
+
+
+@pytest.mark.parametrize(
+    ("experts", "n_group", "topk_group"), [(8, 3, 1), (8, 2, 3), (8, 2, 0), (4, 4, 1)]
+)
+def test_grouped_routing_refuses_groups_it_cannot_rank(
+    experts: int, n_group: int, topk_group: int
+) -> None:
+    """DeepSeek's routing (sigmoid scores, groups ranked by their two best experts): groups
+    that do not divide the experts, a topk_group outside 1..n_group, or groups of one expert
+    are refused where the block is built, naming n_group."""
+    with pytest.raises(ValueError, match="n_group"):
+        SparseMoeBlock(
+            16, experts, 2, 8, True, scoring="sigmoid", n_group=n_group, topk_group=topk_group
+        )
+    SparseMoeBlock(16, 8, 2, 8, True, scoring="sigmoid", n_group=4, topk_group=2)  # (fine)
