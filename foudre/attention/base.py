@@ -24,10 +24,20 @@ so a head may attend to nothing. Every backend applies them (or raises ``ValueEr
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+
+def table_tensor(tables: Sequence[Sequence[int]] | torch.Tensor) -> torch.Tensor:
+    """Block tables as an int32 tensor ``[rows, width]``: lists padded with zeros, a tensor
+    as it is (its entries past a row's blocks are never read)."""
+    if isinstance(tables, torch.Tensor):
+        return tables
+    width = max((len(t) for t in tables), default=0)
+    return torch.tensor([[*t, *[0] * (width - len(t))] for t in tables], dtype=torch.int32)
 
 
 @dataclass(slots=True)
@@ -36,9 +46,16 @@ class BatchLayout:
 
     query_lens: list[int]  # new tokens per request
     seq_lens: list[int]  # context length per request after this step's tokens
-    block_tables: list[list[int]]  # physical block ids per request
+    # physical block ids per request: int32 ``[requests, width]``, row ``i`` starting with the
+    # blocks of request ``i`` (entries past its ``ceil(seq_lens[i] / block_size)``: unused);
+    # lists are accepted too (``table_tensor`` pads them)
+    block_tables: torch.Tensor | list[list[int]]
     slot_mapping: torch.Tensor  # [T] int64: cache slot (block * block_size + offset) per token
     block_size: int
+
+    def tables(self) -> torch.Tensor:
+        """``block_tables`` as an int32 tensor (``table_tensor``)."""
+        return table_tensor(self.block_tables)
 
 
 @dataclass(slots=True)

@@ -57,7 +57,7 @@ def build_latent_metadata(
         sub = BatchLayout(
             query_lens=[layout.query_lens[r] for r in rest],
             seq_lens=[layout.seq_lens[r] for r in rest],
-            block_tables=[layout.block_tables[r] for r in rest],
+            block_tables=layout.tables()[torch.tensor(rest, dtype=torch.long)],
             slot_mapping=layout.slot_mapping[torch.tensor(rest_tokens, dtype=torch.long)],
             block_size=layout.block_size,
         )

@@ -78,13 +78,15 @@ class PagedMetadata:
     prefill: PrefillRows | None = None
 
 
-def _int32(values: list[int] | list[list[int]], device: torch.device) -> torch.Tensor:
+def _int32(values: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int32).to(device)
 
 
-def _tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
-    width = max(len(t) for t in tables)
-    return _int32([t + [0] * (width - len(t)) for t in tables], device)
+def _rows_of(tables: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """The int32 tables of ``rows`` (all of them: ``tables`` itself, not copied)."""
+    if len(rows) != tables.shape[0]:
+        tables = tables[torch.tensor(rows, dtype=torch.long, device=tables.device)]
+    return tables.to(torch.int32)
 
 
 def prefill_rows(
@@ -96,7 +98,7 @@ def prefill_rows(
         q_starts=_int32([starts[r] for r in rows], device),
         q_lens=_int32(q_lens, device),
         seq_lens=_int32([layout.seq_lens[r] for r in rows], device),
-        block_tables=_tables([layout.block_tables[r] for r in rows], device),
+        block_tables=_rows_of(layout.tables(), rows).to(device),
         max_q_len=max(q_lens),
         num_tokens=sum(q_lens),
         host_q_lens=q_lens,
@@ -154,8 +156,8 @@ class PagedBackend(AttentionBackend):
         if multi and self.mixed_in_one:
             multi, decode = list(range(len(layout.query_lens))), []
         tok = tables = lens = None
-        if decode:
-            tables = _tables([layout.block_tables[r] for r in decode], device)
+        if decode:  # (the step's tables: rows gathered from the runner's per-slot tables)
+            tables = _rows_of(layout.tables(), decode).to(device)
             tok = _int32([starts[r] for r in decode], device)
             lens = _int32([layout.seq_lens[r] for r in decode], device)
         prefill = prefill_rows(multi, layout, starts, device) if multi else None

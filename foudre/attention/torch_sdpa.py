@@ -77,12 +77,14 @@ def _build_group(
         0 if window is None else max(0, c - q - window + 1) // bs
         for q, c in zip(q_lens, ctx, strict=True)
     ]
-    max_blocks = max(len(layout.block_tables[r]) - f for r, f in zip(rows, first, strict=True))
-    max_blocks = max(max_blocks, max(-(-c // bs) - f for c, f in zip(ctx, first, strict=True)))
-    tables = torch.zeros(len(rows), max_blocks, dtype=torch.long)
-    for i, (r, f) in enumerate(zip(rows, first, strict=True)):
-        bt = layout.block_tables[r][f:]
-        tables[i, : len(bt)] = torch.tensor(bt, dtype=torch.long)
+    # each row's blocks from its first read, up to the last its context reaches (the rest of
+    # its table is never read; entries past it are masked out below)
+    max_blocks = max(-(-c // bs) - f for c, f in zip(ctx, first, strict=True))
+    step_tables = layout.tables()
+    width = step_tables.shape[1]
+    columns = torch.tensor(first).view(-1, 1) + torch.arange(max_blocks).view(1, -1)
+    row_index = torch.tensor(rows, dtype=torch.long).view(-1, 1)
+    tables = step_tables.cpu()[row_index, columns.clamp(max=width - 1)].long()
     q_len_t = torch.tensor(q_lens).view(-1, 1)
     ctx_t = torch.tensor(ctx).view(-1, 1, 1)
     qi = torch.arange(max_q).view(1, -1)

@@ -1,8 +1,10 @@
 """One rank's runner: its shard, its share of the paged KV cache, its part of each step.
 
 Every rank runs the same step from the same ``StepMessage`` (the scheduler's rows without their
-samplers: block tables, positions, tokens, how many logits, the copy-on-write copies), so every
-rank holds its KV heads and its layers under the same block tables. The step's rows are cut
+samplers: block tables' changes, positions, tokens, how many logits, the copy-on-write copies),
+so every rank holds its KV heads and its layers under the same block tables: rank 0 in its
+persistent batch (``ModelRunner.execute``), each worker by request id (``ShardRunner.run``),
+both updated by the rows' changes. The step's rows are cut
 into micro-batches (when it has tokens enough: ``ParallelExecutor.num_micro_batches``),
 consecutive rows of about equal tokens, one per stage, so that stage ``s`` computes
 micro-batch ``m`` while stage ``s + 1`` computes ``m - 1``::
@@ -36,13 +38,16 @@ from foudre.distributed.errors import WorkerFailedError
 from foudre.distributed.groups import Groups
 from foudre.models.llama import LlamaForCausalLM
 from foudre.runner.model_runner import ModelRunner
-from foudre.runner.step import ForwardStep, SchedulerOutput
+from foudre.runner.step import ForwardStep, SchedulerOutput, Tables
 
 
 @dataclass(slots=True)
 class StepMessage:
     """What crosses from the engine to every worker at each step: ``ModelRunner.forward``'s
-    arguments (padding rows included) and the block copies to make before it."""
+    arguments (padding rows included) and the block copies to make before it. The rows' block
+    tables come as their changes (``table_starts``, ``block_tables``: the ids from there on;
+    a padding row's table is whole), which each worker applies to the tables it keeps by
+    request (``request_ids``, then the padding rows'), forgetting those of ``removed``."""
 
     block_tables: list[list[int]]
     starts: list[int]
@@ -52,6 +57,9 @@ class StepMessage:
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     num_micro_batches: int = 1  # the engine's choice (ParallelExecutor.num_micro_batches)
     position_offsets: list[int] | None = None  # per row, added to its RoPE positions
+    request_ids: list[str] = field(default_factory=list)  # the real rows'
+    table_starts: list[int] = field(default_factory=list)  # per real row
+    removed: list[str] = field(default_factory=list)  # requests that left the batch
 
     @classmethod
     def heartbeat(cls) -> StepMessage:
@@ -78,7 +86,26 @@ class StepMessage:
             pad,
             list(scheduled.block_copies),
             position_offsets=offsets,
+            request_ids=[r.request_id for r in rows],
+            table_starts=[r.table_start for r in rows],
+            removed=list(scheduled.removed),
         )
+
+    def tables(self, held: dict[str, list[int]]) -> list[list[int]]:
+        """The step's whole block tables: each row's change applied to its request's table in
+        ``held`` (updated; those of ``removed`` dropped first), then the padding rows'."""
+        for rid in self.removed:
+            held.pop(rid, None)
+        rows = zip(self.request_ids, self.table_starts, self.block_tables, strict=False)
+        out: list[list[int]] = []
+        for rid, start, ids in rows:
+            table = held.setdefault(rid, [])
+            if ids:
+                if start > len(table):
+                    raise ValueError(f"table_start {start} past the {len(table)} blocks of {rid!r}")
+                table[start:] = ids
+            out.append(table)
+        return out + self.block_tables[len(self.request_ids) :]
 
 
 def send_step(message: StepMessage | None, control: Any, timeout: datetime.timedelta) -> None:
@@ -155,6 +182,7 @@ class ShardRunner(ModelRunner):
         self.dtype = dtype
         # how many micro-batches the next forward cuts its rows into (each step's message says)
         self.step_micro_batches = 1
+        self.held_tables: dict[str, list[int]] = {}  # a worker's: each request's block table
         plan = groups.plan
         self.prev_rank = plan.rank_of(plan.stage - 1, plan.tp_rank) if plan.stage else None
         self.next_rank = None if plan.is_last_stage else plan.rank_of(plan.stage + 1, plan.tp_rank)
@@ -164,7 +192,7 @@ class ShardRunner(ModelRunner):
         self.step_micro_batches = message.num_micro_batches
         self.copy_blocks(message.block_copies)
         return self.forward(
-            message.block_tables,
+            message.tables(self.held_tables),
             message.starts,
             message.token_ids,
             message.num_logits,
@@ -175,19 +203,21 @@ class ShardRunner(ModelRunner):
     @torch.inference_mode()
     def forward(
         self,
-        block_tables: Sequence[list[int]],
+        block_tables: Tables,
         starts: Sequence[int],
         token_ids: Sequence[list[int]],
         num_logits: Sequence[int],
         num_padding_rows: int = 0,
         position_offsets: Sequence[int] | None = None,
-        group_tables: Sequence[Sequence[list[int]]] = (),
+        group_tables: Sequence[Tables] = (),
         state_slots: Sequence[int] = (),
         state_snapshots: Sequence[tuple[int, int, int]] = (),
+        slots: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """``ModelRunner.forward`` across the ranks; any failure (a peer lost, a timeout) is a
         ``WorkerFailedError``: the ranks can no longer agree on where they are. The ranks keep
-        one cache group (``group_tables`` stays empty) and no recurrent state."""
+        one cache group (``group_tables`` stays empty) and no recurrent state; every row is
+        laid out from its lists (``slots`` is not used: micro-batches cut the rows)."""
         assert not group_tables, "parallel ranks keep one KV cache group"
         assert not state_slots, "parallel ranks hold no recurrent state"
         try:
@@ -201,7 +231,7 @@ class ShardRunner(ModelRunner):
 
     def _forward(
         self,
-        block_tables: Sequence[list[int]],
+        block_tables: Tables,
         starts: Sequence[int],
         token_ids: Sequence[list[int]],
         num_logits: Sequence[int],

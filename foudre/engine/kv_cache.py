@@ -17,6 +17,10 @@ This module only manages block *ids*; the tensors live in the runner. Invariants
   does, the block is copied (copy-on-write) and the writer's table takes the copy. The copies
   to make are handed to the runner with the step (``take_copies``), which applies them before
   the forward.
+- The runner keeps its own copy of every running request's tables (``runner/slot_tables.py``),
+  sent what changed since the scheduler last took it (``TableChanges``): appends, a copy that
+  replaces a shared block, a window's released blocks becoming the placeholder, and a whole new
+  table (admission, resumption after a preemption, a fork) from index 0.
 """
 
 from __future__ import annotations
@@ -170,6 +174,43 @@ class BlockPool:
         self.cached.clear()
 
 
+class TableChanges:
+    """Where each request's block tables changed since the scheduler last took them (``take``):
+    per layer group, the lowest index where a block was replaced (a copy-on-write, a window's
+    released blocks becoming the placeholder) or appended (past the length when last taken).
+    A request never taken (admitted, resumed after a preemption, forked) changed from 0; its
+    owner ``forget``s a request whose tables are freed."""
+
+    def __init__(self, num_groups: int) -> None:
+        self.num_groups = num_groups
+        self.replaced: dict[str, list[int]] = {}
+        self.taken: dict[str, list[int]] = {}  # per request, per group: its length when taken
+
+    def replace(self, request_id: str, group: int, index: int) -> None:
+        """The request's table of ``group`` holds another block at ``index`` (and maybe on)."""
+        replaced = self.replaced.setdefault(request_id, [1 << 62] * self.num_groups)
+        replaced[group] = min(replaced[group], index)
+
+    def take(
+        self, request_id: str, tables: Sequence[list[int]] | None
+    ) -> tuple[list[int], list[list[int]]]:
+        """The change of the request's ``tables`` (its ids per group, None: it holds none):
+        per group the first index changed and the ids from there to the table's end (empty
+        where nothing changed). Writing each group's ids at its start into the copy taken last
+        gives ``tables``."""
+        if not tables:
+            return [0] * self.num_groups, [[] for _ in range(self.num_groups)]
+        taken = self.taken.get(request_id) or [0] * len(tables)
+        replaced = self.replaced.pop(request_id, taken)
+        starts = [min(a, b) for a, b in zip(taken, replaced, strict=True)]
+        self.taken[request_id] = [len(t) for t in tables]
+        return starts, [t[s:] for s, t in zip(starts, tables, strict=True)]
+
+    def forget(self, request_id: str) -> None:
+        self.replaced.pop(request_id, None)
+        self.taken.pop(request_id, None)
+
+
 class KVCacheManager:
     """Maps requests to blocks: allocation for new tokens, prefix hits and freeing.
 
@@ -226,6 +267,7 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.req_tables: dict[str, list[list[Block]]] = {}  # per request, per group
         self.req_table_ids: dict[str, list[list[int]]] = {}  # their ids, kept beside them
+        self.table_changes = TableChanges(len(self.windows))  # (the scheduler forgets)
         self.req_hashes: dict[str, list[int]] = {}  # hashes of the request's full final blocks
         self.req_num_cached: dict[str, int] = {}  # leading blocks known to be in the cache
         self.prefix_cache_queries = 0  # tokens looked up
@@ -544,6 +586,7 @@ class KVCacheManager:
             group_hits = hits[g] if hits else ()
             need = needs[g]
             for i in self._shared_written(request, g, num_new_tokens) if not group_hits else ():
+                self.table_changes.replace(rid, g, i)
                 shared = blocks[i]
                 [copy] = self.pool.allocate(1)
                 self._copies.append((shared.block_id, copy.block_id))
@@ -584,6 +627,7 @@ class KVCacheManager:
             if start == first:
                 continue
             self.pool.release(blocks[start:first])
+            self.table_changes.replace(request.request_id, g, start)
             blocks[start:first] = [null] * (first - start)
             ids[start:first] = [null.block_id] * (first - start)
 

@@ -21,7 +21,12 @@ step computed and rolls back the drafts the target rejected. Nothing else writes
 It also tells the runner's persistent batch who enters it (admitted, resumed or forked requests,
 as ``NewRequest``) and who leaves it (finished or preempted ids): the deltas since the last step
 that ran, carried by the next ``SchedulerOutput`` that has rows (a step without rows does not
-reach the runner, so its deltas wait).
+reach the runner, so its deltas wait). A row carries only what changed in its request's block
+tables since its last row (``KVCacheManager.take_table_change``), and marks a decode row
+``continued`` when the runner already holds its input: the request stayed in the batch since
+its last sampling row, whose last token is the one it now computes (not so after a beam
+search replaced it, nor for a request that just entered), so the runner lays it out from its
+per-slot state.
 """
 
 from __future__ import annotations
@@ -63,6 +68,8 @@ class Scheduler:
         # the runner's batch deltas not yet sent: entering requests (by id), leaving ids
         self._entering: dict[str, Request] = {}
         self._leaving: list[str] = []
+        # per request in the runner's batch: the token the runner sampled for it last
+        self._sampled: dict[str, int] = {}
 
     # -- queue management ----------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -123,6 +130,8 @@ class Scheduler:
 
     def _free(self, request: Request, uncache: bool = False) -> None:
         self._entering.pop(request.request_id, None)
+        self._sampled.pop(request.request_id, None)
+        self.kv.table_changes.forget(request.request_id)  # (its next tables: whole)
         self._leaving.append(request.request_id)
         request.clear_spec()
         self.kv.free(request, uncache)
@@ -271,13 +280,20 @@ class Scheduler:
         )
         if scheduled:  # the batch's deltas, else they wait for a step that runs
             out.removed, self._leaving = self._leaving, []
-            out.new_requests = [new_request(r) for r in self._entering.values()]
-            self._entering = {}
+            out.new_requests = self._take_entering()
             out.rows = [self._row(req, n, out.new_requests) for req, n in scheduled]
             self._state_rows(out)
         assert out.total_tokens <= self.max_num_batched_tokens
         assert self._occupied_seats() <= self.max_num_seqs
         return out
+
+    def _take_entering(self) -> list[NewRequest]:
+        """The requests entering the runner's batch since the last step that ran (their slots
+        are new: nothing sampled there yet)."""
+        for rid in self._entering:
+            self._sampled.pop(rid, None)
+        entering, self._entering = self._entering, {}
+        return [new_request(r) for r in entering.values()]
 
     def _state_rows(self, out: SchedulerOutput) -> None:
         """A recurrent model's step: the state copies to make first (zeroed slots, restored
@@ -395,50 +411,51 @@ class Scheduler:
         self.waiting.appendleft(probe)
 
     def _row(self, req: Request, num_new: int, entering: list[NewRequest]) -> ScheduledRow:
-        """The row of ``req`` computing ``num_new`` tokens; the samples forking from it at
-        this step enter the runner's batch (``entering``) to draw from its logits."""
+        """The row of ``req`` computing ``num_new`` tokens, with its tables' change; the
+        samples forking from it at this step enter the runner's batch (``entering``) to draw
+        from its logits."""
+        rid = req.request_id
         start = req.num_computed_tokens
         end = start + num_new
         num_tokens = req.num_tokens
+        starts, ids = self.kv.table_changes.take(rid, self.kv.req_table_ids.get(rid))
         if end == num_tokens and num_new == 1 and req.output_token_ids:  # a decode row
-            return ScheduledRow(
-                req.request_id,
+            token = req.output_token_ids[-1]
+            row = ScheduledRow(
+                rid,
                 start,
-                [req.output_token_ids[-1]],
-                self.kv.block_ids(req.request_id),
+                [token],
+                ids[0],
                 1,
                 req.spec_token_ids,
-                None,
-                [c.request_id for c in self._forks(req, entering)] if req.fork_children else [],
-                req.position_offset,
-                self.kv.group_block_ids(req.request_id),
+                fork_ids=[c.request_id for c in self._forks(req, entering)]
+                if req.fork_children
+                else [],
+                position_offset=req.position_offset,
+                table_start=starts[0],
+                continued=self._sampled.get(rid) == token,
             )
-        # a request samples once it reaches its last token; every draft adds one position
-        num_logits = end - num_tokens + 1 if end >= num_tokens else 0
-        if not num_logits:
-            return ScheduledRow(
-                req.request_id,
+        else:
+            # a request samples once it reaches its last token; every draft adds one position
+            num_logits = end - num_tokens + 1 if end >= num_tokens else 0
+            row = ScheduledRow(
+                rid,
                 start,
                 req.input_token_ids(start, end),
-                self.kv.block_ids(req.request_id),
-                0,
+                ids[0],
+                num_logits,
                 position_offset=req.position_offset,
-                group_block_ids=self.kv.group_block_ids(req.request_id),
+                table_start=starts[0],
             )
-        assert num_logits == len(req.spec_token_ids) + 1, "drafts scheduled partially"
-        forks = self._forks(req, entering)
-        return ScheduledRow(
-            req.request_id,
-            start,
-            req.input_token_ids(start, end),
-            self.kv.block_ids(req.request_id),
-            num_logits,
-            req.spec_token_ids,
-            req.spec_probs,
-            [c.request_id for c in forks],
-            req.position_offset,
-            self.kv.group_block_ids(req.request_id),
-        )
+            if num_logits:
+                assert num_logits == len(req.spec_token_ids) + 1, "drafts scheduled partially"
+                row.spec_token_ids = req.spec_token_ids
+                row.spec_probs = req.spec_probs
+                row.fork_ids = [c.request_id for c in self._forks(req, entering)]
+        if len(ids) > 1:
+            row.group_block_ids = ids[1:]
+            row.group_table_starts = starts[1:]
+        return row
 
     @staticmethod
     def _forks(req: Request, entering: list[NewRequest]) -> list[Request]:
@@ -457,10 +474,15 @@ class Scheduler:
         for row in scheduled.rows:
             self.requests[row.request_id].num_computed_tokens += row.num_new_tokens
         sampled = []
-        for rid, n_draft, n_accepted in zip(
-            result.request_ids, result.num_draft_tokens, result.num_accepted, strict=True
+        for rid, tokens, n_draft, n_accepted in zip(
+            result.request_ids,
+            result.token_ids,
+            result.num_draft_tokens,
+            result.num_accepted,
+            strict=True,
         ):
             req = self.requests[rid]
+            self._sampled[rid] = tokens[-1]
             req.num_computed_tokens -= n_draft - n_accepted
             if n_accepted < n_draft and self.kv.states is not None:
                 # a recurrent state went past the rejected drafts: the runner put back the

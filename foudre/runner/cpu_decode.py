@@ -70,6 +70,7 @@ from torch.nn.modules import module as nn_module
 from torch.utils.hooks import RemovableHandle
 
 from foudre.attention import cpu_paged
+from foudre.attention.base import table_tensor
 from foudre.attention.cache_spec import RecurrentCache
 from foudre.attention.kv_quant import STORAGE_DTYPES
 from foudre.attention.quantized_cache import QuantizedKVCache
@@ -438,14 +439,14 @@ class NativeDecode:
         return array.array("q", slots), array.array("q", copies)
 
     def _inputs(self, step: ForwardStep) -> tuple[array.array[int], array.array[int], int]:
-        """The step's inputs for the C++ layers in two arrays made from Python lists: int64
-        token ids and RoPE positions (with the rows' ``position_offsets``), then the KV slots of
-        each cache group (``rows`` each); int32 flat token indices and context lengths (``rows``
-        each), then each group's block tables (``rows x width``, zero-padded); and ``width``.
+        """The step's inputs for the C++ layers in two arrays: int64 token ids and RoPE
+        positions (with the rows' ``position_offsets``), then the KV slots of each cache group
+        (``rows`` each); int32 flat token indices and context lengths (``rows`` each), then
+        each group's block tables (``rows x width``: the step's tables, lists zero-padded).
         What the runner's ``flatten`` and the backend's metadata hold for a decode step, built
-        without their dozen tensor ops a row, in ``array.array``s: made from the lists several
-        times faster than by ``torch.tensor`` while the weights' stream leaves the caches cold.
-        A model without attention takes no KV slots (zeros)."""
+        without their dozen tensor ops a row, in ``array.array``s (the tables' rows copied as
+        they are, gathered from the runner's per-slot tables). A model without attention
+        takes no KV slots (zeros)."""
         bs = self.block_size
         starts = step.starts
         # (a step without tables of its own per group reads group 0's for all, as flatten does)
@@ -459,22 +460,25 @@ class NativeDecode:
                 f"a step of {len(step.token_ids)} rows with {len(starts)} starts and "
                 f"block tables of {[len(t) for t in groups]} rows ({self.groups} groups)"
             )
-        width = max(len(t) for tables in groups for t in tables)
+        tensors = [table_tensor(tables) for tables in groups]
+        width = max(t.shape[1] for t in tensors)
         longs = [ids[0] for ids in step.token_ids]
         offsets = step.position_offsets  # (LongRoPE's past the original context)
         longs += starts if not offsets else [s + o for s, o in zip(starts, offsets, strict=True)]
-        for tables in groups:
+        rows = len(starts)
+        at = torch.tensor(starts, dtype=torch.int64)
+        for t in tensors:
             if self.attention:
-                longs += [t[s // bs] * bs + s % bs for t, s in zip(tables, starts, strict=True)]
+                longs += (t[torch.arange(rows), at // bs].long() * bs + at % bs).tolist()
             else:
-                longs += [0] * len(starts)
-        ints = list(range(len(starts)))
-        ints += [s + 1 for s in starts]
-        for tables in groups:
-            for t in tables:
-                ints += t
-                ints += [0] * (width - len(t))
-        return array.array("q", longs), array.array("i", ints), width
+                longs += [0] * rows
+        ints = array.array("i", range(rows))
+        ints.extend(s + 1 for s in starts)
+        for t in tensors:
+            if t.shape[1] < width:
+                t = torch.cat([t, t.new_zeros(rows, width - t.shape[1])], dim=1)
+            ints.frombytes(t.to(torch.int32).contiguous().numpy().tobytes())
+        return array.array("q", longs), ints, width
 
 
 _NO_STATES: array.array[int] = array.array("q", [0])  # (an address for the call, never read)

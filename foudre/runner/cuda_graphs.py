@@ -37,6 +37,7 @@ from collections.abc import Callable
 
 import torch
 
+from foudre.attention.base import table_tensor
 from foudre.attention.paged import PagedMetadata, PrefillRows
 from foudre.runner.step import ForwardStep
 
@@ -132,7 +133,7 @@ class DecodeGraphs:
     def can_run(self, step: ForwardStep) -> bool:
         """Decode rows only, no more than the largest bucket; or (with multi-token graphs) at
         most ``max_tokens`` tokens in fewer rows than the buffers hold; tables within them."""
-        if not step.token_ids or max(len(t) for t in step.block_tables) > self.max_blocks:
+        if not step.token_ids or table_tensor(step.block_tables).shape[1] > self.max_blocks:
             return False
         if step.decode_only and len(step.token_ids) <= self.max_batch:
             return True
@@ -149,16 +150,15 @@ class DecodeGraphs:
         else in a graph of its token bucket."""
         if not (step.decode_only and len(step.token_ids) <= self.max_batch):
             return self.run_mixed(step)
-        block_tables, starts = step.block_tables, step.starts
+        tables, starts = table_tensor(step.block_tables), step.starts
         tokens = [ids[0] for ids in step.token_ids]
         n = len(tokens)
         size = self.bucket(n)
         bs, pad = self.block_size, size - n
         scratch = self.scratch_block
-        width = max(len(t) for t in block_tables)
-        tables = [list(t) + [scratch] * (width - len(t)) for t in block_tables]
-        tables += [[scratch] * width] * pad
-        slots = [t[p // bs] * bs + p % bs for t, p in zip(block_tables, starts, strict=True)]
+        width = tables.shape[1]
+        at = torch.tensor(starts, dtype=torch.long)
+        slots = (tables.cpu()[torch.arange(n), at // bs].long() * bs + at % bs).tolist()
         rope = starts
         if step.position_offsets:
             rope = [p + o for p, o in zip(starts, step.position_offsets, strict=True)]
@@ -171,9 +171,8 @@ class DecodeGraphs:
         self.slot_mapping[:size].copy_(host[2], non_blocking=True)
         lens = torch.tensor([*[p + 1 for p in starts], *[1] * pad], dtype=torch.int32)
         self.seq_lens[:size].copy_(lens, non_blocking=True)
-        self.block_tables[:size, :width].copy_(
-            torch.tensor(tables, dtype=torch.int32), non_blocking=True
-        )
+        self.block_tables[:n, :width].copy_(tables, non_blocking=True)
+        self.block_tables[n:size, :width].fill_(scratch)
         entry = self.graphs.get(size)
         if entry is None:
             entry = self._capture(size)
@@ -196,44 +195,43 @@ class DecodeGraphs:
         q_starts: list[int] = []
         q_lens: list[int] = []
         lens: list[int] = []
-        tables: list[list[int]] = []
+        step_tables = table_tensor(step.block_tables).cpu()
+        host_tables = step_tables.tolist()  # (a step of at most max_tokens tokens)
         offsets = step.position_offsets or [0] * len(step.starts)
         for table, start, ids, offset in zip(
-            step.block_tables, step.starts, step.token_ids, offsets, strict=True
+            host_tables, step.starts, step.token_ids, offsets, strict=True
         ):
             q_starts.append(len(tokens))
             q_lens.append(len(ids))
             lens.append(start + len(ids))
-            tables.append(list(table))
             tokens.extend(ids)
             for p in range(start, start + len(ids)):
                 positions.append(p + offset)
                 slots.append(table[p // bs] * bs + p % bs)
+        rows = len(host_tables)
+        width = step_tables.shape[1]
         if pad:  # one padding row: positions 0.., K/V in the scratch block
             q_starts.append(n)
             q_lens.append(pad)
             lens.append(pad)
-            tables.append([scratch] * -(-pad // bs))
             tokens.extend([0] * pad)
             positions.extend(range(pad))
             slots.extend(scratch * bs + p % bs for p in range(pad))
+            width = max(width, -(-pad // bs))
         tiles = [(r, q0) for r, q in enumerate(q_lens) for q0 in range(0, q, per_tile)]
         free = self.num_tiles(size) - len(tiles)
         host_tiles = [[r for r, _ in tiles] + [-1] * free, [q0 for _, q0 in tiles] + [0] * free]
-        width = max(len(t) for t in tables)
-        rows = len(tables)
         host = torch.tensor([tokens, positions, slots], dtype=torch.long)
         self.input_ids[:size].copy_(host[0], non_blocking=True)
         self.positions[:size].copy_(host[1], non_blocking=True)
         self.slot_mapping[:size].copy_(host[2], non_blocking=True)
         per_row = torch.tensor([q_starts, q_lens, lens], dtype=torch.int32)
-        self.q_starts[:rows].copy_(per_row[0], non_blocking=True)
-        self.q_lens[:rows].copy_(per_row[1], non_blocking=True)
-        self.row_lens[:rows].copy_(per_row[2], non_blocking=True)
-        padded = [t + [scratch] * (width - len(t)) for t in tables]
-        self.row_tables[:rows, :width].copy_(
-            torch.tensor(padded, dtype=torch.int32), non_blocking=True
-        )
+        every = len(q_lens)  # the step's rows, then the padding row
+        self.q_starts[:every].copy_(per_row[0], non_blocking=True)
+        self.q_lens[:every].copy_(per_row[1], non_blocking=True)
+        self.row_lens[:every].copy_(per_row[2], non_blocking=True)
+        self.row_tables[:every, :width].fill_(scratch)
+        self.row_tables[:rows, : step_tables.shape[1]].copy_(step_tables, non_blocking=True)
         self.tiles[size].copy_(torch.tensor(host_tiles, dtype=torch.int32), non_blocking=True)
         entry = self.mixed_graphs.get(size)
         if entry is None:

@@ -13,7 +13,9 @@ tokens its row adds to the penalties' counts. Layout::
 
 A step gathers its sampling rows' parameters with one index per tensor (``sampling_batch``);
 rare features (a seed, logprobs, allowed ids or a bias, ``min_tokens``, a grammar, penalties)
-cost Python work only while some slot uses them.
+cost Python work only while some slot uses them. Each slot's block tables, computed-token count
+and last sampled token live beside them, in ``tables`` (``slot_tables.py``): the rows' table
+changes are written there (``apply_tables``) and the step's tables gathered from there.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from foudre.runner.slot_tables import SlotTables
 from foudre.runner.step import NewRequest, ScheduledRow
 from foudre.sample.rejection import DraftRows
 from foudre.sample.sampler import (
@@ -72,8 +75,12 @@ class SamplingRows:
 class InputBatch:
     """Per-slot sampling state of the running requests (see the module docstring)."""
 
-    def __init__(self, vocab_size: int, device: torch.device, capacity: int = 64) -> None:
+    def __init__(
+        self, vocab_size: int, device: torch.device, capacity: int = 64, num_groups: int = 1
+    ) -> None:
+        """``num_groups``: the block tables each slot keeps (one per KV cache group)."""
         self.vocab_size = vocab_size
+        self.tables = SlotTables(num_groups, 0)
         self.device = device
         self.slot_of: dict[str, int] = {}
         self._slots: list[_Slot | None] = []
@@ -125,6 +132,7 @@ class InputBatch:
             setattr(self, name, torch.cat([t, t.new_full((extra,), fill)]))
         self._slots += [None] * extra
         self._free += range(capacity - 1, old - 1, -1)
+        self.tables.grow(capacity)
 
     # -- deltas --------------------------------------------------------------------------------
     def remove(self, request_ids: Sequence[str]) -> None:
@@ -160,6 +168,7 @@ class InputBatch:
             s.allowed, s.bias = token_rules(p, self.device)
             self._slots[slot] = s
             self.slot_of[new.request_id] = slot
+            self.tables.reset(slot)
             self.temperature[slot] = p.temperature if p.temperature > 0 else 1.0
             self.greedy[slot] = p.greedy
             self.top_k[slot] = p.top_k
@@ -206,6 +215,24 @@ class InputBatch:
         s.num_counted = len(tokens)
 
     # -- a step --------------------------------------------------------------------------------
+    def apply_tables(self, rows: Sequence[ScheduledRow]) -> list[int]:
+        """Each row's slot, in order; writes the rows' table changes into their slots."""
+        slot_of = self.slot_of
+        tables = self.tables
+        slots: list[int] = []
+        for r in rows:
+            slot = slot_of.get(r.request_id)
+            if slot is None:
+                raise KeyError(f"request {r.request_id!r} is not in the runner's batch")
+            slots.append(slot)
+            if r.block_ids:
+                tables.apply(slot, 0, r.table_start, r.block_ids)
+            if r.group_block_ids:
+                starts = r.group_table_starts or [0] * len(r.group_block_ids)
+                for g, (start, ids) in enumerate(zip(starts, r.group_block_ids, strict=True)):
+                    tables.apply(slot, g + 1, start, ids)
+        return slots
+
     def sampling_rows(self, rows: Sequence[ScheduledRow]) -> SamplingRows:
         """The step's sampling rows (see ``SamplingRows``); counts the rows' new tokens into the
         penalties of penalised slots."""

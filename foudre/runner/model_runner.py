@@ -16,7 +16,7 @@ from typing import Any, cast
 import torch
 
 from foudre.attention import AttentionBackend, BatchLayout
-from foudre.attention.base import GroupedMetadata
+from foudre.attention.base import GroupedMetadata, table_tensor
 from foudre.attention.cache_spec import (
     AttentionSpec,
     CacheSpec,
@@ -47,6 +47,7 @@ from foudre.runner.step import (
     ScheduledRow,
     SchedulerOutput,
     StepOutput,
+    Tables,
 )
 from foudre.sample.rejection import verify
 from foudre.sample.sampler import sample
@@ -352,7 +353,9 @@ class ModelRunner:
         )
         self.state_caches = [c for c in self.kv_caches if isinstance(c, RecurrentCache)]
         self.generator = torch.Generator(device=device).manual_seed(seed)
-        self.input_batch = InputBatch(cfg.vocab_size, device, max_num_seqs)
+        self.input_batch = InputBatch(cfg.vocab_size, device, max_num_seqs, len(self.kv_groups))
+        # tests: check every gathered decode row against the row the scheduler sent
+        self.check_slots = False
         self._decode_path_args = (max_num_seqs, max_model_len or cfg.max_position_embeddings)
         self._decode_graphs = decode_graphs
         self.decode_path: DecodePath | None = self._make_decode_path()
@@ -419,58 +422,61 @@ class ModelRunner:
 
     def flatten(self, step: ForwardStep) -> None:
         """Fill ``step``'s flattened tensors: token ids, positions, and the backend's metadata
-        (each token's cache slot ``block_id * block_size + offset``, lengths, block tables)."""
+        (each token's cache slot ``block_id * block_size + offset``, lengths, block tables).
+        A step of continued decode rows (``step.slots``) takes its tokens and positions from
+        the per-slot state by one gather; the others from the rows' lists."""
+        if step.slots is not None:
+            plain, input_ids = self._gathered(step)
+            query_lens = [1] * len(step.token_ids)
+            seq_lens = (plain + 1).tolist()
+            token_rows = None
+            rope = plain
+        else:
+            plain, input_ids, query_lens, seq_lens = _listed(step.starts, step.token_ids)
+            one_each = len(query_lens) == plain.shape[0]
+            counts = torch.tensor(query_lens)
+            token_rows = None if one_each else torch.repeat_interleave(counts)
+            rope = plain
+            if step.position_offsets and any(step.position_offsets):
+                offsets = torch.tensor(step.position_offsets, dtype=torch.int64)
+                rope = plain + (offsets if one_each else torch.repeat_interleave(offsets, counts))
         bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        seq_lens: list[int] = []
-        query_lens: list[int] = []
-        offsets = step.position_offsets or [0] * len(step.starts)
-        for table, start, ids, offset in zip(
-            step.block_tables, step.starts, step.token_ids, offsets, strict=True
-        ):
-            n = len(ids)
-            input_ids += ids
-            if n == 1:
-                positions.append(start + offset)
-                slots.append(table[start // bs] * bs + start % bs)
-            else:
-                span = range(start, start + n)
-                positions += range(start + offset, start + n + offset)
-                slots += [table[p // bs] * bs + p % bs for p in span]
-            seq_lens.append(start + n)
-            query_lens.append(n)
-        layout = BatchLayout(
-            query_lens=query_lens,
-            seq_lens=seq_lens,
-            block_tables=list(step.block_tables),
-            slot_mapping=torch.tensor(slots, dtype=torch.long),
-            block_size=bs,
-        )
+
+        def layout(tables: Tables) -> BatchLayout:
+            t = table_tensor(tables)
+            return BatchLayout(query_lens, seq_lens, t, _slot_mapping(t, plain, token_rows, bs), bs)
+
         # (a model of recurrent layers only has no attention to lay out)
-        step.metadata = self._metadata(layout) if self.kv_groups[0].layers else None
+        attention = bool(self.kv_groups[0].layers)
+        step.metadata = self._metadata(layout(step.block_tables)) if attention else None
         if step.group_tables or self.recurrent:  # the other cache groups: their own tables
             groups = [step.metadata]
-            for tables in step.group_tables:
-                group_slots = [
-                    table[p // bs] * bs + p % bs
-                    for table, start, ids in zip(tables, step.starts, step.token_ids, strict=True)
-                    for p in range(start, start + len(ids))
-                ]
-                group_layout = BatchLayout(
-                    query_lens,
-                    seq_lens,
-                    list(tables),
-                    torch.tensor(group_slots, dtype=torch.long),
-                    bs,
-                )
-                groups.append(self._metadata(group_layout))
+            groups += [self._metadata(layout(tables)) for tables in step.group_tables]
             if self.recurrent:
                 groups.append(self._recurrent_batch(step, query_lens))
             step.metadata = GroupedMetadata(groups, self.group_of_layer)
-        step.input_ids = torch.tensor(input_ids, device=self.device)
-        step.positions = torch.tensor(positions, device=self.device)
+        step.input_ids = input_ids.to(self.device)
+        step.positions = rope.to(self.device)
+
+    def _gathered(self, step: ForwardStep) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions and token ids (int64) of a step of continued decode rows, from the
+        per-slot state, then zeros for its padding rows; checked against the rows' own where
+        ``check_slots`` is set (tests)."""
+        assert step.slots is not None
+        state = self.input_batch.tables
+        positions = state.num_computed[step.slots]
+        input_ids = state.last_token[step.slots]
+        pad = len(step.token_ids) - positions.shape[0]
+        if pad:
+            positions = torch.cat([positions, positions.new_zeros(pad)])
+            input_ids = torch.cat([input_ids, input_ids.new_zeros(pad)])
+        if self.check_slots:
+            rows = zip(step.starts, step.token_ids, strict=True)
+            want = torch.tensor([[s, ids[0]] for s, ids in rows], dtype=torch.int64)
+            got = torch.stack([positions, input_ids], dim=1)
+            if not torch.equal(got, want):
+                raise AssertionError(f"per-slot state {got.tolist()} != rows {want.tolist()}")
+        return positions, input_ids
 
     def _recurrent_batch(self, step: ForwardStep, query_lens: list[int]) -> RecurrentBatch:
         """The recurrent layers' view of the step: each row's slot and new tokens (padding
@@ -504,15 +510,16 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(
         self,
-        block_tables: Sequence[list[int]],
+        block_tables: Tables,
         starts: Sequence[int],
         token_ids: Sequence[list[int]],
         num_logits: Sequence[int],
         num_padding_rows: int = 0,
         position_offsets: Sequence[int] | None = None,
-        group_tables: Sequence[Sequence[list[int]]] = (),
+        group_tables: Sequence[Tables] = (),
         state_slots: Sequence[int] = (),
         state_snapshots: Sequence[tuple[int, int, int]] = (),
+        slots: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """Compute ``token_ids[i]`` at positions ``starts[i]...`` of sequence ``i`` (writing
         their K/V through ``block_tables[i]``); return float32 logits of the last
@@ -523,7 +530,10 @@ class ModelRunner:
         ``group_tables[g - 1][i]``: row ``i``'s block table of cache group ``g`` (``g >= 1``;
         ``block_tables`` is group 0's). ``state_slots[i]``: row ``i``'s recurrent state slot
         (padding rows past them take the scratch slot); ``state_snapshots``: (row, offset,
-        slot), the states to leave in snapshot slots.
+        slot), the states to leave in snapshot slots. ``block_tables`` (and each of
+        ``group_tables``): lists, or an int32 tensor ``[rows, width]``
+        (``ForwardStep.block_tables``). ``slots``: where every row but the padding ones is a
+        continued decode row, their persistent-batch slots (``ForwardStep.slots``).
 
         A step that the decode path can run (a replayed CUDA graph, the native CPU decoder
         layers) runs there; the rest runs the model op by op."""
@@ -536,6 +546,7 @@ class ModelRunner:
             group_tables,
             state_slots,
             state_snapshots,
+            slots,
         )
         real = token_ids[: len(token_ids) - num_padding_rows]
         rows = sum(len(ids) for ids in real)
@@ -579,32 +590,33 @@ class ModelRunner:
         the scratch block) are added to the batch, as a rectangular batch computes the rows of
         its finished members; their results are dropped.
         """
-        self.input_batch.remove(scheduled.removed)
-        self.input_batch.add(scheduled.new_requests)
+        batch = self.input_batch
+        batch.remove(scheduled.removed)
+        batch.add(scheduled.new_requests)
         self.copy_blocks(scheduled.block_copies)
         if scheduled.state_copies:
             self.copy_states(scheduled.state_copies)
         rows = scheduled.rows
         pad = scheduled.num_padding_rows
-        tables = [r.block_ids for r in rows]
+        index = torch.tensor(batch.apply_tables(rows), dtype=torch.int64)
+        state, padding = batch.tables, self.padding_block
+        tables = state.gather(0, index, pad, padding)
+        group_tables = [state.gather(g, index, pad, padding) for g in range(1, len(self.kv_groups))]
         starts = [r.start for r in rows]
         tokens = [r.token_ids for r in rows]
         num_logits = [r.num_logits for r in rows]
         offsets: list[int] | None = [r.position_offset for r in rows]
         if not any(offsets or ()):
             offsets = None
-        group_tables = [
-            [r.group_block_ids[g] for r in rows] + [[self.padding_block]] * pad
-            for g in range(len(self.kv_groups) - 1)
-        ]
+        continued = offsets is None and all(r.continued for r in rows)
+        ends = None if continued else [s + len(t) for s, t in zip(starts, tokens, strict=True)]
         if pad:
-            tables += [[self.padding_block]] * pad
             starts += [0] * pad
             tokens += [[0]] * pad
             num_logits += [1] * pad
             if offsets is not None:
                 offsets += [0] * pad
-        sampling = self.input_batch.sampling_rows(rows)
+        sampling = batch.sampling_rows(rows)
         slots: list[int] = []
         snapshots: list[tuple[int, int, int]] = []
         verifying: dict[str, tuple[int, int]] = {}
@@ -613,19 +625,41 @@ class ModelRunner:
             snapshots = [(i, o, s) for i, r in enumerate(rows) for o, s in r.state_snapshots]
             verifying = self._verified_states(rows, snapshots)
         logits = self.forward(
-            tables, starts, tokens, num_logits, pad, offsets, group_tables, slots, snapshots
+            tables,
+            starts,
+            tokens,
+            num_logits,
+            pad,
+            offsets,
+            group_tables,
+            slots,
+            snapshots,
+            slots=index if continued else None,
         )
+        state.advance(index, ends)
         if logits is not None and pad:
             logits = logits[: logits.shape[0] - pad]
         if logits is None or logits.shape[0] == 0:
             return StepOutput()
         out = self.sample(logits, sampling)
+        self._keep_sampled(sampling, out)
         if verifying:  # a row that rejected drafts: its state after the first token
             rows_back = zip(out.request_ids, out.num_draft_tokens, out.num_accepted, strict=True)
             back = [verifying[r] for r, d, a in rows_back if a < d and r in verifying]
             if back:
                 self.copy_states(back)
         return out
+
+    def _keep_sampled(self, sampling: SamplingRows, out: StepOutput) -> None:
+        """Keep each sampling row's last token in its slot, and roll its count back by the
+        drafts it rejected (a recurrent model's: by all its drafts, as ``Scheduler.update``)."""
+        rollback: list[int] = []
+        if sampling.has_drafts:
+            rollback = [
+                d - a + (a if self.recurrent and a < d else 0)
+                for d, a in zip(out.num_draft_tokens, out.num_accepted, strict=True)
+            ]
+        self.input_batch.tables.sampled(sampling.slots, out.token_ids, rollback)
 
     def _verified_states(
         self, rows: Sequence[ScheduledRow], snapshots: list[tuple[int, int, int]]
@@ -662,6 +696,44 @@ class ModelRunner:
         lps = [None if lp is None else [lp] for lp in out.logprobs]
         zeros = [0] * len(rows.slots)
         return StepOutput(rows.request_ids, [[t] for t in out.token_ids], lps, zeros, zeros)
+
+
+def _listed(
+    starts: Sequence[int], token_ids: Sequence[list[int]]
+) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
+    """Rows given by lists: their tokens' positions and ids (int64, flattened in order), and
+    per row its new tokens and its context length after them."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    query_lens: list[int] = []
+    seq_lens: list[int] = []
+    for start, ids in zip(starts, token_ids, strict=True):
+        n = len(ids)
+        input_ids += ids
+        if n == 1:
+            positions.append(start)
+        else:
+            positions += range(start, start + n)
+        query_lens.append(n)
+        seq_lens.append(start + n)
+    as_long = torch.int64
+    return (
+        torch.tensor(positions, dtype=as_long),
+        torch.tensor(input_ids, dtype=as_long),
+        query_lens,
+        seq_lens,
+    )
+
+
+def _slot_mapping(
+    tables: torch.Tensor, positions: torch.Tensor, token_rows: torch.Tensor | None, bs: int
+) -> torch.Tensor:
+    """Each token's cache slot (int64): the block its position falls in, in its row's table
+    (``token_rows``: each token's row; None: token ``i`` is row ``i``), times ``bs``, plus
+    the offset in the block."""
+    rows = torch.arange(positions.shape[0]) if token_rows is None else token_rows
+    blocks = tables.cpu()[rows, positions // bs].to(torch.int64)
+    return blocks * bs + positions % bs
 
 
 def _graphs(runner: ModelRunner, max_num_seqs: int, max_model_len: int) -> DecodePath | None:

@@ -7,10 +7,18 @@ records, so the runner needs nothing from ``engine``::
     Scheduler.update()   <--------------------------------------------------------+
 
 A row is "compute ``token_ids`` at positions ``start...`` of request ``request_id``, whose K/V
-lives in ``block_ids`` (and ``group_block_ids``, for the layers of other cache groups), and
-sample from the last ``num_logits`` of them": 0 while a prompt is still being chunked in, 1 for
-a row that samples its next token, 1 + drafts for a row that verifies speculative tokens (the
-last ``len(spec_token_ids)`` of ``token_ids``).
+lives in its block tables, and sample from the last ``num_logits`` of them": 0 while a prompt is
+still being chunked in, 1 for a row that samples its next token, 1 + drafts for a row that
+verifies speculative tokens (the last ``len(spec_token_ids)`` of ``token_ids``).
+
+The block tables themselves stay in the runner, one per slot of its persistent batch
+(``runner/slot_tables.py``); a row carries only what changed in them since the request's last
+row: ``block_ids``, the entries of group 0's table from ``table_start`` on (and
+``group_block_ids`` from ``group_table_starts``, for the layers of other cache groups), empty
+where nothing changed (most decode rows). A row whose request entered the batch in its step
+carries its whole tables (start 0). A decode row marked ``continued`` computes the token the
+runner sampled for it last, at the position after the runner's count of its computed tokens:
+the runner lays it out from its per-slot state (its ``start`` and ``token_ids`` stay, equal).
 
 The runner keeps what sampling needs of each request in its persistent batch
 (``runner/input_batch.py``), updated by the deltas a ``SchedulerOutput`` carries: requests that
@@ -55,7 +63,7 @@ class ScheduledRow:
     request_id: str
     start: int  # position of token_ids[0]; the first `start` tokens have K/V in the cache
     token_ids: list[int]  # prompt / output tokens, then the drafts to verify
-    block_ids: list[int]
+    block_ids: list[int]  # group 0's table from ``table_start`` on: what changed (see above)
     num_logits: int  # 0, 1 or 1 + drafts
     spec_token_ids: list[int] = field(default_factory=list)  # drafts (the end of token_ids)
     spec_probs: torch.Tensor | None = None  # the proposer's [k, vocab]; None: one-hot
@@ -66,9 +74,14 @@ class ScheduledRow:
     # added to the RoPE position of each of its tokens (the rotary's position_offset: 0 but for
     # LongRoPE past the original context); its K/V slots follow the plain positions
     position_offset: int = 0
-    # the block tables of layer groups 1.. (``block_ids`` is group 0's; empty for a model of
-    # one group): a sliding-window group's table holds the padding block before its window
+    # the block tables of layer groups 1.. from ``group_table_starts`` on (``block_ids`` is
+    # group 0's; empty for a model of one group): a sliding-window group's table holds the
+    # padding block before its window
     group_block_ids: list[list[int]] = field(default_factory=list)
+    table_start: int = 0  # the index of block_ids[0] in group 0's table
+    group_table_starts: list[int] = field(default_factory=list)  # (empty: all 0)
+    # a decode row of the token the runner last sampled for it, after its computed tokens
+    continued: bool = False
     # a recurrent model's: the request's state slot, and the prefix-cache snapshots the row
     # fills: (offset in the row, slot), the state after that token copied into that slot
     state_slot: int = -1
@@ -114,21 +127,29 @@ class StepOutput:
     num_accepted: list[int] = field(default_factory=list)
 
 
+# a step's block tables of one cache group: per row a list of block ids, or an int32 tensor
+# ``[rows, width]`` whose row ``i`` starts with row ``i``'s table (entries past it: unused)
+Tables = Sequence[list[int]] | torch.Tensor
+
+
 @dataclass(slots=True)
 class ForwardStep:
     """One forward's rows (``ModelRunner.forward``'s arguments) and, once built, their flattened
     tensors (``input_ids``, ``positions``, the backend's ``metadata``)."""
 
-    block_tables: Sequence[list[int]]
+    block_tables: Tables
     starts: Sequence[int]
     token_ids: Sequence[list[int]]
     num_logits: Sequence[int]
     position_offsets: Sequence[int] | None = None  # per row, added to its RoPE positions
     # layer groups 1..: per group, per row, its block table (``block_tables`` is group 0's)
-    group_tables: Sequence[Sequence[list[int]]] = ()
+    group_tables: Sequence[Tables] = ()
     # a recurrent model's: per row its state slot, and the snapshots (row, offset, slot)
     state_slots: Sequence[int] = ()
     state_snapshots: Sequence[tuple[int, int, int]] = ()
+    # where every row but the padding ones is a continued decode row: their persistent-batch
+    # slots (int64), whose tokens and positions the runner gathers from its per-slot state
+    slots: torch.Tensor | None = None
     input_ids: torch.Tensor | None = None
     positions: torch.Tensor | None = None
     metadata: Any = None

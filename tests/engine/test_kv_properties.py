@@ -138,6 +138,7 @@ class FakeRun:
         self.max_tokens: dict[str, int] = {}
         self.live: list[Request] = []
         self.finished: list[Request] = []
+        self.tables: dict[str, list[int]] = {}  # the runner's copies, kept by the rows' changes
 
     def slot(self, req: Request, pos: int) -> int:
         table = self.kv.block_ids(req.request_id)
@@ -156,6 +157,10 @@ class FakeRun:
             v = s.requests[rid]
             assert v.status == RequestStatus.PREEMPTED and rid not in ids
             assert v.num_computed_tokens == 0 and rid not in kv.req_blocks
+        for rid in out.removed:  # the runner's batch deltas
+            self.tables.pop(rid, None)
+        for new in out.new_requests:
+            self.tables[new.request_id] = []
         # fake execute: write every computed token into its slot
         for row, req in zip(out.rows, reqs, strict=True):
             n = row.num_new_tokens
@@ -163,7 +168,11 @@ class FakeRun:
             start = req.num_computed_tokens
             assert row.start == start and start + n <= req.num_tokens
             assert row.token_ids == req.token_ids_range(start, start + n)
-            assert row.block_ids == kv.block_ids(req.request_id)
+            table = self.tables[row.request_id]  # the row's change applied to the copy
+            assert row.table_start <= len(table)
+            if row.block_ids:
+                table[row.table_start :] = row.block_ids
+            assert table == kv.block_ids(req.request_id)
             assert len(kv.block_ids(req.request_id)) * BS >= start + n
             assert row.num_logits == (1 if start + n == req.num_tokens else 0)
             if req.num_cached_tokens > 0 and start == req.num_cached_tokens:

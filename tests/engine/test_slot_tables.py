@@ -1,0 +1,197 @@
+"""The runner's per-slot block tables, counts and tokens (``runner/slot_tables.py``), kept by
+the scheduler's deltas: after every step each row's tables in the runner equal the KV manager's
+(every cache group), and every continued decode row's gathered position and token equal the
+row's own (``ModelRunner.check_slots``), through preemption, copy-on-write (``n`` samples, beam
+search), sliding windows, prefix hits, chunked prefill and speculative decoding; the greedy
+tokens are still those of Hugging Face ``transformers`` (the oracles of
+``test_sliding_window_cache`` and ``tests/oracles/test_beam_search``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from foudre import LLM, BeamSearchParams, SamplingParams
+from foudre.attention.base import BatchLayout
+from foudre.attention.paged import PagedBackend
+from foudre.attention.torch_sdpa import TorchSDPABackend
+from foudre.runner.slot_tables import SlotTables
+from foudre.runner.step import SchedulerOutput, StepOutput
+from tests.conftest import make_hf_model
+from tests.engine.test_sliding_window_cache import BS, MAX_TOKENS, PROMPTS, _setup
+from tests.oracles.test_beam_search import _hf_beams
+
+
+class Watch:
+    """Wraps an engine's ``runner.execute``: after each step, the runner's tables of every row
+    against the KV manager's; counts the rows and the continued ones."""
+
+    def __init__(self, llm: LLM) -> None:
+        engine = llm.engine
+        self.kv = engine.kv
+        self.runner: Any = engine.runner
+        self.runner.check_slots = True
+        self.rows = self.continued = self.table_changes = 0
+        inner: Callable[[SchedulerOutput], StepOutput] = self.runner.execute
+
+        def execute(scheduled: SchedulerOutput) -> StepOutput:
+            out = inner(scheduled)
+            self.check(scheduled)
+            return out
+
+        self.runner.execute = execute
+
+    def check(self, scheduled: SchedulerOutput) -> None:
+        batch = self.runner.input_batch
+        for row in scheduled.rows:
+            slot = batch.slot_of[row.request_id]
+            want = self.kv.req_table_ids[row.request_id]
+            got = [batch.tables.table(slot, g) for g in range(len(want))]
+            assert got == want, row.request_id
+            self.rows += 1
+            self.continued += row.continued
+            self.table_changes += bool(row.block_ids)
+
+
+def _engine(path: Path, **kw: Any) -> tuple[LLM, Watch]:
+    llm = LLM(
+        str(path),
+        dtype="float32",
+        skip_tokenizer_init=True,
+        max_model_len=72,
+        block_size=BS,
+        **kw,
+    )
+    return llm, Watch(llm)
+
+
+def _greedy(llm: LLM, n: int = 1, num_prompts: int = 3) -> list[list[list[int]]]:
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, n=n)
+    outs = llm.generate(PROMPTS[:num_prompts], params)
+    m = llm.metrics()
+    assert m["num_free_blocks"] == m["num_total_blocks"]
+    return [[list(c.token_ids) for c in o.outputs] for o in outs]
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[int]]]:
+    """A Gemma-3-like model (sliding windows beside global layers: six cache groups) and
+    ``transformers``' greedy tokens of ``PROMPTS``."""
+    return _setup("gemma3", str(tmp_path_factory.mktemp("slots")))
+
+
+def test_windows_chunks_prefix_hits_and_samples(gemma3: tuple[Path, list[list[int]]]) -> None:
+    path, ref = gemma3
+    llm, watch = _engine(path, num_kv_blocks=18, max_num_batched_tokens=7, max_num_seqs=3)
+    assert llm.engine.kv.num_groups == 6
+    want = [[r] for r in ref[:3]]
+    assert _greedy(llm) == want  # chunked prompts across the windows' edges
+    assert _greedy(llm) == want  # warm: prefix hits
+    assert llm.metrics()["prefix_cache_hits"] > 0
+    assert _greedy(llm, n=2) == [[r, r] for r in ref[:3]]  # forks share, then copy
+    assert llm.metrics()["num_cow_copies"] > 0
+    assert watch.continued > watch.rows // 3 and watch.table_changes > 0
+
+
+def test_preemption(gemma3: tuple[Path, list[list[int]]]) -> None:
+    path, ref = gemma3
+    llm, watch = _engine(path, num_kv_blocks=18, max_num_batched_tokens=16, max_num_seqs=5)
+    assert _greedy(llm, num_prompts=5) == [[r] for r in ref]
+    assert llm.metrics()["num_preemptions"] > 0
+    assert watch.continued > 0
+
+
+def test_speculative_decoding(gemma3: tuple[Path, list[list[int]]]) -> None:
+    path, ref = gemma3
+    llm, watch = _engine(
+        path,
+        num_kv_blocks=18,
+        max_num_batched_tokens=16,
+        max_num_seqs=3,
+        speculative_method="ngram",
+        ngram_min=1,
+        ngram_max=3,
+    )
+    assert _greedy(llm) == [[r] for r in ref[:3]]
+    m = llm.metrics()
+    assert m["spec_draft_tokens"] > 0 and m["spec_accepted_tokens"] < m["spec_draft_tokens"]
+    assert watch.continued > 0  # decode rows after verifications, laid out from the slots
+
+
+def test_beam_search_matches_transformers(tmp_path: Path) -> None:
+    """Beams fork (sharing blocks, copied on write) and take tokens the runner did not sample
+    for them: those rows are not continued, and the beams are still ``transformers``'."""
+    import transformers
+
+    path = make_hf_model(tmp_path / "m", "llama")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    llm = LLM(str(path), dtype="float32", skip_tokenizer_init=True, num_kv_blocks=64)
+    watch = Watch(llm)
+    prompts = [[1, 5, 9, 33, 7], list(range(1, 30))]
+    out = llm.beam_search(prompts, BeamSearchParams(beam_width=4, max_tokens=10))
+    for prompt, result in zip(prompts, out, strict=True):
+        assert [s.token_ids for s in result.sequences] == _hf_beams(hf, prompt, 4, None)
+    assert llm.metrics()["num_cow_copies"] > 0
+    assert 0 < watch.continued < watch.rows
+
+
+def test_slot_tables_apply_gather_and_refuse_a_lost_change() -> None:
+    tables = SlotTables(2, 2, width=2)
+    tables.apply(1, 0, 0, [4, 5, 6])  # widens
+    tables.apply(1, 0, 1, [9])  # a copy replaced block 1; the table ends there
+    tables.apply(0, 0, 0, [3])
+    tables.apply(0, 1, 0, [7, 8])
+    assert tables.table(1) == [4, 9] and tables.table(0) == [3] and tables.table(0, 1) == [7, 8]
+    rows = tables.gather(0, torch.tensor([1, 0]), num_padding_rows=1, padding_block=99)
+    assert rows[:, :1].tolist() == [[4], [3], [99]] and rows[0].tolist() == [4, 9]
+    tables.reset(1)
+    assert tables.table(1) == []
+    with pytest.raises(ValueError, match="table_start"):
+        tables.apply(1, 0, 2, [1])
+    tables.grow(5)
+    assert tables.table(0) == [3] and tables.capacity == 5
+
+
+LISTS = [[3, 1], [2], [5, 6, 7]]
+# the same tables as the runner gathers them: entries past each row's blocks are stale ids
+TENSOR = torch.tensor([[3, 1, 8], [2, 9, 9], [5, 6, 7]], dtype=torch.int32)
+Q_LENS, SEQ_LENS = [1, 3, 2], [20, 12, 40]
+
+
+def _layout(tables: Any) -> BatchLayout:
+    slots = [t[p // 16] * 16 + p % 16 for t, q, c in zip(LISTS, Q_LENS, SEQ_LENS) for p in
+             range(c - q, c)]  # fmt: skip
+    return BatchLayout(Q_LENS, SEQ_LENS, tables, torch.tensor(slots), 16)
+
+
+@pytest.mark.parametrize("window", [None, 8])
+def test_sdpa_reads_the_same_from_tables_as_tensors(window: int | None) -> None:
+    """The reference backend's attention over tables given as a tensor with stale entries
+    equals its attention over the lists."""
+    gen = torch.Generator().manual_seed(0)
+    cache = torch.randn(2, 10, 16, 2, 8, generator=gen)
+    q, k, v = (torch.randn(6, h, 8, generator=gen) for h in (4, 2, 2))
+    backend = TorchSDPABackend()
+    outs = []
+    for tables in (LISTS, TENSOR):
+        meta = backend.build_metadata(_layout(tables), torch.device("cpu"))
+        outs.append(backend.forward(q, k, v, cache.clone(), meta, 0.3, window))
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+
+
+def test_paged_metadata_reads_the_same_blocks_from_tensors() -> None:
+    """The paged kernels' tables from a tensor hold each row's blocks as the lists do (the
+    entries a kernel reads: the first ``ceil(seq_len / block_size)``)."""
+    backend = PagedBackend()
+    a, b = (backend.build_metadata(_layout(t), torch.device("cpu")) for t in (LISTS, TENSOR))
+    rows = [(a.block_tables, b.block_tables, [0]), (a.prefill.block_tables,
+            b.prefill.block_tables, [1, 2])]  # fmt: skip
+    for ta, tb, which in rows:
+        for i, r in enumerate(which):
+            n = -(-SEQ_LENS[r] // 16)
+            assert ta[i, :n].tolist() == tb[i, :n].tolist() == LISTS[r][:n]
+    assert torch.equal(a.slot_mapping, b.slot_mapping)
