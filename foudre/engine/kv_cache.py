@@ -200,9 +200,16 @@ class TableChanges:
         gives ``tables``."""
         if not tables:
             return [0] * self.num_groups, [[] for _ in range(self.num_groups)]
-        taken = self.taken.get(request_id) or [0] * len(tables)
-        replaced = self.replaced.pop(request_id, taken)
-        starts = [min(a, b) for a, b in zip(taken, replaced, strict=True)]
+        taken = self.taken.get(request_id)
+        replaced = self.replaced.pop(request_id, None)
+        if taken is None:
+            starts = [0] * len(tables)
+        elif replaced is not None:
+            starts = [min(a, b) for a, b in zip(taken, replaced, strict=True)]
+        elif len(tables) == 1 and len(tables[0]) == taken[0]:
+            return taken, [[]]  # (the common decode row: nothing changed)
+        else:
+            starts = taken
         self.taken[request_id] = [len(t) for t in tables]
         return starts, [t[s:] for s, t in zip(starts, tables, strict=True)]
 
