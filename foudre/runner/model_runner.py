@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
+import numpy as np
 import torch
 
 from foudre.attention import AttentionBackend, BatchLayout
@@ -425,21 +426,20 @@ class ModelRunner:
         (each token's cache slot ``block_id * block_size + offset``, lengths, block tables).
         A step of continued decode rows (``step.slots``) takes its tokens and positions from
         the per-slot state by one gather; the others from the rows' lists."""
+        token_rows = None  # each token's row (None: one token a row)
         if step.slots is not None:
             plain, input_ids = self._gathered(step)
             query_lens = [1] * len(step.token_ids)
             seq_lens = (plain + 1).tolist()
-            token_rows = None
             rope = plain
         else:
             plain, input_ids, query_lens, seq_lens = _listed(step.starts, step.token_ids)
-            one_each = len(query_lens) == plain.shape[0]
-            counts = torch.tensor(query_lens)
-            token_rows = None if one_each else torch.repeat_interleave(counts)
+            if len(query_lens) != len(plain):
+                token_rows = np.repeat(np.arange(len(query_lens)), query_lens)
             rope = plain
             if step.position_offsets and any(step.position_offsets):
-                offsets = torch.tensor(step.position_offsets, dtype=torch.int64)
-                rope = plain + (offsets if one_each else torch.repeat_interleave(offsets, counts))
+                offsets = np.asarray(step.position_offsets, np.int64)
+                rope = plain + (offsets if token_rows is None else offsets[token_rows])
         bs = self.block_size
 
         def layout(tables: Tables) -> BatchLayout:
@@ -455,27 +455,27 @@ class ModelRunner:
             if self.recurrent:
                 groups.append(self._recurrent_batch(step, query_lens))
             step.metadata = GroupedMetadata(groups, self.group_of_layer)
-        step.input_ids = input_ids.to(self.device)
-        step.positions = rope.to(self.device)
+        step.input_ids = torch.from_numpy(input_ids).to(self.device)
+        step.positions = torch.from_numpy(rope).to(self.device)
 
-    def _gathered(self, step: ForwardStep) -> tuple[torch.Tensor, torch.Tensor]:
+    def _gathered(self, step: ForwardStep) -> tuple[np.ndarray, np.ndarray]:
         """Positions and token ids (int64) of a step of continued decode rows, from the
         per-slot state, then zeros for its padding rows; checked against the rows' own where
         ``check_slots`` is set (tests)."""
         assert step.slots is not None
         state = self.input_batch.tables
-        positions = state.num_computed[step.slots]
-        input_ids = state.last_token[step.slots]
-        pad = len(step.token_ids) - positions.shape[0]
-        if pad:
-            positions = torch.cat([positions, positions.new_zeros(pad)])
-            input_ids = torch.cat([input_ids, input_ids.new_zeros(pad)])
+        index = step.slots.numpy()
+        pad = len(step.token_ids) - len(index)
+        positions = state.num_computed[index]
+        input_ids = state.last_token[index]
+        if pad:  # (padding rows: token 0 at position 0)
+            positions = np.concatenate([positions, np.zeros(pad, np.int64)])
+            input_ids = np.concatenate([input_ids, np.zeros(pad, np.int64)])
         if self.check_slots:
-            rows = zip(step.starts, step.token_ids, strict=True)
-            want = torch.tensor([[s, ids[0]] for s, ids in rows], dtype=torch.int64)
-            got = torch.stack([positions, input_ids], dim=1)
-            if not torch.equal(got, want):
-                raise AssertionError(f"per-slot state {got.tolist()} != rows {want.tolist()}")
+            want = [[s, ids[0]] for s, ids in zip(step.starts, step.token_ids, strict=True)]
+            got = np.stack([positions, input_ids], axis=1).tolist()
+            if got != want:
+                raise AssertionError(f"per-slot state {got} != rows {want}")
         return positions, input_ids
 
     def _recurrent_batch(self, step: ForwardStep, query_lens: list[int]) -> RecurrentBatch:
@@ -598,7 +598,7 @@ class ModelRunner:
             self.copy_states(scheduled.state_copies)
         rows = scheduled.rows
         pad = scheduled.num_padding_rows
-        index = torch.tensor(batch.apply_tables(rows), dtype=torch.int64)
+        index = np.array(batch.apply_tables(rows), np.int64)
         state, padding = batch.tables, self.padding_block
         tables = state.gather(0, index, pad, padding)
         group_tables = [state.gather(g, index, pad, padding) for g in range(1, len(self.kv_groups))]
@@ -634,7 +634,7 @@ class ModelRunner:
             group_tables,
             slots,
             snapshots,
-            slots=index if continued else None,
+            slots=torch.from_numpy(index) if continued else None,
         )
         state.advance(index, ends)
         if logits is not None and pad:
@@ -642,7 +642,6 @@ class ModelRunner:
         if logits is None or logits.shape[0] == 0:
             return StepOutput()
         out = self.sample(logits, sampling)
-        self._keep_sampled(sampling, out)
         if verifying:  # a row that rejected drafts: its state after the first token
             rows_back = zip(out.request_ids, out.num_draft_tokens, out.num_accepted, strict=True)
             back = [verifying[r] for r, d, a in rows_back if a < d and r in verifying]
@@ -650,16 +649,15 @@ class ModelRunner:
                 self.copy_states(back)
         return out
 
-    def _keep_sampled(self, sampling: SamplingRows, out: StepOutput) -> None:
-        """Keep each sampling row's last token in its slot, and roll its count back by the
+    def _keep_sampled(self, rows: SamplingRows, out: StepOutput) -> None:
+        """Keep each verifying row's last token in its slot, and roll its count back by the
         drafts it rejected (a recurrent model's: by all its drafts, as ``Scheduler.update``)."""
-        rollback: list[int] = []
-        if sampling.has_drafts:
-            rollback = [
-                d - a + (a if self.recurrent and a < d else 0)
-                for d, a in zip(out.num_draft_tokens, out.num_accepted, strict=True)
-            ]
-        self.input_batch.tables.sampled(sampling.slots, out.token_ids, rollback)
+        rollback = [
+            d - a + (a if self.recurrent and a < d else 0)
+            for d, a in zip(out.num_draft_tokens, out.num_accepted, strict=True)
+        ]
+        last = [t[-1] for t in out.token_ids]
+        self.input_batch.tables.sampled(rows.slots, last, rollback)
 
     def _verified_states(
         self, rows: Sequence[ScheduledRow], snapshots: list[tuple[int, int, int]]
@@ -679,7 +677,8 @@ class ModelRunner:
         return verifying
 
     def sample(self, logits: torch.Tensor, rows: SamplingRows) -> StepOutput:
-        """Sample (or verify drafts) from the logits of the step's sampling rows, in order."""
+        """Sample (or verify drafts) from the logits of the step's sampling rows, in order;
+        each row's last token (and rejected drafts) kept in its slot (``SlotTables``)."""
         if rows.has_drafts:  # each row's positions: its last token's, then its drafts'
             index = [r + j for r, d in zip(rows.logit_rows, rows.drafts) for j in range(len(d) + 1)]
             if len(index) != logits.shape[0]:  # forked samplers share their parent's row
@@ -687,12 +686,15 @@ class ModelRunner:
             batch = self.input_batch.sampling_batch(rows)
             v = verify(logits, batch, self.input_batch.draft_rows(rows), self.generator)
             self.input_batch.accept_drafts(rows, v.num_accepted)
-            return StepOutput(
+            verified = StepOutput(
                 rows.request_ids, v.token_ids, v.logprobs, v.num_draft_tokens, v.num_accepted
             )
+            self._keep_sampled(rows, verified)
+            return verified
         if len(rows.logit_rows) != logits.shape[0]:  # forked samplers share their parent's row
             logits = logits[torch.tensor(rows.logit_rows, device=logits.device)]
         out = sample(logits, self.input_batch.sampling_batch(rows), self.generator)
+        self.input_batch.tables.sampled(rows.slots, out.token_ids)
         lps = [None if lp is None else [lp] for lp in out.logprobs]
         zeros = [0] * len(rows.slots)
         return StepOutput(rows.request_ids, [[t] for t in out.token_ids], lps, zeros, zeros)
@@ -700,7 +702,7 @@ class ModelRunner:
 
 def _listed(
     starts: Sequence[int], token_ids: Sequence[list[int]]
-) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
+) -> tuple[np.ndarray, np.ndarray, list[int], list[int]]:
     """Rows given by lists: their tokens' positions and ids (int64, flattened in order), and
     per row its new tokens and its context length after them."""
     input_ids: list[int] = []
@@ -716,24 +718,19 @@ def _listed(
             positions += range(start, start + n)
         query_lens.append(n)
         seq_lens.append(start + n)
-    as_long = torch.int64
-    return (
-        torch.tensor(positions, dtype=as_long),
-        torch.tensor(input_ids, dtype=as_long),
-        query_lens,
-        seq_lens,
-    )
+    return np.array(positions, np.int64), np.array(input_ids, np.int64), query_lens, seq_lens
 
 
 def _slot_mapping(
-    tables: torch.Tensor, positions: torch.Tensor, token_rows: torch.Tensor | None, bs: int
+    tables: torch.Tensor, positions: np.ndarray, token_rows: np.ndarray | None, bs: int
 ) -> torch.Tensor:
     """Each token's cache slot (int64): the block its position falls in, in its row's table
     (``token_rows``: each token's row; None: token ``i`` is row ``i``), times ``bs``, plus
-    the offset in the block."""
-    rows = torch.arange(positions.shape[0]) if token_rows is None else token_rows
-    blocks = tables.cpu()[rows, positions // bs].to(torch.int64)
-    return blocks * bs + positions % bs
+    the offset in the block. (In numpy: a few small ops on the host, each several times
+    cheaper than torch's.)"""
+    rows = np.arange(len(positions)) if token_rows is None else token_rows
+    blocks = tables.cpu().numpy()[rows, positions // bs].astype(np.int64)
+    return torch.from_numpy(blocks * bs + positions % bs)
 
 
 def _graphs(runner: ModelRunner, max_num_seqs: int, max_model_len: int) -> DecodePath | None:

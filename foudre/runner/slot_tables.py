@@ -22,49 +22,46 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 
 class SlotTables:
-    """Per-slot block tables (``num_groups`` of them), counts and tokens (module docstring)."""
+    """Per-slot block tables (``num_groups`` of them), counts and tokens (module docstring),
+    in numpy arrays: a step's few small indexed ops on the host cost a microsecond each
+    there, several times less than torch's; the step's tables reach the backends as torch
+    tensors over the gathered arrays (``torch.from_numpy``, not copied)."""
 
     def __init__(self, num_groups: int, capacity: int, width: int = 16) -> None:
         self.num_groups = num_groups
-        self.tables = [torch.zeros(capacity, width, dtype=torch.int32) for _ in range(num_groups)]
-        self.lens = torch.zeros(num_groups, capacity, dtype=torch.int32)
-        self.num_computed = torch.zeros(capacity, dtype=torch.int64)
-        self.last_token = torch.zeros(capacity, dtype=torch.int64)
+        self.tables = [np.zeros((capacity, width), np.int32) for _ in range(num_groups)]
+        self.lens = np.zeros((num_groups, capacity), np.int32)
+        self.num_computed = np.zeros(capacity, np.int64)
+        self.last_token = np.zeros(capacity, np.int64)
 
     @property
     def capacity(self) -> int:
-        return self.num_computed.shape[0]
+        return int(self.num_computed.shape[0])
 
     @property
     def width(self) -> int:
-        return self.tables[0].shape[1]
+        return int(self.tables[0].shape[1])
 
     def grow(self, capacity: int) -> None:
         """Room for ``capacity`` slots (the slots held keep their state)."""
         extra = capacity - self.capacity
         if extra <= 0:
             return
-        self.tables = [torch.cat([t, t.new_zeros(extra, t.shape[1])]) for t in self.tables]
-        self.lens = torch.cat([self.lens, self.lens.new_zeros(self.num_groups, extra)], dim=1)
-        self.num_computed = torch.cat([self.num_computed, self.num_computed.new_zeros(extra)])
-        self.last_token = torch.cat([self.last_token, self.last_token.new_zeros(extra)])
-
-    def _widen(self, width: int) -> None:
-        old = self.width
-        new = max(width, 2 * old)
-        self.tables = [
-            torch.cat([t, t.new_zeros(t.shape[0], new - old)], dim=1) for t in self.tables
-        ]
+        self.tables = [np.pad(t, ((0, extra), (0, 0))) for t in self.tables]
+        self.lens = np.pad(self.lens, ((0, 0), (0, extra)))
+        self.num_computed = np.pad(self.num_computed, (0, extra))
+        self.last_token = np.pad(self.last_token, (0, extra))
 
     def reset(self, slot: int) -> None:
         """A request enters ``slot``: empty tables (its first row brings them whole)."""
         self.lens[:, slot] = 0
         for t in self.tables:
-            t[slot].zero_()
+            t[slot] = 0
 
     def apply(self, slot: int, group: int, start: int, block_ids: Sequence[int]) -> None:
         """Group ``group``'s table of ``slot`` from ``start`` on becomes ``block_ids`` (its
@@ -72,50 +69,51 @@ class SlotTables:
         if not block_ids:
             return
         end = start + len(block_ids)
-        if start > int(self.lens[group, slot]):
+        held = int(self.lens[group, slot])
+        if start > held:
             raise ValueError(
-                f"table_start {start} is past the {int(self.lens[group, slot])} blocks the "
-                f"runner holds for slot {slot} (group {group}): a table change was lost"
+                f"table_start {start} is past the {held} blocks the runner holds for slot "
+                f"{slot} (group {group}): a table change was lost"
             )
         if end > self.width:
-            self._widen(end)
-        self.tables[group][slot, start:end] = torch.tensor(block_ids, dtype=torch.int32)
+            more = max(end, 2 * self.width) - self.width
+            self.tables = [np.pad(t, ((0, 0), (0, more))) for t in self.tables]
+        self.tables[group][slot, start:end] = block_ids
         self.lens[group, slot] = end
 
     def table(self, slot: int, group: int = 0) -> list[int]:
         """``slot``'s table of ``group`` as a list (a view for tests and for consumers of lists;
         the step's rows are gathered, not listed)."""
-        return self.tables[group][slot, : int(self.lens[group, slot])].tolist()
+        return [int(b) for b in self.tables[group][slot, : self.lens[group, slot]]]
 
     def gather(
-        self, group: int, slots: torch.Tensor, num_padding_rows: int = 0, padding_block: int = 0
+        self, group: int, slots: np.ndarray, num_padding_rows: int = 0, padding_block: int = 0
     ) -> torch.Tensor:
         """The tables of ``slots`` (int64) in order, as int32 ``[rows, width]`` (width: the
         longest of them), then ``num_padding_rows`` rows of ``padding_block``."""
-        lens = self.lens[group]
-        width = max(int(lens[slots].max()) if slots.numel() else 0, 1)
+        width = max(int(self.lens[group, slots].max()) if len(slots) else 0, 1)
         rows = self.tables[group][slots, :width]
         if num_padding_rows:
-            pad = rows.new_full((num_padding_rows, width), padding_block)
-            rows = torch.cat([rows, pad])
-        return rows
+            rows = np.concatenate(
+                [rows, np.full((num_padding_rows, width), padding_block, np.int32)]
+            )
+        return torch.from_numpy(rows)
 
-    def advance(self, slots: torch.Tensor, ends: Sequence[int] | None) -> None:
+    def advance(self, slots: np.ndarray, ends: Sequence[int] | None) -> None:
         """The rows of ``slots`` computed their tokens: each slot's count becomes its row's
         ``ends`` entry (its start plus its tokens); None: every row computed one token."""
         if ends is None:
             self.num_computed[slots] += 1
         else:
-            self.num_computed[slots] = torch.tensor(ends, dtype=torch.int64)
+            self.num_computed[slots] = ends
 
     def sampled(
-        self, slots: Sequence[int], token_ids: Sequence[list[int]], rollback: Sequence[int] = ()
+        self, slots: Sequence[int], last_tokens: Sequence[int], rollback: Sequence[int] = ()
     ) -> None:
-        """Rows sampled ``token_ids`` for ``slots`` (the last kept as the slot's next input),
-        and, per slot, ``rollback`` computed tokens dropped (rejected drafts)."""
+        """Rows sampled for ``slots``, ``last_tokens`` last (each slot's next input), and,
+        per slot, ``rollback`` computed tokens dropped (rejected drafts)."""
         if not slots:
             return
-        index = torch.tensor(slots, dtype=torch.int64)
-        self.last_token[index] = torch.tensor([t[-1] for t in token_ids], dtype=torch.int64)
+        self.last_token[slots] = last_tokens
         if rollback and any(rollback):
-            self.num_computed[index] -= torch.tensor(rollback, dtype=torch.int64)
+            self.num_computed[slots] -= np.asarray(rollback, np.int64)
