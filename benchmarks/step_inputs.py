@@ -1,6 +1,8 @@
 """What laying out a decode step's inputs costs the runner: ``ModelRunner.flatten`` (token ids,
 positions, slot mapping, with the backend's ``build_metadata`` inside it) and, on the native
-CPU decode path, ``NativeDecode._inputs``, per pure decode step of ``--requests`` requests.
+CPU decode path, ``NativeDecode._inputs``, per pure decode step of ``--requests`` requests;
+beside them the step's other host work: ``Scheduler.schedule``, ``Scheduler.update`` and
+``ModelRunner.execute`` outside ``ModelRunner.forward`` (``execute - forward``).
 
     .venv/bin/python benchmarks/step_inputs.py [--requests 256] [--new-tokens 64] [--eager]
 
@@ -62,8 +64,14 @@ def main() -> None:
     llm = LLM(skip_tokenizer_init=True, max_num_seqs=args.requests, enforce_eager=args.eager)
     engine: Any = llm.engine
     runner = engine.runner
-    timers = {"flatten": Timer(), "build_metadata": Timer(), "_inputs": Timer(), "step": Timer()}
+    names = ["flatten", "build_metadata", "_inputs", "schedule", "update", "execute", "forward"]
+    timers = {name: Timer() for name in [*names, "step"]}
     runner.flatten = timers["flatten"].wrap(runner.flatten)
+    runner.forward = timers["forward"].wrap(runner.forward)
+    runner.execute = timers["execute"].wrap(runner.execute)
+    scheduler = engine.scheduler
+    scheduler.schedule = timers["schedule"].wrap(scheduler.schedule)
+    scheduler.update = timers["update"].wrap(scheduler.update)
     runner.backend.build_metadata = timers["build_metadata"].wrap(runner.backend.build_metadata)
     if isinstance(runner.decode_path, NativeDecode):
         path = runner.decode_path
@@ -84,6 +92,9 @@ def main() -> None:
         if decoding and len(outs) == args.requests:
             for name, t in timers.items():
                 per_step[name].append((t.cpu, t.wall))
+            inner, outer = timers["forward"], timers["execute"]
+            host = (outer.cpu - inner.cpu, outer.wall - inner.wall)
+            per_step.setdefault("execute - forward", []).append(host)
         started.update(o.request_id for o in outs)
     mode = "eager" if args.eager else "decode path"
     steps = per_step["step"]

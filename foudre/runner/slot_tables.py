@@ -1,7 +1,7 @@
 """The runner's per-slot block tables, computed-token counts and last sampled tokens.
 
 The persistent batch (``input_batch.py``) gives each running request a slot; this keeps, per
-slot, what laying out its rows needs, as host tensors updated by the scheduler's deltas instead
+slot, what laying out its rows needs, as host arrays updated by the scheduler's deltas instead
 of being rebuilt from Python lists each step::
 
     slot:            0            1            2     ...
