@@ -195,3 +195,34 @@ def test_paged_metadata_reads_the_same_blocks_from_tensors() -> None:
             n = -(-SEQ_LENS[r] // 16)
             assert ta[i, :n].tolist() == tb[i, :n].tolist() == LISTS[r][:n]
     assert torch.equal(a.slot_mapping, b.slot_mapping)
+
+
+def test_worker_tables_follow_the_messages_changes() -> None:
+    """A parallel worker keeps each request's table from the steps' changes (the engine's
+    tables after each step: a growing table, a copy replacing a block, a request that left and
+    came back whole), padding rows' tables whole."""
+    from foudre.distributed.runner import StepMessage
+
+    held: dict[str, list[int]] = {}
+
+    def step(
+        rows: list[tuple[str, int, list[int]]], removed: tuple[str, ...] = ()
+    ) -> list[list[int]]:
+        message = StepMessage(
+            [ids for _, _, ids in rows] + [[99]],
+            [0] * (len(rows) + 1),
+            [[0]] * (len(rows) + 1),
+            [1] * (len(rows) + 1),
+            num_padding_rows=1,
+            request_ids=[rid for rid, _, _ in rows],
+            table_starts=[start for _, start, _ in rows],
+            removed=list(removed),
+        )
+        return message.tables(held)
+
+    assert step([("a", 0, [1, 2]), ("b", 0, [3])]) == [[1, 2], [3], [99]]
+    assert step([("a", 2, []), ("b", 0, [7, 8])]) == [[1, 2], [7, 8], [99]]
+    assert step([("a", 1, [5, 6])]) == [[1, 5, 6], [99]]
+    assert step([("a", 0, [9])], removed=("a", "b")) == [[9], [99]] and "b" not in held
+    with pytest.raises(ValueError, match="table_start"):
+        step([("c", 2, [4])])
