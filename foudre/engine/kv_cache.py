@@ -198,16 +198,22 @@ class TableChanges:
         per group the first index changed and the ids from there to the table's end (empty
         where nothing changed). Writing each group's ids at its start into the copy taken last
         gives ``tables``."""
+        taken = self.taken.get(request_id)
+        if (  # the common decode row: its one table unchanged
+            tables
+            and taken is not None
+            and len(taken) == 1
+            and len(tables[0]) == taken[0]
+            and request_id not in self.replaced
+        ):
+            return taken, [[]]
         if not tables:
             return [0] * self.num_groups, [[] for _ in range(self.num_groups)]
-        taken = self.taken.get(request_id)
         replaced = self.replaced.pop(request_id, None)
         if taken is None:
             starts = [0] * len(tables)
         elif replaced is not None:
             starts = [min(a, b) for a, b in zip(taken, replaced, strict=True)]
-        elif len(tables) == 1 and len(tables[0]) == taken[0]:
-            return taken, [[]]  # (the common decode row: nothing changed)
         else:
             starts = taken
         self.taken[request_id] = [len(t) for t in tables]

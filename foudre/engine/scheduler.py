@@ -418,7 +418,8 @@ class Scheduler:
         start = req.num_computed_tokens
         end = start + num_new
         num_tokens = req.num_tokens
-        starts, ids = self.kv.table_changes.take(rid, self.kv.req_table_ids.get(rid))
+        kv = self.kv
+        starts, ids = kv.table_changes.take(rid, kv.req_table_ids.get(rid))
         if end == num_tokens and num_new == 1 and req.output_token_ids:  # a decode row
             token = req.output_token_ids[-1]
             row = ScheduledRow(
@@ -428,12 +429,13 @@ class Scheduler:
                 ids[0],
                 1,
                 req.spec_token_ids,
-                fork_ids=[c.request_id for c in self._forks(req, entering)]
-                if req.fork_children
-                else [],
-                position_offset=req.position_offset,
-                table_start=starts[0],
-                continued=self._sampled.get(rid) == token,
+                None,
+                [c.request_id for c in self._forks(req, entering)] if req.fork_children else [],
+                req.position_offset,
+                [],
+                starts[0],
+                [],
+                self._sampled.get(rid) == token,
             )
         else:
             # a request samples once it reaches its last token; every draft adds one position

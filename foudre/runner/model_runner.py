@@ -729,8 +729,8 @@ def _slot_mapping(
     the offset in the block. (In numpy: a few small ops on the host, each several times
     cheaper than torch's.)"""
     rows = np.arange(len(positions)) if token_rows is None else token_rows
-    blocks = tables.cpu().numpy()[rows, positions // bs].astype(np.int64)
-    return torch.from_numpy(blocks * bs + positions % bs)
+    blocks = tables.cpu().numpy()[rows, positions // bs]
+    return torch.from_numpy(blocks * np.int64(bs) + positions % bs)
 
 
 def _graphs(runner: ModelRunner, max_num_seqs: int, max_model_len: int) -> DecodePath | None:

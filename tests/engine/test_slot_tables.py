@@ -147,7 +147,7 @@ def test_slot_tables_apply_gather_and_refuse_a_lost_change() -> None:
     tables.apply(0, 1, 0, [7, 8])
     assert tables.table(1) == [4, 9] and tables.table(0) == [3] and tables.table(0, 1) == [7, 8]
     rows = tables.gather(0, torch.tensor([1, 0]), num_padding_rows=1, padding_block=99)
-    assert rows[:, :1].tolist() == [[4], [3], [99]] and rows[0].tolist() == [4, 9]
+    assert rows[:, :1].tolist() == [[4], [3], [99]] and rows[0, :2].tolist() == [4, 9]
     tables.reset(1)
     assert tables.table(1) == []
     with pytest.raises(ValueError, match="table_start"):
