@@ -108,6 +108,9 @@ class PagedBackend(AttentionBackend):
     kernels, set by each subclass)."""
 
     mixed_in_one = False  # a step with a multi-token row sends all its rows to ``prefill``
+    # ``decode`` takes a step's new K / V (``k_new``, ``v_new``) and writes them itself, where a
+    # step is all decode rows and the cache is of the model's dtype
+    stores_new_tokens = False
 
     def decode(
         self,
@@ -124,6 +127,8 @@ class PagedBackend(AttentionBackend):
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
         sinks: torch.Tensor | None = None,
+        k_new: torch.Tensor | None = None,
+        v_new: torch.Tensor | None = None,
     ) -> None:
         raise NotImplementedError
 
@@ -174,9 +179,13 @@ class PagedBackend(AttentionBackend):
     ) -> torch.Tensor:
         sinks = check_sinks(sinks, q.shape[1])
         k_scale = v_scale = None
+        new: dict[str, torch.Tensor] = {}
         if isinstance(kv_cache, QuantizedKVCache):
             kv_cache.write(metadata.slot_mapping, k, v)
             k_cache, v_cache, k_scale, v_scale = kv_cache.stored()
+        elif self.stores_new_tokens and metadata.prefill is None:  # every row a decode row
+            new = {"k_new": k, "v_new": v}
+            k_cache, v_cache = kv_cache[0], kv_cache[1]
         else:
             store_kv(kv_cache, metadata.slot_mapping, k, v)
             k_cache, v_cache = kv_cache[0], kv_cache[1]
@@ -196,6 +205,7 @@ class PagedBackend(AttentionBackend):
                 k_scale=k_scale,
                 v_scale=v_scale,
                 sinks=sinks,
+                **new,
             )
         if metadata.prefill is not None:
             self.prefill(

@@ -56,15 +56,20 @@ def attention_errors(
     for table, c in zip(tables, ctx_lens, strict=True):
         poisoned[:, table[-1], (c - 1) % block_size + 1 :] = poison
     cache = torch.where(poisoned.isnan(), 0.0, poisoned)
+    # the new tokens' slots too: the step writes them (the kernel itself, in a decode-only step)
+    # before anything reads them
+    poisoned.view(2, -1, num_kv, head_dim)[:, slots] = poison
     total = sum(q_lens)
     q, k, v = (
         torch.randn(total, h, head_dim, generator=g).to(dtype) for h in (num_heads, num_kv, num_kv)
     )
 
     def run(backend: object, dt: torch.dtype, pool: torch.Tensor) -> torch.Tensor:
-        c = pool.to(dt)
+        c = pool.to(dt, copy=True)
         meta = backend.build_metadata(layout, torch.device("cpu"))  # type: ignore[attr-defined]
         out = backend.forward(q.to(dt), k.to(dt), v.to(dt), c, meta, head_dim**-0.5)  # type: ignore[attr-defined]
+        stored = c.view(2, -1, num_kv, head_dim)[:, slots]
+        assert torch.equal(stored[0], k.to(dt)) and torch.equal(stored[1], v.to(dt)), backend
         return out.float()
 
     ref = run(TorchSDPABackend(), torch.float32, cache)
