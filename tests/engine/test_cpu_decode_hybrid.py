@@ -271,10 +271,13 @@ def test_native_decode_steps_aside_when_a_mixer_changes(tmp_path: Path) -> None:
 
 
 def test_native_decode_refuses_slots_outside_the_pools(tmp_path: Path) -> None:
+    path = save_random("Mamba2", {**MAMBA2, "max_position_embeddings": 512}, tmp_path / "m")
+    check_refuses_slots_outside_the_pools(_llm(path, "float32").engine.runner)
+
+
+def check_refuses_slots_outside_the_pools(runner: ModelRunner) -> None:
     """A row's state slot, or a snapshot's, outside the pools: a typed error naming them,
     before any layer runs (every state slot and page left as it was)."""
-    path = save_random("Mamba2", {**MAMBA2, "max_position_embeddings": 512}, tmp_path / "m")
-    runner = _llm(path, "float32").engine.runner
     native = runner.decode_path
     assert isinstance(native, NativeDecode)
     before = [t.clone() for t in _pools(runner)]
