@@ -176,7 +176,8 @@ def cpu_paged_decode(
     ``sinks``: float32 ``[num_heads]``, each head's sink logit in its softmax denominator.
     ``k_new`` / ``v_new`` ``[T, kv_heads, head_dim]`` (a float cache only): the rows' new tokens
     (row ``i``'s at ``token_idx[i]``), not yet in the cache: each is written into its row's
-    last slot (position ``seq_lens[i] - 1``) by the kernel's task that reads it first."""
+    last slot (position ``seq_lens[i] - 1``) before any row reads (a row may read another's:
+    a prefix-cache hit on a block that a row of the same step fills)."""
     dll = load_library()
     if dll is None:
         raise RuntimeError("the CPU paged-attention kernel is not available (no C++ compiler?)")
@@ -227,15 +228,28 @@ def _fresh(
         if k_new is not None or v_new is not None:
             raise ValueError("k_new and v_new come together")
         return [None, None, 0, 0]
-    shape = (k_cache.shape[2], k_cache.shape[3])  # [kv_heads, head_dim]
-    for name, t in (("k_new", k_new), ("v_new", v_new)):
-        if t.dtype != k_cache.dtype or t.dim() != 3 or tuple(t.shape[1:]) != shape:
-            raise ValueError(f"{name} must be [T, {shape[0]}, {shape[1]}] of {k_cache.dtype}")
-        if t.stride(2) != 1 or t.stride(1) != shape[1] or t.device != k_cache.device:
-            raise ValueError(f"{name} must hold its heads contiguous, on the cache's device")
-    if k_new.shape[0] != v_new.shape[0]:
-        raise ValueError("k_new and v_new must have the same tokens")
+    if not new_tokens_fit(k_new, v_new, k_cache):
+        raise ValueError(
+            f"k_new and v_new must be [T, {k_cache.shape[2]}, {k_cache.shape[3]}] of "
+            f"{k_cache.dtype} on its device, each token's heads contiguous"
+        )
     return [k_new.data_ptr(), v_new.data_ptr(), k_new.stride(0), v_new.stride(0)]
+
+
+def new_tokens_fit(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether the kernel can write a step's new ``k`` / ``v`` into the float ``k_cache``
+    ``[blocks, block_size, kv_heads, head_dim]`` itself: the cache's dtype and device, the same
+    tokens, each token's heads contiguous."""
+    shape = (k_cache.shape[2], k_cache.shape[3])
+    return k.shape[0] == v.shape[0] and all(
+        t.dtype == k_cache.dtype
+        and t.device == k_cache.device
+        and t.dim() == 3
+        and tuple(t.shape[1:]) == shape
+        and t.stride(2) == 1
+        and t.stride(1) == shape[1]
+        for t in (k, v)
+    )
 
 
 def _sinks_pointer(sinks: torch.Tensor | None, num_heads: int) -> int | None:
@@ -304,7 +318,9 @@ def cpu_paged_prefill(
 
 class CPUPagedBackend(PagedBackend):
     name = "cpu"
-    stores_new_tokens = True
+
+    def stores_new_tokens(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        return new_tokens_fit(k, v, k_cache)
 
     decode = staticmethod(cpu_paged_decode)
     prefill = staticmethod(cpu_paged_prefill)

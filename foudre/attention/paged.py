@@ -108,9 +108,11 @@ class PagedBackend(AttentionBackend):
     kernels, set by each subclass)."""
 
     mixed_in_one = False  # a step with a multi-token row sends all its rows to ``prefill``
-    # ``decode`` takes a step's new K / V (``k_new``, ``v_new``) and writes them itself, where a
-    # step is all decode rows and the cache is of the model's dtype
-    stores_new_tokens = False
+
+    def stores_new_tokens(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        """Whether ``decode`` takes a decode-only step's new K / V (``k_new``, ``v_new``) and
+        writes them itself, before any row reads (a float cache): none does by default."""
+        return False
 
     def decode(
         self,
@@ -183,8 +185,8 @@ class PagedBackend(AttentionBackend):
         if isinstance(kv_cache, QuantizedKVCache):
             kv_cache.write(metadata.slot_mapping, k, v)
             k_cache, v_cache, k_scale, v_scale = kv_cache.stored()
-        elif self.stores_new_tokens and metadata.prefill is None:  # every row a decode row
-            new = {"k_new": k, "v_new": v}
+        elif metadata.prefill is None and self.stores_new_tokens(k, v, kv_cache[0]):
+            new = {"k_new": k, "v_new": v}  # (every row a decode row)
             k_cache, v_cache = kv_cache[0], kv_cache[1]
         else:
             store_kv(kv_cache, metadata.slot_mapping, k, v)

@@ -63,36 +63,6 @@ inline float sink_weight(const float* sinks, int64_t hg, float m) {
   return sinks == nullptr ? 0.0f : std::exp(sinks[hg] - m);
 }
 
-// The decode rows' new tokens (their K and V from this step's projections, not yet in the pool):
-// each is written into its row's last slot by the task that reads that key first, so the
-// cache lines it fills are the ones the products read next. A pass of its own before the call
-// (index_copy_) missed the cache on every line it wrote, and the kernel missed on them again.
-// Token tok's K row is at k + tok * k_stride, its KV heads one after the other (head_dim
-// each); V's likewise. Only for caches of the queries' type (a quantized cache is written
-// before).
-struct Fresh {
-  const void* k;
-  const void* v;
-  int64_t k_stride, v_stride;  // elements between tokens
-};
-
-// KV heads [h0, h1) of row r's new token into its slot (position len - 1), where `fresh` is set
-template <typename C>
-inline void store_fresh(const Fresh* fresh, const C* k_cache, const C* v_cache,
-                        const int32_t* table, int64_t tok, int64_t len, int64_t BS,
-                        int64_t block_stride, int64_t token_stride, int64_t h0, int64_t h1,
-                        int64_t D) {
-  if (fresh == nullptr) return;
-  const int64_t pos = len - 1;
-  const int64_t at = table[pos / BS] * block_stride + pos % BS * token_stride + h0 * D;
-  const size_t bytes = static_cast<size_t>((h1 - h0) * D) * sizeof(C);
-  const C* k = static_cast<const C*>(fresh->k) + tok * fresh->k_stride + h0 * D;
-  const C* v = static_cast<const C*>(fresh->v) + tok * fresh->v_stride + h0 * D;
-  // the pool is the caller's writable cache (read-only elsewhere in the kernels)
-  std::memcpy(const_cast<C*>(k_cache) + at, k, bytes);
-  std::memcpy(const_cast<C*>(v_cache) + at, v, bytes);
-}
-
 // T: the queries' and outputs' type; C: the cache's (T, or int8_t / Fp8 codes whose scales are
 // k_scale / v_scale, laid out as the codes without head_dim: the code offset / head_dim)
 template <typename T, typename C>
@@ -101,8 +71,7 @@ void paged_decode(const T* q, const C* k_cache, const C* v_cache, const float* k
                   const int32_t* block_tables, const int32_t* seq_lens, int64_t rows,
                   int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                   int64_t table_width, int64_t q_stride, int64_t o_stride, int64_t block_stride,
-                  int64_t token_stride, float scale, int64_t window, const float* sinks,
-                  const Fresh* fresh) {
+                  int64_t token_stride, float scale, int64_t window, const float* sinks) {
   constexpr bool quantized = !std::is_same_v<T, C>;
   const int64_t G = num_heads / num_kv_heads;
   const int64_t D = head_dim;
@@ -115,8 +84,6 @@ void paged_decode(const T* q, const C* k_cache, const C* v_cache, const float* k
     for (int64_t task = 0; task < rows * num_kv_heads; ++task) {
       const int64_t r = task / num_kv_heads, h = task % num_kv_heads;
       const int64_t tok = tokens[r], len = seq_lens[r];
-      store_fresh(fresh, k_cache, v_cache, block_tables + r * table_width, tok, len, BS,
-                  block_stride, token_stride, h, h + 1, D);
       for (int64_t g = 0; g < G; ++g) {
         const T* qr = q + tok * q_stride + (h * G + g) * D;
         for (int64_t d = 0; d < D; ++d) qf[g * D + d] = load(qr[d]) * scale;
@@ -416,7 +383,7 @@ void paged_decode_rows(const typename Ops::Elem* q, const C* k_cache, const C* v
                        int64_t rows, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                        int64_t block_size, int64_t table_width, int64_t q_stride, int64_t o_stride,
                        int64_t block_stride, int64_t token_stride, float scale, int64_t window,
-                       const float* sinks, const Fresh* fresh) {
+                       const float* sinks) {
   using T = typename Ops::Elem;
   constexpr bool quantized = !std::is_same_v<C, typename Ops::Cache>;
   constexpr int W = Ops::W;
@@ -471,9 +438,6 @@ void paged_decode_rows(const typename Ops::Elem* q, const C* k_cache, const C* v
       float* m = acc + part_stride;
       float* l = m + num_heads;
       const int64_t tok = tokens[r], len = seq_lens[r];
-      if (part == kSplit - 1)  // the part that holds the row's last key (part_keys)
-        store_fresh(fresh, k_cache, v_cache, block_tables + r * table_width, tok, len, BS,
-                    block_stride, token_stride, 0, num_kv_heads, D);
       for (int64_t hg = 0; hg < num_heads; ++hg) {
         if (loaded != r) Ops::load_q(q + tok * q_stride + hg * D, &qv[hg * acc_stride], nc, tl);
         m[hg] = -FLT_MAX;
@@ -614,7 +578,7 @@ void paged_decode_avx512(const typename Ops::Elem* q, const C* k, const C* v, co
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                          int64_t block_size, int64_t table_width, int64_t q_stride,
                          int64_t o_stride, int64_t block_stride, int64_t token_stride,
-                         float scale, int64_t window, const float* sinks, const Fresh* fresh) {
+                         float scale, int64_t window, const float* sinks) {
   auto f = paged_decode_rows<Ops, C, 0>;
   switch ((head_dim + Ops::W - 1) / Ops::W) {
     case 2:
@@ -630,8 +594,7 @@ void paged_decode_avx512(const typename Ops::Elem* q, const C* k, const C* v, co
       break;
   }
   f(q, k, v, ks, vs, out, tokens, tables, lens, rows, num_heads, num_kv_heads, head_dim,
-    block_size, table_width, q_stride, o_stride, block_stride, token_stride, scale, window, sinks,
-    fresh);
+    block_size, table_width, q_stride, o_stride, block_stride, token_stride, scale, window, sinks);
 }
 #endif  // AVX-512
 
@@ -800,7 +763,7 @@ void paged_decode_avx2(const T* q, const C* k_cache, const C* v_cache, const flo
                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                        int64_t block_size, int64_t table_width, int64_t q_stride,
                        int64_t o_stride, int64_t block_stride, int64_t token_stride, float scale,
-                       int64_t window, const float* sinks, const Fresh* fresh) {
+                       int64_t window, const float* sinks) {
   constexpr bool quantized = !std::is_same_v<T, C>;
   constexpr int64_t kSplit = 2;
   const int64_t G = num_heads / num_kv_heads, D = head_dim, BS = block_size;
@@ -824,9 +787,6 @@ void paged_decode_avx2(const T* q, const C* k_cache, const C* v_cache, const flo
       float* m = acc + G * width;
       float* l = m + G;
       const int64_t tok = tokens[r], len = seq_lens[r];
-      if (part == kSplit - 1)  // the part that holds the row's last key (part_keys)
-        store_fresh(fresh, k_cache, v_cache, block_tables + r * table_width, tok, len, BS,
-                    block_stride, token_stride, h, h + 1, D);
       for (int64_t g = 0; g < G; ++g) {  // the queries in load16x's order, zeros past D
         const T* qr = q + tok * q_stride + (h * G + g) * D;
         for (int64_t i = 0; i < width; ++i) {
@@ -1062,7 +1022,7 @@ void paged_decode_neon(const T* q, const C* k_cache, const C* v_cache, const flo
                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                        int64_t block_size, int64_t table_width, int64_t q_stride,
                        int64_t o_stride, int64_t block_stride, int64_t token_stride, float scale,
-                       int64_t window, const float* sinks, const Fresh* fresh) {
+                       int64_t window, const float* sinks) {
   constexpr bool quantized = !std::is_same_v<T, C>;
   constexpr int64_t kSplit = 2;
   const int64_t G = num_heads / num_kv_heads, D = head_dim, BS = block_size;
@@ -1086,9 +1046,6 @@ void paged_decode_neon(const T* q, const C* k_cache, const C* v_cache, const flo
       float* m = acc + G * width;
       float* l = m + G;
       const int64_t tok = tokens[r], len = seq_lens[r];
-      if (part == kSplit - 1)  // the part that holds the row's last key (part_keys)
-        store_fresh(fresh, k_cache, v_cache, block_tables + r * table_width, tok, len, BS,
-                    block_stride, token_stride, h, h + 1, D);
       for (int64_t g = 0; g < G; ++g) {  // the queries, zeros past D
         const T* qr = q + tok * q_stride + (h * G + g) * D;
         for (int64_t i = 0; i < width; ++i) qv[g * width + i] = i < D ? load(qr[i]) : 0.0f;
@@ -1167,6 +1124,28 @@ void paged_decode_neon(const T* q, const C* k_cache, const C* v_cache, const flo
 }
 #endif  // NEON
 
+// The decode rows' new tokens (their K and V from this step's projections, not yet in the pool),
+// each written into its row's last slot (position len - 1) before any row reads: a row may read
+// another's new token (a request admitted with a prefix-cache hit on a block that a row of the
+// same step fills). Token tok's K row is at k + tok * k_stride, its KV heads one after the other
+// (head_dim each); V's likewise. One pass on the kernel's threads, in place of two index_copy_
+// calls and their dispatch (docs/architecture.md).
+template <typename T>
+void store_rows(const T* k_new, const T* v_new, int64_t k_stride, int64_t v_stride, T* k_cache,
+                T* v_cache, const int32_t* tokens, const int32_t* tables, const int32_t* lens,
+                int64_t rows, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                int64_t table_width, int64_t block_stride, int64_t token_stride) {
+  const size_t bytes = static_cast<size_t>(num_kv_heads * head_dim) * sizeof(T);
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t pos = lens[r] - 1, tok = tokens[r];
+    const int64_t at =
+        tables[r * table_width + pos / block_size] * block_stride + pos % block_size * token_stride;
+    std::memcpy(k_cache + at, k_new + tok * k_stride, bytes);
+    std::memcpy(v_cache + at, v_new + tok * v_stride, bytes);
+  }
+}
+
 }  // namespace
 
 #if defined(FOUDRE_AVX512)
@@ -1190,33 +1169,21 @@ void paged_decode_neon(const T* q, const C* k_cache, const C* v_cache, const flo
 // NAME: every key of a row (the signature cpu_ops.cpp's decoder layers call); NAME_window: a
 // sliding window, where a row of seq_len tokens sees its last `window` keys (0: all of them),
 // and attention sinks: `sinks` (null: none) holds each query head's sink logit, which joins its
-// softmax denominator as a key of value zero (gpt-oss); NAME_store: also writes each row's new
+// softmax denominator as a key of value zero (gpt-oss); NAME_store: first writes each row's new
 // token's K / V (k_new / v_new, tokens k_new_stride / v_new_stride elements apart; null: none)
-// into its last slot first (Fresh).
+// into its last slot (store_rows).
 #define FOUDRE_PAGED_DECODE(NAME, OPS, T)                                                       \
-  extern "C" void NAME##_store(                                                                 \
-      const void* q, const void* k, const void* v, void* out, const int32_t* tokens,            \
-      const int32_t* tables, const int32_t* lens, int64_t rows, int64_t num_heads,              \
-      int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t table_width,          \
-      int64_t q_stride, int64_t o_stride, int64_t block_stride, int64_t token_stride,           \
-      float scale, int64_t window, const float* sinks, const void* k_new, const void* v_new,    \
-      int64_t k_new_stride, int64_t v_new_stride) {                                             \
-    const Fresh fresh{k_new, v_new, k_new_stride, v_new_stride};                                \
-    FOUDRE_KERNEL(OPS, T, T)                                                                    \
-    (static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v), nullptr,     \
-     nullptr, static_cast<T*>(out), tokens, tables, lens, rows, num_heads, num_kv_heads,        \
-     head_dim, block_size, table_width, q_stride, o_stride, block_stride, token_stride, scale,  \
-     window, sinks, k_new != nullptr ? &fresh : nullptr);                                       \
-  }                                                                                             \
   extern "C" void NAME##_window(                                                                \
       const void* q, const void* k, const void* v, void* out, const int32_t* tokens,            \
       const int32_t* tables, const int32_t* lens, int64_t rows, int64_t num_heads,              \
       int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t table_width,          \
       int64_t q_stride, int64_t o_stride, int64_t block_stride, int64_t token_stride,           \
       float scale, int64_t window, const float* sinks) {                                        \
-    NAME##_store(q, k, v, out, tokens, tables, lens, rows, num_heads, num_kv_heads, head_dim,   \
-                 block_size, table_width, q_stride, o_stride, block_stride, token_stride,       \
-                 scale, window, sinks, nullptr, nullptr, 0, 0);                                 \
+    FOUDRE_KERNEL(OPS, T, T)                                                                    \
+    (static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v), nullptr,     \
+     nullptr, static_cast<T*>(out), tokens, tables, lens, rows, num_heads, num_kv_heads,        \
+     head_dim, block_size, table_width, q_stride, o_stride, block_stride, token_stride, scale,  \
+     window, sinks);                                                                            \
   }                                                                                             \
   extern "C" void NAME(const void* q, const void* k, const void* v, void* out,                  \
                        const int32_t* tokens, const int32_t* tables, const int32_t* lens,       \
@@ -1227,6 +1194,22 @@ void paged_decode_neon(const T* q, const C* k_cache, const C* v_cache, const flo
     NAME##_window(q, k, v, out, tokens, tables, lens, rows, num_heads, num_kv_heads, head_dim,  \
                   block_size, table_width, q_stride, o_stride, block_stride, token_stride,      \
                   scale, 0, nullptr);                                                           \
+  }                                                                                             \
+  extern "C" void NAME##_store(                                                                 \
+      const void* q, void* k, void* v, void* out, const int32_t* tokens, const int32_t* tables, \
+      const int32_t* lens, int64_t rows, int64_t num_heads, int64_t num_kv_heads,               \
+      int64_t head_dim, int64_t block_size, int64_t table_width, int64_t q_stride,              \
+      int64_t o_stride, int64_t block_stride, int64_t token_stride, float scale, int64_t window, \
+      const float* sinks, const void* k_new, const void* v_new, int64_t k_new_stride,           \
+      int64_t v_new_stride) {                                                                   \
+    if (k_new != nullptr)                                                                       \
+      store_rows(static_cast<const T*>(k_new), static_cast<const T*>(v_new), k_new_stride,      \
+                 v_new_stride, static_cast<T*>(k), static_cast<T*>(v), tokens, tables, lens,    \
+                 rows, num_kv_heads, head_dim, block_size, table_width, block_stride,           \
+                 token_stride);                                                                 \
+    NAME##_window(q, k, v, out, tokens, tables, lens, rows, num_heads, num_kv_heads, head_dim,  \
+                  block_size, table_width, q_stride, o_stride, block_stride, token_stride,      \
+                  scale, window, sinks);                                                        \
   }
 
 FOUDRE_PAGED_DECODE(paged_decode_f32, FmaOps<float>, float)
@@ -1248,7 +1231,7 @@ FOUDRE_PAGED_DECODE(paged_decode_f16, FmaOps<Half>, Half)
     (static_cast<const T*>(q), static_cast<const C*>(k), static_cast<const C*>(v), k_scale,     \
      v_scale, static_cast<T*>(out), tokens, tables, lens, rows, num_heads, num_kv_heads,        \
      head_dim, block_size, table_width, q_stride, o_stride, block_stride, token_stride, scale,  \
-     window, sinks, nullptr);                                                                   \
+     window, sinks);                                                                            \
   }                                                                                             \
   extern "C" void NAME(const void* q, const void* k, const void* v, const float* k_scale,       \
                        const float* v_scale, void* out, const int32_t* tokens,                  \

@@ -18,7 +18,7 @@ import torch
 
 from foudre import LLM, SamplingParams
 from foudre.attention import cpu_paged
-from foudre.attention.cache_spec import RecurrentCache
+from foudre.attention.cache_spec import RecurrentCache, pages_of
 from foudre.layers import fused, ssm_ops
 from foudre.layers.mamba import GatedRMSNorm
 from foudre.runner.cpu_decode import NativeDecode
@@ -70,17 +70,12 @@ def _llm(path: Path, dtype: str, **kwargs: Any) -> LLM:
 
 
 def _pools(runner: ModelRunner) -> list[torch.Tensor]:
-    """Every tensor of the runner's caches: KV pages (a latent cache's once: its K and V halves
-    are one memory), conv windows, SSM states."""
+    """Every tensor of the runner's caches: KV pages (``pages_of``: a latent cache's once), conv
+    windows, SSM states."""
     held: list[torch.Tensor] = []
     for c in runner.kv_caches:
-        held += list(c) if isinstance(c, RecurrentCache) else [_halves(c)]
+        held += list(c) if isinstance(c, RecurrentCache) else pages_of(c)
     return held
-
-
-def _halves(pages: torch.Tensor) -> torch.Tensor:
-    """KV pages ``[2, blocks, ...]``, or a latent cache's one half (``[1, blocks, ...]``)."""
-    return pages[:1] if pages.stride(0) == 0 else pages
 
 
 def _written(runner: ModelRunner) -> list[torch.Tensor]:
@@ -93,8 +88,8 @@ def _written(runner: ModelRunner) -> list[torch.Tensor]:
             pad = runner.padding_state_slot
             kept += [torch.cat([t[:pad], t[pad + 1 :]]) for t in c]
         else:
-            pad, pages = runner.padding_block, _halves(c)
-            kept.append(torch.cat([pages[:, :pad], pages[:, pad + 1 :]], dim=1))
+            pad = runner.padding_block
+            kept += [torch.cat([p[:pad], p[pad + 1 :]]) for p in pages_of(c)]
     return kept
 
 
