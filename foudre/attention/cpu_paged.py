@@ -55,6 +55,8 @@ _I64 = ctypes.c_int64
 _ARGTYPES = [ctypes.c_void_p] * 7 + [_I64] * 10 + [ctypes.c_float]
 # NAME_window: the window and the sinks (a float32 pointer or None) after the scale
 _WINDOW_ARGTYPES = [*_ARGTYPES, _I64, ctypes.c_void_p]
+# NAME_store: and the new tokens' K and V, and their token strides in elements
+_STORE_ARGTYPES = [*_WINDOW_ARGTYPES, ctypes.c_void_p, ctypes.c_void_p, _I64, _I64]
 # with codes: the scales of K and V after the caches' pointers (NAME_sinks: and the sinks)
 _CODES_ARGTYPES = [ctypes.c_void_p] * 9 + [_I64] * 10 + [ctypes.c_float, _I64]
 _CODES_SINKS_ARGTYPES = [*_CODES_ARGTYPES, ctypes.c_void_p]
@@ -73,6 +75,9 @@ def load_library() -> ctypes.CDLL | None:
             fn.restype = None
             fn = getattr(dll, f"{symbol}_window")
             fn.argtypes = _WINDOW_ARGTYPES
+            fn.restype = None
+            fn = getattr(dll, f"{symbol}_store")
+            fn.argtypes = _STORE_ARGTYPES
             fn.restype = None
             for codes in _CODES.values():
                 fn = getattr(dll, f"{symbol}_{codes}")
@@ -163,20 +168,27 @@ def cpu_paged_decode(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
 ) -> None:
     """The decode rows of ``PagedBackend`` (see ``paged.py``) on CPU tensors; a quantized cache
     as int8 / float8_e4m3fn codes with their scales ``[num_blocks, block_size, kv_heads]``;
-    ``sinks``: float32 ``[num_heads]``, each head's sink logit in its softmax denominator."""
+    ``sinks``: float32 ``[num_heads]``, each head's sink logit in its softmax denominator.
+    ``k_new`` / ``v_new`` ``[T, kv_heads, head_dim]`` (a float cache only): the rows' new tokens
+    (row ``i``'s at ``token_idx[i]``), not yet in the cache: each is written into its row's
+    last slot (position ``seq_lens[i] - 1``) before any row reads (a row may read another's:
+    a prefix-cache hit on a block that a row of the same step fills)."""
     dll = load_library()
     if dll is None:
         raise RuntimeError("the CPU paged-attention kernel is not available (no C++ compiler?)")
     scales = _check_layouts(q, k_cache, v_cache, out, k_scale, v_scale)
+    fresh = _fresh(k_new, v_new, k_cache, bool(scales))
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     tables = block_tables.to(torch.int32).contiguous()
     tokens = token_idx.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
-    symbol = _SYMBOLS[q.dtype] + (f"_{_CODES[k_cache.dtype]}_sinks" if scales else "_window")
+    symbol = _SYMBOLS[q.dtype] + (f"_{_CODES[k_cache.dtype]}_sinks" if scales else "_store")
     getattr(dll, symbol)(
         q.data_ptr(),
         k_cache.data_ptr(),
@@ -199,6 +211,44 @@ def cpu_paged_decode(
         scale,
         window or 0,
         _sinks_pointer(sinks, num_heads),
+        *fresh,
+    )
+
+
+def _fresh(
+    k_new: torch.Tensor | None, v_new: torch.Tensor | None, k_cache: torch.Tensor, quantized: bool
+) -> list[int | None]:
+    """``cpu_paged_decode``'s trailing arguments for its new tokens: their K and V addresses and
+    token strides (none for a quantized cache, which takes no new tokens)."""
+    if quantized:
+        if k_new is not None or v_new is not None:
+            raise ValueError("k_new / v_new go into a float cache (write a quantized one first)")
+        return []
+    if k_new is None or v_new is None:
+        if k_new is not None or v_new is not None:
+            raise ValueError("k_new and v_new come together")
+        return [None, None, 0, 0]
+    if not new_tokens_fit(k_new, v_new, k_cache):
+        raise ValueError(
+            f"k_new and v_new must be [T, {k_cache.shape[2]}, {k_cache.shape[3]}] of "
+            f"{k_cache.dtype} on its device, each token's heads contiguous"
+        )
+    return [k_new.data_ptr(), v_new.data_ptr(), k_new.stride(0), v_new.stride(0)]
+
+
+def new_tokens_fit(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether the kernel can write a step's new ``k`` / ``v`` into the float ``k_cache``
+    ``[blocks, block_size, kv_heads, head_dim]`` itself: the cache's dtype and device, the same
+    tokens, each token's heads contiguous."""
+    shape = (k_cache.shape[2], k_cache.shape[3])
+    return k.shape[0] == v.shape[0] and all(
+        t.dtype == k_cache.dtype
+        and t.device == k_cache.device
+        and t.dim() == 3
+        and tuple(t.shape[1:]) == shape
+        and t.stride(2) == 1
+        and t.stride(1) == shape[1]
+        for t in (k, v)
     )
 
 
@@ -268,6 +318,9 @@ def cpu_paged_prefill(
 
 class CPUPagedBackend(PagedBackend):
     name = "cpu"
+
+    def stores_new_tokens(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        return new_tokens_fit(k, v, k_cache)
 
     decode = staticmethod(cpu_paged_decode)
     prefill = staticmethod(cpu_paged_prefill)

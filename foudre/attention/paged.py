@@ -111,6 +111,11 @@ class PagedBackend(AttentionBackend):
 
     mixed_in_one = False  # a step with a multi-token row sends all its rows to ``prefill``
 
+    def stores_new_tokens(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        """Whether ``decode`` takes a decode-only step's new K / V (``k_new``, ``v_new``) and
+        writes them itself, before any row reads (a float cache): none does by default."""
+        return False
+
     def decode(
         self,
         q: torch.Tensor,
@@ -126,6 +131,8 @@ class PagedBackend(AttentionBackend):
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
         sinks: torch.Tensor | None = None,
+        k_new: torch.Tensor | None = None,
+        v_new: torch.Tensor | None = None,
     ) -> None:
         raise NotImplementedError
 
@@ -176,9 +183,13 @@ class PagedBackend(AttentionBackend):
     ) -> torch.Tensor:
         sinks = check_sinks(sinks, q.shape[1])
         k_scale = v_scale = None
+        new: dict[str, torch.Tensor] = {}
         if isinstance(kv_cache, QuantizedKVCache):
             kv_cache.write(metadata.slot_mapping, k, v)
             k_cache, v_cache, k_scale, v_scale = kv_cache.stored()
+        elif metadata.prefill is None and self.stores_new_tokens(k, v, kv_cache[0]):
+            new = {"k_new": k, "v_new": v}  # (every row a decode row)
+            k_cache, v_cache = kv_cache[0], kv_cache[1]
         else:
             store_kv(kv_cache, metadata.slot_mapping, k, v)
             k_cache, v_cache = kv_cache[0], kv_cache[1]
@@ -198,6 +209,7 @@ class PagedBackend(AttentionBackend):
                 k_scale=k_scale,
                 v_scale=v_scale,
                 sinks=sinks,
+                **new,
             )
         if metadata.prefill is not None:
             self.prefill(

@@ -166,13 +166,19 @@ def paged_decode(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
 ) -> None:
     """Attention of the decode rows: row ``i`` is token ``token_idx[i]`` of ``q [T, H, D]``,
     seeing the first ``seq_lens[i]`` positions of its blocks ``block_tables[i]`` in the cache
     (``[num_blocks, block_size, kv_heads, D]``), the last ``window`` of them with a sliding
     window; the result goes to ``out[token_idx[i]]``. A quantized cache: int8 / float8_e4m3fn
     codes with their scales ``k_scale`` / ``v_scale`` ``[num_blocks, block_size, kv_heads]``.
-    ``sinks``: float32 ``[H]``, each head's sink logit in its softmax denominator."""
+    ``sinks``: float32 ``[H]``, each head's sink logit in its softmax denominator. The rows'
+    new K / V are in the cache already (``k_new`` / ``v_new``: refused, see
+    ``PagedBackend.stores_new_tokens``)."""
+    if k_new is not None or v_new is not None:
+        raise ValueError("the Triton decode kernel reads new tokens from the cache only")
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     per_kv = num_heads // num_kv_heads

@@ -145,6 +145,7 @@ class LLMEngine:
         params: SamplingParams | BeamSearchParams,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        final_only: bool = False,
     ) -> list[str]:
         """Queue one submission, all or none; return the ids its outputs will carry.
 
@@ -156,7 +157,9 @@ class LLMEngine:
         out, when all are done. With ``BeamSearchParams``: one beam search per prompt, whose one
         final output (``{group_id}-{prompt_index}``, or ``group_id``) holds the hypotheses, best
         first. Each prompt is encoded and validated once, before anything is queued.
-        ``cache_salt`` puts the group's blocks in their own prefix-cache namespace."""
+        ``cache_salt`` puts the group's blocks in their own prefix-cache namespace.
+        ``final_only``: ``step`` returns the group's outputs once they finish, none before (what
+        ``LLM.generate`` reads: no output is built for the steps between)."""
         out = self.outputs
         if group_id in out.groups or group_id in out.tracked:
             raise InvalidParameterError("request_id", f"request id {group_id!r} is already in use")
@@ -173,6 +176,7 @@ class LLMEngine:
                         )
                 self.scheduler.add_request(parent)
                 for t in tracked_list:
+                    t.final_only = final_only
                     out.track(t)
                     self.stats.prompt_tokens += t.request.num_prompt_tokens
         except BaseException:

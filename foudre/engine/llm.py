@@ -147,7 +147,7 @@ class LLM:
         try:
             for prompt, p in zip(prompts, params, strict=True):
                 group_ids.append(f"{prefix}-{next(self._ids)}")
-                groups.append(engine.add_group(group_ids[-1], [prompt], p))
+                groups.append(engine.add_group(group_ids[-1], [prompt], p, final_only=True))
             final: dict[str, RequestOutput] = {}
             while engine.has_unfinished_requests():
                 for out in engine.step():

@@ -82,7 +82,8 @@ class OutputProcessor:
         self, tracked: Tracked, tokens: list[int], lps: list[dict[int, float]] | None
     ) -> list[RequestOutput]:
         """Take a step's new tokens of one request (several after a verification); the outputs
-        to hand out. Tokens after a stop are dropped; a finished request is retired."""
+        to hand out (none before the last for a ``final_only`` request). Tokens after a stop
+        are dropped; a finished request is retired."""
         req = tracked.request
         delta = ""
         status = None
@@ -112,6 +113,8 @@ class OutputProcessor:
         if status is not None:
             self.finish(req, status)
             self.retire(tracked)
+        elif tracked.final_only:
+            return []
         return self.emit(tracked, self.output(tracked, emitted, delta))
 
     def output(self, tracked: Tracked, delta_ids: list[int], delta_text: str) -> RequestOutput:

@@ -35,6 +35,7 @@ class Tracked:
     group_id: str | None = None
     best_of: BestOf | None = None
     beam: BeamSearch | None = None
+    final_only: bool = False  # its caller reads finished outputs only: none built before
 
 
 class Owner(Protocol):

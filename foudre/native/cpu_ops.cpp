@@ -762,14 +762,13 @@ void experts_linear(const T* x, const T* w, T* y, const std::vector<int64_t>& st
 // expert's rows go through the linear kernel above and silu_mul, and each product y * w is added
 // to a float32 sum in increasing expert order, then rounded once: the bits of layers/moe.py's
 // grouped path over the same kernels. Returns 1, before writing anything, for an id outside
-// 0..experts.
-template <typename T>
-int moe_experts(const T* x, int64_t rows, int64_t hidden, int64_t inter, const int64_t* ids,
-                const float* weights, int64_t top_k, const T* gate_up, const T* down,
-                int64_t experts, T* out) {
+// 0..experts. by_expert is that walk around any experts' products: run(xs, gu, act, ys, start)
+// fills ys from xs, the rows sorted by expert (expert e's from start[e] to start[e + 1]), with
+// gu and act its scratch ([n, 2 * inter], [n, inter]).
+template <typename T, typename Experts>
+void by_expert(const T* x, int64_t rows, int64_t hidden, int64_t inter, const int64_t* ids,
+               const float* weights, int64_t top_k, int64_t experts, T* out, Experts run) {
   const int64_t n = rows * top_k;
-  for (int64_t j = 0; j < n; ++j)
-    if (ids[j] < 0 || ids[j] >= experts) return 1;
   std::vector<int64_t> start(experts + 1, 0), order(n);
   for (int64_t j = 0; j < n; ++j) ++start[ids[j] + 1];
   for (int64_t e = 0; e < experts; ++e) start[e + 1] += start[e];
@@ -780,15 +779,27 @@ int moe_experts(const T* x, int64_t rows, int64_t hidden, int64_t inter, const i
     const T* row = x + order[i] / top_k * hidden;
     std::copy(row, row + hidden, xs.data() + i * hidden);
   }
-  experts_linear(xs.data(), gate_up, gu.data(), start, 2 * inter, hidden);
-  silu_mul(gu.data(), act.data(), n, inter, 2 * inter);
-  experts_linear(act.data(), down, ys.data(), start, hidden, inter);
+  run(xs.data(), gu.data(), act.data(), ys.data(), start);
   std::vector<float> sum(rows * hidden, 0.0f);
   for (int64_t i = 0; i < n; ++i)  // in expert order: each row's terms add up as torch's do
     add_scaled(sum.data() + order[i] / top_k * hidden, ys.data() + i * hidden,
                weights[order[i]], hidden);
   for (int64_t r = 0; r < rows; ++r)
     store_rounded(out + r * hidden, sum.data() + r * hidden, hidden);
+}
+
+template <typename T>
+int moe_experts(const T* x, int64_t rows, int64_t hidden, int64_t inter, const int64_t* ids,
+                const float* weights, int64_t top_k, const T* gate_up, const T* down,
+                int64_t experts, T* out) {
+  for (int64_t j = 0; j < rows * top_k; ++j)
+    if (ids[j] < 0 || ids[j] >= experts) return 1;
+  by_expert(x, rows, hidden, inter, ids, weights, top_k, experts, out,
+            [&](const T* xs, T* gu, T* act, T* ys, const std::vector<int64_t>& start) {
+              experts_linear(xs, gate_up, gu, start, 2 * inter, hidden);
+              silu_mul(gu, act, rows * top_k, inter, 2 * inter);
+              experts_linear(act, down, ys, start, hidden, inter);
+            });
   return 0;
 }
 

@@ -1124,6 +1124,28 @@ void paged_decode_neon(const T* q, const C* k_cache, const C* v_cache, const flo
 }
 #endif  // NEON
 
+// The decode rows' new tokens (their K and V from this step's projections, not yet in the pool),
+// each written into its row's last slot (position len - 1) before any row reads: a row may read
+// another's new token (a request admitted with a prefix-cache hit on a block that a row of the
+// same step fills). Token tok's K row is at k + tok * k_stride, its KV heads one after the other
+// (head_dim each); V's likewise. One pass on the kernel's threads, in place of two index_copy_
+// calls and their dispatch (docs/architecture.md).
+template <typename T>
+void store_rows(const T* k_new, const T* v_new, int64_t k_stride, int64_t v_stride, T* k_cache,
+                T* v_cache, const int32_t* tokens, const int32_t* tables, const int32_t* lens,
+                int64_t rows, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                int64_t table_width, int64_t block_stride, int64_t token_stride) {
+  const size_t bytes = static_cast<size_t>(num_kv_heads * head_dim) * sizeof(T);
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t pos = lens[r] - 1, tok = tokens[r];
+    const int64_t at =
+        tables[r * table_width + pos / block_size] * block_stride + pos % block_size * token_stride;
+    std::memcpy(k_cache + at, k_new + tok * k_stride, bytes);
+    std::memcpy(v_cache + at, v_new + tok * v_stride, bytes);
+  }
+}
+
 }  // namespace
 
 #if defined(FOUDRE_AVX512)
@@ -1147,7 +1169,9 @@ void paged_decode_neon(const T* q, const C* k_cache, const C* v_cache, const flo
 // NAME: every key of a row (the signature cpu_ops.cpp's decoder layers call); NAME_window: a
 // sliding window, where a row of seq_len tokens sees its last `window` keys (0: all of them),
 // and attention sinks: `sinks` (null: none) holds each query head's sink logit, which joins its
-// softmax denominator as a key of value zero (gpt-oss).
+// softmax denominator as a key of value zero (gpt-oss); NAME_store: first writes each row's new
+// token's K / V (k_new / v_new, tokens k_new_stride / v_new_stride elements apart; null: none)
+// into its last slot (store_rows).
 #define FOUDRE_PAGED_DECODE(NAME, OPS, T)                                                       \
   extern "C" void NAME##_window(                                                                \
       const void* q, const void* k, const void* v, void* out, const int32_t* tokens,            \
@@ -1170,6 +1194,22 @@ void paged_decode_neon(const T* q, const C* k_cache, const C* v_cache, const flo
     NAME##_window(q, k, v, out, tokens, tables, lens, rows, num_heads, num_kv_heads, head_dim,  \
                   block_size, table_width, q_stride, o_stride, block_stride, token_stride,      \
                   scale, 0, nullptr);                                                           \
+  }                                                                                             \
+  extern "C" void NAME##_store(                                                                 \
+      const void* q, void* k, void* v, void* out, const int32_t* tokens, const int32_t* tables, \
+      const int32_t* lens, int64_t rows, int64_t num_heads, int64_t num_kv_heads,               \
+      int64_t head_dim, int64_t block_size, int64_t table_width, int64_t q_stride,              \
+      int64_t o_stride, int64_t block_stride, int64_t token_stride, float scale, int64_t window, \
+      const float* sinks, const void* k_new, const void* v_new, int64_t k_new_stride,           \
+      int64_t v_new_stride) {                                                                   \
+    if (k_new != nullptr)                                                                       \
+      store_rows(static_cast<const T*>(k_new), static_cast<const T*>(v_new), k_new_stride,      \
+                 v_new_stride, static_cast<T*>(k), static_cast<T*>(v), tokens, tables, lens,    \
+                 rows, num_kv_heads, head_dim, block_size, table_width, block_stride,           \
+                 token_stride);                                                                 \
+    NAME##_window(q, k, v, out, tokens, tables, lens, rows, num_heads, num_kv_heads, head_dim,  \
+                  block_size, table_width, q_stride, o_stride, block_stride, token_stride,      \
+                  scale, window, sinks);                                                        \
   }
 
 FOUDRE_PAGED_DECODE(paged_decode_f32, FmaOps<float>, float)

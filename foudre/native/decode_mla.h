@@ -118,42 +118,27 @@ void route_grouped(const T* x, int64_t rows, int64_t hidden, const T* router, in
 
 // The routed experts quantized (quant/experts.QuantExperts of QuantLinears on cpu_qmatmul, SiLU
 // between them): table[e] the address of expert e's gate_up QuantSlot descriptor, table[experts
-// + e] its down's. The (row, slot) pairs sorted by expert (stable), each expert's rows through
-// project(), silu_mul and project(), as layers/moe.grouped_experts calls the modules, then the
-// products times their weights added in float32 in expert order and rounded once, as
-// moe_experts adds them. The ids are route_grouped's: in range.
+// + e] its down's. cpu_ops.cpp's by_expert around each expert's rows through project(),
+// silu_mul and project(), as layers/moe.grouped_experts calls the modules. The ids are
+// route_grouped's: in range.
 template <typename T>
 void quant_moe_experts(const T* x, int64_t rows, int64_t hidden, int64_t inter, const int64_t* ids,
                        const float* weights, int64_t top_k, const int64_t* table,
                        int64_t experts, T* out) {
-  const int64_t n = rows * top_k;
-  std::vector<int64_t> start(experts + 1, 0), order(n);
-  for (int64_t j = 0; j < n; ++j) ++start[ids[j] + 1];
-  for (int64_t e = 0; e < experts; ++e) start[e + 1] += start[e];
-  std::vector<int64_t> next(start.begin(), start.end() - 1);
-  for (int64_t j = 0; j < n; ++j) order[next[ids[j]]++] = j;
-  std::vector<T> xs(n * hidden), gu(n * 2 * inter), act(n * inter), ys(n * hidden);
-  for (int64_t i = 0; i < n; ++i) {
-    const T* row = x + order[i] / top_k * hidden;
-    std::copy(row, row + hidden, xs.data() + i * hidden);
-  }
-  const T* none = nullptr;
-  for (int64_t e = 0; e < experts; ++e) {
-    const int64_t s = start[e], m = start[e + 1] - s;
-    if (m == 0) continue;
-    const auto* gate_up = reinterpret_cast<const int64_t*>(table[e]);
-    const auto* down = reinterpret_cast<const int64_t*>(table[experts + e]);
-    project(gate_up, xs.data() + s * hidden, none, none, gu.data() + s * 2 * inter, m, 2 * inter,
-            hidden);
-    silu_mul(gu.data() + s * 2 * inter, act.data() + s * inter, m, inter, 2 * inter);
-    project(down, act.data() + s * inter, none, none, ys.data() + s * hidden, m, hidden, inter);
-  }
-  std::vector<float> sum(rows * hidden, 0.0f);
-  for (int64_t i = 0; i < n; ++i)
-    add_scaled(sum.data() + order[i] / top_k * hidden, ys.data() + i * hidden,
-               weights[order[i]], hidden);
-  for (int64_t r = 0; r < rows; ++r)
-    store_rounded(out + r * hidden, sum.data() + r * hidden, hidden);
+  by_expert(x, rows, hidden, inter, ids, weights, top_k, experts, out,
+            [&](const T* xs, T* gu, T* act, T* ys, const std::vector<int64_t>& start) {
+              const T* none = nullptr;
+              for (int64_t e = 0; e < experts; ++e) {
+                const int64_t s = start[e], m = start[e + 1] - s;
+                if (m == 0) continue;
+                const auto* gate_up = reinterpret_cast<const int64_t*>(table[e]);
+                const auto* down = reinterpret_cast<const int64_t*>(table[experts + e]);
+                project(gate_up, xs + s * hidden, none, none, gu + s * 2 * inter, m, 2 * inter,
+                        hidden);
+                silu_mul(gu + s * 2 * inter, act + s * inter, m, inter, 2 * inter);
+                project(down, act + s * inter, none, none, ys + s * hidden, m, hidden, inter);
+              }
+            });
 }
 
 // A DeepSeek-V3 sparse layer's routed experts at decode sizes in one call: route_grouped, one

@@ -56,15 +56,20 @@ def attention_errors(
     for table, c in zip(tables, ctx_lens, strict=True):
         poisoned[:, table[-1], (c - 1) % block_size + 1 :] = poison
     cache = torch.where(poisoned.isnan(), 0.0, poisoned)
+    # the new tokens' slots too: the step writes them (the kernel itself, in a decode-only step)
+    # before anything reads them
+    poisoned.view(2, -1, num_kv, head_dim)[:, slots] = poison
     total = sum(q_lens)
     q, k, v = (
         torch.randn(total, h, head_dim, generator=g).to(dtype) for h in (num_heads, num_kv, num_kv)
     )
 
     def run(backend: object, dt: torch.dtype, pool: torch.Tensor) -> torch.Tensor:
-        c = pool.to(dt)
+        c = pool.to(dt, copy=True)
         meta = backend.build_metadata(layout, torch.device("cpu"))  # type: ignore[attr-defined]
         out = backend.forward(q.to(dt), k.to(dt), v.to(dt), c, meta, head_dim**-0.5)  # type: ignore[attr-defined]
+        stored = c.view(2, -1, num_kv, head_dim)[:, slots]
+        assert torch.equal(stored[0], k.to(dt)) and torch.equal(stored[1], v.to(dt)), backend
         return out.float()
 
     ref = run(TorchSDPABackend(), torch.float32, cache)
@@ -233,3 +238,33 @@ def test_decode_rows_are_the_same_bits_in_any_batch_and_threads(head_dim: int) -
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, batch)
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+def test_a_row_reads_the_new_token_another_row_of_the_step_writes(threads: int) -> None:
+    """A decode-only step (the kernel stores the new K/V itself) where row 0, a request admitted
+    with a prefix-cache hit, reads block 1 in full while row 1 fills that block's last slot: row
+    0 sees row 1's new token, as with the SDPA backend (which stores first), on any threads; a
+    one-row step too (at 4 threads, its parts on different threads)."""
+    torch.manual_seed(0)
+    bs, kv, heads, d = 16, 2, 4, 64
+    cases = [
+        ([[0, 1, 2], [0, 1]], [33, 32], [2 * bs, bs + 15]),  # (the reader first)
+        ([[3, 1, 0]], [40], [7]),
+    ]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for tables, lens, slots in cases:
+            layout = BatchLayout([1] * len(lens), lens, tables, torch.tensor(slots), bs)
+            cache = torch.randn(2, 4, bs, kv, d)
+            cache.view(2, -1, kv, d)[:, slots] = float("nan")  # what no row may read
+            q, k, v = (torch.randn(len(lens), h, d) for h in (heads, kv, kv))
+            outs = []
+            for backend in (TorchSDPABackend(), cpu_paged.CPUPagedBackend()):
+                pool = cache.clone()
+                meta = backend.build_metadata(layout, torch.device("cpu"))
+                outs.append(backend.forward(q, k, v, pool, meta, d**-0.5))
+            torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=0)
+    finally:
+        torch.set_num_threads(before)

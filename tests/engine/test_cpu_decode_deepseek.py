@@ -21,10 +21,9 @@ from foudre.layers import fused
 from foudre.layers.moe import SparseMoeBlock, route_grouped
 from foudre.models.deepseek_v3 import LatentAttention
 from foudre.runner.cpu_decode import NativeDecode
-from foudre.runner.model_runner import ModelRunner
 from foudre.runner.step import ForwardStep
 from tests.conftest import make_hf_model
-from tests.engine.test_cpu_decode_hybrid import _added, _counted
+from tests.engine.test_cpu_decode_hybrid import _both_paths, _counted
 from tests.oracles.ssm_models import prompt
 from tests.oracles.test_deepseek_v3 import BASE, CASES
 
@@ -47,46 +46,6 @@ def _llm(path: Path, dtype: str, **kwargs: Any) -> LLM:
         str(path), dtype=dtype, skip_tokenizer_init=True, num_kv_blocks=64, max_model_len=256,
         **kwargs,
     )  # fmt: skip
-
-
-def _pages(runner: ModelRunner) -> list[torch.Tensor]:
-    """Each layer's latent pages (its cache's K half: V is the same memory)."""
-    return [c[0] for c in runner.kv_caches]
-
-
-def _written(runner: ModelRunner) -> list[torch.Tensor]:
-    """Every page but the padding rows' block (which they share), copied."""
-    pad = runner.padding_block
-    return [torch.cat([p[:pad], p[pad + 1 :]]) for p in _pages(runner)]
-
-
-def _both_paths(runner: ModelRunner, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """One step's logits by the native path and by Python from the same pages; the pages and
-    the routers' counts after each the same."""
-    before = [t.clone() for t in _pages(runner)]
-    counts = runner.model.moe_expert_tokens()
-    native = runner.decode_path
-    assert isinstance(native, NativeDecode)
-    calls = _counted(native)
-    try:
-        got = runner.forward(*args)
-    finally:
-        del native._call
-    assert calls == [1]  # it ran natively
-    after = _written(runner)
-    native_counts, counts = _added(runner, counts), runner.model.moe_expert_tokens()
-    for t, b in zip(_pages(runner), before, strict=True):
-        t.copy_(b)
-    runner.decode_path = None
-    try:
-        want = runner.forward(*args)
-    finally:
-        runner.decode_path = native
-    for a, b in zip(after, _written(runner), strict=True):
-        assert torch.equal(a, b)
-    assert native_counts == _added(runner, counts)
-    assert got is not None and want is not None
-    return got, want
 
 
 @pytest.mark.parametrize(

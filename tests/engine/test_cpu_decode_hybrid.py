@@ -18,7 +18,7 @@ import torch
 
 from foudre import LLM, SamplingParams
 from foudre.attention import cpu_paged
-from foudre.attention.cache_spec import RecurrentCache
+from foudre.attention.cache_spec import RecurrentCache, pages_of
 from foudre.layers import fused, ssm_ops
 from foudre.layers.mamba import GatedRMSNorm
 from foudre.runner.cpu_decode import NativeDecode
@@ -70,10 +70,11 @@ def _llm(path: Path, dtype: str, **kwargs: Any) -> LLM:
 
 
 def _pools(runner: ModelRunner) -> list[torch.Tensor]:
-    """Every tensor of the runner's caches: KV pages, conv windows, SSM states."""
+    """Every tensor of the runner's caches: KV pages (``pages_of``: a latent cache's once), conv
+    windows, SSM states."""
     held: list[torch.Tensor] = []
     for c in runner.kv_caches:
-        held += list(c) if isinstance(c, RecurrentCache) else [c]
+        held += list(c) if isinstance(c, RecurrentCache) else pages_of(c)
     return held
 
 
@@ -88,7 +89,7 @@ def _written(runner: ModelRunner) -> list[torch.Tensor]:
             kept += [torch.cat([t[:pad], t[pad + 1 :]]) for t in c]
         else:
             pad = runner.padding_block
-            kept.append(torch.cat([c[:, :pad], c[:, pad + 1 :]], dim=1))
+            kept += [torch.cat([p[:pad], p[pad + 1 :]]) for p in pages_of(c)]
     return kept
 
 
@@ -271,10 +272,13 @@ def test_native_decode_steps_aside_when_a_mixer_changes(tmp_path: Path) -> None:
 
 
 def test_native_decode_refuses_slots_outside_the_pools(tmp_path: Path) -> None:
+    path = save_random("Mamba2", {**MAMBA2, "max_position_embeddings": 512}, tmp_path / "m")
+    check_refuses_slots_outside_the_pools(_llm(path, "float32").engine.runner)
+
+
+def check_refuses_slots_outside_the_pools(runner: ModelRunner) -> None:
     """A row's state slot, or a snapshot's, outside the pools: a typed error naming them,
     before any layer runs (every state slot and page left as it was)."""
-    path = save_random("Mamba2", {**MAMBA2, "max_position_embeddings": 512}, tmp_path / "m")
-    runner = _llm(path, "float32").engine.runner
     native = runner.decode_path
     assert isinstance(native, NativeDecode)
     before = [t.clone() for t in _pools(runner)]

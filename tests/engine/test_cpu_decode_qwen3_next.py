@@ -28,9 +28,9 @@ from tests.conftest import make_hf_model
 from tests.engine.test_cpu_decode_hybrid import (
     _both_paths,
     _llm,
-    _pools,
     check_decode_steps,
     check_generate_with_snapshots,
+    check_refuses_slots_outside_the_pools,
 )
 from tests.oracles.ssm_models import prompt, save_random
 from tests.oracles.test_qwen3_next import BASE, CASES
@@ -128,23 +128,8 @@ def test_what_the_native_step_cannot_run_goes_to_python(tmp_path: Path) -> None:
 
 
 def test_native_decode_refuses_slots_outside_the_pools(tmp_path: Path) -> None:
-    """A row's state slot, or a snapshot's, outside the pools: a typed error naming them,
-    before any layer runs (every state slot and page left as it was)."""
     runner = _llm(save_random("Qwen3Next", BASE, tmp_path / "m"), "float32").engine.runner
-    native = runner.decode_path
-    assert isinstance(native, NativeDecode)
-    before = [t.clone() for t in _pools(runner)]
-    pools = native.num_state_slots
-    bad = [
-        ForwardStep([[3]], [4], [[5]], [1], state_slots=[pools]),
-        ForwardStep([[3]], [4], [[5]], [1], state_slots=[0], state_snapshots=[(0, 0, pools)]),
-    ]
-    with torch.inference_mode():
-        for step in bad:
-            with pytest.raises(IndexError, match="recurrent state slot"):
-                native.run(step)
-    for t, b in zip(_pools(runner), before, strict=True):
-        assert torch.equal(t, b)
+    check_refuses_slots_outside_the_pools(runner)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -97,3 +97,46 @@ def test_closing_a_stream_early_frees_its_request(llm: LLM) -> None:
     stream.close()
     assert not llm.engine.has_unfinished_requests()
     assert llm.engine.metrics()["num_used_blocks"] == 0
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.0, max_tokens=6, stop=[" the"]),  # stop strings
+        SamplingParams(n=2, best_of=3, max_tokens=5, seed=4, logprobs=1),  # forks and best_of
+    ],
+)
+def test_a_final_only_group_yields_only_its_final_outputs(
+    llm: LLM, params: SamplingParams, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``final_only`` (what ``LLM.generate`` asks) builds no output before a request finishes
+    (one a request); the final ones equal those of the same group stepped with every output
+    built."""
+    engine = llm.engine
+    built = [0]
+    output = engine.outputs.output
+
+    def counted(*args: object) -> object:
+        built[0] += 1
+        return output(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(engine.outputs, "output", counted)
+    finals, counts = [], []
+    for final_only in (False, True):
+        built[0] = 0
+        gid = f"g{final_only}"
+        ids = engine.add_group(gid, ["Once upon a time"], params, final_only=final_only)
+        seen = []
+        while engine.has_unfinished_requests():
+            seen += engine.step()
+        assert sorted(o.request_id for o in seen if o.finished) == sorted(ids)
+        assert all(o.finished for o in seen) or not final_only
+        counts.append(built[0])
+        finals.append({o.request_id.removeprefix(gid): o for o in seen if o.finished})
+    assert counts[1] == params.num_samples < counts[0]  # one output a sample, against one a step
+    plain, final = finals
+    assert plain.keys() == final.keys()
+    for key, out in plain.items():
+        a, b = out.outputs[0], final[key].outputs[0]
+        assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason)
+        assert a.cumulative_logprob == b.cumulative_logprob

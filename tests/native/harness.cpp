@@ -24,10 +24,11 @@ void foudre_qmm_bf16(int kind, const void* x, const void* q, const void* s, cons
             const int32_t* tables, const int32_t* lens, int64_t rows, int64_t num_heads,       \
             int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t table_width,   \
             int64_t q_stride, int64_t o_stride, int64_t block_stride, int64_t token_stride,    \
-            float scale, int64_t window, const float* sinks);
-FOUDRE_DECODE(paged_decode_f32_window)
-FOUDRE_DECODE(paged_decode_bf16_window)
-FOUDRE_DECODE(paged_decode_f16_window)
+            float scale, int64_t window, const float* sinks, const void* k_new,                \
+            const void* v_new, int64_t k_new_stride, int64_t v_new_stride);
+FOUDRE_DECODE(paged_decode_f32_store)
+FOUDRE_DECODE(paged_decode_bf16_store)
+FOUDRE_DECODE(paged_decode_f16_store)
 #define FOUDRE_PREFILL(NAME)                                                                  \
   void NAME(const void* q, const void* k, const void* v, void* out, const int32_t* q_starts,   \
             const int32_t* q_lens, const int32_t* seq_lens, const int32_t* tables,             \
@@ -78,7 +79,7 @@ F by_type(const std::string& type, F f32_int8, F bf16_int8, F f16_int8, F f32_fp
   throw "unknown type " + type;
 }
 
-using Decode = decltype(&paged_decode_f32_window);
+using Decode = decltype(&paged_decode_f32_store);
 using Prefill = decltype(&paged_prefill_f32);
 
 namespace {
@@ -177,12 +178,15 @@ int main() {
     } else if (name.rfind("paged_decode_", 0) == 0) {
       // p: rows, heads, kv_heads, head_dim, block_size, table_width, scale, window; arrays:
       // q [rows, heads, d], cache [2, blocks, block_size, kv_heads, d], tables, lens, sinks
-      // [heads] (empty: none); name's suffix the storage type (f32, bf16, f16)
+      // [heads] (empty: none), then optionally each row's new token's K and V [rows, kv_heads,
+      // d] (empty: none), written into its last slot by the kernel; name's suffix the storage
+      // type (f32, bf16, f16)
       const std::string type = name.substr(13);
-      const Decode fn = type == "f32"    ? paged_decode_f32_window
-                        : type == "bf16" ? paged_decode_bf16_window
-                        : type == "f16"  ? paged_decode_f16_window
+      const Decode fn = type == "f32"    ? paged_decode_f32_store
+                        : type == "bf16" ? paged_decode_bf16_store
+                        : type == "f16"  ? paged_decode_f16_store
                                          : nullptr;
+      const bool fresh = c.sizes.size() > 6 && c.sizes[5] != 0;
       if (fn == nullptr) throw "unknown type " + type;
       int64_t rows = c.i(0), heads = c.i(1), kvh = c.i(2), d = c.i(3), bs = c.i(4);
       const auto* k = static_cast<const uint8_t*>(c.a(1));
@@ -192,7 +196,8 @@ int main() {
       fn(c.a(0), k, k + c.sizes[1] / 2, out.data(), tokens.data(),
          static_cast<const int32_t*>(c.a(2)), static_cast<const int32_t*>(c.a(3)), rows, heads,
          kvh, d, bs, c.i(5), heads * d, heads * d, bs * kvh * d, kvh * d,
-         static_cast<float>(c.p[6]), c.i(7), static_cast<const float*>(c.a(4)));
+         static_cast<float>(c.p[6]), c.i(7), static_cast<const float*>(c.a(4)),
+         fresh ? c.a(5) : nullptr, fresh ? c.a(6) : nullptr, kvh * d, kvh * d);
       write(out.data(), out.size());
     } else if (name.rfind("paged_prefill_", 0) == 0) {
       // p: rows, heads, kv_heads, head_dim, block_size, table_width, window, scale; arrays:

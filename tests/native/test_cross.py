@@ -221,17 +221,30 @@ def test_paged_decode_on_aarch64_matches_the_host(
     with and without a sliding window and attention sinks: on every Arm build (NEON's path)
     the host's float32 reference over the same values (tests/engine/test_prefill_attention's
     masked SDPA, with sinks an explicit softmax), within the host's kernel tests' bounds; the
-    x86-64 baseline build (the portable loops) within the same bounds."""
+    x86-64 baseline build (the portable loops) within the same bounds. And with each row's new
+    token handed over (its slot NaN in the pool), which the kernel stores before it reads."""
     dtype, atol = ATTENTION_TYPES[type_name]
     heads, kv_heads, d, bs = 8, 2, 40, 4  # (head_dim 40: two whole chunks of 16 and a part)
     rows = [(1, n) for n in (1, 7, 13, 16, 37)]
     poisoned, clean, tables = _pool(rows, kv_heads, d, bs, dtype, seed=len(type_name))
     lens = torch.tensor([c for _, c in rows], dtype=torch.int32)
     q = torch.randn(len(rows), heads, d).to(dtype)
-    for window, with_sinks in ((0, False), (5, False), (0, True), (6, True)):
+    # each row's last key and value NaN in the pool, handed to the kernel as new tokens instead
+    last = [(t[(c - 1) // bs], (c - 1) % bs) for t, (_, c) in zip(tables, rows, strict=True)]
+    unstored = poisoned.clone()
+    for b, j in last:
+        unstored[:, b, j] = float("nan")
+    new_k, new_v = (torch.stack([clean[i, b, j] for b, j in last]) for i in (0, 1))
+    none = torch.empty(0)
+    cases = [
+        (w, s, pool, kv)
+        for w, s in ((0, False), (5, False), (0, True), (6, True))
+        for pool, kv in ((poisoned, (none, none)), (unstored, (new_k, new_v)))
+    ]
+    for window, with_sinks, pool, fresh in cases:
         sinks = 2 * torch.randn(heads) if with_sinks else torch.empty(0)
         params = [len(rows), heads, kv_heads, d, bs, max(map(len, tables)), d**-0.5, window]
-        arrays = [q, poisoned, _table_tensor(tables), lens, sinks]
+        arrays = [q, pool, _table_tensor(tables), lens, sinks, *fresh]
         ref = reference(q, clean, tables, rows, bs, window or None, sinks if with_sinks else None)
         for command in (arm, x86):
             out = call(command, f"paged_decode_{type_name}", params, arrays)
