@@ -119,7 +119,8 @@ class Request:
         return self.token_ids_range(start, n) + self.spec_token_ids[max(start - n, 0) : end - n]
 
     def clear_spec(self) -> None:
-        self.spec_token_ids = []
+        if self.spec_token_ids:  # (an empty list stays: nothing appends to it in place)
+            self.spec_token_ids = []
         self.spec_probs = None
 
     @property
