@@ -651,9 +651,6 @@ class KVCacheManager:
         if not tables or self.reserve_tokens is not None:
             return False
         bs = self.block_size
-        if num_new_tokens == 1:  # a decode token: its block is there and not shared
-            i = request.num_computed_tokens // bs
-            return all(i < len(blocks) and blocks[i].ref_cnt == 1 for blocks in tables)
         end = request.num_computed_tokens + num_new_tokens
         first, last = request.num_computed_tokens // bs, -(-end // bs)
         for blocks in tables:

@@ -22,7 +22,7 @@ It also tells the runner's persistent batch who enters it (admitted, resumed or 
 as ``NewRequest``) and who leaves it (finished or preempted ids): the deltas since the last step
 that ran, carried by the next ``SchedulerOutput`` that has rows (a step without rows does not
 reach the runner, so its deltas wait). A row carries only what changed in its request's block
-tables since its last row (``KVCacheManager.take_table_change``), and marks a decode row
+tables since its last row (``KVCacheManager.table_changes``' ``take``), and marks a decode row
 ``continued`` when the runner already holds its input: the request stayed in the batch since
 its last sampling row, whose last token is the one it now computes (not so after a beam
 search replaced it, nor for a request that just entered), so the runner lays it out from its

@@ -38,9 +38,6 @@ class SlotTables:
         self.lens = np.zeros((num_groups, capacity), np.int32)
         self.num_computed = np.zeros(capacity, np.int64)
         self.last_token = np.zeros(capacity, np.int64)
-        # per group, the longest table written (a step's tables are this wide: a Python int
-        # kept as tables change, not a reduction over the step's rows)
-        self.used = [1] * num_groups
 
     @property
     def capacity(self) -> int:
@@ -83,8 +80,6 @@ class SlotTables:
             self.tables = [np.pad(t, ((0, 0), (0, more))) for t in self.tables]
         self.tables[group][slot, start:end] = block_ids
         self.lens[group, slot] = end
-        if end > self.used[group]:
-            self.used[group] = end
 
     def table(self, slot: int, group: int = 0) -> list[int]:
         """``slot``'s table of ``group`` as a list (a view for tests and for consumers of lists;
@@ -95,9 +90,8 @@ class SlotTables:
         self, group: int, slots: np.ndarray, num_padding_rows: int = 0, padding_block: int = 0
     ) -> torch.Tensor:
         """The tables of ``slots`` (int64) in order, as int32 ``[rows, width]`` (width: the
-        longest table written yet, at most the longest a sequence holds), then
-        ``num_padding_rows`` rows of ``padding_block``."""
-        width = self.used[group]
+        longest of theirs, at least 1), then ``num_padding_rows`` rows of ``padding_block``."""
+        width = max(int(self.lens[group, slots].max()), 1) if len(slots) else 1
         rows = self.tables[group][slots, :width]
         if num_padding_rows:
             rows = np.concatenate(

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -148,6 +149,9 @@ def test_slot_tables_apply_gather_and_refuse_a_lost_change() -> None:
     assert tables.table(1) == [4, 9] and tables.table(0) == [3] and tables.table(0, 1) == [7, 8]
     rows = tables.gather(0, torch.tensor([1, 0]), num_padding_rows=1, padding_block=99)
     assert rows[:, :1].tolist() == [[4], [3], [99]] and rows[0, :2].tolist() == [4, 9]
+    tables.apply(1, 0, 2, [10, 11, 12])  # a long table: other steps' stay as wide as theirs
+    assert tables.gather(0, np.array([0])).tolist() == [[3]]
+    assert tables.gather(0, np.array([0, 1])).shape == (2, 5)
     tables.reset(1)
     assert tables.table(1) == []
     with pytest.raises(ValueError, match="table_start"):
