@@ -7,11 +7,13 @@ each kind of model. Then the engine on Gemma 3 (five sliding layers in six), gpt
 one), Mistral (every layer) and Qwen2 (the upper half) random models against transformers' greedy
 tokens, float32, with prompts several windows long and a pool that could not hold the window
 layers' whole contexts (the old scheme preempts there, this one does not): cold, warm (prefix
-hits), preempted, chunked, ``n=2``, n-gram speculation; every block free at the end.
+hits), preempted, chunked, ``n=2``, n-gram speculation; every block free at the end, and after
+every step each row's tables in the runner's persistent batch equal the manager's (``Watch``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -23,6 +25,7 @@ from foudre import LLM, SamplingParams
 from foudre.attention.cache_spec import FullAttentionSpec, KVCacheGroup, kv_cache_groups
 from foudre.engine.kv_cache import KVCacheManager
 from foudre.engine.request import Request
+from foudre.runner.step import SchedulerOutput, StepOutput
 from tests.conftest import make_hf_model
 
 BS = 4
@@ -173,6 +176,37 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(tmp_path_factory.mktemp("swa"))
 
 
+class Watch:
+    """Wraps an engine's ``runner.execute``: after each step, the runner's tables of every row
+    against the KV manager's; counts the rows and the continued ones."""
+
+    def __init__(self, llm: LLM) -> None:
+        engine = llm.engine
+        self.kv = engine.kv
+        self.runner: Any = engine.runner
+        self.runner.check_slots = True
+        self.rows = self.continued = self.table_changes = 0
+        inner: Callable[[SchedulerOutput], StepOutput] = self.runner.execute
+
+        def execute(scheduled: SchedulerOutput) -> StepOutput:
+            out = inner(scheduled)
+            self.check(scheduled)
+            return out
+
+        self.runner.execute = execute
+
+    def check(self, scheduled: SchedulerOutput) -> None:
+        batch = self.runner.input_batch
+        for row in scheduled.rows:
+            slot = batch.slot_of[row.request_id]
+            want = self.kv.req_table_ids[row.request_id]
+            got = [batch.tables.table(slot, g) for g in range(len(want))]
+            assert got == want, row.request_id
+            self.rows += 1
+            self.continued += row.continued
+            self.table_changes += bool(row.block_ids)
+
+
 def _greedy(llm: LLM, n: int = 1, num_prompts: int = 3) -> list[list[list[int]]]:
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, n=n)
     prompts = PROMPTS[:num_prompts]
@@ -201,13 +235,16 @@ def test_engine_frees_window_blocks_token_identical(root: str, name: str) -> Non
         max_num_batched_tokens=7,  # every prompt chunked across the window's edge
         max_num_seqs=3,
     )
+    watch = Watch(llm)
     assert llm.engine.kv.num_groups == {"gemma3": 6, "gpt_oss": 2, "mistral": 1, "qwen2": 2}[name]
     expected = [[r] for r in ref[:3]]
     assert _greedy(llm) == expected
     assert llm.metrics()["num_preemptions"] == 0  # the whole contexts would not fit
     assert _greedy(llm) == expected  # warm: prefix hits
     assert llm.metrics()["prefix_cache_hits"] > 0
-    assert _greedy(llm, n=2) == [[r, r] for r in ref[:3]]
+    assert _greedy(llm, n=2) == [[r, r] for r in ref[:3]]  # forks share, then copy
+    assert llm.metrics()["num_cow_copies"] > 0
+    assert watch.continued > watch.rows // 3 and watch.table_changes > 0
 
 
 # step budgets under which five requests in a pool of 18 blocks (of every layer) preempt
@@ -227,8 +264,10 @@ def test_engine_preempts_and_resumes_token_identical(root: str, name: str) -> No
         max_num_batched_tokens=PREEMPTING_BUDGETS[name],
         max_num_seqs=5,
     )
+    watch = Watch(llm)
     assert _greedy(llm, num_prompts=5) == [[r] for r in ref]
     assert llm.metrics()["num_preemptions"] > 0
+    assert watch.continued > 0
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
@@ -249,5 +288,8 @@ def test_engine_speculation_within_windows_token_identical(root: str, name: str)
         ngram_min=1,
         ngram_max=3,
     )
+    watch = Watch(llm)
     assert _greedy(llm) == [[r] for r in ref[:3]]
-    assert llm.metrics()["spec_draft_tokens"] > 0
+    m = llm.metrics()
+    assert m["spec_draft_tokens"] > 0 and m["spec_accepted_tokens"] < m["spec_draft_tokens"]
+    assert watch.continued > 0  # decode rows after verifications, laid out from the slots

@@ -1,14 +1,13 @@
 """The runner's per-slot block tables, counts and tokens (``runner/slot_tables.py``), kept by
 the scheduler's deltas: after every step each row's tables in the runner equal the KV manager's
 (every cache group), and every continued decode row's gathered position and token equal the
-row's own (``ModelRunner.check_slots``), through preemption, copy-on-write (``n`` samples, beam
-search), sliding windows, prefix hits, chunked prefill and speculative decoding; the greedy
-tokens are still those of Hugging Face ``transformers`` (the oracles of
-``test_sliding_window_cache`` and ``tests/oracles/test_beam_search``)."""
+row's own (``ModelRunner.check_slots``): through preemption, copy-on-write (``n`` samples),
+sliding windows, prefix hits, chunked prefill and speculative decoding in
+``test_sliding_window_cache``'s engine tests (its ``Watch``, on every model there), through beam
+search here; the greedy tokens and beams still those of Hugging Face ``transformers``."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,111 +15,14 @@ import numpy as np
 import pytest
 import torch
 
-from foudre import LLM, BeamSearchParams, SamplingParams
+from foudre import LLM, BeamSearchParams
 from foudre.attention.base import BatchLayout
 from foudre.attention.paged import PagedBackend
 from foudre.attention.torch_sdpa import TorchSDPABackend
 from foudre.runner.slot_tables import SlotTables
-from foudre.runner.step import SchedulerOutput, StepOutput
 from tests.conftest import make_hf_model
-from tests.engine.test_sliding_window_cache import BS, MAX_TOKENS, PROMPTS, _setup
+from tests.engine.test_sliding_window_cache import Watch
 from tests.oracles.test_beam_search import _hf_beams
-
-
-class Watch:
-    """Wraps an engine's ``runner.execute``: after each step, the runner's tables of every row
-    against the KV manager's; counts the rows and the continued ones."""
-
-    def __init__(self, llm: LLM) -> None:
-        engine = llm.engine
-        self.kv = engine.kv
-        self.runner: Any = engine.runner
-        self.runner.check_slots = True
-        self.rows = self.continued = self.table_changes = 0
-        inner: Callable[[SchedulerOutput], StepOutput] = self.runner.execute
-
-        def execute(scheduled: SchedulerOutput) -> StepOutput:
-            out = inner(scheduled)
-            self.check(scheduled)
-            return out
-
-        self.runner.execute = execute
-
-    def check(self, scheduled: SchedulerOutput) -> None:
-        batch = self.runner.input_batch
-        for row in scheduled.rows:
-            slot = batch.slot_of[row.request_id]
-            want = self.kv.req_table_ids[row.request_id]
-            got = [batch.tables.table(slot, g) for g in range(len(want))]
-            assert got == want, row.request_id
-            self.rows += 1
-            self.continued += row.continued
-            self.table_changes += bool(row.block_ids)
-
-
-def _engine(path: Path, **kw: Any) -> tuple[LLM, Watch]:
-    llm = LLM(
-        str(path),
-        dtype="float32",
-        skip_tokenizer_init=True,
-        max_model_len=72,
-        block_size=BS,
-        **kw,
-    )
-    return llm, Watch(llm)
-
-
-def _greedy(llm: LLM, n: int = 1, num_prompts: int = 3) -> list[list[list[int]]]:
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, n=n)
-    outs = llm.generate(PROMPTS[:num_prompts], params)
-    m = llm.metrics()
-    assert m["num_free_blocks"] == m["num_total_blocks"]
-    return [[list(c.token_ids) for c in o.outputs] for o in outs]
-
-
-@pytest.fixture(scope="module")
-def gemma3(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[int]]]:
-    """A Gemma-3-like model (sliding windows beside global layers: six cache groups) and
-    ``transformers``' greedy tokens of ``PROMPTS``."""
-    return _setup("gemma3", str(tmp_path_factory.mktemp("slots")))
-
-
-def test_windows_chunks_prefix_hits_and_samples(gemma3: tuple[Path, list[list[int]]]) -> None:
-    path, ref = gemma3
-    llm, watch = _engine(path, num_kv_blocks=18, max_num_batched_tokens=7, max_num_seqs=3)
-    assert llm.engine.kv.num_groups == 6
-    want = [[r] for r in ref[:3]]
-    assert _greedy(llm) == want  # chunked prompts across the windows' edges
-    assert _greedy(llm) == want  # warm: prefix hits
-    assert llm.metrics()["prefix_cache_hits"] > 0
-    assert _greedy(llm, n=2) == [[r, r] for r in ref[:3]]  # forks share, then copy
-    assert llm.metrics()["num_cow_copies"] > 0
-    assert watch.continued > watch.rows // 3 and watch.table_changes > 0
-
-
-def test_preemption(gemma3: tuple[Path, list[list[int]]]) -> None:
-    path, ref = gemma3
-    llm, watch = _engine(path, num_kv_blocks=18, max_num_batched_tokens=16, max_num_seqs=5)
-    assert _greedy(llm, num_prompts=5) == [[r] for r in ref]
-    assert llm.metrics()["num_preemptions"] > 0
-    assert watch.continued > 0
-
-
-def test_speculative_decoding(gemma3: tuple[Path, list[list[int]]]) -> None:
-    path, ref = gemma3
-    llm, watch = _engine(
-        path,
-        num_kv_blocks=18,
-        max_num_batched_tokens=16,
-        max_num_seqs=3,
-        speculative_method="ngram",
-        ngram_min=1,
-        ngram_max=3,
-    )
-    assert _greedy(llm) == [[r] for r in ref[:3]]
-    m = llm.metrics()
-    assert m["spec_draft_tokens"] > 0 and m["spec_accepted_tokens"] < m["spec_draft_tokens"]
-    assert watch.continued > 0  # decode rows after verifications, laid out from the slots
 
 
 def test_beam_search_matches_transformers(tmp_path: Path) -> None:
