@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -38,6 +39,21 @@ def table_tensor(tables: Sequence[Sequence[int]] | torch.Tensor) -> torch.Tensor
         return tables
     width = max((len(t) for t in tables), default=0)
     return torch.tensor([[*t, *[0] * (width - len(t))] for t in tables], dtype=torch.int32)
+
+
+def slot_mapping(
+    tables: torch.Tensor,
+    positions: np.ndarray,
+    block_size: int,
+    token_rows: np.ndarray | None = None,
+) -> torch.Tensor:
+    """Each token's cache slot (int64, on the host): the block its position (int64) falls in,
+    in its row's table (``token_rows``: each token's row; None: token ``i`` is row ``i``), times
+    ``block_size``, plus the offset in the block. (In numpy: a few small ops, each several times
+    cheaper than torch's.)"""
+    rows = np.arange(len(positions)) if token_rows is None else token_rows
+    blocks = tables.cpu().numpy()[rows, positions // block_size]
+    return torch.from_numpy(blocks * np.int64(block_size) + positions % block_size)
 
 
 @dataclass(slots=True)

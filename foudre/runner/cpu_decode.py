@@ -71,7 +71,7 @@ from torch.nn.modules import module as nn_module
 from torch.utils.hooks import RemovableHandle
 
 from foudre.attention import cpu_paged
-from foudre.attention.base import table_tensor
+from foudre.attention.base import slot_mapping, table_tensor
 from foudre.attention.cache_spec import RecurrentCache
 from foudre.attention.kv_quant import STORAGE_DTYPES
 from foudre.attention.quantized_cache import QuantizedKVCache
@@ -473,8 +473,7 @@ class NativeDecode:
         at = np.asarray(starts, np.int64)
         for a in arrays:
             if self.attention:
-                blocks = a[np.arange(rows), at // bs].astype(np.int64)
-                longs.frombytes((blocks * bs + at % bs).tobytes())
+                longs.frombytes(slot_mapping(torch.from_numpy(a), at, bs).numpy().tobytes())
             else:
                 longs.extend([0] * rows)
         ints = array.array("i", range(rows))

@@ -35,9 +35,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
-from foudre.attention.base import table_tensor
+from foudre.attention.base import slot_mapping, table_tensor
 from foudre.attention.paged import PagedMetadata, PrefillRows
 from foudre.runner.step import ForwardStep
 
@@ -157,8 +158,7 @@ class DecodeGraphs:
         bs, pad = self.block_size, size - n
         scratch = self.scratch_block
         width = tables.shape[1]
-        at = torch.tensor(starts, dtype=torch.long)
-        slots = (tables.cpu()[torch.arange(n), at // bs].long() * bs + at % bs).tolist()
+        slots = slot_mapping(tables, np.asarray(starts, np.int64), bs).tolist()
         rope = starts
         if step.position_offsets:
             rope = [p + o for p, o in zip(starts, step.position_offsets, strict=True)]

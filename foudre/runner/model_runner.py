@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from foudre.attention import AttentionBackend, BatchLayout
-from foudre.attention.base import GroupedMetadata, table_tensor
+from foudre.attention.base import GroupedMetadata, slot_mapping, table_tensor
 from foudre.attention.cache_spec import (
     AttentionSpec,
     CacheSpec,
@@ -431,20 +431,19 @@ class ModelRunner:
             plain, input_ids = self._gathered(step)
             query_lens = [1] * len(step.token_ids)
             seq_lens = (plain + 1).tolist()
-            rope = plain
         else:
             plain, input_ids, query_lens, seq_lens = _listed(step.starts, step.token_ids)
             if len(query_lens) != len(plain):
                 token_rows = np.repeat(np.arange(len(query_lens)), query_lens)
-            rope = plain
-            if step.position_offsets and any(step.position_offsets):
-                offsets = np.asarray(step.position_offsets, np.int64)
-                rope = plain + (offsets if token_rows is None else offsets[token_rows])
+        rope = plain
+        if step.position_offsets and any(step.position_offsets):  # (never in a gathered step)
+            offsets = np.asarray(step.position_offsets, np.int64)
+            rope = plain + (offsets if token_rows is None else offsets[token_rows])
         bs = self.block_size
 
         def layout(tables: Tables) -> BatchLayout:
             t = table_tensor(tables)
-            return BatchLayout(query_lens, seq_lens, t, _slot_mapping(t, plain, token_rows, bs), bs)
+            return BatchLayout(query_lens, seq_lens, t, slot_mapping(t, plain, bs, token_rows), bs)
 
         # (a model of recurrent layers only has no attention to lay out)
         attention = bool(self.kv_groups[0].layers)
@@ -719,18 +718,6 @@ def _listed(
         query_lens.append(n)
         seq_lens.append(start + n)
     return np.array(positions, np.int64), np.array(input_ids, np.int64), query_lens, seq_lens
-
-
-def _slot_mapping(
-    tables: torch.Tensor, positions: np.ndarray, token_rows: np.ndarray | None, bs: int
-) -> torch.Tensor:
-    """Each token's cache slot (int64): the block its position falls in, in its row's table
-    (``token_rows``: each token's row; None: token ``i`` is row ``i``), times ``bs``, plus
-    the offset in the block. (In numpy: a few small ops on the host, each several times
-    cheaper than torch's.)"""
-    rows = np.arange(len(positions)) if token_rows is None else token_rows
-    blocks = tables.cpu().numpy()[rows, positions // bs]
-    return torch.from_numpy(blocks * np.int64(bs) + positions % bs)
 
 
 def _graphs(runner: ModelRunner, max_num_seqs: int, max_model_len: int) -> DecodePath | None:
