@@ -428,14 +428,13 @@ class Scheduler:
                 [token],
                 ids[0],
                 1,
-                req.spec_token_ids,
-                None,
-                [c.request_id for c in self._forks(req, entering)] if req.fork_children else [],
-                req.position_offset,
-                [],
-                starts[0],
-                [],
-                self._sampled.get(rid) == token,
+                spec_token_ids=req.spec_token_ids,
+                fork_ids=[c.request_id for c in self._forks(req, entering)]
+                if req.fork_children
+                else [],
+                position_offset=req.position_offset,
+                table_start=starts[0],
+                continued=self._sampled.get(rid) == token,
             )
         else:
             # a request samples once it reaches its last token; every draft adds one position
