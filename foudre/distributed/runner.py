@@ -96,7 +96,8 @@ class StepMessage:
         ``held`` (updated; those of ``removed`` dropped first), then the padding rows'."""
         for rid in self.removed:
             held.pop(rid, None)
-        rows = zip(self.request_ids, self.table_starts, self.block_tables, strict=False)
+        real = len(self.request_ids)
+        rows = zip(self.request_ids, self.table_starts, self.block_tables[:real], strict=True)
         out: list[list[int]] = []
         for rid, start, ids in rows:
             table = held.setdefault(rid, [])
@@ -105,7 +106,7 @@ class StepMessage:
                     raise ValueError(f"table_start {start} past the {len(table)} blocks of {rid!r}")
                 table[start:] = ids
             out.append(table)
-        return out + self.block_tables[len(self.request_ids) :]
+        return out + self.block_tables[real:]
 
 
 def send_step(message: StepMessage | None, control: Any, timeout: datetime.timedelta) -> None:
