@@ -17,13 +17,13 @@ that every step goes through ``flatten``; without it, decode steps take the nati
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from engine_overhead import prompts_of
 
 from foudre import LLM, SamplingParams
 from foudre.runner.cpu_decode import NativeDecode
@@ -76,11 +76,10 @@ def main() -> None:
     if isinstance(runner.decode_path, NativeDecode):
         path = runner.decode_path
         path._inputs = timers["_inputs"].wrap(path._inputs)  # type: ignore[method-assign]
-    rng = random.Random(0)
     vocab = engine.model_config.vocab_size
     params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
-    for _ in range(args.requests):
-        engine.add_request([rng.randrange(3, vocab) for _ in range(32)], params)
+    for prompt in prompts_of(args.requests, vocab, seed=0):
+        engine.add_request(prompt, params)
     per_step: dict[str, list[tuple[float, float]]] = {name: [] for name in timers}
     started: set[str] = set()
     while engine.has_unfinished_requests():
