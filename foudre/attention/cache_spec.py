@@ -45,9 +45,20 @@ from typing import NamedTuple
 
 import torch
 
+from foudre.native import huge_pages
+
 
 def element_size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
+
+
+def zeroed_pages(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A KV pool of zeros: on the CPU in 2 MiB pages (``huge_pages.zeros``), since decode
+    attention reads each row's blocks from anywhere in the pool, and from 4 KiB pages every
+    block read costs a TLB miss of its own."""
+    if torch.device(device).type == "cpu":
+        return huge_pages.zeros(shape, dtype)
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +96,7 @@ class FullAttentionSpec:
         self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
     ) -> torch.Tensor:
         """Zeroed pages, as the backends read them: ``[2, blocks, block_size, heads, dim]``."""
-        return torch.zeros(self.page_shape(num_blocks, block_size), dtype=dtype, device=device)
+        return zeroed_pages(self.page_shape(num_blocks, block_size), dtype, device)
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,7 +129,7 @@ class LatentAttentionSpec:
     ) -> torch.Tensor:
         """Zeroed pages viewed as the backends read them: ``[2, blocks, block_size, 1, D]``
         whose K and V halves are the same memory (stride 0)."""
-        pages = torch.zeros(self.page_shape(num_blocks, block_size), dtype=dtype, device=device)
+        pages = zeroed_pages(self.page_shape(num_blocks, block_size), dtype, device)
         return pages.unsqueeze(0).expand(2, *pages.shape)
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from foudre.attention.base import gather_blocks
+from foudre.attention.cache_spec import zeroed_pages
 from foudre.attention.kv_quant import KV_CACHE_DTYPES, STORAGE_DTYPES, dequantize_kv, quantize_kv
 
 
@@ -44,7 +45,7 @@ class QuantizedKVCache:
         self.dtype = dtype  # what attention computes in
         shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
         # stored as raw bytes: index_copy_ has no float8 kernel on every device
-        self.codes = torch.zeros(shape, dtype=torch.uint8, device=device)
+        self.codes = zeroed_pages(shape, torch.uint8, device)
         self.scales = torch.ones(shape[:-1], dtype=torch.float32, device=device)
 
     def write(self, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

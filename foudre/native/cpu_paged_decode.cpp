@@ -419,6 +419,17 @@ void paged_decode_rows(const typename Ops::Elem* q, const C* k_cache, const C* v
   std::unique_ptr<float[]> shared(new float[task_a_part ? rows * kSplit * part_floats + 16 : 0]);
   float* const states = reinterpret_cast<float*>(
       (reinterpret_cast<uintptr_t>(shared.get()) + 63) / 64 * 64);  // 64-byte aligned
+  // the first block read after part `part` of row r (-1: none before row `end`)
+  const auto first_block = [&](int64_t r, int64_t part, int64_t end) -> int64_t {
+    for (; r < end; ++r, part = 0)
+      for (; part < kSplit; ++part) {
+        int64_t lo, hi;
+        part_keys(seq_lens[r], window, BS, part, kSplit, lo, hi);
+        if (lo < hi) return block_tables[r * table_width + lo / BS];
+      }
+    return -1;
+  };
+  const int64_t run = std::clamp<int64_t>(rows / (8 * max_threads()), 1, 16);
 #pragma omp parallel
   {
     std::vector<typename Ops::Q> qv(num_heads * acc_stride);
@@ -432,8 +443,9 @@ void paged_decode_rows(const typename Ops::Elem* q, const C* k_cache, const C* v
       return task_a_part ? states + (r * kSplit + part) * part_floats : &own[part * part_floats];
     };
     int64_t loaded = -1;  // the row whose queries qv holds
-    // part `part` of row r into its state
-    const auto compute = [&](int64_t r, int64_t part) {
+    // part `part` of row r into its state; `follow`: the block the thread reads next (-1:
+    // unknown), prefetched with the part's last tile as the part's own next blocks are
+    const auto compute = [&](int64_t r, int64_t part, int64_t follow) {
       float* acc = state(r, part);
       float* m = acc + part_stride;
       float* l = m + num_heads;
@@ -453,8 +465,9 @@ void paged_decode_rows(const typename Ops::Elem* q, const C* k_cache, const C* v
         const int64_t b = pos / BS, j0 = pos % BS;
         const int64_t blk = block_tables[r * table_width + b];
         nt = std::min<int64_t>({16, hi - pos, BS - j0});
-        const int64_t next =
-            j0 + nt == BS && pos + nt < hi ? block_tables[r * table_width + b + 1] : -1;
+        const int64_t next = pos + nt >= hi                ? follow
+                             : j0 + nt == BS ? block_tables[r * table_width + b + 1]
+                                             : -1;
         const __mmask16 valid = static_cast<__mmask16>(nt == 16 ? 0xFFFFu : (1u << nt) - 1);
         if (quantized && next >= 0)
           for (int64_t at = 0; at < scale_bytes; at += 64) {
@@ -557,14 +570,21 @@ void paged_decode_rows(const typename Ops::Elem* q, const C* k_cache, const C* v
     };
     if (task_a_part) {
 #pragma omp for schedule(dynamic, 1)
-      for (int64_t task = 0; task < rows * kSplit; ++task) compute(task / kSplit, task % kSplit);
+      for (int64_t task = 0; task < rows * kSplit; ++task)
+        compute(task / kSplit, task % kSplit, -1);
 #pragma omp for schedule(static)
       for (int64_t r = 0; r < rows; ++r) merge(r);
     } else {
+      // rows in runs of `run`, a run a task: the thread knows the row it reads next, and so
+      // its first block (each part's first block would otherwise be read unprefetched)
 #pragma omp for schedule(dynamic, 1)
-      for (int64_t r = 0; r < rows; ++r) {
-        for (int64_t part = 0; part < kSplit; ++part) compute(r, part);
-        merge(r);
+      for (int64_t first = 0; first < rows; first += run) {
+        const int64_t end = std::min(rows, first + run);
+        for (int64_t r = first; r < end; ++r) {
+          for (int64_t part = 0; part < kSplit; ++part)
+            compute(r, part, first_block(r, part + 1, end));
+          merge(r);
+        }
       }
     }
   }
@@ -776,11 +796,16 @@ void paged_decode_avx2(const T* q, const C* k_cache, const C* v_cache, const flo
   float* const states = reinterpret_cast<float*>(
       (reinterpret_cast<uintptr_t>(buffer.get()) + 63) / 64 * 64);  // 64-byte aligned
   const int64_t row_lines = (D * static_cast<int64_t>(sizeof(C)) + 63) / 64;  // a head's K row
+  // tasks in runs of `run`, a run a task of the loop: the thread knows the task it computes
+  // next, and prefetches that task's first block with its own last tile
+  const int64_t run = std::clamp<int64_t>(tasks / (8 * max_threads()), 1, 16);
 #pragma omp parallel
   {
     std::vector<float> qv(G * width), sc(G * 16), pp(G * 16), corr(G);
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < tasks; ++task) {
+    for (int64_t first_task = 0; first_task < tasks; first_task += run)  // (a run's tasks:)
+    for (int64_t task = first_task, task_end = std::min(tasks, first_task + run);
+         task < task_end; ++task) {
       const int64_t part = task % kSplit, h = task / kSplit % num_kv_heads;
       const int64_t r = task / kSplit / num_kv_heads;
       float* acc = states + task * state_floats;
@@ -805,16 +830,24 @@ void paged_decode_avx2(const T* q, const C* k_cache, const C* v_cache, const flo
         nt = std::min<int64_t>({16, hi - pos, BS - j0});
         // as a block begins, the next block's rows of this head into L2 (a block's products
         // ahead of their use)
+        int64_t next = -1, next_h = h;
         if ((pos == lo || j0 == 0) && (b + 1) * BS < hi) {
-          const int64_t next = block_tables[r * table_width + b + 1];
+          next = block_tables[r * table_width + b + 1];
+        } else if (pos + nt >= hi && task + 1 < task_end) {  // the next task's first block
+          const int64_t nr = (task + 1) / kSplit / num_kv_heads;
+          int64_t nlo, nhi;
+          part_keys(seq_lens[nr], window, BS, (task + 1) % kSplit, kSplit, nlo, nhi);
+          if (nlo < nhi) next = block_tables[nr * table_width + nlo / BS];
+          next_h = (task + 1) / kSplit % num_kv_heads;
+        }
+        if (next >= 0)
           for (int64_t j = 0; j < BS; ++j) {
-            const int64_t at = next * block_stride + j * token_stride + h * D;
+            const int64_t at = next * block_stride + j * token_stride + next_h * D;
             for (int64_t line = 0; line < row_lines; ++line) {
               _mm_prefetch(reinterpret_cast<const char*>(k_cache + at) + 64 * line, _MM_HINT_T1);
               _mm_prefetch(reinterpret_cast<const char*>(v_cache + at) + 64 * line, _MM_HINT_T1);
             }
           }
-        }
         const int64_t off = blk * block_stride + j0 * token_stride + h * D;
         alignas(32) float kmul[16], vmul[16];  // what a token's score and weight are scaled by
         for (int64_t j = 0; j < 16; ++j) {

@@ -27,6 +27,7 @@ import contextlib
 import ctypes
 import functools
 import itertools
+import math
 import mmap
 import os
 import sys
@@ -83,6 +84,18 @@ def empty(nbytes: int) -> torch.Tensor:
     it goes."""
     mapped = _mapped(nbytes)
     return torch.empty(nbytes, dtype=torch.uint8) if mapped is None else mapped
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor, in 2 MiB pages of a fresh map where ``enabled``, else
+    ``torch.zeros``. Every page is written now, as ``torch.zeros`` does: left to fault in as
+    first used, a virtual machine's fresh memory makes those first writes slow, and the time
+    would fall on the requests that first reach them."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    mapped = _mapped(nbytes)
+    if mapped is None:
+        return torch.zeros(shape, dtype=dtype)
+    return mapped.zero_().view(dtype).view(shape)
 
 
 # how many tensors hold a storage, and its storage object if it has one (None where this torch

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from foudre import LLM
+from foudre import LLM, SamplingParams
 from foudre.compress.model import causal_logits
 from foudre.loading.loader import load_model
 from foudre.native import huge_pages
@@ -86,6 +86,8 @@ def test_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
     assert huge_pages.place_in_huge_pages(net) == 0
     assert net.a.weight.data_ptr() == address
     assert huge_pages.empty(100).numel() == 100
+    pool = huge_pages.zeros((3, 5), torch.float16)
+    assert pool.shape == (3, 5) and pool.dtype == torch.float16 and not pool.any()
 
 
 @needs_thp
@@ -173,6 +175,23 @@ def test_interleaved_q8_0_blocks_move() -> None:
     assert huge_pages.place_in_huge_pages(net) > 0
     assert _in_advised_map([mod.qweight])
     assert mod._native_layout().w is mod.qweight and torch.equal(mod(x), before)
+
+
+@needs_thp
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_kv_pools_in_huge_pages(kv_cache_dtype: str) -> None:
+    """An engine on the CPU keeps each layer's KV pool (the codes of a quantized cache) zeroed
+    in an advised map of its own: decode attention reads blocks from anywhere in a pool."""
+    llm = LLM(skip_tokenizer_init=True, kv_cache_dtype=kv_cache_dtype, num_kv_blocks=64)
+    caches = llm.engine.runner.kv_caches
+    pools = [c if isinstance(c, torch.Tensor) else c.codes for c in caches]
+    assert len(pools) == llm.engine.model_config.num_hidden_layers
+    for pool in pools:
+        assert pool.data_ptr() % huge_pages.HUGE_PAGE == 0 and _in_advised_map([pool])
+        assert not pool.any()
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0))
+    assert len(out[0].outputs[0].token_ids) == 4
+    assert any(bool(pool.any()) for pool in pools)
 
 
 @needs_thp
