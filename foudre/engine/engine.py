@@ -33,7 +33,7 @@ from foudre.errors import GrammarDeadEndError, InvalidParameterError
 from foudre.loading.loader import LoadedModel, load_tokenizer_for
 from foudre.loading.tokenizer import Tokenizer
 from foudre.outputs import ErrorCode, RequestOutput
-from foudre.runner.host_memory import keep_freed_host_memory
+from foudre.runner.host_memory import freeze_startup_objects, keep_freed_host_memory
 from foudre.runner.model_runner import describe_kv_cache, kv_bytes_per_block, num_kv_blocks
 from foudre.runner.step import StepOutput
 from foudre.sampling_params import BeamSearchParams, SamplingParams
@@ -52,6 +52,7 @@ class LLMEngine:
         self.config = config
         self.device = wiring.resolve_device(config.device)
         check_config(config, self.device)
+        freeze_startup_objects()
         if self.device.type == "cpu":
             keep_freed_host_memory()
         self._parallel: ParallelExecutor | None = None

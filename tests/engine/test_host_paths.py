@@ -40,3 +40,24 @@ def test_keep_freed_host_memory_applies_once_and_can_be_turned_off() -> None:
 
     if platform.libc_ver()[0] == "glibc":
         assert _applied({**os.environ, "FOUDRE_KEEP_HOST_MEMORY": "1"}) == "True True"
+
+
+def test_first_engine_freezes_startup_objects_once() -> None:
+    """The objects alive as the first engine is built leave the collector's full passes; the
+    second engine freezes nothing more; ``FOUDRE_GC_FREEZE=0`` freezes nothing."""
+    code = (
+        "import gc; from foudre import LLM; a = gc.get_freeze_count();"
+        "LLM(skip_tokenizer_init=True, num_kv_blocks=64); b = gc.get_freeze_count();"
+        "LLM(skip_tokenizer_init=True, num_kv_blocks=64); print(a, b, gc.get_freeze_count())"
+    )
+
+    def counts(flag: str) -> list[int]:
+        env = {**os.environ, "FOUDRE_GC_FREEZE": flag}
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+        )
+        return [int(x) for x in out.stdout.split()]
+
+    before, first, second = counts("1")
+    assert before == 0 and first > 10_000 and second == first
+    assert counts("0") == [0, 0, 0]
