@@ -52,11 +52,19 @@ def element_size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
+# a CPU pool this large or more lies in 2 MiB pages: a second-level TLB reaches about 8 MiB of
+# 4 KiB pages, and a smaller pool would keep most of its last 2 MiB page resident for nothing
+HUGE_POOL_BYTES = 8 << 20
+
+
 def zeroed_pages(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A KV pool of zeros: on the CPU in 2 MiB pages (``huge_pages.zeros``), since decode
-    attention reads each row's blocks from anywhere in the pool, and from 4 KiB pages every
-    block read costs a TLB miss of its own."""
-    if torch.device(device).type == "cpu":
+    """A KV pool of zeros: on the CPU in 2 MiB pages (``huge_pages.zeros``) from
+    ``HUGE_POOL_BYTES`` on, since decode attention reads each row's blocks from anywhere in the
+    pool, and from 4 KiB pages every block read costs a TLB miss of its own."""
+    if (
+        torch.device(device).type == "cpu"
+        and math.prod(shape) * element_size(dtype) >= HUGE_POOL_BYTES
+    ):
         return huge_pages.zeros(shape, dtype)
     return torch.zeros(shape, dtype=dtype, device=device)
 

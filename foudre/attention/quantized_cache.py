@@ -46,7 +46,7 @@ class QuantizedKVCache:
         shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
         # stored as raw bytes: index_copy_ has no float8 kernel on every device
         self.codes = zeroed_pages(shape, torch.uint8, device)
-        self.scales = torch.ones(shape[:-1], dtype=torch.float32, device=device)
+        self.scales = zeroed_pages(shape[:-1], torch.float32, device).fill_(1.0)
 
     def write(self, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new K/V ``[T, kv_heads, head_dim]`` at their cache slots (K and V quantized in

@@ -34,7 +34,7 @@ from foudre.distributed.plan import ParallelPlan
 from foudre.distributed.runner import ShardRunner, receive_step
 from foudre.distributed.shard import load_shard
 from foudre.loading.loader import LoadedModel
-from foudre.runner.host_memory import keep_freed_host_memory
+from foudre.runner.host_memory import freeze_startup_objects, keep_freed_host_memory
 from foudre.runner.model_runner import num_kv_blocks
 
 logger = logging.getLogger("foudre")
@@ -92,6 +92,7 @@ def run_worker(
     """A worker's whole life: start, serve steps, then end the process: with status 0 when the
     engine stops it, 1 on any failure, logged (a worker that stays after failing would only
     hang its peers)."""
+    freeze_startup_objects()  # (every step waits for every rank: none may stall on a collection)
     try:
         groups, _, runner = build_rank(plan, config, device, store)
         serve_steps(groups, runner)

@@ -17,8 +17,9 @@ as the first engine is built, the objects alive then (the imported modules' most
 alone are over a hundred thousand) leave the cyclic collector's full passes (``gc.freeze``),
 each of which walked them all while a busy engine's steps waited (at 256 running requests,
 about one pass every hundred-odd steps, each as long as five steps). A frozen object is still
-freed when its last reference goes, though not as part of a cycle; nearly all of them live as
-long as the process.
+freed when its last reference goes, though not as part of a cycle (the first engine's own
+object included: nothing in it may hold a cycle back to it); nearly all of them live as long as
+the process. Parallel workers freeze theirs too, as every step waits for every rank.
 ``FOUDRE_GC_FREEZE=0`` leaves the collector alone.
 """
 

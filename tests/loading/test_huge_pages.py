@@ -179,13 +179,26 @@ def test_interleaved_q8_0_blocks_move() -> None:
 
 @needs_thp
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
-def test_kv_pools_in_huge_pages(kv_cache_dtype: str) -> None:
+def test_kv_pools_in_huge_pages(kv_cache_dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """An engine on the CPU keeps each layer's KV pool (the codes of a quantized cache) zeroed
-    in an advised map of its own: decode attention reads blocks from anywhere in a pool."""
-    llm = LLM(skip_tokenizer_init=True, kv_cache_dtype=kv_cache_dtype, num_kv_blocks=64)
+    in an advised map of its own: decode attention reads blocks from anywhere in a pool. A
+    pool under ``HUGE_POOL_BYTES`` stays in torch's memory."""
+    maps: list[tuple[int, ...]] = []
+    zeros = huge_pages.zeros
+
+    def spy(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        maps.append(shape)
+        return zeros(shape, dtype)
+
+    monkeypatch.setattr(huge_pages, "zeros", spy)
+    LLM(skip_tokenizer_init=True, kv_cache_dtype=kv_cache_dtype, num_kv_blocks=64)
+    assert maps == []
+    # 6000 blocks of 16 tokens, 2 KV heads of 32: 12 MB a layer of int8 codes, 49 of float32
+    llm = LLM(skip_tokenizer_init=True, kv_cache_dtype=kv_cache_dtype, num_kv_blocks=6000)
     caches = llm.engine.runner.kv_caches
     pools = [c if isinstance(c, torch.Tensor) else c.codes for c in caches]
     assert len(pools) == llm.engine.model_config.num_hidden_layers
+    assert len(maps) == len(pools)
     for pool in pools:
         assert pool.data_ptr() % huge_pages.HUGE_PAGE == 0 and _in_advised_map([pool])
         assert not pool.any()
