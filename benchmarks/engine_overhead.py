@@ -5,6 +5,8 @@ spends outside the model's forward.
 
 Workloads (fixed seed, the embedded default model, ``foudre.loading.loader.default_model()``,
 whose forward is cheap so that the engine's own work shows):
+- before both, every KV pool is written once (``fault_in_kv_pools``): the steady state of a
+  server past its first pass through the pool;
 - throughput: ``--requests`` concurrent requests (random 32-token prompts, ``--new-tokens``
   greedy tokens each, ``ignore_eos``) through ``LLM.generate``; output tokens/s, best of
   ``--rounds``;
@@ -34,6 +36,20 @@ PROMPT_LEN = 32
 def prompts_of(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(PROMPT_LEN)] for _ in range(n)]
+
+
+def fault_in_kv_pools(llm: LLM) -> float:
+    """Write every KV pool of the engine once (seconds taken), as a server has after its first
+    pass through them: on the CPU a pool in 2 MiB pages is faulted in as its blocks are first
+    written (``huge_pages.zeros``), and the block queue hands out every block once before it
+    reuses one, so without this each measured round would pay for pages never touched before
+    (a cost of the memory, once per page and server, not of the engine's steps)."""
+    t = time.perf_counter()
+    for cache in llm.engine.runner.kv_caches:
+        pool = cache if isinstance(cache, torch.Tensor) else getattr(cache, "codes", None)
+        if pool is not None and pool.is_cpu:
+            pool.zero_()
+    return time.perf_counter() - t
 
 
 def throughput(llm: LLM, prompts: list[list[int]], new_tokens: int) -> float:
@@ -102,6 +118,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     llm = LLM(skip_tokenizer_init=True, max_num_seqs=max(args.requests, args.overhead_requests))
     vocab = llm.engine.model_config.vocab_size
+    print(f"KV pools faulted in: {fault_in_kv_pools(llm):.2f} s", flush=True)
     throughput(llm, prompts_of(16, vocab, seed=1), 8)  # warm up
     runs = [
         throughput(llm, prompts_of(args.requests, vocab, seed=2 + r), args.new_tokens)

@@ -88,14 +88,15 @@ def empty(nbytes: int) -> torch.Tensor:
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zeroed CPU tensor, in 2 MiB pages of a fresh map where ``enabled``, else
-    ``torch.zeros``. Every page is written now, as ``torch.zeros`` does: left to fault in as
-    first used, a virtual machine's fresh memory makes those first writes slow, and the time
-    would fall on the requests that first reach them."""
+    ``torch.zeros``. The map reads as zeros until written and its pages are faulted in as they
+    are first written, not now: where the kernel has to compact memory to find 2 MiB pages,
+    faulting a 2 GiB pool in took seconds (a server's start), against a fraction of that spread
+    over the steps that first reach each page."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     mapped = _mapped(nbytes)
     if mapped is None:
         return torch.zeros(shape, dtype=dtype)
-    return mapped.zero_().view(dtype).view(shape)
+    return mapped.view(dtype).view(shape)
 
 
 # how many tensors hold a storage, and its storage object if it has one (None where this torch
