@@ -7,9 +7,10 @@ Requests are pydantic models that ignore unknown fields; responses are built as 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from foudre.sampling_params import BeamSearchParams, SamplingParams
 
@@ -302,3 +303,20 @@ class DetokenizeResponse(_Response):
 
 class HealthResponse(_Response):
     status: str
+
+
+def chat_request_of(
+    fields: dict[str, Any], rename: Mapping[str, str], default_param: str
+) -> ChatCompletionRequest:
+    """The chat request that another protocol's request (Anthropic Messages, Responses) maps to;
+    what the chat request refuses and that protocol's own models let through (a conversation
+    left empty, say) is a 400 naming that protocol's parameter (``rename``: chat's field names
+    to its; ``default_param`` where the error names no field)."""
+    try:
+        return ChatCompletionRequest(**fields)
+    except ValidationError as e:
+        errors = e.errors()
+        loc = [str(x) for x in errors[0]["loc"]] if errors else []
+        param = rename.get(loc[0], loc[0]) if loc else default_param
+        message = errors[0]["msg"] if errors else "invalid value"
+        raise OpenAIError(400, f"{param}: {message}", param=param) from None

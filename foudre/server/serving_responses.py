@@ -21,7 +21,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from starlette.types import Receive
 
 from foudre.server.protocol import (
@@ -37,6 +37,7 @@ from foudre.server.protocol import (
     ToolCall,
     ToolCallFunction,
     ToolDefinition,
+    chat_request_of,
 )
 from foudre.server.protocol_responses import InputItem, ResponsesRequest
 from foudre.server.serving import Json, OpenAIServing, TokenUsage
@@ -210,14 +211,7 @@ def chat_request(req: ResponsesRequest, messages: list[ChatMessage]) -> ChatComp
             raise OpenAIError(400, message, param="text")
         schema = JsonSchemaFormat.model_validate({"name": fmt.name, "schema": fmt.schema_})
         fields["response_format"] = ResponseFormat(type="json_schema", json_schema=schema)
-    try:
-        return ChatCompletionRequest(**fields)
-    except ValidationError as e:  # what the Responses models let through and chat's refuse
-        errors = e.errors()
-        loc = [str(x) for x in errors[0]["loc"]] if errors else []
-        param = _RENAME.get(loc[0], loc[0]) if loc else "input"
-        message = errors[0]["msg"] if errors else "invalid value"
-        raise OpenAIError(400, f"{param}: {message}", param=param) from None
+    return chat_request_of(fields, _RENAME, "input")
 
 
 def usage_json(usage: TokenUsage, reasoning_tokens: int = 0) -> Json:

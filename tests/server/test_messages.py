@@ -206,6 +206,10 @@ def test_errors_in_anthropic_shape(stories: InProcessServer) -> None:
             "messages",
         )
     )
+    # a conversation of nothing the model reads (a user's thinking block: left out)
+    thinking = [{"role": "user", "content": [{"type": "thinking", "thinking": "hm"}]}]
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        cases.append((path, {**_body(), "messages": thinking}, "messages"))
     for path, body, named in cases:
         r = _raw(stories, path, body)
         assert r.status_code == 400, (body, r.text)
