@@ -16,11 +16,11 @@ random tokens with ``max_tokens=1`` (the time to its first token):
   there first. Without ``--llama-cpp`` the peer is skipped and the report says so.
 
 Both foudre paths chunk the prompt at ``max_num_batched_tokens`` (2048). Memory: the peak RSS
-of the request over the process's RSS before it, plus the KV pool (allocated, and resident,
-before the request; sized to the prompt): the KV of the prompt plus whatever the prefill
-allocates on top. With ``--device cuda`` the new path is the Triton varlen kernel
-(``attention_backend="triton"``), memory is torch's peak allocation on the GPU, and the GEMM
-rate is the GPU's; llama.cpp is not run there.
+of the request over the process's RSS before it, plus the KV pool (allocated, and written once
+so that it is resident, before the request; sized to the prompt): the KV of the prompt plus
+whatever the prefill allocates on top. With ``--device cuda`` the new path is the Triton
+varlen kernel (``attention_backend="triton"``), memory is torch's peak allocation on the GPU,
+and the GEMM rate is the GPU's; llama.cpp is not run there.
 
 The fraction of the machine's bf16 GEMM rate counts 2 FLOPs per weight and token of the decoder
 layers' linears (the lm_head runs on the last token only) plus the causal attention once:
@@ -55,6 +55,7 @@ def _status(key: str) -> int:
 def child(args: argparse.Namespace) -> None:
     """One measurement in this process: prints one JSON line."""
     import torch
+    from engine_overhead import fault_in_kv_pools
 
     from foudre import LLM, SamplingParams
 
@@ -79,6 +80,7 @@ def child(args: argparse.Namespace) -> None:
     llm.generate([torch.randint(3, 32000, (300,), generator=g).tolist()], greedy)  # warm-up
     prompt = torch.randint(3, 32000, (n,), generator=g).tolist()
     pool = sum(c.numel() * c.element_size() for c in llm.engine.runner.kv_caches)
+    fault_in_kv_pools(llm)  # (a CPU pool in 2 MiB pages is resident only once written)
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()

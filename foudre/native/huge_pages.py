@@ -27,6 +27,7 @@ import contextlib
 import ctypes
 import functools
 import itertools
+import logging
 import math
 import mmap
 import os
@@ -36,6 +37,8 @@ from pathlib import Path
 from typing import cast
 
 import torch
+
+logger = logging.getLogger("foudre")
 
 HUGE_PAGE = 2 << 20
 _THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -91,12 +94,38 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     ``torch.zeros``. The map reads as zeros until written and its pages are faulted in as they
     are first written, not now: where the kernel has to compact memory to find 2 MiB pages,
     faulting a 2 GiB pool in took seconds (a server's start), against a fraction of that spread
-    over the steps that first reach each page."""
+    over the steps that first reach each page. (A page read before it is ever written maps the
+    kernel's shared zero page, and the write after it may take 4 KiB pages there: the engine
+    reads a block's K/V only after writing them. ``warn_if_short`` tells where such pools
+    exceed the memory available.)"""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     mapped = _mapped(nbytes)
     if mapped is None:
         return torch.zeros(shape, dtype=dtype)
     return mapped.view(dtype).view(shape)
+
+
+def warn_if_short(nbytes: int, what: str) -> bool:
+    """Log a warning (and return True) where ``nbytes`` of ``zeros`` pools exceed the memory
+    Linux reports available now (``MemAvailable``): their pages fault in as they are first
+    written, so the process would run out of memory as they fill rather than at start."""
+    try:
+        text = Path("/proc/meminfo").read_text()
+    except OSError:
+        return False
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    available = int(fields.get("MemAvailable", "0 kB").split()[0]) * 1024
+    if not available or nbytes <= available:
+        return False
+    logger.warning(
+        "%s: %.2f GiB, more than the %.2f GiB of memory available: its pages are taken as they "
+        "are first written, so the process may run out of memory once it fills; give a smaller "
+        "kv_cache_memory or num_kv_blocks",
+        what,
+        nbytes / 2**30,
+        available / 2**30,
+    )
+    return True
 
 
 # how many tensors hold a storage, and its storage object if it has one (None where this torch

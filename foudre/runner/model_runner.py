@@ -106,6 +106,23 @@ def describe_kv_cache(
     return line
 
 
+def _storage_bytes(caches: Sequence[Any]) -> int:
+    """The bytes of the distinct storages that ``caches`` (tensors, quantized caches, recurrent
+    state pools) lie in."""
+    held: dict[int, int] = {}
+    for cache in caches:
+        if isinstance(cache, torch.Tensor):
+            tensors: Sequence[torch.Tensor] = [cache]
+        elif isinstance(cache, QuantizedKVCache):
+            tensors = [cache.codes, cache.scales]
+        else:
+            tensors = list(cache)
+        for t in tensors:
+            storage = t.untyped_storage()
+            held[storage.data_ptr()] = storage.nbytes()
+    return sum(held.values())
+
+
 def allocate_kv_caches(
     specs: Sequence[AttentionSpec],
     num_blocks: int,
@@ -353,6 +370,8 @@ class ModelRunner:
             num_state_slots + num_scratch_state_slots,
         )
         self.state_caches = [c for c in self.kv_caches if isinstance(c, RecurrentCache)]
+        if device.type == "cpu":
+            huge_pages.warn_if_short(_storage_bytes(self.kv_caches), "the KV cache")
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.input_batch = InputBatch(cfg.vocab_size, device, max_num_seqs, len(self.kv_groups))
         # tests: check every gathered decode row against the row the scheduler sent

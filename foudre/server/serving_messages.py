@@ -133,7 +133,7 @@ def chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
         given = {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k}
         fields.update({k: v for k, v in given.items() if v is not None})
         fields.update(max_tokens=req.max_tokens, stop=req.stop_sequences, stream=req.stream)
-    return chat_request_of(fields, {}, "messages")
+    return chat_request_of(fields, RENAME, "messages")
 
 
 def tool_use_id(call_id: str) -> str:

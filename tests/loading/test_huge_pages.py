@@ -318,3 +318,21 @@ def test_gguf_float_tensors_load_into_huge_pages_kept_linears_apart(tmp_path: Pa
     assert huge_pages.place_in_huge_pages(model) > 0
     assert [t.data_ptr() for t in floats] == addresses
     assert _in_advised_map([m.qweight for m in linears if m.qweight.numel()])
+
+
+def test_kv_cache_larger_than_available_memory_warns(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Pools fault in as they are used, so a KV cache larger than the memory available is told
+    at start (a warning naming what to lower), not found when it fills; the runner passes the
+    bytes of its caches' storages."""
+    with caplog.at_level("WARNING", logger="foudre"):
+        assert huge_pages.warn_if_short(1 << 60, "the KV cache")
+        assert not huge_pages.warn_if_short(1, "the KV cache")
+    assert "kv_cache_memory" in caplog.text and "the KV cache" in caplog.text
+    seen: list[int] = []
+    monkeypatch.setattr(huge_pages, "warn_if_short", lambda n, what: seen.append(n) or False)
+    llm = LLM(skip_tokenizer_init=True, num_kv_blocks=64)
+    cfg = llm.engine.model_config
+    per_block = 2 * 16 * cfg.num_key_value_heads * cfg.head_dim * 4  # K and V, float32
+    assert seen == [cfg.num_hidden_layers * 65 * per_block]  # (one block more: the padding's)
