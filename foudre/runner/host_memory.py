@@ -62,10 +62,11 @@ _frozen = False
 
 
 def freeze_startup_objects() -> None:
-    """``gc.freeze`` the objects alive now, after a collection, once per process (see above)."""
+    """``gc.freeze`` the objects alive now, once per process (see above). No collection runs
+    first: it took a tenth of a second of the first ``LLM()`` (the time to a first token) to
+    find a few dozen unreachable objects, which stay frozen instead."""
     global _frozen
     if _frozen or os.environ.get("FOUDRE_GC_FREEZE", "1") == "0":
         return
     _frozen = True
-    gc.collect()
     gc.freeze()
