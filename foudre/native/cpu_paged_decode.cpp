@@ -56,6 +56,16 @@ inline void part_keys(int64_t len, int64_t window, int64_t BS, int64_t part, int
   hi = std::min(len, (first_block + blocks * (part + 1) / parts) * BS);
 }
 
+// The block holding the first key that part `part` of `parts` of row r reads (its rows in
+// tables, table_width apart; its length in lens), -1 where the part is empty: what a thread
+// prefetches while it finishes the part before
+inline int64_t first_block_of(const int32_t* tables, const int32_t* lens, int64_t table_width,
+                              int64_t window, int64_t BS, int64_t r, int64_t part, int64_t parts) {
+  int64_t lo, hi;
+  part_keys(lens[r], window, BS, part, parts, lo, hi);
+  return lo < hi ? tables[r * table_width + lo / BS] : -1;
+}
+
 // An attention sink's term of head hg's softmax denominator, exp(sinks[hg] - m), for a running
 // max m of the same (scaled) scores: a key whose value is zero (0 without sinks). std::exp, as
 // the sink may exceed every score.
@@ -423,9 +433,9 @@ void paged_decode_rows(const typename Ops::Elem* q, const C* k_cache, const C* v
   const auto first_block = [&](int64_t r, int64_t part, int64_t end) -> int64_t {
     for (; r < end; ++r, part = 0)
       for (; part < kSplit; ++part) {
-        int64_t lo, hi;
-        part_keys(seq_lens[r], window, BS, part, kSplit, lo, hi);
-        if (lo < hi) return block_tables[r * table_width + lo / BS];
+        const int64_t blk =
+            first_block_of(block_tables, seq_lens, table_width, window, BS, r, part, kSplit);
+        if (blk >= 0) return blk;
       }
     return -1;
   };
@@ -834,10 +844,8 @@ void paged_decode_avx2(const T* q, const C* k_cache, const C* v_cache, const flo
         if ((pos == lo || j0 == 0) && (b + 1) * BS < hi) {
           next = block_tables[r * table_width + b + 1];
         } else if (pos + nt >= hi && task + 1 < task_end) {  // the next task's first block
-          const int64_t nr = (task + 1) / kSplit / num_kv_heads;
-          int64_t nlo, nhi;
-          part_keys(seq_lens[nr], window, BS, (task + 1) % kSplit, kSplit, nlo, nhi);
-          if (nlo < nhi) next = block_tables[nr * table_width + nlo / BS];
+          next = first_block_of(block_tables, seq_lens, table_width, window, BS,
+                                (task + 1) / kSplit / num_kv_heads, (task + 1) % kSplit, kSplit);
           next_h = (task + 1) / kSplit % num_kv_heads;
         }
         if (next >= 0)
