@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from foudre import LLM, SamplingParams
+from foudre.native import huge_pages
 
 PROMPT_LEN = 32
 
@@ -43,8 +44,11 @@ def fault_in_kv_pools(llm: LLM) -> float:
     pass through them: on the CPU a pool in 2 MiB pages is faulted in as its blocks are first
     written (``huge_pages.zeros``), and the block queue hands out every block once before it
     reuses one, so without this each measured round would pay for pages never touched before
-    (a cost of the memory, once per page and server, not of the engine's steps)."""
+    (a cost of the memory, once per page and server, not of the engine's steps). The weights
+    too are moved into 2 MiB pages first, where that waits for a thread (``settle``: not in
+    trees before it)."""
     t = time.perf_counter()
+    getattr(huge_pages, "settle", lambda: None)()
     pools = {}  # (cache groups share their tensors: each once)
     for cache in llm.engine.runner.kv_caches:
         pool = cache if isinstance(cache, torch.Tensor) else getattr(cache, "codes", None)

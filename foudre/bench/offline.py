@@ -472,8 +472,13 @@ def timed_batch(
 ) -> tuple[list[float], list[float]]:
     """Submit ``prompts`` together and step until done. Returns each request's TTFT (seconds
     from submission) and the durations of the pure decode steps (after every request has its
-    first token). ``after_decode_step``, if given, runs (untimed) after each of those steps."""
+    first token). ``after_decode_step``, if given, runs (untimed) after each of those steps.
+    The weights are moved into 2 MiB pages first where that waits (``huge_pages.settle``): the
+    steps are timed in the engine's steady state."""
+    from foudre.native import huge_pages
     from foudre.sampling_params import SamplingParams
+
+    huge_pages.settle()
 
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     t0 = time.monotonic()

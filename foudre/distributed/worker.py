@@ -34,6 +34,7 @@ from foudre.distributed.plan import ParallelPlan
 from foudre.distributed.runner import ShardRunner, receive_step
 from foudre.distributed.shard import load_shard
 from foudre.loading.loader import LoadedModel
+from foudre.native import huge_pages
 from foudre.runner.host_memory import freeze_startup_objects, keep_freed_host_memory
 from foudre.runner.model_runner import num_kv_blocks
 
@@ -84,6 +85,7 @@ def serve_steps(groups: Groups, runner: ShardRunner) -> None:
             return
         if not message.is_heartbeat:
             runner.run(message)
+            huge_pages.promote_later()
 
 
 def run_worker(

@@ -32,6 +32,7 @@ from foudre.engine.tracked import Owner, Tracked
 from foudre.errors import GrammarDeadEndError, InvalidParameterError
 from foudre.loading.loader import LoadedModel, load_tokenizer_for
 from foudre.loading.tokenizer import Tokenizer
+from foudre.native import huge_pages
 from foudre.outputs import ErrorCode, RequestOutput
 from foudre.runner.host_memory import freeze_startup_objects, keep_freed_host_memory
 from foudre.runner.model_runner import describe_kv_cache, kv_bytes_per_block, num_kv_blocks
@@ -253,6 +254,7 @@ class LLMEngine:
         except Exception as e:
             return self._step_failed([row.request_id for row in sched.rows], e)
         self.stats.consecutive_step_failures = 0
+        huge_pages.promote_later()  # (the weights into 2 MiB pages: after a first token)
         self.stats.num_padding_tokens += sched.num_padding_rows
         sampled = self.scheduler.update(sched, result)
         stats = self.stats

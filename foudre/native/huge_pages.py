@@ -4,27 +4,34 @@ crosses a page (a TLB entry) every 4 KiB of them.
 Linux backs memory with transparent huge pages where the process asks for them
 (``madvise(MADV_HUGEPAGE)``: the kernel's default ``madvise`` mode) or everywhere (``always``);
 PyTorch's CPU allocator asks only with ``THP_MEM_ALLOC_ENABLE=1`` in the environment before its
-first allocation, which a library cannot arrange. ``place_in_huge_pages`` (called by
-``ModelRunner`` on the CPU, before anything runs) moves a model's weights into one buffer
-aligned to 2 MiB and advised before its first touch, so that every page of it is
-faulted in as a huge page (where the kernel has them to give: otherwise it stays on 4 KiB pages,
-as before). A float checkpoint's weights are loaded straight into such a buffer (``allocate``,
-called by ``load_model``): no copy is made and then moved, and ``place_in_huge_pages`` leaves
-them there. (Using a weight in place from the file's map, with no copy at all, would keep it in
-4 KiB pages of the page cache, and most weights are fused at load (q|k|v, gate|up) anyway: the
-map of a file is only read from, one tensor at a time, its pages dropped once copied.)
+first allocation, which a library cannot arrange. ``place_in_huge_pages`` (called by ``ModelRunner``
+on the CPU, before anything runs) moves a model's weights into one map aligned to 2 MiB, whose pages
+are then moved into huge pages (where the kernel has them to give: otherwise they stay on 4 KiB
+pages, as before). A float checkpoint's weights are loaded straight into such a map (``allocate``,
+called by ``load_model``): no copy is made and then moved, and ``place_in_huge_pages`` leaves them
+there. (Using a weight in place from the file's map, with no copy at all, would keep it in 4 KiB
+pages of the page cache, and most weights are fused at load (q|k|v, gate|up) anyway: the map of a
+file is only read from, one tensor at a time, its pages dropped once copied.)
 
 A decode step with its weights in huge pages takes a few percent less time, on every
 precision, and a plain read of a large buffer runs faster too (so the roofline's probe reads a
 buffer of ``empty``: ``foudre.bench.roofline``); the figures are in ``docs/architecture.md``.
 
-Switched off with ``FOUDRE_HUGE_PAGES=0``; elsewhere than Linux it does nothing.
+Weights are written into their maps in 4 KiB pages and moved into 2 MiB pages only after the
+engine's first step, in a thread of their own (``promote_later``: ``madvise`` ``MADV_HUGEPAGE``,
+then ``MADV_COLLAPSE`` over what was written): on a virtual machine whose free 2 MiB blocks the
+host has taken back, faulting a model's weights in as fresh 2 MiB pages cost 0.3-0.7 s per
+250 MB at load, the time to a first token, where 4 KiB pages are at hand warm. ``settle`` waits
+for that move (benchmarks timing decode steps call it after their warm-up).
+``FOUDRE_HUGE_PAGES=eager`` advises the weights' maps before their first touch instead;
+``FOUDRE_HUGE_PAGES=0`` switches huge pages off; elsewhere than Linux it does nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import functools
 import itertools
 import logging
@@ -32,6 +39,9 @@ import math
 import mmap
 import os
 import sys
+import threading
+import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import cast
@@ -62,9 +72,10 @@ def enabled() -> bool:
     return os.environ.get("FOUDRE_HUGE_PAGES", "1") != "0" and _kernel_gives_them()
 
 
-def _mapped(nbytes: int) -> torch.Tensor | None:
+def _mapped(nbytes: int, later: bool = False) -> torch.Tensor | None:
     """``empty``'s map, or None where not ``enabled`` or the map is refused (no memory left to
-    commit)."""
+    commit). ``later``: weights written in full at load, advised and collapsed into 2 MiB pages
+    by ``promote_later`` (unless ``FOUDRE_HUGE_PAGES=eager``)."""
     if not enabled() or nbytes == 0:
         return None
     span = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
@@ -74,9 +85,110 @@ def _mapped(nbytes: int) -> torch.Tensor | None:
         return None
     raw = torch.frombuffer(region, dtype=torch.uint8)  # holds the map
     start = -raw.data_ptr() % HUGE_PAGE
-    with contextlib.suppress(OSError):  # refused: 4 KiB pages, as torch's
-        region.madvise(mmap.MADV_HUGEPAGE, start, span)
+    if later and os.environ.get("FOUDRE_HUGE_PAGES") != "eager":
+        with _lock:
+            _pending.append((weakref.ref(region), raw.data_ptr() + start, span))
+    else:
+        with contextlib.suppress(OSError):  # refused: 4 KiB pages, as torch's
+            region.madvise(mmap.MADV_HUGEPAGE, start, span)
     return raw[start : start + nbytes]
+
+
+# weight maps to move into 2 MiB pages (``promote_later``): the map, its first 2 MiB boundary's
+# address, the span from there; the thread doing it, while it runs
+_pending: list[tuple[weakref.ref[mmap.mmap], int, int]] = []
+_promoter: threading.Thread | None = None
+_lock = threading.Lock()
+_MADV_COLLAPSE = 25  # Linux 6.1: the range's pages into 2 MiB pages, now, in the caller
+_COLLAPSE_BYTES = 16 << 20  # a call's range: the mappings' lock is taken per call
+
+
+def _reset_after_fork() -> None:
+    global _lock, _promoter
+    _lock, _promoter = threading.Lock(), None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_after_fork)
+
+
+def promote_later() -> None:
+    """Move the weight maps written since the last call into 2 MiB pages, in a thread of its
+    own (started here where there are any and none runs; the engine calls this after each
+    step, so that its first token does not wait for it): each map is advised
+    ``MADV_HUGEPAGE`` (where the kernel lacks ``MADV_COLLAPSE``, its ``khugepaged`` then moves
+    them over time) and its 2 MiB ranges of which anything was written are collapsed into 2 MiB
+    pages (a range never written, such as a tied head's room, stays unbacked). The values are
+    the same throughout; a step reading a range while it moves waits for that range."""
+    global _promoter
+    with _lock:
+        if not _pending or (_promoter is not None and _promoter.is_alive()):
+            return
+        _promoter = threading.Thread(target=_promote, name="foudre-huge-pages", daemon=True)
+        _promoter.start()
+
+
+def settle() -> None:
+    """``promote_later``, then wait until every weight map waiting for it is in 2 MiB pages
+    (what a benchmark timing decode steps calls after its warm-up)."""
+    promote_later()
+    thread = _promoter
+    if thread is not None:
+        thread.join()
+
+
+def _promote() -> None:
+    global _promoter
+    # the lowest priority (Linux: this thread alone): the engine's threads go first, the move
+    # runs in their gaps (the 32 tokens after a 199M bf16 model's first, two threads: 1.0-1.1 s
+    # against 1.8-1.9 s at the default priority, 0.5 s with the pages moved before)
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    moved, t0 = 0, time.perf_counter()
+    while True:
+        with _lock:
+            if not _pending:
+                _promoter = None
+                break
+            ref, address, span = _pending.pop(0)
+        region = ref()  # held while its pages move: not unmapped meanwhile
+        if region is not None:
+            moved += _collapse(libc, address, span)
+        del region
+    logger.debug(
+        "weights in 2 MiB pages: %.0f MB in %.2f s", moved / 2**20, time.perf_counter() - t0
+    )
+
+
+def _collapse(libc: ctypes.CDLL, address: int, span: int) -> int:
+    """Advise ``span`` bytes from ``address`` (2 MiB-aligned) ``MADV_HUGEPAGE`` and collapse the
+    2 MiB ranges of which a page is resident (``mincore``) into 2 MiB pages, a few at a time;
+    returns the bytes collapsed."""
+    if libc.madvise(address, span, mmap.MADV_HUGEPAGE):
+        return 0
+    pages = span // mmap.PAGESIZE
+    resident = (ctypes.c_ubyte * pages)()
+    if libc.mincore(address, span, resident):
+        return 0
+    per = HUGE_PAGE // mmap.PAGESIZE
+    flags = bytes(resident)
+    written = [flags.count(0, i, i + per) < per for i in range(0, pages, per)]
+    moved = 0
+    for first, group in itertools.groupby(range(len(written)), key=written.__getitem__):
+        if not first:
+            continue
+        ranges = list(group)
+        start, end = ranges[0] * HUGE_PAGE, (ranges[-1] + 1) * HUGE_PAGE
+        for at in range(start, end, _COLLAPSE_BYTES):
+            n = min(_COLLAPSE_BYTES, end - at)
+            if libc.madvise(address + at, n, _MADV_COLLAPSE) == 0:
+                moved += n
+            elif ctypes.get_errno() == errno.EINVAL:  # no MADV_COLLAPSE: khugepaged will
+                return moved
+    return moved
 
 
 def empty(nbytes: int) -> torch.Tensor:
@@ -141,15 +253,16 @@ def _holds(t: torch.Tensor, use_count: Callable[[int], int]) -> tuple[int, int]:
 
 
 def place_in_huge_pages(module: torch.nn.Module) -> int:
-    """Move the storages of ``module``'s CPU parameters and buffers into one buffer of ``empty``
-    (2 MiB pages), each tensor repointed there (``Tensor.set_``): the same tensor objects, values,
-    shapes and strides, so whatever holds them (the modules, kernels' layouts built of them)
-    reads the new copy; the old storage is freed as it is left (and the C allocator asked to
-    give back what it kept: ``malloc_trim``). A storage that anything else holds too (a view of
-    it kept elsewhere, its storage object) stays where it is: moving it would leave that holder
-    on the old copy and both in memory; inference tensors too outside inference mode (``set_``
-    refuses them). What holds only a raw address is not seen (a NumPy array of ``.numpy()``, a
-    DLPack capsule): call it on a module nothing has run yet, as ``ModelRunner`` does.
+    """Move the storages of ``module``'s CPU parameters and buffers into one new map (2 MiB pages
+    once ``promote_later`` ran), each tensor repointed there (``Tensor.set_``): the same tensor
+    objects, values, shapes and strides, so whatever holds them (the modules, kernels' layouts
+    built of them) reads the new copy; the old storage is freed as it is left (and the C
+    allocator asked to give back what it kept: ``malloc_trim``). A storage that anything else
+    holds too (a view of it kept elsewhere, its storage object) stays where it is: moving it
+    would leave that holder on the old copy and both in memory; inference tensors too outside
+    inference mode (``set_`` refuses them). What holds only a raw address is not seen (a NumPy
+    array of ``.numpy()``, a DLPack capsule): call it on a module nothing has run yet, as
+    ``ModelRunner`` does.
 
     The moved tensors then share one storage: one replaced later (a linear quantized in place)
     frees nothing until every tensor on it is gone; calling this again moves what is left into a
@@ -189,7 +302,7 @@ def place_in_huge_pages(module: torch.nn.Module) -> int:
     if not movable:
         return 0
     total = sum(-(-n // _ALIGN) * _ALIGN for _, n in movable)
-    arena = _mapped(total)
+    arena = _mapped(total, later=True)
     if arena is None:
         return 0
     target, base = arena.untyped_storage(), arena.storage_offset()  # bytes: uint8
@@ -222,14 +335,14 @@ def to_empty(module: torch.nn.Module, device: torch.device | str = "cpu") -> tor
 
 def allocate(module: torch.nn.Module, skip: tuple[type, ...] = ()) -> bool:
     """``module.to_empty(device="cpu")`` for a ``module`` built on ``meta``, every parameter and
-    buffer a view of one map of ``empty`` (2 MiB pages, nothing touched yet): its weights are
-    then loaded straight into the pages they run from, and ``place_in_huge_pages`` leaves them
-    there (``seal``) instead of copying each into a new map. What is never written (a tied
-    head's own tensor, tables replaced later, a linear replaced by a quantized one before it is
-    loaded) is never resident. Submodules of the types in ``skip`` (whose tensors are replaced
-    once loaded: a layout built of them) get memory of their own (``to_empty``). Returns False,
-    allocating nothing, where not ``enabled`` or the map is refused (call ``to_empty``
-    then)."""
+    buffer a view of one map (nothing touched yet; 2 MiB pages once ``promote_later`` ran): its
+    weights are then loaded straight into the pages they run from, and ``place_in_huge_pages``
+    leaves them there (``seal``) instead of copying each into a new map. What is never written
+    (a tied head's own tensor, tables replaced later, a linear replaced by a quantized one before
+    it is loaded) is never resident, promoted or not. Submodules of the types in ``skip``
+    (whose tensors are replaced once loaded: a layout built of them) get memory of their own
+    (``to_empty``). Returns False, allocating nothing, where not ``enabled`` or the map is
+    refused (call ``to_empty`` then)."""
     skipped = [m for m in module.modules() if isinstance(m, skip)]
     inside = {id(d) for m in skipped for d in m.modules()}
     tensors = [
@@ -249,7 +362,7 @@ def allocate(module: torch.nn.Module, skip: tuple[type, ...] = ()) -> bool:
             first[id(t)] = total
             span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
             total += -(-max(1, span * t.element_size()) // _ALIGN) * _ALIGN
-    arena = _mapped(total)
+    arena = _mapped(total, later=True)
     if arena is None:
         return False
     outer = {id(d) for m in skipped for d in m.modules() if d is not m}
@@ -276,11 +389,12 @@ def allocate(module: torch.nn.Module, skip: tuple[type, ...] = ()) -> bool:
 
 
 def arena(nbytes: int) -> torch.Tensor | None:
-    """A map of ``empty`` (2 MiB pages, nothing touched yet) for weights that a loader builds in
-    place itself (views of it, each made with ``Tensor.set_`` on its storage, written once):
-    ``seal`` then marks it as it marks ``allocate``'s, so that ``place_in_huge_pages`` leaves
-    it where it is. None where not ``enabled`` or the map is refused."""
-    mapped = _mapped(nbytes)
+    """A map (nothing touched yet; 2 MiB pages once ``promote_later`` ran) for weights that a
+    loader builds in place itself (views of it, each made with ``Tensor.set_`` on its storage,
+    written once): ``seal`` then marks it as it marks ``allocate``'s, so that
+    ``place_in_huge_pages`` leaves it where it is. None where not ``enabled`` or the map is
+    refused."""
+    mapped = _mapped(nbytes, later=True)
     if mapped is not None:
         _allocated.add(mapped.untyped_storage().data_ptr())
     return mapped

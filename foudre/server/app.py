@@ -31,6 +31,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from foudre.engine.async_llm import AsyncLLM
 from foudre.metrics.prometheus import CONTENT_TYPE, PrometheusMetrics
+from foudre.native import huge_pages
 from foudre.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -276,6 +277,7 @@ def build_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        huge_pages.promote_later()  # the weights into 2 MiB pages while no request waits
         yield
         serving.workers.close()
         if shutdown_engine:

@@ -3,6 +3,9 @@ and strides in one advised map; what else holds a storage keeps it where it is."
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import mmap
 from pathlib import Path
 
 import pytest
@@ -38,9 +41,38 @@ def _region(address: int) -> tuple[int, int, str]:
 
 
 def _in_advised_map(tensors: list[torch.Tensor]) -> bool:
-    """Whether every tensor lies in one mapping advised MADV_HUGEPAGE (flag ``hg``)."""
+    """Whether every tensor lies in one mapping advised MADV_HUGEPAGE (flag ``hg``), once the
+    weight maps waiting to move into 2 MiB pages have moved (``settle``)."""
+    huge_pages.settle()
     regions = {_region(t.data_ptr()) for t in tensors}
     return len(regions) == 1 and " hg" in next(iter(regions))[2]
+
+
+def _smaps(address: int) -> dict[str, int]:
+    """The kB fields (Rss, AnonHugePages, ...) of the mapping that holds ``address``."""
+    fields: dict[str, int] = {}
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            start, end = (int(x, 16) for x in head.split("-"))
+            inside = start <= address < end
+        elif inside and line.endswith(" kB"):
+            fields[head.rstrip(":")] = int(line.split()[1])
+    return fields
+
+
+@functools.cache
+def _collapses() -> bool:
+    """Whether this kernel moves written 4 KiB pages into 2 MiB ones on ``MADV_COLLAPSE`` (Linux
+    6.1) and had one to give."""
+    buf = mmap.mmap(-1, 4 * huge_pages.HUGE_PAGE)
+    address = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    start = -address % huge_pages.HUGE_PAGE
+    buf[start : start + 4096] = b"x" * 4096
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc.madvise(address + start, huge_pages.HUGE_PAGE, 25) == 0
 
 
 class _Net(nn.Module):
@@ -336,3 +368,61 @@ def test_kv_cache_larger_than_available_memory_warns(
     cfg = llm.engine.model_config
     per_block = 2 * 16 * cfg.num_key_value_heads * cfg.head_dim * 4  # K and V, float32
     assert seen == [cfg.num_hidden_layers * 65 * per_block]  # (one block more: the padding's)
+
+
+@needs_thp
+def test_weights_move_into_huge_pages_after_the_first_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An engine's weights are written at load into 4 KiB pages (their map not advised: the
+    time to a first token does not wait for fresh 2 MiB pages) and moved into 2 MiB pages after
+    its first step, by a thread of their own; the tokens are those of the same model run with
+    the maps advised before their first touch (``FOUDRE_HUGE_PAGES=eager``) and without huge
+    pages, and with the weights on 4 KiB pages as in 2 MiB ones."""
+    path = make_hf_model(tmp_path / "m", hidden_size=256, intermediate_size=512, vocab_size=384)
+    params = SamplingParams(max_tokens=6, temperature=0)
+    prompts = [[1, 7, 42, 300, 5, 9], [3, 3, 8]]
+    llm = LLM(str(path), dtype="bfloat16", skip_tokenizer_init=True)
+    weight = llm.engine.model.model.layers[0].mlp.down_proj.weight
+    start, end, flags = _region(weight.data_ptr())
+    assert " hg" not in flags
+    if "[madvise]" in huge_pages._THP_MODE.read_text():  # (``always``: every fault may be one)
+        assert _smaps(weight.data_ptr())["AnonHugePages"] == 0
+    with huge_pages._lock:
+        waiting = [address for ref, address, _ in huge_pages._pending if ref() is not None]
+    assert any(start <= address < end for address in waiting)
+    first = [o.outputs[0].token_ids for o in llm.generate(prompts[:1], params)]
+    huge_pages.settle()  # (started by the step: this waits for it)
+    assert " hg" in _region(weight.data_ptr())[2]
+    if _collapses():
+        assert _smaps(weight.data_ptr())["AnonHugePages"] >= 2048
+    outs = [[o.outputs[0].token_ids for o in llm.generate(prompts, params)]]
+    for mode in ("eager", "0"):
+        monkeypatch.setenv("FOUDRE_HUGE_PAGES", mode)
+        other = LLM(str(path), dtype="bfloat16", skip_tokenizer_init=True)
+        outs.append([o.outputs[0].token_ids for o in other.generate(prompts, params)])
+        if mode == "eager":
+            eager_weight = other.engine.model.model.layers[0].mlp.down_proj.weight
+            assert " hg" in _region(eager_weight.data_ptr())[2]
+    assert outs[0][0] == first[0] and outs[0] == outs[1] == outs[2]
+
+
+@needs_thp
+def test_promotion_leaves_what_was_never_written_unbacked() -> None:
+    """Moving a map into 2 MiB pages collapses only the 2 MiB ranges of which something was
+    written (the room of a tied head or of a replaced table stays unbacked), values kept."""
+    buf = huge_pages.arena(16 * huge_pages.HUGE_PAGE)
+    assert buf is not None
+    buf[: 2 * huge_pages.HUGE_PAGE].fill_(3)
+    buf[9 * huge_pages.HUGE_PAGE + 5] = 7
+    before = _smaps(buf.data_ptr())["Rss"]
+    huge_pages.settle()
+    after = _smaps(buf.data_ptr())
+    assert " hg" in _region(buf.data_ptr())[2]
+    # three 2 MiB ranges written at all: at most those are backed, in full
+    assert before <= after["Rss"] <= 3 * 2048 + 64
+    if _collapses():
+        assert after["AnonHugePages"] == 3 * 2048
+    assert int(buf[: 2 * huge_pages.HUGE_PAGE].sum()) == 3 * 2 * huge_pages.HUGE_PAGE
+    assert int(buf[9 * huge_pages.HUGE_PAGE + 5]) == 7
+    assert int(buf.sum()) == 3 * 2 * huge_pages.HUGE_PAGE + 7
