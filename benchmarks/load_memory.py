@@ -19,12 +19,17 @@ format loads in a fresh process (``--child``), which prints one JSON line:
 - ``load_s`` and ``ttft_s``: seconds from ``LLM(...)`` to its return, and to the first token of
   a 16-token prompt; ``cpu_s``: the CPU seconds (user and system, every thread) the process
   spent over the same span, which other processes on a shared host disturb less than the wall
-  time.
+  time;
+- ``next_s``: seconds to generate ``NEXT_TOKENS`` more tokens right after (another prompt), while
+  the weights move into 2 MiB pages in the background (``huge_pages.promote_later``).
 
-``--llama-cpp PATH`` (a ``llama-cli`` or ``llama-bench`` binary) also runs llama.cpp on each
-GGUF file: ``llama-bench -p 16 -n 1`` timed from its start to its exit (load and first token,
-wall clock) with its peak RSS (``getrusage`` of the child), printed beside foudre's; the
-formats run in turns (``--rounds``).
+``--llama-cpp PATH`` (a ``llama-cli`` or ``llama-bench`` binary, in a llama.cpp tree whose
+converter turns the bf16 checkpoint into a bf16 GGUF file) also runs llama.cpp on each GGUF
+file and on that one: ``llama-bench -p 16 -n 1`` timed from its start to its exit (load and
+first token, wall clock) with its peak RSS (``getrusage`` of the child), printed beside
+foudre's, with foudre's time to first token over llama.cpp's in the same round; the formats
+run in turns (``--rounds``), each under every ``FOUDRE_HUGE_PAGES`` value of ``--huge-pages``,
+each run ``--sleep`` seconds after the last.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import MEDIUM
+from common import MEDIUM, convert_gguf
 
 HERE = Path(__file__).resolve().parent
 _SHAPE = (
@@ -51,6 +56,7 @@ _SHAPE = (
 )
 FORMATS = ("bf16", "int8", "int4", "Q8_0", "Q4_0")
 MB = 1 << 20
+NEXT_TOKENS = 32
 SIZES: dict[str, dict[str, Any]] = {
     "bench": dict(
         vocab_size=32000,
@@ -283,6 +289,10 @@ def measure(path: Path, warm: Path | None = None) -> dict[str, Any]:
     cpu_s = time.process_time() - c0
     growth = peak_rss_bytes() - base
     weights = storage_bytes(llm.engine.runner.model)
+    t1 = time.perf_counter()  # the next tokens: beside the weights' move into 2 MiB pages
+    follow = SamplingParams(temperature=0.0, max_tokens=NEXT_TOKENS, ignore_eos=True)
+    llm.generate([list(range(2, 18))], follow)
+    next_s = time.perf_counter() - t1
     return {
         "file_bytes": file_bytes(path),
         "weights_bytes": weights,
@@ -292,6 +302,7 @@ def measure(path: Path, warm: Path | None = None) -> dict[str, Any]:
         "load_s": load_s,
         "ttft_s": ttft_s,
         "cpu_s": cpu_s,
+        "next_s": next_s,
     }
 
 
@@ -303,19 +314,29 @@ def _env() -> dict[str, str]:
     return env
 
 
-def run_child(path: Path, warm: Path | None = None) -> dict[str, Any]:
-    """``measure(path, warm)`` in a fresh process (from the repository's root)."""
+def run_child(path: Path, warm: Path | None = None, huge_pages: str = "") -> dict[str, Any]:
+    """``measure(path, warm)`` in a fresh process (from the repository's root), with
+    ``FOUDRE_HUGE_PAGES=huge_pages`` where given."""
     extra = [] if warm is None else ["--warm", str(warm)]
+    env = _env()
+    if huge_pages:
+        env["FOUDRE_HUGE_PAGES"] = huge_pages
     proc = subprocess.run(
         [sys.executable, __file__, "--child", str(path), *extra],
         capture_output=True,
         text=True,
         cwd=HERE.parent,
-        env=_env(),
+        env=env,
     )
     if proc.returncode:
         raise RuntimeError(f"loading {path} failed:\n{proc.stderr[-3000:]}")
     return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+def _threads() -> str:
+    """foudre's torch threads (``OMP_NUM_THREADS``, set by ``main`` for the children), which
+    llama.cpp gets too."""
+    return os.environ.get("OMP_NUM_THREADS", str(os.cpu_count() or 1))
 
 
 def llama_cpp(binary: Path, gguf: Path, repack: bool = True) -> dict[str, Any]:
@@ -324,10 +345,10 @@ def llama_cpp(binary: Path, gguf: Path, repack: bool = True) -> dict[str, Any]:
     ``repack=False``: ``llama-bench --repack 0`` (weights used as the file lays them out; its
     AMX repacked path stops with SIGILL where the system grants no AMX tile state)."""
     if "bench" in binary.name:
-        cmd = [str(binary), "-m", str(gguf), "-p", "16", "-n", "1", "-r", "1"]
+        cmd = [str(binary), "-m", str(gguf), "-p", "16", "-n", "1", "-r", "1", "-t", _threads()]
         cmd += [] if repack else ["--repack", "0"]
     else:
-        cmd = [str(binary), "-m", str(gguf), "-p", "hello", "-n", "1", "-no-cnv"]
+        cmd = [str(binary), "-m", str(gguf), "-p", "hello", "-n", "1", "-no-cnv", "-t", _threads()]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     _, status, usage = os.wait4(proc.pid, 0)
@@ -335,6 +356,24 @@ def llama_cpp(binary: Path, gguf: Path, repack: bool = True) -> dict[str, Any]:
     if status:
         raise RuntimeError(f"{' '.join(cmd)} failed (status {status})")
     return {"ttft_s": wall, "peak_rss": usage.ru_maxrss * 1024}
+
+
+def report(results: dict[str, list[dict[str, Any]]]) -> None:
+    """A line per run; foudre's time to first token over llama.cpp's in the same round."""
+    print(f"{'format':<22}{'file MB':>9}{'weights MB':>12}{'peak MB':>9}{'ratio':>7}{'bound':>7}"
+          f"{'load s':>8}{'TTFT s':>8}{'next s':>8}{'/ llama.cpp':>12}")  # fmt: skip
+    for name, runs in results.items():
+        peer = results.get(f"llama.cpp {name.split()[0]}", [])
+        for i, r in enumerate(runs):
+            if name.startswith("llama.cpp"):
+                peak = r["peak_rss"] / MB
+                print(f"{name:<22}{'':>28}{peak:>9.0f}{'':>30}{r['ttft_s']:>8.2f}")
+                continue
+            ok = "ok" if r["peak_growth"] <= r["bound"] else "OVER"
+            versus = f"{r['ttft_s'] / peer[i]['ttft_s']:>11.2f}x" if i < len(peer) else ""
+            print(f"{name:<22}{r['file_bytes'] / MB:>9.0f}{r['weights_bytes'] / MB:>12.0f}"
+                  f"{r['peak_growth'] / MB:>9.0f}{r['ratio']:>7.2f}{ok:>7}{r['load_s']:>8.2f}"
+                  f"{r['ttft_s']:>8.2f}{r['next_s']:>8.2f}{versus}")  # fmt: skip
 
 
 def main() -> None:
@@ -350,6 +389,19 @@ def main() -> None:
     )
     ap.add_argument("--root", type=Path, default=Path.home() / ".cache" / "foudre-bench" / "load")
     ap.add_argument("--json", type=Path, help="write the figures here too")
+    ap.add_argument(
+        "--huge-pages",
+        default="",
+        help="FOUDRE_HUGE_PAGES values to run each format with, in turns (e.g. ',eager,0': the "
+        "default, the weights advised before their first touch, none)",
+    )
+    ap.add_argument(
+        "--sleep",
+        type=float,
+        default=0.0,
+        help="seconds before each run (a VM's host takes freed 2 MiB blocks back after a few: "
+        "each run then meets fresh memory, as a process started on a busy machine does)",
+    )
     args = ap.parse_args()
     if args.child is not None:
         import foudre
@@ -360,28 +412,24 @@ def main() -> None:
     formats = tuple(args.formats.split(","))
     paths = build_models(args.root, args.size, formats)
     warm = build_models(args.root, "tiny", formats)
+    modes = args.huge_pages.split(",")
+    # llama.cpp's file per format: the GGUF files themselves, bf16 converted by its converter
+    peers = {fmt: paths[fmt] for fmt in formats if fmt.startswith("Q")}
+    if args.llama_cpp is not None and "bf16" in formats:
+        peers["bf16"] = convert_gguf(paths["bf16"], args.llama_cpp.resolve().parents[2])
     results: dict[str, list[dict[str, Any]]] = {}
     for _ in range(args.rounds):
         for fmt in formats:
-            results.setdefault(fmt, []).append(run_child(paths[fmt], warm[fmt]))
-            if args.llama_cpp is not None and fmt.startswith("Q"):
+            for mode in modes:
+                time.sleep(args.sleep)
+                name = fmt + (f" [{mode or 'default'}]" if len(modes) > 1 else "")
+                results.setdefault(name, []).append(run_child(paths[fmt], warm[fmt], mode))
+            if args.llama_cpp is not None and fmt in peers:
+                time.sleep(args.sleep)
                 results.setdefault(f"llama.cpp {fmt}", []).append(
-                    llama_cpp(args.llama_cpp, paths[fmt], not args.llama_cpp_no_repack)
+                    llama_cpp(args.llama_cpp, peers[fmt], not args.llama_cpp_no_repack)
                 )
-    print(f"{'format':<14}{'file MB':>9}{'weights MB':>12}{'peak MB':>9}{'ratio':>7}{'bound':>7}"
-          f"{'load s':>8}{'TTFT s':>8}")  # fmt: skip
-    for fmt, runs in results.items():
-        for r in runs:
-            if fmt.startswith("llama.cpp"):
-                peak = r["peak_rss"] / MB
-                print(
-                    f"{fmt:<14}{'':>9}{'':>12}{peak:>9.0f}{'':>7}{'':>7}{'':>8}{r['ttft_s']:>8.2f}"
-                )
-                continue
-            ok = "ok" if r["peak_growth"] <= r["bound"] else "OVER"
-            print(f"{fmt:<14}{r['file_bytes'] / MB:>9.0f}{r['weights_bytes'] / MB:>12.0f}"
-                  f"{r['peak_growth'] / MB:>9.0f}{r['ratio']:>7.2f}{ok:>7}{r['load_s']:>8.2f}"
-                  f"{r['ttft_s']:>8.2f}")  # fmt: skip
+    report(results)
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=1) + "\n")
 
