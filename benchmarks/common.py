@@ -26,7 +26,6 @@ __all__ = [
     "SMALL",
     "TINY",
     "build_llama_cpp",
-    "convert_gguf",
     "gguf_of",
     "has_amx",
     "llama_bench",
@@ -165,34 +164,6 @@ def build_llama_cpp(
     return bin_dir
 
 
-def gguf_of(model: Path, root: Path, quant: str = "bf16", out_dir: Path | None = None) -> Path:
-    """``model`` (a random Llama of vocabulary 32,000, or less: the Llama 2 tokenizer's first
-    pieces) as GGUF under ``out_dir`` (default ``root``, the llama.cpp of ``build_llama_cpp``),
-    converted once by llama.cpp's converter to bf16 (with the Llama 2 tokenizer its vocabulary
-    stands for), then, for ``quant`` other than bf16 (``Q8_0``, ``Q4_0``, ``Q4_K``, ``Q6_K``,
-    ...), by its ``llama-quantize``."""
-    out_dir = out_dir or root
-    base = out_dir / f"{model.name}.gguf"
-    if not base.exists():
-        staged = with_llama2_tokenizer(model)
-        src = root / "src"
-        if not src.exists():
-            src = next(root.glob("**/vendor/llama.cpp"))
-        subprocess.run(
-            [sys.executable, str(src / "convert_hf_to_gguf.py"), str(staged), "--outtype",
-             "bf16", "--outfile", str(base)],
-            check=True,
-            capture_output=True,
-        )  # fmt: skip
-    if quant == "bf16":
-        return base
-    out = out_dir / f"{model.name}-{quant}.gguf"
-    if not out.exists():
-        quantize = build_llama_cpp(root, ("llama-quantize",)) / "llama-quantize"
-        subprocess.run([str(quantize), str(base), str(out), quant], check=True, capture_output=True)
-    return out
-
-
 def llama_cpp_bindings(root: Path = CACHE / "llama.cpp") -> Any:
     """llama.cpp's C API (``llama_cpp.llama_cpp``: llama-cpp-python's ctypes bindings) over the
     ``libllama.so`` of ``build_llama_cpp(root)``, the bindings imported from the same sdist as the
@@ -325,25 +296,30 @@ c.main()
 """
 
 
-def convert_gguf(model: Path, llama_cpp: Path, quant: str = "bf16") -> Path:
-    """``model`` (of vocabulary 32,000) as GGUF beside it: bf16 by llama.cpp's converter
-    (``llama_cpp/src``; the Llama 2 sentencepiece vocabulary), then ``llama-quantize`` to
-    ``quant`` unless bf16; cached. ``RuntimeError`` with the end of the tool's stderr."""
-    base = model.parent / f"{model.name}.gguf"
+def gguf_of(model: Path, root: Path, quant: str = "bf16", out_dir: Path | None = None) -> Path:
+    """``model`` (of vocabulary 32,000, or less: the Llama 2 tokenizer's first pieces) as GGUF
+    under ``out_dir`` (default ``root``), converted once by the converter of the llama.cpp of
+    ``build_llama_cpp(root)`` to bf16 (the Llama 2 sentencepiece vocabulary its vocabulary
+    stands for, whatever the family), then, for ``quant`` other than bf16 (``Q8_0``, ``Q4_0``,
+    ``Q4_K``, ``Q6_K``, ...), by its ``llama-quantize``. ``RuntimeError`` with the end of the
+    tool's stderr."""
+    out_dir = out_dir or root
+    base = out_dir / f"{model.name}.gguf"
     if not base.exists():
         staged = with_llama2_tokenizer(model)
-        code = _SPM_CONVERT.format(
-            src=str(llama_cpp / "src"), model=str(staged), out=str(base) + ".part"
-        )
+        src = root / "src"
+        if not src.exists():
+            src = next(root.glob("**/vendor/llama.cpp"))
+        code = _SPM_CONVERT.format(src=str(src), model=str(staged), out=str(base) + ".part")
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
         if proc.returncode:
             raise RuntimeError(f"convert_hf_to_gguf.py failed:\n{proc.stderr[-2000:]}")
         Path(str(base) + ".part").rename(base)
     if quant == "bf16":
         return base
-    out = model.parent / f"{model.name}-{quant}.gguf"
+    out = out_dir / f"{model.name}-{quant}.gguf"
     if not out.exists():
-        quantize = llama_cpp / "build" / "bin" / "llama-quantize"
+        quantize = build_llama_cpp(root, ("llama-quantize",)) / "llama-quantize"
         proc = subprocess.run(
             [str(quantize), str(base), str(out) + ".part", quant], capture_output=True, text=True
         )

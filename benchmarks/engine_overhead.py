@@ -125,7 +125,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     llm = LLM(skip_tokenizer_init=True, max_num_seqs=max(args.requests, args.overhead_requests))
     vocab = llm.engine.model_config.vocab_size
-    print(f"KV pools faulted in: {fault_in_kv_pools(llm):.2f} s", flush=True)
+    print(f"weights settled, KV pools faulted in: {fault_in_kv_pools(llm):.2f} s", flush=True)
     throughput(llm, prompts_of(16, vocab, seed=1), 8)  # warm up
     runs = [
         throughput(llm, prompts_of(args.requests, vocab, seed=2 + r), args.new_tokens)

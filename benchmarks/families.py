@@ -182,12 +182,12 @@ def random_family(family: str, quick: bool, root: Path) -> Path:
 
 
 def convert(model: Path, llama_cpp: Path, quant: str) -> Path:
-    """``model`` as GGUF beside it (``common.convert_gguf``: bf16 by llama.cpp's converter with
+    """``model`` as GGUF beside it (``common.gguf_of``: bf16 by llama.cpp's converter with
     the Llama 2 sentencepiece vocabulary, then ``llama-quantize`` to ``quant``); cached."""
     sys.path.insert(0, str(HERE))
-    from common import convert_gguf
+    from common import gguf_of
 
-    return convert_gguf(model, llama_cpp, quant)
+    return gguf_of(model, llama_cpp, quant, out_dir=model.parent)
 
 
 def _mxfp4_with_int8(method: str) -> None:

@@ -25,9 +25,10 @@ format loads in a fresh process (``--child``), which prints one JSON line:
 
 ``--llama-cpp PATH`` (a ``llama-cli`` or ``llama-bench`` binary, in a llama.cpp tree whose
 converter turns the bf16 checkpoint into a bf16 GGUF file) also runs llama.cpp on each GGUF
-file and on that one: ``llama-bench -p 16 -n 1`` timed from its start to its exit (load and
-first token, wall clock) with its peak RSS (``getrusage`` of the child), printed beside
-foudre's, with foudre's time to first token over llama.cpp's in the same round; the formats
+file and on that one: ``llama-bench -p 16 -n 1 --no-warmup`` timed from its start to its exit
+(load and first token, wall clock: its process's start and end counted, foudre's imports not)
+with its peak RSS (``getrusage`` of the child), printed beside foudre's, with foudre's time to
+first token over llama.cpp's in the same round; the formats
 run in turns (``--rounds``), each under every ``FOUDRE_HUGE_PAGES`` value of ``--huge-pages``,
 each run ``--sleep`` seconds after the last.
 """
@@ -43,7 +44,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import MEDIUM, convert_gguf
+from common import MEDIUM, gguf_of
 
 HERE = Path(__file__).resolve().parent
 _SHAPE = (
@@ -319,6 +320,7 @@ def run_child(path: Path, warm: Path | None = None, huge_pages: str = "") -> dic
     ``FOUDRE_HUGE_PAGES=huge_pages`` where given."""
     extra = [] if warm is None else ["--warm", str(warm)]
     env = _env()
+    env.pop("FOUDRE_HUGE_PAGES", None)  # "": the default
     if huge_pages:
         env["FOUDRE_HUGE_PAGES"] = huge_pages
     proc = subprocess.run(
@@ -341,11 +343,12 @@ def _threads() -> str:
 
 def llama_cpp(binary: Path, gguf: Path, repack: bool = True) -> dict[str, Any]:
     """llama.cpp's wall time from start to exit on ``gguf`` for one 16-token prompt and one
-    token (``llama-bench -p 16 -n 1 -r 1`` or ``llama-cli -n 1``), and its peak RSS.
+    token (``llama-bench -p 16 -n 1 -r 1 --no-warmup`` or ``llama-cli -n 1``), and its peak RSS.
     ``repack=False``: ``llama-bench --repack 0`` (weights used as the file lays them out; its
     AMX repacked path stops with SIGILL where the system grants no AMX tile state)."""
     if "bench" in binary.name:
-        cmd = [str(binary), "-m", str(gguf), "-p", "16", "-n", "1", "-r", "1", "-t", _threads()]
+        cmd = [str(binary), "-m", str(gguf), "-p", "16", "-n", "1", "-r", "1", "--no-warmup"]
+        cmd += ["-t", _threads()]
         cmd += [] if repack else ["--repack", "0"]
     else:
         cmd = [str(binary), "-m", str(gguf), "-p", "hello", "-n", "1", "-no-cnv", "-t", _threads()]
@@ -367,7 +370,7 @@ def report(results: dict[str, list[dict[str, Any]]]) -> None:
         for i, r in enumerate(runs):
             if name.startswith("llama.cpp"):
                 peak = r["peak_rss"] / MB
-                print(f"{name:<22}{'':>28}{peak:>9.0f}{'':>30}{r['ttft_s']:>8.2f}")
+                print(f"{name:<22}{'':>21}{peak:>9.0f}{'':>30}{r['ttft_s']:>8.2f}")
                 continue
             ok = "ok" if r["peak_growth"] <= r["bound"] else "OVER"
             versus = f"{r['ttft_s'] / peer[i]['ttft_s']:>11.2f}x" if i < len(peer) else ""
@@ -415,8 +418,10 @@ def main() -> None:
     modes = args.huge_pages.split(",")
     # llama.cpp's file per format: the GGUF files themselves, bf16 converted by its converter
     peers = {fmt: paths[fmt] for fmt in formats if fmt.startswith("Q")}
-    if args.llama_cpp is not None and "bf16" in formats:
-        peers["bf16"] = convert_gguf(paths["bf16"], args.llama_cpp.resolve().parents[2])
+    # (bf16 through llama.cpp's converter: the Llama 2 vocabulary of 32,000 pieces)
+    if args.llama_cpp is not None and "bf16" in formats and SIZES[args.size]["vocab_size"] == 32000:
+        llama_cpp_root = args.llama_cpp.resolve().parents[2]  # (its build/bin/)
+        peers["bf16"] = gguf_of(paths["bf16"], llama_cpp_root, out_dir=args.root)
     results: dict[str, list[dict[str, Any]]] = {}
     for _ in range(args.rounds):
         for fmt in formats:

@@ -17,7 +17,7 @@ config (no network; ``MODELS``) and cached under ``common.CACHE / "recurrent"``:
   mixer of 24 heads of 64, d_state 128, and a 2048-wide MLP; 519M), transformers' muP
   multipliers at their defaults.
 
-llama.cpp converts each with its own converter (``common.convert_gguf``: bf16, the Llama 2
+llama.cpp converts each with its own converter (``common.gguf_of``: bf16, the Llama 2
 sentencepiece vocabulary its 32,000 ids stand for; ``mamba2`` and ``granitehybrid`` GGUFs).
 Each round, per model: foudre in a fresh process (``common.run_child``; bf16, prefix caching
 off, as llama-bench has none), then ``llama-bench`` (``-fa 1``, every core). foudre:
@@ -454,7 +454,7 @@ def hub_layer_types(model: Path) -> None:
 
 def prepare(args: argparse.Namespace, errors: dict[str, str]) -> tuple[dict[str, Path], ...]:
     """Each model built and converted (cached); a failure recorded in ``errors``."""
-    from common import CACHE, convert_gguf, random_model
+    from common import CACHE, gguf_of, random_model
 
     store = CACHE / "recurrent"
     store.mkdir(parents=True, exist_ok=True)
@@ -466,7 +466,7 @@ def prepare(args: argparse.Namespace, errors: dict[str, str]) -> tuple[dict[str,
             path = store / f"{name}{'-tiny' if args.quick else ''}"
             models[name] = random_model(*model_config(name, args.quick), path)
             hub_layer_types(models[name])
-            ggufs[name] = convert_gguf(models[name], root)
+            ggufs[name] = gguf_of(models[name], root, out_dir=models[name].parent)
         except Exception as e:  # recorded, the run goes on
             errors[f"{name} build/convert"] = f"{type(e).__name__}: {e}"[-1500:]
             print(f"{name}: {errors[f'{name} build/convert']}", flush=True)

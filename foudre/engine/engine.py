@@ -254,13 +254,14 @@ class LLMEngine:
         except Exception as e:
             return self._step_failed([row.request_id for row in sched.rows], e)
         self.stats.consecutive_step_failures = 0
-        huge_pages.promote_later()  # (the weights into 2 MiB pages: after a first token)
         self.stats.num_padding_tokens += sched.num_padding_rows
         sampled = self.scheduler.update(sched, result)
         stats = self.stats
         stats.peak_kv_cache_usage = max(stats.peak_kv_cache_usage, self.kv.usage)
         stats.peak_running = max(stats.peak_running, len(self.scheduler.running))
-        return self._update(sampled, result)
+        outputs = self._update(sampled, result)
+        huge_pages.promote_later()  # (the weights into 2 MiB pages: after a first token)
+        return outputs
 
     def _update(self, sampled: list[Request], result: StepOutput) -> list[RequestOutput]:
         """Hand each sampled request's new tokens to its owner (the output processor, or for a

@@ -223,7 +223,7 @@ def load_model(
 
 def _allocate(net: nn.Module, device: torch.device, in_place: bool) -> bool:
     """Memory for ``net`` (built on ``meta``). On the CPU, where ``in_place``, its weights go
-    straight into the 2 MiB pages they run from (``huge_pages.allocate``); not those replaced
+    straight into the map they run from (``huge_pages.allocate``); not those replaced
     once loaded (a GGUF file's kept quantized linears: their layouts are built of them). Not
     ``in_place``: quantized at load, or a quantized checkpoint (whose linears are replaced
     unloaded, but each huge page a norm between them touches would be resident whole).

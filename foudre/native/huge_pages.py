@@ -22,7 +22,7 @@ engine's first step, in a thread of their own (``promote_later``: ``madvise`` ``
 then ``MADV_COLLAPSE`` over what was written): on a virtual machine whose free 2 MiB blocks the
 host has taken back, faulting a model's weights in as fresh 2 MiB pages cost 0.3-0.7 s per
 250 MB at load, the time to a first token, where 4 KiB pages are at hand warm. ``settle`` waits
-for that move (benchmarks timing decode steps call it after their warm-up).
+for that move (benchmarks call it before the steps they time).
 ``FOUDRE_HUGE_PAGES=eager`` advises the weights' maps before their first touch instead;
 ``FOUDRE_HUGE_PAGES=0`` switches huge pages off; elsewhere than Linux it does nothing.
 """
@@ -74,8 +74,11 @@ def enabled() -> bool:
 
 def _mapped(nbytes: int, later: bool = False) -> torch.Tensor | None:
     """``empty``'s map, or None where not ``enabled`` or the map is refused (no memory left to
-    commit). ``later``: weights written in full at load, advised and collapsed into 2 MiB pages
-    by ``promote_later`` (unless ``FOUDRE_HUGE_PAGES=eager``)."""
+    commit). ``later``: a weight map, written in full at load in 4 KiB pages (advised
+    ``MADV_NOHUGEPAGE`` meanwhile: THP ``always`` would fault it in as 2 MiB pages too), then
+    moved into 2 MiB pages by ``promote_later`` once its writer calls ``_ready`` (``seal``,
+    ``place_in_huge_pages``); advised ``MADV_HUGEPAGE`` now instead with
+    ``FOUDRE_HUGE_PAGES=eager`` or where the kernel has no ``MADV_COLLAPSE``."""
     if not enabled() or nbytes == 0:
         return None
     span = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
@@ -85,27 +88,68 @@ def _mapped(nbytes: int, later: bool = False) -> torch.Tensor | None:
         return None
     raw = torch.frombuffer(region, dtype=torch.uint8)  # holds the map
     start = -raw.data_ptr() % HUGE_PAGE
-    if later and os.environ.get("FOUDRE_HUGE_PAGES") != "eager":
+    later = later and os.environ.get("FOUDRE_HUGE_PAGES") != "eager" and _collapse_works()
+    with contextlib.suppress(OSError):  # refused: 4 KiB pages, as torch's
+        region.madvise(mmap.MADV_NOHUGEPAGE if later else mmap.MADV_HUGEPAGE, start, span)
+    if later:
         with _lock:
-            _pending.append((weakref.ref(region), raw.data_ptr() + start, span))
-    else:
-        with contextlib.suppress(OSError):  # refused: 4 KiB pages, as torch's
-            region.madvise(mmap.MADV_HUGEPAGE, start, span)
+            for ptr in [p for p, (ref, _, _) in _written.items() if ref() is None]:
+                del _written[ptr]  # (maps gone before they were ready: a failed load)
+            _written[raw.data_ptr()] = (weakref.ref(region), raw.data_ptr() + start, span)
     return raw[start : start + nbytes]
 
 
-# weight maps to move into 2 MiB pages (``promote_later``): the map, its first 2 MiB boundary's
-# address, the span from there; the thread doing it, while it runs
-_pending: list[tuple[weakref.ref[mmap.mmap], int, int]] = []
+# a weight map (``_mapped(later=True)``): the map, its first 2 MiB boundary's address, the
+# span from there; by the map's address (its storage's), until written in full (``_ready``),
+# then waiting for ``promote_later``; the thread moving them, while it runs
+_Map = tuple[weakref.ref[mmap.mmap], int, int]
+_written: dict[int, _Map] = {}
+_pending: list[_Map] = []
 _promoter: threading.Thread | None = None
 _lock = threading.Lock()
-_MADV_COLLAPSE = 25  # Linux 6.1: the range's pages into 2 MiB pages, now, in the caller
-_COLLAPSE_BYTES = 16 << 20  # a call's range: the mappings' lock is taken per call
+_MADV_COLLAPSE = 25  # Linux 6.1: a range's pages into 2 MiB pages, now, in the caller
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    return libc
+
+
+@functools.cache
+def _collapse_works() -> bool:
+    """Whether this kernel has ``MADV_COLLAPSE`` (Linux 6.1; tried once a process on a page of
+    a map of its own): without it a map advised after it was written waits for ``khugepaged``
+    (16 MiB every 10 s by default), so weights are advised before their first touch there."""
+    probe = mmap.mmap(-1, 2 * HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        address = ctypes.addressof(ctypes.c_char.from_buffer(probe))
+        start = -address % HUGE_PAGE
+        probe[start] = 1
+        if _libc().madvise(address + start, HUGE_PAGE, _MADV_COLLAPSE) == 0:
+            return True
+        return ctypes.get_errno() != errno.EINVAL  # (out of 2 MiB pages now: it has it)
+    finally:
+        probe.close()
+
+
+def _ready(storage_address: int) -> None:
+    """The weight map at ``storage_address`` is written in full: ``promote_later`` may move it
+    (not before: a map moved while it is still being written would take the rest of its pages
+    as 2 MiB pages, the cost this defers)."""
+    with _lock:
+        entry = _written.pop(storage_address, None)
+        if entry is not None:
+            _pending.append(entry)
 
 
 def _reset_after_fork() -> None:
-    global _lock, _promoter
-    _lock, _promoter = threading.Lock(), None
+    """A forked child moves nothing (its pages are shared with its parent's until written:
+    collapsing them would copy them) and starts with no thread."""
+    global _lock, _promoter, _written, _pending
+    _lock, _promoter, _written, _pending = threading.Lock(), None, {}, []
 
 
 if hasattr(os, "register_at_fork"):
@@ -113,24 +157,37 @@ if hasattr(os, "register_at_fork"):
 
 
 def promote_later() -> None:
-    """Move the weight maps written since the last call into 2 MiB pages, in a thread of its
-    own (started here where there are any and none runs; the engine calls this after each
-    step, so that its first token does not wait for it): each map is advised
-    ``MADV_HUGEPAGE`` (where the kernel lacks ``MADV_COLLAPSE``, its ``khugepaged`` then moves
-    them over time) and its 2 MiB ranges of which anything was written are collapsed into 2 MiB
-    pages (a range never written, such as a tied head's room, stays unbacked). The values are
-    the same throughout; a step reading a range while it moves waits for that range."""
+    """Move the weight maps written in full since the last call into 2 MiB pages, in a thread
+    of its own at the lowest priority (started here where any wait and none runs; the engine
+    calls this after each step, so that its first token does not wait for it): each map is
+    advised ``MADV_HUGEPAGE`` and its 2 MiB ranges of which a page is resident (written, or
+    read) are collapsed into 2 MiB pages (a range never touched, such as a tied head's room,
+    stays unbacked; the untouched rest of a range touched is filled, as a fault of a 2 MiB page
+    fills it). The values are the same throughout; a step reading a range while it moves waits
+    for that range. Never raises: where no thread can be started, the maps are only advised
+    (``khugepaged`` moves them over time)."""
     global _promoter
     with _lock:
         if not _pending or (_promoter is not None and _promoter.is_alive()):
             return
-        _promoter = threading.Thread(target=_promote, name="foudre-huge-pages", daemon=True)
-        _promoter.start()
+        thread = threading.Thread(target=_promote, name="foudre-huge-pages", daemon=True)
+        try:
+            thread.start()
+        except RuntimeError as e:  # (no thread to be had: a process limit, shutdown)
+            logger.warning("weights left to khugepaged: no thread to move them (%s)", e)
+            for ref, address, span in _pending:
+                region = ref()
+                if region is not None:
+                    _libc().madvise(address, span, mmap.MADV_HUGEPAGE)
+            _pending.clear()
+            return
+        _promoter = thread
 
 
 def settle() -> None:
-    """``promote_later``, then wait until every weight map waiting for it is in 2 MiB pages
-    (what a benchmark timing decode steps calls after its warm-up)."""
+    """``promote_later``, then wait until every weight map of this process waiting for it is in
+    2 MiB pages (what a benchmark calls before the steps it times; a parallel worker moves its
+    own after its first step, unwaited)."""
     promote_later()
     thread = _promoter
     if thread is not None:
@@ -140,13 +197,9 @@ def settle() -> None:
 def _promote() -> None:
     global _promoter
     # the lowest priority (Linux: this thread alone): the engine's threads go first, the move
-    # runs in their gaps (the 32 tokens after a 199M bf16 model's first, two threads: 1.0-1.1 s
-    # against 1.8-1.9 s at the default priority, 0.5 s with the pages moved before)
+    # runs in their gaps (figures: docs/performance.md)
     with contextlib.suppress(OSError, AttributeError):
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
     moved, t0 = 0, time.perf_counter()
     while True:
         with _lock:
@@ -156,17 +209,18 @@ def _promote() -> None:
             ref, address, span = _pending.pop(0)
         region = ref()  # held while its pages move: not unmapped meanwhile
         if region is not None:
-            moved += _collapse(libc, address, span)
+            moved += _collapse(address, span)
         del region
     logger.debug(
         "weights in 2 MiB pages: %.0f MB in %.2f s", moved / 2**20, time.perf_counter() - t0
     )
 
 
-def _collapse(libc: ctypes.CDLL, address: int, span: int) -> int:
-    """Advise ``span`` bytes from ``address`` (2 MiB-aligned) ``MADV_HUGEPAGE`` and collapse the
-    2 MiB ranges of which a page is resident (``mincore``) into 2 MiB pages, a few at a time;
-    returns the bytes collapsed."""
+def _collapse(address: int, span: int) -> int:
+    """Advise ``span`` bytes from ``address`` (2 MiB-aligned) ``MADV_HUGEPAGE`` and collapse each
+    run of 2 MiB ranges of which a page is resident (``mincore``) into 2 MiB pages (one call a
+    run: the kernel locks one range at a time); returns the bytes collapsed."""
+    libc = _libc()
     if libc.madvise(address, span, mmap.MADV_HUGEPAGE):
         return 0
     pages = span // mmap.PAGESIZE
@@ -175,19 +229,14 @@ def _collapse(libc: ctypes.CDLL, address: int, span: int) -> int:
         return 0
     per = HUGE_PAGE // mmap.PAGESIZE
     flags = bytes(resident)
-    written = [flags.count(0, i, i + per) < per for i in range(0, pages, per)]
+    touched = [flags.count(0, i, i + per) < per for i in range(0, pages, per)]
     moved = 0
-    for first, group in itertools.groupby(range(len(written)), key=written.__getitem__):
-        if not first:
-            continue
-        ranges = list(group)
-        start, end = ranges[0] * HUGE_PAGE, (ranges[-1] + 1) * HUGE_PAGE
-        for at in range(start, end, _COLLAPSE_BYTES):
-            n = min(_COLLAPSE_BYTES, end - at)
-            if libc.madvise(address + at, n, _MADV_COLLAPSE) == 0:
-                moved += n
-            elif ctypes.get_errno() == errno.EINVAL:  # no MADV_COLLAPSE: khugepaged will
-                return moved
+    for first, group in itertools.groupby(range(len(touched)), key=touched.__getitem__):
+        if first:
+            ranges = list(group)
+            start, end = ranges[0] * HUGE_PAGE, (ranges[-1] + 1) * HUGE_PAGE
+            if libc.madvise(address + start, end - start, _MADV_COLLAPSE) == 0:
+                moved += end - start
     return moved
 
 
@@ -320,6 +369,7 @@ def place_in_huge_pages(module: torch.nn.Module) -> int:
             pos += -(-nbytes // _ALIGN) * _ALIGN
     _trim()
     _placed[target.data_ptr()] = _extent([t for tensors, _ in movable for t in tensors])
+    _ready(target.data_ptr())
     return total
 
 
@@ -339,9 +389,9 @@ def allocate(module: torch.nn.Module, skip: tuple[type, ...] = ()) -> bool:
     weights are then loaded straight into the pages they run from, and ``place_in_huge_pages``
     leaves them there (``seal``) instead of copying each into a new map. What is never written
     (a tied head's own tensor, tables replaced later, a linear replaced by a quantized one before
-    it is loaded) is never resident, promoted or not. Submodules of the types in ``skip``
-    (whose tensors are replaced once loaded: a layout built of them) get memory of their own
-    (``to_empty``). Returns False, allocating nothing, where not ``enabled`` or the map is
+    it is loaded) is never resident (promoted too, but for the 2 MiB ranges it shares with what
+    is written). Submodules of the types in ``skip`` (whose tensors are replaced once loaded: a
+    layout built of them) get memory of their own (``to_empty``). Returns False, allocating nothing, where not ``enabled`` or the map is
     refused (call ``to_empty`` then)."""
     skipped = [m for m in module.modules() if isinstance(m, skip)]
     inside = {id(d) for m in skipped for d in m.modules()}
@@ -413,6 +463,7 @@ def seal(module: torch.nn.Module) -> None:
     for ptr, tensors in on.items():
         if ptr in _allocated:
             _placed[ptr] = _extent(tensors)
+            _ready(ptr)
 
 
 # the maps ``allocate`` made, by address

@@ -4,7 +4,6 @@ and strides in one advised map; what else holds a storage keeps it where it is."
 from __future__ import annotations
 
 import ctypes
-import functools
 import mmap
 from pathlib import Path
 
@@ -62,10 +61,9 @@ def _smaps(address: int) -> dict[str, int]:
     return fields
 
 
-@functools.cache
 def _collapses() -> bool:
     """Whether this kernel moves written 4 KiB pages into 2 MiB ones on ``MADV_COLLAPSE`` (Linux
-    6.1) and had one to give."""
+    6.1) and has one to give now (asked where a figure depends on it: memory may be short)."""
     buf = mmap.mmap(-1, 4 * huge_pages.HUGE_PAGE)
     address = ctypes.addressof(ctypes.c_char.from_buffer(buf))
     start = -address % huge_pages.HUGE_PAGE
@@ -374,25 +372,34 @@ def test_kv_cache_larger_than_available_memory_warns(
 def test_weights_move_into_huge_pages_after_the_first_step(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """An engine's weights are written at load into 4 KiB pages (their map not advised: the
-    time to a first token does not wait for fresh 2 MiB pages) and moved into 2 MiB pages after
-    its first step, by a thread of their own; the tokens are those of the same model run with
-    the maps advised before their first touch (``FOUDRE_HUGE_PAGES=eager``) and without huge
-    pages, and with the weights on 4 KiB pages as in 2 MiB ones."""
+    """An engine's weights are written at load into 4 KiB pages (their map advised
+    ``MADV_NOHUGEPAGE`` meanwhile: the time to a first token does not wait for fresh 2 MiB
+    pages) and moved into 2 MiB pages once its first step is done, by a thread of their own that
+    the step starts; the tokens are those of the same model run with the maps advised before
+    their first touch (``FOUDRE_HUGE_PAGES=eager``) and without huge pages."""
+    if not huge_pages._collapse_works():
+        pytest.skip("no MADV_COLLAPSE (Linux < 6.1): weights are advised before their first touch")
+    huge_pages.settle()  # (maps of this process's earlier tests: moved before this one starts)
     path = make_hf_model(tmp_path / "m", hidden_size=256, intermediate_size=512, vocab_size=384)
     params = SamplingParams(max_tokens=6, temperature=0)
     prompts = [[1, 7, 42, 300, 5, 9], [3, 3, 8]]
+    calls: list[bool] = []
+    promote = huge_pages.promote_later
+    monkeypatch.setattr(
+        huge_pages, "promote_later", lambda: (calls.append(bool(huge_pages._pending)), promote())
+    )
     llm = LLM(str(path), dtype="bfloat16", skip_tokenizer_init=True)
     weight = llm.engine.model.model.layers[0].mlp.down_proj.weight
     start, end, flags = _region(weight.data_ptr())
-    assert " hg" not in flags
-    if "[madvise]" in huge_pages._THP_MODE.read_text():  # (``always``: every fault may be one)
-        assert _smaps(weight.data_ptr())["AnonHugePages"] == 0
-    with huge_pages._lock:
-        waiting = [address for ref, address, _ in huge_pages._pending if ref() is not None]
-    assert any(start <= address < end for address in waiting)
+    assert " hg" not in flags and " nh" in flags and not calls
+    assert _smaps(weight.data_ptr())["AnonHugePages"] == 0
+    with huge_pages._lock:  # written in full (sealed), waiting for a step
+        assert any(start <= address < end for _, address, _ in huge_pages._pending)
     first = [o.outputs[0].token_ids for o in llm.generate(prompts[:1], params)]
-    huge_pages.settle()  # (started by the step: this waits for it)
+    assert calls and calls[0]  # the first step's end found the maps waiting
+    thread = huge_pages._promoter
+    if thread is not None:
+        thread.join()
     assert " hg" in _region(weight.data_ptr())[2]
     if _collapses():
         assert _smaps(weight.data_ptr())["AnonHugePages"] >= 2048
@@ -408,21 +415,47 @@ def test_weights_move_into_huge_pages_after_the_first_step(
 
 
 @needs_thp
-def test_promotion_leaves_what_was_never_written_unbacked() -> None:
-    """Moving a map into 2 MiB pages collapses only the 2 MiB ranges of which something was
-    written (the room of a tied head or of a replaced table stays unbacked), values kept."""
+def test_a_map_moves_once_written_and_only_what_was_touched() -> None:
+    """A weight map moves into 2 MiB pages only once its writer says it is written in full
+    (``_ready``: ``seal``, ``place_in_huge_pages``), not while it may still be written; then only
+    its 2 MiB ranges of which something was touched (the room of a tied head or of a replaced
+    table stays unbacked), values kept."""
+    if not huge_pages._collapse_works():
+        pytest.skip("no MADV_COLLAPSE (Linux < 6.1): weights are advised before their first touch")
     buf = huge_pages.arena(16 * huge_pages.HUGE_PAGE)
     assert buf is not None
     buf[: 2 * huge_pages.HUGE_PAGE].fill_(3)
     buf[9 * huge_pages.HUGE_PAGE + 5] = 7
-    before = _smaps(buf.data_ptr())["Rss"]
+    huge_pages.settle()  # not written in full yet: left alone
+    before = _smaps(buf.data_ptr())
+    assert " hg" not in _region(buf.data_ptr())[2] and before["AnonHugePages"] == 0
+    huge_pages._ready(buf.untyped_storage().data_ptr())
     huge_pages.settle()
     after = _smaps(buf.data_ptr())
     assert " hg" in _region(buf.data_ptr())[2]
-    # three 2 MiB ranges written at all: at most those are backed, in full
-    assert before <= after["Rss"] <= 3 * 2048 + 64
+    # three 2 MiB ranges touched at all: at most those are backed, in full
+    assert before["Rss"] <= after["Rss"] <= 3 * 2048 + 64
     if _collapses():
         assert after["AnonHugePages"] == 3 * 2048
     assert int(buf[: 2 * huge_pages.HUGE_PAGE].sum()) == 3 * 2 * huge_pages.HUGE_PAGE
     assert int(buf[9 * huge_pages.HUGE_PAGE + 5]) == 7
     assert int(buf.sum()) == 3 * 2 * huge_pages.HUGE_PAGE + 7
+
+
+def test_promote_later_never_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where no thread can be started (a process limit, shutdown), the maps waiting are advised
+    and left to ``khugepaged``; the engine's step goes on."""
+    buf = huge_pages.arena(2 * huge_pages.HUGE_PAGE)
+    if buf is None or not huge_pages._collapse_works():
+        pytest.skip("no weight maps to move here")
+    huge_pages.settle()
+    buf.fill_(1)
+    huge_pages._ready(buf.untyped_storage().data_ptr())
+
+    def refuse(self: object) -> None:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(huge_pages.threading.Thread, "start", refuse)
+    huge_pages.promote_later()
+    assert not huge_pages._pending and huge_pages._promoter is None
+    assert " hg" in _region(buf.data_ptr())[2]
