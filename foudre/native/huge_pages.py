@@ -391,8 +391,8 @@ def allocate(module: torch.nn.Module, skip: tuple[type, ...] = ()) -> bool:
     (a tied head's own tensor, tables replaced later, a linear replaced by a quantized one before
     it is loaded) is never resident (promoted too, but for the 2 MiB ranges it shares with what
     is written). Submodules of the types in ``skip`` (whose tensors are replaced once loaded: a
-    layout built of them) get memory of their own (``to_empty``). Returns False, allocating nothing, where not ``enabled`` or the map is
-    refused (call ``to_empty`` then)."""
+    layout built of them) get memory of their own (``to_empty``). Returns False, allocating
+    nothing, where not ``enabled`` or the map is refused (call ``to_empty`` then)."""
     skipped = [m for m in module.modules() if isinstance(m, skip)]
     inside = {id(d) for m in skipped for d in m.modules()}
     tensors = [
