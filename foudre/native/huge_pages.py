@@ -19,10 +19,10 @@ buffer of ``empty``: ``foudre.bench.roofline``); the figures are in ``docs/archi
 
 Weights are written into their maps in 4 KiB pages and moved into 2 MiB pages only after the
 engine's first step (a server's: at its start), in a thread of their own (``promote_later``:
-``madvise`` ``MADV_HUGEPAGE``, then ``MADV_COLLAPSE`` over what was written): on a virtual machine whose free 2 MiB blocks the
-host has taken back, faulting a model's weights in as fresh 2 MiB pages cost 0.3-0.7 s per
-250 MB at load, the time to a first token, where 4 KiB pages are at hand warm. ``settle`` waits
-for that move (benchmarks call it before the steps they time).
+``madvise`` ``MADV_HUGEPAGE``, then ``MADV_COLLAPSE`` over what was written): on a virtual
+machine whose free 2 MiB blocks the host has taken back, faulting a model's weights in as fresh
+2 MiB pages cost 0.3-0.7 s per 250 MB at load, the time to a first token, where 4 KiB pages are
+at hand warm. ``settle`` waits for that move (benchmarks call it before the steps they time).
 ``FOUDRE_HUGE_PAGES=eager`` advises the weights' maps before their first touch instead;
 ``FOUDRE_HUGE_PAGES=0`` switches huge pages off; elsewhere than Linux it does nothing.
 """
